@@ -1,0 +1,119 @@
+"""One error root for the whole project.
+
+Every error spcache raises on purpose derives from :class:`SpcacheError`, and the
+specific ones also derive from the built-in exception that carries the same meaning,
+so callers that already catch ``KeyError`` or ``ValueError`` keep working. The service
+maps these classes to HTTP status codes in one place (``service/errors.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "SpcacheError",
+    "RecordNotFound",
+    "CorruptRecord",
+    "UnsupportedFormat",
+    "InvalidSampleId",
+    "SourceError",
+    "UnknownName",
+    "ParameterError",
+    "FingerprintLookupError",
+    "ReadOnlyStoreError",
+    "JobNotFound",
+]
+
+
+class SpcacheError(Exception):
+    """Root of every error raised by spcache on purpose."""
+
+    def __str__(self) -> str:  # KeyError would quote the message; keep it readable.
+        return str(self.args[0]) if self.args else self.__class__.__name__
+
+
+class RecordNotFound(SpcacheError, KeyError):
+    """No record under ``key`` in the cache at ``cache``."""
+
+    def __init__(self, key: str, cache: str = "") -> None:
+        where = f" in cache {cache}" if cache else ""
+        super().__init__(f"no record {key!r}{where}")
+        self.key = key
+        self.cache = cache
+
+
+class CorruptRecord(SpcacheError, ValueError):
+    """The bytes stored under ``key`` are not a valid record (``reason`` says why)."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"corrupt record {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class UnsupportedFormat(CorruptRecord):
+    """A stored thing carries a format version this code does not know."""
+
+
+class InvalidSampleId(SpcacheError, ValueError):
+    """A sample id that may not become part of a key."""
+
+    def __init__(self, sample_id: object, reason: str) -> None:
+        shown = repr(sample_id)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"invalid sample id {shown}: {reason}")
+        self.sample_id = sample_id
+        self.reason = reason
+
+
+class SourceError(SpcacheError, ValueError):
+    """A source file (mesh or point cloud) that cannot become a record."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+class UnknownName(SpcacheError, KeyError):
+    """A name looked up in a registry (recipes, stores, backends) that is not there."""
+
+    def __init__(self, kind: str, name: object, known: Iterable[str]) -> None:
+        known = sorted(known)
+        super().__init__(f"unknown {kind} {name!r}; known: {', '.join(known) or '(none)'}")
+        self.kind = kind
+        self.name = name
+        self.known = known
+
+
+class ParameterError(SpcacheError, ValueError):
+    """Recipe (or request) parameters that do not fit their schema.
+
+    ``problems`` lists one human-readable line per offending parameter.
+    """
+
+    def __init__(self, problems: Iterable[str], what: str = "parameters") -> None:
+        problems = list(problems)
+        super().__init__(f"invalid {what}: " + "; ".join(problems))
+        self.problems = problems
+
+
+class FingerprintLookupError(SpcacheError, LookupError):
+    """A recipe name plus parameters that select no, or more than one, fingerprint."""
+
+    def __init__(self, message: str, candidates: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.candidates = list(candidates)
+
+
+class ReadOnlyStoreError(SpcacheError, PermissionError):
+    """A write attempted on a store opened read-only."""
+
+
+class JobNotFound(SpcacheError, KeyError):
+    """No job with this id in the queue."""
+
+    def __init__(self, job_id: object) -> None:
+        super().__init__(f"no job {job_id!r}")
+        self.job_id = job_id
