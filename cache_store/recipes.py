@@ -1,0 +1,143 @@
+"""Recipe schemas: names, versions, parameters and output fields.
+
+A recipe's *schema* is public contract shared by every process: the service validates
+warm-up parameters with it, ``CachedDataset`` resolves ``("spc_query", level=8)`` to a
+fingerprint with it, and the worker computes what it declares. The computation itself
+lives in ``workers.recipes`` (the only package that may touch a GPU); this module is
+pure data and imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_store.errors import ParameterError, UnknownName
+
+__all__ = ["ParamSpec", "FieldSpec", "RecipeSpec", "RECIPE_SPECS", "get_recipe_spec"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One recipe parameter: its type, default and inclusive bounds."""
+
+    type: type
+    default: Any
+    minimum: float | None = None
+    maximum: float | None = None
+    doc: str = ""
+
+    def check(self, name: str, value: Any) -> tuple[Any, str | None]:
+        """Return ``(coerced value, None)`` or ``(None, problem)``."""
+        if self.type is int:
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    return None, f"{name}: expected an integer, got {value!r}"
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                return None, f"{name}: expected a number, got {value!r}"
+            value = float(value)
+            if not math.isfinite(value):
+                return None, f"{name}: expected a finite number, got {value!r}"
+        if self.minimum is not None and value < self.minimum:
+            return None, f"{name}: {value!r} is below the minimum {self.minimum!r}"
+        if self.maximum is not None and value > self.maximum:
+            return None, f"{name}: {value!r} is above the maximum {self.maximum!r}"
+        return value, None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"type": self.type.__name__, "default": self.default,
+                "minimum": self.minimum, "maximum": self.maximum, "doc": self.doc}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One output tensor: dtype name (as in torch), symbolic shape, and meaning."""
+
+    dtype: str
+    shape: str
+    meaning: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"dtype": self.dtype, "shape": self.shape, "meaning": self.meaning}
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    name: str
+    version: int
+    params: Mapping[str, ParamSpec]
+    fields: Mapping[str, FieldSpec]
+    doc: str = ""
+
+    def resolve(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Validate ``params`` and fill defaults; raises :class:`ParameterError`."""
+        params = dict(params or {})
+        problems = [f"{name}: unknown parameter (known: {', '.join(sorted(self.params))})"
+                    for name in sorted(params) if name not in self.params]
+        resolved: dict[str, Any] = {}
+        for name, spec in self.params.items():
+            value, problem = spec.check(name, params.get(name, spec.default))
+            if problem:
+                problems.append(problem)
+            resolved[name] = value
+        if problems:
+            raise ParameterError(problems, what=f"parameters for recipe {self.name!r}")
+        return resolved
+
+    def as_json(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "doc": self.doc,
+                "params": {k: v.as_json() for k, v in self.params.items()},
+                "fields": {k: v.as_json() for k, v in self.fields.items()}}
+
+
+_SPC_PARAMS = {
+    "level": ParamSpec(int, 8, 1, 15, "octree depth; points are quantised to 2^level cells per axis"),
+    "surface_samples": ParamSpec(int, 100_000, 1, 50_000_000,
+                                 "points sampled (area-weighted, seeded) from a mesh surface; "
+                                 "point-cloud sources use their own points"),
+}
+_SPC_FIELDS = {
+    "octree": FieldSpec("uint8", "[num_bytes]", "Kaolin SPC octree: one byte per non-leaf node, "
+                        "breadth first, Morton order within a level"),
+    "pyramid": FieldSpec("int32", "[2, level+2]", "row 0: points per level; row 1: first index "
+                         "of each level in point_hierarchy (scan_octrees, batch dim squeezed)"),
+    "exsum": FieldSpec("int32", "[num_bytes]", "inclusive running sum of set bits per byte"),
+    "point_hierarchy": FieldSpec("int16", "[num_points, 3]", "all levels' voxel coordinates, "
+                                 "root first (generate_points)"),
+    "center": FieldSpec("float32", "[3]", "normalisation: normalised = (source - center) / scale"),
+    "scale": FieldSpec("float32", "[]", "normalisation scale (see center)"),
+}
+_QUERY_PARAMS = {
+    "uniform_queries": ParamSpec(int, 16_384, 0, 10_000_000,
+                                 "query points drawn uniformly in [-1, 1]^3"),
+    "surface_queries": ParamSpec(int, 16_384, 0, 10_000_000,
+                                 "query points jittered around surface samples"),
+    "surface_sigma": ParamSpec(float, 0.01, 0.0, 1.0,
+                               "std-dev of the Gaussian jitter of surface queries, in normalised units"),
+}
+_QUERY_FIELDS = {
+    "query_points": FieldSpec("float32", "[M, 3]", "query coordinates in the normalised [-1, 1] space"),
+    "query_pidx": FieldSpec("int32", "[M, level+1]", "unbatched_query(..., with_parents=True): "
+                            "point_hierarchy index at each level 0..level, -1 where absent"),
+    "occupancy": FieldSpec("uint8", "[M]", "1 where the query's leaf voxel exists, else 0"),
+}
+
+RECIPE_SPECS: dict[str, RecipeSpec] = {
+    "spc": RecipeSpec("spc", 1, _SPC_PARAMS, _SPC_FIELDS,
+                      "structured point cloud (sparse octree) of the normalised shape"),
+    "spc_query": RecipeSpec("spc_query", 1, {**_SPC_PARAMS, **_QUERY_PARAMS},
+                            {**_SPC_FIELDS, **_QUERY_FIELDS},
+                            "spc plus seeded query points with their octree indices and occupancy"),
+}
+
+
+def get_recipe_spec(name: str) -> RecipeSpec:
+    try:
+        return RECIPE_SPECS[name]
+    except KeyError:
+        raise UnknownName("recipe", name, RECIPE_SPECS) from None
