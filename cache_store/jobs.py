@@ -73,7 +73,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     priority      INTEGER NOT NULL DEFAULT 0,
     created       REAL NOT NULL,
     cancelled     INTEGER NOT NULL DEFAULT 0,
-    already_ready INTEGER NOT NULL DEFAULT 0
+    already_ready INTEGER NOT NULL DEFAULT 0,
+    indexed       INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS items (
     id            INTEGER PRIMARY KEY,
@@ -149,6 +150,7 @@ class JobInfo:
     cancelled: bool
     already_ready: int
     counts: dict[str, int]
+    indexed: bool = False
     errors: list[ItemError] = field(default_factory=list)
 
     @property
@@ -268,12 +270,15 @@ class JobQueue:
 
     def submit(self, recipe: str, params: dict[str, Any], fingerprint: str,
                items: Iterable[NewItem | tuple[str, str]], *, priority: int = 0,
-               already_ready: int = 0) -> str:
-        """Create a job with its items (all ``pending``); returns the job id.
+               ready: Iterable[NewItem | tuple[str, str]] = ()) -> str:
+        """Create a job; returns its id.
 
-        ``already_ready`` counts items the caller found ready and did not queue.
+        ``items`` are queued ``pending``. ``ready`` are samples the caller found already
+        computed (record present, source unchanged): they are recorded ``done`` without
+        being queued, so the job's counts and its dataset index include them.
         """
-        rows = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
+        todo = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
+        done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
         job_id = uuid.uuid4().hex
         now = time.time()
         conn = self._conn()
@@ -281,16 +286,31 @@ class JobQueue:
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                 "already_ready) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, recipe, _canonical(params), fingerprint, int(priority), now,
-                 int(already_ready)))
+                (job_id, recipe, _canonical(params), fingerprint, int(priority), now, len(done)))
             conn.executemany(
                 "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, updated) "
-                "VALUES (?, ?, ?, ?, ?, 'pending', ?)",
-                [(job_id, seq, fingerprint, it.sample_id, str(it.path), now)
-                 for seq, it in enumerate(rows)])
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(job_id, seq, fingerprint, it.sample_id, str(it.path), status, now)
+                 for seq, (it, status) in enumerate(
+                     [(d, "done") for d in done] + [(t, "pending") for t in todo])])
         log.info("job %s: %s %s, %d items queued, %d already ready",
-                 job_id, recipe, fingerprint[:12], len(rows), already_ready)
+                 job_id, recipe, fingerprint[:12], len(todo), len(done))
         return job_id
+
+    def jobs_to_index(self) -> list[JobInfo]:
+        """Finished jobs (nothing pending or running) whose dataset index is not written yet."""
+        conn = self._conn()
+        rows = conn.execute(
+            "SELECT * FROM jobs j WHERE indexed = 0 AND NOT EXISTS (SELECT 1 FROM items i "
+            "WHERE i.job_id = j.id AND i.status IN ('pending', 'running')) "
+            "ORDER BY created").fetchall()
+        counts = self._job_counts(conn, [r["id"] for r in rows])
+        return [_job_info(r, counts[r["id"]], []) for r in rows]
+
+    def mark_indexed(self, job_id: str) -> None:
+        conn = self._conn()
+        with _write(conn):
+            conn.execute("UPDATE jobs SET indexed = 1 WHERE id = ?", (job_id,))
 
     def cancel(self, job_id: str) -> JobInfo:
         """Cancel a job: its pending items become ``cancelled``; running ones finish."""
@@ -535,4 +555,4 @@ def _chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
 def _job_info(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError]) -> JobInfo:
     return JobInfo(row["id"], row["recipe"], json.loads(row["params"]), row["fingerprint"],
                    row["priority"], row["created"], bool(row["cancelled"]), row["already_ready"],
-                   counts, errors)
+                   counts, errors=errors, indexed=bool(row["indexed"]))

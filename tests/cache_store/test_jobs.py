@@ -40,9 +40,9 @@ def test_database_is_in_wal_mode(queue: JobQueue, tmp_path: Path) -> None:
 
 
 def test_submit_claim_complete(queue: JobQueue) -> None:
-    job_id = queue.submit("spc", {"level": 4}, "f" * 16, _items(5), already_ready=2)
+    job_id = queue.submit("spc", {"level": 4}, "f" * 16, _items(5), ready=_items(2, "r"))
     info = queue.job(job_id)
-    assert info.status == "pending" and info.counts["pending"] == 5 and info.already_ready == 2
+    assert info.status == "running" and info.counts["pending"] == 5 and info.already_ready == 2
     got = queue.claim("w1", limit=3)
     assert [c.sample_id for c in got] == ["s000", "s001", "s002"]
     assert all(c.params == {"level": 4} and c.attempts == 1 for c in got)
@@ -55,7 +55,7 @@ def test_submit_claim_complete(queue: JobQueue) -> None:
     for c in rest:
         queue.complete("w1", c.item_id)
     info = queue.job(job_id)
-    assert info.status == "done" and info.counts["done"] == 5
+    assert info.status == "done" and info.counts["done"] == 7
     assert queue.claim("w1") == []
 
 
@@ -218,3 +218,21 @@ def _child_claims(q: JobQueue, out: "mp.Queue[tuple[bool, int]]") -> None:
     for c in got:
         q.complete("child", c.item_id)
     out.put((q._conn() is not inherited, len(got)))
+
+
+def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(2), ready=_items(3, "r"))
+    info = queue.job(job_id)
+    assert info.already_ready == 3 and info.counts["done"] == 3 and info.counts["pending"] == 2
+    assert {c.sample_id for c in queue.claim("w", limit=10)} == {"s000", "s001"}
+
+
+def test_finished_jobs_wait_for_their_index(queue: JobQueue) -> None:
+    all_ready = queue.submit("spc", {}, "f" * 16, [], ready=_items(2))
+    busy = queue.submit("spc", {}, "g" * 16, _items(1))
+    assert [j.id for j in queue.jobs_to_index()] == [all_ready]
+    queue.mark_indexed(all_ready)
+    (c,) = queue.claim("w")
+    queue.complete("w", c.item_id)
+    assert [j.id for j in queue.jobs_to_index()] == [busy]
+    assert queue.job(all_ready).indexed
