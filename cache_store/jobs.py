@@ -78,8 +78,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     priority      INTEGER NOT NULL DEFAULT 0,
     created       REAL NOT NULL,
     cancelled     INTEGER NOT NULL DEFAULT 0,
-    already_ready INTEGER NOT NULL DEFAULT 0,
-    indexed       INTEGER NOT NULL DEFAULT 0
+    already_ready INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS items (
     id            INTEGER PRIMARY KEY,
@@ -155,7 +154,6 @@ class JobInfo:
     cancelled: bool
     already_ready: int
     counts: dict[str, int]
-    indexed: bool = False
     errors: list[ItemError] = field(default_factory=list)
 
     @property
@@ -301,21 +299,6 @@ class JobQueue:
         log.info("job %s: %s %s, %d items queued, %d already ready",
                  job_id, recipe, fingerprint[:12], len(todo), len(done))
         return job_id
-
-    def jobs_to_index(self) -> list[JobInfo]:
-        """Finished jobs (nothing pending or running) whose dataset index is not written yet."""
-        conn = self._conn()
-        rows = conn.execute(
-            "SELECT * FROM jobs j WHERE indexed = 0 AND NOT EXISTS (SELECT 1 FROM items i "
-            "WHERE i.job_id = j.id AND i.status IN ('pending', 'running')) "
-            "ORDER BY created").fetchall()
-        counts = self._job_counts(conn, [r["id"] for r in rows])
-        return [_job_info(r, counts[r["id"]], []) for r in rows]
-
-    def mark_indexed(self, job_id: str) -> None:
-        conn = self._conn()
-        with _write(conn):
-            conn.execute("UPDATE jobs SET indexed = 1 WHERE id = ?", (job_id,))
 
     def cancel(self, job_id: str) -> JobInfo:
         """Cancel a job: its pending items become ``cancelled``; running ones finish."""
@@ -562,7 +545,7 @@ def _chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
 def _job_info(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError]) -> JobInfo:
     return JobInfo(row["id"], row["recipe"], json.loads(row["params"]), row["fingerprint"],
                    row["priority"], row["created"], bool(row["cancelled"]), row["already_ready"],
-                   counts, errors=errors, indexed=bool(row["indexed"]))
+                   counts, errors)
 
 
 @dataclass(frozen=True)

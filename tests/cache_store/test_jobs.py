@@ -226,13 +226,3 @@ def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:
     assert info.already_ready == 3 and info.counts["done"] == 3 and info.counts["pending"] == 2
     assert {c.sample_id for c in queue.claim("w", limit=10)} == {"s000", "s001"}
 
-
-def test_finished_jobs_wait_for_their_index(queue: JobQueue) -> None:
-    all_ready = queue.submit("spc", {}, "f" * 16, [], ready=_items(2))
-    busy = queue.submit("spc", {}, "g" * 16, _items(1))
-    assert [j.id for j in queue.jobs_to_index()] == [all_ready]
-    queue.mark_indexed(all_ready)
-    (c,) = queue.claim("w")
-    queue.complete("w", c.item_id)
-    assert [j.id for j in queue.jobs_to_index()] == [busy]
-    assert queue.job(all_ready).indexed
