@@ -137,8 +137,8 @@ class HTTPStore(Store):
             raise ReadOnlyStoreError(f"{url}: an HTTP store is read-only")
         if retries < 0 or backoff_s < 0 or timeout_s <= 0 or batch_size < 1:
             raise ValueError("retries and backoff_s must be >= 0, timeout_s > 0, batch_size >= 1")
+        super().__init__(url, readonly=True)
         self.url = url.rstrip("/")
-        self.readonly = True
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s

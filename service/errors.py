@@ -52,7 +52,19 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
 _RETRY_AFTER_S = "1"
 
 
+def _readers_full(exc: BaseException) -> bool:
+    # The LMDB store wraps ReadersFullError in an SpcacheError; look through the chain.
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, lmdb.ReadersFullError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 def status_for(exc: BaseException) -> int:
+    if _readers_full(exc):
+        return 503
     for cls, status in STATUS_BY_ERROR:
         if isinstance(exc, cls):
             return status
@@ -68,7 +80,7 @@ def error_response(status: int, error: str, detail: str, *, problems: list[Any] 
 
 
 def _detail(exc: BaseException) -> str:
-    if isinstance(exc, lmdb.ReadersFullError):
+    if _readers_full(exc):
         return "too many concurrent readers of the cache; retry shortly"
     return str(exc)
 
