@@ -105,7 +105,8 @@ def _fields(fields: str | None) -> list[str] | None:
     return names
 
 
-@router.api_route("/caches/{fingerprint}/records/{sample_id:path}", methods=["GET", "HEAD"],
+@router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
+@router.get("/caches/{fingerprint}/records/{sample_id:path}", operation_id="get_record",
             response_class=Response,
             responses={200: {"content": {_RECORD_MEDIA_TYPE: {}},
                              "description": "the record, safetensors bytes"},
