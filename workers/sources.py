@@ -50,6 +50,7 @@ __all__ = [
     "Normalization",
     "hash_bytes",
     "hash_file",
+    "read_source_bytes",
     "load_source",
     "compute_normalization",
     "normalize_points",
@@ -122,17 +123,14 @@ def hash_file(path: str | Path) -> str:
     return _HASH_PREFIX + digest.hexdigest()
 
 
-def load_source(path: str | Path) -> LoadedSource:
-    """Read, hash, parse and validate one source file.
+def read_source_bytes(path: str | Path) -> bytes:
+    """The bytes of a source file, after checking its extension is supported.
 
     Raises:
-        SourceError: unreadable file, unsupported extension, unparsable content,
-            non-finite coordinates, face indices out of range, an empty point cloud, or
-            a mesh whose faces have zero total area.
+        SourceError: unsupported extension, unreadable or empty file.
     """
     path = Path(path)
-    ext = path.suffix.lower()
-    if ext not in SUPPORTED_EXTENSIONS:
+    if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
         raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}; "
                                 f"supported: {', '.join(sorted(SUPPORTED_EXTENSIONS))}")
     try:
@@ -141,6 +139,21 @@ def load_source(path: str | Path) -> LoadedSource:
         raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
     if not data:
         raise SourceError(path, "file is empty")
+    return data
+
+
+def load_source(path: str | Path, data: bytes | None = None) -> LoadedSource:
+    """Read (unless ``data`` is given: the file's bytes), hash, parse and validate a source.
+
+    Raises:
+        SourceError: unreadable file, unsupported extension, unparsable content,
+            non-finite coordinates, face indices out of range, or no points at all.
+            (A mesh whose faces have zero total area is caught by :func:`shape_points`.)
+    """
+    path = Path(path)
+    if data is None:
+        data = read_source_bytes(path)
+    ext = path.suffix.lower()
     source_hash = hash_bytes(data)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         # Parsers warn about odd content; the checks below turn what matters into errors.
@@ -151,8 +164,10 @@ def load_source(path: str | Path) -> LoadedSource:
             vertices, faces = _load_npz(path, data)
         elif ext in (".xyz", ".pts"):
             vertices, faces = _load_text_points(path, data), None
-        else:
+        elif ext in MESH_EXTENSIONS:
             vertices, faces = _load_with_trimesh(path, data, ext)
+        else:
+            raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}")
     _validate(path, vertices, faces)
     return LoadedSource(str(path), source_hash, vertices, faces)
 
