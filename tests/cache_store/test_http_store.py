@@ -1,0 +1,124 @@
+"""HTTPStore: reading a cache through a live service."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from cache_store.errors import CorruptRecord, ReadOnlyStoreError, RecordNotFound, SpcacheError
+from cache_store.fingerprint import record_key
+from cache_store.http_store import HTTPStore, decode_batch, encode_batch
+from cache_store.store import open_store
+from service.settings import Settings
+from tests.service.conftest import Cache, InProcessServer, build_cache
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    cache = build_cache(tmp_path)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False)
+    with InProcessServer(settings) as server:
+        yield cache, server
+
+
+def test_open_store_picks_http_and_reads_records(served: tuple[Cache, InProcessServer]) -> None:
+    cache, server = served
+    store = open_store(server.url)
+    assert isinstance(store, HTTPStore)
+    key = record_key(cache.fingerprint, cache.ids[0])
+    assert store.get(key) == cache.values[cache.ids[0]]
+    assert store.has(key) and not store.has(record_key(cache.fingerprint, "nope"))
+    with pytest.raises(RecordNotFound):
+        store.get(record_key(cache.fingerprint, "nope"))
+    record = store.get_record(key, fields=["octree"])
+    assert set(record.tensors) == {"octree"}
+    store.close()
+
+
+def test_index_keys_and_batch(served: tuple[Cache, InProcessServer]) -> None:
+    cache, server = served
+    store = HTTPStore(server.url, batch_size=2)
+    assert store.fingerprints() == [cache.fingerprint]
+    index = store.get_index(cache.fingerprint)
+    assert index.sample_ids.tolist() == cache.ids and index.params == cache.params
+    assert list(store.keys()) == [record_key(cache.fingerprint, s) for s in cache.ids]
+    wanted = [record_key(cache.fingerprint, s) for s in cache.ids] + [
+        record_key(cache.fingerprint, "gone")]
+    got = store.get_many(wanted)
+    assert list(got) == wanted[:-1]
+    assert all(got[k] == cache.values[k.split("/", 1)[1]] for k in got)
+    assert store.verify().ok
+    store.close()
+
+
+def test_read_only(served: tuple[Cache, InProcessServer]) -> None:
+    _, server = served
+    with HTTPStore(server.url) as store, pytest.raises(ReadOnlyStoreError):
+        store.put_many([])
+    with pytest.raises(ReadOnlyStoreError):
+        HTTPStore(server.url, readonly=False)
+
+
+def test_connection_errors_are_retried_then_reported(tmp_path: Path) -> None:
+    from tests.service.conftest import free_port
+
+    store = HTTPStore(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01)
+    with store, pytest.raises(SpcacheError, match="after 3 attempts"):
+        store.get(record_key("0" * 32, "a"))
+
+
+def test_retry_reaches_a_server_that_comes_up_late(tmp_path: Path) -> None:
+    cache = build_cache(tmp_path)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False)
+    server = InProcessServer(settings)
+    store = HTTPStore(server.url, retries=8, backoff_s=0.05)
+    timer = threading.Timer(0.2, server.__enter__)
+    timer.start()
+    try:
+        assert store.get(record_key(cache.fingerprint, cache.ids[0])) == cache.values[cache.ids[0]]
+    finally:
+        store.close()
+        timer.join()
+        server.__exit__()
+
+
+def _read_in_child(store: HTTPStore, key: str, out: "mp.Queue[tuple[int, int]]") -> None:
+    inherited = store._client
+    value = store.get(key)
+    out.put((len(value), int(store._client is not inherited)))
+
+
+def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer]) -> None:
+    cache, server = served
+    store = HTTPStore(server.url)
+    key = record_key(cache.fingerprint, cache.ids[0])
+    store.get(key)
+    parent_client = store._client
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_read_in_child, args=(store, key, out))
+    child.start()
+    assert out.get(timeout=30) == (len(cache.values[cache.ids[0]]), 1)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert store._client is parent_client and store.get(key) == cache.values[cache.ids[0]]
+    store.close()
+
+
+def test_batch_frame_round_trip_and_corruption() -> None:
+    frame = encode_batch([("a", b"xyz"), ("b/c", b"")], [("d", "RecordNotFound", "gone")])
+    found, missing = decode_batch(frame)
+    assert {k: bytes(v) for k, v in found.items()} == {"a": b"xyz", "b/c": b""}
+    assert missing == {"d": "RecordNotFound: gone"}
+    for bad in (frame[:5], frame[:-1], b"\xff" * 8 + frame[8:], frame.replace(b'"version":1', b'"version":9')):
+        with pytest.raises(CorruptRecord):
+            decode_batch(bad)
+
+
+def test_pid_is_recorded_per_process() -> None:
+    assert HTTPStore("http://127.0.0.1:1")._pid is None  # nothing opened by the constructor
+    assert os.getpid() > 0
