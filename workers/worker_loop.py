@@ -126,6 +126,7 @@ class WorkerLoop:
                 log.info("worker %s: released %d unfinished item(s)", self.worker_id, released)
             self.stop_requested.set()
             keeper.join(timeout=5)
+            queue.heartbeat(self.worker_id, {**self._info(), "stopped": True})
             store.close()
             queue.close()
         log.info("worker %s stopped after %d item(s)", self.worker_id, self.processed)
