@@ -8,9 +8,10 @@ Flags override ``SPCACHE_*`` environment variables, which override defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -83,8 +84,21 @@ def serve(settings: Settings) -> int:
                             log_level=settings.log_level.lower(), server_header=False,
                             proxy_headers=False, timeout_graceful_shutdown=10,
                             log_config=None)
+
+    class Server(uvicorn.Server):
+        # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down (so the exit
+        # status says "terminated by signal"); stop the worker child before that.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    if supervisor is not None:
+                        supervisor.stop()
+
     try:
-        uvicorn.Server(config).run()
+        Server(config).run()
     finally:
         if supervisor is not None:
             supervisor.stop()

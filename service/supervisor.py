@@ -96,6 +96,8 @@ class WorkerSupervisor:
     def stop(self) -> int | None:
         """Stop the child (SIGTERM, then SIGKILL after the grace period); returns its exit code."""
         with self._lock:
+            if self._stop.is_set() and (self._proc is None or self._proc.poll() is not None):
+                return self._proc.returncode if self._proc is not None else None
             self._stop.set()
             proc = self._proc
         code = None
