@@ -39,7 +39,8 @@ from cache_store.errors import (
     SpcacheError,
     UnsupportedFormat,
 )
-from cache_store.fingerprint import record_key, split_key
+from cache_store.fingerprint import split_key
+from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store
 
 __all__ = [
@@ -234,22 +235,53 @@ class HTTPStore(Store):
         self._check(response, key)
         return True
 
-    def get_many(self, keys: Iterable[str]) -> dict[str, bytes]:
-        """Records for ``keys`` through the batch route; absent keys are left out."""
+    def get_many(self, keys: Iterable[str], fields: Iterable[str] | None = None,
+                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
+        """Records for ``keys`` through the batch route, ``batch_size`` ids a request.
+
+        Returns ``({key: record bytes}, {key: why it is missing})``; with ``fields`` the
+        service sends only those tensors (a smaller, re-checksummed record).
+        """
+        body_fields = None if fields is None else list(fields)
         by_fp: dict[str, list[str]] = {}
         for key in keys:
             fingerprint, sample_id = split_key(key)
             by_fp.setdefault(fingerprint, []).append(sample_id)
-        out: dict[str, bytes] = {}
+        found_all: dict[str, memoryview] = {}
+        missing_all: dict[str, str] = {}
         for fingerprint, ids in by_fp.items():
             for start in range(0, len(ids), self.batch_size):
                 chunk = ids[start:start + self.batch_size]
-                where = f"{self.url}/v1/caches/{fingerprint}/batch"
+                path = f"/v1/caches/{fingerprint}/batch"
                 response = self._check(self._request(
-                    "POST", f"/v1/caches/{fingerprint}/batch", json={"ids": chunk}))
-                found, _missing = decode_batch(response.content, where=where)
-                for sample_id, value in found.items():
-                    out[record_key(fingerprint, sample_id)] = bytes(value)
+                    "POST", path, json={"ids": chunk, "fields": body_fields}))
+                found, missing = decode_batch(response.content, where=self.url + path)
+                found_all.update({f"{fingerprint}/{sid}": v for sid, v in found.items()})
+                missing_all.update({f"{fingerprint}/{sid}": why for sid, why in missing.items()})
+        return found_all, missing_all
+
+    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
+        """One decoded record; with ``fields`` only those tensors cross the wire."""
+        if fields is None:
+            return decode_record(self.get(key), key=key)
+        fields = list(fields)
+        fingerprint, sample_id = split_key(key)
+        response = self._request("GET", _record_path(fingerprint, sample_id),
+                                 params={"fields": ",".join(fields)})
+        return decode_record(self._check(response, key).content, key=key, fields=fields)
+
+    def get_records(self, keys: Iterable[str],
+                    fields: Iterable[str] | None = None) -> list[Record]:
+        """Decoded records in ``keys`` order, fetched in batches; a missing one raises
+        :class:`RecordNotFound` naming its key (as every store's ``get_records`` does)."""
+        keys = list(keys)
+        fields = None if fields is None else list(fields)
+        found, missing = self.get_many(keys, fields)
+        out = []
+        for key in keys:
+            if key not in found:
+                raise RecordNotFound(key, f"{self.url} ({missing.get(key, 'not returned')})")
+            out.append(decode_record(found[key], key=key, fields=fields))
         return out
 
     def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes]) -> int:

@@ -12,6 +12,7 @@ import pytest
 from cache_store.errors import CorruptRecord, ReadOnlyStoreError, RecordNotFound, SpcacheError
 from cache_store.fingerprint import record_key
 from cache_store.http_store import HTTPStore, decode_batch, encode_batch
+from cache_store.record import decode_record
 from cache_store.store import open_store
 from service.settings import Settings
 from tests.service.conftest import Cache, InProcessServer, build_cache
@@ -48,9 +49,14 @@ def test_index_keys_and_batch(served: tuple[Cache, InProcessServer]) -> None:
     assert list(store.keys()) == [record_key(cache.fingerprint, s) for s in cache.ids]
     wanted = [record_key(cache.fingerprint, s) for s in cache.ids] + [
         record_key(cache.fingerprint, "gone")]
-    got = store.get_many(wanted)
-    assert list(got) == wanted[:-1]
-    assert all(got[k] == cache.values[k.split("/", 1)[1]] for k in got)
+    got, missing = store.get_many(wanted)
+    assert list(got) == wanted[:-1] and "RecordNotFound" in missing[wanted[-1]]
+    assert all(bytes(got[k]) == cache.values[k.split("/", 1)[1]] for k in got)
+    records = store.get_records(wanted[:3], fields=["scale", "octree"])
+    assert [r.metadata["sample_id"] for r in records] == cache.ids[:3]
+    assert all(set(r.tensors) == {"scale", "octree"} for r in records)
+    with pytest.raises(RecordNotFound, match="gone"):
+        store.get_records(wanted)
     assert store.verify().ok
     store.close()
 
@@ -122,3 +128,24 @@ def test_batch_frame_round_trip_and_corruption() -> None:
 def test_pid_is_recorded_per_process() -> None:
     assert HTTPStore("http://127.0.0.1:1")._pid is None  # nothing opened by the constructor
     assert os.getpid() > 0
+
+
+def test_cached_dataset_reads_over_http_in_forked_loader_workers(
+        served: tuple[Cache, InProcessServer]) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    from cache_store.dataset import CachedDataset
+
+    cache, server = served
+    dataset = CachedDataset(server.url, cache.fingerprint, fields=["octree", "scale"])
+    assert len(dataset) == len(cache.ids)
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=list,
+                        multiprocessing_context="fork")
+    seen = [sample for batch in loader for sample in batch]
+    assert len(seen) == len(cache.ids)
+    for sample, sid in zip(seen, cache.ids, strict=True):
+        expected = decode_record(cache.values[sid]).tensors["octree"]
+        octree = sample["octree"] if isinstance(sample, dict) else sample.tensors["octree"]
+        assert torch.equal(octree, expected)
+    dataset.close()
