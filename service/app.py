@@ -15,6 +15,7 @@ from fastapi import FastAPI
 from cache_store import __version__
 from service.context import ServiceContext
 from service.errors import install_error_handlers
+from service.fastpath import RecordFastPath
 from service.limits import BodySizeLimit
 from service.metrics import MetricsMiddleware
 from service.routes_caches import router as caches_router
@@ -50,6 +51,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(jobs_router)
     app.include_router(caches_router)
     # Added last = outermost: metrics see every answer, the 413s included.
+    app.add_middleware(RecordFastPath, ctx=ctx)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app

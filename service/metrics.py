@@ -63,7 +63,8 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = (scope.get("spcache.route") or getattr(scope.get("route"), "path", None)
+                     or "unmatched")
             self.metrics.observe(scope["method"], route, status, nbytes)
 
 
