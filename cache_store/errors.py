@@ -22,6 +22,9 @@ __all__ = [
     "FingerprintLookupError",
     "ReadOnlyStoreError",
     "JobNotFound",
+    "InvalidTensor",
+    "TensorTypeError",
+    "BackendUnavailable",
 ]
 
 
@@ -117,3 +120,20 @@ class JobNotFound(SpcacheError, KeyError):
     def __init__(self, job_id: object) -> None:
         super().__init__(f"no job {job_id!r}")
         self.job_id = job_id
+
+
+class InvalidTensor(SpcacheError, ValueError):
+    """A tensor argument with the wrong shape, range or content (the message names it)."""
+
+
+class TensorTypeError(SpcacheError, TypeError):
+    """A tensor argument of the wrong dtype, or not a tensor at all (the message names it)."""
+
+
+class BackendUnavailable(SpcacheError, RuntimeError):
+    """A known compute backend (e.g. ``kaolin``) that cannot run here; ``reason`` says why."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(f"backend {backend!r} is unavailable: {reason}")
+        self.backend = backend
+        self.reason = reason

@@ -1,0 +1,153 @@
+"""The SPC ops delegated to Kaolin 0.18's CUDA kernels (``kaolin.ops.spc``).
+
+Importing this module never imports Kaolin: the first call (or :func:`ensure_available`)
+does, and a missing Kaolin or CUDA raises :class:`~cache_store.errors.BackendUnavailable`.
+Each function runs the same input checks as the torch backend first, so bad input fails
+the same way on both, and Kaolin's kernels never see octrees they would read past.
+Where Kaolin's result is undefined (NaN queries, voxels beyond int16) the answer is -1,
+as in the torch backend.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+
+import torch
+
+from cache_store.errors import BackendUnavailable, InvalidTensor
+
+from . import _checks, torch_spc
+
+__all__ = [
+    "name",
+    "ensure_available",
+    "quantize_points",
+    "points_to_morton",
+    "morton_to_points",
+    "unbatched_points_to_octree",
+    "scan_octrees",
+    "generate_points",
+    "unbatched_query",
+    "unbatched_get_level_points",
+    "points_to_corners",
+]
+
+name = "kaolin"
+
+
+@functools.cache
+def _import_spc() -> tuple[ModuleType | None, str]:
+    try:
+        return importlib.import_module("kaolin.ops.spc"), ""
+    except (ImportError, OSError, RuntimeError) as exc:  # a missing wheel or a broken CUDA build
+        return None, f"cannot import kaolin.ops.spc ({type(exc).__name__}: {exc})"
+
+
+def ensure_available() -> ModuleType:
+    """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
+    spc, reason = _import_spc()
+    if spc is None:
+        raise BackendUnavailable(name, reason + "; install kaolin==0.18.0 for this torch/CUDA")
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(name, "CUDA is not available (Kaolin's SPC ops are CUDA-only)")
+    return spc
+
+
+@contextmanager
+def _on(arg: str, tensor: torch.Tensor) -> Iterator[ModuleType]:
+    """Kaolin's spc module, with ``tensor``'s GPU current (some kernels allocate on it)."""
+    spc = ensure_available()
+    if tensor.device.type != "cuda":
+        raise InvalidTensor(f"{arg}: the kaolin backend needs CUDA tensors, got one on "
+                                    f"{tensor.device}; use the torch backend on the CPU")
+    with torch.cuda.device(tensor.device):
+        yield spc
+
+
+def quantize_points(x: torch.Tensor, level: int) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.quantize_points`."""
+    x = _checks.check_float_coords(x)
+    level = _checks.check_level(level)
+    return ensure_available().quantize_points(x, level)
+
+
+def points_to_morton(points: torch.Tensor) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.points_to_morton`."""
+    shape = _checks.check_tensor("points", points, (torch.int16,), "torch.int16").shape
+    if points.dim() == 0 or shape[-1] != 3:
+        raise InvalidTensor(f"points: expected shape (..., 3), got {tuple(shape)}")
+    _checks.check_points(points.reshape(-1, 3), allow_empty=True)
+    with _on("points", points) as spc:
+        return spc.points_to_morton(points.contiguous())
+
+
+def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.morton_to_points`."""
+    morton = _checks.check_morton(morton)
+    with _on("morton", morton) as spc:
+        return spc.morton_to_points(morton.contiguous())
+
+
+def unbatched_points_to_octree(points: torch.Tensor, level: int,
+                               sorted: bool = False) -> torch.Tensor:  # noqa: A002 (Kaolin's name)
+    """See :func:`workers.ops.torch_spc.unbatched_points_to_octree`."""
+    level = _checks.check_level(level, low=1)
+    points = _checks.check_points(points, level)
+    if sorted:  # refuse out-of-order points as the torch backend does (duplicates are harmless)
+        torch_spc._sorted_unique_morton(points, level, True)
+    with _on("points", points) as spc:
+        return spc.unbatched_points_to_octree(points.contiguous(), level, sorted=bool(sorted))
+
+
+def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
+                 legacy_exsum: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """See :func:`workers.ops.torch_spc.scan_octrees`."""
+    octrees = _checks.check_octree(octrees, "octrees")
+    cpu_lengths = _checks.check_lengths(lengths, octrees.shape[0])
+    with _on("octrees", octrees) as spc:
+        # Kaolin loops forever on some malformed octrees: walk them on our side first.
+        _checks.octree_structure(_checks.inclusive_exsum(octrees, cpu_lengths), cpu_lengths)
+        return spc.scan_octrees(octrees.contiguous(), cpu_lengths.to(torch.int32),
+                                legacy_exsum=legacy_exsum)
+
+
+def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
+                    exsum: torch.Tensor) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.generate_points`."""
+    with _on("octrees", _checks.check_octree(octrees, "octrees")) as spc:
+        _, _, exsum = torch_spc._checked_structure(octrees, pyramids, exsum, "generate_points")
+        return spc.generate_points(octrees.contiguous(), pyramids.cpu().contiguous(),
+                                   exsum.contiguous())
+
+
+def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
+                    level: int, with_parents: bool = False) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.unbatched_query` (same -1 for undefined queries)."""
+    with _on("octree", _checks.check_octree(octree)) as spc:
+        exsum, query_coords, level = torch_spc._check_query(octree, exsum, query_coords, level)
+        result = spc.unbatched_query(octree.contiguous(), exsum.contiguous(),
+                                     query_coords.contiguous(), level, with_parents=with_parents)
+        _, inside = torch_spc.query_voxels(query_coords, level, bool(with_parents))
+        if with_parents:
+            return result.masked_fill(~inside.unsqueeze(1), -1)
+        return result.masked_fill(~inside, -1)
+
+
+def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
+                               level: int) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.unbatched_get_level_points` (plain slicing in both)."""
+    return torch_spc.unbatched_get_level_points(point_hierarchy, pyramid, level)
+
+
+def points_to_corners(points: torch.Tensor) -> torch.Tensor:
+    """See :func:`workers.ops.torch_spc.points_to_corners`."""
+    points = _checks.check_tensor("points", points, (torch.int16,), "torch.int16")
+    if points.dim() != 2 or points.shape[1] != 3:
+        raise InvalidTensor(f"points: expected shape (num_points, 3), got "
+                                    f"{tuple(points.shape)}")
+    with _on("points", points) as spc:
+        return spc.points_to_corners(points.contiguous())
