@@ -1,0 +1,498 @@
+"""The record format: named CPU tensors plus string metadata, as one safetensors value.
+
+Layout (the safetensors format, so any safetensors reader opens a record)::
+
+    u64 little-endian N | N bytes of JSON header (space-padded to 8-byte alignment) | data
+
+The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the data section) and holds ``"__metadata__"``, a str -> str map.
+Tensors are laid out by decreasing item size, so every buffer is aligned for its dtype.
+
+spcache's metadata adds, besides what the writer describes (recipe, fingerprint, sample
+id, source hash, ...):
+
+``format_version``
+    ``"1"``. A reader meeting another version raises :class:`UnsupportedFormat`.
+``field_checksums``
+    JSON ``{name: xxh3_64 hex}`` of each tensor's bytes, so decoding a subset of fields
+    hashes only the bytes it returns.
+``checksum``
+    xxh3_128 hex over the canonical JSON of the whole header without this entry (names,
+    dtypes, shapes, offsets, every metadata value and the field checksums): it changes
+    whenever any byte of the record would. The service uses it as a strong ETag.
+
+Decoding parses the header with strict validation; any malformed value raises
+:class:`CorruptRecord` naming the key, never another exception type.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import struct
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xxhash
+
+from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FORMAT_VERSION",
+    "REQUIRED_METADATA",
+    "DTYPES",
+    "Record",
+    "RecordHeader",
+    "TensorInfo",
+    "encode_record",
+    "encode_tensors",
+    "decode_record",
+    "decode_arrays",
+    "torch_dtype",
+    "read_header",
+    "read_metadata",
+    "record_checksum",
+    "select_fields",
+]
+
+FORMAT_VERSION = "1"
+#: Metadata a record must describe itself with (``created`` and ``spcache_version`` are
+#: filled in by :func:`encode_record` when absent).
+REQUIRED_METADATA = ("recipe", "recipe_version", "fingerprint", "sample_id", "source_hash",
+                     "backend", "device", "created", "spcache_version")
+_MANAGED = ("format_version", "checksum", "field_checksums")
+#: Largest header accepted (the safetensors reference reader uses the same bound).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+#: safetensors dtype name -> torch dtype name (every dtype the recipes use, and the rest
+#: that both sides know). torch is imported only to build tensors, so reading headers,
+#: checksums and re-encoding subsets (what the service does) needs no torch.
+DTYPES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16",
+    "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+}
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8,
+             "U64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_FROM_TORCH = {f"torch.{v}": k for k, v in DTYPES.items()}
+_NUMPY_DTYPES = {k: np.dtype(v) for k, v in DTYPES.items() if k != "BF16"}
+_FROM_NUMPY = {v: k for k, v in _NUMPY_DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"F32"`` -> ``torch.float32``)."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+_LEN = struct.Struct("<Q")
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+    raise ImportError("cache_store.record reads little-endian buffers in place; "
+                      "this host is big-endian")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in a record: dtype name, shape, absolute byte range."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    """A validated header: metadata, tensor layout, and where the data section starts."""
+
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+    field_checksums: dict[str, str]
+    data_start: int
+
+    @property
+    def checksum(self) -> str:
+        return self.metadata["checksum"]
+
+
+@dataclass
+class Record:
+    """A decoded record: CPU tensors by name, and the record's metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def checksum(self) -> str:
+        """The record checksum (also its strong ETag)."""
+        return self.metadata.get("checksum", "")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _bad(name: str, problem: str) -> ParameterError:
+    return ParameterError([f"{name}: {problem}"], what="record tensors")
+
+
+def _numpy_bytes_view(name: str, array: np.ndarray) -> tuple[str, tuple[int, ...], memoryview]:
+    dtype = _FROM_NUMPY.get(array.dtype.newbyteorder("="))
+    if dtype is None:
+        raise _bad(name, f"numpy dtype {array.dtype} has no safetensors name here")
+    array = np.ascontiguousarray(array, dtype=_NUMPY_DTYPES[dtype])  # native order
+    return dtype, tuple(array.shape), memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    if isinstance(tensor, np.ndarray):
+        return _numpy_bytes_view(name, tensor)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(tensor, torch.Tensor):
+        raise _bad(name, f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise _bad(name, f"tensor is on {tensor.device}; move it to the CPU before encoding")
+    if tensor.is_sparse or tensor.is_quantized or tensor.is_complex():
+        raise _bad(name, "only dense real tensors can be stored")
+    dtype = _FROM_TORCH.get(str(tensor.dtype))
+    if dtype is None:
+        raise _bad(name, f"dtype {tensor.dtype} has no safetensors name here "
+                         f"(known: {', '.join(DTYPES.values())})")
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return dtype, tuple(tensor.shape), memoryview(flat.numpy())
+
+
+def _record_checksum(header: Mapping[str, Any]) -> str:
+    body = dict(header)
+    meta = {k: v for k, v in body.pop("__metadata__").items() if k != "checksum"}
+    text = json.dumps({"meta": meta, "tensors": body}, sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
+
+
+def _assemble(layout: list[tuple[str, str, tuple[int, ...], Any]],
+              field_checksums: Mapping[str, str], metadata: Mapping[str, str]) -> bytes:
+    """``layout``: (name, dtype, shape, bytes-like) in the order to write them."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, dtype, shape, buf in layout:
+        size = len(buf)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    meta = dict(metadata)
+    meta["format_version"] = FORMAT_VERSION
+    meta["field_checksums"] = json.dumps({n: field_checksums[n] for n, *_ in layout},
+                                         sort_keys=True, separators=(",", ":"))
+    header["__metadata__"] = meta
+    meta["checksum"] = _record_checksum(header)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-(len(text) + _LEN.size) % 8)
+    return b"".join([_LEN.pack(len(text)), text, *(buf for *_, buf in layout)])
+
+
+def _check_metadata(metadata: Mapping[str, str], required: Iterable[str]) -> dict[str, str]:
+    problems = [f"metadata {k!r}: keys and values must be str, got {type(v).__name__}"
+                for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+    problems += [f"metadata {k!r}: set by the record format, not by callers"
+                 for k in metadata if k in _MANAGED]
+    problems += [f"metadata {k!r}: required" for k in required if k not in metadata]
+    if problems:
+        raise ParameterError(problems, what="record metadata")
+    return dict(metadata)
+
+
+def encode_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> bytes:
+    """Encode tensors with free-form str -> str metadata (no required keys).
+
+    The building block of :func:`encode_record`, also used for dataset indexes.
+    """
+    meta = _check_metadata(metadata or {}, ())
+    prepared = []
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ParameterError([f"tensor name {name!r}: must be a non-empty str other than "
+                                  f"'__metadata__'"], what="record tensors")
+        prepared.append((name, *_as_bytes_view(name, tensor)))
+    # Largest item size first, then by name: every buffer starts aligned for its dtype.
+    prepared.sort(key=lambda item: (-_ITEMSIZE[item[1]], item[0]))
+    checksums = {name: xxhash.xxh3_64_hexdigest(buf) for name, _, _, buf in prepared}
+    return _assemble(prepared, checksums, meta)
+
+
+def encode_record(tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> bytes:
+    """Encode one record.
+
+    Args:
+        tensors: name -> CPU ``torch.Tensor`` (or numpy array) of any dtype in
+            :data:`DTYPES` and any shape, 0-d and empty included.
+        metadata: str -> str; must hold :data:`REQUIRED_METADATA` except ``created``
+            (default: now, UTC, ISO 8601) and ``spcache_version`` (default: this
+            package's). ``format_version``, ``checksum`` and ``field_checksums`` are
+            added here and may not be given.
+
+    Returns:
+        bytes: the safetensors-format value.
+
+    Raises:
+        ParameterError: on a non-CPU tensor, unknown dtype, bad name or bad metadata.
+    """
+    meta = dict(metadata)
+    if "created" not in meta:
+        meta["created"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
+    if "spcache_version" not in meta:
+        from cache_store import __version__  # late: cache_store/__init__ imports this module
+
+        meta["spcache_version"] = __version__
+    _check_metadata(meta, REQUIRED_METADATA)
+    return encode_tensors(tensors, meta)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _fail(key: str, reason: str) -> CorruptRecord:
+    return CorruptRecord(key, reason)
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate JSON key {k!r}")
+        out[k] = v
+    return out
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_tensor_info(key: str, name: str, entry: object, data_len: int,
+                       data_start: int) -> TensorInfo:
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        raise _fail(key, f"tensor {name!r}: header entry must have exactly dtype, shape, "
+                         f"data_offsets")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if dtype not in DTYPES:
+        raise _fail(key, f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _fail(key, f"tensor {name!r}: shape must be a list of non-negative ints")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)):
+        raise _fail(key, f"tensor {name!r}: data_offsets must be two ints")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_len:
+        raise _fail(key, f"tensor {name!r}: data_offsets {offsets} outside the "
+                         f"{data_len}-byte data section")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * _ITEMSIZE[dtype] != end - begin:
+        raise _fail(key, f"tensor {name!r}: {dtype} x {shape} needs "
+                         f"{numel * _ITEMSIZE[dtype]} bytes, offsets give {end - begin}")
+    return TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _byte_view(value: Any, key: str) -> memoryview:
+    try:
+        view = memoryview(value)
+        return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    except TypeError:
+        raise _fail(key, f"expected a contiguous bytes-like value, got "
+                         f"{type(value).__name__}") from None
+
+
+def _parse_header(value: Any, key: str) -> RecordHeader:
+    view = _byte_view(value, key)
+    total = view.nbytes
+    if total < _LEN.size:
+        raise _fail(key, f"{total} bytes: too short for a header length")
+    (n,) = _LEN.unpack_from(view, 0)
+    if n < 2 or n > MAX_HEADER_BYTES or n > total - _LEN.size:
+        raise _fail(key, f"header length {n} does not fit a {total}-byte value")
+    raw = bytes(view[_LEN.size:_LEN.size + n])
+    if raw[:1] != b"{":
+        raise _fail(key, "header does not start with '{'")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates,
+                            parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _fail(key, f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise _fail(key, "header is not a JSON object")
+    meta = header.get("__metadata__")
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _fail(key, "header has no '__metadata__' map of str -> str")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise UnsupportedFormat(key, f"format_version {version!r} is not supported "
+                                     f"(this reader knows {FORMAT_VERSION!r})")
+    data_start = _LEN.size + n
+    data_len = total - data_start
+    tensors = {name: _parse_tensor_info(key, name, entry, data_len, data_start)
+               for name, entry in header.items() if name != "__metadata__"}
+    _check_layout(key, tensors, data_start, total)
+    checksums = _parse_field_checksums(key, meta, tensors)
+    if _record_checksum(header) != meta.get("checksum"):
+        raise _fail(key, "header checksum mismatch (metadata or layout altered)")
+    return RecordHeader(meta, tensors, checksums, data_start)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def _check_layout(key: str, tensors: Mapping[str, TensorInfo], data_start: int,
+                  total: int) -> None:
+    position = data_start
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != position:
+            what = "overlaps the previous one" if info.begin < position else "leaves a gap"
+            raise _fail(key, f"tensor {name!r} {what} (data must be contiguous)")
+        position = info.end
+    if position != total:
+        raise _fail(key, f"data section is {total - data_start} bytes, tensors cover "
+                         f"{position - data_start}")
+
+
+def _parse_field_checksums(key: str, meta: Mapping[str, str],
+                           tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
+    try:
+        checksums = json.loads(meta.get("field_checksums", ""))
+    except ValueError:
+        raise _fail(key, "metadata 'field_checksums' is not JSON") from None
+    if (not isinstance(checksums, dict) or set(checksums) != set(tensors)
+            or not all(isinstance(v, str) for v in checksums.values())):
+        raise _fail(key, "metadata 'field_checksums' does not list exactly the record's tensors")
+    return checksums
+
+
+def read_header(value: Any, *, key: str = "") -> RecordHeader:
+    """Parse and validate a record's header without touching its data section.
+
+    Raises:
+        CorruptRecord: on any malformed header, layout or checksum of the header.
+        UnsupportedFormat: on a ``format_version`` other than :data:`FORMAT_VERSION`.
+    """
+    return _parse_header(value, key)
+
+
+def read_metadata(value: Any, *, key: str = "") -> dict[str, str]:
+    """The metadata of a record (validated header, data not read)."""
+    return dict(_parse_header(value, key).metadata)
+
+
+def record_checksum(value: Any, *, key: str = "") -> str:
+    """The record checksum (xxh3_128 hex), usable as a strong ETag; header-only read."""
+    return _parse_header(value, key).checksum
+
+
+def _selected(header: RecordHeader, fields: Iterable[str] | None, key: str) -> list[str]:
+    if fields is None:
+        return list(header.tensors)
+    if isinstance(fields, str):
+        fields = [fields]
+    names = list(dict.fromkeys(fields))
+    missing = [n for n in names if n not in header.tensors]
+    if missing:
+        raise UnknownName(f"field of record {key!r}" if key else "field", missing[0],
+                          header.tensors)
+    return names
+
+
+def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str) -> memoryview:
+    info = header.tensors[name]
+    part = view[info.begin:info.end]
+    if xxhash.xxh3_64_hexdigest(part) != header.field_checksums[name]:
+        raise _fail(key, f"checksum mismatch in tensor {name!r}")
+    return part
+
+
+def _to_tensor(part: memoryview, info: TensorInfo, name: str, key: str) -> torch.Tensor:
+    import torch
+
+    dtype = torch_dtype(info.dtype)
+    if info.begin == info.end:
+        return torch.empty(info.shape, dtype=dtype)
+    buf = bytearray(part)  # the one copy: out of LMDB's map / the caller's bytes
+    if info.dtype == "BOOL" and np.frombuffer(buf, dtype=np.uint8).max() > 1:
+        raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+    return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+
+
+def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
+    """Decode a record into CPU tensors, verifying checksums of what it returns.
+
+    Args:
+        value: bytes-like (bytes, bytearray, memoryview; e.g. an LMDB buffer, valid only
+            inside its transaction: the tensors returned never alias it).
+        key: the record's key, named in errors.
+        fields: names of the tensors to return (default: all). Only their bytes are read
+            and hashed.
+
+    Returns:
+        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored; each owns
+        its memory and is writable) and ``metadata`` (str -> str).
+
+    Raises:
+        CorruptRecord: malformed value or checksum mismatch (names ``key``).
+        UnsupportedFormat: unknown ``format_version``.
+        UnknownName: a requested field the record does not hold.
+    """
+    header = _parse_header(value, key)
+    view = _byte_view(value, key)
+    tensors = {}
+    for name in _selected(header, fields, key):
+        part = _verified_slice(view, header, name, key)
+        tensors[name] = _to_tensor(part, header.tensors[name], name, key)
+    return Record(tensors, dict(header.metadata))
+
+
+def decode_arrays(value: Any, *, key: str = "",
+                  fields: Iterable[str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Like :func:`decode_record` but to NumPy arrays, without torch.
+
+    Returns ``(arrays, metadata)``; each array owns its memory. ``BF16`` fields (NumPy
+    has no bfloat16) raise ``ParameterError``.
+    """
+    header = _parse_header(value, key)
+    view = _byte_view(value, key)
+    arrays = {}
+    for name in _selected(header, fields, key):
+        info = header.tensors[name]
+        if info.dtype == "BF16":
+            raise ParameterError([f"{name}: bfloat16 has no NumPy dtype; use decode_record"])
+        part = _verified_slice(view, header, name, key)
+        array = np.frombuffer(part, dtype=_NUMPY_DTYPES[info.dtype]).copy().reshape(info.shape)
+        if info.dtype == "BOOL" and array.view(np.uint8).max(initial=0) > 1:
+            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        arrays[name] = array
+    return arrays, dict(header.metadata)
+
+
+def select_fields(value: Any, fields: Iterable[str], *, key: str = "") -> bytes:
+    """Re-encode a record keeping only ``fields`` (raw bytes copied, no tensors built).
+
+    The kept fields' bytes are verified against their checksums; the metadata is carried
+    over, with ``field_checksums`` and ``checksum`` recomputed for the subset (so the
+    subset has its own strong ETag). Raises as :func:`decode_record`.
+    """
+    header = _parse_header(value, key)
+    view = _byte_view(value, key)
+    names = _selected(header, fields, key)
+    layout = []
+    for name in names:
+        info = header.tensors[name]
+        layout.append((name, info.dtype, info.shape, _verified_slice(view, header, name, key)))
+    layout.sort(key=lambda item: (-_ITEMSIZE[item[1]], item[0]))
+    meta = {k: v for k, v in header.metadata.items() if k not in _MANAGED}
+    return _assemble(layout, header.field_checksums, meta)

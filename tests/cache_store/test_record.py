@@ -1,0 +1,300 @@
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+import safetensors.torch
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
+from cache_store.record import (
+    DTYPES,
+    decode_record,
+    encode_record,
+    encode_tensors,
+    read_header,
+    read_metadata,
+    record_checksum,
+    select_fields,
+)
+from tests.cache_store.synthetic import record_metadata, spc_query_fields
+
+FP = "0123456789abcdef" * 2
+KEY = f"{FP}/chairs/a1"
+
+
+def _meta() -> dict[str, str]:
+    return record_metadata(FP, "chairs/a1", "spc_query")
+
+
+def _record(seed: int = 0) -> tuple[dict[str, torch.Tensor], bytes]:
+    fields = spc_query_fields(seed)
+    return fields, encode_record(fields, _meta())
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_round_trip_of_recipe_fields_and_metadata() -> None:
+    fields, value = _record()
+    rec = decode_record(value, key=KEY)
+    _assert_same(rec.tensors, fields)
+    for k, v in _meta().items():
+        assert rec.metadata[k] == v
+    assert rec.metadata["format_version"] == "1"
+    assert rec.metadata["created"] and rec.metadata["spcache_version"]
+    assert rec.checksum == record_checksum(value) == read_metadata(value)["checksum"]
+
+
+@pytest.mark.parametrize("dtype", [getattr(torch, n) for n in DTYPES.values()], ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 0, 2), (5, 3)], ids=str)
+def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).reshape(shape) if dtype != torch.bool else (raw % 2).bool().reshape(shape)
+    rec = decode_record(encode_tensors({"t": t, "pad": torch.ones(3, dtype=torch.uint8)}))
+    out = rec.tensors["t"]
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+    out.reshape(-1).view(torch.uint8).fill_(0)  # each decoded tensor owns writable memory
+
+
+def test_numpy_round_trip_without_torch_dtypes() -> None:
+    from cache_store.record import decode_arrays
+
+    arrays = {"be": np.arange(6, dtype=">i4").reshape(2, 3), "b": np.array([True, False]),
+              "f": np.linspace(0, 1, 5, dtype=np.float16)}
+    value = encode_tensors(arrays, {"m": "x"})
+    out, meta = decode_arrays(value, fields=["be", "b", "f"])
+    assert meta["m"] == "x"
+    for name, array in arrays.items():
+        assert np.array_equal(out[name], array) and out[name].dtype.isnative
+    assert torch.equal(decode_record(value).tensors["be"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
+
+
+def test_numpy_inputs_and_non_contiguous_tensors() -> None:
+    t = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()
+    rec = decode_record(encode_tensors({"a": np.arange(5, dtype=np.float64), "t": t}))
+    assert torch.equal(rec.tensors["t"], t)
+    assert torch.equal(rec.tensors["a"], torch.arange(5, dtype=torch.float64))
+
+
+def test_any_safetensors_reader_opens_a_record() -> None:
+    fields, value = _record()
+    loaded = safetensors.torch.load(value)
+    _assert_same(loaded, fields)
+    as_numpy = safetensors.numpy.load(value)
+    assert np.array_equal(as_numpy["point_hierarchy"], fields["point_hierarchy"].numpy())
+    # and the other way: a record built by the reference writer, plus our metadata, decodes
+    n = struct.unpack("<Q", value[:8])[0]
+    assert (8 + n) % 8 == 0  # data section aligned
+
+
+def test_buffers_are_aligned_for_their_dtype() -> None:
+    _, value = _record()
+    header = read_header(value)
+    from cache_store.record import _ITEMSIZE
+
+    for info in header.tensors.values():
+        assert info.begin % _ITEMSIZE[info.dtype] == 0
+
+
+def test_subset_decoding_touches_only_its_fields() -> None:
+    fields, value = _record()
+    header = read_header(value)
+    info = header.tensors["query_points"]
+    broken = bytearray(value)
+    broken[info.begin] ^= 0xFF  # corrupt a field we do not ask for
+    rec = decode_record(bytes(broken), key=KEY, fields=["octree", "exsum"])
+    assert set(rec.tensors) == {"octree", "exsum"}
+    assert torch.equal(rec.tensors["octree"], fields["octree"])
+    with pytest.raises(CorruptRecord, match="query_points"):
+        decode_record(bytes(broken), key=KEY)
+    with pytest.raises(UnknownName):
+        decode_record(value, fields=["nope"])
+
+
+def test_select_fields_re_encodes_a_verifiable_subset() -> None:
+    fields, value = _record()
+    sub = select_fields(value, ["pyramid", "octree"], key=KEY)
+    rec = decode_record(sub)
+    assert set(rec.tensors) == {"pyramid", "octree"}
+    assert torch.equal(rec.tensors["pyramid"], fields["pyramid"])
+    assert rec.metadata["sample_id"] == "chairs/a1"
+    assert rec.checksum != record_checksum(value)
+    assert select_fields(value, ["octree", "pyramid"]) == sub  # order-independent, deterministic
+    assert safetensors.torch.load(sub).keys() == {"pyramid", "octree"}
+
+
+def test_checksum_changes_with_metadata_and_data() -> None:
+    fields = spc_query_fields(0)
+    a = encode_record(fields, {**_meta(), "created": "t0"})
+    b = encode_record(fields, {**_meta(), "created": "t1"})
+    fields["occupancy"][0] ^= 1
+    c = encode_record(fields, {**_meta(), "created": "t0"})
+    assert len({record_checksum(a), record_checksum(b), record_checksum(c)}) == 3
+    assert encode_record(spc_query_fields(0), {**_meta(), "created": "t0"}) == a
+
+
+def test_every_flipped_bit_is_caught() -> None:
+    _, value = _record()
+    value = value[:]  # bytes
+    rng = np.random.default_rng(0)
+    positions = list(range(0, len(value), 7)) + list(rng.integers(0, len(value), 300))
+    for pos in positions:
+        for bit in (0, 5):
+            broken = bytearray(value)
+            broken[pos] ^= 1 << bit
+            with pytest.raises(CorruptRecord) as err:
+                decode_record(bytes(broken), key=KEY)
+            assert KEY in str(err.value)
+
+
+def test_every_truncation_is_caught() -> None:
+    _, value = _record()
+    for cut in list(range(0, 64)) + list(range(64, len(value), 13)):
+        with pytest.raises(CorruptRecord, match="corrupt record"):
+            decode_record(value[:cut], key=KEY)
+    with pytest.raises(CorruptRecord):
+        decode_record(value + b"\0", key=KEY)
+
+
+def _rewrite_header(value: bytes, edit) -> bytes:
+    n = struct.unpack("<Q", value[:8])[0]
+    header = json.loads(value[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + value[8 + n:]
+
+
+def test_unknown_format_version_is_unsupported() -> None:
+    _, value = _record()
+    newer = _rewrite_header(value, lambda h: h["__metadata__"].update(format_version="2"))
+    with pytest.raises(UnsupportedFormat, match="format_version '2'") as err:
+        decode_record(newer, key=KEY)
+    assert isinstance(err.value, CorruptRecord) and KEY in str(err.value)
+    missing = _rewrite_header(value, lambda h: h["__metadata__"].pop("format_version"))
+    with pytest.raises(UnsupportedFormat):
+        read_metadata(missing)
+
+
+def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
+    """A header edited *and* re-checksummed must still be refused when it lies."""
+    from cache_store.record import _record_checksum
+
+    _, value = _record()
+
+    def resign(edit):
+        def go(h):
+            edit(h)
+            h["__metadata__"]["checksum"] = _record_checksum(h)
+        return _rewrite_header(value, go)
+
+    cases = {
+        "overlap": lambda h: h["octree"].update(data_offsets=[0, h["octree"]["data_offsets"][1] - h["octree"]["data_offsets"][0]]),
+        "shape": lambda h: h["octree"].update(shape=[h["octree"]["shape"][0] + 1]),
+        "dtype": lambda h: h["octree"].update(dtype="Q9"),
+        "bool-shape": lambda h: h["octree"].update(shape=[True]),
+        "extra": lambda h: h.update(ghost={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}),
+        "meta-type": lambda h: h["__metadata__"].update(recipe=3),
+        "entry-keys": lambda h: h["octree"].update(extra=1),
+        "negative": lambda h: h["octree"].update(data_offsets=[-1, 3]),
+    }
+    for name, edit in cases.items():
+        with pytest.raises(CorruptRecord):
+            decode_record(resign(edit), key=name)
+    bool_value = encode_tensors({"b": torch.tensor([True, False])})
+    n = struct.unpack("<Q", bool_value[:8])[0]
+    bad = bytearray(bool_value)
+    bad[8 + n] = 2
+    from cache_store.record import _record_checksum as rc  # noqa: F401
+    import xxhash
+
+    hacked = _rewrite_header(bytes(bad), lambda h: (
+        h["__metadata__"].update(field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n:]))})),
+        h["__metadata__"].update(checksum=_record_checksum(h))))
+    with pytest.raises(CorruptRecord, match="BOOL"):
+        decode_record(hacked)
+
+
+def test_duplicate_header_keys_are_refused() -> None:
+    _, value = _record()
+    n = struct.unpack("<Q", value[:8])[0]
+    text = value[8:8 + n].rstrip()
+    dup = text[:-1] + b',"__metadata__":{}}'
+    with pytest.raises(CorruptRecord, match="duplicate"):
+        decode_record(struct.pack("<Q", len(dup)) + dup + value[8 + n:])
+
+
+@pytest.mark.parametrize("value", [b"", b"\x00" * 8, b"\xff" * 16, b"{}", 12, None, "text",
+                                   struct.pack("<Q", 2) + b"[]", struct.pack("<Q", 2) + b"{}",
+                                   struct.pack("<Q", 4) + b"\xff\xfe{}"])
+def test_garbage_is_corrupt(value: object) -> None:
+    with pytest.raises(CorruptRecord):
+        decode_record(value, key="k")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_mutations_raise_only_corrupt_record(data: st.DataObject) -> None:
+    _, value = _record(1)
+    buf = bytearray(value)
+    n_edits = data.draw(st.integers(1, 6))
+    for _ in range(n_edits):
+        kind = data.draw(st.sampled_from(["flip", "set", "cut", "insert", "header"]))
+        if kind == "flip" and buf:
+            i = data.draw(st.integers(0, len(buf) - 1))
+            buf[i] ^= 1 << data.draw(st.integers(0, 7))
+        elif kind == "set" and buf:
+            i = data.draw(st.integers(0, len(buf) - 1))
+            buf[i] = data.draw(st.integers(0, 255))
+        elif kind == "cut":
+            buf = buf[:data.draw(st.integers(0, len(buf)))]
+        elif kind == "insert":
+            i = data.draw(st.integers(0, len(buf)))
+            buf[i:i] = data.draw(st.binary(max_size=16))
+        else:
+            buf[:8] = struct.pack("<Q", data.draw(st.integers(0, 2 ** 64 - 1)))
+    try:
+        rec = decode_record(bytes(buf), key="fuzz")
+    except CorruptRecord as err:
+        assert "fuzz" in str(err)
+    else:  # only a no-op edit may decode, and then it must be the original
+        assert bytes(buf) == value
+        assert rec.metadata["sample_id"] == "chairs/a1"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz_random_bytes(value: bytes) -> None:
+    with pytest.raises(CorruptRecord):
+        decode_record(value, key="r")
+
+
+def test_encoding_refuses_bad_inputs() -> None:
+    fields = spc_query_fields(0)
+    with pytest.raises(ParameterError, match="source_hash"):
+        encode_record(fields, {k: v for k, v in _meta().items() if k != "source_hash"})
+    with pytest.raises(ParameterError, match="checksum"):
+        encode_record(fields, {**_meta(), "checksum": "x"})
+    with pytest.raises(ParameterError, match="str"):
+        encode_record(fields, {**_meta(), "level": 8})
+    with pytest.raises(ParameterError, match="dense real"):
+        encode_tensors({"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(ParameterError):
+        encode_tensors({"__metadata__": torch.zeros(2)})
+    with pytest.raises(ParameterError):
+        encode_tensors({"o": np.array(["a"], dtype=object)})
+    with pytest.raises(ParameterError):
+        encode_tensors({"l": [1, 2]})
