@@ -127,11 +127,22 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
     return _decode(morton.reshape(-1)).reshape(*morton.shape, 3)
 
 
+_CHILD_BITS = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8)
+
+
+def _run_starts(values: torch.Tensor) -> torch.Tensor:
+    """int64 indices where a run of equal values starts in a 1-d tensor (at least 1 long)."""
+    first = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    torch.ne(values[1:], values[:-1], out=first[1:])
+    return first.nonzero().squeeze(1)
+
+
 def _sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> torch.Tensor:
     dtype = torch.int32 if level <= _INT32_LEVELS else torch.int64
     morton = _encode(points, dtype)
-    if not is_sorted:
-        return torch.unique(morton, sorted=True)
+    if not is_sorted:  # sort + drop repeats is cheaper than torch.unique on the CPU
+        morton = torch.sort(morton).values
+        return morton.index_select(0, _run_starts(morton))
     if morton.shape[0] > 1:
         step = morton[1:] - morton[:-1]
         if bool((step < 0).any()):
@@ -165,19 +176,20 @@ def unbatched_points_to_octree(points: torch.Tensor, level: int,
     level = _checks.check_level(level, low=1)
     points = _checks.check_points(points, level)
     morton = _sorted_unique_morton(points, level, bool(sorted))
+    child_bits = _CHILD_BITS.to(morton.device)
     levels = []
     for _ in range(level):
         parent = morton >> 3
-        first = torch.ones(parent.shape[0], dtype=torch.bool, device=parent.device)
-        torch.ne(parent[1:], parent[:-1], out=first[1:])
-        # Children of one parent are adjacent and distinct, so their bits sum to the byte.
-        bits = torch.cumsum(torch.ones_like(morton) << (morton & 7), 0)
-        last = torch.ones_like(first)
-        last[:-1] = first[1:]
-        ends = bits[last]
-        ends[1:] -= ends[:-1].clone()
-        levels.append(ends.to(torch.uint8))
-        morton = parent[first]
+        starts = _run_starts(parent)
+        # Children of one parent are adjacent and distinct, so the byte is the sum of their
+        # bits: a difference of running sums (mod 256, exact since each byte is < 256).
+        running = torch.cumsum(child_bits.index_select(0, morton & 7), 0, dtype=torch.uint8)
+        ends = torch.empty_like(starts)
+        ends[:-1] = starts[1:] - 1
+        ends[-1] = morton.shape[0] - 1
+        at_end = running.index_select(0, ends)
+        levels.append(torch.diff(at_end, prepend=at_end.new_zeros(1)))
+        morton = parent.index_select(0, starts)
     return torch.cat(levels[::-1])
 
 
