@@ -426,21 +426,39 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     """
     exsum, query_coords, level = _check_query(octree, exsum, query_coords, level)
     with_parents = bool(with_parents)
+    num_query = query_coords.shape[0]
+    shape = (num_query, level + 1) if with_parents else (num_query,)
+    out = torch.empty(shape, dtype=torch.int64, device=octree.device)
+    table = _child_table(octree, exsum) if level > 0 else None
+    # On the CPU, blocks of queries keep each level's temporaries in cache (about 25% faster
+    # at 1M queries); on a GPU one block is best. Every block is itself fully vectorised.
+    block = _QUERY_BLOCK if octree.device.type == "cpu" else max(num_query, 1)
+    for start in range(0, num_query, block):
+        _descend(table, query_coords[start: start + block], level, with_parents,
+                 out[start: start + block])
+    return out
+
+
+_QUERY_BLOCK = 1 << 17
+
+
+def _descend(table: torch.Tensor | None, query_coords: torch.Tensor, level: int,
+             with_parents: bool, out: torch.Tensor) -> None:
+    """Write the query results of one block of queries into ``out`` (int64, (n,) or
+    (n, level + 1)): the root is node 0 of the table; each level follows one child."""
     voxels, inside = query_voxels(query_coords, level, with_parents)
     node = inside.to(torch.int32) - 1  # the root (0) or -1
-    out = None
     if with_parents:
-        out = torch.empty((node.shape[0], level + 1), dtype=torch.int64, device=node.device)
         out[:, 0] = node
-    if level > 0:
-        table = _child_table(octree, exsum)
+    if table is not None:
         morton = _encode(voxels, torch.int32 if level <= _INT32_LEVELS else torch.int64)
         for depth in range(level - 1, -1, -1):
             child = ((morton >> (3 * depth)) & 7).to(torch.int32)
             node = table.index_select(0, child.bitwise_or_((node + 1) << 3))
-            if out is not None:
+            if with_parents:
                 out[:, level - depth] = node
-    return out if out is not None else node.to(torch.int64)
+    if not with_parents:
+        out.copy_(node)
 
 
 def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,

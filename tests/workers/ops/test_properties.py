@@ -179,3 +179,19 @@ def test_int32_and_int64_morton_paths_agree_at_the_switch(level):
     octree = ops.unbatched_points_to_octree(points, level)
     plist = [tuple(p) for p in points.tolist()]
     assert octree.tolist() == ref.octree(plist, level)
+
+
+@pytest.mark.parametrize("with_parents", [False, True])
+def test_query_blocks_do_not_change_results(monkeypatch, with_parents):
+    gen = torch.Generator().manual_seed(3)
+    points = torch.randint(0, 64, (300, 3), generator=gen, dtype=torch.int16)
+    octree, _, _, exsum = _build(points.tolist(), 6)
+    queries = torch.rand(1001, 3, generator=gen) * 2.2 - 1.1
+    whole = ops.unbatched_query(octree, exsum, queries, 6, with_parents)
+    monkeypatch.setattr(ops, "_QUERY_BLOCK", 64)
+    blocked = ops.unbatched_query(octree, exsum, queries, 6, with_parents)
+    assert torch.equal(blocked, whole)
+    assert (whole >= 0).any() and (whole < 0).any()
+    expected = ref.query([tuple(p) for p in points.tolist()], 6, queries.tolist(), 6,
+                         np.float32, with_parents)
+    assert blocked.tolist() == expected
