@@ -19,7 +19,6 @@ import torch
 from cache_store.errors import InvalidTensor
 
 from . import _checks
-from ._checks import MAX_LEVEL
 
 __all__ = [
     "name",
@@ -46,7 +45,6 @@ _SPREAD = ((16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
 _SPREAD32 = ((16, 0x030000FF), (8, 0x0300F00F), (4, 0x030C30C3), (2, 0x09249249))
 _GATHER = ((2, 0x10C30C30C30C30C3), (4, 0x100F00F00F00F00F),
            (8, 0x1F0000FF0000FF), (16, 0x1F00000000FFFF), (32, 0x1FFFFF))
-_MORTON_BITS = 3 * MAX_LEVEL
 
 
 def _spread_bits(v: torch.Tensor) -> torch.Tensor:
@@ -249,12 +247,12 @@ def _checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: tor
     exsum = _checks.current_exsum(exsum, lengths, caller)
     expected = _checks.inclusive_exsum(octrees, lengths)
     if exsum.device != octrees.device or not torch.equal(exsum, expected):
-        raise InvalidTensor("exsum: not the inclusive bit sums of octrees (on their "
-                                    "device); compute it with scan_octrees")
+        raise InvalidTensor("exsum: not the inclusive bit sums of octrees (on their device); "
+                            "compute it with scan_octrees")
     level, expected_pyramids = _checks.octree_structure(expected, lengths)
     if level != max_level or not torch.equal(pyramids, expected_pyramids):
         raise InvalidTensor("pyramids: not the pyramids of octrees; compute them with "
-                                    "scan_octrees")
+                            "scan_octrees")
     return max_level, lengths, exsum
 
 
@@ -269,7 +267,7 @@ def _level_bytes(octrees: torch.Tensor, byte_offsets: torch.Tensor, pyramids: to
     counts = pyramids[:, 0, level].to(torch.int64)
     if starts.shape[0] == 1:
         return octrees[int(starts[0]): int(starts[0]) + int(counts[0])]
-    return octrees[_ranges(starts, counts).to(octrees.device)]
+    return octrees.index_select(0, _ranges(starts, counts).to(octrees.device))
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -364,8 +362,8 @@ def _check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.
     exsum = _checks.current_exsum(exsum, lengths, "unbatched_query")
     expected = _checks.inclusive_exsum(octree, lengths)
     if exsum.device != octree.device or not torch.equal(exsum, expected):
-        raise InvalidTensor("exsum: not the inclusive bit sums of octree (on its "
-                                    "device); compute it with scan_octrees")
+        raise InvalidTensor("exsum: not the inclusive bit sums of octree (on its device); "
+                            "compute it with scan_octrees")
     if query_coords.device != octree.device:
         raise InvalidTensor(f"query_coords: expected device {octree.device} (the "
                                     f"octree's), got {query_coords.device}")
