@@ -452,16 +452,34 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
     return part
 
 
-def _to_tensor(part: memoryview, info: TensorInfo, name: str, key: str) -> torch.Tensor:
+def _tensors(view: memoryview, header: RecordHeader, names: list[str],
+             key: str) -> dict[str, torch.Tensor]:
+    """Verify, then copy the named fields into one fresh buffer (8-byte aligned slots) and
+    view each as a tensor: one allocation and one copy per record, whatever its fields."""
     import torch
 
-    dtype = torch_dtype(info.dtype)
-    if info.begin == info.end:
-        return torch.empty(info.shape, dtype=dtype)
-    buf = bytearray(part)  # the one copy: out of LMDB's map / the caller's bytes
-    if info.dtype == "BOOL" and np.frombuffer(buf, dtype=np.uint8).max() > 1:
-        raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
-    return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+    slots, size = [], 0
+    for name in names:
+        part = _verified_slice(view, header, name, key)  # hashing first warms the cache
+        size = (size + 7) & ~7
+        slots.append((name, part, size))
+        size += part.nbytes
+    buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
+    out = memoryview(buf)
+    tensors = {}
+    for name, part, offset in slots:
+        info = header.tensors[name]
+        dtype = torch_dtype(info.dtype)
+        if not part.nbytes:
+            tensors[name] = torch.empty(info.shape, dtype=dtype)
+            continue
+        out[offset:offset + part.nbytes] = part  # the one copy out of LMDB's map / the bytes
+        if info.dtype == "BOOL" and buf[offset:offset + part.nbytes].max() > 1:
+            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        numel = part.nbytes // _ITEMSIZE[info.dtype]
+        tensor = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+        tensors[name] = tensor if len(info.shape) == 1 else tensor.view(info.shape)
+    return tensors
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
@@ -475,8 +493,9 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
             and hashed.
 
     Returns:
-        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored; each owns
-        its memory and is writable) and ``metadata`` (str -> str).
+        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable; the
+        record's tensors share one fresh buffer, never the input's memory) and
+        ``metadata`` (str -> str).
 
     Raises:
         CorruptRecord: malformed value or checksum mismatch (names ``key``).
@@ -484,11 +503,7 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
         UnknownName: a requested field the record does not hold.
     """
     header = _parse_header(value, key)
-    view = _byte_view(value, key)
-    tensors = {}
-    for name in _selected(header, fields, key):
-        part = _verified_slice(view, header, name, key)
-        tensors[name] = _to_tensor(part, header.tensors[name], name, key)
+    tensors = _tensors(_byte_view(value, key), header, _selected(header, fields, key), key)
     return Record(tensors, dict(header.metadata))
 
 
