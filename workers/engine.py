@@ -482,8 +482,36 @@ def _load_task(recipe_name: str, params: dict[str, Any], fingerprint: str, sampl
         return ("failed", f"{type(exc).__name__}: {_one_line(exc)}", time.perf_counter() - start)
 
 
-def _init_loader_process() -> None:
+def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
+                     name="spcache-orphan-watch").start()
+
+
+def _exit_when_orphaned(engine_pid: int) -> None:
+    """End this loader soon after the engine's process is gone.
+
+    A pool worker blocks on its task queue forever when the engine is killed (SIGKILL
+    leaves no chance to shut the pool down), and with a forkserver its parent is not the
+    engine, so the engine's pid is watched directly.
+    """
+    while _process_alive(engine_pid):
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process stays a zombie until reaped; on Linux, tell the two apart
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class _Loader:
@@ -507,7 +535,8 @@ class _Loader:
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         return cf.ProcessPoolExecutor(max_workers=min(self.engine.jobs, self.count),
-                                      mp_context=context, initializer=_init_loader_process)
+                                      mp_context=context, initializer=_init_loader_process,
+                                      initargs=(os.getpid(),))
 
     def _args(self, item: _Item) -> tuple:
         e = self.engine
