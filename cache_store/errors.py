@@ -21,6 +21,7 @@ __all__ = [
     "ParameterError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
+    "CacheNotFound",
     "JobNotFound",
     "InvalidTensor",
     "TensorTypeError",
@@ -112,6 +113,15 @@ class FingerprintLookupError(SpcacheError, LookupError):
 
 class ReadOnlyStoreError(SpcacheError, PermissionError):
     """A write attempted on a store opened read-only."""
+
+
+class CacheNotFound(SpcacheError, FileNotFoundError):
+    """No cache at ``path`` (a reader opened a location that holds none)."""
+
+    def __init__(self, path: object, reason: str = "no cache there") -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
 
 
 class JobNotFound(SpcacheError, KeyError):

@@ -27,6 +27,7 @@ from cache_store.errors import InvalidSampleId, ParameterError
 __all__ = [
     "FINGERPRINT_HEX_CHARS",
     "MAX_SAMPLE_ID_BYTES",
+    "MAX_SEGMENT_BYTES",
     "canonical_json",
     "compute_fingerprint",
     "validate_fingerprint",
@@ -37,8 +38,11 @@ __all__ = [
 
 #: Length of a fingerprint: 128 bits of BLAKE2b as lowercase hex.
 FINGERPRINT_HEX_CHARS = 32
-#: Longest sample id accepted, counted in UTF-8 bytes.
-MAX_SAMPLE_ID_BYTES = 512
+#: Longest sample id accepted, counted in UTF-8 bytes: a key (32-char fingerprint, '/',
+#: id) must fit LMDB's 511-byte key limit.
+MAX_SAMPLE_ID_BYTES = 448
+#: Longest path segment of a sample id (a file name on common filesystems).
+MAX_SEGMENT_BYTES = 255
 
 _FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{FINGERPRINT_HEX_CHARS}}}")
 # Unicode categories refused anywhere in an id: control (C0, C1, DEL), format (bidi
@@ -104,6 +108,8 @@ def validate_fingerprint(fingerprint: object) -> str:
 def _check_segment(sample_id: str, segment: str) -> None:
     if not segment:
         raise InvalidSampleId(sample_id, "empty path segment (leading, trailing or double '/')")
+    if len(segment.encode("utf-8")) > MAX_SEGMENT_BYTES:
+        raise InvalidSampleId(sample_id, f"a segment is longer than {MAX_SEGMENT_BYTES} bytes")
     if segment != segment.strip():
         raise InvalidSampleId(sample_id, f"segment {segment!r} has leading or trailing whitespace")
     # Compatibility forms fold look-alikes (U+2024 ONE DOT LEADER, U+FF0E FULLWIDTH FULL
@@ -120,7 +126,8 @@ def validate_sample_id(sample_id: object) -> str:
     """Return ``sample_id`` in Unicode NFC form, or raise :class:`InvalidSampleId`.
 
     Accepted: a relative, ``/``-separated path of non-empty segments, at most
-    :data:`MAX_SAMPLE_ID_BYTES` UTF-8 bytes. Refused: non-strings, empty ids, a leading
+    :data:`MAX_SAMPLE_ID_BYTES` UTF-8 bytes in all and :data:`MAX_SEGMENT_BYTES` per
+    segment. Refused: non-strings, empty ids, a leading
     ``/``, backslashes, ``.``/``..`` segments (and segments that Unicode compatibility
     folding turns into dots or slashes), empty segments, segments with leading or trailing
     whitespace, and control, format, surrogate or private-use characters. The id is

@@ -33,13 +33,15 @@ import struct
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 import xxhash
 
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORMAT_VERSION",
@@ -51,6 +53,8 @@ __all__ = [
     "encode_record",
     "encode_tensors",
     "decode_record",
+    "decode_arrays",
+    "torch_dtype",
     "read_header",
     "read_metadata",
     "record_checksum",
@@ -66,16 +70,28 @@ _MANAGED = ("format_version", "checksum", "field_checksums")
 #: Largest header accepted (the safetensors reference reader uses the same bound).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-#: safetensors dtype name <-> torch dtype (every dtype the recipes use, and the rest that
-#: both sides know).
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-    "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-    "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F32": torch.float32, "F64": torch.float64,
+#: safetensors dtype name -> torch dtype name (every dtype the recipes use, and the rest
+#: that both sides know). torch is imported only to build tensors, so reading headers,
+#: checksums and re-encoding subsets (what the service does) needs no torch.
+DTYPES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16",
+    "BF16": "bfloat16", "F32": "float32", "F64": "float64",
 }
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8,
+             "U64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_FROM_TORCH = {f"torch.{v}": k for k, v in DTYPES.items()}
+_NUMPY_DTYPES = {k: np.dtype(v) for k, v in DTYPES.items() if k != "BF16"}
+_FROM_NUMPY = {v: k for k, v in _NUMPY_DTYPES.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name (``"F32"`` -> ``torch.float32``)."""
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
 _LEN = struct.Struct("<Q")
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
@@ -126,27 +142,32 @@ class Record:
 # --------------------------------------------------------------------------- encoding
 
 
+def _bad(name: str, problem: str) -> ParameterError:
+    return ParameterError([f"{name}: {problem}"], what="record tensors")
+
+
+def _numpy_bytes_view(name: str, array: np.ndarray) -> tuple[str, tuple[int, ...], memoryview]:
+    dtype = _FROM_NUMPY.get(array.dtype.newbyteorder("="))
+    if dtype is None:
+        raise _bad(name, f"numpy dtype {array.dtype} has no safetensors name here")
+    array = np.ascontiguousarray(array, dtype=_NUMPY_DTYPES[dtype])  # native order
+    return dtype, tuple(array.shape), memoryview(array.reshape(-1).view(np.uint8))
+
+
 def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
     if isinstance(tensor, np.ndarray):
-        try:
-            tensor = torch.from_numpy(np.ascontiguousarray(tensor))
-        except (TypeError, ValueError) as exc:
-            raise ParameterError([f"{name}: numpy array not convertible ({exc})"],
-                                 what="record tensors") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise ParameterError([f"{name}: expected a torch.Tensor or numpy array, "
-                              f"got {type(tensor).__name__}"], what="record tensors")
+        return _numpy_bytes_view(name, tensor)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(tensor, torch.Tensor):
+        raise _bad(name, f"expected a torch.Tensor or numpy array, got {type(tensor).__name__}")
     if tensor.device.type != "cpu":
-        raise ParameterError([f"{name}: tensor is on {tensor.device}; move it to the CPU "
-                              f"before encoding"], what="record tensors")
-    dtype = _DTYPE_NAMES.get(tensor.dtype)
-    if dtype is None:
-        raise ParameterError([f"{name}: dtype {tensor.dtype} has no safetensors name here "
-                              f"(known: {', '.join(str(d) for d in DTYPES.values())})"],
-                             what="record tensors")
+        raise _bad(name, f"tensor is on {tensor.device}; move it to the CPU before encoding")
     if tensor.is_sparse or tensor.is_quantized or tensor.is_complex():
-        raise ParameterError([f"{name}: only dense real tensors can be stored"],
-                             what="record tensors")
+        raise _bad(name, "only dense real tensors can be stored")
+    dtype = _FROM_TORCH.get(str(tensor.dtype))
+    if dtype is None:
+        raise _bad(name, f"dtype {tensor.dtype} has no safetensors name here "
+                         f"(known: {', '.join(DTYPES.values())})")
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     return dtype, tuple(tensor.shape), memoryview(flat.numpy())
 
@@ -397,7 +418,9 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
 
 
 def _to_tensor(part: memoryview, info: TensorInfo, name: str, key: str) -> torch.Tensor:
-    dtype = DTYPES[info.dtype]
+    import torch
+
+    dtype = torch_dtype(info.dtype)
     if info.begin == info.end:
         return torch.empty(info.shape, dtype=dtype)
     buf = bytearray(part)  # the one copy: out of LMDB's map / the caller's bytes
@@ -432,6 +455,28 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
         part = _verified_slice(view, header, name, key)
         tensors[name] = _to_tensor(part, header.tensors[name], name, key)
     return Record(tensors, dict(header.metadata))
+
+
+def decode_arrays(value: Any, *, key: str = "",
+                  fields: Iterable[str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Like :func:`decode_record` but to NumPy arrays, without torch.
+
+    Returns ``(arrays, metadata)``; each array owns its memory. ``BF16`` fields (NumPy
+    has no bfloat16) raise ``ParameterError``.
+    """
+    header = _parse_header(value, key)
+    view = _byte_view(value, key)
+    arrays = {}
+    for name in _selected(header, fields, key):
+        info = header.tensors[name]
+        if info.dtype == "BF16":
+            raise ParameterError([f"{name}: bfloat16 has no NumPy dtype; use decode_record"])
+        part = _verified_slice(view, header, name, key)
+        array = np.frombuffer(part, dtype=_NUMPY_DTYPES[info.dtype]).copy().reshape(info.shape)
+        if info.dtype == "BOOL" and array.view(np.uint8).max(initial=0) > 1:
+            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        arrays[name] = array
+    return arrays, dict(header.metadata)
 
 
 def select_fields(value: Any, fields: Iterable[str], *, key: str = "") -> bytes:

@@ -61,7 +61,7 @@ def test_valid_sample_ids(good: str) -> None:
 
 HOSTILE = [
     "", "../x", "a/../../x", "/etc/passwd", "..\\x", "a\\b", "a\x00b", "a\nb", "a\x1bb",
-    "a\x7fb", "a\u202eb", "a\u200bb", ".", "..", "a/./b", "a/", "a//b", "x" * (MAX_SAMPLE_ID_BYTES + 1),
+    "a\x7fb", "a\u202eb", "a\u200bb", ".", "..", "a/./b", "a/", "a//b", "x" * (MAX_SAMPLE_ID_BYTES + 1), "x" * 513, "a" * 256, "/".join(["a" * 200] * 3),
     "é" * (MAX_SAMPLE_ID_BYTES // 2 + 1), "\u2024", "\u2025", "a/\u2025/b", "\uff0e\uff0e/x",
     "a\uff0fb", "a\uff3cb", " a", "a/b ", "...", 17, None, b"a",
 ]
@@ -72,6 +72,13 @@ def test_hostile_sample_ids_are_refused(bad: object) -> None:
     with pytest.raises(InvalidSampleId) as err:
         validate_sample_id(bad)
     assert "invalid sample id" in str(err.value)
+
+
+def test_longest_ids_fit() -> None:
+    longest = "/".join(["a" * 223, "b" * 224])
+    assert len(longest.encode()) == MAX_SAMPLE_ID_BYTES
+    assert validate_sample_id(longest) == longest
+    assert len(record_key("0" * 32, longest).encode()) <= 511  # LMDB's key limit
 
 
 def test_sample_ids_are_nfc_normalised() -> None:

@@ -321,20 +321,24 @@ def query_voxels(query_coords: torch.Tensor, level: int,
     (num_query, 3) (0 where outside) and bool (num_query,). Integer queries become
     ``(q.float() / 2**level) * 2 - 1`` first. The single-level query floors
     ``0.5 * 2**level * (coord + 1)`` in float32 (float64 for float64 input); the
-    multi-level one truncates ``(coord * 0.5 + 0.5) * 2**level`` in float64 toward zero.
-    A voxel is inside when all three coordinates lie in ``[0, 2**level - 1]``; NaN never is
-    (Kaolin leaves NaN and coordinates beyond int16 undefined: we call them outside).
+    multi-level one truncates ``(coord * 0.5 + 0.5) * 2**level`` in float64 toward zero
+    (computed as ``(coord + 1) * 2**(level - 1)``: scaling by a power of two commutes with
+    rounding, so the two are the same number). A voxel is inside when all three
+    coordinates lie in ``[0, 2**level - 1]``; NaN never is (Kaolin leaves NaN and
+    coordinates beyond int16 undefined: we call them outside).
     """
     q = query_coords
     if not q.is_floating_point():
         q = (q.float() / (2 ** level)) * 2.0 - 1.0
     if with_parents:
-        v = torch.trunc((q.double() * 0.5 + 0.5) * float(2 ** level))
+        v = q.to(torch.float64, copy=True).add_(1.0).mul_(0.5 * 2 ** level).trunc_()
     else:
-        q = q if q.dtype == torch.float64 else q.float()
-        v = torch.floor((q + 1.0) * (0.5 * 2 ** level))
-    inside = ((v >= 0) & (v <= 2 ** level - 1)).all(dim=1)
-    voxels = torch.where(inside.unsqueeze(1), v, 0).to(torch.int16)
+        v = q.to(torch.float64 if q.dtype == torch.float64 else torch.float32, copy=True)
+        v.add_(1.0).mul_(0.5 * 2 ** level).floor_()
+    half = (2 ** level - 1) / 2
+    ok = v.sub(half).abs_() <= half  # 0 <= v <= 2**level - 1, false for NaN
+    inside = ok[:, 0] & ok[:, 1] & ok[:, 2]
+    voxels = v.masked_fill_(~inside.unsqueeze(1), 0).to(torch.int16)
     return voxels, inside
 
 
@@ -359,16 +363,27 @@ def _check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.
     return exsum, query_coords, level
 
 
+def _rank_table(device: torch.device) -> torch.Tensor:
+    """int32 (256, 8): for byte b and child c, popcount(b & ((2 << c) - 1)) when bit c of b
+    is set (the child's rank among its siblings, from 1), else a large negative number."""
+    byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+    bits = (byte >> torch.arange(8, dtype=torch.int32)) & 1
+    return torch.where(bits == 1, torch.cumsum(bits, dim=1, dtype=torch.int32),
+                       -(1 << 30)).to(device)
+
+
 def _child_table(octree: torch.Tensor, exsum: torch.Tensor) -> torch.Tensor:
-    """int32 ((num_bytes + 1) * 8,): entry ``(j + 1) * 8 + c`` is 1 + the point index of
-    node j's child c, or 0 when that child is absent; row 0 (a missing node) is all 0."""
-    # child index = (0 if j == 0 else exsum[j - 1]) + popcount(byte_j & ((2 << c) - 1))
-    shifts = torch.arange(8, dtype=torch.uint8, device=octree.device)
-    bits = (octree.unsqueeze(1) >> shifts) & 1
-    below = torch.cumsum(bits, dim=1, dtype=torch.int32)
-    base = torch.cat([exsum.new_ones(1), exsum[:-1] + 1])
-    rows = torch.where(bits.bool(), base.unsqueeze(1) + below, 0)
-    return torch.cat([rows.new_zeros(8), rows.reshape(-1)])
+    """int32 ((num_bytes + 1) * 8,): entry ``(j + 1) * 8 + c`` is the point index of node
+    j's child c, or -1 when that child is absent; row 0 (for a missing node) is all -1.
+
+    The child's index is ``(0 if j == 0 else exsum[j - 1]) + popcount(byte_j & ((2 << c) - 1))``.
+    """
+    table = torch.empty((octree.shape[0] + 1) * 8, dtype=torch.int32, device=octree.device)
+    table[:8] = -1
+    rows = table[8:].view(-1, 8)
+    torch.index_select(_rank_table(octree.device), 0, octree.long(), out=rows)
+    rows[1:] += exsum[:-1].unsqueeze(1)
+    return table.clamp_min_(-1)
 
 
 def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
@@ -398,20 +413,22 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     undefined), give -1.
     """
     exsum, query_coords, level = _check_query(octree, exsum, query_coords, level)
-    voxels, inside = query_voxels(query_coords, level, bool(with_parents))
-    node = inside.to(torch.int32)  # 1 + point index; 0 = absent
-    found = [node]
+    with_parents = bool(with_parents)
+    voxels, inside = query_voxels(query_coords, level, with_parents)
+    node = inside.to(torch.int32) - 1  # the root (0) or -1
+    out = None
+    if with_parents:
+        out = torch.empty((node.shape[0], level + 1), dtype=torch.int64, device=node.device)
+        out[:, 0] = node
     if level > 0:
         table = _child_table(octree, exsum)
         morton = _encode(voxels, torch.int32 if level <= _INT32_LEVELS else torch.int64)
         for depth in range(level - 1, -1, -1):
             child = ((morton >> (3 * depth)) & 7).to(torch.int32)
-            node = table.index_select(0, (node << 3) | child)
-            if with_parents:
-                found.append(node)
-    if with_parents:
-        return torch.stack(found, dim=1).to(torch.int64) - 1
-    return node.to(torch.int64) - 1
+            node = table.index_select(0, child.bitwise_or_((node + 1) << 3))
+            if out is not None:
+                out[:, level - depth] = node
+    return out if out is not None else node.to(torch.int64)
 
 
 def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,

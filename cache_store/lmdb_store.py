@@ -1,0 +1,361 @@
+"""LMDBStore: the embedded default store, one LMDB environment in ``<cache>/records/``.
+
+Two named databases live in the environment: ``records`` (key -> record bytes) and
+``indexes`` (fingerprint -> dataset index bytes).
+
+Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
+
+* The environment opens lazily, on first use, in the process that uses it, and is
+  re-opened when ``os.getpid()`` changes.
+* py-lmdb refuses to open a path the process already has open, and that record is
+  inherited by ``fork``. So every open ``LMDBStore`` closes its environment right before
+  any ``os.fork`` (``os.register_at_fork``); parent and child each re-open on next use.
+  Do not fork while another thread of the process is inside a read of the same store.
+* A ``buffers=True`` view is valid only inside its transaction: records are decoded (or
+  copied) before the transaction ends.
+* A writer opening the environment runs ``reader_check()``, freeing reader slots left by
+  killed processes (a stale slot pins old pages and makes the file grow).
+* The reader table has a fixed size, decided by the first process that opens the
+  environment. Every concurrent read transaction takes one slot: size ``max_readers``
+  for (DataLoader workers x threads x processes), plus the service's threads. The
+  default here, 1024, costs 64 KiB of lock file.
+* The map grows by itself: a write that finds it full doubles it (at least; enough for
+  the batch) and retries; readers adopt a map grown by another process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from cache_store.errors import CacheNotFound, RecordNotFound, SpcacheError
+from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
+from cache_store.record import Record, decode_record
+from cache_store.store import DatasetIndex, Store, decode_index, encode_index
+
+__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR"]
+
+log = logging.getLogger(__name__)
+
+#: Subdirectory of a cache directory holding the LMDB environment.
+RECORDS_DIR = "records"
+DEFAULT_MAP_SIZE = 1 << 30
+DEFAULT_MAX_READERS = 1024
+_RECORDS_DB = b"records"
+_INDEXES_DB = b"indexes"
+_KEYS_PER_TXN = 4096
+
+class _SharedEnv:
+    """One LMDB environment per path per process, shared by every store on that path.
+
+    py-lmdb allows a path to be open once per process, so two stores on one cache (a
+    reader and a writer in the same process, say) must share the handle. A writable
+    store upgrades a read-only handle by re-opening it.
+    """
+
+    def __init__(self) -> None:
+        self.env: Any = None
+        self.dbs: dict[bytes, Any] = {}
+        self.pid: int | None = None
+        self.writable = False
+        self.users: weakref.WeakSet[LMDBStore] = weakref.WeakSet()
+
+    def close(self) -> None:
+        env, self.env, self.dbs = self.env, None, {}
+        if env is None:
+            return
+        if self.pid == os.getpid():
+            env.close()
+        else:  # inherited through a fork that bypassed the hook: never close it here
+            _inherited_envs.append(env)
+
+
+_shared_envs: dict[str, _SharedEnv] = {}
+_shared_lock = threading.Lock()
+# Environments inherited through a fork that bypassed the at-fork hook: closing them in
+# the child would touch the parent's locks, so they are only kept from the collector.
+_inherited_envs: list[Any] = []
+
+
+def _close_all_before_fork() -> None:
+    for shared in list(_shared_envs.values()):
+        if shared.env is not None and shared.pid == os.getpid():
+            shared.close()
+
+
+os.register_at_fork(before=_close_all_before_fork)
+
+
+class LMDBStore(Store):
+    """Records in an LMDB environment under ``<path>/records/``.
+
+    Args:
+        path: the cache directory.
+        readonly: readers open read-only (``put_*`` raise ``ReadOnlyStoreError``); a
+            read-only store on a directory without a cache raises ``CacheNotFound``.
+        map_size: initial map size in bytes for a writer (grows by itself).
+        max_map_size: growth stops here (``None``: no bound but the disk).
+        max_readers: size of the reader table (see the module doc).
+        lock: use LMDB's lock file (readers of a read-only medium may pass False, if
+            nothing writes meanwhile).
+        readahead: OS read-ahead on the map; off by default (random access over data
+            larger than memory).
+        sync: fsync on commit (writers).
+
+    Environment options are those of the first store that opens the path in a process.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = True,
+                 map_size: int = DEFAULT_MAP_SIZE, max_map_size: int | None = None,
+                 max_readers: int = DEFAULT_MAX_READERS, lock: bool = True,
+                 readahead: bool = False, sync: bool = True) -> None:
+        super().__init__(path, readonly=readonly)
+        if map_size <= 0 or (max_map_size is not None and max_map_size < map_size):
+            raise ValueError(f"map_size {map_size} / max_map_size {max_map_size} out of range")
+        self.path = Path(path)
+        self.map_size = int(map_size)
+        self.max_map_size = max_map_size
+        self.max_readers = int(max_readers)
+        self.lock = lock
+        self.readahead = readahead
+        self.sync = sync
+
+    # -- environment lifecycle ---------------------------------------------------------
+    @property
+    def env_path(self) -> Path:
+        return self.path / RECORDS_DIR
+
+    def open(self) -> LMDBStore:
+        """Open now (otherwise the first access does). Returns self."""
+        self._environment()
+        return self
+
+    def close(self) -> None:
+        """Stop using the environment; it closes when no store of this process uses it."""
+        with _shared_lock:
+            shared = _shared_envs.get(os.path.realpath(self.env_path))
+            if shared is None:
+                return
+            shared.users.discard(self)
+            if not shared.users:
+                shared.close()
+
+    def _environment(self) -> tuple[Any, dict[bytes, Any]]:
+        shared = _shared_envs.get(os.path.realpath(self.env_path))
+        if (shared is not None and shared.env is not None and shared.pid == os.getpid()
+                and (self.readonly or shared.writable) and self in shared.users):
+            return shared.env, shared.dbs
+        with _shared_lock:
+            shared = _shared_envs.setdefault(os.path.realpath(self.env_path), _SharedEnv())
+            if shared.env is not None and (shared.pid != os.getpid()
+                                           or (not self.readonly and not shared.writable)):
+                shared.close()  # forked without the hook, or a writer upgrading a reader
+            if shared.env is None:
+                shared.env, shared.dbs = self._open_env()
+                shared.pid, shared.writable = os.getpid(), not self.readonly
+            shared.users.add(self)
+            return shared.env, shared.dbs
+
+    def _open_env(self) -> tuple[Any, dict[bytes, Any]]:
+        options = dict(subdir=True, max_dbs=4, max_readers=self.max_readers, lock=self.lock,
+                       readahead=self.readahead)
+        env = None
+        try:
+            if self.readonly:
+                if not (self.env_path / "data.mdb").is_file():
+                    reason = ("not a directory" if self.path.exists() and not self.path.is_dir()
+                              else f"no cache here ({RECORDS_DIR}/data.mdb missing)")
+                    raise CacheNotFound(self.path, reason)
+                env = lmdb.open(str(self.env_path), readonly=True, create=False, **options)
+                dbs = {}
+                for name in (_RECORDS_DB, _INDEXES_DB):
+                    try:
+                        dbs[name] = env.open_db(name, create=False)
+                    except lmdb.NotFoundError:
+                        dbs[name] = None  # no writer has created it yet: empty
+                return env, dbs
+            self.env_path.mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(str(self.env_path), map_size=self.map_size, sync=self.sync,
+                            metasync=self.sync, **options)
+            stale = env.reader_check()
+            if stale:
+                log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                            self.env_path, stale)
+            dbs = {name: env.open_db(name, create=True) for name in (_RECORDS_DB, _INDEXES_DB)}
+            return env, dbs
+        except lmdb.Error as exc:
+            if env is not None:
+                env.close()
+            raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
+
+    # -- transactions ----------------------------------------------------------------
+    @contextmanager
+    def _read(self) -> Iterator[tuple[Any, dict[bytes, Any]]]:
+        env, dbs = self._environment()
+        for name, db in dbs.items():
+            if db is None:  # read-only handle opened before a writer created the database
+                try:
+                    dbs[name] = env.open_db(name, create=False)
+                except lmdb.NotFoundError:
+                    pass
+        try:
+            try:
+                txn = env.begin(buffers=True)
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                env.set_mapsize(0)
+                txn = env.begin(buffers=True)
+        except lmdb.ReadersFullError as exc:
+            raise SpcacheError(
+                f"{self.env_path}: LMDB reader table full (max_readers={self.max_readers}, "
+                f"fixed by the first process that opened it); open every store with a larger "
+                f"max_readers (workers x threads x processes)") from exc
+        with txn:
+            yield txn, dbs
+
+    def _write(self, action: Any, size_hint: int = 0) -> Any:
+        """Run ``action(txn, dbs)`` in one write transaction, growing the map when full."""
+        self.check_writable()
+        env, dbs = self._environment()
+        while True:
+            try:
+                with env.begin(write=True) as txn:
+                    return action(txn, dbs)
+            except lmdb.MapFullError:
+                self._grow(env, size_hint)
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+
+    def _grow(self, env: Any, size_hint: int) -> None:
+        current = env.info()["map_size"]
+        wanted = max(2 * current, current + 2 * size_hint)
+        if self.max_map_size is not None:
+            if current >= self.max_map_size:
+                raise SpcacheError(f"{self.env_path}: LMDB map full at max_map_size "
+                                   f"{self.max_map_size} bytes")
+            wanted = min(wanted, self.max_map_size)
+        log.info("%s: growing LMDB map from %d to %d bytes", self.env_path, current, wanted)
+        env.set_mapsize(wanted)
+
+    # -- primitives ------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        with self._read() as (txn, dbs):
+            value = None if dbs[_RECORDS_DB] is None else txn.get(key.encode(), db=dbs[_RECORDS_DB])
+            if value is None:
+                raise RecordNotFound(key, self.location)
+            return bytes(value)
+
+    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
+        # Decoded inside the transaction, straight from the map: one copy per tensor.
+        with self._read() as (txn, dbs):
+            value = None if dbs[_RECORDS_DB] is None else txn.get(key.encode(), db=dbs[_RECORDS_DB])
+            if value is None:
+                raise RecordNotFound(key, self.location)
+            return decode_record(value, key=key, fields=fields)
+
+    def get_records(self, keys: Iterable[str],
+                    fields: Iterable[str] | None = None) -> list[Record]:
+        fields = None if fields is None else tuple(fields)
+        with self._read() as (txn, dbs):
+            db = dbs[_RECORDS_DB]
+            out = []
+            for key in keys:
+                value = None if db is None else txn.get(key.encode(), db=db)
+                if value is None:
+                    raise RecordNotFound(key, self.location)
+                out.append(decode_record(value, key=key, fields=fields))
+            return out
+
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        self.check_writable()
+        checked = [(key.encode(), value) for key, value in self.check_items(items)]
+
+        def put(txn: Any, dbs: dict[bytes, Any]) -> int:
+            for key, value in checked:
+                txn.put(key, value, db=dbs[_RECORDS_DB])
+            return len(checked)
+
+        return self._write(put, sum(len(v) for _, v in checked))
+
+    def has(self, key: str) -> bool:
+        with self._read() as (txn, dbs):
+            db = dbs[_RECORDS_DB]
+            return db is not None and txn.get(key.encode(), db=db) is not None
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        # Chunks of keys per short transaction: a consumer that stops early, or works
+        # slowly between keys, never pins an old snapshot (or a reader slot).
+        raw_prefix = prefix.encode()
+        start = raw_prefix
+        skip_start = False
+        while True:
+            chunk = self._key_chunk(start, raw_prefix, skip_start)
+            yield from (k.decode() for k in chunk)
+            if len(chunk) < _KEYS_PER_TXN:
+                return
+            start, skip_start = chunk[-1], True
+
+    def _key_chunk(self, start: bytes, prefix: bytes, skip_start: bool) -> list[bytes]:
+        with self._read() as (txn, dbs):
+            if dbs[_RECORDS_DB] is None:
+                return []
+            cursor = txn.cursor(db=dbs[_RECORDS_DB])
+            found: list[bytes] = []
+            if not cursor.set_range(start):
+                return found
+            for key in cursor.iternext(keys=True, values=False):
+                key = bytes(key)
+                if not key.startswith(prefix):
+                    break
+                if skip_start and key == start:
+                    continue
+                found.append(key)
+                if len(found) == _KEYS_PER_TXN:
+                    break
+            return found
+
+    def put_index(self, index: DatasetIndex) -> None:
+        value = encode_index(index)
+        self._write(lambda txn, dbs: txn.put(index.fingerprint.encode(), value,
+                                             db=dbs[_INDEXES_DB]), len(value))
+
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        validate_fingerprint(fingerprint)
+        with self._read() as (txn, dbs):
+            db = dbs[_INDEXES_DB]
+            value = None if db is None else txn.get(fingerprint.encode(), db=db)
+            if value is not None:
+                return decode_index(value, key=f"index:{fingerprint}")
+        raise self.index_missing(fingerprint)
+
+    def fingerprints(self) -> list[str]:
+        with self._read() as (txn, dbs):
+            if dbs[_INDEXES_DB] is None:
+                return []
+            cursor = txn.cursor(db=dbs[_INDEXES_DB])
+            return [bytes(k).decode() for k in cursor.iternext(keys=True, values=False)]
+
+    # -- conveniences done natively ----------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        per_fp: dict[str, dict[str, Any]] = {}
+        with self._read() as (txn, dbs):
+            if dbs[_RECORDS_DB] is not None:
+                for key, value in txn.cursor(db=dbs[_RECORDS_DB]):
+                    entry = per_fp.setdefault(bytes(key[:FINGERPRINT_HEX_CHARS]).decode(),
+                                              {"records": 0, "bytes": 0})
+                    entry["records"] += 1
+                    entry["bytes"] += len(value)
+            env, _ = self._environment()
+            info, stat = env.info(), env.stat()
+        out = self._finish_stats(per_fp)
+        out["lmdb"] = {"map_size": info["map_size"],
+                       "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+                       "max_readers": info["max_readers"], "readers_in_use": info["num_readers"]}
+        return out

@@ -1,0 +1,437 @@
+"""The store contract: where records and dataset indexes rest.
+
+A :class:`Store` has a handful of primitives that each backend implements (``get``,
+``put_many``, ``has``, ``keys``, ``close``, and the per-fingerprint index ``put_index``,
+``get_index``, ``fingerprints``); everything else (``get_record``, ``stats``, ``verify``,
+``find_fingerprints``) is built on them once, here. :func:`open_store` picks a backend
+from a location through a plain-dict registry; backends written in other modules are
+imported by name only when a location needs them.
+
+Every backend constructor takes ``(location, *, readonly=..., **options)``, only assigns
+(nothing is opened before first use) and raises ``ReadOnlyStoreError`` on writes when
+read-only.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime as _dt
+import importlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache_store.errors import (
+    CorruptRecord,
+    FingerprintLookupError,
+    ParameterError,
+    ReadOnlyStoreError,
+    RecordNotFound,
+    SpcacheError,
+    UnknownName,
+)
+from cache_store.fingerprint import (
+    FINGERPRINT_HEX_CHARS,
+    canonical_json,
+    compute_fingerprint,
+    split_key,
+    validate_fingerprint,
+    validate_sample_id,
+)
+from cache_store.record import Record, decode_arrays, decode_record, encode_tensors, read_header
+from cache_store.recipes import RECIPE_SPECS
+
+__all__ = [
+    "STORE_BACKENDS",
+    "DatasetIndex",
+    "Store",
+    "VerifyReport",
+    "encode_index",
+    "decode_index",
+    "open_store",
+]
+
+log = logging.getLogger(__name__)
+
+INDEX_KIND = "spcache.dataset_index"
+
+
+# --------------------------------------------------------------------------- index
+
+
+def _pack_ids(sample_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    encoded = [s.encode("utf-8") for s in sample_ids]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+    return blob, offsets
+
+
+def _unpack_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    raw = blob.tobytes()
+    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
+    return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetIndex:
+    """The ordered sample ids of one fingerprint, with the recipe that computed them.
+
+    ``sample_ids`` is a NumPy unicode array (no per-sample Python objects). The
+    constructor validates every id (normalising to NFC), refuses duplicates, and checks
+    that ``fingerprint`` is the fingerprint of ``(recipe, recipe_version, params)``.
+    """
+
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: Mapping[str, Any]
+    sample_ids: np.ndarray
+    created: str = ""
+
+    def __post_init__(self) -> None:
+        validate_fingerprint(self.fingerprint)
+        expected = compute_fingerprint(self.recipe, self.recipe_version, self.params)
+        if expected != self.fingerprint:
+            raise ParameterError([f"fingerprint {self.fingerprint} is not that of recipe "
+                                  f"{self.recipe!r} v{self.recipe_version} with params "
+                                  f"{canonical_json(dict(self.params))} ({expected})"],
+                                 what="dataset index")
+        ids = [validate_sample_id(s) for s in np.asarray(self.sample_ids).ravel().tolist()]
+        seen: set[str] = set()
+        for sample_id in ids:
+            if sample_id in seen:
+                raise ParameterError([f"sample id {sample_id!r} appears more than once"],
+                                     what="dataset index")
+            seen.add(sample_id)
+        object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "sample_ids",
+                           np.array(ids, dtype=str) if ids else np.array([], dtype="<U1"))
+        if not self.created:
+            object.__setattr__(self, "created",
+                               _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+
+    @classmethod
+    def _trusted(cls, fingerprint: str, recipe: str, recipe_version: int,
+                 params: dict[str, Any], sample_ids: np.ndarray, created: str) -> DatasetIndex:
+        """Build without re-validating: for indexes read back from checksummed storage,
+        which were validated when written."""
+        obj = object.__new__(cls)
+        for name, value in (("fingerprint", fingerprint), ("recipe", recipe),
+                            ("recipe_version", recipe_version), ("params", params),
+                            ("sample_ids", sample_ids), ("created", created)):
+            object.__setattr__(obj, name, value)
+        validate_fingerprint(fingerprint)
+        if compute_fingerprint(recipe, recipe_version, params) != fingerprint:
+            raise ValueError("fingerprint does not match recipe and params")
+        return obj
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(blob uint8 [total_bytes], offsets int64 [n + 1])``: the ids in UTF-8, packed."""
+        return _pack_ids(self.sample_ids.tolist())
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary (no ids)."""
+        return {"fingerprint": self.fingerprint, "recipe": self.recipe,
+                "recipe_version": self.recipe_version, "params": dict(self.params),
+                "samples": len(self), "created": self.created}
+
+
+def encode_index(index: DatasetIndex) -> bytes:
+    """A dataset index as a checksummed safetensors value (ids packed as UTF-8 + offsets)."""
+    blob, offsets = index.packed_ids()
+    meta = {"kind": INDEX_KIND, "fingerprint": index.fingerprint, "recipe": index.recipe,
+            "recipe_version": str(index.recipe_version),
+            "params": canonical_json(dict(index.params)), "created": index.created}
+    return encode_tensors({"sample_ids_utf8": blob, "sample_id_offsets": offsets}, meta)
+
+
+def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
+    """Inverse of :func:`encode_index`; raises ``CorruptRecord`` naming ``key``."""
+    arrays, meta = decode_arrays(value, key=key)
+    try:
+        if meta.get("kind") != INDEX_KIND:
+            raise ValueError(f"kind {meta.get('kind')!r} is not a dataset index")
+        blob, offsets = arrays["sample_ids_utf8"], arrays["sample_id_offsets"]
+        if blob.dtype != np.uint8 or offsets.dtype != np.int64 or offsets.size == 0:
+            raise ValueError("unexpected dtypes for sample ids")
+        if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != blob.size
+                or np.any(np.diff(offsets) < 0)):
+            raise ValueError("sample id offsets do not cover the id bytes")
+        params = json.loads(meta["params"])
+        if not isinstance(params, dict):
+            raise ValueError("params is not a JSON object")
+        return DatasetIndex._trusted(meta["fingerprint"], meta["recipe"],
+                                     int(meta["recipe_version"]), params,
+                                     _unpack_ids(blob, offsets), meta.get("created", ""))
+    except (KeyError, ValueError, TypeError, SpcacheError) as exc:
+        if isinstance(exc, CorruptRecord):
+            raise
+        raise CorruptRecord(key, f"bad dataset index: {exc}") from None
+
+
+# --------------------------------------------------------------------------- reports
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`Store.verify` found: records checked, corrupt ones, missing ones."""
+
+    checked: int = 0
+    corrupt: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.corrupt and not self.missing
+
+    def as_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "ok": self.ok, "corrupt": dict(self.corrupt),
+                "missing": list(self.missing)}
+
+
+# --------------------------------------------------------------------------- store
+
+
+class Store(abc.ABC):
+    """Base of every store. Subclasses implement the primitives; see the module doc."""
+
+    #: True when writes raise :class:`ReadOnlyStoreError`.
+    readonly: bool = True
+
+    def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True) -> None:
+        self.location = os.fspath(location)
+        self.readonly = bool(readonly)
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "writable"
+        return f"{type(self).__name__}({self.location!r}, {mode})"
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- primitives ------------------------------------------------------------------
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The value under ``key``; raises :class:`RecordNotFound` naming key and store."""
+
+    @abc.abstractmethod
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        """Write ``(key, record bytes)`` pairs atomically (all or none); returns the count.
+
+        Implementations validate with :meth:`check_items` before writing.
+        """
+
+    @abc.abstractmethod
+    def has(self, key: str) -> bool:
+        """Whether a record is stored under ``key``."""
+
+    @abc.abstractmethod
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """Record keys starting with ``prefix``, in sorted (UTF-8 byte) order."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release handles; the store may be used again (it re-opens lazily)."""
+
+    @abc.abstractmethod
+    def put_index(self, index: DatasetIndex) -> None:
+        """Record (or replace) the index of ``index.fingerprint``."""
+
+    @abc.abstractmethod
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        """The index of ``fingerprint``; raises :class:`FingerprintLookupError`."""
+
+    @abc.abstractmethod
+    def fingerprints(self) -> list[str]:
+        """Fingerprints that have an index, sorted."""
+
+    # -- helpers for implementations -------------------------------------------------
+    def check_writable(self) -> None:
+        if self.readonly:
+            raise ReadOnlyStoreError(f"{self.location}: store is open read-only")
+
+    def check_items(self, items: Iterable[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Validate keys and record headers before a write; nothing is written on error.
+
+        Each key must be ``<fingerprint>/<sample id>`` and the record's metadata must name
+        the same fingerprint and sample id (a record can never land under a wrong key).
+        """
+        checked = []
+        for key, value in items:
+            fingerprint, sample_id = split_key(key)
+            meta = read_header(value, key=key).metadata
+            if meta.get("fingerprint") != fingerprint or meta.get("sample_id") != sample_id:
+                raise ParameterError([f"{key}: record metadata names fingerprint "
+                                      f"{meta.get('fingerprint')!r} and sample id "
+                                      f"{meta.get('sample_id')!r}"], what="record key")
+            checked.append((key, value if isinstance(value, bytes) else bytes(value)))
+        return checked
+
+    def index_missing(self, fingerprint: str) -> FingerprintLookupError:
+        known = self.fingerprints()
+        return FingerprintLookupError(
+            f"no dataset index for fingerprint {fingerprint!r} in {self.location} "
+            f"(indexed: {', '.join(known) or 'none'})", known)
+
+    # -- conveniences built on the primitives ----------------------------------------
+    def put(self, key: str, value: bytes) -> None:
+        self.put_many([(key, value)])
+
+    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
+        """Decoded record under ``key`` (``fields``: subset to decode and verify)."""
+        return decode_record(self.get(key), key=key, fields=fields)
+
+    def get_records(self, keys: Iterable[str],
+                    fields: Iterable[str] | None = None) -> list[Record]:
+        fields = None if fields is None else tuple(fields)
+        return [self.get_record(key, fields) for key in keys]
+
+    def iter_values(self, prefix: str = "") -> Iterator[tuple[str, bytes]]:
+        for key in self.keys(prefix):
+            try:
+                yield key, self.get(key)
+            except RecordNotFound:  # deleted meanwhile
+                continue
+
+    def stats(self) -> dict[str, Any]:
+        """Records and bytes in all, and per fingerprint (with its recipe when indexed)."""
+        per_fp: dict[str, dict[str, Any]] = {}
+        for key, value in self.iter_values():
+            entry = per_fp.setdefault(key[:FINGERPRINT_HEX_CHARS], {"records": 0, "bytes": 0})
+            entry["records"] += 1
+            entry["bytes"] += len(value)
+        return self._finish_stats(per_fp)
+
+    def _finish_stats(self, per_fp: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        for fingerprint in self.fingerprints():
+            entry = per_fp.setdefault(fingerprint, {"records": 0, "bytes": 0})
+            try:
+                entry.update(self.get_index(fingerprint).describe())
+            except CorruptRecord as exc:
+                entry["index_error"] = str(exc)
+        return {"location": self.location,
+                "records": sum(e["records"] for e in per_fp.values()),
+                "bytes": sum(e["bytes"] for e in per_fp.values()),
+                "fingerprints": dict(sorted(per_fp.items()))}
+
+    def verify(self, fingerprint: str | None = None) -> VerifyReport:
+        """Decode every record (of ``fingerprint``, or all) with full checksum checks.
+
+        Also reports records whose metadata names another key, unreadable indexes, and
+        indexed sample ids without a record (``missing``). Never raises for bad data.
+        """
+        report = VerifyReport()
+        prefix = "" if fingerprint is None else validate_fingerprint(fingerprint) + "/"
+        for key, value in self.iter_values(prefix):
+            report.checked += 1
+            try:
+                meta = decode_record(value, key=key).metadata
+                if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
+                    raise CorruptRecord(key, "metadata names another key")
+            except CorruptRecord as exc:
+                report.corrupt[key] = exc.reason
+                log.warning("verify: %s", exc)
+        fingerprints = self.fingerprints() if fingerprint is None else [fingerprint]
+        for fp in fingerprints:
+            try:
+                index = self.get_index(fp)
+            except FingerprintLookupError:
+                continue
+            except CorruptRecord as exc:
+                report.corrupt[f"index:{fp}"] = exc.reason
+                continue
+            report.missing += [f"{fp}/{sid}" for sid in index.sample_ids.tolist()
+                               if not self.has(f"{fp}/{sid}")]
+        return report
+
+    def find_fingerprints(self, recipe: str, **params: Any) -> list[DatasetIndex]:
+        """Indexes of ``recipe`` whose parameters agree with every given one.
+
+        Given values are coerced by the recipe's schema when the recipe is known here
+        (``level=8.0`` matches ``8``; an unknown parameter raises ``ParameterError``).
+        Sorted by fingerprint.
+        """
+        spec = RECIPE_SPECS.get(recipe)
+        if spec is not None:
+            problems, wanted = [], {}
+            for name, value in params.items():
+                if name not in spec.params:
+                    problems.append(f"{name}: unknown parameter (known: "
+                                    f"{', '.join(sorted(spec.params))})")
+                    continue
+                wanted[name], problem = spec.params[name].check(name, value)
+                if problem:
+                    problems.append(problem)
+            if problems:
+                raise ParameterError(problems, what=f"parameters for recipe {recipe!r}")
+        else:
+            wanted = dict(params)
+        found = []
+        for fp in self.fingerprints():
+            index = self.get_index(fp)
+            if index.recipe == recipe and all(
+                    name in index.params and index.params[name] == value
+                    for name, value in wanted.items()):
+                found.append(index)
+        return found
+
+
+# --------------------------------------------------------------------------- registry
+
+#: Backend name -> "module:Class". Modules are imported when a location needs them, so
+#: backends can land (or be absent) independently.
+STORE_BACKENDS: dict[str, str] = {
+    "lmdb": "cache_store.lmdb_store:LMDBStore",
+    "zarr": "cache_store.zarr_store:ZarrStore",
+    "http": "cache_store.http_store:HTTPStore",
+}
+
+
+def backend_for(cache: str | os.PathLike[str]) -> str:
+    """Name of the backend for a location: ``http(s)://`` -> http, ``*.zarr`` -> zarr,
+    any other URL scheme -> error, a local path -> lmdb."""
+    text = os.fspath(cache)
+    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
+    if scheme in ("http", "https"):
+        return "http"
+    if text.rstrip("/").lower().endswith(".zarr"):
+        return "zarr"
+    if scheme and scheme != "file":
+        raise UnknownName("store location scheme", scheme,
+                          ["http", "https", "file", "<any>://….zarr"])
+    return "lmdb"
+
+
+def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
+               **options: Any) -> Store:
+    """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
+    ``ZarrStore``; ``http(s)://host:port`` -> ``HTTPStore``. A ``Store`` passes through.
+
+    Nothing is opened yet (the first access opens it, in the calling process).
+    """
+    if isinstance(cache, Store):
+        return cache
+    name = backend_for(cache)
+    if isinstance(cache, str) and cache.startswith("file://"):
+        cache = cache[len("file://"):]
+    module_name, _, class_name = STORE_BACKENDS[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise UnknownName("store backend", name,
+                          [n for n in STORE_BACKENDS if n != name]) from exc
+    return getattr(module, class_name)(cache, readonly=readonly, **options)
