@@ -47,6 +47,7 @@ import torch
 from cache_store import __version__ as SPCACHE_VERSION
 from cache_store.errors import (
     CorruptRecord,
+    FingerprintLookupError,
     InvalidSampleId,
     ParameterError,
     RecordNotFound,
@@ -250,6 +251,7 @@ class _Run:
         self.summary = Summary(engine.fingerprint, engine.recipe.name, engine.recipe.version,
                                dict(engine.params))
         self.stored_ids: set[str] = set()
+        self.admitted: list[str] = []  # valid, unique sample ids in input order
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
         self.bar = None
 
@@ -307,6 +309,7 @@ class _Run:
                                         reason=f"duplicate sample id (first given for {seen[sample_id]})"))
                 continue
             seen[sample_id] = path
+            self.admitted.append(sample_id)
             key = self.engine.key(sample_id)
             work.append(_Item(sample_id, path, key, self._stored_hash(key)))
         return work
@@ -429,26 +432,24 @@ class _Run:
 
     def _write_index(self) -> None:
         """The index: ids already indexed, in order, then this run's stored ids in input order."""
-        engine = self.engine
+        engine, store = self.engine, self.engine.store
+        ran = [sid for sid in self.admitted if sid in self.stored_ids]
         try:
-            try:
-                old = list(engine.store.get_index(engine.fingerprint).sample_ids)
-            except RecordNotFound:
-                old = []
-            known = set(old)
-            new = [str(sid) for sid, _ in self.items
-                   if str(sid) in self.stored_ids and str(sid) not in known]
-            if old and not new:
-                return
-            ids = old + new
-            if not ids:
-                return
-            engine.store.put_index(DatasetIndex(
-                engine.fingerprint, engine.recipe.name, engine.recipe.version,
-                dict(engine.params), np.array(ids, dtype=str)))
-        except SpcacheError:
-            logger.exception("could not write the index of fingerprint %s", engine.fingerprint)
-            raise
+            old = store.get_index(engine.fingerprint).sample_ids.tolist()
+        except FingerprintLookupError:
+            old = []
+        except CorruptRecord as exc:
+            # Rebuild from what is stored: this run's ids first, then the others sorted.
+            logger.warning("index of %s is unreadable (%s); rebuilding it", engine.fingerprint, exc)
+            prefix = engine.fingerprint + "/"
+            old = ran + sorted({key[len(prefix):] for key in store.keys(prefix)} - set(ran))
+        known = set(old)
+        new = [sid for sid in ran if sid not in known]
+        if (old and not new) or not (old or new):
+            return
+        store.put_index(DatasetIndex(engine.fingerprint, engine.recipe.name,
+                                     engine.recipe.version, dict(engine.params),
+                                     np.array(old + new, dtype=str)))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -481,8 +482,36 @@ def _load_task(recipe_name: str, params: dict[str, Any], fingerprint: str, sampl
         return ("failed", f"{type(exc).__name__}: {_one_line(exc)}", time.perf_counter() - start)
 
 
-def _init_loader_process() -> None:
+def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
+                     name="spcache-orphan-watch").start()
+
+
+def _exit_when_orphaned(engine_pid: int) -> None:
+    """End this loader soon after the engine's process is gone.
+
+    A pool worker blocks on its task queue forever when the engine is killed (SIGKILL
+    leaves no chance to shut the pool down), and with a forkserver its parent is not the
+    engine, so the engine's pid is watched directly.
+    """
+    while _process_alive(engine_pid):
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process stays a zombie until reaped; on Linux, tell the two apart
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class _Loader:
@@ -506,7 +535,8 @@ class _Loader:
         methods = multiprocessing.get_all_start_methods()
         context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
         return cf.ProcessPoolExecutor(max_workers=min(self.engine.jobs, self.count),
-                                      mp_context=context, initializer=_init_loader_process)
+                                      mp_context=context, initializer=_init_loader_process,
+                                      initargs=(os.getpid(),))
 
     def _args(self, item: _Item) -> tuple:
         e = self.engine
@@ -534,7 +564,9 @@ class _Loader:
             self._restart()
             outcome = ("failed", "the loader process died while reading this file "
                                  "(crash or out of memory)", 0.0)
-        for i, (other, _) in enumerate(pending):
+        for i, (other, earlier) in enumerate(pending):
+            if earlier.done() and not earlier.cancelled() and earlier.exception() is None:
+                continue  # finished before the pool broke: its result stands
             pending[i] = (other, self.submit(other))
         return outcome
 
