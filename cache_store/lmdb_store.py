@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -52,6 +53,8 @@ DEFAULT_MAX_READERS = 1024
 _RECORDS_DB = b"records"
 _INDEXES_DB = b"indexes"
 _KEYS_PER_TXN = 4096
+#: A long-lived writer frees reader slots left by dead processes at most this often.
+READER_CHECK_INTERVAL_S = 5.0
 
 class _SharedEnv:
     """One LMDB environment per path per process, shared by every store on that path.
@@ -66,6 +69,7 @@ class _SharedEnv:
         self.dbs: dict[bytes, Any] = {}
         self.pid: int | None = None
         self.writable = False
+        self.reader_checked = time.monotonic()  # a writer checks when it opens
         self.users: weakref.WeakSet[LMDBStore] = weakref.WeakSet()
 
     def close(self) -> None:
@@ -233,6 +237,7 @@ class LMDBStore(Store):
         """Run ``action(txn, dbs)`` in one write transaction, growing the map when full."""
         self.check_writable()
         env, dbs = self._environment()
+        self._free_stale_readers(env)
         while True:
             try:
                 with env.begin(write=True) as txn:
@@ -241,6 +246,20 @@ class LMDBStore(Store):
                 self._grow(env, size_hint)
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
+
+    def _free_stale_readers(self, env: Any) -> None:
+        # A reader killed inside a transaction pins its snapshot: until its slot is
+        # freed, no page freed after it can be reused and the file only grows. The
+        # check at open is not enough for a writer that runs for days.
+        shared = _shared_envs.get(self._env_key)
+        now = time.monotonic()
+        if shared is None or now - shared.reader_checked < READER_CHECK_INTERVAL_S:
+            return
+        shared.reader_checked = now
+        stale = env.reader_check()
+        if stale:
+            log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                        self.env_path, stale)
 
     def _grow(self, env: Any, size_hint: int) -> None:
         current = env.info()["map_size"]
