@@ -15,10 +15,12 @@ Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
   copied) before the transaction ends.
 * A writer opening the environment runs ``reader_check()``, freeing reader slots left by
   killed processes (a stale slot pins old pages and makes the file grow).
-* The reader table has a fixed size, decided by the first process that opens the
-  environment. Every concurrent read transaction takes one slot: size ``max_readers``
+* The reader table is as large as the largest ``max_readers`` any process asked for
+  since the lock file was created (a larger request grows the file, which outlives the
+  processes). Every concurrent read transaction takes one slot: size ``max_readers``
   for (DataLoader workers x threads x processes), plus the service's threads. The
-  default here, 1024, costs 64 KiB of lock file.
+  default here, 1024, costs 64 KiB of lock file. A reader that finds the table full
+  first frees slots of dead processes (``reader_check``), then raises.
 * The map grows by itself: a write that finds it full doubles it (at least; enough for
   the batch) and retries; readers adopt a map grown by another process.
 """
@@ -207,6 +209,8 @@ class LMDBStore(Store):
         except lmdb.Error as exc:
             if env is not None:
                 env.close()
+            if isinstance(exc, lmdb.ReadersFullError):  # opening reads, so it needs a slot
+                raise self._readers_full() from exc
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- transactions ----------------------------------------------------------------
@@ -220,18 +224,37 @@ class LMDBStore(Store):
                 except lmdb.NotFoundError:
                     pass
         try:
-            try:
-                txn = env.begin(buffers=True)
-            except lmdb.MapResizedError:  # another process grew the map: adopt its size
-                env.set_mapsize(0)
-                txn = env.begin(buffers=True)
+            txn = self._begin_read(env)
         except lmdb.ReadersFullError as exc:
-            raise SpcacheError(
-                f"{self.env_path}: LMDB reader table full (max_readers={self.max_readers}, "
-                f"fixed by the first process that opened it); open every store with a larger "
-                f"max_readers (workers x threads x processes)") from exc
+            # Slots of processes killed inside a read are only freed by a reader check;
+            # run it here too, so readers recover without waiting for a writer.
+            freed = env.reader_check()
+            if not freed:
+                raise self._readers_full(env) from exc
+            log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                        self.env_path, freed)
+            try:
+                txn = self._begin_read(env)
+            except lmdb.ReadersFullError as again:
+                raise self._readers_full(env) from again
         with txn:
             yield txn, dbs
+
+    @staticmethod
+    def _begin_read(env: Any) -> Any:
+        try:
+            return env.begin(buffers=True)
+        except lmdb.MapResizedError:  # another process grew the map: adopt its size
+            env.set_mapsize(0)
+            return env.begin(buffers=True)
+
+    def _readers_full(self, env: Any = None) -> SpcacheError:
+        size = self.max_readers if env is None else env.info()["max_readers"]
+        return SpcacheError(
+            f"{self.env_path}: LMDB reader table full (max_readers={size}; the "
+            f"table is as large as the largest max_readers asked for since its lock file "
+            f"was created); open every store with a larger max_readers (workers x threads "
+            f"x processes)")
 
     def _write(self, action: Any, size_hint: int = 0) -> Any:
         """Run ``action(txn, dbs)`` in one write transaction, growing the map when full."""
