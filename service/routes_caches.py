@@ -18,6 +18,7 @@ from cache_store.jobs import item_state
 from cache_store.recipes import RECIPE_SPECS
 from cache_store.record import record_checksum, select_fields
 from service.context import ServiceContext
+from service.errors import status_for
 from service.warmup import resolve_source
 
 __all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
@@ -194,6 +195,8 @@ async def get_batch(fingerprint: str, body: BatchRequest, request: Request) -> R
                     value = select_fields(value, body.fields, key=key)
                 found.append((sample_id, value))
             except SpcacheError as exc:
+                if status_for(exc) == 503:  # back-pressure: the whole batch is retried
+                    raise
                 missing.append((sample_id, type(exc).__name__, str(exc)))
         ctx.metrics.add_records(len(found))
         return encode_batch(found, missing)
