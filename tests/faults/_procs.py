@@ -121,6 +121,7 @@ def _read_loop(args: argparse.Namespace) -> int:
     store = LMDBStore(args.cache, readonly=True)
     reads, errors, sizes = 0, [], set()
     keys: list[str] = []
+    _say("ready")
     deadline = time.monotonic() + args.seconds
     refreshed = 0.0
     while time.monotonic() < deadline:
