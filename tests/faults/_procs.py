@@ -17,7 +17,7 @@ Commands:
 ``read-loop CACHE SECONDS SEED``
     Reads and decodes random stored records until ``SECONDS`` pass; prints one JSON line
     ``{"reads": .., "errors": [..], "map_sizes": [..]}``.
-``worker-zygote CACHE LEASE BATCH``
+``worker-zygote CACHE LEASE BATCH [--max-attempts N]``
     Imports the worker stack once, then forks a real :class:`WorkerLoop` per ``spawn ID``
     line read from stdin and prints ``pid PID``; reaps children as they die.
 ``queue-submit CACHE SECONDS RATE PER_JOB``
@@ -176,7 +176,7 @@ def _worker_zygote(args: argparse.Namespace) -> int:
                 sys.stdin.close()
                 loop = WorkerLoop(args.cache, device="cpu", backend="torch", batch=args.batch,
                                   lease_s=args.lease, poll_s=0.05, loader_jobs=0,
-                                  worker_id=worker_id)
+                                  max_attempts=args.max_attempts, worker_id=worker_id)
                 code = loop.run()
             finally:
                 os._exit(code)
@@ -286,6 +286,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("cache", type=Path)
     p.add_argument("lease", type=float)
     p.add_argument("batch", type=int)
+    p.add_argument("--max-attempts", type=int, default=3)
     p.set_defaults(func=_worker_zygote)
     p = sub.add_parser("queue-submit")
     p.add_argument("cache", type=Path)
