@@ -1,0 +1,74 @@
+"""Case 6: thousands of items enqueued per second while a worker claims.
+
+Two submitter processes (the service's warm-up path: ``JobQueue.submit``) each enqueue
+``RATE`` items per second in jobs of 100, while a claimer process does what the worker
+loop does with the queue (claim 8 under a lease, complete each) until the queue is
+drained. This process samples the WAL file's size meanwhile.
+
+Figures: items submitted and the rate reached, "database is locked" errors surfaced
+(must be 0: every write is ``BEGIN IMMEDIATE`` under a busy timeout), p50/p99/max claim
+latency, the largest WAL size, and every item done.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_store.jobs import JobQueue
+from tests.faults.conftest import Child, env_float, env_int, report
+
+RATE = env_int("SPCACHE_FAULT_QUEUE_RATE", 1500)  # per submitter; two submitters
+SECONDS = env_float("SPCACHE_FAULT_QUEUE_SECONDS", 5.0)
+
+
+@pytest.mark.slow
+def test_enqueue_storm_while_claiming_never_surfaces_database_locked(
+        tmp_path: Path, children: list[Child]) -> None:
+    cache = tmp_path / "cache"
+    queue = JobQueue(cache)
+    queue.counts()  # creates the schema before the storm
+    wal = cache / "jobs.sqlite-wal"
+    largest = [0]
+    stop = threading.Event()
+
+    def sample_wal() -> None:
+        while not stop.is_set():
+            try:
+                largest[0] = max(largest[0], wal.stat().st_size)
+            except FileNotFoundError:
+                pass
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample_wal, daemon=True)
+    sampler.start()
+    claimer = Child("queue-claim", str(cache), str(SECONDS))
+    submitters = [Child("queue-submit", str(cache), str(SECONDS), str(RATE), "100")
+                  for _ in range(2)]
+    children.extend([claimer, *submitters])
+    subs = [json.loads(s.expect("{", timeout=SECONDS + 120)) for s in submitters]
+    claim = json.loads(claimer.expect("{", timeout=SECONDS + 300))
+    stop.set()
+    sampler.join(5)
+    counts = queue.counts()
+    queue.close()
+    submitted = sum(s["submitted"] for s in subs)
+    figures = {"submitters": 2, "items_submitted": submitted,
+               "submit_rate_items_per_s": round(sum(s["rate"] for s in subs)),
+               "p99_submit_s": round(max(s["p99_submit_s"] for s in subs), 4),
+               "claims": claim["claims"], "completed": claim["completed"],
+               "database_locked_surfaced": sum(s["locked"] for s in subs) + claim["locked"],
+               "p50_claim_s": round(claim["p50_claim_s"], 4),
+               "p99_claim_s": round(claim["p99_claim_s"], 4),
+               "max_claim_s": round(claim["max_claim_s"], 4), "largest_wal_bytes": largest[0],
+               "done": counts["done"]}
+    report("6 queue load", figures)
+    assert figures["database_locked_surfaced"] == 0
+    assert figures["submit_rate_items_per_s"] >= 1000  # thousands per second, really
+    assert counts["done"] == submitted == claim["completed"]
+    assert counts["pending"] == counts["running"] == 0
+    assert largest[0] < 256 * 1024 * 1024
