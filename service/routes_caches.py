@@ -99,7 +99,7 @@ def _etag(value: bytes, key: str) -> str:
             checksum = json.loads(value[8:8 + n])["__metadata__"]["checksum"]
             if isinstance(checksum, str) and checksum.isalnum():
                 return f'"{checksum}"'
-    except (ValueError, KeyError, TypeError, struct.error):
+    except (ValueError, KeyError, TypeError, RecursionError, struct.error):
         pass
     return f'"{record_checksum(value, key=key)}"'
 
