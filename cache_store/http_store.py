@@ -218,6 +218,8 @@ class HTTPStore(Store):
             if key and error in ("RecordNotFound", ""):
                 raise RecordNotFound(key, self.url)
             raise FingerprintLookupError(f"{self.url}: {detail}")
+        if key and error in ("CorruptRecord", "UnsupportedFormat"):  # same class as locally
+            raise CorruptRecord(key, f"{self.url}: {detail}")
         raise SpcacheError(f"{self.url}: HTTP {response.status_code} {error}: {detail}")
 
     # -- Store primitives ----------------------------------------------------------
