@@ -127,7 +127,7 @@ def validate_sample_id(sample_id: object) -> str:
 
     Accepted: a relative, ``/``-separated path of non-empty segments, at most
     :data:`MAX_SAMPLE_ID_BYTES` UTF-8 bytes in all and :data:`MAX_SEGMENT_BYTES` per
-    segment. Refused: non-strings, empty ids, a leading
+    segment. Refused: non-strings, empty ids, U+FFFD (the mark of undecodable bytes), a leading
     ``/``, backslashes, ``.``/``..`` segments (and segments that Unicode compatibility
     folding turns into dots or slashes), empty segments, segments with leading or trailing
     whitespace, and control, format, surrogate or private-use characters. The id is
@@ -142,6 +142,9 @@ def validate_sample_id(sample_id: object) -> str:
         if unicodedata.category(ch) in _REFUSED_CATEGORIES:
             raise InvalidSampleId(sample_id, f"contains the control or invisible character "
                                              f"U+{ord(ch):04X}")
+    if "\ufffd" in sample_id:  # what a lossy decoder makes of bytes that are not UTF-8
+        raise InvalidSampleId(sample_id, "contains U+FFFD (the id was not valid UTF-8 "
+                                         "somewhere; distinct bytes would share this id)")
     normalised = unicodedata.normalize("NFC", sample_id)
     if len(normalised.encode("utf-8")) > MAX_SAMPLE_ID_BYTES:
         raise InvalidSampleId(sample_id, f"longer than {MAX_SAMPLE_ID_BYTES} bytes in UTF-8")
