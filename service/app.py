@@ -52,6 +52,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(caches_router)
     # Added last = outermost: metrics see every answer, the 413s included.
     app.add_middleware(RecordFastPath, ctx=ctx)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app

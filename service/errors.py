@@ -109,7 +109,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     name = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
-            413: "RequestTooLarge"}.get(exc.status_code, "HTTPError")
+            408: "RequestTimeout", 413: "RequestTooLarge"}.get(exc.status_code, "HTTPError")
     return error_response(exc.status_code, name, str(exc.detail),
                           headers=dict(exc.headers) if exc.headers else None)
 

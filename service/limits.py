@@ -1,8 +1,10 @@
-"""Request-body size limit (uvicorn has none of its own)."""
+"""Request-body size and time limits (uvicorn has neither of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,12 +17,19 @@ class _TooLarge(HTTPException):
     so the app's own handler answers 413 (anything else it would turn into a 400)."""
 
 
-class BodySizeLimit:
-    """Answer 413 for bodies over ``max_bytes``, declared (Content-Length) or streamed."""
+class _TooSlow(HTTPException):
+    """Raised from ``receive`` when the body has not arrived in time (answered 408)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+
+class BodySizeLimit:
+    """Answer 413 for bodies over ``max_bytes``, declared (Content-Length) or streamed,
+    and 408 for a body still incomplete ``body_timeout_s`` after the request began (a
+    client trickling bytes would otherwise hold its request open for ever)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in {"GET", "HEAD", "OPTIONS"}:
@@ -38,10 +47,15 @@ class BodySizeLimit:
                 return
         seen = 0
         started = False
+        deadline = time.monotonic() + self.body_timeout_s
 
         async def limited_receive() -> Message:
             nonlocal seen
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                raise _TooSlow(408, f"request body not received within "
+                                    f"{self.body_timeout_s:g} s") from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
@@ -59,6 +73,9 @@ class BodySizeLimit:
         except _TooLarge:
             if not started:
                 await self._reject_size(send)
+        except _TooSlow as exc:
+            if not started:
+                await self._reject(send, 408, "RequestTimeout", str(exc.detail))
 
     async def _reject_size(self, send: Send) -> None:
         await self._reject(send, 413, "RequestTooLarge",

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
         default_factory=lambda: [Path.cwd()],
         description="warm-up source paths must resolve inside one of these")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
     job_errors_page: int = Field(100, ge=1, le=10_000)
