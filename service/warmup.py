@@ -64,7 +64,10 @@ def resolve_source(path: str, roots: Sequence[Path]) -> Path:
     """
     if not path or "\x00" in path:
         raise SourceError(repr(path), "not a usable path")
-    candidate = Path(path).expanduser()
+    try:
+        candidate = Path(path).expanduser()
+    except RuntimeError as exc:  # "~nobody/...": no such user, no home directory
+        raise SourceError(path, f"cannot be resolved: {exc}") from None
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
     try:
@@ -74,8 +77,12 @@ def resolve_source(path: str, roots: Sequence[Path]) -> Path:
     if not any(real.is_relative_to(root) for root in roots):
         raise SourceError(path, "resolves outside the allowed source roots "
                                 f"({', '.join(str(r) for r in roots)})")
-    if not real.is_file():
-        raise SourceError(path, "does not exist" if not real.exists() else "is not a regular file")
+    try:
+        if not real.is_file():
+            raise SourceError(path, "does not exist" if not real.exists()
+                              else "is not a regular file")
+    except OSError as exc:  # e.g. a name too long for the filesystem
+        raise SourceError(path, f"cannot be checked: {exc.strerror or exc}") from None
     return real
 
 
@@ -107,7 +114,10 @@ def expand_glob(root: str, pattern: str, roots: Sequence[Path], limit: int) -> l
 
 
 def resolve_dir(root: str, roots: Sequence[Path]) -> Path:
-    candidate = Path(root).expanduser()
+    try:
+        candidate = Path(root).expanduser()
+    except RuntimeError as exc:
+        raise SourceError(root, f"cannot be resolved: {exc}") from None
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
     real = candidate.resolve(strict=False)
