@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from cache_store import __version__
 from service.context import ServiceContext
-from service.errors import install_error_handlers
+from service.errors import ERROR_RESPONSES, install_error_handlers
 from service.fastpath import RecordFastPath
 from service.limits import BodySizeLimit
 from service.metrics import MetricsMiddleware
@@ -47,9 +47,9 @@ def create_app(settings: Settings) -> FastAPI:
                               "safetensors records.")
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(health_router)
-    app.include_router(jobs_router)
-    app.include_router(caches_router)
+    app.include_router(health_router, responses=ERROR_RESPONSES)
+    app.include_router(jobs_router, responses=ERROR_RESPONSES)
+    app.include_router(caches_router, responses=ERROR_RESPONSES)
     # Added last = outermost: metrics see every answer, the 413s included.
     app.add_middleware(RecordFastPath, ctx=ctx)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,

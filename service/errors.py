@@ -15,6 +15,7 @@ import lmdb
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache_store.errors import (
@@ -30,7 +31,8 @@ from cache_store.errors import (
     UnknownName,
 )
 
-__all__ = ["STATUS_BY_ERROR", "status_for", "error_response", "install_error_handlers"]
+__all__ = ["STATUS_BY_ERROR", "ERROR_RESPONSES", "ErrorBody", "status_for", "error_response",
+           "install_error_handlers"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,21 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 _RETRY_AFTER_S = "1"
+
+
+class ErrorBody(BaseModel):
+    """Every error answer's body (documented in the schema for 4XX and 5XX)."""
+
+    error: str
+    detail: str
+    problems: list[str] | None = None
+
+
+#: ``responses=`` for every router: the error shape, for any client or server error.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorBody, "description": "client error"},
+    "5XX": {"model": ErrorBody, "description": "server error (503: retry after Retry-After)"},
+}
 
 
 def _readers_full(exc: BaseException) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +26,8 @@ __all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
 router = APIRouter(prefix="/v1", tags=["caches"])
 
 _RECORD_MEDIA_TYPE = "application/octet-stream"
+Fingerprint = Annotated[str, Path(pattern="^[0-9a-f]{32}$",
+                                  description="32 lowercase hex characters")]
 
 
 def _ctx(request: Request) -> ServiceContext:
@@ -53,7 +55,7 @@ def list_caches(request: Request) -> dict[str, Any]:
 
 
 @router.get("/caches/{fingerprint}")
-def get_cache(fingerprint: str, request: Request, offset: int = Query(0, ge=0, le=10**9),
+def get_cache(fingerprint: Fingerprint, request: Request, offset: int = Query(0, ge=0, le=10**9),
               limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
     """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
     ctx = _ctx(request)
@@ -150,7 +152,7 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
             responses={200: {"content": {_RECORD_MEDIA_TYPE: {}},
                              "description": "the record, safetensors bytes"},
                        304: {"description": "not modified (If-None-Match)"}})
-async def get_record(fingerprint: str, sample_id: str, request: Request,
+async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
                      fields: str | None = Query(None, max_length=4096,
                                                 description="comma-separated field names")) -> Response:
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
@@ -167,13 +169,14 @@ class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ids: list[str] = Field(min_length=1, description="sample ids, answered in this order")
-    fields: list[str] | None = Field(None, description="subset of fields (default: all)")
+    fields: list[str] | None = Field(None, min_length=1,
+                                     description="subset of fields (default: all)")
 
 
 @router.post("/caches/{fingerprint}/batch", response_class=Response,
              responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
                               "description": "records framed as described in cache_store.http_store"}})
-async def get_batch(fingerprint: str, body: BatchRequest, request: Request) -> Response:
+async def get_batch(fingerprint: Fingerprint, body: BatchRequest, request: Request) -> Response:
     """Many records in one response; a missing or bad sample is listed, the rest still come."""
     ctx = _ctx(request)
     validate_fingerprint(fingerprint)
@@ -205,7 +208,7 @@ async def get_batch(fingerprint: str, body: BatchRequest, request: Request) -> R
 
 
 @router.get("/caches/{fingerprint}/items/{sample_id:path}")
-def get_item_state(fingerprint: str, sample_id: str, request: Request,
+def get_item_state(fingerprint: Fingerprint, sample_id: str, request: Request,
                    path: str | None = Query(None, max_length=4096,
                                             description="source to compare against")) -> dict[str, Any]:
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""

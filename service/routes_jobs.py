@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import ParameterError
+from cache_store.recipes import RECIPE_SPECS
 from service.auth import require_token
 from service.context import ServiceContext
 from service.warmup import expand_glob, plan_warmup
@@ -28,9 +29,11 @@ class WarmupItem(BaseModel):
 class WarmupRequest(BaseModel):
     """Either ``items`` or ``root`` + ``glob`` (ids are the matches' paths without extension)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        "oneOf": [{"required": ["items"]}, {"required": ["root", "glob"]}]})
 
-    recipe: str = Field(min_length=1, max_length=64)
+    recipe: str = Field(min_length=1, max_length=64,
+                        json_schema_extra={"enum": sorted(RECIPE_SPECS)})
     params: dict[str, Any] = Field(default_factory=dict)
     items: list[WarmupItem] | None = None
     root: str | None = Field(None, min_length=1, max_length=4096)
