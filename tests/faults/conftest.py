@@ -8,6 +8,7 @@ same JSON there; ``docs/RELIABILITY.md`` quotes them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -128,5 +129,24 @@ def children() -> Iterator[list[Child]]:
         child.kill()
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+@contextlib.contextmanager
+def served(settings: Any, attempts: int = 3) -> Iterator[Any]:
+    """The app under a real uvicorn on loopback (``InProcessServer``), started again on
+    another port if a start fails (a port picked free can be taken before uvicorn binds
+    it, and a loaded machine can miss the start deadline)."""
+    from tests.service.conftest import InProcessServer
+
+    for attempt in range(attempts):
+        server = InProcessServer(settings)
+        try:
+            server.__enter__()
+        except RuntimeError:
+            server.server.should_exit = True
+            if attempt == attempts - 1:
+                raise
+            continue
+        try:
+            yield server
+        finally:
+            server.__exit__(None, None, None)
+        return

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from service.settings import Settings
-from tests.faults.conftest import report
-from tests.service.conftest import TOKEN, InProcessServer, build_cache
+from tests.faults.conftest import report, served
+from tests.service.conftest import TOKEN, build_cache
 
 READ_ONLY_POSTS = {"/v1/caches/{fingerprint}/batch"}
 
@@ -88,7 +88,7 @@ def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
                         worker=False)
     valid_warmup = {"recipe": "spc", "params": {"level": 4},
                     "items": [{"id": "shapes/new", "path": "shapes/s0.obj"}]}
-    with InProcessServer(settings) as server, httpx.Client(base_url=server.url,
+    with served(settings) as server, httpx.Client(base_url=server.url,
                                                            timeout=20) as client:
         app, ctx = server.app, server.app.state.ctx  # noqa: F841
         job_id = ctx.queue.submit("spc", cache.params, cache.fingerprint, [("shapes/x", "/x.obj")])

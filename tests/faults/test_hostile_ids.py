@@ -34,8 +34,8 @@ from cache_store.http_store import decode_batch
 from cache_store.store import Store
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
-from tests.faults.conftest import report
-from tests.service.conftest import AUTH, TOKEN, InProcessServer, build_cache
+from tests.faults.conftest import report, served
+from tests.service.conftest import AUTH, TOKEN, build_cache
 
 HOSTILE_IDS = [
     "../x", "a/../../x", "..", ".", "/etc/passwd", "..\\x", "a\\..\\..\\x", "x\x00y", "\x00",
@@ -130,7 +130,7 @@ def test_hostile_ids_are_refused_before_any_store_call(tmp_path: Path) -> None:
                         worker=False)
     outcomes: Counter[str] = Counter()
     bad: list[str] = []
-    with InProcessServer(settings) as server, httpx.Client(base_url=server.url,
+    with served(settings) as server, httpx.Client(base_url=server.url,
                                                            timeout=20) as client:
         ctx = server.app.state.ctx
         spy = SpyStore(ctx.store())

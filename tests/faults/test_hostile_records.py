@@ -39,8 +39,8 @@ from cache_store.lmdb_store import LMDBStore
 from cache_store.record import decode_arrays, decode_record, select_fields
 from service.settings import Settings
 from tests.cache_store.synthetic import fingerprint_of, make_record
-from tests.faults.conftest import env_int, report
-from tests.service.conftest import TOKEN, InProcessServer
+from tests.faults.conftest import env_int, report, served
+from tests.service.conftest import TOKEN
 
 MUTANTS = env_int("SPCACHE_FAULT_MUTANTS", 1000)
 _LEN = struct.Struct("<Q")
@@ -331,7 +331,7 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
 
     settings = Settings(cache=cache, source_roots=[tmp_path], token=TOKEN, worker=False)
     server_errors: Counter[str] = Counter()
-    with InProcessServer(settings) as server, httpx.Client(base_url=server.url,
+    with served(settings) as server, httpx.Client(base_url=server.url,
                                                            timeout=30) as raw:
         client = HTTPStore(server.url, retries=0)
         for key in mutants:

@@ -22,6 +22,7 @@ import time
 from collections import Counter
 import concurrent.futures as cf
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,8 +33,8 @@ from cache_store.http_store import HTTPStore
 from cache_store.lmdb_store import LMDBStore
 from cache_store.record import decode_record
 from service.settings import Settings
-from tests.faults.conftest import Child, env_int, report
-from tests.service.conftest import TOKEN, Cache, InProcessServer, build_cache
+from tests.faults.conftest import Child, env_int, report, served
+from tests.service.conftest import TOKEN, Cache, build_cache
 
 SLOTS = 6
 STORM_THREADS = env_int("SPCACHE_FAULT_READER_STORM_THREADS", 24)
@@ -52,8 +53,8 @@ def _reads(cache: Cache) -> list[tuple[str, str, dict | None]]:
             ("GET", "/metrics", None)]
 
 
-def _server(cache: Cache) -> InProcessServer:
-    return InProcessServer(Settings(cache=cache.root, source_roots=[cache.sources],
+def _server(cache: Cache) -> Any:
+    return served(Settings(cache=cache.root, source_roots=[cache.sources],
                                     token=TOKEN, worker=False, stats_ttl_s=0))
 
 

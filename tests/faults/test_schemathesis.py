@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from service.settings import Settings
-from tests.faults.conftest import env_int, report
-from tests.service.conftest import TOKEN, InProcessServer, build_cache
+from tests.faults.conftest import env_int, report, served
+from tests.service.conftest import TOKEN, build_cache
 
 EXAMPLES = env_int("SPCACHE_FAULT_ST_EXAMPLES", 20)
 
@@ -47,7 +47,7 @@ def test_schemathesis_every_check_finds_nothing(tmp_path: Path) -> None:
                         worker=False, max_body_bytes=64 * 1024)
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
-    with InProcessServer(settings) as server:
+    with served(settings) as server:
         result = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run",
              f"{server.url}/openapi.json", "--checks", "all",
