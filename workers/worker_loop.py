@@ -136,25 +136,38 @@ class WorkerLoop:
         first = claimed[0]
         by_id = {c.sample_id: c for c in claimed}
         reported: set[int] = set()
+        # Done items are completed only after the run has written the dataset index, so
+        # a job that reads "done" always has every one of its ids in the index.
+        finished: list[ClaimedItem] = []
 
         def on_result(result: Any) -> None:
             item = by_id.get(result.sample_id)
             if item is None:
                 log.warning("engine reported unknown sample %r", result.sample_id)
                 return
-            if result.status in ("done", "skipped"):
-                queue.complete(self.worker_id, item.item_id)
-            else:
-                queue.fail(self.worker_id, item.item_id, result.reason or "failed",
-                           permanent=True)
             reported.add(item.item_id)
+            if result.status in ("done", "skipped"):
+                finished.append(item)
+                return
+            queue.fail(self.worker_id, item.item_id, result.reason or "failed", permanent=True)
             with self._held_lock:
                 self._held.pop(item.item_id, None)
             self.processed += 1
 
+        def complete_finished() -> None:
+            for item in finished:
+                queue.complete(self.worker_id, item.item_id)
+                with self._held_lock:
+                    self._held.pop(item.item_id, None)
+                self.processed += 1
+            finished.clear()
+
         try:
             engine = self._engine(store, first)
-            engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+            try:
+                engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+            finally:  # the run wrote the index, even when interrupted
+                complete_finished()
         except KeyboardInterrupt:
             raise
         except Exception as exc:  # noqa: BLE001 - a crashed run must not kill the worker
