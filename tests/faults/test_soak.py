@@ -84,8 +84,8 @@ def test_soak_serves_loader_workers_while_the_worker_writes(tmp_path: Path) -> N
     server = start_server(cache, sources, "--device", "cpu", "--backend", "torch")
     stop = threading.Event()
     fed = {"jobs": 0, "items": 0, "errors": 0}
+    client = httpx.Client(base_url=server.url, timeout=60)
     try:
-        client = httpx.Client(base_url=server.url, timeout=60)
         first_ids = [f"s/m{i:05d}" for i in range(FIRST)]
         job = _wait_job(client, _warmup(client, first_ids), 300)
         assert job["counts"]["done"] == FIRST, job
@@ -107,11 +107,11 @@ def test_soak_serves_loader_workers_while_the_worker_writes(tmp_path: Path) -> N
                         fed["errors"] += 1
                     nxt += 8
 
-        feeder = threading.Thread(target=feed, daemon=True)
-        feeder.start()
-
+        # A job that reads "done" has every id in the dataset index.
         dataset = CachedDataset(server.url, fingerprint, fields=["octree", "point_hierarchy"])
         assert len(dataset) == FIRST
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
         expected = {}
         with httpx.Client(base_url=server.url, timeout=60) as check:
             for sid in first_ids:
@@ -159,9 +159,9 @@ def test_soak_serves_loader_workers_while_the_worker_writes(tmp_path: Path) -> N
         del iterator, loader
         written = client.get(f"/v1/caches/{fingerprint}").json()["counts"]["records"]
         alive = service.is_running() and worker.is_running()
-        client.close()
     finally:
         stop.set()
+        client.close()
         stop_server(server)
     flat = {role: _flat(series, start, end) for role, series in rss.items()}
     ratios = {role: (b / a if a else 0.0) for role, (a, b) in flat.items()}
