@@ -251,12 +251,22 @@ class _Precompute:
         parser.add_argument("--cache", required=True, type=Path, help="cache directory")
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"])
-        parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                            help="loader processes (0: load in this process)")
+        parser.add_argument("--jobs", type=int, default=None,
+                            help="loader processes (0: load in this process; default: the CPUs, "
+                                 "at most 8; with --engine ray, per actor, default chosen by "
+                                 "each actor)")
         parser.add_argument("--query-chunk", type=int, default=1 << 18,
                             help="queries per device call before any out-of-memory back-off")
         parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
         parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+        parser.add_argument("--engine", choices=["local", "ray"], default="local",
+                            help="local: this process and its loaders; ray: Ray actors, one per "
+                                 "GPU (or CPU), needs spcache[ray]")
+        parser.add_argument("--address", default=None,
+                            help="Ray cluster to join (--engine ray; default: start a local one)")
+        parser.add_argument("--actors", type=int, default=None,
+                            help="Ray actors (--engine ray; default: one per GPU of the cluster, "
+                                 "or one per CPU without GPUs); --jobs is then per actor")
         _verbose_flag(parser)
 
     @staticmethod
@@ -267,8 +277,12 @@ class _Precompute:
             params = get_recipe(args.recipe).spec.resolve(parse_params(args.param))
             if not DEVICE_PATTERN.match(args.device):
                 raise UsageError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
-            if args.jobs < 0:
+            if args.jobs is not None and args.jobs < 0:
                 raise UsageError(f"--jobs {args.jobs}: must be 0 or more")
+            if args.engine == "local" and (args.address is not None or args.actors is not None):
+                raise UsageError("--address and --actors need --engine ray")
+            if args.actors is not None and args.actors < 1:
+                raise UsageError(f"--actors {args.actors}: must be 1 or more")
             items = discover_sources(args.sources)
             if not items:
                 raise UsageError("no supported source files found in "
@@ -277,7 +291,6 @@ class _Precompute:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
         from cache_store.store import open_store
-        from workers.engine import Engine
 
         try:
             store = open_store(args.cache, readonly=False)
@@ -285,9 +298,7 @@ class _Precompute:
             print(f"spcache precompute: cannot open cache {args.cache}: {exc}", file=sys.stderr)
             return 2
         try:
-            engine = Engine(store, args.recipe, params, device=args.device, backend=args.backend,
-                            jobs=args.jobs, query_chunk=args.query_chunk,
-                            write_batch=args.write_batch, progress=sys.stderr.isatty())
+            engine = _make_engine(args, store, params)
             summary = _run_engine(engine, items)
         except (ParameterError, UnknownName, BackendUnavailable) as exc:
             print(f"spcache precompute: {exc}", file=sys.stderr)
@@ -299,6 +310,20 @@ class _Precompute:
         else:
             _print_summary(summary)
         return 1 if summary.failed else 0
+
+
+def _make_engine(args: argparse.Namespace, store: Any, params: dict[str, Any]) -> Any:
+    options = dict(device=args.device, backend=args.backend, query_chunk=args.query_chunk,
+                   write_batch=args.write_batch, progress=sys.stderr.isatty())
+    if args.engine == "ray":  # Ray is imported only on this path
+        from workers.ray_engine import RayEngine
+
+        return RayEngine(store, args.recipe, params, jobs=args.jobs, address=args.address,
+                         actors=args.actors, **options)
+    from workers.engine import Engine
+
+    jobs = min(8, os.cpu_count() or 1) if args.jobs is None else args.jobs
+    return Engine(store, args.recipe, params, jobs=jobs, **options)
 
 
 def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
@@ -317,6 +342,8 @@ def _print_summary(summary: Any) -> None:
           f"in {summary.wall_s:.1f}s")
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
+    for line in summary.detail_lines() if hasattr(summary, "detail_lines") else ():
+        print(line)
     print(f"fingerprint {summary.fingerprint}")
 
 
