@@ -43,6 +43,7 @@ The one writer is the ceiling of this design: every record passes through the dr
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib
 import logging
 import math
 import os
@@ -60,9 +61,10 @@ from cache_store.errors import (
     ParameterError,
     RecordNotFound,
     SourceError,
+    SpcacheError,
 )
 from cache_store.store import DatasetIndex, Store
-from workers.engine import Engine, ItemResult, Summary, _Item, _Run
+from workers.engine import Engine, ItemResult, Summary, _Item, _Run, resolve_device
 from workers.recipes import Recipe
 from workers.sources import hash_file
 
@@ -93,6 +95,44 @@ class RayUnavailable(BackendUnavailable):
 
     def __init__(self, reason: str) -> None:
         super().__init__("ray", reason)
+
+
+class _RemoteError(Exception):
+    """An spcache error raised in an actor, as plain values, so Ray can carry it back.
+
+    spcache's errors take their own constructor arguments (``SourceError(path, reason)``),
+    which Ray's exception transport cannot rebuild; this one is rebuilt by
+    :func:`_local_error` in the driver as the original class with its attributes.
+    """
+
+    def __init__(self, module: str, name: str, message: str, attrs: dict[str, Any]) -> None:
+        super().__init__(module, name, message, attrs)
+
+    @classmethod
+    def of(cls, exc: SpcacheError) -> _RemoteError:
+        attrs = {k: v for k, v in vars(exc).items()
+                 if isinstance(v, str | int | float | bool | list | tuple | type(None))}
+        return cls(type(exc).__module__, type(exc).__qualname__, str(exc), attrs)
+
+
+def _local_error(exc: BaseException) -> BaseException:
+    """The error an actor raised, as the driver should raise it.
+
+    A carried spcache error comes back as its own class (only classes of spcache's own
+    packages are looked up); anything else is Ray's error, with the actor's traceback.
+    """
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, _RemoteError):
+        module, name, message, attrs = cause.args
+        if module.split(".")[0] in ("cache_store", "workers"):
+            cls = getattr(importlib.import_module(module), name, None)
+            if isinstance(cls, type) and issubclass(cls, SpcacheError):
+                error = cls.__new__(cls)
+                error.args = (message,)
+                vars(error).update(attrs)
+                return error
+        return SpcacheError(message)
+    return exc
 
 
 # --- summary -------------------------------------------------------------------------------
@@ -135,18 +175,21 @@ class RaySummary(Summary):
     ``load_s`` and ``compute_s`` are summed over the actors' engines; ``write_s`` is the
     driver's commit time (the one writer). ``actors`` has one entry per actor;
     ``shard_retries`` counts shards (or parts of shards) queued again after an actor
-    died.
+    died; ``actor_start_s`` is the time from joining Ray until every actor was placed
+    and ready (part of ``wall_s``).
     """
 
     engine: str = "ray"
     actors: list[ActorStats] = field(default_factory=list)
     shard_retries: int = 0
+    actor_start_s: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         data = super().as_json()
         data["engine"] = self.engine
         data["actors"] = [a.as_json() for a in self.actors]
         data["shard_retries"] = self.shard_retries
+        data["timings"]["actor_start_s"] = round(self.actor_start_s, 4)
         return data
 
     def detail_lines(self) -> list[str]:
@@ -296,17 +339,28 @@ class ShardWorker:
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs; resolves its device and ops backend (errors surface here)."""
+        try:
+            return self._describe()
+        except SpcacheError as exc:
+            raise _RemoteError.of(exc) from None
+
+    def _describe(self) -> dict[str, Any]:
+        import ray
+        import torch
+
+        from workers.ops import get_backend  # the ops package imports Kaolin if present
+
         self._configure()
-        from workers.engine import resolve_device
-        from workers.ops import get_backend
+        # The mesh loader's first import (trimesh, networkx: about half a second) is paid
+        # here, while the actor starts, rather than by the first sample of the first shard.
+        import trimesh  # noqa: F401
 
         device = resolve_device(self.options.get("device", "auto"))
         ops = get_backend(self.options.get("backend", "auto"), device)
-        import ray
-
         return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
                 "device": str(device), "backend": str(ops.name),
-                "gpus": [str(g) for g in ray.get_gpu_ids()], "jobs": self.options["jobs"]}
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "jobs": self.options["jobs"],
+                "threads": torch.get_num_threads()}
 
     def run_shard(self, items: Sequence[Sequence[str]], batch: int) -> Iterator[dict[str, Any]]:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
@@ -318,7 +372,10 @@ class ShardWorker:
         """
         self._configure()
         buffer = ShardBuffer()
-        engine = self._engine(buffer, batch)
+        try:
+            engine = self._engine(buffer, batch)
+        except SpcacheError as exc:
+            raise _RemoteError.of(exc) from None
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
         def on_result(result: ItemResult) -> None:
@@ -348,7 +405,7 @@ class ShardWorker:
             if pending:
                 yield _batch_message(pending)
             if kind == "error":
-                raise value
+                raise _RemoteError.of(value) if isinstance(value, SpcacheError) else value
             yield {"summary": _summary_message(value)}
             return
 
@@ -545,7 +602,9 @@ class _RayRun(_Run):
         ray = _import_ray()
         started = self._connect(ray)
         try:
+            start = time.perf_counter()
             self._start_actors(ray, len(todo))
+            self.summary.actor_start_s = time.perf_counter() - start
             self.shards.extend(_Shard(part) for part in _cut(todo, self._shard_size(len(todo))))
             self._schedule(ray)
         finally:
@@ -621,8 +680,9 @@ class _RayRun(_Run):
                 info = _get(ray, ref)
                 slot.stats.node, slot.stats.device = info["node"], info["device"]
                 slot.stats.backend, slot.stats.gpus = info["backend"], info["gpus"]
-                logger.info("actor %d on %s: %s (%s), %d loader process(es)", slot.stats.actor,
-                            info["node"], info["device"], info["backend"], info["jobs"])
+                logger.info("actor %d on %s: %s (%s), %d loader process(es), %d torch "
+                            "thread(s)", slot.stats.actor, info["node"], info["device"],
+                            info["backend"], info["jobs"], info["threads"])
             now = time.monotonic()
             if pending and now > deadline:
                 raise RayUnavailable(f"{len(pending)} of {len(self.slots)} Ray actor(s) were not "
@@ -718,8 +778,7 @@ class _RayRun(_Run):
             self._actor_died(ray, slot, exc)
             return
         except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            raise cause if isinstance(cause, BaseException) else exc
+            _raise_local(exc)
         if "summary" in message:
             self._add_timings(message["summary"])
         else:
@@ -827,8 +886,14 @@ def _get(ray: Any, ref: Any) -> Any:
     except ray.exceptions.RayActorError as exc:
         raise RayUnavailable(f"a Ray actor died while starting: {exc}") from exc
     except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        raise cause if isinstance(cause, BaseException) else exc
+        _raise_local(exc)
+
+
+def _raise_local(exc: BaseException) -> None:
+    error = _local_error(exc)
+    if error is exc:
+        raise exc
+    raise error from exc
 
 
 def _import_ray() -> Any:
