@@ -84,6 +84,8 @@ logger = logging.getLogger(__name__)
 _HASH_THREADS = 8
 #: Largest automatic shard; a bigger one only delays the load balancing at the end.
 _MAX_AUTO_SHARD = 512
+#: Batches an actor may have produced that the driver has not taken yet.
+_STREAM_AHEAD = 4
 #: Seconds between checks for Ctrl-C while waiting on actors, and between "still
 #: waiting for actors" log lines.
 _WAIT_TICK_S = 1.0
@@ -376,7 +378,8 @@ class ShardWorker:
             engine = self._engine(buffer, batch)
         except SpcacheError as exc:
             raise _RemoteError.of(exc) from None
-        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Bounded: when Ray holds the stream back, the engine waits here, not in memory.
+        events: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2 * batch)
 
         def on_result(result: ItemResult) -> None:
             if self.fault is not None:
@@ -734,8 +737,12 @@ class _RayRun(_Run):
             slot.state, slot.shard, slot.since = "busy", shard, time.perf_counter()
             slot.outstanding = {item.sample_id: item for item in shard.items}
             slot.stats.shards += 1
-            slot.stream = slot.handle.run_shard.options(num_returns="streaming").remote(
-                [[item.sample_id, item.path] for item in shard.items], self.engine.write_batch)
+            # Backpressure: an actor that is _STREAM_AHEAD batches ahead of the writer
+            # pauses (its engine blocks in on_result), so a slow writer bounds memory.
+            slot.stream = slot.handle.run_shard.options(
+                num_returns="streaming", _generator_backpressure_num_objects=_STREAM_AHEAD,
+            ).remote([[item.sample_id, item.path] for item in shard.items],
+                     self.engine.write_batch)
 
     def _next_shard(self, actor: int, live: set[int]) -> _Shard | None:
         """The first shard that does not avoid this actor, else one every live actor
