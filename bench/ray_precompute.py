@@ -14,6 +14,10 @@ reported apart from the work. Configurations, interleaved ``--repeat`` times:
 - ``ray-1``, ``ray-2``: :class:`workers.ray_engine.RayEngine` with 1 and 2 CPU actors,
   each loading in its own process (``jobs=0``).
 
+With ``--device cuda`` every run uses the GPU (``ray-2`` only with two GPUs), and each
+actor gets ``--jobs`` loader processes. The overhead line then compares ``ray-1`` with
+the serial ``local`` run, so read it against ``local-pipelined`` instead.
+
 Prints samples/s over the whole run (wall, actor start included) and over the work alone
 (wall less actor start), each as a ratio to the local baseline of the same invocation,
 and the overhead Ray adds per sample: ``(ray-1 work time - local wall) / samples``.
@@ -46,15 +50,16 @@ from workers.engine import Engine  # noqa: E402
 from workers.ray_engine import RayEngine  # noqa: E402
 
 
-def run_once(items: list[tuple[str, str]], params: dict, config: dict) -> dict:
+def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: str) -> dict:
+    backend = "torch" if device == "cpu" else "auto"
     with tempfile.TemporaryDirectory(prefix="spcache-bench-") as tmp:
         store = open_store(Path(tmp) / "cache", readonly=False)
         try:
             if config["engine"] == "ray":
-                engine = RayEngine(store, "spc_query", params, device="cpu", backend="torch",
-                                   jobs=0, actors=config["actors"])
+                engine = RayEngine(store, "spc_query", params, device=device, backend=backend,
+                                   jobs=config["jobs"], actors=config["actors"])
             else:
-                engine = Engine(store, "spc_query", params, device="cpu", backend="torch",
+                engine = Engine(store, "spc_query", params, device=device, backend=backend,
                                 jobs=config["jobs"])
             start = time.perf_counter()
             summary = engine.run(items)
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", type=int, default=2, help="CPUs given to the local Ray")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the local runs (a one-CPU actor gets 1)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every run on the GPU(s), one actor per GPU, loaders ahead")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
@@ -95,25 +102,31 @@ def main(argv: list[str] | None = None) -> int:
     params = {"level": args.level, "surface_samples": args.surface_samples,
               "uniform_queries": args.queries // 2,
               "surface_queries": args.queries - args.queries // 2}
+    # On the CPU each actor loads in its own process (the serial baseline's work); on
+    # GPUs each actor has --jobs loaders ahead of its device, like the pipelined run.
+    actor_jobs = 0 if args.device == "cpu" else args.jobs
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     configs = {
         "local": {"engine": "local", "jobs": 0},
         "local-pipelined": {"engine": "local", "jobs": args.jobs},
-        "ray-1": {"engine": "ray", "actors": 1},
-        "ray-2": {"engine": "ray", "actors": 2},
     }
+    for actors in (1, 2):
+        if args.device == "cpu" or actors <= gpus:
+            configs[f"ray-{actors}"] = {"engine": "ray", "actors": actors, "jobs": actor_jobs}
     ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
-        print(f"{len(items)} samples ({len(meshes)} meshes x {args.copies}) from {args.meshes}; "
+        print(f"{len(items)} samples ({len(meshes)} meshes x {args.copies}) from {args.meshes} "
+              f"on {args.device}{f' ({gpus} GPU(s))' if gpus else ''}; "
               f"spc_query {params}; {os.cpu_count()} CPUs (Ray: {args.cpus}), "
               f"torch {torch.__version__} ({args.threads} thread(s) in the local runs), "
               f"ray {ray.__version__}")
         # warm-up: imports, the loader pool's first start, Ray's first worker processes
         for config in configs.values():
-            run_once(items[:2], params, config)
+            run_once(items[:2], params, config, args.device)
         trials: dict[str, list[dict]] = {name: [] for name in configs}
         for _ in range(args.repeat):
             for name, config in configs.items():
-                trials[name].append(run_once(items, params, config))
+                trials[name].append(run_once(items, params, config, args.device))
     finally:
         ray.shutdown()
     runs = {name: min(t, key=lambda r: r["work_s"])
@@ -139,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         "best_ms": 1000 * (runs["ray-1"]["work_s"] - base["wall_s"]) / n,
         "median_ms": 1000 * (runs["ray-1"]["median_work_s"] - base["median_wall_s"]) / n,
     }
+    starts = ", ".join(f"{runs[name]['actor_start_s']:.2f} s ({name})"
+                       for name in runs if name.startswith("ray-"))
     print(f"Ray overhead per sample (ray-1 work time - local wall) / {n}: "
           f"{overhead['best_ms']:.1f} ms (best), {overhead['median_ms']:.1f} ms (median); "
-          f"actor start {runs['ray-1']['actor_start_s']:.2f} s per run (1 actor), "
-          f"{runs['ray-2']['actor_start_s']:.2f} s (2 actors)")
+          f"actor start per run: {starts}")
     if args.json:
         args.json.write_text(json.dumps({"params": params, "samples": n, "runs": runs,
                                          "overhead_per_sample_ms": overhead}, indent=2))
