@@ -219,9 +219,31 @@ class Engine:
         self.fault_hook = fault_hook
         self.progress = progress
         self.fingerprint = compute_fingerprint(self.recipe.name, self.recipe.version, self.params)
+        self._loader: _Loader | None = None
 
     def key(self, sample_id: str) -> str:
         return record_key(self.fingerprint, sample_id)
+
+    def open(self) -> Engine:
+        """Start the loader pool now and keep it for every later :meth:`run` (a long-lived
+        worker calls this once; without it each run starts and stops its own pool)."""
+        if self._loader is None:
+            loader = _Loader(self)
+            loader.open()
+            self._loader = loader
+        return self
+
+    def close(self) -> None:
+        """Stop the loader pool started by :meth:`open` (safe to call twice)."""
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
             on_result: Callable[[ItemResult], None] | None = None) -> Summary:
@@ -260,10 +282,12 @@ class _Run:
     def execute(self) -> Summary:
         start = time.perf_counter()
         work = self._admit(self.items)
-        loader = _Loader(self.engine, len(work))
+        own_loader = self.engine._loader is None
+        loader = _Loader(self.engine, len(work)) if own_loader else self.engine._loader
         writer: _Writer | None = None
         try:
-            loader.open()
+            if own_loader:
+                loader.open()
             device = resolve_device(self.engine.device)
             from workers.ops import get_backend  # the ops package imports Kaolin if present
 
@@ -279,7 +303,8 @@ class _Run:
             self._drain_committed()
             self.summary.oom_backoffs = budget.backoffs
         finally:
-            loader.close()
+            if own_loader:
+                loader.close()
             if writer is not None and writer.is_alive():
                 writer.finish()  # interrupted: still commit what was computed
                 self._drain_committed(quiet=True)
@@ -329,6 +354,15 @@ class _Run:
     def _loop(self, work: list[_Item], loader: _Loader, writer: _Writer,
               device: torch.device, ops: Any, budget: ChunkBudget) -> None:
         pending: deque[tuple[_Item, cf.Future]] = deque()
+        try:
+            self._drive(work, pending, loader, writer, device, ops, budget)
+        finally:
+            for _, future in pending:  # interrupted: loads nobody will wait for
+                future.cancel()
+
+    def _drive(self, work: list[_Item], pending: deque[tuple[_Item, cf.Future]],
+               loader: _Loader, writer: _Writer, device: torch.device, ops: Any,
+               budget: ChunkBudget) -> None:
         upcoming = iter(work)
         while True:
             while len(pending) < self.engine.prefetch:
@@ -522,9 +556,9 @@ class _Loader:
     the culprit and fails with a reason; the other pending items are resubmitted.
     """
 
-    def __init__(self, engine: Engine, count: int) -> None:
+    def __init__(self, engine: Engine, count: int | None = None) -> None:
         self.engine = engine
-        self.count = count
+        self.count = engine.jobs if count is None else count  # no more processes than items
         self.pool: cf.ProcessPoolExecutor | None = None
 
     def open(self) -> None:
@@ -532,8 +566,14 @@ class _Loader:
             self.pool = self._new_pool()
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            # Import the heavy modules once in the server (CPU only: it never runs an op),
+            # so each loader forks ready instead of importing torch and trimesh itself.
+            # Takes effect when this process first starts its forkserver.
+            context.set_forkserver_preload(["workers.engine", "trimesh"])
+        else:
+            context = multiprocessing.get_context("spawn")
         return cf.ProcessPoolExecutor(max_workers=min(self.engine.jobs, self.count),
                                       mp_context=context, initializer=_init_loader_process,
                                       initargs=(os.getpid(),))
@@ -548,7 +588,11 @@ class _Loader:
             future: cf.Future = cf.Future()
             future.set_result(_load_task(*self._args(item)))
             return future
-        return self.pool.submit(_load_task, *self._args(item))
+        try:
+            return self.pool.submit(_load_task, *self._args(item))
+        except BrokenProcessPool:  # a process died since the last submit
+            self._restart()
+            return self.pool.submit(_load_task, *self._args(item))
 
     def result(self, item: _Item, future: cf.Future,
                pending: deque[tuple[_Item, cf.Future]]) -> tuple:
