@@ -19,7 +19,7 @@ import importlib
 import json
 import logging
 import os
-import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,7 +48,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 MANIFEST_EXTENSIONS = (".txt", ".jsonl")
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class UsageError(SpcacheError, ValueError):
@@ -261,6 +260,7 @@ class _Precompute:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        from workers.engine import DEVICE_PATTERN, Engine
         from workers.recipes import get_recipe
 
         try:  # everything that can be checked without touching the cache or a device
@@ -277,7 +277,6 @@ class _Precompute:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
         from cache_store.store import open_store
-        from workers.engine import Engine
 
         try:
             store = open_store(args.cache, readonly=False)
@@ -302,12 +301,23 @@ class _Precompute:
 
 
 def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
-    if not engine.progress:
-        return engine.run(items)
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    """``engine.run(items)``; SIGTERM (``docker stop``) ends it like Ctrl-C: what was
+    computed is committed and indexed before the process exits with status 130."""
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if not engine.progress:
+            return engine.run(items)
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
-    with logging_redirect_tqdm():
-        return engine.run(items)
+        with logging_redirect_tqdm():
+            return engine.run(items)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _print_summary(summary: Any) -> None:

@@ -3,7 +3,6 @@ normalisation lands in [-1, 1] and sampling is seeded and area-weighted."""
 
 from __future__ import annotations
 
-import io
 import math
 from pathlib import Path
 
