@@ -137,8 +137,9 @@ def discover_sources(sources: Sequence[str | os.PathLike[str]]) -> list[tuple[st
 
     - a directory: every supported file under it (recursively, hidden entries skipped),
       sorted; the id is the path relative to the directory, without extension;
-    - ``.txt``: a manifest, one path a line (``#`` comments); the id is the path as
-      written, without extension; relative paths are relative to the manifest;
+    - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
+      folder; the id is that relative path without extension, or for a path outside
+      the folder its file name without extension;
     - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
     - any other file: one sample whose id is the file name without extension.
 
@@ -187,9 +188,23 @@ def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
 def _read_txt_manifest(manifest: Path) -> list[tuple[str, str]]:
     items = []
     for _, line in _manifest_lines(manifest):
-        written = Path(line)
-        items.append((written.with_suffix("").as_posix(), str(manifest.parent / written)))
+        path = manifest.parent / line  # an absolute line stays absolute
+        items.append((_manifest_id(manifest.parent, Path(line)), str(path)))
     return items
+
+
+def _manifest_id(base: Path, written: Path) -> str:
+    """The path relative to the manifest's folder, without extension; a path outside that
+    folder (absolute, or climbing out with ``..``) gets its file name without extension."""
+    if written.is_absolute():
+        try:
+            written = written.relative_to(base.resolve())
+        except ValueError:
+            return written.stem
+    inside = Path(os.path.normpath(written))
+    if inside.parts and inside.parts[0] == "..":
+        return written.stem
+    return inside.with_suffix("").as_posix()
 
 
 def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:

@@ -61,7 +61,15 @@ from cache_store.fingerprint import (
 )
 from cache_store.record import encode_record, read_metadata
 from cache_store.store import DatasetIndex, Store
-from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, get_recipe, make_generator
+from workers.recipes import (
+    OOM_ERRORS,
+    ChunkBudget,
+    Prepared,
+    Recipe,
+    check_outputs,
+    get_recipe,
+    make_generator,
+)
 from workers.sources import hash_bytes, load_source, read_source_bytes
 
 __all__ = ["DEVICE_PATTERN", "Engine", "Summary", "SampleError", "ItemResult", "resolve_device"]
@@ -389,6 +397,7 @@ class _Run:
         try:
             tensors = self.engine.recipe.compute_prepared(
                 prepared, self.engine.params, device=device, ops=ops, query_chunk=budget)
+            check_outputs(self.engine.recipe.spec, tensors, self.engine.params)
         except OOM_ERRORS as exc:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
