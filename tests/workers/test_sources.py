@@ -9,6 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from cache_store.errors import SourceError
 from workers.sources import (
@@ -229,11 +232,6 @@ def test_shape_points_of_clouds_and_meshes(tmp_path: Path) -> None:
     unit = (surf + 1) / 2  # back to the unit tetrahedron
     on_face = ((unit.abs() < 1e-9).any(dim=1)) | ((unit.sum(dim=1) - 1).abs() < 1e-9)
     assert bool(on_face.all())
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.extra.numpy import arrays  # noqa: E402
 
 _coords = st.floats(min_value=-1e30, max_value=1e30, allow_nan=False, allow_infinity=False)
 
