@@ -402,8 +402,8 @@ class _Run:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             self._finish(ItemResult(item.sample_id, item.path, "failed",
-                                    reason=f"out of device memory even with {budget.size}-query "
-                                           f"chunks: {_one_line(exc)}"))
+                                    reason=f"out of device memory (after backing off to "
+                                           f"{budget.size}-query chunks): {_one_line(exc)}"))
             return
         except SourceError as exc:
             self._finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason))
