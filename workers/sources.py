@@ -264,7 +264,7 @@ def _load_with_trimesh(path: Path, data: bytes, ext: str) -> tuple[np.ndarray, n
 
     if ext == ".ply":
         declared = _ply_declared_counts(path, data)
-    kwargs = {"skip_materials": True} if ext in (".obj", ".ply") else {}
+    kwargs = {"skip_materials": True} if ext in (".obj", ".ply", ".glb") else {}
     try:
         loaded = trimesh.load(io.BytesIO(data), file_type=ext[1:], process=False, **kwargs)
     except (MemoryError, RecursionError):
