@@ -265,8 +265,9 @@ class _Precompute:
         parser.add_argument("--cache", required=True, type=Path, help="cache directory")
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"])
-        parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                            help="loader processes (0: load in this process)")
+        parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                            help="loader processes (0: load in this process; default: one per "
+                                 "core but one, at most 8)")
         parser.add_argument("--query-chunk", type=int, default=1 << 18,
                             help="queries per device call before any out-of-memory back-off")
         parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
