@@ -211,18 +211,18 @@ class RaySummary(Summary):
 
 
 class ShardBuffer(Store):
-    """A write-only, in-memory store for one shard: the actor's engine writes here.
+    """A write-only, in-memory store: the actor's engine writes here.
 
-    It holds nothing before the shard starts (so the engine computes every item it is
-    given: the driver has already skipped what is cached) and hands each record back
-    once (:meth:`pop`). The index the engine writes at the end is kept, never used.
+    It is empty when a shard starts (so the engine computes every item it is given: the
+    driver has already skipped what is cached) and hands each record back once
+    (:meth:`pop`). The index the engine writes at the end of a shard is dropped: the
+    driver writes the real one.
     """
 
     def __init__(self) -> None:
         super().__init__("memory://shard", readonly=False)
         self._records: dict[str, bytes] = {}
         self._lock = threading.Lock()
-        self._index: DatasetIndex | None = None
 
     def get(self, key: str) -> bytes:
         with self._lock:
@@ -258,15 +258,13 @@ class ShardBuffer(Store):
             self._records.clear()
 
     def put_index(self, index: DatasetIndex) -> None:
-        self._index = index
+        """Dropped (see the class doc)."""
 
     def get_index(self, fingerprint: str) -> DatasetIndex:
-        if self._index is None or self._index.fingerprint != fingerprint:
-            raise self.index_missing(fingerprint)
-        return self._index
+        raise self.index_missing(fingerprint)
 
     def fingerprints(self) -> list[str]:
-        return [] if self._index is None else [self._index.fingerprint]
+        return []
 
 
 @dataclass(frozen=True)
@@ -299,13 +297,17 @@ class ShardWorker:
     """The Ray actor: the local engine on shards of items, results streamed in batches.
 
     Plain class; :class:`RayEngine` wraps it with ``ray.remote`` and the resources of one
-    GPU (or one CPU). Its constructor only stores its arguments.
+    GPU (or one CPU). Its constructor only stores its arguments; the first call
+    (:meth:`describe`) builds one :class:`workers.engine.Engine` over a
+    :class:`ShardBuffer` and opens it, so the loader pool lives as long as the actor and
+    every shard runs on it.
 
     Args:
         recipe: recipe name.
         params: resolved recipe parameters.
         options: keyword arguments for :class:`workers.engine.Engine` (device, backend,
-            jobs, query_chunk, min_query_chunk, prefetch). ``jobs=None`` picks loader
+            jobs, query_chunk, min_query_chunk, write_batch, prefetch). ``write_batch`` is
+            also the number of results per streamed batch. ``jobs=None`` picks loader
             processes from the node: 0 on a CPU actor, else the node's CPUs per GPU less
             one (1 to 8).
         log_level: level for this process's ``workers`` loggers.
@@ -320,11 +322,12 @@ class ShardWorker:
         self.options = dict(options)
         self.log_level = log_level
         self.fault = fault
-        self._configured = False
+        self._buffer: ShardBuffer | None = None
+        self._engine: Engine | None = None
 
-    def _configure(self) -> None:
-        if self._configured:
-            return
+    def _configure(self) -> Engine:
+        if self._engine is not None:
+            return self._engine
         logging.basicConfig(level=self.log_level,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         # The driver reports every failed sample; the actor's copy of that warning would
@@ -333,11 +336,10 @@ class ShardWorker:
             logging.getLogger("workers.engine").setLevel(max(self.log_level, logging.ERROR))
         if self.options.get("jobs") is None:
             self.options["jobs"] = _auto_jobs(self.options.get("device", "cpu"))
-        self._configured = True
-
-    def _engine(self, store: Store, write_batch: int) -> Engine:
-        return Engine(store, self.recipe, self.params, write_batch=write_batch, progress=False,
-                      **self.options)
+        self._buffer = ShardBuffer()
+        engine = Engine(self._buffer, self.recipe, self.params, progress=False, **self.options)
+        self._engine = engine.open()  # the loader pool starts now, once
+        return self._engine
 
     def describe(self) -> dict[str, Any]:
         """Where this actor runs; resolves its device and ops backend (errors surface here)."""
@@ -364,20 +366,21 @@ class ShardWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "jobs": self.options["jobs"],
                 "threads": torch.get_num_threads()}
 
-    def run_shard(self, items: Sequence[Sequence[str]], batch: int) -> Iterator[dict[str, Any]]:
+    def run_shard(self, items: Sequence[Sequence[str]]) -> Iterator[dict[str, Any]]:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
 
         Each yielded value is ``{"results": [[id, path, status, key, reason], ...],
-        "records": [[key, bytes], ...]}`` with at most ``batch`` results, and the last is
-        ``{"summary": {...}}`` (the shard's engine timings). An error that stops the
-        engine (not one sample's failure) is raised from here.
+        "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and the
+        last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
+        the engine (not one sample's failure) is raised from here.
         """
-        self._configure()
-        buffer = ShardBuffer()
         try:
-            engine = self._engine(buffer, batch)
+            engine = self._configure()
         except SpcacheError as exc:
             raise _RemoteError.of(exc) from None
+        buffer, batch = self._buffer, engine.write_batch
+        assert buffer is not None
+        buffer.close()  # nothing is left over from a shard that stopped early
         # Bounded: when Ray holds the stream back, the engine waits here, not in memory.
         events: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2 * batch)
 
@@ -515,7 +518,7 @@ class RayEngine(Engine):
         """The keyword arguments each actor's local :class:`Engine` is built with."""
         return {"device": self.device, "backend": self.backend, "jobs": self.actor_jobs,
                 "query_chunk": self.query_chunk, "min_query_chunk": self.min_query_chunk,
-                "prefetch": self.prefetch_given}
+                "write_batch": self.write_batch, "prefetch": self.prefetch_given}
 
 
 @dataclass
@@ -741,8 +744,7 @@ class _RayRun(_Run):
             # pauses (its engine blocks in on_result), so a slow writer bounds memory.
             slot.stream = slot.handle.run_shard.options(
                 num_returns="streaming", _generator_backpressure_num_objects=_STREAM_AHEAD,
-            ).remote([[item.sample_id, item.path] for item in shard.items],
-                     self.engine.write_batch)
+            ).remote([[item.sample_id, item.path] for item in shard.items])
 
     def _next_shard(self, actor: int, live: set[int]) -> _Shard | None:
         """The first shard that does not avoid this actor, else one every live actor

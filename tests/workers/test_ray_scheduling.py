@@ -61,15 +61,13 @@ def test_shard_buffer_checks_keys_like_every_store() -> None:
     assert list(buffer.keys()) == []
 
 
-def test_shard_buffer_keeps_the_index_it_is_given() -> None:
+def test_shard_buffer_drops_the_index_the_driver_writes_anyway() -> None:
     buffer = ShardBuffer()
+    params = RayEngine(buffer, "spc", {}, device="cpu").params
+    buffer.put_index(DatasetIndex(FP, "spc", 1, dict(params), np.array(["a", "b"])))
     with pytest.raises(SpcacheError):
         buffer.get_index(FP)
-    params = RayEngine(buffer, "spc", {}, device="cpu").params
-    index = DatasetIndex(FP, "spc", 1, dict(params), np.array(["a", "b"]))
-    buffer.put_index(index)
-    assert buffer.get_index(FP).sample_ids.tolist() == ["a", "b"]
-    assert buffer.fingerprints() == [FP]
+    assert buffer.fingerprints() == []
 
 
 # --- options -----------------------------------------------------------------------------
@@ -90,9 +88,11 @@ def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) 
 
 
 def test_the_actor_engine_options_are_the_local_engine_options() -> None:
-    engine = _engine(jobs=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch")
+    engine = _engine(jobs=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch",
+                     write_batch=7)
     assert engine.actor_options() == {"device": "cpu", "backend": "torch", "jobs": 3,
-                                      "query_chunk": 4096, "min_query_chunk": 64, "prefetch": 5}
+                                      "query_chunk": 4096, "min_query_chunk": 64,
+                                      "write_batch": 7, "prefetch": 5}
     assert _engine().actor_options()["jobs"] is None  # each actor chooses
 
 
