@@ -1,0 +1,132 @@
+"""The command line: parsing, source discovery, dispatch and exit codes (no device work)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cache_store.errors import ParameterError, SourceError
+from tests.conftest import REPO_ROOT
+from workers import cli
+from workers.cli import COMMANDS, discover_sources, main, parse_params
+
+
+def _touch(path: Path, text: str = "0 0 0\n1 1 1\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_directory_discovery_is_recursive_sorted_and_ids_are_relative(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _touch(root / "b.xyz")
+    _touch(root / "chairs" / "a1.OBJ")
+    _touch(root / "chairs" / "deep" / "x.ply")
+    _touch(root / "notes.md")
+    _touch(root / ".hidden" / "y.obj")
+    _touch(root / ".z.obj")
+    items = discover_sources([root])
+    assert items == [("b", str(root / "b.xyz")),
+                     ("chairs/a1", str(root / "chairs" / "a1.OBJ")),
+                     ("chairs/deep/x", str(root / "chairs" / "deep" / "x.ply"))]
+
+
+def test_manifests_and_single_files(tmp_path: Path) -> None:
+    a = _touch(tmp_path / "meshes" / "a.obj")
+    elsewhere = _touch(tmp_path / "other" / "b.xyz")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "list.txt").write_text(f"# comment\n../meshes/a.obj\n\n{elsewhere}\n")
+    assert discover_sources([tmp_path / "m" / "list.txt"]) == [
+        ("a", str(tmp_path / "m" / "../meshes/a.obj")), ("b", str(elsewhere))]
+    (tmp_path / "list.txt").write_text("# comment\nmeshes/a.obj\n\n" + str(a) + "\n")
+    (tmp_path / "list.jsonl").write_text(json.dumps({"id": "first", "path": "meshes/a.obj"}) + "\n")
+    assert discover_sources([tmp_path / "list.txt"]) == [
+        ("meshes/a", str(tmp_path / "meshes/a.obj")), ("meshes/a", str(a))]
+    assert discover_sources([tmp_path / "list.jsonl"]) == [("first", str(tmp_path / "meshes/a.obj"))]
+    assert discover_sources([a]) == [("a", str(a))]
+
+
+@pytest.mark.parametrize("content,reason", [
+    ("{not json\n", "line 1: not JSON"),
+    ('{"id": "x"}\n', "line 1: expected an object"),
+    ('["x", "y"]\n', "expected an object"),
+])
+def test_bad_jsonl_manifest(tmp_path: Path, content: str, reason: str) -> None:
+    (tmp_path / "m.jsonl").write_text(content)
+    with pytest.raises(SourceError, match=reason):
+        discover_sources([tmp_path / "m.jsonl"])
+
+
+def test_missing_source_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="no such file"):
+        discover_sources([tmp_path / "nope"])
+
+
+def test_parse_params() -> None:
+    assert parse_params(["level=8", "surface_sigma=0.02", "uniform_queries=1e3", "x=abc"]) == {
+        "level": 8, "surface_sigma": 0.02, "uniform_queries": 1000.0, "x": "abc"}
+    with pytest.raises(ParameterError, match="KEY=VALUE"):
+        parse_params(["level"])
+    with pytest.raises(ParameterError, match="more than once"):
+        parse_params(["level=1", "level=2"])
+
+
+def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _touch(tmp_path / "a.xyz")
+    cache = tmp_path / "cache"
+    assert main([]) == 2
+    assert main(["frobnicate"]) == 2
+    assert main(["precompute", str(src), "--cache", str(cache)]) == 2  # no --recipe
+    assert main(["precompute", str(src), "--recipe", "nope", "--cache", str(cache)]) == 2
+    assert "unknown recipe 'nope'; known: spc, spc_query" in capsys.readouterr().err
+    assert main(["precompute", str(src), "--recipe", "spc", "--param", "level=99",
+                 "--cache", str(cache)]) == 2
+    assert "level: 99 is above the maximum" in capsys.readouterr().err
+    assert main(["precompute", str(src), "--recipe", "spc", "--param", "colour=1",
+                 "--cache", str(cache)]) == 2
+    assert "colour: unknown parameter" in capsys.readouterr().err
+    assert main(["precompute", str(tmp_path / "missing"), "--recipe", "spc",
+                 "--cache", str(cache)]) == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["precompute", str(empty), "--recipe", "spc", "--cache", str(cache)]) == 2
+    assert "no supported source files" in capsys.readouterr().err
+    assert main(["precompute", str(src), "--recipe", "spc", "--device", "tpu",
+                 "--cache", str(cache)]) == 2
+    assert main(["--help"]) == 0
+    assert "precompute" in capsys.readouterr().out
+
+
+def test_dispatch_table_is_a_plain_dict_of_import_targets() -> None:
+    assert type(COMMANDS) is dict
+    assert COMMANDS["worker"][0] == "workers.worker_loop"
+    assert COMMANDS["serve"][0] == "service.cli"
+    assert {"precompute", "verify", "stats"} <= set(COMMANDS)
+
+
+def test_missing_command_module_fails_clearly(monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(cli.COMMANDS, "export", ("workers.no_such_module", "export a snapshot"))
+    assert main(["export", "--anything"]) == 2
+    err = capsys.readouterr().err
+    assert "command 'export' is unavailable" in err and "workers.no_such_module" in err
+
+
+def test_dispatch_reaches_a_module_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "fakecmd.py"
+    pkg.write_text("def configure_parser(p):\n    p.add_argument('--n', type=int)\n"
+                   "def run(args):\n    return args.n\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fakecmd", "a fake command"))
+    assert main(["fake", "--n", "7"]) == 7
+    assert main(["fake", "--n", "x"]) == 2
+
+
+def test_python_dash_m_workers_runs_the_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "workers", "--help"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "precompute" in out.stdout

@@ -1,0 +1,428 @@
+"""The ``spcache`` command line.
+
+``spcache COMMAND ...`` where COMMAND is looked up in :data:`COMMANDS`, a plain dict of
+name -> (import target, one-line help). A target is ``"package.module"`` or
+``"package.module:attribute"`` naming an object with ``configure_parser(parser)`` and
+``run(args) -> int``; it is imported only when its command runs, so ``spcache serve``
+reaches ``service.cli`` without ``workers`` importing ``service``, and a command whose
+module is missing fails with a clear message (exit 2).
+
+Exit status: 0 all good, 1 some samples failed (or the cache did not verify), 2 bad
+usage (unknown command or recipe, invalid parameter, no sources found), 130 interrupted.
+Logging is configured here and nowhere else in the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cache_store.errors import (
+    BackendUnavailable,
+    ParameterError,
+    SourceError,
+    SpcacheError,
+    UnknownName,
+)
+from workers.sources import SUPPORTED_EXTENSIONS
+
+__all__ = ["COMMANDS", "main", "discover_sources", "parse_params"]
+
+logger = logging.getLogger(__name__)
+
+#: command name -> (import target, help). Targets are imported at dispatch time.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "precompute": ("workers.cli:PRECOMPUTE", "compute a recipe over sources into a cache"),
+    "verify": ("workers.cli:VERIFY", "check every record of a cache decodes and matches its checksum"),
+    "stats": ("workers.cli:STATS", "summarise a cache: fingerprints, records, bytes"),
+    "worker": ("workers.worker_loop", "run the long-lived GPU worker over the cache's job queue"),
+    "serve": ("service.cli", "run the HTTP service (and its worker)"),
+}
+
+MANIFEST_EXTENSIONS = (".txt", ".jsonl")
+
+
+class UsageError(SpcacheError, ValueError):
+    """Bad command-line usage; reported on stderr with exit status 2."""
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    top = _top_parser()
+    try:
+        ns = top.parse_args(argv)
+    except SystemExit as exc:
+        return _exit_code(exc)
+    name = ns.command
+    target = _resolve(name)
+    if isinstance(target, str):
+        print(f"spcache: {target}", file=sys.stderr)
+        return 2
+    sub = argparse.ArgumentParser(prog=f"spcache {name}", description=COMMANDS[name][1])
+    target.configure_parser(sub)
+    try:
+        args = sub.parse_args(ns.rest)
+    except SystemExit as exc:
+        return _exit_code(exc)
+    _configure_logging(ns.verbose + getattr(args, "verbose", 0) - ns.quiet)
+    try:
+        return int(target.run(args))
+    except KeyboardInterrupt:
+        print("spcache: interrupted", file=sys.stderr)
+        return 130
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    lines = [f"  {name:<12}{help_}" for name, (_, help_) in COMMANDS.items()]
+    parser = argparse.ArgumentParser(
+        prog="spcache", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Precompute and serve cached Kaolin SPC features.",
+        epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'spcache COMMAND --help' for a command's options.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (repeatable)")
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="less logging")
+    parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def _resolve(name: str) -> Any:
+    """The command object for ``name``, or a message saying why it is unavailable."""
+    target = COMMANDS[name][0]
+    module_name, _, attribute = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        return (f"command {name!r} is unavailable: cannot import {module_name} "
+                f"({type(exc).__name__}: {exc})")
+    obj = getattr(module, attribute) if attribute else module
+    if not (callable(getattr(obj, "configure_parser", None)) and callable(getattr(obj, "run", None))):
+        return f"command {name!r} is unavailable: {target} has no configure_parser() and run()"
+    return obj
+
+
+def _exit_code(exc: SystemExit) -> int:
+    code = exc.code
+    if code is None:
+        return 0
+    return code if isinstance(code, int) else 2
+
+
+def _configure_logging(verbosity: int) -> None:
+    level = logging.WARNING - 10 * verbosity
+    logging.basicConfig(level=max(logging.DEBUG, min(logging.CRITICAL, level)),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _verbose_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+
+
+# --- sources -------------------------------------------------------------------------------
+
+
+def discover_sources(sources: Sequence[str | os.PathLike[str]]) -> list[tuple[str, str]]:
+    """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
+
+    - a directory: every supported file under it (recursively, hidden entries skipped),
+      sorted; the id is the path relative to the directory, without extension;
+    - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
+      folder; the id is that relative path without extension, or for a path outside
+      the folder its file name without extension;
+    - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
+    - any other file: one sample whose id is the file name without extension.
+
+    Raises:
+        SourceError: a source that does not exist or a malformed manifest.
+    """
+    items: list[tuple[str, str]] = []
+    for source in sources:
+        path = Path(source)
+        if path.is_dir():
+            items.extend(_walk(path))
+        elif not path.exists():
+            raise SourceError(path, "no such file or directory")
+        elif path.suffix.lower() == ".txt":
+            items.extend(_read_txt_manifest(path))
+        elif path.suffix.lower() == ".jsonl":
+            items.extend(_read_jsonl_manifest(path))
+        else:
+            items.append((path.stem, str(path)))
+    return items
+
+
+def _walk(root: Path) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for filename in sorted(filenames):
+            if filename.startswith("."):
+                continue
+            file = Path(dirpath) / filename
+            if file.suffix.lower() in SUPPORTED_EXTENSIONS:
+                found.append((file.relative_to(root).with_suffix("").as_posix(), str(file)))
+    found.sort()
+    return found
+
+
+def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
+    try:
+        text = manifest.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(manifest, f"cannot read manifest: {exc}") from exc
+    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), start=1)
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def _read_txt_manifest(manifest: Path) -> list[tuple[str, str]]:
+    items = []
+    for _, line in _manifest_lines(manifest):
+        path = manifest.parent / line  # an absolute line stays absolute
+        items.append((_manifest_id(manifest.parent, Path(line)), str(path)))
+    return items
+
+
+def _manifest_id(base: Path, written: Path) -> str:
+    """The path relative to the manifest's folder, without extension; a path outside that
+    folder (absolute, or climbing out with ``..``) gets its file name without extension."""
+    if written.is_absolute():
+        try:
+            written = written.relative_to(base.resolve())
+        except ValueError:
+            return written.stem
+    inside = Path(os.path.normpath(written))
+    if inside.parts and inside.parts[0] == "..":
+        return written.stem
+    return inside.with_suffix("").as_posix()
+
+
+def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:
+    items = []
+    for lineno, line in _manifest_lines(manifest):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SourceError(manifest, f"line {lineno}: not JSON ({exc.msg})") from exc
+        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) \
+                or not isinstance(entry.get("id"), str):
+            raise SourceError(manifest, f"line {lineno}: expected an object with string "
+                                        f"'id' and 'path'")
+        items.append((entry["id"], str(manifest.parent / entry["path"])))
+    return items
+
+
+def parse_params(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["level=8", "surface_sigma=0.02"]`` -> ``{"level": 8, "surface_sigma": 0.02}``.
+
+    Values are read as JSON numbers where they are one, else kept as strings (the recipe
+    schema then reports the type problem). Raises ParameterError on malformed or repeated
+    keys.
+    """
+    params: dict[str, Any] = {}
+    problems = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            problems.append(f"{pair!r}: expected KEY=VALUE")
+            continue
+        if key in params:
+            problems.append(f"{key}: given more than once")
+            continue
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        params[key] = value
+    if problems:
+        raise ParameterError(problems, what="--param values")
+    return params
+
+
+# --- commands ------------------------------------------------------------------------------
+
+
+class _Precompute:
+    @staticmethod
+    def configure_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("sources", nargs="+", metavar="SOURCE",
+                            help="a file, a directory (searched recursively) or a manifest "
+                                 "(.txt: one path a line; .jsonl: {\"id\": ..., \"path\": ...})")
+        parser.add_argument("--recipe", required=True, help="recipe name (e.g. spc, spc_query)")
+        parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                            help="recipe parameter (repeatable)")
+        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
+        parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+        parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"])
+        parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                            help="loader processes (0: load in this process; default: one per "
+                                 "core but one, at most 8)")
+        parser.add_argument("--query-chunk", type=int, default=1 << 18,
+                            help="queries per device call before any out-of-memory back-off")
+        parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
+        parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+        _verbose_flag(parser)
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        from workers.engine import DEVICE_PATTERN, Engine
+        from workers.recipes import get_recipe
+
+        try:  # everything that can be checked without touching the cache or a device
+            params = get_recipe(args.recipe).spec.resolve(parse_params(args.param))
+            if not DEVICE_PATTERN.match(args.device):
+                raise UsageError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
+            if args.jobs < 0:
+                raise UsageError(f"--jobs {args.jobs}: must be 0 or more")
+            items = discover_sources(args.sources)
+            if not items:
+                raise UsageError("no supported source files found in "
+                                 + ", ".join(map(str, args.sources)))
+        except SpcacheError as exc:
+            print(f"spcache precompute: {exc}", file=sys.stderr)
+            return 2
+        from cache_store.store import open_store
+
+        try:
+            store = open_store(args.cache, readonly=False)
+        except (SpcacheError, OSError) as exc:
+            print(f"spcache precompute: cannot open cache {args.cache}: {exc}", file=sys.stderr)
+            return 2
+        try:
+            engine = Engine(store, args.recipe, params, device=args.device, backend=args.backend,
+                            jobs=args.jobs, query_chunk=args.query_chunk,
+                            write_batch=args.write_batch, progress=sys.stderr.isatty())
+            summary = _run_engine(engine, items)
+        except (ParameterError, UnknownName, BackendUnavailable) as exc:
+            print(f"spcache precompute: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            store.close()
+        if args.json:
+            print(json.dumps(summary.as_json(), sort_keys=True))
+        else:
+            _print_summary(summary)
+        return 1 if summary.failed else 0
+
+
+def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
+    """``engine.run(items)``; SIGTERM (``docker stop``) ends it like Ctrl-C: what was
+    computed is committed and indexed before the process exits with status 130."""
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if not engine.progress:
+            return engine.run(items)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():
+            return engine.run(items)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _print_summary(summary: Any) -> None:
+    print(f"recipe {summary.recipe} v{summary.recipe_version} "
+          f"{json.dumps(summary.params, sort_keys=True)} on {summary.device} ({summary.backend})")
+    print(f"done {summary.done}, skipped {summary.skipped}, failed {summary.failed} "
+          f"in {summary.wall_s:.1f}s")
+    for error in summary.errors:
+        print(f"  failed {error.id} ({error.path}): {error.reason}")
+    print(f"fingerprint {summary.fingerprint}")
+
+
+class _Verify:
+    @staticmethod
+    def configure_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
+        parser.add_argument("--json", action="store_true", help="print the report as JSON")
+        _verbose_flag(parser)
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        report = _with_store(args.cache, lambda store: store.verify())
+        if report is None:
+            return 2
+        data = report.as_json()
+        problems = [f"corrupt {key}: {reason}" for key, reason in report.corrupt.items()]
+        problems += [f"missing {key} (indexed, no record)" for key in report.missing]
+        if args.json:
+            print(json.dumps(data, sort_keys=True))
+        else:
+            for problem in problems:
+                print(f"  {problem}")
+            print(f"checked {report.checked} records: "
+                  + ("cache verifies clean" if not problems else f"{len(problems)} problem(s)"))
+        return 1 if problems else 0
+
+
+class _Stats:
+    @staticmethod
+    def configure_parser(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
+        parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
+        _verbose_flag(parser)
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        stats = _with_store(args.cache, lambda store: store.stats())
+        if stats is None:
+            return 2
+        if args.json:
+            print(json.dumps(stats, sort_keys=True, default=str))
+        else:
+            _print_tree(stats)
+        return 0
+
+
+def _with_store(cache: Path, action: Any) -> Any:
+    from cache_store.store import open_store
+
+    if not cache.exists():
+        print(f"spcache: {cache}: no such cache directory", file=sys.stderr)
+        return None
+    try:
+        store = open_store(cache, readonly=True)
+    except (SpcacheError, OSError) as exc:
+        print(f"spcache: cannot open cache {cache}: {exc}", file=sys.stderr)
+        return None
+    try:
+        return action(store)
+    finally:
+        store.close()
+
+
+def _print_tree(data: Any, indent: str = "") -> None:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if isinstance(value, dict | list):
+                print(f"{indent}{key}:")
+                _print_tree(value, indent + "  ")
+            else:
+                print(f"{indent}{key}: {value}")
+    elif isinstance(data, list):
+        for value in data:
+            _print_tree(value, indent + "- ") if isinstance(value, dict | list) \
+                else print(f"{indent}- {value}")
+    else:
+        print(f"{indent}{data}")
+
+
+PRECOMPUTE = _Precompute
+VERIFY = _Verify
+STATS = _Stats

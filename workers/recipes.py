@@ -1,0 +1,318 @@
+"""Recipes: the computation behind each schema in :mod:`cache_store.recipes`.
+
+A :class:`Recipe` pairs a :class:`~cache_store.recipes.RecipeSpec` (name, version,
+parameters, output fields: public contract, defined without torch) with the code that
+produces those fields. It works in two halves so that the engine can run the first in a
+CPU process pool ahead of the device:
+
+- :meth:`Recipe.prepare` (CPU only): normalise the source, draw every random number
+  (surface samples, query points) from the per-sample generator, return a
+  :class:`Prepared` of NumPy arrays.
+- :meth:`Recipe.compute_prepared` (on the device): quantise, build the octree, scan it,
+  generate the point hierarchy and run the chunked queries with the ops backend.
+
+:meth:`Recipe.compute` runs both. Because every random number is drawn on the CPU from a
+generator seeded by ``(fingerprint, sample id)`` (:func:`make_generator`) and the device
+ops are exact integer work on float32 inputs, a record's tensors are identical on every
+device and backend.
+
+Random draws, in order: ``surface_samples`` surface points (meshes only; see
+:func:`workers.sources.sample_surface`), then for ``spc_query`` ``uniform_queries x 3``
+float64 uniforms (mapped to ``[-1, 1]``), ``surface_queries`` indices into the shape's
+points, and ``surface_queries x 3`` float64 normal deviates scaled by ``surface_sigma``.
+Query points are rounded to float32 *before* they are queried, so the stored
+``query_points`` reproduce ``query_pidx`` exactly. Surface queries are not clipped to the
+cube; ``occupancy`` is ``query_pidx[:, level] >= 0``, so it follows Kaolin's
+``with_parents`` rule of truncating toward zero: a query just outside ``[-1, 1]`` (less
+than one voxel out on the low side) counts in the border voxel.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from cache_store.errors import SpcacheError, UnknownName
+from cache_store.recipes import RECIPE_SPECS, RecipeSpec
+from workers.sources import LoadedSource, compute_normalization, shape_points
+
+__all__ = [
+    "OOM_ERRORS",
+    "ChunkBudget",
+    "Prepared",
+    "Recipe",
+    "RECIPES",
+    "get_recipe",
+    "sample_seed",
+    "make_generator",
+    "check_outputs",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Errors the query loop treats as "out of device memory": back off and retry.
+OOM_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+
+
+def sample_seed(fingerprint: str, sample_id: str) -> int:
+    """The 63-bit seed of one sample's generator: a hash of ``(fingerprint, sample id)``."""
+    key = f"{fingerprint}\x00{sample_id}".encode()
+    return xxhash.xxh3_64_intdigest(key) & ((1 << 63) - 1)
+
+
+def make_generator(fingerprint: str, sample_id: str) -> torch.Generator:
+    """A CPU generator seeded by :func:`sample_seed`; all of a sample's randomness comes from it."""
+    return torch.Generator(device="cpu").manual_seed(sample_seed(fingerprint, sample_id))
+
+
+class ChunkBudget:
+    """The query chunk size, shared by the samples of a run; halves on out-of-memory.
+
+    :meth:`run` applies a step to ``[start, stop)`` ranges of at most ``size`` items. When
+    a step raises one of :data:`OOM_ERRORS`, the device cache is emptied, ``size`` is
+    halved (and stays halved for later samples) and the same range is retried; when
+    ``size`` would drop below ``minimum`` the error propagates, so the sample fails with
+    a recorded reason while the run goes on.
+
+    Args:
+        size: first chunk size (> 0).
+        minimum: smallest chunk worth trying (> 0).
+        fault_hook: called with the chunk size before every attempt; tests make it raise
+            an out-of-memory error to prove the back-off without a GPU.
+    """
+
+    def __init__(self, size: int, *, minimum: int = 256,
+                 fault_hook: Callable[[int], None] | None = None) -> None:
+        if size < 1 or minimum < 1:
+            raise ValueError(f"chunk size and minimum must be positive, got {size}, {minimum}")
+        self.size = int(size)
+        self.minimum = min(int(minimum), self.size)
+        self.fault_hook = fault_hook
+        self.backoffs = 0
+
+    def run(self, total: int, step: Callable[[int, int], torch.Tensor],
+            device: torch.device) -> list[torch.Tensor]:
+        """Results of ``step(start, stop)`` over ``[0, total)``, in order."""
+        parts: list[torch.Tensor] = []
+        start = 0
+        while start < total:
+            stop = min(total, start + self.size)
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(stop - start)
+                parts.append(step(start, stop))
+            except OOM_ERRORS:
+                _free_device_cache(device)
+                if self.size // 2 < self.minimum:
+                    raise
+                self.size //= 2
+                self.backoffs += 1
+                logger.warning("out of device memory on a %d-query chunk; retrying with %d",
+                               stop - start, self.size)
+                continue
+            start = stop
+        return parts
+
+
+def _free_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The CPU half of a sample, ready for the device.
+
+    Attributes:
+        points: float32 ``[P, 3]``, the shape's points in ``[-1, 1]``.
+        center: float32 ``[3]``; scale: float32 ``[]`` (normalised = (source - center) / scale).
+        queries: float32 ``[M, 3]`` for query recipes, else None.
+    """
+
+    sample_id: str
+    path: str
+    source_hash: str
+    points: np.ndarray
+    center: np.ndarray
+    scale: np.ndarray
+    queries: np.ndarray | None = None
+
+
+class Recipe:
+    """A recipe's computation. ``spec`` is its public schema."""
+
+    def __init__(self, spec: RecipeSpec, *, with_queries: bool) -> None:
+        self.spec = spec
+        self.with_queries = with_queries
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def version(self) -> int:
+        return self.spec.version
+
+    def __repr__(self) -> str:
+        return f"Recipe({self.spec.name!r}, version={self.spec.version})"
+
+    def prepare(self, source: LoadedSource, sample_id: str, params: Mapping[str, Any],
+                generator: torch.Generator) -> Prepared:
+        """Normalise and draw all random numbers, on the CPU. Raises SourceError."""
+        norm = compute_normalization(source.path, source.used_points())
+        points = shape_points(source, norm, int(params["surface_samples"]), generator)
+        queries = None
+        if self.with_queries:
+            queries = _draw_queries(points, params, generator).numpy()
+        return Prepared(sample_id, source.path, source.source_hash,
+                        points.to(torch.float32).numpy(),
+                        norm.center.astype(np.float32), np.float32(norm.scale), queries)
+
+    def compute_prepared(self, prepared: Prepared, params: Mapping[str, Any], *,
+                         device: torch.device | str, ops: Any,
+                         query_chunk: int | ChunkBudget) -> dict[str, torch.Tensor]:
+        """The record's tensors, on the CPU, exactly of the declared dtypes and shapes."""
+        device = torch.device(device)
+        level = int(params["level"])
+        out = _build_spc(ops, torch.from_numpy(prepared.points).to(device), level)
+        out["center"] = torch.from_numpy(np.array(prepared.center, dtype=np.float32))
+        out["scale"] = torch.tensor(float(prepared.scale), dtype=torch.float32)
+        if self.with_queries:
+            budget = query_chunk if isinstance(query_chunk, ChunkBudget) else ChunkBudget(query_chunk)
+            queries = torch.from_numpy(prepared.queries)
+            octree, exsum = out.pop("_octree_dev"), out.pop("_exsum_dev")
+            pidx = _query(ops, octree, exsum, queries, level, budget, device)
+            out["query_points"] = queries
+            out["query_pidx"] = pidx
+            out["occupancy"] = (pidx[:, level] >= 0).to(torch.uint8)
+        else:
+            out.pop("_octree_dev"), out.pop("_exsum_dev")
+        return out
+
+    def compute(self, source: LoadedSource, params: Mapping[str, Any], *,
+                generator: torch.Generator, device: torch.device | str, ops: Any,
+                query_chunk: int | ChunkBudget = 1 << 20,
+                sample_id: str = "") -> dict[str, torch.Tensor]:
+        """:meth:`prepare` then :meth:`compute_prepared`."""
+        prepared = self.prepare(source, sample_id, params, generator)
+        return self.compute_prepared(prepared, params, device=device, ops=ops,
+                                     query_chunk=query_chunk)
+
+
+def _draw_queries(points: torch.Tensor, params: Mapping[str, Any],
+                  generator: torch.Generator) -> torch.Tensor:
+    """float32 ``[uniform + surface, 3]``: uniform in the cube, then jittered shape points."""
+    n_uniform, n_surface = int(params["uniform_queries"]), int(params["surface_queries"])
+    sigma = float(params["surface_sigma"])
+    uniform = torch.rand(n_uniform, 3, dtype=torch.float64, generator=generator) * 2.0 - 1.0
+    pick = torch.randint(0, len(points), (n_surface,), generator=generator)
+    noise = torch.randn(n_surface, 3, dtype=torch.float64, generator=generator) * sigma
+    surface = points[pick] + noise
+    return torch.cat([uniform, surface]).to(torch.float32)
+
+
+def _build_spc(ops: Any, points: torch.Tensor, level: int) -> dict[str, torch.Tensor]:
+    quantized = ops.quantize_points(points, level)
+    octree = ops.unbatched_points_to_octree(quantized, level)
+    lengths = torch.tensor([octree.numel()], dtype=torch.int32)
+    max_level, pyramids, exsum = ops.scan_octrees(octree, lengths)
+    if int(max_level) != level:
+        raise SpcacheError(f"scan_octrees reported depth {max_level}, expected {level}")
+    point_hierarchy = ops.generate_points(octree, pyramids, exsum)
+    return {
+        "octree": octree.cpu(),
+        "pyramid": pyramids[0].to("cpu", torch.int32),
+        "exsum": exsum.to("cpu", torch.int32),
+        "point_hierarchy": point_hierarchy.to("cpu", torch.int16),
+        "_octree_dev": octree,
+        "_exsum_dev": exsum,
+    }
+
+
+def _query(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.Tensor,
+           level: int, budget: ChunkBudget, device: torch.device) -> torch.Tensor:
+    """int32 ``[M, level + 1]``: ``unbatched_query(..., with_parents=True)`` in chunks."""
+    if len(queries) == 0:
+        return torch.empty(0, level + 1, dtype=torch.int32)
+
+    def step(start: int, stop: int) -> torch.Tensor:
+        chunk = queries[start:stop].to(device)
+        pidx = ops.unbatched_query(octree, exsum, chunk, level, with_parents=True)
+        return pidx.to("cpu", torch.int32)
+
+    return torch.cat(budget.run(len(queries), step, device))
+
+
+# --- output checking -----------------------------------------------------------------------
+
+_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
+           "int64": torch.int64, "float32": torch.float32, "float64": torch.float64}
+_DIM_EXPR = re.compile(r"^([A-Za-z_]\w*)\s*([+-])\s*(\d+)$")
+
+
+def check_outputs(spec: RecipeSpec, tensors: Mapping[str, torch.Tensor],
+                  params: Mapping[str, Any]) -> None:
+    """Raise SpcacheError unless ``tensors`` are exactly ``spec``'s fields.
+
+    Shapes are checked against the symbolic shapes of the spec: integers, parameter
+    expressions such as ``level+2``, and symbols (``M``, ``num_bytes``) that must take the
+    same value wherever they appear.
+    """
+    problems: list[str] = []
+    if set(tensors) != set(spec.fields):
+        problems.append(f"fields {sorted(tensors)} != declared {sorted(spec.fields)}")
+    symbols: dict[str, int] = {}
+    if "uniform_queries" in params and "surface_queries" in params:
+        symbols["M"] = int(params["uniform_queries"]) + int(params["surface_queries"])
+    for name, field in spec.fields.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        if tensor.dtype != _DTYPES[field.dtype]:
+            problems.append(f"{name}: dtype {tensor.dtype}, declared {field.dtype}")
+        if tensor.device.type != "cpu":
+            problems.append(f"{name}: on {tensor.device}, expected cpu")
+        dims = [d.strip() for d in field.shape.strip("[]").split(",") if d.strip()]
+        if len(dims) != tensor.dim():
+            problems.append(f"{name}: shape {tuple(tensor.shape)}, declared {field.shape}")
+            continue
+        for dim, size in zip(dims, tensor.shape, strict=True):
+            want = _dim_value(dim, params, symbols, size)
+            if want != size:
+                problems.append(f"{name}: shape {tuple(tensor.shape)}, declared {field.shape}")
+                break
+    if problems:
+        raise SpcacheError(f"recipe {spec.name!r} produced the wrong outputs: " + "; ".join(problems))
+
+
+def _dim_value(dim: str, params: Mapping[str, Any], symbols: dict[str, int], size: int) -> int:
+    if dim.isdigit():
+        return int(dim)
+    match = _DIM_EXPR.match(dim)
+    if match and match.group(1) in params:
+        base, sign, offset = params[match.group(1)], match.group(2), int(match.group(3))
+        return int(base) + offset if sign == "+" else int(base) - offset
+    if dim in params:
+        return int(params[dim])
+    return symbols.setdefault(dim, size)
+
+
+RECIPES: dict[str, Recipe] = {
+    "spc": Recipe(RECIPE_SPECS["spc"], with_queries=False),
+    "spc_query": Recipe(RECIPE_SPECS["spc_query"], with_queries=True),
+}
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``; raises :class:`UnknownName` listing the known ones."""
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise UnknownName("recipe", name, RECIPES) from None

@@ -1,0 +1,487 @@
+"""Sources: load, validate, hash and normalise meshes and point clouds; sample surfaces.
+
+A *source* is one file holding one shape. :func:`load_source` reads the file's bytes
+once, hashes exactly those bytes (so the hash always describes what was parsed), parses
+geometry only (materials and textures are skipped), and validates it. Every way a file
+can be unusable ends in :class:`~cache_store.errors.SourceError` naming the file and the
+reason.
+
+Supported files:
+
+- point clouds: ``.npy`` (a numeric ``[N, 3]`` array), ``.npz`` (an array named
+  ``points``, ``xyz`` or ``positions``, or the only array; with ``vertices`` and
+  ``faces`` it is a mesh), ``.xyz`` / ``.pts`` text (three numbers a line, optional
+  count header, ``#`` comments), and ``.ply`` files without faces;
+- meshes: ``.obj``, ``.ply``, ``.stl``, ``.off``, ``.glb`` (through trimesh).
+
+A file in a mesh format that holds vertices but no faces is a point cloud.
+
+Normalisation (:func:`compute_normalization`) maps a shape into ``[-1, 1]^3``:
+``normalised = (source - center) / scale`` where ``center`` is the midpoint of the
+bounding box of the used points (a mesh's referenced vertices, or the cloud's points)
+rounded to float32, and ``scale`` is the smallest float32 not below the largest
+per-axis distance of any used point from that center; for ordinary inputs this is half
+the largest bounding-box extent. Both are float32 because the record stores them as
+float32; the arithmetic is float64, so coordinates near 1e30 neither overflow nor lose
+the shape. A shape whose points all coincide cannot be normalised and is a SourceError.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import warnings
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from cache_store.errors import SourceError
+
+__all__ = [
+    "POINT_CLOUD_EXTENSIONS",
+    "MESH_EXTENSIONS",
+    "SUPPORTED_EXTENSIONS",
+    "LoadedSource",
+    "Normalization",
+    "hash_bytes",
+    "hash_file",
+    "read_source_bytes",
+    "load_source",
+    "compute_normalization",
+    "normalize_points",
+    "face_areas",
+    "sample_surface",
+    "shape_points",
+]
+
+logger = logging.getLogger(__name__)
+
+POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
+MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
+SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
+
+_HASH_PREFIX = "xxh3_128:"
+_HASH_BLOCK = 1 << 20
+_NPZ_POINT_NAMES = ("points", "xyz", "positions")
+
+
+@dataclass(frozen=True)
+class LoadedSource:
+    """One validated shape, in its file's own coordinates.
+
+    Attributes:
+        path: the file it came from.
+        source_hash: content hash of the file's bytes (:func:`hash_bytes`).
+        vertices: float64 ``[N, 3]``, finite: mesh vertices or the cloud's points.
+        faces: int64 ``[F, 3]`` with every index in ``[0, N)`` for a mesh, else None.
+    """
+
+    path: str
+    source_hash: str
+    vertices: np.ndarray
+    faces: np.ndarray | None
+
+    @property
+    def kind(self) -> str:
+        """``"mesh"`` or ``"points"``."""
+        return "points" if self.faces is None else "mesh"
+
+    def used_points(self) -> np.ndarray:
+        """The points that define the shape: referenced vertices of a mesh, or all points."""
+        if self.faces is None:
+            return self.vertices
+        return self.vertices[np.unique(self.faces)]
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """``normalised = (source - center) / scale``; both exactly representable in float32."""
+
+    center: np.ndarray  # float64 [3], values exactly representable as float32
+    scale: float  # > 0, exactly representable as float32
+
+
+def hash_bytes(data: bytes) -> str:
+    """Content hash of ``data``: ``"xxh3_128:<32 hex digits>"``."""
+    return _HASH_PREFIX + xxhash.xxh3_128_hexdigest(data)
+
+
+def hash_file(path: str | Path) -> str:
+    """Content hash of the file at ``path``, the same value :func:`hash_bytes` gives its bytes."""
+    digest = xxhash.xxh3_128()
+    try:
+        with open(path, "rb") as fh:
+            while block := fh.read(_HASH_BLOCK):
+                digest.update(block)
+    except OSError as exc:
+        raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
+    return _HASH_PREFIX + digest.hexdigest()
+
+
+def read_source_bytes(path: str | Path) -> bytes:
+    """The bytes of a source file, after checking its extension is supported.
+
+    Raises:
+        SourceError: unsupported extension, unreadable or empty file.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
+        raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}; "
+                                f"supported: {', '.join(sorted(SUPPORTED_EXTENSIONS))}")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
+    if not data:
+        raise SourceError(path, "file is empty")
+    return data
+
+
+def load_source(path: str | Path, data: bytes | None = None) -> LoadedSource:
+    """Read (unless ``data`` is given: the file's bytes), hash, parse and validate a source.
+
+    Raises:
+        SourceError: unreadable file, unsupported extension, unparsable content,
+            non-finite coordinates, face indices out of range, or no points at all.
+            (A mesh whose faces have zero total area is caught by :func:`shape_points`.)
+    """
+    path = Path(path)
+    if data is None:
+        data = read_source_bytes(path)
+    ext = path.suffix.lower()
+    source_hash = hash_bytes(data)
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        # Parsers warn about odd content; the checks below turn what matters into errors.
+        warnings.simplefilter("ignore")
+        if ext == ".npy":
+            vertices, faces = _points_from_array(path, _load_npy(path, data)), None
+        elif ext == ".npz":
+            vertices, faces = _load_npz(path, data)
+        elif ext in (".xyz", ".pts"):
+            vertices, faces = _load_text_points(path, data), None
+        elif ext in MESH_EXTENSIONS:
+            vertices, faces = _load_with_trimesh(path, data, ext)
+        else:
+            raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}")
+    _validate(path, vertices, faces)
+    return LoadedSource(str(path), source_hash, vertices, faces)
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+def _load_npy(path: Path, data: bytes) -> np.ndarray:
+    try:
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise SourceError(path, "array holds Python objects (needs pickle, which is "
+                                    "never loaded); store a numeric [N, 3] array") from exc
+        raise SourceError(path, f"not a valid .npy array: {exc}") from exc
+    except (OSError, EOFError) as exc:
+        raise SourceError(path, f"not a valid .npy array: {exc}") from exc
+
+
+def _load_npz(path: Path, data: bytes) -> tuple[np.ndarray, np.ndarray | None]:
+    try:
+        archive = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+        raise SourceError(path, f"not a valid .npz archive: {exc}") from exc
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise SourceError(path, "not a .npz archive (looks like a single .npy array)")
+    with archive:
+        names = list(archive.files)
+        try:
+            if "vertices" in names and "faces" in names:
+                vertices = _points_from_array(path, archive["vertices"], what="vertices")
+                return vertices, _faces_from_array(path, archive["faces"])
+            chosen = next((n for n in _NPZ_POINT_NAMES if n in names), None)
+            if chosen is None and len(names) == 1:
+                chosen = names[0]
+            if chosen is None:
+                raise SourceError(path, f"no point array found; expected one named "
+                                        f"{', '.join(_NPZ_POINT_NAMES)} (or vertices + faces), "
+                                        f"found: {', '.join(names) or '(none)'}")
+            return _points_from_array(path, archive[chosen], what=f"array {chosen!r}"), None
+        except ValueError as exc:
+            if isinstance(exc, SourceError):
+                raise
+            raise SourceError(path, f"cannot read array from .npz: {exc}") from exc
+
+
+def _points_from_array(path: Path, array: np.ndarray, what: str = "array") -> np.ndarray:
+    if array.dtype.kind not in "fiu":
+        raise SourceError(path, f"{what} has dtype {array.dtype}; expected a real number type")
+    if array.ndim != 2 or array.shape[1] != 3:
+        raise SourceError(path, f"{what} has shape {tuple(array.shape)}; expected (N, 3)")
+    return np.ascontiguousarray(array, dtype=np.float64)
+
+
+def _faces_from_array(path: Path, array: np.ndarray) -> np.ndarray:
+    if array.dtype.kind not in "iu":
+        raise SourceError(path, f"faces have dtype {array.dtype}; expected integers")
+    if array.ndim != 2 or array.shape[1] != 3:
+        raise SourceError(path, f"faces have shape {tuple(array.shape)}; expected (F, 3)")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise SourceError(path, "face indices out of range")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+_NUMBER_SPLIT = re.compile(r"[\s,;]+")
+
+
+def _load_text_points(path: Path, data: bytes) -> np.ndarray:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(path, f"not a text point file (byte {exc.start} is not UTF-8)") from exc
+    rows: list[list[str]] = []
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        tokens = _NUMBER_SPLIT.split(line)
+        if len(tokens) < 3:
+            if not rows and len(tokens) == 1 and tokens[0].isdigit():
+                continue  # a count header, as some .pts files have
+            raise SourceError(path, f"line {lineno}: expected at least 3 numbers, got {line!r:.60}")
+        rows.append(tokens[:3])
+    if not rows:
+        raise SourceError(path, "no points in file")
+    try:
+        return np.array(rows, dtype=np.float64)
+    except ValueError as exc:
+        raise SourceError(path, f"not a number: {exc}") from exc
+
+
+def _load_with_trimesh(path: Path, data: bytes, ext: str) -> tuple[np.ndarray, np.ndarray | None]:
+    import trimesh  # imported here: a second or so, and only mesh formats need it
+
+    if ext == ".ply":
+        declared = _ply_declared_counts(path, data)
+    kwargs = {"skip_materials": True} if ext in (".obj", ".ply", ".glb") else {}
+    try:
+        loaded = trimesh.load(io.BytesIO(data), file_type=ext[1:], process=False, **kwargs)
+    except (MemoryError, RecursionError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - trimesh raises anything; each becomes a SourceError
+        raise SourceError(path, f"cannot parse as {ext[1:].upper()}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+    vertices, faces = _geometry_of(path, loaded, trimesh)
+    if ext == ".ply":
+        _check_ply_counts(path, declared, vertices, faces)
+    return vertices, faces
+
+
+def _geometry_of(path: Path, loaded: object, trimesh) -> tuple[np.ndarray, np.ndarray | None]:
+    """Vertices and faces of whatever trimesh returned; a scene is flattened with its transforms.
+
+    Only positions and faces are read (never ``copy()`` or ``dump()``, which would touch
+    textures and need an image library).
+    """
+    if isinstance(loaded, trimesh.Trimesh):
+        parts = [(np.asarray(loaded.vertices), np.asarray(loaded.faces))]
+    elif isinstance(loaded, trimesh.PointCloud):
+        parts = [(np.asarray(loaded.vertices), None)]
+    elif isinstance(loaded, trimesh.Scene):
+        parts = []
+        for node in loaded.graph.nodes_geometry:
+            transform, name = loaded.graph[node]
+            geometry = loaded.geometry.get(name)
+            if not isinstance(geometry, trimesh.Trimesh | trimesh.PointCloud):
+                continue
+            vertices = np.asarray(geometry.vertices, dtype=np.float64)
+            vertices = vertices @ transform[:3, :3].T + transform[:3, 3]
+            faces = np.asarray(geometry.faces) if isinstance(geometry, trimesh.Trimesh) else None
+            parts.append((vertices, faces))
+    else:
+        raise SourceError(path, f"unsupported content ({type(loaded).__name__})")
+    parts = [(v, f) for v, f in parts if len(v)]
+    if not parts:
+        raise SourceError(path, "no geometry in file (no vertices)")
+    with_faces = [(v, f) for v, f in parts if f is not None and len(f)]
+    if not with_faces:
+        return np.concatenate([np.asarray(v, np.float64).reshape(-1, 3) for v, _ in parts]), None
+    vertices, faces, offset = [], [], 0
+    for v, f in with_faces:  # a mesh's loose points (if any) do not belong to its surface
+        vertices.append(np.asarray(v, np.float64).reshape(-1, 3))
+        faces.append(np.asarray(f, np.int64).reshape(-1, 3) + offset)
+        offset += len(vertices[-1])
+    return np.concatenate(vertices), np.concatenate(faces)
+
+
+_PLY_ELEMENT = re.compile(rb"^element\s+(\w+)\s+(\d+)\s*$")
+
+
+def _ply_declared_counts(path: Path, data: bytes) -> dict[str, int]:
+    """Element counts a PLY header declares (trimesh may quietly read fewer from a cut file)."""
+    if not data.startswith(b"ply"):
+        raise SourceError(path, "not a PLY file (does not start with 'ply')")
+    end = data.find(b"end_header")
+    if end < 0:
+        raise SourceError(path, "PLY header has no end_header")
+    counts: dict[str, int] = {}
+    for line in data[:end].splitlines():
+        match = _PLY_ELEMENT.match(line.strip())
+        if match:
+            counts[match.group(1).decode("ascii", "replace")] = int(match.group(2))
+    return counts
+
+
+def _check_ply_counts(path: Path, declared: dict[str, int], vertices: np.ndarray,
+                      faces: np.ndarray | None) -> None:
+    want_v = declared.get("vertex")
+    if want_v is not None and want_v != len(vertices):
+        raise SourceError(path, f"truncated or malformed PLY: header declares {want_v} "
+                                f"vertices, {len(vertices)} were read")
+    want_f = declared.get("face", 0)
+    got_f = 0 if faces is None else len(faces)
+    # trimesh triangulates polygons, so a face count can only grow; fewer means data is missing.
+    if got_f < want_f:
+        raise SourceError(path, f"truncated or malformed PLY: header declares {want_f} "
+                                f"faces, {got_f} were read")
+
+
+# --- validation and normalisation ------------------------------------------------------------
+
+
+def _validate(path: Path, vertices: np.ndarray, faces: np.ndarray | None) -> None:
+    if len(vertices) == 0:
+        raise SourceError(path, "no points" if faces is None else "mesh has no vertices")
+    finite = np.isfinite(vertices).all(axis=1)
+    if not finite.all():
+        bad = int((~finite).sum())
+        raise SourceError(path, f"{bad} of {len(vertices)} points have non-finite coordinates "
+                                f"(NaN or inf), first at index {int(np.argmin(finite))}")
+    if faces is None:
+        return
+    if len(faces) == 0:
+        raise SourceError(path, "mesh has no faces")
+    low, high = int(faces.min()), int(faces.max())
+    if low < 0 or high >= len(vertices):
+        raise SourceError(path, f"face indices out of range: found [{low}, {high}], "
+                                f"mesh has {len(vertices)} vertices")
+
+
+def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization:
+    """The normalisation of ``points`` (float64 ``[N, 3]``, finite, N >= 1) into ``[-1, 1]``.
+
+    ``center`` = bounding-box midpoint rounded to float32; ``scale`` = smallest float32
+    not below ``max |points - center|``. Raises SourceError when every point coincides,
+    when the values do not fit float32, or when the shape is so small for its distance
+    from the origin that the float32 center misses it by more than half its size.
+    """
+    points = np.asarray(points, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        low, high = points.min(axis=0), points.max(axis=0)
+        center = (low * 0.5 + high * 0.5).astype(np.float32)
+        if not np.isfinite(center).all():
+            raise SourceError(path, "coordinates are beyond float32 range; cannot store the "
+                                    "normalisation")
+        center64 = center.astype(np.float64)
+        reach = float(np.max(np.maximum(high - center64, center64 - low)))
+    if not np.isfinite(reach) or reach > float(np.finfo(np.float32).max):
+        raise SourceError(path, "shape extent is beyond float32 range; cannot store the "
+                                "normalisation")
+    half_extent = float(np.max(high - low)) * 0.5  # finite: reach passed the check above
+    if half_extent == 0.0:
+        raise SourceError(path, f"all {len(points)} points coincide; a shape with no extent "
+                                "cannot be normalised into [-1, 1]")
+    if reach < float(np.finfo(np.float32).tiny):
+        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is below float32 range; "
+                                "cannot store the normalisation scale")
+    if half_extent < 0.5 * reach:
+        # The float32 center is off by more than the shape is wide: the record would squash
+        # the shape into a corner of the cube. Refuse rather than store a useless record.
+        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is too small for its distance "
+                                f"from the origin ({float(np.abs(center64).max()):.3g}) to store "
+                                "its center as float32; translate it closer to the origin")
+    scale = np.float32(reach)
+    if float(scale) < reach:
+        scale = np.nextafter(scale, np.float32(np.inf))
+    return Normalization(center64, float(scale))
+
+
+def normalize_points(points: np.ndarray, norm: Normalization) -> np.ndarray:
+    """``(points - center) / scale`` in float64, clipped to ``[-1, 1]`` (a rounding guard).
+
+    Args:
+        points: float64 ``[N, 3]``.
+    Returns:
+        float64 ``[N, 3]``.
+    """
+    out = (np.asarray(points, dtype=np.float64) - norm.center) / norm.scale
+    return np.clip(out, -1.0, 1.0, out=out)
+
+
+def face_areas(vertices: torch.Tensor, faces: torch.Tensor) -> torch.Tensor:
+    """Area of each triangle.
+
+    Args:
+        vertices: float64 ``[N, 3]``.
+        faces: int64 ``[F, 3]``.
+    Returns:
+        float64 ``[F]``.
+    """
+    a, b, c = vertices[faces[:, 0]], vertices[faces[:, 1]], vertices[faces[:, 2]]
+    return 0.5 * torch.linalg.vector_norm(torch.linalg.cross(b - a, c - a), dim=1)
+
+
+def sample_surface(vertices: torch.Tensor, faces: torch.Tensor, count: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Seeded, area-weighted uniform samples of a triangle mesh's surface, on the CPU.
+
+    Faces are chosen with probability proportional to their area (inverse CDF over the
+    cumulative areas, so zero-area faces are never chosen), then a point uniform in the
+    triangle (reflected barycentric coordinates). Draws, in order: ``count`` float64
+    uniforms for the faces, then ``count x 2`` for the barycentrics.
+
+    Args:
+        vertices: float64 ``[N, 3]``, CPU.
+        faces: int64 ``[F, 3]``, CPU, total area > 0.
+        count: number of samples.
+        generator: a CPU ``torch.Generator``.
+    Returns:
+        float64 ``[count, 3]``.
+    Raises:
+        ValueError: when the faces have zero total area.
+    """
+    cdf = torch.cumsum(face_areas(vertices, faces), dim=0)
+    total = cdf[-1]
+    if not bool(total > 0):
+        raise ValueError("mesh has zero surface area")
+    pick = torch.rand(count, dtype=torch.float64, generator=generator) * total
+    face = torch.searchsorted(cdf, pick, right=True).clamp_(max=len(faces) - 1)
+    uv = torch.rand(count, 2, dtype=torch.float64, generator=generator)
+    flip = uv.sum(dim=1) > 1.0
+    uv[flip] = 1.0 - uv[flip]
+    tri = faces[face]
+    a, b, c = vertices[tri[:, 0]], vertices[tri[:, 1]], vertices[tri[:, 2]]
+    return a + uv[:, :1] * (b - a) + uv[:, 1:] * (c - a)
+
+
+def shape_points(source: LoadedSource, norm: Normalization, count: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """The points a shape is represented by, in the normalised space, on the CPU.
+
+    A point cloud gives its own points (no random draws); a mesh gives ``count`` seeded,
+    area-weighted surface samples (:func:`sample_surface`) of its normalised surface.
+
+    Returns:
+        float64 ``[P, 3]`` with every coordinate in ``[-1, 1]``.
+    Raises:
+        SourceError: a mesh whose faces all have zero area.
+    """
+    if source.faces is None:
+        return torch.from_numpy(normalize_points(source.vertices, norm))
+    vertices = torch.from_numpy(normalize_points(source.vertices, norm))
+    faces = torch.from_numpy(source.faces)
+    if not bool(face_areas(vertices, faces).sum() > 0):
+        raise SourceError(source.path, f"mesh has zero surface area (all {len(faces)} faces "
+                                       "are degenerate)")
+    return sample_surface(vertices, faces, count, generator)
