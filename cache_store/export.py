@@ -71,8 +71,8 @@ log = logging.getLogger(__name__)
 
 #: Smallest uncompressed chunk of a data array, in bytes.
 DEFAULT_CHUNK_BYTES = 256 * 1024
-#: zstd level inside blosc.
-DEFAULT_CLEVEL = 5
+#: zstd level inside blosc (3: zstd's own default; see docs/BENCHMARKS.md for 1 vs 3 vs 5).
+DEFAULT_CLEVEL = 3
 #: Elements per chunk of the index arrays (ids, offsets, headers are read whole).
 _INDEX_CHUNK = 1 << 20
 _HEADER_CHUNK_BYTES = 256 * 1024
@@ -225,8 +225,14 @@ class _FieldWriter:
 
 
 def _chunk_rows(lay: _FieldLayout, n: int, chunk_bytes: int) -> int:
+    """Rows per chunk: records of one size get whole records per chunk (a sample is
+    never split); otherwise at least the mean record, and at least ``chunk_bytes``."""
     total = sum(lay.rows)
     row_bytes = lay.numpy_dtype.itemsize * math.prod(lay.trailing)
+    if n and lay.rows[0] > 0 and all(r == lay.rows[0] for r in lay.rows):
+        record_bytes = lay.rows[0] * row_bytes
+        per_chunk = max(1, chunk_bytes // record_bytes) if record_bytes else n
+        return lay.rows[0] * min(n, per_chunk)
     mean_rows = math.ceil(total / n) if n else 1
     by_bytes = math.ceil(chunk_bytes / row_bytes) if row_bytes else total
     return max(1, min(max(total, 1), max(mean_rows, by_bytes)))

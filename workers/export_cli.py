@@ -29,7 +29,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="leave out missing or corrupt records instead of failing")
     parser.add_argument("--chunk-kib", type=int, default=256,
                         help="smallest uncompressed chunk of a data array, KiB (default 256)")
-    parser.add_argument("--level", type=int, default=5, help="zstd level 1-9 (default 5)")
+    parser.add_argument("--level", type=int, default=3,
+                        help="zstd level 1-9 (default 3; 1 exports ~2x faster, ~5%% larger)")
     parser.add_argument("--storage-options", default="{}",
                         help="JSON object of fsspec options for a URL destination")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -77,6 +77,18 @@ class TestZarrStoreContract(StoreContract):
         return make
 
 
+class TestZarrStoreContractThroughZarr(StoreContract):
+    """The same, reading through zarr's own pipeline (as for URLs), not the chunk files."""
+
+    @pytest.fixture
+    def content(self, contract_content):
+        return contract_content
+
+    @pytest.fixture
+    def make_store(self, contract_content, contract_snapshot):
+        return lambda records, indexes: ZarrStore(contract_snapshot, direct_reads=False)
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(records, indexes, lmdb cache dir, snapshot dir), exported once for the module."""
@@ -277,14 +289,15 @@ def _chunk_files(group_dir: Path, array: str) -> list[Path]:
     return sorted(p for p in (group_dir / array / "c").rglob("*") if p.is_file())
 
 
-def test_flipped_bytes_in_a_chunk_are_reported(tmp_path: Path, exported) -> None:
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_flipped_bytes_in_a_chunk_are_reported(tmp_path: Path, exported, direct_reads) -> None:
     records, *_, snap = exported
     dest = copy_snapshot(snap, tmp_path / "s.zarr")
     (chunk,) = _chunk_files(dest / FP_A, "data/point_hierarchy")
     raw = bytearray(chunk.read_bytes())
     raw[len(raw) // 2] ^= 0x01
     chunk.write_bytes(bytes(raw))
-    store = ZarrStore(dest)
+    store = ZarrStore(dest, direct_reads=direct_reads)
     with pytest.raises(CorruptRecord, match="point_hierarchy"):
         store.get(f"{FP_A}/zeta")
     report = store.verify()
