@@ -8,8 +8,8 @@ indices and occupancy), written to an LMDB cache, then exported with ``export_sn
 Reported:
 
 - size: the LMDB records' bytes (and the environment's used pages) vs the snapshot's
-  bytes on disk: the compression ratio;
-- export time (both passes, fsync and rename included), as MB/s of record bytes;
+  bytes on disk, the compression ratio, for each blosc codec the exporter offers;
+- export time per codec (both passes, fsync and rename included), as MB/s of records;
 - read throughput: samples/s of ``CachedDataset`` (when ``cache_store.dataset`` is
   present; otherwise ``store.get_record``, which is what ``CachedDataset.__getitem__``
   calls) over the same records, on LMDB and on the snapshot, sequential and shuffled,
@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store.export import export_snapshot  # noqa: E402
+from cache_store.export import CODECS, export_snapshot  # noqa: E402
 from cache_store.fingerprint import compute_fingerprint  # noqa: E402
 from cache_store.lmdb_store import LMDBStore  # noqa: E402
 from cache_store.record import encode_record  # noqa: E402
@@ -131,12 +131,13 @@ def run(samples: int, level: int, points: int, queries: int, repeats: int) -> di
         record_bytes = stats["bytes"]
         lmdb_used = stats["lmdb"]["used_bytes"]
         store.close()
-        t0 = time.perf_counter()
-        summary = export_snapshot(tmp / "cache", fp, tmp / "snap.zarr")
-        export_s = time.perf_counter() - t0
-        zarr_bytes = dir_bytes(tmp / "snap.zarr")
-        readers = {"lmdb": reader(str(tmp / "cache"), fp),
-                   "zarr": reader(str(tmp / "snap.zarr"), fp)}
+        exports = {}
+        for codec in CODECS:
+            t0 = time.perf_counter()
+            summary = export_snapshot(tmp / "cache", fp, tmp / f"{codec}.zarr", codec=codec)
+            exports[codec] = (time.perf_counter() - t0, dir_bytes(tmp / f"{codec}.zarr"))
+        readers = {"lmdb": reader(str(tmp / "cache"), fp)}
+        readers |= {codec: reader(str(tmp / f"{codec}.zarr"), fp) for codec in CODECS}
         for read, _ in readers.values():  # warm up: open, index, page cache
             for i in range(min(8, samples)):
                 read(i)
@@ -151,16 +152,21 @@ def run(samples: int, level: int, points: int, queries: int, repeats: int) -> di
                 rates[f"{name}_shuffled"].append(samples_per_s(read, shuffled))
     result = {
         "samples": samples, "level": level, "points": points, "queries": queries,
-        "repeats": repeats, "reader": readers["zarr"][1], "cpus": os.cpu_count(),
+        "repeats": repeats, "reader": readers["lmdb"][1], "cpus": os.cpu_count(),
         "build_s": build_s, "record_bytes": record_bytes, "lmdb_used_bytes": lmdb_used,
-        "zarr_bytes": zarr_bytes, "compression_ratio": record_bytes / zarr_bytes,
-        "export_s": export_s, "export_mb_per_s": record_bytes / export_s / 1e6,
-        "exported": summary.samples,
+        "exported": summary.samples, "codecs": list(CODECS),
     }
+    for codec, (seconds, size) in exports.items():
+        result[f"{codec}_bytes"] = size
+        result[f"{codec}_compression_ratio"] = record_bytes / size
+        result[f"{codec}_export_s"] = seconds
+        result[f"{codec}_export_mb_per_s"] = record_bytes / seconds / 1e6
     for name, values in rates.items():
         result[f"{name}_per_s"] = statistics.median(values)
-    for order in ("seq", "shuffled"):
-        result[f"ratio_{order}"] = result[f"zarr_{order}_per_s"] / result[f"lmdb_{order}_per_s"]
+    for codec in CODECS:
+        for order in ("seq", "shuffled"):
+            result[f"{codec}_ratio_{order}"] = (result[f"{codec}_{order}_per_s"]
+                                                / result[f"lmdb_{order}_per_s"])
     return result
 
 
@@ -181,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{r['samples']} spc_query records (level {r['level']}, {r['points']:,} surface "
           f"points, {r['queries']:,} queries), {r['cpus']} CPUs, reader {r['reader']}, "
           f"{r['repeats']} interleaved repeats")
-    print(f"  size: LMDB records {r['record_bytes'] / mb:.1f} MB (env pages "
-          f"{r['lmdb_used_bytes'] / mb:.1f} MB) -> snapshot {r['zarr_bytes'] / mb:.1f} MB "
-          f"= {r['compression_ratio']:.2f}x smaller")
-    print(f"  export: {r['export_s']:.2f} s ({r['export_mb_per_s']:.1f} MB/s of records)")
-    for order in ("seq", "shuffled"):
-        print(f"  read {order:8s}: LMDB {r[f'lmdb_{order}_per_s']:8.1f} samples/s, snapshot "
-              f"{r[f'zarr_{order}_per_s']:8.1f} samples/s = {r[f'ratio_{order}']:.2f}x LMDB")
+    print(f"  LMDB records {r['record_bytes'] / mb:.1f} MB (env pages "
+          f"{r['lmdb_used_bytes'] / mb:.1f} MB); read LMDB seq {r['lmdb_seq_per_s']:.1f}, "
+          f"shuffled {r['lmdb_shuffled_per_s']:.1f} samples/s")
+    for c in r["codecs"]:
+        print(f"  {c:6s} snapshot {r[f'{c}_bytes'] / mb:7.1f} MB = "
+              f"{r[f'{c}_compression_ratio']:.2f}x smaller; export {r[f'{c}_export_s']:.2f} s "
+              f"({r[f'{c}_export_mb_per_s']:.1f} MB/s); read seq {r[f'{c}_seq_per_s']:.1f} "
+              f"samples/s = {r[f'{c}_ratio_seq']:.2f}x LMDB, shuffled "
+              f"{r[f'{c}_shuffled_per_s']:.1f} = {r[f'{c}_ratio_shuffled']:.2f}x LMDB")
     return 0
 
 

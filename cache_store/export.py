@@ -22,10 +22,11 @@ Publishing is atomic for readers:
   export per destination; a writer token in the attributes detects a concurrent writer
   before completion.
 
-Chunking: along the first axis, a data array's chunk holds at least the mean record's
-rows of that field and at least ``chunk_bytes`` (so one sample touches one or two chunks,
-and small fields are not split into tiny objects). Chunks are blosc-zstd compressed
-(byte shuffle for multi-byte dtypes) and end in a CRC-32C.
+Chunking: along the first axis. When every record has the same rows for a field, a
+chunk holds whole records (a sample is never split); otherwise at least the mean
+record's rows (a sample touches one or two chunks). Either way at least ``chunk_bytes``,
+so small fields are not split into tiny objects. Chunks are blosc compressed (zstd by
+default; byte shuffle for multi-byte dtypes) and end in a CRC-32C.
 """
 
 from __future__ import annotations
@@ -46,7 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from cache_store.errors import CorruptRecord, ParameterError, RecordNotFound, SpcacheError
+from cache_store.errors import (
+    CorruptRecord,
+    ParameterError,
+    RecordNotFound,
+    SpcacheError,
+    UnknownName,
+)
 from cache_store.fingerprint import validate_fingerprint
 from cache_store.record import DTYPES, FORMAT_VERSION, RecordHeader
 from cache_store.recipes import RECIPE_SPECS
@@ -65,13 +72,13 @@ from cache_store.zarr_store import (
 )
 
 __all__ = ["ExportSummary", "export_snapshot", "sweep_leftovers",
-           "DEFAULT_CHUNK_BYTES", "DEFAULT_CLEVEL"]
+           "CODECS", "DEFAULT_CHUNK_BYTES", "DEFAULT_CLEVEL"]
 
 log = logging.getLogger(__name__)
 
 #: Smallest uncompressed chunk of a data array, in bytes.
 DEFAULT_CHUNK_BYTES = 256 * 1024
-#: zstd level inside blosc (3: zstd's own default; see docs/BENCHMARKS.md for 1 vs 3 vs 5).
+#: Compression level inside blosc (3: zstd's own default; docs/BENCHMARKS.md compares).
 DEFAULT_CLEVEL = 3
 #: Elements per chunk of the index arrays (ids, offsets, headers are read whole).
 _INDEX_CHUNK = 1 << 20
@@ -175,11 +182,16 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
     return survey
 
 
-def _compressors(dtype: np.dtype, clevel: int) -> list[Any]:
+#: blosc compressors offered: zstd compresses best; lz4hc decompresses ~3-4x faster
+#: (reads) at a few percent more size and slower export; lz4 exports fastest.
+CODECS = ("zstd", "lz4hc", "lz4")
+
+
+def _compressors(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
     from zarr.codecs import BloscCodec, Crc32cCodec
 
     shuffle = "shuffle" if dtype.itemsize > 1 else "noshuffle"
-    return [BloscCodec(cname="zstd", clevel=clevel, shuffle=shuffle), Crc32cCodec()]
+    return [BloscCodec(cname=codec, clevel=clevel, shuffle=shuffle), Crc32cCodec()]
 
 
 def _offsets(lengths: list[int]) -> np.ndarray:
@@ -188,11 +200,11 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return offsets
 
 
-def _write_small(group: Any, name: str, data: np.ndarray, clevel: int,
+def _write_small(group: Any, name: str, data: np.ndarray, clevel: int, codec: str,
                  chunk: int = _INDEX_CHUNK) -> None:
     arr = group.create_array(name, shape=data.shape, dtype=data.dtype,
                              chunks=(max(1, min(chunk, data.shape[0])),),
-                             compressors=_compressors(data.dtype, clevel), fill_value=0)
+                             compressors=_compressors(data.dtype, clevel, codec), fill_value=0)
     if data.size:
         arr[:] = data
 
@@ -239,7 +251,8 @@ def _chunk_rows(lay: _FieldLayout, n: int, chunk_bytes: int) -> int:
 
 
 def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
-                 attrs: dict[str, Any], chunk_bytes: int, clevel: int, progress: bool) -> None:
+                 attrs: dict[str, Any], chunk_bytes: int, clevel: int, codec: str,
+                 progress: bool) -> None:
     """Write every array of a fingerprint group, then its attributes (still incomplete)."""
     n = len(survey.sample_ids)
     encoded = [s.encode("utf-8") for s in survey.sample_ids]
@@ -250,9 +263,9 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
     }
     small |= {f"offsets/{name}": _offsets(lay.rows) for name, lay in survey.fields.items()}
     for name, data in small.items():
-        _write_small(group, name, data, clevel)
+        _write_small(group, name, data, clevel, codec)
     headers = np.frombuffer(b"".join(survey.headers), dtype=np.uint8)
-    _write_small(group, "headers", headers, clevel,
+    _write_small(group, "headers", headers, clevel, codec,
                  chunk=max(_HEADER_CHUNK_BYTES, math.ceil(headers.size / max(n, 1))))
     writers = {}
     for name, lay in survey.fields.items():
@@ -260,7 +273,7 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
         chunk = _chunk_rows(lay, n, chunk_bytes)
         arr = group.create_array(f"data/{name}", shape=(rows, *lay.trailing), dtype=dtype,
                                  chunks=(chunk, *(max(1, d) for d in lay.trailing)),
-                                 compressors=_compressors(dtype, clevel), fill_value=0)
+                                 compressors=_compressors(dtype, clevel, codec), fill_value=0)
         writers[name] = _FieldWriter(arr, chunk)
     with _progress(n, "writing", progress) as bar:
         for i, sample_id in enumerate(survey.sample_ids):
@@ -397,7 +410,8 @@ def _existing_complete(path: Path) -> bool | None:
 
 
 def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey,
-                  overwrite: bool, chunk_bytes: int, clevel: int, progress: bool) -> None:
+                  overwrite: bool, chunk_bytes: int, clevel: int, codec: str,
+                  progress: bool) -> None:
     import zarr
     from zarr.storage import LocalStore
 
@@ -418,7 +432,7 @@ def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey
         try:
             group = zarr.create_group(LocalStore(staging))
             attrs = _group_attrs(index, survey, store.location, token)
-            _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, progress)
+            _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress)
             attrs["complete"] = True
             group.update_attributes({ATTRS_KEY: attrs})
             _fsync_tree(staging)
@@ -439,8 +453,8 @@ def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey
 
 
 def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
-                   overwrite: bool, chunk_bytes: int, clevel: int, progress: bool,
-                   storage_options: Mapping[str, Any] | None) -> None:
+                   overwrite: bool, chunk_bytes: int, clevel: int, codec: str,
+                   progress: bool, storage_options: Mapping[str, Any] | None) -> None:
     import zarr
     from zarr.storage import FsspecStore
 
@@ -457,7 +471,7 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
     token = uuid.uuid4().hex
     attrs = _group_attrs(index, survey, store.location, token)
     group = root.create_group(fp, attributes={ATTRS_KEY: dict(attrs)})
-    _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, progress)
+    _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress)
     now = zarr.open_group(zstore, mode="r", path=fp).attrs.get(ATTRS_KEY, {})
     if not isinstance(now, dict) or now.get("writer") != token:
         raise SpcacheError(f"{url}/{fp}: another export wrote this fingerprint meanwhile; "
@@ -472,7 +486,7 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
 def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
                     dest: str | os.PathLike[str], *, overwrite: bool = False,
                     skip_bad: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    clevel: int = DEFAULT_CLEVEL,
+                    clevel: int = DEFAULT_CLEVEL, codec: str = "zstd",
                     storage_options: Mapping[str, Any] | None = None,
                     progress: bool = False) -> ExportSummary:
     """Export the records of ``fingerprint`` in ``source`` to the snapshot ``dest``.
@@ -487,7 +501,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
         skip_bad: leave out records that are missing, corrupt or shaped unlike the
             first one (each is logged and listed in the summary) instead of failing.
         chunk_bytes: smallest uncompressed chunk of a data array.
-        clevel: zstd level (1-9).
+        clevel: compression level (1-9).
+        codec: blosc compressor, one of :data:`CODECS` (any reader decodes all).
         storage_options: fsspec options for a URL ``dest``.
         progress: show progress bars (stderr).
 
@@ -502,6 +517,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
     validate_fingerprint(fingerprint)
     if not 1 <= int(clevel) <= 9:
         raise ParameterError([f"clevel: {clevel!r} is outside 1..9"])
+    if codec not in CODECS:
+        raise UnknownName("snapshot codec", codec, CODECS)
     if int(chunk_bytes) < 1:
         raise ParameterError([f"chunk_bytes: {chunk_bytes!r} must be positive"])
     started = time.perf_counter()
@@ -519,10 +536,10 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
                                    f"exported (skip_bad / --skip-bad leaves them out): {listed}")
         if is_local_location(dest):
             _export_local(Path(local_path(dest)).absolute(), store, index, survey, overwrite,
-                          int(chunk_bytes), int(clevel), progress)
+                          int(chunk_bytes), int(clevel), codec, progress)
         else:
             _export_remote(os.fspath(dest), store, index, survey, overwrite, int(chunk_bytes),
-                           int(clevel), progress, storage_options)
+                           int(clevel), codec, progress, storage_options)
     finally:
         if owned:
             store.close()

@@ -187,7 +187,8 @@ def test_plain_zarr_client_reads_arrays_and_attributes(exported) -> None:
     assert header["__metadata__"]["checksum"] == read_header(records[f"{FP_B}/lamps/l1"]).checksum
 
 
-def test_all_dtypes_and_shapes_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("codec", ["zstd", "lz4hc", "lz4"])
+def test_all_dtypes_and_shapes_round_trip(tmp_path: Path, codec: str) -> None:
     params = {"level": 3}
     fp = compute_fingerprint("custom", 2, params)
     ids = ["a", "b", "c/d"]
@@ -204,8 +205,9 @@ def test_all_dtypes_and_shapes_round_trip(tmp_path: Path) -> None:
         records[f"{fp}/{sid}"] = encode_record(tensors, meta)
     cache = fill_lmdb(tmp_path / "cache", records,
                       [DatasetIndex(fp, "custom", 2, params, ids)])
-    export_snapshot(cache, fp, tmp_path / "s.zarr")
+    export_snapshot(cache, fp, tmp_path / "s.zarr", codec=codec, chunk_bytes=16)
     store = ZarrStore(tmp_path / "s.zarr")
+    assert zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[f"{fp}/data/vary"].chunks[0] > 1
     for key, value in records.items():
         assert store.get(key) == value
         a, b = decode_record(value), store.get_record(key)
@@ -394,26 +396,29 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
 class _ByIndex(torch.utils.data.Dataset):
     """A minimal per-process reader (what CachedDataset does), without CachedDataset."""
 
-    def __init__(self, location: str, keys: list[str]) -> None:
-        self.location, self.keys, self.store, self.pid = location, keys, None, None
+    def __init__(self, location: str, keys: list[str], direct_reads: bool) -> None:
+        self.location, self.keys, self.direct = location, keys, direct_reads
+        self.store, self.pid = None, None
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, i: int):
         if self.pid != os.getpid():
-            self.store, self.pid = open_store(self.location), os.getpid()
+            self.store = open_store(self.location, direct_reads=self.direct)
+            self.pid = os.getpid()
         record = self.store.get_record(self.keys[i])
         return {"pid": os.getpid(), "key": self.keys[i], **record.tensors}
 
 
-def test_forked_dataloader_workers_read_identical_samples(exported) -> None:
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_forked_dataloader_workers_read_identical_samples(exported, direct_reads) -> None:
     records, _, cache_dir, snap = exported
     keys = sorted(records)
-    parent = ZarrStore(snap)
+    parent = ZarrStore(snap, direct_reads=direct_reads)
     parent.get(keys[0])  # zarr's IO loop and thread now run in the parent
     ctx = torch.multiprocessing.get_context("fork")
-    loader = torch.utils.data.DataLoader(_ByIndex(str(snap), keys), batch_size=None,
+    loader = torch.utils.data.DataLoader(_ByIndex(str(snap), keys, direct_reads), batch_size=None,
                                          num_workers=2, multiprocessing_context=ctx)
     reference = LMDBStore(cache_dir)
     pids = set()
@@ -447,3 +452,17 @@ def test_cli_export_then_verify(tmp_path: Path, exported, capsys) -> None:
     args = parser.parse_args([FP_A, "--cache", str(tmp_path / "nope"), "--to", str(dest)])
     assert export_cli.run(args) == 2
     assert ZarrStore(dest).verify().ok
+
+
+def test_field_names_never_become_paths(tmp_path: Path) -> None:
+    params = {"level": 3}
+    fp = compute_fingerprint("custom", 1, params)
+    meta = record_metadata(fp, "a") | {"recipe": "custom", "recipe_version": "1"}
+    value = encode_record({"../../escaped": torch.zeros(3)}, meta)
+    cache = fill_lmdb(tmp_path / "cache", {f"{fp}/a": value},
+                      [DatasetIndex(fp, "custom", 1, params, ["a"])])
+    with pytest.raises(SpcacheError, match="escaped"):
+        export_snapshot(cache, fp, tmp_path / "deep" / "s.zarr")
+    assert not list(tmp_path.rglob("escaped*"))
+    assert not (tmp_path / "deep" / "s.zarr" / fp).exists()
+    cache.close()
