@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -39,19 +40,38 @@ __all__ = [
 name = "kaolin"
 
 
+SUPPORTED_VERSION = "0.18"
+"""The Kaolin release whose results the torch backend matches bit for bit."""
+
+
+def _kaolin_version() -> str:
+    version = getattr(importlib.import_module("kaolin"), "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("kaolin")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+    return str(version)
+
+
 @functools.cache
 def _import_spc() -> tuple[ModuleType | None, str]:
     try:
-        return importlib.import_module("kaolin.ops.spc"), ""
+        spc = importlib.import_module("kaolin.ops.spc")
     except (ImportError, OSError, RuntimeError) as exc:  # a missing wheel or a broken CUDA build
         return None, f"cannot import kaolin.ops.spc ({type(exc).__name__}: {exc})"
+    version = _kaolin_version()
+    if version.split(".")[:2] != SUPPORTED_VERSION.split("."):
+        return None, (f"found kaolin {version}, but records must match Kaolin "
+                      f"{SUPPORTED_VERSION} bit for bit (earlier releases use another exsum layout)")
+    return spc, ""
 
 
 def ensure_available() -> ModuleType:
     """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
     spc, reason = _import_spc()
     if spc is None:
-        raise BackendUnavailable(name, reason + "; install kaolin==0.18.0 for this torch/CUDA")
+        raise BackendUnavailable(name, reason + "; install kaolin==0.18.x for this torch/CUDA")
     if not torch.cuda.is_available():
         raise BackendUnavailable(name, "CUDA is not available (Kaolin's SPC ops are CUDA-only)")
     return spc
@@ -63,7 +83,7 @@ def _on(arg: str, tensor: torch.Tensor) -> Iterator[ModuleType]:
     spc = ensure_available()
     if tensor.device.type != "cuda":
         raise InvalidTensor(f"{arg}: the kaolin backend needs CUDA tensors, got one on "
-                                    f"{tensor.device}; use the torch backend on the CPU")
+                            f"{tensor.device}; use the torch backend on the CPU")
     with torch.cuda.device(tensor.device):
         yield spc
 
@@ -82,6 +102,8 @@ def points_to_morton(points: torch.Tensor) -> torch.Tensor:
         raise InvalidTensor(f"points: expected shape (..., 3), got {tuple(shape)}")
     _checks.check_points(points.reshape(-1, 3), allow_empty=True)
     with _on("points", points) as spc:
+        if points.numel() == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch.empty(shape[:-1], dtype=torch.int64, device=points.device)
         return spc.points_to_morton(points.contiguous())
 
 
@@ -89,6 +111,8 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.morton_to_points`."""
     morton = _checks.check_morton(morton)
     with _on("morton", morton) as spc:
+        if morton.numel() == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch.empty((*morton.shape, 3), dtype=torch.int16, device=morton.device)
         return spc.morton_to_points(morton.contiguous())
 
 
@@ -129,6 +153,8 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     """See :func:`workers.ops.torch_spc.unbatched_query` (same -1 for undefined queries)."""
     with _on("octree", _checks.check_octree(octree)) as spc:
         exsum, query_coords, level = torch_spc._check_query(octree, exsum, query_coords, level)
+        if query_coords.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch_spc.unbatched_query(octree, exsum, query_coords, level, with_parents)
         result = spc.unbatched_query(octree.contiguous(), exsum.contiguous(),
                                      query_coords.contiguous(), level, with_parents=with_parents)
         _, inside = torch_spc.query_voxels(query_coords, level, bool(with_parents))
@@ -150,4 +176,6 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
         raise InvalidTensor(f"points: expected shape (num_points, 3), got "
                                     f"{tuple(points.shape)}")
     with _on("points", points) as spc:
+        if points.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch.empty((0, 8, 3), dtype=torch.int16, device=points.device)
         return spc.points_to_corners(points.contiguous())
