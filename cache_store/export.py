@@ -496,8 +496,9 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
         fingerprint: the dataset to export (its index gives the records and their order).
         dest: ``*.zarr`` path, ``file://`` URL or fsspec URL; other fingerprints already
             there are kept.
-        overwrite: replace an already exported fingerprint (readers holding the old
-            one open must re-open).
+        overwrite: replace an already exported fingerprint. Open readers re-open it when
+            a read finds the replaced files; until then they may serve records of the
+            old export from their chunk caches (whole, verified records).
         skip_bad: leave out records that are missing, corrupt or shaped unlike the
             first one (each is logged and listed in the summary) instead of failing.
         chunk_bytes: smallest uncompressed chunk of a data array.

@@ -538,10 +538,36 @@ class ZarrStore(Store):
             out.append(value)
         return out
 
+    def _drop_replaced(self) -> bool:
+        """Forget this process's opened fingerprints whose group has been exported again
+        (another writer token) or removed since they were opened; True if any was."""
+        stale = []
+        for fingerprint, snap in list(self._snapshots.items()):
+            found = self._group_attrs(fingerprint)
+            if found is None or found[1].get("writer") != snap.attrs.get("writer"):
+                stale.append(fingerprint)
+        for fingerprint in stale:
+            log.info("%s: fingerprint %s was exported again; re-opening it",
+                     self.location, fingerprint)
+            self._snapshots.pop(fingerprint, None)
+        return bool(stale)
+
+    def _read_checked(self, action: Any) -> Any:
+        """Run ``action()``; if a record reads as corrupt because its fingerprint was
+        re-exported under this reader (``overwrite``), re-open and run it once more."""
+        try:
+            return action()
+        except CorruptRecord:
+            if not self._drop_replaced():
+                raise
+        return action()
+
     def get(self, key: str) -> bytes:
-        value = self._values([key], None)[0]
-        check_record_value(value, key)
-        return bytes(value)
+        def read() -> bytes:
+            value = self._values([key], None)[0]
+            check_record_value(value, key)
+            return bytes(value)
+        return self._read_checked(read)
 
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
         return self.get_records([key], fields)[0]
@@ -551,14 +577,17 @@ class ZarrStore(Store):
         keys = list(keys)
         fields = None if fields is None else ([fields] if isinstance(fields, str)
                                               else list(fields))
-        records = []
-        for key, value in zip(keys, self._values(keys, fields), strict=True):
-            record = decode_record(value, key=key, fields=fields)
-            if (f"{record.metadata.get('fingerprint')}/{record.metadata.get('sample_id')}"
-                    != key):
-                raise CorruptRecord(key, "record metadata names another key")
-            records.append(record)
-        return records
+
+        def read() -> list[Record]:
+            records = []
+            for key, value in zip(keys, self._values(keys, fields), strict=True):
+                record = decode_record(value, key=key, fields=fields)
+                meta = record.metadata
+                if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
+                    raise CorruptRecord(key, "record metadata names another key")
+                records.append(record)
+            return records
+        return self._read_checked(read)
 
     def has(self, key: str) -> bool:
         return self._locate(key) is not None

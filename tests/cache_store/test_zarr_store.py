@@ -255,14 +255,18 @@ def test_existing_export_needs_overwrite(tmp_path: Path) -> None:
     cache = fill_lmdb(tmp_path / "cache", records, indexes)
     dest = tmp_path / "s.zarr"
     export_snapshot(cache, FP_A, dest)
-    reader = ZarrStore(dest)
+    reader = ZarrStore(dest, direct_reads=False)  # no chunk cache: every read hits files
     assert reader.get_index(FP_A).sample_ids.tolist() == IDS_A
     with pytest.raises(SpcacheError, match="already exported"):
         export_snapshot(cache, FP_A, dest)
     newer = make_record(FP_A, "zeta", seed=777)
     cache.put_many([(f"{FP_A}/zeta", newer)])
+    old_value = reader.get(f"{FP_A}/zeta")
     export_snapshot(cache, FP_A, dest, overwrite=True)
     assert ZarrStore(dest).get(f"{FP_A}/zeta") == newer
+    assert old_value != newer
+    assert reader.get(f"{FP_A}/zeta") == newer  # the open reader notices and re-opens
+    assert reader.get_record(f"{FP_A}/chairs/a1").metadata["sample_id"] == "chairs/a1"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "s.zarr"]  # no leftovers
     cache.close()
 
