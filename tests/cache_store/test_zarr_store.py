@@ -15,6 +15,7 @@ import pytest
 import torch
 import zarr
 
+from cache_store import CachedDataset, collate_spc
 from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
@@ -397,44 +398,77 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
     fsspec.filesystem("memory").rm(f"/spcache-test-{os.getpid()}", recursive=True)
 
 
-class _ByIndex(torch.utils.data.Dataset):
-    """A minimal per-process reader (what CachedDataset does), without CachedDataset."""
+def _same_sample(got: dict, want: dict) -> bool:
+    return set(got) == set(want) and all(
+        got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        and torch.equal(got[k], want[k]) for k in want)
 
-    def __init__(self, location: str, keys: list[str], direct_reads: bool) -> None:
-        self.location, self.keys, self.direct = location, keys, direct_reads
-        self.store, self.pid = None, None
 
-    def __len__(self) -> int:
-        return len(self.keys)
+def test_cached_dataset_on_the_snapshot_yields_what_lmdb_yields(exported) -> None:
+    _, indexes, cache_dir, snap = exported
+    for index in indexes:
+        on_lmdb = CachedDataset(cache_dir, index.fingerprint)
+        on_zarr = CachedDataset(str(snap), index.fingerprint)
+        assert len(on_zarr) == len(on_lmdb) == len(index)
+        assert on_zarr.recipe == on_lmdb.recipe
+        for i in range(len(index)):
+            assert on_zarr.sample_id(i) == on_lmdb.sample_id(i)
+            assert _same_sample(on_zarr[i], on_lmdb[i])
+        both = list(range(len(index)))[::-1]
+        assert all(_same_sample(a, b) for a, b in
+                   zip(on_zarr.__getitems__(both), on_lmdb.__getitems__(both), strict=True))
+        on_lmdb.close()
+        on_zarr.close()
+    subset = CachedDataset(str(snap), "spc", fields=["octree", "scale"], level=5)
+    assert subset.fingerprint == indexes[2].fingerprint
+    reference = CachedDataset(cache_dir, "spc", fields=["octree", "scale"], level=5)
+    assert _same_sample(subset[0], reference[0]) and set(subset[0]) == {"octree", "scale"}
 
-    def __getitem__(self, i: int):
-        if self.pid != os.getpid():
-            self.store = open_store(self.location, direct_reads=self.direct)
-            self.pid = os.getpid()
-        record = self.store.get_record(self.keys[i])
-        return {"pid": os.getpid(), "key": self.keys[i], **record.tensors}
+
+def _forbid_cuda(worker_id: int) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"CUDA initialised in DataLoader worker {worker_id}")
+    torch.cuda._lazy_init = refuse
+    torch.cuda.init = refuse
+
+
+def _tag_pid(sample: dict) -> dict:
+    sample["pid"] = torch.tensor(os.getpid())
+    return sample
 
 
 @pytest.mark.parametrize("direct_reads", [True, False])
 def test_forked_dataloader_workers_read_identical_samples(exported, direct_reads) -> None:
-    records, _, cache_dir, snap = exported
-    keys = sorted(records)
-    parent = ZarrStore(snap, direct_reads=direct_reads)
-    parent.get(keys[0])  # zarr's IO loop and thread now run in the parent
-    ctx = torch.multiprocessing.get_context("fork")
-    loader = torch.utils.data.DataLoader(_ByIndex(str(snap), keys, direct_reads), batch_size=None,
-                                         num_workers=2, multiprocessing_context=ctx)
-    reference = LMDBStore(cache_dir)
-    pids = set()
-    for sample in loader:
-        pids.add(sample.pop("pid"))
-        expected = reference.get_record(sample.pop("key")).tensors
-        assert set(sample) == set(expected)
-        for name, tensor in expected.items():
-            assert sample[name].dtype == tensor.dtype and torch.equal(sample[name], tensor)
+    _, _, cache_dir, snap = exported
+    dataset = CachedDataset(str(snap), FP_A, transform=_tag_pid,
+                            store_options={"direct_reads": direct_reads})
+    dataset[0]  # the parent read first: its store and zarr's IO loop and thread are up
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork",
+                                         worker_init_fn=_forbid_cuda)
+    reference = CachedDataset(cache_dir, FP_A)
+    got = list(loader)
+    assert len(got) == len(IDS_A)
+    pids = {int(sample.pop("pid")) for sample in got}
     assert len(pids) == 2 and os.getpid() not in pids
-    assert parent.get(keys[-1]) == records[keys[-1]]  # the parent's store still works
-    reference.close()
+    assert all(_same_sample(sample, reference[i]) for i, sample in enumerate(got))
+    assert "pid" in dataset[len(IDS_A) - 1]  # the parent's store still works
+
+
+def test_batched_forked_workers_with_collate(exported) -> None:
+    _, _, cache_dir, snap = exported
+    loader_args = dict(batch_size=2, num_workers=2, multiprocessing_context="fork",
+                       collate_fn=collate_spc, worker_init_fn=_forbid_cuda)
+    on_zarr = list(torch.utils.data.DataLoader(CachedDataset(str(snap), FP_A), **loader_args))
+    on_lmdb = list(torch.utils.data.DataLoader(CachedDataset(cache_dir, FP_A), **loader_args))
+    assert len(on_zarr) == len(on_lmdb) == 3
+    for a, b in zip(on_zarr, on_lmdb, strict=True):
+        assert set(a) == set(b)
+        for name, value in b.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(a[name], value) and a[name].dtype == value.dtype
+            else:
+                assert a[name] == value
 
 
 def test_cli_export_then_verify(tmp_path: Path, exported, capsys) -> None:
