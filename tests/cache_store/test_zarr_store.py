@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cache_store import CachedDataset, collate_spc
 from cache_store.errors import (
@@ -504,3 +506,43 @@ def test_field_names_never_become_paths(tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("escaped*"))
     assert not (tmp_path / "deep" / "s.zarr" / fp).exists()
     cache.close()
+
+
+def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported) -> None:
+    records, _, cache_dir, _ = exported
+    source = LMDBStore(cache_dir)
+    key, calls = f"{FP_A}/tables/t1", []
+    real_get = source.get
+
+    def get(k: str) -> bytes:  # a worker recomputes the record between the two passes
+        calls.append(k)
+        return make_record(FP_A, "tables/t1", seed=5) if calls.count(key) > 1 else real_get(k)
+    source.get = get
+    with pytest.raises(SpcacheError, match="changed during the export"):
+        export_snapshot(source, FP_A, tmp_path / "s.zarr")
+    assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
+    source.close()
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+       width=st.integers(1, 4), chunk_bytes=st.integers(1, 600))
+def test_any_row_counts_and_chunk_sizes_round_trip(tmp_path_factory, rows, width,
+                                                   chunk_bytes) -> None:
+    root = tmp_path_factory.mktemp("prop")
+    fp = compute_fingerprint("custom", 1, {"w": width})
+    ids = [f"s{i}" for i in range(len(rows))]
+    records = {}
+    for i, (sid, r) in enumerate(zip(ids, rows, strict=True)):
+        tensors = {"points": torch.arange(r * width, dtype=torch.float32).reshape(r, width) + i,
+                   "fixed": torch.full((3,), i, dtype=torch.int64)}
+        meta = record_metadata(fp, sid) | {"recipe": "custom", "recipe_version": "1"}
+        records[f"{fp}/{sid}"] = encode_record(tensors, meta)
+    cache = fill_lmdb(root / "cache", records, [DatasetIndex(fp, "custom", 1, {"w": width}, ids)])
+    export_snapshot(cache, fp, root / "s.zarr", chunk_bytes=chunk_bytes)
+    cache.close()
+    for direct in (True, False):
+        store = ZarrStore(root / "s.zarr", direct_reads=direct)
+        assert [store.get(k) for k in records] == list(records.values())
