@@ -79,3 +79,32 @@ def test_service_does_not_import_workers_or_initialise_cuda() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=60).stdout.strip()
     assert out == "[] False"
+
+
+def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Settings) -> None:
+    import lmdb
+
+    from cache_store.errors import SpcacheError
+    from tests.service.conftest import InProcessServer
+
+    server = InProcessServer(settings)
+
+    @server.app.get("/test/readers-full")
+    def readers_full() -> None:
+        try:
+            raise lmdb.ReadersFullError("MDB_READERS_FULL")
+        except lmdb.ReadersFullError as exc:  # wrapped the way LMDBStore wraps it
+            raise SpcacheError("reader table full") from exc
+
+    @server.app.get("/test/bug")
+    def bug() -> None:
+        raise RuntimeError("secret internals")
+
+    with server, httpx.Client(base_url=server.url) as http:
+        r = http.get("/test/readers-full")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {"error": "SpcacheError",
+                            "detail": "too many concurrent readers of the cache; retry shortly"}
+        r = http.get("/test/bug")
+        assert r.status_code == 500 and r.json()["error"] == "InternalError"
+        assert "secret" not in r.text and "Traceback" not in r.text
