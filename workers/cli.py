@@ -25,7 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import ParameterError, SourceError, SpcacheError, UnknownName
+from cache_store.errors import (
+    BackendUnavailable,
+    ParameterError,
+    SourceError,
+    SpcacheError,
+    UnknownName,
+)
 from workers.sources import SUPPORTED_EXTENSIONS
 
 __all__ = ["COMMANDS", "main", "discover_sources", "parse_params"]
@@ -283,7 +289,7 @@ class _Precompute:
                             jobs=args.jobs, query_chunk=args.query_chunk,
                             write_batch=args.write_batch, progress=sys.stderr.isatty())
             summary = _run_engine(engine, items)
-        except (ParameterError, UnknownName) as exc:
+        except (ParameterError, UnknownName, BackendUnavailable) as exc:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
         finally:
@@ -326,17 +332,16 @@ class _Verify:
         report = _with_store(args.cache, lambda store: store.verify())
         if report is None:
             return 2
-        data = _as_json(report)
-        problems = _problems(report, data)
+        data = report.as_json()
+        problems = [f"corrupt {key}: {reason}" for key, reason in report.corrupt.items()]
+        problems += [f"missing {key} (indexed, no record)" for key in report.missing]
         if args.json:
-            print(json.dumps(data, sort_keys=True, default=str))
+            print(json.dumps(data, sort_keys=True))
         else:
-            for key, value in data.items():
-                if not isinstance(value, list | dict):
-                    print(f"{key}: {value}")
             for problem in problems:
-                print(f"  problem: {problem}")
-            print("cache verifies clean" if not problems else f"{len(problems)} problem(s)")
+                print(f"  {problem}")
+            print(f"checked {report.checked} records: "
+                  + ("cache verifies clean" if not problems else f"{len(problems)} problem(s)"))
         return 1 if problems else 0
 
 
@@ -352,11 +357,10 @@ class _Stats:
         stats = _with_store(args.cache, lambda store: store.stats())
         if stats is None:
             return 2
-        data = _as_json(stats)
         if args.json:
-            print(json.dumps(data, sort_keys=True, default=str))
+            print(json.dumps(stats, sort_keys=True, default=str))
         else:
-            _print_tree(data)
+            _print_tree(stats)
         return 0
 
 
@@ -375,28 +379,6 @@ def _with_store(cache: Path, action: Any) -> Any:
         return action(store)
     finally:
         store.close()
-
-
-def _as_json(obj: Any) -> Any:
-    if hasattr(obj, "as_json"):
-        return obj.as_json()
-    if hasattr(obj, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.asdict(obj)
-    return obj
-
-
-def _problems(report: Any, data: Any) -> list[Any]:
-    for name in ("problems", "errors", "corrupt"):
-        value = getattr(report, name, None)
-        if value is None and isinstance(data, dict):
-            value = data.get(name)
-        if value is not None:
-            return list(value)
-    if getattr(report, "ok", None) is False or (isinstance(data, dict) and data.get("ok") is False):
-        return ["verification failed"]
-    return []
 
 
 def _print_tree(data: Any, indent: str = "") -> None:

@@ -47,6 +47,7 @@ import torch
 from cache_store import __version__ as SPCACHE_VERSION
 from cache_store.errors import (
     CorruptRecord,
+    FingerprintLookupError,
     InvalidSampleId,
     ParameterError,
     RecordNotFound,
@@ -218,9 +219,31 @@ class Engine:
         self.fault_hook = fault_hook
         self.progress = progress
         self.fingerprint = compute_fingerprint(self.recipe.name, self.recipe.version, self.params)
+        self._loader: _Loader | None = None
 
     def key(self, sample_id: str) -> str:
         return record_key(self.fingerprint, sample_id)
+
+    def open(self) -> Engine:
+        """Start the loader pool now and keep it for every later :meth:`run` (a long-lived
+        worker calls this once; without it each run starts and stops its own pool)."""
+        if self._loader is None:
+            loader = _Loader(self)
+            loader.open()
+            self._loader = loader
+        return self
+
+    def close(self) -> None:
+        """Stop the loader pool started by :meth:`open` (safe to call twice)."""
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
             on_result: Callable[[ItemResult], None] | None = None) -> Summary:
@@ -250,6 +273,7 @@ class _Run:
         self.summary = Summary(engine.fingerprint, engine.recipe.name, engine.recipe.version,
                                dict(engine.params))
         self.stored_ids: set[str] = set()
+        self.admitted: list[str] = []  # valid, unique sample ids in input order
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
         self.bar = None
 
@@ -258,10 +282,12 @@ class _Run:
     def execute(self) -> Summary:
         start = time.perf_counter()
         work = self._admit(self.items)
-        loader = _Loader(self.engine, len(work))
+        own_loader = self.engine._loader is None
+        loader = _Loader(self.engine, len(work)) if own_loader else self.engine._loader
         writer: _Writer | None = None
         try:
-            loader.open()
+            if own_loader:
+                loader.open()
             device = resolve_device(self.engine.device)
             from workers.ops import get_backend  # the ops package imports Kaolin if present
 
@@ -277,7 +303,8 @@ class _Run:
             self._drain_committed()
             self.summary.oom_backoffs = budget.backoffs
         finally:
-            loader.close()
+            if own_loader:
+                loader.close()
             if writer is not None and writer.is_alive():
                 writer.finish()  # interrupted: still commit what was computed
                 self._drain_committed(quiet=True)
@@ -307,6 +334,7 @@ class _Run:
                                         reason=f"duplicate sample id (first given for {seen[sample_id]})"))
                 continue
             seen[sample_id] = path
+            self.admitted.append(sample_id)
             key = self.engine.key(sample_id)
             work.append(_Item(sample_id, path, key, self._stored_hash(key)))
         return work
@@ -326,6 +354,15 @@ class _Run:
     def _loop(self, work: list[_Item], loader: _Loader, writer: _Writer,
               device: torch.device, ops: Any, budget: ChunkBudget) -> None:
         pending: deque[tuple[_Item, cf.Future]] = deque()
+        try:
+            self._drive(work, pending, loader, writer, device, ops, budget)
+        finally:
+            for _, future in pending:  # interrupted: loads nobody will wait for
+                future.cancel()
+
+    def _drive(self, work: list[_Item], pending: deque[tuple[_Item, cf.Future]],
+               loader: _Loader, writer: _Writer, device: torch.device, ops: Any,
+               budget: ChunkBudget) -> None:
         upcoming = iter(work)
         while True:
             while len(pending) < self.engine.prefetch:
@@ -429,26 +466,24 @@ class _Run:
 
     def _write_index(self) -> None:
         """The index: ids already indexed, in order, then this run's stored ids in input order."""
-        engine = self.engine
+        engine, store = self.engine, self.engine.store
+        ran = [sid for sid in self.admitted if sid in self.stored_ids]
         try:
-            try:
-                old = list(engine.store.get_index(engine.fingerprint).sample_ids)
-            except RecordNotFound:
-                old = []
-            known = set(old)
-            new = [str(sid) for sid, _ in self.items
-                   if str(sid) in self.stored_ids and str(sid) not in known]
-            if old and not new:
-                return
-            ids = old + new
-            if not ids:
-                return
-            engine.store.put_index(DatasetIndex(
-                engine.fingerprint, engine.recipe.name, engine.recipe.version,
-                dict(engine.params), np.array(ids, dtype=str)))
-        except SpcacheError:
-            logger.exception("could not write the index of fingerprint %s", engine.fingerprint)
-            raise
+            old = store.get_index(engine.fingerprint).sample_ids.tolist()
+        except FingerprintLookupError:
+            old = []
+        except CorruptRecord as exc:
+            # Rebuild from what is stored: this run's ids first, then the others sorted.
+            logger.warning("index of %s is unreadable (%s); rebuilding it", engine.fingerprint, exc)
+            prefix = engine.fingerprint + "/"
+            old = ran + sorted({key[len(prefix):] for key in store.keys(prefix)} - set(ran))
+        known = set(old)
+        new = [sid for sid in ran if sid not in known]
+        if (old and not new) or not (old or new):
+            return
+        store.put_index(DatasetIndex(engine.fingerprint, engine.recipe.name,
+                                     engine.recipe.version, dict(engine.params),
+                                     np.array(old + new, dtype=str)))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -481,8 +516,36 @@ def _load_task(recipe_name: str, params: dict[str, Any], fingerprint: str, sampl
         return ("failed", f"{type(exc).__name__}: {_one_line(exc)}", time.perf_counter() - start)
 
 
-def _init_loader_process() -> None:
+def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
+                     name="spcache-orphan-watch").start()
+
+
+def _exit_when_orphaned(engine_pid: int) -> None:
+    """End this loader soon after the engine's process is gone.
+
+    A pool worker blocks on its task queue forever when the engine is killed (SIGKILL
+    leaves no chance to shut the pool down), and with a forkserver its parent is not the
+    engine, so the engine's pid is watched directly.
+    """
+    while _process_alive(engine_pid):
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process stays a zombie until reaped; on Linux, tell the two apart
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class _Loader:
@@ -493,9 +556,9 @@ class _Loader:
     the culprit and fails with a reason; the other pending items are resubmitted.
     """
 
-    def __init__(self, engine: Engine, count: int) -> None:
+    def __init__(self, engine: Engine, count: int | None = None) -> None:
         self.engine = engine
-        self.count = count
+        self.count = engine.jobs if count is None else count  # no more processes than items
         self.pool: cf.ProcessPoolExecutor | None = None
 
     def open(self) -> None:
@@ -503,10 +566,17 @@ class _Loader:
             self.pool = self._new_pool()
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            # Import the heavy modules once in the server (CPU only: it never runs an op),
+            # so each loader forks ready instead of importing torch and trimesh itself.
+            # Takes effect when this process first starts its forkserver.
+            context.set_forkserver_preload(["workers.engine", "trimesh"])
+        else:
+            context = multiprocessing.get_context("spawn")
         return cf.ProcessPoolExecutor(max_workers=min(self.engine.jobs, self.count),
-                                      mp_context=context, initializer=_init_loader_process)
+                                      mp_context=context, initializer=_init_loader_process,
+                                      initargs=(os.getpid(),))
 
     def _args(self, item: _Item) -> tuple:
         e = self.engine
@@ -518,7 +588,11 @@ class _Loader:
             future: cf.Future = cf.Future()
             future.set_result(_load_task(*self._args(item)))
             return future
-        return self.pool.submit(_load_task, *self._args(item))
+        try:
+            return self.pool.submit(_load_task, *self._args(item))
+        except BrokenProcessPool:  # a process died since the last submit
+            self._restart()
+            return self.pool.submit(_load_task, *self._args(item))
 
     def result(self, item: _Item, future: cf.Future,
                pending: deque[tuple[_Item, cf.Future]]) -> tuple:
@@ -534,7 +608,9 @@ class _Loader:
             self._restart()
             outcome = ("failed", "the loader process died while reading this file "
                                  "(crash or out of memory)", 0.0)
-        for i, (other, _) in enumerate(pending):
+        for i, (other, earlier) in enumerate(pending):
+            if earlier.done() and not earlier.cancelled() and earlier.exception() is None:
+                continue  # finished before the pool broke: its result stands
             pending[i] = (other, self.submit(other))
         return outcome
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.metadata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -39,19 +40,38 @@ __all__ = [
 name = "kaolin"
 
 
+SUPPORTED_VERSION = "0.18"
+"""The Kaolin release whose results the torch backend matches bit for bit."""
+
+
+def _kaolin_version() -> str:
+    version = getattr(importlib.import_module("kaolin"), "__version__", None)
+    if version is None:
+        try:
+            version = importlib.metadata.version("kaolin")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+    return str(version)
+
+
 @functools.cache
 def _import_spc() -> tuple[ModuleType | None, str]:
     try:
-        return importlib.import_module("kaolin.ops.spc"), ""
+        spc = importlib.import_module("kaolin.ops.spc")
     except (ImportError, OSError, RuntimeError) as exc:  # a missing wheel or a broken CUDA build
         return None, f"cannot import kaolin.ops.spc ({type(exc).__name__}: {exc})"
+    version = _kaolin_version()
+    if version.split(".")[:2] != SUPPORTED_VERSION.split("."):
+        return None, (f"found kaolin {version}, but records must match Kaolin "
+                      f"{SUPPORTED_VERSION} bit for bit (earlier releases use another exsum layout)")
+    return spc, ""
 
 
 def ensure_available() -> ModuleType:
     """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
     spc, reason = _import_spc()
     if spc is None:
-        raise BackendUnavailable(name, reason + "; install kaolin==0.18.0 for this torch/CUDA")
+        raise BackendUnavailable(name, reason + "; install kaolin==0.18.x for this torch/CUDA")
     if not torch.cuda.is_available():
         raise BackendUnavailable(name, "CUDA is not available (Kaolin's SPC ops are CUDA-only)")
     return spc

@@ -19,7 +19,6 @@ import torch
 from cache_store.errors import InvalidTensor
 
 from . import _checks
-from ._checks import MAX_LEVEL
 
 __all__ = [
     "name",
@@ -46,7 +45,6 @@ _SPREAD = ((16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
 _SPREAD32 = ((16, 0x030000FF), (8, 0x0300F00F), (4, 0x030C30C3), (2, 0x09249249))
 _GATHER = ((2, 0x10C30C30C30C30C3), (4, 0x100F00F00F00F00F),
            (8, 0x1F0000FF0000FF), (16, 0x1F00000000FFFF), (32, 0x1FFFFF))
-_MORTON_BITS = 3 * MAX_LEVEL
 
 
 def _spread_bits(v: torch.Tensor) -> torch.Tensor:
@@ -127,11 +125,22 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
     return _decode(morton.reshape(-1)).reshape(*morton.shape, 3)
 
 
+_CHILD_BITS = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8)
+
+
+def _run_starts(values: torch.Tensor) -> torch.Tensor:
+    """int64 indices where a run of equal values starts in a 1-d tensor (at least 1 long)."""
+    first = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    torch.ne(values[1:], values[:-1], out=first[1:])
+    return first.nonzero().squeeze(1)
+
+
 def _sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> torch.Tensor:
     dtype = torch.int32 if level <= _INT32_LEVELS else torch.int64
     morton = _encode(points, dtype)
-    if not is_sorted:
-        return torch.unique(morton, sorted=True)
+    if not is_sorted:  # sort + drop repeats is cheaper than torch.unique on the CPU
+        morton = torch.sort(morton).values
+        return morton.index_select(0, _run_starts(morton))
     if morton.shape[0] > 1:
         step = morton[1:] - morton[:-1]
         if bool((step < 0).any()):
@@ -165,19 +174,20 @@ def unbatched_points_to_octree(points: torch.Tensor, level: int,
     level = _checks.check_level(level, low=1)
     points = _checks.check_points(points, level)
     morton = _sorted_unique_morton(points, level, bool(sorted))
+    child_bits = _CHILD_BITS.to(morton.device)
     levels = []
     for _ in range(level):
         parent = morton >> 3
-        first = torch.ones(parent.shape[0], dtype=torch.bool, device=parent.device)
-        torch.ne(parent[1:], parent[:-1], out=first[1:])
-        # Children of one parent are adjacent and distinct, so their bits sum to the byte.
-        bits = torch.cumsum(torch.ones_like(morton) << (morton & 7), 0)
-        last = torch.ones_like(first)
-        last[:-1] = first[1:]
-        ends = bits[last]
-        ends[1:] -= ends[:-1].clone()
-        levels.append(ends.to(torch.uint8))
-        morton = parent[first]
+        starts = _run_starts(parent)
+        # Children of one parent are adjacent and distinct, so the byte is the sum of their
+        # bits: a difference of running sums (mod 256, exact since each byte is < 256).
+        running = torch.cumsum(child_bits.index_select(0, morton & 7), 0, dtype=torch.uint8)
+        ends = torch.empty_like(starts)
+        ends[:-1] = starts[1:] - 1
+        ends[-1] = morton.shape[0] - 1
+        at_end = running.index_select(0, ends)
+        levels.append(torch.diff(at_end, prepend=at_end.new_zeros(1)))
+        morton = parent.index_select(0, starts)
     return torch.cat(levels[::-1])
 
 
@@ -237,12 +247,12 @@ def _checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: tor
     exsum = _checks.current_exsum(exsum, lengths, caller)
     expected = _checks.inclusive_exsum(octrees, lengths)
     if exsum.device != octrees.device or not torch.equal(exsum, expected):
-        raise InvalidTensor("exsum: not the inclusive bit sums of octrees (on their "
-                                    "device); compute it with scan_octrees")
+        raise InvalidTensor("exsum: not the inclusive bit sums of octrees (on their device); "
+                            "compute it with scan_octrees")
     level, expected_pyramids = _checks.octree_structure(expected, lengths)
     if level != max_level or not torch.equal(pyramids, expected_pyramids):
         raise InvalidTensor("pyramids: not the pyramids of octrees; compute them with "
-                                    "scan_octrees")
+                            "scan_octrees")
     return max_level, lengths, exsum
 
 
@@ -257,7 +267,7 @@ def _level_bytes(octrees: torch.Tensor, byte_offsets: torch.Tensor, pyramids: to
     counts = pyramids[:, 0, level].to(torch.int64)
     if starts.shape[0] == 1:
         return octrees[int(starts[0]): int(starts[0]) + int(counts[0])]
-    return octrees[_ranges(starts, counts).to(octrees.device)]
+    return octrees.index_select(0, _ranges(starts, counts).to(octrees.device))
 
 
 def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -352,8 +362,8 @@ def _check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.
     exsum = _checks.current_exsum(exsum, lengths, "unbatched_query")
     expected = _checks.inclusive_exsum(octree, lengths)
     if exsum.device != octree.device or not torch.equal(exsum, expected):
-        raise InvalidTensor("exsum: not the inclusive bit sums of octree (on its "
-                                    "device); compute it with scan_octrees")
+        raise InvalidTensor("exsum: not the inclusive bit sums of octree (on its device); "
+                            "compute it with scan_octrees")
     if query_coords.device != octree.device:
         raise InvalidTensor(f"query_coords: expected device {octree.device} (the "
                                     f"octree's), got {query_coords.device}")
@@ -414,21 +424,39 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     """
     exsum, query_coords, level = _check_query(octree, exsum, query_coords, level)
     with_parents = bool(with_parents)
+    num_query = query_coords.shape[0]
+    shape = (num_query, level + 1) if with_parents else (num_query,)
+    out = torch.empty(shape, dtype=torch.int64, device=octree.device)
+    table = _child_table(octree, exsum) if level > 0 else None
+    # On the CPU, blocks of queries keep each level's temporaries in cache (about 25% faster
+    # at 1M queries); on a GPU one block is best. Every block is itself fully vectorised.
+    block = _QUERY_BLOCK if octree.device.type == "cpu" else max(num_query, 1)
+    for start in range(0, num_query, block):
+        _descend(table, query_coords[start: start + block], level, with_parents,
+                 out[start: start + block])
+    return out
+
+
+_QUERY_BLOCK = 1 << 17
+
+
+def _descend(table: torch.Tensor | None, query_coords: torch.Tensor, level: int,
+             with_parents: bool, out: torch.Tensor) -> None:
+    """Write the query results of one block of queries into ``out`` (int64, (n,) or
+    (n, level + 1)): the root is node 0 of the table; each level follows one child."""
     voxels, inside = query_voxels(query_coords, level, with_parents)
     node = inside.to(torch.int32) - 1  # the root (0) or -1
-    out = None
     if with_parents:
-        out = torch.empty((node.shape[0], level + 1), dtype=torch.int64, device=node.device)
         out[:, 0] = node
-    if level > 0:
-        table = _child_table(octree, exsum)
+    if table is not None:
         morton = _encode(voxels, torch.int32 if level <= _INT32_LEVELS else torch.int64)
         for depth in range(level - 1, -1, -1):
             child = ((morton >> (3 * depth)) & 7).to(torch.int32)
             node = table.index_select(0, child.bitwise_or_((node + 1) << 3))
-            if out is not None:
+            if with_parents:
                 out[:, level - depth] = node
-    return out if out is not None else node.to(torch.int64)
+    if not with_parents:
+        out.copy_(node)
 
 
 def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,

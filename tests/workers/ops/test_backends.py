@@ -58,3 +58,35 @@ def test_importing_the_ops_imports_neither_kaolin_nor_cuda_state():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
                          capture_output=True, text=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def _fake_kaolin(monkeypatch, version: str) -> None:
+    import types
+
+    for name in ("kaolin", "kaolin.ops", "kaolin.ops.spc"):
+        module = types.ModuleType(name)
+        module.__version__ = version
+        monkeypatch.setitem(sys.modules, name, module)
+    kaolin_spc._import_spc.cache_clear()
+
+
+@pytest.fixture()
+def clean_kaolin_cache():
+    kaolin_spc._import_spc.cache_clear()
+    yield
+    kaolin_spc._import_spc.cache_clear()
+
+
+def test_other_kaolin_releases_are_refused(monkeypatch, clean_kaolin_cache):
+    _fake_kaolin(monkeypatch, "0.17.0")
+    with pytest.raises(BackendUnavailable, match="found kaolin 0.17.0, but records must match "
+                                                 "Kaolin 0.18"):
+        kaolin_spc.ensure_available()
+
+
+def test_kaolin_without_cuda_is_refused(monkeypatch, clean_kaolin_cache):
+    _fake_kaolin(monkeypatch, "0.18.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailable, match="CUDA is not available"):
+        get_backend("kaolin")
+    assert get_backend("auto", device="cuda") is torch_spc

@@ -1,0 +1,88 @@
+"""On a CUDA machine: the torch backend on CUDA equals itself on the CPU, and the Kaolin
+backend equals the torch backend, bit for bit, on random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cache_store.errors import BackendUnavailable
+from tests.workers.ops._kaolin_data import two_octrees
+from workers.ops import kaolin_spc, torch_spc
+
+pytestmark = pytest.mark.gpu
+
+
+def _random_case(seed: int, level: int, n: int = 20_000):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=gen)
+    x = 0.95 * x / x.norm(dim=1, keepdim=True)  # a sphere: a sparse surface-like octree
+    queries = torch.cat([torch.rand(n, 3, generator=gen) * 2.2 - 1.1,
+                         x + 0.01 * torch.randn(n, 3, generator=gen),
+                         torch.tensor([[-1.0 - 2.0 ** -(level + 1)] * 3, [1.0] * 3, [-1.0] * 3,
+                                       [float("nan"), 0.0, 0.0], [40.0, 0.0, 0.0]])])
+    return x, queries
+
+
+def _everything(ops, x: torch.Tensor, queries: torch.Tensor, level: int) -> dict:
+    out = {}
+    points = ops.quantize_points(x, level)
+    out["points"] = points
+    out["morton"] = ops.points_to_morton(points)
+    out["unmorton"] = ops.morton_to_points(out["morton"])
+    out["octree"] = ops.unbatched_points_to_octree(points, level)
+    lengths = torch.tensor([len(out["octree"])], dtype=torch.int32)
+    out["max_level"], out["pyramids"], out["exsum"] = ops.scan_octrees(out["octree"], lengths)
+    out["hierarchy"] = ops.generate_points(out["octree"], out["pyramids"], out["exsum"])
+    out["corners"] = ops.points_to_corners(out["hierarchy"])
+    out["leaves"] = ops.unbatched_get_level_points(out["hierarchy"], out["pyramids"][0], level)
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        q = queries.to(dtype)
+        for lvl in sorted({0, level // 2, level}):
+            out[f"q{dtype}{lvl}"] = ops.unbatched_query(out["octree"], out["exsum"], q, lvl)
+            out[f"p{dtype}{lvl}"] = ops.unbatched_query(out["octree"], out["exsum"], q, lvl,
+                                                        with_parents=True)
+    ints = ops.quantize_points(queries.nan_to_num().clamp(-1, 1), level)
+    out["qint"] = ops.unbatched_query(out["octree"], out["exsum"], ints, level)
+    out["pint"] = ops.unbatched_query(out["octree"], out["exsum"], ints, level, with_parents=True)
+    octrees, lengths = two_octrees()
+    octrees = octrees.to(x.device)
+    out["batch_max_level"], out["batch_pyramids"], out["batch_exsum"] = ops.scan_octrees(
+        octrees, lengths)
+    out["batch_points"] = ops.generate_points(octrees, out["batch_pyramids"], out["batch_exsum"])
+    return out
+
+
+def _assert_same(got: dict, expected: dict, device: str) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        other = got[key]
+        if isinstance(value, torch.Tensor):
+            assert other.dtype == value.dtype, key
+            if key in ("pyramids", "batch_pyramids"):
+                assert other.device.type == "cpu", key  # Kaolin keeps pyramids on the CPU
+            else:
+                assert other.device.type == device, key
+            assert torch.equal(other.cpu(), value.cpu()), key
+        else:
+            assert other == value, key
+
+
+@pytest.mark.parametrize("level", [1, 4, 8, 10, 12])
+def test_torch_backend_on_cuda_equals_cpu(level):
+    x, queries = _random_case(level, level)
+    on_cpu = _everything(torch_spc, x, queries, level)
+    on_cuda = _everything(torch_spc, x.cuda(), queries.cuda(), level)
+    _assert_same(on_cuda, on_cpu, "cuda")
+
+
+@pytest.mark.parametrize("level", [1, 4, 8, 10, 12])
+def test_kaolin_backend_equals_torch_backend(level):
+    try:
+        kaolin_spc.ensure_available()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    x, queries = _random_case(100 + level, level)
+    with_torch = _everything(torch_spc, x.cuda(), queries.cuda(), level)
+    with_kaolin = _everything(kaolin_spc, x.cuda(), queries.cuda(), level)
+    _assert_same(with_kaolin, with_torch, "cuda")

@@ -1,0 +1,298 @@
+"""The engine end to end on CPU: real meshes, real LMDB, real loader processes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cache_store.record import decode_record, read_header
+from cache_store.store import open_store
+from workers.engine import Engine, ItemResult
+from workers.ops import get_backend
+from workers.recipes import RECIPES, check_outputs, make_generator
+from workers.sources import load_source
+
+# Small enough for a 2-core CI machine, big enough to exercise every stage.
+PARAMS = {"level": 6, "surface_samples": 4000, "uniform_queries": 1000, "surface_queries": 1000}
+
+
+def _items(paths: list[Path]) -> list[tuple[str, str]]:
+    return [(p.stem, str(p)) for p in paths]
+
+
+def _data_section(value: bytes) -> bytes:
+    return bytes(value[read_header(value).data_start:])
+
+
+@pytest.fixture(scope="module")
+def mesh_cache(tmp_path_factory: pytest.TempPathFactory, shared_meshes: list[Path]):
+    cache = tmp_path_factory.mktemp("meshes") / "cache"
+    store = open_store(cache, readonly=False)
+    seen: list[ItemResult] = []
+    committed_when_reported: list[bool] = []
+
+    def on_result(result: ItemResult) -> None:
+        seen.append(result)
+        if result.status == "done":
+            committed_when_reported.append(store.has(result.key))
+
+    engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=2,
+                    write_batch=4)
+    summary = engine.run(_items(shared_meshes), on_result=on_result)
+    yield store, engine, summary, seen, committed_when_reported
+    store.close()
+
+
+@pytest.mark.slow
+def test_every_shared_mesh_becomes_a_record(mesh_cache, shared_meshes: list[Path]) -> None:
+    store, engine, summary, seen, committed = mesh_cache
+    assert summary.failed == 0, summary.errors
+    assert summary.done == len(shared_meshes) and summary.skipped == 0
+    assert [r.sample_id for r in seen] == [p.stem for p in shared_meshes]  # input order
+    assert committed and all(committed)  # on_result only after the commit
+    index = store.get_index(engine.fingerprint)
+    assert index.sample_ids.tolist() == [p.stem for p in shared_meshes]
+    assert index.recipe == "spc_query" and index.params == engine.params
+    assert store.verify().ok
+    for path in shared_meshes:
+        record = store.get_record(engine.key(path.stem))
+        check_outputs(RECIPES["spc_query"].spec, record.tensors, engine.params)
+        meta = record.metadata
+        assert meta["sample_id"] == path.stem and meta["fingerprint"] == engine.fingerprint
+        assert meta["recipe"] == "spc_query" and meta["recipe_version"] == "1"
+        assert meta["backend"] == "torch" and meta["device"] == "cpu"
+        assert meta["source_hash"] == load_source(path).source_hash
+        for name in ("created", "spcache_version", "schema"):
+            assert meta[name]
+
+
+@pytest.mark.slow
+def test_records_agree_with_the_ops_called_directly(mesh_cache, shared_meshes: list[Path]) -> None:
+    store, engine, _, _, _ = mesh_cache
+    ops = get_backend("torch", "cpu")
+    level = PARAMS["level"]
+    recipe = RECIPES["spc_query"]
+    for path in shared_meshes[::3]:
+        record = store.get_record(engine.key(path.stem))
+        t = record.tensors
+        # redo the CPU half with the same seed, then every op by hand
+        prepared = recipe.prepare(load_source(path), path.stem, engine.params,
+                                  make_generator(engine.fingerprint, path.stem))
+        points = torch.from_numpy(prepared.points)
+        octree = ops.unbatched_points_to_octree(ops.quantize_points(points, level), level)
+        max_level, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)], dtype=torch.int32))
+        assert max_level == level
+        assert torch.equal(t["octree"], octree)
+        assert torch.equal(t["pyramid"], pyramids[0])
+        assert torch.equal(t["exsum"], exsum)
+        assert torch.equal(t["point_hierarchy"], ops.generate_points(octree, pyramids, exsum))
+        queries = torch.from_numpy(prepared.queries)
+        assert torch.equal(t["query_points"], queries)
+        pidx = ops.unbatched_query(octree, exsum, queries, level, with_parents=True)
+        assert torch.equal(t["query_pidx"], pidx.to(torch.int32))
+        assert torch.equal(t["occupancy"], (pidx[:, -1] >= 0).to(torch.uint8))
+        # the normalisation reproduces the normalised shape from the source
+        src = load_source(path)
+        normalised = (src.used_points() - t["center"].double().numpy()) / float(t["scale"])
+        assert np.abs(normalised).max() <= 1.0 and np.abs(normalised).max() > 0.999
+
+
+@pytest.mark.slow
+def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, shared_meshes: list[Path]) -> None:
+    store, engine, _, _, _ = mesh_cache
+    level = PARAMS["level"]
+    for path in shared_meshes:
+        t = store.get_record(engine.key(path.stem)).tensors
+        start, end = t["pyramid"][1, level].item(), t["pyramid"][1, level + 1].item()
+        leaves = t["point_hierarchy"][start:end].long()
+        assert len(leaves) == t["pyramid"][0, level].item()
+        # recompute the surface samples the record was built from (same seed, CPU only)
+        prepared = RECIPES["spc"].prepare(load_source(path), path.stem, engine.params,
+                                          make_generator(engine.fingerprint, path.stem))
+        samples = torch.from_numpy(prepared.points).double()
+        assert samples.abs().max() <= 1.0
+        cells = torch.floor(((samples + 1) / 2 * 2**level).clamp(0, 2**level - 1)).long()
+        as_set = lambda p: set(map(tuple, p.tolist()))  # noqa: E731
+        assert as_set(leaves) == as_set(cells), path.name
+        # and every query whose leaf exists lies inside a leaf voxel (with_parents maps a
+        # coordinate to its voxel by truncation toward zero, as Kaolin does)
+        occupied = t["occupancy"].bool()
+        q = t["query_points"][occupied].double()
+        qcells = torch.trunc((q * 0.5 + 0.5) * 2**level).long()
+        assert as_set(qcells) <= as_set(leaves)
+
+
+def test_determinism_across_runs_and_loader_modes(tmp_path: Path, shared_meshes: list[Path]) -> None:
+    paths = shared_meshes[:3]
+    values = []
+    for name, jobs in (("a", 0), ("b", 2)):
+        with open_store(tmp_path / name, readonly=False) as store:
+            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=jobs)
+            assert engine.run(_items(paths)).done == 3
+            values.append({k: store.get(k) for k in store.keys()})
+    assert values[0].keys() == values[1].keys() and len(values[0]) == 3
+    for key in values[0]:
+        assert _data_section(values[0][key]) == _data_section(values[1][key])
+        a, b = decode_record(values[0][key]), decode_record(values[1][key])
+        assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+
+
+@pytest.mark.gpu
+def test_cpu_and_cuda_records_are_identical(tmp_path: Path, shared_meshes: list[Path]) -> None:
+    paths = shared_meshes[:4]
+    values = []
+    for device in ("cpu", "cuda"):
+        with open_store(tmp_path / device, readonly=False) as store:
+            summary = Engine(store, "spc_query", PARAMS, device=device, jobs=0).run(_items(paths))
+            assert summary.done == len(paths)
+            values.append({k: _data_section(store.get(k)) for k in store.keys()})
+    assert values[0] == values[1]
+
+
+@pytest.mark.gpu
+def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, shared_meshes: list[Path]) -> None:
+    pytest.importorskip("kaolin")
+    paths = shared_meshes[:4]
+    values = []
+    for backend in ("torch", "kaolin"):
+        with open_store(tmp_path / backend, readonly=False) as store:
+            Engine(store, "spc_query", PARAMS, device="cuda", backend=backend, jobs=0).run(_items(paths))
+            values.append({k: _data_section(store.get(k)) for k in store.keys()})
+    assert values[0] == values[1]
+
+
+def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
+                                                                shared_meshes: list[Path]) -> None:
+    paths = shared_meshes[:2]
+    attempts: list[int] = []
+
+    def inject(size: int) -> None:
+        attempts.append(size)
+        if len(attempts) <= 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    values = []
+    for name, hook in (("plain", None), ("oom", inject)):
+        with open_store(tmp_path / name, readonly=False) as store:
+            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=0,
+                            query_chunk=1024, min_query_chunk=64, fault_hook=hook)
+            summary = engine.run(_items(paths))
+            assert summary.done == 2 and summary.failed == 0
+            values.append({k: _data_section(store.get(k)) for k in store.keys()})
+    assert attempts[:4] == [1024, 512, 256, 128]
+    assert summary.oom_backoffs == 3
+    assert values[0] == values[1]
+
+
+def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, shared_meshes: list[Path]) -> None:
+    calls = []
+
+    def inject(size: int) -> None:
+        calls.append(size)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with open_store(tmp_path / "c", readonly=False) as store:
+        engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=0,
+                        query_chunk=2000, min_query_chunk=2000, fault_hook=inject)
+        summary = engine.run(_items(shared_meshes[:3]))
+        assert (summary.done, summary.failed) == (2, 1)
+        assert summary.errors[0].id == shared_meshes[0].stem
+        assert "out of device memory" in summary.errors[0].reason
+        assert store.get_index(engine.fingerprint).sample_ids.tolist() == [p.stem for p in shared_meshes[1:3]]
+
+
+def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, shared_meshes: list[Path]) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in shared_meshes[:3]:
+        shutil.copy(p, src / p.name)
+    files = sorted(src.iterdir())
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = Engine(store, "spc", {"level": 5, "surface_samples": 2000}, device="cpu", jobs=0)
+        first = engine.run(_items(files[:2]))
+        assert first.done == 2
+        before = {k: store.get(k) for k in store.keys()}
+        second = engine.run(_items(files))  # adds the third, skips the rest
+        assert (second.done, second.skipped, second.failed) == (1, 2, 0)
+        for key, value in before.items():
+            assert store.get(key) == value  # untouched, created time included
+        assert store.get_index(engine.fingerprint).sample_ids.tolist() == [f.stem for f in files]
+        # change a source: a fresh computation, never a stale hit
+        shutil.copy(shared_meshes[1], files[0])  # same format, other content
+        third = engine.run(_items(files))
+        assert (third.done, third.skipped) == (1, 2)
+        meta = store.get_record(engine.key(files[0].stem)).metadata
+        assert meta["source_hash"] == load_source(files[0]).source_hash
+        # a changed parameter is another fingerprint: everything computed again
+        other = Engine(store, "spc", {"level": 6, "surface_samples": 2000}, device="cpu", jobs=0)
+        assert other.fingerprint != engine.fingerprint
+        assert other.run(_items(files)).done == 3
+        assert store.verify().ok
+
+
+def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], shared_meshes: list[Path]) -> None:
+    items = _items(bad_inputs) + [("good", str(shared_meshes[0])), ("good", str(shared_meshes[1])),
+                                  ("../escape", str(shared_meshes[1])),
+                                  ("missing", str(tmp_path / "missing.obj"))]
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = Engine(store, "spc_query", PARAMS, device="cpu", jobs=2)
+        summary = engine.run(items)
+        assert summary.total == len(items)
+        errors = {e.id: e for e in summary.errors}
+        assert "duplicate sample id" in errors["good"].reason
+        assert "../escape" in errors and "missing" in errors
+        assert "cannot read" in errors["missing"].reason
+        for path in bad_inputs:
+            if path.stem in errors:
+                assert errors[path.stem].path == str(path) and errors[path.stem].reason
+            else:
+                check_outputs(RECIPES["spc_query"].spec,
+                              store.get_record(engine.key(path.stem)).tensors, engine.params)
+        assert store.has(engine.key("good"))
+        assert store.verify().ok
+
+
+def test_engine_validates_options_without_touching_the_store(tmp_path: Path) -> None:
+    from cache_store.errors import ParameterError, UnknownName
+
+    store = open_store(tmp_path / "never", readonly=False)
+    with pytest.raises(UnknownName):
+        Engine(store, "nope")
+    with pytest.raises(ParameterError, match="surface_samples"):
+        Engine(store, "spc", {"surface_samples": 0})
+    with pytest.raises(ParameterError, match="device"):
+        Engine(store, "spc", device="tpu")
+    with pytest.raises(ParameterError, match="jobs"):
+        Engine(store, "spc", jobs=-1)
+    assert not (tmp_path / "never").exists()
+
+
+def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
+        tmp_path: Path, shared_meshes: list[Path]) -> None:
+    import os
+    import signal
+
+    paths = shared_meshes[:6]
+    killed: list[int] = []
+    with open_store(tmp_path / "c", readonly=False) as store, \
+            Engine(store, "spc", {"level": 5, "surface_samples": 1000}, device="cpu",
+                   jobs=2, prefetch=4) as engine:
+        pool = engine._loader.pool
+
+        def kill_loaders(result: ItemResult) -> None:
+            if not killed:  # loaders die while later items are still pending in them
+                for pid in list(engine._loader.pool._processes):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+        first = engine.run(_items(paths[:3]), on_result=kill_loaders)
+        second = engine.run(_items(paths))
+    assert killed
+    assert (first.done, first.failed) == (3, 0), first.errors
+    assert (second.done, second.skipped, second.failed) == (3, 3, 0), second.errors
+    assert engine._loader is None and pool is not None

@@ -1,0 +1,153 @@
+"""``spcache precompute`` / ``verify`` / ``stats`` as a user runs them: real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cache_store.errors import SpcacheError
+from cache_store.store import open_store
+from tests.conftest import REPO_ROOT
+from workers.cli import main
+
+SMALL = ["--param", "level=5", "--param", "surface_samples=2000",
+         "--param", "uniform_queries=500", "--param", "surface_queries=500"]
+
+
+def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs: list[Path],
+                                                     shared_data: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    cache = tmp_path / "cache"
+    out = spcache("precompute", str(shared_data / "bad_inputs"), "--recipe", "spc_query", *SMALL,
+                  "--cache", str(cache), "--device", "cpu", "--jobs", "2", "--json")
+    assert out.returncode == 1, out.stderr
+    summary = json.loads(out.stdout)
+    assert {"fingerprint", "done", "skipped", "failed", "errors"} <= set(summary)
+    assert summary["done"] + summary["failed"] == len(bad_inputs)
+    assert summary["failed"] >= 10 and summary["done"] >= 1
+    by_path = {e["path"]: e for e in summary["errors"]}
+    with open_store(cache) as store:
+        for path in bad_inputs:
+            key = f"{summary['fingerprint']}/{path.stem}"
+            if str(path) in by_path:
+                error = by_path[str(path)]
+                assert error["id"] == path.stem and error["reason"]
+                assert not store.has(key)
+            else:
+                record = store.get_record(key)
+                assert record.metadata["sample_id"] == path.stem
+        assert store.verify().ok
+    # without --json: a readable summary with the reasons and the fingerprint
+    assert main(["precompute", str(shared_data / "bad_inputs"), "--recipe", "spc_query", *SMALL,
+                 "--cache", str(cache), "--device", "cpu", "--jobs", "0"]) == 1
+    text = capsys.readouterr().out
+    assert f"fingerprint {summary['fingerprint']}" in text
+    assert f"skipped {summary['done']}" in text
+    assert "empty.obj): file is empty" in text
+
+
+def _stored_values(cache: Path) -> dict[str, bytes]:
+    try:
+        with open_store(cache) as store:
+            return {key: store.get(key) for key in store.keys()}
+    except (SpcacheError, OSError):
+        return {}
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_recomputing(tmp_path: Path, shared_meshes: list[Path]) -> None:
+    src = tmp_path / "src"
+    for copy in range(2):
+        (src / f"set{copy}").mkdir(parents=True)
+        for mesh in shared_meshes:
+            os.symlink(mesh, src / f"set{copy}" / mesh.name)
+    total = 2 * len(shared_meshes)
+    cache = tmp_path / "cache"
+    args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
+            "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
+    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_stored_values(cache)) < 3 and time.monotonic() < deadline:
+            assert proc.poll() is None, "run ended before it could be interrupted"
+            time.sleep(0.05)
+        helpers = psutil.Process(proc.pid).children(recursive=True)
+        assert helpers, "expected loader processes"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    # the loader processes do not outlive a killed engine
+    _, alive = psutil.wait_procs(helpers, timeout=15)
+    assert not alive, alive
+    before = _stored_values(cache)
+    assert 3 <= len(before) < total
+
+    out = spcache(*args)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["skipped"] == len(before) and summary["done"] == total - len(before)
+    after = _stored_values(cache)
+    assert len(after) == total
+    for key, value in before.items():
+        assert after[key] == value  # not recomputed: byte for byte, creation time included
+    verify = spcache("verify", "--cache", str(cache), "--json")
+    assert verify.returncode == 0, verify.stdout
+    assert json.loads(verify.stdout)["ok"] is True
+    with open_store(cache) as store:
+        ids = store.get_index(summary["fingerprint"]).sample_ids.tolist()
+    assert sorted(ids) == sorted(k.split("/", 1)[1] for k in after)
+    stats = spcache("stats", "--cache", str(cache), "--json")
+    assert stats.returncode == 0
+    assert json.loads(stats.stdout)["records"] == total
+
+
+def _json_run(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    code = main(list(args))
+    summary = json.loads(capsys.readouterr().out)
+    assert code == (1 if summary["failed"] else 0)
+    return summary
+
+
+def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, shared_meshes: list[Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "a.obj"
+    src.write_bytes(next(m for m in shared_meshes if m.suffix == ".obj").read_bytes())
+    cache = tmp_path / "cache"
+    base = ["precompute", str(src), "--recipe", "spc", "--param", "surface_samples=1000",
+            "--cache", str(cache), "--device", "cpu", "--jobs", "0", "--json"]
+    first = _json_run(capsys, *base, "--param", "level=5")
+    again = _json_run(capsys, *base, "--param", "level=5")
+    assert (first["done"], again["skipped"], again["done"]) == (1, 1, 0)
+    other = _json_run(capsys, *base, "--param", "level=6")
+    assert other["fingerprint"] != first["fingerprint"] and other["done"] == 1
+    src.write_bytes(src.read_bytes() + b"\n# changed\n")
+    changed = _json_run(capsys, *base, "--param", "level=5")
+    assert changed["fingerprint"] == first["fingerprint"] and changed["done"] == 1
+
+
+def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, shared_meshes: list[Path],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cache = tmp_path / "cache"
+    fingerprint = _json_run(capsys, "precompute", str(shared_meshes[0]), "--recipe", "spc",
+                            "--param", "level=4", "--param", "surface_samples=500",
+                            "--cache", str(cache), "--device", "cpu", "--jobs", "0",
+                            "--json")["fingerprint"]
+    assert main(["verify", "--cache", str(cache)]) == 0
+    assert "verifies clean" in capsys.readouterr().out
+    assert main(["stats", "--cache", str(cache)]) == 0
+    assert fingerprint in capsys.readouterr().out
+    assert main(["verify", "--cache", str(tmp_path / "nothing")]) == 2
