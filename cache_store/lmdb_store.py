@@ -133,6 +133,15 @@ class LMDBStore(Store):
     def env_path(self) -> Path:
         return self.path / RECORDS_DIR
 
+    @property
+    def _env_key(self) -> str:
+        # resolved once per process: realpath costs several syscalls, reads are hot
+        key = self.__dict__.get("_env_key_cache")
+        if key is None or key[0] != os.getpid():
+            key = (os.getpid(), os.path.realpath(self.env_path))
+            self.__dict__["_env_key_cache"] = key
+        return key[1]
+
     def open(self) -> LMDBStore:
         """Open now (otherwise the first access does). Returns self."""
         self._environment()
@@ -141,7 +150,7 @@ class LMDBStore(Store):
     def close(self) -> None:
         """Stop using the environment; it closes when no store of this process uses it."""
         with _shared_lock:
-            shared = _shared_envs.get(os.path.realpath(self.env_path))
+            shared = _shared_envs.get(self._env_key)
             if shared is None:
                 return
             shared.users.discard(self)
@@ -149,12 +158,12 @@ class LMDBStore(Store):
                 shared.close()
 
     def _environment(self) -> tuple[Any, dict[bytes, Any]]:
-        shared = _shared_envs.get(os.path.realpath(self.env_path))
+        shared = _shared_envs.get(self._env_key)
         if (shared is not None and shared.env is not None and shared.pid == os.getpid()
                 and (self.readonly or shared.writable) and self in shared.users):
             return shared.env, shared.dbs
         with _shared_lock:
-            shared = _shared_envs.setdefault(os.path.realpath(self.env_path), _SharedEnv())
+            shared = _shared_envs.setdefault(self._env_key, _SharedEnv())
             if shared.env is not None and (shared.pid != os.getpid()
                                            or (not self.readonly and not shared.writable)):
                 shared.close()  # forked without the hook, or a writer upgrading a reader
