@@ -12,6 +12,7 @@ Two backends with the same names, signatures and bit-for-bit results:
 
 from __future__ import annotations
 
+import logging
 from types import ModuleType
 
 import torch
@@ -21,6 +22,8 @@ from cache_store.errors import BackendUnavailable, UnknownName
 from . import kaolin_spc, torch_spc
 
 __all__ = ["BACKENDS", "OP_NAMES", "get_backend", "kaolin_spc", "torch_spc"]
+
+logger = logging.getLogger(__name__)
 
 BACKENDS: dict[str, ModuleType] = {"torch": torch_spc, "kaolin": kaolin_spc}
 """Backends by name; each module has the functions of :data:`OP_NAMES` and a ``name``."""
@@ -52,7 +55,8 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
         if is_cuda:
             try:
                 kaolin_spc.ensure_available()
-            except BackendUnavailable:
+            except BackendUnavailable as exc:
+                logger.info("SPC ops on %s use the torch backend: %s", device or "cuda", exc)
                 return torch_spc
             return kaolin_spc
         return torch_spc

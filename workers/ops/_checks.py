@@ -13,6 +13,7 @@ whose bytes do not add up to their lengths, instead of letting a kernel read pas
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -60,10 +61,12 @@ def check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...] | Non
 def check_level(level: object, name: str = "level", low: int = 0,
                 high: int = MAX_LEVEL) -> int:
     """``level`` must be a Python (or 0-d tensor) integer in ``[low, high]``."""
-    if isinstance(level, torch.Tensor) and level.dim() == 0 and not level.is_floating_point():
-        level = int(level.item())
-    if isinstance(level, bool) or not isinstance(level, int):
+    if isinstance(level, bool) or (isinstance(level, torch.Tensor) and level.dim() != 0):
         raise TensorTypeError(f"{name}: expected an int, got {type(level).__name__}")
+    try:
+        level = operator.index(level)  # int, numpy integers, 0-d integer tensors
+    except TypeError:
+        raise TensorTypeError(f"{name}: expected an int, got {type(level).__name__}") from None
     if not low <= level <= high:
         raise InvalidTensor(f"{name}: expected an integer in [{low}, {high}] "
                             f"(int16 coordinates allow at most {MAX_LEVEL}), got {level}")

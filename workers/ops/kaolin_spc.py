@@ -83,7 +83,7 @@ def _on(arg: str, tensor: torch.Tensor) -> Iterator[ModuleType]:
     spc = ensure_available()
     if tensor.device.type != "cuda":
         raise InvalidTensor(f"{arg}: the kaolin backend needs CUDA tensors, got one on "
-                                    f"{tensor.device}; use the torch backend on the CPU")
+                            f"{tensor.device}; use the torch backend on the CPU")
     with torch.cuda.device(tensor.device):
         yield spc
 
@@ -102,6 +102,8 @@ def points_to_morton(points: torch.Tensor) -> torch.Tensor:
         raise InvalidTensor(f"points: expected shape (..., 3), got {tuple(shape)}")
     _checks.check_points(points.reshape(-1, 3), allow_empty=True)
     with _on("points", points) as spc:
+        if points.numel() == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch.empty(shape[:-1], dtype=torch.int64, device=points.device)
         return spc.points_to_morton(points.contiguous())
 
 
@@ -109,6 +111,8 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.morton_to_points`."""
     morton = _checks.check_morton(morton)
     with _on("morton", morton) as spc:
+        if morton.numel() == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch.empty((*morton.shape, 3), dtype=torch.int16, device=morton.device)
         return spc.morton_to_points(morton.contiguous())
 
 
@@ -149,6 +153,8 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     """See :func:`workers.ops.torch_spc.unbatched_query` (same -1 for undefined queries)."""
     with _on("octree", _checks.check_octree(octree)) as spc:
         exsum, query_coords, level = torch_spc._check_query(octree, exsum, query_coords, level)
+        if query_coords.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch_spc.unbatched_query(octree, exsum, query_coords, level, with_parents)
         result = spc.unbatched_query(octree.contiguous(), exsum.contiguous(),
                                      query_coords.contiguous(), level, with_parents=with_parents)
         _, inside = torch_spc.query_voxels(query_coords, level, bool(with_parents))
@@ -170,4 +176,6 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
         raise InvalidTensor(f"points: expected shape (num_points, 3), got "
                                     f"{tuple(points.shape)}")
     with _on("points", points) as spc:
+        if points.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
+            return torch.empty((0, 8, 3), dtype=torch.int16, device=points.device)
         return spc.points_to_corners(points.contiguous())

@@ -45,6 +45,11 @@ def _everything(ops, x: torch.Tensor, queries: torch.Tensor, level: int) -> dict
     ints = ops.quantize_points(queries.nan_to_num().clamp(-1, 1), level)
     out["qint"] = ops.unbatched_query(out["octree"], out["exsum"], ints, level)
     out["pint"] = ops.unbatched_query(out["octree"], out["exsum"], ints, level, with_parents=True)
+    out["empty_morton"] = ops.points_to_morton(points[:0])
+    out["empty_points"] = ops.morton_to_points(out["morton"][:0])
+    out["empty_corners"] = ops.points_to_corners(points[:0])
+    out["empty_query"] = ops.unbatched_query(out["octree"], out["exsum"], queries[:0], level,
+                                             with_parents=True)
     octrees, lengths = two_octrees()
     octrees = octrees.to(x.device)
     out["batch_max_level"], out["batch_pyramids"], out["batch_exsum"] = ops.scan_octrees(

@@ -192,3 +192,16 @@ def test_corners_checks(ops):
         ops.points_to_corners(torch.zeros(2, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"points: expected shape \(num_points, 3\)"):
         ops.points_to_corners(torch.zeros(2, 2, 3, dtype=torch.int16))
+
+
+def test_levels_may_be_numpy_or_tensor_integers(ops):
+    import numpy as np
+
+    x = torch.tensor([[0.3, -0.2, 0.9]])
+    expected = ops.quantize_points(x, 4)
+    assert torch.equal(ops.quantize_points(x, np.int64(4)), expected)
+    assert torch.equal(ops.quantize_points(x, torch.tensor(4)), expected)
+    with pytest.raises(TypeError, match="level: expected an int, got Tensor"):
+        ops.quantize_points(x, torch.tensor([4]))
+    with pytest.raises(TypeError, match="level: expected an int"):
+        ops.quantize_points(x, torch.tensor(4.0))
