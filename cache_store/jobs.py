@@ -37,7 +37,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 JOBS_FILENAME = "jobs.sqlite"
 ITEM_STATUSES = ("pending", "running", "done", "failed", "cancelled")
 _SCHEMA_VERSION = 1
+_HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -192,12 +193,13 @@ class JobQueue:
         max_attempts: claims an item may take (including ones lost to an expired lease)
             before it fails for good.
         busy_timeout_s: how long a statement waits for another process's write lock.
+        clock: seconds since the epoch (leases, timestamps); tests pass a fake one.
 
     Nothing is opened until the first call; the schema is created then if missing.
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str], *, max_attempts: int = 3,
-                 busy_timeout_s: float = 30.0) -> None:
+                 busy_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if busy_timeout_s <= 0:
@@ -206,6 +208,7 @@ class JobQueue:
         self.path = self.cache_dir / JOBS_FILENAME
         self.max_attempts = max_attempts
         self.busy_timeout_s = busy_timeout_s
+        self.clock = clock
         self._pid: int | None = None
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -283,7 +286,7 @@ class JobQueue:
         todo = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
         done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
         job_id = uuid.uuid4().hex
-        now = time.time()
+        now = self.clock()
         conn = self._conn()
         with _write(conn):
             conn.execute(
@@ -308,7 +311,7 @@ class JobQueue:
                 raise JobNotFound(job_id)
             conn.execute("UPDATE jobs SET cancelled = 1 WHERE id = ?", (job_id,))
             conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
-                         "WHERE job_id = ? AND status = 'pending'", (time.time(), job_id))
+                         "WHERE job_id = ? AND status = 'pending'", (self.clock(), job_id))
         return self.job(job_id)
 
     # -- reading -----------------------------------------------------------------------
@@ -387,7 +390,7 @@ class JobQueue:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         conn = self._conn()
-        now = time.time()
+        now = self.clock()
         with _write(conn):
             self._fail_exhausted(conn, now)
             first = conn.execute(
@@ -415,7 +418,7 @@ class JobQueue:
         if not ids:
             return set()
         conn = self._conn()
-        now = time.time()
+        now = self.clock()
         held: set[int] = set()
         with _write(conn):
             for chunk in _chunks(ids, 500):
@@ -444,7 +447,7 @@ class JobQueue:
             cur = conn.execute(
                 "UPDATE items SET status = 'done', last_error = NULL, lease_owner = ?, "
                 "lease_expires = NULL, updated = ? WHERE id = ? AND status != 'done'",
-                (worker_id, time.time(), item_id))
+                (worker_id, self.clock(), item_id))
         return cur.rowcount == 1
 
     def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
@@ -462,7 +465,7 @@ class JobQueue:
             status = "failed" if permanent or row["attempts"] >= self.max_attempts else "pending"
             conn.execute("UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
                          "lease_expires = NULL, updated = ? WHERE id = ?",
-                         (status, error[:4000], time.time(), item_id))
+                         (status, error[:4000], self.clock(), item_id))
         return status
 
     def release(self, worker_id: str, item_ids: Iterable[int]) -> int:
@@ -478,7 +481,7 @@ class JobQueue:
                     f"WHERE jobs.id = items.job_id) THEN 'cancelled' ELSE 'pending' END, "
                     f"attempts = MAX(attempts - 1, 0), lease_owner = NULL, lease_expires = NULL, "
                     f"updated = ? WHERE id IN ({marks}) AND status = 'running' AND lease_owner = ?",
-                    (time.time(), *chunk, worker_id))
+                    (self.clock(), *chunk, worker_id))
                 n += cur.rowcount
         return n
 
@@ -489,7 +492,8 @@ class JobQueue:
             conn.execute("INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
-                         (worker_id, os.getpid(), time.time(), _canonical(info or {})))
+                         (worker_id, os.getpid(), self.clock(), _canonical(info or {})))
+            conn.execute("DELETE FROM heartbeats WHERE seen < ?", (self.clock() - _HEARTBEAT_KEEP_S,))
 
     def heartbeats(self) -> list[dict[str, Any]]:
         rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
