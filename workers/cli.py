@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("workers.cli:STATS", "summarise a cache: fingerprints, records, bytes"),
     "worker": ("workers.worker_loop", "run the long-lived GPU worker over the cache's job queue"),
     "serve": ("service.cli", "run the HTTP service (and its worker)"),
+    "export": ("workers.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
+    "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
 }
 
 MANIFEST_EXTENSIONS = (".txt", ".jsonl")
