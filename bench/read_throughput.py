@@ -136,15 +136,13 @@ def decode_gbps(root: Path, n: int) -> dict[str, float]:
     store.close()
     record_bytes = sum(len(v) for _, v in items)
     ds = CachedDataset(root / "lmdb1mb", fp)
-    best = 0.0
-    for _ in range(3):
+    src = np.frombuffer(b"".join(v for _, v in items), dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = copy = 0.0
+    for _ in range(5):  # interleaved, best of 5 each: the least disturbed pass of both
         start = time.perf_counter()
         decoded = sum(sum(t.nbytes for t in ds[i].values()) for i in range(n))
         best = max(best, decoded / (time.perf_counter() - start))
-    src = np.frombuffer(b"".join(v for _, v in items), dtype=np.uint8)
-    dst = np.empty_like(src)
-    copy = 0.0
-    for _ in range(3):
         start = time.perf_counter()
         np.copyto(dst, src)
         copy = max(copy, src.nbytes / (time.perf_counter() - start))
@@ -159,6 +157,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 4])
     parser.add_argument("--batch-size", type=int, default=0,
                         help="0: per-sample reads (default); N: batches of N through collate_spc")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes per loader (median)")
     parser.add_argument("--decode-records", type=int, default=500)
     parser.add_argument("--dir", type=Path, default=None, help="scratch dir (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
@@ -179,8 +178,11 @@ def main() -> None:
         for workers in args.workers:
             time_loader(ours, workers, order[:100], args.batch_size)  # warm both paths
             time_loader(base, workers, order[:100], args.batch_size)
-            a = time_loader(ours, workers, order, args.batch_size)
-            b = time_loader(base, workers, order, args.batch_size)
+            ours_runs, base_runs = [], []
+            for _ in range(args.rounds):  # alternate, so load swings hit both alike
+                ours_runs.append(time_loader(ours, workers, order, args.batch_size))
+                base_runs.append(time_loader(base, workers, order, args.batch_size))
+            a, b = float(np.median(ours_runs)), float(np.median(base_runs))
             results[f"workers{workers}"] = {"cached_dataset_sps": a, "torch_save_sps": b,
                                             "ratio": a / b, "cached_dataset_gb_s": a * mean_bytes / 1e9}
             log.info("num_workers=%d batch_size=%d: CachedDataset %.0f samples/s (%.2f GB/s), "
