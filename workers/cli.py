@@ -351,9 +351,7 @@ def _print_summary(summary: Any) -> None:
 class _Verify:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
-        parser.add_argument("--json", action="store_true", help="print the report as JSON")
-        _verbose_flag(parser)
+        _cache_reader_arguments(parser, "print the report as JSON")
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -376,9 +374,7 @@ class _Verify:
 class _Stats:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
-        parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
-        _verbose_flag(parser)
+        _cache_reader_arguments(parser, "print the statistics as JSON")
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -392,10 +388,17 @@ class _Stats:
         return 0
 
 
-def _with_store(cache: Path, action: Any) -> Any:
+def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> None:
+    parser.add_argument("--cache", required=True,
+                        help="cache directory, Zarr snapshot (path or URL) or service URL")
+    parser.add_argument("--json", action="store_true", help=json_help)
+    _verbose_flag(parser)
+
+
+def _with_store(cache: str, action: Any) -> Any:
     from cache_store.store import open_store
 
-    if not cache.exists():
+    if "://" not in cache and not Path(cache).exists():
         print(f"spcache: {cache}: no such cache directory", file=sys.stderr)
         return None
     try:
