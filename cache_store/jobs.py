@@ -392,10 +392,11 @@ class JobQueue:
         conn = self._conn()
         now = self.clock()
         with _write(conn):
-            self._fail_exhausted(conn, now)
+            self._sweep_expired(conn, now)
             first = conn.execute(
                 "SELECT i.job_id FROM items i JOIN jobs j ON j.id = i.job_id "
-                "WHERE " + _CLAIMABLE + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
+                "WHERE j.cancelled = 0 AND " + _CLAIMABLE
+                + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
                 (now, now)).fetchone()
             if first is None:
                 return []
@@ -451,18 +452,23 @@ class JobQueue:
         return cur.rowcount == 1
 
     def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
-        """Record a failed attempt; returns the item's new status (``pending`` or ``failed``).
+        """Record a failed attempt; returns the item's new status (``pending``, ``failed`` or ``cancelled``).
 
         ``permanent`` (e.g. a source that cannot be read) fails it now; otherwise it is
-        retried while attempts remain. An item this worker no longer holds is left alone.
+        retried while attempts remain (``cancelled`` instead if its job was cancelled).
+        An item this worker no longer holds is left alone.
         """
         conn = self._conn()
         with _write(conn):
-            row = conn.execute("SELECT status, attempts, lease_owner FROM items WHERE id = ?",
-                               (item_id,)).fetchone()
+            row = conn.execute(
+                "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
+                "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?", (item_id,)).fetchone()
             if row is None or row["status"] != "running" or row["lease_owner"] != worker_id:
                 return row["status"] if row is not None else "missing"
-            status = "failed" if permanent or row["attempts"] >= self.max_attempts else "pending"
+            if permanent or row["attempts"] >= self.max_attempts:
+                status = "failed"
+            else:  # a retry, unless the job was cancelled meanwhile
+                status = "cancelled" if row["cancelled"] else "pending"
             conn.execute("UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
                          "lease_expires = NULL, updated = ? WHERE id = ?",
                          (status, error[:4000], self.clock(), item_id))
@@ -500,7 +506,12 @@ class JobQueue:
         return [{"worker_id": r["worker_id"], "pid": r["pid"], "seen": r["seen"],
                  "info": json.loads(r["info"])} for r in rows]
 
-    def _fail_exhausted(self, conn: sqlite3.Connection, now: float) -> None:
+    def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
+        """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""
+        conn.execute(
+            "UPDATE items SET status = 'cancelled', lease_owner = NULL, lease_expires = NULL, "
+            "updated = ? WHERE status = 'running' AND lease_expires < ? AND job_id IN "
+            "(SELECT id FROM jobs WHERE cancelled = 1)", (now, now))
         conn.execute(
             "UPDATE items SET status = 'failed', lease_owner = NULL, lease_expires = NULL, "
             "updated = ?, last_error = COALESCE(last_error || '; ', '') || "
