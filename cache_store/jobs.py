@@ -452,7 +452,9 @@ class JobQueue:
         return cur.rowcount == 1
 
     def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
-        """Record a failed attempt; returns the item's new status (``pending``, ``failed`` or ``cancelled``).
+        """Record a failed attempt; returns the item's new status.
+
+        The new status is ``pending`` (retried), ``failed`` or ``cancelled``.
 
         ``permanent`` (e.g. a source that cannot be read) fails it now; otherwise it is
         retried while attempts remain (``cancelled`` instead if its job was cancelled).
