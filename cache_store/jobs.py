@@ -251,7 +251,8 @@ class JobQueue:
                 conn.execute(statement)
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
-                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(_SCHEMA_VERSION),))
+                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
+                             (str(_SCHEMA_VERSION),))
             elif int(row[0]) != _SCHEMA_VERSION:
                 raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
                                    f"the supported {_SCHEMA_VERSION}")
@@ -373,8 +374,9 @@ class JobQueue:
         if not job_ids:
             return out
         marks = ",".join("?" * len(job_ids))
-        for row in conn.execute(f"SELECT job_id, status, COUNT(*) FROM items "
-                                f"WHERE job_id IN ({marks}) GROUP BY job_id, status", tuple(job_ids)):
+        sql = (f"SELECT job_id, status, COUNT(*) FROM items WHERE job_id IN ({marks}) "
+               "GROUP BY job_id, status")
+        for row in conn.execute(sql, tuple(job_ids)):
             out[row[0]][row[1]] = row[2]
         return out
 
@@ -501,7 +503,8 @@ class JobQueue:
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
                          (worker_id, os.getpid(), self.clock(), _canonical(info or {})))
-            conn.execute("DELETE FROM heartbeats WHERE seen < ?", (self.clock() - _HEARTBEAT_KEEP_S,))
+            conn.execute("DELETE FROM heartbeats WHERE seen < ?",
+                         (self.clock() - _HEARTBEAT_KEEP_S,))
 
     def heartbeats(self) -> list[dict[str, Any]]:
         rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
