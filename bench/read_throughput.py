@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store import CachedDataset  # noqa: E402
+from cache_store import CachedDataset, collate_spc  # noqa: E402
 from cache_store.fingerprint import compute_fingerprint  # noqa: E402
 from cache_store.lmdb_store import LMDBStore  # noqa: E402
 from cache_store.record import encode_record  # noqa: E402
@@ -105,12 +105,15 @@ def identity(sample: object) -> object:
     return sample
 
 
-def time_loader(dataset: Dataset, workers: int, order: list[int]) -> float:
-    loader = DataLoader(dataset, batch_size=None, sampler=order, num_workers=workers,
-                        collate_fn=identity, prefetch_factor=8 if workers else None,
+def time_loader(dataset: Dataset, workers: int, order: list[int], batch_size: int = 0) -> float:
+    """Samples/s reading ``order`` (batch_size 0: one sample at a time, no collate)."""
+    batched = batch_size > 0
+    loader = DataLoader(dataset, batch_size=batch_size if batched else None, sampler=order,
+                        num_workers=workers, collate_fn=collate_spc if batched else identity,
+                        prefetch_factor=(2 if batched else 8) if workers else None,
                         multiprocessing_context="fork" if workers else None)
     start = time.perf_counter()
-    count = sum(1 for _ in loader)
+    count = sum(len(b["lengths"]) if batched else 1 for b in loader)
     elapsed = time.perf_counter() - start
     assert count == len(order)
     return count / elapsed
@@ -133,15 +136,13 @@ def decode_gbps(root: Path, n: int) -> dict[str, float]:
     store.close()
     record_bytes = sum(len(v) for _, v in items)
     ds = CachedDataset(root / "lmdb1mb", fp)
-    best = 0.0
-    for _ in range(3):
+    src = np.frombuffer(b"".join(v for _, v in items), dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = copy = 0.0
+    for _ in range(5):  # interleaved, best of 5 each: the least disturbed pass of both
         start = time.perf_counter()
         decoded = sum(sum(t.nbytes for t in ds[i].values()) for i in range(n))
         best = max(best, decoded / (time.perf_counter() - start))
-    src = np.frombuffer(b"".join(v for _, v in items), dtype=np.uint8)
-    dst = np.empty_like(src)
-    copy = 0.0
-    for _ in range(3):
         start = time.perf_counter()
         np.copyto(dst, src)
         copy = max(copy, src.nbytes / (time.perf_counter() - start))
@@ -154,6 +155,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="0: per-sample reads (default); N: batches of N through collate_spc")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes per loader (median)")
     parser.add_argument("--decode-records", type=int, default=500)
     parser.add_argument("--dir", type=Path, default=None, help="scratch dir (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
@@ -165,19 +169,25 @@ def main() -> None:
         fp, mean_bytes = write_caches(root, args.records, 1.0)
         log.info("wrote %d records of %.2f MB twice in %.1fs", args.records, mean_bytes / 1e6,
                  time.perf_counter() - start)
+        os.sync()  # no writeback of what was just written competes with the timed reads
         order = np.random.default_rng(2).permutation(args.records).tolist()
         ours = CachedDataset(root / "lmdb", fp)
         base = TorchSaveDataset(root / "torchsave", args.records)
-        results = {"records": args.records, "record_mb": mean_bytes / 1e6, "cpus": os.cpu_count()}
+        results = {"records": args.records, "record_mb": mean_bytes / 1e6, "cpus": os.cpu_count(),
+                   "batch_size": args.batch_size}
         for workers in args.workers:
-            time_loader(ours, workers, order[:100])  # warm both paths
-            time_loader(base, workers, order[:100])
-            a = time_loader(ours, workers, order)
-            b = time_loader(base, workers, order)
+            time_loader(ours, workers, order[:100], args.batch_size)  # warm both paths
+            time_loader(base, workers, order[:100], args.batch_size)
+            ours_runs, base_runs = [], []
+            for _ in range(args.rounds):  # alternate, so load swings hit both alike
+                ours_runs.append(time_loader(ours, workers, order, args.batch_size))
+                base_runs.append(time_loader(base, workers, order, args.batch_size))
+            a, b = float(np.median(ours_runs)), float(np.median(base_runs))
             results[f"workers{workers}"] = {"cached_dataset_sps": a, "torch_save_sps": b,
                                             "ratio": a / b, "cached_dataset_gb_s": a * mean_bytes / 1e9}
-            log.info("num_workers=%d: CachedDataset %.0f samples/s (%.2f GB/s), torch.save files "
-                     "%.0f samples/s: %.1fx", workers, a, a * mean_bytes / 1e9, b, a / b)
+            log.info("num_workers=%d batch_size=%d: CachedDataset %.0f samples/s (%.2f GB/s), "
+                     "torch.save files %.0f samples/s: %.1fx", workers, args.batch_size, a,
+                     a * mean_bytes / 1e9, b, a / b)
         dec = decode_gbps(root, args.decode_records)
         results["decode_1mb"] = dec
         log.info("decode %.2f MB records in one process: %.2f GB/s; memcpy %.2f GB/s (%.0f%%)",

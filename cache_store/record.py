@@ -403,7 +403,7 @@ def _parse_field_checksums(key: str, meta: Mapping[str, str],
                            tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
     try:
         checksums = json.loads(meta.get("field_checksums", ""))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _fail(key, "metadata 'field_checksums' is not JSON") from None
     if (not isinstance(checksums, dict) or set(checksums) != set(tensors)
             or not all(isinstance(v, str) for v in checksums.values())):

@@ -19,7 +19,7 @@ import importlib
 import json
 import logging
 import os
-import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,10 +45,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("workers.cli:STATS", "summarise a cache: fingerprints, records, bytes"),
     "worker": ("workers.worker_loop", "run the long-lived GPU worker over the cache's job queue"),
     "serve": ("service.cli", "run the HTTP service (and its worker)"),
+    "export": ("workers.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
+    "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
 }
 
 MANIFEST_EXTENSIONS = (".txt", ".jsonl")
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class UsageError(SpcacheError, ValueError):
@@ -138,8 +139,9 @@ def discover_sources(sources: Sequence[str | os.PathLike[str]]) -> list[tuple[st
 
     - a directory: every supported file under it (recursively, hidden entries skipped),
       sorted; the id is the path relative to the directory, without extension;
-    - ``.txt``: a manifest, one path a line (``#`` comments); the id is the path as
-      written, without extension; relative paths are relative to the manifest;
+    - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
+      folder; the id is that relative path without extension, or for a path outside
+      the folder its file name without extension;
     - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
     - any other file: one sample whose id is the file name without extension.
 
@@ -188,9 +190,23 @@ def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
 def _read_txt_manifest(manifest: Path) -> list[tuple[str, str]]:
     items = []
     for _, line in _manifest_lines(manifest):
-        written = Path(line)
-        items.append((written.with_suffix("").as_posix(), str(manifest.parent / written)))
+        path = manifest.parent / line  # an absolute line stays absolute
+        items.append((_manifest_id(manifest.parent, Path(line)), str(path)))
     return items
+
+
+def _manifest_id(base: Path, written: Path) -> str:
+    """The path relative to the manifest's folder, without extension; a path outside that
+    folder (absolute, or climbing out with ``..``) gets its file name without extension."""
+    if written.is_absolute():
+        try:
+            written = written.relative_to(base.resolve())
+        except ValueError:
+            return written.stem
+    inside = Path(os.path.normpath(written))
+    if inside.parts and inside.parts[0] == "..":
+        return written.stem
+    return inside.with_suffix("").as_posix()
 
 
 def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:
@@ -251,8 +267,9 @@ class _Precompute:
         parser.add_argument("--cache", required=True, type=Path, help="cache directory")
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"])
-        parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                            help="loader processes (0: load in this process)")
+        parser.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 2) - 1)),
+                            help="loader processes (0: load in this process; default: one per "
+                                 "core but one, at most 8)")
         parser.add_argument("--query-chunk", type=int, default=1 << 18,
                             help="queries per device call before any out-of-memory back-off")
         parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
@@ -261,6 +278,7 @@ class _Precompute:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        from workers.engine import DEVICE_PATTERN, Engine
         from workers.recipes import get_recipe
 
         try:  # everything that can be checked without touching the cache or a device
@@ -277,7 +295,6 @@ class _Precompute:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
         from cache_store.store import open_store
-        from workers.engine import Engine
 
         try:
             store = open_store(args.cache, readonly=False)
@@ -302,12 +319,23 @@ class _Precompute:
 
 
 def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
-    if not engine.progress:
-        return engine.run(items)
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    """``engine.run(items)``; SIGTERM (``docker stop``) ends it like Ctrl-C: what was
+    computed is committed and indexed before the process exits with status 130."""
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if not engine.progress:
+            return engine.run(items)
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
-    with logging_redirect_tqdm():
-        return engine.run(items)
+        with logging_redirect_tqdm():
+            return engine.run(items)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _print_summary(summary: Any) -> None:

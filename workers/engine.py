@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import queue
 import re
+import signal
 import sys
 import threading
 import time
@@ -38,7 +39,6 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,6 @@ from cache_store.errors import (
     ParameterError,
     RecordNotFound,
     SourceError,
-    SpcacheError,
 )
 from cache_store.fingerprint import (
     canonical_json,
@@ -62,14 +61,23 @@ from cache_store.fingerprint import (
 )
 from cache_store.record import encode_record, read_metadata
 from cache_store.store import DatasetIndex, Store
-from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, get_recipe, make_generator
+from workers.recipes import (
+    OOM_ERRORS,
+    ChunkBudget,
+    Prepared,
+    Recipe,
+    check_outputs,
+    get_recipe,
+    make_generator,
+)
 from workers.sources import hash_bytes, load_source, read_source_bytes
 
-__all__ = ["Engine", "Summary", "SampleError", "ItemResult", "resolve_device"]
+__all__ = ["DEVICE_PATTERN", "Engine", "Summary", "SampleError", "ItemResult", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: What ``device`` may be: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -196,7 +204,7 @@ class Engine:
         self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
         self.params = self.recipe.spec.resolve(params)
         problems = []
-        if not _DEVICE_RE.match(str(device)):
+        if not DEVICE_PATTERN.match(str(device)):
             problems.append(f"device: {device!r} is not auto, cpu, cuda or cuda:N")
         if jobs < 0:
             problems.append(f"jobs: {jobs} is negative")
@@ -389,12 +397,13 @@ class _Run:
         try:
             tensors = self.engine.recipe.compute_prepared(
                 prepared, self.engine.params, device=device, ops=ops, query_chunk=budget)
+            check_outputs(self.engine.recipe.spec, tensors, self.engine.params)
         except OOM_ERRORS as exc:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             self._finish(ItemResult(item.sample_id, item.path, "failed",
-                                    reason=f"out of device memory even with {budget.size}-query "
-                                           f"chunks: {_one_line(exc)}"))
+                                    reason=f"out of device memory (after backing off to "
+                                           f"{budget.size}-query chunks): {_one_line(exc)}"))
             return
         except SourceError as exc:
             self._finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason))
@@ -518,6 +527,7 @@ def _load_task(recipe_name: str, params: dict[str, Any], fingerprint: str, sampl
 
 def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
                      name="spcache-orphan-watch").start()
 

@@ -264,7 +264,7 @@ def _load_with_trimesh(path: Path, data: bytes, ext: str) -> tuple[np.ndarray, n
 
     if ext == ".ply":
         declared = _ply_declared_counts(path, data)
-    kwargs = {"skip_materials": True} if ext in (".obj", ".ply") else {}
+    kwargs = {"skip_materials": True} if ext in (".obj", ".ply", ".glb") else {}
     try:
         loaded = trimesh.load(io.BytesIO(data), file_type=ext[1:], process=False, **kwargs)
     except (MemoryError, RecursionError):
@@ -372,8 +372,9 @@ def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization
     """The normalisation of ``points`` (float64 ``[N, 3]``, finite, N >= 1) into ``[-1, 1]``.
 
     ``center`` = bounding-box midpoint rounded to float32; ``scale`` = smallest float32
-    not below ``max |points - center|``. Raises SourceError when every point coincides
-    (scale 0) or when the values do not fit float32.
+    not below ``max |points - center|``. Raises SourceError when every point coincides,
+    when the values do not fit float32, or when the shape is so small for its distance
+    from the origin that the float32 center misses it by more than half its size.
     """
     points = np.asarray(points, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -387,9 +388,19 @@ def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization
     if not np.isfinite(reach) or reach > float(np.finfo(np.float32).max):
         raise SourceError(path, "shape extent is beyond float32 range; cannot store the "
                                 "normalisation")
-    if reach == 0.0:
+    half_extent = float(np.max(high - low)) * 0.5  # finite: reach passed the check above
+    if half_extent == 0.0:
         raise SourceError(path, f"all {len(points)} points coincide; a shape with no extent "
                                 "cannot be normalised into [-1, 1]")
+    if reach < float(np.finfo(np.float32).tiny):
+        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is below float32 range; "
+                                "cannot store the normalisation scale")
+    if half_extent < 0.5 * reach:
+        # The float32 center is off by more than the shape is wide: the record would squash
+        # the shape into a corner of the cube. Refuse rather than store a useless record.
+        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is too small for its distance "
+                                f"from the origin ({float(np.abs(center64).max()):.3g}) to store "
+                                "its center as float32; translate it closer to the origin")
     scale = np.float32(reach)
     if float(scale) < reach:
         scale = np.nextafter(scale, np.float32(np.inf))

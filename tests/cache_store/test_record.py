@@ -208,6 +208,8 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         "meta-type": lambda h: h["__metadata__"].update(recipe=3),
         "entry-keys": lambda h: h["octree"].update(extra=1),
         "negative": lambda h: h["octree"].update(data_offsets=[-1, 3]),
+        "nested": lambda h: h["__metadata__"].update(field_checksums="[" * 100_000),
+        "huge-dim": lambda h: h["octree"].update(shape=[10 ** 30]),
     }
     for name, edit in cases.items():
         with pytest.raises(CorruptRecord) as err:
