@@ -251,7 +251,8 @@ class JobQueue:
                 conn.execute(statement)
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
-                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(_SCHEMA_VERSION),))
+                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
+                             (str(_SCHEMA_VERSION),))
             elif int(row[0]) != _SCHEMA_VERSION:
                 raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
                                    f"the supported {_SCHEMA_VERSION}")
@@ -373,8 +374,9 @@ class JobQueue:
         if not job_ids:
             return out
         marks = ",".join("?" * len(job_ids))
-        for row in conn.execute(f"SELECT job_id, status, COUNT(*) FROM items "
-                                f"WHERE job_id IN ({marks}) GROUP BY job_id, status", tuple(job_ids)):
+        sql = (f"SELECT job_id, status, COUNT(*) FROM items WHERE job_id IN ({marks}) "
+               "GROUP BY job_id, status")
+        for row in conn.execute(sql, tuple(job_ids)):
             out[row[0]][row[1]] = row[2]
         return out
 
@@ -392,10 +394,11 @@ class JobQueue:
         conn = self._conn()
         now = self.clock()
         with _write(conn):
-            self._fail_exhausted(conn, now)
+            self._sweep_expired(conn, now)
             first = conn.execute(
                 "SELECT i.job_id FROM items i JOIN jobs j ON j.id = i.job_id "
-                "WHERE " + _CLAIMABLE + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
+                "WHERE j.cancelled = 0 AND " + _CLAIMABLE
+                + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
                 (now, now)).fetchone()
             if first is None:
                 return []
@@ -451,18 +454,25 @@ class JobQueue:
         return cur.rowcount == 1
 
     def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
-        """Record a failed attempt; returns the item's new status (``pending`` or ``failed``).
+        """Record a failed attempt; returns the item's new status.
+
+        The new status is ``pending`` (retried), ``failed`` or ``cancelled``.
 
         ``permanent`` (e.g. a source that cannot be read) fails it now; otherwise it is
-        retried while attempts remain. An item this worker no longer holds is left alone.
+        retried while attempts remain (``cancelled`` instead if its job was cancelled).
+        An item this worker no longer holds is left alone.
         """
         conn = self._conn()
         with _write(conn):
-            row = conn.execute("SELECT status, attempts, lease_owner FROM items WHERE id = ?",
-                               (item_id,)).fetchone()
+            row = conn.execute(
+                "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
+                "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?", (item_id,)).fetchone()
             if row is None or row["status"] != "running" or row["lease_owner"] != worker_id:
                 return row["status"] if row is not None else "missing"
-            status = "failed" if permanent or row["attempts"] >= self.max_attempts else "pending"
+            if permanent or row["attempts"] >= self.max_attempts:
+                status = "failed"
+            else:  # a retry, unless the job was cancelled meanwhile
+                status = "cancelled" if row["cancelled"] else "pending"
             conn.execute("UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
                          "lease_expires = NULL, updated = ? WHERE id = ?",
                          (status, error[:4000], self.clock(), item_id))
@@ -493,14 +503,20 @@ class JobQueue:
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
                          (worker_id, os.getpid(), self.clock(), _canonical(info or {})))
-            conn.execute("DELETE FROM heartbeats WHERE seen < ?", (self.clock() - _HEARTBEAT_KEEP_S,))
+            conn.execute("DELETE FROM heartbeats WHERE seen < ?",
+                         (self.clock() - _HEARTBEAT_KEEP_S,))
 
     def heartbeats(self) -> list[dict[str, Any]]:
         rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
         return [{"worker_id": r["worker_id"], "pid": r["pid"], "seen": r["seen"],
                  "info": json.loads(r["info"])} for r in rows]
 
-    def _fail_exhausted(self, conn: sqlite3.Connection, now: float) -> None:
+    def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
+        """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""
+        conn.execute(
+            "UPDATE items SET status = 'cancelled', lease_owner = NULL, lease_expires = NULL, "
+            "updated = ? WHERE status = 'running' AND lease_expires < ? AND job_id IN "
+            "(SELECT id FROM jobs WHERE cancelled = 1)", (now, now))
         conn.execute(
             "UPDATE items SET status = 'failed', lease_owner = NULL, lease_expires = NULL, "
             "updated = ?, last_error = COALESCE(last_error || '; ', '') || "

@@ -27,6 +27,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.now = 1000.0
         self.queue = JobQueue(self.tmp.name, max_attempts=2, clock=lambda: self.now)
         self.jobs: list[str] = []
+        self.cancelled: set[str] = set()
         self.submitted = 0
         self.done: set[int] = set()
         self.held: dict[int, str] = {}  # item id -> worker, as this test saw claims
@@ -53,6 +54,7 @@ class QueueMachine(RuleBasedStateMachine):
         got = self.queue.claim(worker, limit=limit, lease_s=lease)
         assert len({c.job_id for c in got}) <= 1
         for c in got:
+            assert c.job_id not in self.cancelled
             before = rows[c.item_id]
             assert c.item_id not in self.done
             assert before["status"] in ("pending", "running")
@@ -95,7 +97,9 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.jobs)
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        self.queue.cancel(data.draw(st.sampled_from(self.jobs)))
+        job_id = data.draw(st.sampled_from(self.jobs))
+        self.queue.cancel(job_id)
+        self.cancelled.add(job_id)
 
     @invariant()
     def consistent(self) -> None:
@@ -105,6 +109,8 @@ class QueueMachine(RuleBasedStateMachine):
         assert len(rows) == self.submitted == sum(self.queue.counts().values())
         live: set[tuple[str, str]] = set()
         for r in rows:
+            if r["job_id"] in self.cancelled:
+                assert r["status"] != "pending"
             if r["id"] in self.done:
                 assert r["status"] == "done"
             assert r["attempts"] <= 2
