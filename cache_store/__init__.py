@@ -2,9 +2,19 @@
 
 Record format, keys and fingerprints, stores (LMDB, Zarr, HTTP), the job queue,
 ``CachedDataset`` and its collate functions.
+
+``import cache_store`` stays light (no torch): the names that need torch
+(``CachedDataset``, ``collate_spc``, ``decode_record``'s tensors) load on first access,
+so the service and header-only readers start without it.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from cache_store.errors import (
+    CacheNotFound,
     CorruptRecord,
     FingerprintLookupError,
     InvalidSampleId,
@@ -20,6 +30,28 @@ from cache_store.errors import (
 
 __version__ = "0.1.0"
 
+# public name -> module that defines it, imported on first access (PEP 562)
+_LAZY = {
+    "compute_fingerprint": "cache_store.fingerprint",
+    "validate_fingerprint": "cache_store.fingerprint",
+    "validate_sample_id": "cache_store.fingerprint",
+    "record_key": "cache_store.fingerprint",
+    "split_key": "cache_store.fingerprint",
+    "Record": "cache_store.record",
+    "encode_record": "cache_store.record",
+    "decode_record": "cache_store.record",
+    "read_metadata": "cache_store.record",
+    "record_checksum": "cache_store.record",
+    "select_fields": "cache_store.record",
+    "Store": "cache_store.store",
+    "DatasetIndex": "cache_store.store",
+    "VerifyReport": "cache_store.store",
+    "open_store": "cache_store.store",
+    "LMDBStore": "cache_store.lmdb_store",
+    "CachedDataset": "cache_store.dataset",
+    "collate_spc": "cache_store.collate",
+}
+
 __all__ = [
     "__version__",
     "SpcacheError",
@@ -32,5 +64,20 @@ __all__ = [
     "ParameterError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
+    "CacheNotFound",
     "JobNotFound",
+    *_LAZY,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cache_store' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

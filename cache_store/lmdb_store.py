@@ -52,6 +52,21 @@ DEFAULT_MAX_READERS = 1024
 _RECORDS_DB = b"records"
 _INDEXES_DB = b"indexes"
 _KEYS_PER_TXN = 4096
+_MAX_KEY_BYTES = 511  # LMDB's default build
+
+def _lookup(txn: Any, db: Any, key: str) -> Any:
+    """The value under ``key`` or None; keys LMDB cannot hold (empty, over 511 bytes,
+    not encodable) are simply absent."""
+    if db is None or not isinstance(key, str):
+        return None
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    if not 0 < len(raw) <= _MAX_KEY_BYTES:
+        return None
+    return txn.get(raw, db=db)
+
 
 class _SharedEnv:
     """One LMDB environment per path per process, shared by every store on that path.
@@ -133,6 +148,15 @@ class LMDBStore(Store):
     def env_path(self) -> Path:
         return self.path / RECORDS_DIR
 
+    @property
+    def _env_key(self) -> str:
+        # resolved once per process: realpath costs several syscalls, reads are hot
+        key = self.__dict__.get("_env_key_cache")
+        if key is None or key[0] != os.getpid():
+            key = (os.getpid(), os.path.realpath(self.env_path))
+            self.__dict__["_env_key_cache"] = key
+        return key[1]
+
     def open(self) -> LMDBStore:
         """Open now (otherwise the first access does). Returns self."""
         self._environment()
@@ -141,7 +165,7 @@ class LMDBStore(Store):
     def close(self) -> None:
         """Stop using the environment; it closes when no store of this process uses it."""
         with _shared_lock:
-            shared = _shared_envs.get(os.path.realpath(self.env_path))
+            shared = _shared_envs.get(self._env_key)
             if shared is None:
                 return
             shared.users.discard(self)
@@ -149,12 +173,12 @@ class LMDBStore(Store):
                 shared.close()
 
     def _environment(self) -> tuple[Any, dict[bytes, Any]]:
-        shared = _shared_envs.get(os.path.realpath(self.env_path))
+        shared = _shared_envs.get(self._env_key)
         if (shared is not None and shared.env is not None and shared.pid == os.getpid()
                 and (self.readonly or shared.writable) and self in shared.users):
             return shared.env, shared.dbs
         with _shared_lock:
-            shared = _shared_envs.setdefault(os.path.realpath(self.env_path), _SharedEnv())
+            shared = _shared_envs.setdefault(self._env_key, _SharedEnv())
             if shared.env is not None and (shared.pid != os.getpid()
                                            or (not self.readonly and not shared.writable)):
                 shared.close()  # forked without the hook, or a writer upgrading a reader
@@ -247,7 +271,7 @@ class LMDBStore(Store):
     # -- primitives ------------------------------------------------------------------
     def get(self, key: str) -> bytes:
         with self._read() as (txn, dbs):
-            value = None if dbs[_RECORDS_DB] is None else txn.get(key.encode(), db=dbs[_RECORDS_DB])
+            value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
                 raise RecordNotFound(key, self.location)
             return bytes(value)
@@ -255,7 +279,7 @@ class LMDBStore(Store):
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
         # Decoded inside the transaction, straight from the map: one copy per tensor.
         with self._read() as (txn, dbs):
-            value = None if dbs[_RECORDS_DB] is None else txn.get(key.encode(), db=dbs[_RECORDS_DB])
+            value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
                 raise RecordNotFound(key, self.location)
             return decode_record(value, key=key, fields=fields)
@@ -267,7 +291,7 @@ class LMDBStore(Store):
             db = dbs[_RECORDS_DB]
             out = []
             for key in keys:
-                value = None if db is None else txn.get(key.encode(), db=db)
+                value = _lookup(txn, db, key)
                 if value is None:
                     raise RecordNotFound(key, self.location)
                 out.append(decode_record(value, key=key, fields=fields))
@@ -287,12 +311,15 @@ class LMDBStore(Store):
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
             db = dbs[_RECORDS_DB]
-            return db is not None and txn.get(key.encode(), db=db) is not None
+            return _lookup(txn, db, key) is not None
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         # Chunks of keys per short transaction: a consumer that stops early, or works
         # slowly between keys, never pins an old snapshot (or a reader slot).
-        raw_prefix = prefix.encode()
+        try:
+            raw_prefix = prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            return  # no key can start with it
         start = raw_prefix
         skip_start = False
         while True:

@@ -172,30 +172,54 @@ def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memory
     return dtype, tuple(tensor.shape), memoryview(flat.numpy())
 
 
-def _record_checksum(header: Mapping[str, Any]) -> str:
-    body = dict(header)
-    meta = {k: v for k, v in body.pop("__metadata__").items() if k != "checksum"}
-    text = json.dumps({"meta": meta, "tensors": body}, sort_keys=True, separators=(",", ":"))
-    return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
+_CHECKSUM_TAG = b'"checksum":"'
+_CHECKSUM_HEX = 32
+_BLANK_CHECKSUM = "0" * _CHECKSUM_HEX
+
+
+def _checksum_slot(text: bytes) -> int:
+    """Offset of the checksum's 32 hex digits in a header text; ValueError if not exactly one.
+
+    In JSON text an unescaped ``"checksum":"`` can only be the metadata key itself (a
+    quote inside a string is always escaped, and a tensor entry is an object).
+    """
+    first = text.find(_CHECKSUM_TAG)
+    if first < 0 or text.find(_CHECKSUM_TAG, first + 1) >= 0:
+        raise ValueError("header must hold exactly one checksum entry")
+    at = first + len(_CHECKSUM_TAG)
+    if text[at + _CHECKSUM_HEX:at + _CHECKSUM_HEX + 1] != b'"':
+        raise ValueError("checksum entry is not 32 characters")
+    return at
+
+
+def _header_digest(text: bytes, at: int) -> str:
+    blank = b"".join([text[:at], _BLANK_CHECKSUM.encode(), text[at + _CHECKSUM_HEX:]])
+    return xxhash.xxh3_128_hexdigest(blank)
+
+
+def _sign(text: bytes) -> bytes:
+    """Fill in the record checksum: xxh3_128 of the header text with its slot zeroed."""
+    at = _checksum_slot(text)
+    return b"".join([text[:at], _header_digest(text, at).encode(), text[at + _CHECKSUM_HEX:]])
 
 
 def _assemble(layout: list[tuple[str, str, tuple[int, ...], Any]],
               field_checksums: Mapping[str, str], metadata: Mapping[str, str]) -> bytes:
     """``layout``: (name, dtype, shape, bytes-like) in the order to write them."""
-    header: dict[str, Any] = {}
+    meta = dict(metadata)
+    meta["format_version"] = FORMAT_VERSION
+    meta["field_checksums"] = json.dumps({n: field_checksums[n] for n, *_ in layout},
+                                         sort_keys=True, separators=(",", ":"))
+    meta["checksum"] = _BLANK_CHECKSUM
+    header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, dtype, shape, buf in layout:
         size = len(buf)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
-    meta = dict(metadata)
-    meta["format_version"] = FORMAT_VERSION
-    meta["field_checksums"] = json.dumps({n: field_checksums[n] for n, *_ in layout},
-                                         sort_keys=True, separators=(",", ":"))
-    header["__metadata__"] = meta
-    meta["checksum"] = _record_checksum(header)
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + _LEN.size) % 8)
+    text = _sign(text)
     return b"".join([_LEN.pack(len(text)), text, *(buf for *_, buf in layout)])
 
 
@@ -272,33 +296,39 @@ def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _parse_tensor_info(key: str, name: str, entry: object, data_len: int,
                        data_start: int) -> TensorInfo:
-    if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+    # ``type(x) is int`` on purpose: JSON gives int, and it refuses bool. Written as
+    # plain loops: this runs for every field of every record read.
+    if type(entry) is not dict or len(entry) != 3:
         raise _fail(key, f"tensor {name!r}: header entry must have exactly dtype, shape, "
                          f"data_offsets")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPES:
+    try:
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    except KeyError:
+        raise _fail(key, f"tensor {name!r}: header entry must have exactly dtype, shape, "
+                         f"data_offsets") from None
+    itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+    if itemsize is None:
         raise _fail(key, f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if type(shape) is not list:
         raise _fail(key, f"tensor {name!r}: shape must be a list of non-negative ints")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(_is_int(o) for o in offsets)):
+    numel = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise _fail(key, f"tensor {name!r}: shape must be a list of non-negative ints")
+        numel *= d
+    if type(offsets) is not list or len(offsets) != 2:
         raise _fail(key, f"tensor {name!r}: data_offsets must be two ints")
     begin, end = offsets
+    if type(begin) is not int or type(end) is not int:
+        raise _fail(key, f"tensor {name!r}: data_offsets must be two ints")
     if not 0 <= begin <= end <= data_len:
         raise _fail(key, f"tensor {name!r}: data_offsets {offsets} outside the "
                          f"{data_len}-byte data section")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * _ITEMSIZE[dtype] != end - begin:
-        raise _fail(key, f"tensor {name!r}: {dtype} x {shape} needs "
-                         f"{numel * _ITEMSIZE[dtype]} bytes, offsets give {end - begin}")
+    if numel * itemsize != end - begin:
+        raise _fail(key, f"tensor {name!r}: {dtype} x {shape} needs {numel * itemsize} "
+                         f"bytes, offsets give {end - begin}")
     return TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end)
 
 
@@ -336,14 +366,19 @@ def _parse_header(value: Any, key: str) -> RecordHeader:
     if version != FORMAT_VERSION:
         raise UnsupportedFormat(key, f"format_version {version!r} is not supported "
                                      f"(this reader knows {FORMAT_VERSION!r})")
+    try:
+        at = _checksum_slot(raw)
+    except ValueError as exc:
+        raise _fail(key, str(exc)) from None
+    stored = raw[at:at + _CHECKSUM_HEX].decode("ascii", "replace")
+    if meta.get("checksum") != stored or _header_digest(raw, at) != stored:
+        raise _fail(key, "header checksum mismatch (metadata or layout altered)")
     data_start = _LEN.size + n
     data_len = total - data_start
     tensors = {name: _parse_tensor_info(key, name, entry, data_len, data_start)
                for name, entry in header.items() if name != "__metadata__"}
     _check_layout(key, tensors, data_start, total)
     checksums = _parse_field_checksums(key, meta, tensors)
-    if _record_checksum(header) != meta.get("checksum"):
-        raise _fail(key, "header checksum mismatch (metadata or layout altered)")
     return RecordHeader(meta, tensors, checksums, data_start)
 
 
@@ -368,7 +403,7 @@ def _parse_field_checksums(key: str, meta: Mapping[str, str],
                            tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
     try:
         checksums = json.loads(meta.get("field_checksums", ""))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _fail(key, "metadata 'field_checksums' is not JSON") from None
     if (not isinstance(checksums, dict) or set(checksums) != set(tensors)
             or not all(isinstance(v, str) for v in checksums.values())):
@@ -417,16 +452,34 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
     return part
 
 
-def _to_tensor(part: memoryview, info: TensorInfo, name: str, key: str) -> torch.Tensor:
+def _tensors(view: memoryview, header: RecordHeader, names: list[str],
+             key: str) -> dict[str, torch.Tensor]:
+    """Verify, then copy the named fields into one fresh buffer (8-byte aligned slots) and
+    view each as a tensor: one allocation and one copy per record, whatever its fields."""
     import torch
 
-    dtype = torch_dtype(info.dtype)
-    if info.begin == info.end:
-        return torch.empty(info.shape, dtype=dtype)
-    buf = bytearray(part)  # the one copy: out of LMDB's map / the caller's bytes
-    if info.dtype == "BOOL" and np.frombuffer(buf, dtype=np.uint8).max() > 1:
-        raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
-    return torch.frombuffer(buf, dtype=dtype).reshape(info.shape)
+    slots, size = [], 0
+    for name in names:
+        part = _verified_slice(view, header, name, key)  # hashing first warms the cache
+        size = (size + 7) & ~7
+        slots.append((name, part, size))
+        size += part.nbytes
+    buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
+    out = memoryview(buf)
+    tensors = {}
+    for name, part, offset in slots:
+        info = header.tensors[name]
+        dtype = torch_dtype(info.dtype)
+        if not part.nbytes:
+            tensors[name] = torch.empty(info.shape, dtype=dtype)
+            continue
+        out[offset:offset + part.nbytes] = part  # the one copy out of LMDB's map / the bytes
+        if info.dtype == "BOOL" and buf[offset:offset + part.nbytes].max() > 1:
+            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        numel = part.nbytes // _ITEMSIZE[info.dtype]
+        tensor = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+        tensors[name] = tensor if len(info.shape) == 1 else tensor.view(info.shape)
+    return tensors
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
@@ -440,8 +493,9 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
             and hashed.
 
     Returns:
-        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored; each owns
-        its memory and is writable) and ``metadata`` (str -> str).
+        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable; the
+        record's tensors share one fresh buffer, never the input's memory) and
+        ``metadata`` (str -> str).
 
     Raises:
         CorruptRecord: malformed value or checksum mismatch (names ``key``).
@@ -449,11 +503,7 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
         UnknownName: a requested field the record does not hold.
     """
     header = _parse_header(value, key)
-    view = _byte_view(value, key)
-    tensors = {}
-    for name in _selected(header, fields, key):
-        part = _verified_slice(view, header, name, key)
-        tensors[name] = _to_tensor(part, header.tensors[name], name, key)
+    tensors = _tensors(_byte_view(value, key), header, _selected(header, fields, key), key)
     return Record(tensors, dict(header.metadata))
 
 

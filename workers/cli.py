@@ -45,6 +45,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("workers.cli:STATS", "summarise a cache: fingerprints, records, bytes"),
     "worker": ("workers.worker_loop", "run the long-lived GPU worker over the cache's job queue"),
     "serve": ("service.cli", "run the HTTP service (and its worker)"),
+    "export": ("workers.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
+    "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
 }
 
 MANIFEST_EXTENSIONS = (".txt", ".jsonl")
@@ -376,9 +378,7 @@ def _print_summary(summary: Any) -> None:
 class _Verify:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
-        parser.add_argument("--json", action="store_true", help="print the report as JSON")
-        _verbose_flag(parser)
+        _cache_reader_arguments(parser, "print the report as JSON")
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -401,9 +401,7 @@ class _Verify:
 class _Stats:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
-        parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
-        _verbose_flag(parser)
+        _cache_reader_arguments(parser, "print the statistics as JSON")
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -417,10 +415,17 @@ class _Stats:
         return 0
 
 
-def _with_store(cache: Path, action: Any) -> Any:
+def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> None:
+    parser.add_argument("--cache", required=True,
+                        help="cache directory, Zarr snapshot (path or URL) or service URL")
+    parser.add_argument("--json", action="store_true", help=json_help)
+    _verbose_flag(parser)
+
+
+def _with_store(cache: str, action: Any) -> Any:
     from cache_store.store import open_store
 
-    if not cache.exists():
+    if "://" not in cache and not Path(cache).exists():
         print(f"spcache: {cache}: no such cache directory", file=sys.stderr)
         return None
     try:

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 
 from cache_store.errors import SourceError
+from cache_store.hashing import hash_bytes, hash_file
 
 __all__ = [
     "POINT_CLOUD_EXTENSIONS",
@@ -65,8 +65,6 @@ POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
 MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
 SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
 
-_HASH_PREFIX = "xxh3_128:"
-_HASH_BLOCK = 1 << 20
 _NPZ_POINT_NAMES = ("points", "xyz", "positions")
 
 
@@ -104,23 +102,6 @@ class Normalization:
 
     center: np.ndarray  # float64 [3], values exactly representable as float32
     scale: float  # > 0, exactly representable as float32
-
-
-def hash_bytes(data: bytes) -> str:
-    """Content hash of ``data``: ``"xxh3_128:<32 hex digits>"``."""
-    return _HASH_PREFIX + xxhash.xxh3_128_hexdigest(data)
-
-
-def hash_file(path: str | Path) -> str:
-    """Content hash of the file at ``path``, the same value :func:`hash_bytes` gives its bytes."""
-    digest = xxhash.xxh3_128()
-    try:
-        with open(path, "rb") as fh:
-            while block := fh.read(_HASH_BLOCK):
-                digest.update(block)
-    except OSError as exc:
-        raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
-    return _HASH_PREFIX + digest.hexdigest()
 
 
 def read_source_bytes(path: str | Path) -> bytes:

@@ -170,11 +170,14 @@ def test_every_truncation_is_caught() -> None:
         decode_record(value + b"\0", key=KEY)
 
 
-def _rewrite_header(value: bytes, edit) -> bytes:
+def _rewrite_header(value: bytes, edit, sign: bool = False) -> bytes:
+    from cache_store.record import _sign
+
     n = struct.unpack("<Q", value[:8])[0]
     header = json.loads(value[8:8 + n])
     edit(header)
-    text = json.dumps(header).encode()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text = _sign(text) if sign else text
     return struct.pack("<Q", len(text)) + text + value[8 + n:]
 
 
@@ -191,15 +194,10 @@ def test_unknown_format_version_is_unsupported() -> None:
 
 def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
     """A header edited *and* re-checksummed must still be refused when it lies."""
-    from cache_store.record import _record_checksum
-
     _, value = _record()
 
     def resign(edit):
-        def go(h):
-            edit(h)
-            h["__metadata__"]["checksum"] = _record_checksum(h)
-        return _rewrite_header(value, go)
+        return _rewrite_header(value, edit, sign=True)
 
     cases = {
         "overlap": lambda h: h["octree"].update(data_offsets=[0, h["octree"]["data_offsets"][1] - h["octree"]["data_offsets"][0]]),
@@ -210,22 +208,33 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         "meta-type": lambda h: h["__metadata__"].update(recipe=3),
         "entry-keys": lambda h: h["octree"].update(extra=1),
         "negative": lambda h: h["octree"].update(data_offsets=[-1, 3]),
+        "nested": lambda h: h["__metadata__"].update(field_checksums="[" * 100_000),
+        "huge-dim": lambda h: h["octree"].update(shape=[10 ** 30]),
     }
     for name, edit in cases.items():
-        with pytest.raises(CorruptRecord):
+        with pytest.raises(CorruptRecord) as err:
             decode_record(resign(edit), key=name)
+        assert "checksum mismatch" not in err.value.reason, (name, err.value.reason)
     bool_value = encode_tensors({"b": torch.tensor([True, False])})
     n = struct.unpack("<Q", bool_value[:8])[0]
     bad = bytearray(bool_value)
     bad[8 + n] = 2
-    from cache_store.record import _record_checksum as rc  # noqa: F401
     import xxhash
 
-    hacked = _rewrite_header(bytes(bad), lambda h: (
-        h["__metadata__"].update(field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n:]))})),
-        h["__metadata__"].update(checksum=_record_checksum(h))))
+    hacked = _rewrite_header(bytes(bad), lambda h: h["__metadata__"].update(
+        field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n:]))})), sign=True)
     with pytest.raises(CorruptRecord, match="BOOL"):
         decode_record(hacked)
+
+
+def test_header_checksum_covers_every_header_byte() -> None:
+    _, value = _record()
+    n = struct.unpack("<Q", value[:8])[0]
+    for pos in range(8, 8 + n):
+        broken = bytearray(value)
+        broken[pos] = ord(" ") if broken[pos] != ord(" ") else ord("\t")
+        with pytest.raises(CorruptRecord):
+            read_header(bytes(broken))
 
 
 def test_duplicate_header_keys_are_refused() -> None:

@@ -1,0 +1,203 @@
+"""Read throughput: CachedDataset over LMDB vs Kaolin-style per-field torch.save files.
+
+Writes N records of about 0.6 MB (octree, point hierarchy, exsum, query points, labels)
+twice, once into an LMDB cache through ``LMDBStore`` and once the way Kaolin's
+``CachedDataset`` keeps a cache on disk (one ``torch.save`` file per field per sample,
+read back with ``torch.load``), then reads every sample through a DataLoader in a fixed
+shuffled order with ``num_workers`` 0 and 4, and prints samples/s and the ratio against
+the baseline measured in the same run. A second part decodes 1 MB records in one
+process and compares the decoded GB/s with a plain memory copy measured in the same run.
+
+Both caches are read warm (just written, in the page cache): this compares the reading
+code paths, not disks.
+
+    python bench/read_throughput.py [--records 2000] [--workers 0 4] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cache_store import CachedDataset, collate_spc  # noqa: E402
+from cache_store.fingerprint import compute_fingerprint  # noqa: E402
+from cache_store.lmdb_store import LMDBStore  # noqa: E402
+from cache_store.record import encode_record  # noqa: E402
+from cache_store.store import DatasetIndex  # noqa: E402
+
+log = logging.getLogger("bench.read_throughput")
+FIELDS = ("octree", "point_hierarchy", "exsum", "query_points", "labels")
+
+
+def make_fields(rng: np.random.Generator, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """About 0.6 MB at scale 1: sizes vary +-10% per sample like real octrees do."""
+    nbytes = int(40_000 * scale * rng.uniform(0.9, 1.1))
+    npoints = int(50_000 * scale * rng.uniform(0.9, 1.1))
+    nquery = int(8_192 * scale)
+    octree = rng.integers(1, 256, nbytes, dtype=np.uint8)
+    return {
+        "octree": torch.from_numpy(octree),
+        "point_hierarchy": torch.from_numpy(rng.integers(0, 256, (npoints, 3), dtype=np.int16)),
+        "exsum": torch.from_numpy(np.cumsum(np.unpackbits(octree[:, None], axis=1).sum(1),
+                                            dtype=np.int32)),
+        "query_points": torch.from_numpy(rng.uniform(-1, 1, (nquery, 3)).astype(np.float32)),
+        "labels": torch.from_numpy(rng.integers(0, 2, nquery, dtype=np.uint8)),
+    }
+
+
+def write_caches(root: Path, n: int, scale: float) -> tuple[str, float]:
+    params = {"level": 8, "surface_samples": 100_000}
+    fp = compute_fingerprint("spc", 1, params)
+    store = LMDBStore(root / "lmdb", readonly=False, map_size=1 << 30)
+    rng = np.random.default_rng(0)
+    ids, batch, total = [], [], 0
+    for i in range(n):
+        sid = f"shape{i:06d}"
+        fields = make_fields(rng, scale)
+        meta = {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
+                "source_hash": "0" * 16, "backend": "torch", "device": "cpu"}
+        value = encode_record(fields, meta)
+        total += len(value)
+        batch.append((f"{fp}/{sid}", value))
+        sample_dir = root / "torchsave" / sid
+        sample_dir.mkdir(parents=True)
+        for name, tensor in fields.items():
+            torch.save(tensor, sample_dir / f"{name}.pt")
+        ids.append(sid)
+        if len(batch) == 64:
+            store.put_many(batch)
+            batch = []
+    store.put_many(batch)
+    store.put_index(DatasetIndex(fp, "spc", 1, params, np.array(ids)))
+    store.close()
+    return fp, total / n
+
+
+class TorchSaveDataset(Dataset):
+    """The baseline: Kaolin-style cache, one torch.save file per field per sample."""
+
+    def __init__(self, root: Path, n: int) -> None:
+        self.root = str(root)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        base = os.path.join(self.root, f"shape{i:06d}")
+        return {name: torch.load(os.path.join(base, f"{name}.pt")) for name in FIELDS}
+
+
+def identity(sample: object) -> object:
+    return sample
+
+
+def time_loader(dataset: Dataset, workers: int, order: list[int], batch_size: int = 0) -> float:
+    """Samples/s reading ``order`` (batch_size 0: one sample at a time, no collate)."""
+    batched = batch_size > 0
+    loader = DataLoader(dataset, batch_size=batch_size if batched else None, sampler=order,
+                        num_workers=workers, collate_fn=collate_spc if batched else identity,
+                        prefetch_factor=(2 if batched else 8) if workers else None,
+                        multiprocessing_context="fork" if workers else None)
+    start = time.perf_counter()
+    count = sum(len(b["lengths"]) if batched else 1 for b in loader)
+    elapsed = time.perf_counter() - start
+    assert count == len(order)
+    return count / elapsed
+
+
+def decode_gbps(root: Path, n: int) -> dict[str, float]:
+    """Decoded GB/s for ~1 MB records in one process, next to memcpy of the same bytes."""
+    params = {"level": 9, "surface_samples": 100_000}
+    fp = compute_fingerprint("spc", 1, params)
+    store = LMDBStore(root / "lmdb1mb", readonly=False, map_size=1 << 30)
+    rng = np.random.default_rng(1)
+    items = []
+    for i in range(n):
+        sid = f"big{i:05d}"
+        meta = {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
+                "source_hash": "0" * 16, "backend": "torch", "device": "cpu"}
+        items.append((f"{fp}/{sid}", encode_record(make_fields(rng, 1.65), meta)))
+    store.put_many(items)
+    store.put_index(DatasetIndex(fp, "spc", 1, params, np.array([k.split("/")[1] for k, _ in items])))
+    store.close()
+    record_bytes = sum(len(v) for _, v in items)
+    ds = CachedDataset(root / "lmdb1mb", fp)
+    src = np.frombuffer(b"".join(v for _, v in items), dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = copy = 0.0
+    for _ in range(5):  # interleaved, best of 5 each: the least disturbed pass of both
+        start = time.perf_counter()
+        decoded = sum(sum(t.nbytes for t in ds[i].values()) for i in range(n))
+        best = max(best, decoded / (time.perf_counter() - start))
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        copy = max(copy, src.nbytes / (time.perf_counter() - start))
+    ds.close()
+    return {"record_mb": record_bytes / n / 1e6, "decode_gb_s": best / 1e9,
+            "memcpy_gb_s": copy / 1e9, "decode_over_memcpy": best / copy}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=2000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="0: per-sample reads (default); N: batches of N through collate_spc")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes per loader (median)")
+    parser.add_argument("--decode-records", type=int, default=500)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch dir (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    root = Path(tempfile.mkdtemp(prefix="spcache-bench-", dir=args.dir))
+    try:
+        start = time.perf_counter()
+        fp, mean_bytes = write_caches(root, args.records, 1.0)
+        log.info("wrote %d records of %.2f MB twice in %.1fs", args.records, mean_bytes / 1e6,
+                 time.perf_counter() - start)
+        os.sync()  # no writeback of what was just written competes with the timed reads
+        order = np.random.default_rng(2).permutation(args.records).tolist()
+        ours = CachedDataset(root / "lmdb", fp)
+        base = TorchSaveDataset(root / "torchsave", args.records)
+        results = {"records": args.records, "record_mb": mean_bytes / 1e6, "cpus": os.cpu_count(),
+                   "batch_size": args.batch_size}
+        for workers in args.workers:
+            time_loader(ours, workers, order[:100], args.batch_size)  # warm both paths
+            time_loader(base, workers, order[:100], args.batch_size)
+            ours_runs, base_runs = [], []
+            for _ in range(args.rounds):  # alternate, so load swings hit both alike
+                ours_runs.append(time_loader(ours, workers, order, args.batch_size))
+                base_runs.append(time_loader(base, workers, order, args.batch_size))
+            a, b = float(np.median(ours_runs)), float(np.median(base_runs))
+            results[f"workers{workers}"] = {"cached_dataset_sps": a, "torch_save_sps": b,
+                                            "ratio": a / b, "cached_dataset_gb_s": a * mean_bytes / 1e9}
+            log.info("num_workers=%d batch_size=%d: CachedDataset %.0f samples/s (%.2f GB/s), "
+                     "torch.save files %.0f samples/s: %.1fx", workers, args.batch_size, a,
+                     a * mean_bytes / 1e9, b, a / b)
+        dec = decode_gbps(root, args.decode_records)
+        results["decode_1mb"] = dec
+        log.info("decode %.2f MB records in one process: %.2f GB/s; memcpy %.2f GB/s (%.0f%%)",
+                 dec["record_mb"], dec["decode_gb_s"], dec["memcpy_gb_s"],
+                 100 * dec["decode_over_memcpy"])
+        if args.json:
+            print(json.dumps(results))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

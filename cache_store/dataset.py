@@ -1,0 +1,197 @@
+"""CachedDataset: a fork-safe ``torch.utils.data.Dataset`` over one fingerprint of a cache.
+
+What a forked DataLoader worker inherits from it is a handful of scalars and two NumPy
+arrays (the sample ids as packed UTF-8 plus offsets): no per-sample Python objects whose
+reference counts would copy pages on read, and no open store. Each process opens its
+own store on first read; nothing here touches CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch.utils.data
+
+from cache_store.errors import FingerprintLookupError, ParameterError
+from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, canonical_json
+from cache_store.recipes import RECIPE_SPECS, get_recipe_spec
+from cache_store.store import DatasetIndex, Store, open_store
+
+__all__ = ["CachedDataset", "resolve_index"]
+
+log = logging.getLogger(__name__)
+
+Sample = dict[str, Any]
+
+
+def _is_fingerprint(text: str) -> bool:
+    return len(text) == FINGERPRINT_HEX_CHARS and all(c in "0123456789abcdef" for c in text)
+
+
+def _describe(index: DatasetIndex) -> str:
+    return (f"{index.fingerprint} ({index.recipe} v{index.recipe_version}, "
+            f"{canonical_json(dict(index.params))}, {len(index)} samples)")
+
+
+def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
+    """The one index that a fingerprint, or a recipe name plus parameters, selects.
+
+    A recipe selects the indexes recorded in the store whose parameters agree with every
+    given one (others may be anything) and, for a recipe this code knows, whose recipe
+    version is the current one. Zero or several raise :class:`FingerprintLookupError`
+    listing the candidates.
+    """
+    if _is_fingerprint(fingerprint_or_recipe):
+        if params:
+            raise ParameterError([f"{name}: parameters select a fingerprint by recipe name; "
+                                  f"{fingerprint_or_recipe} is already one" for name in params])
+        return store.get_index(fingerprint_or_recipe)
+    recipe = fingerprint_or_recipe
+    if recipe not in RECIPE_SPECS:
+        get_recipe_spec(recipe)  # raises UnknownName listing the known recipes
+    matches = store.find_fingerprints(recipe, **params)
+    current = [i for i in matches if i.recipe_version == RECIPE_SPECS[recipe].version]
+    if len(current) == 1:
+        return current[0]
+    wanted = f"recipe {recipe!r}" + (f" with {canonical_json(params)}" if params else "")
+    if current:
+        raise FingerprintLookupError(
+            f"{wanted} matches {len(current)} datasets in {store.location}; give more "
+            f"parameters or a fingerprint: " + "; ".join(_describe(i) for i in current),
+            [i.fingerprint for i in current])
+    others = matches or store.find_fingerprints(recipe)
+    listed = "; ".join(_describe(i) for i in others) or "none"
+    raise FingerprintLookupError(
+        f"{wanted} (version {RECIPE_SPECS[recipe].version}) matches no dataset in "
+        f"{store.location}; datasets of this recipe there: {listed}",
+        [i.fingerprint for i in others])
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Records of one fingerprint of a cache, as dicts of CPU tensors, in index order.
+
+    Args:
+        cache: a cache directory, a ``.zarr`` path or URL, ``http(s)://host:port`` of the
+            service, or an already constructed :class:`~cache_store.store.Store`.
+        fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``) that,
+            with ``**params``, selects exactly one dataset recorded in the cache (see
+            :func:`resolve_index`).
+        fields: names of the tensors to read (default: all); the others' bytes are not
+            touched.
+        transform: called on each sample dict (in the worker) before it is returned.
+        store_options: passed to :func:`~cache_store.store.open_store` (e.g.
+            ``max_readers`` for LMDB).
+        **params: recipe parameters, with a recipe name only.
+
+    The index is read on first use (``len``, indexing, ``fingerprint``) through a store
+    that is closed again at once, so a parent process never holds the cache open at fork
+    time. Each process then opens its own store on its first read. Safe under the fork,
+    spawn and forkserver start methods and with ``persistent_workers``.
+
+    Raises (on first use): ``FingerprintLookupError``, ``CacheNotFound``; on reads:
+    ``RecordNotFound`` (naming key and cache), ``CorruptRecord`` (naming key).
+    """
+
+    def __init__(self, cache: str | os.PathLike[str] | Store, fingerprint_or_recipe: str,
+                 fields: Iterable[str] | None = None,
+                 transform: Callable[[Sample], Any] | None = None, *,
+                 store_options: Mapping[str, Any] | None = None, **params: Any) -> None:
+        if not isinstance(fingerprint_or_recipe, str):
+            raise ParameterError([f"fingerprint_or_recipe: expected a str, got "
+                                  f"{type(fingerprint_or_recipe).__name__}"])
+        self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
+        self.selector = fingerprint_or_recipe
+        self.fields = None if fields is None else tuple(fields)
+        self.transform = transform
+        self.params = dict(params)
+        self.store_options = dict(store_options or {})
+        self._fingerprint: str | None = None
+        self._recipe: tuple[str, int, dict[str, Any]] | None = None
+        self._id_bytes: np.ndarray | None = None     # uint8 [total id bytes]
+        self._id_offsets: np.ndarray | None = None   # int64 [n + 1]
+        self._store: Store | None = None
+        self._store_pid: int | None = None
+
+    def __repr__(self) -> str:
+        cache = self.cache.location if isinstance(self.cache, Store) else self.cache
+        return f"CachedDataset({cache!r}, {self.selector!r}, fields={self.fields})"
+
+    # -- index -----------------------------------------------------------------------
+    def _new_store(self) -> Store:
+        return open_store(self.cache, readonly=True, **self.store_options)
+
+    def _load_index(self) -> None:
+        if self._id_offsets is not None:
+            return
+        store = self._new_store()
+        try:
+            index = resolve_index(store, self.selector, **self.params)
+        finally:
+            store.close()  # nothing left open for a fork to inherit
+        self._id_bytes, self._id_offsets = index.packed_ids()
+        self._recipe = (index.recipe, index.recipe_version, dict(index.params))
+        self._fingerprint = index.fingerprint
+        log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
+
+    @property
+    def fingerprint(self) -> str:
+        self._load_index()
+        return self._fingerprint  # type: ignore[return-value]
+
+    @property
+    def recipe(self) -> tuple[str, int, dict[str, Any]]:
+        """``(name, version, params)`` of the recipe that computed the records."""
+        self._load_index()
+        return self._recipe  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        self._load_index()
+        return len(self._id_offsets) - 1  # type: ignore[arg-type]
+
+    def sample_id(self, i: int) -> str:
+        """The sample id at position ``i`` (negative counts from the end)."""
+        n = len(self)
+        j = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} out of range for {n} samples")
+        start, stop = self._id_offsets[j], self._id_offsets[j + 1]  # type: ignore[index]
+        return self._id_bytes[start:stop].tobytes().decode("utf-8")  # type: ignore[index]
+
+    def key(self, i: int) -> str:
+        return f"{self.fingerprint}/{self.sample_id(i)}"
+
+    # -- reading ---------------------------------------------------------------------
+    def _store_here(self) -> Store:
+        pid = os.getpid()
+        if self._store is None or self._store_pid != pid:
+            self._store, self._store_pid = self._new_store(), pid
+        return self._store
+
+    def _finish(self, record: Any) -> Any:
+        sample: Sample = record.tensors
+        return self.transform(sample) if self.transform is not None else sample
+
+    def __getitem__(self, i: int) -> Any:
+        key = self.key(i)
+        return self._finish(self._store_here().get_record(key, fields=self.fields))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Batched read used by DataLoader: one store transaction for the whole batch."""
+        keys = [self.key(i) for i in indices]
+        records = self._store_here().get_records(keys, fields=self.fields)
+        return [self._finish(record) for record in records]
+
+    def close(self) -> None:
+        """Close this process's store (it re-opens on the next read)."""
+        if self._store is not None and self._store_pid == os.getpid():
+            self._store.close()
+        self._store, self._store_pid = None, None
+
+    def __getstate__(self) -> dict[str, Any]:  # spawn/forkserver: ship no store handle
+        state = self.__dict__.copy()
+        state.update(_store=None, _store_pid=None)
+        return state

@@ -1,0 +1,335 @@
+"""Reading a cache through the spcache service: ``HTTPStore`` and the batch wire format.
+
+``CachedDataset("http://host:port", fingerprint)`` ends up here (via ``open_store``).
+The store is read-only. Each process gets its own connection pool, opened on first use
+and opened anew after a fork (an inherited pool is parked, never used or closed: its
+sockets are shared with the parent). Connection errors and 503 answers are retried with
+exponential back-off (honouring ``Retry-After``); 4xx answers are not retried.
+
+Batch wire format (``application/x-spcache-batch``), no pickle::
+
+    u64 little-endian N | N bytes of JSON header | data
+
+The header is ``{"format": "spcache-batch", "version": 1, "records": [{"id", "offset",
+"length"}, ...], "missing": [{"id", "error", "detail"}, ...]}``; each record's bytes are
+``data[offset:offset + length]`` (a complete safetensors record), in request order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import struct
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from cache_store.errors import (
+    CorruptRecord,
+    FingerprintLookupError,
+    ReadOnlyStoreError,
+    RecordNotFound,
+    SpcacheError,
+    UnsupportedFormat,
+)
+from cache_store.fingerprint import split_key
+from cache_store.record import Record, decode_record
+from cache_store.store import DatasetIndex, Store
+
+__all__ = [
+    "BATCH_FORMAT",
+    "BATCH_MEDIA_TYPE",
+    "BATCH_VERSION",
+    "HTTPStore",
+    "decode_batch",
+    "encode_batch",
+]
+
+log = logging.getLogger(__name__)
+
+BATCH_MEDIA_TYPE = "application/x-spcache-batch"
+BATCH_FORMAT = "spcache-batch"
+BATCH_VERSION = 1
+_LEN = struct.Struct("<Q")
+_INDEX_PAGE = 100_000
+
+# Pools inherited across fork: kept referenced so their sockets are never closed here.
+_INHERITED: list[httpx.Client] = []
+
+
+def encode_batch(records: Sequence[tuple[str, bytes]],
+                 missing: Sequence[tuple[str, str, str]] = ()) -> bytes:
+    """Frame ``(id, record bytes)`` pairs and ``(id, error class, detail)`` misses."""
+    entries = []
+    offset = 0
+    for sample_id, value in records:
+        entries.append({"id": sample_id, "offset": offset, "length": len(value)})
+        offset += len(value)
+    header = json.dumps({"format": BATCH_FORMAT, "version": BATCH_VERSION, "records": entries,
+                         "missing": [{"id": i, "error": e, "detail": d} for i, e, d in missing]},
+                        separators=(",", ":")).encode("utf-8")
+    return b"".join([_LEN.pack(len(header)), header, *(value for _, value in records)])
+
+
+def decode_batch(body: bytes, *, where: str = "batch",
+                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
+    """Inverse of :func:`encode_batch`: ``({id: record bytes}, {id: "Error: detail"})``.
+
+    Record values are zero-copy views into ``body``. Raises :class:`CorruptRecord`
+    (naming ``where``) on a malformed frame, :class:`UnsupportedFormat` on another version.
+    """
+    view = memoryview(body)
+    if view.nbytes < _LEN.size:
+        raise CorruptRecord(where, "batch response shorter than its header length")
+    (n,) = _LEN.unpack_from(view, 0)
+    if n > view.nbytes - _LEN.size:
+        raise CorruptRecord(where, f"batch header length {n} exceeds the response")
+    try:
+        header = json.loads(bytes(view[_LEN.size:_LEN.size + n]))
+    except ValueError as exc:
+        raise CorruptRecord(where, f"batch header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != BATCH_FORMAT:
+        raise CorruptRecord(where, "not an spcache batch response")
+    if header.get("version") != BATCH_VERSION:
+        raise UnsupportedFormat(where, f"batch version {header.get('version')!r} is not "
+                                       f"supported (this reader knows {BATCH_VERSION})")
+    data = view[_LEN.size + n:]
+    found: dict[str, memoryview] = {}
+    try:
+        for entry in header["records"]:
+            begin, length = int(entry["offset"]), int(entry["length"])
+            if begin < 0 or length < 0 or begin + length > data.nbytes:
+                raise CorruptRecord(where, f"record {entry['id']!r} lies outside the response")
+            found[str(entry["id"])] = data[begin:begin + length]
+        missing = {str(m["id"]): f"{m['error']}: {m['detail']}" for m in header["missing"]}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptRecord(where, f"malformed batch header: {exc!r}") from None
+    return found, missing
+
+
+class HTTPStore(Store):
+    """A read-only :class:`Store` over the spcache service at ``url``.
+
+    Args:
+        url: ``http(s)://host:port`` (a path prefix is allowed).
+        timeout_s: per-request timeout.
+        retries: attempts after the first on connection errors and 503s.
+        backoff_s: first back-off; doubles each retry (with jitter), capped at 10 s.
+        max_connections: connection pool size (per process).
+        batch_size: ids per batch request in :meth:`get_many`.
+        token: bearer token, sent if given (reads need none).
+
+    Lists (``keys``, ``fingerprints``) come from the service's dataset indexes: records
+    not (yet) in an index are readable by key but not listed.
+    """
+
+    def __init__(self, url: str, *, readonly: bool = True, timeout_s: float = 30.0,
+                 retries: int = 5, backoff_s: float = 0.1, max_connections: int = 16,
+                 batch_size: int = 64, token: str | None = None) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"HTTPStore needs an http(s):// URL, got {url!r}")
+        if not readonly:
+            raise ReadOnlyStoreError(f"{url}: an HTTP store is read-only")
+        if retries < 0 or backoff_s < 0 or timeout_s <= 0 or batch_size < 1:
+            raise ValueError("retries and backoff_s must be >= 0, timeout_s > 0, batch_size >= 1")
+        super().__init__(url, readonly=True)
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_connections = max_connections
+        self.batch_size = batch_size
+        self.token = token
+        self._client: httpx.Client | None = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"HTTPStore({self.url!r})"
+
+    # -- connection ----------------------------------------------------------------
+
+    def _http(self) -> httpx.Client:
+        pid = os.getpid()
+        if self._client is not None and self._pid == pid:
+            return self._client
+        with self._lock:
+            if self._client is not None and self._pid != pid:
+                _INHERITED.append(self._client)  # the parent's sockets: leave them be
+                self._client = None
+            if self._client is None:
+                headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+                self._client = httpx.Client(
+                    base_url=self.url, timeout=self.timeout_s, headers=headers,
+                    limits=httpx.Limits(max_connections=self.max_connections,
+                                        max_keepalive_connections=self.max_connections))
+                self._pid = pid
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None and self._pid == os.getpid():
+                self._client.close()
+            self._client = None
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
+        state = dict(self.__dict__)
+        state.update(_client=None, _pid=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http().request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise SpcacheError(f"{self.url}{path}: {type(exc).__name__}: {exc} "
+                                       f"(after {attempt + 1} attempts)") from exc
+                wait = delay
+            else:
+                if response.status_code != 503 or attempt == self.retries:
+                    return response
+                wait = _retry_after(response, delay)
+            log.debug("%s %s: retrying in %.2fs", method, path, wait)
+            time.sleep(wait * (0.5 + random.random()))
+            delay = min(delay * 2 or 0.1, 10.0)
+        raise AssertionError("unreachable")
+
+    def _check(self, response: httpx.Response, key: str = "") -> httpx.Response:
+        if response.status_code < 400:
+            return response
+        try:
+            body = response.json()
+            error, detail = body.get("error", ""), body.get("detail", response.text)
+        except ValueError:
+            error, detail = "", response.text[:500]
+        if response.status_code == 404:
+            if key and error in ("RecordNotFound", ""):
+                raise RecordNotFound(key, self.url)
+            raise FingerprintLookupError(f"{self.url}: {detail}")
+        raise SpcacheError(f"{self.url}: HTTP {response.status_code} {error}: {detail}")
+
+    # -- Store primitives ----------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        fingerprint, sample_id = split_key(key)
+        response = self._request("GET", _record_path(fingerprint, sample_id))
+        return self._check(response, key).content
+
+    def has(self, key: str) -> bool:
+        fingerprint, sample_id = split_key(key)
+        response = self._request("HEAD", _record_path(fingerprint, sample_id))
+        if response.status_code == 404:
+            return False
+        self._check(response, key)
+        return True
+
+    def get_many(self, keys: Iterable[str], fields: Iterable[str] | None = None,
+                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
+        """Records for ``keys`` through the batch route, ``batch_size`` ids a request.
+
+        Returns ``({key: record bytes}, {key: why it is missing})``; with ``fields`` the
+        service sends only those tensors (a smaller, re-checksummed record).
+        """
+        body_fields = None if fields is None else list(fields)
+        by_fp: dict[str, list[str]] = {}
+        for key in keys:
+            fingerprint, sample_id = split_key(key)
+            by_fp.setdefault(fingerprint, []).append(sample_id)
+        found_all: dict[str, memoryview] = {}
+        missing_all: dict[str, str] = {}
+        for fingerprint, ids in by_fp.items():
+            for start in range(0, len(ids), self.batch_size):
+                chunk = ids[start:start + self.batch_size]
+                path = f"/v1/caches/{fingerprint}/batch"
+                response = self._check(self._request(
+                    "POST", path, json={"ids": chunk, "fields": body_fields}))
+                found, missing = decode_batch(response.content, where=self.url + path)
+                found_all.update({f"{fingerprint}/{sid}": v for sid, v in found.items()})
+                missing_all.update({f"{fingerprint}/{sid}": why for sid, why in missing.items()})
+        return found_all, missing_all
+
+    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
+        """One decoded record; with ``fields`` only those tensors cross the wire."""
+        if fields is None:
+            return decode_record(self.get(key), key=key)
+        fields = list(fields)
+        fingerprint, sample_id = split_key(key)
+        response = self._request("GET", _record_path(fingerprint, sample_id),
+                                 params={"fields": ",".join(fields)})
+        return decode_record(self._check(response, key).content, key=key, fields=fields)
+
+    def get_records(self, keys: Iterable[str],
+                    fields: Iterable[str] | None = None) -> list[Record]:
+        """Decoded records in ``keys`` order, fetched in batches; a missing one raises
+        :class:`RecordNotFound` naming its key (as every store's ``get_records`` does)."""
+        keys = list(keys)
+        fields = None if fields is None else list(fields)
+        found, missing = self.get_many(keys, fields)
+        out = []
+        for key in keys:
+            if key not in found:
+                raise RecordNotFound(key, f"{self.url} ({missing.get(key, 'not returned')})")
+            out.append(decode_record(found[key], key=key, fields=fields))
+        return out
+
+    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes]) -> int:
+        raise ReadOnlyStoreError(f"{self.url}: an HTTP store is read-only")
+
+    def put_index(self, index: DatasetIndex) -> None:
+        raise ReadOnlyStoreError(f"{self.url}: an HTTP store is read-only")
+
+    def fingerprints(self) -> list[str]:
+        body = self._check(self._request("GET", "/v1/caches")).json()
+        return [c["fingerprint"] for c in body["caches"]]
+
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        ids: list[str] = []
+        offset = 0
+        while True:
+            response = self._request("GET", f"/v1/caches/{fingerprint}",
+                                     params={"offset": offset, "limit": _INDEX_PAGE})
+            body = self._check(response).json()
+            if body.get("index") is None:
+                raise FingerprintLookupError(f"{self.url}: fingerprint {fingerprint} has no "
+                                             f"index yet (its warm-up is still running?)")
+            page = body["index"]["sample_ids"]
+            ids.extend(page)
+            offset += len(page)
+            if not page or offset >= body["index"]["total"]:
+                break
+        return DatasetIndex(fingerprint=fingerprint, recipe=body["recipe"],
+                            recipe_version=int(body["recipe_version"]), params=body["params"],
+                            sample_ids=np.array(ids, dtype=np.str_))
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        for fingerprint in self.fingerprints():
+            if not (fingerprint.startswith(prefix[:len(fingerprint)])):
+                continue
+            for sample_id in self.get_index(fingerprint).sample_ids:
+                key = f"{fingerprint}/{sample_id}"
+                if key.startswith(prefix):
+                    yield key
+
+
+def _record_path(fingerprint: str, sample_id: str) -> str:
+    return f"/v1/caches/{fingerprint}/records/{quote(sample_id, safe='/')}"
+
+
+def _retry_after(response: httpx.Response, default: float) -> float:
+    try:
+        return min(max(float(response.headers.get("retry-after", default)), 0.0), 30.0)
+    except ValueError:
+        return default

@@ -1,0 +1,647 @@
+"""The job queue: warm-up requests become jobs, workers drain their items.
+
+One SQLite database in WAL mode, ``<cache>/jobs.sqlite``, shared by the service (which
+submits, lists and cancels) and by one worker per GPU (which claims, renews, completes,
+fails and releases). A *job* is a recipe, its resolved parameters and fingerprint, a
+priority and a creation time; its *items* are ``(sample id, source path)`` pairs, each
+with a status::
+
+    pending --claim--> running --complete--> done
+       ^                  |  \\--fail (attempts left)--> pending
+       |                  |   \\-fail (permanent / none left)--> failed
+       +---release / lease expired
+    pending --cancel--> cancelled
+
+Guarantees:
+
+* A claim is one ``BEGIN IMMEDIATE`` transaction (with a busy timeout), so two workers
+  never hold the same item and a claim never fails with "database is locked".
+* A claim comes with a lease the worker renews; an item whose lease expired (its worker
+  died) is claimed again, and counts as a spent attempt. Attempts are bounded: an item
+  out of attempts fails with its last error.
+* A done item is never handed out again, and an item is not handed out while the same
+  ``(fingerprint, sample id)`` is held under a live lease by another job's item.
+* Connections are per process and per thread: a process that finds itself forked opens
+  its own and never touches (not even to close) one it inherited.
+
+Reads are single statements in autocommit mode, so no read transaction stays open and
+the WAL can always be checkpointed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cache_store.errors import CorruptRecord, JobNotFound, RecordNotFound, SourceError, SpcacheError
+from cache_store.fingerprint import record_key
+from cache_store.hashing import hash_file
+from cache_store.recipes import RECIPE_SPECS
+
+__all__ = [
+    "ITEM_STATUSES",
+    "JOBS_FILENAME",
+    "JobQueue",
+    "JobInfo",
+    "ClaimedItem",
+    "ItemError",
+    "NewItem",
+    "ItemState",
+    "item_state",
+]
+
+log = logging.getLogger(__name__)
+
+JOBS_FILENAME = "jobs.sqlite"
+ITEM_STATUSES = ("pending", "running", "done", "failed", "cancelled")
+_SCHEMA_VERSION = 1
+_HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id            TEXT PRIMARY KEY,
+    recipe        TEXT NOT NULL,
+    params        TEXT NOT NULL,
+    fingerprint   TEXT NOT NULL,
+    priority      INTEGER NOT NULL DEFAULT 0,
+    created       REAL NOT NULL,
+    cancelled     INTEGER NOT NULL DEFAULT 0,
+    already_ready INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS items (
+    id            INTEGER PRIMARY KEY,
+    job_id        TEXT NOT NULL REFERENCES jobs(id),
+    seq           INTEGER NOT NULL,
+    fingerprint   TEXT NOT NULL,
+    sample_id     TEXT NOT NULL,
+    path          TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    last_error    TEXT,
+    lease_owner   TEXT,
+    lease_expires REAL,
+    updated       REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS items_by_job ON items(job_id, status, seq);
+CREATE INDEX IF NOT EXISTS items_by_status ON items(status, lease_expires);
+CREATE INDEX IF NOT EXISTS items_by_sample ON items(fingerprint, sample_id, status);
+CREATE TABLE IF NOT EXISTS heartbeats (
+    worker_id TEXT PRIMARY KEY,
+    pid       INTEGER NOT NULL,
+    seen      REAL NOT NULL,
+    info      TEXT NOT NULL DEFAULT '{}'
+);
+"""
+
+# Connections inherited across fork are parked here, never used, closed or collected:
+# closing one in the child could checkpoint or unlink the WAL under the parent's feet.
+_INHERITED: list[sqlite3.Connection] = []
+
+
+@dataclass(frozen=True)
+class NewItem:
+    """One item to submit: the key's sample id and the source to compute it from."""
+
+    sample_id: str
+    path: str
+
+
+@dataclass(frozen=True)
+class ClaimedItem:
+    """An item a worker now holds under a lease; all items of one claim share a job."""
+
+    item_id: int
+    job_id: str
+    recipe: str
+    params: dict[str, Any]
+    fingerprint: str
+    sample_id: str
+    path: str
+    attempts: int
+    lease_expires: float
+
+
+@dataclass(frozen=True)
+class ItemError:
+    item_id: int
+    sample_id: str
+    path: str
+    status: str
+    attempts: int
+    error: str
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    id: str
+    recipe: str
+    params: dict[str, Any]
+    fingerprint: str
+    priority: int
+    created: float
+    cancelled: bool
+    already_ready: int
+    counts: dict[str, int]
+    errors: list[ItemError] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def status(self) -> str:
+        """``pending``, ``running``, ``done``, ``failed`` (some item failed) or ``cancelled``."""
+        c = self.counts
+        if c["running"] or (c["pending"] and (c["done"] or c["failed"])):
+            return "running"
+        if c["pending"]:
+            return "pending"
+        if self.cancelled:
+            return "cancelled"
+        if c["failed"]:
+            return "failed"
+        return "done"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "status": self.status, "recipe": self.recipe, "params": self.params,
+            "fingerprint": self.fingerprint, "priority": self.priority, "created": self.created,
+            "already_ready": self.already_ready, "total": self.total, "counts": dict(self.counts),
+            "errors": [{"sample_id": e.sample_id, "path": e.path, "status": e.status,
+                        "attempts": e.attempts, "error": e.error} for e in self.errors],
+        }
+
+
+class JobQueue:
+    """The SQLite job queue of one cache directory.
+
+    Args:
+        cache_dir: the cache directory; the database is ``<cache_dir>/jobs.sqlite``.
+        max_attempts: claims an item may take (including ones lost to an expired lease)
+            before it fails for good.
+        busy_timeout_s: how long a statement waits for another process's write lock.
+        clock: seconds since the epoch (leases, timestamps); tests pass a fake one.
+
+    Nothing is opened until the first call; the schema is created then if missing.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike[str], *, max_attempts: int = 3,
+                 busy_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if busy_timeout_s <= 0:
+            raise ValueError(f"busy_timeout_s must be > 0, got {busy_timeout_s}")
+        self.cache_dir = Path(cache_dir)
+        self.path = self.cache_dir / JOBS_FILENAME
+        self.max_attempts = max_attempts
+        self.busy_timeout_s = busy_timeout_s
+        self.clock = clock
+        self._pid: int | None = None
+        self._local = threading.local()
+        self._all: list[sqlite3.Connection] = []
+        self._all_lock = threading.Lock()
+
+    # -- connections -------------------------------------------------------------------
+
+    def _conn(self) -> sqlite3.Connection:
+        pid = os.getpid()
+        if self._pid != pid:
+            if self._pid is not None:
+                # Forked: park what we inherited (never touch it), start afresh.
+                with self._all_lock:
+                    _INHERITED.extend(self._all)
+                    self._all = []
+                self._local = threading.local()
+            self._pid = pid
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._open()
+            self._local.conn = conn
+            with self._all_lock:
+                self._all.append(conn)
+        return conn
+
+    def _open(self) -> sqlite3.Connection:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
+                               check_same_thread=True)
+        conn.row_factory = sqlite3.Row
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            log.warning("%s: SQLite refused WAL mode (got %s); concurrency will suffer",
+                        self.path, mode)
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        with _write(conn):
+            for statement in _statements():  # not executescript: it would COMMIT first
+                conn.execute(statement)
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is None:
+                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
+                             (str(_SCHEMA_VERSION),))
+            elif int(row[0]) != _SCHEMA_VERSION:
+                raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
+                                   f"the supported {_SCHEMA_VERSION}")
+        return conn
+
+    def close(self) -> None:
+        """Close this process's connections (those opened in this process only)."""
+        if self._pid != os.getpid():
+            return
+        with self._all_lock:
+            conns, self._all = self._all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.ProgrammingError:
+                # Made in another thread; SQLite lets only that thread close it, and it
+                # is freed when that thread's local storage goes.
+                log.debug("left a connection of another thread to its thread")
+        self._local = threading.local()
+
+    # -- submitting (service side) -----------------------------------------------------
+
+    def submit(self, recipe: str, params: dict[str, Any], fingerprint: str,
+               items: Iterable[NewItem | tuple[str, str]], *, priority: int = 0,
+               ready: Iterable[NewItem | tuple[str, str]] = ()) -> str:
+        """Create a job; returns its id.
+
+        ``items`` are queued ``pending``. ``ready`` are samples the caller found already
+        computed (record present, source unchanged): they are recorded ``done`` without
+        being queued, so the job's counts and its dataset index include them.
+        """
+        todo = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
+        done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
+        job_id = uuid.uuid4().hex
+        now = self.clock()
+        conn = self._conn()
+        with _write(conn):
+            conn.execute(
+                "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
+                "already_ready) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job_id, recipe, _canonical(params), fingerprint, int(priority), now, len(done)))
+            conn.executemany(
+                "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, updated) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(job_id, seq, fingerprint, it.sample_id, str(it.path), status, now)
+                 for seq, (it, status) in enumerate(
+                     [(d, "done") for d in done] + [(t, "pending") for t in todo])])
+        log.info("job %s: %s %s, %d items queued, %d already ready",
+                 job_id, recipe, fingerprint[:12], len(todo), len(done))
+        return job_id
+
+    def cancel(self, job_id: str) -> JobInfo:
+        """Cancel a job: its pending items become ``cancelled``; running ones finish."""
+        conn = self._conn()
+        with _write(conn):
+            if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+                raise JobNotFound(job_id)
+            conn.execute("UPDATE jobs SET cancelled = 1 WHERE id = ?", (job_id,))
+            conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
+                         "WHERE job_id = ? AND status = 'pending'", (self.clock(), job_id))
+        return self.job(job_id)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def job(self, job_id: str, *, errors_offset: int = 0, errors_limit: int = 100) -> JobInfo:
+        """One job with its counts and one page of its failed items' errors."""
+        conn = self._conn()
+        row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFound(job_id)
+        counts = self._job_counts(conn, [job_id])[job_id]
+        errs = conn.execute(
+            "SELECT id, sample_id, path, status, attempts, last_error FROM items "
+            "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
+            (job_id, max(0, int(errors_limit)), max(0, int(errors_offset)))).fetchall()
+        return _job_info(row, counts, [ItemError(e["id"], e["sample_id"], e["path"], e["status"],
+                                                 e["attempts"], e["last_error"] or "")
+                                       for e in errs])
+
+    def jobs(self, *, limit: int = 100, offset: int = 0,
+             fingerprint: str | None = None) -> list[JobInfo]:
+        """Jobs, newest first, with counts (no errors; ask :meth:`job` for those)."""
+        conn = self._conn()
+        where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
+        rows = conn.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
+                            (*args, max(0, int(limit)), max(0, int(offset)))).fetchall()
+        counts = self._job_counts(conn, [r["id"] for r in rows])
+        return [_job_info(r, counts[r["id"]], []) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        """Items in the whole queue by status."""
+        out = dict.fromkeys(ITEM_STATUSES, 0)
+        for row in self._conn().execute("SELECT status, COUNT(*) FROM items GROUP BY status"):
+            out[row[0]] = row[1]
+        return out
+
+    def items(self, job_id: str, *, status: str | None = None) -> list[dict[str, Any]]:
+        """Every item of a job (for tests, ``explain`` and debugging)."""
+        conn = self._conn()
+        if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
+            raise JobNotFound(job_id)
+        sql = "SELECT * FROM items WHERE job_id = ?"
+        args: tuple[Any, ...] = (job_id,)
+        if status is not None:
+            sql += " AND status = ?"
+            args += (status,)
+        return [dict(r) for r in conn.execute(sql + " ORDER BY seq", args)]
+
+    def latest_item(self, fingerprint: str, sample_id: str) -> dict[str, Any] | None:
+        """The most recently updated queue item for this key, or None."""
+        row = self._conn().execute(
+            "SELECT * FROM items WHERE fingerprint = ? AND sample_id = ? "
+            "ORDER BY updated DESC, id DESC LIMIT 1", (fingerprint, sample_id)).fetchone()
+        return dict(row) if row is not None else None
+
+    @staticmethod
+    def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+        out = {j: dict.fromkeys(ITEM_STATUSES, 0) for j in job_ids}
+        if not job_ids:
+            return out
+        marks = ",".join("?" * len(job_ids))
+        sql = (f"SELECT job_id, status, COUNT(*) FROM items WHERE job_id IN ({marks}) "
+               "GROUP BY job_id, status")
+        for row in conn.execute(sql, tuple(job_ids)):
+            out[row[0]][row[1]] = row[2]
+        return out
+
+    # -- working (worker side) ---------------------------------------------------------
+
+    def claim(self, worker_id: str, *, limit: int = 8, lease_s: float = 60.0) -> list[ClaimedItem]:
+        """Atomically take up to ``limit`` items of one job under a lease of ``lease_s``.
+
+        Takes the best job first (highest priority, then oldest), and within it items in
+        submission order. Items whose lease expired are claimable again; those that are
+        out of attempts are failed here with their last error.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        conn = self._conn()
+        now = self.clock()
+        with _write(conn):
+            self._sweep_expired(conn, now)
+            first = conn.execute(
+                "SELECT i.job_id FROM items i JOIN jobs j ON j.id = i.job_id "
+                "WHERE j.cancelled = 0 AND " + _CLAIMABLE
+                + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
+                (now, now)).fetchone()
+            if first is None:
+                return []
+            job = conn.execute("SELECT * FROM jobs WHERE id = ?", (first[0],)).fetchone()
+            rows = conn.execute(
+                "SELECT i.* FROM items i WHERE i.job_id = ? AND " + _CLAIMABLE
+                + " ORDER BY i.seq LIMIT ?", (job["id"], now, now, int(limit))).fetchall()
+            expires = now + lease_s
+            conn.executemany(
+                "UPDATE items SET status = 'running', attempts = attempts + 1, lease_owner = ?, "
+                "lease_expires = ?, updated = ? WHERE id = ?",
+                [(worker_id, expires, now, r["id"]) for r in rows])
+        params = json.loads(job["params"])
+        return [ClaimedItem(r["id"], job["id"], job["recipe"], params, job["fingerprint"],
+                            r["sample_id"], r["path"], r["attempts"] + 1, expires) for r in rows]
+
+    def renew(self, worker_id: str, item_ids: Iterable[int], *, lease_s: float = 60.0) -> set[int]:
+        """Extend the leases ``worker_id`` still holds; returns the ids it still holds."""
+        ids = list(item_ids)
+        if not ids:
+            return set()
+        conn = self._conn()
+        now = self.clock()
+        held: set[int] = set()
+        with _write(conn):
+            for chunk in _chunks(ids, 500):
+                marks = ",".join("?" * len(chunk))
+                conn.execute(
+                    f"UPDATE items SET lease_expires = ?, updated = ? WHERE id IN ({marks}) "
+                    "AND status = 'running' AND lease_owner = ?",
+                    (now + lease_s, now, *chunk, worker_id))
+                held.update(r[0] for r in conn.execute(
+                    f"SELECT id FROM items WHERE id IN ({marks}) AND status = 'running' "
+                    "AND lease_owner = ?", (*chunk, worker_id)))
+        lost = set(ids) - held
+        if lost:
+            log.warning("worker %s lost the lease on %d item(s): %s", worker_id, len(lost),
+                        sorted(lost)[:10])
+        return held
+
+    def complete(self, worker_id: str, item_id: int) -> bool:
+        """Mark an item done (its record has committed). Returns False if it was done already.
+
+        Done whoever holds the lease now: the record is in the store, and a second
+        worker that took over an expired lease would only compute it again.
+        """
+        conn = self._conn()
+        with _write(conn):
+            cur = conn.execute(
+                "UPDATE items SET status = 'done', last_error = NULL, lease_owner = ?, "
+                "lease_expires = NULL, updated = ? WHERE id = ? AND status != 'done'",
+                (worker_id, self.clock(), item_id))
+        return cur.rowcount == 1
+
+    def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
+        """Record a failed attempt; returns the item's new status.
+
+        The new status is ``pending`` (retried), ``failed`` or ``cancelled``.
+
+        ``permanent`` (e.g. a source that cannot be read) fails it now; otherwise it is
+        retried while attempts remain (``cancelled`` instead if its job was cancelled).
+        An item this worker no longer holds is left alone.
+        """
+        conn = self._conn()
+        with _write(conn):
+            row = conn.execute(
+                "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
+                "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?", (item_id,)).fetchone()
+            if row is None or row["status"] != "running" or row["lease_owner"] != worker_id:
+                return row["status"] if row is not None else "missing"
+            if permanent or row["attempts"] >= self.max_attempts:
+                status = "failed"
+            else:  # a retry, unless the job was cancelled meanwhile
+                status = "cancelled" if row["cancelled"] else "pending"
+            conn.execute("UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
+                         "lease_expires = NULL, updated = ? WHERE id = ?",
+                         (status, error[:4000], self.clock(), item_id))
+        return status
+
+    def release(self, worker_id: str, item_ids: Iterable[int]) -> int:
+        """Hand back items unfinished (clean shutdown): pending again, attempt not counted."""
+        ids = list(item_ids)
+        conn = self._conn()
+        n = 0
+        with _write(conn):
+            for chunk in _chunks(ids, 500):
+                marks = ",".join("?" * len(chunk))
+                cur = conn.execute(
+                    f"UPDATE items SET status = CASE WHEN (SELECT cancelled FROM jobs "
+                    f"WHERE jobs.id = items.job_id) THEN 'cancelled' ELSE 'pending' END, "
+                    f"attempts = MAX(attempts - 1, 0), lease_owner = NULL, lease_expires = NULL, "
+                    f"updated = ? WHERE id IN ({marks}) AND status = 'running' AND lease_owner = ?",
+                    (self.clock(), *chunk, worker_id))
+                n += cur.rowcount
+        return n
+
+    def heartbeat(self, worker_id: str, info: dict[str, Any] | None = None) -> None:
+        """Say this worker is alive (the service reports the age of the newest)."""
+        conn = self._conn()
+        with _write(conn):
+            conn.execute("INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
+                         "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
+                         "seen = excluded.seen, info = excluded.info",
+                         (worker_id, os.getpid(), self.clock(), _canonical(info or {})))
+            conn.execute("DELETE FROM heartbeats WHERE seen < ?",
+                         (self.clock() - _HEARTBEAT_KEEP_S,))
+
+    def heartbeats(self) -> list[dict[str, Any]]:
+        rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
+        return [{"worker_id": r["worker_id"], "pid": r["pid"], "seen": r["seen"],
+                 "info": json.loads(r["info"])} for r in rows]
+
+    def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
+        """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""
+        conn.execute(
+            "UPDATE items SET status = 'cancelled', lease_owner = NULL, lease_expires = NULL, "
+            "updated = ? WHERE status = 'running' AND lease_expires < ? AND job_id IN "
+            "(SELECT id FROM jobs WHERE cancelled = 1)", (now, now))
+        conn.execute(
+            "UPDATE items SET status = 'failed', lease_owner = NULL, lease_expires = NULL, "
+            "updated = ?, last_error = COALESCE(last_error || '; ', '') || "
+            "'lease expired after the last attempt (worker died or hung)' "
+            "WHERE status = 'running' AND lease_expires < ? AND attempts >= ?",
+            (now, now, self.max_attempts))
+
+
+# An item is claimable when pending, or running under an expired lease, and no other
+# item for the same key is running under a live lease. Bound twice to ``now``.
+_CLAIMABLE = (
+    "(i.status = 'pending' OR (i.status = 'running' AND i.lease_expires < ?)) "
+    "AND NOT EXISTS (SELECT 1 FROM items o WHERE o.fingerprint = i.fingerprint "
+    "AND o.sample_id = i.sample_id AND o.id != i.id AND o.status = 'running' "
+    "AND o.lease_expires >= ?)"
+)
+
+
+class _write:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on error) on an autocommit connection."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+
+
+def _statements() -> list[str]:
+    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]
+
+
+def _job_info(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError]) -> JobInfo:
+    return JobInfo(row["id"], row["recipe"], json.loads(row["params"]), row["fingerprint"],
+                   row["priority"], row["created"], bool(row["cancelled"]), row["already_ready"],
+                   counts, errors)
+
+
+@dataclass(frozen=True)
+class ItemState:
+    """Why a sample is (not) ready under a fingerprint.
+
+    ``state`` is one of ``ready`` (record present, source and recipe unchanged),
+    ``stale`` (record present but its source hash or recipe version no longer matches),
+    ``failed`` (the last attempt failed; ``reason`` says why), ``queued`` (pending or
+    running) or ``missing`` (no record, nothing queued).
+    """
+
+    fingerprint: str
+    sample_id: str
+    state: str
+    reason: str
+    job_id: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "sample_id": self.sample_id,
+                "state": self.state, "reason": self.reason, "job_id": self.job_id}
+
+
+def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
+               path: str | None = None) -> ItemState:
+    """Explain one sample's state from its record (if any) and its latest queue item.
+
+    Args:
+        store: a :class:`cache_store.store.Store`, or None when none exists yet.
+        path: the source to compare the record's ``source_hash`` with; default: the
+            path of the latest queue item for this sample, if any.
+    """
+    # Late: cache_store.record imports torch, which the queue itself never needs.
+    from cache_store.record import read_metadata
+
+    key = record_key(fingerprint, sample_id)
+    latest = queue.latest_item(fingerprint, sample_id)
+    job_id = latest["job_id"] if latest else None
+    queued = latest is not None and latest["status"] in ("pending", "running")
+    path = path or (latest["path"] if latest else None)
+
+    def say(state: str, reason: str) -> ItemState:
+        return ItemState(fingerprint, sample_id, state, reason, job_id)
+
+    meta = None
+    if store is not None:
+        try:
+            meta = read_metadata(store.get(key), key=key)
+        except RecordNotFound:
+            meta = None
+        except CorruptRecord as exc:
+            return say("stale", f"stored record is unreadable: {exc}")
+    if meta is not None:
+        spec = RECIPE_SPECS.get(meta.get("recipe", ""))
+        problems = []
+        if spec is not None and meta.get("recipe_version") != str(spec.version):
+            problems.append(f"recipe {spec.name} is now version {spec.version}, the record "
+                            f"has version {meta.get('recipe_version')}")
+        if path is not None:
+            try:
+                current = hash_file(path)
+                if current != meta.get("source_hash"):
+                    problems.append(f"source {path} changed (hash {current}, record has "
+                                    f"{meta.get('source_hash')})")
+            except SourceError as exc:
+                problems.append(f"source cannot be checked: {exc}")
+        if problems:
+            return say("stale", "; ".join(problems) + ("; recomputation queued" if queued else ""))
+        checked = f" against {path}" if path else " (no source known to compare)"
+        return say("ready", f"record present, source hash and recipe version match{checked}")
+    if latest is None:
+        return say("missing", "no record and no queue item for this sample")
+    if queued:
+        return say("queued", f"{latest['status']} (attempt {latest['attempts']} of job {job_id})")
+    if latest["status"] == "failed":
+        return say("failed", latest["last_error"] or "failed without an error message")
+    if latest["status"] == "cancelled":
+        return say("missing", f"job {job_id} was cancelled before this sample was computed")
+    return say("missing", f"queue says {latest['status']} but no record is stored (deleted?)")

@@ -1,0 +1,115 @@
+"""``spcache serve``: the service under uvicorn, plus (unless ``--no-worker``) one worker child.
+
+``workers.cli`` hands the ``serve`` subcommand here by module name
+(``configure_parser(parser)`` then ``run(args)``); ``python -m service.cli`` runs it alone.
+Flags override ``SPCACHE_*`` environment variables, which override defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from service.settings import Settings
+
+__all__ = ["configure_parser", "run", "main", "settings_from_args"]
+
+log = logging.getLogger(__name__)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--cache", help="cache directory (env SPCACHE_CACHE)")
+    parser.add_argument("--host", help="address to bind (default 127.0.0.1; anything but "
+                                       "loopback needs a token)")
+    parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--token", help="bearer token for mutating routes (env SPCACHE_TOKEN; "
+                                        "prefer the environment: flags show in ps)")
+    parser.add_argument("--source-root", action="append", dest="source_roots", metavar="DIR",
+                        help="warm-up sources must resolve inside one of these (repeatable; "
+                             "env SPCACHE_SOURCE_ROOTS, os.pathsep-separated; default: cwd)")
+    parser.add_argument("--no-worker", action="store_false", dest="worker", default=None,
+                        help="do not start a worker child (run `spcache worker` elsewhere)")
+    parser.add_argument("--device", dest="worker_device", help="the worker's device (e.g. cuda:0)")
+    parser.add_argument("--backend", dest="worker_backend", help="the worker's SPC ops backend")
+    parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
+    parser.add_argument("--log-level", help="debug, info, warning, error (default info)")
+    return parser
+
+
+_FLAG_FIELDS = ("cache", "host", "port", "token", "source_roots", "worker", "worker_device",
+                "worker_backend", "max_body_bytes", "log_level")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings from the environment, overridden by the flags that were given."""
+    given: dict[str, Any] = {name: getattr(args, name) for name in _FLAG_FIELDS
+                             if getattr(args, name, None) is not None}
+    return Settings(**given)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
+                             f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        sys.stderr.write(f"spcache serve: {problems}\n")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(settings)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from service.app import create_app
+    from service.supervisor import WorkerSupervisor, worker_command
+
+    settings.cache.mkdir(parents=True, exist_ok=True)
+    supervisor = None
+    if settings.worker:
+        supervisor = WorkerSupervisor(
+            worker_command(str(settings.cache), device=settings.worker_device,
+                           backend=settings.worker_backend),
+            max_backoff_s=settings.worker_restart_max_s)
+        supervisor.start()
+    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                            log_level=settings.log_level.lower(), server_header=False,
+                            proxy_headers=False, timeout_graceful_shutdown=10,
+                            log_config=None)
+
+    class Server(uvicorn.Server):
+        # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down (so the exit
+        # status says "terminated by signal"); stop the worker child before that.
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    if supervisor is not None:
+                        supervisor.stop()
+
+    try:
+        Server(config).run()
+    finally:
+        if supervisor is not None:
+            supervisor.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = configure_parser(argparse.ArgumentParser(
+        prog="spcache serve", description=__doc__.splitlines()[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The record GET, answered before FastAPI's routing and parameter machinery.
+
+Reading one record is the service's hot path: one LMDB read and a header peek for the
+ETag. Going through FastAPI's router, dependency solving and parameter validation costs
+several times that per request, so this pure-ASGI layer answers the *successful* GETs
+and HEADs of ``/v1/caches/{fingerprint}/records/{sample_id}`` itself. Anything else, and
+any request that would end in an error, is passed on unchanged to the FastAPI route,
+which stays the one definition of the route's behaviour and its errors (and its entry
+in the OpenAPI schema). Both call the same functions, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from urllib.parse import parse_qs
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from cache_store.errors import SpcacheError
+from service.context import ServiceContext
+from service.routes_caches import etag_matches, read_record
+
+__all__ = ["RecordFastPath", "RECORD_ROUTE"]
+
+log = logging.getLogger(__name__)
+
+RECORD_ROUTE = "/v1/caches/{fingerprint}/records/{sample_id:path}"
+_PATH = re.compile(r"^/v1/caches/([0-9a-f]{32})/records/(.+)$")
+_MEDIA = b"application/octet-stream"
+
+
+class RecordFastPath:
+    def __init__(self, app: ASGIApp, ctx: ServiceContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        match = _PATH.match(scope["path"])
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        answer = self._answer(match.group(1), match.group(2), scope)
+        if answer is None:
+            await self.app(scope, receive, send)  # the FastAPI route says what went wrong
+            return
+        status, headers, body = answer
+        scope["spcache.route"] = RECORD_ROUTE
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body",
+                    "body": body if scope["method"] == "GET" else b""})
+
+    def _answer(self, fingerprint: str, raw_id: str,
+                scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        fields = None
+        if scope.get("query_string"):
+            query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+            if set(query) - {"fields"} or len(query.get("fields", ())) > 1:
+                return None
+            fields = query["fields"][0] if "fields" in query else None
+        try:
+            # scope["path"] is percent-decoded already: do not decode it again.
+            value, etag = read_record(self.ctx, fingerprint, raw_id, fields)
+        except SpcacheError:
+            return None
+        headers = [(b"etag", etag.encode()), (b"cache-control", b"no-cache")]
+        if_none_match = None
+        for name, val in scope["headers"]:
+            if name == b"if-none-match":
+                if_none_match = val.decode("latin-1")
+        if etag_matches(if_none_match, etag):
+            return 304, headers, b""
+        self.ctx.metrics.add_records(1)
+        headers += [(b"content-type", _MEDIA), (b"content-length", str(len(value)).encode())]
+        return 200, headers, value

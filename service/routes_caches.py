@@ -1,0 +1,217 @@
+"""Recipes, caches and records: ``/v1/recipes``, ``/v1/caches/...``."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from cache_store.errors import FingerprintLookupError, ParameterError, RecordNotFound, SpcacheError
+from cache_store.fingerprint import record_key, validate_fingerprint
+from cache_store.http_store import BATCH_MEDIA_TYPE, encode_batch
+from cache_store.jobs import item_state
+from cache_store.recipes import RECIPE_SPECS
+from cache_store.record import record_checksum, select_fields
+from service.context import ServiceContext
+from service.warmup import resolve_source
+
+__all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
+
+router = APIRouter(prefix="/v1", tags=["caches"])
+
+_RECORD_MEDIA_TYPE = "application/octet-stream"
+
+
+def _ctx(request: Request) -> ServiceContext:
+    return request.app.state.ctx
+
+
+@router.get("/recipes")
+def list_recipes() -> dict[str, Any]:
+    """Every recipe: name, version, parameter schema, output fields."""
+    return {"recipes": [spec.as_json() for spec in RECIPE_SPECS.values()]}
+
+
+@router.get("/caches")
+def list_caches(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    store = ctx.store()
+    out = []
+    if store is not None:
+        for fp in store.fingerprints():
+            index = store.get_index(fp)
+            out.append({"fingerprint": fp, "recipe": index.recipe,
+                        "recipe_version": index.recipe_version, "params": dict(index.params),
+                        "samples": int(len(index.sample_ids))})
+    return {"caches": out}
+
+
+@router.get("/caches/{fingerprint}")
+def get_cache(fingerprint: str, request: Request, offset: int = Query(0, ge=0, le=10**9),
+              limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
+    """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
+    ctx = _ctx(request)
+    validate_fingerprint(fingerprint)
+    store = ctx.store()
+    index = None
+    if store is not None and fingerprint in set(store.fingerprints()):
+        index = store.get_index(fingerprint)
+    jobs = ctx.queue.jobs(fingerprint=fingerprint, limit=1000)
+    if index is None and not jobs:
+        raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}")
+    stats = ctx.cache_stats(fingerprint)
+    counts = {"records": stats.records, "indexed": 0 if index is None else len(index.sample_ids)}
+    for status in ("pending", "running", "failed"):
+        counts[status] = sum(j.counts[status] for j in jobs)
+    if index is not None:
+        recipe, version, params = index.recipe, index.recipe_version, dict(index.params)
+        ids = [str(s) for s in index.sample_ids[offset:offset + limit]]
+    else:
+        recipe, params = jobs[0].recipe, jobs[0].params
+        version = RECIPE_SPECS[recipe].version
+        ids = []
+    return {"fingerprint": fingerprint, "recipe": recipe, "recipe_version": version,
+            "params": params, "counts": counts, "bytes": stats.bytes,
+            "index": None if index is None else {"offset": offset, "limit": limit,
+                                                 "total": len(index.sample_ids),
+                                                 "sample_ids": ids},
+            "jobs": [j.id for j in jobs]}
+
+
+_LEN = struct.Struct("<Q")
+
+
+def _etag(value: bytes, key: str) -> str:
+    """The strong ETag of a record: its checksum, read from the header's metadata.
+
+    Serving does not re-verify what the worker verified when it wrote (readers verify
+    on decode); anything unexpected here falls back to the full, validating parse,
+    which raises :class:`CorruptRecord` for a damaged header.
+    """
+    try:
+        (n,) = _LEN.unpack_from(value, 0)
+        if n <= len(value) - 8:
+            checksum = json.loads(value[8:8 + n])["__metadata__"]["checksum"]
+            if isinstance(checksum, str) and checksum.isalnum():
+                return f'"{checksum}"'
+    except (ValueError, KeyError, TypeError, struct.error):
+        pass
+    return f'"{record_checksum(value, key=key)}"'
+
+
+def etag_matches(header: str | None, etag: str) -> bool:
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    return any(tag.strip() == etag for tag in header.split(","))
+
+
+def _read(ctx: ServiceContext, key: str) -> bytes:
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    return store.get(key)
+
+
+def _fields(fields: str | None) -> list[str] | None:
+    if fields is None:
+        return None
+    names = [f.strip() for f in fields.split(",") if f.strip()]
+    if not names:
+        raise ParameterError(["fields: empty list; leave it out to get every field"],
+                             what="query")
+    return names
+
+
+def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
+                fields: str | None) -> tuple[bytes, str]:
+    """The bytes to send for a record (all fields, or the comma-separated ``fields``) and
+    their strong ETag. Shared by this route and :mod:`service.fastpath`.
+
+    One LMDB copy, done inline: cheaper than a hop to the thread pool.
+    """
+    key = record_key(fingerprint, sample_id)
+    value = _read(ctx, key)
+    names = _fields(fields)
+    if names is not None:
+        value = select_fields(value, names, key=key)
+    return value, _etag(value, key)
+
+
+@router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
+@router.get("/caches/{fingerprint}/records/{sample_id:path}", operation_id="get_record",
+            response_class=Response,
+            responses={200: {"content": {_RECORD_MEDIA_TYPE: {}},
+                             "description": "the record, safetensors bytes"},
+                       304: {"description": "not modified (If-None-Match)"}})
+async def get_record(fingerprint: str, sample_id: str, request: Request,
+                     fields: str | None = Query(None, max_length=4096,
+                                                description="comma-separated field names"),
+                     ) -> Response:
+    """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
+    ctx = _ctx(request)
+    value, etag = read_record(ctx, fingerprint, sample_id, fields)
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if etag_matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    ctx.metrics.add_records(1)
+    return Response(value, media_type=_RECORD_MEDIA_TYPE, headers=headers)
+
+
+class BatchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(min_length=1, description="sample ids, answered in this order")
+    fields: list[str] | None = Field(None, description="subset of fields (default: all)")
+
+
+@router.post("/caches/{fingerprint}/batch", response_class=Response,
+             responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
+                              "description": "records framed as in cache_store.http_store"}})
+async def get_batch(fingerprint: str, body: BatchRequest, request: Request) -> Response:
+    """Many records in one response; a missing or bad sample is listed, the rest still come."""
+    ctx = _ctx(request)
+    validate_fingerprint(fingerprint)
+    if len(body.ids) > ctx.settings.max_batch_records:
+        raise ParameterError([f"ids: {len(body.ids)} ids, at most "
+                              f"{ctx.settings.max_batch_records} per batch"], what="batch request")
+    if body.fields is not None and not body.fields:
+        raise ParameterError(["fields: empty list; leave it out to get every field"],
+                             what="batch request")
+
+    def collect() -> bytes:
+        found: list[tuple[str, bytes]] = []
+        missing: list[tuple[str, str, str]] = []
+        for sample_id in body.ids:
+            try:
+                key = record_key(fingerprint, sample_id)
+                value = _read(ctx, key)
+                if body.fields is not None:
+                    value = select_fields(value, body.fields, key=key)
+                found.append((sample_id, value))
+            except SpcacheError as exc:
+                missing.append((sample_id, type(exc).__name__, str(exc)))
+        ctx.metrics.add_records(len(found))
+        return encode_batch(found, missing)
+
+    return Response(await run_in_threadpool(collect), media_type=BATCH_MEDIA_TYPE)
+
+
+@router.get("/caches/{fingerprint}/items/{sample_id:path}")
+def get_item_state(fingerprint: str, sample_id: str, request: Request,
+                   path: str | None = Query(None, max_length=4096,
+                                            description="source to compare against"),
+                   ) -> dict[str, Any]:
+    """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
+    ctx = _ctx(request)
+    source = None
+    if path is not None:
+        source = str(resolve_source(path, ctx.settings.source_roots))
+    return item_state(ctx.store(), ctx.queue, fingerprint, sample_id, path=source).as_json()
+

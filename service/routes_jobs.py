@@ -1,0 +1,109 @@
+"""Warm-up and the job queue: ``/v1/warmup``, ``/v1/jobs``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.concurrency import run_in_threadpool
+
+from cache_store.errors import ParameterError
+from service.auth import require_token
+from service.context import ServiceContext
+from service.warmup import expand_glob, plan_warmup
+
+__all__ = ["router", "WarmupRequest", "WarmupItem"]
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+
+class WarmupItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=512,
+                    description="sample id (relative path, no extension)")
+    path: str = Field(min_length=1, max_length=4096,
+                      description="source file, inside a source root")
+
+
+class WarmupRequest(BaseModel):
+    """Either ``items`` or ``root`` + ``glob`` (ids are the matches' paths without extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    recipe: str = Field(min_length=1, max_length=64)
+    params: dict[str, Any] = Field(default_factory=dict)
+    items: list[WarmupItem] | None = None
+    root: str | None = Field(None, min_length=1, max_length=4096)
+    glob: str | None = Field(None, min_length=1, max_length=1024)
+    priority: int = Field(0, ge=-1000, le=1000)
+
+    @model_validator(mode="after")
+    def _one_source_of_items(self) -> WarmupRequest:
+        if (self.items is None) == (self.root is None or self.glob is None):
+            raise ValueError("give either 'items' or both 'root' and 'glob'")
+        if self.items is not None and not self.items:
+            raise ValueError("'items' is empty")
+        if self.items is None and (self.root is None) != (self.glob is None):
+            raise ValueError("'root' and 'glob' go together")
+        return self
+
+
+def _ctx(request: Request) -> ServiceContext:
+    return request.app.state.ctx
+
+
+@router.post("/warmup", status_code=202, dependencies=[Depends(require_token)])
+async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
+    """Queue the computation of every item not already ready; returns the job."""
+    ctx = _ctx(request)
+    settings = ctx.settings
+    roots = settings.source_roots
+
+    def plan_and_submit() -> dict[str, Any]:
+        if body.items is not None:
+            if len(body.items) > settings.max_warmup_items:
+                raise ParameterError([f"items: {len(body.items)} items, at most "
+                                      f"{settings.max_warmup_items} per request"],
+                                     what="warm-up request")
+            pairs = [(it.id, it.path) for it in body.items]
+        else:
+            assert body.root is not None and body.glob is not None
+            pairs = expand_glob(body.root, body.glob, roots, settings.max_warmup_items)
+        plan = plan_warmup(body.recipe, body.params, pairs, roots, ctx.store())
+        job_id = ctx.queue.submit(plan.recipe, plan.params, plan.fingerprint, plan.todo,
+                                  priority=body.priority, ready=plan.ready)
+        info = ctx.queue.job(job_id, errors_limit=0)
+        return {"job_id": job_id, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
+                "recipe_version": plan.recipe_version, "params": plan.params,
+                "queued": len(plan.todo), "already_ready": len(plan.ready),
+                "status": info.status, "counts": info.counts}
+
+    return await run_in_threadpool(plan_and_submit)
+
+
+@router.get("/jobs")
+def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000),
+              offset: int = Query(0, ge=0, le=10**9),
+              fingerprint: str | None = Query(None, max_length=64)) -> dict[str, Any]:
+    jobs = _ctx(request).queue.jobs(limit=limit, offset=offset, fingerprint=fingerprint)
+    return {"jobs": [j.as_json() for j in jobs], "offset": offset, "limit": limit}
+
+
+@router.get("/jobs/{job_id}")
+def get_job(job_id: str, request: Request, errors_offset: int = Query(0, ge=0, le=10**9),
+            errors_limit: int | None = Query(None, ge=0, le=10_000)) -> dict[str, Any]:
+    """A job's status and counts, with one page of its failed items' errors."""
+    ctx = _ctx(request)
+    limit = ctx.settings.job_errors_page if errors_limit is None else errors_limit
+    info = ctx.queue.job(job_id, errors_offset=errors_offset, errors_limit=limit)
+    out = info.as_json()
+    out["errors_page"] = {"offset": errors_offset, "limit": limit, "failed": info.counts["failed"]}
+    return out
+
+
+@router.delete("/jobs/{job_id}", dependencies=[Depends(require_token)])
+def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+    """Cancel a job: pending items are dropped, running ones finish."""
+    return _ctx(request).queue.cancel(job_id).as_json()

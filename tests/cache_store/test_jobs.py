@@ -1,0 +1,237 @@
+"""The SQLite job queue: real SQLite, real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_store.errors import JobNotFound
+from cache_store.jobs import JOBS_FILENAME, JobQueue, NewItem
+
+
+def _items(n: int, prefix: str = "s") -> list[NewItem]:
+    return [NewItem(f"{prefix}{i:03d}", f"/data/{prefix}{i:03d}.obj") for i in range(n)]
+
+
+@pytest.fixture
+def queue(tmp_path: Path) -> JobQueue:
+    q = JobQueue(tmp_path, max_attempts=2)
+    yield q
+    q.close()
+
+
+def test_constructor_opens_nothing(tmp_path: Path) -> None:
+    JobQueue(tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_database_is_in_wal_mode(queue: JobQueue, tmp_path: Path) -> None:
+    queue.counts()
+    conn = sqlite3.connect(tmp_path / JOBS_FILENAME)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+def test_submit_claim_complete(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {"level": 4}, "f" * 16, _items(5), ready=_items(2, "r"))
+    info = queue.job(job_id)
+    assert info.status == "running" and info.counts["pending"] == 5 and info.already_ready == 2
+    got = queue.claim("w1", limit=3)
+    assert [c.sample_id for c in got] == ["s000", "s001", "s002"]
+    assert all(c.params == {"level": 4} and c.attempts == 1 for c in got)
+    assert queue.job(job_id).counts["running"] == 3
+    for c in got:
+        assert queue.complete("w1", c.item_id)
+    assert not queue.complete("w1", got[0].item_id)  # done once, never twice
+    rest = queue.claim("w1", limit=10)
+    assert [c.sample_id for c in rest] == ["s003", "s004"]
+    for c in rest:
+        queue.complete("w1", c.item_id)
+    info = queue.job(job_id)
+    assert info.status == "done" and info.counts["done"] == 7
+    assert queue.claim("w1") == []
+
+
+def test_priority_then_age_orders_jobs(queue: JobQueue) -> None:
+    low = queue.submit("spc", {}, "a" * 16, _items(2, "low"), priority=0)
+    high = queue.submit("spc", {}, "b" * 16, _items(2, "high"), priority=5)
+    first = queue.claim("w", limit=10)
+    assert {c.job_id for c in first} == {high}  # one claim never mixes jobs
+    second = queue.claim("w", limit=10)
+    assert {c.job_id for c in second} == {low}
+
+
+def test_expired_lease_is_claimed_again_then_fails_when_out_of_attempts(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(1))
+    first = queue.claim("dead", lease_s=0.05)
+    assert queue.claim("other") == []  # lease still live
+    time.sleep(0.1)
+    second = queue.claim("other", lease_s=0.05)
+    assert [c.item_id for c in second] == [first[0].item_id] and second[0].attempts == 2
+    assert queue.renew("dead", [first[0].item_id]) == set()  # the dead worker lost it
+    time.sleep(0.1)
+    assert queue.claim("third") == []  # max_attempts=2 spent: failed, not handed out
+    info = queue.job(job_id)
+    assert info.status == "failed" and "lease expired" in info.errors[0].error
+
+
+def test_fail_retries_then_fails_with_its_error(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(1))
+    (c,) = queue.claim("w")
+    assert queue.fail("w", c.item_id, "cuda hiccup") == "pending"
+    (c,) = queue.claim("w")
+    assert queue.fail("w", c.item_id, "cuda hiccup again") == "failed"
+    info = queue.job(job_id)
+    assert info.errors[0].error == "cuda hiccup again" and info.errors[0].attempts == 2
+
+
+def test_permanent_failure_is_not_retried(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(1))
+    (c,) = queue.claim("w")
+    assert queue.fail("w", c.item_id, "x.obj: no faces", permanent=True) == "failed"
+    assert queue.job(job_id).counts["failed"] == 1
+
+
+def test_fail_by_a_worker_that_lost_the_lease_changes_nothing(queue: JobQueue) -> None:
+    queue.submit("spc", {}, "f" * 16, _items(1))
+    (c,) = queue.claim("old", lease_s=0.01)
+    time.sleep(0.05)
+    queue.claim("new")
+    assert queue.fail("old", c.item_id, "late") == "running"
+
+
+def test_release_returns_items_without_spending_attempts(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(3))
+    got = queue.claim("w", limit=3)
+    assert queue.release("w", [c.item_id for c in got]) == 3
+    again = queue.claim("w", limit=3)
+    assert all(c.attempts == 1 for c in again)
+    assert queue.job(job_id).counts["running"] == 3
+
+
+def test_cancel_stops_pending_items_running_ones_finish(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(4))
+    (c,) = queue.claim("w", limit=1)
+    info = queue.cancel(job_id)
+    assert info.counts["cancelled"] == 3 and info.counts["running"] == 1
+    assert queue.claim("w") == []
+    queue.complete("w", c.item_id)
+    info = queue.job(job_id)
+    assert info.status == "cancelled" and info.counts["done"] == 1
+
+
+def test_release_after_cancel_cancels(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(1))
+    (c,) = queue.claim("w")
+    queue.cancel(job_id)
+    queue.release("w", [c.item_id])
+    assert queue.job(job_id).counts["cancelled"] == 1
+
+
+def test_same_key_in_two_jobs_is_not_held_twice(queue: JobQueue) -> None:
+    queue.submit("spc", {}, "f" * 16, _items(1))
+    queue.submit("spc", {}, "f" * 16, _items(1))
+    first = queue.claim("a")
+    assert len(first) == 1
+    assert queue.claim("b") == []  # same fingerprint + sample id is running under a live lease
+
+
+def test_unknown_job(queue: JobQueue) -> None:
+    with pytest.raises(JobNotFound):
+        queue.job("nope")
+    with pytest.raises(JobNotFound):
+        queue.cancel("nope")
+
+
+def test_errors_are_paged_and_jobs_listed_newest_first(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(5))
+    for c in queue.claim("w", limit=5):
+        queue.fail("w", c.item_id, f"bad {c.sample_id}", permanent=True)
+    page = queue.job(job_id, errors_offset=2, errors_limit=2).errors
+    assert [e.sample_id for e in page] == ["s002", "s003"]
+    time.sleep(0.01)
+    newer = queue.submit("spc", {}, "g" * 16, _items(1))
+    assert [j.id for j in queue.jobs()] == [newer, job_id]
+    assert queue.counts() == {"pending": 1, "running": 0, "done": 0, "failed": 5, "cancelled": 0}
+
+
+def _claim_all(cache: str, worker: str, out: "mp.Queue[list[str]]") -> None:
+    q = JobQueue(cache)
+    mine: list[str] = []
+    while batch := q.claim(worker, limit=3):
+        for c in batch:
+            mine.append(c.sample_id)
+            q.complete(worker, c.item_id)
+    out.put(mine)
+    q.close()
+
+
+@pytest.mark.slow
+def test_concurrent_workers_never_share_an_item(tmp_path: Path) -> None:
+    q = JobQueue(tmp_path)
+    job_id = q.submit("spc", {}, "f" * 16, _items(200))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_claim_all, args=(str(tmp_path), f"w{i}", out)) for i in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    claimed = [s for r in results for s in r]
+    assert sorted(claimed) == sorted(f"s{i:03d}" for i in range(200))  # each once, none lost
+    assert q.job(job_id).counts["done"] == 200
+    q.close()
+
+
+def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    q = JobQueue(tmp_path)
+    job_id = q.submit("spc", {}, "f" * 16, _items(2))
+    parent_conn = q._conn()
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_child_claims, args=(q, out))
+    child.start()
+    child_result = out.get(timeout=30)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert child_result == (True, 1)  # a different connection object, and it worked
+    assert q._conn() is parent_conn  # the parent's own connection is untouched and usable
+    assert q.job(job_id).counts == {"pending": 1, "running": 0, "done": 1, "failed": 0,
+                                    "cancelled": 0}
+    q.close()
+
+
+def _child_claims(q: JobQueue, out: "mp.Queue[tuple[bool, int]]") -> None:
+    inherited = q._all[0]
+    got = q.claim("child", limit=1)
+    for c in got:
+        q.complete("child", c.item_id)
+    out.put((q._conn() is not inherited, len(got)))
+
+
+def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(2), ready=_items(3, "r"))
+    info = queue.job(job_id)
+    assert info.already_ready == 3 and info.counts["done"] == 3 and info.counts["pending"] == 2
+    assert {c.sample_id for c in queue.claim("w", limit=10)} == {"s000", "s001"}
+
+
+
+def test_an_expired_lease_of_a_cancelled_job_is_not_claimed_again(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(1))
+    queue.claim("dead", lease_s=0.01)
+    queue.cancel(job_id)
+    time.sleep(0.05)
+    assert queue.claim("other") == []
+    assert queue.job(job_id).counts["cancelled"] == 1 and queue.job(job_id).status == "cancelled"

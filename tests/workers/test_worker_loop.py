@@ -1,0 +1,125 @@
+"""The worker loop: real queue, real LMDB, real engine (torch backend on the CPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_store.fingerprint import compute_fingerprint, record_key
+from cache_store.jobs import JobQueue, NewItem, item_state
+from cache_store.lmdb_store import LMDBStore
+from cache_store.recipes import get_recipe_spec
+from cache_store.record import decode_record
+from tests.conftest import REPO_ROOT
+from workers.worker_loop import WorkerLoop
+
+
+def _submit(cache: Path, paths: list[Path], **params: int) -> tuple[JobQueue, str, str]:
+    spec = get_recipe_spec("spc")
+    resolved = spec.resolve(params)
+    fp = compute_fingerprint("spc", spec.version, resolved)
+    queue = JobQueue(cache)
+    job_id = queue.submit("spc", resolved, fp, [NewItem(p.stem, str(p)) for p in paths])
+    return queue, job_id, fp
+
+
+def _worker(cache: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
+         "--backend", "torch", "--jobs", "0", "--poll", "0.1", "--log-level", "warning", *extra],
+        cwd=REPO_ROOT)
+
+
+def _wait_done(queue: JobQueue, job_id: str, at_least: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while queue.job(job_id).counts["done"] < at_least:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} stuck at {queue.job(job_id).counts}")
+        time.sleep(0.05)
+
+
+def test_drain_computes_each_item_and_a_bad_sample_fails_alone(tmp_path: Path,
+                                                               shared_meshes: list[Path],
+                                                               bad_inputs: list[Path]) -> None:
+    cache = tmp_path / "cache"
+    bad = next(p for p in bad_inputs if p.name == "nan_vertices.obj")
+    queue, job_id, fp = _submit(cache, shared_meshes[:3] + [bad], level=4, surface_samples=500)
+    loop = WorkerLoop(cache, device="cpu", backend="torch", loader_jobs=0, drain=True)
+    assert loop.run() == 0
+    info = queue.job(job_id)
+    assert info.counts["done"] == 3 and info.counts["failed"] == 1 and info.status == "failed"
+    assert info.errors[0].sample_id == "nan_vertices" and info.errors[0].error
+    store = LMDBStore(cache)
+    for mesh in shared_meshes[:3]:
+        record = decode_record(store.get(record_key(fp, mesh.stem)))
+        assert record.metadata["sample_id"] == mesh.stem and record.tensors["octree"].numel() > 0
+        assert item_state(store, queue, fp, mesh.stem).state == "ready"
+    failed = item_state(store, queue, fp, "nan_vertices")
+    assert failed.state == "failed" and failed.reason == info.errors[0].error
+    assert queue.heartbeats()[0]["info"]["processed"] == 4
+    store.close()
+
+
+@pytest.mark.slow
+def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
+        tmp_path: Path, shared_meshes: list[Path]) -> None:
+    cache = tmp_path / "cache"
+    meshes = shared_meshes[:8]
+    queue, job_id, fp = _submit(cache, meshes, level=6, surface_samples=20_000)
+    first = _worker(cache, "--batch", "1", "--lease", "1")
+    try:
+        _wait_done(queue, job_id, 2)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    store = LMDBStore(cache)
+    before = {k: store.get(k) for k in store.keys(prefix=f"{fp}/")}
+    store.close()
+    assert 2 <= len(before) < len(meshes)
+    second = _worker(cache, "--batch", "2", "--lease", "1", "--drain")
+    assert second.wait(timeout=240) == 0
+    info = queue.job(job_id)
+    assert info.counts["done"] == len(meshes), info.counts
+    store = LMDBStore(cache)
+    for key, value in before.items():
+        assert store.get(key) == value  # computed once: the survivor's records are untouched
+    assert sorted(store.keys(prefix=f"{fp}/")) == sorted(record_key(fp, m.stem) for m in meshes)
+    report = store.verify()
+    assert report.ok and report.checked == len(meshes)
+    store.close()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
+                                                          shared_meshes: list[Path]) -> None:
+    cache = tmp_path / "cache"
+    queue, job_id, _ = _submit(cache, shared_meshes[:10], level=6, surface_samples=20_000)
+    worker = _worker(cache, "--batch", "1")
+    try:
+        _wait_done(queue, job_id, 1)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    counts = queue.job(job_id).counts
+    assert counts["running"] == 0 and counts["failed"] == 0
+    assert counts["done"] >= 1 and counts["done"] + counts["pending"] == 10
+    assert os.path.exists(cache / "jobs.sqlite")
+
+
+def test_service_and_workers_hash_sources_the_same_way(shared_meshes: list[Path]) -> None:
+    # The service counts "already ready" with cache_store.hashing; records carry the
+    # workers' source hash. If these ever differ, every warm-up recomputes everything.
+    from cache_store.hashing import hash_file
+    from workers.sources import load_source
+
+    for mesh in shared_meshes[:3]:
+        assert hash_file(mesh) == load_source(mesh).source_hash

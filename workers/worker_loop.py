@@ -1,0 +1,256 @@
+"""``spcache worker``: drain the cache's job queue on one device, until told to stop.
+
+The loop claims a few items of one job under a lease, runs the engine on them (which
+skips any whose record is already stored with the same source hash, so an item
+reclaimed after a crash is never computed twice), and reports each item back as the
+engine reports it: ``done``/``skipped`` -> done, ``failed`` -> failed with its reason
+(a bad sample fails alone; it is not retried, the engine already gave it its chances).
+If the engine itself crashes, the items it did not report go back to the queue as a
+failed *attempt* and are retried while attempts remain.
+
+A background thread renews the leases of held items and writes a heartbeat. SIGTERM or
+SIGINT asks the loop to stop: the current claim is finished (it is small), nothing new
+is claimed, and the loop exits 0. A second signal interrupts the engine (which still
+commits what it computed); whatever is left unreported is released, not lost.
+
+The fingerprint's dataset index is written by the engine at the end of each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from cache_store.jobs import ClaimedItem, JobQueue
+from cache_store.store import Store, open_store
+
+__all__ = ["WorkerLoop", "configure_parser", "run", "main"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLoop:
+    """One worker draining ``<cache>/jobs.sqlite`` into ``<cache>``'s store.
+
+    Args:
+        cache: the cache directory.
+        device, backend: as for :class:`workers.engine.Engine`.
+        batch: items per claim (one engine run).
+        lease_s: lease length; renewed every third of it while held.
+        poll_s: sleep between claims when the queue is empty.
+        loader_jobs: the engine's loader processes.
+        drain: exit (0) once the queue has nothing claimable, instead of polling.
+        max_attempts: claims per item before it fails (queue setting).
+        worker_id: name in leases and heartbeats (default ``host:pid``).
+    """
+
+    def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
+                 backend: str = "auto", batch: int = 8, lease_s: float = 120.0,
+                 poll_s: float = 1.0, loader_jobs: int = 2, drain: bool = False,
+                 max_attempts: int = 3, worker_id: str | None = None) -> None:
+        if batch < 1 or lease_s <= 0 or poll_s <= 0 or loader_jobs < 0:
+            raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loader_jobs >= 0 needed")
+        self.cache = Path(cache)
+        self.device = device
+        self.backend = backend
+        self.batch = batch
+        self.lease_s = lease_s
+        self.poll_s = poll_s
+        self.loader_jobs = loader_jobs
+        self.drain = drain
+        self.max_attempts = max_attempts
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.stop_requested = threading.Event()
+        self.processed = 0
+        self._held: dict[int, ClaimedItem] = {}
+        self._held_lock = threading.Lock()
+        self._engines: dict[str, Any] = {}
+        self._signals = 0
+
+    # -- signals ---------------------------------------------------------------------
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("worker %s: %s received; finishing the current items, then stopping",
+                     self.worker_id, signal.Signals(signum).name)
+            self.stop_requested.set()
+            return
+        log.warning("worker %s: second signal; interrupting", self.worker_id)
+        raise KeyboardInterrupt
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def run(self) -> int:
+        queue = JobQueue(self.cache, max_attempts=self.max_attempts)
+        store = open_store(self.cache, readonly=False)
+        keeper = threading.Thread(target=self._keep_leases, args=(queue,), daemon=True,
+                                  name="spcache-lease-keeper")
+        keeper.start()
+        log.info("worker %s: draining %s on device %s (backend %s)", self.worker_id,
+                 self.cache, self.device, self.backend)
+        try:
+            queue.heartbeat(self.worker_id, self._info())
+            while not self.stop_requested.is_set():
+                claimed = queue.claim(self.worker_id, limit=self.batch, lease_s=self.lease_s)
+                if not claimed:
+                    if self.drain:
+                        break
+                    self.stop_requested.wait(self.poll_s)
+                    continue
+                with self._held_lock:
+                    self._held.update({c.item_id: c for c in claimed})
+                self._process(queue, store, claimed)
+        except KeyboardInterrupt:
+            log.warning("worker %s interrupted", self.worker_id)
+        finally:
+            with self._held_lock:
+                left = list(self._held)
+                self._held.clear()
+            if left:
+                released = queue.release(self.worker_id, left)
+                log.info("worker %s: released %d unfinished item(s)", self.worker_id, released)
+            self.stop_requested.set()
+            keeper.join(timeout=5)
+            queue.heartbeat(self.worker_id, {**self._info(), "stopped": True})
+            self._close_engines()
+            store.close()
+            queue.close()
+        log.info("worker %s stopped after %d item(s)", self.worker_id, self.processed)
+        return 0
+
+    def _process(self, queue: JobQueue, store: Store, claimed: list[ClaimedItem]) -> None:
+        first = claimed[0]
+        by_id = {c.sample_id: c for c in claimed}
+        reported: set[int] = set()
+
+        def on_result(result: Any) -> None:
+            item = by_id.get(result.sample_id)
+            if item is None:
+                log.warning("engine reported unknown sample %r", result.sample_id)
+                return
+            if result.status in ("done", "skipped"):
+                queue.complete(self.worker_id, item.item_id)
+            else:
+                queue.fail(self.worker_id, item.item_id, result.reason or "failed",
+                           permanent=True)
+            reported.add(item.item_id)
+            with self._held_lock:
+                self._held.pop(item.item_id, None)
+            self.processed += 1
+
+        try:
+            engine = self._engine(store, first)
+            engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a crashed run must not kill the worker
+            reason = f"engine run failed: {type(exc).__name__}: {exc}"
+            log.exception("worker %s: job %s: %s", self.worker_id, first.job_id, reason)
+            for c in claimed:
+                if c.item_id not in reported:
+                    queue.fail(self.worker_id, c.item_id, reason)
+                    with self._held_lock:
+                        self._held.pop(c.item_id, None)
+
+    def _engine(self, store: Store, item: ClaimedItem) -> Any:
+        engine = self._engines.get(item.fingerprint)
+        if engine is None:
+            from workers.engine import Engine  # late: imports torch and the ops
+
+            engine = Engine(store, item.recipe, item.params, device=self.device,
+                            backend=self.backend, jobs=self.loader_jobs)
+            if engine.fingerprint != item.fingerprint:
+                raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
+                                   f"queued, this worker computes {engine.fingerprint} for the "
+                                   f"same recipe and parameters (different recipe version?)")
+            # One loader pool for this worker's life instead of one per claim. Engines of
+            # other fingerprints are closed first: their pools would sit idle.
+            self._close_engines()
+            engine.open()
+            self._engines[item.fingerprint] = engine
+        return engine
+
+    def _close_engines(self) -> None:
+        for fingerprint, engine in list(self._engines.items()):
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - a broken pool must not stop the worker
+                log.exception("closing the engine of %s failed", fingerprint)
+            del self._engines[fingerprint]
+
+    def _keep_leases(self, queue: JobQueue) -> None:
+        every = max(self.lease_s / 3.0, 0.05)
+        while True:
+            stopping = self.stop_requested.wait(every)
+            with self._held_lock:
+                ids = list(self._held)
+            if stopping and not ids:
+                break
+            try:
+                if ids:
+                    held = queue.renew(self.worker_id, ids, lease_s=self.lease_s)
+                    with self._held_lock:
+                        for lost in set(ids) - held:
+                            self._held.pop(lost, None)
+                queue.heartbeat(self.worker_id, self._info())
+            except Exception:  # noqa: BLE001 - keep renewing; the next round may work
+                log.exception("worker %s: lease renewal failed", self.worker_id)
+            if stopping:  # still finishing the last claim: keep its leases alive
+                time.sleep(every)
+        queue.close()
+
+    def _info(self) -> dict[str, Any]:
+        return {"device": self.device, "backend": self.backend, "processed": self.processed,
+                "held": len(self._held), "cache": str(self.cache)}
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--cache", required=True, help="cache directory (records + jobs.sqlite)")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--backend", default="auto", help="SPC ops backend: auto, kaolin, torch")
+    parser.add_argument("--batch", type=int, default=8, help="items per claim (default 8)")
+    parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
+    parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
+    parser.add_argument("--jobs", type=int, default=2, help="loader processes (default 2)")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="claims per item before it fails (default 3)")
+    parser.add_argument("--drain", action="store_true",
+                        help="exit when nothing is left to claim instead of polling")
+    parser.add_argument("--worker-id", help="name in leases and heartbeats (default host:pid)")
+    parser.add_argument("--log-level", default="info")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
+                      lease_s=args.lease, poll_s=args.poll, loader_jobs=args.jobs,
+                      drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id)
+    loop.install_signal_handlers()
+    return loop.run()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = configure_parser(argparse.ArgumentParser(
+        prog="spcache worker", description=__doc__.splitlines()[0]))
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
