@@ -204,11 +204,13 @@ def test_an_actor_killed_for_good_mid_run_loses_nothing(ray_local, tmp_path: Pat
     paths = shared_meshes[:8]
     reported: list[ItemResult] = []
     killed: list[str] = []
+    earlier = set(ray.util.list_named_actors())  # other runs' actors may still be listed
 
     def kill_one_actor(result: ItemResult) -> None:
         reported.append(result)
         if not killed:
-            name = sorted(n for n in ray.util.list_named_actors() if n.startswith("spcache-shard"))[0]
+            ours = set(ray.util.list_named_actors()) - earlier
+            name = min(n for n in ours if n.startswith("spcache-shard") and n.endswith("-0"))
             ray.kill(ray.get_actor(name))  # no restart: the actor is gone for the run
             killed.append(name)
 
