@@ -509,6 +509,13 @@ class RayEngine(Engine):
         self.ray_init = dict(ray_init or {})
         self.fault = fault
 
+    def open(self) -> RayEngine:
+        """Nothing to start here: each actor opens its own engine (and loader pool)."""
+        return self
+
+    def close(self) -> None:
+        """Nothing to stop here: a run's actors end with the run."""
+
     def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
             on_result: Callable[[ItemResult], None] | None = None) -> RaySummary:
         """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`."""
@@ -758,12 +765,13 @@ class _RayRun(_Run):
     def _probe_answered(self, ray: Any, slot: _Slot) -> None:
         """A restarted actor answered (ready again), or Ray gave it up (gone)."""
         try:
-            ray.get(slot.probe)
-        except ray.exceptions.RayActorError as exc:
+            info = _get(ray, slot.probe)
+        except RayUnavailable as exc:
             logger.warning("Ray actor %d did not come back (%s); going on without it",
-                           slot.stats.actor, type(exc).__name__)
+                           slot.stats.actor, exc)
             slot.state, slot.probe = "gone", None
             return
+        slot.stats.node, slot.stats.gpus = info["node"], info["gpus"]  # maybe another node
         slot.state, slot.probe = "ready", None
 
     def _give_up_on_lost_actors(self) -> None:
