@@ -15,6 +15,7 @@ Logging is configured here and nowhere else in the package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -316,7 +317,9 @@ class _Precompute:
             return 2
         try:
             engine = _make_engine(args, store, params)
-            summary = _run_engine(engine, items)
+            # with --json, stdout carries the summary alone (Ray prints actor deaths there)
+            with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+                summary = _run_engine(engine, items)
         except (ParameterError, UnknownName, BackendUnavailable) as exc:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
