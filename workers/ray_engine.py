@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -645,10 +646,18 @@ class _RayRun(_Run):
         else:
             options["address"] = self.engine.address
         options.update(self.engine.ray_init)
+        main_thread = threading.current_thread() is threading.main_thread()
+        sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
         try:
             ray.init(**options)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             raise RayUnavailable(f"cannot start or join Ray at {options['address']}: {exc}") from exc
+        finally:
+            # ray.init installs its own SIGTERM handler, which ends the process on the
+            # spot; the caller's (the CLI's: stop like Ctrl-C, committing and indexing
+            # what was computed) must stay in charge.
+            if sigterm is not None:
+                signal.signal(signal.SIGTERM, sigterm)
         return True
 
     def _start_actors(self, ray: Any, count: int) -> None:

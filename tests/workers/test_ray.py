@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import psutil
 import pytest
 import ray
 
-from cache_store.errors import BackendUnavailable
+from cache_store.errors import BackendUnavailable, SpcacheError
 from cache_store.record import read_header
 from cache_store.store import open_store
 from tests.conftest import REPO_ROOT
@@ -262,25 +264,55 @@ def test_cli_ray_usage_errors(tmp_path: Path, shared_meshes: list[Path], extra: 
     assert message in capsys.readouterr().err
 
 
-def _spcache(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.slow
-def test_cli_starts_and_stops_its_own_local_ray(tmp_path: Path,
-                                                shared_meshes: list[Path]) -> None:
+def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
+        ray_local, tmp_path: Path, shared_meshes: list[Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that starts its own local Ray, stopped by SIGTERM (``docker stop``) after
+    its first records: exit 130, records and index kept, no Ray process left; the same
+    command then finishes the rest and recomputes nothing."""
+    cache = tmp_path / "cache"
+    args = ["precompute", *map(str, shared_meshes), "--recipe", "spc_query", *SMALL,
+            "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
+            "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
     before = {p.pid for p in _ray_processes()}
-    out = _spcache("precompute", str(shared_meshes[0]), str(shared_meshes[1]), "--recipe", "spc",
-                   "--param", "level=4", "--param", "surface_samples=1000", "--cache",
-                   str(tmp_path / "cache"), "--engine", "ray", "--actors", "1", "--device", "cpu",
-                   "--json")
-    assert out.returncode == 0, out.stderr
-    summary = json.loads(out.stdout)
-    assert summary["engine"] == "ray" and summary["done"] == 2
-    assert [a["done"] for a in summary["actors"]] == [2]
+    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(_stored_keys(cache)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, "run ended before it could be interrupted"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert out == ""  # no summary for an interrupted run, and nothing of Ray's
     _, alive = psutil.wait_procs([p for p in _ray_processes() if p.pid not in before], timeout=30)
     assert not alive, f"Ray processes left running: {alive}"
+    stored = _stored_keys(cache)
+    assert 2 <= len(stored) < len(shared_meshes)
+    fingerprint = stored[0].split("/", 1)[0]
+    with open_store(cache) as store:
+        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
+            sorted(k.split("/", 1)[1] for k in stored)
+    # resume in this process (its Ray is the module's): only the rest is computed
+    capsys.readouterr()
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["skipped"] == len(stored)
+    assert summary["done"] == len(shared_meshes) - len(stored)
+    with open_store(cache) as store:
+        assert len(store.get_index(fingerprint)) == len(shared_meshes)
+        assert store.verify().ok
+
+
+def _stored_keys(cache: Path) -> list[str]:
+    try:
+        with open_store(cache) as store:
+            return list(store.keys())
+    except (SpcacheError, OSError):
+        return []
 
 
 def test_the_local_path_never_imports_ray() -> None:
