@@ -56,10 +56,13 @@ def _ray_processes() -> list[psutil.Process]:
 def ray_local():
     """One local Ray instance with two CPUs for the module; stopped after it."""
     before = {p.pid for p in _ray_processes()}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
     yield ray
     ray.shutdown()
+    for sig, handler in handlers.items():  # ray.init replaced them for this process
+        signal.signal(sig, handler)
     _, alive = psutil.wait_procs([p for p in _ray_processes() if p.pid not in before], timeout=30)
     assert not alive, f"Ray processes left running: {alive}"
 
