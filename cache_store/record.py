@@ -319,6 +319,7 @@ def _reject_constant(name: str) -> Any:
 
 # One decoder for every read (``json.loads`` with hooks builds a new decoder and scanner
 # per call). Stateless between calls, so safe to share across threads.
+_STR_ONLY = {str}  # ``set(map(type, values)) <= _STR_ONLY``: all str, checked in C
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
 
 
@@ -388,7 +389,7 @@ def _parse_view(view: memoryview, key: str) -> RecordHeader:
     if type(header) is not dict:
         raise _fail(key, "header is not a JSON object")
     meta = header.pop("__metadata__", None)
-    if type(meta) is not dict or not all(type(v) is str for v in meta.values()):
+    if type(meta) is not dict or not set(map(type, meta.values())) <= _STR_ONLY:
         raise _fail(key, "header has no '__metadata__' map of str -> str")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
@@ -434,7 +435,7 @@ def _parse_field_checksums(key: str, meta: Mapping[str, str],
     except (ValueError, RecursionError) as exc:
         raise _fail(key, f"metadata 'field_checksums' is not valid JSON: {exc}") from None
     if (type(checksums) is not dict or checksums.keys() != tensors.keys()
-            or not all(type(v) is str for v in checksums.values())):
+            or not set(map(type, checksums.values())) <= _STR_ONLY):
         raise _fail(key, "metadata 'field_checksums' does not list exactly the record's tensors")
     return checksums
 
