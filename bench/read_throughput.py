@@ -26,11 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, bench/ heads sys.path and bench/http.py would shadow the stdlib's http
-# (which torch imports): put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
