@@ -221,26 +221,31 @@ class LMDBStore(Store):
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- transactions ----------------------------------------------------------------
-    @contextmanager
-    def _read(self) -> Iterator[tuple[Any, dict[bytes, Any]]]:
+    def _begin(self) -> tuple[Any, dict[bytes, Any]]:
+        """A read transaction (``buffers=True``) and the databases; the caller ends it."""
         env, dbs = self._environment()
-        for name, db in dbs.items():
-            if db is None:  # read-only handle opened before a writer created the database
-                try:
-                    dbs[name] = env.open_db(name, create=False)
-                except lmdb.NotFoundError:
-                    pass
+        if None in dbs.values():  # read-only handle opened before a writer created them
+            for name, db in dbs.items():
+                if db is None:
+                    try:
+                        dbs[name] = env.open_db(name, create=False)
+                    except lmdb.NotFoundError:
+                        pass
         try:
             try:
-                txn = env.begin(buffers=True)
+                return env.begin(buffers=True), dbs
             except lmdb.MapResizedError:  # another process grew the map: adopt its size
                 env.set_mapsize(0)
-                txn = env.begin(buffers=True)
+                return env.begin(buffers=True), dbs
         except lmdb.ReadersFullError as exc:
             raise SpcacheError(
                 f"{self.env_path}: LMDB reader table full (max_readers={self.max_readers}, "
                 f"fixed by the first process that opened it); open every store with a larger "
                 f"max_readers (workers x threads x processes)") from exc
+
+    @contextmanager
+    def _read(self) -> Iterator[tuple[Any, dict[bytes, Any]]]:
+        txn, dbs = self._begin()
         with txn:
             yield txn, dbs
 
@@ -278,11 +283,15 @@ class LMDBStore(Store):
 
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
         # Decoded inside the transaction, straight from the map: one copy per tensor.
-        with self._read() as (txn, dbs):
+        # The hot path of every read: no context-manager generator around the transaction.
+        txn, dbs = self._begin()
+        try:
             value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
                 raise RecordNotFound(key, self.location)
             return decode_record(value, key=key, fields=fields)
+        finally:
+            txn.abort()  # read-only: ends it and releases the reader slot
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:

@@ -14,17 +14,10 @@ asserts a speed; the goals (>= 60 % of the floor, >= 1.5 GB/s at 1 MiB) are read
 Client and servers share the machine's cores: on a small machine the numbers say as
 much about the client as the server, which is why the floor runs under the same load.
 
-    python bench/http.py [--records 64] [--clients 4] [--seconds 3] [--repeats 3] [--json]
+    python bench/http_serving.py [--records 64] [--clients 4] [--seconds 3] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# This file is named http.py: drop its folder from the path before anything imports the
-# standard library's ``http`` package (uvicorn, urllib and torch all do).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import json
@@ -33,8 +26,10 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
