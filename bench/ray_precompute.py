@@ -39,9 +39,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# Python puts this script's folder first on sys.path, and bench/http.py there would hide
-# the standard library's http package (which Ray imports through requests).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 
 import ray  # noqa: E402
