@@ -26,13 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store import CachedDataset  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from cache_store import CachedDataset, collate_spc  # noqa: E402
 from cache_store.fingerprint import compute_fingerprint  # noqa: E402
 from cache_store.lmdb_store import LMDBStore  # noqa: E402
 from cache_store.record import encode_record  # noqa: E402
@@ -105,18 +105,24 @@ def identity(sample: object) -> object:
     return sample
 
 
-def time_loader(dataset: Dataset, workers: int, order: list[int]) -> float:
-    loader = DataLoader(dataset, batch_size=None, sampler=order, num_workers=workers,
-                        collate_fn=identity, prefetch_factor=8 if workers else None,
+def time_loader(dataset: Dataset, workers: int, order: list[int],
+                batch_size: int = 0) -> tuple[float, float]:
+    """Samples/s reading ``order`` (batch_size 0: one sample at a time, no collate), by
+    wall clock and by this process's CPU time (the second is the rate one uncontended
+    core would give; it means something only with ``workers == 0``)."""
+    batched = batch_size > 0
+    loader = DataLoader(dataset, batch_size=batch_size if batched else None, sampler=order,
+                        num_workers=workers, collate_fn=collate_spc if batched else identity,
+                        prefetch_factor=(2 if batched else 8) if workers else None,
                         multiprocessing_context="fork" if workers else None)
-    start = time.perf_counter()
-    count = sum(1 for _ in loader)
-    elapsed = time.perf_counter() - start
+    start, cpu = time.perf_counter(), time.process_time()
+    count = sum(len(b["lengths"]) if batched else 1 for b in loader)
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     assert count == len(order)
-    return count / elapsed
+    return count / elapsed, count / max(cpu, 1e-9)
 
 
-def decode_gbps(root: Path, n: int) -> dict[str, float]:
+def decode_gbps(root: Path, n: int, rounds: int = 7) -> dict[str, float]:
     """Decoded GB/s for ~1 MB records in one process, next to memcpy of the same bytes."""
     params = {"level": 9, "surface_samples": 100_000}
     fp = compute_fingerprint("spc", 1, params)
@@ -133,28 +139,38 @@ def decode_gbps(root: Path, n: int) -> dict[str, float]:
     store.close()
     record_bytes = sum(len(v) for _, v in items)
     ds = CachedDataset(root / "lmdb1mb", fp)
-    best = 0.0
-    for _ in range(3):
-        start = time.perf_counter()
-        decoded = sum(sum(t.nbytes for t in ds[i].values()) for i in range(n))
-        best = max(best, decoded / (time.perf_counter() - start))
     src = np.frombuffer(b"".join(v for _, v in items), dtype=np.uint8)
     dst = np.empty_like(src)
-    copy = 0.0
-    for _ in range(3):
-        start = time.perf_counter()
+    decode, decode_cpu, copy, copy_cpu = [], [], [], []
+    ds[0]  # open the store outside the timed passes
+    for _ in range(rounds):  # interleaved: load swings hit both alike
+        start, cpu = time.perf_counter(), time.process_time()
+        decoded = sum(sum(t.nbytes for t in ds[i].values()) for i in range(n))
+        decode.append(decoded / (time.perf_counter() - start))
+        decode_cpu.append(decoded / max(time.process_time() - cpu, 1e-9))
+        start, cpu = time.perf_counter(), time.process_time()
         np.copyto(dst, src)
-        copy = max(copy, src.nbytes / (time.perf_counter() - start))
+        copy.append(src.nbytes / (time.perf_counter() - start))
+        copy_cpu.append(src.nbytes / max(time.process_time() - cpu, 1e-9))
     ds.close()
+    best, med, copy_best = max(decode), float(np.median(decode)), max(copy)
     return {"record_mb": record_bytes / n / 1e6, "decode_gb_s": best / 1e9,
-            "memcpy_gb_s": copy / 1e9, "decode_over_memcpy": best / copy}
+            "decode_gb_s_median": med / 1e9,
+            "decode_gb_s_cpu_median": float(np.median(decode_cpu)) / 1e9,
+            "memcpy_gb_s": copy_best / 1e9, "memcpy_gb_s_median": float(np.median(copy)) / 1e9,
+            "memcpy_gb_s_cpu_median": float(np.median(copy_cpu)) / 1e9,
+            "decode_over_memcpy": best / copy_best}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 4])
+    parser.add_argument("--batch-size", type=int, default=0,
+                        help="0: per-sample reads (default); N: batches of N through collate_spc")
+    parser.add_argument("--rounds", type=int, default=3, help="timed passes per loader (median)")
     parser.add_argument("--decode-records", type=int, default=500)
+    parser.add_argument("--decode-rounds", type=int, default=7)
     parser.add_argument("--dir", type=Path, default=None, help="scratch dir (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON line at the end")
     args = parser.parse_args()
@@ -165,24 +181,41 @@ def main() -> None:
         fp, mean_bytes = write_caches(root, args.records, 1.0)
         log.info("wrote %d records of %.2f MB twice in %.1fs", args.records, mean_bytes / 1e6,
                  time.perf_counter() - start)
+        os.sync()  # no writeback of what was just written competes with the timed reads
         order = np.random.default_rng(2).permutation(args.records).tolist()
         ours = CachedDataset(root / "lmdb", fp)
         base = TorchSaveDataset(root / "torchsave", args.records)
-        results = {"records": args.records, "record_mb": mean_bytes / 1e6, "cpus": os.cpu_count()}
+        results = {"records": args.records, "record_mb": mean_bytes / 1e6, "cpus": os.cpu_count(),
+                   "batch_size": args.batch_size, "loadavg_start": os.getloadavg()}
         for workers in args.workers:
-            time_loader(ours, workers, order[:100])  # warm both paths
-            time_loader(base, workers, order[:100])
-            a = time_loader(ours, workers, order)
-            b = time_loader(base, workers, order)
-            results[f"workers{workers}"] = {"cached_dataset_sps": a, "torch_save_sps": b,
-                                            "ratio": a / b, "cached_dataset_gb_s": a * mean_bytes / 1e9}
-            log.info("num_workers=%d: CachedDataset %.0f samples/s (%.2f GB/s), torch.save files "
-                     "%.0f samples/s: %.1fx", workers, a, a * mean_bytes / 1e9, b, a / b)
-        dec = decode_gbps(root, args.decode_records)
+            time_loader(ours, workers, order[:100], args.batch_size)  # warm both paths
+            time_loader(base, workers, order[:100], args.batch_size)
+            ours_runs, base_runs = [], []
+            for _ in range(args.rounds):  # alternate, so load swings hit both alike
+                ours_runs.append(time_loader(ours, workers, order, args.batch_size))
+                base_runs.append(time_loader(base, workers, order, args.batch_size))
+            a, b = (float(np.median([r[0] for r in runs])) for runs in (ours_runs, base_runs))
+            row = {"cached_dataset_sps": a, "torch_save_sps": b, "ratio": a / b,
+                   "cached_dataset_gb_s": a * mean_bytes / 1e9,
+                   "ratios_per_round": [o[0] / t[0] for o, t in zip(ours_runs, base_runs)]}
+            if workers == 0:
+                ca, cb = (float(np.median([r[1] for r in runs])) for runs in (ours_runs, base_runs))
+                row.update(cached_dataset_cpu_sps=ca, torch_save_cpu_sps=cb, cpu_ratio=ca / cb)
+                log.info("  by CPU time of the reading process: %.0f vs %.0f samples/s: %.1fx",
+                         ca, cb, ca / cb)
+            results[f"workers{workers}"] = row
+            log.info("num_workers=%d batch_size=%d: CachedDataset %.0f samples/s (%.2f GB/s), "
+                     "torch.save files %.0f samples/s: %.1fx (rounds: %s)", workers,
+                     args.batch_size, a, a * mean_bytes / 1e9, b, a / b,
+                     " ".join(f"{r:.1f}x" for r in row["ratios_per_round"]))
+        dec = decode_gbps(root, args.decode_records, args.decode_rounds)
         results["decode_1mb"] = dec
-        log.info("decode %.2f MB records in one process: %.2f GB/s; memcpy %.2f GB/s (%.0f%%)",
-                 dec["record_mb"], dec["decode_gb_s"], dec["memcpy_gb_s"],
-                 100 * dec["decode_over_memcpy"])
+        log.info("decode %.2f MB records in one process: best %.2f GB/s, median %.2f GB/s "
+                 "(by CPU time %.2f); memcpy best %.2f, median %.2f GB/s (by CPU time %.2f)",
+                 dec["record_mb"], dec["decode_gb_s"], dec["decode_gb_s_median"],
+                 dec["decode_gb_s_cpu_median"], dec["memcpy_gb_s"], dec["memcpy_gb_s_median"],
+                 dec["memcpy_gb_s_cpu_median"])
+        results["loadavg_end"] = os.getloadavg()
         if args.json:
             print(json.dumps(results))
     finally:

@@ -94,12 +94,21 @@ def summarise(batch: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     return torch.tensor([os.getpid(), len(batch), sum(int(s["octree"].numel()) for s in batch)])
 
 
-def pss_kib(pid: int) -> int:
+PSS_KINDS = ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
+def pss_kib(pid: int) -> dict[str, int]:
+    """PSS of a process in KiB: total, anonymous (heap: copy-on-read shows here), file
+    (mapped files: LMDB's map, shared libraries), shmem."""
+    found = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no Pss line for {pid}")
+            name, _, rest = line.partition(":")
+            if name in PSS_KINDS:
+                found[name] = int(rest.split()[0])
+    if "Pss" not in found:
+        raise RuntimeError(f"no Pss line for {pid}")
+    return found
 
 
 def measure(dataset: Dataset, workers: int, epochs: int) -> dict[str, Any]:
@@ -108,7 +117,7 @@ def measure(dataset: Dataset, workers: int, epochs: int) -> dict[str, Any]:
                         multiprocessing_context="fork", persistent_workers=True,
                         collate_fn=summarise, generator=torch.Generator().manual_seed(0))
     pids: set[int] = set()
-    start_pss: dict[int, int] = {}
+    start_pss: dict[int, dict[str, int]] = {}
     samples = 0
     began = time.perf_counter()
     for epoch in range(epochs):
@@ -122,11 +131,14 @@ def measure(dataset: Dataset, workers: int, epochs: int) -> dict[str, Any]:
     end_pss = {pid: pss_kib(pid) for pid in pids}
     elapsed = time.perf_counter() - began
     del loader
-    growth = sum(end_pss[p] - start_pss[p] for p in pids)
-    return {"workers": len(pids), "samples": samples, "seconds": elapsed,
-            "pss_start_mib": sum(start_pss.values()) / 1024,
-            "pss_end_mib": sum(end_pss.values()) / 1024,
-            "growth_mib": growth / 1024, "growth_per_worker_mib": growth / 1024 / len(pids)}
+    out: dict[str, Any] = {"workers": len(pids), "samples": samples, "seconds": elapsed}
+    for kind in PSS_KINDS:
+        if all(kind in start_pss[p] and kind in end_pss[p] for p in pids):
+            start = sum(start_pss[p][kind] for p in pids) / 1024
+            end = sum(end_pss[p][kind] for p in pids) / 1024
+            out[kind] = {"start_mib": start, "end_mib": end, "growth_mib": end - start,
+                         "growth_per_worker_mib": (end - start) / len(pids)}
+    return out
 
 
 def main() -> None:
@@ -154,10 +166,14 @@ def main() -> None:
         log.info("list of per-sample dicts:")
         results["list_of_dicts"] = measure(baseline, args.workers, args.epochs)
         for name, r in results.items():
-            log.info("%-15s %d workers, %d samples in %.1fs: summed PSS %.1f -> %.1f MiB, "
-                     "growth %.1f MiB (%.2f MiB per worker)", name, r["workers"], r["samples"],
-                     r["seconds"], r["pss_start_mib"], r["pss_end_mib"], r["growth_mib"],
-                     r["growth_per_worker_mib"])
+            log.info("%-15s %d workers, %d samples in %.1fs", name, r["workers"], r["samples"],
+                     r["seconds"])
+            for kind in PSS_KINDS:
+                if kind in r:
+                    k = r[kind]
+                    log.info("    %-10s summed %.1f -> %.1f MiB: growth %.1f MiB, %.2f MiB per "
+                             "worker", kind, k["start_mib"], k["end_mib"], k["growth_mib"],
+                             k["growth_per_worker_mib"])
         if args.json:
             print(json.dumps(results))
     finally:

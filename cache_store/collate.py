@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_collate
 
@@ -24,11 +25,31 @@ def _lengths(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.tensor([t.shape[0] for t in tensors], dtype=torch.int32)
 
 
+def _numpy_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
+    # NumPy's concatenate/stack are plain memcpy loops; torch's CPU cat is several times
+    # slower for small integer dtypes (int16 point hierarchies especially). Views only:
+    # CPU tensors without autograd of a dtype NumPy has.
+    if any(t.device.type != "cpu" or t.requires_grad or t.dtype == torch.bfloat16
+           for t in tensors):
+        return None
+    return [t.numpy() for t in tensors]
+
+
 def _cat(name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if any(t.dim() == 0 for t in tensors) or len({t.shape[1:] for t in tensors}) > 1:
         shapes = sorted({tuple(t.shape) for t in tensors})
         raise _problem(f"{name}: shapes {shapes} can be neither stacked nor concatenated")
-    return torch.cat(list(tensors))
+    arrays = _numpy_views(tensors)
+    if arrays is None:
+        return torch.cat(list(tensors))
+    return torch.from_numpy(np.concatenate(arrays))
+
+
+def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    arrays = _numpy_views(tensors)
+    if arrays is None:
+        return torch.stack(list(tensors))
+    return torch.from_numpy(np.stack(arrays))
 
 
 def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -74,9 +95,9 @@ def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if len(shapes) > 1:
                 raise _problem(f"pyramid shapes {shapes} differ: octrees of different levels "
                                f"cannot share one Kaolin batch (read one fingerprint per loader)")
-            out[name] = torch.stack(values)
+            out[name] = _stack(values)
         elif len({v.shape for v in values}) == 1:
-            out[name] = torch.stack(values)
+            out[name] = _stack(values)
         else:
             out[name] = _cat(name, values)
             out[f"{name}_lengths"] = _lengths(values)

@@ -78,7 +78,8 @@ def encode_batch(records: Sequence[tuple[str, bytes]],
     return b"".join([_LEN.pack(len(header)), header, *(value for _, value in records)])
 
 
-def decode_batch(body: bytes, *, where: str = "batch") -> tuple[dict[str, memoryview], dict[str, str]]:
+def decode_batch(body: bytes, *, where: str = "batch",
+                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
     """Inverse of :func:`encode_batch`: ``({id: record bytes}, {id: "Error: detail"})``.
 
     Record values are zero-copy views into ``body``. Raises :class:`CorruptRecord`

@@ -37,7 +37,7 @@ import sqlite3
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 JOBS_FILENAME = "jobs.sqlite"
 ITEM_STATUSES = ("pending", "running", "done", "failed", "cancelled")
 _SCHEMA_VERSION = 1
+_HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -192,12 +193,13 @@ class JobQueue:
         max_attempts: claims an item may take (including ones lost to an expired lease)
             before it fails for good.
         busy_timeout_s: how long a statement waits for another process's write lock.
+        clock: seconds since the epoch (leases, timestamps); tests pass a fake one.
 
     Nothing is opened until the first call; the schema is created then if missing.
     """
 
     def __init__(self, cache_dir: str | os.PathLike[str], *, max_attempts: int = 3,
-                 busy_timeout_s: float = 30.0) -> None:
+                 busy_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if busy_timeout_s <= 0:
@@ -206,6 +208,7 @@ class JobQueue:
         self.path = self.cache_dir / JOBS_FILENAME
         self.max_attempts = max_attempts
         self.busy_timeout_s = busy_timeout_s
+        self.clock = clock
         self._pid: int | None = None
         self._local = threading.local()
         self._all: list[sqlite3.Connection] = []
@@ -248,7 +251,8 @@ class JobQueue:
                 conn.execute(statement)
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
-                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(_SCHEMA_VERSION),))
+                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
+                             (str(_SCHEMA_VERSION),))
             elif int(row[0]) != _SCHEMA_VERSION:
                 raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
                                    f"the supported {_SCHEMA_VERSION}")
@@ -283,7 +287,7 @@ class JobQueue:
         todo = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
         done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
         job_id = uuid.uuid4().hex
-        now = time.time()
+        now = self.clock()
         conn = self._conn()
         with _write(conn):
             conn.execute(
@@ -308,7 +312,7 @@ class JobQueue:
                 raise JobNotFound(job_id)
             conn.execute("UPDATE jobs SET cancelled = 1 WHERE id = ?", (job_id,))
             conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
-                         "WHERE job_id = ? AND status = 'pending'", (time.time(), job_id))
+                         "WHERE job_id = ? AND status = 'pending'", (self.clock(), job_id))
         return self.job(job_id)
 
     # -- reading -----------------------------------------------------------------------
@@ -370,8 +374,9 @@ class JobQueue:
         if not job_ids:
             return out
         marks = ",".join("?" * len(job_ids))
-        for row in conn.execute(f"SELECT job_id, status, COUNT(*) FROM items "
-                                f"WHERE job_id IN ({marks}) GROUP BY job_id, status", tuple(job_ids)):
+        sql = (f"SELECT job_id, status, COUNT(*) FROM items WHERE job_id IN ({marks}) "
+               "GROUP BY job_id, status")
+        for row in conn.execute(sql, tuple(job_ids)):
             out[row[0]][row[1]] = row[2]
         return out
 
@@ -387,12 +392,13 @@ class JobQueue:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         conn = self._conn()
-        now = time.time()
+        now = self.clock()
         with _write(conn):
-            self._fail_exhausted(conn, now)
+            self._sweep_expired(conn, now)
             first = conn.execute(
                 "SELECT i.job_id FROM items i JOIN jobs j ON j.id = i.job_id "
-                "WHERE " + _CLAIMABLE + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
+                "WHERE j.cancelled = 0 AND " + _CLAIMABLE
+                + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
                 (now, now)).fetchone()
             if first is None:
                 return []
@@ -415,7 +421,7 @@ class JobQueue:
         if not ids:
             return set()
         conn = self._conn()
-        now = time.time()
+        now = self.clock()
         held: set[int] = set()
         with _write(conn):
             for chunk in _chunks(ids, 500):
@@ -444,25 +450,32 @@ class JobQueue:
             cur = conn.execute(
                 "UPDATE items SET status = 'done', last_error = NULL, lease_owner = ?, "
                 "lease_expires = NULL, updated = ? WHERE id = ? AND status != 'done'",
-                (worker_id, time.time(), item_id))
+                (worker_id, self.clock(), item_id))
         return cur.rowcount == 1
 
     def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
-        """Record a failed attempt; returns the item's new status (``pending`` or ``failed``).
+        """Record a failed attempt; returns the item's new status.
+
+        The new status is ``pending`` (retried), ``failed`` or ``cancelled``.
 
         ``permanent`` (e.g. a source that cannot be read) fails it now; otherwise it is
-        retried while attempts remain. An item this worker no longer holds is left alone.
+        retried while attempts remain (``cancelled`` instead if its job was cancelled).
+        An item this worker no longer holds is left alone.
         """
         conn = self._conn()
         with _write(conn):
-            row = conn.execute("SELECT status, attempts, lease_owner FROM items WHERE id = ?",
-                               (item_id,)).fetchone()
+            row = conn.execute(
+                "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
+                "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?", (item_id,)).fetchone()
             if row is None or row["status"] != "running" or row["lease_owner"] != worker_id:
                 return row["status"] if row is not None else "missing"
-            status = "failed" if permanent or row["attempts"] >= self.max_attempts else "pending"
+            if permanent or row["attempts"] >= self.max_attempts:
+                status = "failed"
+            else:  # a retry, unless the job was cancelled meanwhile
+                status = "cancelled" if row["cancelled"] else "pending"
             conn.execute("UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
                          "lease_expires = NULL, updated = ? WHERE id = ?",
-                         (status, error[:4000], time.time(), item_id))
+                         (status, error[:4000], self.clock(), item_id))
         return status
 
     def release(self, worker_id: str, item_ids: Iterable[int]) -> int:
@@ -478,7 +491,7 @@ class JobQueue:
                     f"WHERE jobs.id = items.job_id) THEN 'cancelled' ELSE 'pending' END, "
                     f"attempts = MAX(attempts - 1, 0), lease_owner = NULL, lease_expires = NULL, "
                     f"updated = ? WHERE id IN ({marks}) AND status = 'running' AND lease_owner = ?",
-                    (time.time(), *chunk, worker_id))
+                    (self.clock(), *chunk, worker_id))
                 n += cur.rowcount
         return n
 
@@ -489,14 +502,21 @@ class JobQueue:
             conn.execute("INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
-                         (worker_id, os.getpid(), time.time(), _canonical(info or {})))
+                         (worker_id, os.getpid(), self.clock(), _canonical(info or {})))
+            conn.execute("DELETE FROM heartbeats WHERE seen < ?",
+                         (self.clock() - _HEARTBEAT_KEEP_S,))
 
     def heartbeats(self) -> list[dict[str, Any]]:
         rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
         return [{"worker_id": r["worker_id"], "pid": r["pid"], "seen": r["seen"],
                  "info": json.loads(r["info"])} for r in rows]
 
-    def _fail_exhausted(self, conn: sqlite3.Connection, now: float) -> None:
+    def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
+        """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""
+        conn.execute(
+            "UPDATE items SET status = 'cancelled', lease_owner = NULL, lease_expires = NULL, "
+            "updated = ? WHERE status = 'running' AND lease_expires < ? AND job_id IN "
+            "(SELECT id FROM jobs WHERE cancelled = 1)", (now, now))
         conn.execute(
             "UPDATE items SET status = 'failed', lease_owner = NULL, lease_expires = NULL, "
             "updated = ?, last_error = COALESCE(last_error || '; ', '') || "

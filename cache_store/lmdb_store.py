@@ -57,6 +57,21 @@ _INDEXES_DB = b"indexes"
 _KEYS_PER_TXN = 4096
 #: A long-lived writer frees reader slots left by dead processes at most this often.
 READER_CHECK_INTERVAL_S = 5.0
+_MAX_KEY_BYTES = 511  # LMDB's default build
+
+def _lookup(txn: Any, db: Any, key: str) -> Any:
+    """The value under ``key`` or None; keys LMDB cannot hold (empty, over 511 bytes,
+    not encodable) are simply absent."""
+    if db is None or not isinstance(key, str):
+        return None
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    if not 0 < len(raw) <= _MAX_KEY_BYTES:
+        return None
+    return txn.get(raw, db=db)
+
 
 class _SharedEnv:
     """One LMDB environment per path per process, shared by every store on that path.
@@ -214,15 +229,16 @@ class LMDBStore(Store):
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- transactions ----------------------------------------------------------------
-    @contextmanager
-    def _read(self) -> Iterator[tuple[Any, dict[bytes, Any]]]:
+    def _begin(self) -> tuple[Any, dict[bytes, Any]]:
+        """A read transaction (``buffers=True``) and the databases; the caller ends it."""
         env, dbs = self._environment()
-        for name, db in dbs.items():
-            if db is None:  # read-only handle opened before a writer created the database
-                try:
-                    dbs[name] = env.open_db(name, create=False)
-                except lmdb.NotFoundError:
-                    pass
+        if None in dbs.values():  # read-only handle opened before a writer created them
+            for name, db in dbs.items():
+                if db is None:
+                    try:
+                        dbs[name] = env.open_db(name, create=False)
+                    except lmdb.NotFoundError:
+                        pass
         try:
             txn = self._begin_read(env)
         except lmdb.ReadersFullError as exc:
@@ -237,6 +253,11 @@ class LMDBStore(Store):
                 txn = self._begin_read(env)
             except lmdb.ReadersFullError as again:
                 raise self._readers_full(env) from again
+        return txn, dbs
+
+    @contextmanager
+    def _read(self) -> Iterator[tuple[Any, dict[bytes, Any]]]:
+        txn, dbs = self._begin()
         with txn:
             yield txn, dbs
 
@@ -298,18 +319,22 @@ class LMDBStore(Store):
     # -- primitives ------------------------------------------------------------------
     def get(self, key: str) -> bytes:
         with self._read() as (txn, dbs):
-            value = None if dbs[_RECORDS_DB] is None else txn.get(key.encode(), db=dbs[_RECORDS_DB])
+            value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
                 raise RecordNotFound(key, self.location)
             return bytes(value)
 
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
         # Decoded inside the transaction, straight from the map: one copy per tensor.
-        with self._read() as (txn, dbs):
-            value = None if dbs[_RECORDS_DB] is None else txn.get(key.encode(), db=dbs[_RECORDS_DB])
+        # The hot path of every read: no context-manager generator around the transaction.
+        txn, dbs = self._begin()
+        try:
+            value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
                 raise RecordNotFound(key, self.location)
             return decode_record(value, key=key, fields=fields)
+        finally:
+            txn.abort()  # read-only: ends it and releases the reader slot
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
@@ -318,7 +343,7 @@ class LMDBStore(Store):
             db = dbs[_RECORDS_DB]
             out = []
             for key in keys:
-                value = None if db is None else txn.get(key.encode(), db=db)
+                value = _lookup(txn, db, key)
                 if value is None:
                     raise RecordNotFound(key, self.location)
                 out.append(decode_record(value, key=key, fields=fields))
@@ -338,12 +363,15 @@ class LMDBStore(Store):
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
             db = dbs[_RECORDS_DB]
-            return db is not None and txn.get(key.encode(), db=db) is not None
+            return _lookup(txn, db, key) is not None
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         # Chunks of keys per short transaction: a consumer that stops early, or works
         # slowly between keys, never pins an old snapshot (or a reader slot).
-        raw_prefix = prefix.encode()
+        try:
+            raw_prefix = prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            return  # no key can start with it
         start = raw_prefix
         skip_start = False
         while True:

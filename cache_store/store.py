@@ -102,7 +102,9 @@ class DatasetIndex:
                                   f"{self.recipe!r} v{self.recipe_version} with params "
                                   f"{canonical_json(dict(self.params))} ({expected})"],
                                  what="dataset index")
-        ids = [validate_sample_id(s) for s in np.asarray(self.sample_ids).ravel().tolist()]
+        raw = self.sample_ids
+        raw = raw.ravel().tolist() if isinstance(raw, np.ndarray) else list(raw)
+        ids = [validate_sample_id(s) for s in raw]  # refuses non-str ids (no str() coercion)
         seen: set[str] = set()
         for sample_id in ids:
             if sample_id in seen:

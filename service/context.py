@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cache_store.errors import SpcacheError
 from cache_store.jobs import JobQueue
 from cache_store.store import Store, open_store
 from service.metrics import Metrics
@@ -44,6 +43,7 @@ class ServiceContext:
         self._store: Store | None = None
         self._store_lock = threading.Lock()
         self._stats: dict[str, CacheStats] = {}
+        self._stats_at: float | None = None
         self._stats_lock = threading.Lock()
 
     def store(self) -> Store | None:
@@ -65,22 +65,20 @@ class ServiceContext:
         self.queue.close()
 
     def cache_stats(self, fingerprint: str) -> CacheStats:
-        """Records and bytes stored under a fingerprint (measured at most every ``stats_ttl_s``)."""
+        """Records and bytes stored under a fingerprint.
+
+        From one ``store.stats()`` pass over the whole cache (the LMDB store walks its
+        keys and value lengths without copying values), reused for ``stats_ttl_s``.
+        """
         now = time.time()
         with self._stats_lock:
-            cached = self._stats.get(fingerprint)
-        if cached is not None and now - cached.measured < self.settings.stats_ttl_s:
-            return cached
-        store = self.store()
-        records = nbytes = 0
-        if store is not None:
-            for key in store.keys(prefix=f"{fingerprint}/"):
-                try:
-                    nbytes += len(store.get(key))
-                except SpcacheError:
-                    continue  # deleted between listing and reading
-                records += 1
-        stats = CacheStats(records, nbytes, now)
-        with self._stats_lock:
-            self._stats[fingerprint] = stats
-        return stats
+            fresh = self._stats_at is not None and now - self._stats_at < self.settings.stats_ttl_s
+            stats = self._stats
+        if not fresh:
+            store = self.store()
+            per_fp = store.stats()["fingerprints"] if store is not None else {}
+            stats = {fp: CacheStats(int(e.get("records", 0)), int(e.get("bytes", 0)), now)
+                     for fp, e in per_fp.items()}
+            with self._stats_lock:
+                self._stats, self._stats_at = stats, now
+        return stats.get(fingerprint, CacheStats(0, 0, now))

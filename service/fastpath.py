@@ -62,7 +62,8 @@ class RecordFastPath:
                 return None
             fields = query["fields"][0] if "fields" in query else None
         try:
-            value, etag = read_record(self.ctx, fingerprint, raw_id, fields)  # path: decoded once already
+            # scope["path"] is percent-decoded already: do not decode it again.
+            value, etag = read_record(self.ctx, fingerprint, raw_id, fields)
         except SpcacheError:
             return None
         headers = [(b"etag", etag.encode()), (b"cache-control", b"no-cache")]

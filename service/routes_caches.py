@@ -75,7 +75,8 @@ def get_cache(fingerprint: Fingerprint, request: Request, offset: int = Query(0,
         recipe, version, params = index.recipe, index.recipe_version, dict(index.params)
         ids = [str(s) for s in index.sample_ids[offset:offset + limit]]
     else:
-        recipe, version, params = jobs[0].recipe, RECIPE_SPECS[jobs[0].recipe].version, jobs[0].params
+        recipe, params = jobs[0].recipe, jobs[0].params
+        version = RECIPE_SPECS[recipe].version
         ids = []
     return {"fingerprint": fingerprint, "recipe": recipe, "recipe_version": version,
             "params": params, "counts": counts, "bytes": stats.bytes,
@@ -154,7 +155,8 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
                        304: {"description": "not modified (If-None-Match)"}})
 async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
                      fields: str | None = Query(None, max_length=4096,
-                                                description="comma-separated field names")) -> Response:
+                                                description="comma-separated field names"),
+                     ) -> Response:
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
     ctx = _ctx(request)
     value, etag = read_record(ctx, fingerprint, sample_id, fields)
@@ -175,7 +177,7 @@ class BatchRequest(BaseModel):
 
 @router.post("/caches/{fingerprint}/batch", response_class=Response,
              responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
-                              "description": "records framed as described in cache_store.http_store"}})
+                              "description": "records framed as in cache_store.http_store"}})
 async def get_batch(fingerprint: Fingerprint, body: BatchRequest, request: Request) -> Response:
     """Many records in one response; a missing or bad sample is listed, the rest still come."""
     ctx = _ctx(request)
@@ -210,7 +212,8 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, request: Reque
 @router.get("/caches/{fingerprint}/items/{sample_id:path}")
 def get_item_state(fingerprint: Fingerprint, sample_id: str, request: Request,
                    path: str | None = Query(None, max_length=4096,
-                                            description="source to compare against")) -> dict[str, Any]:
+                                            description="source to compare against"),
+                   ) -> dict[str, Any]:
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
     ctx = _ctx(request)
     source = None

@@ -64,7 +64,8 @@ def metrics(request: Request) -> PlainTextResponse:
     requests, nbytes, records = ctx.metrics.snapshot()
     families: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
         ("spcache_http_requests_total", "counter", "HTTP requests by method, route and status",
-         [({"method": m, "route": r, "status": s}, n) for (m, r, s), n in sorted(requests.items())]),
+         [({"method": m, "route": r, "status": s}, n)
+          for (m, r, s), n in sorted(requests.items())]),
         ("spcache_http_response_bytes_total", "counter", "response body bytes sent, by route",
          [({"route": r}, n) for r, n in sorted(nbytes.items())]),
         ("spcache_records_served_total", "counter", "records sent (single and batch reads)",

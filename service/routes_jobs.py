@@ -22,8 +22,10 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 class WarmupItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1, max_length=512, description="sample id (relative path, no extension)")
-    path: str = Field(min_length=1, max_length=4096, description="source file, inside a source root")
+    id: str = Field(min_length=1, max_length=512,
+                    description="sample id (relative path, no extension)")
+    path: str = Field(min_length=1, max_length=4096,
+                      description="source file, inside a source root")
 
 
 class WarmupRequest(BaseModel):

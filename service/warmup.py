@@ -86,7 +86,8 @@ def resolve_source(path: str, roots: Sequence[Path]) -> Path:
     return real
 
 
-def expand_glob(root: str, pattern: str, roots: Sequence[Path], limit: int) -> list[tuple[str, str]]:
+def expand_glob(root: str, pattern: str, roots: Sequence[Path],
+                limit: int) -> list[tuple[str, str]]:
     """``(sample id, path)`` for each file under ``root`` matching ``pattern``, sorted.
 
     The id is the match's path relative to ``root`` without its extension
@@ -165,7 +166,8 @@ def plan_warmup(recipe: str, params: dict[str, Any] | None, items: Sequence[tupl
     return plan
 
 
-def _is_ready(store: Store | None, fingerprint: str, sample_id: str, path: os.PathLike[str]) -> bool:
+def _is_ready(store: Store | None, fingerprint: str, sample_id: str,
+              path: os.PathLike[str]) -> bool:
     if store is None:
         return False
     key = record_key(fingerprint, sample_id)

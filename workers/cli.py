@@ -15,11 +15,12 @@ Logging is configured here and nowhere else in the package.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
 import os
-import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,10 +46,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "stats": ("workers.cli:STATS", "summarise a cache: fingerprints, records, bytes"),
     "worker": ("workers.worker_loop", "run the long-lived GPU worker over the cache's job queue"),
     "serve": ("service.cli", "run the HTTP service (and its worker)"),
+    "export": ("workers.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
+    "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
 }
 
 MANIFEST_EXTENSIONS = (".txt", ".jsonl")
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 class UsageError(SpcacheError, ValueError):
@@ -138,8 +140,9 @@ def discover_sources(sources: Sequence[str | os.PathLike[str]]) -> list[tuple[st
 
     - a directory: every supported file under it (recursively, hidden entries skipped),
       sorted; the id is the path relative to the directory, without extension;
-    - ``.txt``: a manifest, one path a line (``#`` comments); the id is the path as
-      written, without extension; relative paths are relative to the manifest;
+    - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
+      folder; the id is that relative path without extension, or for a path outside
+      the folder its file name without extension;
     - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
     - any other file: one sample whose id is the file name without extension.
 
@@ -188,9 +191,23 @@ def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
 def _read_txt_manifest(manifest: Path) -> list[tuple[str, str]]:
     items = []
     for _, line in _manifest_lines(manifest):
-        written = Path(line)
-        items.append((written.with_suffix("").as_posix(), str(manifest.parent / written)))
+        path = manifest.parent / line  # an absolute line stays absolute
+        items.append((_manifest_id(manifest.parent, Path(line)), str(path)))
     return items
+
+
+def _manifest_id(base: Path, written: Path) -> str:
+    """The path relative to the manifest's folder, without extension; a path outside that
+    folder (absolute, or climbing out with ``..``) gets its file name without extension."""
+    if written.is_absolute():
+        try:
+            written = written.relative_to(base.resolve())
+        except ValueError:
+            return written.stem
+    inside = Path(os.path.normpath(written))
+    if inside.parts and inside.parts[0] == "..":
+        return written.stem
+    return inside.with_suffix("").as_posix()
 
 
 def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:
@@ -251,24 +268,39 @@ class _Precompute:
         parser.add_argument("--cache", required=True, type=Path, help="cache directory")
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
         parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"])
-        parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
-                            help="loader processes (0: load in this process)")
+        parser.add_argument("--jobs", type=int, default=None,
+                            help="loader processes (0: load in this process; default: one per "
+                                 "core but one, at most 8; with --engine ray, per actor, "
+                                 "default chosen by each actor from its node)")
         parser.add_argument("--query-chunk", type=int, default=1 << 18,
                             help="queries per device call before any out-of-memory back-off")
         parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
         parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+        parser.add_argument("--engine", choices=["local", "ray"], default="local",
+                            help="local: this process and its loaders; ray: Ray actors, one per "
+                                 "GPU (or CPU), needs spcache[ray]")
+        parser.add_argument("--address", default=None,
+                            help="Ray cluster to join (--engine ray; default: start a local one)")
+        parser.add_argument("--actors", type=int, default=None,
+                            help="Ray actors (--engine ray; default: one per GPU of the cluster, "
+                                 "or one per CPU without GPUs); --jobs is then per actor")
         _verbose_flag(parser)
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
+        from workers.engine import DEVICE_PATTERN
         from workers.recipes import get_recipe
 
         try:  # everything that can be checked without touching the cache or a device
             params = get_recipe(args.recipe).spec.resolve(parse_params(args.param))
             if not DEVICE_PATTERN.match(args.device):
                 raise UsageError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
-            if args.jobs < 0:
+            if args.jobs is not None and args.jobs < 0:
                 raise UsageError(f"--jobs {args.jobs}: must be 0 or more")
+            if args.engine == "local" and (args.address is not None or args.actors is not None):
+                raise UsageError("--address and --actors need --engine ray")
+            if args.actors is not None and args.actors < 1:
+                raise UsageError(f"--actors {args.actors}: must be 1 or more")
             items = discover_sources(args.sources)
             if not items:
                 raise UsageError("no supported source files found in "
@@ -277,7 +309,6 @@ class _Precompute:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
         from cache_store.store import open_store
-        from workers.engine import Engine
 
         try:
             store = open_store(args.cache, readonly=False)
@@ -285,10 +316,10 @@ class _Precompute:
             print(f"spcache precompute: cannot open cache {args.cache}: {exc}", file=sys.stderr)
             return 2
         try:
-            engine = Engine(store, args.recipe, params, device=args.device, backend=args.backend,
-                            jobs=args.jobs, query_chunk=args.query_chunk,
-                            write_batch=args.write_batch, progress=sys.stderr.isatty())
-            summary = _run_engine(engine, items)
+            engine = _make_engine(args, store, params)
+            # with --json, stdout carries the summary alone (Ray prints actor deaths there)
+            with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+                summary = _run_engine(engine, items)
         except (ParameterError, UnknownName, BackendUnavailable) as exc:
             print(f"spcache precompute: {exc}", file=sys.stderr)
             return 2
@@ -301,13 +332,38 @@ class _Precompute:
         return 1 if summary.failed else 0
 
 
-def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
-    if not engine.progress:
-        return engine.run(items)
-    from tqdm.contrib.logging import logging_redirect_tqdm
+def _make_engine(args: argparse.Namespace, store: Any, params: dict[str, Any]) -> Any:
+    options = dict(device=args.device, backend=args.backend, query_chunk=args.query_chunk,
+                   write_batch=args.write_batch, progress=sys.stderr.isatty())
+    if args.engine == "ray":  # Ray is imported only on this path
+        from workers.ray_engine import RayEngine
 
-    with logging_redirect_tqdm():
-        return engine.run(items)
+        return RayEngine(store, args.recipe, params, jobs=args.jobs, address=args.address,
+                         actors=args.actors, **options)
+    from workers.engine import Engine
+
+    jobs = max(1, min(8, (os.cpu_count() or 2) - 1)) if args.jobs is None else args.jobs
+    return Engine(store, args.recipe, params, jobs=jobs, **options)
+
+
+def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
+    """``engine.run(items)``; SIGTERM (``docker stop``) ends it like Ctrl-C: what was
+    computed is committed and indexed before the process exits with status 130."""
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        if not engine.progress:
+            return engine.run(items)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():
+            return engine.run(items)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _print_summary(summary: Any) -> None:
@@ -317,15 +373,15 @@ def _print_summary(summary: Any) -> None:
           f"in {summary.wall_s:.1f}s")
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
+    for line in summary.detail_lines() if hasattr(summary, "detail_lines") else ():
+        print(line)
     print(f"fingerprint {summary.fingerprint}")
 
 
 class _Verify:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
-        parser.add_argument("--json", action="store_true", help="print the report as JSON")
-        _verbose_flag(parser)
+        _cache_reader_arguments(parser, "print the report as JSON")
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -348,9 +404,7 @@ class _Verify:
 class _Stats:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--cache", required=True, type=Path, help="cache directory")
-        parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
-        _verbose_flag(parser)
+        _cache_reader_arguments(parser, "print the statistics as JSON")
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
@@ -364,10 +418,17 @@ class _Stats:
         return 0
 
 
-def _with_store(cache: Path, action: Any) -> Any:
+def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> None:
+    parser.add_argument("--cache", required=True,
+                        help="cache directory, Zarr snapshot (path or URL) or service URL")
+    parser.add_argument("--json", action="store_true", help=json_help)
+    _verbose_flag(parser)
+
+
+def _with_store(cache: str, action: Any) -> Any:
     from cache_store.store import open_store
 
-    if not cache.exists():
+    if "://" not in cache and not Path(cache).exists():
         print(f"spcache: {cache}: no such cache directory", file=sys.stderr)
         return None
     try:

@@ -30,6 +30,7 @@ import multiprocessing
 import os
 import queue
 import re
+import signal
 import sys
 import threading
 import time
@@ -38,7 +39,6 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,6 @@ from cache_store.errors import (
     ParameterError,
     RecordNotFound,
     SourceError,
-    SpcacheError,
 )
 from cache_store.fingerprint import (
     canonical_json,
@@ -62,14 +61,23 @@ from cache_store.fingerprint import (
 )
 from cache_store.record import encode_record, read_metadata
 from cache_store.store import DatasetIndex, Store
-from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, get_recipe, make_generator
+from workers.recipes import (
+    OOM_ERRORS,
+    ChunkBudget,
+    Prepared,
+    Recipe,
+    check_outputs,
+    get_recipe,
+    make_generator,
+)
 from workers.sources import hash_bytes, load_source, read_source_bytes
 
-__all__ = ["Engine", "Summary", "SampleError", "ItemResult", "resolve_device"]
+__all__ = ["DEVICE_PATTERN", "Engine", "Summary", "SampleError", "ItemResult", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: What ``device`` may be: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 @dataclass(frozen=True)
@@ -196,7 +204,7 @@ class Engine:
         self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
         self.params = self.recipe.spec.resolve(params)
         problems = []
-        if not _DEVICE_RE.match(str(device)):
+        if not DEVICE_PATTERN.match(str(device)):
             problems.append(f"device: {device!r} is not auto, cpu, cuda or cuda:N")
         if jobs < 0:
             problems.append(f"jobs: {jobs} is negative")
@@ -219,9 +227,31 @@ class Engine:
         self.fault_hook = fault_hook
         self.progress = progress
         self.fingerprint = compute_fingerprint(self.recipe.name, self.recipe.version, self.params)
+        self._loader: _Loader | None = None
 
     def key(self, sample_id: str) -> str:
         return record_key(self.fingerprint, sample_id)
+
+    def open(self) -> Engine:
+        """Start the loader pool now and keep it for every later :meth:`run` (a long-lived
+        worker calls this once; without it each run starts and stops its own pool)."""
+        if self._loader is None:
+            loader = _Loader(self)
+            loader.open()
+            self._loader = loader
+        return self
+
+    def close(self) -> None:
+        """Stop the loader pool started by :meth:`open` (safe to call twice)."""
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
+
+    def __enter__(self) -> Engine:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
             on_result: Callable[[ItemResult], None] | None = None) -> Summary:
@@ -260,10 +290,12 @@ class _Run:
     def execute(self) -> Summary:
         start = time.perf_counter()
         work = self._admit(self.items)
-        loader = _Loader(self.engine, len(work))
+        own_loader = self.engine._loader is None
+        loader = _Loader(self.engine, len(work)) if own_loader else self.engine._loader
         writer: _Writer | None = None
         try:
-            loader.open()
+            if own_loader:
+                loader.open()
             device = resolve_device(self.engine.device)
             from workers.ops import get_backend  # the ops package imports Kaolin if present
 
@@ -279,7 +311,8 @@ class _Run:
             self._drain_committed()
             self.summary.oom_backoffs = budget.backoffs
         finally:
-            loader.close()
+            if own_loader:
+                loader.close()
             if writer is not None and writer.is_alive():
                 writer.finish()  # interrupted: still commit what was computed
                 self._drain_committed(quiet=True)
@@ -329,6 +362,15 @@ class _Run:
     def _loop(self, work: list[_Item], loader: _Loader, writer: _Writer,
               device: torch.device, ops: Any, budget: ChunkBudget) -> None:
         pending: deque[tuple[_Item, cf.Future]] = deque()
+        try:
+            self._drive(work, pending, loader, writer, device, ops, budget)
+        finally:
+            for _, future in pending:  # interrupted: loads nobody will wait for
+                future.cancel()
+
+    def _drive(self, work: list[_Item], pending: deque[tuple[_Item, cf.Future]],
+               loader: _Loader, writer: _Writer, device: torch.device, ops: Any,
+               budget: ChunkBudget) -> None:
         upcoming = iter(work)
         while True:
             while len(pending) < self.engine.prefetch:
@@ -355,12 +397,13 @@ class _Run:
         try:
             tensors = self.engine.recipe.compute_prepared(
                 prepared, self.engine.params, device=device, ops=ops, query_chunk=budget)
+            check_outputs(self.engine.recipe.spec, tensors, self.engine.params)
         except OOM_ERRORS as exc:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             self._finish(ItemResult(item.sample_id, item.path, "failed",
-                                    reason=f"out of device memory even with {budget.size}-query "
-                                           f"chunks: {_one_line(exc)}"))
+                                    reason=f"out of device memory (after backing off to "
+                                           f"{budget.size}-query chunks): {_one_line(exc)}"))
             return
         except SourceError as exc:
             self._finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason))
@@ -484,6 +527,7 @@ def _load_task(recipe_name: str, params: dict[str, Any], fingerprint: str, sampl
 
 def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
                      name="spcache-orphan-watch").start()
 
@@ -522,9 +566,9 @@ class _Loader:
     the culprit and fails with a reason; the other pending items are resubmitted.
     """
 
-    def __init__(self, engine: Engine, count: int) -> None:
+    def __init__(self, engine: Engine, count: int | None = None) -> None:
         self.engine = engine
-        self.count = count
+        self.count = engine.jobs if count is None else count  # no more processes than items
         self.pool: cf.ProcessPoolExecutor | None = None
 
     def open(self) -> None:
@@ -532,8 +576,14 @@ class _Loader:
             self.pool = self._new_pool()
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            # Import the heavy modules once in the server (CPU only: it never runs an op),
+            # so each loader forks ready instead of importing torch and trimesh itself.
+            # Takes effect when this process first starts its forkserver.
+            context.set_forkserver_preload(["workers.engine", "trimesh"])
+        else:
+            context = multiprocessing.get_context("spawn")
         return cf.ProcessPoolExecutor(max_workers=min(self.engine.jobs, self.count),
                                       mp_context=context, initializer=_init_loader_process,
                                       initargs=(os.getpid(),))
@@ -548,7 +598,11 @@ class _Loader:
             future: cf.Future = cf.Future()
             future.set_result(_load_task(*self._args(item)))
             return future
-        return self.pool.submit(_load_task, *self._args(item))
+        try:
+            return self.pool.submit(_load_task, *self._args(item))
+        except BrokenProcessPool:  # a process died since the last submit
+            self._restart()
+            return self.pool.submit(_load_task, *self._args(item))
 
     def result(self, item: _Item, future: cf.Future,
                pending: deque[tuple[_Item, cf.Future]]) -> tuple:

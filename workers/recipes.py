@@ -21,7 +21,10 @@ Random draws, in order: ``surface_samples`` surface points (meshes only; see
 float64 uniforms (mapped to ``[-1, 1]``), ``surface_queries`` indices into the shape's
 points, and ``surface_queries x 3`` float64 normal deviates scaled by ``surface_sigma``.
 Query points are rounded to float32 *before* they are queried, so the stored
-``query_points`` reproduce ``query_pidx`` exactly.
+``query_points`` reproduce ``query_pidx`` exactly. Surface queries are not clipped to the
+cube; ``occupancy`` is ``query_pidx[:, level] >= 0``, so it follows Kaolin's
+``with_parents`` rule of truncating toward zero: a query just outside ``[-1, 1]`` (less
+than one voxel out on the low side) counts in the border voxel.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 
 from cache_store.errors import SourceError
+from cache_store.hashing import hash_bytes, hash_file
 
 __all__ = [
     "POINT_CLOUD_EXTENSIONS",
@@ -65,8 +65,6 @@ POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
 MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
 SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
 
-_HASH_PREFIX = "xxh3_128:"
-_HASH_BLOCK = 1 << 20
 _NPZ_POINT_NAMES = ("points", "xyz", "positions")
 
 
@@ -104,23 +102,6 @@ class Normalization:
 
     center: np.ndarray  # float64 [3], values exactly representable as float32
     scale: float  # > 0, exactly representable as float32
-
-
-def hash_bytes(data: bytes) -> str:
-    """Content hash of ``data``: ``"xxh3_128:<32 hex digits>"``."""
-    return _HASH_PREFIX + xxhash.xxh3_128_hexdigest(data)
-
-
-def hash_file(path: str | Path) -> str:
-    """Content hash of the file at ``path``, the same value :func:`hash_bytes` gives its bytes."""
-    digest = xxhash.xxh3_128()
-    try:
-        with open(path, "rb") as fh:
-            while block := fh.read(_HASH_BLOCK):
-                digest.update(block)
-    except OSError as exc:
-        raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
-    return _HASH_PREFIX + digest.hexdigest()
 
 
 def read_source_bytes(path: str | Path) -> bytes:
@@ -264,7 +245,7 @@ def _load_with_trimesh(path: Path, data: bytes, ext: str) -> tuple[np.ndarray, n
 
     if ext == ".ply":
         declared = _ply_declared_counts(path, data)
-    kwargs = {"skip_materials": True} if ext in (".obj", ".ply") else {}
+    kwargs = {"skip_materials": True} if ext in (".obj", ".ply", ".glb") else {}
     try:
         loaded = trimesh.load(io.BytesIO(data), file_type=ext[1:], process=False, **kwargs)
     except (MemoryError, RecursionError):
@@ -372,8 +353,9 @@ def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization
     """The normalisation of ``points`` (float64 ``[N, 3]``, finite, N >= 1) into ``[-1, 1]``.
 
     ``center`` = bounding-box midpoint rounded to float32; ``scale`` = smallest float32
-    not below ``max |points - center|``. Raises SourceError when every point coincides
-    (scale 0) or when the values do not fit float32.
+    not below ``max |points - center|``. Raises SourceError when every point coincides,
+    when the values do not fit float32, or when the shape is so small for its distance
+    from the origin that the float32 center misses it by more than half its size.
     """
     points = np.asarray(points, dtype=np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -387,9 +369,19 @@ def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization
     if not np.isfinite(reach) or reach > float(np.finfo(np.float32).max):
         raise SourceError(path, "shape extent is beyond float32 range; cannot store the "
                                 "normalisation")
-    if reach == 0.0:
+    half_extent = float(np.max(high - low)) * 0.5  # finite: reach passed the check above
+    if half_extent == 0.0:
         raise SourceError(path, f"all {len(points)} points coincide; a shape with no extent "
                                 "cannot be normalised into [-1, 1]")
+    if reach < float(np.finfo(np.float32).tiny):
+        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is below float32 range; "
+                                "cannot store the normalisation scale")
+    if half_extent < 0.5 * reach:
+        # The float32 center is off by more than the shape is wide: the record would squash
+        # the shape into a corner of the cube. Refuse rather than store a useless record.
+        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is too small for its distance "
+                                f"from the origin ({float(np.abs(center64).max()):.3g}) to store "
+                                "its center as float32; translate it closer to the origin")
     scale = np.float32(reach)
     if float(scale) < reach:
         scale = np.nextafter(scale, np.float32(np.inf))

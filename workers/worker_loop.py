@@ -127,6 +127,7 @@ class WorkerLoop:
             self.stop_requested.set()
             keeper.join(timeout=5)
             queue.heartbeat(self.worker_id, {**self._info(), "stopped": True})
+            self._close_engines()
             store.close()
             queue.close()
         log.info("worker %s stopped after %d item(s)", self.worker_id, self.processed)
@@ -190,8 +191,20 @@ class WorkerLoop:
                 raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
                                    f"queued, this worker computes {engine.fingerprint} for the "
                                    f"same recipe and parameters (different recipe version?)")
+            # One loader pool for this worker's life instead of one per claim. Engines of
+            # other fingerprints are closed first: their pools would sit idle.
+            self._close_engines()
+            engine.open()
             self._engines[item.fingerprint] = engine
         return engine
+
+    def _close_engines(self) -> None:
+        for fingerprint, engine in list(self._engines.items()):
+            try:
+                engine.close()
+            except Exception:  # noqa: BLE001 - a broken pool must not stop the worker
+                log.exception("closing the engine of %s failed", fingerprint)
+            del self._engines[fingerprint]
 
     def _keep_leases(self, queue: JobQueue) -> None:
         every = max(self.lease_s / 3.0, 0.05)

@@ -208,6 +208,8 @@ class WritableStoreContract(StoreContract):
             DatasetIndex(FP_A, "spc", 1, params, ["a", "b", "a"])
         with pytest.raises(SpcacheError):
             DatasetIndex(FP_A, "spc", 1, params, ["a", "../b"])
+        with pytest.raises(SpcacheError):
+            DatasetIndex(FP_A, "spc", 1, params, ["a", 1])
 
     def test_verify_reports_corrupt_and_missing(self, store: Store, content) -> None:
         records, _ = content

@@ -70,3 +70,12 @@ def test_clear_errors() -> None:
         collate_spc(legacy)
     with pytest.raises(ParameterError, match="neither"):
         collate_spc([{"x": torch.zeros(2, 3)}, {"x": torch.zeros(2, 4)}])
+
+
+def test_dtypes_survive_and_autograd_or_bfloat16_fall_back_to_torch() -> None:
+    samples = [{"a": torch.arange(3, dtype=torch.int16), "b": torch.ones(2, dtype=torch.bfloat16),
+                "c": torch.ones(2, requires_grad=True), "d": torch.tensor(True)} for _ in range(2)]
+    batch = collate_spc(samples)
+    assert batch["a"].dtype == torch.int16 and batch["a"].shape == (2, 3)
+    assert batch["b"].dtype == torch.bfloat16 and batch["c"].requires_grad
+    assert batch["d"].dtype == torch.bool and batch["d"].tolist() == [True, True]

@@ -149,3 +149,27 @@ def test_cached_dataset_reads_over_http_in_forked_loader_workers(
         octree = sample["octree"] if isinstance(sample, dict) else sample.tensors["octree"]
         assert torch.equal(octree, expected)
     dataset.close()
+
+
+def test_503_is_retried_honouring_retry_after() -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    calls = []
+
+    async def busy_then_ok(request):  # the service's answer when LMDB's reader table is full
+        calls.append(request.url.path)
+        if len(calls) < 3:
+            return Response(b'{"error": "SpcacheError", "detail": "busy"}', status_code=503,
+                            headers={"Retry-After": "0.05"}, media_type="application/json")
+        return Response(b"record bytes", media_type="application/octet-stream")
+
+    app = Starlette(routes=[Route("/v1/caches/{fp}/records/{sid:path}", busy_then_ok)])
+    with InProcessServer(None, app=app) as server, HTTPStore(server.url, retries=3) as store:
+        assert store.get(record_key("a" * 32, "x/y")) == b"record bytes"
+    assert calls == ["/v1/caches/" + "a" * 32 + "/records/x/y"] * 3
+    with InProcessServer(None, app=app) as server, HTTPStore(server.url, retries=0) as store:
+        calls.clear()
+        with pytest.raises(SpcacheError, match="503"):
+            store.get(record_key("a" * 32, "x/y"))

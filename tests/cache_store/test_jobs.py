@@ -226,3 +226,12 @@ def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:
     assert info.already_ready == 3 and info.counts["done"] == 3 and info.counts["pending"] == 2
     assert {c.sample_id for c in queue.claim("w", limit=10)} == {"s000", "s001"}
 
+
+
+def test_an_expired_lease_of_a_cancelled_job_is_not_claimed_again(queue: JobQueue) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(1))
+    queue.claim("dead", lease_s=0.01)
+    queue.cancel(job_id)
+    time.sleep(0.05)
+    assert queue.claim("other") == []
+    assert queue.job(job_id).counts["cancelled"] == 1 and queue.job(job_id).status == "cancelled"

@@ -64,3 +64,52 @@ def test_open_store_picks_backends(tmp_path: Path) -> None:
     assert isinstance(store, LMDBStore) and not store.readonly
     assert open_store(store) is store
     assert isinstance(open_store(f"file://{tmp_path}"), LMDBStore)
+
+
+def test_keys_lmdb_cannot_hold_are_just_absent(tmp_path: Path) -> None:
+    from cache_store.errors import RecordNotFound
+
+    store = LMDBStore(tmp_path, readonly=False)
+    store.put_many([(f"{FP_A}/a", make_record(FP_A, "a", 1))])
+    for key in ["", "x" * 600, "\udcff", f"{FP_A}/" + "y" * 500]:
+        assert not store.has(key)
+        with pytest.raises(RecordNotFound):
+            store.get(key)
+    store.close()
+
+
+def test_keys_are_listed_across_transaction_chunks(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import cache_store.lmdb_store as lmdb_store
+
+    monkeypatch.setattr(lmdb_store, "_KEYS_PER_TXN", 3)
+    store = LMDBStore(tmp_path, readonly=False)
+    keys = [f"{FP_A}/k{i:02d}" for i in range(10)]
+    store.put_many((k, make_record(FP_A, k.split("/", 1)[1], i)) for i, k in enumerate(keys))
+    assert list(store.keys()) == keys
+    assert list(store.keys(f"{FP_A}/k0")) == keys
+    keys += [f"{FP_A}/k{i:02d}" for i in range(10, 13)]
+    store.put_many((k, make_record(FP_A, k.split("/", 1)[1], 0)) for k in keys[10:])
+    assert list(store.keys(f"{FP_A}/k1")) == keys[10:]
+    assert len(list(store.keys())) == 13
+    store.close()
+
+
+def test_threads_share_one_store(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    writer = LMDBStore(tmp_path, readonly=False)
+    items = {f"{FP_A}/t{i}": make_record(FP_A, f"t{i}", i) for i in range(16)}
+    writer.put_many(items.items())
+    reader = LMDBStore(tmp_path)  # same path, same process: shares the environment
+
+    def read(key: str) -> bool:
+        return reader.get(key) == items[key] and reader.get_record(key).metadata["sample_id"] \
+            == key.split("/", 1)[1]
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(read, list(items) * 8))
+    assert list(reader.keys("\udcff")) == []
+    reader.close()
+    assert writer.has(f"{FP_A}/t0")  # the writer's handle outlives the reader's close
+    writer.close()

@@ -208,6 +208,8 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         "meta-type": lambda h: h["__metadata__"].update(recipe=3),
         "entry-keys": lambda h: h["octree"].update(extra=1),
         "negative": lambda h: h["octree"].update(data_offsets=[-1, 3]),
+        "nested": lambda h: h["__metadata__"].update(field_checksums="[" * 100_000),
+        "huge-dim": lambda h: h["octree"].update(shape=[10 ** 30]),
     }
     for name, edit in cases.items():
         with pytest.raises(CorruptRecord) as err:
@@ -242,6 +244,54 @@ def test_duplicate_header_keys_are_refused() -> None:
     dup = text[:-1] + b',"__metadata__":{}}'
     with pytest.raises(CorruptRecord, match="duplicate"):
         decode_record(struct.pack("<Q", len(dup)) + dup + value[8 + n:])
+
+
+def _signed_with_text_edit(value: bytes, old: bytes, new: bytes) -> bytes:
+    from cache_store.record import _sign
+
+    n = struct.unpack("<Q", value[:8])[0]
+    text = value[8:8 + n].rstrip()
+    assert text.count(old) == 1
+    text = _sign(text.replace(old, new))
+    return struct.pack("<Q", len(text)) + text + value[8 + n:]
+
+
+@pytest.mark.parametrize("where", ["tensor-entry", "metadata", "field-checksums", "top-level"])
+def test_duplicate_keys_are_refused_at_every_level_even_when_signed(where: str) -> None:
+    """A writer that re-signs a header with a duplicated key must not get one meaning
+    for this reader and another for a first-key-wins reader."""
+    _, value = _record()
+    header = read_header(value)
+    octree = header.tensors["octree"]
+    begin = octree.begin - header.data_start
+    edits = {
+        "tensor-entry": (b'"octree":{"dtype":"U8"', b'"octree":{"dtype":"I8","dtype":"U8"'),
+        "metadata": (b'"recipe":', b'"recipe":"other","recipe":'),
+        "field-checksums": (b'{\\"', b'{\\"octree\\":\\"0\\",\\"'),
+        "top-level": (b'"octree":{', b'"octree":{"dtype":"U8","shape":[0],"data_offsets":['
+                      + str(begin).encode() + b',' + str(begin).encode() + b']},"octree":{'),
+    }
+    hacked = _signed_with_text_edit(value, *edits[where])
+    with pytest.raises(CorruptRecord, match="duplicate") as err:
+        decode_record(hacked, key=KEY)
+    assert KEY in str(err.value)
+
+
+def test_decoded_bytes_are_the_verified_bytes() -> None:
+    """Decoding copies each field and verifies the copy: what comes back matches the
+    stored checksum, owns its memory and is writable without touching the input."""
+    tensors, value = _record()
+    source = bytearray(value)
+    rec = decode_record(source, key=KEY)
+    _assert_same(rec.tensors, tensors)
+    for name, tensor in rec.tensors.items():
+        if tensor.numel():
+            tensor.view(-1)[0] = tensor.view(-1)[0] + 1 if tensor.dtype != torch.bool else True
+    assert bytes(source) == value
+    header = read_header(value)
+    for name in header.tensors:
+        info = header.tensors[name]
+        assert info.end - info.begin == tensors[name].numel() * tensors[name].element_size()
 
 
 @pytest.mark.parametrize("value", [b"", b"\x00" * 8, b"\xff" * 16, b"{}", 12, None, "text",

@@ -94,10 +94,10 @@ class InProcessServer:
     (Starlette's TestClient is avoided: it is not a real server, and it warns with httpx.)
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings | None, app: object = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(settings)
+        self.app = create_app(settings) if app is None else app
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
                                 log_level="warning", lifespan="on")
         self.server = uvicorn.Server(config)

@@ -71,11 +71,62 @@ def test_serve_refuses_an_open_bind_at_start_up(tmp_path: Path) -> None:
     assert r.returncode == 2 and "without a token" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_service_does_not_import_workers_or_initialise_cuda() -> None:
-    code = ("import sys, service.app, service.cli; from service.settings import Settings; "
-            "app = service.app.create_app(Settings(cache='/tmp/x')); "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('workers', 'kaolin')); "
-            "import torch; print(bad, torch.cuda.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+_SERVE_ONE = """
+import sys, threading, time, httpx, uvicorn
+from service.app import create_app
+from service.settings import Settings
+cache, fp, sid, port = sys.argv[1:5]
+server = uvicorn.Server(uvicorn.Config(create_app(Settings(cache=cache)), host="127.0.0.1",
+                                       port=int(port), log_config=None, log_level="warning"))
+thread = threading.Thread(target=server.run, daemon=True)
+thread.start()
+while not server.started:
+    time.sleep(0.01)
+base = f"http://127.0.0.1:{port}/v1/caches/{fp}"
+codes = [httpx.get(f"{base}/records/{sid}").status_code,
+         httpx.get(f"{base}/records/{sid}", params={"fields": "octree"}).status_code,
+         httpx.post(f"{base}/batch", json={"ids": [sid]}).status_code,
+         httpx.get(f"{base}/items/{sid}").status_code, httpx.get(base).status_code]
+server.should_exit = True
+thread.join()
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "workers", "kaolin"))
+print(codes, heavy)
+"""
+
+
+def test_serving_imports_neither_torch_nor_workers(cache: Cache) -> None:
+    from tests.service.conftest import free_port
+
+    out = subprocess.run([sys.executable, "-c", _SERVE_ONE, str(cache.root), cache.fingerprint,
+                          cache.ids[0], str(free_port())], cwd=REPO_ROOT, capture_output=True,
                          text=True, check=True, timeout=60).stdout.strip()
-    assert out == "[] False"
+    assert out == "[200, 200, 200, 200, 200] []"
+
+
+def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Settings) -> None:
+    import lmdb
+
+    from cache_store.errors import SpcacheError
+    from tests.service.conftest import InProcessServer
+
+    server = InProcessServer(settings)
+
+    @server.app.get("/test/readers-full")
+    def readers_full() -> None:
+        try:
+            raise lmdb.ReadersFullError("MDB_READERS_FULL")
+        except lmdb.ReadersFullError as exc:  # wrapped the way LMDBStore wraps it
+            raise SpcacheError("reader table full") from exc
+
+    @server.app.get("/test/bug")
+    def bug() -> None:
+        raise RuntimeError("secret internals")
+
+    with server, httpx.Client(base_url=server.url) as http:
+        r = http.get("/test/readers-full")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json() == {"error": "SpcacheError",
+                            "detail": "too many concurrent readers of the cache; retry shortly"}
+        r = http.get("/test/bug")
+        assert r.status_code == 500 and r.json()["error"] == "InternalError"
+        assert "secret" not in r.text and "Traceback" not in r.text

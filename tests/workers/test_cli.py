@@ -37,10 +37,15 @@ def test_directory_discovery_is_recursive_sorted_and_ids_are_relative(tmp_path: 
 
 def test_manifests_and_single_files(tmp_path: Path) -> None:
     a = _touch(tmp_path / "meshes" / "a.obj")
+    elsewhere = _touch(tmp_path / "other" / "b.xyz")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "list.txt").write_text(f"# comment\n../meshes/a.obj\n\n{elsewhere}\n")
+    assert discover_sources([tmp_path / "m" / "list.txt"]) == [
+        ("a", str(tmp_path / "m" / "../meshes/a.obj")), ("b", str(elsewhere))]
     (tmp_path / "list.txt").write_text("# comment\nmeshes/a.obj\n\n" + str(a) + "\n")
     (tmp_path / "list.jsonl").write_text(json.dumps({"id": "first", "path": "meshes/a.obj"}) + "\n")
     assert discover_sources([tmp_path / "list.txt"]) == [
-        ("meshes/a", str(tmp_path / "meshes/a.obj")), (a.with_suffix("").as_posix(), str(a))]
+        ("meshes/a", str(tmp_path / "meshes/a.obj")), ("meshes/a", str(a))]
     assert discover_sources([tmp_path / "list.jsonl"]) == [("first", str(tmp_path / "meshes/a.obj"))]
     assert discover_sources([a]) == [("a", str(a))]
 

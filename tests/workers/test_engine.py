@@ -270,3 +270,29 @@ def test_engine_validates_options_without_touching_the_store(tmp_path: Path) -> 
     with pytest.raises(ParameterError, match="jobs"):
         Engine(store, "spc", jobs=-1)
     assert not (tmp_path / "never").exists()
+
+
+def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
+        tmp_path: Path, shared_meshes: list[Path]) -> None:
+    import os
+    import signal
+
+    paths = shared_meshes[:6]
+    killed: list[int] = []
+    with open_store(tmp_path / "c", readonly=False) as store, \
+            Engine(store, "spc", {"level": 5, "surface_samples": 1000}, device="cpu",
+                   jobs=2, prefetch=4) as engine:
+        pool = engine._loader.pool
+
+        def kill_loaders(result: ItemResult) -> None:
+            if not killed:  # loaders die while later items are still pending in them
+                for pid in list(engine._loader.pool._processes):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+        first = engine.run(_items(paths[:3]), on_result=kill_loaders)
+        second = engine.run(_items(paths))
+    assert killed
+    assert (first.done, first.failed) == (3, 0), first.errors
+    assert (second.done, second.skipped, second.failed) == (3, 3, 0), second.errors
+    assert engine._loader is None and pool is not None

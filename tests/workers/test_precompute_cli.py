@@ -151,3 +151,28 @@ def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, shared_meshes: list[P
     assert main(["stats", "--cache", str(cache)]) == 0
     assert fingerprint in capsys.readouterr().out
     assert main(["verify", "--cache", str(tmp_path / "nothing")]) == 2
+
+
+def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
+                                                               shared_meshes: list[Path]) -> None:
+    cache = tmp_path / "cache"
+    args = ["precompute", *map(str, shared_meshes), "--recipe", "spc_query", *SMALL,
+            "--cache", str(cache), "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
+    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_stored_values(cache)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, "run ended before it could be interrupted"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    stored = _stored_values(cache)
+    assert 2 <= len(stored) < len(shared_meshes)
+    fingerprint = next(iter(stored)).split("/", 1)[0]
+    with open_store(cache) as store:
+        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
+            sorted(k.split("/", 1)[1] for k in stored)
+        assert store.verify().ok

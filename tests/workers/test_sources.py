@@ -3,13 +3,15 @@ normalisation lands in [-1, 1] and sampling is seeded and area-weighted."""
 
 from __future__ import annotations
 
-import io
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
 
 from cache_store.errors import SourceError
 from workers.sources import (
@@ -95,9 +97,13 @@ def test_normalisation_definition() -> None:
 
 
 def test_normalisation_covers_points_when_center_rounds() -> None:
-    pts = np.array([[1e6 + 0.01, 0, 0], [1e6 + 0.02, 1e-3, 0]])
+    pts = np.array([[1e3 + 0.01, 0, 0], [1e3 + 0.02, 1e-3, 0]])  # midpoint not a float32
     norm = compute_normalization("x", pts)
+    assert norm.center[0] != 1e3 + 0.015
     assert np.abs((pts - norm.center) / norm.scale).max() <= 1.0
+    # far from the origin and tiny: float32 cannot place the center on the shape
+    with pytest.raises(SourceError, match="too small for its distance"):
+        compute_normalization("x", np.array([[1e6 + 0.01, 0, 0], [1e6 + 0.02, 1e-3, 0]]))
 
 
 def test_beyond_float32_is_an_error(tmp_path: Path) -> None:
@@ -226,3 +232,23 @@ def test_shape_points_of_clouds_and_meshes(tmp_path: Path) -> None:
     unit = (surf + 1) / 2  # back to the unit tetrahedron
     on_face = ((unit.abs() < 1e-9).any(dim=1)) | ((unit.sum(dim=1) - 1).abs() < 1e-9)
     assert bool(on_face.all())
+
+_coords = st.floats(min_value=-1e30, max_value=1e30, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(arrays(np.float64, st.tuples(st.integers(2, 40), st.just(3)), elements=_coords))
+def test_normalisation_property(points: np.ndarray) -> None:
+    try:
+        norm = compute_normalization("p", points)
+    except SourceError as exc:
+        if "coincide" in exc.reason:
+            assert (points == points[0]).all()
+        else:
+            assert "too small for its distance" in exc.reason or "below float32" in exc.reason
+        return
+    assert np.float32(norm.scale) == norm.scale and norm.scale > 0
+    assert (norm.center.astype(np.float32).astype(np.float64) == norm.center).all()
+    exact = (points - norm.center) / norm.scale  # no clipping: the definition itself holds
+    assert np.isfinite(exact).all() and np.abs(exact).max() <= 1.0
+    assert np.abs(exact).max() >= 0.5  # the shape fills the cube (up to float32 rounding)

@@ -113,3 +113,13 @@ def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
     assert counts["running"] == 0 and counts["failed"] == 0
     assert counts["done"] >= 1 and counts["done"] + counts["pending"] == 10
     assert os.path.exists(cache / "jobs.sqlite")
+
+
+def test_service_and_workers_hash_sources_the_same_way(shared_meshes: list[Path]) -> None:
+    # The service counts "already ready" with cache_store.hashing; records carry the
+    # workers' source hash. If these ever differ, every warm-up recomputes everything.
+    from cache_store.hashing import hash_file
+    from workers.sources import load_source
+
+    for mesh in shared_meshes[:3]:
+        assert hash_file(mesh) == load_source(mesh).source_hash

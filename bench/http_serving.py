@@ -14,26 +14,22 @@ asserts a speed; the goals (>= 60 % of the floor, >= 1.5 GB/s at 1 MiB) are read
 Client and servers share the machine's cores: on a small machine the numbers say as
 much about the client as the server, which is why the floor runs under the same load.
 
-    python bench/http.py [--records 64] [--clients 4] [--seconds 5] [--json]
+    python bench/http_serving.py [--records 64] [--clients 4] [--seconds 3] [--repeats 3] [--json]
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# This file is named http.py: drop its folder from the path before anything imports the
-# standard library's ``http`` package (uvicorn, urllib and torch all do).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -162,11 +158,16 @@ def drive(port: int, paths: list[str], clients: int, seconds: float) -> dict[str
     return {"records_per_s": n / seconds, "gb_per_s": nbytes / seconds / 1e9, "requests": n}
 
 
+def _median(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=64, help="records per size")
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved floor/spcache pairs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -187,32 +188,41 @@ def main() -> None:
         try:
             wait_up(svc_port, service, "/healthz")
             wait_up(floor_port, floor, "/r/16KiB/0")
-            results: dict[str, dict[str, dict[str, float]]] = {}
+            results: dict[str, dict] = {}
             for size_name in SIZES:
                 svc_paths = [f"/v1/caches/{fp}/records/{size_name}/{i}" for i in range(args.records)]
                 floor_paths = [f"/r/{size_name}/{i}" for i in range(args.records)]
                 drive(floor_port, floor_paths, args.clients, 1.0)  # warm both up
                 drive(svc_port, svc_paths, args.clients, 1.0)
-                floor_r = drive(floor_port, floor_paths, args.clients, args.seconds)
-                svc_r = drive(svc_port, svc_paths, args.clients, args.seconds)
-                results[size_name] = {"floor": floor_r, "spcache": svc_r,
-                                      "ratio": {"records": svc_r["records_per_s"] / floor_r["records_per_s"]}}
+                floors, svcs = [], []
+                for _ in range(args.repeats):  # interleaved: load swings hit both alike
+                    floors.append(drive(floor_port, floor_paths, args.clients, args.seconds))
+                    svcs.append(drive(svc_port, svc_paths, args.clients, args.seconds))
+                ratios = [s["records_per_s"] / f["records_per_s"] for s, f in zip(svcs, floors)]
+                results[size_name] = {"floor": _median(floors), "spcache": _median(svcs),
+                                      "ratio": {"median": statistics.median(ratios),
+                                                "min": min(ratios), "max": max(ratios)}}
         finally:
             for proc in (service, floor):
                 proc.terminate()
                 proc.wait(30)
     conditions = {"cpus": os.cpu_count(), "clients": args.clients, "seconds": args.seconds,
-                  "records_per_size": args.records, "python": sys.version.split()[0]}
+                  "repeats": args.repeats, "records_per_size": args.records,
+                  "python": sys.version.split()[0], "load_average": os.getloadavg()}
     if args.json:
         print(json.dumps({"conditions": conditions, "results": results}, indent=2))
         return
     print(f"conditions: {conditions}")
-    print(f"{'size':>6} {'server':>8} {'records/s':>10} {'GB/s':>7} {'vs floor':>9}")
+    print("medians over the repeats; 'vs floor' is the median of the interleaved pairs' ratios "
+          "(min-max)")
+    print(f"{'size':>6} {'server':>8} {'records/s':>10} {'GB/s':>7} {'vs floor':>16}")
     for size_name, r in results.items():
         for server in ("floor", "spcache"):
-            ratio = r["ratio"]["records"] if server == "spcache" else 1.0
+            q = r["ratio"]
+            ratio = (f"{q['median']:.0%} ({q['min']:.0%}-{q['max']:.0%})" if server == "spcache"
+                     else "100%")
             print(f"{size_name:>6} {server:>8} {r[server]['records_per_s']:>10.0f} "
-                  f"{r[server]['gb_per_s']:>7.2f} {ratio:>8.0%}")
+                  f"{r[server]['gb_per_s']:>7.2f} {ratio:>16}")
 
 
 if __name__ == "__main__":

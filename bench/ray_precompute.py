@@ -1,0 +1,167 @@
+"""Benchmark: precompute on Ray (1 and 2 actors) against the local engine, same sources.
+
+Runs the ``spc_query`` recipe over the shared meshes, each listed ``--copies`` times under
+different sample ids (so every copy is its own sample with its own random draws), into a
+fresh cache per run. One Ray instance is started for the whole benchmark
+(``ray.init(num_cpus=--cpus)``); every Ray run starts its own actors, and the time they
+take to start (``actor_start_s``: process start, imports, device and backend) is
+reported apart from the work. Configurations, interleaved ``--repeat`` times:
+
+- ``local``: :class:`workers.engine.Engine`, loading in its own process (``jobs=0``) with
+  ``--threads`` torch threads (default 1, what a one-CPU Ray actor gets): the baseline,
+  the same serial work one actor does;
+- ``local-pipelined``: the local engine with ``--jobs`` loader processes (for reference);
+- ``ray-1``, ``ray-2``: :class:`workers.ray_engine.RayEngine` with 1 and 2 CPU actors,
+  each loading in its own process (``jobs=0``).
+
+With ``--device cuda`` every run uses the GPU (``ray-2`` only with two GPUs), and each
+actor gets ``--jobs`` loader processes. The overhead line then compares ``ray-1`` with
+the serial ``local`` run, so read it against ``local-pipelined`` instead.
+
+Prints samples/s over the whole run (wall, actor start included) and over the work alone
+(wall less actor start), each as a ratio to the local baseline of the same invocation,
+and the overhead Ray adds per sample: ``(ray-1 work time - local wall) / samples``.
+Nothing here asserts a speed.
+
+    python bench/ray_precompute.py [--copies 2] [--level 8] [--queries 32768] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from cache_store.store import open_store  # noqa: E402
+from workers.cli import discover_sources  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.ray_engine import RayEngine  # noqa: E402
+
+
+def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: str) -> dict:
+    backend = "torch" if device == "cpu" else "auto"
+    with tempfile.TemporaryDirectory(prefix="spcache-bench-") as tmp:
+        store = open_store(Path(tmp) / "cache", readonly=False)
+        try:
+            if config["engine"] == "ray":
+                engine = RayEngine(store, "spc_query", params, device=device, backend=backend,
+                                   jobs=config["jobs"], actors=config["actors"])
+            else:
+                engine = Engine(store, "spc_query", params, device=device, backend=backend,
+                                jobs=config["jobs"])
+            start = time.perf_counter()
+            summary = engine.run(items)
+            wall = time.perf_counter() - start
+        finally:
+            store.close()
+    if summary.failed or summary.done != len(items):
+        raise SystemExit(f"benchmark samples failed: {summary.errors}")
+    actor_start = getattr(summary, "actor_start_s", 0.0)
+    work = wall - actor_start
+    per_actor = [a.samples_per_s for a in getattr(summary, "actors", [])]
+    return {"samples": summary.done, "wall_s": wall, "actor_start_s": actor_start,
+            "work_s": work, "samples_per_s": summary.done / wall,
+            "work_samples_per_s": summary.done / work, "per_actor_samples_per_s": per_actor,
+            "load_s": summary.load_s, "compute_s": summary.compute_s, "write_s": summary.write_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--meshes", type=Path, default=REPO.parent / "shared" / "data" / "meshes")
+    parser.add_argument("--copies", type=int, default=2, help="samples per mesh (distinct ids)")
+    parser.add_argument("--level", type=int, default=8)
+    parser.add_argument("--queries", type=int, default=32_768)
+    parser.add_argument("--surface-samples", type=int, default=100_000)
+    parser.add_argument("--jobs", type=int, default=2, help="loaders of the pipelined local run")
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs given to the local Ray")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the local runs (a one-CPU actor gets 1)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: every run on the GPU(s), one actor per GPU, loaders ahead")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    meshes = discover_sources([args.meshes])
+    items = [(f"{sample_id}-{copy}", path) for copy in range(args.copies)
+             for sample_id, path in meshes]
+    params = {"level": args.level, "surface_samples": args.surface_samples,
+              "uniform_queries": args.queries // 2,
+              "surface_queries": args.queries - args.queries // 2}
+    # On the CPU each actor loads in its own process (the serial baseline's work); on
+    # GPUs each actor has --jobs loaders ahead of its device, like the pipelined run.
+    actor_jobs = 0 if args.device == "cpu" else args.jobs
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    configs = {
+        "local": {"engine": "local", "jobs": 0},
+        "local-pipelined": {"engine": "local", "jobs": args.jobs},
+    }
+    for actors in (1, 2):
+        if args.device == "cpu" or actors <= gpus:
+            configs[f"ray-{actors}"] = {"engine": "ray", "actors": actors, "jobs": actor_jobs}
+    ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        print(f"{len(items)} samples ({len(meshes)} meshes x {args.copies}) from {args.meshes} "
+              f"on {args.device}{f' ({gpus} GPU(s))' if gpus else ''}; "
+              f"spc_query {params}; {os.cpu_count()} CPUs (Ray: {args.cpus}), "
+              f"torch {torch.__version__} ({args.threads} thread(s) in the local runs), "
+              f"ray {ray.__version__}")
+        # warm-up: imports, the loader pool's first start, Ray's first worker processes
+        for config in configs.values():
+            run_once(items[:2], params, config, args.device)
+        trials: dict[str, list[dict]] = {name: [] for name in configs}
+        for _ in range(args.repeat):
+            for name, config in configs.items():
+                trials[name].append(run_once(items, params, config, args.device))
+    finally:
+        ray.shutdown()
+    runs = {name: min(t, key=lambda r: r["work_s"])
+            | {"median_wall_s": statistics.median(r["wall_s"] for r in t),
+               "median_work_s": statistics.median(r["work_s"] for r in t)}
+            for name, t in trials.items()}
+    base = runs["local"]
+    print(f"best of {args.repeat} by work time (medians in the last two columns)")
+    print(f"{'run':<16}{'samples/s':>10}{'x local':>8}{'work/s':>8}{'x local':>8}"
+          f"{'start s':>8}{'load s':>8}{'dev s':>7}{'write s':>8}{'wall s':>8}"
+          f"{'med wall':>9}{'med work':>9}  per actor")
+    for name, r in runs.items():
+        r["ratio_to_local"] = r["samples_per_s"] / base["samples_per_s"]
+        r["work_ratio_to_local"] = r["work_samples_per_s"] / base["work_samples_per_s"]
+        actors = ", ".join(f"{v:.2f}" for v in r["per_actor_samples_per_s"])
+        print(f"{name:<16}{r['samples_per_s']:>10.2f}{r['ratio_to_local']:>8.2f}"
+              f"{r['work_samples_per_s']:>8.2f}{r['work_ratio_to_local']:>8.2f}"
+              f"{r['actor_start_s']:>8.2f}{r['load_s']:>8.2f}{r['compute_s']:>7.2f}"
+              f"{r['write_s']:>8.2f}{r['wall_s']:>8.2f}{r['median_wall_s']:>9.2f}"
+              f"{r['median_work_s']:>9.2f}  {actors}")
+    n = len(items)
+    overhead = {
+        "best_ms": 1000 * (runs["ray-1"]["work_s"] - base["wall_s"]) / n,
+        "median_ms": 1000 * (runs["ray-1"]["median_work_s"] - base["median_wall_s"]) / n,
+    }
+    starts = ", ".join(f"{runs[name]['actor_start_s']:.2f} s ({name})"
+                       for name in runs if name.startswith("ray-"))
+    print(f"Ray overhead per sample (ray-1 work time - local wall) / {n}: "
+          f"{overhead['best_ms']:.1f} ms (best), {overhead['median_ms']:.1f} ms (median); "
+          f"actor start per run: {starts}")
+    if args.json:
+        args.json.write_text(json.dumps({"params": params, "samples": n, "runs": runs,
+                                         "overhead_per_sample_ms": overhead}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

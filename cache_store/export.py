@@ -1,0 +1,552 @@
+"""Export one fingerprint of a cache into a Zarr v3 snapshot (CPU only).
+
+:func:`export_snapshot` reads every record of a fingerprint's index from a source store
+(normally the LMDB cache), checks it (header checksum, per-field xxh3, metadata naming
+its key) and writes the layout described in :mod:`cache_store.zarr_store`.
+
+Two passes over the source: the first reads and checks every record and keeps its
+header, so each array can be created at its final shape with chunks sized for it; the
+second streams the tensors into chunk-aligned writes (no chunk is written twice) and
+makes sure no record changed in between.
+
+Publishing is atomic for readers:
+
+* a local destination (a path or ``file://`` URL) is written as a whole group in a hidden
+  sibling directory, fsynced, and renamed into ``DEST/<fingerprint>``; a killed export
+  leaves only the hidden directory, which the next export sweeps away (with any
+  ``*.partial`` files zarr's own atomic writes left inside ``DEST``). One export at a time
+  per destination: a lock (``flock`` on the ``DEST`` directory) refuses a second writer.
+* an object-store URL (no rename there) is written in place under a group whose
+  ``complete`` attribute is false, set true as the very last write. Readers ignore
+  incomplete groups; ``verify`` reports them. Object stores offer no lock: run one
+  export per destination; a writer token in the attributes detects a concurrent writer
+  before completion.
+
+Chunking: along the first axis. When every record has the same rows for a field, a
+chunk holds whole records (a sample is never split); otherwise at least the mean
+record's rows (a sample touches one or two chunks). Either way at least ``chunk_bytes``,
+so small fields are not split into tiny objects. Chunks are blosc compressed (zstd by
+default; byte shuffle for multi-byte dtypes) and end in a CRC-32C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import fcntl
+import logging
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cache_store.errors import (
+    CorruptRecord,
+    ParameterError,
+    RecordNotFound,
+    SpcacheError,
+    UnknownName,
+)
+from cache_store.fingerprint import validate_fingerprint
+from cache_store.record import DTYPES, FORMAT_VERSION, RecordHeader
+from cache_store.recipes import RECIPE_SPECS
+from cache_store.store import DatasetIndex, Store, open_store
+from cache_store.zarr_store import (
+    ATTRS_KEY,
+    SNAPSHOT_FORMAT_VERSION,
+    SNAPSHOT_KIND,
+    SNAPSHOT_ROOT_KIND,
+    array_digest,
+    check_record_value,
+    is_local_location,
+    local_path,
+    records_digest,
+    validate_field_name,
+)
+
+__all__ = ["ExportSummary", "export_snapshot", "sweep_leftovers",
+           "CODECS", "DEFAULT_CHUNK_BYTES", "DEFAULT_CLEVEL"]
+
+log = logging.getLogger(__name__)
+
+#: Smallest uncompressed chunk of a data array, in bytes.
+DEFAULT_CHUNK_BYTES = 256 * 1024
+#: Compression level inside blosc (3: zstd's own default; docs/BENCHMARKS.md compares).
+DEFAULT_CLEVEL = 3
+#: Elements per chunk of the index arrays (ids, offsets, headers are read whole).
+_INDEX_CHUNK = 1 << 20
+_HEADER_CHUNK_BYTES = 256 * 1024
+
+
+@dataclass
+class ExportSummary:
+    """What an export wrote: samples, what it left out and why, sizes and time."""
+
+    fingerprint: str
+    destination: str
+    samples: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    record_bytes: int = 0
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "destination": self.destination,
+                "samples": self.samples, "skipped": dict(self.skipped),
+                "record_bytes": self.record_bytes, "seconds": round(self.seconds, 3)}
+
+
+@dataclass
+class _FieldLayout:
+    dtype: str                 # safetensors name (F32 ...)
+    trailing: tuple[int, ...]  # shape after the first axis
+    scalar: bool               # 0-d tensors: one row per record
+    rows: list[int] = field(default_factory=list)
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return np.dtype("uint16" if self.dtype == "BF16" else DTYPES[self.dtype])
+
+    def rows_of(self, shape: tuple[int, ...]) -> int:
+        return 1 if self.scalar else shape[0]
+
+    def describe(self, meaning: str) -> dict[str, Any]:
+        return {"dtype": self.dtype, "zarr_dtype": str(self.numpy_dtype),
+                "shape": [] if self.scalar else [None, *self.trailing], "meaning": meaning}
+
+
+@dataclass
+class _Survey:
+    """Pass one: the records to export, their headers and the field layouts."""
+
+    sample_ids: list[str] = field(default_factory=list)
+    headers: list[bytes] = field(default_factory=list)
+    checksums: list[str] = field(default_factory=list)
+    fields: dict[str, _FieldLayout] = field(default_factory=dict)
+    bad: dict[str, str] = field(default_factory=dict)
+    record_bytes: int = 0
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="rec", disable=not enabled, leave=False)
+
+
+def _layout_problem(layouts: Mapping[str, _FieldLayout], header: RecordHeader) -> str | None:
+    if set(header.tensors) != set(layouts):
+        return (f"fields {sorted(header.tensors)} differ from the first record's "
+                f"{sorted(layouts)}")
+    for name, info in header.tensors.items():
+        lay = layouts[name]
+        if info.dtype != lay.dtype or (len(info.shape) == 0) != lay.scalar \
+                or (not lay.scalar and tuple(info.shape[1:]) != lay.trailing):
+            return (f"field {name!r} is {info.dtype} {list(info.shape)}, unlike the first "
+                    f"record's {lay.dtype} {'[]' if lay.scalar else ['*', *lay.trailing]}")
+    return None
+
+
+def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
+    survey = _Survey()
+    with _progress(len(index), "checking", progress) as bar:
+        for sample_id in index.sample_ids.tolist():
+            key = f"{index.fingerprint}/{sample_id}"
+            bar.update(1)
+            try:
+                value = store.get(key)
+                header = check_record_value(value, key)
+            except (RecordNotFound, CorruptRecord) as exc:
+                survey.bad[key] = exc.reason if isinstance(exc, CorruptRecord) else "no record"
+                continue
+            if not survey.fields:
+                survey.fields = {
+                    validate_field_name(name): _FieldLayout(info.dtype, tuple(info.shape[1:]),
+                                                            len(info.shape) == 0)
+                    for name, info in sorted(header.tensors.items())}
+            problem = _layout_problem(survey.fields, header)
+            if problem:
+                survey.bad[key] = problem
+                continue
+            for name, lay in survey.fields.items():
+                lay.rows.append(lay.rows_of(header.tensors[name].shape))
+            survey.sample_ids.append(sample_id)
+            survey.headers.append(bytes(memoryview(value)[8:header.data_start]))
+            survey.checksums.append(header.checksum)
+            survey.record_bytes += len(value)
+    return survey
+
+
+#: blosc compressors offered: zstd compresses best; lz4hc decompresses ~3-4x faster
+#: (reads) at a few percent more size and slower export; lz4 exports fastest.
+CODECS = ("zstd", "lz4hc", "lz4")
+
+
+def _compressors(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    shuffle = "shuffle" if dtype.itemsize > 1 else "noshuffle"
+    return [BloscCodec(cname=codec, clevel=clevel, shuffle=shuffle), Crc32cCodec()]
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths, dtype=np.int64), out=offsets[1:])
+    return offsets
+
+
+def _write_small(group: Any, name: str, data: np.ndarray, clevel: int, codec: str,
+                 chunk: int = _INDEX_CHUNK) -> None:
+    arr = group.create_array(name, shape=data.shape, dtype=data.dtype,
+                             chunks=(max(1, min(chunk, data.shape[0])),),
+                             compressors=_compressors(data.dtype, clevel, codec), fill_value=0)
+    if data.size:
+        arr[:] = data
+
+
+class _FieldWriter:
+    """Streams one field's rows into its data array in whole chunks."""
+
+    def __init__(self, array: Any, chunk_rows: int) -> None:
+        self.array, self.chunk_rows = array, chunk_rows
+        self.pending: list[np.ndarray] = []
+        self.pending_rows = 0
+        self.written = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        self.pending.append(rows)
+        self.pending_rows += rows.shape[0]
+        if self.pending_rows >= self.chunk_rows:
+            self.flush(final=False)
+
+    def flush(self, final: bool) -> None:
+        if not self.pending_rows:
+            return
+        block = np.concatenate(self.pending) if len(self.pending) > 1 else self.pending[0]
+        take = block.shape[0] if final else block.shape[0] // self.chunk_rows * self.chunk_rows
+        self.array[self.written:self.written + take] = block[:take]
+        self.written += take
+        rest = block[take:]
+        self.pending = [rest] if rest.shape[0] else []
+        self.pending_rows = rest.shape[0]
+
+
+def _chunk_rows(lay: _FieldLayout, n: int, chunk_bytes: int) -> int:
+    """Rows per chunk: records of one size get whole records per chunk (a sample is
+    never split); otherwise at least the mean record, and at least ``chunk_bytes``."""
+    total = sum(lay.rows)
+    row_bytes = lay.numpy_dtype.itemsize * math.prod(lay.trailing)
+    if n and lay.rows[0] > 0 and all(r == lay.rows[0] for r in lay.rows):
+        record_bytes = lay.rows[0] * row_bytes
+        per_chunk = max(1, chunk_bytes // record_bytes) if record_bytes else n
+        return lay.rows[0] * min(n, per_chunk)
+    mean_rows = math.ceil(total / n) if n else 1
+    by_bytes = math.ceil(chunk_bytes / row_bytes) if row_bytes else total
+    return max(1, min(max(total, 1), max(mean_rows, by_bytes)))
+
+
+def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
+                 attrs: dict[str, Any], chunk_bytes: int, clevel: int, codec: str,
+                 progress: bool) -> None:
+    """Write every array of a fingerprint group, then its attributes (still incomplete)."""
+    n = len(survey.sample_ids)
+    encoded = [s.encode("utf-8") for s in survey.sample_ids]
+    small = {
+        "sample_ids": np.frombuffer(b"".join(encoded), dtype=np.uint8),
+        "sample_id_offsets": _offsets([len(b) for b in encoded]),
+        "header_offsets": _offsets([len(h) for h in survey.headers]),
+    }
+    small |= {f"offsets/{name}": _offsets(lay.rows) for name, lay in survey.fields.items()}
+    for name, data in small.items():
+        _write_small(group, name, data, clevel, codec)
+    headers = np.frombuffer(b"".join(survey.headers), dtype=np.uint8)
+    _write_small(group, "headers", headers, clevel, codec,
+                 chunk=max(_HEADER_CHUNK_BYTES, math.ceil(headers.size / max(n, 1))))
+    writers = {}
+    for name, lay in survey.fields.items():
+        dtype, rows = lay.numpy_dtype, sum(lay.rows)
+        chunk = _chunk_rows(lay, n, chunk_bytes)
+        arr = group.create_array(f"data/{name}", shape=(rows, *lay.trailing), dtype=dtype,
+                                 chunks=(chunk, *(max(1, d) for d in lay.trailing)),
+                                 compressors=_compressors(dtype, clevel, codec), fill_value=0)
+        writers[name] = _FieldWriter(arr, chunk)
+    with _progress(n, "writing", progress) as bar:
+        for i, sample_id in enumerate(survey.sample_ids):
+            key = f"{index.fingerprint}/{sample_id}"
+            value = store.get(key)
+            header = check_record_value(value, key)
+            if bytes(memoryview(value)[8:header.data_start]) != survey.headers[i]:
+                raise SpcacheError(f"{key}: record changed during the export (is a worker "
+                                   f"still writing this fingerprint?); export again")
+            view = memoryview(value)
+            for name, lay in survey.fields.items():
+                info = header.tensors[name]
+                rows = np.frombuffer(view[info.begin:info.end], dtype=lay.numpy_dtype)
+                writers[name].add(rows.reshape(lay.rows_of(info.shape), *lay.trailing))
+            bar.update(1)
+    for writer in writers.values():
+        writer.flush(final=True)
+    attrs["digests"] = {name: array_digest(data) for name, data in small.items()}
+    group.update_attributes({ATTRS_KEY: attrs})
+
+
+def _group_attrs(index: DatasetIndex, survey: _Survey, source: str, token: str) -> dict[str, Any]:
+    spec = RECIPE_SPECS.get(index.recipe)
+    meanings = {name: f.meaning for name, f in spec.fields.items()} if spec else {}
+    from cache_store import __version__
+
+    return {
+        "kind": SNAPSHOT_KIND, "format_version": SNAPSHOT_FORMAT_VERSION, "complete": False,
+        "writer": token, "fingerprint": index.fingerprint, "recipe": index.recipe,
+        "recipe_version": index.recipe_version, "params": dict(index.params),
+        "index_created": index.created,
+        "exported": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "spcache_version": __version__, "source": source,
+        "samples": len(survey.sample_ids), "record_format_version": FORMAT_VERSION,
+        "record_bytes": survey.record_bytes,
+        "fields": {name: lay.describe(meanings.get(name, ""))
+                   for name, lay in survey.fields.items()},
+        "records_digest": records_digest(survey.checksums),
+        "skipped": len(survey.bad),
+        "layout": "sample_ids (UTF-8) + sample_id_offsets; headers (each record's "
+                  "safetensors header: metadata, per-field xxh3 checksums, record checksum) "
+                  "+ header_offsets; data/<field> concatenated along axis 0 + "
+                  "offsets/<field> (rows of record i: offsets[i]:offsets[i+1])",
+    }
+
+
+def _root_attrs() -> dict[str, Any]:
+    return {ATTRS_KEY: {"kind": SNAPSHOT_ROOT_KIND, "format_version": SNAPSHOT_FORMAT_VERSION}}
+
+
+def _ensure_root(zstore: Any, where: str) -> Any:
+    import zarr
+
+    try:
+        root = zarr.open_group(zstore, mode="r+")
+    except (FileNotFoundError, KeyError):
+        return zarr.create_group(zstore, attributes=_root_attrs())
+    attrs = root.attrs.get(ATTRS_KEY)
+    if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
+        raise SpcacheError(f"{where}: a Zarr group that is not an spcache snapshot; "
+                           f"refusing to write into it")
+    return root
+
+
+# --------------------------------------------------------------------------- local
+
+
+@contextlib.contextmanager
+def _exclusive(dest: Path) -> Iterator[None]:
+    fd = os.open(dest, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SpcacheError(f"{dest}: another export is writing this snapshot") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def sweep_leftovers(dest: str | os.PathLike[str]) -> int:
+    """Remove what killed exports left at a local destination: hidden staging or
+    replaced directories beside it and zarr's ``*.partial`` files inside it. Only safe
+    while no export is writing (:func:`export_snapshot` holds the lock when it calls
+    this). Returns the number of paths removed."""
+    dest = Path(local_path(dest))
+    removed = 0
+    for pattern in (f".{dest.name}.*.staging", f".{dest.name}.*.old"):
+        for path in dest.parent.glob(pattern):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    if dest.is_dir():
+        for path in dest.rglob("*.partial"):
+            path.unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        log.warning("%s: removed %d leftover(s) of interrupted exports", dest, removed)
+    return removed
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _existing_complete(path: Path) -> bool | None:
+    """None: nothing there; else whether the group there is a complete snapshot."""
+    meta = path / "zarr.json"
+    if not path.exists():
+        return None
+    if not meta.is_file():
+        return False
+    import json
+
+    try:
+        attrs = json.loads(meta.read_text("utf-8")).get("attributes", {}).get(ATTRS_KEY, {})
+    except (ValueError, AttributeError):
+        return False
+    return bool(isinstance(attrs, dict) and attrs.get("complete"))
+
+
+def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey,
+                  overwrite: bool, chunk_bytes: int, clevel: int, codec: str,
+                  progress: bool) -> None:
+    import zarr
+    from zarr.storage import LocalStore
+
+    if dest.exists() and not dest.is_dir():
+        raise SpcacheError(f"{dest}: exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()) and not (dest / "zarr.json").is_file():
+        raise SpcacheError(f"{dest}: a non-empty directory that is not a Zarr snapshot")
+    dest.mkdir(parents=True, exist_ok=True)
+    with _exclusive(dest):
+        sweep_leftovers(dest)
+        _ensure_root(LocalStore(dest), str(dest))
+        target = dest / index.fingerprint
+        if _existing_complete(target) and not overwrite:
+            raise SpcacheError(f"{target}: fingerprint already exported; pass overwrite "
+                               f"(--overwrite) to replace it")
+        token = uuid.uuid4().hex
+        staging = dest.parent / f".{dest.name}.{index.fingerprint}.{token}.staging"
+        try:
+            group = zarr.create_group(LocalStore(staging))
+            attrs = _group_attrs(index, survey, store.location, token)
+            _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress)
+            attrs["complete"] = True
+            group.update_attributes({ATTRS_KEY: attrs})
+            _fsync_tree(staging)
+            old = None
+            if target.exists():
+                old = dest.parent / f".{dest.name}.{index.fingerprint}.{token}.old"
+                os.rename(target, old)
+            os.rename(staging, target)
+            _fsync_dir(dest)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+
+# --------------------------------------------------------------------------- remote
+
+
+def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
+                   overwrite: bool, chunk_bytes: int, clevel: int, codec: str,
+                   progress: bool, storage_options: Mapping[str, Any] | None) -> None:
+    import zarr
+    from zarr.storage import FsspecStore
+
+    zstore = FsspecStore.from_url(url, read_only=False,
+                                  storage_options=dict(storage_options or {}) or None)
+    root = _ensure_root(zstore, url)
+    fp = index.fingerprint
+    if fp in root:
+        existing = root[fp].attrs.get(ATTRS_KEY, {})
+        if isinstance(existing, dict) and existing.get("complete") and not overwrite:
+            raise SpcacheError(f"{url}/{fp}: fingerprint already exported; pass overwrite "
+                               f"(--overwrite) to replace it")
+        del root[fp]
+    token = uuid.uuid4().hex
+    attrs = _group_attrs(index, survey, store.location, token)
+    group = root.create_group(fp, attributes={ATTRS_KEY: dict(attrs)})
+    _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress)
+    now = zarr.open_group(zstore, mode="r", path=fp).attrs.get(ATTRS_KEY, {})
+    if not isinstance(now, dict) or now.get("writer") != token:
+        raise SpcacheError(f"{url}/{fp}: another export wrote this fingerprint meanwhile; "
+                           f"run one export per destination and export again")
+    attrs["complete"] = True
+    group.update_attributes({ATTRS_KEY: attrs})
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
+                    dest: str | os.PathLike[str], *, overwrite: bool = False,
+                    skip_bad: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    clevel: int = DEFAULT_CLEVEL, codec: str = "zstd",
+                    storage_options: Mapping[str, Any] | None = None,
+                    progress: bool = False) -> ExportSummary:
+    """Export the records of ``fingerprint`` in ``source`` to the snapshot ``dest``.
+
+    Args:
+        source: a store, or a cache location for :func:`open_store` (read-only).
+        fingerprint: the dataset to export (its index gives the records and their order).
+        dest: ``*.zarr`` path, ``file://`` URL or fsspec URL; other fingerprints already
+            there are kept.
+        overwrite: replace an already exported fingerprint. Open readers re-open it when
+            a read finds the replaced files; until then they may serve records of the
+            old export from their chunk caches (whole, verified records).
+        skip_bad: leave out records that are missing, corrupt or shaped unlike the
+            first one (each is logged and listed in the summary) instead of failing.
+        chunk_bytes: smallest uncompressed chunk of a data array.
+        clevel: compression level (1-9).
+        codec: blosc compressor, one of :data:`CODECS` (any reader decodes all).
+        storage_options: fsspec options for a URL ``dest``.
+        progress: show progress bars (stderr).
+
+    Returns:
+        ExportSummary.
+
+    Raises:
+        FingerprintLookupError: ``fingerprint`` has no index in ``source``.
+        SpcacheError: bad records (without ``skip_bad``), an existing export (without
+            ``overwrite``), a concurrent export, a destination that is not a snapshot.
+    """
+    validate_fingerprint(fingerprint)
+    if not 1 <= int(clevel) <= 9:
+        raise ParameterError([f"clevel: {clevel!r} is outside 1..9"])
+    if codec not in CODECS:
+        raise UnknownName("snapshot codec", codec, CODECS)
+    if int(chunk_bytes) < 1:
+        raise ParameterError([f"chunk_bytes: {chunk_bytes!r} must be positive"])
+    started = time.perf_counter()
+    owned = not isinstance(source, Store)
+    store = open_store(source, readonly=True) if owned else source
+    try:
+        index = store.get_index(fingerprint)
+        survey = _survey(store, index, progress)
+        if survey.bad:
+            for key, reason in survey.bad.items():
+                log.warning("export: %s: %s", key, reason)
+            if not skip_bad:
+                listed = "; ".join(f"{k}: {r}" for k, r in list(survey.bad.items())[:20])
+                raise SpcacheError(f"{len(survey.bad)} record(s) of {fingerprint} cannot be "
+                                   f"exported (skip_bad / --skip-bad leaves them out): {listed}")
+        if is_local_location(dest):
+            _export_local(Path(local_path(dest)).absolute(), store, index, survey, overwrite,
+                          int(chunk_bytes), int(clevel), codec, progress)
+        else:
+            _export_remote(os.fspath(dest), store, index, survey, overwrite, int(chunk_bytes),
+                           int(clevel), codec, progress, storage_options)
+    finally:
+        if owned:
+            store.close()
+    summary = ExportSummary(fingerprint, os.fspath(dest), len(survey.sample_ids),
+                            dict(survey.bad), survey.record_bytes,
+                            time.perf_counter() - started)
+    log.info("exported %d records of %s to %s in %.1f s", summary.samples, fingerprint,
+             summary.destination, summary.seconds)
+    return summary

@@ -1,0 +1,717 @@
+"""ZarrStore: a read-only store over a Zarr v3 snapshot written by ``spcache export``.
+
+A snapshot is a Zarr v3 hierarchy (a local ``*.zarr`` directory or any fsspec URL)::
+
+    DEST.zarr/                     root group; attrs["spcache"]: kind, format_version
+      <fingerprint>/               one group per exported fingerprint; attrs["spcache"]:
+                                   recipe, params, field schema, digests, ``complete``
+        sample_ids                 uint8   [id bytes]      ids in index order, UTF-8
+        sample_id_offsets          int64   [n + 1]
+        headers                    uint8   [header bytes]  each record's safetensors
+        header_offsets             int64   [n + 1]         header (metadata, field checksums)
+        data/<field>               <dtype> [rows, *trailing]  the records' tensors,
+                                   concatenated along the first axis (0-d: one row each)
+        offsets/<field>            int64   [n + 1]         rows of record i: [o[i], o[i+1])
+
+Every chunk is blosc-zstd compressed and ends in a CRC-32C (flipped bytes raise on
+read). Sample ids and field names are *data*, never store keys; only fingerprints (32
+hex chars) and validated field names name nodes.
+
+``get(key)`` rebuilds the record value byte for byte (header + field bytes) and checks
+it like any record (header checksum, per-field xxh3, metadata naming the key), so the
+rest of the stack (``decode_record``, ``CachedDataset``, the service) works unchanged.
+
+Process rules: nothing is opened in the constructor; the Zarr hierarchy is opened on
+first use in the calling process and re-opened when ``os.getpid()`` changes, so a forked
+DataLoader worker never uses its parent's handles (zarr itself replaces its IO loop and
+thread in a forked child). The reads of one call (a record's header and fields, or a
+whole batch) are issued together on zarr's IO loop.
+
+A group is visible only once its ``complete`` attribute is true; the exporter publishes
+local snapshots by renaming a finished directory into place and remote ones by setting
+that attribute last (see :mod:`cache_store.export`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from cache_store.errors import (
+    CacheNotFound,
+    CorruptRecord,
+    ParameterError,
+    ReadOnlyStoreError,
+    RecordNotFound,
+    SpcacheError,
+    UnsupportedFormat,
+)
+from cache_store.fingerprint import (
+    FINGERPRINT_HEX_CHARS,
+    compute_fingerprint,
+    validate_fingerprint,
+)
+from cache_store.record import Record, RecordHeader, decode_record, read_header
+from cache_store.store import DatasetIndex, Store, VerifyReport
+
+__all__ = [
+    "ZarrStore",
+    "SNAPSHOT_KIND",
+    "SNAPSHOT_ROOT_KIND",
+    "SNAPSHOT_FORMAT_VERSION",
+    "ATTRS_KEY",
+    "FIELD_NAME_PATTERN",
+    "array_digest",
+    "check_record_value",
+    "is_local_location",
+    "local_path",
+    "records_digest",
+    "validate_field_name",
+]
+
+log = logging.getLogger(__name__)
+
+#: The attribute (of the root and of each fingerprint group) holding spcache's metadata.
+ATTRS_KEY = "spcache"
+SNAPSHOT_ROOT_KIND = "spcache.snapshot_root"
+SNAPSHOT_KIND = "spcache.snapshot"
+#: Layout version of a fingerprint group; a reader meeting another raises UnsupportedFormat.
+SNAPSHOT_FORMAT_VERSION = 1
+#: Field (tensor) names that may name a Zarr node: no slashes, dots or leading "__".
+FIELD_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,127}")
+#: Records read per batch by :meth:`ZarrStore.verify`.
+VERIFY_BATCH = 64
+_LEN = struct.Struct("<Q")
+_READ_ERRORS = (ValueError, RuntimeError)  # codec failures: CRC mismatch, bad blosc frame
+
+
+def validate_field_name(name: str) -> str:
+    """``name`` if it may become a Zarr node name, else ``ParameterError``."""
+    if not isinstance(name, str) or not FIELD_NAME_PATTERN.fullmatch(name):
+        raise ParameterError([f"field {name!r}: snapshot field names must match "
+                              f"{FIELD_NAME_PATTERN.pattern}"], what="snapshot fields")
+    return name
+
+
+def array_digest(array: np.ndarray) -> str:
+    """xxh3_64 hex of an array's bytes (C order), as kept in a snapshot's attributes."""
+    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
+
+
+def is_local_location(location: str | os.PathLike[str]) -> bool:
+    """True for a filesystem path or ``file://`` URL; False for other URLs."""
+    text = os.fspath(location)
+    return "://" not in text or text.lower().startswith("file://")
+
+
+def local_path(location: str | os.PathLike[str]) -> str:
+    text = os.fspath(location)
+    return text[len("file://"):] if text.lower().startswith("file://") else text
+
+
+def check_record_value(value: Any, key: str) -> RecordHeader:
+    """Validate a whole record value: header, every field's checksum, and that its
+    metadata names ``key``. Returns the header; raises ``CorruptRecord`` naming ``key``."""
+    header = read_header(value, key=key)
+    view = memoryview(value).cast("B")
+    for name, info in header.tensors.items():
+        if xxhash.xxh3_64_hexdigest(view[info.begin:info.end]) != header.field_checksums[name]:
+            raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
+    meta = header.metadata
+    if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
+        raise CorruptRecord(key, f"record metadata names "
+                                 f"{meta.get('fingerprint')}/{meta.get('sample_id')}")
+    return header
+
+
+def _run(coro: Any) -> Any:
+    """Run a coroutine on zarr's IO loop (this process's) and return its result."""
+    from zarr.core.sync import sync
+
+    return sync(coro)
+
+
+async def _gather(calls: Sequence[Any]) -> list[Any]:
+    return await asyncio.gather(*calls, return_exceptions=True)
+
+
+def _ids_from_packed(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    raw = blob.tobytes()
+    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
+    return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
+
+
+class _LocalChunkReader:
+    """Reads rows of one array of a *local* snapshot straight from its chunk files.
+
+    Only for the exact layout the exporter writes (regular chunks along axis 0, default
+    "/" chunk keys, little-endian bytes -> blosc -> crc32c); anything else is read through
+    zarr. Skipping zarr's async pipeline matters for per-sample reads: a record is a
+    dozen small reads, and each costs a few hops between threads there. The last
+    ``cache_chunks`` decoded chunks are kept (small fields share a chunk across many
+    records).
+    """
+
+    def __init__(self, directory: str, array: Any, cache_chunks: int = 2) -> None:
+        self.directory = directory
+        self.shape = tuple(array.shape)
+        self.dtype = np.dtype(array.dtype)
+        self.chunk_shape = tuple(array.chunks)
+        self.cache_chunks = cache_chunks
+        self._cache: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()  # the service reads from several threads
+
+    @classmethod
+    def supports(cls, array: Any) -> bool:
+        meta = array.metadata
+        try:
+            codecs = [c.to_dict() for c in meta.codecs]
+            separator = meta.chunk_key_encoding.separator
+            name = meta.chunk_key_encoding.name
+        except AttributeError:
+            return False
+        little = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
+        return (len(codecs) == 3 and codecs[0] in little and codecs[1].get("name") == "blosc" and codecs[2] == {"name": "crc32c"}
+                and name == "default" and separator == "/"
+                and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
+                and not isinstance(getattr(array, "shards", None), tuple))
+
+    def _chunk(self, index: int) -> np.ndarray:
+        with self._lock:
+            cached = self._cache.get(index)
+        if cached is not None:
+            return cached
+        import google_crc32c
+        import numcodecs
+
+        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
+        path = os.path.join(self.directory, *parts)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:  # never written: all fill value (0)
+            chunk = np.zeros(self.chunk_shape, dtype=self.dtype)
+        else:
+            body = raw[:-4]
+            if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
+                raise ValueError(f"chunk {'/'.join(parts)}: stored and computed CRC-32C "
+                                 f"do not match")
+            try:
+                decoded = numcodecs.Blosc().decode(body)
+            except (RuntimeError, ValueError, TypeError) as exc:
+                raise ValueError(f"chunk {'/'.join(parts)}: {exc}") from None
+            chunk = np.frombuffer(decoded, dtype=self.dtype)
+            if chunk.size != math.prod(self.chunk_shape):
+                raise ValueError(f"chunk {'/'.join(parts)}: decodes to {chunk.size} items, "
+                                 f"expected {math.prod(self.chunk_shape)}")
+            chunk = chunk.reshape(self.chunk_shape)
+        with self._lock:
+            while len(self._cache) >= self.cache_chunks:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[index] = chunk
+        return chunk
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` (axis 0), all of the other axes."""
+        trailing = tuple(self.shape[1:])
+        step = self.chunk_shape[0]
+        pieces = []
+        for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
+            chunk = self._chunk(index)
+            lo, hi = max(start, index * step) - index * step, min(stop, (index + 1) * step) - index * step
+            pieces.append(chunk[(slice(lo, hi), *(slice(0, d) for d in trailing))])
+        if not pieces:
+            return np.empty((0, *trailing), dtype=self.dtype)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+@dataclass
+class _Snapshot:
+    """One fingerprint group, opened in this process: small index arrays in memory,
+    handles (async arrays) for the rest."""
+
+    fingerprint: str
+    attrs: dict[str, Any]
+    sample_ids: np.ndarray          # <U, index order
+    sorted_ids: np.ndarray          # <U, code point (= UTF-8 byte) order
+    order: np.ndarray               # int64: sorted position -> row
+    header_offsets: np.ndarray      # int64 [n + 1]
+    headers: Any                    # AsyncArray uint8
+    field_offsets: dict[str, np.ndarray]
+    data: dict[str, Any]            # field -> AsyncArray
+    local: dict[str, _LocalChunkReader] | None = None  # "headers" and fields, when local
+
+    def row(self, sample_id: str) -> int | None:
+        pos = int(np.searchsorted(self.sorted_ids, sample_id))
+        if pos < len(self.sorted_ids) and self.sorted_ids[pos] == sample_id:
+            return int(self.order[pos])
+        return None
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self.data)
+
+
+class ZarrStore(Store):
+    """Records of a Zarr v3 snapshot, read-only (see the module doc).
+
+    Args:
+        location: a ``*.zarr`` path, ``file://`` URL or fsspec URL (``s3://``, ``gs://``,
+            ``memory://`` ...).
+        readonly: must be True: snapshots are written by :func:`cache_store.export.
+            export_snapshot`, never through the store contract.
+        storage_options: passed to fsspec for URLs (credentials, endpoint ...).
+        direct_reads: read a local snapshot's chunk files directly (default) rather than
+            through zarr's async pipeline; same bytes and checks, several times faster
+            per sample. Ignored for URLs.
+    """
+
+    def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True,
+                 storage_options: Mapping[str, Any] | None = None,
+                 direct_reads: bool = True) -> None:
+        super().__init__(location, readonly=True)
+        if not readonly:
+            raise ReadOnlyStoreError(f"{self.location}: Zarr snapshots are read-only; "
+                                     f"write them with 'spcache export'")
+        self.storage_options = dict(storage_options or {})
+        self.direct_reads = bool(direct_reads)
+        self._pid: int | None = None
+        self._root: Any = None
+        self._snapshots: dict[str, _Snapshot] = {}
+
+    # -- opening -----------------------------------------------------------------------
+    def _zarr_store(self) -> Any:
+        from zarr.storage import FsspecStore, LocalStore
+
+        if is_local_location(self.location):
+            path = local_path(self.location)
+            if not os.path.isdir(path):
+                raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
+            return LocalStore(path, read_only=True)
+        return FsspecStore.from_url(self.location, read_only=True,
+                                    storage_options=self.storage_options or None)
+
+    def _group(self) -> Any:
+        """The root group, opened in this process."""
+        if self._root is not None and self._pid == os.getpid():
+            return self._root
+        import zarr
+
+        self._snapshots = {}  # another process's handles: drop, never close
+        store = self._zarr_store()
+        try:
+            root = zarr.open_group(store, mode="r")
+        except (FileNotFoundError, KeyError, ValueError) as exc:
+            raise CacheNotFound(self.location, f"no Zarr group here ({exc})") from None
+        attrs = root.attrs.get(ATTRS_KEY)
+        if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
+            raise CacheNotFound(self.location, "a Zarr group, but not an spcache snapshot "
+                                               f"(no {ATTRS_KEY!r} root attributes)")
+        if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
+            raise UnsupportedFormat(f"snapshot:{self.location}",
+                                    f"format_version {attrs.get('format_version')!r} is not "
+                                    f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})")
+        self._root, self._pid = root, os.getpid()
+        return root
+
+    def open(self) -> ZarrStore:
+        """Open now (otherwise the first access does). Returns self."""
+        self._group()
+        return self
+
+    def close(self) -> None:
+        """Drop this process's handles; the store re-opens on next use."""
+        self._root, self._pid, self._snapshots = None, None, {}
+
+    def _child_names(self) -> list[str]:
+        store = self._group().store
+
+        async def listing() -> list[str]:
+            return [name async for name in store.list_dir("")]
+
+        return sorted(name for name in _run(listing())
+                      if len(name) == FINGERPRINT_HEX_CHARS
+                      and re.fullmatch(r"[0-9a-f]+", name))
+
+    def _group_attrs(self, fingerprint: str) -> tuple[Any, dict[str, Any]] | None:
+        """(group, attrs) of a fingerprint group, or None when absent."""
+        root = self._group()
+        try:
+            group = root[fingerprint]
+        except (KeyError, FileNotFoundError):
+            return None
+        attrs = group.attrs.get(ATTRS_KEY)
+        return group, attrs if isinstance(attrs, dict) else {}
+
+    def _snapshot(self, fingerprint: str) -> _Snapshot | None:
+        """The opened snapshot of ``fingerprint``; None when absent or incomplete."""
+        self._group()  # (re)opens in this process, resetting _snapshots after a fork
+        snap = self._snapshots.get(fingerprint)
+        if snap is not None:
+            return snap
+        found = self._group_attrs(fingerprint)
+        if found is None:
+            return None
+        group, attrs = found
+        if not attrs.get("complete"):
+            return None
+        snap = self._load(fingerprint, group, attrs)
+        self._snapshots[fingerprint] = snap
+        return snap
+
+    def _load(self, fingerprint: str, group: Any, attrs: dict[str, Any]) -> _Snapshot:
+        where = f"snapshot:{fingerprint}"
+        if attrs.get("kind") != SNAPSHOT_KIND or attrs.get("fingerprint") != fingerprint:
+            raise CorruptRecord(where, "group attributes do not describe this fingerprint")
+        if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
+            raise UnsupportedFormat(where, f"format_version {attrs.get('format_version')!r} "
+                                           f"is not supported (this reader knows "
+                                           f"{SNAPSHOT_FORMAT_VERSION})")
+        try:
+            fields = [validate_field_name(f) for f in attrs["fields"]]
+            n = int(attrs["samples"])
+            digests = dict(attrs["digests"])
+            small = {"sample_ids": group["sample_ids"],
+                     "sample_id_offsets": group["sample_id_offsets"],
+                     "header_offsets": group["header_offsets"]}
+            small |= {f"offsets/{f}": group[f"offsets/{f}"] for f in fields}
+            data = {f: group[f"data/{f}"] for f in fields}
+            headers = group["headers"]
+        except (KeyError, TypeError, ValueError, SpcacheError) as exc:
+            raise CorruptRecord(where, f"snapshot layout incomplete: {exc}") from None
+        names = list(small)
+        results = _run(_gather([small[name].async_array.getitem(slice(None))
+                                for name in names]))
+        arrays: dict[str, np.ndarray] = {}
+        for name, result in zip(names, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, _READ_ERRORS):
+                    raise CorruptRecord(where, f"array {name!r} unreadable: {result}")
+                raise result
+            arrays[name] = np.asarray(result)
+            if digests.get(name) != array_digest(arrays[name]):
+                raise CorruptRecord(where, f"array {name!r} does not match its digest")
+        self._check_offsets(where, "header_offsets", arrays["header_offsets"], n,
+                            headers.shape[0])
+        self._check_offsets(where, "sample_id_offsets", arrays["sample_id_offsets"], n,
+                            arrays["sample_ids"].shape[0])
+        for f in fields:
+            self._check_offsets(where, f"offsets/{f}", arrays[f"offsets/{f}"], n,
+                                data[f].shape[0] if data[f].ndim else 0)
+        ids = _ids_from_packed(arrays["sample_ids"], arrays["sample_id_offsets"])
+        order = np.argsort(ids, kind="stable")
+        return _Snapshot(fingerprint, attrs, ids, ids[order], order.astype(np.int64),
+                         arrays["header_offsets"], headers.async_array,
+                         {f: arrays[f"offsets/{f}"] for f in fields},
+                         {f: data[f].async_array for f in fields},
+                         self._local_readers(fingerprint, headers, data))
+
+    def _local_readers(self, fingerprint: str, headers: Any,
+                       data: dict[str, Any]) -> dict[str, _LocalChunkReader] | None:
+        if not (self.direct_reads and is_local_location(self.location)):
+            return None
+        arrays = {"headers": (headers, "headers")}
+        arrays |= {f: (a, f"data/{f}") for f, a in data.items()}
+        if not all(_LocalChunkReader.supports(a) for a, _ in arrays.values()):
+            return None
+        base = os.path.join(local_path(self.location), fingerprint)
+        return {name: _LocalChunkReader(os.path.join(base, *path.split("/")), array)
+                for name, (array, path) in arrays.items()}
+
+    @staticmethod
+    def _check_offsets(where: str, name: str, offsets: np.ndarray, n: int, total: int) -> None:
+        if (offsets.dtype != np.int64 or offsets.shape != (n + 1,) or offsets[0] != 0
+                or offsets[-1] != total or np.any(np.diff(offsets) < 0)):
+            raise CorruptRecord(where, f"array {name!r} does not index {n} records "
+                                       f"over {total} rows")
+
+    # -- reading records ---------------------------------------------------------------
+    def _locate(self, key: str) -> tuple[_Snapshot, int] | None:
+        if not isinstance(key, str) or len(key) <= FINGERPRINT_HEX_CHARS + 1 \
+                or key[FINGERPRINT_HEX_CHARS] != "/":
+            return None
+        fingerprint, sample_id = key[:FINGERPRINT_HEX_CHARS], key[FINGERPRINT_HEX_CHARS + 1:]
+        if not re.fullmatch(r"[0-9a-f]+", fingerprint):
+            return None
+        snap = self._snapshot(fingerprint)
+        if snap is None:
+            return None
+        row = snap.row(sample_id)
+        return None if row is None else (snap, row)
+
+    def _read_values(self, located: Sequence[tuple[str, _Snapshot, int]],
+                     fields: Iterable[str] | None) -> list[bytearray | CorruptRecord]:
+        """Record values of ``(key, snapshot, row)``, rebuilt from the arrays (local
+        snapshots: from the chunk files directly; others: one batch of concurrent reads
+        on zarr's IO loop). Fields not in ``fields`` are left zero (not read); each entry
+        is the value or the ``CorruptRecord`` that stopped it."""
+        wanted = None if fields is None else set(fields)
+        plan = [(key, snap, row, [f for f in snap.fields if wanted is None or f in wanted])
+                for key, snap, row in located]
+        if all(snap.local is not None for _, snap, _, _ in plan):
+            results = iter(self._read_local(plan))
+        else:
+            results = iter(_run(_gather(self._read_calls(plan))) if plan else [])
+        return [self._assemble(key, snap, names, [next(results) for _ in range(len(names) + 1)])
+                for key, snap, row, names in plan]
+
+    @staticmethod
+    def _read_calls(plan: list[tuple[str, _Snapshot, int, list[str]]]) -> list[Any]:
+        calls = []
+        for _, snap, row, names in plan:
+            h = snap.header_offsets
+            calls.append(snap.headers.getitem(slice(int(h[row]), int(h[row + 1]))))
+            for f in names:
+                o = snap.field_offsets[f]
+                calls.append(snap.data[f].getitem(slice(int(o[row]), int(o[row + 1]))))
+        return calls
+
+    @staticmethod
+    def _read_local(plan: list[tuple[str, _Snapshot, int, list[str]]]) -> list[Any]:
+        out: list[Any] = []
+        for _, snap, row, names in plan:
+            local = snap.local
+            assert local is not None
+            for name in ["headers", *names]:
+                o = snap.header_offsets if name == "headers" else snap.field_offsets[name]
+                try:
+                    out.append(local[name].rows(int(o[row]), int(o[row + 1])))
+                except ValueError as exc:
+                    out.append(exc)
+        return out
+
+    @staticmethod
+    def _assemble(key: str, snap: _Snapshot, names: list[str],
+                  parts: list[Any]) -> bytearray | CorruptRecord:
+        for what, part in zip(["headers", *(f"data/{n}" for n in names)], parts, strict=True):
+            if isinstance(part, BaseException):
+                if isinstance(part, _READ_ERRORS):
+                    return CorruptRecord(key, f"cannot read {snap.fingerprint}/{what}: {part}")
+                raise part
+        header = np.asarray(parts[0]).tobytes()
+        try:
+            entries = json.loads(header)
+            if not isinstance(entries, dict):
+                raise ValueError("not a JSON object")
+            size = _LEN.size + len(header) + max(
+                [e["data_offsets"][1] for n, e in entries.items() if n != "__metadata__"],
+                default=0)
+            begins = {n: _LEN.size + len(header) + e["data_offsets"][0]
+                      for n, e in entries.items() if n != "__metadata__"}
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            return CorruptRecord(key, f"stored header unreadable: {exc}")
+        value = bytearray(size)  # zero-filled; fields not read stay zero
+        value[:_LEN.size] = _LEN.pack(len(header))
+        value[_LEN.size:_LEN.size + len(header)] = header
+        target = np.frombuffer(value, dtype=np.uint8)  # writable view of value
+        for name, part in zip(names, parts[1:], strict=True):
+            raw = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
+            begin = begins.get(name)
+            if begin is None or not isinstance(begin, int) or begin + raw.size > size:
+                return CorruptRecord(key, f"field {name!r} does not fit the stored header")
+            target[begin:begin + raw.size] = raw
+        return value
+
+    def _values(self, keys: Sequence[str], fields: Iterable[str] | None) -> list[bytearray]:
+        located = []
+        for key in keys:
+            found = self._locate(key)
+            if found is None:
+                raise RecordNotFound(key, self.location)
+            located.append((key, *found))
+        out = []
+        for value in self._read_values(located, fields):
+            if isinstance(value, CorruptRecord):
+                raise value
+            out.append(value)
+        return out
+
+    def _drop_replaced(self) -> bool:
+        """Forget this process's opened fingerprints whose group has been exported again
+        (another writer token) or removed since they were opened; True if any was."""
+        stale = []
+        for fingerprint, snap in list(self._snapshots.items()):
+            found = self._group_attrs(fingerprint)
+            if found is None or found[1].get("writer") != snap.attrs.get("writer"):
+                stale.append(fingerprint)
+        for fingerprint in stale:
+            log.info("%s: fingerprint %s was exported again; re-opening it",
+                     self.location, fingerprint)
+            self._snapshots.pop(fingerprint, None)
+        return bool(stale)
+
+    def _read_checked(self, action: Any) -> Any:
+        """Run ``action()``; if a record reads as corrupt because its fingerprint was
+        re-exported under this reader (``overwrite``), re-open and run it once more."""
+        try:
+            return action()
+        except CorruptRecord:
+            if not self._drop_replaced():
+                raise
+        return action()
+
+    def get(self, key: str) -> bytes:
+        def read() -> bytes:
+            value = self._values([key], None)[0]
+            check_record_value(value, key)
+            return bytes(value)
+        return self._read_checked(read)
+
+    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
+        return self.get_records([key], fields)[0]
+
+    def get_records(self, keys: Iterable[str],
+                    fields: Iterable[str] | None = None) -> list[Record]:
+        keys = list(keys)
+        fields = None if fields is None else ([fields] if isinstance(fields, str)
+                                              else list(fields))
+
+        def read() -> list[Record]:
+            records = []
+            for key, value in zip(keys, self._values(keys, fields), strict=True):
+                record = decode_record(value, key=key, fields=fields)
+                meta = record.metadata
+                if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
+                    raise CorruptRecord(key, "record metadata names another key")
+                records.append(record)
+            return records
+        return self._read_checked(read)
+
+    def has(self, key: str) -> bool:
+        return self._locate(key) is not None
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        for fingerprint in self.fingerprints():
+            head = fingerprint + "/"
+            if not (head.startswith(prefix) or prefix.startswith(head)):
+                continue
+            snap = self._snapshot(fingerprint)
+            if snap is None:
+                continue
+            id_prefix = prefix[len(head):] if prefix.startswith(head) else ""
+            start = int(np.searchsorted(snap.sorted_ids, id_prefix)) if id_prefix else 0
+            for sample_id in snap.sorted_ids[start:].tolist():
+                if not sample_id.startswith(id_prefix):
+                    break
+                yield head + sample_id
+
+    # -- writes are refused ------------------------------------------------------------
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        self.check_writable()
+        return 0  # pragma: no cover - check_writable raises
+
+    def put_index(self, index: DatasetIndex) -> None:
+        self.check_writable()
+
+    # -- indexes -----------------------------------------------------------------------
+    def fingerprints(self) -> list[str]:
+        found = []
+        for name in self._child_names():
+            entry = self._group_attrs(name)
+            if entry is not None and entry[1].get("complete"):
+                found.append(name)
+        return found
+
+    def incomplete_fingerprints(self) -> list[str]:
+        """Fingerprint groups present but not marked complete (an export that did not
+        finish writing to an object store)."""
+        out = []
+        for name in self._child_names():
+            entry = self._group_attrs(name)
+            if entry is not None and not entry[1].get("complete"):
+                out.append(name)
+        return out
+
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        validate_fingerprint(fingerprint)
+        snap = self._snapshot(fingerprint)
+        if snap is None:
+            raise self.index_missing(fingerprint)
+        attrs = snap.attrs
+        try:
+            # The ids were checked against their digest when the snapshot was opened.
+            return DatasetIndex._trusted(fingerprint, attrs["recipe"],
+                                         int(attrs["recipe_version"]), dict(attrs["params"]),
+                                         snap.sample_ids, str(attrs.get("index_created", "")))
+        except (KeyError, TypeError, ValueError, SpcacheError) as exc:
+            raise CorruptRecord(f"index:{fingerprint}", f"bad snapshot attributes: {exc}") from None
+
+    # -- conveniences done natively ----------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Records and record bytes per fingerprint (from the snapshot's attributes)."""
+        per_fp: dict[str, dict[str, Any]] = {}
+        for fingerprint in self.fingerprints():
+            entry = self._group_attrs(fingerprint)
+            attrs = entry[1] if entry else {}
+            per_fp[fingerprint] = {"records": int(attrs.get("samples", 0)),
+                                   "bytes": int(attrs.get("record_bytes", 0)),
+                                   "exported": attrs.get("exported", "")}
+        out = self._finish_stats(per_fp)
+        out["zarr"] = {"incomplete": self.incomplete_fingerprints()}
+        return out
+
+    def verify(self, fingerprint: str | None = None) -> VerifyReport:
+        """Read and check every record (every chunk of every field), never raising for
+        bad data: unreadable chunks (CRC mismatch), records whose checksums fail, index
+        arrays that do not match their digests and unfinished exports are reported."""
+        report = VerifyReport()
+        if fingerprint is None:
+            targets = self.fingerprints()
+            for fp in self.incomplete_fingerprints():
+                report.corrupt[f"index:{fp}"] = "export did not finish (group not complete)"
+        else:
+            targets = [validate_fingerprint(fingerprint)]
+        for fp in targets:
+            try:
+                snap = self._snapshot(fp)
+            except CorruptRecord as exc:
+                report.corrupt[f"index:{fp}"] = exc.reason
+                log.warning("verify: %s", exc)
+                continue
+            if snap is not None:
+                self._verify_snapshot(snap, report)
+        return report
+
+    def _verify_snapshot(self, snap: _Snapshot, report: VerifyReport) -> None:
+        fp = snap.fingerprint
+        checksums: list[str] = []
+        n = len(snap.sample_ids)
+        for start in range(0, n, VERIFY_BATCH):
+            rows = range(start, min(n, start + VERIFY_BATCH))
+            keys = [f"{fp}/{snap.sample_ids[r]}" for r in rows]
+            values = self._read_values([(k, snap, r) for k, r in zip(keys, rows)], None)
+            for key, value in zip(keys, values, strict=True):
+                report.checked += 1
+                try:
+                    if isinstance(value, CorruptRecord):
+                        raise value
+                    checksums.append(check_record_value(value, key).checksum)
+                except CorruptRecord as exc:
+                    report.corrupt[key] = exc.reason
+                    log.warning("verify: %s", exc)
+        expected = snap.attrs.get("records_digest")
+        if len(checksums) == n and records_digest(checksums) != expected:
+            report.corrupt[f"index:{fp}"] = "records digest does not match the records"
+        try:
+            index = self.get_index(fp)
+            if compute_fingerprint(index.recipe, index.recipe_version, index.params) != fp:
+                report.corrupt[f"index:{fp}"] = "recipe and params do not give the fingerprint"
+        except (CorruptRecord, ValueError) as exc:
+            report.corrupt[f"index:{fp}"] = str(exc)
+
+
+def records_digest(checksums: Iterable[str]) -> str:
+    """xxh3_128 hex over the records' checksums in index order (one per line)."""
+    return xxhash.xxh3_128_hexdigest("\n".join(checksums).encode("ascii"))

@@ -1,0 +1,40 @@
+"""What importing the reading side pulls in: no torch for header-only users, never CUDA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import REPO_ROOT
+
+
+def _modules_after(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
+                         cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+def test_store_and_record_headers_need_no_torch() -> None:
+    mods = _modules_after("import cache_store, cache_store.store, cache_store.lmdb_store, "
+                          "cache_store.record, cache_store.fingerprint")
+    assert "torch" not in mods
+
+
+def test_reading_records_never_initialises_cuda(tmp_path) -> None:
+    code = f"""
+import torch
+from cache_store import CachedDataset, collate_spc
+from cache_store.lmdb_store import LMDBStore
+from cache_store.store import DatasetIndex
+from tests.cache_store.synthetic import fingerprint_of, make_record
+fp = fingerprint_of("spc", level=4)
+store = LMDBStore({str(tmp_path)!r}, readonly=False)
+store.put_many([(f"{{fp}}/s{{i}}", make_record(fp, f"s{{i}}", i)) for i in range(3)])
+store.put_index(DatasetIndex(fp, "spc", 1, {{"level": 4, "surface_samples": 100000}}, ["s0", "s1", "s2"]))
+ds = CachedDataset({str(tmp_path)!r}, "spc", level=4)
+batch = collate_spc([ds[i] for i in range(len(ds))])
+assert batch["lengths"].numel() == 3
+assert not torch.cuda.is_initialized()
+"""
+    mods = _modules_after(code)
+    assert not {m for m in mods if m.split(".")[0] in {"kaolin", "service", "workers", "fastapi"}}

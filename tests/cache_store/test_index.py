@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cache_store.errors import CorruptRecord
+from cache_store.store import DatasetIndex, decode_index, encode_index
+from tests.cache_store.synthetic import fingerprint_of
+
+FP = fingerprint_of("spc", level=4)
+PARAMS = {"level": 4, "surface_samples": 100_000}
+
+
+def test_round_trip_keeps_order_unicode_and_empty() -> None:
+    ids = ["z/last", "a/first", "ünï/cödé", "x" * 200]
+    index = DatasetIndex(FP, "spc", 1, PARAMS, ids)
+    back = decode_index(encode_index(index), key="i")
+    assert back.sample_ids.tolist() == ids and back.params == PARAMS
+    assert back.created == index.created
+    empty = decode_index(encode_index(DatasetIndex(FP, "spc", 1, PARAMS, np.array([], dtype=str))))
+    assert len(empty) == 0
+
+
+def test_sample_ids_are_normalised_and_not_coerced() -> None:
+    index = DatasetIndex(FP, "spc", 1, PARAMS, ["cafe\u0301"])
+    assert index.sample_ids.tolist() == ["caf\u00e9"]
+
+
+def test_a_record_is_not_an_index() -> None:
+    from tests.cache_store.synthetic import make_record
+
+    with pytest.raises(CorruptRecord, match="not a dataset index"):
+        decode_index(make_record(FP, "a", 1), key="idx")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_damaged_indexes_raise_corrupt_record(data: st.DataObject) -> None:
+    value = bytearray(encode_index(DatasetIndex(FP, "spc", 1, PARAMS, ["a", "b/c", "d"])))
+    pos = data.draw(st.integers(0, len(value) - 1))
+    value[pos] ^= 1 << data.draw(st.integers(0, 7))
+    with pytest.raises(CorruptRecord):
+        decode_index(bytes(value), key="idx")

@@ -1,0 +1,548 @@
+"""ZarrStore and the exporter: LMDB -> export -> snapshot reads the same records."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cache_store import CachedDataset, collate_spc
+from cache_store.errors import (
+    CacheNotFound,
+    CorruptRecord,
+    FingerprintLookupError,
+    ReadOnlyStoreError,
+    RecordNotFound,
+    SpcacheError,
+)
+from cache_store.export import _exclusive, export_snapshot, sweep_leftovers
+from cache_store.fingerprint import compute_fingerprint
+from cache_store.lmdb_store import LMDBStore
+from cache_store.record import decode_record, encode_record, read_header
+from cache_store.store import DatasetIndex, open_store
+from cache_store.zarr_store import ZarrStore
+from tests.cache_store.store_contract import FP_A, FP_B, IDS_A, StoreContract, sample_content
+from tests.cache_store.synthetic import make_record, record_metadata
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fill_lmdb(path: Path, records: dict[str, bytes], indexes: list[DatasetIndex]) -> LMDBStore:
+    store = LMDBStore(path, readonly=False, map_size=1 << 22)
+    store.put_many(records.items())
+    for index in indexes:
+        store.put_index(index)
+    return store
+
+
+def export_all(cache: LMDBStore, dest: Path | str, **options) -> None:
+    for fp in cache.fingerprints():
+        export_snapshot(cache, fp, dest, **options)
+
+
+@pytest.fixture(scope="module")
+def contract_content():
+    return sample_content()
+
+
+@pytest.fixture(scope="module")
+def contract_snapshot(tmp_path_factory, contract_content) -> Path:
+    root = tmp_path_factory.mktemp("contract")
+    cache = fill_lmdb(root / "cache", *contract_content)
+    export_all(cache, root / "snap.zarr")
+    cache.close()
+    return root / "snap.zarr"
+
+
+class TestZarrStoreContract(StoreContract):
+    """The shared read contract, on a snapshot exported from an LMDB cache (once)."""
+
+    @pytest.fixture
+    def content(self, contract_content):
+        return contract_content
+
+    @pytest.fixture
+    def make_store(self, contract_content, contract_snapshot):
+        def make(records, indexes):
+            assert records is contract_content[0]
+            return ZarrStore(contract_snapshot)
+        return make
+
+
+class TestZarrStoreContractThroughZarr(StoreContract):
+    """The same, reading through zarr's own pipeline (as for URLs), not the chunk files."""
+
+    @pytest.fixture
+    def content(self, contract_content):
+        return contract_content
+
+    @pytest.fixture
+    def make_store(self, contract_content, contract_snapshot):
+        return lambda records, indexes: ZarrStore(contract_snapshot, direct_reads=False)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(records, indexes, lmdb cache dir, snapshot dir), exported once for the module."""
+    root = tmp_path_factory.mktemp("exported")
+    records, indexes = sample_content()
+    cache = fill_lmdb(root / "cache", records, indexes)
+    export_all(cache, root / "snap.zarr")
+    cache.close()
+    return records, indexes, root / "cache", root / "snap.zarr"
+
+
+def copy_snapshot(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_open_store_picks_zarr_and_refuses_writes(exported) -> None:
+    *_, snap = exported
+    for location in (str(snap), f"file://{snap}"):
+        store = open_store(location)
+        assert isinstance(store, ZarrStore)
+        assert store.get_index(FP_A).sample_ids.tolist() == IDS_A
+    with pytest.raises(ReadOnlyStoreError):
+        open_store(str(snap), readonly=False)
+    store = ZarrStore(snap)
+    with pytest.raises(ReadOnlyStoreError):
+        store.put_many([(f"{FP_A}/x", make_record(FP_A, "x", 1))])
+
+
+def test_missing_snapshot_is_cache_not_found(tmp_path: Path) -> None:
+    store = ZarrStore(tmp_path / "nothing.zarr")  # constructing opens nothing
+    with pytest.raises(CacheNotFound, match="nothing.zarr"):
+        store.fingerprints()
+    zarr.create_group(str(tmp_path / "foreign.zarr"))
+    with pytest.raises(CacheNotFound, match="not an spcache snapshot"):
+        ZarrStore(tmp_path / "foreign.zarr").get(f"{FP_A}/a")
+    assert not (tmp_path / "nothing.zarr").exists()
+
+
+def test_snapshot_records_equal_lmdb_records(exported) -> None:
+    records, _, cache_dir, snap = exported
+    lmdb_store, zarr_store = LMDBStore(cache_dir), ZarrStore(snap)
+    try:
+        assert list(zarr_store.keys()) == list(lmdb_store.keys())
+        for key in records:
+            a, b = lmdb_store.get_record(key), zarr_store.get_record(key)
+            assert a.metadata == b.metadata
+            assert set(a.tensors) == set(b.tensors)
+            for name, tensor in a.tensors.items():
+                assert b.tensors[name].dtype == tensor.dtype
+                assert b.tensors[name].shape == tensor.shape
+                assert torch.equal(b.tensors[name], tensor)
+        batch = zarr_store.get_records(list(records), fields=["center", "scale"])
+        assert [r.metadata["sample_id"] for r in batch] == [k.split("/", 1)[1] for k in records]
+        assert all(set(r.tensors) == {"center", "scale"} for r in batch)
+        assert zarr_store.stats()["bytes"] == lmdb_store.stats()["bytes"]
+    finally:
+        lmdb_store.close()
+        zarr_store.close()
+
+
+def test_keys_that_look_like_paths_are_never_paths(exported) -> None:
+    *_, snap = exported
+    store = ZarrStore(snap)
+    for key in [f"{FP_A}/../{FP_B}/chairs/a1", f"{FP_A}/chairs/../zeta", "../../etc/passwd",
+                f"{FP_A}", f"{FP_A}/", "x" * 40, f"{FP_A.upper()}/zeta", f"{FP_A}/data/octree"]:
+        assert not store.has(key)
+        with pytest.raises(RecordNotFound):
+            store.get(key)
+
+
+def test_plain_zarr_client_reads_arrays_and_attributes(exported) -> None:
+    records, indexes, _, snap = exported
+    root = zarr.open_group(str(snap), mode="r")
+    assert sorted(root.group_keys()) == sorted(i.fingerprint for i in indexes)
+    group = root[FP_B]
+    attrs = group.attrs["spcache"]
+    assert attrs["complete"] is True and attrs["fingerprint"] == FP_B
+    assert attrs["recipe"] == "spc_query" and attrs["params"]["level"] == 4
+    assert attrs["fields"]["query_pidx"]["dtype"] == "I32"
+    assert attrs["fields"]["query_pidx"]["shape"] == [None, 5]
+    assert attrs["fields"]["scale"]["shape"] == []
+    # Rebuild sample 1 ("lamps/l1") from offsets, as a client that is not ours would.
+    ids = bytes(group["sample_ids"][:])
+    id_off = group["sample_id_offsets"][:]
+    assert ids[id_off[1]:id_off[2]].decode() == "lamps/l1"
+    off = group["offsets/query_pidx"][:]
+    pidx = group["data/query_pidx"][off[1]:off[2]]
+    expected = decode_record(records[f"{FP_B}/lamps/l1"]).tensors
+    assert np.array_equal(pidx, expected["query_pidx"].numpy())
+    assert np.float32(group["data/scale"][1]) == expected["scale"].item()
+    hdr_off = group["header_offsets"][:]
+    header = json.loads(bytes(group["headers"][hdr_off[1]:hdr_off[2]]))
+    assert header["__metadata__"]["checksum"] == read_header(records[f"{FP_B}/lamps/l1"]).checksum
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4hc", "lz4"])
+def test_all_dtypes_and_shapes_round_trip(tmp_path: Path, codec: str) -> None:
+    params = {"level": 3}
+    fp = compute_fingerprint("custom", 2, params)
+    ids = ["a", "b", "c/d"]
+    records = {}
+    for i, sid in enumerate(ids):
+        tensors = {
+            "bf": torch.randn(i + 1, 2).to(torch.bfloat16),
+            "flag": torch.tensor([True, False, True][: i + 1]),
+            "zero_d": torch.tensor(float(i), dtype=torch.float64),
+            "empty": torch.zeros((0, 3), dtype=torch.int64),
+            "vary": torch.arange(i * 4, dtype=torch.int16).reshape(i * 2, 2),
+        }
+        meta = record_metadata(fp, sid) | {"recipe": "custom", "recipe_version": "2"}
+        records[f"{fp}/{sid}"] = encode_record(tensors, meta)
+    cache = fill_lmdb(tmp_path / "cache", records,
+                      [DatasetIndex(fp, "custom", 2, params, ids)])
+    export_snapshot(cache, fp, tmp_path / "s.zarr", codec=codec, chunk_bytes=16)
+    store = ZarrStore(tmp_path / "s.zarr")
+    assert zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[f"{fp}/data/vary"].chunks[0] > 1
+    for key, value in records.items():
+        assert store.get(key) == value
+        a, b = decode_record(value), store.get_record(key)
+        for name in a.tensors:
+            assert b.tensors[name].dtype == a.tensors[name].dtype
+            assert torch.equal(b.tensors[name], a.tensors[name])
+    assert store.verify().ok
+    cache.close()
+
+
+def test_empty_index_exports(tmp_path: Path) -> None:
+    params = {"level": 4, "surface_samples": 100_000}
+    cache = fill_lmdb(tmp_path / "cache", {}, [DatasetIndex(FP_A, "spc", 1, params, [])])
+    assert export_snapshot(cache, FP_A, tmp_path / "s.zarr").samples == 0
+    store = ZarrStore(tmp_path / "s.zarr")
+    assert len(store.get_index(FP_A)) == 0 and list(store.keys()) == []
+    assert store.verify().ok
+    cache.close()
+
+
+def test_bad_records_fail_the_export_unless_skipped(tmp_path: Path) -> None:
+    records, indexes = sample_content()
+    bad_key = f"{FP_A}/chairs/a2"
+    value = bytearray(records[bad_key])
+    value[read_header(bytes(value)).tensors["point_hierarchy"].begin] ^= 0x40
+    records[bad_key] = bytes(value)
+    cache = fill_lmdb(tmp_path / "cache", records, indexes)
+    ghost = DatasetIndex(FP_A, "spc", 1, indexes[0].params, [*IDS_A, "ghost"])
+    cache.put_index(ghost)
+    with pytest.raises(SpcacheError, match="2 record") as err:
+        export_snapshot(cache, FP_A, tmp_path / "s.zarr")
+    assert bad_key in str(err.value) and "ghost" in str(err.value)
+    assert not (tmp_path / "s.zarr" / FP_A).exists()
+    summary = export_snapshot(cache, FP_A, tmp_path / "s.zarr", skip_bad=True)
+    assert set(summary.skipped) == {bad_key, f"{FP_A}/ghost"}
+    assert "point_hierarchy" in summary.skipped[bad_key]
+    store = ZarrStore(tmp_path / "s.zarr")
+    assert store.get_index(FP_A).sample_ids.tolist() == [i for i in IDS_A if i != "chairs/a2"]
+    assert not store.has(bad_key) and store.verify().ok
+    cache.close()
+
+
+def test_existing_export_needs_overwrite(tmp_path: Path) -> None:
+    records, indexes = sample_content()
+    cache = fill_lmdb(tmp_path / "cache", records, indexes)
+    dest = tmp_path / "s.zarr"
+    export_snapshot(cache, FP_A, dest)
+    reader = ZarrStore(dest, direct_reads=False)  # no chunk cache: every read hits files
+    assert reader.get_index(FP_A).sample_ids.tolist() == IDS_A
+    with pytest.raises(SpcacheError, match="already exported"):
+        export_snapshot(cache, FP_A, dest)
+    newer = make_record(FP_A, "zeta", seed=777)
+    cache.put_many([(f"{FP_A}/zeta", newer)])
+    old_value = reader.get(f"{FP_A}/zeta")
+    export_snapshot(cache, FP_A, dest, overwrite=True)
+    assert ZarrStore(dest).get(f"{FP_A}/zeta") == newer
+    assert old_value != newer
+    assert reader.get(f"{FP_A}/zeta") == newer  # the open reader notices and re-opens
+    assert reader.get_record(f"{FP_A}/chairs/a1").metadata["sample_id"] == "chairs/a1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "s.zarr"]  # no leftovers
+    cache.close()
+
+
+def test_one_writer_per_local_snapshot(tmp_path: Path, exported) -> None:
+    *_, cache_dir, snap = exported
+    dest = copy_snapshot(snap, tmp_path / "s.zarr")
+    with _exclusive(dest):
+        with pytest.raises(SpcacheError, match="another export"):
+            export_snapshot(cache_dir, FP_A, dest, overwrite=True)
+
+
+def test_refuses_to_write_into_a_foreign_directory(tmp_path: Path, exported) -> None:
+    *_, cache_dir, _ = exported
+    (tmp_path / "x.zarr").mkdir()
+    (tmp_path / "x.zarr" / "keep.txt").write_text("mine")
+    with pytest.raises(SpcacheError, match="not a Zarr snapshot"):
+        export_snapshot(cache_dir, FP_A, tmp_path / "x.zarr")
+    zarr.create_group(str(tmp_path / "y.zarr"))
+    with pytest.raises(SpcacheError, match="not an spcache snapshot"):
+        export_snapshot(cache_dir, FP_A, tmp_path / "y.zarr")
+    assert (tmp_path / "x.zarr" / "keep.txt").read_text() == "mine"
+
+
+def _chunk_files(group_dir: Path, array: str) -> list[Path]:
+    return sorted(p for p in (group_dir / array / "c").rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_flipped_bytes_in_a_chunk_are_reported(tmp_path: Path, exported, direct_reads) -> None:
+    records, *_, snap = exported
+    dest = copy_snapshot(snap, tmp_path / "s.zarr")
+    (chunk,) = _chunk_files(dest / FP_A, "data/point_hierarchy")
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    store = ZarrStore(dest, direct_reads=direct_reads)
+    with pytest.raises(CorruptRecord, match="point_hierarchy"):
+        store.get(f"{FP_A}/zeta")
+    report = store.verify()
+    assert not report.ok and report.checked == len(records)
+    # One chunk holds every record of this small field: all of FP_A, nothing else.
+    assert sorted(report.corrupt) == sorted(f"{FP_A}/{s}" for s in IDS_A)
+    assert all("point_hierarchy" in reason for reason in report.corrupt.values())
+    assert store.verify(FP_B).ok
+    assert store.get(f"{FP_B}/lamps/l1") == records[f"{FP_B}/lamps/l1"]
+
+
+def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported) -> None:
+    *_, snap = exported
+    dest = copy_snapshot(snap, tmp_path / "s.zarr")
+    for array in ("headers", "sample_ids"):
+        group = FP_B if array == "headers" else FP_A
+        (chunk,) = _chunk_files(dest / group, array)
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 3] ^= 0x08
+        chunk.write_bytes(bytes(raw))
+    store = ZarrStore(dest)
+    report = store.verify()
+    assert f"index:{FP_A}" in report.corrupt  # ids unreadable: no record can be located
+    assert sorted(k for k in report.corrupt if k.startswith(FP_B)) == [
+        f"{FP_B}/chairs/a1", f"{FP_B}/lamps/l1"]
+    with pytest.raises(CorruptRecord):
+        store.get_index(FP_A)
+
+
+_KILLED_EXPORT = textwrap.dedent("""
+    import os, signal, sys
+    import cache_store.export as export
+    real_flush = export._FieldWriter.flush
+    def flush(self, final):
+        real_flush(self, final)
+        os.kill(os.getpid(), signal.SIGKILL)  # die with chunks half written
+    export._FieldWriter.flush = flush
+    export.export_snapshot(sys.argv[1], sys.argv[2], sys.argv[3])
+""")
+
+
+def test_killed_local_export_is_never_visible_and_is_swept(tmp_path: Path, exported) -> None:
+    records, _, cache_dir, _ = exported
+    dest = tmp_path / "s.zarr"
+    export_snapshot(cache_dir, FP_B, dest)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, str(cache_dir), FP_A, str(dest)],
+                          cwd=REPO, capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    leftovers = list(tmp_path.glob(".s.zarr.*.staging"))
+    assert len(leftovers) == 1
+    (dest / FP_B / "zarr.json.0123.partial").write_bytes(b"half")  # as zarr would leave it
+    store = ZarrStore(dest)
+    assert store.fingerprints() == [FP_B]
+    assert not store.has(f"{FP_A}/zeta")
+    with pytest.raises(FingerprintLookupError):
+        store.get_index(FP_A)
+    export_snapshot(cache_dir, FP_A, dest)  # sweeps, then publishes
+    assert not list(tmp_path.glob(".s.zarr.*")) and not list(dest.rglob("*.partial"))
+    assert ZarrStore(dest).get(f"{FP_A}/zeta") == records[f"{FP_A}/zeta"]
+    assert sweep_leftovers(dest) == 0
+
+
+def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> None:
+    records, _, cache_dir, _ = exported
+    url = f"memory://spcache-test-{os.getpid()}/snap.zarr"
+    export_snapshot(cache_dir, FP_B, url)
+    store = open_store(url)
+    assert isinstance(store, ZarrStore)
+    for sid in ("chairs/a1", "lamps/l1"):
+        assert store.get(f"{FP_B}/{sid}") == records[f"{FP_B}/{sid}"]
+
+    import cache_store.export as export
+
+    def broken(self, final):
+        raise RuntimeError("connection lost")
+    monkeypatch.setattr(export._FieldWriter, "flush", broken)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        export_snapshot(cache_dir, FP_A, url)
+    monkeypatch.undo()
+    store = ZarrStore(url)
+    assert store.fingerprints() == [FP_B]
+    assert store.incomplete_fingerprints() == [FP_A]
+    assert not store.has(f"{FP_A}/zeta")
+    report = store.verify()
+    assert report.corrupt == {f"index:{FP_A}": "export did not finish (group not complete)"}
+    export_snapshot(cache_dir, FP_A, url)  # an unfinished group is replaced
+    store = ZarrStore(url)
+    assert store.fingerprints() == sorted([FP_A, FP_B]) and store.verify().ok
+    import fsspec
+
+    fsspec.filesystem("memory").rm(f"/spcache-test-{os.getpid()}", recursive=True)
+
+
+def _same_sample(got: dict, want: dict) -> bool:
+    return set(got) == set(want) and all(
+        got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_cached_dataset_on_the_snapshot_yields_what_lmdb_yields(exported) -> None:
+    _, indexes, cache_dir, snap = exported
+    for index in indexes:
+        on_lmdb = CachedDataset(cache_dir, index.fingerprint)
+        on_zarr = CachedDataset(str(snap), index.fingerprint)
+        assert len(on_zarr) == len(on_lmdb) == len(index)
+        assert on_zarr.recipe == on_lmdb.recipe
+        for i in range(len(index)):
+            assert on_zarr.sample_id(i) == on_lmdb.sample_id(i)
+            assert _same_sample(on_zarr[i], on_lmdb[i])
+        both = list(range(len(index)))[::-1]
+        assert all(_same_sample(a, b) for a, b in
+                   zip(on_zarr.__getitems__(both), on_lmdb.__getitems__(both), strict=True))
+        on_lmdb.close()
+        on_zarr.close()
+    subset = CachedDataset(str(snap), "spc", fields=["octree", "scale"], level=5)
+    assert subset.fingerprint == indexes[2].fingerprint
+    reference = CachedDataset(cache_dir, "spc", fields=["octree", "scale"], level=5)
+    assert _same_sample(subset[0], reference[0]) and set(subset[0]) == {"octree", "scale"}
+
+
+def _forbid_cuda(worker_id: int) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"CUDA initialised in DataLoader worker {worker_id}")
+    torch.cuda._lazy_init = refuse
+    torch.cuda.init = refuse
+
+
+def _tag_pid(sample: dict) -> dict:
+    sample["pid"] = torch.tensor(os.getpid())
+    return sample
+
+
+@pytest.mark.parametrize("direct_reads", [True, False])
+def test_forked_dataloader_workers_read_identical_samples(exported, direct_reads) -> None:
+    _, _, cache_dir, snap = exported
+    dataset = CachedDataset(str(snap), FP_A, transform=_tag_pid,
+                            store_options={"direct_reads": direct_reads})
+    dataset[0]  # the parent read first: its store and zarr's IO loop and thread are up
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
+                                         multiprocessing_context="fork",
+                                         worker_init_fn=_forbid_cuda)
+    reference = CachedDataset(cache_dir, FP_A)
+    got = list(loader)
+    assert len(got) == len(IDS_A)
+    pids = {int(sample.pop("pid")) for sample in got}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert all(_same_sample(sample, reference[i]) for i, sample in enumerate(got))
+    assert "pid" in dataset[len(IDS_A) - 1]  # the parent's store still works
+
+
+def test_batched_forked_workers_with_collate(exported) -> None:
+    _, _, cache_dir, snap = exported
+    loader_args = dict(batch_size=2, num_workers=2, multiprocessing_context="fork",
+                       collate_fn=collate_spc, worker_init_fn=_forbid_cuda)
+    on_zarr = list(torch.utils.data.DataLoader(CachedDataset(str(snap), FP_A), **loader_args))
+    on_lmdb = list(torch.utils.data.DataLoader(CachedDataset(cache_dir, FP_A), **loader_args))
+    assert len(on_zarr) == len(on_lmdb) == 3
+    for a, b in zip(on_zarr, on_lmdb, strict=True):
+        assert set(a) == set(b)
+        for name, value in b.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(a[name], value) and a[name].dtype == value.dtype
+            else:
+                assert a[name] == value
+
+
+def test_cli_export_then_verify(tmp_path: Path, exported, capsys) -> None:
+    from workers import export_cli
+
+    records, _, cache_dir, _ = exported
+    dest = tmp_path / "cli.zarr"
+    parser = __import__("argparse").ArgumentParser()
+    export_cli.configure_parser(parser)
+    args = parser.parse_args([FP_A, "--cache", str(cache_dir), "--to", str(dest), "--json"])
+    assert export_cli.run(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["samples"] == len(IDS_A) and summary["skipped"] == {}
+    assert export_cli.run(args) == 1  # already exported
+    assert "already exported" in capsys.readouterr().err
+    args = parser.parse_args(["0" * 32, "--cache", str(cache_dir), "--to", str(dest)])
+    assert export_cli.run(args) == 1
+    assert "no dataset index" in capsys.readouterr().err
+    args = parser.parse_args([FP_A, "--cache", str(tmp_path / "nope"), "--to", str(dest)])
+    assert export_cli.run(args) == 2
+    assert ZarrStore(dest).verify().ok
+
+
+def test_field_names_never_become_paths(tmp_path: Path) -> None:
+    params = {"level": 3}
+    fp = compute_fingerprint("custom", 1, params)
+    meta = record_metadata(fp, "a") | {"recipe": "custom", "recipe_version": "1"}
+    value = encode_record({"../../escaped": torch.zeros(3)}, meta)
+    cache = fill_lmdb(tmp_path / "cache", {f"{fp}/a": value},
+                      [DatasetIndex(fp, "custom", 1, params, ["a"])])
+    with pytest.raises(SpcacheError, match="escaped"):
+        export_snapshot(cache, fp, tmp_path / "deep" / "s.zarr")
+    assert not list(tmp_path.rglob("escaped*"))
+    assert not (tmp_path / "deep" / "s.zarr" / fp).exists()
+    cache.close()
+
+
+def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported) -> None:
+    records, _, cache_dir, _ = exported
+    source = LMDBStore(cache_dir)
+    key, calls = f"{FP_A}/tables/t1", []
+    real_get = source.get
+
+    def get(k: str) -> bytes:  # a worker recomputes the record between the two passes
+        calls.append(k)
+        return make_record(FP_A, "tables/t1", seed=5) if calls.count(key) > 1 else real_get(k)
+    source.get = get
+    with pytest.raises(SpcacheError, match="changed during the export"):
+        export_snapshot(source, FP_A, tmp_path / "s.zarr")
+    assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
+    source.close()
+
+
+@pytest.mark.slow
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+       width=st.integers(1, 4), chunk_bytes=st.integers(1, 600))
+def test_any_row_counts_and_chunk_sizes_round_trip(tmp_path_factory, rows, width,
+                                                   chunk_bytes) -> None:
+    root = tmp_path_factory.mktemp("prop")
+    fp = compute_fingerprint("custom", 1, {"w": width})
+    ids = [f"s{i}" for i in range(len(rows))]
+    records = {}
+    for i, (sid, r) in enumerate(zip(ids, rows, strict=True)):
+        tensors = {"points": torch.arange(r * width, dtype=torch.float32).reshape(r, width) + i,
+                   "fixed": torch.full((3,), i, dtype=torch.int64)}
+        meta = record_metadata(fp, sid) | {"recipe": "custom", "recipe_version": "1"}
+        records[f"{fp}/{sid}"] = encode_record(tensors, meta)
+    cache = fill_lmdb(root / "cache", records, [DatasetIndex(fp, "custom", 1, {"w": width}, ids)])
+    export_snapshot(cache, fp, root / "s.zarr", chunk_bytes=chunk_bytes)
+    cache.close()
+    for direct in (True, False):
+        store = ZarrStore(root / "s.zarr", direct_reads=direct)
+        assert [store.get(k) for k in records] == list(records.values())

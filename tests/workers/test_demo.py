@@ -1,0 +1,42 @@
+"""`spcache demo`, the README's main job, end to end on a loopback port."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cache_store import CachedDataset
+from tests.conftest import REPO_ROOT
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
+    port = _free_port()
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers", "demo", "--dir", str(tmp_path / "demo"),
+         "--port", str(port), "--level", "5", "--exit-after", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "precomputed 6 records (0 already cached, 0 failed)" in out
+    assert ": done " in out  # the warm-up job went through the service's worker
+    assert f"http://127.0.0.1:{port}/healthz" in out
+
+    cache = tmp_path / "demo" / "cache"
+    queried = CachedDataset(cache, "spc_query", level=5)
+    assert len(queried) == 6
+    assert queried[0]["query_pidx"].shape[1] == 6
+    warmed = CachedDataset(cache, "spc", level=5)
+    assert len(warmed) == 1 and warmed[0]["octree"].numel() > 0
+    # The service was stopped with the demo: the port is free again.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

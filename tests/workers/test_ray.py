@@ -1,0 +1,339 @@
+"""``--engine ray``: Ray's local mode on this machine, two CPU actors, one Ray start.
+
+Every test here that runs actors shares one Ray instance (module fixture); the runs are
+small so the file stays well under a minute and a half on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+
+from cache_store.errors import BackendUnavailable, SpcacheError
+from cache_store.record import read_header
+from cache_store.store import open_store
+from tests.conftest import REPO_ROOT
+from workers.cli import main
+from workers.engine import Engine, ItemResult
+from workers.ray_engine import CrashOnce, RayEngine, RaySummary
+
+PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}
+SMALL = [arg for key, value in PARAMS.items() for arg in ("--param", f"{key}={value}")]
+RAY_OPTIONS = dict(device="cpu", backend="torch", jobs=0, actors=2)
+
+
+def _items(paths: list[Path]) -> list[tuple[str, str]]:
+    return [(p.stem, str(p)) for p in paths]
+
+
+def _split(value: bytes) -> tuple[dict[str, str], bytes]:
+    header = read_header(value)
+    return dict(header.metadata), bytes(value[header.data_start:])
+
+
+def _all_records(cache: Path) -> dict[str, bytes]:
+    with open_store(cache) as store:
+        return {key: store.get(key) for key in store.keys()}
+
+
+def _ray_processes() -> list[psutil.Process]:
+    names = ("raylet", "gcs_server")
+    return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance with two CPUs for the module; stopped after it."""
+    before = {p.pid for p in _ray_processes()}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    for sig, handler in handlers.items():  # ray.init replaced them for this process
+        signal.signal(sig, handler)
+    _, alive = psutil.wait_procs([p for p in _ray_processes() if p.pid not in before], timeout=30)
+    assert not alive, f"Ray processes left running: {alive}"
+
+
+@pytest.fixture(scope="module")
+def sources(shared_meshes: list[Path], bad_inputs: list[Path]) -> list[Path]:
+    """Six real meshes and every hostile file."""
+    return shared_meshes[:6] + bad_inputs
+
+
+@pytest.fixture(scope="module")
+def local_cache(tmp_path_factory: pytest.TempPathFactory, sources: list[Path]):
+    cache = tmp_path_factory.mktemp("local") / "cache"
+    with open_store(cache, readonly=False) as store:
+        summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch",
+                         jobs=0).run(_items(sources))
+    return cache, summary
+
+
+@pytest.fixture(scope="module")
+def ray_cache(ray_local, tmp_path_factory: pytest.TempPathFactory, sources: list[Path]):
+    cache = tmp_path_factory.mktemp("ray") / "cache"
+    reported: list[ItemResult] = []
+    with open_store(cache, readonly=False) as store:
+        engine = RayEngine(store, "spc_query", PARAMS, shard_size=4, write_batch=2, **RAY_OPTIONS)
+        summary = engine.run(_items(sources), on_result=reported.append)
+    return cache, summary, reported
+
+
+# --- the same records as the local engine ----------------------------------------------
+
+
+@pytest.mark.slow
+def test_records_are_byte_identical_to_the_local_engine(local_cache, ray_cache) -> None:
+    local, ray_ = _all_records(local_cache[0]), _all_records(ray_cache[0])
+    assert local.keys() == ray_.keys() and len(local) >= 6
+    for key in local:
+        local_meta, local_data = _split(local[key])
+        ray_meta, ray_data = _split(ray_[key])
+        assert ray_data == local_data, key
+        # `created` is the commit time, and `checksum` covers every metadata value, so
+        # those two differ; the field checksums and everything else must not.
+        for meta in (local_meta, ray_meta):
+            del meta["created"], meta["checksum"]
+        assert ray_meta == local_meta, key
+    with open_store(local_cache[0]) as a, open_store(ray_cache[0]) as b:
+        fingerprint = local_cache[1].fingerprint
+        assert b.get_index(fingerprint).sample_ids.tolist() == \
+            a.get_index(fingerprint).sample_ids.tolist()
+        assert b.verify().ok
+
+
+@pytest.mark.slow
+def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, bad_inputs) -> None:
+    local, ray_summary = local_cache[1], ray_cache[1]
+    assert isinstance(ray_summary, RaySummary)
+    assert (ray_summary.done, ray_summary.skipped, ray_summary.failed) == \
+        (local.done, local.skipped, local.failed)
+    assert ray_summary.failed >= 10
+    by_id = lambda errors: {(e.id, e.path, e.reason) for e in errors}  # noqa: E731
+    assert by_id(ray_summary.errors) == by_id(local.errors)
+    assert {e.id for e in ray_summary.errors} <= {p.stem for p in bad_inputs}
+
+
+@pytest.mark.slow
+def test_summary_reports_every_item_once_and_each_actor(ray_cache, sources) -> None:
+    _, summary, reported = ray_cache
+    counts = Counter(r.sample_id for r in reported)
+    assert set(counts) == {p.stem for p in sources} and set(counts.values()) == {1}
+    assert summary.total == len(sources)
+    assert len(summary.actors) == 2
+    assert all(a.shards >= 1 and a.busy_s > 0 for a in summary.actors)
+    assert sum(a.done for a in summary.actors) == summary.done
+    assert sum(a.failed for a in summary.actors) == summary.failed
+    assert summary.device == "cpu" and summary.backend == "torch"
+    assert summary.compute_s > 0 and summary.load_s > 0 and summary.write_s > 0
+    data = summary.as_json()
+    json.dumps(data)
+    assert data["engine"] == "ray" and len(data["actors"]) == 2
+    assert all(a["samples_per_s"] >= 0 for a in data["actors"])
+
+
+# --- resume, through the command line ------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
+        ray_local, tmp_path: Path, local_cache, shared_meshes: list[Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(local_cache[0], cache)
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in shared_meshes[:8]:
+        shutil.copyfile(path, src / path.name)
+    # the first six are stored (same bytes as the shared meshes); change one of them
+    changed = src / shared_meshes[1].name
+    changed.write_bytes(changed.read_bytes() + b"\n")
+    before = _all_records(cache)
+    args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
+            "--engine", "ray", "--actors", "2", "--device", "cpu", "--backend", "torch"]
+    # the module's Ray is running in this process: the CLI uses it rather than start one
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "done 3, skipped 5, failed 0" in out
+    assert out.count("samples/s") == 2  # one line per actor
+    after = _all_records(cache)
+    key = f"{local_cache[1].fingerprint}/{changed.stem}"
+    assert _split(after[key])[0]["source_hash"] != _split(before[key])[0]["source_hash"]
+    assert all(after[k] == v for k, v in before.items() if k != key)
+    # everything stored now: nothing is sent to Ray at all
+    assert main([*args, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["skipped"], summary["done"], summary["actors"]) == (8, 0, [])
+
+
+# --- actors that die ----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, local_cache,
+                                                   shared_meshes: list[Path]) -> None:
+    paths = shared_meshes[:6]
+    reported: list[ItemResult] = []
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1,
+                           fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
+                           **RAY_OPTIONS)
+        summary = engine.run(_items(paths), on_result=reported.append)
+        keys = list(store.keys())
+    assert (tmp_path / "crashed").exists()  # the fault fired
+    assert summary.failed == 0 and summary.done == len(paths), summary.errors
+    assert Counter(r.sample_id for r in reported) == Counter(p.stem for p in paths)
+    assert len(keys) == len(paths)
+    assert sum(a.deaths for a in summary.actors) == 1 and summary.shard_retries == 1
+    local = _all_records(local_cache[0])
+    for key, value in _all_records(tmp_path / "cache").items():
+        assert _split(value)[1] == _split(local[key])[1]
+
+
+@pytest.mark.slow
+def test_an_actor_killed_for_good_mid_run_loses_nothing(ray_local, tmp_path: Path,
+                                                        shared_meshes: list[Path]) -> None:
+    paths = shared_meshes[:8]
+    reported: list[ItemResult] = []
+    killed: list[str] = []
+    earlier = set(ray.util.list_named_actors())  # other runs' actors may still be listed
+
+    def kill_one_actor(result: ItemResult) -> None:
+        reported.append(result)
+        if not killed:
+            ours = set(ray.util.list_named_actors()) - earlier
+            name = min(n for n in ours if n.startswith("spcache-shard") and n.endswith("-0"))
+            ray.kill(ray.get_actor(name))  # no restart: the actor is gone for the run
+            killed.append(name)
+
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1, **RAY_OPTIONS)
+        summary = engine.run(_items(paths), on_result=kill_one_actor)
+        keys = list(store.keys())
+        index = store.get_index(summary.fingerprint).sample_ids.tolist()
+    assert killed
+    assert summary.failed == 0 and summary.done == len(paths), summary.errors
+    assert Counter(r.sample_id for r in reported) == Counter(p.stem for p in paths)
+    assert len(keys) == len(paths) and index == [p.stem for p in paths]
+    assert sum(a.deaths for a in summary.actors) == 1
+
+
+@pytest.mark.slow
+def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
+                                                     shared_meshes: list[Path]) -> None:
+    # (how a shard is halved down to the poison is tested without Ray, in test_ray_scheduling)
+    paths = shared_meshes[:3]
+    poison = paths[1].stem
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = RayEngine(store, "spc_query", PARAMS, shard_size=1, write_batch=1,
+                           max_attempts=2,
+                           fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
+                           **RAY_OPTIONS)
+        summary = engine.run(_items(paths))
+        stored = {key.rsplit("/", 1)[1] for key in store.keys()}
+    assert summary.done == 2 and summary.failed == 1
+    assert sum(a.deaths for a in summary.actors) == 2
+    (error,) = summary.errors
+    assert error.id == poison and "died 2 times" in error.reason
+    assert stored == {p.stem for p in paths} - {poison}
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--actors", "2"], "need --engine ray"),
+    (["--engine", "ray", "--actors", "0"], "--actors 0"),
+    (["--engine", "ray", "--device", "cuda:1"], "use auto, cpu or cuda"),
+])
+def test_cli_ray_usage_errors(tmp_path: Path, shared_meshes: list[Path], extra: list[str],
+                              message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["precompute", str(shared_meshes[0]), "--recipe", "spc", "--cache",
+                 str(tmp_path / "cache"), *extra])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
+        ray_local, tmp_path: Path, shared_meshes: list[Path],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A run that starts its own local Ray, stopped by SIGTERM (``docker stop``) after
+    its first records: exit 130, records and index kept, no Ray process left; the same
+    command then finishes the rest and recomputes nothing."""
+    cache = tmp_path / "cache"
+    args = ["precompute", *map(str, shared_meshes), "--recipe", "spc_query", *SMALL,
+            "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
+            "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
+    before = {p.pid for p in _ray_processes()}
+    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while len(_stored_keys(cache)) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, "run ended before it could be interrupted"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert out == ""  # no summary for an interrupted run, and nothing of Ray's
+    _, alive = psutil.wait_procs([p for p in _ray_processes() if p.pid not in before], timeout=30)
+    assert not alive, f"Ray processes left running: {alive}"
+    stored = _stored_keys(cache)
+    assert 2 <= len(stored) < len(shared_meshes)
+    fingerprint = stored[0].split("/", 1)[0]
+    with open_store(cache) as store:
+        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
+            sorted(k.split("/", 1)[1] for k in stored)
+    # resume in this process (its Ray is the module's): only the rest is computed
+    capsys.readouterr()
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["skipped"] == len(stored)
+    assert summary["done"] == len(shared_meshes) - len(stored)
+    with open_store(cache) as store:
+        assert len(store.get_index(fingerprint)) == len(shared_meshes)
+        assert store.verify().ok
+
+
+def _stored_keys(cache: Path) -> list[str]:
+    try:
+        with open_store(cache) as store:
+            return list(store.keys())
+    except (SpcacheError, OSError):
+        return []
+
+
+def test_the_local_path_never_imports_ray() -> None:
+    code = ("import sys, workers.cli, workers.engine, workers.ray_engine; "
+            "from workers.cli import main; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_an_error_that_is_not_one_samples_stops_the_run_with_its_own_type(
+        ray_local, tmp_path: Path, shared_meshes: list[Path]) -> None:
+    options = {**RAY_OPTIONS, "backend": "kaolin"}  # Kaolin needs CUDA: no actor can run it
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = RayEngine(store, "spc", {"level": 4}, **options)
+        with pytest.raises(BackendUnavailable, match="kaolin"):
+            engine.run(_items(shared_meshes[:2]))
+        assert list(store.keys()) == []
+    assert not [n for n in ray.util.list_named_actors() if n.startswith("spcache-shard")]

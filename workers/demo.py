@@ -1,0 +1,179 @@
+"""`spcache demo`: the whole pipeline on a fresh machine, with no GPU and no data.
+
+1. Writes a few example shapes (meshes in four formats and a point cloud) that it makes
+   itself, so nothing has to be downloaded.
+2. Precomputes the ``spc_query`` recipe for them into a local LMDB cache with the same
+   engine the ``precompute`` CLI uses.
+3. Starts the service on 127.0.0.1 (``spcache serve``, which starts one worker process),
+   sends one more shape as an HTTP warm-up request, and waits for the worker to finish it.
+4. Reads a record back over HTTP and prints where to look next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["configure_parser", "run", "write_example_shapes"]
+
+log = logging.getLogger(__name__)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", type=Path, default=Path("spcache-demo"),
+                        help="working directory for sources and cache (default: ./spcache-demo)")
+    parser.add_argument("--port", type=int, default=8000, help="service port on 127.0.0.1")
+    parser.add_argument("--level", type=int, default=7, help="octree level (default 7)")
+    parser.add_argument("--exit-after", type=float, default=None, metavar="SECONDS",
+                        help="stop the service after this many seconds (default: run until Ctrl-C)")
+
+
+def write_example_shapes(directory: Path) -> list[Path]:
+    """Write six small example sources into ``directory`` and return their paths."""
+    import trimesh
+
+    directory.mkdir(parents=True, exist_ok=True)
+    meshes = {
+        "sphere.obj": trimesh.creation.icosphere(subdivisions=3),
+        "torus.ply": trimesh.creation.torus(major_radius=1.0, minor_radius=0.3),
+        "box.stl": trimesh.creation.box(extents=(2.0, 1.0, 0.5)),
+        "capsule.off": trimesh.creation.capsule(height=1.5, radius=0.4),
+        "cone.obj": trimesh.creation.cone(radius=0.8, height=1.6),
+    }
+    paths = []
+    for name, mesh in meshes.items():
+        path = directory / name
+        mesh.export(path)
+        paths.append(path)
+    # A point cloud: a helix of points, the kind of thing a scanner would hand over.
+    t = np.linspace(0.0, 8.0 * np.pi, 20_000)
+    helix = np.stack([np.cos(t), np.sin(t), t / (4.0 * np.pi) - 1.0], axis=1).astype(np.float32)
+    path = directory / "helix.npy"
+    np.save(path, helix)
+    paths.append(path)
+    return paths
+
+
+def _precompute(sources: list[Path], cache: Path, level: int) -> str:
+    from cache_store.store import open_store
+    from workers.engine import Engine
+
+    store = open_store(cache, readonly=False)
+    try:
+        engine = Engine(store, "spc_query", {"level": level}, device="auto", backend="auto")
+        items = [(path.stem, str(path)) for path in sources]
+        summary = engine.run(items)
+    finally:
+        store.close()
+    print(f"precomputed {summary.done} records ({summary.skipped} already cached, "
+          f"{summary.failed} failed) into {cache}; fingerprint {summary.fingerprint}")
+    return summary.fingerprint
+
+
+def _wait_healthy(client, base: str, service: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if service.poll() is not None:
+            raise SystemExit(f"the service exited early with status {service.returncode}")
+        try:
+            if client.get(f"{base}/healthz").status_code == 200:
+                return
+        except Exception:  # noqa: BLE001 - not listening yet
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"the service did not answer {base}/healthz within {timeout:.0f}s")
+
+
+def _warm_up_one(client, base: str, source: Path, level: int, timeout: float = 300.0) -> dict:
+    body = {"recipe": "spc", "params": {"level": level},
+            "items": [{"id": source.stem, "path": str(source)}]}
+    response = client.post(f"{base}/v1/warmup", json=body)
+    response.raise_for_status()
+    job = response.json()
+    print(f"warm-up job {job['job_id']} queued for {source.name} (recipe spc, level {level})")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.get(f"{base}/v1/jobs/{job['job_id']}").json()
+        if status["status"] in {"done", "failed", "cancelled"}:
+            print(f"warm-up job {status['id']}: {status['status']} {json.dumps(status['counts'])}")
+            return {**job, **status}
+        time.sleep(0.3)
+    raise SystemExit(f"warm-up job {job['job_id']} did not finish within {timeout:.0f}s")
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+    from safetensors.numpy import load as load_safetensors
+
+    root: Path = args.dir.resolve()
+    sources = write_example_shapes(root / "sources")
+    cache = root / "cache"
+    fingerprint = _precompute(sources, cache, args.level)
+
+    extra = root / "sources" / "late_arrival.stl"
+    import trimesh
+
+    trimesh.creation.annulus(r_min=0.4, r_max=1.0, height=0.3).export(extra)
+
+    base = f"http://127.0.0.1:{args.port}"
+    command = [sys.executable, "-m", "workers", "serve", "--cache", str(cache),
+               "--host", "127.0.0.1", "--port", str(args.port), "--source-root", str(root),
+               "--log-level", "warning"]
+    service = subprocess.Popen(command, start_new_session=True)
+    try:
+        with httpx.Client(timeout=10.0) as client:
+            _wait_healthy(client, base, service)
+            job = _warm_up_one(client, base, extra, args.level)
+            record_url = f"{base}/v1/caches/{fingerprint}/records/{sources[0].stem}"
+            response = client.get(record_url)
+            response.raise_for_status()
+            tensors = load_safetensors(response.content)
+            shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(tensors.items()))
+            print(f"\nread {len(response.content)} bytes over HTTP: {shapes}")
+        print(f"""
+spcache is serving {cache}
+  health:       {base}/healthz
+  caches:       {base}/v1/caches
+  one record:   {record_url}
+  warm-up job:  {base}/v1/jobs/{job['job_id']}
+  API docs:     {base}/docs
+In Python (any number of forked DataLoader workers, no CUDA):
+  from cache_store import CachedDataset
+  ds = CachedDataset({str(cache)!r}, "spc_query", level={args.level})
+  ds = CachedDataset({base!r}, {fingerprint!r})   # the same records over HTTP
+""", flush=True)
+        _serve_until_stopped(service, args.exit_after)
+    finally:
+        _stop(service)
+    return 0
+
+
+def _serve_until_stopped(service: subprocess.Popen, exit_after: float | None) -> None:
+    try:
+        if exit_after is None:
+            print("Ctrl-C stops the service.", flush=True)
+        service.wait(timeout=exit_after)
+    except subprocess.TimeoutExpired:
+        pass
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+
+
+def _stop(service: subprocess.Popen) -> None:
+    if service.poll() is not None:
+        return
+    os.killpg(service.pid, signal.SIGTERM)
+    try:
+        service.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(service.pid, signal.SIGKILL)
+        service.wait()
