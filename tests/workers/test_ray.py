@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -47,23 +48,27 @@ def _all_records(cache: Path) -> dict[str, bytes]:
         return {key: store.get(key) for key in store.keys()}
 
 
-def _ray_processes() -> list[psutil.Process]:
+def _ray_processes(parent: int) -> list[psutil.Process]:
+    """The Ray daemons started by process ``parent`` (not those of other Ray users on
+    this machine, e.g. another test run at the same time)."""
     names = ("raylet", "gcs_server")
-    return [p for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+    return [p for p in psutil.process_iter(["name", "ppid"])
+            if p.info["name"] in names and p.info["ppid"] == parent]
 
 
 @pytest.fixture(scope="module")
 def ray_local():
     """One local Ray instance with two CPUs for the module; stopped after it."""
-    before = {p.pid for p in _ray_processes()}
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
+    started = _ray_processes(os.getpid())
+    assert started, "ray.init started no raylet/gcs_server of its own"
     yield ray
     ray.shutdown()
     for sig, handler in handlers.items():  # ray.init replaced them for this process
         signal.signal(sig, handler)
-    _, alive = psutil.wait_procs([p for p in _ray_processes() if p.pid not in before], timeout=30)
+    _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"Ray processes left running: {alive}"
 
 
@@ -278,7 +283,6 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     args = ["precompute", *map(str, shared_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
             "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
-    before = {p.pid for p in _ray_processes()}
     proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -286,12 +290,14 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
         while len(_stored_keys(cache)) < 2 and time.monotonic() < deadline:
             assert proc.poll() is None, "run ended before it could be interrupted"
             time.sleep(0.05)
+        started = _ray_processes(proc.pid)  # records arrived, so its Ray is up
+        assert started, "the run started no Ray of its own"
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert out == ""  # no summary for an interrupted run, and nothing of Ray's
-    _, alive = psutil.wait_procs([p for p in _ray_processes() if p.pid not in before], timeout=30)
+    _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"Ray processes left running: {alive}"
     stored = _stored_keys(cache)
     assert 2 <= len(stored) < len(shared_meshes)
