@@ -21,6 +21,7 @@ __all__ = [
     "ParameterError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
+    "StoreBusy",
     "CacheNotFound",
     "JobNotFound",
     "InvalidTensor",
@@ -113,6 +114,10 @@ class FingerprintLookupError(SpcacheError, LookupError):
 
 class ReadOnlyStoreError(SpcacheError, PermissionError):
     """A write attempted on a store opened read-only."""
+
+
+class StoreBusy(SpcacheError):
+    """The store cannot serve this read now (e.g. LMDB's reader table is full); retry later."""
 
 
 class CacheNotFound(SpcacheError, FileNotFoundError):

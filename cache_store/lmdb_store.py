@@ -39,7 +39,7 @@ from typing import Any
 
 import lmdb
 
-from cache_store.errors import CacheNotFound, RecordNotFound, SpcacheError
+from cache_store.errors import CacheNotFound, RecordNotFound, SpcacheError, StoreBusy
 from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store, decode_index, encode_index
@@ -269,9 +269,9 @@ class LMDBStore(Store):
             env.set_mapsize(0)
             return env.begin(buffers=True)
 
-    def _readers_full(self, env: Any = None) -> SpcacheError:
+    def _readers_full(self, env: Any = None) -> StoreBusy:
         size = self.max_readers if env is None else env.info()["max_readers"]
-        return SpcacheError(
+        return StoreBusy(
             f"{self.env_path}: LMDB reader table full (max_readers={size}; the "
             f"table is as large as the largest max_readers asked for since its lock file "
             f"was created); open every store with a larger max_readers (workers x threads "

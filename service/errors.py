@@ -28,6 +28,7 @@ from cache_store.errors import (
     RecordNotFound,
     SourceError,
     SpcacheError,
+    StoreBusy,
     UnknownName,
 )
 
@@ -46,6 +47,7 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (UnknownName, 422),
     (SourceError, 422),
     (ReadOnlyStoreError, 503),
+    (StoreBusy, 503),
     (CorruptRecord, 500),
     (lmdb.ReadersFullError, 503),
     (SpcacheError, 500),
@@ -70,18 +72,12 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _readers_full(exc: BaseException) -> bool:
-    # The LMDB store wraps ReadersFullError in an SpcacheError; look through the chain.
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, lmdb.ReadersFullError):
-            return True
-        seen = seen.__cause__
-    return False
+    # LMDBStore raises StoreBusy; a raw ReadersFullError can only come from code that
+    # talks to lmdb directly.
+    return isinstance(exc, StoreBusy | lmdb.ReadersFullError)
 
 
 def status_for(exc: BaseException) -> int:
-    if _readers_full(exc):
-        return 503
     for cls, status in STATUS_BY_ERROR:
         if isinstance(exc, cls):
             return status

@@ -106,7 +106,7 @@ def test_serving_imports_neither_torch_nor_workers(cache: Cache) -> None:
 def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Settings) -> None:
     import lmdb
 
-    from cache_store.errors import SpcacheError
+    from cache_store.errors import StoreBusy
     from tests.service.conftest import InProcessServer
 
     server = InProcessServer(settings)
@@ -116,7 +116,7 @@ def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Se
         try:
             raise lmdb.ReadersFullError("MDB_READERS_FULL")
         except lmdb.ReadersFullError as exc:  # wrapped the way LMDBStore wraps it
-            raise SpcacheError("reader table full") from exc
+            raise StoreBusy("reader table full") from exc
 
     @server.app.get("/test/bug")
     def bug() -> None:
@@ -125,7 +125,7 @@ def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Se
     with server, httpx.Client(base_url=server.url) as http:
         r = http.get("/test/readers-full")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert r.json() == {"error": "SpcacheError",
+        assert r.json() == {"error": "StoreBusy",
                             "detail": "too many concurrent readers of the cache; retry shortly"}
         r = http.get("/test/bug")
         assert r.status_code == 500 and r.json()["error"] == "InternalError"
