@@ -38,7 +38,7 @@ from tests.conftest import REPO_ROOT
 from tests.faults.conftest import Child, env_int, report
 
 KILLS = env_int("SPCACHE_FAULT_WORKER_KILLS", 50)
-ITEMS = env_int("SPCACHE_FAULT_WORKER_ITEMS", 160)
+ITEMS = env_int("SPCACHE_FAULT_WORKER_ITEMS", 400)  # ample: on a quiet machine 160 ran out before 50 kills
 LEASE_S = 1.0
 BATCH = 4
 RECLAIM_SLACK_S = 10.0
