@@ -276,7 +276,8 @@ def _good_points(out: Path) -> None:
 
 # --- hostile files: name -> (builder, expected outcome) ----------------------------------------
 # Expected outcome: a substring of the SourceError reason, or None for "a valid record".
-# Names shared with ../shared/data/bad_inputs mean the same thing there.
+# Names shared with ../shared/data/bad_inputs mean the same thing there. Stems are unique:
+# a stem is the sample id.
 
 
 def _bunny_like_ply(binary: str | None) -> bytes:
@@ -325,7 +326,7 @@ def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
         # a face names vertex 9 of 3 (OBJ, then OFF)
         "faces_out_of_range.obj": (lambda: b"v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\nf 1 2 9\n",
                                    "out of bounds"),
-        "faces_out_of_range.off": (lambda: b"OFF\n3 1 0\n0 0 0\n1 0 0\n0 1 0\n3 0 1 7\n",
+        "faces_out_of_range_off.off": (lambda: b"OFF\n3 1 0\n0 0 0\n1 0 0\n0 1 0\n3 0 1 7\n",
                                    "cannot parse as OFF"),
         # one vertex, no faces: a one-point cloud that cannot be normalised
         "single_vertex.obj": (lambda: b"v 0.5 0.5 0.5\n", "coincide"),
@@ -333,7 +334,7 @@ def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
         "text_not_mesh.ply": (lambda: b"this is not a ply file\n" * 20, "not a PLY"),
         # seeded random bytes with mesh names
         "garbage.stl": (lambda: rng.integers(0, 256, size=4096, dtype=np.uint8).tobytes(), "no geometry"),
-        "garbage.glb": (lambda: rng.integers(0, 256, size=2048, dtype=np.uint8).tobytes(), "cannot parse"),
+        "garbage_scene.glb": (lambda: rng.integers(0, 256, size=2048, dtype=np.uint8).tobytes(), "cannot parse"),
         # 1000 identical points
         "degenerate_points.npy": (lambda: npy(np.full((1000, 3), 0.25)), "coincide"),
         # coordinates near 1e30: still finite in float32, so a valid record
