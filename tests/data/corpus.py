@@ -280,16 +280,17 @@ def _good_points(out: Path) -> None:
 # a stem is the sample id.
 
 
-def _bunny_like_ply(binary: str | None) -> bytes:
+def _first_third_of_ply(binary: str | None) -> bytes:
+    """An icosphere PLY cut after a third of its bytes (as truncated_bunny.ply is)."""
     from trimesh import creation
 
     ico = creation.icosphere(subdivisions=3)
-    return ply_bytes(ico.vertices, ico.faces, binary=binary)
+    whole = ply_bytes(ico.vertices, ico.faces, binary=binary)
+    return whole[: len(whole) // 3]
 
 
 def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
     rng = np.random.default_rng(29)
-    binary_ply, ascii_ply = _bunny_like_ply("<"), _bunny_like_ply(None)
     cube = np.array([[x, y, z] for x in (0, 1) for y in (0, 1) for z in (0, 1)], dtype=float)
     cube_faces = np.array([[0, 1, 3], [0, 3, 2], [4, 6, 7], [4, 7, 5], [0, 4, 5], [0, 5, 1],
                            [2, 3, 7], [2, 7, 6], [0, 2, 6], [0, 6, 4], [1, 5, 7], [1, 7, 3]])
@@ -313,9 +314,9 @@ def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
         # zero bytes
         "empty.obj": (lambda: b"", "file is empty"),
         # binary PLY cut at a third: the parser sees the body is short
-        "truncated_binary.ply": (lambda: binary_ply[: len(binary_ply) // 3], "cannot parse as PLY"),
+        "truncated_binary.ply": (lambda: _first_third_of_ply("<"), "cannot parse as PLY"),
         # ASCII PLY cut at a third: fewer vertices than the header declares
-        "truncated_ascii.ply": (lambda: ascii_ply[: len(ascii_ply) // 3], "truncated"),
+        "truncated_ascii.ply": (lambda: _first_third_of_ply(None), "truncated"),
         # header promises 50 vertices and 12 faces; the body holds 8 and 12
         "lying_header.ply": (lambda: ply_bytes(cube, cube_faces, declare=(50, 12)), "truncated"),
         # binary STL whose count field says 1000 triangles where 12 follow: nothing is read
