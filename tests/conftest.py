@@ -53,7 +53,13 @@ def pytest_configure(config: pytest.Config) -> None:
                    "(SPCACHE_SHARED_DATA); skipped where it is absent")
 
 
+_SHARED_FIXTURES = frozenset({"shared_data", "shared_meshes", "shared_bad_inputs"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # a test asking for ../shared by fixture needs no marker of its own
+        if _SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(shared_corpus)
     if not shared_data_present():
         skip_shared = pytest.mark.skip(reason=SHARED_SKIP)
         for item in items:

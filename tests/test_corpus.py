@@ -130,3 +130,23 @@ def test_a_bare_clone_passes_with_only_the_shared_corpus_skipped(tmp_path: Path)
     assert passed >= 10
     assert set(skipped) == shared_ids
     assert all(SHARED_SKIP in message for message in skipped.values()), skipped
+
+
+def test_hostile_files_end_as_documented_in_the_engine(tmp_path: Path,
+                                                      corpus_bad_inputs: list[Path]) -> None:
+    from cache_store.store import open_store
+    from workers.engine import Engine
+
+    expected = corpus.hostile_expectations()
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = Engine(store, "spc", {"level": 4, "surface_samples": 500}, device="cpu",
+                        backend="torch", jobs=0)
+        summary = engine.run([(p.stem, str(p)) for p in corpus_bad_inputs])
+        errors = {e.id: e for e in summary.errors}
+        for path in corpus_bad_inputs:
+            if expected[path.name] is None:
+                assert path.stem not in errors, errors.get(path.stem)
+                assert store.get_record(engine.key(path.stem)).metadata["sample_id"] == path.stem
+            else:
+                assert expected[path.name] in errors[path.stem].reason, errors[path.stem]
+                assert errors[path.stem].path == str(path) and not store.has(engine.key(path.stem))
