@@ -1,4 +1,18 @@
-"""Shared fixtures and marker handling for the whole suite."""
+"""Shared fixtures and marker handling for the whole suite.
+
+Test data comes from two corpora:
+
+- the generated corpus (``tests/data/corpus.py``), built once into
+  ``tests/data/.generated/`` and always available: ``corpus_meshes``, ``corpus_points``,
+  ``corpus_bad_inputs``;
+- the real-mesh corpus in ``../shared/data`` beside the checkout (or
+  ``$SPCACHE_SHARED_DATA``), which CI has and a user's clone does not: ``shared_meshes``,
+  ``shared_bad_inputs``. Tests that use it carry the ``shared_corpus`` marker and are
+  skipped, never failed, when it is absent.
+
+``meshes`` and ``bad_inputs`` are parametrised over both: ``[corpus]`` always runs,
+``[shared]`` runs where ../shared/data is present.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +21,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.data import corpus as corpus_builder
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # CI clones the project with ../shared beside it; tests may read its data, users never need it.
 SHARED_DATA = Path(os.environ.get("SPCACHE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+SHARED_SKIP = ("../shared/data not present: the extra real-mesh corpus is skipped; "
+               "set SPCACHE_SHARED_DATA to run it")
+# Mark a test (or a parameter) that reads ../shared/data with this.
+shared_corpus = pytest.mark.shared_corpus
+_SHARED_ITEMS = pytest.StashKey[int]()
+
+
+def shared_data_present() -> bool:
+    return (SHARED_DATA / "meshes").is_dir()
 
 
 def _cuda_works() -> bool:
@@ -22,7 +47,24 @@ def _cuda_works() -> bool:
         return False
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "shared_corpus: reads the real-mesh corpus in ../shared/data "
+                   "(SPCACHE_SHARED_DATA); skipped where it is absent")
+
+
+_SHARED_FIXTURES = frozenset({"shared_data", "shared_meshes", "shared_bad_inputs"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:  # a test asking for ../shared by fixture needs no marker of its own
+        if _SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(shared_corpus)
+    if not shared_data_present():
+        skip_shared = pytest.mark.skip(reason=SHARED_SKIP)
+        for item in items:
+            if item.get_closest_marker("shared_corpus"):
+                item.add_marker(skip_shared)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items or _cuda_works():
         return
@@ -31,11 +73,63 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After -k/-m deselection: the tests that will really be asked to use ../shared/data.
+    session.config.stash[_SHARED_ITEMS] = sum(
+        1 for item in session.items if item.get_closest_marker("shared_corpus"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    count = config.stash.get(_SHARED_ITEMS, 0)
+    if not count:
+        return
+    if shared_data_present():
+        line = f"shared real-mesh corpus: RAN ({count} tests over {SHARED_DATA})"
+    else:
+        line = f"shared real-mesh corpus: SKIPPED ({count} tests): {SHARED_SKIP} (looked in {SHARED_DATA})"
+    terminalreporter.write_sep("-", "spcache test data")
+    terminalreporter.write_line(line)
+
+
+# --- the generated corpus: always there ------------------------------------------------------
+
+
+def _sources_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in corpus_builder.SOURCE_SUFFIXES)
+
+
+@pytest.fixture(scope="session")
+def corpus_data() -> Path:
+    """The generated corpus (``meshes/``, ``points/``, ``bad_inputs/``), built on first use."""
+    return corpus_builder.ensure()
+
+
+@pytest.fixture(scope="session")
+def corpus_meshes(corpus_data: Path) -> list[Path]:
+    """Good meshes in every supported mesh format (.mtl companions left out)."""
+    return _sources_in(corpus_data / "meshes")
+
+
+@pytest.fixture(scope="session")
+def corpus_points(corpus_data: Path) -> list[Path]:
+    """Good point clouds: .npy .npz .xyz .pts and a face-less .ply."""
+    return _sources_in(corpus_data / "points")
+
+
+@pytest.fixture(scope="session")
+def corpus_bad_inputs(corpus_data: Path) -> list[Path]:
+    """Hostile files; each one's expected outcome is in ``corpus.hostile_expectations()``."""
+    return _sources_in(corpus_data / "bad_inputs")
+
+
+# --- ../shared/data: extra, skipped when absent -------------------------------------------------
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
-    """``../shared/data`` beside the checkout; the tests that need it fail loudly without it."""
-    if not (SHARED_DATA / "meshes").is_dir():
-        pytest.fail(f"shared test data not found at {SHARED_DATA} (set SPCACHE_SHARED_DATA)")
+    """``../shared/data`` beside the checkout; a test that needs it is skipped without it."""
+    if not shared_data_present():
+        pytest.skip(SHARED_SKIP)
     return SHARED_DATA
 
 
@@ -45,5 +139,22 @@ def shared_meshes(shared_data: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="session")
-def bad_inputs(shared_data: Path) -> list[Path]:
+def shared_bad_inputs(shared_data: Path) -> list[Path]:
     return sorted(p for p in (shared_data / "bad_inputs").iterdir() if p.is_file())
+
+
+# --- both: [corpus] always, [shared] where present --------------------------------------------
+
+BOTH = ["corpus", pytest.param("shared", marks=shared_corpus)]
+
+
+@pytest.fixture(scope="session", params=BOTH)
+def meshes(request: pytest.FixtureRequest) -> list[Path]:
+    """Every good mesh of one corpus: the generated one, then (where present) ../shared."""
+    return request.getfixturevalue(f"{request.param}_meshes")
+
+
+@pytest.fixture(scope="session", params=BOTH)
+def bad_inputs(request: pytest.FixtureRequest) -> list[Path]:
+    """Every hostile file of one corpus: the generated one, then (where present) ../shared."""
+    return request.getfixturevalue(f"{request.param}_bad_inputs")

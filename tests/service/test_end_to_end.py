@@ -1,4 +1,4 @@
-"""`spcache serve` for real: uvicorn + its worker child, warm-up of the shared meshes,
+"""`spcache serve` for real: uvicorn + its worker child, warm-up of every mesh of a corpus,
 then every record read over HTTP is the one in LMDB and parses with safetensors."""
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from tests.service.conftest import AUTH, start_server, stop_server
 
 
 @pytest.mark.slow
-def test_warmup_of_shared_meshes_served_byte_identical(tmp_path: Path,
-                                                       shared_meshes: list[Path]) -> None:
+def test_warmup_of_meshes_served_byte_identical(tmp_path: Path, meshes: list[Path]) -> None:
     cache = tmp_path / "cache"
-    root = shared_meshes[0].parent
+    root = meshes[0].parent
     server = start_server(cache, root, "--device", "cpu", "--backend", "torch")
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
-            items = [{"id": p.stem, "path": str(p)} for p in shared_meshes]
+            items = [{"id": p.stem, "path": str(p)} for p in meshes]
             body = {"recipe": "spc", "params": {"level": 5, "surface_samples": 4000},
                     "items": items}
             r = http.post("/v1/warmup", json=body, headers=AUTH)

@@ -29,7 +29,7 @@ def _data_section(value: bytes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def mesh_cache(tmp_path_factory: pytest.TempPathFactory, shared_meshes: list[Path]):
+def mesh_cache(tmp_path_factory: pytest.TempPathFactory, meshes: list[Path]):
     cache = tmp_path_factory.mktemp("meshes") / "cache"
     store = open_store(cache, readonly=False)
     seen: list[ItemResult] = []
@@ -42,23 +42,23 @@ def mesh_cache(tmp_path_factory: pytest.TempPathFactory, shared_meshes: list[Pat
 
     engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=2,
                     write_batch=4)
-    summary = engine.run(_items(shared_meshes), on_result=on_result)
+    summary = engine.run(_items(meshes), on_result=on_result)
     yield store, engine, summary, seen, committed_when_reported
     store.close()
 
 
 @pytest.mark.slow
-def test_every_shared_mesh_becomes_a_record(mesh_cache, shared_meshes: list[Path]) -> None:
+def test_every_mesh_becomes_a_record(mesh_cache, meshes: list[Path]) -> None:
     store, engine, summary, seen, committed = mesh_cache
     assert summary.failed == 0, summary.errors
-    assert summary.done == len(shared_meshes) and summary.skipped == 0
-    assert [r.sample_id for r in seen] == [p.stem for p in shared_meshes]  # input order
+    assert summary.done == len(meshes) and summary.skipped == 0
+    assert [r.sample_id for r in seen] == [p.stem for p in meshes]  # input order
     assert committed and all(committed)  # on_result only after the commit
     index = store.get_index(engine.fingerprint)
-    assert index.sample_ids.tolist() == [p.stem for p in shared_meshes]
+    assert index.sample_ids.tolist() == [p.stem for p in meshes]
     assert index.recipe == "spc_query" and index.params == engine.params
     assert store.verify().ok
-    for path in shared_meshes:
+    for path in meshes:
         record = store.get_record(engine.key(path.stem))
         check_outputs(RECIPES["spc_query"].spec, record.tensors, engine.params)
         meta = record.metadata
@@ -71,12 +71,12 @@ def test_every_shared_mesh_becomes_a_record(mesh_cache, shared_meshes: list[Path
 
 
 @pytest.mark.slow
-def test_records_agree_with_the_ops_called_directly(mesh_cache, shared_meshes: list[Path]) -> None:
+def test_records_agree_with_the_ops_called_directly(mesh_cache, meshes: list[Path]) -> None:
     store, engine, _, _, _ = mesh_cache
     ops = get_backend("torch", "cpu")
     level = PARAMS["level"]
     recipe = RECIPES["spc_query"]
-    for path in shared_meshes[::3]:
+    for path in meshes[::3]:
         record = store.get_record(engine.key(path.stem))
         t = record.tensors
         # redo the CPU half with the same seed, then every op by hand
@@ -102,10 +102,10 @@ def test_records_agree_with_the_ops_called_directly(mesh_cache, shared_meshes: l
 
 
 @pytest.mark.slow
-def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, shared_meshes: list[Path]) -> None:
+def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, meshes: list[Path]) -> None:
     store, engine, _, _, _ = mesh_cache
     level = PARAMS["level"]
-    for path in shared_meshes:
+    for path in meshes:
         t = store.get_record(engine.key(path.stem)).tensors
         start, end = t["pyramid"][1, level].item(), t["pyramid"][1, level + 1].item()
         leaves = t["point_hierarchy"][start:end].long()
@@ -126,8 +126,8 @@ def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, share
         assert as_set(qcells) <= as_set(leaves)
 
 
-def test_determinism_across_runs_and_loader_modes(tmp_path: Path, shared_meshes: list[Path]) -> None:
-    paths = shared_meshes[:3]
+def test_determinism_across_runs_and_loader_modes(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    paths = corpus_meshes[:3]
     values = []
     for name, jobs in (("a", 0), ("b", 2)):
         with open_store(tmp_path / name, readonly=False) as store:
@@ -142,8 +142,8 @@ def test_determinism_across_runs_and_loader_modes(tmp_path: Path, shared_meshes:
 
 
 @pytest.mark.gpu
-def test_cpu_and_cuda_records_are_identical(tmp_path: Path, shared_meshes: list[Path]) -> None:
-    paths = shared_meshes[:4]
+def test_cpu_and_cuda_records_are_identical(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    paths = corpus_meshes[:4]
     values = []
     for device in ("cpu", "cuda"):
         with open_store(tmp_path / device, readonly=False) as store:
@@ -154,9 +154,9 @@ def test_cpu_and_cuda_records_are_identical(tmp_path: Path, shared_meshes: list[
 
 
 @pytest.mark.gpu
-def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, shared_meshes: list[Path]) -> None:
+def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     pytest.importorskip("kaolin")
-    paths = shared_meshes[:4]
+    paths = corpus_meshes[:4]
     values = []
     for backend in ("torch", "kaolin"):
         with open_store(tmp_path / backend, readonly=False) as store:
@@ -166,8 +166,8 @@ def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, shared_meshes: 
 
 
 def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
-                                                                shared_meshes: list[Path]) -> None:
-    paths = shared_meshes[:2]
+                                                                corpus_meshes: list[Path]) -> None:
+    paths = corpus_meshes[:2]
     attempts: list[int] = []
 
     def inject(size: int) -> None:
@@ -188,7 +188,7 @@ def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
     assert values[0] == values[1]
 
 
-def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, shared_meshes: list[Path]) -> None:
+def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     calls = []
 
     def inject(size: int) -> None:
@@ -199,17 +199,17 @@ def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, shared_meshes
     with open_store(tmp_path / "c", readonly=False) as store:
         engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=0,
                         query_chunk=2000, min_query_chunk=2000, fault_hook=inject)
-        summary = engine.run(_items(shared_meshes[:3]))
+        summary = engine.run(_items(corpus_meshes[:3]))
         assert (summary.done, summary.failed) == (2, 1)
-        assert summary.errors[0].id == shared_meshes[0].stem
+        assert summary.errors[0].id == corpus_meshes[0].stem
         assert "out of device memory" in summary.errors[0].reason
-        assert store.get_index(engine.fingerprint).sample_ids.tolist() == [p.stem for p in shared_meshes[1:3]]
+        assert store.get_index(engine.fingerprint).sample_ids.tolist() == [p.stem for p in corpus_meshes[1:3]]
 
 
-def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, shared_meshes: list[Path]) -> None:
+def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    for p in shared_meshes[:3]:
+    for p in corpus_meshes[:3]:
         shutil.copy(p, src / p.name)
     files = sorted(src.iterdir())
     with open_store(tmp_path / "cache", readonly=False) as store:
@@ -223,7 +223,8 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, shared_meshe
             assert store.get(key) == value  # untouched, created time included
         assert store.get_index(engine.fingerprint).sample_ids.tolist() == [f.stem for f in files]
         # change a source: a fresh computation, never a stale hit
-        shutil.copy(shared_meshes[1], files[0])  # same format, other content
+        other = next(p for p in corpus_meshes if p.suffix == files[0].suffix and p.name != files[0].name)
+        shutil.copy(other, files[0])  # same format, other content
         third = engine.run(_items(files))
         assert (third.done, third.skipped) == (1, 2)
         meta = store.get_record(engine.key(files[0].stem)).metadata
@@ -235,9 +236,9 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, shared_meshe
         assert store.verify().ok
 
 
-def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], shared_meshes: list[Path]) -> None:
-    items = _items(bad_inputs) + [("good", str(shared_meshes[0])), ("good", str(shared_meshes[1])),
-                                  ("../escape", str(shared_meshes[1])),
+def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], corpus_meshes: list[Path]) -> None:
+    items = _items(bad_inputs) + [("good", str(corpus_meshes[0])), ("good", str(corpus_meshes[1])),
+                                  ("../escape", str(corpus_meshes[1])),
                                   ("missing", str(tmp_path / "missing.obj"))]
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = Engine(store, "spc_query", PARAMS, device="cpu", jobs=2)
@@ -273,11 +274,11 @@ def test_engine_validates_options_without_touching_the_store(tmp_path: Path) -> 
 
 
 def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
-        tmp_path: Path, shared_meshes: list[Path]) -> None:
+        tmp_path: Path, corpus_meshes: list[Path]) -> None:
     import os
     import signal
 
-    paths = shared_meshes[:6]
+    paths = corpus_meshes[:6]
     killed: list[int] = []
     with open_store(tmp_path / "c", readonly=False) as store, \
             Engine(store, "spc", {"level": 5, "surface_samples": 1000}, device="cpu",

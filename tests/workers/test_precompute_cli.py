@@ -28,10 +28,10 @@ def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
 
 
 def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs: list[Path],
-                                                     shared_data: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
-    out = spcache("precompute", str(shared_data / "bad_inputs"), "--recipe", "spc_query", *SMALL,
+    folder = bad_inputs[0].parent
+    out = spcache("precompute", str(folder), "--recipe", "spc_query", *SMALL,
                   "--cache", str(cache), "--device", "cpu", "--jobs", "2", "--json")
     assert out.returncode == 1, out.stderr
     summary = json.loads(out.stdout)
@@ -51,7 +51,7 @@ def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs:
                 assert record.metadata["sample_id"] == path.stem
         assert store.verify().ok
     # without --json: a readable summary with the reasons and the fingerprint
-    assert main(["precompute", str(shared_data / "bad_inputs"), "--recipe", "spc_query", *SMALL,
+    assert main(["precompute", str(folder), "--recipe", "spc_query", *SMALL,
                  "--cache", str(cache), "--device", "cpu", "--jobs", "0"]) == 1
     text = capsys.readouterr().out
     assert f"fingerprint {summary['fingerprint']}" in text
@@ -68,13 +68,13 @@ def _stored_values(cache: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_recomputing(tmp_path: Path, shared_meshes: list[Path]) -> None:
+def test_killed_run_resumes_without_recomputing(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     src = tmp_path / "src"
     for copy in range(2):
         (src / f"set{copy}").mkdir(parents=True)
-        for mesh in shared_meshes:
+        for mesh in corpus_meshes:
             os.symlink(mesh, src / f"set{copy}" / mesh.name)
-    total = 2 * len(shared_meshes)
+    total = 2 * len(corpus_meshes)
     cache = tmp_path / "cache"
     args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
             "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
@@ -122,10 +122,10 @@ def _json_run(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return summary
 
 
-def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, shared_meshes: list[Path],
+def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, corpus_meshes: list[Path],
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "a.obj"
-    src.write_bytes(next(m for m in shared_meshes if m.suffix == ".obj").read_bytes())
+    src.write_bytes(next(m for m in corpus_meshes if m.suffix == ".obj").read_bytes())
     cache = tmp_path / "cache"
     base = ["precompute", str(src), "--recipe", "spc", "--param", "surface_samples=1000",
             "--cache", str(cache), "--device", "cpu", "--jobs", "0", "--json"]
@@ -139,10 +139,10 @@ def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, shared
     assert changed["fingerprint"] == first["fingerprint"] and changed["done"] == 1
 
 
-def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, shared_meshes: list[Path],
+def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, corpus_meshes: list[Path],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
-    fingerprint = _json_run(capsys, "precompute", str(shared_meshes[0]), "--recipe", "spc",
+    fingerprint = _json_run(capsys, "precompute", str(corpus_meshes[0]), "--recipe", "spc",
                             "--param", "level=4", "--param", "surface_samples=500",
                             "--cache", str(cache), "--device", "cpu", "--jobs", "0",
                             "--json")["fingerprint"]
@@ -154,9 +154,9 @@ def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, shared_meshes: list[P
 
 
 def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
-                                                               shared_meshes: list[Path]) -> None:
+                                                               corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "cache"
-    args = ["precompute", *map(str, shared_meshes), "--recipe", "spc_query", *SMALL,
+    args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
     proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -170,7 +170,7 @@ def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     stored = _stored_values(cache)
-    assert 2 <= len(stored) < len(shared_meshes)
+    assert 2 <= len(stored) < len(corpus_meshes)
     fingerprint = next(iter(stored)).split("/", 1)[0]
     with open_store(cache) as store:
         assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \

@@ -73,9 +73,9 @@ def ray_local():
 
 
 @pytest.fixture(scope="module")
-def sources(shared_meshes: list[Path], bad_inputs: list[Path]) -> list[Path]:
-    """Six real meshes and every hostile file."""
-    return shared_meshes[:6] + bad_inputs
+def sources(corpus_meshes: list[Path], corpus_bad_inputs: list[Path]) -> list[Path]:
+    """Six generated meshes and every hostile file."""
+    return corpus_meshes[:6] + corpus_bad_inputs
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_records_are_byte_identical_to_the_local_engine(local_cache, ray_cache) 
 
 
 @pytest.mark.slow
-def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, bad_inputs) -> None:
+def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, corpus_bad_inputs) -> None:
     local, ray_summary = local_cache[1], ray_cache[1]
     assert isinstance(ray_summary, RaySummary)
     assert (ray_summary.done, ray_summary.skipped, ray_summary.failed) == \
@@ -129,7 +129,7 @@ def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, bad_inpu
     assert ray_summary.failed >= 10
     by_id = lambda errors: {(e.id, e.path, e.reason) for e in errors}  # noqa: E731
     assert by_id(ray_summary.errors) == by_id(local.errors)
-    assert {e.id for e in ray_summary.errors} <= {p.stem for p in bad_inputs}
+    assert {e.id for e in ray_summary.errors} <= {p.stem for p in corpus_bad_inputs}
 
 
 @pytest.mark.slow
@@ -155,16 +155,16 @@ def test_summary_reports_every_item_once_and_each_actor(ray_cache, sources) -> N
 
 @pytest.mark.slow
 def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
-        ray_local, tmp_path: Path, local_cache, shared_meshes: list[Path],
+        ray_local, tmp_path: Path, local_cache, corpus_meshes: list[Path],
         capsys: pytest.CaptureFixture[str]) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(local_cache[0], cache)
     src = tmp_path / "src"
     src.mkdir()
-    for path in shared_meshes[:8]:
+    for path in corpus_meshes[:8]:
         shutil.copyfile(path, src / path.name)
-    # the first six are stored (same bytes as the shared meshes); change one of them
-    changed = src / shared_meshes[1].name
+    # the first six are stored (same bytes as the corpus meshes); change one of them
+    changed = src / corpus_meshes[0].name  # annulus.off: text, so a trailing newline keeps it valid
     changed.write_bytes(changed.read_bytes() + b"\n")
     before = _all_records(cache)
     args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
@@ -189,8 +189,8 @@ def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
 
 @pytest.mark.slow
 def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, local_cache,
-                                                   shared_meshes: list[Path]) -> None:
-    paths = shared_meshes[:6]
+                                                   corpus_meshes: list[Path]) -> None:
+    paths = corpus_meshes[:6]
     reported: list[ItemResult] = []
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1,
@@ -210,8 +210,8 @@ def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, lo
 
 @pytest.mark.slow
 def test_an_actor_killed_for_good_mid_run_loses_nothing(ray_local, tmp_path: Path,
-                                                        shared_meshes: list[Path]) -> None:
-    paths = shared_meshes[:8]
+                                                        corpus_meshes: list[Path]) -> None:
+    paths = corpus_meshes[:8]
     reported: list[ItemResult] = []
     killed: list[str] = []
     earlier = set(ray.util.list_named_actors())  # other runs' actors may still be listed
@@ -238,9 +238,9 @@ def test_an_actor_killed_for_good_mid_run_loses_nothing(ray_local, tmp_path: Pat
 
 @pytest.mark.slow
 def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
-                                                     shared_meshes: list[Path]) -> None:
+                                                     corpus_meshes: list[Path]) -> None:
     # (how a shard is halved down to the poison is tested without Ray, in test_ray_scheduling)
-    paths = shared_meshes[:3]
+    paths = corpus_meshes[:3]
     poison = paths[1].stem
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=1, write_batch=1,
@@ -264,9 +264,9 @@ def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
     (["--engine", "ray", "--actors", "0"], "--actors 0"),
     (["--engine", "ray", "--device", "cuda:1"], "use auto, cpu or cuda"),
 ])
-def test_cli_ray_usage_errors(tmp_path: Path, shared_meshes: list[Path], extra: list[str],
+def test_cli_ray_usage_errors(tmp_path: Path, corpus_meshes: list[Path], extra: list[str],
                               message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["precompute", str(shared_meshes[0]), "--recipe", "spc", "--cache",
+    code = main(["precompute", str(corpus_meshes[0]), "--recipe", "spc", "--cache",
                  str(tmp_path / "cache"), *extra])
     assert code == 2
     assert message in capsys.readouterr().err
@@ -274,13 +274,13 @@ def test_cli_ray_usage_errors(tmp_path: Path, shared_meshes: list[Path], extra: 
 
 @pytest.mark.slow
 def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
-        ray_local, tmp_path: Path, shared_meshes: list[Path],
+        ray_local, tmp_path: Path, corpus_meshes: list[Path],
         capsys: pytest.CaptureFixture[str]) -> None:
     """A run that starts its own local Ray, stopped by SIGTERM (``docker stop``) after
     its first records: exit 130, records and index kept, no Ray process left; the same
     command then finishes the rest and recomputes nothing."""
     cache = tmp_path / "cache"
-    args = ["precompute", *map(str, shared_meshes), "--recipe", "spc_query", *SMALL,
+    args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
             "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
     proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
@@ -300,7 +300,7 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"Ray processes left running: {alive}"
     stored = _stored_keys(cache)
-    assert 2 <= len(stored) < len(shared_meshes)
+    assert 2 <= len(stored) < len(corpus_meshes)
     fingerprint = stored[0].split("/", 1)[0]
     with open_store(cache) as store:
         assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
@@ -310,9 +310,9 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     assert main(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["skipped"] == len(stored)
-    assert summary["done"] == len(shared_meshes) - len(stored)
+    assert summary["done"] == len(corpus_meshes) - len(stored)
     with open_store(cache) as store:
-        assert len(store.get_index(fingerprint)) == len(shared_meshes)
+        assert len(store.get_index(fingerprint)) == len(corpus_meshes)
         assert store.verify().ok
 
 
@@ -335,11 +335,11 @@ def test_the_local_path_never_imports_ray() -> None:
 
 @pytest.mark.slow
 def test_an_error_that_is_not_one_samples_stops_the_run_with_its_own_type(
-        ray_local, tmp_path: Path, shared_meshes: list[Path]) -> None:
+        ray_local, tmp_path: Path, corpus_meshes: list[Path]) -> None:
     options = {**RAY_OPTIONS, "backend": "kaolin"}  # Kaolin needs CUDA: no actor can run it
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc", {"level": 4}, **options)
         with pytest.raises(BackendUnavailable, match="kaolin"):
-            engine.run(_items(shared_meshes[:2]))
+            engine.run(_items(corpus_meshes[:2]))
         assert list(store.keys()) == []
     assert not [n for n in ray.util.list_named_actors() if n.startswith("spcache-shard")]

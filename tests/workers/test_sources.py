@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from cache_store.errors import SourceError
+from tests.data.corpus import hostile_expectations
 from workers.sources import (
     SUPPORTED_EXTENSIONS,
     compute_normalization,
@@ -30,9 +31,9 @@ TETRA_V = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=np.float6
 TETRA_F = np.array([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]], dtype=np.int64)
 
 
-def test_every_shared_mesh_loads_as_a_valid_mesh(shared_meshes: list[Path]) -> None:
-    assert shared_meshes
-    for path in shared_meshes:
+def test_every_mesh_loads_as_a_valid_mesh(meshes: list[Path]) -> None:
+    assert meshes
+    for path in meshes:
         src = load_source(path)
         assert src.kind == "mesh", path
         assert src.vertices.dtype == np.float64 and src.vertices.shape[1] == 3
@@ -43,6 +44,18 @@ def test_every_shared_mesh_loads_as_a_valid_mesh(shared_meshes: list[Path]) -> N
         assert float(area) > 0
 
 
+def test_every_corpus_point_cloud_loads_as_points(corpus_points: list[Path]) -> None:
+    assert {p.suffix for p in corpus_points} == {".npy", ".npz", ".xyz", ".pts", ".ply"}
+    for path in corpus_points:
+        src = load_source(path)
+        assert src.kind == "points" and src.faces is None, path
+        assert src.vertices.dtype == np.float64 and src.vertices.shape[1] == 3
+        assert len(src.vertices) >= 500 and np.isfinite(src.vertices).all()
+        assert src.source_hash == hash_file(path)
+
+
+# ../shared/data/bad_inputs by name; the generated corpus's files by their documented outcome
+# (None: must load). Names the two share mean the same thing in both.
 EXPECTED_BAD = {
     "degenerate_points.npy": "coincide",
     "empty.obj": "empty",
@@ -55,6 +68,7 @@ EXPECTED_BAD = {
     "truncated_bunny.ply": "truncated",
     "wrong_shape_points.npy": "shape (100, 4)",
 }
+CORPUS_EXPECTED = hostile_expectations()
 
 
 def test_bad_inputs_fail_with_file_and_reason_or_load(bad_inputs: list[Path]) -> None:
@@ -66,17 +80,21 @@ def test_bad_inputs_fail_with_file_and_reason_or_load(bad_inputs: list[Path]) ->
         except SourceError as exc:
             assert exc.path == str(path)
             assert str(path) in str(exc) and exc.reason
-            if path.name in EXPECTED_BAD:
-                assert EXPECTED_BAD[path.name] in exc.reason, (path.name, exc.reason)
+            expected = EXPECTED_BAD.get(path.name) or CORPUS_EXPECTED.get(path.name)
+            if expected:
+                assert expected in exc.reason, (path.name, exc.reason)
+            assert path.name not in CORPUS_EXPECTED or CORPUS_EXPECTED[path.name], \
+                f"{path.name} should have loaded, failed with {exc.reason}"
             continue
         assert path.name not in EXPECTED_BAD, f"{path.name} should have failed"
+        assert CORPUS_EXPECTED.get(path.name) is None, f"{path.name} should have failed"
         normalised = normalize_points(src.used_points(), norm)
         assert np.isfinite(normalised).all()
         assert np.abs(normalised).max() <= 1.0
 
 
-def test_huge_coordinates_normalise_without_overflow(shared_data: Path) -> None:
-    path = shared_data / "bad_inputs" / "huge_coords_points.npy"
+def test_huge_coordinates_normalise_without_overflow(bad_inputs: list[Path]) -> None:
+    path = next(p for p in bad_inputs if p.name == "huge_coords_points.npy")
     src = load_source(path)
     norm = compute_normalization(path, src.used_points())
     out = normalize_points(src.vertices, norm)

@@ -45,18 +45,18 @@ def _wait_done(queue: JobQueue, job_id: str, at_least: int, timeout: float = 120
 
 
 def test_drain_computes_each_item_and_a_bad_sample_fails_alone(tmp_path: Path,
-                                                               shared_meshes: list[Path],
-                                                               bad_inputs: list[Path]) -> None:
+                                                               corpus_meshes: list[Path],
+                                                               corpus_bad_inputs: list[Path]) -> None:
     cache = tmp_path / "cache"
-    bad = next(p for p in bad_inputs if p.name == "nan_vertices.obj")
-    queue, job_id, fp = _submit(cache, shared_meshes[:3] + [bad], level=4, surface_samples=500)
+    bad = next(p for p in corpus_bad_inputs if p.name == "nan_vertices.obj")
+    queue, job_id, fp = _submit(cache, corpus_meshes[:3] + [bad], level=4, surface_samples=500)
     loop = WorkerLoop(cache, device="cpu", backend="torch", loader_jobs=0, drain=True)
     assert loop.run() == 0
     info = queue.job(job_id)
     assert info.counts["done"] == 3 and info.counts["failed"] == 1 and info.status == "failed"
     assert info.errors[0].sample_id == "nan_vertices" and info.errors[0].error
     store = LMDBStore(cache)
-    for mesh in shared_meshes[:3]:
+    for mesh in corpus_meshes[:3]:
         record = decode_record(store.get(record_key(fp, mesh.stem)))
         assert record.metadata["sample_id"] == mesh.stem and record.tensors["octree"].numel() > 0
         assert item_state(store, queue, fp, mesh.stem).state == "ready"
@@ -68,9 +68,9 @@ def test_drain_computes_each_item_and_a_bad_sample_fails_alone(tmp_path: Path,
 
 @pytest.mark.slow
 def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
-        tmp_path: Path, shared_meshes: list[Path]) -> None:
+        tmp_path: Path, corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "cache"
-    meshes = shared_meshes[:8]
+    meshes = corpus_meshes[:8]
     queue, job_id, fp = _submit(cache, meshes, level=6, surface_samples=20_000)
     first = _worker(cache, "--batch", "1", "--lease", "1")
     try:
@@ -97,9 +97,9 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
 
 @pytest.mark.slow
 def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
-                                                          shared_meshes: list[Path]) -> None:
+                                                          corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "cache"
-    queue, job_id, _ = _submit(cache, shared_meshes[:10], level=6, surface_samples=20_000)
+    queue, job_id, _ = _submit(cache, corpus_meshes[:10], level=6, surface_samples=20_000)
     worker = _worker(cache, "--batch", "1")
     try:
         _wait_done(queue, job_id, 1)
@@ -115,11 +115,11 @@ def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
     assert os.path.exists(cache / "jobs.sqlite")
 
 
-def test_service_and_workers_hash_sources_the_same_way(shared_meshes: list[Path]) -> None:
+def test_service_and_workers_hash_sources_the_same_way(corpus_meshes: list[Path]) -> None:
     # The service counts "already ready" with cache_store.hashing; records carry the
     # workers' source hash. If these ever differ, every warm-up recomputes everything.
     from cache_store.hashing import hash_file
     from workers.sources import load_source
 
-    for mesh in shared_meshes[:3]:
+    for mesh in corpus_meshes[:3]:
         assert hash_file(mesh) == load_source(mesh).source_hash

@@ -1,4 +1,5 @@
-"""The torch backend on points sampled from the shared real meshes, against the reference."""
+"""The torch backend on points sampled from real surfaces (the generated corpus's, and
+../shared's real meshes where present), against the reference."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import pytest
 import torch
 import trimesh
 
+from tests.conftest import shared_corpus
 from tests.workers.ops import reference as ref
 from workers.ops import torch_spc as ops
 
 LEVEL = 7
-MESHES = ["bunny.ply", "fandisk.obj", "teapot.stl", "torus.STL"]
+MESHES = [("corpus", name) for name in ("torus_materials.obj", "two_spheres.ply",
+                                         "wavy_sheet_open.stl", "scene_parts.glb")]
+MESHES += [pytest.param("shared", name, marks=shared_corpus)
+           for name in ("bunny.ply", "fandisk.obj", "teapot.stl", "torus.STL")]
 
 
 def _surface_points(path: Path, n: int = 4000) -> torch.Tensor:
@@ -25,9 +30,9 @@ def _surface_points(path: Path, n: int = 4000) -> torch.Tensor:
     return torch.from_numpy((points - center) / scale).float()
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_octree_and_queries_of_a_real_surface(shared_data, mesh):
-    x = _surface_points(shared_data / "meshes" / mesh)
+@pytest.mark.parametrize("corpus,mesh", MESHES)
+def test_octree_and_queries_of_a_real_surface(request, corpus, mesh):
+    x = _surface_points(request.getfixturevalue(f"{corpus}_data") / "meshes" / mesh)
     points = ops.quantize_points(x, LEVEL)
     plist = [tuple(p) for p in points.tolist()]
     octree = ops.unbatched_points_to_octree(points, LEVEL)

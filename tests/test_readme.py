@@ -1,0 +1,87 @@
+"""README.md's training snippet runs as pasted, under every multiprocessing start method."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cache_store.store import open_store
+from tests.conftest import REPO_ROOT
+
+# Runs the snippet as the main script (runpy puts it in sys.modules["__main__"], so spawn and
+# forkserver workers re-import the snippet file itself, as they would `python train.py`),
+# with the start method set first and the batches the parent receives counted.
+RUNNER = '''
+import json, multiprocessing, runpy, sys
+from torch.utils.data import dataloader
+
+def main():
+    method, snippet = sys.argv[1], sys.argv[2]
+    multiprocessing.set_start_method(method)
+    sizes = []
+    original = dataloader._BaseDataLoaderIter.__next__
+
+    def counting(self):
+        batch = original(self)
+        sizes.append(len(batch["lengths"]))
+        return batch
+
+    dataloader._BaseDataLoaderIter.__next__ = counting
+    runpy.run_path(snippet, run_name="__main__")
+    print(json.dumps({"method": multiprocessing.get_start_method(), "sizes": sizes}))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def readme_training_snippet() -> str:
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text[text.index("## Using the cache in training"):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, "no python block under 'Using the cache in training'"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory, corpus_meshes: list[Path],
+             corpus_points: list[Path]) -> tuple[Path, int]:
+    """A directory holding ``spcache-demo/cache`` as `spcache demo` leaves it (level 7)."""
+    from workers.engine import Engine
+
+    root = tmp_path_factory.mktemp("readme")
+    sources = corpus_points + corpus_meshes[:3]
+    with open_store(root / "spcache-demo" / "cache", readonly=False) as store:
+        summary = Engine(store, "spc_query", {"level": 7}, device="cpu", backend="torch",
+                         jobs=0).run([(p.stem, str(p)) for p in sources])
+    assert summary.done == len(sources) and summary.failed == 0, summary.errors
+    return root, len(sources)
+
+
+def test_the_snippet_has_what_spawn_needs() -> None:
+    code = readme_training_snippet()
+    compile(code, "README.md", "exec")
+    assert 'if __name__ == "__main__":' in code
+    assert "os.cpu_count()" in code  # num_workers fits the machine
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_the_readme_training_snippet_runs_as_pasted(demo_dir: tuple[Path, int], method: str) -> None:
+    root, count = demo_dir
+    (root / "train.py").write_text(readme_training_snippet())
+    (root / "run_snippet.py").write_text(RUNNER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "run_snippet.py", method, "train.py"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["method"] == method
+    assert sum(result["sizes"]) == count  # every sample, once
+    assert result["sizes"] == [8] * (count // 8) + ([count % 8] if count % 8 else [])
