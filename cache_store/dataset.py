@@ -17,7 +17,7 @@ import numpy as np
 import torch.utils.data
 
 from cache_store.errors import FingerprintLookupError, ParameterError
-from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, canonical_json
+from cache_store.fingerprint import canonical_json, is_fingerprint
 from cache_store.recipes import RECIPE_SPECS, get_recipe_spec
 from cache_store.store import DatasetIndex, Store, open_store
 
@@ -26,10 +26,6 @@ __all__ = ["CachedDataset", "resolve_index"]
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-
-
-def _is_fingerprint(text: str) -> bool:
-    return len(text) == FINGERPRINT_HEX_CHARS and all(c in "0123456789abcdef" for c in text)
 
 
 def _describe(index: DatasetIndex) -> str:
@@ -45,7 +41,7 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
     version is the current one. Zero or several raise :class:`FingerprintLookupError`
     listing the candidates.
     """
-    if _is_fingerprint(fingerprint_or_recipe):
+    if is_fingerprint(fingerprint_or_recipe):
         if params:
             raise ParameterError([f"{name}: parameters select a fingerprint by recipe name; "
                                   f"{fingerprint_or_recipe} is already one" for name in params])

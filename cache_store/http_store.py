@@ -1,4 +1,4 @@
-"""Reading a cache through the spcache service: ``HTTPStore`` and the batch wire format.
+"""Reading a cache through the spcache service: ``HTTPStore``.
 
 ``CachedDataset("http://host:port", fingerprint)`` ends up here (via ``open_store``).
 The store is read-only. Each process gets its own connection pool, opened on first use
@@ -6,13 +6,7 @@ and opened anew after a fork (an inherited pool is parked, never used or closed:
 sockets are shared with the parent). Connection errors and 503 answers are retried with
 exponential back-off (honouring ``Retry-After``); 4xx answers are not retried.
 
-Batch wire format (``application/x-spcache-batch``), no pickle::
-
-    u64 little-endian N | N bytes of JSON header | data
-
-The header is ``{"format": "spcache-batch", "version": 1, "records": [{"id", "offset",
-"length"}, ...], "missing": [{"id", "error", "detail"}, ...]}``; each record's bytes are
-``data[offset:offset + length]`` (a complete safetensors record), in request order.
+The batch responses it reads are framed as :mod:`cache_store.wire` describes.
 """
 
 from __future__ import annotations
@@ -21,7 +15,6 @@ import json
 import logging
 import os
 import random
-import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -42,76 +35,18 @@ from cache_store.errors import (
 from cache_store.fingerprint import split_key
 from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store
+from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
 
 __all__ = [
-    "BATCH_FORMAT",
-    "BATCH_MEDIA_TYPE",
-    "BATCH_VERSION",
     "HTTPStore",
-    "decode_batch",
-    "encode_batch",
 ]
 
 log = logging.getLogger(__name__)
 
-BATCH_MEDIA_TYPE = "application/x-spcache-batch"
-BATCH_FORMAT = "spcache-batch"
-BATCH_VERSION = 1
-_LEN = struct.Struct("<Q")
 _INDEX_PAGE = 100_000
 
 # Pools inherited across fork: kept referenced so their sockets are never closed here.
 _INHERITED: list[httpx.Client] = []
-
-
-def encode_batch(records: Sequence[tuple[str, bytes]],
-                 missing: Sequence[tuple[str, str, str]] = ()) -> bytes:
-    """Frame ``(id, record bytes)`` pairs and ``(id, error class, detail)`` misses."""
-    entries = []
-    offset = 0
-    for sample_id, value in records:
-        entries.append({"id": sample_id, "offset": offset, "length": len(value)})
-        offset += len(value)
-    header = json.dumps({"format": BATCH_FORMAT, "version": BATCH_VERSION, "records": entries,
-                         "missing": [{"id": i, "error": e, "detail": d} for i, e, d in missing]},
-                        separators=(",", ":")).encode("utf-8")
-    return b"".join([_LEN.pack(len(header)), header, *(value for _, value in records)])
-
-
-def decode_batch(body: bytes, *, where: str = "batch",
-                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
-    """Inverse of :func:`encode_batch`: ``({id: record bytes}, {id: "Error: detail"})``.
-
-    Record values are zero-copy views into ``body``. Raises :class:`CorruptRecord`
-    (naming ``where``) on a malformed frame, :class:`UnsupportedFormat` on another version.
-    """
-    view = memoryview(body)
-    if view.nbytes < _LEN.size:
-        raise CorruptRecord(where, "batch response shorter than its header length")
-    (n,) = _LEN.unpack_from(view, 0)
-    if n > view.nbytes - _LEN.size:
-        raise CorruptRecord(where, f"batch header length {n} exceeds the response")
-    try:
-        header = json.loads(bytes(view[_LEN.size:_LEN.size + n]))
-    except ValueError as exc:
-        raise CorruptRecord(where, f"batch header is not JSON: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != BATCH_FORMAT:
-        raise CorruptRecord(where, "not an spcache batch response")
-    if header.get("version") != BATCH_VERSION:
-        raise UnsupportedFormat(where, f"batch version {header.get('version')!r} is not "
-                                       f"supported (this reader knows {BATCH_VERSION})")
-    data = view[_LEN.size + n:]
-    found: dict[str, memoryview] = {}
-    try:
-        for entry in header["records"]:
-            begin, length = int(entry["offset"]), int(entry["length"])
-            if begin < 0 or length < 0 or begin + length > data.nbytes:
-                raise CorruptRecord(where, f"record {entry['id']!r} lies outside the response")
-            found[str(entry["id"])] = data[begin:begin + length]
-        missing = {str(m["id"]): f"{m['error']}: {m['detail']}" for m in header["missing"]}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptRecord(where, f"malformed batch header: {exc!r}") from None
-    return found, missing
 
 
 class HTTPStore(Store):

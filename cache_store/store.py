@@ -43,7 +43,17 @@ from cache_store.fingerprint import (
     validate_fingerprint,
     validate_sample_id,
 )
-from cache_store.record import Record, decode_arrays, decode_record, encode_tensors, read_header
+from cache_store.record import (
+    Record,
+    check_names_key,
+    decode_arrays,
+    decode_record,
+    encode_tensors,
+    metadata_key,
+    pack_ids,
+    read_header,
+    unpack_ids,
+)
 from cache_store.recipes import RECIPE_SPECS
 
 __all__ = [
@@ -64,18 +74,6 @@ INDEX_KIND = "spcache.dataset_index"
 # --------------------------------------------------------------------------- index
 
 
-def _pack_ids(sample_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [s.encode("utf-8") for s in sample_ids]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-    return blob, offsets
-
-
-def _unpack_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    raw = blob.tobytes()
-    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
-    return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +136,7 @@ class DatasetIndex:
 
     def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """``(blob uint8 [total_bytes], offsets int64 [n + 1])``: the ids in UTF-8, packed."""
-        return _pack_ids(self.sample_ids.tolist())
+        return pack_ids(self.sample_ids.tolist())
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (no ids)."""
@@ -173,7 +171,7 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
             raise ValueError("params is not a JSON object")
         return DatasetIndex._trusted(meta["fingerprint"], meta["recipe"],
                                      int(meta["recipe_version"]), params,
-                                     _unpack_ids(blob, offsets), meta.get("created", ""))
+                                     unpack_ids(blob, offsets), meta.get("created", ""))
     except (KeyError, ValueError, TypeError, SpcacheError) as exc:
         if isinstance(exc, CorruptRecord):
             raise
@@ -272,9 +270,9 @@ class Store(abc.ABC):
         """
         checked = []
         for key, value in items:
-            fingerprint, sample_id = split_key(key)
+            split_key(key)  # validates both parts
             meta = read_header(value, key=key).metadata
-            if meta.get("fingerprint") != fingerprint or meta.get("sample_id") != sample_id:
+            if metadata_key(meta) != key:
                 raise ParameterError([f"{key}: record metadata names fingerprint "
                                       f"{meta.get('fingerprint')!r} and sample id "
                                       f"{meta.get('sample_id')!r}"], what="record key")
@@ -339,9 +337,7 @@ class Store(abc.ABC):
         for key, value in self.iter_values(prefix):
             report.checked += 1
             try:
-                meta = decode_record(value, key=key).metadata
-                if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
-                    raise CorruptRecord(key, "metadata names another key")
+                check_names_key(decode_record(value, key=key).metadata, key)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)

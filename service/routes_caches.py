@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -12,11 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import FingerprintLookupError, ParameterError, RecordNotFound, SpcacheError
-from cache_store.fingerprint import record_key, validate_fingerprint
-from cache_store.http_store import BATCH_MEDIA_TYPE, encode_batch
-from cache_store.jobs import item_state
+from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key, validate_fingerprint
+from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
+from cache_store.item_state import item_state
 from cache_store.recipes import RECIPE_SPECS
-from cache_store.record import record_checksum, select_fields
+from cache_store.record import peek_checksum, record_checksum, select_fields
 from service.context import ServiceContext
 from service.errors import status_for
 from service.warmup import resolve_source
@@ -26,7 +24,7 @@ __all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
 router = APIRouter(prefix="/v1", tags=["caches"])
 
 _RECORD_MEDIA_TYPE = "application/octet-stream"
-Fingerprint = Annotated[str, Path(pattern="^[0-9a-f]{32}$",
+Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
                                   description="32 lowercase hex characters")]
 
 
@@ -86,9 +84,6 @@ def get_cache(fingerprint: Fingerprint, request: Request, offset: int = Query(0,
             "jobs": [j.id for j in jobs]}
 
 
-_LEN = struct.Struct("<Q")
-
-
 def _etag(value: bytes, key: str) -> str:
     """The strong ETag of a record: its checksum, read from the header's metadata.
 
@@ -96,15 +91,8 @@ def _etag(value: bytes, key: str) -> str:
     on decode); anything unexpected here falls back to the full, validating parse,
     which raises :class:`CorruptRecord` for a damaged header.
     """
-    try:
-        (n,) = _LEN.unpack_from(value, 0)
-        if n <= len(value) - 8:
-            checksum = json.loads(value[8:8 + n])["__metadata__"]["checksum"]
-            if isinstance(checksum, str) and checksum.isalnum():
-                return f'"{checksum}"'
-    except (ValueError, KeyError, TypeError, RecursionError, struct.error):
-        pass
-    return f'"{record_checksum(value, key=key)}"'
+    checksum = peek_checksum(value)
+    return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
 
 
 def etag_matches(header: str | None, etag: str) -> bool:

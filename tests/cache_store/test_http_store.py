@@ -11,7 +11,8 @@ import pytest
 
 from cache_store.errors import CorruptRecord, ReadOnlyStoreError, RecordNotFound, SpcacheError
 from cache_store.fingerprint import record_key
-from cache_store.http_store import HTTPStore, decode_batch, encode_batch
+from cache_store.http_store import HTTPStore
+from cache_store.wire import decode_batch, encode_batch
 from cache_store.record import decode_record
 from cache_store.store import open_store
 from service.settings import Settings
