@@ -44,7 +44,7 @@ from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store, decode_index, encode_index
 
-__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR"]
+__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,11 @@ def _close_all_before_fork() -> None:
 
 
 os.register_at_fork(before=_close_all_before_fork)
+
+
+def has_cache(path: str | os.PathLike[str]) -> bool:
+    """True once a writer has created the cache's LMDB environment under ``path``."""
+    return (Path(path) / RECORDS_DIR).exists()
 
 
 class LMDBStore(Store):

@@ -5,20 +5,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from cache_store.errors import SpcacheError
-from service.context import ServiceContext
+from service.context import Context, ServiceContext
 from service.metrics import render
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["health"])
-
-
-def _ctx(request: Request) -> ServiceContext:
-    return request.app.state.ctx
 
 
 @router.get("/healthz")
@@ -27,9 +23,8 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-def readyz(request: Request) -> JSONResponse:
+def readyz(ctx: Context) -> JSONResponse:
     """200 when the job queue answers and the store (if created yet) opens; else 503."""
-    ctx = _ctx(request)
     problems = []
     try:
         queue = ctx.queue.counts()
@@ -58,9 +53,8 @@ def _heartbeat_age(ctx: ServiceContext) -> float | None:
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-def metrics(request: Request) -> PlainTextResponse:
+def metrics(ctx: Context) -> PlainTextResponse:
     """Prometheus text: requests, bytes served, queue depth, worker heartbeat, cache sizes."""
-    ctx = _ctx(request)
     requests, nbytes, records = ctx.metrics.snapshot()
     families: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
         ("spcache_http_requests_total", "counter", "HTTP requests by method, route and status",
