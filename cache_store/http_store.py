@@ -11,11 +11,10 @@ The batch responses it reads are framed as :mod:`cache_store.wire` describes.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import random
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ from cache_store.errors import (
     UnsupportedFormat,
 )
 from cache_store.fingerprint import split_key
+from cache_store.process_local import ProcessLocal
 from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store
 from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
@@ -45,8 +45,14 @@ log = logging.getLogger(__name__)
 
 _INDEX_PAGE = 100_000
 
-# Pools inherited across fork: kept referenced so their sockets are never closed here.
-_INHERITED: list[httpx.Client] = []
+
+
+def _new_client(url: str, timeout_s: float, token: str | None,
+                max_connections: int) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url, timeout=timeout_s, headers=headers,
+                        limits=httpx.Limits(max_connections=max_connections,
+                                            max_keepalive_connections=max_connections))
 
 
 class HTTPStore(Store):
@@ -82,9 +88,8 @@ class HTTPStore(Store):
         self.max_connections = max_connections
         self.batch_size = batch_size
         self.token = token
-        self._client: httpx.Client | None = None
-        self._pid: int | None = None
-        self._lock = threading.Lock()
+        self._client = ProcessLocal(functools.partial(
+            _new_client, self.url, timeout_s, token, max_connections), httpx.Client.close)
 
     def __repr__(self) -> str:
         return f"HTTPStore({self.url!r})"
@@ -92,36 +97,10 @@ class HTTPStore(Store):
     # -- connection ----------------------------------------------------------------
 
     def _http(self) -> httpx.Client:
-        pid = os.getpid()
-        if self._client is not None and self._pid == pid:
-            return self._client
-        with self._lock:
-            if self._client is not None and self._pid != pid:
-                _INHERITED.append(self._client)  # the parent's sockets: leave them be
-                self._client = None
-            if self._client is None:
-                headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-                self._client = httpx.Client(
-                    base_url=self.url, timeout=self.timeout_s, headers=headers,
-                    limits=httpx.Limits(max_connections=self.max_connections,
-                                        max_keepalive_connections=self.max_connections))
-                self._pid = pid
-            return self._client
+        return self._client.get()
 
     def close(self) -> None:
-        with self._lock:
-            if self._client is not None and self._pid == os.getpid():
-                self._client.close()
-            self._client = None
-
-    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
-        state = dict(self.__dict__)
-        state.update(_client=None, _pid=None, _lock=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._client.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         delay = self.backoff_s

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import JobNotFound, SpcacheError
+from cache_store.process_local import ProcessLocal
 
 __all__ = [
     "ITEM_STATUSES",
@@ -101,9 +102,9 @@ CREATE TABLE IF NOT EXISTS heartbeats (
 );
 """
 
-# Connections inherited across fork are parked here, never used, closed or collected:
-# closing one in the child could checkpoint or unlink the WAL under the parent's feet.
-_INHERITED: list[sqlite3.Connection] = []
+# Connections inherited across fork are parked (cache_store.process_local), never used,
+# closed or collected: closing one in the child could checkpoint or unlink the WAL under
+# the parent's feet.
 
 
 @dataclass(frozen=True)
@@ -234,29 +235,17 @@ class JobQueue:
         self.max_attempts = max_attempts
         self.busy_timeout_s = busy_timeout_s
         self.clock = clock
-        self._pid: int | None = None
-        self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
-        self._all_lock = threading.Lock()
+        self._conns: ProcessLocal[_Connections] = ProcessLocal(_Connections, _Connections.close)
 
     # -- connections -------------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        pid = os.getpid()
-        if self._pid != pid:
-            if self._pid is not None:
-                # Forked: park what we inherited (never touch it), start afresh.
-                with self._all_lock:
-                    _INHERITED.extend(self._all)
-                    self._all = []
-                self._local = threading.local()
-            self._pid = pid
-        conn = getattr(self._local, "conn", None)
+        """This thread's connection (per process: an inherited one is parked, never used)."""
+        conns = self._conns.get()
+        conn = getattr(conns.local, "conn", None)
         if conn is None:
             conn = self._open()
-            self._local.conn = conn
-            with self._all_lock:
-                self._all.append(conn)
+            conns.add(conn)
         return conn
 
     def _open(self) -> sqlite3.Connection:
@@ -285,18 +274,7 @@ class JobQueue:
 
     def close(self) -> None:
         """Close this process's connections (those opened in this process only)."""
-        if self._pid != os.getpid():
-            return
-        with self._all_lock:
-            conns, self._all = self._all, []
-        for conn in conns:
-            try:
-                conn.close()
-            except sqlite3.ProgrammingError:
-                # Made in another thread; SQLite lets only that thread close it, and it
-                # is freed when that thread's local storage goes.
-                log.debug("left a connection of another thread to its thread")
-        self._local = threading.local()
+        self._conns.close()
 
     # -- submitting (service side) -----------------------------------------------------
 
@@ -564,6 +542,31 @@ _CLAIMABLE = (
     "AND o.sample_id = i.sample_id AND o.id != i.id AND o.status = 'running' "
     "AND o.lease_expires >= ?)"
 )
+
+
+class _Connections:
+    """One process's SQLite connections: one per thread, all closed together."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.all: list[sqlite3.Connection] = []
+        self.lock = threading.Lock()
+
+    def add(self, conn: sqlite3.Connection) -> None:
+        self.local.conn = conn
+        with self.lock:
+            self.all.append(conn)
+
+    def close(self) -> None:
+        with self.lock:
+            conns, self.all = self.all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.ProgrammingError:
+                # Made in another thread; SQLite lets only that thread close it, and it
+                # is freed when that thread's local storage goes.
+                log.debug("left a connection of another thread to its thread")
 
 
 class _write:

@@ -20,11 +20,12 @@ that attribute last (see :mod:`cache_store.export`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ from cache_store.fingerprint import (
     is_fingerprint,
     validate_fingerprint,
 )
+from cache_store.process_local import ProcessLocal
 from cache_store.record import HEADER_LENGTH, Record, check_names_key, decode_record, unpack_ids
 from cache_store.snapshot_format import (
     ATTRS_KEY,
@@ -108,6 +110,46 @@ class _Snapshot:
         return list(self.data)
 
 
+@dataclass
+class _Opened:
+    """What one process has opened: the root group and the fingerprint groups read."""
+
+    root: Any
+    snapshots: dict[str, _Snapshot] = field(default_factory=dict)
+
+
+def _zarr_store(location: str, storage_options: Mapping[str, Any]) -> Any:
+    from zarr.storage import FsspecStore, LocalStore
+
+    if is_local_location(location):
+        path = local_path(location)
+        if not os.path.isdir(path):
+            raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
+        return LocalStore(path, read_only=True)
+    return FsspecStore.from_url(location, read_only=True,
+                                storage_options=dict(storage_options) or None)
+
+
+def _open_root(location: str, storage_options: Mapping[str, Any]) -> _Opened:
+    """Open a snapshot's root group in this process (checked to be an spcache snapshot)."""
+    import zarr
+
+    store = _zarr_store(location, storage_options)
+    try:
+        root = zarr.open_group(store, mode="r")
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise CacheNotFound(location, f"no Zarr group here ({exc})") from None
+    attrs = root.attrs.get(ATTRS_KEY)
+    if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
+        raise CacheNotFound(location, "a Zarr group, but not an spcache snapshot "
+                                      f"(no {ATTRS_KEY!r} root attributes)")
+    if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
+        raise UnsupportedFormat(f"snapshot:{location}",
+                                f"format_version {attrs.get('format_version')!r} is not "
+                                f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})")
+    return _Opened(root)
+
+
 class ZarrStore(Store):
     """Records of a Zarr v3 snapshot, read-only (see the module doc).
 
@@ -131,44 +173,18 @@ class ZarrStore(Store):
                                      f"write them with 'spcache export'")
         self.storage_options = dict(storage_options or {})
         self.direct_reads = bool(direct_reads)
-        self._pid: int | None = None
-        self._root: Any = None
-        self._snapshots: dict[str, _Snapshot] = {}
+        self._opened: ProcessLocal[_Opened] = ProcessLocal(
+            functools.partial(_open_root, self.location, self.storage_options))
 
     # -- opening -----------------------------------------------------------------------
-    def _zarr_store(self) -> Any:
-        from zarr.storage import FsspecStore, LocalStore
-
-        if is_local_location(self.location):
-            path = local_path(self.location)
-            if not os.path.isdir(path):
-                raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
-            return LocalStore(path, read_only=True)
-        return FsspecStore.from_url(self.location, read_only=True,
-                                    storage_options=self.storage_options or None)
-
     def _group(self) -> Any:
         """The root group, opened in this process."""
-        if self._root is not None and self._pid == os.getpid():
-            return self._root
-        import zarr
+        return self._opened.get().root
 
-        self._snapshots = {}  # another process's handles: drop, never close
-        store = self._zarr_store()
-        try:
-            root = zarr.open_group(store, mode="r")
-        except (FileNotFoundError, KeyError, ValueError) as exc:
-            raise CacheNotFound(self.location, f"no Zarr group here ({exc})") from None
-        attrs = root.attrs.get(ATTRS_KEY)
-        if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
-            raise CacheNotFound(self.location, "a Zarr group, but not an spcache snapshot "
-                                               f"(no {ATTRS_KEY!r} root attributes)")
-        if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
-            raise UnsupportedFormat(f"snapshot:{self.location}",
-                                    f"format_version {attrs.get('format_version')!r} is not "
-                                    f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})")
-        self._root, self._pid = root, os.getpid()
-        return root
+    @property
+    def _snapshots(self) -> dict[str, _Snapshot]:
+        """This process's opened fingerprint groups (another process's are never used)."""
+        return self._opened.get().snapshots
 
     def open(self) -> ZarrStore:
         """Open now (otherwise the first access does). Returns self."""
@@ -177,7 +193,7 @@ class ZarrStore(Store):
 
     def close(self) -> None:
         """Drop this process's handles; the store re-opens on next use."""
-        self._root, self._pid, self._snapshots = None, None, {}
+        self._opened.close()
 
     def _child_names(self) -> list[str]:
         store = self._group().store
@@ -199,7 +215,6 @@ class ZarrStore(Store):
 
     def _snapshot(self, fingerprint: str) -> _Snapshot | None:
         """The opened snapshot of ``fingerprint``; None when absent or incomplete."""
-        self._group()  # (re)opens in this process, resetting _snapshots after a fork
         snap = self._snapshots.get(fingerprint)
         if snap is not None:
             return snap

@@ -94,9 +94,9 @@ def test_retry_reaches_a_server_that_comes_up_late(tmp_path: Path) -> None:
 
 
 def _read_in_child(store: HTTPStore, key: str, out: "mp.Queue[tuple[int, int]]") -> None:
-    inherited = store._client
+    inherited = store._client._value  # the parent's pool, as the fork copied it
     value = store.get(key)
-    out.put((len(value), int(store._client is not inherited)))
+    out.put((len(value), int(store._client.peek() not in (None, inherited))))
 
 
 def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer]) -> None:
@@ -104,7 +104,8 @@ def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer
     store = HTTPStore(server.url)
     key = record_key(cache.fingerprint, cache.ids[0])
     store.get(key)
-    parent_client = store._client
+    parent_client = store._client.peek()
+    assert parent_client is not None
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(store, key, out))
@@ -112,7 +113,7 @@ def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer
     assert out.get(timeout=30) == (len(cache.values[cache.ids[0]]), 1)
     child.join(timeout=30)
     assert child.exitcode == 0
-    assert store._client is parent_client and store.get(key) == cache.values[cache.ids[0]]
+    assert store._client.peek() is parent_client and store.get(key) == cache.values[cache.ids[0]]
     store.close()
 
 
@@ -126,9 +127,9 @@ def test_batch_frame_round_trip_and_corruption() -> None:
             decode_batch(bad)
 
 
-def test_pid_is_recorded_per_process() -> None:
-    assert HTTPStore("http://127.0.0.1:1")._pid is None  # nothing opened by the constructor
-    assert os.getpid() > 0
+def test_constructor_opens_no_pool() -> None:
+    store = HTTPStore("http://127.0.0.1:1")
+    assert store._client.peek() is None
 
 
 def test_cached_dataset_reads_over_http_in_forked_loader_workers(
