@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -68,8 +68,12 @@ class HTTPStore(Store):
         token: bearer token, sent if given (reads need none).
 
     Lists (``keys``, ``fingerprints``) come from the service's dataset indexes: records
-    not (yet) in an index are readable by key but not listed.
+    not (yet) in an index are readable by key but not listed (``supports_listing`` is
+    False). ``supports_writes`` is False: writes raise ``ReadOnlyStoreError``.
     """
+
+    supports_writes = False
+    supports_listing = False
 
     def __init__(self, url: str, *, readonly: bool = True, timeout_s: float = 30.0,
                  retries: int = 5, backoff_s: float = 0.1, max_connections: int = 16,
@@ -201,12 +205,6 @@ class HTTPStore(Store):
             out.append(decode_record(found[key], key=key, fields=fields))
         return out
 
-    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes]) -> int:
-        raise ReadOnlyStoreError(f"{self.url}: an HTTP store is read-only")
-
-    def put_index(self, index: DatasetIndex) -> None:
-        raise ReadOnlyStoreError(f"{self.url}: an HTTP store is read-only")
-
     def fingerprints(self) -> list[str]:
         body = self._check(self._request("GET", "/v1/caches")).json()
         return [c["fingerprint"] for c in body["caches"]]
@@ -217,6 +215,8 @@ class HTTPStore(Store):
         while True:
             response = self._request("GET", f"/v1/caches/{fingerprint}",
                                      params={"offset": offset, "limit": _INDEX_PAGE})
+            if response.status_code == 404 and not ids:  # like every backend: list the known
+                raise self.index_missing(fingerprint)
             body = self._check(response).json()
             if body.get("index") is None:
                 raise FingerprintLookupError(f"{self.url}: fingerprint {fingerprint} has no "
@@ -231,10 +231,11 @@ class HTTPStore(Store):
                             sample_ids=np.array(ids, dtype=np.str_))
 
     def keys(self, prefix: str = "") -> Iterator[str]:
-        for fingerprint in self.fingerprints():
+        """Keys of indexed records (``supports_listing`` is False), in UTF-8 byte order."""
+        for fingerprint in sorted(self.fingerprints()):
             if not (fingerprint.startswith(prefix[:len(fingerprint)])):
                 continue
-            for sample_id in self.get_index(fingerprint).sample_ids:
+            for sample_id in sorted(self.get_index(fingerprint).sample_ids.tolist()):
                 key = f"{fingerprint}/{sample_id}"
                 if key.startswith(prefix):
                     yield key

@@ -10,6 +10,13 @@ imported by name only when a location needs them.
 Every backend constructor takes ``(location, *, readonly=..., **options)``, only assigns
 (nothing is opened before first use) and raises ``ReadOnlyStoreError`` on writes when
 read-only.
+
+What a backend cannot do at all it says with a capability flag instead of a method that
+fakes it: ``supports_writes`` (False: Zarr snapshots, HTTP; ``put_many``/``put_index``
+are left to the base, which raises ``ReadOnlyStoreError``) and ``supports_listing``
+(False: ``keys()`` lists only what the backend can enumerate, e.g. HTTP lists indexed
+records only). ``keys()`` order is the same on every backend: sorted by the keys'
+UTF-8 bytes (= code point order).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -206,6 +213,10 @@ class Store(abc.ABC):
 
     #: True when writes raise :class:`ReadOnlyStoreError`.
     readonly: bool = True
+    #: False for backends that can never write (their writes raise ReadOnlyStoreError).
+    supports_writes: ClassVar[bool] = True
+    #: False when :meth:`keys` may omit stored records (it lists what it can enumerate).
+    supports_listing: ClassVar[bool] = True
 
     def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True) -> None:
         self.location = os.fspath(location)
@@ -226,12 +237,13 @@ class Store(abc.ABC):
     def get(self, key: str) -> bytes:
         """The value under ``key``; raises :class:`RecordNotFound` naming key and store."""
 
-    @abc.abstractmethod
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         """Write ``(key, record bytes)`` pairs atomically (all or none); returns the count.
 
-        Implementations validate with :meth:`check_items` before writing.
+        Writable backends implement it and validate with :meth:`check_items` first; the
+        base refuses (``supports_writes`` False).
         """
+        raise self._cannot_write()
 
     @abc.abstractmethod
     def has(self, key: str) -> bool:
@@ -239,15 +251,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def keys(self, prefix: str = "") -> Iterator[str]:
-        """Record keys starting with ``prefix``, in sorted (UTF-8 byte) order."""
+        """Record keys starting with ``prefix``, sorted by their UTF-8 bytes (on every
+        backend; with ``supports_listing`` False, only the keys it can enumerate)."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release handles; the store may be used again (it re-opens lazily)."""
 
-    @abc.abstractmethod
     def put_index(self, index: DatasetIndex) -> None:
-        """Record (or replace) the index of ``index.fingerprint``."""
+        """Record (or replace) the index of ``index.fingerprint`` (writable backends)."""
+        raise self._cannot_write()
 
     @abc.abstractmethod
     def get_index(self, fingerprint: str) -> DatasetIndex:
@@ -258,6 +271,10 @@ class Store(abc.ABC):
         """Fingerprints that have an index, sorted."""
 
     # -- helpers for implementations -------------------------------------------------
+    def _cannot_write(self) -> ReadOnlyStoreError:
+        return ReadOnlyStoreError(f"{self.location}: a {type(self).__name__} is read-only "
+                                  f"(this backend cannot write)")
+
     def check_writable(self) -> None:
         if self.readonly:
             raise ReadOnlyStoreError(f"{self.location}: store is open read-only")

@@ -153,6 +153,8 @@ def _open_root(location: str, storage_options: Mapping[str, Any]) -> _Opened:
 class ZarrStore(Store):
     """Records of a Zarr v3 snapshot, read-only (see the module doc).
 
+    ``supports_writes`` is False: writes raise ``ReadOnlyStoreError``.
+
     Args:
         location: a ``*.zarr`` path, ``file://`` URL or fsspec URL (``s3://``, ``gs://``,
             ``memory://`` ...).
@@ -163,6 +165,8 @@ class ZarrStore(Store):
             through zarr's async pipeline; same bytes and checks, several times faster
             per sample. Ignored for URLs.
     """
+
+    supports_writes = False
 
     def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True,
                  storage_options: Mapping[str, Any] | None = None,
@@ -461,14 +465,6 @@ class ZarrStore(Store):
                 if not sample_id.startswith(id_prefix):
                     break
                 yield head + sample_id
-
-    # -- writes are refused ------------------------------------------------------------
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
-        self.check_writable()
-        return 0  # pragma: no cover - check_writable raises
-
-    def put_index(self, index: DatasetIndex) -> None:
-        self.check_writable()
 
     # -- indexes -----------------------------------------------------------------------
     def fingerprints(self) -> list[str]:

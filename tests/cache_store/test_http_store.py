@@ -16,6 +16,8 @@ from cache_store.wire import decode_batch, encode_batch
 from cache_store.record import decode_record
 from cache_store.store import open_store
 from service.settings import Settings
+from cache_store.lmdb_store import LMDBStore
+from tests.cache_store.store_contract import StoreContract
 from tests.service.conftest import Cache, InProcessServer, build_cache
 
 
@@ -25,6 +27,29 @@ def served(tmp_path: Path):
     settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False)
     with InProcessServer(settings) as server:
         yield cache, server
+
+
+class TestHTTPStoreContract(StoreContract):
+    """The shared read contract, through a real service over an LMDB cache."""
+
+    @pytest.fixture
+    def make_store(self, tmp_path: Path):
+        servers: list[InProcessServer] = []
+
+        def make(records, indexes) -> HTTPStore:
+            root = tmp_path / f"cache{len(servers)}"
+            writer = LMDBStore(root, readonly=False)
+            writer.put_many(records.items())
+            for index in indexes:
+                writer.put_index(index)
+            writer.close()
+            server = InProcessServer(Settings(cache=root, source_roots=[tmp_path], worker=False))
+            servers.append(server.__enter__())
+            return HTTPStore(server.url)
+
+        yield make
+        for server in servers:
+            server.__exit__()
 
 
 def test_open_store_picks_http_and_reads_records(served: tuple[Cache, InProcessServer]) -> None:
@@ -47,7 +72,8 @@ def test_index_keys_and_batch(served: tuple[Cache, InProcessServer]) -> None:
     assert store.fingerprints() == [cache.fingerprint]
     index = store.get_index(cache.fingerprint)
     assert index.sample_ids.tolist() == cache.ids and index.params == cache.params
-    assert list(store.keys()) == [record_key(cache.fingerprint, s) for s in cache.ids]
+    assert list(store.keys()) == [record_key(cache.fingerprint, s)
+                                  for s in sorted(cache.ids, key=str.encode)]
     wanted = [record_key(cache.fingerprint, s) for s in cache.ids] + [
         record_key(cache.fingerprint, "gone")]
     got, missing = store.get_many(wanted)
