@@ -24,6 +24,11 @@ id, source hash, ...):
 
 Decoding parses the header with strict validation; any malformed value raises
 :class:`CorruptRecord` naming the key, never another exception type.
+
+(Past the ~600-line mark on purpose: this is the one definition of the record's bytes,
+encoder, strict decoder and the small helpers every store and the service share about
+those bytes (header length, checksum peek, key check, packed ids). Splitting encoder
+from decoder would put the checksum rules in two places.)
 """
 
 from __future__ import annotations
