@@ -14,10 +14,13 @@ Reported:
   present; otherwise ``store.get_record``, which is what ``CachedDataset.__getitem__``
   calls) over the same records, on LMDB and on the snapshot, sequential and shuffled,
   measured interleaved so machine load hits both alike. The ratio snapshot/LMDB is the
-  number to watch.
+  number to watch;
+- the zstd snapshot read twice more ways, interleaved with the rest: through the
+  hand-written chunk reader (``direct_reads=True``, the default for local snapshots) and
+  through zarr's own codec pipeline (``direct_reads=False``); the ratio says which to keep.
 
     python bench/zarr_snapshot.py [--samples N] [--level L] [--points P] [--queries Q]
-                                  [--repeats R] [--json]
+                                  [--repeats R] [--codecs zstd,lz4] [--json]
 """
 
 from __future__ import annotations
@@ -100,15 +103,15 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def reader(location: str, fp: str):
+def reader(location: str, fp: str, **store_options):
     """A callable reading sample i (CachedDataset when present), and its name."""
     try:
         from cache_store.dataset import CachedDataset
     except ImportError:
-        store = open_store(location)
+        store = open_store(location, **store_options)
         keys = store.get_index(fp).sample_ids.tolist()
         return (lambda i: store.get_record(f"{fp}/{keys[i]}").tensors), "store.get_record"
-    dataset = CachedDataset(location, fp)
+    dataset = CachedDataset(location, fp, store_options=store_options)
     return dataset.__getitem__, "CachedDataset"
 
 
@@ -119,7 +122,8 @@ def samples_per_s(read, order: list[int]) -> float:
     return len(order) / (time.perf_counter() - start)
 
 
-def run(samples: int, level: int, points: int, queries: int, repeats: int) -> dict:
+def run(samples: int, level: int, points: int, queries: int, repeats: int,
+        codecs: tuple[str, ...] = CODECS) -> dict:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="spcache-bench-") as tmp:
         tmp = Path(tmp)
@@ -131,12 +135,15 @@ def run(samples: int, level: int, points: int, queries: int, repeats: int) -> di
         lmdb_used = stats["lmdb"]["used_bytes"]
         store.close()
         exports = {}
-        for codec in CODECS:
+        for codec in codecs:
             t0 = time.perf_counter()
             summary = export_snapshot(tmp / "cache", fp, tmp / f"{codec}.zarr", codec=codec)
             exports[codec] = (time.perf_counter() - t0, dir_bytes(tmp / f"{codec}.zarr"))
         readers = {"lmdb": reader(str(tmp / "cache"), fp)}
-        readers |= {codec: reader(str(tmp / f"{codec}.zarr"), fp) for codec in CODECS}
+        readers |= {codec: reader(str(tmp / f"{codec}.zarr"), fp) for codec in codecs}
+        if "zstd" in codecs:  # the same snapshot through zarr's own codec pipeline
+            readers["zstd_zarr_pipeline"] = reader(str(tmp / "zstd.zarr"), fp,
+                                                   direct_reads=False)
         for read, _ in readers.values():  # warm up: open, index, page cache
             for i in range(min(8, samples)):
                 read(i)
@@ -153,7 +160,7 @@ def run(samples: int, level: int, points: int, queries: int, repeats: int) -> di
         "samples": samples, "level": level, "points": points, "queries": queries,
         "repeats": repeats, "reader": readers["lmdb"][1], "cpus": os.cpu_count(),
         "build_s": build_s, "record_bytes": record_bytes, "lmdb_used_bytes": lmdb_used,
-        "exported": summary.samples, "codecs": list(CODECS),
+        "exported": summary.samples, "codecs": list(codecs),
     }
     for codec, (seconds, size) in exports.items():
         result[f"{codec}_bytes"] = size
@@ -162,10 +169,14 @@ def run(samples: int, level: int, points: int, queries: int, repeats: int) -> di
         result[f"{codec}_export_mb_per_s"] = record_bytes / seconds / 1e6
     for name, values in rates.items():
         result[f"{name}_per_s"] = statistics.median(values)
-    for codec in CODECS:
+    for codec in codecs:
         for order in ("seq", "shuffled"):
             result[f"{codec}_ratio_{order}"] = (result[f"{codec}_{order}_per_s"]
                                                 / result[f"lmdb_{order}_per_s"])
+    if "zstd" in codecs:
+        for order in ("seq", "shuffled"):  # > 1: the hand-written reader is faster
+            result[f"direct_vs_pipeline_{order}"] = (
+                result[f"zstd_{order}_per_s"] / result[f"zstd_zarr_pipeline_{order}_per_s"])
     return result
 
 
@@ -176,9 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", type=int, default=50_000)
     parser.add_argument("--queries", type=int, default=32_768)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--codecs", default=",".join(CODECS),
+                        help=f"comma-separated subset of {', '.join(CODECS)}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
-    r = run(args.samples, args.level, args.points, args.queries, args.repeats)
+    codecs = tuple(c for c in args.codecs.split(",") if c)
+    if not codecs or not set(codecs) <= set(CODECS):
+        parser.error(f"--codecs: choose from {', '.join(CODECS)}")
+    r = run(args.samples, args.level, args.points, args.queries, args.repeats, codecs)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -195,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({r[f'{c}_export_mb_per_s']:.1f} MB/s); read seq {r[f'{c}_seq_per_s']:.1f} "
               f"samples/s = {r[f'{c}_ratio_seq']:.2f}x LMDB, shuffled "
               f"{r[f'{c}_shuffled_per_s']:.1f} = {r[f'{c}_ratio_shuffled']:.2f}x LMDB")
+    if "direct_vs_pipeline_seq" in r:
+        print(f"  zstd read through zarr's codec pipeline: seq "
+              f"{r['zstd_zarr_pipeline_seq_per_s']:.1f}, shuffled "
+              f"{r['zstd_zarr_pipeline_shuffled_per_s']:.1f} samples/s; hand-written chunk "
+              f"reader = {r['direct_vs_pipeline_seq']:.2f}x (seq), "
+              f"{r['direct_vs_pipeline_shuffled']:.2f}x (shuffled) of that")
     return 0
 
 

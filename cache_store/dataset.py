@@ -8,6 +8,7 @@ own store on first read; nothing here touches CUDA.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -17,7 +18,8 @@ import numpy as np
 import torch.utils.data
 
 from cache_store.errors import FingerprintLookupError, ParameterError
-from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, canonical_json
+from cache_store.fingerprint import canonical_json, is_fingerprint
+from cache_store.process_local import ProcessLocal
 from cache_store.recipes import RECIPE_SPECS, get_recipe_spec
 from cache_store.store import DatasetIndex, Store, open_store
 
@@ -26,10 +28,6 @@ __all__ = ["CachedDataset", "resolve_index"]
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-
-
-def _is_fingerprint(text: str) -> bool:
-    return len(text) == FINGERPRINT_HEX_CHARS and all(c in "0123456789abcdef" for c in text)
 
 
 def _describe(index: DatasetIndex) -> str:
@@ -45,7 +43,7 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
     version is the current one. Zero or several raise :class:`FingerprintLookupError`
     listing the candidates.
     """
-    if _is_fingerprint(fingerprint_or_recipe):
+    if is_fingerprint(fingerprint_or_recipe):
         if params:
             raise ParameterError([f"{name}: parameters select a fingerprint by recipe name; "
                                   f"{fingerprint_or_recipe} is already one" for name in params])
@@ -113,8 +111,9 @@ class CachedDataset(torch.utils.data.Dataset):
         self._recipe: tuple[str, int, dict[str, Any]] | None = None
         self._id_bytes: np.ndarray | None = None     # uint8 [total id bytes]
         self._id_offsets: np.ndarray | None = None   # int64 [n + 1]
-        self._store: Store | None = None
-        self._store_pid: int | None = None
+        self._store: ProcessLocal[Store] = ProcessLocal(
+            functools.partial(open_store, self.cache, readonly=True, **self.store_options),
+            Store.close)
 
     def __repr__(self) -> str:
         cache = self.cache.location if isinstance(self.cache, Store) else self.cache
@@ -122,7 +121,7 @@ class CachedDataset(torch.utils.data.Dataset):
 
     # -- index -----------------------------------------------------------------------
     def _new_store(self) -> Store:
-        return open_store(self.cache, readonly=True, **self.store_options)
+        return self._store.opener()
 
     def _load_index(self) -> None:
         if self._id_offsets is not None:
@@ -166,10 +165,7 @@ class CachedDataset(torch.utils.data.Dataset):
 
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:
-        pid = os.getpid()
-        if self._store is None or self._store_pid != pid:
-            self._store, self._store_pid = self._new_store(), pid
-        return self._store
+        return self._store.get()
 
     def _finish(self, record: Any) -> Any:
         sample: Sample = record.tensors
@@ -187,11 +183,4 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""
-        if self._store is not None and self._store_pid == os.getpid():
-            self._store.close()
-        self._store, self._store_pid = None, None
-
-    def __getstate__(self) -> dict[str, Any]:  # spawn/forkserver: ship no store handle
-        state = self.__dict__.copy()
-        state.update(_store=None, _store_pid=None)
-        return state
+        self._store.close()

@@ -2,7 +2,7 @@
 
 :func:`export_snapshot` reads every record of a fingerprint's index from a source store
 (normally the LMDB cache), checks it (header checksum, per-field xxh3, metadata naming
-its key) and writes the layout described in :mod:`cache_store.zarr_store`.
+its key) and writes the layout described in :mod:`cache_store.snapshot_format`.
 
 Two passes over the source: the first reads and checks every record and keeps its
 header, so each array can be created at its final shape with chunks sized for it; the
@@ -55,10 +55,10 @@ from cache_store.errors import (
     UnknownName,
 )
 from cache_store.fingerprint import validate_fingerprint
-from cache_store.record import DTYPES, FORMAT_VERSION, RecordHeader
+from cache_store.record import DTYPES, FORMAT_VERSION, RecordHeader, pack_ids
 from cache_store.recipes import RECIPE_SPECS
 from cache_store.store import DatasetIndex, Store, open_store
-from cache_store.zarr_store import (
+from cache_store.snapshot_format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
     SNAPSHOT_KIND,
@@ -78,7 +78,8 @@ log = logging.getLogger(__name__)
 
 #: Smallest uncompressed chunk of a data array, in bytes.
 DEFAULT_CHUNK_BYTES = 256 * 1024
-#: Compression level inside blosc (3: zstd's own default; docs/BENCHMARKS.md compares).
+#: Blosc's ``clevel`` (1-9, one scale for every blosc codec; blosc maps it onto the
+#: codec's own levels, so it is not a zstd level). docs/BENCHMARKS.md compares levels.
 DEFAULT_CLEVEL = 3
 #: Elements per chunk of the index arrays (ids, offsets, headers are read whole).
 _INDEX_CHUNK = 1 << 20
@@ -255,10 +256,10 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
                  progress: bool) -> None:
     """Write every array of a fingerprint group, then its attributes (still incomplete)."""
     n = len(survey.sample_ids)
-    encoded = [s.encode("utf-8") for s in survey.sample_ids]
+    id_bytes, id_offsets = pack_ids(survey.sample_ids)
     small = {
-        "sample_ids": np.frombuffer(b"".join(encoded), dtype=np.uint8),
-        "sample_id_offsets": _offsets([len(b) for b in encoded]),
+        "sample_ids": id_bytes,
+        "sample_id_offsets": id_offsets,
         "header_offsets": _offsets([len(h) for h in survey.headers]),
     }
     small |= {f"offsets/{name}": _offsets(lay.rows) for name, lay in survey.fields.items()}
@@ -502,7 +503,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
         skip_bad: leave out records that are missing, corrupt or shaped unlike the
             first one (each is logged and listed in the summary) instead of failing.
         chunk_bytes: smallest uncompressed chunk of a data array.
-        clevel: compression level (1-9).
+        clevel: blosc's compression level, 1-9 for any codec (blosc maps it onto the
+            codec's own scale: not a zstd level).
         codec: blosc compressor, one of :data:`CODECS` (any reader decodes all).
         storage_options: fsspec options for a URL ``dest``.
         progress: show progress bars (stderr).

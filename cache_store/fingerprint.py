@@ -26,6 +26,8 @@ from cache_store.errors import InvalidSampleId, ParameterError
 
 __all__ = [
     "FINGERPRINT_HEX_CHARS",
+    "FINGERPRINT_PATTERN",
+    "is_fingerprint",
     "MAX_SAMPLE_ID_BYTES",
     "MAX_SEGMENT_BYTES",
     "canonical_json",
@@ -44,7 +46,9 @@ MAX_SAMPLE_ID_BYTES = 448
 #: Longest path segment of a sample id (a file name on common filesystems).
 MAX_SEGMENT_BYTES = 255
 
-_FINGERPRINT_RE = re.compile(rf"[0-9a-f]{{{FINGERPRINT_HEX_CHARS}}}")
+#: A fingerprint's syntax as a regular expression (for routes and URL matching).
+FINGERPRINT_PATTERN = rf"[0-9a-f]{{{FINGERPRINT_HEX_CHARS}}}"
+_FINGERPRINT_RE = re.compile(FINGERPRINT_PATTERN)
 # Unicode categories refused anywhere in an id: control (C0, C1, DEL), format (bidi
 # overrides, zero-width joiners: invisible differences), surrogates, private use, and the
 # line/paragraph separators.
@@ -97,9 +101,14 @@ def compute_fingerprint(recipe: str, recipe_version: int,
     return digest.hexdigest()
 
 
+def is_fingerprint(text: object) -> bool:
+    """True when ``text`` has a fingerprint's syntax (32 lowercase hex chars)."""
+    return isinstance(text, str) and _FINGERPRINT_RE.fullmatch(text) is not None
+
+
 def validate_fingerprint(fingerprint: object) -> str:
     """Return ``fingerprint`` if it is 32 lowercase hex chars, else raise ``ParameterError``."""
-    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.fullmatch(fingerprint):
+    if not is_fingerprint(fingerprint):
         raise ParameterError([f"fingerprint: expected {FINGERPRINT_HEX_CHARS} lowercase hex "
                               f"characters, got {fingerprint!r}"])
     return fingerprint

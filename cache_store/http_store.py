@@ -1,4 +1,4 @@
-"""Reading a cache through the spcache service: ``HTTPStore`` and the batch wire format.
+"""Reading a cache through the spcache service: ``HTTPStore``.
 
 ``CachedDataset("http://host:port", fingerprint)`` ends up here (via ``open_store``).
 The store is read-only. Each process gets its own connection pool, opened on first use
@@ -6,25 +6,17 @@ and opened anew after a fork (an inherited pool is parked, never used or closed:
 sockets are shared with the parent). Connection errors and 503 answers are retried with
 exponential back-off (honouring ``Retry-After``); 4xx answers are not retried.
 
-Batch wire format (``application/x-spcache-batch``), no pickle::
-
-    u64 little-endian N | N bytes of JSON header | data
-
-The header is ``{"format": "spcache-batch", "version": 1, "records": [{"id", "offset",
-"length"}, ...], "missing": [{"id", "error", "detail"}, ...]}``; each record's bytes are
-``data[offset:offset + length]`` (a complete safetensors record), in request order.
+The batch responses it reads are framed as :mod:`cache_store.wire` describes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import random
-import struct
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -40,78 +32,27 @@ from cache_store.errors import (
     UnsupportedFormat,
 )
 from cache_store.fingerprint import split_key
+from cache_store.process_local import ProcessLocal
 from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store
+from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
 
 __all__ = [
-    "BATCH_FORMAT",
-    "BATCH_MEDIA_TYPE",
-    "BATCH_VERSION",
     "HTTPStore",
-    "decode_batch",
-    "encode_batch",
 ]
 
 log = logging.getLogger(__name__)
 
-BATCH_MEDIA_TYPE = "application/x-spcache-batch"
-BATCH_FORMAT = "spcache-batch"
-BATCH_VERSION = 1
-_LEN = struct.Struct("<Q")
 _INDEX_PAGE = 100_000
 
-# Pools inherited across fork: kept referenced so their sockets are never closed here.
-_INHERITED: list[httpx.Client] = []
 
 
-def encode_batch(records: Sequence[tuple[str, bytes]],
-                 missing: Sequence[tuple[str, str, str]] = ()) -> bytes:
-    """Frame ``(id, record bytes)`` pairs and ``(id, error class, detail)`` misses."""
-    entries = []
-    offset = 0
-    for sample_id, value in records:
-        entries.append({"id": sample_id, "offset": offset, "length": len(value)})
-        offset += len(value)
-    header = json.dumps({"format": BATCH_FORMAT, "version": BATCH_VERSION, "records": entries,
-                         "missing": [{"id": i, "error": e, "detail": d} for i, e, d in missing]},
-                        separators=(",", ":")).encode("utf-8")
-    return b"".join([_LEN.pack(len(header)), header, *(value for _, value in records)])
-
-
-def decode_batch(body: bytes, *, where: str = "batch",
-                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
-    """Inverse of :func:`encode_batch`: ``({id: record bytes}, {id: "Error: detail"})``.
-
-    Record values are zero-copy views into ``body``. Raises :class:`CorruptRecord`
-    (naming ``where``) on a malformed frame, :class:`UnsupportedFormat` on another version.
-    """
-    view = memoryview(body)
-    if view.nbytes < _LEN.size:
-        raise CorruptRecord(where, "batch response shorter than its header length")
-    (n,) = _LEN.unpack_from(view, 0)
-    if n > view.nbytes - _LEN.size:
-        raise CorruptRecord(where, f"batch header length {n} exceeds the response")
-    try:
-        header = json.loads(bytes(view[_LEN.size:_LEN.size + n]))
-    except ValueError as exc:
-        raise CorruptRecord(where, f"batch header is not JSON: {exc}") from None
-    if not isinstance(header, dict) or header.get("format") != BATCH_FORMAT:
-        raise CorruptRecord(where, "not an spcache batch response")
-    if header.get("version") != BATCH_VERSION:
-        raise UnsupportedFormat(where, f"batch version {header.get('version')!r} is not "
-                                       f"supported (this reader knows {BATCH_VERSION})")
-    data = view[_LEN.size + n:]
-    found: dict[str, memoryview] = {}
-    try:
-        for entry in header["records"]:
-            begin, length = int(entry["offset"]), int(entry["length"])
-            if begin < 0 or length < 0 or begin + length > data.nbytes:
-                raise CorruptRecord(where, f"record {entry['id']!r} lies outside the response")
-            found[str(entry["id"])] = data[begin:begin + length]
-        missing = {str(m["id"]): f"{m['error']}: {m['detail']}" for m in header["missing"]}
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptRecord(where, f"malformed batch header: {exc!r}") from None
-    return found, missing
+def _new_client(url: str, timeout_s: float, token: str | None,
+                max_connections: int) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=url, timeout=timeout_s, headers=headers,
+                        limits=httpx.Limits(max_connections=max_connections,
+                                            max_keepalive_connections=max_connections))
 
 
 class HTTPStore(Store):
@@ -127,8 +68,12 @@ class HTTPStore(Store):
         token: bearer token, sent if given (reads need none).
 
     Lists (``keys``, ``fingerprints``) come from the service's dataset indexes: records
-    not (yet) in an index are readable by key but not listed.
+    not (yet) in an index are readable by key but not listed (``supports_listing`` is
+    False). ``supports_writes`` is False: writes raise ``ReadOnlyStoreError``.
     """
+
+    supports_writes = False
+    supports_listing = False
 
     def __init__(self, url: str, *, readonly: bool = True, timeout_s: float = 30.0,
                  retries: int = 5, backoff_s: float = 0.1, max_connections: int = 16,
@@ -147,9 +92,8 @@ class HTTPStore(Store):
         self.max_connections = max_connections
         self.batch_size = batch_size
         self.token = token
-        self._client: httpx.Client | None = None
-        self._pid: int | None = None
-        self._lock = threading.Lock()
+        self._client = ProcessLocal(functools.partial(
+            _new_client, self.url, timeout_s, token, max_connections), httpx.Client.close)
 
     def __repr__(self) -> str:
         return f"HTTPStore({self.url!r})"
@@ -157,36 +101,10 @@ class HTTPStore(Store):
     # -- connection ----------------------------------------------------------------
 
     def _http(self) -> httpx.Client:
-        pid = os.getpid()
-        if self._client is not None and self._pid == pid:
-            return self._client
-        with self._lock:
-            if self._client is not None and self._pid != pid:
-                _INHERITED.append(self._client)  # the parent's sockets: leave them be
-                self._client = None
-            if self._client is None:
-                headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-                self._client = httpx.Client(
-                    base_url=self.url, timeout=self.timeout_s, headers=headers,
-                    limits=httpx.Limits(max_connections=self.max_connections,
-                                        max_keepalive_connections=self.max_connections))
-                self._pid = pid
-            return self._client
+        return self._client.get()
 
     def close(self) -> None:
-        with self._lock:
-            if self._client is not None and self._pid == os.getpid():
-                self._client.close()
-            self._client = None
-
-    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers under spawn
-        state = dict(self.__dict__)
-        state.update(_client=None, _pid=None, _lock=None)
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._client.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         delay = self.backoff_s
@@ -287,12 +205,6 @@ class HTTPStore(Store):
             out.append(decode_record(found[key], key=key, fields=fields))
         return out
 
-    def put_many(self, items: Iterable[tuple[str, bytes]] | Mapping[str, bytes]) -> int:
-        raise ReadOnlyStoreError(f"{self.url}: an HTTP store is read-only")
-
-    def put_index(self, index: DatasetIndex) -> None:
-        raise ReadOnlyStoreError(f"{self.url}: an HTTP store is read-only")
-
     def fingerprints(self) -> list[str]:
         body = self._check(self._request("GET", "/v1/caches")).json()
         return [c["fingerprint"] for c in body["caches"]]
@@ -303,6 +215,8 @@ class HTTPStore(Store):
         while True:
             response = self._request("GET", f"/v1/caches/{fingerprint}",
                                      params={"offset": offset, "limit": _INDEX_PAGE})
+            if response.status_code == 404 and not ids:  # like every backend: list the known
+                raise self.index_missing(fingerprint)
             body = self._check(response).json()
             if body.get("index") is None:
                 raise FingerprintLookupError(f"{self.url}: fingerprint {fingerprint} has no "
@@ -317,10 +231,11 @@ class HTTPStore(Store):
                             sample_ids=np.array(ids, dtype=np.str_))
 
     def keys(self, prefix: str = "") -> Iterator[str]:
-        for fingerprint in self.fingerprints():
+        """Keys of indexed records (``supports_listing`` is False), in UTF-8 byte order."""
+        for fingerprint in sorted(self.fingerprints()):
             if not (fingerprint.startswith(prefix[:len(fingerprint)])):
                 continue
-            for sample_id in self.get_index(fingerprint).sample_ids:
+            for sample_id in sorted(self.get_index(fingerprint).sample_ids.tolist()):
                 key = f"{fingerprint}/{sample_id}"
                 if key.startswith(prefix):
                     yield key

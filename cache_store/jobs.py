@@ -42,10 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import CorruptRecord, JobNotFound, RecordNotFound, SourceError, SpcacheError
-from cache_store.fingerprint import record_key
-from cache_store.hashing import hash_file
-from cache_store.recipes import RECIPE_SPECS
+from cache_store.errors import JobNotFound, SpcacheError
+from cache_store.process_local import ProcessLocal
 
 __all__ = [
     "ITEM_STATUSES",
@@ -55,8 +53,6 @@ __all__ = [
     "ClaimedItem",
     "ItemError",
     "NewItem",
-    "ItemState",
-    "item_state",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,9 +102,9 @@ CREATE TABLE IF NOT EXISTS heartbeats (
 );
 """
 
-# Connections inherited across fork are parked here, never used, closed or collected:
-# closing one in the child could checkpoint or unlink the WAL under the parent's feet.
-_INHERITED: list[sqlite3.Connection] = []
+# Connections inherited across fork are parked (cache_store.process_local), never used,
+# closed or collected: closing one in the child could checkpoint or unlink the WAL under
+# the parent's feet.
 
 
 @dataclass(frozen=True)
@@ -156,10 +152,39 @@ class JobInfo:
     already_ready: int
     counts: dict[str, int]
     errors: list[ItemError] = field(default_factory=list)
+    #: Queue time (the queue's clock) of the job's latest done or failed item; None
+    #: while none is.
+    last_settled: float | None = None
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    @property
+    def percent(self) -> float:
+        """Items no longer pending or running, as a percentage of all (100 when none)."""
+        left = self.counts["pending"] + self.counts["running"]
+        return 100.0 if self.total == 0 else round(100.0 * (self.total - left) / self.total, 2)
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """Items the workers settled (done or failed; already-ready ones not counted) per
+        second, from the job's creation to its latest settled item; None before any."""
+        worked = self.counts["done"] + self.counts["failed"] - self.already_ready
+        if self.last_settled is None or worked <= 0:
+            return None
+        elapsed = self.last_settled - self.created
+        return None if elapsed <= 0 else round(worked / elapsed, 3)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at :attr:`samples_per_s` (0 when nothing is left; None when no
+        rate is known yet, or when the job was cancelled)."""
+        left = self.counts["pending"] + self.counts["running"]
+        if left == 0:
+            return 0.0
+        rate = self.samples_per_s
+        return None if rate is None or self.cancelled else round(left / rate, 1)
 
     @property
     def status(self) -> str:
@@ -180,6 +205,7 @@ class JobInfo:
             "id": self.id, "status": self.status, "recipe": self.recipe, "params": self.params,
             "fingerprint": self.fingerprint, "priority": self.priority, "created": self.created,
             "already_ready": self.already_ready, "total": self.total, "counts": dict(self.counts),
+            "percent": self.percent, "samples_per_s": self.samples_per_s, "eta_s": self.eta_s,
             "errors": [{"sample_id": e.sample_id, "path": e.path, "status": e.status,
                         "attempts": e.attempts, "error": e.error} for e in self.errors],
         }
@@ -209,29 +235,17 @@ class JobQueue:
         self.max_attempts = max_attempts
         self.busy_timeout_s = busy_timeout_s
         self.clock = clock
-        self._pid: int | None = None
-        self._local = threading.local()
-        self._all: list[sqlite3.Connection] = []
-        self._all_lock = threading.Lock()
+        self._conns: ProcessLocal[_Connections] = ProcessLocal(_Connections, _Connections.close)
 
     # -- connections -------------------------------------------------------------------
 
     def _conn(self) -> sqlite3.Connection:
-        pid = os.getpid()
-        if self._pid != pid:
-            if self._pid is not None:
-                # Forked: park what we inherited (never touch it), start afresh.
-                with self._all_lock:
-                    _INHERITED.extend(self._all)
-                    self._all = []
-                self._local = threading.local()
-            self._pid = pid
-        conn = getattr(self._local, "conn", None)
+        """This thread's connection (per process: an inherited one is parked, never used)."""
+        conns = self._conns.get()
+        conn = getattr(conns.local, "conn", None)
         if conn is None:
             conn = self._open()
-            self._local.conn = conn
-            with self._all_lock:
-                self._all.append(conn)
+            conns.add(conn)
         return conn
 
     def _open(self) -> sqlite3.Connection:
@@ -260,18 +274,7 @@ class JobQueue:
 
     def close(self) -> None:
         """Close this process's connections (those opened in this process only)."""
-        if self._pid != os.getpid():
-            return
-        with self._all_lock:
-            conns, self._all = self._all, []
-        for conn in conns:
-            try:
-                conn.close()
-            except sqlite3.ProgrammingError:
-                # Made in another thread; SQLite lets only that thread close it, and it
-                # is freed when that thread's local storage goes.
-                log.debug("left a connection of another thread to its thread")
-        self._local = threading.local()
+        self._conns.close()
 
     # -- submitting (service side) -----------------------------------------------------
 
@@ -323,14 +326,15 @@ class JobQueue:
         row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise JobNotFound(job_id)
-        counts = self._job_counts(conn, [job_id])[job_id]
+        counts, settled = self._job_counts(conn, [job_id])
         errs = conn.execute(
             "SELECT id, sample_id, path, status, attempts, last_error FROM items "
             "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
             (job_id, max(0, int(errors_limit)), max(0, int(errors_offset)))).fetchall()
-        return _job_info(row, counts, [ItemError(e["id"], e["sample_id"], e["path"], e["status"],
-                                                 e["attempts"], e["last_error"] or "")
-                                       for e in errs])
+        return _job_info(row, counts[job_id], [ItemError(e["id"], e["sample_id"], e["path"],
+                                                         e["status"], e["attempts"],
+                                                         e["last_error"] or "")
+                                               for e in errs], settled.get(job_id))
 
     def jobs(self, *, limit: int = 100, offset: int = 0,
              fingerprint: str | None = None) -> list[JobInfo]:
@@ -339,8 +343,8 @@ class JobQueue:
         where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
         rows = conn.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
                             (*args, max(0, int(limit)), max(0, int(offset)))).fetchall()
-        counts = self._job_counts(conn, [r["id"] for r in rows])
-        return [_job_info(r, counts[r["id"]], []) for r in rows]
+        counts, settled = self._job_counts(conn, [r["id"] for r in rows])
+        return [_job_info(r, counts[r["id"]], [], settled.get(r["id"])) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Items in the whole queue by status."""
@@ -369,16 +373,21 @@ class JobQueue:
         return dict(row) if row is not None else None
 
     @staticmethod
-    def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str]) -> dict[str, dict[str, int]]:
+    def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str],
+                    ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+        """Per job: items by status, and the latest ``updated`` of a done or failed item."""
         out = {j: dict.fromkeys(ITEM_STATUSES, 0) for j in job_ids}
+        settled: dict[str, float] = {}
         if not job_ids:
-            return out
+            return out, settled
         marks = ",".join("?" * len(job_ids))
-        sql = (f"SELECT job_id, status, COUNT(*) FROM items WHERE job_id IN ({marks}) "
-               "GROUP BY job_id, status")
-        for row in conn.execute(sql, tuple(job_ids)):
-            out[row[0]][row[1]] = row[2]
-        return out
+        sql = (f"SELECT job_id, status, COUNT(*), MAX(updated) FROM items "
+               f"WHERE job_id IN ({marks}) GROUP BY job_id, status")
+        for job_id, status, count, latest in conn.execute(sql, tuple(job_ids)):
+            out[job_id][status] = count
+            if status in ("done", "failed"):
+                settled[job_id] = max(settled.get(job_id, latest), latest)
+        return out, settled
 
     # -- working (worker side) ---------------------------------------------------------
 
@@ -535,6 +544,31 @@ _CLAIMABLE = (
 )
 
 
+class _Connections:
+    """One process's SQLite connections: one per thread, all closed together."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.all: list[sqlite3.Connection] = []
+        self.lock = threading.Lock()
+
+    def add(self, conn: sqlite3.Connection) -> None:
+        self.local.conn = conn
+        with self.lock:
+            self.all.append(conn)
+
+    def close(self) -> None:
+        with self.lock:
+            conns, self.all = self.all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.ProgrammingError:
+                # Made in another thread; SQLite lets only that thread close it, and it
+                # is freed when that thread's local storage goes.
+                log.debug("left a connection of another thread to its thread")
+
+
 class _write:
     """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on error) on an autocommit connection."""
 
@@ -562,86 +596,8 @@ def _chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
         yield seq[i:i + n]
 
 
-def _job_info(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError]) -> JobInfo:
+def _job_info(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError],
+              last_settled: float | None) -> JobInfo:
     return JobInfo(row["id"], row["recipe"], json.loads(row["params"]), row["fingerprint"],
                    row["priority"], row["created"], bool(row["cancelled"]), row["already_ready"],
-                   counts, errors)
-
-
-@dataclass(frozen=True)
-class ItemState:
-    """Why a sample is (not) ready under a fingerprint.
-
-    ``state`` is one of ``ready`` (record present, source and recipe unchanged),
-    ``stale`` (record present but its source hash or recipe version no longer matches),
-    ``failed`` (the last attempt failed; ``reason`` says why), ``queued`` (pending or
-    running) or ``missing`` (no record, nothing queued).
-    """
-
-    fingerprint: str
-    sample_id: str
-    state: str
-    reason: str
-    job_id: str | None = None
-
-    def as_json(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "sample_id": self.sample_id,
-                "state": self.state, "reason": self.reason, "job_id": self.job_id}
-
-
-def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
-               path: str | None = None) -> ItemState:
-    """Explain one sample's state from its record (if any) and its latest queue item.
-
-    Args:
-        store: a :class:`cache_store.store.Store`, or None when none exists yet.
-        path: the source to compare the record's ``source_hash`` with; default: the
-            path of the latest queue item for this sample, if any.
-    """
-    # Late: cache_store.record imports torch, which the queue itself never needs.
-    from cache_store.record import read_metadata
-
-    key = record_key(fingerprint, sample_id)
-    latest = queue.latest_item(fingerprint, sample_id)
-    job_id = latest["job_id"] if latest else None
-    queued = latest is not None and latest["status"] in ("pending", "running")
-    path = path or (latest["path"] if latest else None)
-
-    def say(state: str, reason: str) -> ItemState:
-        return ItemState(fingerprint, sample_id, state, reason, job_id)
-
-    meta = None
-    if store is not None:
-        try:
-            meta = read_metadata(store.get(key), key=key)
-        except RecordNotFound:
-            meta = None
-        except CorruptRecord as exc:
-            return say("stale", f"stored record is unreadable: {exc}")
-    if meta is not None:
-        spec = RECIPE_SPECS.get(meta.get("recipe", ""))
-        problems = []
-        if spec is not None and meta.get("recipe_version") != str(spec.version):
-            problems.append(f"recipe {spec.name} is now version {spec.version}, the record "
-                            f"has version {meta.get('recipe_version')}")
-        if path is not None:
-            try:
-                current = hash_file(path)
-                if current != meta.get("source_hash"):
-                    problems.append(f"source {path} changed (hash {current}, record has "
-                                    f"{meta.get('source_hash')})")
-            except SourceError as exc:
-                problems.append(f"source cannot be checked: {exc}")
-        if problems:
-            return say("stale", "; ".join(problems) + ("; recomputation queued" if queued else ""))
-        checked = f" against {path}" if path else " (no source known to compare)"
-        return say("ready", f"record present, source hash and recipe version match{checked}")
-    if latest is None:
-        return say("missing", "no record and no queue item for this sample")
-    if queued:
-        return say("queued", f"{latest['status']} (attempt {latest['attempts']} of job {job_id})")
-    if latest["status"] == "failed":
-        return say("failed", latest["last_error"] or "failed without an error message")
-    if latest["status"] == "cancelled":
-        return say("missing", f"job {job_id} was cancelled before this sample was computed")
-    return say("missing", f"queue says {latest['status']} but no record is stored (deleted?)")
+                   counts, errors, last_settled)

@@ -27,6 +27,7 @@ Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -41,10 +42,11 @@ import lmdb
 
 from cache_store.errors import CacheNotFound, RecordNotFound, SpcacheError, StoreBusy
 from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
+from cache_store.process_local import ProcessLocal, park
 from cache_store.record import Record, decode_record
 from cache_store.store import DatasetIndex, Store, decode_index, encode_index
 
-__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR"]
+__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +98,13 @@ class _SharedEnv:
         if self.pid == os.getpid():
             env.close()
         else:  # inherited through a fork that bypassed the hook: never close it here
-            _inherited_envs.append(env)
+            park(env)
 
 
 _shared_envs: dict[str, _SharedEnv] = {}
 _shared_lock = threading.Lock()
-# Environments inherited through a fork that bypassed the at-fork hook: closing them in
-# the child would touch the parent's locks, so they are only kept from the collector.
-_inherited_envs: list[Any] = []
+# Environments inherited through a fork that bypassed the at-fork hook are parked
+# (cache_store.process_local): closing them in the child would touch the parent's locks.
 
 
 def _close_all_before_fork() -> None:
@@ -113,6 +114,11 @@ def _close_all_before_fork() -> None:
 
 
 os.register_at_fork(before=_close_all_before_fork)
+
+
+def has_cache(path: str | os.PathLike[str]) -> bool:
+    """True once a writer has created the cache's LMDB environment under ``path``."""
+    return (Path(path) / RECORDS_DIR).exists()
 
 
 class LMDBStore(Store):
@@ -148,6 +154,8 @@ class LMDBStore(Store):
         self.lock = lock
         self.readahead = readahead
         self.sync = sync
+        # a partial, not a bound method: no reference cycle keeps a dropped store alive
+        self._resolved = ProcessLocal(functools.partial(os.path.realpath, self.path / RECORDS_DIR))
 
     # -- environment lifecycle ---------------------------------------------------------
     @property
@@ -157,11 +165,7 @@ class LMDBStore(Store):
     @property
     def _env_key(self) -> str:
         # resolved once per process: realpath costs several syscalls, reads are hot
-        key = self.__dict__.get("_env_key_cache")
-        if key is None or key[0] != os.getpid():
-            key = (os.getpid(), os.path.realpath(self.env_path))
-            self.__dict__["_env_key_cache"] = key
-        return key[1]
+        return self._resolved.get()
 
     def open(self) -> LMDBStore:
         """Open now (otherwise the first access does). Returns self."""

@@ -17,12 +17,18 @@ id, source hash, ...):
     JSON ``{name: xxh3_64 hex}`` of each tensor's bytes, so decoding a subset of fields
     hashes only the bytes it returns.
 ``checksum``
-    xxh3_128 hex over the canonical JSON of the whole header without this entry (names,
-    dtypes, shapes, offsets, every metadata value and the field checksums): it changes
-    whenever any byte of the record would. The service uses it as a strong ETag.
+    xxh3_128 hex of the header text exactly as stored, with this entry's own 32 digits
+    replaced by zeros. The header pins every field's name, dtype, shape, offsets and hash
+    (``field_checksums``) and every metadata value, so the checksum changes whenever any
+    byte of the record would. The service uses it as a strong ETag.
 
 Decoding parses the header with strict validation; any malformed value raises
 :class:`CorruptRecord` naming the key, never another exception type.
+
+(Past the ~600-line mark on purpose: this is the one definition of the record's bytes,
+encoder, strict decoder and the small helpers every store and the service share about
+those bytes (header length, checksum peek, key check, packed ids). Splitting encoder
+from decoder would put the checksum rules in two places.)
 """
 
 from __future__ import annotations
@@ -59,6 +65,12 @@ __all__ = [
     "read_metadata",
     "record_checksum",
     "select_fields",
+    "HEADER_LENGTH",
+    "peek_checksum",
+    "metadata_key",
+    "check_names_key",
+    "pack_ids",
+    "unpack_ids",
 ]
 
 FORMAT_VERSION = "1"
@@ -104,7 +116,10 @@ class _TorchDtypes(dict):  # type: ignore[type-arg]
 _TORCH_DTYPES = _TorchDtypes()
 
 
-_LEN = struct.Struct("<Q")
+#: The u64 little-endian length that opens a record (and an HTTP batch, see
+#: :mod:`cache_store.wire`): the one definition of that framing.
+HEADER_LENGTH = struct.Struct("<Q")
+_LEN = HEADER_LENGTH
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     raise ImportError("cache_store.record reads little-endian buffers in place; "
@@ -590,3 +605,48 @@ def select_fields(value: Any, fields: Iterable[str], *, key: str = "") -> bytes:
     layout.sort(key=lambda item: (-_ITEMSIZE[item[1]], item[0]))
     meta = {k: v for k, v in header.metadata.items() if k not in _MANAGED}
     return _assemble(layout, header.field_checksums, meta)
+
+
+def peek_checksum(value: Any) -> str | None:
+    """The checksum a record's header claims, read without validating anything; None when
+    the value does not even look like a record (callers then use :func:`record_checksum`,
+    which validates and raises ``CorruptRecord``). For serving ETags on the hot path."""
+    try:
+        (n,) = HEADER_LENGTH.unpack_from(value, 0)
+        if n <= len(value) - HEADER_LENGTH.size:
+            checksum = json.loads(value[HEADER_LENGTH.size:HEADER_LENGTH.size + n])[
+                "__metadata__"]["checksum"]
+            if isinstance(checksum, str) and checksum.isalnum():
+                return checksum
+    except (ValueError, KeyError, TypeError, RecursionError, struct.error):
+        return None
+    return None
+
+
+def metadata_key(metadata: Mapping[str, str]) -> str:
+    """The key a record's metadata names: ``"<fingerprint>/<sample id>"``."""
+    return f"{metadata.get('fingerprint')}/{metadata.get('sample_id')}"
+
+
+def check_names_key(metadata: Mapping[str, str], key: str) -> None:
+    """Raise ``CorruptRecord`` naming ``key`` unless the metadata names that key."""
+    named = metadata_key(metadata)
+    if named != key:
+        raise CorruptRecord(key, f"record metadata names {named}")
+
+
+def pack_ids(sample_ids: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Sample ids packed as UTF-8: ``(blob uint8 [total_bytes], offsets int64 [n + 1])``,
+    id i being ``blob[offsets[i]:offsets[i + 1]]`` (dataset indexes, snapshots)."""
+    encoded = [s.encode("utf-8") for s in sample_ids]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in encoded], out=offsets[1:])
+    blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
+    return blob, offsets
+
+
+def unpack_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_ids`: the ids as a NumPy str array [n] (``<U1`` when empty)."""
+    raw = blob.tobytes()
+    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
+    return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")

@@ -10,6 +10,13 @@ imported by name only when a location needs them.
 Every backend constructor takes ``(location, *, readonly=..., **options)``, only assigns
 (nothing is opened before first use) and raises ``ReadOnlyStoreError`` on writes when
 read-only.
+
+What a backend cannot do at all it says with a capability flag instead of a method that
+fakes it: ``supports_writes`` (False: Zarr snapshots, HTTP; ``put_many``/``put_index``
+are left to the base, which raises ``ReadOnlyStoreError``) and ``supports_listing``
+(False: ``keys()`` lists only what the backend can enumerate, e.g. HTTP lists indexed
+records only). ``keys()`` order is the same on every backend: sorted by the keys'
+UTF-8 bytes (= code point order).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -43,7 +50,17 @@ from cache_store.fingerprint import (
     validate_fingerprint,
     validate_sample_id,
 )
-from cache_store.record import Record, decode_arrays, decode_record, encode_tensors, read_header
+from cache_store.record import (
+    Record,
+    check_names_key,
+    decode_arrays,
+    decode_record,
+    encode_tensors,
+    metadata_key,
+    pack_ids,
+    read_header,
+    unpack_ids,
+)
 from cache_store.recipes import RECIPE_SPECS
 
 __all__ = [
@@ -64,18 +81,6 @@ INDEX_KIND = "spcache.dataset_index"
 # --------------------------------------------------------------------------- index
 
 
-def _pack_ids(sample_ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    encoded = [s.encode("utf-8") for s in sample_ids]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in encoded], out=offsets[1:])
-    blob = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-    return blob, offsets
-
-
-def _unpack_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    raw = blob.tobytes()
-    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
-    return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +143,7 @@ class DatasetIndex:
 
     def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """``(blob uint8 [total_bytes], offsets int64 [n + 1])``: the ids in UTF-8, packed."""
-        return _pack_ids(self.sample_ids.tolist())
+        return pack_ids(self.sample_ids.tolist())
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (no ids)."""
@@ -173,7 +178,7 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
             raise ValueError("params is not a JSON object")
         return DatasetIndex._trusted(meta["fingerprint"], meta["recipe"],
                                      int(meta["recipe_version"]), params,
-                                     _unpack_ids(blob, offsets), meta.get("created", ""))
+                                     unpack_ids(blob, offsets), meta.get("created", ""))
     except (KeyError, ValueError, TypeError, SpcacheError) as exc:
         if isinstance(exc, CorruptRecord):
             raise
@@ -208,6 +213,10 @@ class Store(abc.ABC):
 
     #: True when writes raise :class:`ReadOnlyStoreError`.
     readonly: bool = True
+    #: False for backends that can never write (their writes raise ReadOnlyStoreError).
+    supports_writes: ClassVar[bool] = True
+    #: False when :meth:`keys` may omit stored records (it lists what it can enumerate).
+    supports_listing: ClassVar[bool] = True
 
     def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True) -> None:
         self.location = os.fspath(location)
@@ -228,12 +237,13 @@ class Store(abc.ABC):
     def get(self, key: str) -> bytes:
         """The value under ``key``; raises :class:`RecordNotFound` naming key and store."""
 
-    @abc.abstractmethod
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         """Write ``(key, record bytes)`` pairs atomically (all or none); returns the count.
 
-        Implementations validate with :meth:`check_items` before writing.
+        Writable backends implement it and validate with :meth:`check_items` first; the
+        base refuses (``supports_writes`` False).
         """
+        raise self._cannot_write()
 
     @abc.abstractmethod
     def has(self, key: str) -> bool:
@@ -241,15 +251,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def keys(self, prefix: str = "") -> Iterator[str]:
-        """Record keys starting with ``prefix``, in sorted (UTF-8 byte) order."""
+        """Record keys starting with ``prefix``, sorted by their UTF-8 bytes (on every
+        backend; with ``supports_listing`` False, only the keys it can enumerate)."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release handles; the store may be used again (it re-opens lazily)."""
 
-    @abc.abstractmethod
     def put_index(self, index: DatasetIndex) -> None:
-        """Record (or replace) the index of ``index.fingerprint``."""
+        """Record (or replace) the index of ``index.fingerprint`` (writable backends)."""
+        raise self._cannot_write()
 
     @abc.abstractmethod
     def get_index(self, fingerprint: str) -> DatasetIndex:
@@ -260,6 +271,10 @@ class Store(abc.ABC):
         """Fingerprints that have an index, sorted."""
 
     # -- helpers for implementations -------------------------------------------------
+    def _cannot_write(self) -> ReadOnlyStoreError:
+        return ReadOnlyStoreError(f"{self.location}: a {type(self).__name__} is read-only "
+                                  f"(this backend cannot write)")
+
     def check_writable(self) -> None:
         if self.readonly:
             raise ReadOnlyStoreError(f"{self.location}: store is open read-only")
@@ -272,9 +287,9 @@ class Store(abc.ABC):
         """
         checked = []
         for key, value in items:
-            fingerprint, sample_id = split_key(key)
+            split_key(key)  # validates both parts
             meta = read_header(value, key=key).metadata
-            if meta.get("fingerprint") != fingerprint or meta.get("sample_id") != sample_id:
+            if metadata_key(meta) != key:
                 raise ParameterError([f"{key}: record metadata names fingerprint "
                                       f"{meta.get('fingerprint')!r} and sample id "
                                       f"{meta.get('sample_id')!r}"], what="record key")
@@ -339,9 +354,7 @@ class Store(abc.ABC):
         for key, value in self.iter_values(prefix):
             report.checked += 1
             try:
-                meta = decode_record(value, key=key).metadata
-                if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
-                    raise CorruptRecord(key, "metadata names another key")
+                check_names_key(decode_record(value, key=key).metadata, key)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)

@@ -1,21 +1,6 @@
 """ZarrStore: a read-only store over a Zarr v3 snapshot written by ``spcache export``.
 
-A snapshot is a Zarr v3 hierarchy (a local ``*.zarr`` directory or any fsspec URL)::
-
-    DEST.zarr/                     root group; attrs["spcache"]: kind, format_version
-      <fingerprint>/               one group per exported fingerprint; attrs["spcache"]:
-                                   recipe, params, field schema, digests, ``complete``
-        sample_ids                 uint8   [id bytes]      ids in index order, UTF-8
-        sample_id_offsets          int64   [n + 1]
-        headers                    uint8   [header bytes]  each record's safetensors
-        header_offsets             int64   [n + 1]         header (metadata, field checksums)
-        data/<field>               <dtype> [rows, *trailing]  the records' tensors,
-                                   concatenated along the first axis (0-d: one row each)
-        offsets/<field>            int64   [n + 1]         rows of record i: [o[i], o[i+1])
-
-Every chunk is blosc-zstd compressed and ends in a CRC-32C (flipped bytes raise on
-read). Sample ids and field names are *data*, never store keys; only fingerprints (32
-hex chars) and validated field names name nodes.
+The layout is described in :mod:`cache_store.snapshot_format`.
 
 ``get(key)`` rebuilds the record value byte for byte (header + field bytes) and checks
 it like any record (header checksum, per-field xxh3, metadata naming the key), so the
@@ -35,24 +20,19 @@ that attribute last (see :mod:`cache_store.export`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-import math
 import os
-import re
-import struct
-import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
-    ParameterError,
     ReadOnlyStoreError,
     RecordNotFound,
     SpcacheError,
@@ -61,79 +41,33 @@ from cache_store.errors import (
 from cache_store.fingerprint import (
     FINGERPRINT_HEX_CHARS,
     compute_fingerprint,
+    is_fingerprint,
     validate_fingerprint,
 )
-from cache_store.record import Record, RecordHeader, decode_record, read_header
+from cache_store.process_local import ProcessLocal
+from cache_store.record import HEADER_LENGTH, Record, check_names_key, decode_record, unpack_ids
+from cache_store.snapshot_format import (
+    ATTRS_KEY,
+    SNAPSHOT_FORMAT_VERSION,
+    SNAPSHOT_KIND,
+    SNAPSHOT_ROOT_KIND,
+    array_digest,
+    check_record_value,
+    is_local_location,
+    local_path,
+    records_digest,
+    validate_field_name,
+)
 from cache_store.store import DatasetIndex, Store, VerifyReport
+from cache_store.zarr_chunks import LocalChunkReader
 
-__all__ = [
-    "ZarrStore",
-    "SNAPSHOT_KIND",
-    "SNAPSHOT_ROOT_KIND",
-    "SNAPSHOT_FORMAT_VERSION",
-    "ATTRS_KEY",
-    "FIELD_NAME_PATTERN",
-    "array_digest",
-    "check_record_value",
-    "is_local_location",
-    "local_path",
-    "records_digest",
-    "validate_field_name",
-]
+__all__ = ["ZarrStore"]
 
 log = logging.getLogger(__name__)
 
-#: The attribute (of the root and of each fingerprint group) holding spcache's metadata.
-ATTRS_KEY = "spcache"
-SNAPSHOT_ROOT_KIND = "spcache.snapshot_root"
-SNAPSHOT_KIND = "spcache.snapshot"
-#: Layout version of a fingerprint group; a reader meeting another raises UnsupportedFormat.
-SNAPSHOT_FORMAT_VERSION = 1
-#: Field (tensor) names that may name a Zarr node: no slashes, dots or leading "__".
-FIELD_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,127}")
 #: Records read per batch by :meth:`ZarrStore.verify`.
 VERIFY_BATCH = 64
-_LEN = struct.Struct("<Q")
 _READ_ERRORS = (ValueError, RuntimeError)  # codec failures: CRC mismatch, bad blosc frame
-
-
-def validate_field_name(name: str) -> str:
-    """``name`` if it may become a Zarr node name, else ``ParameterError``."""
-    if not isinstance(name, str) or not FIELD_NAME_PATTERN.fullmatch(name):
-        raise ParameterError([f"field {name!r}: snapshot field names must match "
-                              f"{FIELD_NAME_PATTERN.pattern}"], what="snapshot fields")
-    return name
-
-
-def array_digest(array: np.ndarray) -> str:
-    """xxh3_64 hex of an array's bytes (C order), as kept in a snapshot's attributes."""
-    return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
-
-
-def is_local_location(location: str | os.PathLike[str]) -> bool:
-    """True for a filesystem path or ``file://`` URL; False for other URLs."""
-    text = os.fspath(location)
-    return "://" not in text or text.lower().startswith("file://")
-
-
-def local_path(location: str | os.PathLike[str]) -> str:
-    text = os.fspath(location)
-    return text[len("file://"):] if text.lower().startswith("file://") else text
-
-
-def check_record_value(value: Any, key: str) -> RecordHeader:
-    """Validate a whole record value: header, every field's checksum, and that its
-    metadata names ``key``. Returns the header; raises ``CorruptRecord`` naming ``key``."""
-    header = read_header(value, key=key)
-    view = memoryview(value).cast("B")
-    for name, info in header.tensors.items():
-        if xxhash.xxh3_64_hexdigest(view[info.begin:info.end]) != header.field_checksums[name]:
-            raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
-    meta = header.metadata
-    if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
-        raise CorruptRecord(key, f"record metadata names "
-                                 f"{meta.get('fingerprint')}/{meta.get('sample_id')}")
-    return header
 
 
 def _run(coro: Any) -> Any:
@@ -147,94 +81,6 @@ async def _gather(calls: Sequence[Any]) -> list[Any]:
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
-def _ids_from_packed(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    raw = blob.tobytes()
-    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
-    return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
-
-
-class _LocalChunkReader:
-    """Reads rows of one array of a *local* snapshot straight from its chunk files.
-
-    Only for the exact layout the exporter writes (regular chunks along axis 0, default
-    "/" chunk keys, little-endian bytes -> blosc -> crc32c); anything else is read through
-    zarr. Skipping zarr's async pipeline matters for per-sample reads: a record is a
-    dozen small reads, and each costs a few hops between threads there. The last
-    ``cache_chunks`` decoded chunks are kept (small fields share a chunk across many
-    records).
-    """
-
-    def __init__(self, directory: str, array: Any, cache_chunks: int = 2) -> None:
-        self.directory = directory
-        self.shape = tuple(array.shape)
-        self.dtype = np.dtype(array.dtype)
-        self.chunk_shape = tuple(array.chunks)
-        self.cache_chunks = cache_chunks
-        self._cache: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()  # the service reads from several threads
-
-    @classmethod
-    def supports(cls, array: Any) -> bool:
-        meta = array.metadata
-        try:
-            codecs = [c.to_dict() for c in meta.codecs]
-            separator = meta.chunk_key_encoding.separator
-            name = meta.chunk_key_encoding.name
-        except AttributeError:
-            return False
-        little = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
-        return (len(codecs) == 3 and codecs[0] in little and codecs[1].get("name") == "blosc" and codecs[2] == {"name": "crc32c"}
-                and name == "default" and separator == "/"
-                and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
-                and not isinstance(getattr(array, "shards", None), tuple))
-
-    def _chunk(self, index: int) -> np.ndarray:
-        with self._lock:
-            cached = self._cache.get(index)
-        if cached is not None:
-            return cached
-        import google_crc32c
-        import numcodecs
-
-        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
-        path = os.path.join(self.directory, *parts)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:  # never written: all fill value (0)
-            chunk = np.zeros(self.chunk_shape, dtype=self.dtype)
-        else:
-            body = raw[:-4]
-            if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
-                raise ValueError(f"chunk {'/'.join(parts)}: stored and computed CRC-32C "
-                                 f"do not match")
-            try:
-                decoded = numcodecs.Blosc().decode(body)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise ValueError(f"chunk {'/'.join(parts)}: {exc}") from None
-            chunk = np.frombuffer(decoded, dtype=self.dtype)
-            if chunk.size != math.prod(self.chunk_shape):
-                raise ValueError(f"chunk {'/'.join(parts)}: decodes to {chunk.size} items, "
-                                 f"expected {math.prod(self.chunk_shape)}")
-            chunk = chunk.reshape(self.chunk_shape)
-        with self._lock:
-            while len(self._cache) >= self.cache_chunks:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[index] = chunk
-        return chunk
-
-    def rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` (axis 0), all of the other axes."""
-        trailing = tuple(self.shape[1:])
-        step = self.chunk_shape[0]
-        pieces = []
-        for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
-            chunk = self._chunk(index)
-            lo, hi = max(start, index * step) - index * step, min(stop, (index + 1) * step) - index * step
-            pieces.append(chunk[(slice(lo, hi), *(slice(0, d) for d in trailing))])
-        if not pieces:
-            return np.empty((0, *trailing), dtype=self.dtype)
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 @dataclass
@@ -251,7 +97,7 @@ class _Snapshot:
     headers: Any                    # AsyncArray uint8
     field_offsets: dict[str, np.ndarray]
     data: dict[str, Any]            # field -> AsyncArray
-    local: dict[str, _LocalChunkReader] | None = None  # "headers" and fields, when local
+    local: dict[str, LocalChunkReader] | None = None  # "headers" and fields, when local
 
     def row(self, sample_id: str) -> int | None:
         pos = int(np.searchsorted(self.sorted_ids, sample_id))
@@ -264,8 +110,50 @@ class _Snapshot:
         return list(self.data)
 
 
+@dataclass
+class _Opened:
+    """What one process has opened: the root group and the fingerprint groups read."""
+
+    root: Any
+    snapshots: dict[str, _Snapshot] = field(default_factory=dict)
+
+
+def _zarr_store(location: str, storage_options: Mapping[str, Any]) -> Any:
+    from zarr.storage import FsspecStore, LocalStore
+
+    if is_local_location(location):
+        path = local_path(location)
+        if not os.path.isdir(path):
+            raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
+        return LocalStore(path, read_only=True)
+    return FsspecStore.from_url(location, read_only=True,
+                                storage_options=dict(storage_options) or None)
+
+
+def _open_root(location: str, storage_options: Mapping[str, Any]) -> _Opened:
+    """Open a snapshot's root group in this process (checked to be an spcache snapshot)."""
+    import zarr
+
+    store = _zarr_store(location, storage_options)
+    try:
+        root = zarr.open_group(store, mode="r")
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        raise CacheNotFound(location, f"no Zarr group here ({exc})") from None
+    attrs = root.attrs.get(ATTRS_KEY)
+    if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
+        raise CacheNotFound(location, "a Zarr group, but not an spcache snapshot "
+                                      f"(no {ATTRS_KEY!r} root attributes)")
+    if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
+        raise UnsupportedFormat(f"snapshot:{location}",
+                                f"format_version {attrs.get('format_version')!r} is not "
+                                f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})")
+    return _Opened(root)
+
+
 class ZarrStore(Store):
     """Records of a Zarr v3 snapshot, read-only (see the module doc).
+
+    ``supports_writes`` is False: writes raise ``ReadOnlyStoreError``.
 
     Args:
         location: a ``*.zarr`` path, ``file://`` URL or fsspec URL (``s3://``, ``gs://``,
@@ -278,6 +166,8 @@ class ZarrStore(Store):
             per sample. Ignored for URLs.
     """
 
+    supports_writes = False
+
     def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True,
                  storage_options: Mapping[str, Any] | None = None,
                  direct_reads: bool = True) -> None:
@@ -287,44 +177,18 @@ class ZarrStore(Store):
                                      f"write them with 'spcache export'")
         self.storage_options = dict(storage_options or {})
         self.direct_reads = bool(direct_reads)
-        self._pid: int | None = None
-        self._root: Any = None
-        self._snapshots: dict[str, _Snapshot] = {}
+        self._opened: ProcessLocal[_Opened] = ProcessLocal(
+            functools.partial(_open_root, self.location, self.storage_options))
 
     # -- opening -----------------------------------------------------------------------
-    def _zarr_store(self) -> Any:
-        from zarr.storage import FsspecStore, LocalStore
-
-        if is_local_location(self.location):
-            path = local_path(self.location)
-            if not os.path.isdir(path):
-                raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
-            return LocalStore(path, read_only=True)
-        return FsspecStore.from_url(self.location, read_only=True,
-                                    storage_options=self.storage_options or None)
-
     def _group(self) -> Any:
         """The root group, opened in this process."""
-        if self._root is not None and self._pid == os.getpid():
-            return self._root
-        import zarr
+        return self._opened.get().root
 
-        self._snapshots = {}  # another process's handles: drop, never close
-        store = self._zarr_store()
-        try:
-            root = zarr.open_group(store, mode="r")
-        except (FileNotFoundError, KeyError, ValueError) as exc:
-            raise CacheNotFound(self.location, f"no Zarr group here ({exc})") from None
-        attrs = root.attrs.get(ATTRS_KEY)
-        if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
-            raise CacheNotFound(self.location, "a Zarr group, but not an spcache snapshot "
-                                               f"(no {ATTRS_KEY!r} root attributes)")
-        if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
-            raise UnsupportedFormat(f"snapshot:{self.location}",
-                                    f"format_version {attrs.get('format_version')!r} is not "
-                                    f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})")
-        self._root, self._pid = root, os.getpid()
-        return root
+    @property
+    def _snapshots(self) -> dict[str, _Snapshot]:
+        """This process's opened fingerprint groups (another process's are never used)."""
+        return self._opened.get().snapshots
 
     def open(self) -> ZarrStore:
         """Open now (otherwise the first access does). Returns self."""
@@ -333,7 +197,7 @@ class ZarrStore(Store):
 
     def close(self) -> None:
         """Drop this process's handles; the store re-opens on next use."""
-        self._root, self._pid, self._snapshots = None, None, {}
+        self._opened.close()
 
     def _child_names(self) -> list[str]:
         store = self._group().store
@@ -341,9 +205,7 @@ class ZarrStore(Store):
         async def listing() -> list[str]:
             return [name async for name in store.list_dir("")]
 
-        return sorted(name for name in _run(listing())
-                      if len(name) == FINGERPRINT_HEX_CHARS
-                      and re.fullmatch(r"[0-9a-f]+", name))
+        return sorted(name for name in _run(listing()) if is_fingerprint(name))
 
     def _group_attrs(self, fingerprint: str) -> tuple[Any, dict[str, Any]] | None:
         """(group, attrs) of a fingerprint group, or None when absent."""
@@ -357,7 +219,6 @@ class ZarrStore(Store):
 
     def _snapshot(self, fingerprint: str) -> _Snapshot | None:
         """The opened snapshot of ``fingerprint``; None when absent or incomplete."""
-        self._group()  # (re)opens in this process, resetting _snapshots after a fork
         snap = self._snapshots.get(fingerprint)
         if snap is not None:
             return snap
@@ -410,7 +271,7 @@ class ZarrStore(Store):
         for f in fields:
             self._check_offsets(where, f"offsets/{f}", arrays[f"offsets/{f}"], n,
                                 data[f].shape[0] if data[f].ndim else 0)
-        ids = _ids_from_packed(arrays["sample_ids"], arrays["sample_id_offsets"])
+        ids = unpack_ids(arrays["sample_ids"], arrays["sample_id_offsets"])
         order = np.argsort(ids, kind="stable")
         return _Snapshot(fingerprint, attrs, ids, ids[order], order.astype(np.int64),
                          arrays["header_offsets"], headers.async_array,
@@ -419,15 +280,15 @@ class ZarrStore(Store):
                          self._local_readers(fingerprint, headers, data))
 
     def _local_readers(self, fingerprint: str, headers: Any,
-                       data: dict[str, Any]) -> dict[str, _LocalChunkReader] | None:
+                       data: dict[str, Any]) -> dict[str, LocalChunkReader] | None:
         if not (self.direct_reads and is_local_location(self.location)):
             return None
         arrays = {"headers": (headers, "headers")}
         arrays |= {f: (a, f"data/{f}") for f, a in data.items()}
-        if not all(_LocalChunkReader.supports(a) for a, _ in arrays.values()):
+        if not all(LocalChunkReader.supports(a) for a, _ in arrays.values()):
             return None
         base = os.path.join(local_path(self.location), fingerprint)
-        return {name: _LocalChunkReader(os.path.join(base, *path.split("/")), array)
+        return {name: LocalChunkReader(os.path.join(base, *path.split("/")), array)
                 for name, (array, path) in arrays.items()}
 
     @staticmethod
@@ -443,7 +304,7 @@ class ZarrStore(Store):
                 or key[FINGERPRINT_HEX_CHARS] != "/":
             return None
         fingerprint, sample_id = key[:FINGERPRINT_HEX_CHARS], key[FINGERPRINT_HEX_CHARS + 1:]
-        if not re.fullmatch(r"[0-9a-f]+", fingerprint):
+        if not is_fingerprint(fingerprint):
             return None
         snap = self._snapshot(fingerprint)
         if snap is None:
@@ -505,16 +366,16 @@ class ZarrStore(Store):
             entries = json.loads(header)
             if not isinstance(entries, dict):
                 raise ValueError("not a JSON object")
-            size = _LEN.size + len(header) + max(
+            size = HEADER_LENGTH.size + len(header) + max(
                 [e["data_offsets"][1] for n, e in entries.items() if n != "__metadata__"],
                 default=0)
-            begins = {n: _LEN.size + len(header) + e["data_offsets"][0]
+            begins = {n: HEADER_LENGTH.size + len(header) + e["data_offsets"][0]
                       for n, e in entries.items() if n != "__metadata__"}
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             return CorruptRecord(key, f"stored header unreadable: {exc}")
         value = bytearray(size)  # zero-filled; fields not read stay zero
-        value[:_LEN.size] = _LEN.pack(len(header))
-        value[_LEN.size:_LEN.size + len(header)] = header
+        value[:HEADER_LENGTH.size] = HEADER_LENGTH.pack(len(header))
+        value[HEADER_LENGTH.size:HEADER_LENGTH.size + len(header)] = header
         target = np.frombuffer(value, dtype=np.uint8)  # writable view of value
         for name, part in zip(names, parts[1:], strict=True):
             raw = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
@@ -582,9 +443,7 @@ class ZarrStore(Store):
             records = []
             for key, value in zip(keys, self._values(keys, fields), strict=True):
                 record = decode_record(value, key=key, fields=fields)
-                meta = record.metadata
-                if f"{meta.get('fingerprint')}/{meta.get('sample_id')}" != key:
-                    raise CorruptRecord(key, "record metadata names another key")
+                check_names_key(record.metadata, key)
                 records.append(record)
             return records
         return self._read_checked(read)
@@ -606,14 +465,6 @@ class ZarrStore(Store):
                 if not sample_id.startswith(id_prefix):
                     break
                 yield head + sample_id
-
-    # -- writes are refused ------------------------------------------------------------
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
-        self.check_writable()
-        return 0  # pragma: no cover - check_writable raises
-
-    def put_index(self, index: DatasetIndex) -> None:
-        self.check_writable()
 
     # -- indexes -----------------------------------------------------------------------
     def fingerprints(self) -> list[str]:
@@ -710,8 +561,3 @@ class ZarrStore(Store):
                 report.corrupt[f"index:{fp}"] = "recipe and params do not give the fingerprint"
         except (CorruptRecord, ValueError) as exc:
             report.corrupt[f"index:{fp}"] = str(exc)
-
-
-def records_digest(checksums: Iterable[str]) -> str:
-    """xxh3_128 hex over the records' checksums in index order (one per line)."""
-    return xxhash.xxh3_128_hexdigest("\n".join(checksums).encode("ascii"))

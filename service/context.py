@@ -7,18 +7,19 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends, Request
 
 from cache_store.jobs import JobQueue
+from cache_store.lmdb_store import has_cache
 from cache_store.store import Store, open_store
 from service.metrics import Metrics
 from service.settings import Settings
 
-__all__ = ["ServiceContext", "CacheStats", "RECORDS_DIRNAME"]
+__all__ = ["ServiceContext", "CacheStats", "Context", "get_context"]
 
 log = logging.getLogger(__name__)
-
-RECORDS_DIRNAME = "records"
-
 
 @dataclass(frozen=True)
 class CacheStats:
@@ -52,7 +53,7 @@ class ServiceContext:
             return self._store
         with self._store_lock:
             if self._store is None:
-                if not (self.cache / RECORDS_DIRNAME).exists():
+                if not has_cache(self.cache):
                     return None
                 self._store = open_store(self.cache, readonly=True)
             return self._store
@@ -82,3 +83,12 @@ class ServiceContext:
             with self._stats_lock:
                 self._stats, self._stats_at = stats, now
         return stats.get(fingerprint, CacheStats(0, 0, now))
+
+
+def get_context(request: Request) -> ServiceContext:
+    """The app's :class:`ServiceContext` (set by ``create_app``)."""
+    return request.app.state.ctx
+
+
+#: Route parameter type: ``def route(ctx: Context)`` receives the app's context.
+Context = Annotated[ServiceContext, Depends(get_context)]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import lmdb
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -49,7 +48,6 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (ReadOnlyStoreError, 503),
     (StoreBusy, 503),
     (CorruptRecord, 500),
-    (lmdb.ReadersFullError, 503),
     (SpcacheError, 500),
 )
 
@@ -71,12 +69,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _readers_full(exc: BaseException) -> bool:
-    # LMDBStore raises StoreBusy; a raw ReadersFullError can only come from code that
-    # talks to lmdb directly.
-    return isinstance(exc, StoreBusy | lmdb.ReadersFullError)
-
-
 def status_for(exc: BaseException) -> int:
     for cls, status in STATUS_BY_ERROR:
         if isinstance(exc, cls):
@@ -93,7 +85,7 @@ def error_response(status: int, error: str, detail: str, *, problems: list[Any] 
 
 
 def _detail(exc: BaseException) -> str:
-    if _readers_full(exc):
+    if isinstance(exc, StoreBusy):  # the store names the setting; clients need less
         return "too many concurrent readers of the cache; retry shortly"
     return str(exc)
 
@@ -134,7 +126,6 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(SpcacheError, _spcache_error)
-    app.add_exception_handler(lmdb.ReadersFullError, _spcache_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)

@@ -18,6 +18,7 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_store.errors import SpcacheError
+from cache_store.fingerprint import FINGERPRINT_PATTERN
 from service.context import ServiceContext
 from service.routes_caches import etag_matches, read_record
 
@@ -26,7 +27,7 @@ __all__ = ["RecordFastPath", "RECORD_ROUTE"]
 log = logging.getLogger(__name__)
 
 RECORD_ROUTE = "/v1/caches/{fingerprint}/records/{sample_id:path}"
-_PATH = re.compile(r"^/v1/caches/([0-9a-f]{32})/records/(.+)$")
+_PATH = re.compile(rf"^/v1/caches/({FINGERPRINT_PATTERN})/records/(.+)$")
 _MEDIA = b"application/octet-stream"
 
 

@@ -1,41 +1,68 @@
-"""Prometheus text exposition, without a client library.
+"""Prometheus metrics through ``prometheus_client``, counted by one pure-ASGI middleware.
 
-Counters live in-process (one service process); gauges about the cache and the queue
-are read when ``/metrics`` is scraped.
+Counters live in-process (one service process) in the app's own registry (several apps
+in one process, as in the tests, never share counters); gauges about the cache and the
+queue are read when ``/metrics`` is scraped (``routes_health``). Counting a request costs
+~0.5 us over the hand-rolled counters it replaced (labelled children are cached), under
+1 % of the record fast path (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import defaultdict
-from collections.abc import Iterable
+from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["Metrics", "MetricsMiddleware", "render"]
+__all__ = ["Metrics", "MetricsMiddleware", "MEDIA_TYPE"]
+
+#: What ``prometheus_client.generate_latest`` writes.
+MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Metrics:
-    """Request and byte counters, safe to bump from the event loop and from threads."""
+    """Request, byte and record counters, safe to bump from the event loop and threads."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._requests = Counter("spcache_http_requests", "HTTP requests by method, route and status",
+                                 ["method", "route", "status"], registry=self.registry)
+        self._bytes = Counter("spcache_http_response_bytes", "response body bytes sent, by route",
+                              ["route"], registry=self.registry)
+        self._records = Counter("spcache_records_served",
+                                "records sent (single and batch reads)", registry=self.registry)
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str, str], int] = defaultdict(int)
-        self.bytes_served: dict[str, int] = defaultdict(int)
-        self.records_served = 0
 
     def observe(self, method: str, route: str, status: int, nbytes: int) -> None:
-        with self._lock:
-            self.requests[(method, route, str(status))] += 1
-            self.bytes_served[route] += nbytes
+        key = (method, route, status)
+        children = self._children.get(key)
+        if children is None:  # label lookups cost ~2 us: once per (method, route, status)
+            with self._lock:
+                children = self._children.setdefault(key, (
+                    self._requests.labels(method, route, str(status)), self._bytes.labels(route)))
+        children[0].inc()
+        children[1].inc(nbytes)
 
     def add_records(self, n: int) -> None:
-        with self._lock:
-            self.records_served += n
+        self._records.inc(n)
 
     def snapshot(self) -> tuple[dict[tuple[str, str, str], int], dict[str, int], int]:
-        with self._lock:
-            return dict(self.requests), dict(self.bytes_served), self.records_served
+        """``(requests by (method, route, status), bytes by route, records served)``."""
+        requests: dict[tuple[str, str, str], int] = {}
+        nbytes: dict[str, int] = {}
+        records = 0
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name == "spcache_http_requests_total":
+                    labels = sample.labels
+                    requests[(labels["method"], labels["route"], labels["status"])] = int(sample.value)
+                elif sample.name == "spcache_http_response_bytes_total":
+                    nbytes[sample.labels["route"]] = int(sample.value)
+                elif sample.name == "spcache_records_served_total":
+                    records = int(sample.value)
+        return requests, nbytes, records
 
 
 class MetricsMiddleware:
@@ -66,25 +93,3 @@ class MetricsMiddleware:
             route = (scope.get("spcache.route") or getattr(scope.get("route"), "path", None)
                      or "unmatched")
             self.metrics.observe(scope["method"], route, status, nbytes)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(**labels: str) -> str:
-    if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
-
-
-def render(families: Iterable[tuple[str, str, str, list[tuple[dict[str, str], float]]]]) -> str:
-    """Families of ``(name, type, help, [(labels, value), ...])`` as Prometheus text 0.0.4."""
-    lines: list[str] = []
-    for name, kind, help_text, samples in families:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            shown = repr(float(value)) if isinstance(value, float) else str(value)
-            lines.append(f"{name}{_labels(**labels)} {shown}")
-    return "\n".join(lines) + "\n"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
@@ -12,12 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import FingerprintLookupError, ParameterError, RecordNotFound, SpcacheError
-from cache_store.fingerprint import record_key, validate_fingerprint
-from cache_store.http_store import BATCH_MEDIA_TYPE, encode_batch
-from cache_store.jobs import item_state
+from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key, validate_fingerprint
+from cache_store.item_state import item_state
 from cache_store.recipes import RECIPE_SPECS
-from cache_store.record import record_checksum, select_fields
-from service.context import ServiceContext
+from cache_store.record import peek_checksum, record_checksum, select_fields
+from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
+from service.context import Context, ServiceContext
 from service.errors import status_for
 from service.warmup import resolve_source
 
@@ -26,12 +24,8 @@ __all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
 router = APIRouter(prefix="/v1", tags=["caches"])
 
 _RECORD_MEDIA_TYPE = "application/octet-stream"
-Fingerprint = Annotated[str, Path(pattern="^[0-9a-f]{32}$",
+Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
                                   description="32 lowercase hex characters")]
-
-
-def _ctx(request: Request) -> ServiceContext:
-    return request.app.state.ctx
 
 
 @router.get("/recipes")
@@ -41,8 +35,7 @@ def list_recipes() -> dict[str, Any]:
 
 
 @router.get("/caches")
-def list_caches(request: Request) -> dict[str, Any]:
-    ctx = _ctx(request)
+def list_caches(ctx: Context) -> dict[str, Any]:
     store = ctx.store()
     out = []
     if store is not None:
@@ -55,10 +48,9 @@ def list_caches(request: Request) -> dict[str, Any]:
 
 
 @router.get("/caches/{fingerprint}")
-def get_cache(fingerprint: Fingerprint, request: Request, offset: int = Query(0, ge=0, le=10**9),
+def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=0, le=10**9),
               limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
     """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
-    ctx = _ctx(request)
     validate_fingerprint(fingerprint)
     store = ctx.store()
     index = None
@@ -86,9 +78,6 @@ def get_cache(fingerprint: Fingerprint, request: Request, offset: int = Query(0,
             "jobs": [j.id for j in jobs]}
 
 
-_LEN = struct.Struct("<Q")
-
-
 def _etag(value: bytes, key: str) -> str:
     """The strong ETag of a record: its checksum, read from the header's metadata.
 
@@ -96,15 +85,8 @@ def _etag(value: bytes, key: str) -> str:
     on decode); anything unexpected here falls back to the full, validating parse,
     which raises :class:`CorruptRecord` for a damaged header.
     """
-    try:
-        (n,) = _LEN.unpack_from(value, 0)
-        if n <= len(value) - 8:
-            checksum = json.loads(value[8:8 + n])["__metadata__"]["checksum"]
-            if isinstance(checksum, str) and checksum.isalnum():
-                return f'"{checksum}"'
-    except (ValueError, KeyError, TypeError, RecursionError, struct.error):
-        pass
-    return f'"{record_checksum(value, key=key)}"'
+    checksum = peek_checksum(value)
+    return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
 
 
 def etag_matches(header: str | None, etag: str) -> bool:
@@ -153,12 +135,11 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
             responses={200: {"content": {_RECORD_MEDIA_TYPE: {}},
                              "description": "the record, safetensors bytes"},
                        304: {"description": "not modified (If-None-Match)"}})
-async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
+async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
                      fields: str | None = Query(None, max_length=4096,
                                                 description="comma-separated field names"),
                      ) -> Response:
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
-    ctx = _ctx(request)
     value, etag = read_record(ctx, fingerprint, sample_id, fields)
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if etag_matches(request.headers.get("if-none-match"), etag):
@@ -177,10 +158,9 @@ class BatchRequest(BaseModel):
 
 @router.post("/caches/{fingerprint}/batch", response_class=Response,
              responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
-                              "description": "records framed as in cache_store.http_store"}})
-async def get_batch(fingerprint: Fingerprint, body: BatchRequest, request: Request) -> Response:
+                              "description": "records framed as in cache_store.wire"}})
+async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) -> Response:
     """Many records in one response; a missing or bad sample is listed, the rest still come."""
-    ctx = _ctx(request)
     validate_fingerprint(fingerprint)
     if len(body.ids) > ctx.settings.max_batch_records:
         raise ParameterError([f"ids: {len(body.ids)} ids, at most "
@@ -210,12 +190,11 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, request: Reque
 
 
 @router.get("/caches/{fingerprint}/items/{sample_id:path}")
-def get_item_state(fingerprint: Fingerprint, sample_id: str, request: Request,
+def get_item_state(fingerprint: Fingerprint, sample_id: str, ctx: Context,
                    path: str | None = Query(None, max_length=4096,
                                             description="source to compare against"),
                    ) -> dict[str, Any]:
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
-    ctx = _ctx(request)
     source = None
     if path is not None:
         source = str(resolve_source(path, ctx.settings.source_roots))

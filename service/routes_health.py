@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from cache_store.errors import SpcacheError
-from service.context import ServiceContext
-from service.metrics import render
+from service.context import Context, ServiceContext
+from service.metrics import MEDIA_TYPE
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["health"])
-
-
-def _ctx(request: Request) -> ServiceContext:
-    return request.app.state.ctx
 
 
 @router.get("/healthz")
@@ -27,9 +26,8 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-def readyz(request: Request) -> JSONResponse:
+def readyz(ctx: Context) -> JSONResponse:
     """200 when the job queue answers and the store (if created yet) opens; else 503."""
-    ctx = _ctx(request)
     problems = []
     try:
         queue = ctx.queue.counts()
@@ -57,35 +55,46 @@ def _heartbeat_age(ctx: ServiceContext) -> float | None:
     return round(time.time() - beats[0]["seen"], 3) if beats else None
 
 
+class _ScrapeGauges:
+    """Gauges read when scraped: queue items, uptime, worker heartbeats, cache sizes."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ctx = self.ctx
+        queue = GaugeMetricFamily("spcache_queue_items", "job queue items by status",
+                                  labels=["status"])
+        for status, n in ctx.queue.counts().items():
+            queue.add_metric([status], n)
+        yield queue
+        yield GaugeMetricFamily("spcache_uptime_seconds", "seconds since the service started",
+                                value=round(time.time() - ctx.started, 3))
+        beats = ctx.queue.heartbeats()
+        if beats:
+            age = GaugeMetricFamily("spcache_worker_heartbeat_age_seconds",
+                                    "seconds since each worker last reported", labels=["worker"])
+            for b in beats:
+                age.add_metric([b["worker_id"]], round(time.time() - b["seen"], 3))
+            yield age
+        store = ctx.store()
+        if store is not None:
+            per_fp = [(fp, ctx.cache_stats(fp)) for fp in store.fingerprints()]
+            records = GaugeMetricFamily("spcache_cache_records", "records stored per fingerprint",
+                                        labels=["fingerprint"])
+            nbytes = GaugeMetricFamily("spcache_cache_bytes", "record bytes stored per fingerprint",
+                                       labels=["fingerprint"])
+            for fp, st in per_fp:
+                records.add_metric([fp], st.records)
+                nbytes.add_metric([fp], st.bytes)
+            yield records
+            yield nbytes
+
+
 @router.get("/metrics", response_class=PlainTextResponse)
-def metrics(request: Request) -> PlainTextResponse:
+def metrics(ctx: Context) -> Response:
     """Prometheus text: requests, bytes served, queue depth, worker heartbeat, cache sizes."""
-    ctx = _ctx(request)
-    requests, nbytes, records = ctx.metrics.snapshot()
-    families: list[tuple[str, str, str, list[tuple[dict[str, str], float]]]] = [
-        ("spcache_http_requests_total", "counter", "HTTP requests by method, route and status",
-         [({"method": m, "route": r, "status": s}, n)
-          for (m, r, s), n in sorted(requests.items())]),
-        ("spcache_http_response_bytes_total", "counter", "response body bytes sent, by route",
-         [({"route": r}, n) for r, n in sorted(nbytes.items())]),
-        ("spcache_records_served_total", "counter", "records sent (single and batch reads)",
-         [({}, records)]),
-        ("spcache_queue_items", "gauge", "job queue items by status",
-         [({"status": s}, n) for s, n in ctx.queue.counts().items()]),
-        ("spcache_uptime_seconds", "gauge", "seconds since the service started",
-         [({}, round(time.time() - ctx.started, 3))]),
-    ]
-    beats = ctx.queue.heartbeats()
-    if beats:
-        families.append(("spcache_worker_heartbeat_age_seconds", "gauge",
-                         "seconds since each worker last reported",
-                         [({"worker": b["worker_id"]}, round(time.time() - b["seen"], 3))
-                          for b in beats]))
-    store = ctx.store()
-    if store is not None:
-        per_fp = [(fp, ctx.cache_stats(fp)) for fp in store.fingerprints()]
-        families.append(("spcache_cache_records", "gauge", "records stored per fingerprint",
-                         [({"fingerprint": fp}, st.records) for fp, st in per_fp]))
-        families.append(("spcache_cache_bytes", "gauge", "record bytes stored per fingerprint",
-                         [({"fingerprint": fp}, st.bytes) for fp, st in per_fp]))
-    return PlainTextResponse(render(families), media_type="text/plain; version=0.0.4")
+    scrape = CollectorRegistry()
+    scrape.register(_ScrapeGauges(ctx))
+    body = generate_latest(ctx.metrics.registry) + generate_latest(scrape)
+    return Response(body, media_type=MEDIA_TYPE)

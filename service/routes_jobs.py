@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import ParameterError
 from cache_store.recipes import RECIPE_SPECS
 from service.auth import require_token
-from service.context import ServiceContext
+from service.context import Context
 from service.warmup import expand_glob, plan_warmup
 
 __all__ = ["router", "WarmupRequest", "WarmupItem"]
@@ -53,14 +53,9 @@ class WarmupRequest(BaseModel):
         return self
 
 
-def _ctx(request: Request) -> ServiceContext:
-    return request.app.state.ctx
-
-
 @router.post("/warmup", status_code=202, dependencies=[Depends(require_token)])
-async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
+async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
     """Queue the computation of every item not already ready; returns the job."""
-    ctx = _ctx(request)
     settings = ctx.settings
     roots = settings.source_roots
 
@@ -87,18 +82,17 @@ async def warmup(body: WarmupRequest, request: Request) -> dict[str, Any]:
 
 
 @router.get("/jobs")
-def list_jobs(request: Request, limit: int = Query(100, ge=1, le=1000),
+def list_jobs(ctx: Context, limit: int = Query(100, ge=1, le=1000),
               offset: int = Query(0, ge=0, le=10**9),
               fingerprint: str | None = Query(None, max_length=64)) -> dict[str, Any]:
-    jobs = _ctx(request).queue.jobs(limit=limit, offset=offset, fingerprint=fingerprint)
+    jobs = ctx.queue.jobs(limit=limit, offset=offset, fingerprint=fingerprint)
     return {"jobs": [j.as_json() for j in jobs], "offset": offset, "limit": limit}
 
 
 @router.get("/jobs/{job_id}")
-def get_job(job_id: str, request: Request, errors_offset: int = Query(0, ge=0, le=10**9),
+def get_job(job_id: str, ctx: Context, errors_offset: int = Query(0, ge=0, le=10**9),
             errors_limit: int | None = Query(None, ge=0, le=10_000)) -> dict[str, Any]:
     """A job's status and counts, with one page of its failed items' errors."""
-    ctx = _ctx(request)
     limit = ctx.settings.job_errors_page if errors_limit is None else errors_limit
     info = ctx.queue.job(job_id, errors_offset=errors_offset, errors_limit=limit)
     out = info.as_json()
@@ -107,6 +101,6 @@ def get_job(job_id: str, request: Request, errors_offset: int = Query(0, ge=0, l
 
 
 @router.delete("/jobs/{job_id}", dependencies=[Depends(require_token)])
-def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+def cancel_job(job_id: str, ctx: Context) -> dict[str, Any]:
     """Cancel a job: pending items are dropped, running ones finish."""
-    return _ctx(request).queue.cancel(job_id).as_json()
+    return ctx.queue.cancel(job_id).as_json()

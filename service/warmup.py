@@ -24,18 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import (
-    CorruptRecord,
     InvalidSampleId,
     ParameterError,
-    RecordNotFound,
     SourceError,
     SpcacheError,
 )
 from cache_store.fingerprint import compute_fingerprint, record_key, validate_sample_id
-from cache_store.hashing import hash_file
+from cache_store.freshness import record_is_current
 from cache_store.jobs import NewItem
 from cache_store.recipes import get_recipe_spec
-from cache_store.record import read_metadata
 from cache_store.store import Store
 
 __all__ = ["WarmupPlan", "plan_warmup", "resolve_source", "expand_glob"]
@@ -168,17 +165,4 @@ def plan_warmup(recipe: str, params: dict[str, Any] | None, items: Sequence[tupl
 
 def _is_ready(store: Store | None, fingerprint: str, sample_id: str,
               path: os.PathLike[str]) -> bool:
-    if store is None:
-        return False
-    key = record_key(fingerprint, sample_id)
-    try:
-        stored = read_metadata(store.get(key), key=key).get("source_hash")
-    except RecordNotFound:
-        return False
-    except CorruptRecord as exc:
-        log.warning("%s: stored record unreadable (%s); queueing it again", key, exc)
-        return False
-    try:
-        return stored == hash_file(path)
-    except SourceError:
-        return False
+    return store is not None and record_is_current(store, record_key(fingerprint, sample_id), path)

@@ -15,6 +15,55 @@ def _imported_after(module: str) -> set[str]:
     return set(out.split())
 
 
+PACKAGES = ("cache_store", "service", "workers")
+#: What importing every module of a package must not pull in (the arrows of DESIGN.md:
+#: cache_store is CPU-only bytes at rest; the service is CPU only and torch-free).
+FORBIDDEN = {
+    "cache_store": {"service", "workers", "fastapi", "starlette", "kaolin", "ray"},
+    "service": {"workers", "torch", "kaolin", "ray"},
+    "workers": {"service", "fastapi", "kaolin", "ray"},
+}
+
+
+def submodules(package: str) -> list[str]:
+    """Every module of ``package`` (found on disk, so a new file is covered at once)."""
+    root = REPO_ROOT / package
+    names = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue  # importing it runs the CLI
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_every_module_is_found() -> None:
+    for package in PACKAGES:
+        mods = submodules(package)
+        assert package in mods and len(mods) > 3
+    assert {"cache_store.jobs", "cache_store.export", "cache_store.zarr_store",
+            "cache_store.snapshot_format", "cache_store.wire"} <= set(submodules("cache_store"))
+
+
+def test_every_module_of_each_package_imports_and_the_arrows_hold() -> None:
+    """Import every module of one package in a fresh interpreter, then check sys.modules
+    (a broken import anywhere fails here, not only in the modules the tests use)."""
+    for package in PACKAGES:
+        code = (f"import importlib, sys\n"
+                f"for name in {submodules(package)!r}:\n"
+                f"    importlib.import_module(name)\n"
+                f"cuda = 'torch' in sys.modules and sys.modules['torch'].cuda.is_initialized()\n"
+                f"print('CUDA' if cuda else 'no-cuda')\n"
+                f"print('\\n'.join(sorted(sys.modules)))")
+        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, f"{package}: a module failed to import:\n{proc.stderr}"
+        first, *mods = proc.stdout.split()
+        assert first == "no-cuda", f"importing {package} initialised CUDA"
+        forbidden = {m for m in mods if m.split(".")[0] in FORBIDDEN[package]}
+        assert not forbidden, f"importing {package} pulled in {sorted(forbidden)}"
+
+
 def test_cache_store_imports_neither_service_workers_nor_fastapi() -> None:
     mods = _imported_after("cache_store")
     forbidden = {m for m in mods if m.split(".")[0] in {"service", "workers", "fastapi", "kaolin"}}

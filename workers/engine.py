@@ -50,7 +50,6 @@ from cache_store.errors import (
     FingerprintLookupError,
     InvalidSampleId,
     ParameterError,
-    RecordNotFound,
     SourceError,
 )
 from cache_store.fingerprint import (
@@ -59,7 +58,8 @@ from cache_store.fingerprint import (
     record_key,
     validate_sample_id,
 )
-from cache_store.record import encode_record, read_metadata
+from cache_store.freshness import is_current, stored_source_hash
+from cache_store.record import encode_record
 from cache_store.store import DatasetIndex, Store
 from workers.recipes import (
     OOM_ERRORS,
@@ -348,16 +348,7 @@ class _Run:
         return work
 
     def _stored_hash(self, key: str) -> str | None:
-        store = self.engine.store
-        try:
-            if not store.has(key):
-                return None
-            return read_metadata(store.get(key), key=key).get("source_hash")
-        except RecordNotFound:
-            return None
-        except CorruptRecord as exc:
-            logger.warning("stored record %s is unreadable (%s); recomputing it", key, exc)
-            return None
+        return stored_source_hash(self.engine.store, key)
 
     def _loop(self, work: list[_Item], loader: _Loader, writer: _Writer,
               device: torch.device, ops: Any, budget: ChunkBudget) -> None:
@@ -510,7 +501,7 @@ def _load_task(recipe_name: str, params: dict[str, Any], fingerprint: str, sampl
     start = time.perf_counter()
     try:
         data = read_source_bytes(path)
-        if stored_hash is not None and hash_bytes(data) == stored_hash:
+        if is_current(stored_hash, hash_bytes(data)):
             return ("skipped", time.perf_counter() - start)
         source = load_source(path, data)
         recipe = get_recipe(recipe_name)

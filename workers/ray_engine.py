@@ -64,6 +64,7 @@ from cache_store.errors import (
     SourceError,
     SpcacheError,
 )
+from cache_store.freshness import is_current
 from cache_store.store import DatasetIndex, Store
 from workers.engine import Engine, ItemResult, Summary, _Item, _Run, resolve_device
 from workers.recipes import Recipe
@@ -605,7 +606,7 @@ class _RayRun(_Run):
                 todo.append(item)
             elif isinstance(digest, SourceError):
                 self._finish(ItemResult(item.sample_id, item.path, "failed", reason=digest.reason))
-            elif digest == item.stored_hash:
+            elif is_current(item.stored_hash, digest):
                 self._finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key))
             else:
                 todo.append(item)

@@ -150,6 +150,17 @@ class StoreContract:
         assert report.ok and report.checked == len(content[0])
         assert store.verify(FP_B).checked == len(IDS_B)
 
+    def test_capabilities_are_declared_and_kept(self, store: Store, content) -> None:
+        records, indexes = content
+        assert isinstance(store.supports_writes, bool) and isinstance(store.supports_listing, bool)
+        if not store.supports_writes:  # no method fakes the missing half
+            key = next(iter(records))
+            with pytest.raises(ReadOnlyStoreError):
+                store.put_many([(key, records[key])])
+            with pytest.raises(ReadOnlyStoreError):
+                store.put_index(indexes[0])
+            assert store.get(key) == records[key]  # nothing changed
+
     def test_close_then_use_again(self, store: Store, content) -> None:
         records, _ = content
         key = next(iter(records))

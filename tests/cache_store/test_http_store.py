@@ -11,10 +11,13 @@ import pytest
 
 from cache_store.errors import CorruptRecord, ReadOnlyStoreError, RecordNotFound, SpcacheError
 from cache_store.fingerprint import record_key
-from cache_store.http_store import HTTPStore, decode_batch, encode_batch
+from cache_store.http_store import HTTPStore
+from cache_store.wire import decode_batch, encode_batch
 from cache_store.record import decode_record
 from cache_store.store import open_store
 from service.settings import Settings
+from cache_store.lmdb_store import LMDBStore
+from tests.cache_store.store_contract import StoreContract
 from tests.service.conftest import Cache, InProcessServer, build_cache
 
 
@@ -24,6 +27,29 @@ def served(tmp_path: Path):
     settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False)
     with InProcessServer(settings) as server:
         yield cache, server
+
+
+class TestHTTPStoreContract(StoreContract):
+    """The shared read contract, through a real service over an LMDB cache."""
+
+    @pytest.fixture
+    def make_store(self, tmp_path: Path):
+        servers: list[InProcessServer] = []
+
+        def make(records, indexes) -> HTTPStore:
+            root = tmp_path / f"cache{len(servers)}"
+            writer = LMDBStore(root, readonly=False)
+            writer.put_many(records.items())
+            for index in indexes:
+                writer.put_index(index)
+            writer.close()
+            server = InProcessServer(Settings(cache=root, source_roots=[tmp_path], worker=False))
+            servers.append(server.__enter__())
+            return HTTPStore(server.url)
+
+        yield make
+        for server in servers:
+            server.__exit__()
 
 
 def test_open_store_picks_http_and_reads_records(served: tuple[Cache, InProcessServer]) -> None:
@@ -46,7 +72,8 @@ def test_index_keys_and_batch(served: tuple[Cache, InProcessServer]) -> None:
     assert store.fingerprints() == [cache.fingerprint]
     index = store.get_index(cache.fingerprint)
     assert index.sample_ids.tolist() == cache.ids and index.params == cache.params
-    assert list(store.keys()) == [record_key(cache.fingerprint, s) for s in cache.ids]
+    assert list(store.keys()) == [record_key(cache.fingerprint, s)
+                                  for s in sorted(cache.ids, key=str.encode)]
     wanted = [record_key(cache.fingerprint, s) for s in cache.ids] + [
         record_key(cache.fingerprint, "gone")]
     got, missing = store.get_many(wanted)
@@ -93,9 +120,9 @@ def test_retry_reaches_a_server_that_comes_up_late(tmp_path: Path) -> None:
 
 
 def _read_in_child(store: HTTPStore, key: str, out: "mp.Queue[tuple[int, int]]") -> None:
-    inherited = store._client
+    inherited = store._client._value  # the parent's pool, as the fork copied it
     value = store.get(key)
-    out.put((len(value), int(store._client is not inherited)))
+    out.put((len(value), int(store._client.peek() not in (None, inherited))))
 
 
 def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer]) -> None:
@@ -103,7 +130,8 @@ def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer
     store = HTTPStore(server.url)
     key = record_key(cache.fingerprint, cache.ids[0])
     store.get(key)
-    parent_client = store._client
+    parent_client = store._client.peek()
+    assert parent_client is not None
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_read_in_child, args=(store, key, out))
@@ -111,7 +139,7 @@ def test_a_forked_reader_opens_its_own_pool(served: tuple[Cache, InProcessServer
     assert out.get(timeout=30) == (len(cache.values[cache.ids[0]]), 1)
     child.join(timeout=30)
     assert child.exitcode == 0
-    assert store._client is parent_client and store.get(key) == cache.values[cache.ids[0]]
+    assert store._client.peek() is parent_client and store.get(key) == cache.values[cache.ids[0]]
     store.close()
 
 
@@ -125,9 +153,9 @@ def test_batch_frame_round_trip_and_corruption() -> None:
             decode_batch(bad)
 
 
-def test_pid_is_recorded_per_process() -> None:
-    assert HTTPStore("http://127.0.0.1:1")._pid is None  # nothing opened by the constructor
-    assert os.getpid() > 0
+def test_constructor_opens_no_pool() -> None:
+    store = HTTPStore("http://127.0.0.1:1")
+    assert store._client.peek() is None
 
 
 def test_cached_dataset_reads_over_http_in_forked_loader_workers(

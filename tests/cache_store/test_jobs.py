@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,27 @@ def _items(n: int, prefix: str = "s") -> list[NewItem]:
     return [NewItem(f"{prefix}{i:03d}", f"/data/{prefix}{i:03d}.obj") for i in range(n)]
 
 
+class FakeClock:
+    """The queue's clock, moved by the test: lease expiry without sleeping."""
+
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 @pytest.fixture
-def queue(tmp_path: Path) -> JobQueue:
-    q = JobQueue(tmp_path, max_attempts=2)
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def queue(tmp_path: Path, clock: FakeClock) -> JobQueue:
+    q = JobQueue(tmp_path, max_attempts=2, clock=clock)
     yield q
     q.close()
 
@@ -68,15 +85,16 @@ def test_priority_then_age_orders_jobs(queue: JobQueue) -> None:
     assert {c.job_id for c in second} == {low}
 
 
-def test_expired_lease_is_claimed_again_then_fails_when_out_of_attempts(queue: JobQueue) -> None:
+def test_expired_lease_is_claimed_again_then_fails_when_out_of_attempts(queue: JobQueue,
+                                                                      clock: FakeClock) -> None:
     job_id = queue.submit("spc", {}, "f" * 16, _items(1))
     first = queue.claim("dead", lease_s=0.05)
     assert queue.claim("other") == []  # lease still live
-    time.sleep(0.1)
+    clock.advance(0.1)
     second = queue.claim("other", lease_s=0.05)
     assert [c.item_id for c in second] == [first[0].item_id] and second[0].attempts == 2
     assert queue.renew("dead", [first[0].item_id]) == set()  # the dead worker lost it
-    time.sleep(0.1)
+    clock.advance(0.1)
     assert queue.claim("third") == []  # max_attempts=2 spent: failed, not handed out
     info = queue.job(job_id)
     assert info.status == "failed" and "lease expired" in info.errors[0].error
@@ -99,10 +117,11 @@ def test_permanent_failure_is_not_retried(queue: JobQueue) -> None:
     assert queue.job(job_id).counts["failed"] == 1
 
 
-def test_fail_by_a_worker_that_lost_the_lease_changes_nothing(queue: JobQueue) -> None:
+def test_fail_by_a_worker_that_lost_the_lease_changes_nothing(queue: JobQueue,
+                                                              clock: FakeClock) -> None:
     queue.submit("spc", {}, "f" * 16, _items(1))
     (c,) = queue.claim("old", lease_s=0.01)
-    time.sleep(0.05)
+    clock.advance(0.05)
     queue.claim("new")
     assert queue.fail("old", c.item_id, "late") == "running"
 
@@ -150,13 +169,13 @@ def test_unknown_job(queue: JobQueue) -> None:
         queue.cancel("nope")
 
 
-def test_errors_are_paged_and_jobs_listed_newest_first(queue: JobQueue) -> None:
+def test_errors_are_paged_and_jobs_listed_newest_first(queue: JobQueue, clock: FakeClock) -> None:
     job_id = queue.submit("spc", {}, "f" * 16, _items(5))
     for c in queue.claim("w", limit=5):
         queue.fail("w", c.item_id, f"bad {c.sample_id}", permanent=True)
     page = queue.job(job_id, errors_offset=2, errors_limit=2).errors
     assert [e.sample_id for e in page] == ["s002", "s003"]
-    time.sleep(0.01)
+    clock.advance(0.01)
     newer = queue.submit("spc", {}, "g" * 16, _items(1))
     assert [j.id for j in queue.jobs()] == [newer, job_id]
     assert queue.counts() == {"pending": 1, "running": 0, "done": 0, "failed": 5, "cancelled": 0}
@@ -213,7 +232,7 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
 
 
 def _child_claims(q: JobQueue, out: "mp.Queue[tuple[bool, int]]") -> None:
-    inherited = q._all[0]
+    inherited = q._conns._value.all[0]  # the parent's connection, as the fork copied it
     got = q.claim("child", limit=1)
     for c in got:
         q.complete("child", c.item_id)
@@ -228,10 +247,34 @@ def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:
 
 
 
-def test_an_expired_lease_of_a_cancelled_job_is_not_claimed_again(queue: JobQueue) -> None:
+def test_an_expired_lease_of_a_cancelled_job_is_not_claimed_again(queue: JobQueue,
+                                                                  clock: FakeClock) -> None:
     job_id = queue.submit("spc", {}, "f" * 16, _items(1))
     queue.claim("dead", lease_s=0.01)
     queue.cancel(job_id)
-    time.sleep(0.05)
+    clock.advance(0.05)
     assert queue.claim("other") == []
     assert queue.job(job_id).counts["cancelled"] == 1 and queue.job(job_id).status == "cancelled"
+
+
+def test_progress_from_queue_timestamps(queue: JobQueue, clock: FakeClock) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(6), ready=_items(2, "r"))
+    info = queue.job(job_id)
+    assert (info.total, info.percent, info.samples_per_s, info.eta_s) == (8, 25.0, None, None)
+    clock.advance(10.0)
+    done = queue.claim("w", limit=3)
+    for c in done[:2]:
+        queue.complete("w", c.item_id)
+    queue.fail("w", done[2].item_id, "bad", permanent=True)  # settled too
+    info = queue.job(job_id)
+    # 3 items settled by the worker in the 10 s since submission (ready ones not counted)
+    assert info.percent == 62.5 and info.samples_per_s == 0.3
+    assert info.eta_s == 10.0  # 3 left at 0.3/s
+    listed = queue.jobs()[0].as_json()
+    assert {k: listed[k] for k in ("total", "percent", "samples_per_s", "eta_s")} == {
+        "total": 8, "percent": 62.5, "samples_per_s": 0.3, "eta_s": 10.0}
+    clock.advance(5.0)
+    for c in queue.claim("w", limit=3):
+        queue.complete("w", c.item_id)
+    info = queue.job(job_id)
+    assert (info.percent, info.samples_per_s, info.eta_s) == (100.0, 0.4, 0.0)

@@ -30,7 +30,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from cache_store.http_store import decode_batch
+from cache_store.wire import decode_batch
 from cache_store.store import Store
 from service.settings import Settings
 from tests.conftest import REPO_ROOT

@@ -32,13 +32,16 @@ def test_metrics_report_requests_bytes_queue_heartbeat_and_cache(client: httpx.C
     JobQueue(cache.root).heartbeat("gpu0", {"device": "cuda:0"})
     text = client.get("/metrics").text
     route = "/v1/caches/{fingerprint}/records/{sample_id:path}"
-    assert f'spcache_http_requests_total{{method="GET",route="{route}",status="200"}} 5' in text
+    assert f'spcache_http_requests_total{{method="GET",route="{route}",status="200"}} 5.0' in text
     served = sum(len(v) for v in cache.values.values())
-    assert f'spcache_http_response_bytes_total{{route="{route}"}} {served}' in text
-    assert 'spcache_queue_items{status="pending"} 1' in text
+    assert f'spcache_http_response_bytes_total{{route="{route}"}} {float(served)}' in text
+    assert "spcache_records_served_total 5.0" in text
+    assert 'spcache_queue_items{status="pending"} 1.0' in text
     assert 'spcache_worker_heartbeat_age_seconds{worker="gpu0"}' in text
-    assert f'spcache_cache_records{{fingerprint="{cache.fingerprint}"}} 5' in text
-    assert f'spcache_cache_bytes{{fingerprint="{cache.fingerprint}"}} {served}' in text
+    assert f'spcache_cache_records{{fingerprint="{cache.fingerprint}"}} 5.0' in text
+    assert f'spcache_cache_bytes{{fingerprint="{cache.fingerprint}"}} {float(served)}' in text
+    assert "# TYPE spcache_http_requests_total counter" in text
+
 
 
 def test_unknown_route_is_json_404(client: httpx.Client) -> None:
@@ -130,3 +133,15 @@ def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Se
         r = http.get("/test/bug")
         assert r.status_code == 500 and r.json()["error"] == "InternalError"
         assert "secret" not in r.text and "Traceback" not in r.text
+
+
+def test_metrics_snapshot_reads_the_counters() -> None:
+    from service.metrics import Metrics
+
+    metrics = Metrics()
+    for status, size in ((200, 10), (200, 5), (404, 1)):
+        metrics.observe("GET", "/r", status, size)
+    metrics.add_records(3)
+    assert metrics.snapshot() == ({("GET", "/r", "200"): 2, ("GET", "/r", "404"): 1},
+                                  {"/r": 16}, 3)
+    assert Metrics().snapshot() == ({}, {}, 0)  # each app has its own registry

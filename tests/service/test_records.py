@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import safetensors.numpy
 
-from cache_store.http_store import BATCH_MEDIA_TYPE, decode_batch
+from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
 from cache_store.record import decode_record, record_checksum
 from tests.service.conftest import Cache, LiveServer
 

@@ -34,6 +34,8 @@ def test_ready_items_are_counted_not_queued(client: httpx.Client, cache: Cache) 
     job = client.get(f"/v1/jobs/{body['job_id']}").json()
     assert job["counts"] == {"pending": 2, "running": 0, "done": 4, "failed": 0, "cancelled": 0}
     assert job["status"] == "running" and job["priority"] == 3
+    # progress (issue 17): 4 of 6 settled; no worker has finished one, so no rate yet
+    assert (job["total"], job["percent"], job["samples_per_s"], job["eta_s"]) == (6, 66.67, None, None)
     state = client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s1").json()
     assert state["state"] == "stale" and "changed" in state["reason"]
     assert client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s0").json()["state"] == "ready"
@@ -139,9 +141,12 @@ def test_oversize_bodies_are_413(client: httpx.Client) -> None:
 def test_jobs_list_get_cancel_and_404(client: httpx.Client, cache: Cache) -> None:
     job_id = _warm(client, {"recipe": "spc", "params": {"level": 6},
                             "items": _items(cache)}).json()["job_id"]
-    assert [j["id"] for j in client.get("/v1/jobs").json()["jobs"]] == [job_id]
+    listed = client.get("/v1/jobs").json()["jobs"]
+    assert [j["id"] for j in listed] == [job_id]
+    assert (listed[0]["total"], listed[0]["percent"], listed[0]["eta_s"]) == (len(cache.ids), 0.0, None)
     r = client.delete(f"/v1/jobs/{job_id}", headers=AUTH)
     assert r.json()["counts"]["cancelled"] == len(cache.ids) and r.json()["status"] == "cancelled"
+    assert r.json()["percent"] == 100.0 and r.json()["eta_s"] == 0.0
     r = client.get("/v1/jobs/nope")
     assert r.status_code == 404 and r.json()["error"] == "JobNotFound"
     assert client.delete("/v1/jobs/nope", headers=AUTH).status_code == 404

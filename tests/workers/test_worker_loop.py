@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from cache_store.fingerprint import compute_fingerprint, record_key
-from cache_store.jobs import JobQueue, NewItem, item_state
+from cache_store.item_state import item_state
+from cache_store.jobs import JobQueue, NewItem
 from cache_store.lmdb_store import LMDBStore
 from cache_store.recipes import get_recipe_spec
 from cache_store.record import decode_record

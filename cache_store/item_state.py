@@ -1,0 +1,103 @@
+"""Why is a sample (not) ready? A diagnostic over a store and the job queue.
+
+Not queue code: it reads the record (if any) from a store, compares it with its source
+and the current recipe version, and falls back to the queue's latest item for the
+sample. The service's ``GET /v1/caches/{fingerprint}/items/{sample_id}`` answers with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
+from cache_store.fingerprint import record_key
+from cache_store.freshness import is_current
+from cache_store.hashing import hash_file
+from cache_store.jobs import JobQueue
+from cache_store.recipes import RECIPE_SPECS
+from cache_store.record import read_metadata
+
+__all__ = ["ItemState", "item_state"]
+
+
+@dataclass(frozen=True)
+class ItemState:
+    """Why a sample is (not) ready under a fingerprint.
+
+    ``state`` is one of ``ready`` (record present, source and recipe unchanged),
+    ``stale`` (record present but its source hash or recipe version no longer matches),
+    ``failed`` (the last attempt failed; ``reason`` says why), ``queued`` (pending or
+    running) or ``missing`` (no record, nothing queued).
+    """
+
+    fingerprint: str
+    sample_id: str
+    state: str
+    reason: str
+    job_id: str | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "sample_id": self.sample_id,
+                "state": self.state, "reason": self.reason, "job_id": self.job_id}
+
+
+def _stale_reasons(meta: dict[str, str], path: str | None) -> list[str]:
+    """Why a stored record is not current: recipe version moved on, source changed."""
+    spec = RECIPE_SPECS.get(meta.get("recipe", ""))
+    problems = []
+    if spec is not None and meta.get("recipe_version") != str(spec.version):
+        problems.append(f"recipe {spec.name} is now version {spec.version}, the record "
+                        f"has version {meta.get('recipe_version')}")
+    if path is not None:
+        try:
+            current = hash_file(path)
+            if not is_current(meta.get("source_hash"), current):
+                problems.append(f"source {path} changed (hash {current}, record has "
+                                f"{meta.get('source_hash')})")
+        except SourceError as exc:
+            problems.append(f"source cannot be checked: {exc}")
+    return problems
+
+
+def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
+               path: str | None = None) -> ItemState:
+    """Explain one sample's state from its record (if any) and its latest queue item.
+
+    Args:
+        store: a :class:`cache_store.store.Store`, or None when none exists yet.
+        path: the source to compare the record's ``source_hash`` with; default: the
+            path of the latest queue item for this sample, if any.
+    """
+    key = record_key(fingerprint, sample_id)
+    latest = queue.latest_item(fingerprint, sample_id)
+    job_id = latest["job_id"] if latest else None
+    queued = latest is not None and latest["status"] in ("pending", "running")
+    path = path or (latest["path"] if latest else None)
+
+    def say(state: str, reason: str) -> ItemState:
+        return ItemState(fingerprint, sample_id, state, reason, job_id)
+
+    meta = None
+    if store is not None:
+        try:
+            meta = read_metadata(store.get(key), key=key)
+        except RecordNotFound:
+            meta = None
+        except CorruptRecord as exc:
+            return say("stale", f"stored record is unreadable: {exc}")
+    if meta is not None:
+        problems = _stale_reasons(meta, path)
+        if problems:
+            return say("stale", "; ".join(problems) + ("; recomputation queued" if queued else ""))
+        checked = f" against {path}" if path else " (no source known to compare)"
+        return say("ready", f"record present, source hash and recipe version match{checked}")
+    if latest is None:
+        return say("missing", "no record and no queue item for this sample")
+    if queued:
+        return say("queued", f"{latest['status']} (attempt {latest['attempts']} of job {job_id})")
+    if latest["status"] == "failed":
+        return say("failed", latest["last_error"] or "failed without an error message")
+    if latest["status"] == "cancelled":
+        return say("missing", f"job {job_id} was cancelled before this sample was computed")
+    return say("missing", f"queue says {latest['status']} but no record is stored (deleted?)")

@@ -1,0 +1,89 @@
+"""Handles that belong to the process that opened them (LMDB, SQLite, httpx, zarr).
+
+A handle opened before ``os.fork`` is shared with the child: using it there, or even
+closing it, touches the parent's locks, sockets or WAL. Every reader and writer in
+``cache_store`` therefore keeps its handles in a :class:`ProcessLocal`: opened on first
+use in a process, opened anew when ``os.getpid()`` changes, and an inherited one is
+*parked* (kept referenced, never used, closed or collected) instead of closed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+__all__ = ["ProcessLocal", "park"]
+
+T = TypeVar("T")
+
+# Handles inherited across fork: referenced so no finaliser ever closes them in a child.
+_PARKED: list[Any] = []
+
+
+def park(handle: Any) -> None:
+    """Keep an inherited handle alive and untouched for the rest of this process."""
+    _PARKED.append(handle)
+
+
+class ProcessLocal(Generic[T]):
+    """This process's handle, made by ``opener()`` on first use in each process.
+
+    Args:
+        opener: makes a new handle (called at most once per process, under a lock).
+        closer: closes a handle of this process (``close()``); None: nothing to close.
+
+    Pickles empty (a handle never travels to a spawned process); thread-safe.
+    """
+
+    def __init__(self, opener: Callable[[], T],
+                 closer: Callable[[T], None] | None = None) -> None:
+        self.opener = opener
+        self.closer = closer
+        self._value: T | None = None
+        self._pid: int | None = None
+        self._lock = threading.Lock()
+        self._lock_pid = os.getpid()
+
+    def _own_lock(self) -> threading.Lock:
+        pid = os.getpid()
+        if self._lock_pid != pid:  # a lock held by another thread at fork stays held
+            self._lock, self._lock_pid = threading.Lock(), pid
+        return self._lock
+
+    def get(self) -> T:
+        """This process's handle, opening it if needed (parking an inherited one)."""
+        value, pid = self._value, os.getpid()
+        if value is not None and self._pid == pid:
+            return value
+        with self._own_lock():
+            if self._value is not None and self._pid != pid:
+                park(self._value)
+                self._value = None
+            if self._value is None:
+                self._value = self.opener()
+                self._pid = pid
+            return self._value
+
+    def peek(self) -> T | None:
+        """This process's handle if open, else None (never opens)."""
+        return self._value if self._pid == os.getpid() else None
+
+    def close(self) -> None:
+        """Close this process's handle (an inherited one is parked); re-opens on next use."""
+        with self._own_lock():
+            value, self._value = self._value, None
+            mine, self._pid = self._pid == os.getpid(), None
+        if value is None:
+            return
+        if not mine:
+            park(value)
+        elif self.closer is not None:
+            self.closer(value)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"opener": self.opener, "closer": self.closer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["opener"], state["closer"])  # type: ignore[misc]

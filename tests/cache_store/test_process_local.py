@@ -1,0 +1,53 @@
+"""ProcessLocal: one handle per process; inherited handles are parked, never closed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+
+from cache_store import process_local
+from cache_store.process_local import ProcessLocal
+
+
+class _Handle:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.closed_in: list[int] = []
+
+    def close(self) -> None:
+        self.closed_in.append(os.getpid())
+
+
+def _in_child(local: ProcessLocal[_Handle], out: mp.Queue) -> None:
+    inherited = local._value
+    mine = local.get()
+    local.close()
+    out.put((mine is not inherited, mine.pid == os.getpid(), mine.closed_in == [os.getpid()],
+             inherited.closed_in == [], any(h is inherited for h in process_local._PARKED)))
+
+
+def test_opens_once_per_process_and_parks_the_inherited_handle() -> None:
+    local = ProcessLocal(_Handle, _Handle.close)
+    assert local.peek() is None  # nothing until first use
+    first = local.get()
+    assert local.get() is first and local.peek() is first and first.pid == os.getpid()
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_in_child, args=(local, out))
+    child.start()
+    assert out.get(timeout=30) == (True, True, True, True, True)
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert local.get() is first and first.closed_in == []  # the child never closed ours
+    local.close()
+    assert first.closed_in == [os.getpid()] and local.peek() is None
+    assert local.get() is not first  # re-opens on next use
+
+
+def test_pickles_without_its_handle() -> None:
+    local = ProcessLocal(_Handle, _Handle.close)
+    local.get()
+    copy = pickle.loads(pickle.dumps(local))
+    assert copy.peek() is None and copy.opener is _Handle
+    assert isinstance(copy.get(), _Handle)
