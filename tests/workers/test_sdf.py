@@ -176,3 +176,64 @@ def test_a_point_cloud_fails_with_its_reason(tmp_path) -> None:
     with pytest.raises(SourceError, match="point cloud") as info:
         RECIPE.prepare(load_source(path), "cloud", PARAMS, make_generator("f" * 32, "cloud"))
     assert str(path) in str(info.value)
+
+
+def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
+    from workers.recipes import ChunkBudget
+
+    mesh = trimesh.creation.capsule(height=1.0, radius=0.4)
+    _, plain = _record(tmp_path, mesh)
+    calls: list[int] = []
+
+    def fault(size: int) -> None:
+        calls.append(size)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("simulated")
+
+    budget = ChunkBudget(2048, minimum=256, fault_hook=fault)
+    source = load_source(tmp_path / "shape.ply")
+    out = RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "shape.ply"),
+                         device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
+    assert budget.backoffs == 1 and calls[0] == 2048 and calls[1] == 1024
+    assert all(torch.equal(out[k], plain[k]) for k in plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["box", "icosphere", "capsule"])
+def test_kaolin_path_agrees_with_the_cpu_path(name: str) -> None:
+    pytest.importorskip("kaolin")
+    mesh = SHAPES[name]()
+    points = _points(3000, mesh, 2)
+    cpu, cpu_face = sdf.signed_distance(points, mesh.vertices, mesh.faces)
+    gpu, gpu_face = sdf.signed_distance_kaolin(torch.from_numpy(points).cuda(),
+                                               torch.from_numpy(mesh.vertices).cuda(),
+                                               torch.from_numpy(mesh.faces).cuda())
+    gpu = gpu.cpu().numpy()
+    np.testing.assert_allclose(np.abs(gpu), np.abs(cpu), rtol=0, atol=1e-5)
+    clear = np.abs(cpu) > 1e-4
+    assert np.array_equal(np.sign(gpu[clear]), np.sign(cpu[clear]))
+    assert gpu_face.dtype == torch.int64 and gpu_face.shape == cpu_face.shape
+
+
+@pytest.mark.gpu
+def test_kaolin_records_agree_with_cpu_records(tmp_path) -> None:
+    pytest.importorskip("kaolin")
+    from cache_store.errors import BackendUnavailable
+
+    try:
+        kaolin_ops = get_backend("kaolin", "cuda")
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    path = tmp_path / "capsule.ply"
+    trimesh.creation.capsule(height=1.0, radius=0.4).export(path)
+    source = load_source(path)
+    records = [RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "c"),
+                              device=device, ops=ops)
+               for device, ops in (("cpu", get_backend("torch", "cpu")), ("cuda", kaolin_ops))]
+    cpu, gpu = records
+    for name in cpu:
+        if name not in ("sdf", "sdf_face"):
+            assert torch.equal(cpu[name], gpu[name]), name
+    assert float((cpu["sdf"].double() - gpu["sdf"].double()).abs().max()) <= 1e-5
+    clear = cpu["sdf"].abs() > 1e-4
+    assert torch.equal(cpu["sdf"][clear] < 0, gpu["sdf"][clear] < 0)
