@@ -16,8 +16,10 @@ from cache_store.export import export_snapshot
 from cache_store.record import decode_record, read_header
 from cache_store.store import open_store
 from tests.conftest import SHARED_DATA
+from workers import sdf
 from workers.engine import Engine
 from workers.recipes import RECIPES, check_outputs
+from workers.sources import compute_normalization, load_source, normalize_points
 
 PARAMS = {"level": 5, "surface_samples": 3000, "near_samples": 1000, "uniform_samples": 1000}
 SPEC = RECIPES["spc_sdf"].spec
@@ -93,9 +95,18 @@ def test_a_record_for_every_shared_mesh(tmp_path: Path, shared_or_skip: Path) ->
         tensors = decode_record(values[engine.key(path.stem)]).tensors
         check_outputs(SPEC, tensors, resolved)
         assert bool(torch.isfinite(tensors["sdf"]).all())
-        # the uniform points far from every surface are outside (positive), open or not
-        far = tensors["sdf"].abs() > 0.5
-        assert bool((tensors["sdf"][far] > 0).all()), path.stem
+        # open or closed, the sign is the winding-number rule: check some points, both
+        # uniform and near ones, against brute force
+        source = load_source(path)
+        norm = compute_normalization(path, source.used_points())
+        pick = torch.cat([torch.arange(0, 60), torch.arange(1000, 1060)])
+        want, _ = sdf.brute_force_signed_distance(
+            tensors["sdf_points"][pick], torch.from_numpy(normalize_points(source.vertices, norm)),
+            torch.from_numpy(source.faces))
+        got = tensors["sdf"][pick].double()
+        assert float((got.abs() - want.abs()).abs().max()) <= 1e-6, path.stem
+        clear = want.abs() > 1e-4
+        assert torch.equal(got[clear] < 0, want[clear] < 0), path.stem
 
 
 def test_bad_inputs_and_point_clouds_fail_alone(tmp_path: Path, generated: list[Path]) -> None:
@@ -197,3 +208,31 @@ def test_ray_engine_writes_the_same_records(tmp_path: Path, generated: list[Path
     assert summary.done == 2 and remote.keys() == local.keys()
     for key in local:
         assert _data_section(remote[key]) == _data_section(local[key])
+
+
+def test_the_readme_indexing_finds_each_points_voxel_corners(tmp_path: Path,
+                                                            generated: list[Path]) -> None:
+    from workers.ops import torch_spc
+
+    engine, _, _ = _run(tmp_path / "cache", generated[:3], jobs=0)
+    level = PARAMS["level"]
+    ds = CachedDataset(tmp_path / "cache", "spc_sdf", **PARAMS)
+    batch = collate_spc([ds[i] for i in range(3)])
+    points, pidx = batch["sdf_points"], batch["sdf_pidx"]
+    point_offset = dual_offset = 0
+    for b in range(len(points)):
+        pyramid, pyramid_dual = batch["pyramid"][b], batch["pyramid_dual"][b]
+        n_points = int(pyramid[1, -1])
+        hierarchy = batch["point_hierarchy"][point_offset: point_offset + n_points]
+        trinkets = batch["trinkets"][point_offset: point_offset + n_points]
+        hit = pidx[b] >= 0
+        corners = dual_offset + pyramid_dual[1, level] + trinkets[pidx[b][hit].long()]
+        voxels = hierarchy[pidx[b][hit].long()]
+        assert bool(hit.any())
+        assert torch.equal(batch["point_hierarchy_dual"][corners.long()],
+                           torch_spc.points_to_corners(voxels))
+        # and the voxel really holds the point
+        cell = torch.floor((points[b][hit].double() + 1) * 2 ** (level - 1)).to(torch.int16)
+        assert torch.equal(cell, voxels)
+        point_offset += n_points
+        dual_offset += int(pyramid_dual[1, -1])
