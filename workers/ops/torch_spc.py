@@ -551,13 +551,26 @@ def _level_slice(pyramid: torch.Tensor, level: int) -> slice:
     return slice(start, start + count)
 
 
+# Bits of each axis in a Morton code (z at 3i, y at 3i + 1, x at 3i + 2), 21 bits each.
+_AXIS_MASKS = tuple(sum(1 << (3 * i + k) for i in range(21)) for k in (2, 1, 0))  # x, y, z
+_CORNER_BITS = torch.tensor([[(c >> 2) & 1, (c >> 1) & 1, c & 1] for c in range(8)])
+
+
 def _corner_morton(points: torch.Tensor) -> torch.Tensor:
     """int64 (n, 8): the Morton codes of the 8 corners of each int16 voxel (n, 3).
 
-    Computed in int64 so that the far corner of a level-15 voxel (coordinate 2**15, beyond
-    int16) still has its code."""
-    corners = points.to(torch.int64).unsqueeze(1) + _CHILD_OFFSETS.to(points.device, torch.int64)
-    return _encode(corners.reshape(-1, 3), torch.int64).reshape(-1, 8)
+    Encodes each voxel once, then adds 1 to each axis inside the code ("dilated"
+    addition: the other axes' bits are set to 1 so the carry runs past them), and picks
+    each corner's axis parts; in int64, so the far corner of a level-15 voxel (coordinate
+    2**15, beyond int16) has its code too."""
+    code = _encode(points, torch.int64)
+    parts = []
+    for axis, mask in enumerate(_AXIS_MASKS):
+        low = code & mask
+        step = mask & -mask  # the axis's lowest bit
+        plus_one = ((low | ~mask) + step) & mask
+        parts.append(torch.stack([low, plus_one], dim=1)[:, _CORNER_BITS[:, axis].to(points.device)])
+    return parts[0] | parts[1] | parts[2]
 
 
 def unbatched_make_dual(point_hierarchy: torch.Tensor,
