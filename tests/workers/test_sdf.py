@@ -237,3 +237,19 @@ def test_kaolin_records_agree_with_cpu_records(tmp_path) -> None:
     assert float((cpu["sdf"].double() - gpu["sdf"].double()).abs().max()) <= 1e-5
     clear = cpu["sdf"].abs() > 1e-4
     assert torch.equal(cpu["sdf"][clear] < 0, gpu["sdf"][clear] < 0)
+
+
+def test_the_stated_size_bound_holds_at_the_parameter_bounds() -> None:
+    """The spec's doc promises under 400 MB: num_points <= sum_l min(8^l, S), each point
+    47 bytes (hierarchy, trinkets, parent, octree byte + exsum), at most 8 dual points of
+    6 bytes per point, 24 bytes per SDF sample."""
+    params = RECIPE.spec.params
+    level = int(params["level"].maximum)
+    samples = int(params["surface_samples"].maximum)
+    m = int(params["near_samples"].maximum) + int(params["uniform_samples"].maximum)
+    points = sum(min(8 ** lvl, samples) for lvl in range(level + 1))
+    per_sample = sum(np.dtype(f.dtype).itemsize * (3 if f.shape.endswith(", 3]") else 1)
+                     for name, f in RECIPE.spec.fields.items() if name.startswith("sdf"))
+    assert per_sample == 24
+    assert points * 47 + 8 * points * 6 + m * per_sample < 400e6
+    assert "under 400 MB" in RECIPE.spec.doc
