@@ -236,3 +236,37 @@ def test_the_readme_indexing_finds_each_points_voxel_corners(tmp_path: Path,
         assert torch.equal(cell, voxels)
         point_offset += n_points
         dual_offset += int(pyramid_dual[1, -1])
+
+
+def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]) -> None:
+    import httpx
+
+    from cache_store.record import decode_record as decode
+    from service.settings import Settings
+    from tests.service.conftest import InProcessServer
+
+    engine, summary, values = _run(tmp_path / "cache", generated[:2], jobs=0)
+    assert summary.done == 2
+    settings = Settings(cache=tmp_path / "cache", source_roots=[tmp_path], token="t" * 32,
+                        worker=False)
+    local = CachedDataset(tmp_path / "cache", engine.fingerprint)
+    with InProcessServer(settings) as server:
+        remote = CachedDataset(server.url, "spc_sdf", **PARAMS)
+        try:
+            assert remote.fingerprint == engine.fingerprint and len(remote) == 2
+            for i in range(2):
+                a, b = local[i], remote[i]
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        finally:
+            remote.close()
+            local.close()
+        sample_id = generated[0].stem
+        with httpx.Client(base_url=server.url) as client:
+            reply = client.get(f"/v1/caches/{engine.fingerprint}/records/{sample_id}",
+                               params={"fields": "sdf,trinkets"})
+        assert reply.status_code == 200
+        subset = decode(reply.content)
+        full = decode(values[engine.key(sample_id)])
+        assert set(subset.tensors) == {"sdf", "trinkets"}
+        assert torch.equal(subset.tensors["sdf"], full.tensors["sdf"])
+        assert torch.equal(subset.tensors["trinkets"], full.tensors["trinkets"])
