@@ -11,10 +11,15 @@ from torch.utils.data import default_collate
 
 from cache_store.errors import ParameterError
 
-__all__ = ["collate_spc", "CONCATENATED_FIELDS"]
+__all__ = ["collate_spc", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
 
-#: Fields whose first dimension varies per octree: concatenated, never stacked.
-CONCATENATED_FIELDS = ("octree", "exsum", "point_hierarchy")
+#: Fields whose first dimension varies per octree: concatenated, never stacked (even when
+#: every sample happens to have the same size, so a batch's layout never depends on luck).
+CONCATENATED_FIELDS = ("octree", "exsum", "point_hierarchy", "point_hierarchy_dual",
+                       "trinkets", "trinket_parents")
+
+#: Per-octree pyramids: stacked, and every sample must have the same level.
+PYRAMID_FIELDS = ("pyramid", "pyramid_dual")
 
 
 def _problem(message: str) -> ParameterError:
@@ -65,6 +70,14 @@ def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
       restarts at its first byte, which is Kaolin 0.18's batched layout.
     - ``point_hierarchy`` (int16 ``[sum num_points, 3]``): concatenated; the pyramids
       give each octree's slice.
+    - ``spc_sdf``'s ``point_hierarchy_dual`` (``[sum num_dual_points, 3]``), ``trinkets``
+      (``[sum num_points, 8]``) and ``trinket_parents`` (``[sum num_points]``):
+      concatenated like ``point_hierarchy``; ``pyramid_dual`` is stacked like ``pyramid``
+      (``[B, 2, level + 2]``) and gives each sample's slice of the dual (row 1, last
+      column: its size). Indices stay relative to their own sample (trinkets to their
+      level of the sample's dual, ``trinket_parents`` and ``sdf_pidx`` to the sample's
+      point hierarchy), as Kaolin's ``unbatched_*`` ops expect: add
+      ``pyramid[b, 1, -1]`` summed over earlier samples to index the packed hierarchy.
     - any other tensor: stacked when every sample has the same shape (``center``
       ``[B, 3]``, ``scale`` ``[B]``, ``query_points`` ``[B, M, 3]``); otherwise
       concatenated along dim 0 with ``<name>_lengths`` (int32 ``[B]``).
@@ -90,10 +103,10 @@ def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             out[name] = _cat(name, values)
             if name == "octree":
                 out["lengths"] = _lengths(values)
-        elif name == "pyramid":
+        elif name in PYRAMID_FIELDS:
             shapes = sorted({tuple(v.shape) for v in values})
             if len(shapes) > 1:
-                raise _problem(f"pyramid shapes {shapes} differ: octrees of different levels "
+                raise _problem(f"{name} shapes {shapes} differ: octrees of different levels "
                                f"cannot share one Kaolin batch (read one fingerprint per loader)")
             out[name] = _stack(values)
         elif len({v.shape for v in values}) == 1:

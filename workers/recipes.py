@@ -39,15 +39,17 @@ import numpy as np
 import torch
 import xxhash
 
-from cache_store.errors import SpcacheError, UnknownName
+from cache_store.errors import SourceError, SpcacheError, UnknownName
 from cache_store.recipes import RECIPE_SPECS, RecipeSpec
-from workers.sources import LoadedSource, compute_normalization, shape_points
+from workers import sdf as sdf_ops
+from workers.sources import LoadedSource, compute_normalization, normalize_points, shape_points
 
 __all__ = [
     "OOM_ERRORS",
     "ChunkBudget",
     "Prepared",
     "Recipe",
+    "SdfRecipe",
     "RECIPES",
     "get_recipe",
     "sample_seed",
@@ -133,7 +135,9 @@ class Prepared:
     Attributes:
         points: float32 ``[P, 3]``, the shape's points in ``[-1, 1]``.
         center: float32 ``[3]``; scale: float32 ``[]`` (normalised = (source - center) / scale).
-        queries: float32 ``[M, 3]`` for query recipes, else None.
+        queries: float32 ``[M, 3]`` for query recipes (``spc_sdf``: the SDF points), else None.
+        mesh_vertices: float64 ``[N, 3]`` normalised mesh vertices (``spc_sdf``), else None.
+        mesh_faces: int64 ``[F, 3]`` (``spc_sdf``), else None.
     """
 
     sample_id: str
@@ -143,6 +147,8 @@ class Prepared:
     center: np.ndarray
     scale: np.ndarray
     queries: np.ndarray | None = None
+    mesh_vertices: np.ndarray | None = None
+    mesh_faces: np.ndarray | None = None
 
 
 class Recipe:
@@ -250,6 +256,104 @@ def _query(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.T
     return torch.cat(budget.run(len(queries), step, device))
 
 
+# --- spc_sdf ---------------------------------------------------------------------------------
+
+
+class SdfRecipe(Recipe):
+    """``spc_sdf``: ``spc`` of a triangle mesh, its dual octree and trinkets, and seeded
+    signed-distance samples.
+
+    Random draws, in order: ``surface_samples`` surface points (as ``spc``), then
+    ``uniform_samples x 3`` float64 uniforms (mapped to ``[-1, 1]``), ``near_samples``
+    indices into the surface points and ``near_samples x 3`` normal deviates scaled by
+    ``near_sigma``. SDF points are rounded to float32 before anything is computed from
+    them, so the stored ``sdf_points`` reproduce ``sdf`` and ``sdf_pidx``.
+
+    Distances: with the Kaolin ops backend (CUDA), Kaolin's ``point_to_mesh_distance``
+    and ``check_sign`` in chunks of the query budget; otherwise libigl on the CPU
+    (:func:`workers.sdf.signed_distance`). Both are float64 and agree within 1e-5.
+    """
+
+    def __init__(self, spec: RecipeSpec) -> None:
+        super().__init__(spec, with_queries=True)
+
+    def prepare(self, source: LoadedSource, sample_id: str, params: Mapping[str, Any],
+                generator: torch.Generator) -> Prepared:
+        """Normalise, sample the surface and draw the SDF points. Raises SourceError
+        for a point cloud (a signed distance needs a mesh's inside)."""
+        if source.faces is None:
+            raise SourceError(source.path, "recipe 'spc_sdf' needs a triangle mesh, and this "
+                                           "file is a point cloud (no faces: no inside to sign "
+                                           "distances by)")
+        norm = compute_normalization(source.path, source.used_points())
+        points = shape_points(source, norm, int(params["surface_samples"]), generator)
+        queries = _draw_queries(points, {
+            "uniform_queries": params["uniform_samples"], "surface_queries": params["near_samples"],
+            "surface_sigma": params["near_sigma"]}, generator)
+        return Prepared(sample_id, source.path, source.source_hash,
+                        points.to(torch.float32).numpy(),
+                        norm.center.astype(np.float32), np.float32(norm.scale),
+                        queries.numpy(), normalize_points(source.vertices, norm),
+                        np.ascontiguousarray(source.faces, dtype=np.int64))
+
+    def compute_prepared(self, prepared: Prepared, params: Mapping[str, Any], *,
+                         device: torch.device | str, ops: Any,
+                         query_chunk: int | ChunkBudget) -> dict[str, torch.Tensor]:
+        device = torch.device(device)
+        level = int(params["level"])
+        out = _build_spc(ops, torch.from_numpy(prepared.points).to(device), level)
+        octree, exsum = out.pop("_octree_dev"), out.pop("_exsum_dev")
+        out["center"] = torch.from_numpy(np.array(prepared.center, dtype=np.float32))
+        out["scale"] = torch.tensor(float(prepared.scale), dtype=torch.float32)
+        hierarchy = out["point_hierarchy"].to(device)
+        pyramid = out["pyramid"]
+        dual, pyramid_dual = ops.unbatched_make_dual(hierarchy, pyramid)
+        trinkets, parents = ops.unbatched_make_trinkets(hierarchy, pyramid, dual, pyramid_dual)
+        out["point_hierarchy_dual"] = dual.to("cpu", torch.int16)
+        out["pyramid_dual"] = pyramid_dual.to("cpu", torch.int32)
+        out["trinkets"] = trinkets.to("cpu", torch.int32)
+        out["trinket_parents"] = parents.to("cpu", torch.int32)
+        budget = query_chunk if isinstance(query_chunk, ChunkBudget) else ChunkBudget(query_chunk)
+        queries = torch.from_numpy(prepared.queries)
+        out["sdf_points"] = queries
+        out["sdf_pidx"] = _query_leaf(ops, octree, exsum, queries, level, budget, device)
+        sdf, face = _signed_distance(prepared, queries, ops, budget, device)
+        out["sdf"] = sdf.to(torch.float32)
+        out["sdf_face"] = face.to(torch.int32)
+        return out
+
+
+def _query_leaf(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.Tensor,
+                level: int, budget: ChunkBudget, device: torch.device) -> torch.Tensor:
+    """int32 ``[M]``: ``unbatched_query(octree, exsum, queries, level)`` in chunks."""
+    if len(queries) == 0:
+        return torch.empty(0, dtype=torch.int32)
+
+    def step(start: int, stop: int) -> torch.Tensor:
+        pidx = ops.unbatched_query(octree, exsum, queries[start:stop].to(device), level)
+        return pidx.to("cpu", torch.int32)
+
+    return torch.cat(budget.run(len(queries), step, device))
+
+
+def _signed_distance(prepared: Prepared, queries: torch.Tensor, ops: Any, budget: ChunkBudget,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the CPU."""
+    if getattr(ops, "name", "") != "kaolin" or device.type != "cuda" or len(queries) == 0:
+        sdf, face = sdf_ops.signed_distance(prepared.queries, prepared.mesh_vertices,
+                                            prepared.mesh_faces)
+        return torch.from_numpy(sdf), torch.from_numpy(face)
+    vertices = torch.from_numpy(prepared.mesh_vertices).to(device)
+    faces = torch.from_numpy(prepared.mesh_faces).to(device)
+
+    def step(start: int, stop: int) -> torch.Tensor:
+        sdf, face = sdf_ops.signed_distance_kaolin(queries[start:stop].to(device), vertices, faces)
+        return torch.stack([sdf.cpu(), face.cpu().to(torch.float64)], dim=1)
+
+    both = torch.cat(budget.run(len(queries), step, device))
+    return both[:, 0].contiguous(), both[:, 1].to(torch.int64)
+
+
 # --- output checking -----------------------------------------------------------------------
 
 _DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32,
@@ -271,6 +375,8 @@ def check_outputs(spec: RecipeSpec, tensors: Mapping[str, torch.Tensor],
     symbols: dict[str, int] = {}
     if "uniform_queries" in params and "surface_queries" in params:
         symbols["M"] = int(params["uniform_queries"]) + int(params["surface_queries"])
+    if "uniform_samples" in params and "near_samples" in params:
+        symbols["M"] = int(params["uniform_samples"]) + int(params["near_samples"])
     for name, field in spec.fields.items():
         tensor = tensors.get(name)
         if tensor is None:
@@ -307,6 +413,7 @@ def _dim_value(dim: str, params: Mapping[str, Any], symbols: dict[str, int], siz
 RECIPES: dict[str, Recipe] = {
     "spc": Recipe(RECIPE_SPECS["spc"], with_queries=False),
     "spc_query": Recipe(RECIPE_SPECS["spc_query"], with_queries=True),
+    "spc_sdf": SdfRecipe(RECIPE_SPECS["spc_sdf"]),
 }
 
 

@@ -38,6 +38,8 @@ OP_NAMES = (
     "unbatched_query",
     "unbatched_get_level_points",
     "points_to_corners",
+    "unbatched_make_dual",
+    "unbatched_make_trinkets",
 )
 
 

@@ -35,6 +35,8 @@ __all__ = [
     "unbatched_query",
     "unbatched_get_level_points",
     "points_to_corners",
+    "unbatched_make_dual",
+    "unbatched_make_trinkets",
 ]
 
 name = "kaolin"
@@ -179,3 +181,36 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
         if points.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
             return torch.empty((0, 8, 3), dtype=torch.int16, device=points.device)
         return spc.points_to_corners(points.contiguous())
+
+
+def unbatched_make_dual(point_hierarchy: torch.Tensor,
+                        pyramid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`workers.ops.torch_spc.unbatched_make_dual` (Kaolin's own, after our checks)."""
+    point_hierarchy, pyramid, max_level = torch_spc._check_hierarchy(
+        point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
+    with _on("point_hierarchy", point_hierarchy) as spc:
+        if max_level == _checks.MAX_LEVEL:  # refuse corners beyond int16, as the torch backend
+            _refuse_far_corners(point_hierarchy, pyramid)
+        dual, pyramid_dual = spc.unbatched_make_dual(point_hierarchy, pyramid)
+        return dual, pyramid_dual.cpu()
+
+
+def _refuse_far_corners(point_hierarchy: torch.Tensor, pyramid: torch.Tensor) -> None:
+    leaves = point_hierarchy[torch_spc._level_slice(pyramid, pyramid.shape[1] - 2)]
+    if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
+        raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
+                            "corners at 2**15, beyond int16")
+
+
+def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
+                            point_hierarchy_dual: torch.Tensor,
+                            pyramid_dual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """See :func:`workers.ops.torch_spc.unbatched_make_trinkets` (Kaolin's own, after our checks).
+
+    Kaolin raises a ``KeyError`` for a corner or parent it cannot find; the torch backend's
+    lookups run first here so that such input raises the same ``InvalidTensor``."""
+    with _on("point_hierarchy", _checks.check_tensor("point_hierarchy", point_hierarchy)) as spc:
+        torch_spc.unbatched_make_trinkets(point_hierarchy, pyramid, point_hierarchy_dual,
+                                          pyramid_dual)
+        return spc.unbatched_make_trinkets(point_hierarchy, pyramid.cpu(),
+                                           point_hierarchy_dual, pyramid_dual.cpu())

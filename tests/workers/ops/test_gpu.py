@@ -36,6 +36,9 @@ def _everything(ops, x: torch.Tensor, queries: torch.Tensor, level: int) -> dict
     out["hierarchy"] = ops.generate_points(out["octree"], out["pyramids"], out["exsum"])
     out["corners"] = ops.points_to_corners(out["hierarchy"])
     out["leaves"] = ops.unbatched_get_level_points(out["hierarchy"], out["pyramids"][0], level)
+    out["dual"], out["pyramid_dual"] = ops.unbatched_make_dual(out["hierarchy"], out["pyramids"][0])
+    out["trinkets"], out["parents"] = ops.unbatched_make_trinkets(
+        out["hierarchy"], out["pyramids"][0], out["dual"], out["pyramid_dual"])
     for dtype in (torch.float16, torch.float32, torch.float64):
         q = queries.to(dtype)
         for lvl in sorted({0, level // 2, level}):
@@ -64,7 +67,7 @@ def _assert_same(got: dict, expected: dict, device: str) -> None:
         other = got[key]
         if isinstance(value, torch.Tensor):
             assert other.dtype == value.dtype, key
-            if key in ("pyramids", "batch_pyramids"):
+            if key in ("pyramids", "batch_pyramids", "pyramid_dual"):
                 assert other.device.type == "cpu", key  # Kaolin keeps pyramids on the CPU
             else:
                 assert other.device.type == device, key

@@ -1,0 +1,255 @@
+"""Signed distances (workers.sdf) and the spc_sdf recipe on generated and real meshes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trimesh
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from cache_store.errors import SourceError
+from workers import sdf
+from workers.ops import get_backend
+from workers.recipes import RECIPES, check_outputs, make_generator
+from workers.sources import load_source, normalize_points, compute_normalization
+
+RECIPE = RECIPES["spc_sdf"]
+PARAMS = RECIPE.spec.resolve({"level": 5, "surface_samples": 3000, "near_samples": 1500,
+                              "uniform_samples": 1500})
+
+
+def _open_box() -> trimesh.Trimesh:
+    box = trimesh.creation.box(extents=(1.0, 1.0, 1.0))
+    top = box.triangles_center[:, 2] > 0.49
+    return trimesh.Trimesh(box.vertices, box.faces[~top], process=False)
+
+
+def _inverted_torus() -> trimesh.Trimesh:
+    torus = trimesh.creation.torus(major_radius=0.7, minor_radius=0.25)
+    return trimesh.Trimesh(torus.vertices, np.ascontiguousarray(torus.faces[:, ::-1]),
+                           process=False)
+
+
+SHAPES = {
+    "box": lambda: trimesh.creation.box(extents=(2.0, 1.2, 0.8)),
+    "icosphere": lambda: trimesh.creation.icosphere(subdivisions=2),
+    "capsule": lambda: trimesh.creation.capsule(height=1.0, radius=0.4),
+    "inverted_torus": _inverted_torus,
+    "open_box": _open_box,
+}
+
+
+def _points(count: int, mesh: trimesh.Trimesh, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    near = mesh.vertices[rng.integers(0, len(mesh.vertices), count)] + rng.normal(0, 0.02, (count, 3))
+    return np.concatenate([rng.uniform(-1.3, 1.3, (count, 3)), near, mesh.vertices[:50]])
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_libigl_path_equals_brute_force(name: str) -> None:
+    mesh = SHAPES[name]()
+    points = _points(600, mesh, 1)
+    got, face = sdf.signed_distance(points, mesh.vertices, mesh.faces)
+    assert got.dtype == np.float64 and face.dtype == np.int64 and got.shape == face.shape
+    want, _ = sdf.brute_force_signed_distance(torch.from_numpy(points),
+                                              torch.from_numpy(mesh.vertices),
+                                              torch.from_numpy(mesh.faces))
+    want = want.numpy()
+    np.testing.assert_allclose(np.abs(got), np.abs(want), rtol=0, atol=1e-12)
+    far = np.abs(want) > 1e-4
+    assert far.sum() > 1000 and np.array_equal(np.sign(got[far]), np.sign(want[far]))
+    # the reported face is a closest one: each point's distance to that face alone
+    own = np.array([sdf.brute_force_distance(torch.from_numpy(points[i:i + 1]),
+                                             torch.from_numpy(mesh.vertices),
+                                             torch.from_numpy(mesh.faces[face[i]: face[i] + 1]))[0].item()
+                    for i in range(0, len(points), 7)])
+    np.testing.assert_allclose(own, np.abs(got[::7]), rtol=0, atol=1e-12)
+
+
+def test_signs_follow_the_winding_number_on_open_and_inverted_meshes() -> None:
+    centre_and_far = np.array([[0.0, 0.0, 0.0], [0.0, 0.0, -0.3], [3.0, 0.0, 0.0], [0.0, 0.0, 5.0]])
+    d, _ = sdf.signed_distance(centre_and_far, *_mesh_arrays(_open_box()))
+    # inside the open box the missing lid subtends at most a sixth of the sphere: |w| > 1/2
+    assert d[0] < 0 and d[1] < 0 and d[2] > 0 and d[3] > 0
+    torus = _inverted_torus()
+    d, _ = sdf.signed_distance(np.array([[0.7, 0.0, 0.0], [0.0, 0.0, 0.0]]), *_mesh_arrays(torus))
+    assert d[0] == pytest.approx(-0.25, abs=0.01) and d[1] > 0  # in the tube; in the hole
+
+
+def _mesh_arrays(mesh: trimesh.Trimesh) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(mesh.vertices, dtype=np.float64), np.asarray(mesh.faces, dtype=np.int64)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrays(np.float64, (6, 3), elements=st.floats(-1, 1)),
+       arrays(np.float64, (30, 3), elements=st.floats(-2, 2)),
+       st.booleans())
+def test_distances_to_random_triangles_equal_brute_force(vertices, points, degenerate):
+    faces = np.array([[0, 1, 2], [3, 4, 5], [0, 2, 4], [1, 3, 5]], dtype=np.int64)
+    if degenerate:  # a sliver and a point-like triangle
+        vertices[5] = vertices[3] + 0.5 * (vertices[4] - vertices[3])
+        faces = np.concatenate([faces, [[0, 0, 0]]])
+    got, _ = sdf.signed_distance(points, vertices, faces)
+    want, _ = sdf.brute_force_distance(torch.from_numpy(points), torch.from_numpy(vertices),
+                                       torch.from_numpy(faces))
+    np.testing.assert_allclose(np.abs(got), want.numpy(), rtol=0, atol=1e-9)
+
+
+def test_brute_force_winding_number_of_a_closed_mesh() -> None:
+    mesh = trimesh.creation.icosphere(subdivisions=1)
+    points = torch.tensor([[0.0, 0.0, 0.0], [0.2, -0.3, 0.1], [2.0, 0.0, 0.0], [0.0, -1.5, 1.0]])
+    w = sdf.brute_force_winding_number(points, torch.from_numpy(mesh.vertices),
+                                       torch.from_numpy(mesh.faces))
+    np.testing.assert_allclose(w.numpy(), [1.0, 1.0, 0.0, 0.0], atol=1e-12)
+
+
+def _record(tmp_path, mesh: trimesh.Trimesh, params=PARAMS, name: str = "shape.ply"):
+    path = tmp_path / name
+    mesh.export(path)
+    source = load_source(path)
+    out = RECIPE.compute(source, params, generator=make_generator("f" * 32, name),
+                         device="cpu", ops=get_backend("torch", "cpu"))
+    check_outputs(RECIPE.spec, out, params)
+    return source, out
+
+
+def test_icosphere_distances_are_radial(tmp_path) -> None:
+    params = RECIPE.spec.resolve({"level": 6, "surface_samples": 20_000, "near_samples": 5000,
+                                  "uniform_samples": 5000})
+    source, out = _record(tmp_path, trimesh.creation.icosphere(subdivisions=5), params)
+    norm = compute_normalization(source.path, source.used_points())
+    mesh = trimesh.Trimesh(normalize_points(source.vertices, norm), source.faces, process=False)
+    p = out["sdf_points"].double()
+    # a convex polytope around the origin: the ray along p leaves it through the nearest
+    # supporting plane, so r_mesh(p) = min over faces facing p of (n . a) / (n . p/|p|)
+    normals = torch.tensor(mesh.face_normals)
+    offsets = (normals * torch.tensor(mesh.triangles[:, 0])).sum(1)
+    direction = p / p.norm(dim=1, keepdim=True)
+    cos = direction @ normals.T
+    r_mesh = torch.where(cos > 0, offsets / cos, torch.full_like(cos, torch.inf)).min(dim=1).values
+    expected = p.norm(dim=1) - r_mesh
+    assert len(p) == 10_000
+    np.testing.assert_allclose(out["sdf"].double().numpy(), expected.numpy(), rtol=0, atol=1e-3)
+    clear = expected.abs() > 1e-3
+    assert torch.equal(out["sdf"][clear] < 0, expected[clear] < 0)
+
+
+def test_box_distances_are_exact(tmp_path) -> None:
+    _, out = _record(tmp_path, trimesh.creation.box(extents=(2.0, 1.2, 0.8)))
+    p = out["sdf_points"].double()
+    q = p.abs() - torch.tensor([1.0, 0.6, 0.4], dtype=torch.float64)  # normalised: scale 1
+    outside = q.clamp_min(0).norm(dim=1)
+    inside = q.max(dim=1).values.clamp_max(0)
+    expected = outside + inside
+    assert bool((expected < 0).any()) and bool((expected > 0).any())
+    np.testing.assert_allclose(out["sdf"].double().numpy(), expected.numpy(), rtol=0, atol=1e-6)
+
+
+def test_record_fields_are_consistent(tmp_path) -> None:
+    _, out = _record(tmp_path, trimesh.creation.capsule(height=1.0, radius=0.4))
+    ops = get_backend("torch", "cpu")
+    dual, pyramid_dual = ops.unbatched_make_dual(out["point_hierarchy"], out["pyramid"])
+    assert torch.equal(dual, out["point_hierarchy_dual"]) and torch.equal(pyramid_dual, out["pyramid_dual"])
+    level = PARAMS["level"]
+    pidx = ops.unbatched_query(out["octree"], out["exsum"], out["sdf_points"], level)
+    assert torch.equal(pidx.to(torch.int32), out["sdf_pidx"])
+    inside = out["sdf_pidx"] >= 0
+    assert bool(inside.any()) and bool((~inside).any())
+    # points in a leaf voxel are within a voxel diagonal of the surface samples' voxels
+    assert float(out["sdf"][inside].abs().max()) <= 2 * 3 ** 0.5 / 2 ** level + 0.05
+    assert out["sdf_face"].min() >= 0
+    assert len(out["sdf"]) == PARAMS["near_samples"] + PARAMS["uniform_samples"]
+
+
+def test_records_are_identical_run_to_run(tmp_path) -> None:
+    _, a = _record(tmp_path, trimesh.creation.torus(major_radius=0.7, minor_radius=0.25))
+    _, b = _record(tmp_path, trimesh.creation.torus(major_radius=0.7, minor_radius=0.25))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_point_cloud_fails_with_its_reason(tmp_path) -> None:
+    path = tmp_path / "cloud.npy"
+    np.save(path, np.random.default_rng(0).normal(size=(500, 3)))
+    with pytest.raises(SourceError, match="point cloud") as info:
+        RECIPE.prepare(load_source(path), "cloud", PARAMS, make_generator("f" * 32, "cloud"))
+    assert str(path) in str(info.value)
+
+
+def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
+    from workers.recipes import ChunkBudget
+
+    mesh = trimesh.creation.capsule(height=1.0, radius=0.4)
+    _, plain = _record(tmp_path, mesh)
+    calls: list[int] = []
+
+    def fault(size: int) -> None:
+        calls.append(size)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("simulated")
+
+    budget = ChunkBudget(2048, minimum=256, fault_hook=fault)
+    source = load_source(tmp_path / "shape.ply")
+    out = RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "shape.ply"),
+                         device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
+    assert budget.backoffs == 1 and calls[0] == 2048 and calls[1] == 1024
+    assert all(torch.equal(out[k], plain[k]) for k in plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["box", "icosphere", "capsule"])
+def test_kaolin_path_agrees_with_the_cpu_path(name: str) -> None:
+    pytest.importorskip("kaolin")
+    mesh = SHAPES[name]()
+    points = _points(3000, mesh, 2)
+    cpu, cpu_face = sdf.signed_distance(points, mesh.vertices, mesh.faces)
+    gpu, gpu_face = sdf.signed_distance_kaolin(torch.from_numpy(points).cuda(),
+                                               torch.from_numpy(mesh.vertices).cuda(),
+                                               torch.from_numpy(mesh.faces).cuda())
+    gpu = gpu.cpu().numpy()
+    np.testing.assert_allclose(np.abs(gpu), np.abs(cpu), rtol=0, atol=1e-5)
+    clear = np.abs(cpu) > 1e-4
+    assert np.array_equal(np.sign(gpu[clear]), np.sign(cpu[clear]))
+    assert gpu_face.dtype == torch.int64 and gpu_face.shape == cpu_face.shape
+
+
+@pytest.mark.gpu
+def test_kaolin_records_agree_with_cpu_records(tmp_path) -> None:
+    pytest.importorskip("kaolin")
+    from cache_store.errors import BackendUnavailable
+
+    try:
+        kaolin_ops = get_backend("kaolin", "cuda")
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    path = tmp_path / "capsule.ply"
+    trimesh.creation.capsule(height=1.0, radius=0.4).export(path)
+    source = load_source(path)
+    records = [RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "c"),
+                              device=device, ops=ops)
+               for device, ops in (("cpu", get_backend("torch", "cpu")), ("cuda", kaolin_ops))]
+    cpu, gpu = records
+    for name in cpu:
+        if name not in ("sdf", "sdf_face"):
+            assert torch.equal(cpu[name], gpu[name]), name
+    assert float((cpu["sdf"].double() - gpu["sdf"].double()).abs().max()) <= 1e-5
+    clear = cpu["sdf"].abs() > 1e-4
+    assert torch.equal(cpu["sdf"][clear] < 0, gpu["sdf"][clear] < 0)
+
+
+def test_the_stated_size_bound_holds_at_the_parameter_bounds() -> None:
+    """The spec's doc promises under 400 MB: num_points <= sum_l min(8^l, S), each point
+    47 bytes (hierarchy, trinkets, parent, octree byte + exsum), at most 8 dual points of
+    6 bytes per point, 24 bytes per SDF sample."""
+    params = RECIPE.spec.params
+    level = int(params["level"].maximum)
+    samples = int(params["surface_samples"].maximum)
+    m = int(params["near_samples"].maximum) + int(params["uniform_samples"].maximum)
+    points = sum(min(8 ** lvl, samples) for lvl in range(level + 1))
+    per_sample = sum(np.dtype(f.dtype).itemsize * (3 if f.shape.endswith(", 3]") else 1)
+                     for name, f in RECIPE.spec.fields.items() if name.startswith("sdf"))
+    assert per_sample == 24
+    assert points * 47 + 8 * points * 6 + m * per_sample < 400e6
+    assert "under 400 MB" in RECIPE.spec.doc
