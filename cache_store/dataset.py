@@ -17,10 +17,17 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from cache_store.errors import FingerprintLookupError, ParameterError
-from cache_store.fingerprint import canonical_json, is_fingerprint
+from cache_store.errors import (
+    CacheNotFound,
+    FingerprintLookupError,
+    ParameterError,
+    RecordNotFound,
+    SourceError,
+)
+from cache_store.fingerprint import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes import RECIPE_SPECS, get_recipe_spec
+from cache_store.record import pack_ids
 from cache_store.store import DatasetIndex, Store, open_store
 
 __all__ = ["CachedDataset", "resolve_index"]
@@ -83,6 +90,17 @@ class CachedDataset(torch.utils.data.Dataset):
         transform: called on each sample dict (in the worker) before it is returned.
         store_options: passed to :func:`~cache_store.store.open_store` (e.g.
             ``max_readers`` for LMDB).
+        sources: read-through (with a recipe name): a directory, ``.txt``/``.jsonl``
+            manifest, file, or a list of them, discovered exactly as ``spcache
+            precompute`` does (:func:`cache_store.discovery.discover_sources`). The
+            samples are those sources, in that order, whatever the cache holds yet; the
+            fingerprint is the recipe's with ``**params`` (defaults filled in).
+        on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
+            ``"compute"`` (the default with sources): queue the sample for the cache's
+            worker and wait for its record (see :mod:`cache_store.read_through`).
+        warm_ahead: on a miss, also queue this many following uncached samples (index
+            order), so the worker keeps busy while loaders wait.
+        miss_timeout: seconds a miss waits for its record before ``MissTimeout``.
         **params: recipe parameters, with a recipe name only.
 
     The index is read on first use (``len``, indexing, ``fingerprint``) through a store
@@ -91,22 +109,52 @@ class CachedDataset(torch.utils.data.Dataset):
     spawn and forkserver start methods and with ``persistent_workers``.
 
     Raises (on first use): ``FingerprintLookupError``, ``CacheNotFound``; on reads:
-    ``RecordNotFound`` (naming key and cache), ``CorruptRecord`` (naming key).
+    ``RecordNotFound`` (naming key and cache), ``CorruptRecord`` (naming key). With
+    ``on_miss="compute"``: ``NoWorkerAlive`` (no worker to compute a miss; the message
+    names the command to start one), ``SampleFailed`` (the worker could not compute
+    this sample: id, path and reason; other samples are unaffected), ``MissTimeout``.
     """
 
     def __init__(self, cache: str | os.PathLike[str] | Store, fingerprint_or_recipe: str,
                  fields: Iterable[str] | None = None,
                  transform: Callable[[Sample], Any] | None = None, *,
-                 store_options: Mapping[str, Any] | None = None, **params: Any) -> None:
+                 store_options: Mapping[str, Any] | None = None,
+                 sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+                 on_miss: str | None = None, warm_ahead: int = 16,
+                 miss_timeout: float = 120.0, **params: Any) -> None:
         if not isinstance(fingerprint_or_recipe, str):
             raise ParameterError([f"fingerprint_or_recipe: expected a str, got "
                                   f"{type(fingerprint_or_recipe).__name__}"])
+        on_miss = on_miss or ("compute" if sources is not None else "error")
+        problems = []
+        if on_miss not in ("error", "compute"):
+            problems.append(f"on_miss: expected 'error' or 'compute', got {on_miss!r}")
+        elif on_miss == "compute" and sources is None:
+            problems.append("on_miss='compute' needs sources= (the paths to compute from)")
+        if sources is not None and is_fingerprint(fingerprint_or_recipe):
+            problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
+        location = cache.location if isinstance(cache, Store) else os.fspath(cache)
+        if on_miss == "compute" and "://" in location and not location.startswith("file://"):
+            # Over HTTP the service would queue and wait (?wait=); not built yet.
+            problems.append(f"on_miss='compute' needs a cache directory; {location} is a "
+                            f"URL (read-through over HTTP is not available yet)")
+        if warm_ahead < 0 or miss_timeout <= 0:
+            problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
+        if problems:
+            raise ParameterError(problems)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
         self.fields = None if fields is None else tuple(fields)
         self.transform = transform
         self.params = dict(params)
         self.store_options = dict(store_options or {})
+        self.sources = sources
+        self.on_miss = on_miss
+        self.warm_ahead = int(warm_ahead)
+        self.miss_timeout = float(miss_timeout)
+        self._path_bytes: np.ndarray | None = None    # uint8, with sources only
+        self._path_offsets: np.ndarray | None = None  # int64 [n + 1]
+        self._miss_handler: tuple[int, Any] | None = None  # (pid, handler), made on a miss
         self._fingerprint: str | None = None
         self._recipe: tuple[str, int, dict[str, Any]] | None = None
         self._id_bytes: np.ndarray | None = None     # uint8 [total id bytes]
@@ -126,6 +174,9 @@ class CachedDataset(torch.utils.data.Dataset):
     def _load_index(self) -> None:
         if self._id_offsets is not None:
             return
+        if self.sources is not None:
+            self._index_from_sources()
+            return
         store = self._new_store()
         try:
             index = resolve_index(store, self.selector, **self.params)
@@ -135,6 +186,32 @@ class CachedDataset(torch.utils.data.Dataset):
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
         self._fingerprint = index.fingerprint
         log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
+
+    def _index_from_sources(self) -> None:
+        """Ids and paths from the sources; fingerprint from the recipe (no store opened)."""
+        # Late import: discovery is only needed with sources.
+        from cache_store.discovery import discover_sources
+
+        spec = get_recipe_spec(self.selector)
+        resolved = spec.resolve(self.params)
+        items = discover_sources(self.sources)  # type: ignore[arg-type]
+        if not items:
+            raise SourceError(self.sources, "no supported source files found")
+        self._path_bytes, self._path_offsets = pack_ids([path for _, path in items])
+        self._id_bytes, self._id_offsets = pack_ids([sid for sid, _ in items])
+        self._recipe = (spec.name, spec.version, resolved)
+        self._fingerprint = compute_fingerprint(spec.name, spec.version, resolved)
+        log.debug("CachedDataset %s over sources: %d samples", self._fingerprint, len(items))
+
+    def source_path(self, i: int) -> str:
+        """The source file of the sample at position ``i`` (datasets over sources only)."""
+        self._load_index()
+        if self._path_offsets is None:
+            raise ParameterError(["source_path: this dataset was not built over sources"])
+        j = int(i) + len(self) if int(i) < 0 else int(i)
+        self.sample_id(j)  # range check
+        start, stop = self._path_offsets[j], self._path_offsets[j + 1]
+        return self._path_bytes[start:stop].tobytes().decode("utf-8")  # type: ignore[index]
 
     @property
     def fingerprint(self) -> str:
@@ -173,14 +250,71 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> Any:
         key = self.key(i)
+        try:
+            return self._finish(self._store_here().get_record(key, fields=self.fields))
+        except (RecordNotFound, CacheNotFound):
+            if self.on_miss != "compute":
+                raise
+        self._on_miss([i])
         return self._finish(self._store_here().get_record(key, fields=self.fields))
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Batched read used by DataLoader: one store transaction for the whole batch."""
         keys = [self.key(i) for i in indices]
-        records = self._store_here().get_records(keys, fields=self.fields)
+        try:
+            records = self._store_here().get_records(keys, fields=self.fields)
+        except (RecordNotFound, CacheNotFound):
+            if self.on_miss != "compute":
+                raise
+            self._on_miss(indices)
+            records = self._store_here().get_records(keys, fields=self.fields)
         return [self._finish(record) for record in records]
+
+    # -- read-through (on_miss="compute") ---------------------------------------------
+    def _new_read_through(self) -> Any:
+        cache = self.cache.location if isinstance(self.cache, Store) else self.cache
+        name, _, params = self.recipe
+        from cache_store.read_through import QueueReadThrough
+
+        return QueueReadThrough(cache.removeprefix("file://"), name, params, self.fingerprint,
+                                miss_timeout=self.miss_timeout)
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self._store_here().has(key)
+        except CacheNotFound:  # no writer has created the cache yet
+            return False
+
+    def _on_miss(self, indices: Sequence[int]) -> None:
+        """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
+        then wait for the batch's records (see :mod:`cache_store.read_through`)."""
+        wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)
+                  if not self._has(self.key(i))]
+        ahead = []
+        j = max(int(i) for i in indices) + 1
+        while len(ahead) < self.warm_ahead and j < len(self):
+            if not self._has(self.key(j)):
+                ahead.append((self.sample_id(j), self.source_path(j)))
+            j += 1
+        self._handler().fetch(self._has, wanted, ahead)
+
+    def _handler(self) -> Any:
+        # Not a ProcessLocal around a bound method: that would be a reference cycle,
+        # keeping a dropped dataset's store open until the cyclic collector runs.
+        pid = os.getpid()
+        if self._miss_handler is None or self._miss_handler[0] != pid:
+            self._miss_handler = (pid, self._new_read_through())  # an inherited one is left
+        return self._miss_handler[1]
+
+    def read_through_queued(self) -> int:
+        """Samples this process queued for computing (reused queue items not counted)."""
+        if self._miss_handler is None or self._miss_handler[0] != os.getpid():
+            return 0
+        return self._miss_handler[1].queued
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""
         self._store.close()
+        handler, self._miss_handler = self._miss_handler, None
+        if handler is not None and handler[0] == os.getpid():
+            handler[1].close()

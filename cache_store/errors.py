@@ -27,6 +27,9 @@ __all__ = [
     "InvalidTensor",
     "TensorTypeError",
     "BackendUnavailable",
+    "SampleFailed",
+    "NoWorkerAlive",
+    "MissTimeout",
 ]
 
 
@@ -152,3 +155,31 @@ class BackendUnavailable(SpcacheError, RuntimeError):
         super().__init__(f"backend {backend!r} is unavailable: {reason}")
         self.backend = backend
         self.reason = reason
+
+
+# The read-through errors below take their whole message as one argument too: a
+# DataLoader worker's exception is rebuilt in the main process as ``cls(message)``, and
+# must arrive as the same class so ``except SampleFailed`` works there.
+
+
+class SampleFailed(SpcacheError):
+    """A sample could not be computed (e.g. a bad mesh); the message names its id, its
+    source path and the reason the worker recorded. Other samples are unaffected."""
+
+    def __init__(self, sample_id: object, path: object = None, reason: object = None) -> None:
+        if path is None and reason is None:  # rebuilt from its message
+            super().__init__(str(sample_id))
+        else:
+            super().__init__(f"sample {sample_id!r} ({path}) failed: {reason}")
+        self.sample_id = sample_id
+        self.path = path
+        self.reason = reason
+
+
+class NoWorkerAlive(SpcacheError, RuntimeError):
+    """A read-through miss with no worker alive to compute it (the message says how to
+    start one)."""
+
+
+class MissTimeout(SpcacheError, TimeoutError):
+    """A read-through miss whose record did not land within ``miss_timeout``."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -53,6 +54,7 @@ __all__ = [
     "ClaimedItem",
     "ItemError",
     "NewItem",
+    "QueuedItem",
 ]
 
 log = logging.getLogger(__name__)
@@ -128,6 +130,23 @@ class ClaimedItem:
     path: str
     attempts: int
     lease_expires: float
+
+
+@dataclass(frozen=True)
+class QueuedItem:
+    """Where one sample asked for by :meth:`JobQueue.enqueue_once` stands in the queue.
+
+    ``reused`` is True when an existing item (another process's, or an earlier one) was
+    taken instead of queueing a new one.
+    """
+
+    item_id: int
+    job_id: str
+    sample_id: str
+    path: str
+    status: str
+    last_error: str | None
+    reused: bool
 
 
 @dataclass(frozen=True)
@@ -317,6 +336,93 @@ class JobQueue:
             conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
                          "WHERE job_id = ? AND status = 'pending'", (self.clock(), job_id))
         return self.job(job_id)
+
+    def enqueue_once(self, recipe: str, params: dict[str, Any], fingerprint: str,
+                     items: Iterable[NewItem | tuple[str, str]], *,
+                     priority: int = 100) -> list[QueuedItem]:
+        """Queue each sample unless the queue already has it in hand; one transaction.
+
+        The read-through path: many loader processes missing the same sample call this
+        at about the same time, and the sample must be computed once. For each item the
+        newest queue item of the same ``(fingerprint, sample id)`` is reused when it is
+
+        * ``pending`` or ``running``: it will produce the record;
+        * ``done``: the record was written (the caller reads it again);
+        * ``failed`` no earlier than the source file's last change: the caller reports
+          its ``last_error`` instead of computing it again every epoch (a source edited
+          since gets a new item).
+
+        Every other sample (never queued, cancelled, failed before its source changed)
+        becomes an item of one new job of ``priority`` (high: ahead of warm-ups).
+        Returns one :class:`QueuedItem` per item, in the given order.
+        """
+        wanted = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
+        out: dict[str, QueuedItem] = {}
+        conn = self._conn()
+        now = self.clock()
+        with _write(conn):
+            todo: list[NewItem] = []
+            for it in wanted:
+                if it.sample_id in out or any(t.sample_id == it.sample_id for t in todo):
+                    continue
+                row = conn.execute(
+                    "SELECT id, job_id, path, status, last_error, updated FROM items "
+                    "WHERE fingerprint = ? AND sample_id = ? AND status != 'cancelled' "
+                    "ORDER BY updated DESC, id DESC LIMIT 1",
+                    (fingerprint, it.sample_id)).fetchone()
+                if row is not None and (row["status"] != "failed"
+                                        or row["updated"] >= _mtime(it.path)):
+                    out[it.sample_id] = QueuedItem(row["id"], row["job_id"], it.sample_id,
+                                                   row["path"], row["status"],
+                                                   row["last_error"], True)
+                else:
+                    todo.append(it)
+            if todo:
+                job_id = uuid.uuid4().hex
+                conn.execute(
+                    "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
+                    "already_ready) VALUES (?, ?, ?, ?, ?, ?, 0)",
+                    (job_id, recipe, _canonical(params), fingerprint, int(priority), now))
+                for seq, it in enumerate(todo):
+                    cur = conn.execute(
+                        "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
+                        "updated) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
+                        (job_id, seq, fingerprint, it.sample_id, str(it.path), now))
+                    out[it.sample_id] = QueuedItem(int(cur.lastrowid), job_id, it.sample_id,
+                                                   str(it.path), "pending", None, False)
+        if todo:
+            log.info("read-through job %s: %s %s, %d item(s) queued, %d reused", job_id, recipe,
+                     fingerprint[:12], len(todo), len(out) - len(todo))
+        return [out[it.sample_id] for it in wanted if it.sample_id in out]
+
+    def item_statuses(self, item_ids: Iterable[int]) -> dict[int, tuple[str, str | None]]:
+        """``item id -> (status, last_error)`` in one statement (a waiter's cheap poll)."""
+        ids = list(item_ids)
+        out: dict[int, tuple[str, str | None]] = {}
+        conn = self._conn()
+        for chunk in _chunks(ids, 500):
+            marks = ",".join("?" * len(chunk))
+            for row in conn.execute(f"SELECT id, status, last_error FROM items "
+                                    f"WHERE id IN ({marks})", tuple(chunk)):
+                out[row[0]] = (row[1], row[2])
+        return out
+
+    def live_workers(self, *, stale_s: float = 90.0) -> list[dict[str, Any]]:
+        """Workers that look alive: a heartbeat within ``stale_s`` (or three of the
+        worker's own heartbeat periods, if longer), not marked stopped, and, for a worker
+        on this host, a process that still exists."""
+        now = self.clock()
+        here = socket.gethostname()
+        alive = []
+        for beat in self.heartbeats():
+            info = beat["info"]
+            window = max(stale_s, 3.0 * float(info.get("heartbeat_s") or 0.0))
+            if info.get("stopped") or beat["seen"] < now - window:
+                continue
+            if info.get("host") == here and not _pid_exists(beat["pid"]):
+                continue
+            alive.append(beat)
+        return alive
 
     # -- reading -----------------------------------------------------------------------
 
@@ -511,7 +617,8 @@ class JobQueue:
             conn.execute("INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
-                         (worker_id, os.getpid(), self.clock(), _canonical(info or {})))
+                         (worker_id, os.getpid(), self.clock(),
+                          _canonical({**(info or {}), "host": socket.gethostname()})))
             conn.execute("DELETE FROM heartbeats WHERE seen < ?",
                          (self.clock() - _HEARTBEAT_KEEP_S,))
 
@@ -589,6 +696,25 @@ def _statements() -> list[str]:
 
 def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _mtime(path: str) -> float:
+    """A source's last change (queue clock seconds); 0 when it cannot be read, so a
+    recorded failure for it stands."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        return True
+    return True
 
 
 def _chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:

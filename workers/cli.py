@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from cache_store.discovery import discover_sources
 from cache_store.errors import (
     BackendUnavailable,
     ParameterError,
@@ -33,7 +34,6 @@ from cache_store.errors import (
     SpcacheError,
     UnknownName,
 )
-from workers.sources import SUPPORTED_EXTENSIONS
 
 __all__ = ["COMMANDS", "main", "discover_sources", "parse_params"]
 
@@ -49,9 +49,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("workers.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
     "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
 }
-
-MANIFEST_EXTENSIONS = (".txt", ".jsonl")
-
 
 class UsageError(SpcacheError, ValueError):
     """Bad command-line usage; reported on stderr with exit status 2."""
@@ -132,97 +129,7 @@ def _verbose_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
 
 
-# --- sources -------------------------------------------------------------------------------
-
-
-def discover_sources(sources: Sequence[str | os.PathLike[str]]) -> list[tuple[str, str]]:
-    """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
-
-    - a directory: every supported file under it (recursively, hidden entries skipped),
-      sorted; the id is the path relative to the directory, without extension;
-    - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
-      folder; the id is that relative path without extension, or for a path outside
-      the folder its file name without extension;
-    - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
-    - any other file: one sample whose id is the file name without extension.
-
-    Raises:
-        SourceError: a source that does not exist or a malformed manifest.
-    """
-    items: list[tuple[str, str]] = []
-    for source in sources:
-        path = Path(source)
-        if path.is_dir():
-            items.extend(_walk(path))
-        elif not path.exists():
-            raise SourceError(path, "no such file or directory")
-        elif path.suffix.lower() == ".txt":
-            items.extend(_read_txt_manifest(path))
-        elif path.suffix.lower() == ".jsonl":
-            items.extend(_read_jsonl_manifest(path))
-        else:
-            items.append((path.stem, str(path)))
-    return items
-
-
-def _walk(root: Path) -> list[tuple[str, str]]:
-    found: list[tuple[str, str]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for filename in sorted(filenames):
-            if filename.startswith("."):
-                continue
-            file = Path(dirpath) / filename
-            if file.suffix.lower() in SUPPORTED_EXTENSIONS:
-                found.append((file.relative_to(root).with_suffix("").as_posix(), str(file)))
-    found.sort()
-    return found
-
-
-def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
-    try:
-        text = manifest.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SourceError(manifest, f"cannot read manifest: {exc}") from exc
-    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), start=1)
-            if line.strip() and not line.strip().startswith("#")]
-
-
-def _read_txt_manifest(manifest: Path) -> list[tuple[str, str]]:
-    items = []
-    for _, line in _manifest_lines(manifest):
-        path = manifest.parent / line  # an absolute line stays absolute
-        items.append((_manifest_id(manifest.parent, Path(line)), str(path)))
-    return items
-
-
-def _manifest_id(base: Path, written: Path) -> str:
-    """The path relative to the manifest's folder, without extension; a path outside that
-    folder (absolute, or climbing out with ``..``) gets its file name without extension."""
-    if written.is_absolute():
-        try:
-            written = written.relative_to(base.resolve())
-        except ValueError:
-            return written.stem
-    inside = Path(os.path.normpath(written))
-    if inside.parts and inside.parts[0] == "..":
-        return written.stem
-    return inside.with_suffix("").as_posix()
-
-
-def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:
-    items = []
-    for lineno, line in _manifest_lines(manifest):
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise SourceError(manifest, f"line {lineno}: not JSON ({exc.msg})") from exc
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) \
-                or not isinstance(entry.get("id"), str):
-            raise SourceError(manifest, f"line {lineno}: expected an object with string "
-                                        f"'id' and 'path'")
-        items.append((entry["id"], str(manifest.parent / entry["path"])))
-    return items
+# --- sources: discovery lives in cache_store.discovery (one definition) ----------------
 
 
 def parse_params(pairs: Sequence[str]) -> dict[str, Any]:

@@ -229,7 +229,8 @@ class WorkerLoop:
 
     def _info(self) -> dict[str, Any]:
         return {"device": self.device, "backend": self.backend, "processed": self.processed,
-                "held": len(self._held), "cache": str(self.cache)}
+                "held": len(self._held), "cache": str(self.cache),
+                "heartbeat_s": max(self.lease_s / 3.0, 0.05)}
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

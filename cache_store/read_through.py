@@ -1,0 +1,158 @@
+"""Read-through: a loader's miss is queued for the worker and waited for.
+
+A :class:`~cache_store.dataset.CachedDataset` built over sources with
+``on_miss="compute"`` hands its misses to a :class:`QueueReadThrough` (a cache
+directory: the SQLite job queue in ``<cache>/jobs.sqlite``). It
+
+1. checks that a worker is alive (``spcache worker --cache DIR`` or the one ``spcache
+   serve`` runs; :meth:`JobQueue.live_workers`) and fails at once, naming the command to
+   start one, when none is: never a silent hang;
+2. queues the missing samples, plus the next ``warm_ahead`` uncached ones in index
+   order, as one high-priority job through :meth:`JobQueue.enqueue_once`, which reuses
+   an item another loader process already queued, so a sample is computed once however
+   many processes miss it;
+3. polls the store (one short read transaction per key, backing off from 5 ms to
+   ``poll_max_s``) until every missing record is there, looking at the queue items'
+   status a few times a second (a failed item raises :class:`SampleFailed` with the
+   worker's recorded reason) and at the workers' heartbeats once a second.
+
+Nothing here imports torch's CUDA or ``workers``: loaders read; the worker computes.
+Over HTTP the service does the same for the client (``service/read_through.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cache_store.errors import MissTimeout, NoWorkerAlive, SampleFailed, SpcacheError
+from cache_store.fingerprint import record_key
+from cache_store.jobs import JobQueue, QueuedItem
+
+__all__ = ["QueueReadThrough", "ON_MISS_CHOICES", "no_worker_message"]
+
+log = logging.getLogger(__name__)
+
+ON_MISS_CHOICES = ("error", "compute")
+_STATUS_EVERY_S = 0.25
+_LIVENESS_EVERY_S = 1.0
+
+
+def no_worker_message(cache: str, missing: Sequence[str], stale_s: float) -> str:
+    first = ", ".join(repr(m) for m in missing[:3]) + (" ..." if len(missing) > 3 else "")
+    return (f"{len(missing)} sample(s) missing from {cache} ({first}) and no spcache worker "
+            f"is alive to compute them (no heartbeat within {stale_s:g} s). Start one: "
+            f"`spcache worker --cache {cache}` (or `python -m workers worker --cache {cache}`), "
+            f"or run `spcache serve`, which starts one; or precompute with `spcache precompute`.")
+
+
+class QueueReadThrough:
+    """Misses of one fingerprint of a cache directory, computed by its queue's worker.
+
+    Args:
+        cache_dir: the cache directory (records and ``jobs.sqlite``).
+        recipe, params, fingerprint: the resolved recipe the records are computed with.
+        priority: of the jobs it queues (warm-ups default to 0: misses go first).
+        miss_timeout: seconds to wait for a record before :class:`MissTimeout`.
+        worker_stale_s: a worker whose last heartbeat is older is taken for dead.
+        poll_max_s: the longest sleep between two looks at the store.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike[str], recipe: str, params: dict[str, Any],
+                 fingerprint: str, *, priority: int = 100, miss_timeout: float = 120.0,
+                 worker_stale_s: float = 90.0, poll_max_s: float = 0.05) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.recipe = recipe
+        self.params = dict(params)
+        self.fingerprint = fingerprint
+        self.priority = priority
+        self.miss_timeout = miss_timeout
+        self.worker_stale_s = worker_stale_s
+        self.poll_max_s = poll_max_s
+        self.queue = JobQueue(self.cache_dir)
+        #: items this process queued itself (not reused): tests and the benchmark count them
+        self.queued = 0
+
+    def close(self) -> None:
+        self.queue.close()
+
+    def _require_worker(self, missing: Sequence[str]) -> None:
+        if not self.queue.live_workers(stale_s=self.worker_stale_s):
+            raise NoWorkerAlive(no_worker_message(str(self.cache_dir), missing,
+                                                  self.worker_stale_s))
+
+    def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
+              ahead: Sequence[tuple[str, str]] = ()) -> None:
+        """Return once every ``(sample id, path)`` of ``wanted`` has a record.
+
+        ``has(key)`` says whether the store holds a record. ``ahead`` are samples the
+        caller will want soon (not waited for). Raises :class:`NoWorkerAlive`,
+        :class:`SampleFailed` (the first failed wanted sample) or :class:`MissTimeout`.
+        """
+        if not wanted:
+            return
+        self._require_worker([sid for sid, _ in wanted])
+        rows = self.queue.enqueue_once(self.recipe, self.params, self.fingerprint,
+                                       [*wanted, *ahead], priority=self.priority)
+        self.queued += sum(1 for r in rows if not r.reused)
+        wanted_ids = {sid for sid, _ in wanted}
+        waiting = {r.sample_id: r for r in rows if r.sample_id in wanted_ids}
+        for row in waiting.values():
+            if row.status == "failed" and not has(record_key(self.fingerprint, row.sample_id)):
+                raise SampleFailed(row.sample_id, row.path, row.last_error or "failed")
+        self._wait(has, waiting)
+
+    def _wait(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
+        start = time.monotonic()
+        deadline = start + self.miss_timeout
+        next_status = start + _STATUS_EVERY_S
+        next_liveness = start + _LIVENESS_EVERY_S
+        delay = 0.005
+        while True:
+            for sid in [s for s in waiting if has(record_key(self.fingerprint, s))]:
+                del waiting[sid]
+            if not waiting:
+                return
+            now = time.monotonic()
+            if now >= next_status:
+                next_status = now + _STATUS_EVERY_S
+                self._check_items(has, waiting)
+            if now >= next_liveness:
+                next_liveness = now + _LIVENESS_EVERY_S
+                self._require_worker(sorted(waiting))
+            if now >= deadline:
+                states = self.queue.item_statuses(r.item_id for r in waiting.values())
+                listed = "; ".join(f"{sid}: {states.get(r.item_id, ('gone', None))[0]}"
+                                   for sid, r in list(waiting.items())[:5])
+                raise MissTimeout(f"{len(waiting)} record(s) of {self.fingerprint} in "
+                                  f"{self.cache_dir} did not land within "
+                                  f"{self.miss_timeout:g} s ({listed}); the worker may be "
+                                  f"busy with a long queue: raise miss_timeout or warm up first")
+            time.sleep(min(delay, max(deadline - now, 0.0)))
+            delay = min(delay * 1.5, self.poll_max_s)
+
+    def _check_items(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
+        states = self.queue.item_statuses(r.item_id for r in waiting.values())
+        for sid, row in list(waiting.items()):
+            status, error = states.get(row.item_id, ("gone", None))
+            if status in ("pending", "running"):
+                continue
+            if has(record_key(self.fingerprint, sid)):
+                del waiting[sid]
+            elif status == "failed":
+                raise SampleFailed(sid, row.path, error or "failed")
+            elif status == "done":
+                raise SpcacheError(f"{self.cache_dir}: the queue says sample {sid!r} of "
+                                   f"{self.fingerprint} is done but no record is stored "
+                                   f"(deleted meanwhile?)")
+            else:  # cancelled (or gone): queue it again
+                log.info("read-through: item %s of %r was %s; queueing it again",
+                         row.item_id, sid, status)
+                again = self.queue.enqueue_once(self.recipe, self.params, self.fingerprint,
+                                                [(sid, row.path)], priority=self.priority)
+                self.queued += sum(1 for r in again if not r.reused)
+                waiting[sid] = again[0]
