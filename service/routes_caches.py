@@ -36,14 +36,11 @@ def list_recipes() -> dict[str, Any]:
 
 @router.get("/caches")
 def list_caches(ctx: Context) -> dict[str, Any]:
-    store = ctx.store()
-    out = []
-    if store is not None:
-        for fp in store.fingerprints():
-            index = store.get_index(fp)
-            out.append({"fingerprint": fp, "recipe": index.recipe,
-                        "recipe_version": index.recipe_version, "params": dict(index.params),
-                        "samples": int(len(index.sample_ids))})
+    # from the walk in a child process: a damaged page answers 503, never kills us
+    out = [{"fingerprint": fp, "recipe": entry["recipe"],
+            "recipe_version": entry["recipe_version"], "params": dict(entry["params"]),
+            "samples": int(entry["samples"])}
+           for fp, entry in ctx.cache_walk().items() if "recipe" in entry]
     return {"caches": out}
 
 
@@ -52,9 +49,10 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
               limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
     """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
     validate_fingerprint(fingerprint)
+    walked = ctx.cache_walk(fingerprint)  # in a child process: raises CacheDamaged, never aborts us
     store = ctx.store()
     index = None
-    if store is not None and fingerprint in set(store.fingerprints()):
+    if store is not None and "recipe" in walked.get(fingerprint, {}):
         index = store.get_index(fingerprint)
     jobs = ctx.queue.jobs(fingerprint=fingerprint, limit=1000)
     if index is None and not jobs:
