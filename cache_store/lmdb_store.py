@@ -288,6 +288,15 @@ class LMDBStore(Store):
             raise self._damaged(exc) from exc
         return txn, dbs
 
+    def _key_text(self, raw: Any) -> str:
+        """A stored key as text; keys are checked UTF-8 when written, so one that is not
+        comes from a damaged page."""
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._damaged(ValueError(f"a stored key is not UTF-8: {bytes(raw)[:80]!r}")
+                                ) from None
+
     def _damaged(self, exc: BaseException) -> CacheDamaged:
         log.error("%s: LMDB read failed, the cache is damaged: %s: %s", self.env_path,
                   type(exc).__name__, exc)
@@ -428,7 +437,7 @@ class LMDBStore(Store):
         skip_start = False
         while True:
             chunk = self._key_chunk(start, raw_prefix, skip_start)
-            yield from (k.decode() for k in chunk)
+            yield from (self._key_text(k) for k in chunk)
             if len(chunk) < _KEYS_PER_TXN:
                 return
             start, skip_start = chunk[-1], True
@@ -471,7 +480,7 @@ class LMDBStore(Store):
             if dbs[_INDEXES_DB] is None:
                 return []
             cursor = txn.cursor(db=dbs[_INDEXES_DB])
-            return [bytes(k).decode() for k in cursor.iternext(keys=True, values=False)]
+            return [self._key_text(k) for k in cursor.iternext(keys=True, values=False)]
 
     # -- conveniences done natively ----------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -479,7 +488,7 @@ class LMDBStore(Store):
         with self._read() as (txn, dbs):
             if dbs[_RECORDS_DB] is not None:
                 for key, value in txn.cursor(db=dbs[_RECORDS_DB]):
-                    entry = per_fp.setdefault(bytes(key[:FINGERPRINT_HEX_CHARS]).decode(),
+                    entry = per_fp.setdefault(self._key_text(key[:FINGERPRINT_HEX_CHARS]),
                                               {"records": 0, "bytes": 0})
                     entry["records"] += 1
                     entry["bytes"] += len(value)
