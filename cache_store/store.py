@@ -310,8 +310,11 @@ class Store(abc.ABC):
         self.put_many([(key, value)])
 
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
-        """Decoded record under ``key`` (``fields``: subset to decode and verify)."""
-        return decode_record(self.get(key), key=key, fields=fields)
+        """Decoded record under ``key`` (``fields``: subset to decode and verify); its
+        metadata must name ``key`` (``CorruptRecord`` otherwise)."""
+        record = decode_record(self.get(key), key=key, fields=fields)
+        check_names_key(record.metadata, key)
+        return record
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
