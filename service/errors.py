@@ -18,16 +18,19 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache_store.errors import (
+    CacheDamaged,
     CorruptRecord,
     FingerprintLookupError,
     InvalidSampleId,
     JobNotFound,
     ParameterError,
+    QueueDamaged,
     ReadOnlyStoreError,
     RecordNotFound,
     SourceError,
     SpcacheError,
     StoreBusy,
+    StoreFull,
     UnknownName,
 )
 
@@ -47,6 +50,9 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (SourceError, 422),
     (ReadOnlyStoreError, 503),
     (StoreBusy, 503),
+    (CacheDamaged, 503),  # the reason says what is damaged; an operator must salvage
+    (QueueDamaged, 503),  # warm-ups refused until the queue file is back
+    (StoreFull, 503),
     (CorruptRecord, 500),
     (SpcacheError, 500),
 )

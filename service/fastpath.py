@@ -18,9 +18,9 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_store.errors import SpcacheError
-from cache_store.fingerprint import FINGERPRINT_PATTERN
+from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key
 from service.context import ServiceContext
-from service.routes_caches import etag_matches, read_record
+from service.routes_caches import etag_matches, read_record, record_tag_header
 
 __all__ = ["RecordFastPath", "RECORD_ROUTE"]
 
@@ -68,6 +68,9 @@ class RecordFastPath:
         except SpcacheError:
             return None
         headers = [(b"etag", etag.encode()), (b"cache-control", b"no-cache")]
+        if self.ctx.settings.record_key is not None:
+            headers += [(name.lower().encode(), tag.encode()) for name, tag in
+                        record_tag_header(self.ctx, record_key(fingerprint, raw_id), etag).items()]
         if_none_match = None
         for name, val in scope["headers"]:
             if name == b"if-none-match":

@@ -14,12 +14,13 @@ from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key, validate_fi
 from cache_store.item_state import item_state
 from cache_store.recipes import RECIPE_SPECS
 from cache_store.record import peek_checksum, record_checksum, select_fields
+from cache_store.record_tag import TAG_HEADER, tag_for_checksum
 from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.context import Context, ServiceContext
 from service.errors import status_for
 from service.warmup import resolve_source
 
-__all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
+__all__ = ["router", "BatchRequest", "read_record", "etag_matches", "record_tag_header"]
 
 router = APIRouter(prefix="/v1", tags=["caches"])
 
@@ -36,14 +37,11 @@ def list_recipes() -> dict[str, Any]:
 
 @router.get("/caches")
 def list_caches(ctx: Context) -> dict[str, Any]:
-    store = ctx.store()
-    out = []
-    if store is not None:
-        for fp in store.fingerprints():
-            index = store.get_index(fp)
-            out.append({"fingerprint": fp, "recipe": index.recipe,
-                        "recipe_version": index.recipe_version, "params": dict(index.params),
-                        "samples": int(len(index.sample_ids))})
+    # from the walk in a child process: a damaged page answers 503, never kills us
+    out = [{"fingerprint": fp, "recipe": entry["recipe"],
+            "recipe_version": entry["recipe_version"], "params": dict(entry["params"]),
+            "samples": int(entry["samples"])}
+           for fp, entry in ctx.cache_walk().items() if "recipe" in entry]
     return {"caches": out}
 
 
@@ -52,9 +50,10 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
               limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
     """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
     validate_fingerprint(fingerprint)
+    walked = ctx.cache_walk(fingerprint)  # in a child process: raises CacheDamaged, never aborts us
     store = ctx.store()
     index = None
-    if store is not None and fingerprint in set(store.fingerprints()):
+    if store is not None and "recipe" in walked.get(fingerprint, {}):
         index = store.get_index(fingerprint)
     jobs = ctx.queue.jobs(fingerprint=fingerprint, limit=1000)
     if index is None and not jobs:
@@ -87,6 +86,15 @@ def _etag(value: bytes, key: str) -> str:
     """
     checksum = peek_checksum(value)
     return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
+
+
+def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
+    """``{X-Spcache-Record-Tag: tag}`` when the service has a record key, else ``{}``."""
+    secret = ctx.settings.record_key
+    if secret is None:
+        return {}
+    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
+                                         etag.strip('"'))}
 
 
 def etag_matches(header: str | None, etag: str) -> bool:
@@ -141,7 +149,8 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
                      ) -> Response:
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
     value, etag = read_record(ctx, fingerprint, sample_id, fields)
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    headers = {"ETag": etag, "Cache-Control": "no-cache",
+               **record_tag_header(ctx, record_key(fingerprint, sample_id), etag)}
     if etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
     ctx.metrics.add_records(1)
@@ -171,7 +180,9 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
 
     def collect() -> bytes:
         found: list[tuple[str, bytes]] = []
+        tags: list[str] = []
         missing: list[tuple[str, str, str]] = []
+        secret = ctx.settings.record_key
         for sample_id in body.ids:
             try:
                 key = record_key(fingerprint, sample_id)
@@ -179,12 +190,14 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
                 if body.fields is not None:
                     value = select_fields(value, body.fields, key=key)
                 found.append((sample_id, value))
+                if secret is not None:
+                    tags.append(record_tag_header(ctx, key, _etag(value, key))[TAG_HEADER])
             except SpcacheError as exc:
                 if status_for(exc) == 503:  # back-pressure: the whole batch is retried
                     raise
                 missing.append((sample_id, type(exc).__name__, str(exc)))
         ctx.metrics.add_records(len(found))
-        return encode_batch(found, missing)
+        return encode_batch(found, missing, tags if secret is not None else None)
 
     return Response(await run_in_threadpool(collect), media_type=BATCH_MEDIA_TYPE)
 

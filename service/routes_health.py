@@ -27,15 +27,19 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 def readyz(ctx: Context) -> JSONResponse:
-    """200 when the job queue answers and the store (if created yet) opens; else 503."""
+    """200 when the job queue answers (its file is the one it opened, not replaced or
+    truncated) and the store (if created yet) opens and walks without damage; else 503."""
     problems = []
     try:
+        ctx.queue.check()
         queue = ctx.queue.counts()
     except Exception as exc:  # noqa: BLE001 - any failure here means "not ready", and says why
         problems.append(f"job queue: {type(exc).__name__}: {exc}")
         queue = {}
     try:
         store_state = "open" if ctx.store() is not None else "not created yet"
+        if store_state == "open":
+            ctx.cache_walk()  # in a child process; cached until the LMDB file changes
     except Exception as exc:  # noqa: BLE001 - as above
         problems.append(f"store: {type(exc).__name__}: {exc}")
         store_state = "error"
@@ -77,9 +81,12 @@ class _ScrapeGauges:
             for b in beats:
                 age.add_metric([b["worker_id"]], round(time.time() - b["seen"], 3))
             yield age
-        store = ctx.store()
-        if store is not None:
-            per_fp = [(fp, ctx.cache_stats(fp)) for fp in store.fingerprints()]
+        try:
+            walked = ctx.cache_walk()
+        except SpcacheError:  # damaged: /readyz says so; no sizes to report
+            walked = {}
+        if walked:
+            per_fp = [(fp, ctx.cache_stats(fp)) for fp, e in walked.items() if "recipe" in e]
             records = GaugeMetricFamily("spcache_cache_records", "records stored per fingerprint",
                                         labels=["fingerprint"])
             nbytes = GaugeMetricFamily("spcache_cache_bytes", "record bytes stored per fingerprint",

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     worker_backend: str = "auto"
     worker_restart_max_s: float = Field(60.0, gt=0)
     stats_ttl_s: float = Field(30.0, ge=0, description="cache per-fingerprint stats this long")
+    record_key: SecretStr | None = Field(
+        None, min_length=16, description="secret shared with readers: each record is sent "
+        "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.record_tag)")
     log_level: str = "info"
 
     @field_validator("source_roots", mode="before")

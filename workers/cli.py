@@ -292,18 +292,19 @@ class _Verify:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        report = _with_store(args.cache, lambda store: store.verify())
-        if report is None:
+        data = _isolated(args.cache, "verify_cache")  # a child: an LMDB abort cannot kill us
+        if data is None:
             return 2
-        data = report.as_json()
-        problems = [f"corrupt {key}: {reason}" for key, reason in report.corrupt.items()]
-        problems += [f"missing {key} (indexed, no record)" for key in report.missing]
+        problems = [f"corrupt {key}: {reason}" for key, reason in data["corrupt"].items()]
+        problems += [f"missing {key} (indexed, no record)" for key in data["missing"]]
+        if data.get("damaged"):
+            problems.append(str(data["damaged"]))
         if args.json:
             print(json.dumps(data, sort_keys=True))
         else:
             for problem in problems:
                 print(f"  {problem}")
-            print(f"checked {report.checked} records: "
+            print(f"checked {data['checked']} records: "
                   + ("cache verifies clean" if not problems else f"{len(problems)} problem(s)"))
         return 1 if problems else 0
 
@@ -315,7 +316,13 @@ class _Stats:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        stats = _with_store(args.cache, lambda store: store.stats())
+        from cache_store.errors import CacheDamaged
+
+        try:
+            stats = _isolated(args.cache, "stats_cache")
+        except CacheDamaged as exc:
+            print(f"spcache: {exc}", file=sys.stderr)
+            return 1
         if stats is None:
             return 2
         if args.json:
@@ -332,21 +339,21 @@ def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> 
     _verbose_flag(parser)
 
 
-def _with_store(cache: str, action: Any) -> Any:
-    from cache_store.store import open_store
+def _isolated(cache: str, name: str) -> Any:
+    """``cache_store.isolated.<name>(cache)``: the walk runs in a child process."""
+    from cache_store import isolated
+    from cache_store.errors import CacheDamaged
 
     if "://" not in cache and not Path(cache).exists():
         print(f"spcache: {cache}: no such cache directory", file=sys.stderr)
         return None
     try:
-        store = open_store(cache, readonly=True)
+        return getattr(isolated, name)(cache)
+    except CacheDamaged:
+        raise
     except (SpcacheError, OSError) as exc:
         print(f"spcache: cannot open cache {cache}: {exc}", file=sys.stderr)
         return None
-    try:
-        return action(store)
-    finally:
-        store.close()
 
 
 def _print_tree(data: Any, indent: str = "") -> None:
