@@ -22,7 +22,7 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 def test_worker_command_runs_the_worker_module_with_this_python() -> None:
     cmd = worker_command("/c", device="cuda:1", backend="torch")
-    assert cmd[:4] == [sys.executable, "-m", "workers", "worker"]
+    assert cmd[:4] == [sys.executable, "-m", "spcache", "worker"]
     assert cmd[cmd.index("--device") + 1] == "cuda:1" and "/c" in cmd
 
 

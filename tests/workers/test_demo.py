@@ -22,7 +22,7 @@ def _free_port() -> int:
 def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     port = _free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "workers", "demo", "--dir", str(tmp_path / "demo"),
+        [sys.executable, "-m", "spcache", "demo", "--dir", str(tmp_path / "demo"),
          "--port", str(port), "--level", "5", "--exit-after", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
