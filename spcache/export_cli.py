@@ -53,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"spcache export: {problem}", file=sys.stderr)
         return 2
+    if "://" not in str(args.dest) and Path(args.dest).exists() and not Path(args.dest).is_dir():
+        print(f"spcache export: --to {args.dest}: is a file, not a Zarr snapshot directory",
+              file=sys.stderr)
+        return 2
     if not str(args.dest).rstrip("/").endswith(".zarr"):
         print(f"spcache export: --to {args.dest}: a snapshot's name must end in .zarr "
               f"(e.g. {str(args.dest).rstrip('/')}.zarr)", file=sys.stderr)

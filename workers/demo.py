@@ -150,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
     from cache_store.paths import cache_dir_problem
 
     problem = _port_problem(args.port) or cache_dir_problem(args.dir, write=True)
+    if problem and args.dir.is_file():
+        problem = f"--dir {args.dir}: is a file, not a directory"
     if problem:
         print(f"spcache demo: {problem}", file=sys.stderr)
         return 2
