@@ -121,7 +121,9 @@ def _with_store(command: str, cache: str, action: Callable[[Any], Any]) -> Any:
         finally:
             store.close()
     except (SpcacheError, OSError) as exc:
-        print(f"spcache {command}: cannot read cache {cache}: {_one_line(exc)}", file=sys.stderr)
+        reason = _one_line(exc)
+        where = "" if str(cache) in reason else f"{cache}: "
+        print(f"spcache {command}: cannot read cache: {where}{reason}", file=sys.stderr)
         return None
 
 

@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if level is None:
         level = logging.WARNING - 10 * (ns.verbose + getattr(args, "verbose", 0) - ns.quiet)
     configure_logging(level)
+    logger.debug("spcache %s: pid %d, log level %s", name, os.getpid(),
+                 logging.getLevelName(logging.getLogger().level))
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         from spcache.lifecycle import exit_with_parent
