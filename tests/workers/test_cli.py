@@ -179,3 +179,41 @@ def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema()
     assert as_json == {name: spec.as_json() for name, spec in RECIPE_SPECS.items()}
     assert "--loaders" in helptext and "--skip-failed" in helptext
     assert "pure PyTorch" in " ".join(helptext.split())  # --backend says what each means
+
+
+def test_the_recipe_is_validated_before_sources_are_searched(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["precompute", str(tmp_path / "missing"), "--recipe", "nope",
+                 "--cache", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'nope'" in err and "missing" not in err
+
+
+def test_loaders_and_skip_failed_reach_the_engine_under_its_keywords() -> None:
+    import argparse
+
+    from workers.precompute_cli import UsageError, _engine_options
+
+    class NewEngine:
+        def __init__(self, store, recipe, params=None, *, loaders=2, skip_failed=False):
+            pass
+
+    class OldEngine:
+        def __init__(self, store, recipe, params=None, *, jobs=2):
+            pass
+
+    on = argparse.Namespace(skip_failed=True)
+    off = argparse.Namespace(skip_failed=False)
+    assert _engine_options(NewEngine, on, 3) == {"loaders": 3, "skip_failed": True}
+    assert _engine_options(NewEngine, off, 0) == {"loaders": 0}
+    assert _engine_options(OldEngine, off, 3) == {"jobs": 3}
+    with pytest.raises(UsageError, match="--skip-failed"):
+        _engine_options(OldEngine, on, 3)
+
+
+def test_jobs_is_an_alias_of_loaders() -> None:
+    parser = cli.subcommand_parser("precompute", cli.resolve("precompute"))
+    base = ["src", "--recipe", "spc", "--cache", "c"]
+    assert parser.parse_args(base + ["--jobs", "3"]).loaders == 3
+    assert parser.parse_args(base + ["--loaders", "4"]).loaders == 4
+    assert parser.parse_args(base).loaders is None and parser.parse_args(base).skip_failed is False
