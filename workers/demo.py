@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["configure_parser", "run", "write_example_shapes", "RECIPE"]
+__all__ = ["configure_parser", "run", "log_level", "write_example_shapes", "RECIPE"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--level", type=int, default=7, help="octree level (default 7)")
     parser.add_argument("--exit-after", type=float, default=None, metavar="SECONDS",
                         help="stop the service after this many seconds (default: run until Ctrl-C)")
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The demo narrates at INFO (its per-sample lines when stderr is not a terminal)."""
+    return "info"
 
 
 def write_example_shapes(directory: Path) -> list[Path]:
@@ -86,7 +91,7 @@ def _precompute(sources: list[Path], cache: Path, level: int) -> str:
         items = [(path.stem, str(path)) for path in sources]
 
         def report(result) -> None:  # without a terminal, one log line a sample
-            log.warning("precompute: %s %s%s", result.sample_id, result.status,
+            log.info("precompute: %s %s%s", result.sample_id, result.status,
                         f" ({result.reason})" if getattr(result, "reason", None) else "")
 
         summary = engine.run(items, on_result=None if on_terminal else report)
