@@ -45,7 +45,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from cache_store.store import open_store  # noqa: E402
-from workers.cli import discover_sources  # noqa: E402
+from cache_store.sources_list import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.ray_engine import RayEngine  # noqa: E402
 

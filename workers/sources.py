@@ -41,6 +41,7 @@ import torch
 
 from cache_store.errors import SourceError
 from cache_store.hashing import hash_bytes, hash_file
+from cache_store.sources_list import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
 
 __all__ = [
     "POINT_CLOUD_EXTENSIONS",
@@ -61,9 +62,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
-MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
-SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
 
 _NPZ_POINT_NAMES = ("points", "xyz", "positions")
 

@@ -81,7 +81,7 @@ def _restore(path: Path, saved: list[tuple[int, int]]) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=300, check=False)
 
 

@@ -25,7 +25,7 @@ from cache_store.errors import BackendUnavailable, SpcacheError
 from cache_store.record import read_header
 from cache_store.store import open_store
 from tests.conftest import REPO_ROOT
-from workers.cli import main
+from spcache.cli import main
 from workers.engine import Engine, ItemResult
 from workers.ray_engine import CrashOnce, RayEngine, RaySummary
 
@@ -283,7 +283,7 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
             "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -325,8 +325,8 @@ def _stored_keys(cache: Path) -> list[str]:
 
 
 def test_the_local_path_never_imports_ray() -> None:
-    code = ("import sys, workers.cli, workers.engine, workers.ray_engine; "
-            "from workers.cli import main; "
+    code = ("import sys, spcache.cli, workers.engine, workers.ray_engine; "
+            "from spcache.cli import main; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)

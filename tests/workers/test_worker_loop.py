@@ -32,7 +32,7 @@ def _submit(cache: Path, paths: list[Path], **params: int) -> tuple[JobQueue, st
 
 def _worker(cache: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
+        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
          "--backend", "torch", "--jobs", "0", "--poll", "0.1", "--log-level", "warning", *extra],
         cwd=REPO_ROOT)
 
