@@ -168,9 +168,14 @@ def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema()
     helptext = subprocess.run([sys.executable, "-m", "spcache", "precompute", "--help"],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=60).stdout
     for spec in RECIPE_SPECS.values():
-        assert f"{spec.name} (version {spec.version})" in table
+        heading = f"{spec.name} (version {spec.version})"
+        assert heading in table
+        # this recipe's block: from its heading to the next blank-free heading line
+        block = table.split(heading, 1)[1].split("\n")[1:]
+        block = block[:next((i for i, line in enumerate(block) if line and not line.startswith(" ")),
+                            len(block))]
         for name, param in spec.params.items():
-            line = next(line for line in table.splitlines()[1:] if line.split()[0] == name)
+            line = next(line for line in block if line.split() and line.split()[0] == name)
             assert repr(param.default) in line.split() and param_bounds(param) in line
             assert line in helptext
     as_json = json.loads(subprocess.run([sys.executable, "-m", "spcache", "recipes", "--json"],
