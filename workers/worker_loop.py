@@ -48,7 +48,8 @@ class WorkerLoop:
         batch: items per claim (one engine run).
         lease_s: lease length; renewed every third of it while held.
         poll_s: sleep between claims when the queue is empty.
-        loader_jobs: the engine's loader processes.
+        loaders: the engine's loader processes (``loader_jobs=`` is the deprecated
+            spelling, accepted for one release).
         drain: exit (0) once the queue has nothing claimable, instead of polling.
         max_attempts: claims per item before it fails (queue setting).
         worker_id: name in leases and heartbeats (default ``host:pid``).
@@ -56,17 +57,20 @@ class WorkerLoop:
 
     def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
                  backend: str = "auto", batch: int = 8, lease_s: float = 120.0,
-                 poll_s: float = 1.0, loader_jobs: int = 2, drain: bool = False,
-                 max_attempts: int = 3, worker_id: str | None = None) -> None:
-        if batch < 1 or lease_s <= 0 or poll_s <= 0 or loader_jobs < 0:
-            raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loader_jobs >= 0 needed")
+                 poll_s: float = 1.0, loaders: int | None = None, drain: bool = False,
+                 max_attempts: int = 3, worker_id: str | None = None,
+                 loader_jobs: int | None = None) -> None:
+        if loaders is None:
+            loaders = 2 if loader_jobs is None else loader_jobs
+        if batch < 1 or lease_s <= 0 or poll_s <= 0 or loaders < 0:
+            raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loaders >= 0 needed")
         self.cache = Path(cache)
         self.device = device
         self.backend = backend
         self.batch = batch
         self.lease_s = lease_s
         self.poll_s = poll_s
-        self.loader_jobs = loader_jobs
+        self.loaders = loaders
         self.drain = drain
         self.max_attempts = max_attempts
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -186,7 +190,7 @@ class WorkerLoop:
             from workers.engine import Engine  # late: imports torch and the ops
 
             engine = Engine(store, item.recipe, item.params, device=self.device,
-                            backend=self.backend, jobs=self.loader_jobs)
+                            backend=self.backend, loaders=self.loaders)
             if engine.fingerprint != item.fingerprint:
                 raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
                                    f"queued, this worker computes {engine.fingerprint} for the "
@@ -239,7 +243,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--batch", type=int, default=8, help="items per claim (default 8)")
     parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
     parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
-    parser.add_argument("--jobs", type=int, default=2, help="loader processes (default 2)")
+    parser.add_argument("--loaders", "--jobs", dest="loaders", type=int, default=2,
+                        help="loader processes (default 2; --jobs is the old name)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="claims per item before it fails (default 3)")
     parser.add_argument("--drain", action="store_true",
@@ -253,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
-                      lease_s=args.lease, poll_s=args.poll, loader_jobs=args.jobs,
+                      lease_s=args.lease, poll_s=args.poll, loaders=args.loaders,
                       drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id)
     loop.install_signal_handlers()
     return loop.run()

@@ -27,11 +27,12 @@ from cache_store.store import open_store
 from tests.conftest import REPO_ROOT
 from workers.cli import main
 from workers.engine import Engine, ItemResult
-from workers.ray_engine import CrashOnce, RayEngine, RaySummary
+from tests.workers.ray_faults import CrashOnce, register_with_ray
+from workers.ray_engine import RayEngine, RaySummary
 
 PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}
 SMALL = [arg for key, value in PARAMS.items() for arg in ("--param", f"{key}={value}")]
-RAY_OPTIONS = dict(device="cpu", backend="torch", jobs=0, actors=2)
+RAY_OPTIONS = dict(device="cpu", backend="torch", loaders=0, actors=2)
 
 
 def _items(paths: list[Path]) -> list[tuple[str, str]]:
@@ -62,6 +63,7 @@ def ray_local():
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
+    register_with_ray()  # actors unpickle CrashOnce without importing tests/
     started = _ray_processes(os.getpid())
     assert started, "ray.init started no raylet/gcs_server of its own"
     yield ray
@@ -83,7 +85,7 @@ def local_cache(tmp_path_factory: pytest.TempPathFactory, sources: list[Path]):
     cache = tmp_path_factory.mktemp("local") / "cache"
     with open_store(cache, readonly=False) as store:
         summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch",
-                         jobs=0).run(_items(sources))
+                         loaders=0).run(_items(sources))
     return cache, summary
 
 
@@ -194,7 +196,7 @@ def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, lo
     reported: list[ItemResult] = []
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1,
-                           fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
+                           actor_fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
                            **RAY_OPTIONS)
         summary = engine.run(_items(paths), on_result=reported.append)
         keys = list(store.keys())
@@ -245,7 +247,7 @@ def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=1, write_batch=1,
                            max_attempts=2,
-                           fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
+                           actor_fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
                            **RAY_OPTIONS)
         summary = engine.run(_items(paths))
         stored = {key.rsplit("/", 1)[1] for key in store.keys()}

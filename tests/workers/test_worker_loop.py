@@ -50,7 +50,7 @@ def test_drain_computes_each_item_and_a_bad_sample_fails_alone(tmp_path: Path,
     cache = tmp_path / "cache"
     bad = next(p for p in bad_inputs if p.name == "nan_vertices.obj")
     queue, job_id, fp = _submit(cache, shared_meshes[:3] + [bad], level=4, surface_samples=500)
-    loop = WorkerLoop(cache, device="cpu", backend="torch", loader_jobs=0, drain=True)
+    loop = WorkerLoop(cache, device="cpu", backend="torch", loaders=0, drain=True)
     assert loop.run() == 0
     info = queue.job(job_id)
     assert info.counts["done"] == 3 and info.counts["failed"] == 1 and info.status == "failed"

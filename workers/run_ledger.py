@@ -1,0 +1,232 @@
+"""The bookkeeping of one precompute run, shared by the local and the Ray engine.
+
+Both engines admit the same items, report every item the same way and write the same
+dataset index at the end; only how the records get computed differs. :class:`RunLedger`
+is that shared part, held (not inherited) by :class:`workers.engine.LocalRun` and by the
+Ray driver's run:
+
+- :meth:`RunLedger.admit`: valid, unique sample ids become :class:`WorkItem` s with their
+  record keys and the source hash of any record already stored; the rest fail at once;
+- :meth:`RunLedger.finish`: one item's :class:`ItemResult` goes into the :class:`Summary`,
+  the progress bar and the caller's ``on_result``;
+- :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
+  their order, followed by this run's newly stored ids, in input order.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId, RecordNotFound
+from cache_store.fingerprint import record_key, validate_sample_id
+from cache_store.record import read_metadata
+from cache_store.store import DatasetIndex, Store
+
+__all__ = ["SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SampleError:
+    """Why one sample has no record."""
+
+    id: str
+    path: str
+    reason: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"id": self.id, "path": self.path, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What happened to one item; handed to ``on_result``.
+
+    ``status`` is ``"done"`` (record committed), ``"skipped"`` (an up-to-date record was
+    already stored) or ``"failed"`` (``reason`` says why).
+    """
+
+    sample_id: str
+    path: str
+    status: str
+    key: str = ""
+    reason: str = ""
+
+
+@dataclass
+class Summary:
+    """The outcome of :meth:`workers.engine.Engine.run`. Timings are seconds.
+
+    ``load_s`` sums the loaders' time (over all pool processes), ``compute_s`` is device
+    time in the calling thread, ``write_s`` the writer thread's encode-and-commit time,
+    ``wall_s`` the whole run.
+    """
+
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: dict[str, Any]
+    device: str = ""
+    backend: str = ""
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    errors: list[SampleError] = field(default_factory=list)
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    write_s: float = 0.0
+    wall_s: float = 0.0
+    oom_backoffs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.done + self.skipped + self.failed
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "recipe": self.recipe,
+            "recipe_version": self.recipe_version,
+            "params": self.params,
+            "device": self.device,
+            "backend": self.backend,
+            "done": self.done,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "errors": [e.as_json() for e in self.errors],
+            "timings": {"load_s": round(self.load_s, 4), "compute_s": round(self.compute_s, 4),
+                        "write_s": round(self.write_s, 4), "wall_s": round(self.wall_s, 4)},
+            "oom_backoffs": self.oom_backoffs,
+        }
+
+
+@dataclass
+class WorkItem:
+    """One admitted item: its record key and the source hash of its stored record."""
+
+    sample_id: str
+    path: str
+    key: str = ""
+    stored_hash: str | None = None
+
+
+class RunLedger:
+    """Admission, per-item reporting and the index of one run (see the module doc).
+
+    Args:
+        store: the store the run writes into (read here for stored hashes and the index).
+        summary: the summary to count into (a :class:`Summary` or a subclass); its
+            fingerprint, recipe, version and params say what the run computes.
+        on_result: the caller's callback, called for every item.
+        progress: show a tqdm bar on stderr (opened by :meth:`open_progress`).
+    """
+
+    def __init__(self, store: Store, summary: Summary,
+                 on_result: Callable[[ItemResult], None] | None, *, progress: bool = False) -> None:
+        self.store = store
+        self.summary = summary
+        self.on_result = on_result
+        self.progress = progress
+        self.stored_ids: set[str] = set()
+        self.admitted: list[str] = []  # valid, unique sample ids in input order
+        self.bar: Any = None
+
+    def key(self, sample_id: str) -> str:
+        return record_key(self.summary.fingerprint, sample_id)
+
+    def admit(self, items: list[tuple[str, Any]]) -> list[WorkItem]:
+        """Valid, unique items with their keys and stored source hashes; the rest fail now."""
+        seen: dict[str, str] = {}
+        work: list[WorkItem] = []
+        for sample_id, path in items:
+            path = str(path)
+            try:
+                sample_id = validate_sample_id(sample_id)
+            except InvalidSampleId as exc:
+                self.finish(ItemResult(str(sample_id), path, "failed", reason=str(exc)))
+                continue
+            if sample_id in seen:
+                self.finish(ItemResult(sample_id, path, "failed",
+                                       reason=f"duplicate sample id (first given for {seen[sample_id]})"))
+                continue
+            seen[sample_id] = path
+            self.admitted.append(sample_id)
+            key = self.key(sample_id)
+            work.append(WorkItem(sample_id, path, key, self.stored_source_hash(key)))
+        return work
+
+    def stored_source_hash(self, key: str) -> str | None:
+        """The ``source_hash`` of the record stored under ``key``; None when there is no
+        readable record."""
+        try:
+            if not self.store.has(key):
+                return None
+            return read_metadata(self.store.get(key), key=key).get("source_hash")
+        except RecordNotFound:
+            return None
+        except CorruptRecord as exc:
+            logger.warning("stored record %s is unreadable (%s); recomputing it", key, exc)
+            return None
+
+    def finish(self, result: ItemResult) -> None:
+        """Count one item's result, advance the bar and hand it to ``on_result``."""
+        summary = self.summary
+        if result.status == "done":
+            summary.done += 1
+            self.stored_ids.add(result.sample_id)
+        elif result.status == "skipped":
+            summary.skipped += 1
+            self.stored_ids.add(result.sample_id)
+        else:
+            summary.failed += 1
+            summary.errors.append(SampleError(result.sample_id, result.path, result.reason))
+            logger.warning("%s (%s): %s", result.sample_id, result.path, result.reason)
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.on_result is not None:
+            self.on_result(result)
+
+    def open_progress(self, total: int) -> None:
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
+                            initial=self.summary.total)
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def write_index(self) -> None:
+        """The index: ids already indexed, in order, then this run's stored ids in input order."""
+        store, summary = self.store, self.summary
+        fingerprint = summary.fingerprint
+        ran = [sid for sid in self.admitted if sid in self.stored_ids]
+        try:
+            old = store.get_index(fingerprint).sample_ids.tolist()
+        except FingerprintLookupError:
+            old = []
+        except CorruptRecord as exc:
+            # Rebuild from what is stored: this run's ids first, then the others sorted.
+            logger.warning("index of %s is unreadable (%s); rebuilding it", fingerprint, exc)
+            prefix = fingerprint + "/"
+            old = ran + sorted({key[len(prefix):] for key in store.keys(prefix)} - set(ran))
+        known = set(old)
+        new = [sid for sid in ran if sid not in known]
+        if (old and not new) or not (old or new):
+            return
+        store.put_index(DatasetIndex(fingerprint, summary.recipe, summary.recipe_version,
+                                     dict(summary.params), np.array(old + new, dtype=str)))
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line, at most 300 characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
