@@ -167,6 +167,7 @@ class WorkerLoop:
                 self.processed += 1
             finished.clear()
 
+        start = time.perf_counter()
         try:
             engine = self._engine(store, first)
             try:
@@ -183,6 +184,20 @@ class WorkerLoop:
                     queue.fail(self.worker_id, c.item_id, reason)
                     with self._held_lock:
                         self._held.pop(c.item_id, None)
+        self._log_batch(queue, first.job_id, len(claimed), time.perf_counter() - start)
+
+    def _log_batch(self, queue: JobQueue, job_id: str, count: int, seconds: float) -> None:
+        """One INFO line per finished batch: the job, its progress and this batch's rate."""
+        try:
+            info = queue.job(job_id, errors_limit=0)
+        except Exception:  # noqa: BLE001 - progress is informational; the work is done
+            log.exception("worker %s: job %s: cannot read its progress", self.worker_id, job_id)
+            return
+        finished = info.counts.get("done", 0) + info.counts.get("failed", 0)
+        log.info("worker %s: job %s: %d/%d items finished (%d failed); this batch: %d item(s) "
+                 "in %.1fs, %.2f samples/s", self.worker_id, job_id, finished, info.total,
+                 info.counts.get("failed", 0), count, seconds,
+                 count / seconds if seconds > 0 else 0.0)
 
     def _engine(self, store: Store, item: ClaimedItem) -> Any:
         engine = self._engines.get(item.fingerprint)
