@@ -33,7 +33,7 @@ import queue
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -47,6 +47,7 @@ from workers.loader import LoaderPool
 from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, check_outputs, get_recipe
 from workers.record_writer import PendingRecord, RecordWriter
 from workers.run_ledger import ItemResult, RunLedger, SampleError, Summary, WorkItem, one_line
+from workers.source_files import DEFAULT_MAX_SOURCE_BYTES, SourceLimits
 
 __all__ = ["DEVICE_PATTERN", "Engine", "LocalRun", "Summary", "SampleError", "ItemResult",
            "resolve_device"]
@@ -98,6 +99,10 @@ class Engine:
         before_query_chunk: test hook called before every query chunk with its size (may
             raise ``torch.cuda.OutOfMemoryError``).
         progress: show a tqdm progress bar on stderr.
+        source_roots: directories every source must resolve into (checked again when the
+            file is opened); None allows any path.
+        max_source_bytes: the largest source file read (default 1 GiB); a larger one
+            fails alone.
     """
 
     def __init__(self, store: Store, recipe: str | Recipe, params: Mapping[str, Any] | None = None,
@@ -105,7 +110,10 @@ class Engine:
                  query_chunk: int = 1 << 18, min_query_chunk: int = 256, write_batch: int = 32,
                  prefetch: int | None = None,
                  before_query_chunk: Callable[[int], None] | None = None,
-                 progress: bool = False, jobs: int | None = None) -> None:
+                 progress: bool = False,
+                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
+                 max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
+                 jobs: int | None = None) -> None:
         self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
         self.params = self.recipe.spec.resolve(params)
         loaders = _loaders_argument(loaders, jobs, default=2)
@@ -120,6 +128,8 @@ class Engine:
             problems.append(f"write_batch: {write_batch} must be positive")
         if prefetch is not None and prefetch < 1:
             problems.append(f"prefetch: {prefetch} must be positive")
+        if max_source_bytes < 1:
+            problems.append(f"max_source_bytes: {max_source_bytes} must be positive")
         if problems:
             raise ParameterError(problems, what="engine options")
         self.store = store
@@ -132,6 +142,7 @@ class Engine:
         self.prefetch = int(prefetch) if prefetch is not None else 2 * self.loaders + 2
         self.before_query_chunk = before_query_chunk
         self.progress = progress
+        self.source_limits = SourceLimits.of(source_roots, max_source_bytes)
         self.fingerprint = compute_fingerprint(self.recipe.name, self.recipe.version, self.params)
         self._loader_pool: LoaderPool | None = None
 
@@ -142,7 +153,7 @@ class Engine:
         """A new, unopened loader pool for this engine's recipe (``count``: items it will
         see, when known)."""
         return LoaderPool(self.recipe.name, dict(self.params), self.fingerprint,
-                          loaders=self.loaders, count=count)
+                          loaders=self.loaders, count=count, limits=self.source_limits)
 
     def open(self) -> Engine:
         """Start the loader pool now and keep it for every later :meth:`run` (a long-lived

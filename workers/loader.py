@@ -25,6 +25,7 @@ import torch
 from cache_store.errors import SourceError
 from workers.recipes import Prepared, get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
+from workers.source_files import SourceLimits
 from workers.sources import hash_bytes, load_source, read_source_bytes
 
 __all__ = ["LoadOutcome", "LoaderPool", "load_sample"]
@@ -47,15 +48,17 @@ class LoadOutcome(NamedTuple):
 
 
 def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, sample_id: str,
-                path: str, stored_hash: str | None) -> LoadOutcome:
+                path: str, stored_hash: str | None,
+                limits: SourceLimits | None = None) -> LoadOutcome:
     """Read, hash and (unless the stored record is current) prepare one sample.
 
     Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
-    cross the process boundary.
+    cross the process boundary. ``limits`` bound how the file is opened and read
+    (:mod:`workers.source_files`).
     """
     start = time.perf_counter()
     try:
-        data = read_source_bytes(path)
+        data = read_source_bytes(path, limits)
         if stored_hash is not None and hash_bytes(data) == stored_hash:
             return LoadOutcome("skipped", time.perf_counter() - start)
         source = load_source(path, data)
@@ -117,11 +120,14 @@ class LoaderPool:
         recipe_name, params, fingerprint: what every sample is prepared for.
         loaders: loader processes; 0 loads in the calling process (no pool).
         count: items the pool will see, when known (no more processes than items).
+        limits: how sources may be opened and read.
     """
 
     def __init__(self, recipe_name: str, params: dict[str, Any], fingerprint: str, *,
-                 loaders: int, count: int | None = None) -> None:
+                 loaders: int, count: int | None = None,
+                 limits: SourceLimits | None = None) -> None:
         self.recipe_name = recipe_name
+        self.limits = limits or SourceLimits()
         self.params = dict(params)
         self.fingerprint = fingerprint
         self.loaders = loaders
@@ -147,7 +153,7 @@ class LoaderPool:
 
     def _args(self, item: WorkItem) -> tuple:
         return (self.recipe_name, self.params, self.fingerprint, item.sample_id, item.path,
-                item.stored_hash)
+                item.stored_hash, self.limits)
 
     def submit(self, item: WorkItem) -> cf.Future:
         if self.pool is None:

@@ -31,7 +31,7 @@ from workers.ray_common import (
     ray_get,
 )
 from workers.run_ledger import ItemResult, RunLedger, WorkItem
-from workers.sources import hash_file
+from workers.source_files import SourceLimits, hash_source_file
 
 if TYPE_CHECKING:
     from workers.ray_engine import RayEngine
@@ -117,8 +117,9 @@ class RayRun:
         hashes: dict[str, str | SourceError] = {}
         if stored:
             with cf.ThreadPoolExecutor(min(_HASH_THREADS, len(stored))) as pool:
-                for item, digest in zip(stored, pool.map(_hash_or_error, [i.path for i in stored]),
-                                        strict=True):
+                digests = pool.map(_hash_or_error, [i.path for i in stored],
+                                   [self.engine.source_limits] * len(stored))
+                for item, digest in zip(stored, digests, strict=True):
                     hashes[item.sample_id] = digest
         todo = []
         for item in work:
@@ -414,9 +415,9 @@ class RayRun:
         self.shards.appendleft(Shard(items[half:], 1, set(shard.avoid)))
         self.shards.appendleft(Shard(items[:half], 1, set(shard.avoid)))
 
-def _hash_or_error(path: str) -> str | SourceError:
+def _hash_or_error(path: str, limits: SourceLimits) -> str | SourceError:
     try:
-        return hash_file(path)
+        return hash_source_file(path, limits)
     except SourceError as exc:
         return exc
 

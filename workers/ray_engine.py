@@ -49,7 +49,7 @@ The one writer is the ceiling of this design: every record passes through the dr
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import ParameterError
@@ -60,6 +60,7 @@ from workers.ray_common import ActorStats, RaySummary, RayUnavailable
 from workers.ray_driver import RayRun
 from workers.recipes import Recipe
 from workers.run_ledger import ItemResult
+from workers.source_files import DEFAULT_MAX_SOURCE_BYTES
 
 __all__ = [
     "RayEngine",
@@ -105,12 +106,15 @@ class RayEngine(Engine):
                  placement_timeout_s: float = 600.0,
                  ray_init: Mapping[str, Any] | None = None,
                  actor_fault: Callable[[str], None] | None = None,
+                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
+                 max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
                  jobs: int | None = None) -> None:
         loaders = _loaders_argument(loaders, jobs, default=None)
         super().__init__(store, recipe, params, device=device, backend=backend,
                          loaders=0 if loaders is None else loaders, query_chunk=query_chunk,
                          min_query_chunk=min_query_chunk, write_batch=write_batch,
-                         prefetch=prefetch, progress=progress)
+                         prefetch=prefetch, progress=progress, source_roots=source_roots,
+                         max_source_bytes=max_source_bytes)
         problems = []
         if str(device) not in ("auto", "cpu", "cuda"):
             problems.append(f"device: {device!r}: on Ray each actor owns the GPU Ray gives it; "
@@ -154,5 +158,7 @@ class RayEngine(Engine):
         """The keyword arguments each actor's local :class:`Engine` is built with."""
         return {"device": self.device, "backend": self.backend, "loaders": self.actor_loaders,
                 "query_chunk": self.query_chunk, "min_query_chunk": self.min_query_chunk,
-                "write_batch": self.write_batch, "prefetch": self.prefetch_given}
+                "write_batch": self.write_batch, "prefetch": self.prefetch_given,
+                "source_roots": list(self.source_limits.roots),
+                "max_source_bytes": self.source_limits.max_bytes}
 

@@ -53,12 +53,17 @@ class WorkerLoop:
         drain: exit (0) once the queue has nothing claimable, instead of polling.
         max_attempts: claims per item before it fails (queue setting).
         worker_id: name in leases and heartbeats (default ``host:pid``).
+        source_roots: directories every source must resolve into, checked again when the
+            engine opens the file (the service checked the path earlier); None: any.
+        max_source_bytes: the largest source file the engine reads (default 1 GiB).
     """
 
     def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
                  backend: str = "auto", batch: int = 8, lease_s: float = 120.0,
                  poll_s: float = 1.0, loaders: int | None = None, drain: bool = False,
                  max_attempts: int = 3, worker_id: str | None = None,
+                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
+                 max_source_bytes: int = 1 << 30,
                  loader_jobs: int | None = None) -> None:
         if loaders is None:
             loaders = 2 if loader_jobs is None else loader_jobs
@@ -73,6 +78,8 @@ class WorkerLoop:
         self.loaders = loaders
         self.drain = drain
         self.max_attempts = max_attempts
+        self.source_roots = list(source_roots) if source_roots is not None else None
+        self.max_source_bytes = max_source_bytes
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.stop_requested = threading.Event()
         self.processed = 0
@@ -205,7 +212,9 @@ class WorkerLoop:
             from workers.engine import Engine  # late: imports torch and the ops
 
             engine = Engine(store, item.recipe, item.params, device=self.device,
-                            backend=self.backend, loaders=self.loaders)
+                            backend=self.backend, loaders=self.loaders,
+                            source_roots=self.source_roots,
+                            max_source_bytes=self.max_source_bytes)
             if engine.fingerprint != item.fingerprint:
                 raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
                                    f"queued, this worker computes {engine.fingerprint} for the "
@@ -265,6 +274,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--drain", action="store_true",
                         help="exit when nothing is left to claim instead of polling")
     parser.add_argument("--worker-id", help="name in leases and heartbeats (default host:pid)")
+    parser.add_argument("--source-root", action="append", dest="source_roots", default=None,
+                        metavar="DIR", help="only read sources that resolve into DIR "
+                                            "(repeatable; default: any path)")
+    parser.add_argument("--max-source-bytes", type=int, default=1 << 30,
+                        help="largest source file read (default 1 GiB)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -274,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
                       lease_s=args.lease, poll_s=args.poll, loaders=args.loaders,
-                      drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id)
+                      drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id,
+                      source_roots=args.source_roots, max_source_bytes=args.max_source_bytes)
     loop.install_signal_handlers()
     return loop.run()
 

@@ -85,7 +85,8 @@ def test_the_actor_engine_options_are_the_local_engine_options() -> None:
                      write_batch=7)
     assert engine.actor_options() == {"device": "cpu", "backend": "torch", "loaders": 3,
                                       "query_chunk": 4096, "min_query_chunk": 64,
-                                      "write_batch": 7, "prefetch": 5}
+                                      "write_batch": 7, "prefetch": 5, "source_roots": [],
+                                      "max_source_bytes": 1 << 30}
     assert _engine().actor_options()["loaders"] is None  # each actor chooses
 
 
