@@ -41,6 +41,7 @@ import torch
 
 from cache_store import __version__ as SPCACHE_VERSION
 from cache_store.errors import ParameterError, SourceError
+from cache_store.failures import FailureLog
 from cache_store.fingerprint import canonical_json, compute_fingerprint, record_key
 from cache_store.store import Store
 from workers.loader import LoaderPool
@@ -103,6 +104,11 @@ class Engine:
             file is opened); None allows any path.
         max_source_bytes: the largest source file read (default 1 GiB); a larger one
             fails alone.
+        skip_failed: do not retry a sample whose unchanged source failed before with this
+            recipe and these parameters; it is reported failed (``repeat="skipped"``)
+            with the old reason. Needs a failure log.
+        failure_log: where failures are remembered; default: ``<cache>/failures.sqlite``
+            for a local LMDB cache (:mod:`cache_store.failures`), none for other stores.
     """
 
     def __init__(self, store: Store, recipe: str | Recipe, params: Mapping[str, Any] | None = None,
@@ -113,6 +119,7 @@ class Engine:
                  progress: bool = False,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
+                 skip_failed: bool = False, failure_log: FailureLog | None = None,
                  jobs: int | None = None) -> None:
         self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
         self.params = self.recipe.spec.resolve(params)
@@ -130,6 +137,10 @@ class Engine:
             problems.append(f"prefetch: {prefetch} must be positive")
         if max_source_bytes < 1:
             problems.append(f"max_source_bytes: {max_source_bytes} must be positive")
+        if failure_log is None:
+            failure_log = failure_log_beside(store)
+        if skip_failed and failure_log is None:
+            problems.append(f"skip_failed: {store!r} keeps no failure log to skip by")
         if problems:
             raise ParameterError(problems, what="engine options")
         self.store = store
@@ -143,6 +154,8 @@ class Engine:
         self.before_query_chunk = before_query_chunk
         self.progress = progress
         self.source_limits = SourceLimits.of(source_roots, max_source_bytes)
+        self.skip_failed = bool(skip_failed)
+        self.failure_log = failure_log
         self.fingerprint = compute_fingerprint(self.recipe.name, self.recipe.version, self.params)
         self._loader_pool: LoaderPool | None = None
 
@@ -182,6 +195,13 @@ class Engine:
         return LocalRun(self, list(items), on_result).execute()
 
 
+def failure_log_beside(store: Store) -> FailureLog | None:
+    """The failure log of a local LMDB cache directory; None for other stores."""
+    from cache_store.lmdb_store import LMDBStore
+
+    return FailureLog(store.path) if isinstance(store, LMDBStore) else None
+
+
 def _loaders_argument(loaders: int | None, jobs: int | None, *, default: int | None) -> Any:
     """``loaders``, or the deprecated ``jobs`` spelling of it; both given must agree."""
     if jobs is not None and loaders is not None and jobs != loaders:
@@ -207,7 +227,8 @@ class LocalRun:
         self.items = items
         self.ledger = RunLedger(engine.store, Summary(engine.fingerprint, engine.recipe.name,
                                                       engine.recipe.version, dict(engine.params)),
-                                on_result, progress=engine.progress)
+                                on_result, progress=engine.progress,
+                                failures=engine.failure_log, skip_failed=engine.skip_failed)
         self.summary = self.ledger.summary
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
 
@@ -244,6 +265,8 @@ class LocalRun:
                 self._report_committed(quiet=True)
             self.ledger.write_index()
             self.ledger.close_progress()
+            if self.engine.failure_log is not None:
+                self.engine.failure_log.close()
             self.summary.wall_s = time.perf_counter() - start
         self.summary.write_s = writer.busy_s if writer is not None else 0.0
         logger.info("fingerprint %s: %d done, %d skipped, %d failed in %.1fs",
@@ -269,10 +292,14 @@ class LocalRun:
                 outcome = pool.result(item, future, pending)
                 self.summary.load_s += outcome.seconds
                 if outcome.status == "skipped":
-                    self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key))
+                    self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key,
+                                                  source_hash=outcome.source_hash))
+                elif outcome.status == "skipped-failed":
+                    self.ledger.finish(self.ledger.skipped_failure(item, outcome.source_hash))
                 elif outcome.status == "failed":
                     self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                                  reason=outcome.reason))
+                                                  reason=outcome.reason,
+                                                  source_hash=outcome.source_hash))
                 else:
                     assert outcome.prepared is not None
                     self._compute(item, outcome.prepared, writer, device, ops, budget)
@@ -293,15 +320,18 @@ class LocalRun:
                 torch.cuda.empty_cache()
             self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
                                           reason=f"out of device memory (after backing off to "
-                                                 f"{budget.size}-query chunks): {one_line(exc)}"))
+                                                 f"{budget.size}-query chunks): {one_line(exc)}",
+                                          source_hash=prepared.source_hash))
             return
         except SourceError as exc:
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason))
+            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason,
+                                          source_hash=prepared.source_hash))
             return
         except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
             logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
             self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                          reason=f"{type(exc).__name__}: {one_line(exc)}"))
+                                          reason=f"{type(exc).__name__}: {one_line(exc)}",
+                                          source_hash=prepared.source_hash))
             return
         finally:
             self.summary.compute_s += time.perf_counter() - start

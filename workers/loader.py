@@ -37,18 +37,21 @@ class LoadOutcome(NamedTuple):
     """What loading one sample came to.
 
     ``status`` is ``"skipped"`` (the stored record's source hash matches the file),
-    ``"failed"`` (``reason`` says why) or ``"prepared"`` (``prepared`` is set);
-    ``seconds`` is the time it took.
+    ``"skipped-failed"`` (the file is unchanged since this sample failed, and the run
+    skips those), ``"failed"`` (``reason`` says why) or ``"prepared"`` (``prepared`` is
+    set); ``seconds`` is the time it took; ``source_hash`` the file's content hash once
+    it was read.
     """
 
     status: str
     seconds: float
     prepared: Prepared | None = None
     reason: str = ""
+    source_hash: str = ""
 
 
 def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, sample_id: str,
-                path: str, stored_hash: str | None,
+                path: str, stored_hash: str | None, failed_hash: str | None = None,
                 limits: SourceLimits | None = None) -> LoadOutcome:
     """Read, hash and (unless the stored record is current) prepare one sample.
 
@@ -57,23 +60,29 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
     (:mod:`workers.source_files`).
     """
     start = time.perf_counter()
+    digest = ""
     try:
         data = read_source_bytes(path, limits)
-        if stored_hash is not None and hash_bytes(data) == stored_hash:
-            return LoadOutcome("skipped", time.perf_counter() - start)
+        digest = hash_bytes(data)
+        if stored_hash is not None and digest == stored_hash:
+            return LoadOutcome("skipped", time.perf_counter() - start, source_hash=digest)
+        if failed_hash is not None and digest == failed_hash:
+            return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
         source = load_source(path, data)
         recipe = get_recipe(recipe_name)
         prepared = recipe.prepare(source, sample_id, params, make_generator(fingerprint, sample_id))
-        return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared)
+        return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared,
+                           source_hash=digest)
     except SourceError as exc:
-        return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason)
+        return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
+                           source_hash=digest)
     except MemoryError:
         return LoadOutcome("failed", time.perf_counter() - start,
-                           reason="out of memory while loading")
+                           reason="out of memory while loading", source_hash=digest)
     except Exception as exc:  # noqa: BLE001 - reported as this sample's failure, never swallowed
         logger.exception("loading %s failed", path)
         return LoadOutcome("failed", time.perf_counter() - start,
-                           reason=f"{type(exc).__name__}: {one_line(exc)}")
+                           reason=f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
 
 
 def _init_loader_process(engine_pid: int) -> None:
@@ -153,7 +162,7 @@ class LoaderPool:
 
     def _args(self, item: WorkItem) -> tuple:
         return (self.recipe_name, self.params, self.fingerprint, item.sample_id, item.path,
-                item.stored_hash, self.limits)
+                item.stored_hash, item.failed_hash, self.limits)
 
     def submit(self, item: WorkItem) -> cf.Future:
         if self.pool is None:

@@ -158,9 +158,9 @@ class ShardWorker:
     def run_shard(self, items: Sequence[Sequence[str]]) -> Iterator[dict[str, Any]]:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
 
-        Each yielded value is ``{"results": [[id, path, status, key, reason], ...],
-        "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and the
-        last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
+        Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
+        ...], "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and
+        the last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
         the engine (not one sample's failure) is raised from here.
         """
         try:
@@ -206,7 +206,8 @@ class ShardWorker:
 
 
 def _batch_message(pending: list[tuple[ItemResult, bytes | None]]) -> dict[str, Any]:
-    return {"results": [[r.sample_id, r.path, r.status, r.key, r.reason] for r, _ in pending],
+    return {"results": [[r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash]
+                        for r, _ in pending],
             "records": [[r.key, record] for r, record in pending if record is not None]}
 
 

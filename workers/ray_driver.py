@@ -84,7 +84,8 @@ class RayRun:
         self.items = items
         self.summary = RaySummary(engine.fingerprint, engine.recipe.name, engine.recipe.version,
                                   dict(engine.params))
-        self.ledger = RunLedger(engine.store, self.summary, on_result, progress=engine.progress)
+        self.ledger = RunLedger(engine.store, self.summary, on_result, progress=engine.progress,
+                                failures=engine.failure_log, skip_failed=engine.skip_failed)
         self.slots: list[ActorSlot] = []
         self.shards: deque[Shard] = deque()
 
@@ -101,6 +102,8 @@ class RayRun:
         finally:
             self.ledger.write_index()
             self.ledger.close_progress()
+            if self.engine.failure_log is not None:
+                self.engine.failure_log.close()
             self.summary.wall_s = time.perf_counter() - start
         s = self.summary
         logger.info("fingerprint %s on %d Ray actor(s): %d done, %d skipped, %d failed in %.1fs",
@@ -109,11 +112,14 @@ class RayRun:
 
     # -- resume -----------------------------------------------------------------------
     def _skip_cached(self, work: list[WorkItem]) -> list[WorkItem]:
-        """Items left to compute; the stored and unchanged ones are reported skipped.
+        """Items left to compute; the stored and unchanged ones are reported skipped (and,
+        with ``skip_failed``, the unchanged ones that failed before, failed).
 
-        Only files that have a stored record are hashed (in threads: it is reading).
+        Only files that have a stored record or a remembered failure are hashed (in
+        threads: it is reading).
         """
-        stored = [item for item in work if item.stored_hash is not None]
+        stored = [item for item in work
+                  if item.stored_hash is not None or item.failed_hash is not None]
         hashes: dict[str, str | SourceError] = {}
         if stored:
             with cf.ThreadPoolExecutor(min(_HASH_THREADS, len(stored))) as pool:
@@ -129,7 +135,10 @@ class RayRun:
             elif isinstance(digest, SourceError):
                 self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=digest.reason))
             elif digest == item.stored_hash:
-                self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key))
+                self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key,
+                                              source_hash=digest))
+            elif digest == item.failed_hash:
+                self.ledger.finish(self.ledger.skipped_failure(item, digest))
             else:
                 todo.append(item)
         return todo
@@ -345,7 +354,7 @@ class RayRun:
                 logger.exception("writing %d records failed", len(records))
                 write_error = f"store write failed: {' '.join(str(exc).split())[:300]}"
             self.summary.write_s += time.perf_counter() - start
-        for sample_id, path, status, key, reason in message["results"]:
+        for sample_id, path, status, key, reason, source_hash in message["results"]:
             if slot.outstanding.pop(sample_id, None) is None:
                 logger.warning("actor %d reported %s, which it was not given; ignored",
                                slot.stats.actor, sample_id)
@@ -356,7 +365,8 @@ class RayRun:
                 slot.stats.done += 1
             elif status == "failed":
                 slot.stats.failed += 1
-            self.ledger.finish(ItemResult(sample_id, path, status, key=key, reason=reason))
+            self.ledger.finish(ItemResult(sample_id, path, status, key=key, reason=reason,
+                                          source_hash=source_hash))
 
     def _add_timings(self, timings: dict[str, Any]) -> None:
         s = self.summary

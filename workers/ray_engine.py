@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import ParameterError
+from cache_store.failures import FailureLog
 from cache_store.store import Store
 from workers.engine import Engine, _loaders_argument
 from workers.ray_actor import ShardBuffer, ShardWorker
@@ -108,13 +109,15 @@ class RayEngine(Engine):
                  actor_fault: Callable[[str], None] | None = None,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
+                 skip_failed: bool = False, failure_log: FailureLog | None = None,
                  jobs: int | None = None) -> None:
         loaders = _loaders_argument(loaders, jobs, default=None)
         super().__init__(store, recipe, params, device=device, backend=backend,
                          loaders=0 if loaders is None else loaders, query_chunk=query_chunk,
                          min_query_chunk=min_query_chunk, write_batch=write_batch,
                          prefetch=prefetch, progress=progress, source_roots=source_roots,
-                         max_source_bytes=max_source_bytes)
+                         max_source_bytes=max_source_bytes, skip_failed=skip_failed,
+                         failure_log=failure_log)
         problems = []
         if str(device) not in ("auto", "cpu", "cuda"):
             problems.append(f"device: {device!r}: on Ray each actor owns the GPU Ray gives it; "

@@ -10,11 +10,15 @@ Ray driver's run:
 - :meth:`RunLedger.finish`: one item's :class:`ItemResult` goes into the :class:`Summary`,
   the progress bar and the caller's ``on_result``;
 - :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
-  their order, followed by this run's newly stored ids, in input order.
+  their order, followed by this run's newly stored ids, in input order;
+- the failure log (:mod:`cache_store.failures`), when the store has one: a failure on a
+  known source hash is remembered, a repeat on the same source with the same reason is
+  reported as "failed again, same reason", and a sample computed at last is forgotten.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
@@ -24,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId, RecordNotFound
+from cache_store.failures import Failure, FailureLog
 from cache_store.fingerprint import record_key, validate_sample_id
 from cache_store.record import read_metadata
 from cache_store.store import DatasetIndex, Store
@@ -33,16 +38,23 @@ __all__ = ["SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one
 logger = logging.getLogger(__name__)
 
 
+#: ``repeat`` values: a first failure, the same failure again, or not retried.
+REPEATS = ("", "again", "skipped")
+
+
 @dataclass(frozen=True)
 class SampleError:
-    """Why one sample has no record."""
+    """Why one sample has no record. ``repeat`` is ``""`` (first failure on this source),
+    ``"again"`` (failed before on the same source, for the same reason) or ``"skipped"``
+    (failed before on the same source; not retried, ``skip_failed``)."""
 
     id: str
     path: str
     reason: str
+    repeat: str = ""
 
     def as_json(self) -> dict[str, str]:
-        return {"id": self.id, "path": self.path, "reason": self.reason}
+        return {"id": self.id, "path": self.path, "reason": self.reason, "repeat": self.repeat}
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,9 @@ class ItemResult:
     """What happened to one item; handed to ``on_result``.
 
     ``status`` is ``"done"`` (record committed), ``"skipped"`` (an up-to-date record was
-    already stored) or ``"failed"`` (``reason`` says why).
+    already stored) or ``"failed"`` (``reason`` says why; ``repeat`` as in
+    :class:`SampleError`). ``source_hash`` is the content hash the item was computed or
+    failed on, when it was read.
     """
 
     sample_id: str
@@ -58,6 +72,8 @@ class ItemResult:
     status: str
     key: str = ""
     reason: str = ""
+    source_hash: str = ""
+    repeat: str = ""
 
 
 @dataclass
@@ -89,6 +105,10 @@ class Summary:
     def total(self) -> int:
         return self.done + self.skipped + self.failed
 
+    def repeats(self, kind: str) -> list[str]:
+        """Ids of the failures whose ``repeat`` is ``kind`` (``"again"``, ``"skipped"``)."""
+        return [e.id for e in self.errors if e.repeat == kind]
+
     def as_json(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint,
@@ -101,6 +121,8 @@ class Summary:
             "skipped": self.skipped,
             "failed": self.failed,
             "errors": [e.as_json() for e in self.errors],
+            "failed_again": self.repeats("again"),
+            "skipped_failed": self.repeats("skipped"),
             "timings": {"load_s": round(self.load_s, 4), "compute_s": round(self.compute_s, 4),
                         "write_s": round(self.write_s, 4), "wall_s": round(self.wall_s, 4)},
             "oom_backoffs": self.oom_backoffs,
@@ -109,12 +131,14 @@ class Summary:
 
 @dataclass
 class WorkItem:
-    """One admitted item: its record key and the source hash of its stored record."""
+    """One admitted item: its record key, the source hash of its stored record, and the
+    source hash of a remembered failure when the run skips those (``skip_failed``)."""
 
     sample_id: str
     path: str
     key: str = ""
     stored_hash: str | None = None
+    failed_hash: str | None = None
 
 
 class RunLedger:
@@ -126,14 +150,21 @@ class RunLedger:
             fingerprint, recipe, version and params say what the run computes.
         on_result: the caller's callback, called for every item.
         progress: show a tqdm bar on stderr (opened by :meth:`open_progress`).
+        failures: the failure log to consult and update; None remembers nothing.
+        skip_failed: admitted items carry their remembered failure's source hash, so the
+            engine can skip an unchanged source that failed before.
     """
 
     def __init__(self, store: Store, summary: Summary,
-                 on_result: Callable[[ItemResult], None] | None, *, progress: bool = False) -> None:
+                 on_result: Callable[[ItemResult], None] | None, *, progress: bool = False,
+                 failures: FailureLog | None = None, skip_failed: bool = False) -> None:
         self.store = store
         self.summary = summary
         self.on_result = on_result
         self.progress = progress
+        self.failures = failures
+        self.skip_failed = skip_failed
+        self.known_failures: dict[str, Failure] = {}
         self.stored_ids: set[str] = set()
         self.admitted: list[str] = []  # valid, unique sample ids in input order
         self.bar: Any = None
@@ -160,7 +191,20 @@ class RunLedger:
             self.admitted.append(sample_id)
             key = self.key(sample_id)
             work.append(WorkItem(sample_id, path, key, self.stored_source_hash(key)))
+        if self.failures is not None and work:
+            self.known_failures = self.failures.get_many(self.summary.fingerprint,
+                                                         [item.sample_id for item in work])
+            if self.skip_failed:
+                for item in work:
+                    known = self.known_failures.get(item.sample_id)
+                    item.failed_hash = known.source_hash if known is not None else None
         return work
+
+    def skipped_failure(self, item: WorkItem, source_hash: str) -> ItemResult:
+        """The result of an item not retried: its source is unchanged since it failed."""
+        known = self.known_failures[item.sample_id]
+        return ItemResult(item.sample_id, item.path, "failed", reason=known.reason,
+                          source_hash=source_hash, repeat="skipped")
 
     def stored_source_hash(self, key: str) -> str | None:
         """The ``source_hash`` of the record stored under ``key``; None when there is no
@@ -181,17 +225,44 @@ class RunLedger:
         if result.status == "done":
             summary.done += 1
             self.stored_ids.add(result.sample_id)
+            if result.sample_id in self.known_failures and self.failures is not None:
+                try:
+                    self.failures.forget(summary.fingerprint, [result.sample_id])
+                except Exception:  # noqa: BLE001 - the log is advice; the record is stored
+                    logger.exception("cannot forget the old failure of %s", result.sample_id)
         elif result.status == "skipped":
             summary.skipped += 1
             self.stored_ids.add(result.sample_id)
         else:
+            result = self._remember(result)
             summary.failed += 1
-            summary.errors.append(SampleError(result.sample_id, result.path, result.reason))
+            summary.errors.append(SampleError(result.sample_id, result.path, result.reason,
+                                              result.repeat))
             logger.warning("%s (%s): %s", result.sample_id, result.path, result.reason)
         if self.bar is not None:
             self.bar.update(1)
         if self.on_result is not None:
             self.on_result(result)
+
+    def _remember(self, result: ItemResult) -> ItemResult:
+        """Record a failure in the log; say so in its reason when it is a repeat."""
+        if result.repeat == "skipped":
+            return dataclasses.replace(result, reason="not retried: failed before on this "
+                                                      "unchanged source (skip_failed): "
+                                                      + result.reason)
+        known = self.known_failures.get(result.sample_id)
+        if (known is not None and result.source_hash and known.source_hash == result.source_hash
+                and known.reason == result.reason):
+            result = dataclasses.replace(result, repeat="again",
+                                         reason="failed again, same reason: " + result.reason)
+        if self.failures is not None and result.source_hash:
+            raw = known.reason if result.repeat == "again" and known is not None else result.reason
+            try:
+                self.failures.record(self.summary.fingerprint, result.sample_id, result.path,
+                                     result.source_hash, raw)
+            except Exception:  # noqa: BLE001 - the log is advice; the failure is still reported
+                logger.exception("cannot remember the failure of %s", result.sample_id)
+        return result
 
     def open_progress(self, total: int) -> None:
         if self.progress:

@@ -307,3 +307,67 @@ def test_jobs_is_still_accepted_as_the_old_name_of_loaders(tmp_path: Path) -> No
         assert Engine(store, "spc").loaders == 2
         with pytest.raises(ParameterError, match="disagree"):
             Engine(store, "spc", loaders=1, jobs=2)
+
+
+def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_fixed(
+        tmp_path: Path) -> None:
+    from cache_store.failures import FailureLog
+
+    sources = tmp_path / "src"
+    sources.mkdir()
+    np.save(sources / "good.npy", np.random.default_rng(0).uniform(-1, 1, (300, 3)))
+    np.save(sources / "bad.npy", np.zeros((100, 4)))  # not [N, 3]: a SourceError
+    items = [("good", str(sources / "good.npy")), ("bad", str(sources / "bad.npy"))]
+    params = {"level": 4, "surface_samples": 200}
+    cache = tmp_path / "cache"
+
+    def run(**options):
+        with open_store(cache, readonly=False) as store:
+            return Engine(store, "spc", params, device="cpu", backend="torch", loaders=0,
+                          **options).run(items)
+
+    first = run()
+    (error,) = first.errors
+    assert error.id == "bad" and error.repeat == "" and "shape (100, 4)" in error.reason
+    log = FailureLog(cache)
+    (remembered,) = log.get_many(first.fingerprint, ["bad", "good"]).values()
+    assert remembered.reason == error.reason and remembered.times == 1
+
+    again = run()
+    (error,) = again.errors
+    assert error.repeat == "again" and error.reason == "failed again, same reason: " + \
+        remembered.reason
+    assert again.as_json()["failed_again"] == ["bad"] and again.skipped == 1
+    assert log.get_many(first.fingerprint, ["bad"])["bad"].times == 2
+
+    reported: list[ItemResult] = []
+    with open_store(cache, readonly=False) as store:
+        skipping = Engine(store, "spc", params, device="cpu", backend="torch", loaders=0,
+                          skip_failed=True)
+        skipped = skipping.run(items, on_result=reported.append)
+    (error,) = skipped.errors
+    assert error.repeat == "skipped" and remembered.reason in error.reason
+    assert "not retried" in error.reason and skipped.as_json()["skipped_failed"] == ["bad"]
+    assert [r.status for r in reported if r.sample_id == "bad"] == ["failed"]
+    assert log.get_many(first.fingerprint, ["bad"])["bad"].times == 2  # not tried: not counted
+
+    np.save(sources / "bad.npy", np.zeros((50, 5)))  # changed, still bad: retried
+    changed = run(skip_failed=True)
+    (error,) = changed.errors
+    assert error.repeat == "" and "shape (50, 5)" in error.reason
+
+    np.save(sources / "bad.npy", np.random.default_rng(1).uniform(-1, 1, (300, 3)))  # fixed
+    fixed = run(skip_failed=True)
+    assert fixed.failed == 0 and fixed.done == 1 and fixed.skipped == 1
+    assert log.get_many(first.fingerprint, ["bad"]) == {}
+    with open_store(cache) as store:  # readers never see the log: records only
+        assert sorted(store.keys()) == sorted(f"{first.fingerprint}/{i}" for i in ("bad", "good"))
+    log.close()
+
+
+def test_skip_failed_needs_a_store_with_a_failure_log() -> None:
+    from cache_store.errors import ParameterError
+    from workers.ray_engine import ShardBuffer
+
+    with pytest.raises(ParameterError, match="skip_failed"):
+        Engine(ShardBuffer(), "spc", skip_failed=True)

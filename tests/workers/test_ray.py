@@ -135,6 +135,27 @@ def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, bad_inpu
 
 
 @pytest.mark.slow
+def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cache,
+                                                                         sources) -> None:
+    cache, first, _ = ray_cache
+    failed = {e.id for e in first.errors}
+    with open_store(cache, readonly=False) as store:
+        again = RayEngine(store, "spc_query", PARAMS, **RAY_OPTIONS).run(_items(sources))
+        skipping = RayEngine(store, "spc_query", PARAMS, skip_failed=True, **RAY_OPTIONS)
+        skipped = skipping.run(_items(sources))
+    # failures read from the file (an unreadable one has no hash) are remembered
+    remembered = {e.id for e in again.errors if e.repeat == "again"}
+    assert remembered and remembered <= failed and again.skipped == first.done
+    assert all(e.reason.startswith("failed again, same reason: ") for e in again.errors
+               if e.id in remembered)
+    assert set(skipped.as_json()["skipped_failed"]) == remembered
+    assert skipped.skipped == first.done and skipped.failed == first.failed
+    # only the failures without a remembered source hash (unreadable files) were retried
+    retried = {e.id for e in skipped.errors if e.repeat != "skipped"}
+    assert retried == failed - remembered
+
+
+@pytest.mark.slow
 def test_summary_reports_every_item_once_and_each_actor(ray_cache, sources) -> None:
     _, summary, reported = ray_cache
     counts = Counter(r.sample_id for r in reported)
