@@ -192,8 +192,12 @@ class RunLedger:
             key = self.key(sample_id)
             work.append(WorkItem(sample_id, path, key, self.stored_source_hash(key)))
         if self.failures is not None and work:
-            self.known_failures = self.failures.get_many(self.summary.fingerprint,
-                                                         [item.sample_id for item in work])
+            try:
+                self.known_failures = self.failures.get_many(self.summary.fingerprint,
+                                                             [item.sample_id for item in work])
+            except Exception:  # noqa: BLE001 - the log is advice: without it, retry everything
+                logger.exception("cannot read the failure log %s; every sample is tried",
+                                 getattr(self.failures, "path", ""))
             if self.skip_failed:
                 for item in work:
                     known = self.known_failures.get(item.sample_id)
