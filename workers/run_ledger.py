@@ -33,7 +33,7 @@ from cache_store.fingerprint import record_key, validate_sample_id
 from cache_store.record import read_metadata
 from cache_store.store import DatasetIndex, Store
 
-__all__ = ["SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line"]
+__all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line"]
 
 logger = logging.getLogger(__name__)
 
