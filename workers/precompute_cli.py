@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import os
 import signal
@@ -143,24 +142,6 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary.failed else 0
 
 
-def _engine_options(engine_class: type, args: argparse.Namespace,
-                    loaders: int | None) -> dict[str, Any]:
-    """The loader-count and skip-failed keywords as ``engine_class`` takes them.
-
-    The engines are renaming ``jobs=`` to ``loaders=`` and gaining ``skip_failed=``; until
-    both have landed, an engine that still says ``jobs`` gets ``jobs``, and --skip-failed
-    on an engine without it is a usage error rather than silently ignored.
-    """
-    accepted = inspect.signature(engine_class).parameters
-    options: dict[str, Any] = {"loaders" if "loaders" in accepted else "jobs": loaders}
-    if args.skip_failed:
-        if "skip_failed" not in accepted:
-            raise UsageError(f"--skip-failed: this build's {engine_class.__name__} cannot skip "
-                             f"failed samples yet")
-        options["skip_failed"] = True
-    return options
-
-
 def _make_engine(args: argparse.Namespace, store: Any, params: dict[str, Any]) -> Any:
     options = dict(device=args.device, backend=args.backend, query_chunk=args.query_chunk,
                    write_batch=args.write_batch, progress=sys.stderr.isatty())
@@ -168,11 +149,12 @@ def _make_engine(args: argparse.Namespace, store: Any, params: dict[str, Any]) -
         from workers.ray_engine import RayEngine
 
         return RayEngine(store, args.recipe, params, address=args.address, actors=args.actors,
-                         **_engine_options(RayEngine, args, args.loaders), **options)
+                         loaders=args.loaders, skip_failed=args.skip_failed, **options)
     from workers.engine import Engine
 
     loaders = max(1, min(8, (os.cpu_count() or 2) - 1)) if args.loaders is None else args.loaders
-    return Engine(store, args.recipe, params, **_engine_options(Engine, args, loaders), **options)
+    return Engine(store, args.recipe, params, loaders=loaders, skip_failed=args.skip_failed,
+                  **options)
 
 
 def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:

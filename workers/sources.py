@@ -42,6 +42,7 @@ import torch
 from cache_store.errors import SourceError
 from cache_store.hashing import hash_bytes, hash_file
 from cache_store.sources_list import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
+from workers.source_files import SourceLimits, read_source_file
 
 __all__ = [
     "POINT_CLOUD_EXTENSIONS",
@@ -102,20 +103,21 @@ class Normalization:
     scale: float  # > 0, exactly representable as float32
 
 
-def read_source_bytes(path: str | Path) -> bytes:
+def read_source_bytes(path: str | Path, limits: SourceLimits | None = None) -> bytes:
     """The bytes of a source file, after checking its extension is supported.
 
+    Read through :func:`workers.source_files.read_source_file`: a regular file only,
+    inside ``limits.roots`` when given, within the size and time limits.
+
     Raises:
-        SourceError: unsupported extension, unreadable or empty file.
+        SourceError: unsupported extension, not a regular file, outside the roots, over
+            a limit, unreadable or empty file.
     """
     path = Path(path)
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
         raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}; "
                                 f"supported: {', '.join(sorted(SUPPORTED_EXTENSIONS))}")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
+    data = read_source_file(path, limits)
     if not data:
         raise SourceError(path, "file is empty")
     return data

@@ -194,28 +194,6 @@ def test_the_recipe_is_validated_before_sources_are_searched(
     assert "unknown recipe 'nope'" in err and "missing" not in err
 
 
-def test_loaders_and_skip_failed_reach_the_engine_under_its_keywords() -> None:
-    import argparse
-
-    from workers.precompute_cli import UsageError, _engine_options
-
-    class NewEngine:
-        def __init__(self, store, recipe, params=None, *, loaders=2, skip_failed=False):
-            pass
-
-    class OldEngine:
-        def __init__(self, store, recipe, params=None, *, jobs=2):
-            pass
-
-    on = argparse.Namespace(skip_failed=True)
-    off = argparse.Namespace(skip_failed=False)
-    assert _engine_options(NewEngine, on, 3) == {"loaders": 3, "skip_failed": True}
-    assert _engine_options(NewEngine, off, 0) == {"loaders": 0}
-    assert _engine_options(OldEngine, off, 3) == {"jobs": 3}
-    with pytest.raises(UsageError, match="--skip-failed"):
-        _engine_options(OldEngine, on, 3)
-
-
 def test_jobs_is_an_alias_of_loaders() -> None:
     parser = cli.subcommand_parser("precompute", cli.resolve("precompute"))
     base = ["src", "--recipe", "spc", "--cache", "c"]

@@ -190,7 +190,7 @@ def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
         if len(calls) == 1:
             raise torch.cuda.OutOfMemoryError("simulated")
 
-    budget = ChunkBudget(2048, minimum=256, fault_hook=fault)
+    budget = ChunkBudget(2048, minimum=256, before_query_chunk=fault)
     source = load_source(tmp_path / "shape.ply")
     out = RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "shape.ply"),
                          device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
