@@ -101,7 +101,8 @@ def serve(settings: Settings) -> int:
     if settings.worker:
         supervisor = WorkerSupervisor(
             worker_command(str(settings.cache), device=settings.worker_device,
-                           backend=settings.worker_backend, log_level=settings.log_level),
+                           backend=settings.worker_backend, log_level=settings.log_level,
+                           source_roots=settings.source_roots),
             max_backoff_s=settings.worker_restart_max_s, cache=settings.cache)
         log.info("spcache serve: worker child on device %s (backend %s)",
                  settings.worker_device or "auto", settings.worker_backend)

@@ -37,9 +37,14 @@ PARENT_PID_ENV = "SPCACHE_PARENT_PID"
 
 
 def worker_command(cache: str, *, device: str | None = None, backend: str = "auto",
-                   log_level: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """The command line that starts one worker for ``cache``."""
+                   log_level: str | None = None, source_roots: Sequence[os.PathLike[str] | str] = (),
+                   extra: Sequence[str] = ()) -> list[str]:
+    """The command line that starts one worker for ``cache``; with ``source_roots`` the
+    worker re-checks, when it opens a source, that it still lies inside one of them (the
+    service checked at submit time, but a path can be swapped for a link afterwards)."""
     cmd = [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--backend", backend]
+    for root in source_roots:
+        cmd += ["--source-root", str(root)]
     if device:
         cmd += ["--device", device]
     if log_level:

@@ -24,6 +24,16 @@ def test_worker_command_runs_the_worker_module_with_this_python() -> None:
     cmd = worker_command("/c", device="cuda:1", backend="torch")
     assert cmd[:4] == [sys.executable, "-m", "spcache", "worker"]
     assert cmd[cmd.index("--device") + 1] == "cuda:1" and "/c" in cmd
+    assert "--source-root" not in cmd
+
+
+def test_worker_command_passes_the_source_roots_to_the_worker_parser(tmp_path: Path) -> None:
+    from spcache import cli
+
+    cmd = worker_command("/c", source_roots=[tmp_path / "a", tmp_path / "b"])
+    parser = cli.subcommand_parser("worker", cli.resolve("worker"))
+    args = parser.parse_args(cmd[cmd.index("worker") + 1:])
+    assert [str(r) for r in args.source_roots] == [str(tmp_path / "a"), str(tmp_path / "b")]
 
 
 def test_a_dead_worker_is_restarted_with_backoff_and_stopped_cleanly(tmp_path: Path) -> None:
