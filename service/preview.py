@@ -44,7 +44,7 @@ _MISS_COLOUR = np.array([215, 50, 40], dtype=np.uint8)
 #: Splat keys: distance from the camera quantised to _DEPTH_BITS over +-_DEPTH_RANGE,
 #: above _SPLAT_BITS of splat number (MAX_SPLATS must fit).
 _DEPTH_BITS, _SPLAT_BITS, _DEPTH_RANGE = 22, 40, 1.8
-_LIGHT = np.array([-0.45, 0.65, 0.62]) / np.linalg.norm([-0.45, 0.65, 0.62])
+_LIGHT = np.array([-0.3, 0.6, 0.74]) / np.linalg.norm([-0.3, 0.6, 0.74])
 
 
 def _rotation(yaw_deg: float, pitch_deg: float) -> np.ndarray:
@@ -158,7 +158,7 @@ def _template(rotation: np.ndarray, half: float, scale: float) -> tuple[np.ndarr
     rows = np.arange(len(axis))
     normal = np.zeros((len(axis), 3))
     normal[rows, axis] = -np.sign(direction[axis])
-    shade = 0.38 + 0.62 * np.clip((normal @ rotation.T) @ _LIGHT, 0.0, 1.0)
+    shade = 0.45 + 0.55 * np.clip((normal @ rotation.T) @ _LIGHT, 0.0, 1.0)
     if half * scale >= 3.0:  # big enough to draw the cube's edges
         point = origin + np.where(hit, t_near, 0.0)[:, None] * direction
         across = np.abs(point)
@@ -241,7 +241,7 @@ def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
     pixels = np.flatnonzero(nearest != empty)
     chosen = nearest[pixels] & ((1 << _SPLAT_BITS) - 1)
     z = view_xyz[2][chosen // len(dx)]
-    cue = 0.62 + 0.38 * (z + 1.8) / 3.6  # fixed depth cue, the same for every record
+    cue = 0.72 + 0.28 * (z + 1.8) / 3.6  # fixed depth cue, the same for every record
     light = shade[chosen % len(dx)] * cue
     image[pixels] = np.clip(light[:, None] * _BASE_COLOUR * 255.0, 0, 255).astype(np.uint8)
     depth[pixels] = z

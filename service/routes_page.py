@@ -24,7 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import RecordNotFound
-from cache_store.fingerprint import record_key, validate_fingerprint, validate_sample_id
+from cache_store.fingerprint import record_key, validate_fingerprint
 from cache_store.jobs import item_state
 from cache_store.record import record_checksum
 from service.context import ServiceContext
@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 STATIC_DIR = FilePath(__file__).parent / "static"
 _DOCS_ASSETS_URL = "/docs-assets"
 _PNG = "image/png"
+#: The page and the docs may load nothing from anywhere but this service. (ReDoc's bundle
+#: hard-codes a Redocly logo from cdn.redoc.ly; under this policy the browser never asks
+#: for it, and ReDoc hides the image that did not load.)
+_CSP_PAGE = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+             "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+_CSP_DOCS = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+             "script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; font-src 'self' data:; "
+             "connect-src 'self'; object-src 'none'; base-uri 'none'")
 
 router = APIRouter(tags=["page"])
 
@@ -107,27 +115,33 @@ def _ctx(request: Request) -> ServiceContext:
 def status_page() -> FileResponse:
     """The status page (HTML)."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                        headers={"Cache-Control": "no-cache"})
+                        headers={"Cache-Control": "no-cache",
+                                 "Content-Security-Policy": _CSP_PAGE})
+
+
+def _with_csp(page: HTMLResponse) -> HTMLResponse:
+    page.headers["Content-Security-Policy"] = _CSP_DOCS
+    return page
 
 
 @router.get("/docs", include_in_schema=False)
 def swagger_docs(request: Request) -> HTMLResponse:
     root = request.scope.get("root_path", "")
-    return get_swagger_ui_html(
+    return _with_csp(get_swagger_ui_html(
         openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (Swagger UI)",
         swagger_js_url=f"{root}{_DOCS_ASSETS_URL}/swagger-ui-bundle.js",
         swagger_css_url=f"{root}{_DOCS_ASSETS_URL}/swagger-ui.css",
         swagger_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png",
-        swagger_ui_parameters={"validatorUrl": None})
+        swagger_ui_parameters={"validatorUrl": None}))
 
 
 @router.get("/redoc", include_in_schema=False)
 def redoc_docs(request: Request) -> HTMLResponse:
     root = request.scope.get("root_path", "")
-    return get_redoc_html(
+    return _with_csp(get_redoc_html(
         openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (ReDoc)",
         redoc_js_url=f"{root}{_DOCS_ASSETS_URL}/redoc.standalone.js",
-        redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False)
+        redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False))
 
 
 def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:
@@ -205,6 +219,4 @@ async def list_samples(
     """A page of a cache's samples (records and queued items), sorted by id, with each
     sample's state as ``/v1/caches/{fp}/items/{id}`` gives it; ``next`` is the cursor."""
     validate_fingerprint(fingerprint)
-    if after:
-        validate_sample_id(after)
     return await run_in_threadpool(_sample_page, _ctx(request), fingerprint, prefix, after, limit)

@@ -21,6 +21,9 @@
   }
   const fmtBytes = (n) => n < 1024 ? `${n} B` : n < 1 << 20 ? `${(n / 1024).toFixed(1)} KiB`
     : n < 1 << 30 ? `${(n / 1048576).toFixed(1)} MiB` : `${(n / 1073741824).toFixed(2)} GiB`;
+  const fmtParams = (p) => el("span", { class: "params" },
+    ...Object.entries(p).map(([k, v]) => el("span", {}, `${k}=${v}`)));
+  const shortId = (id) => el("code", { title: id }, id.length > 12 ? `${id.slice(0, 12)}…` : id);
   const fmtTime = (t) => t ? new Date(t * 1000).toLocaleString() : "—";
   function fmtDuration(s) {
     if (s == null || !isFinite(s)) return "—";
@@ -50,7 +53,11 @@
     const bar = el("div", { class: "bar", role: "img",
       "aria-label": `${c.done} done, ${c.failed} failed, ${c.running} running, ${c.pending} pending of ${total}` });
     for (const k of ["done", "failed", "running"]) {
-      if (total > 0 && c[k] > 0) bar.append(el("span", { class: k, style: `width:${100 * c[k] / total}%` }));
+      if (total > 0 && c[k] > 0) {
+        const part = el("span", { class: k });
+        part.style.width = `${100 * c[k] / total}%`;  // CSSOM: allowed by the page's CSP
+        bar.append(part);
+      }
     }
     const pct = total ? Math.floor(100 * (c.done + c.failed) / total) : 100;
     return el("div", {}, bar, el("span", { class: "muted progress-text" },
@@ -73,8 +80,8 @@
       cancel.disabled = !active;
       cancel.onclick = () => cancelJob(job.id);
       body.append(el("tr", { "data-job": job.id, "data-status": job.status },
-        el("td", {}, el("code", {}, job.id), el("br"), el("span", { class: "muted" }, fmtTime(job.created))),
-        el("td", {}, job.recipe, el("br"), el("span", { class: "muted mono" }, JSON.stringify(job.params))),
+        el("td", {}, shortId(job.id), el("br"), el("span", { class: "muted" }, fmtTime(job.created))),
+        el("td", {}, job.recipe, el("br"), fmtParams(job.params)),
         el("td", {}, el("span", { class: `state ${job.status}` }, job.status)),
         el("td", {}, progressBar(job)),
         el("td", { class: "num" }, rate == null ? "—" : `${rate.toFixed(1)}/s`),
@@ -125,8 +132,8 @@
       const open = el("button", { type: "button", "aria-controls": "samples-panel" }, `${c.samples} samples`);
       open.onclick = () => openCache(c);
       return el("tr", { "data-fingerprint": c.fingerprint },
-        el("td", {}, el("code", {}, c.fingerprint)), el("td", {}, `${c.recipe} v${c.recipe_version}`),
-        el("td", {}, el("span", { class: "mono" }, JSON.stringify(c.params))),
+        el("td", {}, shortId(c.fingerprint)), el("td", {}, `${c.recipe} v${c.recipe_version}`),
+        el("td", {}, fmtParams(c.params)),
         el("td", { class: "num" }, detail.counts.records), el("td", { class: "num" }, fmtBytes(detail.bytes)),
         el("td", {}, fmtTime(created.get(c.fingerprint))), el("td", {}, open));
     }));
