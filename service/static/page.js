@@ -14,6 +14,13 @@
     for (const c of children) node.append(c instanceof Node ? c : String(c ?? ""));
     return node;
   }
+  // Each cell carries its column's heading (shown before it on narrow screens).
+  function label(table) {
+    const heads = [...table.tHead.rows[0].cells].map((th) => th.textContent);
+    for (const row of table.tBodies[0].rows) {
+      [...row.cells].forEach((td, i) => { if (heads[i] && td.colSpan === 1) td.dataset.label = heads[i]; });
+    }
+  }
   async function getJSON(url) {
     const r = await fetch(url, { headers: { Accept: "application/json" } });
     if (!r.ok) throw new Error(`${url}: ${r.status} ${(await r.text()).slice(0, 200)}`);
@@ -88,6 +95,7 @@
         el("td", { class: "num" }, left === 0 ? "done" : fmtDuration(eta)),
         el("td", {}, errorsButton), el("td", {}, cancel)));
     }
+    label($("jobs"));
     if (state.errorsJob) await refreshErrors();
   }
 
@@ -101,6 +109,7 @@
       el("td", {}, el("code", {}, e.sample_id)), el("td", {}, el("code", {}, e.path)),
       el("td", { class: "num" }, e.attempts), el("td", {}, e.error))));
     const failed = job.counts.failed;
+    label($("errors"));
     $("errors-range").textContent = failed ? `${state.errorsOffset + 1}–${state.errorsOffset + job.errors.length} of ${failed}` : "none";
     $("errors-prev").disabled = state.errorsOffset === 0;
     $("errors-next").disabled = state.errorsOffset + ERRORS_PAGE >= failed;
@@ -138,6 +147,7 @@
         el("td", {}, fmtTime(created.get(c.fingerprint))), el("td", {}, open));
     }));
     body.replaceChildren(...rows);
+    label($("caches"));
     $("caches-empty").hidden = rows.length > 0;
   }
 
@@ -163,6 +173,7 @@
         el("td", {}, el("span", { class: `state ${s.state}` }, s.state)), el("td", {}, s.reason), el("td", {}, show));
     }));
     if (!page.samples.length) body.append(el("tr", {}, el("td", { colspan: 4, class: "muted" }, "No samples match.")));
+    label($("samples"));
     state.nextCursor = page.next;
     $("samples-next").disabled = page.next == null;
     $("samples-first").disabled = state.samplesAfter.length === 1;

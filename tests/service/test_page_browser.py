@@ -178,7 +178,10 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     phone, phone_attempted = _offline_page(browser, 390, 844)
     phone.goto(server.url + "/")
     phone.locator(f"tr[data-job='{job_id}']").wait_for(timeout=15_000)
+    phone.locator(f"tr[data-fingerprint='{fp}']").wait_for(timeout=15_000)
     assert phone.evaluate("document.documentElement.scrollWidth") <= 390
+    bar = phone.locator(f"tr[data-job='{job_id}'] .bar").bounding_box()
+    assert bar is not None and bar["x"] >= 0 and bar["x"] + bar["width"] <= 390, bar
     if _shots():
         phone.screenshot(path=str(_shots() / "page-phone.png"), full_page=True)
     assert attempted == [] and phone_attempted == []
