@@ -206,3 +206,51 @@ def test_api_docs_render_offline(browser: object, tmp_path: Path) -> None:
         assert attempted == [], attempted
     finally:
         stop_server(server)
+
+
+def test_cancel_asks_for_the_token_and_sends_it_as_a_header(browser: object,
+                                                             tmp_path: Path) -> None:
+    good, bad, _ = _sources(tmp_path / "sources")
+    server = start_server(tmp_path / "cache", tmp_path / "sources", "--no-worker")
+    try:
+        items = [{"id": p.stem, "path": str(p)} for p in [*good, bad]]
+        r = httpx.post(server.url + "/v1/warmup", headers=AUTH, timeout=30,
+                       json={"recipe": "spc", "params": {"level": 4}, "items": items})
+        job_id = r.json()["job_id"]  # no worker: it stays pending
+        page, attempted = _offline_page(browser, 1280, 800)
+        deletes: list[tuple[str, dict]] = []
+        page.on("request", lambda req: deletes.append((req.url, req.headers))
+                if req.method == "DELETE" else None)
+        dialogs: list[str] = []
+        page.on("dialog", lambda d: (dialogs.append(d.message), d.accept()))
+        page.goto(server.url + "/")
+        row = page.locator(f"tr[data-job='{job_id}']")
+        row.wait_for(timeout=15_000)
+        assert row.get_attribute("data-status") == "pending"
+
+        row.get_by_role("button", name="Cancel").click()  # a wrong token first
+        page.locator("#token-dialog").wait_for(state="visible")
+        page.fill("#token", "not-the-token")
+        page.click("#token-ok")
+        deadline = time.monotonic() + 10
+        while not dialogs and time.monotonic() < deadline:
+            page.wait_for_timeout(100)
+        assert dialogs and "not accepted" in dialogs[0]
+        assert row.get_attribute("data-status") == "pending"
+
+        row.get_by_role("button", name="Cancel").click()  # asked again, the right one
+        page.locator("#token-dialog").wait_for(state="visible")
+        page.fill("#token", AUTH["Authorization"].removeprefix("Bearer "))
+        page.click("#token-ok")
+        page.wait_for_function(
+            "id => document.querySelector(`tr[data-job='${id}']`)?.dataset.status"
+            " === 'cancelled'", arg=job_id, timeout=15_000)
+        assert len(deletes) == 2
+        token = AUTH["Authorization"].removeprefix("Bearer ")
+        for url, headers in deletes:
+            assert "token" not in url.lower() and token not in url and "not-the-token" not in url
+        assert deletes[0][1]["authorization"] == "Bearer not-the-token"
+        assert deletes[1][1]["authorization"] == AUTH["Authorization"]
+        assert attempted == []
+    finally:
+        stop_server(server)
