@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path as FilePath
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from fastapi import APIRouter, FastAPI, Path, Query, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -29,6 +29,7 @@ from cache_store.jobs import item_state
 from cache_store.record import record_checksum
 from service.context import ServiceContext
 from service.errors import ERROR_RESPONSES
+from service.routes_caches import etag_matches
 from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, record_levels,
                              render_record)
 
@@ -53,7 +54,8 @@ router = APIRouter(tags=["page"])
 Fingerprint = Annotated[str, Path(pattern="^[0-9a-f]{32}$",
                                   description="32 lowercase hex characters")]
 View = Literal["iso", "front", "side", "top"]
-assert set(View.__args__) == set(VIEWS)  # type: ignore[attr-defined]
+if set(get_args(View)) != set(VIEWS):  # the schema's enum and the renderer's cameras
+    raise RuntimeError(f"preview views {get_args(View)} do not match {sorted(VIEWS)}")
 
 
 class PreviewCache:
@@ -175,7 +177,7 @@ async def get_preview(
     wanted.check()
     etag = f'"{checksum}-{wanted.as_tag()}"'
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    if any(tag.strip() == etag for tag in request.headers.get("if-none-match", "").split(",")):
+    if etag_matches(request.headers.get("if-none-match"), etag):
         return Response(status_code=304, headers=headers)
     cache: PreviewCache = request.app.state.previews
     png = cache.get(etag)

@@ -4,7 +4,7 @@
   const $ = (id) => document.getElementById(id);
   const ERRORS_PAGE = 10, SAMPLES_PAGE = 25;
   const state = { token: null, errorsJob: null, errorsOffset: 0, cache: null,
-                  samplesAfter: [""], sample: null, maxLevel: 8, rates: new Map() };
+                  samplesAfter: [""], samplesTicket: 0, sample: null, maxLevel: 8, rates: new Map() };
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -74,6 +74,10 @@
   async function refreshJobs() {
     const data = await getJSON("/v1/jobs?limit=50");
     const body = $("jobs").tBodies[0];
+    // Rows are rebuilt every poll: keep the keyboard focus on the same button of the same job.
+    const focused = document.activeElement?.closest?.("#jobs tbody tr");
+    const refocus = focused && [focused.dataset.job,
+      [...focused.querySelectorAll("button")].indexOf(document.activeElement)];
     body.replaceChildren();
     $("jobs-empty").hidden = data.jobs.length > 0;
     for (const job of data.jobs) {
@@ -96,6 +100,7 @@
         el("td", {}, errorsButton), el("td", {}, cancel)));
     }
     label($("jobs"));
+    if (refocus) body.querySelector(`tr[data-job="${refocus[0]}"]`)?.querySelectorAll("button")[refocus[1]]?.focus();
     if (state.errorsJob) await refreshErrors();
   }
 
@@ -163,7 +168,9 @@
   async function refreshSamples() {
     const c = state.cache, after = state.samplesAfter[state.samplesAfter.length - 1];
     const q = new URLSearchParams({ prefix: $("prefix").value, after, limit: SAMPLES_PAGE });
+    const ticket = ++state.samplesTicket;
     const page = await getJSON(`/v1/caches/${c.fingerprint}/samples?${q}`);
+    if (ticket !== state.samplesTicket) return;  // a newer search was sent meanwhile
     const body = $("samples").tBodies[0];
     body.replaceChildren(...page.samples.map((s) => {
       const show = el("button", { type: "button", "aria-controls": "preview-panel" }, "Show");

@@ -140,16 +140,22 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     assert errors.count() == 1
     assert bad.name in errors.first.inner_text() and "broken_mesh" in errors.first.inner_text()
 
+    # Caches refresh every 5 s: wait for a refresh after the last record committed.
+    page.wait_for_function(
+        "([fp, n]) => document.querySelector(`tr[data-fingerprint='${fp}']`)"
+        "?.cells[3].textContent === String(n)", arg=[fp, total - 1], timeout=15_000)
     cache_row = page.locator(f"tr[data-fingerprint='{fp}']")
-    cache_row.wait_for(timeout=15_000)
     cells = cache_row.locator("td").all_inner_texts()
     assert cells[1].startswith("spc_query") and int(cells[3]) == total - 1
     cache_row.get_by_role("button").click()
     page.fill("#prefix", subject)
     page.click("#samples-search button")
+    # The search's answer replaces the unfiltered first page: one row, the subject's.
+    page.wait_for_function(
+        "id => { const rows = [...document.querySelectorAll('#samples tbody tr')];"
+        " return rows.length === 1 && rows[0].dataset.sample === id; }",
+        arg=subject, timeout=10_000)
     sample_row = page.locator(f"tr[data-sample='{subject}']")
-    sample_row.wait_for(timeout=10_000)
-    assert page.locator("#samples tbody tr").count() == 1
     assert "ready" in sample_row.inner_text()
     sample_row.get_by_role("button", name="Show").click()
     page.wait_for_function("() => { const i = document.getElementById('preview');"
@@ -228,7 +234,12 @@ def test_cancel_asks_for_the_token_and_sends_it_as_a_header(browser: object,
         row.wait_for(timeout=15_000)
         assert row.get_attribute("data-status") == "pending"
 
-        row.get_by_role("button", name="Cancel").click()  # a wrong token first
+        # Keyboard use: the focus survives the polls that rebuild the rows.
+        row.get_by_role("button", name="Cancel").focus()
+        page.wait_for_timeout(2500)
+        assert page.evaluate("document.activeElement.textContent") == "Cancel"
+        assert page.evaluate("document.activeElement.closest('tr').dataset.job") == job_id
+        page.keyboard.press("Enter")  # a wrong token first
         page.locator("#token-dialog").wait_for(state="visible")
         page.fill("#token", "not-the-token")
         page.click("#token-ok")
