@@ -150,6 +150,9 @@ def sphere_cache(tmp_path: Path) -> tuple[Path, str, list[str]]:
     for i, sid in enumerate(ids):
         store.put_many([(record_key(fp, sid), _encode(sphere_spc(LEVEL, n=5000, seed=i),
                                                        "spc", sid))])
+    flipped = bytearray(_encode(sphere_spc(LEVEL, n=500), "spc", "bad/flipped"))
+    flipped[-3] ^= 0x40  # a data byte: the header stays valid, a field checksum does not
+    store.put_many([(record_key(fp, "bad/flipped"), bytes(flipped))])
     store.put_index(DatasetIndex(fp, "spc", 1, params, np.array(ids)))
     store.close()
     queue = JobQueue(cache)
@@ -204,6 +207,14 @@ def test_preview_route_hostile_input(sphere_client: httpx.Client,
     assert body["error"] == error and body["detail"]
 
 
+def test_preview_of_a_damaged_record_is_a_json_corrupt_record(
+        sphere_client: httpx.Client, sphere_cache: tuple[Path, str, list[str]]) -> None:
+    _, fp, _ = sphere_cache
+    r = sphere_client.get(f"/v1/caches/{fp}/previews/bad/flipped", params={"size": 32})
+    assert r.status_code == 500 and r.json()["error"] == "CorruptRecord"
+    assert "bad/flipped" in r.json()["detail"] and "Traceback" not in r.text
+
+
 def test_preview_of_a_record_without_levels_is_422(tmp_path: Path) -> None:
     built = build_cache(tmp_path, n=1)  # conftest's records: random bytes, no pyramid
     settings = Settings(cache=built.root, source_roots=[built.sources], worker=False)
@@ -219,14 +230,18 @@ def test_sample_search_by_prefix_with_states_and_cursor(
     assert [s["sample_id"] for s in page["samples"]] == ["balls/a", "balls/b", "balls/queued"]
     assert [s["state"] for s in page["samples"]] == ["ready", "ready", "queued"]
     assert page["next"] is None
-    first = sphere_client.get(f"/v1/caches/{fp}/samples", params={"limit": 2}).json()
-    assert [s["sample_id"] for s in first["samples"]] == ["balls/a", "balls/b"]
-    rest = sphere_client.get(f"/v1/caches/{fp}/samples",
-                             params={"limit": 2, "after": first["next"]}).json()
-    assert [s["sample_id"] for s in rest["samples"]] == ["balls/queued", "cubes/c"]
-    last = sphere_client.get(f"/v1/caches/{fp}/samples",
-                             params={"limit": 2, "after": rest["next"]}).json()
-    assert [s["sample_id"] for s in last["samples"]] == ["ü/é"] and last["next"] is None
+    pages, after = [], ""
+    while True:  # pages of 2 by cursor, in key (UTF-8 byte) order, records and queue merged
+        got = sphere_client.get(f"/v1/caches/{fp}/samples",
+                                params={"limit": 2, "after": after}).json()
+        pages.append([(x["sample_id"], x["state"]) for x in got["samples"]])
+        if got["next"] is None:
+            break
+        assert got["next"] == pages[-1][-1][0]
+        after = got["next"]
+    assert pages == [[("bad/flipped", "ready"), ("balls/a", "ready")],  # header intact
+                     [("balls/b", "ready"), ("balls/queued", "queued")],
+                     [("cubes/c", "ready"), ("ü/é", "ready")]]
     none = sphere_client.get(f"/v1/caches/{fp}/samples", params={"prefix": "zzz"}).json()
     assert none["samples"] == [] and none["next"] is None
 
