@@ -268,3 +268,18 @@ def test_serving_pages_and_previews_imports_neither_torch_nor_workers() -> None:
                          capture_output=True, text=True).stdout.split()
     assert "torch" not in out
     assert not [m for m in out if m.split(".")[0] == "workers"]
+
+
+def test_every_page_asset_is_package_data() -> None:
+    """`pip install .` (the Dockerfile) ships only listed non-Python files; a missing one
+    would break GET / (and StaticFiles refuses a missing directory at start-up)."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())[
+        "tool"]["setuptools"]["package-data"]["service"]
+    assets = [p.relative_to(REPO_ROOT / "service").as_posix()
+              for p in (REPO_ROOT / "service" / "static").iterdir()]
+    assert {"static/index.html", "static/page.js", "static/page.css"} <= set(assets)
+    for asset in assets:
+        assert any(fnmatch.fnmatch(asset, pattern) for pattern in patterns), asset
