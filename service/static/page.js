@@ -111,7 +111,7 @@
     $("errors-title").textContent = `Errors of job ${id}`;
     const body = $("errors").tBodies[0];
     body.replaceChildren(...job.errors.map((e) => el("tr", {},
-      el("td", {}, el("code", {}, e.sample_id)), el("td", {}, el("code", {}, e.path)),
+      el("td", {}, el("code", {}, e.sample_id)), el("td", {}, el("code", { class: "path" }, e.path)),
       el("td", { class: "num" }, e.attempts), el("td", {}, e.error))));
     const failed = job.counts.failed;
     label($("errors"));
