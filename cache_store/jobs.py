@@ -514,6 +514,23 @@ class JobQueue:
             "ORDER BY updated DESC, id DESC LIMIT 1", (fingerprint, sample_id)).fetchone()
         return dict(row) if row is not None else None
 
+    def sample_ids(self, fingerprint: str, *, prefix: str = "", after: str = "",
+                   limit: int = 100) -> list[str]:
+        """Distinct sample ids queued under ``fingerprint`` (any status) that start with
+        ``prefix`` and sort after ``after``, in UTF-8 byte order (as record keys sort),
+        at most ``limit``: a page of a cache's sample list for the status page."""
+        start = max(prefix, after)
+        rows = self._conn().execute(
+            "SELECT DISTINCT sample_id FROM items WHERE fingerprint = ? AND sample_id >= ? "
+            "ORDER BY sample_id LIMIT ?", (fingerprint, start, limit + 1))
+        out = []
+        for (sample_id,) in rows:
+            if not sample_id.startswith(prefix):
+                break
+            if sample_id != after:
+                out.append(sample_id)
+        return out[:limit]
+
     @staticmethod
     def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str],
                     ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
