@@ -25,9 +25,9 @@ from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import RecordNotFound
 from cache_store.fingerprint import record_key, validate_fingerprint
-from cache_store.jobs import item_state
+from cache_store.item_state import item_state
 from cache_store.record import record_checksum
-from service.context import ServiceContext
+from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
 from service.routes_caches import etag_matches
 from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, record_levels,
@@ -109,10 +109,6 @@ def _docs_assets_dir() -> FilePath:
     return FilePath(fastapi_offline.__file__).parent / "static"
 
 
-def _ctx(request: Request) -> ServiceContext:
-    return request.app.state.ctx
-
-
 @router.get("/", include_in_schema=False)
 def status_page() -> FileResponse:
     """The status page (HTML)."""
@@ -159,7 +155,7 @@ def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:
             responses={200: {"content": {_PNG: {}}, "description": "PNG picture of one level"},
                        304: {"description": "not modified (If-None-Match)"}})
 async def get_preview(
-        fingerprint: Fingerprint, sample_id: str, request: Request,
+        fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
         level: int | None = Query(None, ge=0, le=15,
                                   description="octree level (default: the record's deepest)"),
         view: View = Query("iso", description="camera: iso, front, side or top"),
@@ -168,7 +164,6 @@ async def get_preview(
 ) -> Response:
     """A picture of one octree level of a record: occupied voxels as shaded cubes, query
     points green (voxel occupied at that level) or red. ETag = record checksum + params."""
-    ctx = _ctx(request)
     key = record_key(fingerprint, sample_id)
     value, checksum = await run_in_threadpool(_record, ctx, key)
     if level is None:
@@ -212,7 +207,7 @@ def _sample_page(ctx: ServiceContext, fingerprint: str, prefix: str, after: str,
 
 @router.get("/v1/caches/{fingerprint}/samples")
 async def list_samples(
-        fingerprint: Fingerprint, request: Request,
+        fingerprint: Fingerprint, ctx: Context,
         prefix: str = Query("", max_length=448, description="sample ids starting with this"),
         after: str = Query("", max_length=448, description="cursor: the last id of the "
                                                            "previous page ('next')"),
@@ -221,4 +216,4 @@ async def list_samples(
     """A page of a cache's samples (records and queued items), sorted by id, with each
     sample's state as ``/v1/caches/{fp}/items/{id}`` gives it; ``next`` is the cursor."""
     validate_fingerprint(fingerprint)
-    return await run_in_threadpool(_sample_page, _ctx(request), fingerprint, prefix, after, limit)
+    return await run_in_threadpool(_sample_page, ctx, fingerprint, prefix, after, limit)

@@ -140,10 +140,11 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     assert errors.count() == 1
     assert bad.name in errors.first.inner_text() and "broken_mesh" in errors.first.inner_text()
 
-    # Caches refresh every 5 s: wait for a refresh after the last record committed.
+    # The page polls caches every 5 s; the service re-walks a changed cache at most every
+    # stats_ttl_s (10 s): wait for a refresh after the last record committed.
     page.wait_for_function(
         "([fp, n]) => document.querySelector(`tr[data-fingerprint='${fp}']`)"
-        "?.cells[3].textContent === String(n)", arg=[fp, total - 1], timeout=15_000)
+        "?.cells[3].textContent === String(n)", arg=[fp, total - 1], timeout=45_000)
     cache_row = page.locator(f"tr[data-fingerprint='{fp}']")
     cells = cache_row.locator("td").all_inner_texts()
     assert cells[1].startswith("spc_query") and int(cells[3]) == total - 1
