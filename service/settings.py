@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
+    glob_max_entries: int = Field(200_000, ge=1,
+                                  description="directory entries one warm-up glob may look at")
+    glob_max_seconds: float = Field(5.0, gt=0, description="time one warm-up glob may take")
+    pool_check_s: float = Field(2.0, gt=0, description="/healthz: the thread pool must run a "
+                                "trivial task within this, else 503")
     job_errors_page: int = Field(100, ge=1, le=10_000)
     worker: bool = Field(True, description="run one worker child process (spcache serve)")
     worker_device: str | None = None
