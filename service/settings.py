@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     source_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path.cwd()],
         description="warm-up source paths must resolve inside one of these")
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="Host header values served (comma-separated or JSON; '*' = any); "
+                          "default: the bound host, localhost, 127.0.0.1, ::1 (any when bound "
+                          "to a wildcard address)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
@@ -67,6 +71,16 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [p for p in text.split(os.pathsep) if p]
+        return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [h.strip() for h in text.split(",") if h.strip()]
         return value
 
     @field_validator("source_roots")
