@@ -50,6 +50,12 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
+    max_response_bytes: int = Field(256 << 20, ge=1 << 20,
+                                    description="largest record or batch answer (else 413)")
+    max_read_bytes_in_flight: int = Field(1 << 30, ge=1 << 20, description="record bytes all "
+                                          "answers being built or sent may hold (else 503)")
+    max_hash_bytes: int = Field(512 << 20, ge=1, description="largest source an item-state "
+                                "?path= request hashes")
     glob_max_entries: int = Field(200_000, ge=1,
                                   description="directory entries one warm-up glob may look at")
     glob_max_seconds: float = Field(5.0, gt=0, description="time one warm-up glob may take")
