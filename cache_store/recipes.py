@@ -10,13 +10,20 @@ pure data and imports no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cache_store.errors import ParameterError, UnknownName
 
-__all__ = ["ParamSpec", "FieldSpec", "RecipeSpec", "RECIPE_SPECS", "get_recipe_spec"]
+__all__ = ["ParamSpec", "FieldSpec", "RecipeSpec", "RECIPE_SPECS", "get_recipe_spec",
+           "MAX_RECORD_BYTES"]
+
+#: Largest record a recipe's parameters may call for (worst case, from the parameters):
+#: a request above it is refused, so one record always fits one response of the service.
+MAX_RECORD_BYTES = 256 << 20
+#: Allowance for a record's safetensors header and metadata.
+_HEADER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,9 @@ class RecipeSpec:
     params: Mapping[str, ParamSpec]
     fields: Mapping[str, FieldSpec]
     doc: str = ""
+    #: Worst-case record bytes for resolved parameters (None: not bounded here).
+    record_bytes: Callable[[Mapping[str, Any]], int] | None = None
+    record_bytes_doc: str = ""
 
     def resolve(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Validate ``params`` and fill defaults; raises :class:`ParameterError`."""
@@ -85,14 +95,32 @@ class RecipeSpec:
             if problem:
                 problems.append(problem)
             resolved[name] = value
+        if not problems and self.record_bytes is not None:
+            worst = self.record_bytes(resolved)
+            if worst > MAX_RECORD_BYTES:
+                problems.append(
+                    f"these parameters allow records of up to {worst} bytes, over the "
+                    f"{MAX_RECORD_BYTES}-byte record limit ({self.record_bytes_doc}); "
+                    "lower them")
         if problems:
             raise ParameterError(problems, what=f"parameters for recipe {self.name!r}")
         return resolved
 
+    def worst_case_record_bytes(self, params: Mapping[str, Any] | None = None) -> int | None:
+        """The largest record ``params`` (defaults filled in) can produce, or None."""
+        if self.record_bytes is None:
+            return None
+        full = {name: spec.default for name, spec in self.params.items()}
+        full.update(params or {})
+        return self.record_bytes(full)
+
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "doc": self.doc,
                 "params": {k: v.as_json() for k, v in self.params.items()},
-                "fields": {k: v.as_json() for k, v in self.fields.items()}}
+                "fields": {k: v.as_json() for k, v in self.fields.items()},
+                "max_record_bytes": MAX_RECORD_BYTES,
+                "record_bytes_bound": self.record_bytes_doc,
+                "default_worst_case_record_bytes": self.worst_case_record_bytes()}
 
 
 _SPC_PARAMS = {
@@ -127,12 +155,37 @@ _QUERY_FIELDS = {
     "occupancy": FieldSpec("uint8", "[M]", "1 where the query's leaf voxel exists, else 0"),
 }
 
+def _level_points(level: int, samples: int) -> list[int]:
+    """Upper bound of the occupied voxels at each level 0..level: at most one per sampled
+    point, and at most 8^l."""
+    return [min(samples, 8 ** lv) for lv in range(level + 1)]
+
+
+def _spc_bytes(p: Mapping[str, Any]) -> int:
+    points = _level_points(int(p["level"]), int(p["surface_samples"]))
+    nodes = sum(points[:-1])  # octree: one byte per non-leaf node; exsum: int32 per byte
+    return (nodes + 4 * nodes + 6 * sum(points) + 8 * (int(p["level"]) + 2) + 16
+            + _HEADER_BYTES)
+
+
+def _query_bytes(p: Mapping[str, Any]) -> int:
+    queries = int(p["uniform_queries"]) + int(p["surface_queries"])
+    return _spc_bytes(p) + queries * (12 + 4 * (int(p["level"]) + 1) + 1)
+
+
+_SPC_BOUND = ("octree + exsum: 5 x sum over levels l < L of min(S, 8^l); point_hierarchy: "
+              "6 x sum over l <= L of min(S, 8^l); S = surface_samples, or a point cloud's "
+              "own point count")
+_QUERY_BOUND = _SPC_BOUND + "; plus (uniform_queries + surface_queries) x (13 + 4 (L + 1))"
+
 RECIPE_SPECS: dict[str, RecipeSpec] = {
     "spc": RecipeSpec("spc", 1, _SPC_PARAMS, _SPC_FIELDS,
-                      "structured point cloud (sparse octree) of the normalised shape"),
+                      "structured point cloud (sparse octree) of the normalised shape",
+                      _spc_bytes, _SPC_BOUND),
     "spc_query": RecipeSpec("spc_query", 1, {**_SPC_PARAMS, **_QUERY_PARAMS},
                             {**_SPC_FIELDS, **_QUERY_FIELDS},
-                            "spc plus seeded query points with their octree indices and occupancy"),
+                            "spc plus seeded query points with their octree indices and occupancy",
+                            _query_bytes, _QUERY_BOUND),
 }
 
 
