@@ -1,4 +1,4 @@
-"""Case 12 (issue 15, break 8): DNS rebinding against a token-less service on loopback.
+"""Issue 15, break 8: DNS rebinding against a token-less service on loopback.
 
 A page on ``attacker.example`` that re-resolves its name to 127.0.0.1 makes the browser
 send ``Host: attacker.example:PORT``; such a warm-up was accepted (202). Against a real

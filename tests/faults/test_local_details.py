@@ -1,4 +1,4 @@
-"""Case 13 (issue 15, minor): strangers do not learn the cache path, the source roots or
+"""Issue 15, minor break: strangers do not learn the cache path, the source roots or
 worker ``host:pid`` ids.
 
 Unauthenticated answers named the absolute cache directory (record not found), the

@@ -1,4 +1,4 @@
-"""Case 16 (issue 15, break 3, recipe half): parameters within the bounds cannot ask for
+"""Issue 15, break 3 (recipe half): parameters within the bounds cannot ask for
 a record larger than the stated maximum.
 
 Each parameter had its own range, but together (level 15, 50 M samples) they allowed a

@@ -1,4 +1,4 @@
-"""Case 14 (issue 15, break 5): sources too big to load fail alone, cheaply.
+"""Issue 15, break 5: sources too big to load fail alone, cheaply.
 
 A 2 GB sparse ``.npy`` took a loader to 8.3 GB RSS, and a 1.2 MB ``.npz`` bomb (zeros
 that inflate to gigabytes) to 3.6 GB. Each is loaded here in a fresh child process
