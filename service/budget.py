@@ -17,7 +17,6 @@ import logging
 import threading
 from collections.abc import Callable
 
-from cache_store import lmdb_store
 from cache_store.errors import RecordNotFound, SpcacheError
 from cache_store.store import Store
 
@@ -40,6 +39,8 @@ def record_length(store: Store, key: str) -> int:
 
     Raises :class:`RecordNotFound` like ``store.get``.
     """
+    from cache_store import lmdb_store  # here: service.errors imports this module, not lmdb
+
     if not isinstance(store, lmdb_store.LMDBStore):
         return len(store.get(key))
     # Couples to LMDBStore's read transaction on purpose: the Store contract has no

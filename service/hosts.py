@@ -18,6 +18,7 @@ Two things a browser page on another site must not get from a service on loopbac
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -103,7 +104,7 @@ class HostGuard:
                     given.strip().encode("utf-8"), token.get_secret_value().encode("utf-8")):
                 return True
         client = scope.get("client")
-        return bool(client) and is_loopback(str(client[0]))
+        return bool(client) and _loopback(str(client[0]))
 
     def _secrets(self) -> list[tuple[re.Pattern[bytes], bytes]]:
         cached = getattr(self, "_secrets_cache", None)
@@ -112,6 +113,11 @@ class HostGuard:
                 [(self.settings.cache, "<cache>")]
                 + [(root, "<source-root>") for root in self.settings.source_roots])
         return cached
+
+
+@functools.lru_cache(maxsize=1024)
+def _loopback(address: str) -> bool:
+    return is_loopback(address)  # cached: the record fast path passes here per request
 
 
 def _patterns(paths: Iterable[tuple[Path, str]]) -> list[tuple[re.Pattern[bytes], bytes]]:
