@@ -11,7 +11,7 @@ Two things a browser page on another site must not get from a service on loopbac
 * **local details**: absolute cache and source-root paths and worker ``host:pid`` ids
   appear in error details, job errors and metrics labels. A caller is *trusted* when it
   sent the right bearer token, or when it connects from a loopback address (its Host
-  having passed the check above). Other callers get JSON and text answers with those
+  having passed the check above). Other callers get JSON, text and HTML answers with those
   strings replaced by ``<cache>``, ``<source-root>`` and ``<worker>``. Record bytes
   (``application/octet-stream`` and the batch framing) are never rewritten.
 """
@@ -36,7 +36,7 @@ __all__ = ["HostGuard", "allowed_hosts", "host_of"]
 log = logging.getLogger(__name__)
 
 _WILDCARD_BINDS = {"", "0.0.0.0", "::", "[::]"}
-_REWRITTEN = (b"application/json", b"text/plain")
+_REWRITTEN = (b"application/json", b"text/plain", b"text/html")
 
 
 def allowed_hosts(settings: Settings) -> frozenset[str]:
