@@ -142,7 +142,8 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
     limit = ctx.settings.max_response_bytes
     if size > limit:
         raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
-                               f"{limit}-byte response limit; ask for a subset with ?fields=")
+                               f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
+                               "from the cache directly")
     release = ctx.read_budget.reserve(size, f"record {sample_id!r}")
     try:
         value = store.get(key)
