@@ -16,6 +16,7 @@ from cache_store import __version__
 from service.context import ServiceContext
 from service.errors import ERROR_RESPONSES, install_error_handlers
 from service.fastpath import RecordFastPath
+from service.hosts import HostGuard
 from service.limits import BodySizeLimit
 from service.metrics import MetricsMiddleware
 from service.routes_caches import router as caches_router
@@ -57,5 +58,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(RecordFastPath, ctx=ctx)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
+    # Host check before anything reads the body; redaction of local details outside
+    # every route (see service.hosts).
+    app.add_middleware(HostGuard, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app

@@ -17,6 +17,7 @@ from cache_store.isolated import stats_cache
 from cache_store.jobs import JobQueue
 from cache_store.lmdb_store import RECORDS_DIR, has_cache
 from cache_store.store import Store, open_store
+from service.budget import ByteBudget
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -43,6 +44,7 @@ class ServiceContext:
         self.cache = Path(settings.cache)
         self.queue = JobQueue(self.cache)
         self.metrics = Metrics()
+        self.read_budget = ByteBudget(settings.max_read_bytes_in_flight)
         self.started = time.time()
         self._store: Store | None = None
         self._store_lock = threading.Lock()

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.budget import ReadBudgetBusy, ResponseTooLarge
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Most specific class first; the first ``isinstance`` match wins.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
+    (ResponseTooLarge, 413),
+    (ReadBudgetBusy, 503),
     (RecordNotFound, 404),
     (JobNotFound, 404),
     (FingerprintLookupError, 404),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,14 +49,18 @@ class RecordFastPath:
         if answer is None:
             await self.app(scope, receive, send)  # the FastAPI route says what went wrong
             return
-        status, headers, body = answer
+        status, headers, body, release = answer
         scope["spcache.route"] = RECORD_ROUTE
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body",
-                    "body": body if scope["method"] == "GET" else b""})
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body",
+                        "body": body if scope["method"] == "GET" else b""})
+        finally:
+            release()
 
     def _answer(self, fingerprint: str, raw_id: str,
-                scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+                scope: Scope,
+                ) -> tuple[int, list[tuple[bytes, bytes]], bytes, Callable[[], None]] | None:
         fields = None
         if scope.get("query_string"):
             query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
@@ -64,7 +69,7 @@ class RecordFastPath:
             fields = query["fields"][0] if "fields" in query else None
         try:
             # scope["path"] is percent-decoded already: do not decode it again.
-            value, etag = read_record(self.ctx, fingerprint, raw_id, fields)
+            value, etag, release = read_record(self.ctx, fingerprint, raw_id, fields)
         except SpcacheError:
             return None
         headers = [(b"etag", etag.encode()), (b"cache-control", b"no-cache")]
@@ -76,7 +81,12 @@ class RecordFastPath:
             if name == b"if-none-match":
                 if_none_match = val.decode("latin-1")
         if etag_matches(if_none_match, etag):
-            return 304, headers, b""
+            release()
+            return 304, headers, b"", _nothing
         self.ctx.metrics.add_records(1)
         headers += [(b"content-type", _MEDIA), (b"content-length", str(len(value)).encode())]
-        return 200, headers, value
+        return 200, headers, value, release
+
+
+def _nothing() -> None:
+    return None

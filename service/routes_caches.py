@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from cache_store.errors import FingerprintLookupError, ParameterError, RecordNotFound, SpcacheError
+from cache_store.errors import (
+    FingerprintLookupError,
+    ParameterError,
+    RecordNotFound,
+    SourceError,
+    SpcacheError,
+)
 from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key, validate_fingerprint
 from cache_store.item_state import item_state
 from cache_store.recipes import RECIPE_SPECS
 from cache_store.record import peek_checksum, record_checksum, select_fields
 from cache_store.record_tag import TAG_HEADER, tag_for_checksum
 from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
+from service.budget import ResponseTooLarge, record_length
 from service.context import Context, ServiceContext
 from service.errors import status_for
 from service.warmup import resolve_source
@@ -88,15 +97,6 @@ def _etag(value: bytes, key: str) -> str:
     return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
 
 
-def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
-    """``{X-Spcache-Record-Tag: tag}`` when the service has a record key, else ``{}``."""
-    secret = ctx.settings.record_key
-    if secret is None:
-        return {}
-    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
-                                         etag.strip('"'))}
-
-
 def etag_matches(header: str | None, etag: str) -> bool:
     if not header:
         return False
@@ -123,18 +123,36 @@ def _fields(fields: str | None) -> list[str] | None:
 
 
 def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
-                fields: str | None) -> tuple[bytes, str]:
-    """The bytes to send for a record (all fields, or the comma-separated ``fields``) and
-    their strong ETag. Shared by this route and :mod:`service.fastpath`.
+                fields: str | None) -> tuple[bytes, str, Callable[[], None]]:
+    """The bytes to send for a record (all fields, or the comma-separated ``fields``),
+    their strong ETag, and the release of the bytes reserved for them in the process's
+    read budget (call it once the answer is sent). Shared by this route and
+    :mod:`service.fastpath`.
 
+    The record's size is checked before it is copied: over ``max_response_bytes`` is
+    :class:`ResponseTooLarge` (413), past the read budget :class:`ReadBudgetBusy` (503).
     One LMDB copy, done inline: cheaper than a hop to the thread pool.
     """
     key = record_key(fingerprint, sample_id)
-    value = _read(ctx, key)
-    names = _fields(fields)
-    if names is not None:
-        value = select_fields(value, names, key=key)
-    return value, _etag(value, key)
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    size = record_length(store, key)
+    limit = ctx.settings.max_response_bytes
+    if size > limit:
+        raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
+                               f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
+                               "from the cache directly")
+    release = ctx.read_budget.reserve(size, f"record {sample_id!r}")
+    try:
+        value = store.get(key)
+        names = _fields(fields)
+        if names is not None:
+            value = select_fields(value, names, key=key)
+        return value, _etag(value, key), release
+    except BaseException:
+        release()
+        raise
 
 
 @router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
@@ -148,13 +166,24 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
                                                 description="comma-separated field names"),
                      ) -> Response:
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
-    value, etag = read_record(ctx, fingerprint, sample_id, fields)
+    value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
     headers = {"ETag": etag, "Cache-Control": "no-cache",
                **record_tag_header(ctx, record_key(fingerprint, sample_id), etag)}
     if etag_matches(request.headers.get("if-none-match"), etag):
+        release()
         return Response(status_code=304, headers=headers)
     ctx.metrics.add_records(1)
-    return Response(value, media_type=_RECORD_MEDIA_TYPE, headers=headers)
+    return Response(value, media_type=_RECORD_MEDIA_TYPE, headers=headers,
+                    background=BackgroundTask(release))
+
+
+def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
+    """``{X-Spcache-Record-Tag: tag}`` when the service has a record key, else ``{}``."""
+    secret = ctx.settings.record_key
+    if secret is None:
+        return {}
+    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
+                                         etag.strip('"'))}
 
 
 class BatchRequest(BaseModel):
@@ -178,12 +207,34 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
         raise ParameterError(["fields: empty list; leave it out to get every field"],
                              what="batch request")
 
+    ids = list(dict.fromkeys(body.ids))  # a repeated id is read (and sent) once
+    reserved: list[Callable[[], None]] = []
+
     def collect() -> bytes:
+        store = ctx.store()
+        sizes: dict[str, int] = {}
+        missing: list[tuple[str, str, str]] = []
+        for sample_id in ids:
+            try:
+                key = record_key(fingerprint, sample_id)
+                if store is None:
+                    raise RecordNotFound(key, str(ctx.cache))
+                sizes[sample_id] = record_length(store, key)
+            except SpcacheError as exc:
+                if status_for(exc) == 503:  # back-pressure: the whole batch is retried
+                    raise
+                missing.append((sample_id, type(exc).__name__, str(exc)))
+        total = sum(sizes.values())
+        limit = ctx.settings.max_response_bytes
+        if total > limit:
+            raise ResponseTooLarge(f"batch of {len(sizes)} records is {total} bytes, over the "
+                                   f"{limit}-byte response limit; ask for fewer ids")
+        # the records, then the framed answer: twice the bytes at the peak
+        reserved.append(ctx.read_budget.reserve(2 * total, f"batch of {len(sizes)} records"))
         found: list[tuple[str, bytes]] = []
         tags: list[str] = []
-        missing: list[tuple[str, str, str]] = []
         secret = ctx.settings.record_key
-        for sample_id in body.ids:
+        for sample_id in sizes:
             try:
                 key = record_key(fingerprint, sample_id)
                 value = _read(ctx, key)
@@ -193,13 +244,22 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
                 if secret is not None:
                     tags.append(record_tag_header(ctx, key, _etag(value, key))[TAG_HEADER])
             except SpcacheError as exc:
-                if status_for(exc) == 503:  # back-pressure: the whole batch is retried
+                if status_for(exc) == 503:
                     raise
                 missing.append((sample_id, type(exc).__name__, str(exc)))
         ctx.metrics.add_records(len(found))
         return encode_batch(found, missing, tags if secret is not None else None)
 
-    return Response(await run_in_threadpool(collect), media_type=BATCH_MEDIA_TYPE)
+    def release() -> None:
+        for done in reserved:
+            done()
+
+    try:
+        answer = await run_in_threadpool(collect)
+    except BaseException:
+        release()
+        raise
+    return Response(answer, media_type=BATCH_MEDIA_TYPE, background=BackgroundTask(release))
 
 
 @router.get("/caches/{fingerprint}/items/{sample_id:path}")
@@ -210,6 +270,11 @@ def get_item_state(fingerprint: Fingerprint, sample_id: str, ctx: Context,
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
     source = None
     if path is not None:
-        source = str(resolve_source(path, ctx.settings.source_roots))
+        real = resolve_source(path, ctx.settings.source_roots)
+        size = real.stat().st_size
+        if size > ctx.settings.max_hash_bytes:  # each such request hashes the whole file
+            raise SourceError(path, f"is {size} bytes; item state compares sources up to "
+                                    f"{ctx.settings.max_hash_bytes} bytes")
+        source = str(real)
     return item_state(ctx.store(), ctx.queue, fingerprint, sample_id, path=source).as_json()
 

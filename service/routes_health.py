@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
 from prometheus_client.core import GaugeMetricFamily
 
 from cache_store.errors import SpcacheError
@@ -20,9 +22,24 @@ __all__ = ["router"]
 router = APIRouter(tags=["health"])
 
 
+def _noop() -> None:
+    return None
+
+
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(request: Request) -> JSONResponse:
+    """200 when the process answers *and* its thread pool runs a trivial task within
+    ``pool_check_s``; 503 when every pool thread is taken (the routes that run there
+    would hang), so that a supervisor can tell a starved service from a live one."""
+    # No ``Context`` dependency here: a sync dependency would itself wait for the pool.
+    limit = request.app.state.ctx.settings.pool_check_s
+    try:
+        await asyncio.wait_for(run_in_threadpool(_noop), limit)
+    except TimeoutError:
+        return JSONResponse({"status": "thread pool starved",
+                             "detail": f"a trivial task did not run within {limit:g} s"},
+                            status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/readyz")

@@ -42,10 +42,25 @@ class Settings(BaseSettings):
     source_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path.cwd()],
         description="warm-up source paths must resolve inside one of these")
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="Host header values served (comma-separated or JSON; '*' = any); "
+                          "default: the bound host, localhost, 127.0.0.1, ::1 (any when bound "
+                          "to a wildcard address)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
+    max_response_bytes: int = Field(256 << 20, ge=1 << 20,
+                                    description="largest record or batch answer (else 413)")
+    max_read_bytes_in_flight: int = Field(1 << 30, ge=1 << 20, description="record bytes all "
+                                          "answers being built or sent may hold (else 503)")
+    max_hash_bytes: int = Field(512 << 20, ge=1, description="largest source an item-state "
+                                "?path= request hashes")
+    glob_max_entries: int = Field(200_000, ge=1,
+                                  description="directory entries one warm-up glob may look at")
+    glob_max_seconds: float = Field(5.0, gt=0, description="time one warm-up glob may take")
+    pool_check_s: float = Field(2.0, gt=0, description="/healthz: the thread pool must run a "
+                                "trivial task within this, else 503")
     job_errors_page: int = Field(100, ge=1, le=10_000)
     worker: bool = Field(True, description="run one worker child process (spcache serve)")
     worker_device: str | None = None
@@ -65,6 +80,16 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [p for p in text.split(os.pathsep) if p]
+        return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [h.strip() for h in text.split(",") if h.strip()]
         return value
 
     @field_validator("source_roots")
