@@ -43,7 +43,7 @@ import lmdb
 from cache_store.errors import CacheNotFound, RecordNotFound, SpcacheError, StoreBusy
 from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
-from cache_store.record import Record, decode_record
+from cache_store.record import Record, decode_record, decode_records
 from cache_store.store import DatasetIndex, Store, decode_index, encode_index
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
@@ -345,13 +345,14 @@ class LMDBStore(Store):
         fields = None if fields is None else tuple(fields)
         with self._read() as (txn, dbs):
             db = dbs[_RECORDS_DB]
-            out = []
+            values = []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
                     raise RecordNotFound(key, self.location)
-                out.append(decode_record(value, key=key, fields=fields))
-            return out
+                values.append((key, value))
+            # one storage for the batch, decoded inside the transaction from the map
+            return decode_records(values, fields=fields)
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         self.check_writable()

@@ -37,7 +37,7 @@ import datetime as _dt
 import json
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,6 +59,7 @@ __all__ = [
     "encode_record",
     "encode_tensors",
     "decode_record",
+    "decode_records",
     "decode_arrays",
     "torch_dtype",
     "read_header",
@@ -496,46 +497,82 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
     return part
 
 
-def _tensors(view: memoryview, header: RecordHeader, names: list[str],
-             key: str) -> dict[str, torch.Tensor]:
-    """Copy the named fields into one fresh buffer (8-byte aligned slots), verify each
-    copy against its checksum, and view each as a tensor.
+def _in_dataloader_worker() -> bool:
+    import torch.utils.data
 
-    One allocation and one pass over the source per record: each field is copied first
-    and the copy hashed while it is still in the CPU cache, so what is verified is
-    exactly what is returned, and the source (an LMDB map page, often not cached) is read
-    once instead of twice.
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _allocate(size: int) -> torch.Tensor:
+    """A fresh uint8 tensor of ``size`` bytes on ONE untyped storage.
+
+    In a DataLoader worker the storage is created in shared memory (what
+    ``default_collate`` does for its output): handing it to the trainer then moves no
+    bytes, where a private storage would be copied into shared memory first.
     """
     import torch
 
-    infos, checksums = header.tensors, header.field_checksums
-    slots, size = [], 0
-    for name in names:
-        info = infos[name]
+    if size and _in_dataloader_worker():
+        storage = torch.UntypedStorage._new_shared(size)
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _batch_tensors(views: Sequence[memoryview], headers: Sequence[RecordHeader],
+                   names: Sequence[list[str]], keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """Copy the named fields of every record into ONE fresh storage, verify each copy
+    against its checksum, and view each as a tensor of that storage.
+
+    Field-major: all records' ``octree`` end to end, then all ``exsum``, ... (each field's
+    group starts 8-byte aligned; within a group every slot is aligned for its dtype), so
+    :func:`~cache_store.collate.collate_spc` concatenates or stacks a batch by taking a
+    view, and the DataLoader hands a batch between processes as one storage, not one per
+    tensor (a fixed cost each).
+
+    One pass over each source: a field is copied first and the copy hashed while it is
+    still in the CPU cache, so what is verified is exactly what is returned, and the
+    source (an LMDB map page, often not cached) is read once.
+    """
+    import torch
+
+    order: dict[str, None] = {}
+    for selected in names:
+        order.update(dict.fromkeys(selected))
+    slots: list[tuple[int, str, TensorInfo, int]] = []
+    size = 0
+    for name in order:
         size = (size + 7) & ~7
-        slots.append((name, info, size))
-        size += info.end - info.begin
-    buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
+        for j, selected in enumerate(names):
+            if name in selected:
+                info = headers[j].tensors[name]
+                size = -(-size // _ITEMSIZE[info.dtype]) * _ITEMSIZE[info.dtype]
+                slots.append((j, name, info, size))
+                size += info.end - info.begin
+    base = _allocate(size)
+    storage = base.untyped_storage()
+    buf = base.numpy()
     out = memoryview(buf)
-    tensors = {}
-    for name, (dtype, shape, begin, end), offset in slots:
+    tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
+    for j, name, (dtype, shape, begin, end), offset in slots:
         nbytes = end - begin
         copy = out[offset:offset + nbytes]
-        copy[:] = view[begin:end]  # the one copy out of LMDB's map / the bytes
-        if xxhash.xxh3_64_hexdigest(copy) != checksums[name]:
-            raise _fail(key, f"checksum mismatch in tensor {name!r}")
+        copy[:] = views[j][begin:end]  # the one copy out of LMDB's map / the bytes
+        if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
+            raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
         if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
-            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
-        np_dtype = _NUMPY_DTYPES.get(dtype)
-        if not nbytes:
-            tensors[name] = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
-        elif np_dtype is not None:  # a NumPy view costs a fraction of torch.frombuffer
-            tensors[name] = torch.from_numpy(np.ndarray(shape, np_dtype, buf, offset))
-        else:  # bfloat16: no NumPy dtype
-            tensors[name] = torch.frombuffer(buf, dtype=_TORCH_DTYPES[dtype],
-                                             count=nbytes // _ITEMSIZE[dtype],
-                                             offset=offset).view(shape)
-    return tensors
+            raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        tensors[j][name] = torch.empty(0, dtype=_TORCH_DTYPES[dtype]).set_(
+            storage, offset // _ITEMSIZE[dtype], shape, _strides(shape))
+    # a record's own field order, as a dict of its header gives it
+    return [{name: found[name] for name in selected} for found, selected in zip(tensors, names)]
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
@@ -549,19 +586,37 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
             and hashed.
 
     Returns:
-        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable; the
-        record's tensors share one fresh buffer, never the input's memory) and
-        ``metadata`` (str -> str).
+        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable;
+        views of one fresh storage, never the input's memory; in a DataLoader worker that
+        storage is in shared memory) and ``metadata`` (str -> str).
 
     Raises:
         CorruptRecord: malformed value or checksum mismatch (names ``key``).
         UnsupportedFormat: unknown ``format_version``.
         UnknownName: a requested field the record does not hold.
     """
-    view = _byte_view(value, key)
-    header = _parse_view(view, key)
-    tensors = _tensors(view, header, _selected(header, fields, key), key)
-    return Record(tensors, header.metadata)
+    return decode_records([(key, value)], fields=fields)[0]
+
+
+def decode_records(items: Iterable[tuple[str, Any]], *,
+                   fields: Iterable[str] | None = None) -> list[Record]:
+    """Decode several records (``(key, value)`` pairs) at once, as :func:`decode_record`
+    does each, into ONE fresh storage laid out field by field (see ``collate_spc``, which
+    then batches them without copying). Every header and checksum is verified as by
+    :func:`decode_record`; the first bad record raises naming its key.
+    """
+    if fields is not None:
+        fields = [fields] if isinstance(fields, str) else list(fields)
+    keys, views, headers, names = [], [], [], []
+    for key, value in items:
+        view = _byte_view(value, key)
+        header = _parse_view(view, key)
+        keys.append(key)
+        views.append(view)
+        headers.append(header)
+        names.append(_selected(header, fields, key))
+    tensors = _batch_tensors(views, headers, names, keys)
+    return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
 
 
 def decode_arrays(value: Any, *, key: str = "",
