@@ -252,6 +252,17 @@ def test_worker_batches_arrive_as_one_shared_storage(cache: Path, collate, field
     assert not torch.cuda.is_initialized()
 
 
+def test_a_worker_sample_arrives_as_one_shared_storage(cache: Path) -> None:
+    ds = CachedDataset(cache, FP_Q4)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork",
+                        worker_init_fn=forbid_cuda)
+    got = list(loader)
+    for sample, want in zip(got, _expected(cache, FP_Q4), strict=True):
+        assert len({t.untyped_storage().data_ptr() for t in sample.values()}) == 1
+        assert all(t.is_shared() for t in sample.values())
+        assert _same(sample, want)
+
+
 @pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
 def test_pin_memory_keeps_working(cache: Path) -> None:
     # Without an accelerator pinning is a no-op that warns; with CUDA it copies into

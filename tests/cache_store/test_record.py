@@ -365,11 +365,13 @@ def _storages(tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-def test_a_record_is_views_of_one_storage() -> None:
+def test_a_record_shares_one_buffer_and_keeps_header_order() -> None:
     fields, value = _record(3)
     rec = decode_record(value, key=KEY)
     _assert_same(rec.tensors, fields)
-    assert len(_storages(rec.tensors.values())) == 1  # one storage for the DataLoader to share
+    # one buffer (outside a worker: a storage per field over it, cheaper to build)
+    ptrs = sorted(t.data_ptr() for t in rec.tensors.values() if t.numel())
+    assert ptrs[-1] - ptrs[0] < len(value)
     assert list(rec.tensors) == list(read_header(value).tensors)  # header order kept
     for name, t in rec.tensors.items():
         assert t.is_contiguous() and t.data_ptr() % t.element_size() == 0, name
