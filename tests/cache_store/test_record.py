@@ -406,3 +406,30 @@ def test_a_bad_record_in_a_batch_is_named() -> None:
     with pytest.raises(UnknownName):
         decode_records([(f"{FP}/first", good[0])], fields=["nope"])
     assert decode_records([]) == []
+
+
+def test_batch_buffers_are_reused_only_once_released() -> None:
+    made = [_record(seed) for seed in range(3)]
+    items = [(f"{FP}/k{i}", v) for i, (_, v) in enumerate(made)]
+    held = decode_records(items)
+    held_ptr = held[0]["octree"].untyped_storage().data_ptr()
+    kept_view = held[2]["point_hierarchy"][1:]  # a view alone keeps the buffer too
+    del held
+    for _ in range(5):  # later batches never write into memory a caller still sees
+        again = decode_records(items)
+        assert again[0]["octree"].untyped_storage().data_ptr() != held_ptr
+        del again
+    assert torch.equal(kept_view, made[2][0]["point_hierarchy"][1:])
+    del kept_view
+    # released: later batches of the same size take memory the pool already holds
+    from cache_store.record import _BATCH_BUFFERS
+
+    pooled = {buf.ctypes.data for buf in _BATCH_BUFFERS.buffers}
+    ptrs = set()
+    for _ in range(4):
+        batch = decode_records(items)
+        ptrs.add(batch[0]["octree"].untyped_storage().data_ptr())
+        for (fields, _), rec in zip(made, batch):
+            _assert_same(rec.tensors, fields)
+        del batch, rec
+    assert ptrs <= pooled
