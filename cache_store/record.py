@@ -533,10 +533,12 @@ class _BufferPool:
     reused 3 MB buffers), which made batched reads of 3 MB records slower than per-sample
     ones. A buffer is reused only when its reference count shows that the pool holds the
     last reference (every tensor of a batch keeps its storage, and the storage the
-    array, alive), so memory a caller still sees is never written.
+    array, alive), so memory a caller still sees is never written. Holds at most
+    ``keep`` buffers of at most ``largest`` bytes (192 MiB per process at most; larger
+    batches are allocated fresh).
     """
 
-    def __init__(self, keep: int = 3, largest: int = 256 << 20) -> None:
+    def __init__(self, keep: int = 3, largest: int = 64 << 20) -> None:
         self.keep, self.largest = keep, largest
         self.buffers: list[np.ndarray] = []
         self.lock = threading.Lock()
