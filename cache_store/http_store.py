@@ -38,7 +38,7 @@ from cache_store.errors import (
 )
 from cache_store.fingerprint import split_key
 from cache_store.process_local import ProcessLocal
-from cache_store.record import Record, check_names_key, decode_record, read_metadata
+from cache_store.record import Record, check_names_key, decode_record, decode_records, read_metadata
 from cache_store.record_tag import TAG_HEADER, as_secret, check_record_tag
 from cache_store.store import DatasetIndex, Store
 from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
@@ -220,12 +220,10 @@ class HTTPStore(Store):
         keys = list(keys)
         fields = None if fields is None else list(fields)
         found, missing = self.get_many(keys, fields)
-        out = []
         for key in keys:
             if key not in found:
                 raise RecordNotFound(key, f"{self.url} ({missing.get(key, 'not returned')})")
-            out.append(decode_record(found[key], key=key, fields=fields))
-        return out
+        return decode_records([(key, found[key]) for key in keys], fields=fields)
 
     def fingerprints(self) -> list[str]:
         body = self._check(self._request("GET", "/v1/caches")).json()

@@ -57,7 +57,7 @@ from cache_store.errors import (
 )
 from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
-from cache_store.record import Record, check_names_key, decode_record
+from cache_store.record import Record, check_names_key, decode_record, decode_records
 from cache_store.store import DatasetIndex, Store, decode_index, encode_index
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
@@ -400,15 +400,17 @@ class LMDBStore(Store):
         fields = None if fields is None else tuple(fields)
         with self._read() as (txn, dbs):
             db = dbs[_RECORDS_DB]
-            out = []
+            values = []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
                     raise RecordNotFound(key, self.location)
-                record = decode_record(value, key=key, fields=fields)
+                values.append((key, value))
+            # one storage for the batch, decoded inside the transaction from the map
+            records = decode_records(values, fields=fields)
+            for (key, _), record in zip(values, records):
                 check_names_key(record.metadata, key)
-                out.append(record)
-            return out
+            return records
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         self.check_writable()

@@ -56,6 +56,7 @@ from cache_store.record import (
     check_names_key,
     decode_arrays,
     decode_record,
+    decode_records,
     encode_tensors,
     metadata_key,
     pack_ids,
@@ -319,7 +320,7 @@ class Store(abc.ABC):
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
         fields = None if fields is None else tuple(fields)
-        return [self.get_record(key, fields) for key in keys]
+        return decode_records([(key, self.get(key)) for key in keys], fields=fields)
 
     def iter_values(self, prefix: str = "") -> Iterator[tuple[str, bytes]]:
         for key in self.keys(prefix):
