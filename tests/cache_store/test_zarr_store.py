@@ -474,7 +474,7 @@ def test_batched_forked_workers_with_collate(exported) -> None:
 
 
 def test_cli_export_then_verify(tmp_path: Path, exported, capsys) -> None:
-    from workers import export_cli
+    from spcache import export_cli
 
     records, _, cache_dir, _ = exported
     dest = tmp_path / "cli.zarr"
