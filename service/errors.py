@@ -22,6 +22,8 @@ from cache_store.errors import (
     FingerprintLookupError,
     InvalidSampleId,
     JobNotFound,
+    MissTimeout,
+    NoWorkerAlive,
     ParameterError,
     ReadOnlyStoreError,
     RecordNotFound,
@@ -31,10 +33,15 @@ from cache_store.errors import (
     UnknownName,
 )
 
-__all__ = ["STATUS_BY_ERROR", "ERROR_RESPONSES", "ErrorBody", "status_for", "error_response",
+__all__ = ["WaitingFull", "STATUS_BY_ERROR", "ERROR_RESPONSES", "ErrorBody", "status_for", "error_response",
            "install_error_handlers"]
 
 log = logging.getLogger(__name__)
+
+class WaitingFull(SpcacheError):
+    """Every read-through wait slot is taken (``max_waiting_requests``); retry after
+    ``Retry-After`` (see :mod:`service.read_through`)."""
+
 
 #: Most specific class first; the first ``isinstance`` match wins.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
@@ -47,6 +54,9 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (SourceError, 422),
     (ReadOnlyStoreError, 503),
     (StoreBusy, 503),
+    (WaitingFull, 503),
+    (NoWorkerAlive, 503),
+    (MissTimeout, 504),
     (CorruptRecord, 500),
     (SpcacheError, 500),
 )
@@ -79,6 +89,8 @@ def status_for(exc: BaseException) -> int:
 def error_response(status: int, error: str, detail: str, *, problems: list[Any] | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": error, "detail": detail}
+    # HEAD answers lose their body: the error's name also travels as a header.
+    headers = {**(headers or {}), "X-Spcache-Error": error}
     if problems is not None:
         body["problems"] = problems
     return JSONResponse(body, status_code=status, headers=headers)

@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
+    max_waiting_requests: int = Field(64, ge=0, description="read-through reads (?wait=) "
+                                      "waiting at once; past it: 503 + Retry-After")
+    max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= honoured, seconds")
     job_errors_page: int = Field(100, ge=1, le=10_000)
     worker: bool = Field(True, description="run one worker child process (spcache serve)")
     worker_device: str | None = None
