@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -163,7 +164,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._id_offsets: np.ndarray | None = None   # int64 [n + 1]
         self._store: ProcessLocal[Store] = ProcessLocal(
             functools.partial(open_store, self.cache, readonly=True, **self.store_options),
-            Store.close)
+            operator.methodcaller("close"))  # not Store.close: that skips overrides
 
     def __repr__(self) -> str:
         cache = self.cache.location if isinstance(self.cache, Store) else self.cache

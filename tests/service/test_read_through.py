@@ -64,6 +64,7 @@ def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_me
         second = _epoch(ds, context)
         assert _queue_rows(cache) == rows  # second epoch: nothing queued
     finally:
+        ds.close()
         _stop(proc)
         stop_server(server)
     fp = ds.fingerprint
@@ -109,6 +110,7 @@ def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
         finally:
             _stop(proc)
     finally:
+        ds.close()
         stop_server(server)
     rows = _queue_rows(cache)
     assert sorted(s for _, s, _ in rows) == sorted(p.stem for p in sources)  # once each
