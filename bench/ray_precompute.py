@@ -7,15 +7,15 @@ fresh cache per run. One Ray instance is started for the whole benchmark
 take to start (``actor_start_s``: process start, imports, device and backend) is
 reported apart from the work. Configurations, interleaved ``--repeat`` times:
 
-- ``local``: :class:`workers.engine.Engine`, loading in its own process (``jobs=0``) with
+- ``local``: :class:`workers.engine.Engine`, loading in its own process (``loaders=0``) with
   ``--threads`` torch threads (default 1, what a one-CPU Ray actor gets): the baseline,
   the same serial work one actor does;
-- ``local-pipelined``: the local engine with ``--jobs`` loader processes (for reference);
+- ``local-pipelined``: the local engine with ``--loaders`` loader processes (for reference);
 - ``ray-1``, ``ray-2``: :class:`workers.ray_engine.RayEngine` with 1 and 2 CPU actors,
-  each loading in its own process (``jobs=0``).
+  each loading in its own process (``loaders=0``).
 
 With ``--device cuda`` every run uses the GPU (``ray-2`` only with two GPUs), and each
-actor gets ``--jobs`` loader processes. The overhead line then compares ``ray-1`` with
+actor gets ``--loaders`` loader processes. The overhead line then compares ``ray-1`` with
 the serial ``local`` run, so read it against ``local-pipelined`` instead.
 
 Prints samples/s over the whole run (wall, actor start included) and over the work alone
@@ -45,7 +45,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from cache_store.store import open_store  # noqa: E402
-from workers.cli import discover_sources  # noqa: E402
+from cache_store.sources_list import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.ray_engine import RayEngine  # noqa: E402
 
@@ -57,10 +57,10 @@ def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: s
         try:
             if config["engine"] == "ray":
                 engine = RayEngine(store, "spc_query", params, device=device, backend=backend,
-                                   jobs=config["jobs"], actors=config["actors"])
+                                   loaders=config["loaders"], actors=config["actors"])
             else:
                 engine = Engine(store, "spc_query", params, device=device, backend=backend,
-                                jobs=config["jobs"])
+                                loaders=config["loaders"])
             start = time.perf_counter()
             summary = engine.run(items)
             wall = time.perf_counter() - start
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--queries", type=int, default=32_768)
     parser.add_argument("--surface-samples", type=int, default=100_000)
-    parser.add_argument("--jobs", type=int, default=2, help="loaders of the pipelined local run")
+    parser.add_argument("--loaders", "--jobs", type=int, default=2,
+                        help="loaders of the pipelined local run (--jobs: the old name)")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs given to the local Ray")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the local runs (a one-CPU actor gets 1)")
@@ -103,16 +104,17 @@ def main(argv: list[str] | None = None) -> int:
               "uniform_queries": args.queries // 2,
               "surface_queries": args.queries - args.queries // 2}
     # On the CPU each actor loads in its own process (the serial baseline's work); on
-    # GPUs each actor has --jobs loaders ahead of its device, like the pipelined run.
-    actor_jobs = 0 if args.device == "cpu" else args.jobs
+    # GPUs each actor has --loaders loaders ahead of its device, like the pipelined run.
+    actor_loaders = 0 if args.device == "cpu" else args.loaders
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     configs = {
-        "local": {"engine": "local", "jobs": 0},
-        "local-pipelined": {"engine": "local", "jobs": args.jobs},
+        "local": {"engine": "local", "loaders": 0},
+        "local-pipelined": {"engine": "local", "loaders": args.loaders},
     }
     for actors in (1, 2):
         if args.device == "cpu" or actors <= gpus:
-            configs[f"ray-{actors}"] = {"engine": "ray", "actors": actors, "jobs": actor_jobs}
+            configs[f"ray-{actors}"] = {"engine": "ray", "actors": actors,
+                                        "loaders": actor_loaders}
     ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
         print(f"{len(items)} samples ({len(meshes)} meshes x {args.copies}) from {args.meshes} "

@@ -54,7 +54,7 @@ _LAZY = {
     "LMDBStore": "cache_store.lmdb_store",
     "CachedDataset": "cache_store.dataset",
     "collate_spc": "cache_store.collate",
-    "discover_sources": "cache_store.discovery",
+    "discover_sources": "cache_store.sources_list",
 }
 
 __all__ = [

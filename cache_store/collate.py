@@ -40,10 +40,31 @@ def _numpy_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
     return [t.numpy() for t in tensors]
 
 
+def _end_to_end(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensors as one flat view when they already lie end to end in one storage
+    (as ``CachedDataset``'s batched reads lay a field out), else None."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.requires_grad:
+        return None
+    storage = first.untyped_storage()
+    ptr, dtype, at = storage.data_ptr(), first.dtype, first.data_ptr()
+    for t in tensors:
+        if (t.data_ptr() != at or t.dtype is not dtype or t.requires_grad
+                or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr):
+            return None
+        at += t.nbytes
+    offset = (first.data_ptr() - ptr) // first.element_size()
+    total = sum(t.numel() for t in tensors)
+    return torch.empty(0, dtype=dtype).set_(storage, offset, (total,), (1,))
+
+
 def _cat(name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if any(t.dim() == 0 for t in tensors) or len({t.shape[1:] for t in tensors}) > 1:
         shapes = sorted({tuple(t.shape) for t in tensors})
         raise _problem(f"{name}: shapes {shapes} can be neither stacked nor concatenated")
+    flat = _end_to_end(tensors)
+    if flat is not None:  # already concatenated in memory: a view, no copy
+        return flat.view(-1, *tensors[0].shape[1:])
     arrays = _numpy_views(tensors)
     if arrays is None:
         return torch.cat(list(tensors))
@@ -51,6 +72,9 @@ def _cat(name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    flat = _end_to_end(tensors)
+    if flat is not None:  # already stacked in memory: a view, no copy
+        return flat.view(len(tensors), *tensors[0].shape)
     arrays = _numpy_views(tensors)
     if arrays is None:
         return torch.stack(list(tensors))
@@ -82,6 +106,10 @@ def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
       ``[B, 3]``, ``scale`` ``[B]``, ``query_points`` ``[B, M, 3]``); otherwise
       concatenated along dim 0 with ``<name>_lengths`` (int32 ``[B]``).
     - anything else: ``torch.utils.data.default_collate``.
+
+    A field whose tensors already lie end to end in one storage (``CachedDataset``'s
+    batched reads lay each field of a batch out that way) is returned as a view of that
+    storage, without copying; otherwise it is copied into a new tensor.
 
     Raises:
         ParameterError: empty batch, samples with different fields, pyramids of

@@ -93,7 +93,7 @@ class CachedDataset(torch.utils.data.Dataset):
             ``max_readers`` for LMDB).
         sources: read-through (with a recipe name): a directory, ``.txt``/``.jsonl``
             manifest, file, or a list of them, discovered exactly as ``spcache
-            precompute`` does (:func:`cache_store.discovery.discover_sources`). The
+            precompute`` does (:func:`cache_store.sources_list.discover_sources`). The
             samples are those sources, in that order, whatever the cache holds yet; the
             fingerprint is the recipe's with ``**params`` (defaults filled in).
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
@@ -193,7 +193,7 @@ class CachedDataset(torch.utils.data.Dataset):
     def _index_from_sources(self) -> None:
         """Ids and paths from the sources; fingerprint from the recipe (no store opened)."""
         # Late import: discovery is only needed with sources.
-        from cache_store.discovery import discover_sources
+        from cache_store.sources_list import discover_sources
 
         spec = get_recipe_spec(self.selector)
         resolved = spec.resolve(self.params)

@@ -22,7 +22,10 @@ __all__ = [
     "FingerprintLookupError",
     "ReadOnlyStoreError",
     "StoreBusy",
+    "StoreFull",
     "CacheNotFound",
+    "CacheDamaged",
+    "QueueDamaged",
     "JobNotFound",
     "InvalidTensor",
     "TensorTypeError",
@@ -121,6 +124,36 @@ class ReadOnlyStoreError(SpcacheError, PermissionError):
 
 class StoreBusy(SpcacheError):
     """The store cannot serve this read now (e.g. LMDB's reader table is full); retry later."""
+
+
+class StoreFull(SpcacheError, OSError):
+    """A write failed for lack of space (or an I/O error) on the cache's disk; retrying
+    the same write will fail the same way until space is freed."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"no space left on {path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+class CacheDamaged(SpcacheError):
+    """The cache's storage itself (not one record) is damaged: a page of the LMDB file
+    cannot be read, or a walk over it aborted. ``cache`` names it, ``reason`` says why.
+    Recovery: ``spcache verify --salvage DEST`` copies what is still readable."""
+
+    def __init__(self, cache: object, reason: str) -> None:
+        super().__init__(f"cache damaged: {cache}: {reason}")
+        self.cache = str(cache)
+        self.reason = reason
+
+
+class QueueDamaged(SpcacheError):
+    """The job queue's file was deleted, replaced or truncated under a running process."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"job queue damaged: {path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
 
 
 class CacheNotFound(SpcacheError, FileNotFoundError):

@@ -7,6 +7,11 @@ sockets are shared with the parent). Connection errors and 503 answers are retri
 exponential back-off (honouring ``Retry-After``); 4xx answers are not retried.
 
 The batch responses it reads are framed as :mod:`cache_store.wire` describes.
+
+Every record read is bound to its key: its metadata must name the fingerprint and
+sample id asked for (a proxy swapping two records is caught), and with ``record_key``
+its keyed tag must match (a proxy altering and re-checksumming one is caught; see
+:mod:`cache_store.record_tag`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from cache_store.errors import (
 )
 from cache_store.fingerprint import split_key
 from cache_store.process_local import ProcessLocal
-from cache_store.record import Record, decode_record
+from cache_store.record import Record, check_names_key, decode_record, decode_records, read_metadata
+from cache_store.record_tag import TAG_HEADER, as_secret, check_record_tag
 from cache_store.store import DatasetIndex, Store
 from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
 
@@ -66,6 +72,8 @@ class HTTPStore(Store):
         max_connections: connection pool size (per process).
         batch_size: ids per batch request in :meth:`get_many`.
         token: bearer token, sent if given (reads need none).
+        record_key: secret shared with the service (``SPCACHE_RECORD_KEY``); when set,
+            every record must come with a valid keyed tag (``CorruptRecord`` otherwise).
 
     Lists (``keys``, ``fingerprints``) come from the service's dataset indexes: records
     not (yet) in an index are readable by key but not listed (``supports_listing`` is
@@ -77,7 +85,8 @@ class HTTPStore(Store):
 
     def __init__(self, url: str, *, readonly: bool = True, timeout_s: float = 30.0,
                  retries: int = 5, backoff_s: float = 0.1, max_connections: int = 16,
-                 batch_size: int = 64, token: str | None = None) -> None:
+                 batch_size: int = 64, token: str | None = None,
+                 record_key: str | bytes | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"HTTPStore needs an http(s):// URL, got {url!r}")
         if not readonly:
@@ -92,6 +101,7 @@ class HTTPStore(Store):
         self.max_connections = max_connections
         self.batch_size = batch_size
         self.token = token
+        self.record_key = None if record_key is None else as_secret(record_key)
         self._client = ProcessLocal(functools.partial(
             _new_client, self.url, timeout_s, token, max_connections), httpx.Client.close)
 
@@ -145,8 +155,15 @@ class HTTPStore(Store):
 
     def get(self, key: str) -> bytes:
         fingerprint, sample_id = split_key(key)
-        response = self._request("GET", _record_path(fingerprint, sample_id))
-        return self._check(response, key).content
+        response = self._check(self._request("GET", _record_path(fingerprint, sample_id)), key)
+        return self._bound(key, response.content, response.headers.get(TAG_HEADER))
+
+    def _bound(self, key: str, value: Any, tag: str | None) -> Any:
+        """``value`` once it is shown to be the record stored under ``key``."""
+        if self.record_key is not None:
+            check_record_tag(self.record_key, key, value, tag)
+        check_names_key(read_metadata(value, key=key), key)
+        return value
 
     def has(self, key: str) -> bool:
         fingerprint, sample_id = split_key(key)
@@ -176,8 +193,12 @@ class HTTPStore(Store):
                 path = f"/v1/caches/{fingerprint}/batch"
                 response = self._check(self._request(
                     "POST", path, json={"ids": chunk, "fields": body_fields}))
-                found, missing = decode_batch(response.content, where=self.url + path)
-                found_all.update({f"{fingerprint}/{sid}": v for sid, v in found.items()})
+                tags: dict[str, str] = {}
+                found, missing = decode_batch(response.content, where=self.url + path,
+                                              tags=tags)
+                for sid, value in found.items():
+                    key = f"{fingerprint}/{sid}"
+                    found_all[key] = self._bound(key, value, tags.get(sid))
                 missing_all.update({f"{fingerprint}/{sid}": why for sid, why in missing.items()})
         return found_all, missing_all
 
@@ -187,9 +208,10 @@ class HTTPStore(Store):
             return decode_record(self.get(key), key=key)
         fields = list(fields)
         fingerprint, sample_id = split_key(key)
-        response = self._request("GET", _record_path(fingerprint, sample_id),
-                                 params={"fields": ",".join(fields)})
-        return decode_record(self._check(response, key).content, key=key, fields=fields)
+        response = self._check(self._request("GET", _record_path(fingerprint, sample_id),
+                                             params={"fields": ",".join(fields)}), key)
+        value = self._bound(key, response.content, response.headers.get(TAG_HEADER))
+        return decode_record(value, key=key, fields=fields)
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
@@ -198,12 +220,10 @@ class HTTPStore(Store):
         keys = list(keys)
         fields = None if fields is None else list(fields)
         found, missing = self.get_many(keys, fields)
-        out = []
         for key in keys:
             if key not in found:
                 raise RecordNotFound(key, f"{self.url} ({missing.get(key, 'not returned')})")
-            out.append(decode_record(found[key], key=key, fields=fields))
-        return out
+        return decode_records([(key, found[key]) for key in keys], fields=fields)
 
     def fingerprints(self) -> list[str]:
         body = self._check(self._request("GET", "/v1/caches")).json()

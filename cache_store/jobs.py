@@ -23,6 +23,12 @@ Guarantees:
   ``(fingerprint, sample id)`` is held under a live lease by another job's item.
 * Connections are per process and per thread: a process that finds itself forked opens
   its own and never touches (not even to close) one it inherited.
+* The file a queue opened is the file it keeps using: ``check()`` (run by every submit
+  and claim, and by the service's ``/readyz``) raises :class:`QueueDamaged`, with an
+  ERROR log, when it was deleted, replaced (another device/inode) or truncated (smaller
+  than seen: SQLite never shrinks it without VACUUM). Open connections would otherwise
+  keep answering from a deleted file, or SQLite would silently start an empty queue.
+  A process adopts a restored file only when it starts again.
 
 Reads are single statements in autocommit mode, so no read transaction stays open and
 the WAL can always be checkpointed.
@@ -43,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import JobNotFound, SpcacheError
+from cache_store.errors import JobNotFound, QueueDamaged, SpcacheError
 from cache_store.process_local import ProcessLocal
 
 __all__ = [
@@ -63,6 +69,7 @@ JOBS_FILENAME = "jobs.sqlite"
 ITEM_STATUSES = ("pending", "running", "done", "failed", "cancelled")
 _SCHEMA_VERSION = 1
 _HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
+_SQLITE_HEADER_BYTES = 100  # a database file is at least its header
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -255,6 +262,8 @@ class JobQueue:
         self.busy_timeout_s = busy_timeout_s
         self.clock = clock
         self._conns: ProcessLocal[_Connections] = ProcessLocal(_Connections, _Connections.close)
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
+        self._seen_size = 0
 
     # -- connections -------------------------------------------------------------------
 
@@ -263,7 +272,11 @@ class JobQueue:
         conns = self._conns.get()
         conn = getattr(conns.local, "conn", None)
         if conn is None:
+            self.check()  # never let SQLite create a fresh file in place of a lost one
             conn = self._open()
+            if self._identity is None:
+                st = os.stat(self.path)
+                self._identity, self._seen_size = (st.st_dev, st.st_ino), st.st_size
             conns.add(conn)
         return conn
 
@@ -295,6 +308,28 @@ class JobQueue:
         """Close this process's connections (those opened in this process only)."""
         self._conns.close()
 
+    def check(self) -> None:
+        """Raise :class:`QueueDamaged` if the file this queue opened was deleted, replaced
+        or truncated since (nothing to check before the first use)."""
+        if self._identity is None:
+            return
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise self._damaged("the file was deleted") from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise self._damaged("the file was replaced by another one "
+                                f"(device/inode {self._identity} -> {(st.st_dev, st.st_ino)})")
+        if st.st_size < self._seen_size or st.st_size < _SQLITE_HEADER_BYTES:
+            raise self._damaged(f"the file was truncated ({self._seen_size} -> "
+                                f"{st.st_size} bytes)")
+        self._seen_size = st.st_size
+
+    def _damaged(self, reason: str) -> QueueDamaged:
+        log.error("job queue damaged: %s: %s; refusing to submit or claim until it is "
+                  "restored and the process restarted", self.path, reason)
+        return QueueDamaged(self.path, reason)
+
     # -- submitting (service side) -----------------------------------------------------
 
     def submit(self, recipe: str, params: dict[str, Any], fingerprint: str,
@@ -311,6 +346,7 @@ class JobQueue:
         job_id = uuid.uuid4().hex
         now = self.clock()
         conn = self._conn()
+        self.check()
         with _write(conn):
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
@@ -478,6 +514,23 @@ class JobQueue:
             "ORDER BY updated DESC, id DESC LIMIT 1", (fingerprint, sample_id)).fetchone()
         return dict(row) if row is not None else None
 
+    def sample_ids(self, fingerprint: str, *, prefix: str = "", after: str = "",
+                   limit: int = 100) -> list[str]:
+        """Distinct sample ids queued under ``fingerprint`` (any status) that start with
+        ``prefix`` and sort after ``after``, in UTF-8 byte order (as record keys sort),
+        at most ``limit``: a page of a cache's sample list for the status page."""
+        start = max(prefix, after)
+        rows = self._conn().execute(
+            "SELECT DISTINCT sample_id FROM items WHERE fingerprint = ? AND sample_id >= ? "
+            "ORDER BY sample_id LIMIT ?", (fingerprint, start, limit + 1))
+        out = []
+        for (sample_id,) in rows:
+            if not sample_id.startswith(prefix):
+                break
+            if sample_id != after:
+                out.append(sample_id)
+        return out[:limit]
+
     @staticmethod
     def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str],
                     ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
@@ -507,6 +560,7 @@ class JobQueue:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         conn = self._conn()
+        self.check()
         now = self.clock()
         with _write(conn):
             self._sweep_expired(conn, now)

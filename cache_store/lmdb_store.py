@@ -23,10 +23,17 @@ Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
   first frees slots of dead processes (``reader_check``), then raises.
 * The map grows by itself: a write that finds it full doubles it (at least; enough for
   the batch) and retries; readers adopt a map grown by another process.
+* Damage: any ``lmdb.Error`` from a read (a flipped byte in a page header, a page number
+  past the file) becomes :class:`CacheDamaged` naming the cache, never a raw lmdb error.
+  Some damage makes LMDB itself ``abort()`` the process inside a cursor walk; walks that
+  must survive that (verify, stats, the service's listings) run in a child process
+  (:mod:`cache_store.isolated`). A commit that fails with ENOSPC/EIO raises
+  :class:`StoreFull` ("no space left on <path>") so a writer can stop early.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -40,10 +47,17 @@ from typing import Any
 
 import lmdb
 
-from cache_store.errors import CacheNotFound, RecordNotFound, SpcacheError, StoreBusy
+from cache_store.errors import (
+    CacheDamaged,
+    CacheNotFound,
+    RecordNotFound,
+    SpcacheError,
+    StoreBusy,
+    StoreFull,
+)
 from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
-from cache_store.record import Record, decode_record
+from cache_store.record import Record, check_names_key, decode_record, decode_records
 from cache_store.store import DatasetIndex, Store, decode_index, encode_index
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
@@ -60,6 +74,14 @@ _KEYS_PER_TXN = 4096
 #: A long-lived writer frees reader slots left by dead processes at most this often.
 READER_CHECK_INTERVAL_S = 5.0
 _MAX_KEY_BYTES = 511  # LMDB's default build
+
+_SPACE_ERRORS = (os.strerror(errno.ENOSPC), os.strerror(errno.EIO), os.strerror(errno.EDQUOT))
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    """py-lmdb reports a failed commit's errno only in its message."""
+    return isinstance(exc, lmdb.DiskError) or any(m in str(exc) for m in _SPACE_ERRORS)
+
 
 def _lookup(txn: Any, db: Any, key: str) -> Any:
     """The value under ``key`` or None; keys LMDB cannot hold (empty, over 511 bytes,
@@ -230,6 +252,9 @@ class LMDBStore(Store):
                 env.close()
             if isinstance(exc, lmdb.ReadersFullError):  # opening reads, so it needs a slot
                 raise self._readers_full() from exc
+            if isinstance(exc, (lmdb.CorruptedError, lmdb.InvalidError,
+                                lmdb.PageNotFoundError, lmdb.BadTxnError)):
+                raise self._damaged(exc) from exc
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- transactions ----------------------------------------------------------------
@@ -243,6 +268,8 @@ class LMDBStore(Store):
                         dbs[name] = env.open_db(name, create=False)
                     except lmdb.NotFoundError:
                         pass
+                    except lmdb.Error as exc:
+                        raise self._damaged(exc) from exc
         try:
             txn = self._begin_read(env)
         except lmdb.ReadersFullError as exc:
@@ -257,13 +284,32 @@ class LMDBStore(Store):
                 txn = self._begin_read(env)
             except lmdb.ReadersFullError as again:
                 raise self._readers_full(env) from again
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from exc
         return txn, dbs
+
+    def _key_text(self, raw: Any) -> str:
+        """A stored key as text; keys are checked UTF-8 when written, so one that is not
+        comes from a damaged page."""
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._damaged(ValueError(f"a stored key is not UTF-8: {bytes(raw)[:80]!r}")
+                                ) from None
+
+    def _damaged(self, exc: BaseException) -> CacheDamaged:
+        log.error("%s: LMDB read failed, the cache is damaged: %s: %s", self.env_path,
+                  type(exc).__name__, exc)
+        return CacheDamaged(self.path, f"LMDB {type(exc).__name__}: {exc}")
 
     @contextmanager
     def _read(self) -> Iterator[tuple[Any, dict[bytes, Any]]]:
         txn, dbs = self._begin()
-        with txn:
-            yield txn, dbs
+        try:
+            with txn:
+                yield txn, dbs
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from exc
 
     @staticmethod
     def _begin_read(env: Any) -> Any:
@@ -294,6 +340,11 @@ class LMDBStore(Store):
                 self._grow(env, size_hint)
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
+            except lmdb.Error as exc:
+                if _out_of_space(exc):
+                    log.error("%s: write failed: %s", self.env_path, exc)
+                    raise StoreFull(self.env_path, str(exc)) from exc
+                raise
 
     def _free_stale_readers(self, env: Any) -> None:
         # A reader killed inside a transaction pins its snapshot: until its slot is
@@ -336,22 +387,30 @@ class LMDBStore(Store):
             value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
                 raise RecordNotFound(key, self.location)
-            return decode_record(value, key=key, fields=fields)
+            record = decode_record(value, key=key, fields=fields)
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from exc
         finally:
             txn.abort()  # read-only: ends it and releases the reader slot
+        check_names_key(record.metadata, key)
+        return record
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
         fields = None if fields is None else tuple(fields)
         with self._read() as (txn, dbs):
             db = dbs[_RECORDS_DB]
-            out = []
+            values = []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
                     raise RecordNotFound(key, self.location)
-                out.append(decode_record(value, key=key, fields=fields))
-            return out
+                values.append((key, value))
+            # one storage for the batch, decoded inside the transaction from the map
+            records = decode_records(values, fields=fields)
+            for (key, _), record in zip(values, records):
+                check_names_key(record.metadata, key)
+            return records
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         self.check_writable()
@@ -380,7 +439,7 @@ class LMDBStore(Store):
         skip_start = False
         while True:
             chunk = self._key_chunk(start, raw_prefix, skip_start)
-            yield from (k.decode() for k in chunk)
+            yield from (self._key_text(k) for k in chunk)
             if len(chunk) < _KEYS_PER_TXN:
                 return
             start, skip_start = chunk[-1], True
@@ -423,7 +482,7 @@ class LMDBStore(Store):
             if dbs[_INDEXES_DB] is None:
                 return []
             cursor = txn.cursor(db=dbs[_INDEXES_DB])
-            return [bytes(k).decode() for k in cursor.iternext(keys=True, values=False)]
+            return [self._key_text(k) for k in cursor.iternext(keys=True, values=False)]
 
     # -- conveniences done natively ----------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -431,7 +490,7 @@ class LMDBStore(Store):
         with self._read() as (txn, dbs):
             if dbs[_RECORDS_DB] is not None:
                 for key, value in txn.cursor(db=dbs[_RECORDS_DB]):
-                    entry = per_fp.setdefault(bytes(key[:FINGERPRINT_HEX_CHARS]).decode(),
+                    entry = per_fp.setdefault(self._key_text(key[:FINGERPRINT_HEX_CHARS]),
                                               {"records": 0, "bytes": 0})
                     entry["records"] += 1
                     entry["bytes"] += len(value)

@@ -10,13 +10,20 @@ pure data and imports no torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from cache_store.errors import ParameterError, UnknownName
 
-__all__ = ["ParamSpec", "FieldSpec", "RecipeSpec", "RECIPE_SPECS", "get_recipe_spec"]
+__all__ = ["ParamSpec", "FieldSpec", "RecipeSpec", "RECIPE_SPECS", "get_recipe_spec",
+           "MAX_RECORD_BYTES"]
+
+#: Largest record a recipe's parameters may call for (worst case, from the parameters):
+#: a request above it is refused, so one record always fits one response of the service.
+MAX_RECORD_BYTES = 256 << 20
+#: Allowance for a record's safetensors header and metadata.
+_HEADER_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,9 @@ class RecipeSpec:
     params: Mapping[str, ParamSpec]
     fields: Mapping[str, FieldSpec]
     doc: str = ""
+    #: Worst-case record bytes for resolved parameters (None: not bounded here).
+    record_bytes: Callable[[Mapping[str, Any]], int] | None = None
+    record_bytes_doc: str = ""
 
     def resolve(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Validate ``params`` and fill defaults; raises :class:`ParameterError`."""
@@ -85,14 +95,32 @@ class RecipeSpec:
             if problem:
                 problems.append(problem)
             resolved[name] = value
+        if not problems and self.record_bytes is not None:
+            worst = self.record_bytes(resolved)
+            if worst > MAX_RECORD_BYTES:
+                problems.append(
+                    f"these parameters allow records of up to {worst} bytes, over the "
+                    f"{MAX_RECORD_BYTES}-byte record limit ({self.record_bytes_doc}); "
+                    "lower them")
         if problems:
             raise ParameterError(problems, what=f"parameters for recipe {self.name!r}")
         return resolved
 
+    def worst_case_record_bytes(self, params: Mapping[str, Any] | None = None) -> int | None:
+        """The largest record ``params`` (defaults filled in) can produce, or None."""
+        if self.record_bytes is None:
+            return None
+        full = {name: spec.default for name, spec in self.params.items()}
+        full.update(params or {})
+        return self.record_bytes(full)
+
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "doc": self.doc,
                 "params": {k: v.as_json() for k, v in self.params.items()},
-                "fields": {k: v.as_json() for k, v in self.fields.items()}}
+                "fields": {k: v.as_json() for k, v in self.fields.items()},
+                "max_record_bytes": MAX_RECORD_BYTES,
+                "record_bytes_bound": self.record_bytes_doc,
+                "default_worst_case_record_bytes": self.worst_case_record_bytes()}
 
 
 _SPC_PARAMS = {
@@ -170,16 +198,59 @@ _SDF_DOC = (
     "meshes except within 1e-4 of the surface. Size: num_points <= sum over levels of "
     "min(8^l, surface_samples), num_dual_points <= 8 num_points (about 3.5 num_points on "
     "surfaces); a record is about 47 B per point, 6 B per dual point and 24 B per SDF sample: "
-    "a few MB at the defaults (10.8 MB for the bunny), under 400 MB at the bounds.")
+    "a few MB at the defaults (10.8 MB for the bunny); parameters whose worst case is "
+    "over the record size limit are refused.")
+
+
+def _level_points(level: int, samples: int) -> list[int]:
+    """Upper bound of the occupied voxels at each level 0..level: at most one per sampled
+    point, and at most 8^l."""
+    return [min(samples, 8 ** lv) for lv in range(level + 1)]
+
+
+def _spc_bytes(p: Mapping[str, Any]) -> int:
+    points = _level_points(int(p["level"]), int(p["surface_samples"]))
+    nodes = sum(points[:-1])  # octree: one byte per non-leaf node; exsum: int32 per byte
+    return (nodes + 4 * nodes + 6 * sum(points) + 8 * (int(p["level"]) + 2) + 16
+            + _HEADER_BYTES)
+
+
+def _query_bytes(p: Mapping[str, Any]) -> int:
+    queries = int(p["uniform_queries"]) + int(p["surface_queries"])
+    return _spc_bytes(p) + queries * (12 + 4 * (int(p["level"]) + 1) + 1)
+
+
+_SPC_BOUND = ("octree + exsum: 5 x sum over levels l < L of min(S, 8^l); point_hierarchy: "
+              "6 x sum over l <= L of min(S, 8^l); S = surface_samples, or a point cloud's "
+              "own point count")
+_QUERY_BOUND = _SPC_BOUND + "; plus (uniform_queries + surface_queries) x (13 + 4 (L + 1))"
+
+
+def _sdf_bytes(p: Mapping[str, Any]) -> int:
+    level = int(p["level"])
+    points = _level_points(level, int(p["surface_samples"]))
+    dual = [min(8 * n, (2 ** lv + 1) ** 3) for lv, n in enumerate(points)]
+    samples = int(p["near_samples"]) + int(p["uniform_samples"])
+    # trinkets int32 [P, 8] + trinket_parents int32 [P]; dual int16 [D, 3]; pyramid_dual;
+    # sdf_points float32 [M, 3] + sdf float32 + sdf_face int32 + sdf_pidx int32
+    return (_spc_bytes(p) + 36 * sum(points) + 6 * sum(dual) + 8 * (level + 2)
+            + 24 * samples)
+
+
+_SDF_BOUND = (_SPC_BOUND + "; plus 36 x (points of all levels) for trinkets and parents, "
+              "6 x sum over l <= L of min(8 x points at l, (2^l + 1)^3) dual points, and "
+              "24 x (near_samples + uniform_samples)")
 
 RECIPE_SPECS: dict[str, RecipeSpec] = {
     "spc": RecipeSpec("spc", 1, _SPC_PARAMS, _SPC_FIELDS,
-                      "structured point cloud (sparse octree) of the normalised shape"),
+                      "structured point cloud (sparse octree) of the normalised shape",
+                      _spc_bytes, _SPC_BOUND),
     "spc_query": RecipeSpec("spc_query", 1, {**_SPC_PARAMS, **_QUERY_PARAMS},
                             {**_SPC_FIELDS, **_QUERY_FIELDS},
-                            "spc plus seeded query points with their octree indices and occupancy"),
+                            "spc plus seeded query points with their octree indices and occupancy",
+                            _query_bytes, _QUERY_BOUND),
     "spc_sdf": RecipeSpec("spc_sdf", 1, _SDF_PARAMS, {**_SPC_FIELDS, **_DUAL_FIELDS, **_SDF_FIELDS},
-                          _SDF_DOC),
+                          _SDF_DOC, _sdf_bytes, _SDF_BOUND),
 }
 
 

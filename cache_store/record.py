@@ -37,7 +37,8 @@ import datetime as _dt
 import json
 import struct
 import sys
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -59,6 +60,7 @@ __all__ = [
     "encode_record",
     "encode_tensors",
     "decode_record",
+    "decode_records",
     "decode_arrays",
     "torch_dtype",
     "read_header",
@@ -496,15 +498,92 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
     return part
 
 
-def _tensors(view: memoryview, header: RecordHeader, names: list[str],
-             key: str) -> dict[str, torch.Tensor]:
-    """Copy the named fields into one fresh buffer (8-byte aligned slots), verify each
-    copy against its checksum, and view each as a tensor.
+def _in_dataloader_worker() -> bool:
+    import torch.utils.data
 
-    One allocation and one pass over the source per record: each field is copied first
-    and the copy hashed while it is still in the CPU cache, so what is verified is
-    exactly what is returned, and the source (an LMDB map page, often not cached) is read
-    once instead of twice.
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _allocate(size: int, worker: bool) -> tuple[torch.Tensor, np.ndarray]:
+    """A fresh uint8 tensor of ``size`` bytes on ONE untyped storage, and a NumPy view.
+
+    In a DataLoader worker (``worker``) the storage is created in shared memory (what
+    ``default_collate`` does for its output): handing it to the trainer then moves no
+    bytes, where a private storage would be copied into shared memory first. Elsewhere
+    the memory is NumPy's: its allocator reuses freed blocks, where torch's returns large
+    ones to the OS and page-faults them back in on every read (measured: 47 us vs 14 us
+    to allocate and fill 160 kB).
+    """
+    import torch
+
+    if size and worker:
+        storage = torch.UntypedStorage._new_shared(size)
+        base = torch.empty(0, dtype=torch.uint8).set_(storage)
+        return base, base.numpy()
+    buf = _BATCH_BUFFERS.take(size)
+    return torch.from_numpy(buf), buf
+
+
+class _BufferPool:
+    """The last few batch buffers of this process, handed out again once nothing else
+    refers to them.
+
+    A batch of large records is tens of MB: a fresh allocation that size is new pages
+    from the OS every time (measured: 3.2 ms to allocate and fill 25 MB, 1.0 ms for 8
+    reused 3 MB buffers), which made batched reads of 3 MB records slower than per-sample
+    ones. A buffer is reused only when its reference count shows that the pool holds the
+    last reference (every tensor of a batch keeps its storage, and the storage the
+    array, alive), so memory a caller still sees is never written. Holds at most
+    ``keep`` buffers of at most ``largest`` bytes (192 MiB per process at most; larger
+    batches are allocated fresh).
+    """
+
+    def __init__(self, keep: int = 3, largest: int = 64 << 20) -> None:
+        self.keep, self.largest = keep, largest
+        self.buffers: list[np.ndarray] = []
+        self.lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        if size > self.largest:
+            return np.empty(size, dtype=np.uint8)
+        with self.lock:
+            for i in range(len(self.buffers)):
+                buf = self.buffers[i]
+                # 3 = the list, ``buf`` and getrefcount's argument
+                if size <= buf.size <= 2 * size and sys.getrefcount(buf) == 3:
+                    self.buffers.append(self.buffers.pop(i))  # most recent last
+                    return buf[:size]
+            buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written
+            self.buffers.append(buf)
+            if len(self.buffers) > self.keep:
+                del self.buffers[0]
+            return buf[:size]
+
+
+_BATCH_BUFFERS = _BufferPool()
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    rank = len(shape)
+    if rank == 1:
+        return (1,)
+    if rank == 2:
+        return (max(shape[1], 1), 1)
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _record_tensors(view: memoryview, header: RecordHeader, names: list[str],
+                    key: str) -> dict[str, torch.Tensor]:
+    """One record read in this (non-worker) process: its fields copied into one fresh
+    buffer (8-byte aligned slots), each copy verified against its checksum and viewed as
+    a tensor on its own storage. Nothing will share or collate this record's storage, and
+    a NumPy view + ``torch.from_numpy`` per field is ~2x cheaper to build and free than a
+    torch view of one storage (~7 vs ~12 us a tensor, loaded VM). Same checks, same
+    single pass over the source as :func:`_batch_tensors`.
     """
     import torch
 
@@ -538,6 +617,59 @@ def _tensors(view: memoryview, header: RecordHeader, names: list[str],
     return tensors
 
 
+def _batch_tensors(views: Sequence[memoryview], headers: Sequence[RecordHeader],
+                   names: Sequence[list[str]], keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+    """Copy the named fields of every record into ONE fresh buffer, verify each copy
+    against its checksum, and view each as a tensor of that ONE storage (batches, and
+    any read inside a DataLoader worker; one record in the trainer's process goes
+    through :func:`_record_tensors`).
+
+    Field-major: all records' ``octree`` end to end, then all ``exsum``, ... (each field's
+    group starts 8-byte aligned; within a group every slot is aligned for its dtype), so
+    :func:`~cache_store.collate.collate_spc` concatenates or stacks a batch by taking a
+    view, and the DataLoader hands a batch between processes as one storage, not one per
+    tensor (a fixed cost each).
+
+    One pass over each source: a field is copied first and the copy hashed while it is
+    still in the CPU cache, so what is verified is exactly what is returned, and the
+    source (an LMDB map page, often not cached) is read once.
+    """
+    import torch
+
+    order: dict[str, None] = {}
+    for selected in names:
+        order.update(dict.fromkeys(selected))
+    slots: list[tuple[int, str, TensorInfo, int]] = []
+    size = 0
+    for name in order:
+        size = (size + 7) & ~7
+        for j, selected in enumerate(names):
+            if name in selected:
+                info = headers[j].tensors[name]
+                size = -(-size // _ITEMSIZE[info.dtype]) * _ITEMSIZE[info.dtype]
+                slots.append((j, name, info, size))
+                size += info.end - info.begin
+    size = (size + 7) & ~7  # so the storage views as any dtype
+    base, buf = _allocate(size, _in_dataloader_worker())
+    flat: dict[str, torch.Tensor] = {}  # dtype name -> the whole storage as that dtype
+    out = memoryview(buf)
+    tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
+    for j, name, (dtype, shape, begin, end), offset in slots:
+        nbytes = end - begin
+        copy = out[offset:offset + nbytes]
+        copy[:] = views[j][begin:end]  # the one copy out of LMDB's map / the bytes
+        if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
+            raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
+        if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
+            raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        whole = flat.get(dtype)
+        if whole is None:
+            whole = flat[dtype] = base.view(_TORCH_DTYPES[dtype])
+        tensors[j][name] = whole.as_strided(shape, _strides(shape), offset // _ITEMSIZE[dtype])
+    # a record's own field order, as a dict of its header gives it
+    return [{name: found[name] for name in selected} for found, selected in zip(tensors, names)]
+
+
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
     """Decode a record into CPU tensors, verifying checksums of what it returns.
 
@@ -549,9 +681,10 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
             and hashed.
 
     Returns:
-        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable; the
-        record's tensors share one fresh buffer, never the input's memory) and
-        ``metadata`` (str -> str).
+        Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable;
+        parts of one fresh buffer, never the input's memory; in a DataLoader worker
+        views of ONE storage in shared memory, so the record crosses to the trainer as
+        one shared-memory file) and ``metadata`` (str -> str).
 
     Raises:
         CorruptRecord: malformed value or checksum mismatch (names ``key``).
@@ -560,8 +693,31 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
     """
     view = _byte_view(value, key)
     header = _parse_view(view, key)
-    tensors = _tensors(view, header, _selected(header, fields, key), key)
-    return Record(tensors, header.metadata)
+    names = _selected(header, fields, key)
+    if _in_dataloader_worker():
+        return Record(_batch_tensors([view], [header], [names], [key])[0], header.metadata)
+    return Record(_record_tensors(view, header, names, key), header.metadata)
+
+
+def decode_records(items: Iterable[tuple[str, Any]], *,
+                   fields: Iterable[str] | None = None) -> list[Record]:
+    """Decode several records (``(key, value)`` pairs) at once, as :func:`decode_record`
+    does each, into ONE fresh storage laid out field by field (see ``collate_spc``, which
+    then batches them without copying). Every header and checksum is verified as by
+    :func:`decode_record`; the first bad record raises naming its key.
+    """
+    if fields is not None:
+        fields = [fields] if isinstance(fields, str) else list(fields)
+    keys, views, headers, names = [], [], [], []
+    for key, value in items:
+        view = _byte_view(value, key)
+        header = _parse_view(view, key)
+        keys.append(key)
+        views.append(view)
+        headers.append(header)
+        names.append(_selected(header, fields, key))
+    tensors = _batch_tensors(views, headers, names, keys)
+    return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
 
 
 def decode_arrays(value: Any, *, key: str = "",

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from cache_store.errors import (
+    CacheDamaged,
     CorruptRecord,
     FingerprintLookupError,
     ParameterError,
@@ -55,6 +56,7 @@ from cache_store.record import (
     check_names_key,
     decode_arrays,
     decode_record,
+    decode_records,
     encode_tensors,
     metadata_key,
     pack_ids,
@@ -190,19 +192,21 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
 
 @dataclass
 class VerifyReport:
-    """What :meth:`Store.verify` found: records checked, corrupt ones, missing ones."""
+    """What :meth:`Store.verify` found: records checked, corrupt ones, missing ones, and
+    ``damaged`` (why the walk could not go on: the store itself is damaged) or None."""
 
     checked: int = 0
     corrupt: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    damaged: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.corrupt and not self.missing
+        return not self.corrupt and not self.missing and self.damaged is None
 
     def as_json(self) -> dict[str, Any]:
         return {"checked": self.checked, "ok": self.ok, "corrupt": dict(self.corrupt),
-                "missing": list(self.missing)}
+                "missing": list(self.missing), "damaged": self.damaged}
 
 
 # --------------------------------------------------------------------------- store
@@ -307,13 +311,16 @@ class Store(abc.ABC):
         self.put_many([(key, value)])
 
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
-        """Decoded record under ``key`` (``fields``: subset to decode and verify)."""
-        return decode_record(self.get(key), key=key, fields=fields)
+        """Decoded record under ``key`` (``fields``: subset to decode and verify); its
+        metadata must name ``key`` (``CorruptRecord`` otherwise)."""
+        record = decode_record(self.get(key), key=key, fields=fields)
+        check_names_key(record.metadata, key)
+        return record
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
         fields = None if fields is None else tuple(fields)
-        return [self.get_record(key, fields) for key in keys]
+        return decode_records([(key, self.get(key)) for key in keys], fields=fields)
 
     def iter_values(self, prefix: str = "") -> Iterator[tuple[str, bytes]]:
         for key in self.keys(prefix):
@@ -347,9 +354,20 @@ class Store(abc.ABC):
         """Decode every record (of ``fingerprint``, or all) with full checksum checks.
 
         Also reports records whose metadata names another key, unreadable indexes, and
-        indexed sample ids without a record (``missing``). Never raises for bad data.
+        indexed sample ids without a record (``missing``). Damage to the store itself
+        (``CacheDamaged``: an unreadable LMDB page) ends the walk and is reported in
+        ``damaged``. Damage that makes LMDB abort the process cannot be caught here: walk
+        a cache that may be damaged with :func:`cache_store.isolated.verify_cache`.
         """
         report = VerifyReport()
+        try:
+            self._verify_into(report, fingerprint)
+        except CacheDamaged as exc:
+            report.damaged = str(exc)
+            log.error("verify: %s", exc)
+        return report
+
+    def _verify_into(self, report: VerifyReport, fingerprint: str | None) -> None:
         prefix = "" if fingerprint is None else validate_fingerprint(fingerprint) + "/"
         for key, value in self.iter_values(prefix):
             report.checked += 1
@@ -369,7 +387,6 @@ class Store(abc.ABC):
                 continue
             report.missing += [f"{fp}/{sid}" for sid in index.sample_ids.tolist()
                                if not self.has(f"{fp}/{sid}")]
-        return report
 
     def find_fingerprints(self, recipe: str, **params: Any) -> list[DatasetIndex]:
         """Indexes of ``recipe`` whose parameters agree with every given one.

@@ -5,7 +5,7 @@
     u64 little-endian N | N bytes of JSON header | data
 
 The header is ``{"format": "spcache-batch", "version": 1, "records": [{"id", "offset",
-"length"}, ...], "missing": [{"id", "error", "detail"}, ...]}``; each record's bytes are
+"length"[, "tag"]}, ...], "missing": [{"id", "error", "detail"}, ...]}``; each record's bytes are
 ``data[offset:offset + length]`` (a complete safetensors record), in request order. The
 length prefix is the same u64 framing as a record's (:data:`cache_store.record.HEADER_LENGTH`).
 """
@@ -26,12 +26,17 @@ BATCH_VERSION = 1
 
 
 def encode_batch(records: Sequence[tuple[str, bytes]],
-                 missing: Sequence[tuple[str, str, str]] = ()) -> bytes:
-    """Frame ``(id, record bytes)`` pairs and ``(id, error class, detail)`` misses."""
+                 missing: Sequence[tuple[str, str, str]] = (),
+                 tags: Sequence[str] | None = None) -> bytes:
+    """Frame ``(id, record bytes)`` pairs and ``(id, error class, detail)`` misses;
+    ``tags`` (one per record, :mod:`cache_store.record_tag`) go in the entries."""
     entries = []
     offset = 0
-    for sample_id, value in records:
-        entries.append({"id": sample_id, "offset": offset, "length": len(value)})
+    for i, (sample_id, value) in enumerate(records):
+        entry: dict[str, object] = {"id": sample_id, "offset": offset, "length": len(value)}
+        if tags is not None:
+            entry["tag"] = tags[i]
+        entries.append(entry)
         offset += len(value)
     header = json.dumps({"format": BATCH_FORMAT, "version": BATCH_VERSION, "records": entries,
                          "missing": [{"id": i, "error": e, "detail": d} for i, e, d in missing]},
@@ -39,9 +44,10 @@ def encode_batch(records: Sequence[tuple[str, bytes]],
     return b"".join([HEADER_LENGTH.pack(len(header)), header, *(value for _, value in records)])
 
 
-def decode_batch(body: bytes, *, where: str = "batch",
+def decode_batch(body: bytes, *, where: str = "batch", tags: dict[str, str] | None = None,
                  ) -> tuple[dict[str, memoryview], dict[str, str]]:
-    """Inverse of :func:`encode_batch`: ``({id: record bytes}, {id: "Error: detail"})``.
+    """Inverse of :func:`encode_batch`: ``({id: record bytes}, {id: "Error: detail"})``;
+    record tags, where the entries carry them, are added to ``tags`` when given.
 
     Record values are zero-copy views into ``body``. Raises :class:`CorruptRecord`
     (naming ``where``) on a malformed frame, :class:`UnsupportedFormat` on another version.
@@ -69,6 +75,8 @@ def decode_batch(body: bytes, *, where: str = "batch",
             if begin < 0 or length < 0 or begin + length > data.nbytes:
                 raise CorruptRecord(where, f"record {entry['id']!r} lies outside the response")
             found[str(entry["id"])] = data[begin:begin + length]
+            if tags is not None and isinstance(entry.get("tag"), str):
+                tags[str(entry["id"])] = entry["tag"]
         missing = {str(m["id"]): f"{m['error']}: {m['detail']}" for m in header["missing"]}
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptRecord(where, f"malformed batch header: {exc!r}") from None

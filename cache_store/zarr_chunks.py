@@ -23,17 +23,23 @@ class LocalChunkReader:
     Only for the exact layout the exporter writes (regular chunks along axis 0, default
     "/" chunk keys, little-endian bytes -> blosc -> crc32c); anything else is read through
     zarr. Skipping zarr's async pipeline matters for per-sample reads: a record is a
-    dozen small reads, and each costs a few hops between threads there. The last
-    ``cache_chunks`` decoded chunks are kept (small fields share a chunk across many
-    records).
+    dozen small reads, and each costs a few hops between threads there.
+
+    Decoded chunks are kept, the most recent first, up to ``cache_bytes`` (at least
+    ``min_chunks``). A small field (``center``, ``scale``, ``pyramid``) holds thousands of
+    records per chunk: with only the last two chunks kept, every shuffled read
+    decompressed a whole chunk per small field to take a few bytes of it; kept, its
+    array is decoded once per process.
     """
 
-    def __init__(self, directory: str, array: Any, cache_chunks: int = 2) -> None:
+    def __init__(self, directory: str, array: Any, cache_bytes: int = 16 << 20,
+                 min_chunks: int = 2) -> None:
         self.directory = directory
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
         self.chunk_shape = tuple(array.chunks)
-        self.cache_chunks = cache_chunks
+        chunk_bytes = max(math.prod(self.chunk_shape) * self.dtype.itemsize, 1)
+        self.cache_chunks = max(min_chunks, cache_bytes // chunk_bytes)
         self._cache: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # the service reads from several threads
 
@@ -54,7 +60,9 @@ class LocalChunkReader:
 
     def _chunk(self, index: int) -> np.ndarray:
         with self._lock:
-            cached = self._cache.get(index)
+            cached = self._cache.pop(index, None)
+            if cached is not None:
+                self._cache[index] = cached  # most recently used last
         if cached is not None:
             return cached
         import google_crc32c

@@ -45,7 +45,7 @@ from cache_store.fingerprint import (
     validate_fingerprint,
 )
 from cache_store.process_local import ProcessLocal
-from cache_store.record import HEADER_LENGTH, Record, check_names_key, decode_record, unpack_ids
+from cache_store.record import HEADER_LENGTH, Record, check_names_key, decode_records, unpack_ids
 from cache_store.snapshot_format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
@@ -440,11 +440,10 @@ class ZarrStore(Store):
                                               else list(fields))
 
         def read() -> list[Record]:
-            records = []
-            for key, value in zip(keys, self._values(keys, fields), strict=True):
-                record = decode_record(value, key=key, fields=fields)
+            records = decode_records(zip(keys, self._values(keys, fields), strict=True),
+                                     fields=fields)
+            for key, record in zip(keys, records, strict=True):
                 check_names_key(record.metadata, key)
-                records.append(record)
             return records
         return self._read_checked(read)
 

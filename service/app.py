@@ -16,11 +16,13 @@ from cache_store import __version__
 from service.context import ServiceContext
 from service.errors import ERROR_RESPONSES, install_error_handlers
 from service.fastpath import RecordFastPath
+from service.hosts import HostGuard
 from service.limits import BodySizeLimit
 from service.metrics import MetricsMiddleware
 from service.routes_caches import router as caches_router
 from service.routes_health import router as health_router
 from service.routes_jobs import router as jobs_router
+from service.routes_page import install_page
 from service.settings import Settings
 
 __all__ = ["create_app"]
@@ -43,6 +45,7 @@ def create_app(settings: Settings) -> FastAPI:
             ctx.close()
 
     app = FastAPI(title="spcache", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None,  # offline versions: service.routes_page
                   description="Precomputed SPC octrees and octree queries, served as "
                               "safetensors records.")
     app.state.ctx = ctx
@@ -50,9 +53,13 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(health_router, responses=ERROR_RESPONSES)
     app.include_router(jobs_router, responses=ERROR_RESPONSES)
     app.include_router(caches_router, responses=ERROR_RESPONSES)
+    install_page(app)
     # Added last = outermost: metrics see every answer, the 413s included.
     app.add_middleware(RecordFastPath, ctx=ctx)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
+    # Host check before anything reads the body; redaction of local details outside
+    # every route (see service.hosts).
+    app.add_middleware(HostGuard, settings=settings)
     app.add_middleware(MetricsMiddleware, metrics=ctx.metrics)
     return app

@@ -1,8 +1,13 @@
 """``spcache serve``: the service under uvicorn, plus (unless ``--no-worker``) one worker child.
 
-``workers.cli`` hands the ``serve`` subcommand here by module name
-(``configure_parser(parser)`` then ``run(args)``); ``python -m service.cli`` runs it alone.
-Flags override ``SPCACHE_*`` environment variables, which override defaults.
+``spcache.cli`` hands the ``serve`` subcommand here by module name
+(``configure_parser(parser)``, ``log_level(args)`` for its one logging setup, then
+``run(args)``); ``python -m service.cli`` runs it alone. Flags override ``SPCACHE_*``
+environment variables, which override defaults.
+
+SIGTERM and SIGINT (and SIGHUP, which the dispatcher turns into SIGTERM) shut uvicorn down
+and then stop the worker child; the worker also ends by itself if this process is killed
+outright (it is told this process's pid, see ``service.supervisor``).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from pydantic import ValidationError
 
 from service.settings import Settings
 
-__all__ = ["configure_parser", "run", "main", "settings_from_args"]
+__all__ = ["configure_parser", "run", "main", "settings_from_args", "log_level"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
+def log_level(args: argparse.Namespace) -> str | None:
+    """The level the settings ask for (flag, then ``SPCACHE_LOG_LEVEL``, then info); None
+    when the settings do not validate (``run`` then reports why)."""
+    try:
+        return settings_from_args(args).log_level
+    except ValidationError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
@@ -61,8 +75,15 @@ def run(args: argparse.Namespace) -> int:
                              f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
         sys.stderr.write(f"spcache serve: {problems}\n")
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.cache.exists() and not settings.cache.is_dir():
+        sys.stderr.write(f"spcache serve: {settings.cache}: is a file, not a cache directory\n")
+        return 2
+    try:
+        settings.cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        sys.stderr.write(f"spcache serve: {settings.cache}: cannot create the cache "
+                         f"directory ({exc.strerror or exc})\n")
+        return 2
     return serve(settings)
 
 
@@ -74,12 +95,22 @@ def serve(settings: Settings) -> int:
 
     settings.cache.mkdir(parents=True, exist_ok=True)
     supervisor = None
+    log.info("spcache serve: cache %s", settings.cache.resolve())
+    log.info("spcache serve: warm-up sources must lie under %s",
+             ", ".join(str(r) for r in settings.source_roots))
     if settings.worker:
         supervisor = WorkerSupervisor(
             worker_command(str(settings.cache), device=settings.worker_device,
-                           backend=settings.worker_backend),
-            max_backoff_s=settings.worker_restart_max_s)
+                           backend=settings.worker_backend, log_level=settings.log_level,
+                           source_roots=settings.source_roots),
+            max_backoff_s=settings.worker_restart_max_s, cache=settings.cache)
+        log.info("spcache serve: worker child on device %s (backend %s)",
+                 settings.worker_device or "auto", settings.worker_backend)
         supervisor.start()
+    else:
+        log.info("spcache serve: no worker child (--no-worker); run `spcache worker --cache %s`",
+                 settings.cache)
+    log.info("spcache serve: listening on http://%s:%d", settings.host, settings.port)
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), server_header=False,
                             proxy_headers=False, timeout_graceful_shutdown=10,
@@ -106,9 +137,13 @@ def serve(settings: Settings) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m service.cli``: serve without the ``spcache`` dispatcher."""
     parser = configure_parser(argparse.ArgumentParser(
         prog="spcache serve", description=__doc__.splitlines()[0]))
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=(log_level(args) or "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
 
 
 if __name__ == "__main__":

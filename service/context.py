@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from cache_store.errors import CacheDamaged
+from cache_store.isolated import stats_cache
 from cache_store.jobs import JobQueue
-from cache_store.lmdb_store import has_cache
+from cache_store.lmdb_store import RECORDS_DIR, has_cache
 from cache_store.store import Store, open_store
+from service.budget import ByteBudget
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -44,12 +48,16 @@ class ServiceContext:
         from service.read_through import WaitSlots
 
         self.waits = WaitSlots(settings.max_waiting_requests)
+
+        self.read_budget = ByteBudget(settings.max_read_bytes_in_flight)
         self.started = time.time()
         self._store: Store | None = None
         self._store_lock = threading.Lock()
-        self._stats: dict[str, CacheStats] = {}
-        self._stats_at: float | None = None
-        self._stats_lock = threading.Lock()
+        self._walk: dict[str, Any] | None = None
+        self._walk_damage: CacheDamaged | None = None
+        self._walk_signature: tuple[int, ...] | None = None
+        self._walk_at = 0.0
+        self._walk_lock = threading.Lock()
 
     def store(self) -> Store | None:
         """The cache's store, or None while the worker has not created it yet."""
@@ -69,24 +77,48 @@ class ServiceContext:
                 self._store = None
         self.queue.close()
 
-    def cache_stats(self, fingerprint: str) -> CacheStats:
-        """Records and bytes stored under a fingerprint.
+    def _lmdb_signature(self) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.cache / RECORDS_DIR / "data.mdb")
+        except FileNotFoundError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
-        From one ``store.stats()`` pass over the whole cache (the LMDB store walks its
-        keys and value lengths without copying values), reused for ``stats_ttl_s``.
+    def cache_walk(self, want: str | None = None) -> dict[str, Any]:
+        """Per fingerprint: records, bytes and (when indexed) the index's description.
+
+        One ``store.stats()`` walk over the whole cache, run in a child process
+        (:func:`cache_store.isolated.stats_cache`): a damaged LMDB page that makes LMDB
+        abort kills the child, never the service. The result is reused until the LMDB
+        file changes (and at least ``stats_ttl_s``). Raises :class:`CacheDamaged` while
+        the last walk found the cache damaged. A fingerprint ``want`` the last walk did
+        not see is looked for again as soon as the file changed.
         """
-        now = time.time()
-        with self._stats_lock:
-            fresh = self._stats_at is not None and now - self._stats_at < self.settings.stats_ttl_s
-            stats = self._stats
-        if not fresh:
-            store = self.store()
-            per_fp = store.stats()["fingerprints"] if store is not None else {}
-            stats = {fp: CacheStats(int(e.get("records", 0)), int(e.get("bytes", 0)), now)
-                     for fp, e in per_fp.items()}
-            with self._stats_lock:
-                self._stats, self._stats_at = stats, now
-        return stats.get(fingerprint, CacheStats(0, 0, now))
+        with self._walk_lock:  # one walk at a time; the others wait for its answer
+            signature = self._lmdb_signature()
+            if signature is None:
+                return {}
+            now = time.time()
+            known = self._walk is not None or self._walk_damage is not None
+            stale = (now - self._walk_at >= self.settings.stats_ttl_s
+                     or (want is not None and self._walk is not None and want not in self._walk))
+            if not known or (signature != self._walk_signature and stale):
+                try:
+                    self._walk = stats_cache(self.cache)["fingerprints"]
+                    self._walk_damage = None
+                except CacheDamaged as exc:
+                    self._walk, self._walk_damage = None, exc
+                self._walk_signature, self._walk_at = signature, now
+            if self._walk_damage is not None:
+                raise CacheDamaged(self._walk_damage.cache, self._walk_damage.reason)
+            assert self._walk is not None
+            return self._walk
+
+    def cache_stats(self, fingerprint: str) -> CacheStats:
+        """Records and bytes stored under a fingerprint (from :meth:`cache_walk`)."""
+        entry = self.cache_walk(fingerprint).get(fingerprint, {})
+        return CacheStats(int(entry.get("records", 0)), int(entry.get("bytes", 0)),
+                          self._walk_at)
 
 
 def get_context(request: Request) -> ServiceContext:

@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from service.budget import ReadBudgetBusy, ResponseTooLarge
 from cache_store.errors import (
+    CacheDamaged,
     CorruptRecord,
     FingerprintLookupError,
     InvalidSampleId,
@@ -25,11 +27,13 @@ from cache_store.errors import (
     MissTimeout,
     NoWorkerAlive,
     ParameterError,
+    QueueDamaged,
     ReadOnlyStoreError,
     RecordNotFound,
     SourceError,
     SpcacheError,
     StoreBusy,
+    StoreFull,
     UnknownName,
 )
 
@@ -45,6 +49,8 @@ class WaitingFull(SpcacheError):
 
 #: Most specific class first; the first ``isinstance`` match wins.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
+    (ResponseTooLarge, 413),
+    (ReadBudgetBusy, 503),
     (RecordNotFound, 404),
     (JobNotFound, 404),
     (FingerprintLookupError, 404),
@@ -57,6 +63,9 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (WaitingFull, 503),
     (NoWorkerAlive, 503),
     (MissTimeout, 504),
+    (CacheDamaged, 503),  # the reason says what is damaged; an operator must salvage
+    (QueueDamaged, 503),  # warm-ups refused until the queue file is back
+    (StoreFull, 503),
     (CorruptRecord, 500),
     (SpcacheError, 500),
 )

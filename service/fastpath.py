@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_store.errors import SpcacheError
-from cache_store.fingerprint import FINGERPRINT_PATTERN
+from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key
 from service.context import ServiceContext
-from service.routes_caches import etag_matches, read_record
+from service.routes_caches import etag_matches, read_record, record_tag_header
 
 __all__ = ["RecordFastPath", "RECORD_ROUTE"]
 
@@ -48,14 +49,18 @@ class RecordFastPath:
         if answer is None:
             await self.app(scope, receive, send)  # the FastAPI route says what went wrong
             return
-        status, headers, body = answer
+        status, headers, body, release = answer
         scope["spcache.route"] = RECORD_ROUTE
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body",
-                    "body": body if scope["method"] == "GET" else b""})
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body",
+                        "body": body if scope["method"] == "GET" else b""})
+        finally:
+            release()
 
     def _answer(self, fingerprint: str, raw_id: str,
-                scope: Scope) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+                scope: Scope,
+                ) -> tuple[int, list[tuple[bytes, bytes]], bytes, Callable[[], None]] | None:
         fields = None
         if scope.get("query_string"):
             query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
@@ -65,16 +70,24 @@ class RecordFastPath:
             fields = query["fields"][0] if "fields" in query else None
         try:
             # scope["path"] is percent-decoded already: do not decode it again.
-            value, etag = read_record(self.ctx, fingerprint, raw_id, fields)
+            value, etag, release = read_record(self.ctx, fingerprint, raw_id, fields)
         except SpcacheError:
             return None
         headers = [(b"etag", etag.encode()), (b"cache-control", b"no-cache")]
+        if self.ctx.settings.record_key is not None:
+            headers += [(name.lower().encode(), tag.encode()) for name, tag in
+                        record_tag_header(self.ctx, record_key(fingerprint, raw_id), etag).items()]
         if_none_match = None
         for name, val in scope["headers"]:
             if name == b"if-none-match":
                 if_none_match = val.decode("latin-1")
         if etag_matches(if_none_match, etag):
-            return 304, headers, b""
+            release()
+            return 304, headers, b"", _nothing
         self.ctx.metrics.add_records(1)
         headers += [(b"content-type", _MEDIA), (b"content-length", str(len(value)).encode())]
-        return 200, headers, value
+        return 200, headers, value, release
+
+
+def _nothing() -> None:
+    return None

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from cache_store.errors import FingerprintLookupError, ParameterError, RecordNotFound, SpcacheError
+from cache_store.errors import (
+    FingerprintLookupError,
+    ParameterError,
+    RecordNotFound,
+    SourceError,
+    SpcacheError,
+)
 from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key, validate_fingerprint
 from cache_store.item_state import item_state
 from cache_store.recipes import RECIPE_SPECS
 from cache_store.record import peek_checksum, record_checksum, select_fields
+from cache_store.record_tag import TAG_HEADER, tag_for_checksum
 from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
+from service.budget import ResponseTooLarge, record_length
 from service.context import Context, ServiceContext
 from service.errors import status_for
 from service.read_through import not_ready_response, wait_for_records
 from service.warmup import resolve_source
 
-__all__ = ["router", "BatchRequest", "read_record", "etag_matches"]
+__all__ = ["router", "BatchRequest", "read_record", "etag_matches", "record_tag_header"]
 
 router = APIRouter(prefix="/v1", tags=["caches"])
 
@@ -39,14 +49,11 @@ def list_recipes() -> dict[str, Any]:
 
 @router.get("/caches")
 def list_caches(ctx: Context) -> dict[str, Any]:
-    store = ctx.store()
-    out = []
-    if store is not None:
-        for fp in store.fingerprints():
-            index = store.get_index(fp)
-            out.append({"fingerprint": fp, "recipe": index.recipe,
-                        "recipe_version": index.recipe_version, "params": dict(index.params),
-                        "samples": int(len(index.sample_ids))})
+    # from the walk in a child process: a damaged page answers 503, never kills us
+    out = [{"fingerprint": fp, "recipe": entry["recipe"],
+            "recipe_version": entry["recipe_version"], "params": dict(entry["params"]),
+            "samples": int(entry["samples"])}
+           for fp, entry in ctx.cache_walk().items() if "recipe" in entry]
     return {"caches": out}
 
 
@@ -55,9 +62,10 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
               limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
     """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
     validate_fingerprint(fingerprint)
+    walked = ctx.cache_walk(fingerprint)  # in a child process: raises CacheDamaged, never aborts us
     store = ctx.store()
     index = None
-    if store is not None and fingerprint in set(store.fingerprints()):
+    if store is not None and "recipe" in walked.get(fingerprint, {}):
         index = store.get_index(fingerprint)
     jobs = ctx.queue.jobs(fingerprint=fingerprint, limit=1000)
     if index is None and not jobs:
@@ -118,18 +126,36 @@ def _fields(fields: str | None) -> list[str] | None:
 
 
 def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
-                fields: str | None) -> tuple[bytes, str]:
-    """The bytes to send for a record (all fields, or the comma-separated ``fields``) and
-    their strong ETag. Shared by this route and :mod:`service.fastpath`.
+                fields: str | None) -> tuple[bytes, str, Callable[[], None]]:
+    """The bytes to send for a record (all fields, or the comma-separated ``fields``),
+    their strong ETag, and the release of the bytes reserved for them in the process's
+    read budget (call it once the answer is sent). Shared by this route and
+    :mod:`service.fastpath`.
 
+    The record's size is checked before it is copied: over ``max_response_bytes`` is
+    :class:`ResponseTooLarge` (413), past the read budget :class:`ReadBudgetBusy` (503).
     One LMDB copy, done inline: cheaper than a hop to the thread pool.
     """
     key = record_key(fingerprint, sample_id)
-    value = _read(ctx, key)
-    names = _fields(fields)
-    if names is not None:
-        value = select_fields(value, names, key=key)
-    return value, _etag(value, key)
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    size = record_length(store, key)
+    limit = ctx.settings.max_response_bytes
+    if size > limit:
+        raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
+                               f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
+                               "from the cache directly")
+    release = ctx.read_budget.reserve(size, f"record {sample_id!r}")
+    try:
+        value = store.get(key)
+        names = _fields(fields)
+        if names is not None:
+            value = select_fields(value, names, key=key)
+        return value, _etag(value, key), release
+    except BaseException:
+        release()
+        raise
 
 
 @router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
@@ -146,7 +172,7 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets;
     ``?wait=`` waits for a queued sample (read-through, :mod:`service.read_through`)."""
     try:
-        value, etag = read_record(ctx, fingerprint, sample_id, fields)
+        value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
     except RecordNotFound:
         if not wait:
             raise
@@ -154,12 +180,24 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
         not_ready = await wait_for_records(ctx, fingerprint, [sample_id], wait)
         if not_ready:
             return not_ready_response(fingerprint, not_ready[sample_id])
-        value, etag = read_record(ctx, fingerprint, sample_id, fields)
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+        value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
+    headers = {"ETag": etag, "Cache-Control": "no-cache",
+               **record_tag_header(ctx, record_key(fingerprint, sample_id), etag)}
     if etag_matches(request.headers.get("if-none-match"), etag):
+        release()
         return Response(status_code=304, headers=headers)
     ctx.metrics.add_records(1)
-    return Response(value, media_type=_RECORD_MEDIA_TYPE, headers=headers)
+    return Response(value, media_type=_RECORD_MEDIA_TYPE, headers=headers,
+                    background=BackgroundTask(release))
+
+
+def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
+    """``{X-Spcache-Record-Tag: tag}`` when the service has a record key, else ``{}``."""
+    secret = ctx.settings.record_key
+    if secret is None:
+        return {}
+    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
+                                         etag.strip('"'))}
 
 
 class BatchRequest(BaseModel):
@@ -186,33 +224,71 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
         raise ParameterError(["fields: empty list; leave it out to get every field"],
                              what="batch request")
 
-    def collect() -> tuple[list[tuple[str, bytes]], list[tuple[str, str, str]]]:
-        found: list[tuple[str, bytes]] = []
+    ids = list(dict.fromkeys(body.ids))  # a repeated id is read (and sent) once
+    reserved: list[Callable[[], None]] = []
+    secret = ctx.settings.record_key
+
+    def collect() -> tuple[list[tuple[str, bytes]], list[tuple[str, str, str]], list[str]]:
+        store = ctx.store()
+        sizes: dict[str, int] = {}
         missing: list[tuple[str, str, str]] = []
-        for sample_id in body.ids:
+        for sample_id in ids:
+            try:
+                key = record_key(fingerprint, sample_id)
+                if store is None:
+                    raise RecordNotFound(key, str(ctx.cache))
+                sizes[sample_id] = record_length(store, key)
+            except SpcacheError as exc:
+                if status_for(exc) == 503:  # back-pressure: the whole batch is retried
+                    raise
+                missing.append((sample_id, type(exc).__name__, str(exc)))
+        total = sum(sizes.values())
+        limit = ctx.settings.max_response_bytes
+        if total > limit:
+            raise ResponseTooLarge(f"batch of {len(sizes)} records is {total} bytes, over the "
+                                   f"{limit}-byte response limit; ask for fewer ids")
+        # the records, then the framed answer: twice the bytes at the peak
+        reserved.append(ctx.read_budget.reserve(2 * total, f"batch of {len(sizes)} records"))
+        found: list[tuple[str, bytes]] = []
+        tags: list[str] = []
+        for sample_id in sizes:
             try:
                 key = record_key(fingerprint, sample_id)
                 value = _read(ctx, key)
                 if body.fields is not None:
                     value = select_fields(value, body.fields, key=key)
                 found.append((sample_id, value))
+                if secret is not None:
+                    tags.append(record_tag_header(ctx, key, _etag(value, key))[TAG_HEADER])
             except SpcacheError as exc:
-                if status_for(exc) == 503:  # back-pressure: the whole batch is retried
+                if status_for(exc) == 503:
                     raise
                 missing.append((sample_id, type(exc).__name__, str(exc)))
-        return found, missing
+        return found, missing, tags
 
-    found, missing = await run_in_threadpool(collect)
-    if wait and any(error == "RecordNotFound" for _, error, _ in missing):
-        not_ready = await wait_for_records(
-            ctx, fingerprint, [sid for sid, error, _ in missing if error == "RecordNotFound"],
-            wait)
-        found, missing = await run_in_threadpool(collect)
-        missing = [(sid, not_ready[sid].error, not_ready[sid].detail(fingerprint))
-                   if sid in not_ready else (sid, error, detail)
-                   for sid, error, detail in missing]
-    ctx.metrics.add_records(len(found))
-    return Response(encode_batch(found, missing), media_type=BATCH_MEDIA_TYPE)
+    def release() -> None:
+        for done in reserved:
+            done()
+        reserved.clear()
+
+    try:
+        found, missing, tags = await run_in_threadpool(collect)
+        if wait and any(error == "RecordNotFound" for _, error, _ in missing):
+            release()  # nothing read so far is sent: hold no read budget while waiting
+            not_ready = await wait_for_records(
+                ctx, fingerprint, [sid for sid, error, _ in missing if error == "RecordNotFound"],
+                wait)
+            found, missing, tags = await run_in_threadpool(collect)
+            missing = [(sid, not_ready[sid].error, not_ready[sid].detail(fingerprint))
+                       if sid in not_ready else (sid, error, detail)
+                       for sid, error, detail in missing]
+        ctx.metrics.add_records(len(found))
+        answer = await run_in_threadpool(encode_batch, found, missing,
+                                         tags if secret is not None else None)
+    except BaseException:
+        release()
+        raise
+    return Response(answer, media_type=BATCH_MEDIA_TYPE, background=BackgroundTask(release))
 
 
 @router.get("/caches/{fingerprint}/items/{sample_id:path}")
@@ -223,6 +299,11 @@ def get_item_state(fingerprint: Fingerprint, sample_id: str, ctx: Context,
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
     source = None
     if path is not None:
-        source = str(resolve_source(path, ctx.settings.source_roots))
+        real = resolve_source(path, ctx.settings.source_roots)
+        size = real.stat().st_size
+        if size > ctx.settings.max_hash_bytes:  # each such request hashes the whole file
+            raise SourceError(path, f"is {size} bytes; item state compares sources up to "
+                                    f"{ctx.settings.max_hash_bytes} bytes")
+        source = str(real)
     return item_state(ctx.store(), ctx.queue, fingerprint, sample_id, path=source).as_json()
 

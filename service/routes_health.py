@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
 from prometheus_client.core import GaugeMetricFamily
 
 from cache_store.errors import SpcacheError
@@ -20,22 +22,41 @@ __all__ = ["router"]
 router = APIRouter(tags=["health"])
 
 
+def _noop() -> None:
+    return None
+
+
 @router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+async def healthz(request: Request) -> JSONResponse:
+    """200 when the process answers *and* its thread pool runs a trivial task within
+    ``pool_check_s``; 503 when every pool thread is taken (the routes that run there
+    would hang), so that a supervisor can tell a starved service from a live one."""
+    # No ``Context`` dependency here: a sync dependency would itself wait for the pool.
+    limit = request.app.state.ctx.settings.pool_check_s
+    try:
+        await asyncio.wait_for(run_in_threadpool(_noop), limit)
+    except TimeoutError:
+        return JSONResponse({"status": "thread pool starved",
+                             "detail": f"a trivial task did not run within {limit:g} s"},
+                            status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/readyz")
 def readyz(ctx: Context) -> JSONResponse:
-    """200 when the job queue answers and the store (if created yet) opens; else 503."""
+    """200 when the job queue answers (its file is the one it opened, not replaced or
+    truncated) and the store (if created yet) opens and walks without damage; else 503."""
     problems = []
     try:
+        ctx.queue.check()
         queue = ctx.queue.counts()
     except Exception as exc:  # noqa: BLE001 - any failure here means "not ready", and says why
         problems.append(f"job queue: {type(exc).__name__}: {exc}")
         queue = {}
     try:
         store_state = "open" if ctx.store() is not None else "not created yet"
+        if store_state == "open":
+            ctx.cache_walk()  # in a child process; cached until the LMDB file changes
     except Exception as exc:  # noqa: BLE001 - as above
         problems.append(f"store: {type(exc).__name__}: {exc}")
         store_state = "error"
@@ -77,9 +98,12 @@ class _ScrapeGauges:
             for b in beats:
                 age.add_metric([b["worker_id"]], round(time.time() - b["seen"], 3))
             yield age
-        store = ctx.store()
-        if store is not None:
-            per_fp = [(fp, ctx.cache_stats(fp)) for fp in store.fingerprints()]
+        try:
+            walked = ctx.cache_walk()
+        except SpcacheError:  # damaged: /readyz says so; no sizes to report
+            walked = {}
+        if walked:
+            per_fp = [(fp, ctx.cache_stats(fp)) for fp, e in walked.items() if "recipe" in e]
             records = GaugeMetricFamily("spcache_cache_records", "records stored per fingerprint",
                                         labels=["fingerprint"])
             nbytes = GaugeMetricFamily("spcache_cache_bytes", "record bytes stored per fingerprint",

@@ -74,7 +74,9 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
             pairs = [(it.id, it.path) for it in body.items]
         else:
             assert body.root is not None and body.glob is not None
-            pairs = expand_glob(body.root, body.glob, roots, settings.max_warmup_items)
+            pairs = expand_glob(body.root, body.glob, roots, settings.max_warmup_items,
+                                max_entries=settings.glob_max_entries,
+                                max_seconds=settings.glob_max_seconds)
         plan = plan_warmup(body.recipe, body.params, pairs, roots, ctx.store())
         if body.require_worker and plan.todo:
             require_worker(ctx, f"warm-up of {len(plan.todo)} item(s) of {plan.fingerprint}")

@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     source_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path.cwd()],
         description="warm-up source paths must resolve inside one of these")
+    allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
+        None, description="Host header values served (comma-separated or JSON; '*' = any); "
+                          "default: the bound host, localhost, 127.0.0.1, ::1 (any when bound "
+                          "to a wildcard address)")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
@@ -49,12 +53,27 @@ class Settings(BaseSettings):
     max_waiting_requests: int = Field(64, ge=0, description="read-through reads (?wait=) "
                                       "waiting at once; past it: 503 + Retry-After")
     max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= honoured, seconds")
+
+    max_response_bytes: int = Field(256 << 20, ge=1 << 20,
+                                    description="largest record or batch answer (else 413)")
+    max_read_bytes_in_flight: int = Field(1 << 30, ge=1 << 20, description="record bytes all "
+                                          "answers being built or sent may hold (else 503)")
+    max_hash_bytes: int = Field(512 << 20, ge=1, description="largest source an item-state "
+                                "?path= request hashes")
+    glob_max_entries: int = Field(200_000, ge=1,
+                                  description="directory entries one warm-up glob may look at")
+    glob_max_seconds: float = Field(5.0, gt=0, description="time one warm-up glob may take")
+    pool_check_s: float = Field(2.0, gt=0, description="/healthz: the thread pool must run a "
+                                "trivial task within this, else 503")
     job_errors_page: int = Field(100, ge=1, le=10_000)
     worker: bool = Field(True, description="run one worker child process (spcache serve)")
     worker_device: str | None = None
     worker_backend: str = "auto"
     worker_restart_max_s: float = Field(60.0, gt=0)
-    stats_ttl_s: float = Field(30.0, ge=0, description="cache per-fingerprint stats this long")
+    stats_ttl_s: float = Field(10.0, ge=0, description="reuse the per-fingerprint stats walk (a child process) this long once the cache changed")
+    record_key: SecretStr | None = Field(
+        None, min_length=16, description="secret shared with readers: each record is sent "
+        "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.record_tag)")
     log_level: str = "info"
 
     @field_validator("source_roots", mode="before")
@@ -65,6 +84,16 @@ class Settings(BaseSettings):
             if text.startswith("["):
                 return json.loads(text)
             return [p for p in text.split(os.pathsep) if p]
+        return value
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [h.strip() for h in text.split(",") if h.strip()]
         return value
 
     @field_validator("source_roots")

@@ -1,34 +1,54 @@
 """Keep one worker child process alive next to the service.
 
-The worker is a separate program (``python -m workers worker --cache ...``) started with
+The worker is a separate program (``python -m spcache worker --cache ...``) started with
 ``subprocess`` (fork + exec: spawn semantics), so the service process never imports the
 GPU code nor initialises CUDA. If it dies it is started again after a back-off that
 doubles on each quick death (capped) and resets once it has stayed up a while. On stop
 it gets SIGTERM (it finishes or releases what it holds), then SIGKILL after a grace
 period.
+
+The child is told this process's pid (``SPCACHE_PARENT_PID``) and ends when this process
+dies, even by SIGKILL. Before each start the supervisor looks at the cache's worker lock
+(``cache_store.owner_lock``): while another live worker owns the cache it starts none,
+says who holds it, and looks again after the back-off.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
+
+from cache_store.owner_lock import describe_holder, lock_holder
 
 __all__ = ["WorkerSupervisor", "worker_command"]
 
 log = logging.getLogger(__name__)
 
 
+#: environment variable naming the pid a child spcache process must outlive no longer
+PARENT_PID_ENV = "SPCACHE_PARENT_PID"
+
+
 def worker_command(cache: str, *, device: str | None = None, backend: str = "auto",
+                   log_level: str | None = None, source_roots: Sequence[os.PathLike[str] | str] = (),
                    extra: Sequence[str] = ()) -> list[str]:
-    """The command line that starts one worker for ``cache``."""
-    cmd = [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--backend", backend]
+    """The command line that starts one worker for ``cache``; with ``source_roots`` the
+    worker re-checks, when it opens a source, that it still lies inside one of them (the
+    service checked at submit time, but a path can be swapped for a link afterwards)."""
+    cmd = [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--backend", backend]
+    for root in source_roots:
+        cmd += ["--source-root", str(root)]
     if device:
         cmd += ["--device", device]
+    if log_level:
+        cmd += ["--log-level", log_level]
     return cmd + list(extra)
 
 
@@ -40,12 +60,16 @@ class WorkerSupervisor:
         max_backoff_s: longest wait before a restart.
         healthy_after_s: a child that ran this long resets the back-off.
         stop_grace_s: how long :meth:`stop` waits after SIGTERM before SIGKILL.
+        cache: the cache directory whose worker lock is checked before each start
+            (None: not checked).
     """
 
     def __init__(self, command: Sequence[str], *, max_backoff_s: float = 60.0,
                  healthy_after_s: float = 60.0, stop_grace_s: float = 30.0,
-                 first_backoff_s: float = 1.0) -> None:
+                 first_backoff_s: float = 1.0,
+                 cache: str | os.PathLike[str] | None = None) -> None:
         self.command = list(command)
+        self.cache = Path(cache) if cache is not None else None
         self.max_backoff_s = max_backoff_s
         self.healthy_after_s = healthy_after_s
         self.stop_grace_s = stop_grace_s
@@ -70,11 +94,31 @@ class WorkerSupervisor:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         log.info("starting worker: %s", " ".join(self.command))
-        return subprocess.Popen(self.command, stdin=subprocess.DEVNULL)
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        return subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=env)
+
+    def _owned_elsewhere(self) -> str | None:
+        """Who else holds the cache's worker lock, in words, or None."""
+        if self.cache is None:
+            return None
+        try:
+            holder = lock_holder(self.cache)
+        except OSError as exc:
+            log.warning("cannot read the worker lock of %s: %s", self.cache, exc)
+            return None
+        return describe_holder(holder) if holder is not None else None
 
     def _watch(self) -> None:
         backoff = self.first_backoff_s
         while not self._stop.is_set():
+            holder = self._owned_elsewhere()
+            if holder is not None:
+                log.warning("cache %s is owned by %s; not starting a second worker "
+                            "(looking again in %.0fs)", self.cache, holder, backoff)
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.max_backoff_s)
+                continue
             with self._lock:
                 if self._stop.is_set():
                     return

@@ -16,8 +16,10 @@ finishes), keep the request's order.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,32 +85,138 @@ def resolve_source(path: str, roots: Sequence[Path]) -> Path:
     return real
 
 
-def expand_glob(root: str, pattern: str, roots: Sequence[Path],
-                limit: int) -> list[tuple[str, str]]:
+#: Default bounds of one glob expansion (the service passes its settings).
+GLOB_MAX_ENTRIES = 200_000
+GLOB_MAX_SECONDS = 5.0
+
+
+def expand_glob(root: str, pattern: str, roots: Sequence[Path], limit: int, *,
+                max_entries: int = GLOB_MAX_ENTRIES,
+                max_seconds: float = GLOB_MAX_SECONDS) -> list[tuple[str, str]]:
     """``(sample id, path)`` for each file under ``root`` matching ``pattern``, sorted.
 
     The id is the match's path relative to ``root`` without its extension
-    (``chairs/a1.obj`` -> ``chairs/a1``). Raises :class:`ParameterError` for a pattern
-    that is absolute or climbs out with ``..``, or one matching more than ``limit`` files.
+    (``chairs/a1.obj`` -> ``chairs/a1``). Pattern segments are ``fnmatch`` patterns;
+    one segment may be ``**`` (zero or more directories).
+
+    The walk is bounded, so that no request can hold a pool thread for long: at most one
+    ``**``, at most ``max_entries`` directory entries looked at, at most ``max_seconds``
+    spent, and more than ``limit`` matches stops it at once. Symlinks (files or
+    directories) are followed only when their target lies inside ``roots``; a directory
+    is walked once per pattern position however many links lead to it. Raises
+    :class:`ParameterError` for a pattern that is absolute, climbs out with ``..``, has
+    more than one ``**``, passes a bound, or matches nothing; no message names anything
+    outside the roots.
     """
     base = resolve_dir(root, roots)
-    parts = Path(pattern).parts
-    if not pattern or Path(pattern).is_absolute() or ".." in parts:
+    if not pattern or Path(pattern).is_absolute():
         raise ParameterError([f"glob: {pattern!r} must be a relative pattern without '..'"],
                              what="warm-up request")
-    out: list[tuple[str, str]] = []
-    for match in sorted(base.glob(pattern)):
-        if not match.is_file():
-            continue
-        rel = match.relative_to(base).with_suffix("")
-        out.append((rel.as_posix(), str(match)))
-        if len(out) > limit:
-            raise ParameterError([f"glob: {pattern!r} under {root} matches more than {limit} "
-                                  f"files; split the request"], what="warm-up request")
-    if not out:
+    segments = [s for s in pattern.split("/") if s not in ("", ".")]
+    if not segments or ".." in segments:
+        raise ParameterError([f"glob: {pattern!r} must be a relative pattern without '..'"],
+                             what="warm-up request")
+    if sum(1 for s in segments if "**" in s) > 1 or any("**" in s and s != "**" for s in segments):
+        raise ParameterError([f"glob: {pattern!r}: at most one '**', and only as a whole "
+                              f"path segment"], what="warm-up request")
+    walker = _GlobWalk(base, segments, roots, limit, max_entries, max_seconds, pattern, root)
+    walker.walk(base, 0, ())
+    if not walker.out:
         raise ParameterError([f"glob: {pattern!r} matches no file under {root}"],
                              what="warm-up request")
-    return out
+    return sorted(walker.out)
+
+
+class _GlobWalk:
+    """One bounded glob expansion over ``os.scandir`` (see :func:`expand_glob`)."""
+
+    def __init__(self, base: Path, segments: list[str], roots: Sequence[Path], limit: int,
+                 max_entries: int, max_seconds: float, pattern: str, root: str) -> None:
+        self.base = base
+        self.segments = segments
+        self.roots = roots
+        self.limit = limit
+        self.max_entries = max_entries
+        self.deadline = time.monotonic() + max_seconds
+        self.max_seconds = max_seconds
+        self.pattern = pattern
+        self.root = root
+        self.entries = 0
+        self.out: list[tuple[str, str]] = []
+        self.walked: set[tuple[int, int, int]] = set()
+
+    def _fail(self, why: str) -> ParameterError:
+        return ParameterError([f"glob: {self.pattern!r} under {self.root} {why}; narrow the "
+                               f"pattern or split the request"], what="warm-up request")
+
+    def _inside(self, path: str) -> str | None:
+        """The real path of ``path`` when it lies inside a source root, else None."""
+        try:
+            real = os.path.realpath(path)
+        except (OSError, ValueError):
+            return None
+        return real if any(Path(real).is_relative_to(r) for r in self.roots) else None
+
+    def walk(self, directory: Path, i: int, rel: tuple[str, ...]) -> None:
+        try:
+            st = directory.stat()
+        except OSError:
+            return
+        mark = (st.st_dev, st.st_ino, i)
+        if mark in self.walked:  # a symlink loop, or two links to one directory
+            return
+        self.walked.add(mark)
+        segment = self.segments[i]
+        last = i == len(self.segments) - 1
+        if segment == "**":
+            if not last:  # zero directories
+                self.walk(directory, i + 1, rel)
+            for name, path, is_dir, is_file in self._entries(directory):
+                if is_dir:
+                    self.walk(Path(path), i, rel + (name,))
+                elif last and is_file:
+                    self._add(rel + (name,), path)
+            return
+        for name, path, is_dir, is_file in self._entries(directory):
+            if not fnmatch.fnmatchcase(name, segment):
+                continue
+            if last:
+                if is_file:
+                    self._add(rel + (name,), path)
+            elif is_dir:
+                self.walk(Path(path), i + 1, rel + (name,))
+
+    def _entries(self, directory: Path) -> list[tuple[str, str, bool, bool]]:
+        """``(name, path, is_dir, is_file)`` of each entry, symlinks leaving the roots left out."""
+        out = []
+        try:
+            with os.scandir(directory) as it:
+                for entry in it:
+                    self.entries += 1
+                    if self.entries > self.max_entries:
+                        raise self._fail(f"looks at more than {self.max_entries} entries")
+                    if time.monotonic() > self.deadline:
+                        raise self._fail(f"takes longer than {self.max_seconds:g} s")
+                    try:
+                        if entry.is_symlink():
+                            real = self._inside(entry.path)
+                            if real is None:
+                                continue
+                            is_dir, is_file = os.path.isdir(real), os.path.isfile(real)
+                        else:
+                            is_dir = entry.is_dir(follow_symlinks=False)
+                            is_file = entry.is_file(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((entry.name, entry.path, is_dir, is_file))
+        except OSError:
+            return []
+        return out
+
+    def _add(self, rel: tuple[str, ...], path: str) -> None:
+        self.out.append((Path(*rel).with_suffix("").as_posix(), path))
+        if len(self.out) > self.limit:
+            raise self._fail(f"matches more than {self.limit} files")
 
 
 def resolve_dir(root: str, roots: Sequence[Path]) -> Path:

@@ -16,7 +16,7 @@ SCRIPTS = sorted((REPO_ROOT / "bench").glob("*.py"))
 
 
 #: The speed goals' scripts (docs/BENCHMARKS.md records what each measured).
-EXPECTED = {"http_serving.py", "precompute.py", "ray_precompute.py", "read_throughput.py",
+EXPECTED = {"http_serving.py", "peers.py", "precompute.py", "ray_precompute.py", "read_throughput.py",
             "spc_ops.py", "worker_memory.py", "zarr_snapshot.py"}
 
 

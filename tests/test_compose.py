@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO_ROOT
-from workers.cli import COMMANDS, _resolve
+from spcache.cli import COMMANDS, resolve
 
 COMPOSE = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
@@ -20,7 +20,7 @@ SERVICES = COMPOSE["services"]
 def _parse(command: list[str]) -> argparse.Namespace:
     name, *rest = command
     assert name in COMMANDS, f"{name!r} is not an spcache subcommand ({sorted(COMMANDS)})"
-    target = _resolve(name)
+    target = resolve(name)
     assert not isinstance(target, str), target
     parser = argparse.ArgumentParser(prog=f"spcache {name}", exit_on_error=False)
     target.configure_parser(parser)

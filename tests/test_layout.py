@@ -15,10 +15,12 @@ def _imported_after(module: str) -> set[str]:
     return set(out.split())
 
 
-PACKAGES = ("cache_store", "service", "workers")
+PACKAGES = ("spcache", "cache_store", "workers", "service")
 #: What importing every module of a package must not pull in (the arrows of DESIGN.md:
-#: cache_store is CPU-only bytes at rest; the service is CPU only and torch-free).
+#: cache_store is CPU-only bytes at rest; the service is CPU only and torch-free; the
+#: front door imports a package only when one of its commands runs).
 FORBIDDEN = {
+    "spcache": {"service", "workers", "torch", "fastapi", "starlette", "kaolin", "ray"},
     "cache_store": {"service", "workers", "fastapi", "starlette", "kaolin", "ray"},
     "service": {"workers", "torch", "kaolin", "ray"},
     "workers": {"service", "fastapi", "kaolin", "ray"},
@@ -68,6 +70,43 @@ def test_cache_store_imports_neither_service_workers_nor_fastapi() -> None:
     mods = _imported_after("cache_store")
     forbidden = {m for m in mods if m.split(".")[0] in {"service", "workers", "fastapi", "kaolin"}}
     assert not forbidden
+
+
+def test_the_distribution_ships_each_package() -> None:
+    import tomllib
+
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert sorted(include) == sorted(f"{p}*" for p in PACKAGES)
+    assert project["project"]["scripts"] == {"spcache": "spcache.cli:main"}
+    for package in PACKAGES:
+        assert (REPO_ROOT / package / "__init__.py").is_file()
+
+
+def test_the_front_door_imports_no_package_until_a_command_runs() -> None:
+    mods = _imported_after("spcache.cli")
+    assert not {m for m in mods if m.split(".")[0] in {"cache_store", "service", "workers",
+                                                       "torch", "fastapi"}}
+
+
+def test_no_package_imports_the_front_door() -> None:
+    """Arrows point one way: spcache -> service, workers -> cache_store. (``python -m
+    workers`` is the one exception, an alias entry point.)"""
+    offenders = []
+    for package in PACKAGES[1:]:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            if path.name == "__main__.py":
+                continue
+            for line in path.read_text().splitlines():
+                if line.lstrip().startswith(("import spcache", "from spcache")):
+                    offenders.append(f"{path.relative_to(REPO_ROOT)}: {line.strip()}")
+    assert not offenders
+
+
+def test_cache_store_helpers_of_the_cli_need_no_torch() -> None:
+    mods = _imported_after("cache_store.sources_list, cache_store.owner_lock, "
+                           "cache_store.paths, cache_store.recipe_table")
+    assert "torch" not in mods and "trimesh" not in mods
 
 
 def test_ci_runs_the_readme_test_command() -> None:

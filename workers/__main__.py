@@ -1,8 +1,8 @@
-"""``python -m workers``: the ``spcache`` command line."""
+"""``python -m workers``: kept as an alias of ``python -m spcache``."""
 
 import sys
 
-from workers.cli import main
+from spcache.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,8 +5,12 @@
 2. Precomputes the ``spc_query`` recipe for them into a local LMDB cache with the same
    engine the ``precompute`` CLI uses.
 3. Starts the service on 127.0.0.1 (``spcache serve``, which starts one worker process),
-   sends one more shape as an HTTP warm-up request, and waits for the worker to finish it.
+   sends one more shape as an HTTP warm-up request of the same recipe and parameters (so
+   it joins the same dataset), and waits for the worker to finish it.
 4. Reads a record back over HTTP and prints where to look next.
+
+SIGTERM, SIGINT and SIGHUP stop the demo and the service (and so its worker) with it;
+the service also ends by itself if the demo is killed outright (``SPCACHE_PARENT_PID``).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,9 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["configure_parser", "run", "write_example_shapes"]
+__all__ = ["configure_parser", "run", "log_level", "write_example_shapes", "RECIPE"]
 
 log = logging.getLogger(__name__)
+
+#: the one recipe of the demo: precomputed first, then warmed up over HTTP
+RECIPE = "spc_query"
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +44,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--level", type=int, default=7, help="octree level (default 7)")
     parser.add_argument("--exit-after", type=float, default=None, metavar="SECONDS",
                         help="stop the service after this many seconds (default: run until Ctrl-C)")
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The demo narrates at INFO (its per-sample lines when stderr is not a terminal)."""
+    return "info"
 
 
 def write_example_shapes(directory: Path) -> list[Path]:
@@ -67,11 +81,20 @@ def _precompute(sources: list[Path], cache: Path, level: int) -> str:
     from cache_store.store import open_store
     from workers.engine import Engine
 
+    on_terminal = sys.stderr.isatty()
+    print(f"precomputing recipe {RECIPE} (level {level}) for {len(sources)} example shapes "
+          f"into {cache} ...", flush=True)
     store = open_store(cache, readonly=False)
     try:
-        engine = Engine(store, "spc_query", {"level": level}, device="auto", backend="auto")
+        engine = Engine(store, RECIPE, {"level": level}, device="auto", backend="auto",
+                        progress=on_terminal)
         items = [(path.stem, str(path)) for path in sources]
-        summary = engine.run(items)
+
+        def report(result) -> None:  # without a terminal, one log line a sample
+            log.info("precompute: %s %s%s", result.sample_id, result.status,
+                        f" ({result.reason})" if getattr(result, "reason", None) else "")
+
+        summary = engine.run(items, on_result=None if on_terminal else report)
     finally:
         store.close()
     print(f"precomputed {summary.done} records ({summary.skipped} already cached, "
@@ -94,12 +117,13 @@ def _wait_healthy(client, base: str, service: subprocess.Popen, timeout: float =
 
 
 def _warm_up_one(client, base: str, source: Path, level: int, timeout: float = 300.0) -> dict:
-    body = {"recipe": "spc", "params": {"level": level},
+    body = {"recipe": RECIPE, "params": {"level": level},
             "items": [{"id": source.stem, "path": str(source)}]}
     response = client.post(f"{base}/v1/warmup", json=body)
     response.raise_for_status()
     job = response.json()
-    print(f"warm-up job {job['job_id']} queued for {source.name} (recipe spc, level {level})")
+    print(f"warm-up job {job['job_id']} queued for {source.name} (recipe {RECIPE}, "
+          f"level {level})", flush=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = client.get(f"{base}/v1/jobs/{job['job_id']}").json()
@@ -110,7 +134,39 @@ def _warm_up_one(client, base: str, source: Path, level: int, timeout: float = 3
     raise SystemExit(f"warm-up job {job['job_id']} did not finish within {timeout:.0f}s")
 
 
+def _port_problem(port: int) -> str | None:
+    """Why the service could not listen on 127.0.0.1:``port``, or None."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (f"port {port} on 127.0.0.1 is already in use; pick a free one with "
+                        f"--port (e.g. --port {port + 1})")
+            return f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"
+    return None
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
+    from cache_store.paths import cache_dir_problem
+
+    problem = _port_problem(args.port) or cache_dir_problem(args.dir, write=True)
+    if problem and args.dir.is_file():
+        problem = f"--dir {args.dir}: is a file, not a directory"
+    if problem:
+        print(f"spcache demo: {problem}", file=sys.stderr)
+        return 2
+    # SIGTERM (kill, docker stop; SIGHUP arrives as SIGTERM) ends the demo like Ctrl-C,
+    # so the finally blocks below stop the service and its worker.
+    signal.signal(signal.SIGTERM, _terminate)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import httpx
     from safetensors.numpy import load as load_safetensors
 
@@ -125,10 +181,12 @@ def run(args: argparse.Namespace) -> int:
     trimesh.creation.annulus(r_min=0.4, r_max=1.0, height=0.3).export(extra)
 
     base = f"http://127.0.0.1:{args.port}"
-    command = [sys.executable, "-m", "workers", "serve", "--cache", str(cache),
+    command = [sys.executable, "-m", "spcache", "serve", "--cache", str(cache),
                "--host", "127.0.0.1", "--port", str(args.port), "--source-root", str(root),
                "--log-level", "warning"]
-    service = subprocess.Popen(command, start_new_session=True)
+    print(f"starting the service on {base} (with one worker) ...", flush=True)
+    service = subprocess.Popen(command, start_new_session=True,
+                               env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())})
     try:
         with httpx.Client(timeout=10.0) as client:
             _wait_healthy(client, base, service)
@@ -148,7 +206,7 @@ spcache is serving {cache}
   API docs:     {base}/docs
 In Python (any number of forked DataLoader workers, no CUDA):
   from cache_store import CachedDataset
-  ds = CachedDataset({str(cache)!r}, "spc_query", level={args.level})
+  ds = CachedDataset({str(cache)!r}, {RECIPE!r}, level={args.level})
   ds = CachedDataset({base!r}, {fingerprint!r})   # the same records over HTTP
 """, flush=True)
         _serve_until_stopped(service, args.exit_after)
@@ -165,7 +223,7 @@ def _serve_until_stopped(service: subprocess.Popen, exit_after: float | None) ->
     except subprocess.TimeoutExpired:
         pass
     except KeyboardInterrupt:
-        print("stopping", flush=True)
+        print("stopping the service", flush=True)
 
 
 def _stop(service: subprocess.Popen) -> None:

@@ -86,17 +86,17 @@ class ChunkBudget:
     Args:
         size: first chunk size (> 0).
         minimum: smallest chunk worth trying (> 0).
-        fault_hook: called with the chunk size before every attempt; tests make it raise
-            an out-of-memory error to prove the back-off without a GPU.
+        before_query_chunk: called with the chunk size before every attempt; tests make
+            it raise an out-of-memory error to prove the back-off without a GPU.
     """
 
     def __init__(self, size: int, *, minimum: int = 256,
-                 fault_hook: Callable[[int], None] | None = None) -> None:
+                 before_query_chunk: Callable[[int], None] | None = None) -> None:
         if size < 1 or minimum < 1:
             raise ValueError(f"chunk size and minimum must be positive, got {size}, {minimum}")
         self.size = int(size)
         self.minimum = min(int(minimum), self.size)
-        self.fault_hook = fault_hook
+        self.before_query_chunk = before_query_chunk
         self.backoffs = 0
 
     def run(self, total: int, step: Callable[[int, int], torch.Tensor],
@@ -107,8 +107,8 @@ class ChunkBudget:
         while start < total:
             stop = min(total, start + self.size)
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook(stop - start)
+                if self.before_query_chunk is not None:
+                    self.before_query_chunk(stop - start)
                 parts.append(step(start, stop))
             except OOM_ERRORS:
                 _free_device_cache(device)

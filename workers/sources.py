@@ -41,6 +41,8 @@ import torch
 
 from cache_store.errors import SourceError
 from cache_store.hashing import hash_bytes, hash_file
+from cache_store.sources_list import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
+from workers.source_files import SourceLimits, read_source_file
 
 __all__ = [
     "POINT_CLOUD_EXTENSIONS",
@@ -61,9 +63,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
-MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
-SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
 
 _NPZ_POINT_NAMES = ("points", "xyz", "positions")
 
@@ -104,37 +103,54 @@ class Normalization:
     scale: float  # > 0, exactly representable as float32
 
 
-def read_source_bytes(path: str | Path) -> bytes:
+#: Largest array data one source may decode to (an ``.npy`` array, the sum of an
+#: ``.npz`` archive's members), checked from headers before anything is allocated.
+MAX_DECODED_BYTES = 1 << 30
+
+
+def read_source_bytes(path: str | Path, limits: SourceLimits | None = None) -> bytes:
     """The bytes of a source file, after checking its extension is supported.
 
+    Read through :func:`workers.source_files.read_source_file`: a regular file only,
+    inside ``limits.roots`` when given, within the size and time limits.
+
     Raises:
-        SourceError: unsupported extension, unreadable or empty file.
+        SourceError: unsupported extension, not a regular file, outside the roots, over
+            a limit, unreadable or empty file.
     """
     path = Path(path)
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
         raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}; "
                                 f"supported: {', '.join(sorted(SUPPORTED_EXTENSIONS))}")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
+    data = read_source_file(path, limits)
     if not data:
         raise SourceError(path, "file is empty")
     return data
 
 
-def load_source(path: str | Path, data: bytes | None = None) -> LoadedSource:
+def load_source(path: str | Path, data: bytes | None = None, *,
+                max_decoded_bytes: int = MAX_DECODED_BYTES) -> LoadedSource:
     """Read (unless ``data`` is given: the file's bytes), hash, parse and validate a source.
+
+    The file is read by :func:`read_source_bytes` (regular file, size limit);
+    ``max_decoded_bytes`` bounds the array data an ``.npy``/``.npz`` declares (shape x
+    item size from each header, and a zip's declared uncompressed sizes), checked before
+    decoding, so a small file cannot expand into gigabytes.
 
     Raises:
         SourceError: unreadable file, unsupported extension, unparsable content,
-            non-finite coordinates, face indices out of range, or no points at all.
+            non-finite coordinates, face indices out of range, no points at all, or a
+            file or decoded size over the limits.
             (A mesh whose faces have zero total area is caught by :func:`shape_points`.)
     """
     path = Path(path)
     if data is None:
         data = read_source_bytes(path)
     ext = path.suffix.lower()
+    if ext == ".npy":
+        _check_npy_header(path, io.BytesIO(data), max_decoded_bytes, len(data), "array")
+    elif ext == ".npz":
+        _check_npz_sizes(path, data, max_decoded_bytes)
     source_hash = hash_bytes(data)
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         # Parsers warn about odd content; the checks below turn what matters into errors.
@@ -154,6 +170,55 @@ def load_source(path: str | Path, data: bytes | None = None) -> LoadedSource:
 
 
 # --- parsing -----------------------------------------------------------------------------
+
+
+# --- size checks (before any array is allocated) -----------------------------------------
+
+
+def _check_npy_header(path: Path, fh: io.IOBase, limit: int, available: int | None,
+                      what: str) -> int:
+    """The data bytes an ``.npy`` header declares; SourceError when over ``limit``, or
+    more than the ``available`` bytes that follow the header (a truncated file)."""
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = fmt.read_array_header_1_0(fh)
+        else:
+            shape, _, dtype = fmt.read_array_header_2_0(fh)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise SourceError(path, f"not a valid .npy {what}: {exc}") from exc
+    if dtype.hasobject:
+        return 0  # refused when loaded: it needs pickle, which is never loaded
+    declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if declared > limit:
+        raise SourceError(path, f"{what} declares shape {tuple(shape)} of {dtype} = {declared} "
+                                f"bytes, over the decoded size limit of {limit} bytes")
+    if available is not None and declared > available - fh.tell():
+        raise SourceError(path, f"truncated .npy {what}: header declares {declared} bytes of "
+                                f"data, the file holds {max(available - fh.tell(), 0)}")
+    return declared
+
+
+def _check_npz_sizes(path: Path, data: bytes, limit: int) -> None:
+    """Each member's header and the archive's declared uncompressed sizes within ``limit``."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+            declared = sum(m.file_size for m in members)
+            if declared > limit:
+                raise SourceError(path, f".npz members declare {declared} bytes uncompressed, "
+                                        f"over the decoded size limit of {limit} bytes")
+            for member in members:
+                with archive.open(member) as fh:
+                    _check_npy_header(path, fh, limit, member.file_size,
+                                      f"member {member.filename!r}")
+    except SourceError:
+        raise
+    except zipfile.BadZipFile:
+        return  # not a zip: the parser below says what it is
+    except (OSError, EOFError, ValueError) as exc:
+        raise SourceError(path, f"not a valid .npz archive: {exc}") from exc
 
 
 def _load_npy(path: Path, data: bytes) -> np.ndarray:

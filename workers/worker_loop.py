@@ -48,27 +48,38 @@ class WorkerLoop:
         batch: items per claim (one engine run).
         lease_s: lease length; renewed every third of it while held.
         poll_s: sleep between claims when the queue is empty.
-        loader_jobs: the engine's loader processes.
+        loaders: the engine's loader processes (``loader_jobs=`` is the deprecated
+            spelling, accepted for one release).
         drain: exit (0) once the queue has nothing claimable, instead of polling.
         max_attempts: claims per item before it fails (queue setting).
         worker_id: name in leases and heartbeats (default ``host:pid``).
+        source_roots: directories every source must resolve into, checked again when the
+            engine opens the file (the service checked the path earlier); None: any.
+        max_source_bytes: the largest source file the engine reads (default 1 GiB).
     """
 
     def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
                  backend: str = "auto", batch: int = 8, lease_s: float = 120.0,
-                 poll_s: float = 1.0, loader_jobs: int = 2, drain: bool = False,
-                 max_attempts: int = 3, worker_id: str | None = None) -> None:
-        if batch < 1 or lease_s <= 0 or poll_s <= 0 or loader_jobs < 0:
-            raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loader_jobs >= 0 needed")
+                 poll_s: float = 1.0, loaders: int | None = None, drain: bool = False,
+                 max_attempts: int = 3, worker_id: str | None = None,
+                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
+                 max_source_bytes: int = 1 << 30,
+                 loader_jobs: int | None = None) -> None:
+        if loaders is None:
+            loaders = 2 if loader_jobs is None else loader_jobs
+        if batch < 1 or lease_s <= 0 or poll_s <= 0 or loaders < 0:
+            raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loaders >= 0 needed")
         self.cache = Path(cache)
         self.device = device
         self.backend = backend
         self.batch = batch
         self.lease_s = lease_s
         self.poll_s = poll_s
-        self.loader_jobs = loader_jobs
+        self.loaders = loaders
         self.drain = drain
         self.max_attempts = max_attempts
+        self.source_roots = list(source_roots) if source_roots is not None else None
+        self.max_source_bytes = max_source_bytes
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.stop_requested = threading.Event()
         self.processed = 0
@@ -163,6 +174,7 @@ class WorkerLoop:
                 self.processed += 1
             finished.clear()
 
+        start = time.perf_counter()
         try:
             engine = self._engine(store, first)
             try:
@@ -179,6 +191,20 @@ class WorkerLoop:
                     queue.fail(self.worker_id, c.item_id, reason)
                     with self._held_lock:
                         self._held.pop(c.item_id, None)
+        self._log_batch(queue, first.job_id, len(claimed), time.perf_counter() - start)
+
+    def _log_batch(self, queue: JobQueue, job_id: str, count: int, seconds: float) -> None:
+        """One INFO line per finished batch: the job, its progress and this batch's rate."""
+        try:
+            info = queue.job(job_id, errors_limit=0)
+        except Exception:  # noqa: BLE001 - progress is informational; the work is done
+            log.exception("worker %s: job %s: cannot read its progress", self.worker_id, job_id)
+            return
+        finished = info.counts.get("done", 0) + info.counts.get("failed", 0)
+        log.info("worker %s: job %s: %d/%d items finished (%d failed); this batch: %d item(s) "
+                 "in %.1fs, %.2f samples/s", self.worker_id, job_id, finished, info.total,
+                 info.counts.get("failed", 0), count, seconds,
+                 count / seconds if seconds > 0 else 0.0)
 
     def _engine(self, store: Store, item: ClaimedItem) -> Any:
         engine = self._engines.get(item.fingerprint)
@@ -186,7 +212,9 @@ class WorkerLoop:
             from workers.engine import Engine  # late: imports torch and the ops
 
             engine = Engine(store, item.recipe, item.params, device=self.device,
-                            backend=self.backend, jobs=self.loader_jobs)
+                            backend=self.backend, loaders=self.loaders,
+                            source_roots=self.source_roots,
+                            max_source_bytes=self.max_source_bytes)
             if engine.fingerprint != item.fingerprint:
                 raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
                                    f"queued, this worker computes {engine.fingerprint} for the "
@@ -240,12 +268,18 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--batch", type=int, default=8, help="items per claim (default 8)")
     parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
     parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
-    parser.add_argument("--jobs", type=int, default=2, help="loader processes (default 2)")
+    parser.add_argument("--loaders", "--jobs", dest="loaders", type=int, default=2,
+                        help="loader processes (default 2; --jobs is the old name)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="claims per item before it fails (default 3)")
     parser.add_argument("--drain", action="store_true",
                         help="exit when nothing is left to claim instead of polling")
     parser.add_argument("--worker-id", help="name in leases and heartbeats (default host:pid)")
+    parser.add_argument("--source-root", action="append", dest="source_roots", default=None,
+                        metavar="DIR", help="only read sources that resolve into DIR "
+                                            "(repeatable; default: any path)")
+    parser.add_argument("--max-source-bytes", type=int, default=1 << 30,
+                        help="largest source file read (default 1 GiB)")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -254,8 +288,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
-                      lease_s=args.lease, poll_s=args.poll, loader_jobs=args.jobs,
-                      drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id)
+                      lease_s=args.lease, poll_s=args.poll, loaders=args.loaders,
+                      drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id,
+                      source_roots=args.source_roots, max_source_bytes=args.max_source_bytes)
     loop.install_signal_handlers()
     return loop.run()
 

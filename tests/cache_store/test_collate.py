@@ -79,3 +79,29 @@ def test_dtypes_survive_and_autograd_or_bfloat16_fall_back_to_torch() -> None:
     assert batch["a"].dtype == torch.int16 and batch["a"].shape == (2, 3)
     assert batch["b"].dtype == torch.bfloat16 and batch["c"].requires_grad
     assert batch["d"].dtype == torch.bool and batch["d"].tolist() == [True, True]
+
+
+def test_fields_already_end_to_end_are_viewed_not_copied() -> None:
+    from cache_store.record import decode_records, encode_record
+    from tests.cache_store.synthetic import record_metadata
+
+    fp = "0123456789abcdef" * 2
+    samples = [spc_query_fields(seed, num_points=30 + 10 * seed) for seed in range(3)]
+    values = [(f"{fp}/s{i}", encode_record(s, record_metadata(fp, f"s{i}", "spc_query")))
+              for i, s in enumerate(samples)]
+    decoded = [r.tensors for r in decode_records(values)]
+    viewed = collate_spc(decoded)
+    copied = collate_spc(samples)  # separate tensors: copied as before
+    assert viewed.keys() == copied.keys()
+    storage = decoded[0]["octree"].untyped_storage().data_ptr()
+    for name, want in copied.items():
+        assert viewed[name].dtype == want.dtype and torch.equal(viewed[name], want), name
+        if name not in ("lengths",):
+            assert viewed[name].untyped_storage().data_ptr() == storage, name
+    assert viewed["octree"].data_ptr() == decoded[0]["octree"].data_ptr()
+    assert viewed["pyramid"].shape == (3, 2, 6)
+    # a sample changed by a transform no longer lies end to end: copied, still right
+    decoded[1]["exsum"] = decoded[1]["exsum"].clone()
+    mixed = collate_spc(decoded)
+    assert torch.equal(mixed["exsum"], copied["exsum"])
+    assert mixed["exsum"].untyped_storage().data_ptr() != storage

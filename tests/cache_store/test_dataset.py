@@ -221,6 +221,63 @@ def test_persistent_workers_over_two_epochs_with_collate(cache: Path) -> None:
     del loader  # shut the persistent workers down now, not at garbage collection
 
 
+def keep_list(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    return batch
+
+
+@pytest.mark.parametrize("collate", [keep_list, collate_spc], ids=["list", "collate_spc"])
+@pytest.mark.parametrize("fields", [None, ("point_hierarchy", "octree", "query_points")],
+                         ids=["all", "subset"])
+def test_worker_batches_arrive_as_one_shared_storage(cache: Path, collate, fields) -> None:
+    ds = CachedDataset(cache, FP_Q4, fields=fields)
+    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork",
+                        collate_fn=collate, worker_init_fn=forbid_cuda)
+    expected = _expected(cache, FP_Q4)
+    names = fields or tuple(expected[0])
+    got = []
+    for batch in loader:
+        samples = batch if collate is keep_list else [batch]
+        tensors = [t for s in samples for n, t in s.items() if n in names]
+        # the batch crossed as ONE storage (one shared-memory file), not one per tensor
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        assert all(t.is_shared() for t in tensors)
+        got.extend(batch if collate is keep_list else [batch])
+    if collate is keep_list:
+        assert len(got) == N
+        for sample, want in zip(got, expected):
+            assert _same(sample, {n: want[n] for n in names})
+    else:
+        octrees = torch.cat([b["octree"] for b in got])
+        assert torch.equal(octrees, torch.cat([e["octree"] for e in expected]))
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_worker_sample_arrives_as_one_shared_storage(cache: Path) -> None:
+    ds = CachedDataset(cache, FP_Q4)
+    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork",
+                        worker_init_fn=forbid_cuda)
+    got = list(loader)
+    for sample, want in zip(got, _expected(cache, FP_Q4), strict=True):
+        assert len({t.untyped_storage().data_ptr() for t in sample.values()}) == 1
+        assert all(t.is_shared() for t in sample.values())
+        assert _same(sample, want)
+
+
+@pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
+def test_pin_memory_keeps_working(cache: Path) -> None:
+    # Without an accelerator pinning is a no-op that warns; with CUDA it copies into
+    # pinned memory. Either way the batch must come through intact.
+    ds = CachedDataset(cache, FP_Q4)
+    loader = DataLoader(ds, batch_size=6, num_workers=1, multiprocessing_context="fork",
+                        collate_fn=collate_spc, pin_memory=True, worker_init_fn=forbid_cuda)
+    batches = list(loader)
+    expected = _expected(cache, FP_Q4)
+    assert torch.equal(torch.cat([b["point_hierarchy"] for b in batches]),
+                       torch.cat([e["point_hierarchy"] for e in expected]))
+    if torch.cuda.is_available():
+        assert all(b["octree"].is_pinned() for b in batches)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 @pytest.mark.parametrize(("context", "workers"), [("spawn", 4), ("forkserver", 1)])

@@ -185,17 +185,19 @@ def test_503_is_retried_honouring_retry_after() -> None:
     from starlette.routing import Route
 
     calls = []
+    from tests.service.conftest import make_record
+    value = make_record("a" * 32, "x/y", "xxh3_128:0")  # get() checks it names its key
 
     async def busy_then_ok(request):  # the service's answer when LMDB's reader table is full
         calls.append(request.url.path)
         if len(calls) < 3:
             return Response(b'{"error": "SpcacheError", "detail": "busy"}', status_code=503,
                             headers={"Retry-After": "0.05"}, media_type="application/json")
-        return Response(b"record bytes", media_type="application/octet-stream")
+        return Response(value, media_type="application/octet-stream")
 
     app = Starlette(routes=[Route("/v1/caches/{fp}/records/{sid:path}", busy_then_ok)])
     with InProcessServer(None, app=app) as server, HTTPStore(server.url, retries=3) as store:
-        assert store.get(record_key("a" * 32, "x/y")) == b"record bytes"
+        assert store.get(record_key("a" * 32, "x/y")) == value
     assert calls == ["/v1/caches/" + "a" * 32 + "/records/x/y"] * 3
     with InProcessServer(None, app=app) as server, HTTPStore(server.url, retries=0) as store:
         calls.clear()

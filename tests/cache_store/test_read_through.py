@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from cache_store import CachedDataset
-from cache_store.discovery import SOURCE_EXTENSIONS, discover_sources
+from cache_store.sources_list import discover_sources
 from cache_store.errors import NoWorkerAlive, ParameterError, SampleFailed
 from cache_store.jobs import JobQueue
 from cache_store.lmdb_store import LMDBStore
@@ -210,9 +210,3 @@ def test_parameters_are_checked(tmp_path: Path) -> None:
         CachedDataset("s3://bucket/cache", "spc_query", sources=tmp_path)
     assert CachedDataset("http://127.0.0.1:1", "spc_query", sources=tmp_path).on_miss == "compute"
     assert CachedDataset(tmp_path, "spc_query").on_miss == "error"
-
-
-def test_source_extensions_match_the_loaders() -> None:
-    from workers.sources import SUPPORTED_EXTENSIONS
-
-    assert SOURCE_EXTENSIONS == SUPPORTED_EXTENSIONS

@@ -15,6 +15,7 @@ from cache_store.errors import CorruptRecord, ParameterError, UnknownName, Unsup
 from cache_store.record import (
     DTYPES,
     decode_record,
+    decode_records,
     encode_record,
     encode_tensors,
     read_header,
@@ -355,3 +356,80 @@ def test_encoding_refuses_bad_inputs() -> None:
         encode_tensors({"o": np.array(["a"], dtype=object)})
     with pytest.raises(ParameterError):
         encode_tensors({"l": [1, 2]})
+
+
+# ------------------------------------------------------------- one storage per read
+
+
+def _storages(tensors) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_a_record_shares_one_buffer_and_keeps_header_order() -> None:
+    fields, value = _record(3)
+    rec = decode_record(value, key=KEY)
+    _assert_same(rec.tensors, fields)
+    # one buffer (outside a worker: a storage per field over it, cheaper to build)
+    ptrs = sorted(t.data_ptr() for t in rec.tensors.values() if t.numel())
+    assert ptrs[-1] - ptrs[0] < len(value)
+    assert list(rec.tensors) == list(read_header(value).tensors)  # header order kept
+    for name, t in rec.tensors.items():
+        assert t.is_contiguous() and t.data_ptr() % t.element_size() == 0, name
+    # writable and independent of the input bytes
+    rec["octree"][0] = 0
+    assert decode_record(value, key=KEY)["octree"][0] == fields["octree"][0]
+
+
+def test_a_batch_is_one_storage_laid_out_field_by_field() -> None:
+    made = [_record(seed) for seed in range(4)]
+    keys = [f"{FP}/k{seed}" for seed in range(4)]
+    records = decode_records(zip(keys, [v for _, v in made]), fields=["octree", "exsum", "scale"])
+    assert len(_storages(t for r in records for t in r.tensors.values())) == 1
+    for (fields, value), rec in zip(made, records):
+        _assert_same(rec.tensors, {n: fields[n] for n in ("octree", "exsum", "scale")})
+        assert rec.metadata == decode_record(value).metadata
+    # each field's tensors end to end, in batch order
+    for name in ("octree", "exsum", "scale"):
+        ts = [r[name] for r in records]
+        for a, b in zip(ts, ts[1:]):
+            assert a.data_ptr() + a.nbytes == b.data_ptr(), name
+
+
+def test_a_bad_record_in_a_batch_is_named() -> None:
+    good = [_record(seed)[1] for seed in range(3)]
+    bad = bytearray(good[1])
+    bad[-1] ^= 0xFF
+    with pytest.raises(CorruptRecord, match=f"{FP}/second") as info:
+        decode_records([(f"{FP}/first", good[0]), (f"{FP}/second", bytes(bad)),
+                        (f"{FP}/third", good[2])])
+    assert "checksum mismatch" in str(info.value)
+    with pytest.raises(UnknownName):
+        decode_records([(f"{FP}/first", good[0])], fields=["nope"])
+    assert decode_records([]) == []
+
+
+def test_batch_buffers_are_reused_only_once_released() -> None:
+    made = [_record(seed) for seed in range(3)]
+    items = [(f"{FP}/k{i}", v) for i, (_, v) in enumerate(made)]
+    held = decode_records(items)
+    held_ptr = held[0]["octree"].untyped_storage().data_ptr()
+    kept_view = held[2]["point_hierarchy"][1:]  # a view alone keeps the buffer too
+    del held
+    for _ in range(5):  # later batches never write into memory a caller still sees
+        again = decode_records(items)
+        assert again[0]["octree"].untyped_storage().data_ptr() != held_ptr
+        del again
+    assert torch.equal(kept_view, made[2][0]["point_hierarchy"][1:])
+    del kept_view
+    # released: later batches of the same size take memory the pool already holds
+    from cache_store.record import _BATCH_BUFFERS
+
+    pooled = {buf.ctypes.data for buf in _BATCH_BUFFERS.buffers}
+    ptrs = set()
+    for _ in range(4):
+        batch = decode_records(items)
+        ptrs.add(batch[0]["octree"].untyped_storage().data_ptr())
+        for (fields, _), rec in zip(made, batch):
+            _assert_same(rec.tensors, fields)
+        del batch, rec
+    assert ptrs <= pooled

@@ -546,3 +546,35 @@ def test_any_row_counts_and_chunk_sizes_round_trip(tmp_path_factory, rows, width
     for direct in (True, False):
         store = ZarrStore(root / "s.zarr", direct_reads=direct)
         assert [store.get(k) for k in records] == list(records.values())
+
+
+def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch) -> None:
+    # 40 records, 64-byte chunks: a small field's chunk holds several records, and a
+    # shuffled pass used to decompress it again for nearly every read.
+    import numcodecs
+
+    fp = compute_fingerprint("spc", 1, {"level": 3})
+    ids = [f"s{i:03d}" for i in range(40)]
+    records = {f"{fp}/{sid}": make_record(fp, sid, seed=i) for i, sid in enumerate(ids)}
+    cache = fill_lmdb(tmp_path / "cache", records,
+                      [DatasetIndex(fp, "spc", 1, {"level": 3}, np.array(ids))])
+    export_snapshot(cache, fp, tmp_path / "s.zarr", chunk_bytes=64, codec="lz4")
+    cache.close()
+    decodes = []
+    real = numcodecs.Blosc.decode
+    monkeypatch.setattr(numcodecs.Blosc, "decode",
+                        lambda self, buf, out=None: decodes.append(1) or real(self, buf, out))
+    store = ZarrStore(tmp_path / "s.zarr")
+    try:
+        order = np.random.default_rng(0).permutation(len(ids))
+        per_pass = []
+        for _ in range(2):
+            decodes.clear()
+            for i in order:
+                key = f"{fp}/{ids[i]}"
+                assert torch.equal(store.get_record(key, fields=["center", "scale"])["center"],
+                                   decode_record(records[key])["center"])
+            per_pass.append(len(decodes))
+        assert per_pass[0] > 0 and per_pass[1] == 0  # the second pass decodes nothing
+    finally:
+        store.close()

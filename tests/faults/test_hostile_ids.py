@@ -216,7 +216,7 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
     workdir.mkdir()
     before = _files(tmp_path, cache)
     result = subprocess.run(
-        [sys.executable, "-m", "workers", "precompute", str(manifest), str(looks),
+        [sys.executable, "-m", "spcache", "precompute", str(manifest), str(looks),
          "--recipe", "spc", "--param", "level=3", "--param", "surface_samples=100",
          "--cache", str(cache), "--device", "cpu", "--backend", "torch", "--jobs", "0",
          "--json"], cwd=workdir, capture_output=True, text=True, timeout=300,

@@ -34,7 +34,7 @@ EXAMPLES = env_int("SPCACHE_FAULT_ST_EXAMPLES", 20)
 
 CONFIG = """
 [[operations]]
-include-path-regex = "^/v1/(warmup|caches/\\\\{fingerprint\\\\}/(records|items)/.*)$"
+include-path-regex = "^/v1/(warmup|caches/\\\\{fingerprint\\\\}/(records|items|previews)/.*)$"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404", "409", "422"]
 """
 

@@ -6,7 +6,7 @@ and forks a fresh worker per round, so a round costs milliseconds rather than a 
 import. Each round: wait until the new worker holds leases, let it run a random moment
 (claiming, loading, computing, committing or reporting), SIGKILL it, and start the next.
 A thread watches the queue the whole time. A last worker, left alive, takes over what is
-left; then the real CLI (``python -m workers worker --drain``) finds nothing to redo.
+left; then the real CLI (``python -m spcache worker --drain``) finds nothing to redo.
 
 Figures: kills, items held at the moment of each kill, 0 lost (every item done with a
 record that decodes), 0 computed twice (no record's checksum ever changes after it first
@@ -149,7 +149,7 @@ def test_worker_sigkill_loses_nothing_and_computes_nothing_twice(
     assert zygote.wait(60) == 0
 
     drain = subprocess.run(
-        [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
+        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
          "--backend", "torch", "--jobs", "0", "--poll", "0.05", "--lease", str(LEASE_S),
          "--max-attempts", "1000", "--drain", "--log-level", "warning"],
         cwd=REPO_ROOT, timeout=300)

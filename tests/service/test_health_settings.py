@@ -66,12 +66,15 @@ def test_source_roots_from_the_environment(tmp_path: Path, monkeypatch: pytest.M
     assert "secret" not in repr(s)
 
 
-def test_serve_refuses_an_open_bind_at_start_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("entry", [["service.cli"], ["spcache", "serve"]],
+                         ids=["service.cli", "spcache serve"])
+def test_serve_refuses_an_open_bind_at_start_up(tmp_path: Path, entry: list[str]) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "service.cli", "--cache", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", *entry, "--cache", str(tmp_path),
                         "--host", "0.0.0.0", "--no-worker"], cwd=REPO_ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "without a token" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 _SERVE_ONE = """

@@ -22,8 +22,18 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 def test_worker_command_runs_the_worker_module_with_this_python() -> None:
     cmd = worker_command("/c", device="cuda:1", backend="torch")
-    assert cmd[:4] == [sys.executable, "-m", "workers", "worker"]
+    assert cmd[:4] == [sys.executable, "-m", "spcache", "worker"]
     assert cmd[cmd.index("--device") + 1] == "cuda:1" and "/c" in cmd
+    assert "--source-root" not in cmd
+
+
+def test_worker_command_passes_the_source_roots_to_the_worker_parser(tmp_path: Path) -> None:
+    from spcache import cli
+
+    cmd = worker_command("/c", source_roots=[tmp_path / "a", tmp_path / "b"])
+    parser = cli.subcommand_parser("worker", cli.resolve("worker"))
+    args = parser.parse_args(cmd[cmd.index("worker") + 1:])
+    assert [str(r) for r in args.source_roots] == [str(tmp_path / "a"), str(tmp_path / "b")]
 
 
 def test_a_dead_worker_is_restarted_with_backoff_and_stopped_cleanly(tmp_path: Path) -> None:
@@ -52,3 +62,51 @@ def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     sup.start()
     assert _wait(ready.exists)
     assert sup.stop() == -signal.SIGKILL
+
+
+def test_no_second_worker_while_another_live_process_owns_the_cache(
+        tmp_path: Path, caplog) -> None:
+    import subprocess
+
+    from tests.conftest import REPO_ROOT
+
+    marker = tmp_path / "starts"
+    script = f"import time; open({str(marker)!r}, 'a').write('x'); time.sleep(60)"
+    # another process owns the cache, as a worker started by hand would
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from cache_store.owner_lock import WorkerLock; "
+         f"WorkerLock({str(tmp_path)!r}).acquire(worker_id='other'); print('held', flush=True); "
+         "time.sleep(60)"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    assert owner.stdout is not None and owner.stdout.readline() == "held\n"
+    holder = owner.pid
+    sup = WorkerSupervisor([sys.executable, "-c", script], first_backoff_s=0.1,
+                           max_backoff_s=0.2, stop_grace_s=5, cache=tmp_path)
+    with caplog.at_level("WARNING", logger="service.supervisor"):
+        sup.start()
+        try:
+            time.sleep(1.0)
+            assert sup.pid is None and not marker.exists()
+            assert f"is owned by worker pid {holder} on " in caplog.text
+            assert "id other" in caplog.text
+            owner.kill()  # the owner dies: the kernel drops its lock
+            owner.wait()
+            owner.stdout.close()
+            assert _wait(lambda: sup.pid is not None and marker.exists())
+        finally:
+            sup.stop()
+            if owner.poll() is None:
+                owner.kill()
+                owner.wait()
+                owner.stdout.close()
+
+
+def test_the_worker_child_is_told_its_parents_pid(tmp_path: Path) -> None:
+    out = tmp_path / "env"
+    script = f"import os; open({str(out)!r}, 'w').write(os.environ['SPCACHE_PARENT_PID'])"
+    sup = WorkerSupervisor([sys.executable, "-c", script], first_backoff_s=5)
+    sup.start()
+    try:
+        assert _wait(lambda: out.exists() and out.read_text() != "")
+    finally:
+        sup.stop()
+    assert out.read_text() == str(os.getpid())

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import ParameterError, SourceError
+from cache_store.sources_list import discover_sources
+from spcache import cli
+from spcache.cli import COMMANDS, main
 from tests.conftest import REPO_ROOT
-from workers import cli
-from workers.cli import COMMANDS, discover_sources, main, parse_params
+from workers.precompute_cli import parse_params
 
 
 def _touch(path: Path, text: str = "0 0 0\n1 1 1\n") -> Path:
@@ -103,9 +105,11 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_dispatch_table_is_a_plain_dict_of_import_targets() -> None:
     assert type(COMMANDS) is dict
-    assert COMMANDS["worker"][0] == "workers.worker_loop"
+    assert COMMANDS["worker"][0] == "workers.worker_cli"
     assert COMMANDS["serve"][0] == "service.cli"
-    assert {"precompute", "verify", "stats"} <= set(COMMANDS)
+    assert COMMANDS["precompute"][0].startswith("workers.")
+    assert {c: COMMANDS[c][0].split(".")[0] for c in ("verify", "stats", "export", "recipes")} \
+        == dict.fromkeys(("verify", "stats", "export", "recipes"), "spcache")
 
 
 def test_missing_command_module_fails_clearly(monkeypatch: pytest.MonkeyPatch,
@@ -126,7 +130,73 @@ def test_dispatch_reaches_a_module_by_name(tmp_path: Path, monkeypatch: pytest.M
     assert main(["fake", "--n", "x"]) == 2
 
 
-def test_python_dash_m_workers_runs_the_cli() -> None:
-    out = subprocess.run([sys.executable, "-m", "workers", "--help"], cwd=REPO_ROOT,
+@pytest.mark.parametrize("package", ["spcache", "workers"])
+def test_python_dash_m_runs_the_cli(package: str) -> None:
+    out = subprocess.run([sys.executable, "-m", package, "--help"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "precompute" in out.stdout
+
+
+def test_no_arguments_shows_usage_without_internal_names() -> None:
+    out = subprocess.run([sys.executable, "-m", "spcache"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "usage: spcache" in out.stderr and "COMMAND" in out.stderr
+    assert "rest" not in out.stderr.replace("interest", "")
+    for name in COMMANDS:
+        assert name in out.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "verify", "stats", "export", "recipes"])
+def test_cpu_side_commands_import_neither_torch_nor_workers(command: str) -> None:
+    code = ("import sys; from spcache.cli import resolve, subcommand_parser; "
+            f"target = resolve({command!r}); assert not isinstance(target, str), target; "
+            f"subcommand_parser({command!r}, target); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'workers'}); "
+            "assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema() -> None:
+    from cache_store.recipe_table import param_bounds
+    from cache_store.recipes import RECIPE_SPECS
+
+    table = subprocess.run([sys.executable, "-m", "spcache", "recipes"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=60).stdout
+    helptext = subprocess.run([sys.executable, "-m", "spcache", "precompute", "--help"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60).stdout
+    for spec in RECIPE_SPECS.values():
+        heading = f"{spec.name} (version {spec.version})"
+        assert heading in table
+        # this recipe's block: from its heading to the next blank-free heading line
+        block = table.split(heading, 1)[1].split("\n")[1:]
+        block = block[:next((i for i, line in enumerate(block) if line and not line.startswith(" ")),
+                            len(block))]
+        for name, param in spec.params.items():
+            line = next(line for line in block if line.split() and line.split()[0] == name)
+            assert repr(param.default) in line.split() and param_bounds(param) in line
+            assert line in helptext
+    as_json = json.loads(subprocess.run([sys.executable, "-m", "spcache", "recipes", "--json"],
+                                        cwd=REPO_ROOT, capture_output=True, text=True,
+                                        timeout=60).stdout)
+    assert as_json == {name: spec.as_json() for name, spec in RECIPE_SPECS.items()}
+    assert "--loaders" in helptext and "--skip-failed" in helptext
+    assert "pure PyTorch" in " ".join(helptext.split())  # --backend says what each means
+
+
+def test_the_recipe_is_validated_before_sources_are_searched(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["precompute", str(tmp_path / "missing"), "--recipe", "nope",
+                 "--cache", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'nope'" in err and "missing" not in err
+
+
+def test_jobs_is_an_alias_of_loaders() -> None:
+    parser = cli.subcommand_parser("precompute", cli.resolve("precompute"))
+    base = ["src", "--recipe", "spc", "--cache", "c"]
+    assert parser.parse_args(base + ["--jobs", "3"]).loaders == 3
+    assert parser.parse_args(base + ["--loaders", "4"]).loaders == 4
+    assert parser.parse_args(base).loaders is None and parser.parse_args(base).skip_failed is False

@@ -22,7 +22,7 @@ def _free_port() -> int:
 def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     port = _free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "workers", "demo", "--dir", str(tmp_path / "demo"),
+        [sys.executable, "-m", "spcache", "demo", "--dir", str(tmp_path / "demo"),
          "--port", str(port), "--level", "5", "--exit-after", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,12 +31,16 @@ def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     assert ": done " in out  # the warm-up job went through the service's worker
     assert f"http://127.0.0.1:{port}/healthz" in out
 
+    assert "precomputing recipe spc_query (level 5) for 6 example shapes" in out
+    assert "recipe spc_query, level 5" in out  # the warm-up used the same recipe
     cache = tmp_path / "demo" / "cache"
     queried = CachedDataset(cache, "spc_query", level=5)
-    assert len(queried) == 6
+    assert len(queried) == 7  # six precomputed, one warmed up over HTTP: one dataset
     assert queried[0]["query_pidx"].shape[1] == 6
-    warmed = CachedDataset(cache, "spc", level=5)
-    assert len(warmed) == 1 and warmed[0]["octree"].numel() > 0
+    ids = [queried.sample_id(i) for i in range(len(queried))]
+    assert ids[-1] == "late_arrival" and queried[6]["octree"].numel() > 0
+    # without a terminal the precompute says what it does sample by sample
+    assert proc.stderr.count("precompute: ") >= 6
     # The service was stopped with the demo: the port is free again.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))

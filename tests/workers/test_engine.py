@@ -40,7 +40,7 @@ def mesh_cache(tmp_path_factory: pytest.TempPathFactory, meshes: list[Path]):
         if result.status == "done":
             committed_when_reported.append(store.has(result.key))
 
-    engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=2,
+    engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=2,
                     write_batch=4)
     summary = engine.run(_items(meshes), on_result=on_result)
     yield store, engine, summary, seen, committed_when_reported
@@ -131,7 +131,7 @@ def test_determinism_across_runs_and_loader_modes(tmp_path: Path, corpus_meshes:
     values = []
     for name, jobs in (("a", 0), ("b", 2)):
         with open_store(tmp_path / name, readonly=False) as store:
-            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=jobs)
+            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=jobs)
             assert engine.run(_items(paths)).done == 3
             values.append({k: store.get(k) for k in store.keys()})
     assert values[0].keys() == values[1].keys() and len(values[0]) == 3
@@ -147,7 +147,7 @@ def test_cpu_and_cuda_records_are_identical(tmp_path: Path, corpus_meshes: list[
     values = []
     for device in ("cpu", "cuda"):
         with open_store(tmp_path / device, readonly=False) as store:
-            summary = Engine(store, "spc_query", PARAMS, device=device, jobs=0).run(_items(paths))
+            summary = Engine(store, "spc_query", PARAMS, device=device, loaders=0).run(_items(paths))
             assert summary.done == len(paths)
             values.append({k: _data_section(store.get(k)) for k in store.keys()})
     assert values[0] == values[1]
@@ -160,7 +160,7 @@ def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, corpus_meshes: 
     values = []
     for backend in ("torch", "kaolin"):
         with open_store(tmp_path / backend, readonly=False) as store:
-            Engine(store, "spc_query", PARAMS, device="cuda", backend=backend, jobs=0).run(_items(paths))
+            Engine(store, "spc_query", PARAMS, device="cuda", backend=backend, loaders=0).run(_items(paths))
             values.append({k: _data_section(store.get(k)) for k in store.keys()})
     assert values[0] == values[1]
 
@@ -178,8 +178,8 @@ def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
     values = []
     for name, hook in (("plain", None), ("oom", inject)):
         with open_store(tmp_path / name, readonly=False) as store:
-            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=0,
-                            query_chunk=1024, min_query_chunk=64, fault_hook=hook)
+            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0,
+                            query_chunk=1024, min_query_chunk=64, before_query_chunk=hook)
             summary = engine.run(_items(paths))
             assert summary.done == 2 and summary.failed == 0
             values.append({k: _data_section(store.get(k)) for k in store.keys()})
@@ -197,8 +197,8 @@ def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, corpus_meshes
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
     with open_store(tmp_path / "c", readonly=False) as store:
-        engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", jobs=0,
-                        query_chunk=2000, min_query_chunk=2000, fault_hook=inject)
+        engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0,
+                        query_chunk=2000, min_query_chunk=2000, before_query_chunk=inject)
         summary = engine.run(_items(corpus_meshes[:3]))
         assert (summary.done, summary.failed) == (2, 1)
         assert summary.errors[0].id == corpus_meshes[0].stem
@@ -213,7 +213,7 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshe
         shutil.copy(p, src / p.name)
     files = sorted(src.iterdir())
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = Engine(store, "spc", {"level": 5, "surface_samples": 2000}, device="cpu", jobs=0)
+        engine = Engine(store, "spc", {"level": 5, "surface_samples": 2000}, device="cpu", loaders=0)
         first = engine.run(_items(files[:2]))
         assert first.done == 2
         before = {k: store.get(k) for k in store.keys()}
@@ -230,7 +230,7 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshe
         meta = store.get_record(engine.key(files[0].stem)).metadata
         assert meta["source_hash"] == load_source(files[0]).source_hash
         # a changed parameter is another fingerprint: everything computed again
-        other = Engine(store, "spc", {"level": 6, "surface_samples": 2000}, device="cpu", jobs=0)
+        other = Engine(store, "spc", {"level": 6, "surface_samples": 2000}, device="cpu", loaders=0)
         assert other.fingerprint != engine.fingerprint
         assert other.run(_items(files)).done == 3
         assert store.verify().ok
@@ -241,7 +241,7 @@ def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], corpus_m
                                   ("../escape", str(corpus_meshes[1])),
                                   ("missing", str(tmp_path / "missing.obj"))]
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = Engine(store, "spc_query", PARAMS, device="cpu", jobs=2)
+        engine = Engine(store, "spc_query", PARAMS, device="cpu", loaders=2)
         summary = engine.run(items)
         assert summary.total == len(items)
         errors = {e.id: e for e in summary.errors}
@@ -268,8 +268,8 @@ def test_engine_validates_options_without_touching_the_store(tmp_path: Path) -> 
         Engine(store, "spc", {"surface_samples": 0})
     with pytest.raises(ParameterError, match="device"):
         Engine(store, "spc", device="tpu")
-    with pytest.raises(ParameterError, match="jobs"):
-        Engine(store, "spc", jobs=-1)
+    with pytest.raises(ParameterError, match="loaders"):
+        Engine(store, "spc", loaders=-1)
     assert not (tmp_path / "never").exists()
 
 
@@ -282,12 +282,12 @@ def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
     killed: list[int] = []
     with open_store(tmp_path / "c", readonly=False) as store, \
             Engine(store, "spc", {"level": 5, "surface_samples": 1000}, device="cpu",
-                   jobs=2, prefetch=4) as engine:
-        pool = engine._loader.pool
+                   loaders=2, prefetch=4) as engine:
+        pool = engine._loader_pool.pool
 
         def kill_loaders(result: ItemResult) -> None:
             if not killed:  # loaders die while later items are still pending in them
-                for pid in list(engine._loader.pool._processes):
+                for pid in list(engine._loader_pool.pool._processes):
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
 
@@ -296,4 +296,79 @@ def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
     assert killed
     assert (first.done, first.failed) == (3, 0), first.errors
     assert (second.done, second.skipped, second.failed) == (3, 3, 0), second.errors
-    assert engine._loader is None and pool is not None
+    assert engine._loader_pool is None and pool is not None
+
+
+def test_jobs_is_still_accepted_as_the_old_name_of_loaders(tmp_path: Path) -> None:
+    from cache_store.errors import ParameterError
+
+    with open_store(tmp_path / "c", readonly=False) as store:
+        assert Engine(store, "spc", jobs=3).loaders == 3
+        assert Engine(store, "spc", loaders=1, jobs=1).loaders == 1
+        assert Engine(store, "spc").loaders == 2
+        with pytest.raises(ParameterError, match="disagree"):
+            Engine(store, "spc", loaders=1, jobs=2)
+
+
+def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_fixed(
+        tmp_path: Path) -> None:
+    from cache_store.failures import FailureLog
+
+    sources = tmp_path / "src"
+    sources.mkdir()
+    np.save(sources / "good.npy", np.random.default_rng(0).uniform(-1, 1, (300, 3)))
+    np.save(sources / "bad.npy", np.zeros((100, 4)))  # not [N, 3]: a SourceError
+    items = [("good", str(sources / "good.npy")), ("bad", str(sources / "bad.npy"))]
+    params = {"level": 4, "surface_samples": 200}
+    cache = tmp_path / "cache"
+
+    def run(**options):
+        with open_store(cache, readonly=False) as store:
+            return Engine(store, "spc", params, device="cpu", backend="torch", loaders=0,
+                          **options).run(items)
+
+    first = run()
+    (error,) = first.errors
+    assert error.id == "bad" and error.repeat == "" and "shape (100, 4)" in error.reason
+    log = FailureLog(cache)
+    (remembered,) = log.get_many(first.fingerprint, ["bad", "good"]).values()
+    assert remembered.reason == error.reason and remembered.times == 1
+
+    again = run()
+    (error,) = again.errors
+    assert error.repeat == "again" and error.reason == "failed again, same reason: " + \
+        remembered.reason
+    assert again.as_json()["failed_again"] == ["bad"] and again.skipped == 1
+    assert log.get_many(first.fingerprint, ["bad"])["bad"].times == 2
+
+    reported: list[ItemResult] = []
+    with open_store(cache, readonly=False) as store:
+        skipping = Engine(store, "spc", params, device="cpu", backend="torch", loaders=0,
+                          skip_failed=True)
+        skipped = skipping.run(items, on_result=reported.append)
+    (error,) = skipped.errors
+    assert error.repeat == "skipped" and remembered.reason in error.reason
+    assert "not retried" in error.reason and skipped.as_json()["skipped_failed"] == ["bad"]
+    assert [r.status for r in reported if r.sample_id == "bad"] == ["failed"]
+    assert log.get_many(first.fingerprint, ["bad"])["bad"].times == 2  # not tried: not counted
+
+    np.save(sources / "bad.npy", np.zeros((50, 5)))  # changed, still bad: retried
+    changed = run(skip_failed=True)
+    (error,) = changed.errors
+    assert error.repeat == "" and "shape (50, 5)" in error.reason
+
+    np.save(sources / "bad.npy", np.random.default_rng(1).uniform(-1, 1, (300, 3)))  # fixed
+    fixed = run(skip_failed=True)
+    assert fixed.failed == 0 and fixed.done == 1 and fixed.skipped == 1
+    assert log.get_many(first.fingerprint, ["bad"]) == {}
+    with open_store(cache) as store:  # readers never see the log: records only
+        assert sorted(store.keys()) == sorted(f"{first.fingerprint}/{i}" for i in ("bad", "good"))
+    log.close()
+
+
+def test_skip_failed_needs_a_store_with_a_failure_log() -> None:
+    from cache_store.errors import ParameterError
+    from workers.ray_engine import ShardBuffer
+
+    with pytest.raises(ParameterError, match="skip_failed"):
+        Engine(ShardBuffer(), "spc", skip_failed=True)

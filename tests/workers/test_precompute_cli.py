@@ -16,14 +16,14 @@ import pytest
 from cache_store.errors import SpcacheError
 from cache_store.store import open_store
 from tests.conftest import REPO_ROOT
-from workers.cli import main
+from spcache.cli import main
 
 SMALL = ["--param", "level=5", "--param", "surface_samples=2000",
          "--param", "uniform_queries=500", "--param", "surface_queries=500"]
 
 
 def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -78,7 +78,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path: Path, corpus_meshes: l
     cache = tmp_path / "cache"
     args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
             "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -158,7 +158,7 @@ def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
     cache = tmp_path / "cache"
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -25,13 +25,14 @@ from cache_store.errors import BackendUnavailable, SpcacheError
 from cache_store.record import read_header
 from cache_store.store import open_store
 from tests.conftest import REPO_ROOT
-from workers.cli import main
+from spcache.cli import main
 from workers.engine import Engine, ItemResult
-from workers.ray_engine import CrashOnce, RayEngine, RaySummary
+from tests.workers.ray_faults import CrashOnce, register_with_ray
+from workers.ray_engine import RayEngine, RaySummary
 
 PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}
 SMALL = [arg for key, value in PARAMS.items() for arg in ("--param", f"{key}={value}")]
-RAY_OPTIONS = dict(device="cpu", backend="torch", jobs=0, actors=2)
+RAY_OPTIONS = dict(device="cpu", backend="torch", loaders=0, actors=2)
 
 
 def _items(paths: list[Path]) -> list[tuple[str, str]]:
@@ -62,6 +63,7 @@ def ray_local():
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
+    register_with_ray()  # actors unpickle CrashOnce without importing tests/
     started = _ray_processes(os.getpid())
     assert started, "ray.init started no raylet/gcs_server of its own"
     yield ray
@@ -83,7 +85,7 @@ def local_cache(tmp_path_factory: pytest.TempPathFactory, sources: list[Path]):
     cache = tmp_path_factory.mktemp("local") / "cache"
     with open_store(cache, readonly=False) as store:
         summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch",
-                         jobs=0).run(_items(sources))
+                         loaders=0).run(_items(sources))
     return cache, summary
 
 
@@ -130,6 +132,27 @@ def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, corpus_b
     by_id = lambda errors: {(e.id, e.path, e.reason) for e in errors}  # noqa: E731
     assert by_id(ray_summary.errors) == by_id(local.errors)
     assert {e.id for e in ray_summary.errors} <= {p.stem for p in corpus_bad_inputs}
+
+
+@pytest.mark.slow
+def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cache,
+                                                                         sources) -> None:
+    cache, first, _ = ray_cache
+    failed = {e.id for e in first.errors}
+    with open_store(cache, readonly=False) as store:
+        again = RayEngine(store, "spc_query", PARAMS, **RAY_OPTIONS).run(_items(sources))
+        skipping = RayEngine(store, "spc_query", PARAMS, skip_failed=True, **RAY_OPTIONS)
+        skipped = skipping.run(_items(sources))
+    # failures read from the file (an unreadable one has no hash) are remembered
+    remembered = {e.id for e in again.errors if e.repeat == "again"}
+    assert remembered and remembered <= failed and again.skipped == first.done
+    assert all(e.reason.startswith("failed again, same reason: ") for e in again.errors
+               if e.id in remembered)
+    assert set(skipped.as_json()["skipped_failed"]) == remembered
+    assert skipped.skipped == first.done and skipped.failed == first.failed
+    # only the failures without a remembered source hash (unreadable files) were retried
+    retried = {e.id for e in skipped.errors if e.repeat != "skipped"}
+    assert retried == failed - remembered
 
 
 @pytest.mark.slow
@@ -194,7 +217,7 @@ def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, lo
     reported: list[ItemResult] = []
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1,
-                           fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
+                           actor_fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
                            **RAY_OPTIONS)
         summary = engine.run(_items(paths), on_result=reported.append)
         keys = list(store.keys())
@@ -245,7 +268,7 @@ def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=1, write_batch=1,
                            max_attempts=2,
-                           fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
+                           actor_fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
                            **RAY_OPTIONS)
         summary = engine.run(_items(paths))
         stored = {key.rsplit("/", 1)[1] for key in store.keys()}
@@ -283,7 +306,7 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
             "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "workers", *args], cwd=REPO_ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 180
@@ -325,8 +348,8 @@ def _stored_keys(cache: Path) -> list[str]:
 
 
 def test_the_local_path_never_imports_ray() -> None:
-    code = ("import sys, workers.cli, workers.engine, workers.ray_engine; "
-            "from workers.cli import main; "
+    code = ("import sys, spcache.cli, workers.engine, workers.ray_engine; "
+            "from spcache.cli import main; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)

@@ -11,18 +11,11 @@ import pytest
 from cache_store.errors import ParameterError, RecordNotFound, SourceError, SpcacheError
 from cache_store.store import DatasetIndex
 from tests.cache_store.synthetic import fingerprint_of, make_record
-from workers.engine import _Item
-from workers.ray_engine import (
-    ActorStats,
-    CrashOnce,
-    RayEngine,
-    RaySummary,
-    ShardBuffer,
-    _local_error,
-    _RayRun,
-    _RemoteError,
-    _Shard,
-)
+from tests.workers.ray_faults import CrashOnce
+from workers.ray_common import RemoteError, local_error
+from workers.ray_driver import RayRun, Shard
+from workers.ray_engine import ActorStats, RayEngine, RaySummary, ShardBuffer
+from workers.run_ledger import WorkItem
 
 FP = fingerprint_of("spc")
 
@@ -31,8 +24,8 @@ def _engine(**options) -> RayEngine:
     return RayEngine(ShardBuffer(), "spc", {}, device="cpu", **options)
 
 
-def _shard(ids: list[str], deaths: int = 0, avoid: set[int] | None = None) -> _Shard:
-    return _Shard([_Item(i, f"/data/{i}.obj", f"{FP}/{i}") for i in ids], deaths, avoid or set())
+def _shard(ids: list[str], deaths: int = 0, avoid: set[int] | None = None) -> Shard:
+    return Shard([WorkItem(i, f"/data/{i}.obj", f"{FP}/{i}") for i in ids], deaths, avoid or set())
 
 
 # --- the shard buffer --------------------------------------------------------------------
@@ -79,7 +72,7 @@ def test_shard_buffer_drops_the_index_the_driver_writes_anyway() -> None:
     ({"shard_size": 0}, "shard_size: 0"),
     ({"max_attempts": 0}, "max_attempts: 0"),
     ({"actor_restarts": -1}, "actor_restarts: -1"),
-    ({"jobs": -1}, "jobs: -1"),
+    ({"loaders": -1}, "loaders: -1"),
 ])
 def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) -> None:
     options = {"device": "cpu", **options}
@@ -88,19 +81,20 @@ def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) 
 
 
 def test_the_actor_engine_options_are_the_local_engine_options() -> None:
-    engine = _engine(jobs=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch",
+    engine = _engine(loaders=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch",
                      write_batch=7)
-    assert engine.actor_options() == {"device": "cpu", "backend": "torch", "jobs": 3,
+    assert engine.actor_options() == {"device": "cpu", "backend": "torch", "loaders": 3,
                                       "query_chunk": 4096, "min_query_chunk": 64,
-                                      "write_batch": 7, "prefetch": 5}
-    assert _engine().actor_options()["jobs"] is None  # each actor chooses
+                                      "write_batch": 7, "prefetch": 5, "source_roots": [],
+                                      "max_source_bytes": 1 << 30}
+    assert _engine().actor_options()["loaders"] is None  # each actor chooses
 
 
 # --- the retry policy --------------------------------------------------------------------
 
 
 def test_a_shard_whose_actor_died_once_is_retried_whole_and_first() -> None:
-    run = _RayRun(_engine(), [], None)
+    run = RayRun(_engine(), [], None)
     run.shards.append(_shard(["z"]))
     run._requeue(_shard(["a", "b", "c", "d"], deaths=1, avoid={0}))
     first = run.shards[0]
@@ -109,14 +103,14 @@ def test_a_shard_whose_actor_died_once_is_retried_whole_and_first() -> None:
 
 
 def test_a_shard_that_killed_two_actors_is_halved() -> None:
-    run = _RayRun(_engine(), [], None)
+    run = RayRun(_engine(), [], None)
     run._requeue(_shard(["a", "b", "c", "d", "e"], deaths=2, avoid={0, 1}))
     assert [[i.sample_id for i in s.items] for s in run.shards] == [["a", "b"], ["c", "d", "e"]]
     assert all(s.deaths == 1 and s.avoid == {0, 1} for s in run.shards)
 
 
 def test_a_single_sample_fails_after_max_attempts_deaths() -> None:
-    run = _RayRun(_engine(max_attempts=3), [], None)
+    run = RayRun(_engine(max_attempts=3), [], None)
     run._requeue(_shard(["poison"], deaths=2))
     assert len(run.shards) == 1 and run.summary.failed == 0
     run.shards.clear()
@@ -128,7 +122,7 @@ def test_a_single_sample_fails_after_max_attempts_deaths() -> None:
 
 def test_bisection_isolates_a_poison_sample_in_a_bounded_number_of_deaths() -> None:
     """Simulate the policy: every shard holding the poison kills its actor."""
-    run = _RayRun(_engine(max_attempts=3), [], None)
+    run = RayRun(_engine(max_attempts=3), [], None)
     ids = [f"s{i:02d}" for i in range(64)]
     run.shards.append(_shard(ids))
     deaths = computed = 0
@@ -136,7 +130,7 @@ def test_bisection_isolates_a_poison_sample_in_a_bounded_number_of_deaths() -> N
         shard = run.shards.popleft()
         if any(i.sample_id == "s37" for i in shard.items):
             deaths += 1
-            run._requeue(_Shard(shard.items, shard.deaths + 1, shard.avoid))
+            run._requeue(Shard(shard.items, shard.deaths + 1, shard.avoid))
         else:
             computed += len(shard.items)
     assert computed == 63 and run.summary.failed == 1
@@ -145,7 +139,7 @@ def test_bisection_isolates_a_poison_sample_in_a_bounded_number_of_deaths() -> N
 
 
 def test_next_shard_prefers_one_this_actor_did_not_kill() -> None:
-    run = _RayRun(_engine(), [], None)
+    run = RayRun(_engine(), [], None)
     run.shards.extend([_shard(["a"], 1, {0}), _shard(["b"])])
     assert [i.sample_id for i in run._next_shard(0, {0, 1}).items] == ["b"]
     # the only shard left avoids actor 0, but actor 1 is alive to take it
@@ -188,13 +182,13 @@ def test_an_actors_spcache_error_comes_back_as_its_own_class() -> None:
             self.cause = cause
 
     original = SourceError("/data/a.obj", "file is empty")
-    carried = _RemoteError.of(original)
-    carried = _RemoteError(*carried.args)  # how Ray's transport rebuilds it: from its args
-    error = _local_error(TaskError(carried))
+    carried = RemoteError.of(original)
+    carried = RemoteError(*carried.args)  # how Ray's transport rebuilds it: from its args
+    error = local_error(TaskError(carried))
     assert type(error) is SourceError and str(error) == str(original)
     assert error.path == "/data/a.obj" and error.reason == "file is empty"
     # only spcache's own classes are looked up; anything else stays an SpcacheError
-    foreign = _local_error(TaskError(_RemoteError("os", "system", "no", {})))
+    foreign = local_error(TaskError(RemoteError("os", "system", "no", {})))
     assert type(foreign) is SpcacheError and str(foreign) == "no"
     plain = TaskError(ValueError("x"))
-    assert _local_error(plain) is plain
+    assert local_error(plain) is plain

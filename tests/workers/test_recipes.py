@@ -53,7 +53,7 @@ def test_chunk_budget_halves_on_oom_and_keeps_order() -> None:
         if len(attempts) <= 2:
             raise torch.cuda.OutOfMemoryError("injected")
 
-    budget = ChunkBudget(64, minimum=4, fault_hook=hook)
+    budget = ChunkBudget(64, minimum=4, before_query_chunk=hook)
     parts = budget.run(100, lambda a, b: torch.arange(a, b), torch.device("cpu"))
     assert torch.equal(torch.cat(parts), torch.arange(100))
     assert attempts[:3] == [64, 32, 16] and budget.size == 16 and budget.backoffs == 2
@@ -65,7 +65,7 @@ def test_chunk_budget_gives_up_below_minimum() -> None:
     def hook(size: int) -> None:
         raise torch.cuda.OutOfMemoryError(f"injected at {size}")
 
-    budget = ChunkBudget(16, minimum=4, fault_hook=hook)
+    budget = ChunkBudget(16, minimum=4, before_query_chunk=hook)
     with pytest.raises(torch.cuda.OutOfMemoryError, match="injected at 4"):
         budget.run(100, lambda a, b: torch.arange(a, b), torch.device("cpu"))
     assert budget.size == 4

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from cache_store.errors import SourceError
+from cache_store.errors import ParameterError, SourceError
 from workers import sdf
 from workers.ops import get_backend
 from workers.recipes import RECIPES, check_outputs, make_generator
@@ -190,7 +190,7 @@ def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
         if len(calls) == 1:
             raise torch.cuda.OutOfMemoryError("simulated")
 
-    budget = ChunkBudget(2048, minimum=256, fault_hook=fault)
+    budget = ChunkBudget(2048, minimum=256, before_query_chunk=fault)
     source = load_source(tmp_path / "shape.ply")
     out = RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "shape.ply"),
                          device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
@@ -240,7 +240,7 @@ def test_kaolin_records_agree_with_cpu_records(tmp_path) -> None:
 
 
 def test_the_stated_size_bound_holds_at_the_parameter_bounds() -> None:
-    """The spec's doc promises under 400 MB: num_points <= sum_l min(8^l, S), each point
+    """The arithmetic behind the doc: num_points <= sum_l min(8^l, S), each point
     47 bytes (hierarchy, trinkets, parent, octree byte + exsum), at most 8 dual points of
     6 bytes per point, 24 bytes per SDF sample."""
     params = RECIPE.spec.params
@@ -252,4 +252,13 @@ def test_the_stated_size_bound_holds_at_the_parameter_bounds() -> None:
                      for name, f in RECIPE.spec.fields.items() if name.startswith("sdf"))
     assert per_sample == 24
     assert points * 47 + 8 * points * 6 + m * per_sample < 400e6
-    assert "under 400 MB" in RECIPE.spec.doc
+    # the schema's own worst case covers that estimate and is enforced at the record limit
+    from cache_store.recipes import MAX_RECORD_BYTES
+
+    worst = RECIPE.spec.worst_case_record_bytes({"level": level, "surface_samples": samples,
+                                                 "near_samples": m // 2, "uniform_samples": m // 2})
+    assert worst >= points * 47 + m * per_sample
+    if worst > MAX_RECORD_BYTES:
+        with pytest.raises(ParameterError, match="record limit"):
+            RECIPE.spec.resolve({"level": level, "surface_samples": samples})
+    assert RECIPE.spec.worst_case_record_bytes() < MAX_RECORD_BYTES  # the defaults pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ def _submit(cache: Path, paths: list[Path], **params: int) -> tuple[JobQueue, st
 
 def _worker(cache: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
+        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
          "--backend", "torch", "--jobs", "0", "--poll", "0.1", "--log-level", "warning", *extra],
         cwd=REPO_ROOT)
 
@@ -45,14 +46,18 @@ def _wait_done(queue: JobQueue, job_id: str, at_least: int, timeout: float = 120
         time.sleep(0.05)
 
 
-def test_drain_computes_each_item_and_a_bad_sample_fails_alone(tmp_path: Path,
-                                                               corpus_meshes: list[Path],
-                                                               corpus_bad_inputs: list[Path]) -> None:
+def test_drain_computes_each_item_and_a_bad_sample_fails_alone(
+        tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path],
+        caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
     bad = next(p for p in corpus_bad_inputs if p.name == "nan_vertices.obj")
     queue, job_id, fp = _submit(cache, corpus_meshes[:3] + [bad], level=4, surface_samples=500)
-    loop = WorkerLoop(cache, device="cpu", backend="torch", loader_jobs=0, drain=True)
-    assert loop.run() == 0
+    loop = WorkerLoop(cache, device="cpu", backend="torch", loaders=0, drain=True)
+    with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
+        assert loop.run() == 0
+    batches = [r.getMessage() for r in caplog.records if "this batch" in r.getMessage()]
+    assert batches and f"job {job_id}: 4/4 items finished (1 failed)" in batches[-1], batches
+    assert "samples/s" in batches[-1]
     info = queue.job(job_id)
     assert info.counts["done"] == 3 and info.counts["failed"] == 1 and info.status == "failed"
     assert info.errors[0].sample_id == "nan_vertices" and info.errors[0].error

@@ -1,53 +1,64 @@
-"""Which samples a list of sources names: the one definition of source discovery.
+"""Source discovery: which files a directory, a manifest or a path names, as ``(id, path)``.
 
-``spcache precompute`` and :class:`~cache_store.dataset.CachedDataset` (read-through)
-both call :func:`discover_sources`, so a dataset built over the same sources asks for the
-same ``(sample id, path)`` pairs that ``precompute`` stores. CPU only; reads directory
-listings and manifests, never a source's contents.
+One function, :func:`discover_sources`, shared by ``spcache precompute``, the service's
+warm-up glob and anything else that turns "these sources" into samples. CPU only: it
+reads directory listings and manifests, never the files themselves (no trimesh, no torch).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from cache_store.errors import SourceError
 
-__all__ = ["SOURCE_EXTENSIONS", "MANIFEST_EXTENSIONS", "discover_sources"]
+__all__ = ["POINT_CLOUD_EXTENSIONS", "MESH_EXTENSIONS", "SUPPORTED_EXTENSIONS",
+           "MANIFEST_EXTENSIONS", "discover_sources"]
 
-#: Suffixes a directory walk picks up; the same set ``workers.sources`` can load (a test
-#: keeps the two equal: cache_store must not import workers).
-SOURCE_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts",
-                               ".obj", ".ply", ".stl", ".off", ".glb"})
-MANIFEST_EXTENSIONS = (".txt", ".jsonl")
+#: file extensions a worker can load (``workers.sources`` loads them)
+POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
+MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
+SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
+MANIFEST_EXTENSIONS = frozenset({".txt", ".jsonl"})
 
 
-def discover_sources(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-                     ) -> list[tuple[str, str]]:
+def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *,
+                     pattern: str | None = None,
+                     limit: int | None = None) -> list[tuple[str, str]]:
     """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
 
-    ``sources`` is one source or a sequence of them:
+    ``sources`` is one source or an iterable of them:
 
     - a directory: every supported file under it (recursively, hidden entries skipped),
-      sorted; the id is the path relative to the directory, without extension;
+      sorted; the id is the path relative to the directory, without extension; with
+      ``pattern`` (a glob relative to the directory, e.g. ``"**/*.obj"``) only the
+      supported files matching it;
     - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
       folder; the id is that relative path without extension, or for a path outside
       the folder its file name without extension;
     - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
     - any other file: one sample whose id is the file name without extension.
 
+    ``limit`` caps the number of pairs (a request that names more fails as a whole).
+
     Raises:
-        SourceError: a source that does not exist or a malformed manifest.
+        SourceError: a source that does not exist or cannot be read, a malformed manifest,
+            a pattern that is absolute or climbs out with ``..``, or more than ``limit``
+            pairs.
     """
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
     items: list[tuple[str, str]] = []
     for source in sources:
         path = Path(source)
-        if path.is_dir():
-            items.extend(_walk(path))
+        try:
+            is_dir = path.is_dir()
+        except OSError as exc:
+            raise SourceError(path, f"cannot read: {exc.strerror or exc}") from exc
+        if is_dir:
+            items.extend(_walk(path) if pattern is None else _glob(path, pattern))
         elif not path.exists():
             raise SourceError(path, "no such file or directory")
         elif path.suffix.lower() == ".txt":
@@ -56,10 +67,14 @@ def discover_sources(sources: str | os.PathLike[str] | Sequence[str | os.PathLik
             items.extend(_read_jsonl_manifest(path))
         else:
             items.append((path.stem, str(path)))
+        if limit is not None and len(items) > limit:
+            raise SourceError(path, f"names more than {limit} sources; split the request")
     return items
 
 
 def _walk(root: Path) -> list[tuple[str, str]]:
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise SourceError(root, "directory is not readable")
     found: list[tuple[str, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
@@ -67,8 +82,22 @@ def _walk(root: Path) -> list[tuple[str, str]]:
             if filename.startswith("."):
                 continue
             file = Path(dirpath) / filename
-            if file.suffix.lower() in SOURCE_EXTENSIONS:
+            if file.suffix.lower() in SUPPORTED_EXTENSIONS:
                 found.append((file.relative_to(root).with_suffix("").as_posix(), str(file)))
+    found.sort()
+    return found
+
+
+def _glob(root: Path, pattern: str) -> list[tuple[str, str]]:
+    if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
+        raise SourceError(root, f"pattern {pattern!r} must stay inside the directory")
+    found = []
+    for file in root.glob(pattern):
+        relative = file.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts):
+            continue
+        if file.suffix.lower() in SUPPORTED_EXTENSIONS and file.is_file():
+            found.append((relative.with_suffix("").as_posix(), str(file)))
     found.sort()
     return found
 

@@ -3,7 +3,8 @@
 Writes the records of one fingerprint of an LMDB cache as a Zarr v3 group under ``DEST``
 (a path or an fsspec URL), atomically for readers; see :mod:`cache_store.export`.
 Exit status: 0 exported, 1 not exported (bad records, existing export, another writer,
-unknown fingerprint), 2 bad usage or no cache.
+unknown fingerprint), 2 bad usage, a bad cache path or a destination not ending in
+``.zarr``. CPU only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from cache_store.errors import SpcacheError
+from cache_store.paths import cache_dir_problem
 
 __all__ = ["configure_parser", "run"]
 
@@ -29,8 +31,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="leave out missing or corrupt records instead of failing")
     parser.add_argument("--chunk-kib", type=int, default=256,
                         help="smallest uncompressed chunk of a data array, KiB (default 256)")
-    parser.add_argument("--level", type=int, default=3,
-                        help="zstd level 1-9 (default 3; 1 exports ~2x faster, ~5%% larger)")
+    parser.add_argument("--clevel", type=int, default=3,
+                        help="compression level 1-9 (default 3; 1 exports ~2x faster, "
+                             "~5%% larger)")
+    # --level was this option's name; kept working, unlisted (demo --level is an octree level)
+    parser.add_argument("--level", type=int, dest="clevel", help=argparse.SUPPRESS)
     parser.add_argument("--codec", default="zstd", choices=["zstd", "lz4hc", "lz4"],
                         help="blosc compressor: zstd (smallest, default), lz4hc (reads "
                              "~3x faster, a few %% larger), lz4 (fastest export)")
@@ -44,25 +49,34 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from cache_store.export import export_snapshot
 
-    if not args.cache.is_dir():
-        print(f"spcache: {args.cache}: no such cache directory", file=sys.stderr)
+    problem = cache_dir_problem(args.cache, write=False)
+    if problem:
+        print(f"spcache export: {problem}", file=sys.stderr)
+        return 2
+    if "://" not in str(args.dest) and Path(args.dest).exists() and not Path(args.dest).is_dir():
+        print(f"spcache export: --to {args.dest}: is a file, not a Zarr snapshot directory",
+              file=sys.stderr)
+        return 2
+    if not str(args.dest).rstrip("/").endswith(".zarr"):
+        print(f"spcache export: --to {args.dest}: a snapshot's name must end in .zarr "
+              f"(e.g. {str(args.dest).rstrip('/')}.zarr)", file=sys.stderr)
         return 2
     try:
         options = json.loads(args.storage_options)
         if not isinstance(options, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
-        print(f"spcache: --storage-options: {exc}", file=sys.stderr)
+        print(f"spcache export: --storage-options: {exc}", file=sys.stderr)
         return 2
     try:
         summary = export_snapshot(args.cache, args.fingerprint, args.dest,
                                   overwrite=args.overwrite, skip_bad=args.skip_bad,
-                                  chunk_bytes=args.chunk_kib * 1024, clevel=args.level,
+                                  chunk_bytes=args.chunk_kib * 1024, clevel=args.clevel,
                                   codec=args.codec,
                                   storage_options=options,
                                   progress=not args.no_progress and sys.stderr.isatty())
     except (SpcacheError, OSError) as exc:
-        print(f"spcache: export failed: {exc}", file=sys.stderr)
+        print(f"spcache export: export failed: {exc}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(summary.as_json(), sort_keys=True))

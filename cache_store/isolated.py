@@ -1,0 +1,167 @@
+"""Walks over a cache that a damaged LMDB page cannot turn into a dead caller.
+
+Some damage to ``records/data.mdb`` does not raise: LMDB's own assertions (e.g.
+``IS_LEAF(mp)`` in ``mdb_cursor_next``) call ``abort()`` and take the whole process
+down. A walk over every page (verify, stats, the service's listings) therefore runs in
+a child process (``python -m cache_store.isolated OP PATH``) that answers one JSON
+object on stdout; a child killed by a signal becomes a report::
+
+    cache damaged: <path>: walk aborted (SIGABRT)
+
+Functions here never return half a result: :func:`verify_cache` returns a report (with
+``damaged`` set when the store itself is damaged), :func:`stats_cache` raises
+:class:`CacheDamaged`. Both raise :class:`CacheNotFound` for a path without a cache and
+:class:`SpcacheError` when the child fails otherwise (timeout, crash at start).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from cache_store.errors import CacheDamaged, CacheNotFound, CorruptRecord, SpcacheError
+
+__all__ = ["verify_cache", "stats_cache", "run_walk", "DEFAULT_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
+
+#: A walk longer than this is killed and reported as an error (not as damage).
+DEFAULT_TIMEOUT_S = 3600.0
+_OPS = ("verify", "stats")
+
+
+def _package_root() -> str:
+    # the child imports this very copy of cache_store, whatever the cwd or install
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def run_walk(op: str, path: str | os.PathLike[str], *args: str,
+             timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Run walk ``op`` over the cache at ``path`` in a child; its JSON result.
+
+    Raises:
+        CacheDamaged: the child reported damage, or was killed by a signal.
+        CacheNotFound: no cache at ``path``.
+        SpcacheError: the child timed out or failed without a report.
+    """
+    if op not in _OPS:
+        raise ValueError(f"unknown walk {op!r}; known: {', '.join(_OPS)}")
+    path = os.fspath(path)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH"))
+                                        if p)
+    command = [sys.executable, "-m", "cache_store.isolated", op, path, *args]
+    try:
+        done = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s,
+                              check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise SpcacheError(f"{path}: {op} walk took longer than {timeout_s} s; "
+                           f"stopped") from exc
+    if done.returncode < 0:
+        reason = f"walk aborted ({_signal_name(done.returncode)})"
+        log.error("cache damaged: %s: %s; the walk's last words: %s", path, reason,
+                  _tail(done.stderr))
+        raise CacheDamaged(path, reason)
+    try:
+        answer = json.loads(done.stdout)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict) or done.returncode != 0:
+        raise SpcacheError(f"{path}: {op} walk failed (exit {done.returncode}): "
+                           f"{_tail(done.stderr)}")
+    error = answer.get("error")
+    if error == "CacheDamaged":
+        raise CacheDamaged(path, answer.get("reason", "unreadable"))
+    if error == "CacheNotFound":
+        raise CacheNotFound(path, answer.get("reason", "no cache there"))
+    if error is not None:
+        raise SpcacheError(f"{path}: {op} walk failed: {error}: {answer.get('detail', '')}")
+    result = answer.get("result")
+    if not isinstance(result, dict):
+        raise SpcacheError(f"{path}: {op} walk answered no result")
+    return result
+
+
+def _tail(stderr: bytes, lines: int = 3) -> str:
+    text = stderr.decode("utf-8", "replace").strip().splitlines()
+    return " | ".join(text[-lines:]) or "(nothing on stderr)"
+
+
+def verify_cache(path: str | os.PathLike[str], fingerprint: str | None = None, *,
+                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """``Store.verify`` of the cache at ``path``, walked in a child process.
+
+    Returns the report's JSON (``checked``, ``ok``, ``corrupt``, ``missing``) plus
+    ``damaged``: None, or the reason the store itself is damaged (then ``ok`` is False).
+    """
+    args = () if fingerprint is None else (fingerprint,)
+    try:
+        report = run_walk("verify", path, *args, timeout_s=timeout_s)
+    except CacheDamaged as exc:
+        return {"checked": 0, "ok": False, "corrupt": {}, "missing": [],
+                "damaged": str(exc)}
+    report.setdefault("damaged", None)
+    return report
+
+
+def stats_cache(path: str | os.PathLike[str], *,
+                timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """``Store.stats`` of the cache at ``path``, walked in a child process.
+
+    Raises :class:`CacheDamaged` (naming the cache) when the walk cannot finish.
+    """
+    return run_walk("stats", path, timeout_s=timeout_s)
+
+
+# ------------------------------------------------------------------------- the child
+
+
+def _child(op: str, path: str, args: list[str]) -> dict[str, Any]:
+    from cache_store.store import open_store
+
+    try:
+        store = open_store(path, readonly=True)
+        try:
+            if op == "verify":
+                report = store.verify(args[0] if args else None)
+                return {"result": report.as_json()}
+            return {"result": store.stats()}
+        finally:
+            store.close()
+    except CacheDamaged as exc:
+        return {"error": "CacheDamaged", "reason": exc.reason}
+    except CacheNotFound as exc:
+        return {"error": "CacheNotFound", "reason": exc.reason}
+    except (SpcacheError, OSError) as exc:
+        if isinstance(exc, CorruptRecord):  # e.g. an unreadable index in stats
+            return {"error": "CacheDamaged", "reason": str(exc)}
+        return {"error": type(exc).__name__, "detail": str(exc)}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in _OPS:
+        print(f"usage: python -m cache_store.isolated {{{'|'.join(_OPS)}}} PATH [FINGERPRINT]",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    answer = _child(argv[0], argv[1], argv[2:])
+    sys.stdout.write(json.dumps(answer, default=str))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

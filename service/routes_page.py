@@ -1,0 +1,219 @@
+"""The status page people look at: ``GET /``, record previews, sample search, offline docs.
+
+``/`` is one static HTML page (plus a script and a style sheet under ``/ui``) that polls
+the JSON routes; nothing is built and nothing comes from a CDN. ``/docs`` and ``/redoc``
+use the Swagger UI and ReDoc bundles shipped by the pinned ``fastapi-offline`` package,
+served from ``/docs-assets``, so the API docs work without internet.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path as FilePath
+from typing import Annotated, Any, Literal, get_args
+
+from fastapi import APIRouter, FastAPI, Path, Query, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse, Response
+from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
+
+from cache_store.errors import RecordNotFound
+from cache_store.fingerprint import record_key, validate_fingerprint
+from cache_store.item_state import item_state
+from cache_store.record import record_checksum
+from service.context import Context, ServiceContext
+from service.errors import ERROR_RESPONSES
+from service.routes_caches import etag_matches
+from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, record_levels,
+                             render_record)
+
+__all__ = ["router", "install_page", "PreviewCache", "STATIC_DIR"]
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = FilePath(__file__).parent / "static"
+_DOCS_ASSETS_URL = "/docs-assets"
+_PNG = "image/png"
+#: The page and the docs may load nothing from anywhere but this service. (ReDoc's bundle
+#: hard-codes a Redocly logo from cdn.redoc.ly; under this policy the browser never asks
+#: for it, and ReDoc hides the image that did not load.)
+_CSP_PAGE = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+             "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+_CSP_DOCS = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+             "script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; font-src 'self' data:; "
+             "connect-src 'self'; object-src 'none'; base-uri 'none'")
+
+router = APIRouter(tags=["page"])
+
+Fingerprint = Annotated[str, Path(pattern="^[0-9a-f]{32}$",
+                                  description="32 lowercase hex characters")]
+View = Literal["iso", "front", "side", "top"]
+if set(get_args(View)) != set(VIEWS):  # the schema's enum and the renderer's cameras
+    raise RuntimeError(f"preview views {get_args(View)} do not match {sorted(VIEWS)}")
+
+
+class PreviewCache:
+    """Rendered PNGs by ETag (least recently used out first, ``max_bytes`` in all), and
+    at most ``max_concurrent`` renders at a time (each holds a thread-pool thread)."""
+
+    def __init__(self, max_bytes: int = 32 << 20, max_concurrent: int = 2) -> None:
+        self.max_bytes = max_bytes
+        self._pngs: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+
+    def get(self, etag: str) -> bytes | None:
+        with self._lock:
+            png = self._pngs.get(etag)
+            if png is not None:
+                self._pngs.move_to_end(etag)
+            return png
+
+    def put(self, etag: str, png: bytes) -> None:
+        with self._lock:
+            if etag in self._pngs or len(png) > self.max_bytes:
+                return
+            self._pngs[etag] = png
+            self._bytes += len(png)
+            while self._bytes > self.max_bytes:
+                _, old = self._pngs.popitem(last=False)
+                self._bytes -= len(old)
+
+    def render(self, value: bytes, request: PreviewRequest, key: str) -> bytes:
+        with self._slots:
+            return render_record(value, request, key=key)
+
+
+def install_page(app: FastAPI) -> None:
+    """Add the page, its assets, previews, sample search and the offline API docs.
+
+    The app must be created with ``docs_url=None, redoc_url=None`` (these routes replace
+    FastAPI's CDN-loading pages).
+    """
+    app.state.previews = PreviewCache()
+    app.include_router(router, responses=ERROR_RESPONSES)
+    app.mount("/ui", StaticFiles(directory=STATIC_DIR), name="ui")
+    app.mount(_DOCS_ASSETS_URL, StaticFiles(directory=_docs_assets_dir()), name="docs-assets")
+
+
+def _docs_assets_dir() -> FilePath:
+    import fastapi_offline  # the pinned package that ships Swagger UI and ReDoc
+
+    return FilePath(fastapi_offline.__file__).parent / "static"
+
+
+@router.get("/", include_in_schema=False)
+def status_page() -> FileResponse:
+    """The status page (HTML)."""
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
+                        headers={"Cache-Control": "no-cache",
+                                 "Content-Security-Policy": _CSP_PAGE})
+
+
+def _with_csp(page: HTMLResponse) -> HTMLResponse:
+    page.headers["Content-Security-Policy"] = _CSP_DOCS
+    return page
+
+
+@router.get("/docs", include_in_schema=False)
+def swagger_docs(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    return _with_csp(get_swagger_ui_html(
+        openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (Swagger UI)",
+        swagger_js_url=f"{root}{_DOCS_ASSETS_URL}/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}{_DOCS_ASSETS_URL}/swagger-ui.css",
+        swagger_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png",
+        swagger_ui_parameters={"validatorUrl": None}))
+
+
+@router.get("/redoc", include_in_schema=False)
+def redoc_docs(request: Request) -> HTMLResponse:
+    root = request.scope.get("root_path", "")
+    return _with_csp(get_redoc_html(
+        openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (ReDoc)",
+        redoc_js_url=f"{root}{_DOCS_ASSETS_URL}/redoc.standalone.js",
+        redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False))
+
+
+def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    value = store.get(key)
+    return value, record_checksum(value, key=key)
+
+
+@router.get("/v1/caches/{fingerprint}/previews/{sample_id:path}", operation_id="get_preview",
+            response_class=Response,
+            responses={200: {"content": {_PNG: {}}, "description": "PNG picture of one level"},
+                       304: {"description": "not modified (If-None-Match)"}})
+async def get_preview(
+        fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
+        level: int | None = Query(None, ge=0, le=15,
+                                  description="octree level (default: the record's deepest)"),
+        view: View = Query("iso", description="camera: iso, front, side or top"),
+        size: int = Query(512, ge=MIN_SIZE, le=MAX_SIZE, description="width = height, pixels"),
+        queries: bool = Query(True, description="draw spc_query records' query points"),
+) -> Response:
+    """A picture of one octree level of a record: occupied voxels as shaded cubes, query
+    points green (voxel occupied at that level) or red. ETag = record checksum + params."""
+    key = record_key(fingerprint, sample_id)
+    value, checksum = await run_in_threadpool(_record, ctx, key)
+    if level is None:
+        level = record_levels(value, key=key)
+    wanted = PreviewRequest(level=level, view=view, size=size, queries=queries)
+    wanted.check()
+    etag = f'"{checksum}-{wanted.as_tag()}"'
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if etag_matches(request.headers.get("if-none-match"), etag):
+        return Response(status_code=304, headers=headers)
+    cache: PreviewCache = request.app.state.previews
+    png = cache.get(etag)
+    if png is None:
+        png = await run_in_threadpool(cache.render, value, wanted, key)
+        cache.put(etag, png)
+    return Response(png, media_type=_PNG, headers=headers)
+
+
+def _sample_page(ctx: ServiceContext, fingerprint: str, prefix: str, after: str,
+                 limit: int) -> dict[str, Any]:
+    store = ctx.store()
+    head = f"{fingerprint}/"
+
+    def stored() -> Iterator[str]:
+        if store is None:
+            return
+        for key in store.keys(head + prefix):
+            sample_id = key[len(head):]
+            if sample_id > after:  # str order of code points == UTF-8 byte order
+                yield sample_id
+
+    queued = ctx.queue.sample_ids(fingerprint, prefix=prefix, after=after, limit=limit + 1)
+    merged = (sid for sid, _ in itertools.groupby(heapq.merge(stored(), queued)))
+    page = list(itertools.islice(merged, limit + 1))
+    more = len(page) > limit
+    page = page[:limit]
+    samples = [item_state(store, ctx.queue, fingerprint, sid).as_json() for sid in page]
+    return {"fingerprint": fingerprint, "prefix": prefix, "after": after, "limit": limit,
+            "samples": samples, "next": page[-1] if more else None}
+
+
+@router.get("/v1/caches/{fingerprint}/samples")
+async def list_samples(
+        fingerprint: Fingerprint, ctx: Context,
+        prefix: str = Query("", max_length=448, description="sample ids starting with this"),
+        after: str = Query("", max_length=448, description="cursor: the last id of the "
+                                                           "previous page ('next')"),
+        limit: int = Query(50, ge=1, le=500),
+) -> dict[str, Any]:
+    """A page of a cache's samples (records and queued items), sorted by id, with each
+    sample's state as ``/v1/caches/{fp}/items/{id}`` gives it; ``next`` is the cursor."""
+    validate_fingerprint(fingerprint)
+    return await run_in_threadpool(_sample_page, ctx, fingerprint, prefix, after, limit)

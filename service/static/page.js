@@ -1,0 +1,240 @@
+// spcache status page: polls the service's JSON routes; no framework, no build step.
+"use strict";
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const ERRORS_PAGE = 10, SAMPLES_PAGE = 25;
+  const state = { token: null, errorsJob: null, errorsOffset: 0, cache: null,
+                  samplesAfter: [""], samplesTicket: 0, sample: null, maxLevel: 8, rates: new Map() };
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v; else node.setAttribute(k, v);
+    }
+    for (const c of children) node.append(c instanceof Node ? c : String(c ?? ""));
+    return node;
+  }
+  // Each cell carries its column's heading (shown before it on narrow screens).
+  function label(table) {
+    const heads = [...table.tHead.rows[0].cells].map((th) => th.textContent);
+    for (const row of table.tBodies[0].rows) {
+      [...row.cells].forEach((td, i) => { if (heads[i] && td.colSpan === 1) td.dataset.label = heads[i]; });
+    }
+  }
+  async function getJSON(url) {
+    const r = await fetch(url, { headers: { Accept: "application/json" } });
+    if (!r.ok) throw new Error(`${url}: ${r.status} ${(await r.text()).slice(0, 200)}`);
+    return r.json();
+  }
+  const fmtBytes = (n) => n < 1024 ? `${n} B` : n < 1 << 20 ? `${(n / 1024).toFixed(1)} KiB`
+    : n < 1 << 30 ? `${(n / 1048576).toFixed(1)} MiB` : `${(n / 1073741824).toFixed(2)} GiB`;
+  const fmtParams = (p) => el("span", { class: "params" },
+    ...Object.entries(p).map(([k, v]) => el("span", {}, `${k}=${v}`)));
+  const shortId = (id) => el("code", { title: id }, id.length > 12 ? `${id.slice(0, 12)}…` : id);
+  const fmtTime = (t) => t ? new Date(t * 1000).toLocaleString() : "—";
+  function fmtDuration(s) {
+    if (s == null || !isFinite(s)) return "—";
+    if (s < 60) return `${Math.ceil(s)} s`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+    return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
+  }
+
+  // Rate and ETA: the job's own samples_per_s / eta_s when the service gives them, else
+  // measured here from how done+failed moved between polls.
+  function rateOf(job) {
+    const c = job.counts, finished = c.done + c.failed, now = performance.now() / 1000;
+    const prev = state.rates.get(job.id);
+    let rate = job.samples_per_s ?? null;
+    if (rate == null && prev && now > prev.t) {
+      const inst = (finished - prev.finished) / (now - prev.t);
+      rate = prev.rate == null ? inst : 0.7 * prev.rate + 0.3 * inst;
+    }
+    state.rates.set(job.id, { t: now, finished, rate });
+    const left = c.pending + c.running;
+    const eta = job.eta_s ?? (left === 0 ? 0 : rate > 0 ? left / rate : null);
+    return { rate, eta, left };
+  }
+
+  function progressBar(job) {
+    const c = job.counts, total = job.total ?? (c.done + c.failed + c.pending + c.running);
+    const bar = el("div", { class: "bar", role: "img",
+      "aria-label": `${c.done} done, ${c.failed} failed, ${c.running} running, ${c.pending} pending of ${total}` });
+    for (const k of ["done", "failed", "running"]) {
+      if (total > 0 && c[k] > 0) {
+        const part = el("span", { class: k });
+        part.style.width = `${100 * c[k] / total}%`;  // CSSOM: allowed by the page's CSP
+        bar.append(part);
+      }
+    }
+    const pct = total ? Math.floor(100 * (c.done + c.failed) / total) : 100;
+    return el("div", {}, bar, el("span", { class: "muted progress-text" },
+      `${c.done + c.failed} / ${total} (${pct}%) · ${c.failed} failed · ${c.running} running · ${c.pending} pending`));
+  }
+
+  async function refreshJobs() {
+    const data = await getJSON("/v1/jobs?limit=50");
+    const body = $("jobs").tBodies[0];
+    // Rows are rebuilt every poll: keep the keyboard focus on the same button of the same job.
+    const focused = document.activeElement?.closest?.("#jobs tbody tr");
+    const refocus = focused && [focused.dataset.job,
+      [...focused.querySelectorAll("button")].indexOf(document.activeElement)];
+    body.replaceChildren();
+    $("jobs-empty").hidden = data.jobs.length > 0;
+    for (const job of data.jobs) {
+      const { rate, eta, left } = rateOf(job);
+      const active = job.status === "pending" || job.status === "running";
+      const errorsButton = el("button", { type: "button", "aria-controls": "errors-panel" },
+        `${job.counts.failed} error${job.counts.failed === 1 ? "" : "s"}`);
+      errorsButton.disabled = job.counts.failed === 0;
+      errorsButton.onclick = () => { state.errorsJob = job.id; state.errorsOffset = 0; refreshErrors(); };
+      const cancel = el("button", { type: "button" }, "Cancel");
+      cancel.disabled = !active;
+      cancel.onclick = () => cancelJob(job.id);
+      body.append(el("tr", { "data-job": job.id, "data-status": job.status },
+        el("td", {}, shortId(job.id), el("br"), el("span", { class: "muted" }, fmtTime(job.created))),
+        el("td", {}, job.recipe, el("br"), fmtParams(job.params)),
+        el("td", {}, el("span", { class: `state ${job.status}` }, job.status)),
+        el("td", {}, progressBar(job)),
+        el("td", { class: "num" }, rate == null ? "—" : `${rate.toFixed(1)}/s`),
+        el("td", { class: "num" }, left === 0 ? "done" : fmtDuration(eta)),
+        el("td", {}, errorsButton), el("td", {}, cancel)));
+    }
+    label($("jobs"));
+    if (refocus) body.querySelector(`tr[data-job="${refocus[0]}"]`)?.querySelectorAll("button")[refocus[1]]?.focus();
+    if (state.errorsJob) await refreshErrors();
+  }
+
+  async function refreshErrors() {
+    const id = state.errorsJob;
+    const job = await getJSON(`/v1/jobs/${encodeURIComponent(id)}?errors_offset=${state.errorsOffset}&errors_limit=${ERRORS_PAGE}`);
+    $("errors-panel").hidden = false;
+    $("errors-title").textContent = `Errors of job ${id}`;
+    const body = $("errors").tBodies[0];
+    body.replaceChildren(...job.errors.map((e) => el("tr", {},
+      el("td", {}, el("code", {}, e.sample_id)), el("td", {}, el("code", { class: "path" }, e.path)),
+      el("td", { class: "num" }, e.attempts), el("td", {}, e.error))));
+    const failed = job.counts.failed;
+    label($("errors"));
+    $("errors-range").textContent = failed ? `${state.errorsOffset + 1}–${state.errorsOffset + job.errors.length} of ${failed}` : "none";
+    $("errors-prev").disabled = state.errorsOffset === 0;
+    $("errors-next").disabled = state.errorsOffset + ERRORS_PAGE >= failed;
+  }
+
+  async function cancelJob(id) {
+    const dialog = $("token-dialog");
+    if (!state.token) {
+      $("token").value = "";
+      dialog.showModal();
+      const answer = await new Promise((ok) => dialog.addEventListener("close", () => ok(dialog.returnValue), { once: true }));
+      if (answer !== "ok" || !$("token").value) return;
+      state.token = $("token").value;
+    }
+    const r = await fetch(`/v1/jobs/${encodeURIComponent(id)}`,
+      { method: "DELETE", headers: { Authorization: `Bearer ${state.token}` } });
+    if (r.status === 401) { state.token = null; alert("The token was not accepted."); }
+    else if (!r.ok) alert(`Cancel failed: ${r.status} ${await r.text()}`);
+    refreshJobs();
+  }
+
+  async function refreshCaches() {
+    const [list, jobs] = await Promise.all([getJSON("/v1/caches"), getJSON("/v1/jobs?limit=1000")]);
+    const created = new Map();
+    for (const j of jobs.jobs) created.set(j.fingerprint, Math.min(created.get(j.fingerprint) ?? Infinity, j.created));
+    const body = $("caches").tBodies[0];
+    const rows = await Promise.all(list.caches.map(async (c) => {
+      const detail = await getJSON(`/v1/caches/${c.fingerprint}?limit=0`);
+      const open = el("button", { type: "button", "aria-controls": "samples-panel" }, `${c.samples} samples`);
+      open.onclick = () => openCache(c);
+      return el("tr", { "data-fingerprint": c.fingerprint },
+        el("td", {}, shortId(c.fingerprint)), el("td", {}, `${c.recipe} v${c.recipe_version}`),
+        el("td", {}, fmtParams(c.params)),
+        el("td", { class: "num" }, detail.counts.records), el("td", { class: "num" }, fmtBytes(detail.bytes)),
+        el("td", {}, fmtTime(created.get(c.fingerprint))), el("td", {}, open));
+    }));
+    body.replaceChildren(...rows);
+    label($("caches"));
+    $("caches-empty").hidden = rows.length > 0;
+  }
+
+  function openCache(c) {
+    state.cache = c; state.samplesAfter = [""];
+    state.maxLevel = c.params.level ?? 8;
+    $("samples-panel").hidden = false;
+    $("samples-title").textContent = `Samples of ${c.recipe} ${c.fingerprint.slice(0, 12)}…`;
+    refreshSamples();
+    $("samples-panel").scrollIntoView({ block: "start" });
+  }
+
+  async function refreshSamples() {
+    const c = state.cache, after = state.samplesAfter[state.samplesAfter.length - 1];
+    const q = new URLSearchParams({ prefix: $("prefix").value, after, limit: SAMPLES_PAGE });
+    const ticket = ++state.samplesTicket;
+    const page = await getJSON(`/v1/caches/${c.fingerprint}/samples?${q}`);
+    if (ticket !== state.samplesTicket) return;  // a newer search was sent meanwhile
+    const body = $("samples").tBodies[0];
+    body.replaceChildren(...page.samples.map((s) => {
+      const show = el("button", { type: "button", "aria-controls": "preview-panel" }, "Show");
+      show.disabled = !(s.state === "ready" || s.state === "stale");
+      show.onclick = () => openPreview(s.sample_id);
+      return el("tr", { "data-sample": s.sample_id }, el("td", {}, el("code", {}, s.sample_id)),
+        el("td", {}, el("span", { class: `state ${s.state}` }, s.state)), el("td", {}, s.reason), el("td", {}, show));
+    }));
+    if (!page.samples.length) body.append(el("tr", {}, el("td", { colspan: 4, class: "muted" }, "No samples match.")));
+    label($("samples"));
+    state.nextCursor = page.next;
+    $("samples-next").disabled = page.next == null;
+    $("samples-first").disabled = state.samplesAfter.length === 1;
+  }
+
+  function openPreview(sampleId) {
+    state.sample = sampleId;
+    const level = $("level");
+    level.max = state.maxLevel;
+    if (+level.value > state.maxLevel) level.value = state.maxLevel;
+    $("preview-panel").hidden = false;
+    $("preview-title").textContent = `Preview of ${sampleId}`;
+    drawPreview();
+    $("preview-panel").scrollIntoView({ block: "start" });
+  }
+
+  function drawPreview() {
+    if (!state.sample) return;
+    const level = $("level").value, view = document.querySelector("input[name=view]:checked").value;
+    const queries = $("queries").checked;
+    const size = Math.min(512, Math.max(128, Math.floor($("preview-panel").clientWidth - 4) || 512));
+    $("level-value").textContent = level;
+    const img = $("preview");
+    const q = new URLSearchParams({ level, view, size, queries });
+    img.src = `/v1/caches/${state.cache.fingerprint}/previews/${state.sample.split("/").map(encodeURIComponent).join("/")}?${q}`;
+    const text = `Occupied voxels of octree level ${level} of sample ${state.sample}, ${view} view, drawn as shaded cubes`
+      + (queries && state.cache.recipe === "spc_query" ? "; query points green where their voxel is occupied, red where not" : "");
+    img.alt = text;
+    $("preview-caption").textContent = text + ".";
+  }
+
+  async function refreshService() {
+    try {
+      const h = await getJSON("/readyz");
+      const beat = h.worker_heartbeat_age_s;
+      $("service-line").textContent = `Service ready · worker ${beat == null ? "not seen" : `seen ${beat.toFixed(0)} s ago`}`;
+    } catch (e) { $("service-line").textContent = `Service not ready: ${e.message}`; }
+  }
+
+  function loop(fn, ms) {
+    const run = async () => { try { await fn(); } catch (e) { console.error(e); } setTimeout(run, ms); };
+    run();
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    $("errors-prev").onclick = () => { state.errorsOffset = Math.max(0, state.errorsOffset - ERRORS_PAGE); refreshErrors(); };
+    $("errors-next").onclick = () => { state.errorsOffset += ERRORS_PAGE; refreshErrors(); };
+    $("samples-search").onsubmit = (e) => { e.preventDefault(); state.samplesAfter = [""]; refreshSamples(); };
+    $("samples-next").onclick = () => { state.samplesAfter.push(state.nextCursor); refreshSamples(); };
+    $("samples-first").onclick = () => { state.samplesAfter = [""]; refreshSamples(); };
+    $("preview-controls").oninput = drawPreview;
+    $("preview-controls").onsubmit = (e) => e.preventDefault();
+    loop(refreshJobs, 1000);
+    loop(refreshCaches, 5000);
+    loop(refreshService, 5000);
+  });
+})();

@@ -1,0 +1,82 @@
+"""Case 13: SIGKILL the service; its worker must not be left orphaned.
+
+``spcache serve`` starts one worker child. Killed with SIGKILL, the service cannot stop
+it; before the fix the worker lived on, reparented to init (4 of 4 in an attack run),
+and the next service started a second worker on the same cache. Now the worker learns
+of its parent's death from the kernel (``PR_SET_PDEATHSIG``) and exits; while a worker
+still owns the cache (its flock), a new service starts none.
+
+Each round: start serve (with its worker), wait until the worker holds the cache's lock,
+SIGKILL the service, time until the worker is gone. Then a new service on the same
+cache must get a worker of its own.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_store.owner_lock import lock_holder
+from tests.faults.conftest import env_int, report
+from tests.spcache._proctree import (
+    free_port,
+    has_descendant,
+    kill_all,
+    port_is_free,
+    spcache,
+    tree,
+    wait_for,
+    wait_gone,
+)
+
+ROUNDS = env_int("SPCACHE_FAULT_SERVICE_KILLS", 4)
+#: the promise: the orphaned worker is gone within this many seconds
+WORKER_EXIT_S = 5.0
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_service_leaves_no_worker(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    exits: list[float] = []
+    orphans = 0
+    for round_ in range(ROUNDS + 1):
+        port, log = free_port(), tmp_path / f"serve{round_}.log"
+        proc = spcache("serve", "--cache", str(cache), "--port", str(port), "--device", "cpu",
+                       log=log)
+        procs = []
+        try:
+            wait_for(lambda: not port_is_free(port), 60, "serve to listen")  # noqa: B023
+            wait_for(lambda: has_descendant(proc.pid, "spcache", "worker"), 60,  # noqa: B023
+                     "the worker child")
+            # a new service gets a worker of its own: the last round's is gone
+            wait_for(lambda: (lock_holder(cache) or {}).get("pid") in  # noqa: B023
+                     {p.pid for p in tree(proc.pid)[1:]}, 60, "the worker to own the cache")
+            if round_ == ROUNDS:
+                break
+            procs = tree(proc.pid)
+            worker = procs[1:]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            killed = time.monotonic()
+            left = wait_gone(worker, 30)
+            if left:
+                orphans += 1
+            exits.append(time.monotonic() - killed)
+            # the kernel drops the flock with the worker's last descriptor
+            wait_for(lambda: lock_holder(cache) is None, WORKER_EXIT_S,  # noqa: B023
+                     f"the lock to be free (holder {lock_holder(cache)}, left {left})")
+        finally:
+            if round_ == ROUNDS:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+            kill_all(procs or tree(proc.pid))
+    report("13 service SIGKILL", {
+        "rounds": ROUNDS, "orphaned_workers": orphans,
+        "worker_exit_s_median": round(statistics.median(exits), 2),
+        "worker_exit_s_max": round(max(exits), 2)})
+    assert orphans == 0
+    assert max(exits) < WORKER_EXIT_S, exits

@@ -1,0 +1,79 @@
+"""verify / stats / export / recipes: the CPU-side commands, as real processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from cache_store.jobs import JobQueue, NewItem
+from cache_store.lmdb_store import LMDBStore
+from cache_store.store import DatasetIndex
+from spcache.cli import resolve, subcommand_parser
+from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.conftest import REPO_ROOT
+
+
+def _spcache(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _cache_with_failures(root: Path) -> str:
+    fp = fingerprint_of("spc", level=4)
+    with LMDBStore(root, readonly=False) as store:
+        store.put_many([(f"{fp}/s{i}", make_record(fp, f"s{i}", i)) for i in range(2)])
+        store.put_index(DatasetIndex(fp, "spc", 1, {"level": 4, "surface_samples": 100000},
+                                     ["s0", "s1"]))
+    queue = JobQueue(root, max_attempts=1)
+    try:
+        queue.submit("spc", {"level": 4, "surface_samples": 100000}, fp,
+                     [NewItem("bad1", "/data/bad1.obj"), NewItem("bad2", "/data/bad2.ply"),
+                      NewItem("good", "/data/good.obj")])
+        claimed = {c.sample_id: c for c in queue.claim("w", limit=3)}
+        queue.fail("w", claimed["bad1"].item_id, "bad1.obj: file is empty", permanent=True)
+        queue.fail("w", claimed["bad2"].item_id, "bad2.ply: no vertices", permanent=True)
+        queue.complete("w", claimed["good"].item_id)
+    finally:
+        queue.close()
+    return fp
+
+
+def test_stats_lists_failed_samples_with_their_reasons(tmp_path: Path) -> None:
+    _cache_with_failures(tmp_path)
+    out = _spcache("stats", "--cache", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    failed = json.loads(out.stdout)["failed_samples"]
+    assert failed["count"] == 2
+    assert sorted((f["id"], f["path"], f["reason"]) for f in failed["items"]) == [
+        ("bad1", "/data/bad1.obj", "bad1.obj: file is empty"),
+        ("bad2", "/data/bad2.ply", "bad2.ply: no vertices")]
+    text = _spcache("stats", "--cache", str(tmp_path)).stdout
+    assert "failed_samples:" in text and "bad2.ply: no vertices" in text
+
+
+def test_stats_of_a_cache_without_a_queue_creates_none(tmp_path: Path) -> None:
+    fp = fingerprint_of("spc", level=4)
+    with LMDBStore(tmp_path, readonly=False) as store:
+        store.put_many([(f"{fp}/s0", make_record(fp, "s0", 0))])
+    out = _spcache("stats", "--cache", str(tmp_path), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["failed_samples"] == {"count": 0, "items": []}
+    assert not (tmp_path / "jobs.sqlite").exists()
+
+
+def test_export_compression_level_is_clevel_and_level_stays_a_hidden_alias() -> None:
+    parser = subcommand_parser("export", resolve("export"))
+    base = ["0" * 32, "--cache", "c", "--to", "x.zarr"]
+    assert parser.parse_args(base + ["--clevel", "5"]).clevel == 5
+    assert parser.parse_args(base + ["--level", "7"]).clevel == 7
+    assert parser.parse_args(base).clevel == 3
+    helptext = parser.format_help()
+    assert "--clevel" in helptext and "--level" not in helptext
+
+
+def test_demo_level_is_the_octree_level() -> None:
+    parser = subcommand_parser("demo", resolve("demo"))
+    assert "octree level" in parser.format_help()
+    assert "--clevel" not in parser.format_help()

@@ -1,0 +1,46 @@
+"""Fault injection for the Ray engine's tests: an actor that dies on a chosen sample.
+
+Handed to :class:`workers.ray_engine.RayEngine` as ``actor_fault``; Ray pickles it to
+every actor. The module is registered to pickle by value, so an actor process need not
+be able to import ``tests`` (it only needs ``workers``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+__all__ = ["CrashOnce"]
+
+
+class CrashOnce:
+    """Fault injection for tests: the actor process exits abruptly (``os._exit``) when
+    its engine reports ``sample_id``, the first time only.
+
+    "First time" is remembered across processes by creating ``marker`` (a path every
+    actor can reach), so the retried shard goes through. ``always=True`` crashes every
+    time: a poison sample.
+    """
+
+    def __init__(self, sample_id: str, marker: str, always: bool = False) -> None:
+        self.sample_id = sample_id
+        self.marker = marker
+        self.always = always
+
+    def __call__(self, sample_id: str) -> None:
+        if sample_id != self.sample_id:
+            return
+        if not self.always:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return
+            os.close(fd)
+        os._exit(17)
+
+
+def register_with_ray() -> None:
+    """Make Ray's pickler ship this module's classes by value."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,0 +1,208 @@
+"""Loading: read, hash, parse and prepare samples in a pool of CPU processes.
+
+:func:`load_sample` is one sample's CPU work (it runs in a loader process, or in the
+calling process when the engine has no loaders) and returns a :class:`LoadOutcome`.
+:class:`LoaderPool` runs it in a ``forkserver`` (or ``spawn``) process pool and recovers
+when one of its processes dies. The pool is created before the engine touches the device,
+so no process that holds CUDA is ever forked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections import deque
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, NamedTuple
+
+import torch
+
+from cache_store.errors import SourceError
+from cache_store.freshness import is_current
+from workers.recipes import Prepared, get_recipe, make_generator
+from workers.run_ledger import WorkItem, one_line
+from workers.source_files import SourceLimits
+from workers.sources import hash_bytes, load_source, read_source_bytes
+
+__all__ = ["LoadOutcome", "LoaderPool", "load_sample"]
+
+logger = logging.getLogger(__name__)
+
+
+class LoadOutcome(NamedTuple):
+    """What loading one sample came to.
+
+    ``status`` is ``"skipped"`` (the stored record's source hash matches the file),
+    ``"skipped-failed"`` (the file is unchanged since this sample failed, and the run
+    skips those), ``"failed"`` (``reason`` says why) or ``"prepared"`` (``prepared`` is
+    set); ``seconds`` is the time it took; ``source_hash`` the file's content hash once
+    it was read.
+    """
+
+    status: str
+    seconds: float
+    prepared: Prepared | None = None
+    reason: str = ""
+    source_hash: str = ""
+
+
+def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, sample_id: str,
+                path: str, stored_hash: str | None, failed_hash: str | None = None,
+                limits: SourceLimits | None = None) -> LoadOutcome:
+    """Read, hash and (unless the stored record is current) prepare one sample.
+
+    Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
+    cross the process boundary. ``limits`` bound how the file is opened and read
+    (:mod:`workers.source_files`).
+    """
+    start = time.perf_counter()
+    digest = ""
+    try:
+        data = read_source_bytes(path, limits)
+        digest = hash_bytes(data)
+        if is_current(stored_hash, digest):
+            return LoadOutcome("skipped", time.perf_counter() - start, source_hash=digest)
+        if failed_hash is not None and digest == failed_hash:
+            return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
+        source = load_source(path, data)
+        recipe = get_recipe(recipe_name)
+        prepared = recipe.prepare(source, sample_id, params, make_generator(fingerprint, sample_id))
+        return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared,
+                           source_hash=digest)
+    except SourceError as exc:
+        return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
+                           source_hash=digest)
+    except MemoryError:
+        return LoadOutcome("failed", time.perf_counter() - start,
+                           reason="out of memory while loading", source_hash=digest)
+    except Exception as exc:  # noqa: BLE001 - reported as this sample's failure, never swallowed
+        logger.exception("loading %s failed", path)
+        return LoadOutcome("failed", time.perf_counter() - start,
+                           reason=f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
+
+
+def _init_loader_process(engine_pid: int) -> None:
+    torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
+                     name="spcache-orphan-watch").start()
+
+
+def _exit_when_orphaned(engine_pid: int) -> None:
+    """End this loader soon after the engine's process is gone.
+
+    A pool worker blocks on its task queue forever when the engine is killed (SIGKILL
+    leaves no chance to shut the pool down), and with a forkserver its parent is not the
+    engine, so the engine's pid is watched directly.
+    """
+    while _process_alive(engine_pid):
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process stays a zombie until reaped; on Linux, tell the two apart
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+class LoaderPool:
+    """The loader processes, and recovery when one of them dies.
+
+    A pool whose process died (a parser crash, the OOM killer) fails every pending task.
+    The head item is then retried alone in a fresh pool: if it kills that one too it is
+    the culprit and fails with a reason; the other pending items are resubmitted.
+
+    Args:
+        recipe_name, params, fingerprint: what every sample is prepared for.
+        loaders: loader processes; 0 loads in the calling process (no pool).
+        count: items the pool will see, when known (no more processes than items).
+        limits: how sources may be opened and read.
+    """
+
+    def __init__(self, recipe_name: str, params: dict[str, Any], fingerprint: str, *,
+                 loaders: int, count: int | None = None,
+                 limits: SourceLimits | None = None) -> None:
+        self.recipe_name = recipe_name
+        self.limits = limits or SourceLimits()
+        self.params = dict(params)
+        self.fingerprint = fingerprint
+        self.loaders = loaders
+        self.count = loaders if count is None else count
+        self.pool: cf.ProcessPoolExecutor | None = None
+
+    def open(self) -> None:
+        if self.loaders > 0 and self.count > 0:
+            self.pool = self._new_pool()
+
+    def _new_pool(self) -> cf.ProcessPoolExecutor:
+        if "forkserver" in multiprocessing.get_all_start_methods():
+            context = multiprocessing.get_context("forkserver")
+            # Import the heavy modules once in the server (CPU only: it never runs an op),
+            # so each loader forks ready instead of importing torch and trimesh itself.
+            # Takes effect when this process first starts its forkserver.
+            context.set_forkserver_preload(["workers.loader", "trimesh"])
+        else:
+            context = multiprocessing.get_context("spawn")
+        return cf.ProcessPoolExecutor(max_workers=min(self.loaders, self.count),
+                                      mp_context=context, initializer=_init_loader_process,
+                                      initargs=(os.getpid(),))
+
+    def _args(self, item: WorkItem) -> tuple:
+        return (self.recipe_name, self.params, self.fingerprint, item.sample_id, item.path,
+                item.stored_hash, item.failed_hash, self.limits)
+
+    def submit(self, item: WorkItem) -> cf.Future:
+        if self.pool is None:
+            future: cf.Future = cf.Future()
+            future.set_result(load_sample(*self._args(item)))
+            return future
+        try:
+            return self.pool.submit(load_sample, *self._args(item))
+        except BrokenProcessPool:  # a process died since the last submit
+            self._restart()
+            return self.pool.submit(load_sample, *self._args(item))
+
+    def result(self, item: WorkItem, future: cf.Future,
+               pending: deque[tuple[WorkItem, cf.Future]]) -> LoadOutcome:
+        """``item``'s outcome; if the pool broke, retry it alone and resubmit ``pending``."""
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            pass
+        logger.warning("a loader process died; retrying %s alone", item.path)
+        self._restart()
+        try:
+            outcome = self.pool.submit(load_sample, *self._args(item)).result()
+        except BrokenProcessPool:
+            self._restart()
+            outcome = LoadOutcome("failed", 0.0, reason="the loader process died while reading "
+                                                        "this file (crash or out of memory)")
+        for i, (other, earlier) in enumerate(pending):
+            if earlier.done() and not earlier.cancelled() and earlier.exception() is None:
+                continue  # finished before the pool broke: its result stands
+            pending[i] = (other, self.submit(other))
+        return outcome
+
+    def _restart(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.pool = self._new_pool()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None

@@ -1,0 +1,234 @@
+"""The Ray actor side: :class:`ShardWorker` runs the local engine on shards of items and
+streams the encoded records back in batches; :class:`ShardBuffer` is the in-memory store
+its engine writes into.
+
+Only plain values cross the wire: lists, dicts, strings, numbers and the records'
+safetensors bytes. Ray is imported inside the actor's methods only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from cache_store.errors import RecordNotFound, SpcacheError
+from cache_store.store import DatasetIndex, Store
+from workers.engine import Engine, resolve_device
+from workers.ray_common import RemoteError
+from workers.run_ledger import ItemResult, Summary
+
+__all__ = ["ShardBuffer", "ShardWorker"]
+
+
+class ShardBuffer(Store):
+    """A write-only, in-memory store: the actor's engine writes here.
+
+    It is empty when a shard starts (so the engine computes every item it is given: the
+    driver has already skipped what is cached) and hands each record back once
+    (:meth:`pop`). The index the engine writes at the end of a shard is dropped: the
+    driver writes the real one.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("memory://shard", readonly=False)
+        self._records: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._records[key]
+            except KeyError:
+                raise RecordNotFound(key, self.location) from None
+
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        checked = self.check_items(items)
+        with self._lock:
+            self._records.update(checked)
+        return len(checked)
+
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return key in self._records
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        with self._lock:
+            found = sorted(k for k in self._records if k.startswith(prefix))
+        return iter(found)
+
+    def pop(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._records.pop(key)
+            except KeyError:
+                raise RecordNotFound(key, self.location) from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+    def put_index(self, index: DatasetIndex) -> None:
+        """Dropped (see the class doc)."""
+
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        raise self.index_missing(fingerprint)
+
+    def fingerprints(self) -> list[str]:
+        return []
+
+
+class ShardWorker:
+    """The Ray actor: the local engine on shards of items, results streamed in batches.
+
+    Plain class; :class:`RayEngine` wraps it with ``ray.remote`` and the resources of one
+    GPU (or one CPU). Its constructor only stores its arguments; the first call
+    (:meth:`describe`) builds one :class:`workers.engine.Engine` over a
+    :class:`ShardBuffer` and opens it, so the loader pool lives as long as the actor and
+    every shard runs on it.
+
+    Args:
+        recipe: recipe name.
+        params: resolved recipe parameters.
+        options: keyword arguments for :class:`workers.engine.Engine` (device, backend,
+            loaders, query_chunk, min_query_chunk, write_batch, prefetch). ``write_batch``
+            is also the number of results per streamed batch. ``loaders=None`` picks loader
+            processes from the node: 0 on a CPU actor, else the node's CPUs per GPU less
+            one (1 to 8).
+        log_level: level for this process's ``workers`` loggers.
+        actor_fault: test hook called with every sample id the engine reports (tests
+            make it end the actor's process).
+    """
+
+    def __init__(self, recipe: str, params: Mapping[str, Any], options: Mapping[str, Any],
+                 log_level: int = logging.WARNING,
+                 actor_fault: Callable[[str], None] | None = None) -> None:
+        self.recipe = recipe
+        self.params = dict(params)
+        self.options = dict(options)
+        self.log_level = log_level
+        self.actor_fault = actor_fault
+        self._buffer: ShardBuffer | None = None
+        self._engine: Engine | None = None
+
+    def _configure(self) -> Engine:
+        if self._engine is not None:
+            return self._engine
+        logging.basicConfig(level=self.log_level,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # The driver reports every failed sample; the actor's copy of that warning would
+        # print each one twice. Errors (with tracebacks) still come through.
+        if self.log_level > logging.DEBUG:
+            logging.getLogger("workers.run_ledger").setLevel(max(self.log_level, logging.ERROR))
+        if self.options.get("loaders") is None:
+            self.options["loaders"] = _auto_loaders(self.options.get("device", "cpu"))
+        self._buffer = ShardBuffer()
+        engine = Engine(self._buffer, self.recipe, self.params, progress=False, **self.options)
+        self._engine = engine.open()  # the loader pool starts now, once
+        return self._engine
+
+    def describe(self) -> dict[str, Any]:
+        """Where this actor runs; resolves its device and ops backend (errors surface here)."""
+        try:
+            return self._describe()
+        except SpcacheError as exc:
+            raise RemoteError.of(exc) from None
+
+    def _describe(self) -> dict[str, Any]:
+        import ray
+        import torch
+
+        from workers.ops import get_backend  # the ops package imports Kaolin if present
+
+        self._configure()
+        # The mesh loader's first import (trimesh, networkx: about half a second) is paid
+        # here, while the actor starts, rather than by the first sample of the first shard.
+        import trimesh  # noqa: F401
+
+        device = resolve_device(self.options.get("device", "auto"))
+        ops = get_backend(self.options.get("backend", "auto"), device)
+        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "device": str(device), "backend": str(ops.name),
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "loaders": self.options["loaders"],
+                "threads": torch.get_num_threads()}
+
+    def run_shard(self, items: Sequence[Sequence[str]]) -> Iterator[dict[str, Any]]:
+        """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
+
+        Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
+        ...], "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and
+        the last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
+        the engine (not one sample's failure) is raised from here.
+        """
+        try:
+            engine = self._configure()
+        except SpcacheError as exc:
+            raise RemoteError.of(exc) from None
+        buffer, batch = self._buffer, engine.write_batch
+        assert buffer is not None
+        buffer.close()  # nothing is left over from a shard that stopped early
+        # Bounded: when Ray holds the stream back, the engine waits here, not in memory.
+        events: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2 * batch)
+
+        def on_result(result: ItemResult) -> None:
+            if self.actor_fault is not None:
+                self.actor_fault(result.sample_id)
+            record = buffer.pop(result.key) if result.status == "done" else None
+            events.put(("result", (result, record)))
+
+        def work() -> None:
+            try:
+                events.put(("summary", engine.run([(i, p) for i, p in items], on_result)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
+                events.put(("error", exc))
+
+        thread = threading.Thread(target=work, name="spcache-shard", daemon=True)
+        thread.start()
+        pending: list[tuple[ItemResult, bytes | None]] = []
+        while True:
+            kind, value = events.get()
+            if kind == "result":
+                pending.append(value)
+                if len(pending) >= batch:
+                    yield _batch_message(pending)
+                    pending = []
+                continue
+            thread.join()
+            if pending:
+                yield _batch_message(pending)
+            if kind == "error":
+                raise RemoteError.of(value) if isinstance(value, SpcacheError) else value
+            yield {"summary": _summary_message(value)}
+            return
+
+
+def _batch_message(pending: list[tuple[ItemResult, bytes | None]]) -> dict[str, Any]:
+    return {"results": [[r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash]
+                        for r, _ in pending],
+            "records": [[r.key, record] for r, record in pending if record is not None]}
+
+
+def _summary_message(summary: Summary) -> dict[str, Any]:
+    return {"device": summary.device, "backend": summary.backend, "load_s": summary.load_s,
+            "compute_s": summary.compute_s, "encode_s": summary.write_s,
+            "oom_backoffs": summary.oom_backoffs}
+
+
+def _auto_loaders(device: str) -> int:
+    """Loader processes for one actor: none on a CPU actor, else this node's CPUs per GPU
+    less one (for the actor itself), between 1 and 8."""
+    if device == "cpu":
+        return 0
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            cpus = float(node["Resources"].get("CPU", 1))
+            gpus = max(1.0, float(node["Resources"].get("GPU", 1)))
+            return int(max(1, min(8, cpus // gpus - 1)))
+    return 1
+

@@ -1,0 +1,100 @@
+"""Writing: a thread that encodes records and commits them in batched transactions."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cache_store.record import encode_record
+from cache_store.store import Store
+from workers.run_ledger import ItemResult, WorkItem, one_line
+
+__all__ = ["PendingRecord", "RecordWriter"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingRecord:
+    """A computed sample waiting to be encoded and committed."""
+
+    item: WorkItem
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+class RecordWriter(threading.Thread):
+    """Encodes records and commits them in batches (one ``store.put_many`` each).
+
+    Every item's outcome (``done`` once committed, else ``failed`` with the reason) is
+    put on ``committed`` as ``(ItemResult, perf_counter time)``; the engine reports it
+    from its own thread.
+    """
+
+    _STOP = object()
+
+    def __init__(self, store: Store, batch: int,
+                 committed: queue.SimpleQueue[tuple[ItemResult, float]]) -> None:
+        super().__init__(name="spcache-writer", daemon=True)
+        self.store = store
+        self.batch = batch
+        self.committed = committed
+        self.inbox: queue.Queue = queue.Queue(maxsize=2 * batch)
+        self.busy_s = 0.0
+
+    def put(self, pending: PendingRecord) -> None:
+        self.inbox.put(pending)
+
+    def finish(self) -> None:
+        """Commit what was put, then stop the thread and wait for it."""
+        self.inbox.put(self._STOP)
+        self.join()
+
+    def run(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self.inbox.get()]
+            while len(batch) < self.batch:
+                try:
+                    batch.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is self._STOP:
+                batch.pop()
+                stopping = True
+            if batch:
+                self._commit(batch)
+
+    def _commit(self, batch: list[PendingRecord]) -> None:
+        start = time.perf_counter()
+        encoded: list[tuple[str, bytes]] = []
+        ok: list[PendingRecord] = []
+        for pending in batch:
+            item = pending.item
+            try:
+                encoded.append((item.key, encode_record(pending.tensors, pending.metadata)))
+                ok.append(pending)
+            except Exception as exc:  # noqa: BLE001 - this record fails alone
+                logger.exception("encoding the record of %s failed", item.sample_id)
+                self._report(item, "failed", f"cannot encode record: {one_line(exc)}")
+        if encoded:
+            try:
+                self.store.put_many(encoded)
+            except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
+                logger.exception("writing %d records failed", len(encoded))
+                for pending in ok:
+                    self._report(pending.item, "failed", f"store write failed: {one_line(exc)}")
+                ok = []
+        self.busy_s += time.perf_counter() - start
+        for pending in ok:
+            self._report(pending.item, "done", "")
+
+    def _report(self, item: WorkItem, status: str, reason: str) -> None:
+        self.committed.put((ItemResult(item.sample_id, item.path, status,
+                                       key=item.key if status == "done" else "",
+                                       reason=reason), time.perf_counter()))

@@ -1,0 +1,299 @@
+"""The bookkeeping of one precompute run, shared by the local and the Ray engine.
+
+Both engines admit the same items, report every item the same way and write the same
+dataset index at the end; only how the records get computed differs. :class:`RunLedger`
+is that shared part, held (not inherited) by :class:`workers.engine.LocalRun` and by the
+Ray driver's run:
+
+- :meth:`RunLedger.admit`: valid, unique sample ids become :class:`WorkItem` s with their
+  record keys and the source hash of any record already stored; the rest fail at once;
+- :meth:`RunLedger.finish`: one item's :class:`ItemResult` goes into the :class:`Summary`,
+  the progress bar and the caller's ``on_result``;
+- :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
+  their order, followed by this run's newly stored ids, in input order;
+- the failure log (:mod:`cache_store.failures`), when the store has one: a failure on a
+  known source hash is remembered, a repeat on the same source with the same reason is
+  reported as "failed again, same reason", and a sample computed at last is forgotten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId
+from cache_store.failures import Failure, FailureLog
+from cache_store.fingerprint import record_key, validate_sample_id
+from cache_store.freshness import stored_source_hash
+from cache_store.store import DatasetIndex, Store
+
+__all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line"]
+
+logger = logging.getLogger(__name__)
+
+
+#: ``repeat`` values: a first failure, the same failure again, or not retried.
+REPEATS = ("", "again", "skipped")
+
+
+@dataclass(frozen=True)
+class SampleError:
+    """Why one sample has no record. ``repeat`` is ``""`` (first failure on this source),
+    ``"again"`` (failed before on the same source, for the same reason) or ``"skipped"``
+    (failed before on the same source; not retried, ``skip_failed``)."""
+
+    id: str
+    path: str
+    reason: str
+    repeat: str = ""
+
+    def as_json(self) -> dict[str, str]:
+        return {"id": self.id, "path": self.path, "reason": self.reason, "repeat": self.repeat}
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What happened to one item; handed to ``on_result``.
+
+    ``status`` is ``"done"`` (record committed), ``"skipped"`` (an up-to-date record was
+    already stored) or ``"failed"`` (``reason`` says why; ``repeat`` as in
+    :class:`SampleError`). ``source_hash`` is the content hash the item was computed or
+    failed on, when it was read.
+    """
+
+    sample_id: str
+    path: str
+    status: str
+    key: str = ""
+    reason: str = ""
+    source_hash: str = ""
+    repeat: str = ""
+
+
+@dataclass
+class Summary:
+    """The outcome of :meth:`workers.engine.Engine.run`. Timings are seconds.
+
+    ``load_s`` sums the loaders' time (over all pool processes), ``compute_s`` is device
+    time in the calling thread, ``write_s`` the writer thread's encode-and-commit time,
+    ``wall_s`` the whole run.
+    """
+
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: dict[str, Any]
+    device: str = ""
+    backend: str = ""
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+    errors: list[SampleError] = field(default_factory=list)
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    write_s: float = 0.0
+    wall_s: float = 0.0
+    oom_backoffs: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.done + self.skipped + self.failed
+
+    def repeats(self, kind: str) -> list[str]:
+        """Ids of the failures whose ``repeat`` is ``kind`` (``"again"``, ``"skipped"``)."""
+        return [e.id for e in self.errors if e.repeat == kind]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "recipe": self.recipe,
+            "recipe_version": self.recipe_version,
+            "params": self.params,
+            "device": self.device,
+            "backend": self.backend,
+            "done": self.done,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "errors": [e.as_json() for e in self.errors],
+            "failed_again": self.repeats("again"),
+            "skipped_failed": self.repeats("skipped"),
+            "timings": {"load_s": round(self.load_s, 4), "compute_s": round(self.compute_s, 4),
+                        "write_s": round(self.write_s, 4), "wall_s": round(self.wall_s, 4)},
+            "oom_backoffs": self.oom_backoffs,
+        }
+
+
+@dataclass
+class WorkItem:
+    """One admitted item: its record key, the source hash of its stored record, and the
+    source hash of a remembered failure when the run skips those (``skip_failed``)."""
+
+    sample_id: str
+    path: str
+    key: str = ""
+    stored_hash: str | None = None
+    failed_hash: str | None = None
+
+
+class RunLedger:
+    """Admission, per-item reporting and the index of one run (see the module doc).
+
+    Args:
+        store: the store the run writes into (read here for stored hashes and the index).
+        summary: the summary to count into (a :class:`Summary` or a subclass); its
+            fingerprint, recipe, version and params say what the run computes.
+        on_result: the caller's callback, called for every item.
+        progress: show a tqdm bar on stderr (opened by :meth:`open_progress`).
+        failures: the failure log to consult and update; None remembers nothing.
+        skip_failed: admitted items carry their remembered failure's source hash, so the
+            engine can skip an unchanged source that failed before.
+    """
+
+    def __init__(self, store: Store, summary: Summary,
+                 on_result: Callable[[ItemResult], None] | None, *, progress: bool = False,
+                 failures: FailureLog | None = None, skip_failed: bool = False) -> None:
+        self.store = store
+        self.summary = summary
+        self.on_result = on_result
+        self.progress = progress
+        self.failures = failures
+        self.skip_failed = skip_failed
+        self.known_failures: dict[str, Failure] = {}
+        self.stored_ids: set[str] = set()
+        self.admitted: list[str] = []  # valid, unique sample ids in input order
+        self.bar: Any = None
+
+    def key(self, sample_id: str) -> str:
+        return record_key(self.summary.fingerprint, sample_id)
+
+    def admit(self, items: list[tuple[str, Any]]) -> list[WorkItem]:
+        """Valid, unique items with their keys and stored source hashes; the rest fail now."""
+        seen: dict[str, str] = {}
+        work: list[WorkItem] = []
+        for sample_id, path in items:
+            path = str(path)
+            try:
+                sample_id = validate_sample_id(sample_id)
+            except InvalidSampleId as exc:
+                self.finish(ItemResult(str(sample_id), path, "failed", reason=str(exc)))
+                continue
+            if sample_id in seen:
+                self.finish(ItemResult(sample_id, path, "failed",
+                                       reason=f"duplicate sample id (first given for {seen[sample_id]})"))
+                continue
+            seen[sample_id] = path
+            self.admitted.append(sample_id)
+            key = self.key(sample_id)
+            work.append(WorkItem(sample_id, path, key, self.stored_source_hash(key)))
+        if self.failures is not None and work:
+            try:
+                self.known_failures = self.failures.get_many(self.summary.fingerprint,
+                                                             [item.sample_id for item in work])
+            except Exception:  # noqa: BLE001 - the log is advice: without it, retry everything
+                logger.exception("cannot read the failure log %s; every sample is tried",
+                                 getattr(self.failures, "path", ""))
+            if self.skip_failed:
+                for item in work:
+                    known = self.known_failures.get(item.sample_id)
+                    item.failed_hash = known.source_hash if known is not None else None
+        return work
+
+    def skipped_failure(self, item: WorkItem, source_hash: str) -> ItemResult:
+        """The result of an item not retried: its source is unchanged since it failed."""
+        known = self.known_failures[item.sample_id]
+        return ItemResult(item.sample_id, item.path, "failed", reason=known.reason,
+                          source_hash=source_hash, repeat="skipped")
+
+    def stored_source_hash(self, key: str) -> str | None:
+        """The ``source_hash`` of the record stored under ``key``; None when there is no
+        readable record."""
+        return stored_source_hash(self.store, key)
+
+    def finish(self, result: ItemResult) -> None:
+        """Count one item's result, advance the bar and hand it to ``on_result``."""
+        summary = self.summary
+        if result.status == "done":
+            summary.done += 1
+            self.stored_ids.add(result.sample_id)
+            if result.sample_id in self.known_failures and self.failures is not None:
+                try:
+                    self.failures.forget(summary.fingerprint, [result.sample_id])
+                except Exception:  # noqa: BLE001 - the log is advice; the record is stored
+                    logger.exception("cannot forget the old failure of %s", result.sample_id)
+        elif result.status == "skipped":
+            summary.skipped += 1
+            self.stored_ids.add(result.sample_id)
+        else:
+            result = self._remember(result)
+            summary.failed += 1
+            summary.errors.append(SampleError(result.sample_id, result.path, result.reason,
+                                              result.repeat))
+            logger.warning("%s (%s): %s", result.sample_id, result.path, result.reason)
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.on_result is not None:
+            self.on_result(result)
+
+    def _remember(self, result: ItemResult) -> ItemResult:
+        """Record a failure in the log; say so in its reason when it is a repeat."""
+        if result.repeat == "skipped":
+            return dataclasses.replace(result, reason="not retried: failed before on this "
+                                                      "unchanged source (skip_failed): "
+                                                      + result.reason)
+        known = self.known_failures.get(result.sample_id)
+        if (known is not None and result.source_hash and known.source_hash == result.source_hash
+                and known.reason == result.reason):
+            result = dataclasses.replace(result, repeat="again",
+                                         reason="failed again, same reason: " + result.reason)
+        if self.failures is not None and result.source_hash:
+            raw = known.reason if result.repeat == "again" and known is not None else result.reason
+            try:
+                self.failures.record(self.summary.fingerprint, result.sample_id, result.path,
+                                     result.source_hash, raw)
+            except Exception:  # noqa: BLE001 - the log is advice; the failure is still reported
+                logger.exception("cannot remember the failure of %s", result.sample_id)
+        return result
+
+    def open_progress(self, total: int) -> None:
+        if self.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
+                            initial=self.summary.total)
+
+    def close_progress(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def write_index(self) -> None:
+        """The index: ids already indexed, in order, then this run's stored ids in input order."""
+        store, summary = self.store, self.summary
+        fingerprint = summary.fingerprint
+        ran = [sid for sid in self.admitted if sid in self.stored_ids]
+        try:
+            old = store.get_index(fingerprint).sample_ids.tolist()
+        except FingerprintLookupError:
+            old = []
+        except CorruptRecord as exc:
+            # Rebuild from what is stored: this run's ids first, then the others sorted.
+            logger.warning("index of %s is unreadable (%s); rebuilding it", fingerprint, exc)
+            prefix = fingerprint + "/"
+            old = ran + sorted({key[len(prefix):] for key in store.keys(prefix)} - set(ran))
+        known = set(old)
+        new = [sid for sid in ran if sid not in known]
+        if (old and not new) or not (old or new):
+            return
+        store.put_index(DatasetIndex(fingerprint, summary.recipe, summary.recipe_version,
+                                     dict(summary.params), np.array(old + new, dtype=str)))
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line, at most 300 characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

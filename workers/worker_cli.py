@@ -1,0 +1,51 @@
+"""``spcache worker --cache DIR``: the worker loop behind the command line.
+
+Adds to :mod:`workers.worker_loop` what only a whole process can do: it checks the cache
+path (one line, exit 2), takes the cache's worker lock (:mod:`cache_store.owner_lock`;
+a second worker on the same cache is refused with the holder's pid and host, exit 2),
+and runs the loop, whose SIGTERM/SIGINT handling stops it (SIGHUP arrives as SIGTERM from
+the dispatcher). Started by ``spcache serve``, it also ends when the service dies
+(:mod:`spcache.cli` sees ``SPCACHE_PARENT_PID``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cache_store.owner_lock import CacheOwned, WorkerLock
+from cache_store.paths import cache_dir_problem
+from workers import worker_loop
+
+__all__ = ["configure_parser", "run", "log_level"]
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return worker_loop.configure_parser(parser)
+
+
+def log_level(args: argparse.Namespace) -> str | None:
+    """The worker's ``--log-level`` (default info), for the dispatcher's one logging setup."""
+    return getattr(args, "log_level", None)
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = cache_dir_problem(args.cache, write=True)
+    if problem:
+        print(f"spcache worker: {problem}", file=sys.stderr)
+        return 2
+    lock = WorkerLock(args.cache)
+    try:
+        lock.acquire(worker_id=args.worker_id, device=args.device)
+    except CacheOwned as exc:
+        print(f"spcache worker: {exc}; stop it first, or point --cache elsewhere",
+              file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"spcache worker: {args.cache}: cannot take the worker lock: {exc}",
+              file=sys.stderr)
+        return 2
+    try:
+        return int(worker_loop.run(args))
+    finally:
+        lock.release()
