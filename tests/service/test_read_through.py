@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cache_store import CachedDataset
-from cache_store.discovery import discover_sources
+from cache_store.sources_list import discover_sources
 from cache_store.errors import NoWorkerAlive, SampleFailed
 from cache_store.fingerprint import compute_fingerprint
 from cache_store.jobs import JobQueue
