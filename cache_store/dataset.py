@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -97,7 +98,9 @@ class CachedDataset(torch.utils.data.Dataset):
             fingerprint is the recipe's with ``**params`` (defaults filled in).
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
             ``"compute"`` (the default with sources): queue the sample for the cache's
-            worker and wait for its record (see :mod:`cache_store.read_through`).
+            worker and wait for its record (see :mod:`cache_store.read_through`; over the
+            service URL :mod:`cache_store.http_read_through`: the service queues and
+            waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
             order), so the worker keeps busy while loaders wait.
         miss_timeout: seconds a miss waits for its record before ``MissTimeout``.
@@ -134,10 +137,10 @@ class CachedDataset(torch.utils.data.Dataset):
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
         location = cache.location if isinstance(cache, Store) else os.fspath(cache)
-        if on_miss == "compute" and "://" in location and not location.startswith("file://"):
-            # Over HTTP the service would queue and wait (?wait=); not built yet.
-            problems.append(f"on_miss='compute' needs a cache directory; {location} is a "
-                            f"URL (read-through over HTTP is not available yet)")
+        if (on_miss == "compute" and "://" in location
+                and not location.startswith(("file://", "http://", "https://"))):
+            problems.append(f"on_miss='compute' needs a cache directory or the service's "
+                            f"http(s):// URL; {location} is neither")
         if warm_ahead < 0 or miss_timeout <= 0:
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
         if problems:
@@ -161,7 +164,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._id_offsets: np.ndarray | None = None   # int64 [n + 1]
         self._store: ProcessLocal[Store] = ProcessLocal(
             functools.partial(open_store, self.cache, readonly=True, **self.store_options),
-            Store.close)
+            operator.methodcaller("close"))  # not Store.close: that skips overrides
 
     def __repr__(self) -> str:
         cache = self.cache.location if isinstance(self.cache, Store) else self.cache
@@ -274,6 +277,12 @@ class CachedDataset(torch.utils.data.Dataset):
     def _new_read_through(self) -> Any:
         cache = self.cache.location if isinstance(self.cache, Store) else self.cache
         name, _, params = self.recipe
+        if cache.startswith(("http://", "https://")):
+            from cache_store.http_read_through import HTTPReadThrough
+
+            token = getattr(self.cache, "token", None) or self.store_options.get("token")
+            return HTTPReadThrough(cache, name, params, self.fingerprint, token=token,
+                                   miss_timeout=self.miss_timeout)
         from cache_store.read_through import QueueReadThrough
 
         return QueueReadThrough(cache.removeprefix("file://"), name, params, self.fingerprint,

@@ -44,6 +44,11 @@ class ServiceContext:
         self.cache = Path(settings.cache)
         self.queue = JobQueue(self.cache)
         self.metrics = Metrics()
+        # Late import: service.read_through imports this module.
+        from service.read_through import WaitSlots
+
+        self.waits = WaitSlots(settings.max_waiting_requests)
+
         self.read_budget = ByteBudget(settings.max_read_bytes_in_flight)
         self.started = time.time()
         self._store: Store | None = None

@@ -24,6 +24,8 @@ from cache_store.errors import (
     FingerprintLookupError,
     InvalidSampleId,
     JobNotFound,
+    MissTimeout,
+    NoWorkerAlive,
     ParameterError,
     QueueDamaged,
     ReadOnlyStoreError,
@@ -35,10 +37,15 @@ from cache_store.errors import (
     UnknownName,
 )
 
-__all__ = ["STATUS_BY_ERROR", "ERROR_RESPONSES", "ErrorBody", "status_for", "error_response",
+__all__ = ["WaitingFull", "STATUS_BY_ERROR", "ERROR_RESPONSES", "ErrorBody", "status_for", "error_response",
            "install_error_handlers"]
 
 log = logging.getLogger(__name__)
+
+class WaitingFull(SpcacheError):
+    """Every read-through wait slot is taken (``max_waiting_requests``); retry after
+    ``Retry-After`` (see :mod:`service.read_through`)."""
+
 
 #: Most specific class first; the first ``isinstance`` match wins.
 STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
@@ -53,6 +60,9 @@ STATUS_BY_ERROR: tuple[tuple[type[BaseException], int], ...] = (
     (SourceError, 422),
     (ReadOnlyStoreError, 503),
     (StoreBusy, 503),
+    (WaitingFull, 503),
+    (NoWorkerAlive, 503),
+    (MissTimeout, 504),
     (CacheDamaged, 503),  # the reason says what is damaged; an operator must salvage
     (QueueDamaged, 503),  # warm-ups refused until the queue file is back
     (StoreFull, 503),
@@ -88,6 +98,8 @@ def status_for(exc: BaseException) -> int:
 def error_response(status: int, error: str, detail: str, *, problems: list[Any] | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": error, "detail": detail}
+    # HEAD answers lose their body: the error's name also travels as a header.
+    headers = {**(headers or {}), "X-Spcache-Error": error}
     if problems is not None:
         body["problems"] = problems
     return JSONResponse(body, status_code=status, headers=headers)

@@ -64,7 +64,8 @@ class RecordFastPath:
         fields = None
         if scope.get("query_string"):
             query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
-            if set(query) - {"fields"} or len(query.get("fields", ())) > 1:
+            # ?wait= only matters on a miss, which the FastAPI route answers
+            if set(query) - {"fields", "wait"} or len(query.get("fields", ())) > 1:
                 return None
             fields = query["fields"][0] if "fields" in query else None
         try:

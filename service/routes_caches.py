@@ -27,6 +27,7 @@ from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.budget import ResponseTooLarge, record_length
 from service.context import Context, ServiceContext
 from service.errors import status_for
+from service.read_through import not_ready_response, wait_for_records
 from service.warmup import resolve_source
 
 __all__ = ["router", "BatchRequest", "read_record", "etag_matches", "record_tag_header"]
@@ -34,6 +35,8 @@ __all__ = ["router", "BatchRequest", "read_record", "etag_matches", "record_tag_
 router = APIRouter(prefix="/v1", tags=["caches"])
 
 _RECORD_MEDIA_TYPE = "application/octet-stream"
+_WAIT_DOC = ("on a miss, wait up to this many seconds (capped by max_wait_s) for a queued "
+             "sample's record; 404 with its state if it does not land")
 Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
                                   description="32 lowercase hex characters")]
 
@@ -164,9 +167,20 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
 async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
                      fields: str | None = Query(None, max_length=4096,
                                                 description="comma-separated field names"),
+                     wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
                      ) -> Response:
-    """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets."""
-    value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
+    """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets;
+    ``?wait=`` waits for a queued sample (read-through, :mod:`service.read_through`)."""
+    try:
+        value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
+    except RecordNotFound:
+        if not wait:
+            raise
+        validate_fingerprint(fingerprint)
+        not_ready = await wait_for_records(ctx, fingerprint, [sample_id], wait)
+        if not_ready:
+            return not_ready_response(fingerprint, not_ready[sample_id])
+        value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
     headers = {"ETag": etag, "Cache-Control": "no-cache",
                **record_tag_header(ctx, record_key(fingerprint, sample_id), etag)}
     if etag_matches(request.headers.get("if-none-match"), etag):
@@ -197,8 +211,11 @@ class BatchRequest(BaseModel):
 @router.post("/caches/{fingerprint}/batch", response_class=Response,
              responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
                               "description": "records framed as in cache_store.wire"}})
-async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) -> Response:
-    """Many records in one response; a missing or bad sample is listed, the rest still come."""
+async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
+                    wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
+                    ) -> Response:
+    """Many records in one response; a missing or bad sample is listed, the rest still come.
+    ``?wait=`` first waits for the missing ones that are queued (read-through)."""
     validate_fingerprint(fingerprint)
     if len(body.ids) > ctx.settings.max_batch_records:
         raise ParameterError([f"ids: {len(body.ids)} ids, at most "
@@ -209,8 +226,9 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
 
     ids = list(dict.fromkeys(body.ids))  # a repeated id is read (and sent) once
     reserved: list[Callable[[], None]] = []
+    secret = ctx.settings.record_key
 
-    def collect() -> bytes:
+    def collect() -> tuple[list[tuple[str, bytes]], list[tuple[str, str, str]], list[str]]:
         store = ctx.store()
         sizes: dict[str, int] = {}
         missing: list[tuple[str, str, str]] = []
@@ -233,7 +251,6 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
         reserved.append(ctx.read_budget.reserve(2 * total, f"batch of {len(sizes)} records"))
         found: list[tuple[str, bytes]] = []
         tags: list[str] = []
-        secret = ctx.settings.record_key
         for sample_id in sizes:
             try:
                 key = record_key(fingerprint, sample_id)
@@ -247,15 +264,27 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context) 
                 if status_for(exc) == 503:
                     raise
                 missing.append((sample_id, type(exc).__name__, str(exc)))
-        ctx.metrics.add_records(len(found))
-        return encode_batch(found, missing, tags if secret is not None else None)
+        return found, missing, tags
 
     def release() -> None:
         for done in reserved:
             done()
+        reserved.clear()
 
     try:
-        answer = await run_in_threadpool(collect)
+        found, missing, tags = await run_in_threadpool(collect)
+        if wait and any(error == "RecordNotFound" for _, error, _ in missing):
+            release()  # nothing read so far is sent: hold no read budget while waiting
+            not_ready = await wait_for_records(
+                ctx, fingerprint, [sid for sid, error, _ in missing if error == "RecordNotFound"],
+                wait)
+            found, missing, tags = await run_in_threadpool(collect)
+            missing = [(sid, not_ready[sid].error, not_ready[sid].detail(fingerprint))
+                       if sid in not_ready else (sid, error, detail)
+                       for sid, error, detail in missing]
+        ctx.metrics.add_records(len(found))
+        answer = await run_in_threadpool(encode_batch, found, missing,
+                                         tags if secret is not None else None)
     except BaseException:
         release()
         raise

@@ -12,6 +12,7 @@ from cache_store.errors import ParameterError
 from cache_store.recipes import RECIPE_SPECS
 from service.auth import require_token
 from service.context import Context
+from service.read_through import dedupe_warmup, require_worker
 from service.warmup import expand_glob, plan_warmup
 
 __all__ = ["router", "WarmupRequest", "WarmupItem"]
@@ -41,6 +42,11 @@ class WarmupRequest(BaseModel):
     root: str | None = Field(None, min_length=1, max_length=4096)
     glob: str | None = Field(None, min_length=1, max_length=1024)
     priority: int = Field(0, ge=-1000, le=1000)
+    dedupe: bool = Field(False, description="read-through: reuse the queue's pending, "
+                         "running, done or (source unchanged) failed item of a sample "
+                         "instead of queueing it again; answers each item's status")
+    require_worker: bool = Field(False, description="503 NoWorkerAlive (naming the command "
+                                 "to start one) instead of queueing when no worker is alive")
 
     @model_validator(mode="after")
     def _one_source_of_items(self) -> WarmupRequest:
@@ -72,6 +78,10 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
                                 max_entries=settings.glob_max_entries,
                                 max_seconds=settings.glob_max_seconds)
         plan = plan_warmup(body.recipe, body.params, pairs, roots, ctx.store())
+        if body.require_worker and plan.todo:
+            require_worker(ctx, f"warm-up of {len(plan.todo)} item(s) of {plan.fingerprint}")
+        if body.dedupe:
+            return dedupe_warmup(ctx, plan, body.priority)
         job_id = ctx.queue.submit(plan.recipe, plan.params, plan.fingerprint, plan.todo,
                                   priority=body.priority, ready=plan.ready)
         info = ctx.queue.job(job_id, errors_limit=0)

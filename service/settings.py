@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
+    max_waiting_requests: int = Field(64, ge=0, description="read-through reads (?wait=) "
+                                      "waiting at once; past it: 503 + Retry-After")
+    max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= honoured, seconds")
+
     max_response_bytes: int = Field(256 << 20, ge=1 << 20,
                                     description="largest record or batch answer (else 413)")
     max_read_bytes_in_flight: int = Field(1 << 30, ge=1 << 20, description="record bytes all "

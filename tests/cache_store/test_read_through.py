@@ -207,5 +207,6 @@ def test_parameters_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ParameterError, match="on_miss"):
         CachedDataset(tmp_path, "spc_query", sources=tmp_path, on_miss="skip")
     with pytest.raises(ParameterError, match="URL"):
-        CachedDataset("http://127.0.0.1:1", "spc_query", sources=tmp_path)
+        CachedDataset("s3://bucket/cache", "spc_query", sources=tmp_path)
+    assert CachedDataset("http://127.0.0.1:1", "spc_query", sources=tmp_path).on_miss == "compute"
     assert CachedDataset(tmp_path, "spc_query").on_miss == "error"

@@ -1,0 +1,205 @@
+"""Read-through over the service URL: a loader's misses, computed by the service's worker.
+
+``CachedDataset("http://host:port", "spc_query", sources=..., level=8)`` hands its misses
+to an :class:`HTTPReadThrough`, the HTTP twin of
+:class:`cache_store.read_through.QueueReadThrough`. For each miss it
+
+1. posts the missing samples, plus the next ``warm_ahead`` uncached ones, to
+   ``POST /v1/warmup`` with ``dedupe`` (the service queues each through
+   :meth:`JobQueue.enqueue_once`: once, however many loader processes miss it) and
+   ``require_worker`` (no worker alive -> 503 ``NoWorkerAlive`` naming the command to
+   start one, raised here as :class:`NoWorkerAlive` at once), at priority 100;
+2. waits for each missing record with ``HEAD .../records/{id}?wait=S`` (the service
+   holds the request until the record lands; see :mod:`service.read_through`), looping
+   until ``miss_timeout`` (then :class:`MissTimeout`). A 404 whose state is ``failed``
+   raises :class:`SampleFailed` with the id, the path and the worker's reason (read from
+   ``GET .../items/{id}``); a 503 past the service's waiting bound is retried after its
+   ``Retry-After``.
+
+The source paths travel as absolute paths: the service must see the same files (same
+machine or shared file system) inside one of its ``--source-root`` directories.
+Nothing here imports torch's CUDA or ``workers``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from cache_store.errors import (
+    MissTimeout,
+    NoWorkerAlive,
+    ParameterError,
+    SampleFailed,
+    SpcacheError,
+)
+from cache_store.fingerprint import record_key
+
+__all__ = ["HTTPReadThrough"]
+
+log = logging.getLogger(__name__)
+
+_WAIT_CHUNK_S = 30.0   # one ?wait= request at most this long (the service caps it too)
+_STATE_HEADER = "x-spcache-item-state"
+_ERROR_HEADER = "x-spcache-error"
+
+
+def _body(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {"error": "", "detail": response.text[:500]}
+    return body if isinstance(body, dict) else {"error": "", "detail": str(body)[:500]}
+
+
+class HTTPReadThrough:
+    """Misses of one fingerprint, queued on and waited for through the service at ``url``.
+
+    Args:
+        url: the service, ``http(s)://host:port``.
+        recipe, params, fingerprint: the resolved recipe the records are computed with.
+        token: bearer token (the service needs it for warm-ups when it has one).
+        priority: of the warm-ups it posts (misses go ahead of ordinary warm-ups).
+        miss_timeout: seconds to wait for a record before :class:`MissTimeout`.
+    """
+
+    def __init__(self, url: str, recipe: str, params: dict[str, Any], fingerprint: str, *,
+                 token: str | None = None, priority: int = 100,
+                 miss_timeout: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.recipe = recipe
+        self.params = dict(params)
+        self.fingerprint = fingerprint
+        self.token = token
+        self.priority = priority
+        self.miss_timeout = miss_timeout
+        self._client: httpx.Client | None = None
+        #: items the service queued for this process (reused ones not counted)
+        self.queued = 0
+
+    def _http(self) -> httpx.Client:
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+            self._client = httpx.Client(base_url=self.url, headers=headers, timeout=30.0)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _request(self, method: str, path: str, deadline: float, **kwargs: Any) -> httpx.Response:
+        """One request; connection errors and 503s other than ``NoWorkerAlive`` retried
+        (after ``Retry-After``) until ``deadline``."""
+        delay = 0.1
+        while True:
+            try:
+                response = self._http().request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                if time.monotonic() + delay >= deadline:
+                    raise SpcacheError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+                wait = delay
+                delay = min(delay * 2, 5.0)
+            else:
+                if response.status_code != 503:
+                    return response
+                if response.headers.get(_ERROR_HEADER) == "NoWorkerAlive":
+                    detail = _body(response).get("detail") if method != "HEAD" else None
+                    raise NoWorkerAlive(detail or (
+                        f"{self.url}: the service has no spcache worker alive to compute "
+                        f"misses of {self.fingerprint}. Start one on the service's machine: "
+                        f"`spcache worker --cache <its cache>`, or run `spcache serve` "
+                        f"without --no-worker."))
+                try:
+                    wait = min(max(float(response.headers.get("retry-after", 1)), 0.05), 10.0)
+                except ValueError:
+                    wait = 1.0
+                if time.monotonic() + wait >= deadline:
+                    return response
+            log.debug("%s %s: retrying in %.2fs", method, path, wait)
+            time.sleep(wait)
+
+    def _warmup(self, items: Sequence[tuple[str, str]], deadline: float) -> list[dict[str, Any]]:
+        body = {"recipe": self.recipe, "params": self.params, "priority": self.priority,
+                "dedupe": True, "require_worker": True,
+                "items": [{"id": sid, "path": os.path.abspath(path)} for sid, path in items]}
+        response = self._request("POST", "/v1/warmup", deadline, json=body)
+        answer = _body(response)
+        if response.status_code == 422 and answer.get("problems"):
+            raise ParameterError([f"{self.url}: {p}" for p in answer["problems"]],
+                                 what="read-through warm-up")
+        if response.status_code >= 400:
+            raise SpcacheError(f"{self.url}/v1/warmup: HTTP {response.status_code} "
+                               f"{answer.get('error', '')}: {answer.get('detail', '')}")
+        if answer.get("fingerprint") != self.fingerprint:
+            raise SpcacheError(f"{self.url}: the service computes {self.recipe} "
+                               f"{self.params} as fingerprint {answer.get('fingerprint')}, "
+                               f"this client as {self.fingerprint} (different versions?)")
+        self.queued += int(answer.get("queued", 0))
+        return list(answer.get("items") or [])
+
+    def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
+              ahead: Sequence[tuple[str, str]] = ()) -> None:
+        """Return once every ``(sample id, path)`` of ``wanted`` has a record.
+
+        Raises :class:`NoWorkerAlive`, :class:`SampleFailed` (the first failed wanted
+        sample) or :class:`MissTimeout`.
+        """
+        if not wanted:
+            return
+        deadline = time.monotonic() + self.miss_timeout
+        rows = self._warmup([*wanted, *ahead], deadline)
+        paths = dict(wanted)
+        for row in rows:
+            sid = row.get("id")
+            if (sid in paths and row.get("status") == "failed"
+                    and not has(record_key(self.fingerprint, sid))):
+                raise SampleFailed(sid, paths[sid], row.get("error") or "failed")
+        for sid, path in wanted:
+            self._wait(sid, path, deadline)
+
+    def _wait(self, sample_id: str, path: str, deadline: float) -> None:
+        record = f"/v1/caches/{self.fingerprint}/records/{quote(sample_id, safe='/')}"
+        requeued = False
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise MissTimeout(f"record {record_key(self.fingerprint, sample_id)!r} "
+                                  f"({path}) did not land on {self.url} within "
+                                  f"{self.miss_timeout:g} s; the worker may be busy with a "
+                                  f"long queue: raise miss_timeout or warm up first")
+            chunk = min(remaining, _WAIT_CHUNK_S)
+            response = self._request("HEAD", record, deadline, params={"wait": f"{chunk:.3f}"},
+                                     timeout=chunk + 30.0)
+            if response.status_code == 200:
+                return
+            state = response.headers.get(_STATE_HEADER)
+            if response.status_code == 404 and state == "failed":
+                raise SampleFailed(sample_id, path, self._reason(sample_id, deadline))
+            if response.status_code == 404 and state == "queued":
+                continue
+            if response.status_code == 404 and state == "missing":
+                # not queued (or its job was cancelled): queue it again, once
+                if requeued:
+                    time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
+                self._warmup([(sample_id, path)], deadline)
+                requeued = True
+                continue
+            if response.status_code == 503:  # still past the waiting bound at the deadline
+                continue
+            raise SpcacheError(f"{self.url}{record}?wait=: HTTP {response.status_code} "
+                               f"{response.headers.get(_ERROR_HEADER, '')}")
+
+    def _reason(self, sample_id: str, deadline: float) -> str:
+        response = self._request(
+            "GET", f"/v1/caches/{self.fingerprint}/items/{quote(sample_id, safe='/')}",
+            max(deadline, time.monotonic() + 5.0))
+        if response.status_code != 200:
+            return "failed (the service gave no reason)"
+        return str(_body(response).get("reason") or "failed")

@@ -1,0 +1,199 @@
+"""Read-through over HTTP: a record read that waits (``?wait=SECONDS``) for a queued sample.
+
+A remote trainer (``CachedDataset("http://...", recipe, sources=...)``, see
+:mod:`cache_store.http_read_through`) first queues its misses with ``POST /v1/warmup``
+(``dedupe: true``, ``require_worker: true``: :meth:`JobQueue.enqueue_once` semantics,
+so a sample is queued once however many loaders miss it), then reads them with
+``GET``/``HEAD`` ``/v1/caches/{fp}/records/{id}?wait=S`` or ``POST .../batch?wait=S``.
+On a miss such a read:
+
+1. takes one of ``max_waiting_requests`` wait slots, or is answered 503 +
+   ``Retry-After`` at once (:class:`WaitingFull`);
+2. fails fast with 503 :class:`~cache_store.errors.NoWorkerAlive` (the detail names the
+   command that starts a worker) when no worker heartbeat is fresh;
+3. polls ``store.has`` in the thread pool (one short read transaction per key, never
+   held across a sleep) with ``asyncio.sleep`` between polls, backing off from 10 ms to
+   250 ms, and the queue's latest item of each sample four times a second;
+4. stops waiting for a sample whose item is ``failed`` (or not queued at all): the
+   route then answers 404 naming its state (``SampleFailed`` with the worker's reason,
+   or ``RecordNotFound``); likewise when ``wait`` runs out (state ``queued``).
+
+Nothing here blocks the event loop or imports ``workers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from cache_store.errors import CacheNotFound, NoWorkerAlive
+from cache_store.fingerprint import record_key
+from service.context import ServiceContext
+from service.errors import WaitingFull, error_response
+from service.warmup import WarmupPlan
+
+__all__ = ["WaitSlots", "WaitingFull", "ItemWait", "wait_for_records", "not_ready_response",
+           "require_worker", "dedupe_warmup", "STATE_HEADER"]
+
+log = logging.getLogger(__name__)
+
+#: Response header of a not-ready answer: ``queued``, ``failed`` or ``missing`` (HEAD
+#: answers carry no body; this and ``X-Spcache-Error`` say what happened).
+STATE_HEADER = "X-Spcache-Item-State"
+_STATES_EVERY_S = 0.25
+_LIVENESS_EVERY_S = 1.0
+_POLL_MAX_S = 0.25
+_WORKER_STALE_S = 90.0
+
+
+class WaitSlots:
+    """At most ``limit`` requests waiting for records at once."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._lock:
+            if self.taken >= self.limit:
+                raise WaitingFull(f"{self.taken} requests are already waiting for records "
+                                  f"(max_waiting_requests={self.limit}); retry shortly")
+            self.taken += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.taken -= 1
+
+
+@dataclass(frozen=True)
+class ItemWait:
+    """Why a waited-for sample has no record yet."""
+
+    sample_id: str
+    state: str  # queued | failed | missing
+    reason: str
+    path: str | None = None
+
+    @property
+    def error(self) -> str:
+        return "SampleFailed" if self.state == "failed" else "RecordNotFound"
+
+    def detail(self, fingerprint: str) -> str:
+        if self.state == "failed":
+            return f"sample {self.sample_id!r} ({self.path}) failed: {self.reason}"
+        return f"no record {record_key(fingerprint, self.sample_id)!r} yet: {self.state} ({self.reason})"
+
+
+def require_worker(ctx: ServiceContext, what: str) -> None:
+    """Raise :class:`NoWorkerAlive` naming the command to start one when none is alive."""
+    if not ctx.queue.live_workers(stale_s=_WORKER_STALE_S):
+        raise NoWorkerAlive(
+            f"{what}: no spcache worker is alive for cache {ctx.cache} (no heartbeat within "
+            f"{_WORKER_STALE_S:g} s). Start one on the service's machine: `spcache worker "
+            f"--cache {ctx.cache}` (or `python -m workers worker --cache {ctx.cache}`), or "
+            f"restart `spcache serve` without --no-worker.")
+
+
+def _missing(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> list[str]:
+    store = ctx.store()
+    if store is None:
+        return list(ids)
+    out = []
+    for sid in ids:
+        try:
+            if not store.has(record_key(fingerprint, sid)):
+                out.append(sid)
+        except CacheNotFound:
+            out.append(sid)
+    return out
+
+
+def _states(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> dict[str, ItemWait]:
+    out = {}
+    for sid in ids:
+        latest = ctx.queue.latest_item(fingerprint, sid)
+        if latest is None:
+            out[sid] = ItemWait(sid, "missing", "not queued: POST /v1/warmup it first")
+        elif latest["status"] in ("pending", "running"):
+            out[sid] = ItemWait(sid, "queued", f"{latest['status']}, attempt "
+                                f"{latest['attempts']} of job {latest['job_id']}",
+                                latest["path"])
+        elif latest["status"] == "failed":
+            out[sid] = ItemWait(sid, "failed", latest["last_error"] or "failed",
+                                latest["path"])
+        elif latest["status"] == "done":  # landed between the two looks, or deleted since
+            out[sid] = ItemWait(sid, "queued", "done", latest["path"])
+        else:
+            out[sid] = ItemWait(sid, "missing", f"job {latest['job_id']} was "
+                                f"{latest['status']}", latest["path"])
+    return out
+
+
+async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[str],
+                           wait_s: float) -> dict[str, ItemWait]:
+    """Wait up to ``wait_s`` for the records of ``ids``; the ones still missing, and why.
+
+    Returns at once for samples that cannot land (failed, not queued). Raises
+    :class:`WaitingFull` (no slot) or :class:`NoWorkerAlive`.
+    """
+    wait_s = min(float(wait_s), ctx.settings.max_wait_s)
+    with ctx.waits.slot():
+        start = time.monotonic()
+        deadline = start + wait_s
+        next_states, next_liveness = start, start
+        delay = 0.01
+        pending = list(dict.fromkeys(ids))
+        states: dict[str, ItemWait] = {}
+        while True:
+            pending = await run_in_threadpool(_missing, ctx, fingerprint, pending)
+            if not pending:
+                return {}
+            now = time.monotonic()
+            if now >= next_liveness:
+                next_liveness = now + _LIVENESS_EVERY_S
+                await run_in_threadpool(require_worker, ctx,
+                                        f"{len(pending)} record(s) of {fingerprint} missing")
+            if now >= next_states or now >= deadline:
+                next_states = now + _STATES_EVERY_S
+                states = await run_in_threadpool(_states, ctx, fingerprint, pending)
+                if now >= deadline or all(s.state != "queued" for s in states.values()):
+                    # a sample that landed since the last look is not "not ready"
+                    landed = set(pending) - set(
+                        await run_in_threadpool(_missing, ctx, fingerprint, pending))
+                    return {sid: s for sid, s in states.items() if sid not in landed}
+            await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+            delay = min(delay * 1.5, _POLL_MAX_S)
+
+
+def not_ready_response(fingerprint: str, state: ItemWait) -> JSONResponse:
+    """404 naming the sample's state (and, when it failed, the worker's reason)."""
+    response = error_response(404, state.error, state.detail(fingerprint),
+                              headers={STATE_HEADER: state.state})
+    return response
+
+
+def dedupe_warmup(ctx: ServiceContext, plan: WarmupPlan, priority: int) -> dict[str, Any]:
+    """``POST /v1/warmup`` with ``dedupe``: :meth:`JobQueue.enqueue_once` over the plan's
+    items to do, so a sample that many loaders miss is queued once. Answers, besides the
+    usual counts, each item's queue status (``items``: id, status, error, reused)."""
+    rows = ctx.queue.enqueue_once(plan.recipe, plan.params, plan.fingerprint, plan.todo,
+                                  priority=priority) if plan.todo else []
+    new_jobs = sorted({r.job_id for r in rows if not r.reused})
+    return {"job_id": new_jobs[0] if new_jobs else None, "fingerprint": plan.fingerprint,
+            "recipe": plan.recipe, "recipe_version": plan.recipe_version,
+            "params": plan.params, "queued": sum(1 for r in rows if not r.reused),
+            "reused": sum(1 for r in rows if r.reused), "already_ready": len(plan.ready),
+            "items": [{"id": r.sample_id, "status": r.status, "error": r.last_error,
+                       "reused": r.reused} for r in rows]}

@@ -1,0 +1,182 @@
+"""Read-through over the service URL: real uvicorn, real SQLite queue, a real worker.
+
+``CachedDataset("http://...", recipe, sources=...)`` over an empty cache: the service
+queues the misses (``POST /v1/warmup`` with ``dedupe``) and holds ``?wait=`` reads until
+the worker's records land. Results are compared with ``spcache precompute``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cache_store import CachedDataset
+from cache_store.sources_list import discover_sources
+from cache_store.errors import NoWorkerAlive, SampleFailed
+from cache_store.fingerprint import compute_fingerprint
+from cache_store.jobs import JobQueue
+from cache_store.lmdb_store import LMDBStore
+from cache_store.recipes import get_recipe_spec
+from cache_store.record import decode_record
+from cache_store.wire import decode_batch
+from service.settings import Settings
+from tests.cache_store.test_read_through import (
+    PARAMS,
+    _epoch,
+    _loader_check,
+    _precompute,
+    _queue_rows,
+    _same,
+    _stop,
+    _worker,
+)
+from tests.service.conftest import AUTH, TOKEN, InProcessServer, start_server, stop_server
+
+
+def _root(paths: list[Path]) -> Path:
+    return Path(os.path.commonpath([str(p.parent) for p in paths]))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 on 2 cores
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_meshes: list[Path],
+                                                       context: str) -> None:
+    meshes = corpus_meshes[:4]
+    cache, reference = tmp_path / "rt", tmp_path / "pre"
+    _precompute(reference, meshes)
+    parent_had_ops = any(m.startswith("workers.ops") for m in sys.modules)
+    server = start_server(cache, _root(meshes), "--no-worker")
+    proc = _worker(cache)
+    try:
+        ds = CachedDataset(server.url, "spc_query", sources=meshes,
+                           store_options={"token": TOKEN},
+                           transform=functools.partial(_loader_check, parent_had_ops), **PARAMS)
+        assert ds.on_miss == "compute" and len(ds) == len(meshes)
+        first = _epoch(ds, context)
+        rows = _queue_rows(cache)
+        second = _epoch(ds, context)
+        assert _queue_rows(cache) == rows  # second epoch: nothing queued
+    finally:
+        ds.close()
+        _stop(proc)
+        stop_server(server)
+    fp = ds.fingerprint
+    ids = [ds.sample_id(i) for i in range(len(ds))]
+    assert [sid for sid, _ in discover_sources(meshes)] == ids
+    assert sorted((f, s) for f, s, _ in rows) == sorted((fp, sid) for sid in ids)  # once each
+    assert {status for _, _, status in rows} == {"done"}
+    store, ref = LMDBStore(cache), LMDBStore(reference)
+    assert sorted(store.keys(prefix=f"{fp}/")) == sorted(f"{fp}/{sid}" for sid in ids)
+    for sid, a, b in zip(ids, first, second):
+        expected = decode_record(ref.get(f"{fp}/{sid}")).tensors
+        assert _same(a, expected), sid
+        assert _same(b, expected), sid
+    store.close()
+    ref.close()
+
+
+def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
+        tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path]) -> None:
+    cache = tmp_path / "rt"
+    bad = next(p for p in corpus_bad_inputs if p.name == "nan_vertices.obj")
+    sources = [corpus_meshes[0], bad]
+    server = start_server(cache, _root(sources), "--no-worker")
+    try:
+        ds = CachedDataset(server.url, "spc_query", sources=sources,
+                           store_options={"token": TOKEN}, warm_ahead=0, **PARAMS)
+        start = time.monotonic()
+        with pytest.raises(NoWorkerAlive, match=f"spcache worker --cache {cache}"):
+            ds[0]
+        assert time.monotonic() - start < 5
+        assert JobQueue(cache).counts()["pending"] == 0  # nothing queued for nobody
+        proc = _worker(cache)
+        try:
+            assert set(ds[0]) >= {"octree", "point_hierarchy"}
+            with pytest.raises(SampleFailed, match="nan_vertices") as err:
+                ds[1]
+            assert str(bad) in str(err.value) and err.value.reason
+            assert err.value.reason != "failed"  # the worker's reason came across
+            queued = ds.read_through_queued()
+            with pytest.raises(SampleFailed, match="nan_vertices"):
+                ds[1]  # the recorded failure, not a second computation
+            assert ds.read_through_queued() == queued
+        finally:
+            _stop(proc)
+    finally:
+        ds.close()
+        stop_server(server)
+    rows = _queue_rows(cache)
+    assert sorted(s for _, s, _ in rows) == sorted(p.stem for p in sources)  # once each
+
+
+def test_waiting_bound_dedupe_and_batch_wait(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    mesh = corpus_meshes[0]
+    cache = tmp_path / "cache"
+    settings = Settings(cache=cache, source_roots=[mesh.parent], token=TOKEN, worker=False,
+                        max_waiting_requests=2)
+    spec = get_recipe_spec("spc")
+    fp = compute_fingerprint("spc", spec.version, spec.resolve({"level": 4}))
+    with InProcessServer(settings) as server, httpx.Client(base_url=server.url,
+                                                           timeout=30) as http:
+        warm = {"recipe": "spc", "params": {"level": 4}, "dedupe": True,
+                "require_worker": True, "priority": 100,
+                "items": [{"id": "m", "path": str(mesh)}]}
+        refused = http.post("/v1/warmup", json=warm, headers=AUTH)
+        assert refused.status_code == 503 and refused.json()["error"] == "NoWorkerAlive"
+        assert "spcache worker --cache" in refused.json()["detail"]
+        assert http.post("/v1/warmup", json=warm).status_code == 401  # token as for warm-up
+        JobQueue(cache).heartbeat("fake-worker", {"heartbeat_s": 60})  # this process: alive
+        first = http.post("/v1/warmup", json=warm, headers=AUTH).json()
+        again = http.post("/v1/warmup", json=warm, headers=AUTH).json()
+        assert (first["queued"], first["reused"]) == (1, 0)
+        assert (again["queued"], again["reused"], again["job_id"]) == (0, 1, None)
+        assert again["items"] == [{"id": "m", "status": "pending", "error": None,
+                                   "reused": True}]
+        assert JobQueue(cache).counts()["pending"] == 1
+
+        ctx = server.app.state.ctx
+        answers: list[httpx.Response] = []
+
+        def wait_get() -> None:
+            answers.append(http.get(f"/v1/caches/{fp}/records/m", params={"wait": 2}))
+
+        waiters = [threading.Thread(target=wait_get) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        deadline = time.monotonic() + 10
+        while ctx.waits.taken < 2:
+            assert time.monotonic() < deadline, "the waits did not start"
+            time.sleep(0.01)
+        start = time.monotonic()
+        extra = http.get(f"/v1/caches/{fp}/records/m", params={"wait": 2})
+        assert time.monotonic() - start < 1.5
+        assert extra.status_code == 503 and extra.headers["retry-after"]
+        assert extra.json()["error"] == "WaitingFull"
+        assert http.get("/healthz").status_code == 200  # the loop is not blocked
+        for t in waiters:
+            t.join(30)
+        assert [a.status_code for a in answers] == [404, 404]
+        assert all(a.headers["x-spcache-item-state"] == "queued" for a in answers)
+        assert ctx.waits.taken == 0
+
+        batch = http.post(f"/v1/caches/{fp}/batch", params={"wait": 0.3},
+                          json={"ids": ["m", "never-queued"]})
+        found, missing = decode_batch(batch.content)
+        assert not found and set(missing) == {"m", "never-queued"}
+        assert "queued" in missing["m"] and "missing" in missing["never-queued"]
+        # the item fails: a waiting read answers its state and the worker's reason
+        queue = JobQueue(cache)
+        item = queue.claim("fake-worker", limit=1)[0]
+        queue.fail("fake-worker", item.item_id, "degenerate mesh: all faces zero-area",
+                   permanent=True)
+        failed = http.get(f"/v1/caches/{fp}/records/m", params={"wait": 5})
+        assert failed.status_code == 404 and failed.headers["x-spcache-item-state"] == "failed"
+        assert failed.json()["error"] == "SampleFailed"
+        assert "zero-area" in failed.json()["detail"] and str(mesh) in failed.json()["detail"]
