@@ -25,7 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import CacheDamaged, CacheNotFound, CorruptRecord, SpcacheError
+from cache_store.errors import (
+    CacheDamaged,
+    CacheNotFound,
+    CorruptRecord,
+    SpcacheError,
+    StoreBusy,
+)
 
 __all__ = ["verify_cache", "stats_cache", "run_walk", "DEFAULT_TIMEOUT_S"]
 
@@ -55,6 +61,7 @@ def run_walk(op: str, path: str | os.PathLike[str], *args: str,
     Raises:
         CacheDamaged: the child reported damage, or was killed by a signal.
         CacheNotFound: no cache at ``path``.
+        StoreBusy: the child found the store busy (LMDB reader table full): retry later.
         SpcacheError: the child timed out or failed without a report.
     """
     if op not in _OPS:
@@ -87,6 +94,8 @@ def run_walk(op: str, path: str | os.PathLike[str], *args: str,
         raise CacheDamaged(path, answer.get("reason", "unreadable"))
     if error == "CacheNotFound":
         raise CacheNotFound(path, answer.get("reason", "no cache there"))
+    if error == "StoreBusy":  # a full reader table: the caller retries later (503)
+        raise StoreBusy(answer.get("detail", f"{path}: the store is busy"))
     if error is not None:
         raise SpcacheError(f"{path}: {op} walk failed: {error}: {answer.get('detail', '')}")
     result = answer.get("result")
