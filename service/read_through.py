@@ -161,10 +161,8 @@ async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[
             if not pending:
                 return {}
             now = time.monotonic()
-            if now >= next_liveness:
-                next_liveness = now + _LIVENESS_EVERY_S
-                await run_in_threadpool(require_worker, ctx,
-                                        f"{len(pending)} record(s) of {fingerprint} missing")
+            # states first: a sample nobody queued (or that failed) is answered at once,
+            # whether or not a worker is alive; only a queued one needs a worker to wait on
             if now >= next_states or now >= deadline:
                 next_states = now + _STATES_EVERY_S
                 states = await run_in_threadpool(_states, ctx, fingerprint, pending)
@@ -173,6 +171,10 @@ async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[
                     landed = set(pending) - set(
                         await run_in_threadpool(_missing, ctx, fingerprint, pending))
                     return {sid: s for sid, s in states.items() if sid not in landed}
+            if now >= next_liveness:
+                next_liveness = now + _LIVENESS_EVERY_S
+                await run_in_threadpool(require_worker, ctx,
+                                        f"{len(pending)} record(s) of {fingerprint} missing")
             await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
             delay = min(delay * 1.5, _POLL_MAX_S)
 
