@@ -32,6 +32,9 @@ Guarantees:
 
 Reads are single statements in autocommit mode, so no read transaction stays open and
 the WAL can always be checkpointed.
+
+The values it takes and returns live in :mod:`cache_store.job_rows`, its schema and SQLite
+plumbing in :mod:`cache_store.job_db`; every public name is importable from here.
 """
 
 from __future__ import annotations
@@ -41,15 +44,30 @@ import logging
 import os
 import socket
 import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cache_store.errors import JobNotFound, QueueDamaged, SpcacheError
+from cache_store.job_db import (
+    SCHEMA_VERSION,
+    Connections,
+    canonical_json,
+    chunks,
+    schema_statements,
+    write_txn,
+)
+from cache_store.job_rows import (
+    ITEM_STATUSES,
+    ClaimedItem,
+    ItemError,
+    JobInfo,
+    NewItem,
+    QueuedItem,
+    job_info_from_row,
+)
 from cache_store.process_local import ProcessLocal
 
 __all__ = [
@@ -66,175 +84,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 JOBS_FILENAME = "jobs.sqlite"
-ITEM_STATUSES = ("pending", "running", "done", "failed", "cancelled")
-_SCHEMA_VERSION = 1
 _HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 _SQLITE_HEADER_BYTES = 100  # a database file is at least its header
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS jobs (
-    id            TEXT PRIMARY KEY,
-    recipe        TEXT NOT NULL,
-    params        TEXT NOT NULL,
-    fingerprint   TEXT NOT NULL,
-    priority      INTEGER NOT NULL DEFAULT 0,
-    created       REAL NOT NULL,
-    cancelled     INTEGER NOT NULL DEFAULT 0,
-    already_ready INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS items (
-    id            INTEGER PRIMARY KEY,
-    job_id        TEXT NOT NULL REFERENCES jobs(id),
-    seq           INTEGER NOT NULL,
-    fingerprint   TEXT NOT NULL,
-    sample_id     TEXT NOT NULL,
-    path          TEXT NOT NULL,
-    status        TEXT NOT NULL,
-    attempts      INTEGER NOT NULL DEFAULT 0,
-    last_error    TEXT,
-    lease_owner   TEXT,
-    lease_expires REAL,
-    updated       REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS items_by_job ON items(job_id, status, seq);
-CREATE INDEX IF NOT EXISTS items_by_status ON items(status, lease_expires);
-CREATE INDEX IF NOT EXISTS items_by_sample ON items(fingerprint, sample_id, status);
-CREATE TABLE IF NOT EXISTS heartbeats (
-    worker_id TEXT PRIMARY KEY,
-    pid       INTEGER NOT NULL,
-    seen      REAL NOT NULL,
-    info      TEXT NOT NULL DEFAULT '{}'
-);
-"""
-
-# Connections inherited across fork are parked (cache_store.process_local), never used,
-# closed or collected: closing one in the child could checkpoint or unlink the WAL under
-# the parent's feet.
-
-
-@dataclass(frozen=True)
-class NewItem:
-    """One item to submit: the key's sample id and the source to compute it from."""
-
-    sample_id: str
-    path: str
-
-
-@dataclass(frozen=True)
-class ClaimedItem:
-    """An item a worker now holds under a lease; all items of one claim share a job."""
-
-    item_id: int
-    job_id: str
-    recipe: str
-    params: dict[str, Any]
-    fingerprint: str
-    sample_id: str
-    path: str
-    attempts: int
-    lease_expires: float
-
-
-@dataclass(frozen=True)
-class QueuedItem:
-    """Where one sample asked for by :meth:`JobQueue.enqueue_once` stands in the queue.
-
-    ``reused`` is True when an existing item (another process's, or an earlier one) was
-    taken instead of queueing a new one.
-    """
-
-    item_id: int
-    job_id: str
-    sample_id: str
-    path: str
-    status: str
-    last_error: str | None
-    reused: bool
-
-
-@dataclass(frozen=True)
-class ItemError:
-    item_id: int
-    sample_id: str
-    path: str
-    status: str
-    attempts: int
-    error: str
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    id: str
-    recipe: str
-    params: dict[str, Any]
-    fingerprint: str
-    priority: int
-    created: float
-    cancelled: bool
-    already_ready: int
-    counts: dict[str, int]
-    errors: list[ItemError] = field(default_factory=list)
-    #: Queue time (the queue's clock) of the job's latest done or failed item; None
-    #: while none is.
-    last_settled: float | None = None
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def percent(self) -> float:
-        """Items no longer pending or running, as a percentage of all (100 when none)."""
-        left = self.counts["pending"] + self.counts["running"]
-        return 100.0 if self.total == 0 else round(100.0 * (self.total - left) / self.total, 2)
-
-    @property
-    def samples_per_s(self) -> float | None:
-        """Items the workers settled (done or failed; already-ready ones not counted) per
-        second, from the job's creation to its latest settled item; None before any."""
-        worked = self.counts["done"] + self.counts["failed"] - self.already_ready
-        if self.last_settled is None or worked <= 0:
-            return None
-        elapsed = self.last_settled - self.created
-        return None if elapsed <= 0 else round(worked / elapsed, 3)
-
-    @property
-    def eta_s(self) -> float | None:
-        """Seconds left at :attr:`samples_per_s` (0 when nothing is left; None when no
-        rate is known yet, or when the job was cancelled)."""
-        left = self.counts["pending"] + self.counts["running"]
-        if left == 0:
-            return 0.0
-        rate = self.samples_per_s
-        return None if rate is None or self.cancelled else round(left / rate, 1)
-
-    @property
-    def status(self) -> str:
-        """``pending``, ``running``, ``done``, ``failed`` (some item failed) or ``cancelled``."""
-        c = self.counts
-        if c["running"] or (c["pending"] and (c["done"] or c["failed"])):
-            return "running"
-        if c["pending"]:
-            return "pending"
-        if self.cancelled:
-            return "cancelled"
-        if c["failed"]:
-            return "failed"
-        return "done"
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id, "status": self.status, "recipe": self.recipe, "params": self.params,
-            "fingerprint": self.fingerprint, "priority": self.priority, "created": self.created,
-            "already_ready": self.already_ready, "total": self.total, "counts": dict(self.counts),
-            "percent": self.percent, "samples_per_s": self.samples_per_s, "eta_s": self.eta_s,
-            "errors": [{"sample_id": e.sample_id, "path": e.path, "status": e.status,
-                        "attempts": e.attempts, "error": e.error} for e in self.errors],
-        }
 
 
 class JobQueue:
@@ -261,7 +112,7 @@ class JobQueue:
         self.max_attempts = max_attempts
         self.busy_timeout_s = busy_timeout_s
         self.clock = clock
-        self._conns: ProcessLocal[_Connections] = ProcessLocal(_Connections, _Connections.close)
+        self._conns: ProcessLocal[Connections] = ProcessLocal(Connections, Connections.close)
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._seen_size = 0
 
@@ -292,16 +143,16 @@ class JobQueue:
                         self.path, mode)
         conn.execute("PRAGMA synchronous = NORMAL")
         conn.execute("PRAGMA foreign_keys = ON")
-        with _write(conn):
-            for statement in _statements():  # not executescript: it would COMMIT first
+        with write_txn(conn):
+            for statement in schema_statements():  # not executescript: it would COMMIT first
                 conn.execute(statement)
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
                 conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
-                             (str(_SCHEMA_VERSION),))
-            elif int(row[0]) != _SCHEMA_VERSION:
+                             (str(SCHEMA_VERSION),))
+            elif int(row[0]) != SCHEMA_VERSION:
                 raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
-                                   f"the supported {_SCHEMA_VERSION}")
+                                   f"the supported {SCHEMA_VERSION}")
         return conn
 
     def close(self) -> None:
@@ -347,11 +198,12 @@ class JobQueue:
         now = self.clock()
         conn = self._conn()
         self.check()
-        with _write(conn):
+        with write_txn(conn):
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                 "already_ready) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (job_id, recipe, _canonical(params), fingerprint, int(priority), now, len(done)))
+                (job_id, recipe, canonical_json(params), fingerprint, int(priority), now,
+                 len(done)))
             conn.executemany(
                 "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -365,7 +217,7 @@ class JobQueue:
     def cancel(self, job_id: str) -> JobInfo:
         """Cancel a job: its pending items become ``cancelled``; running ones finish."""
         conn = self._conn()
-        with _write(conn):
+        with write_txn(conn):
             if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
                 raise JobNotFound(job_id)
             conn.execute("UPDATE jobs SET cancelled = 1 WHERE id = ?", (job_id,))
@@ -396,7 +248,7 @@ class JobQueue:
         out: dict[str, QueuedItem] = {}
         conn = self._conn()
         now = self.clock()
-        with _write(conn):
+        with write_txn(conn):
             todo: list[NewItem] = []
             for it in wanted:
                 if it.sample_id in out or any(t.sample_id == it.sample_id for t in todo):
@@ -418,7 +270,7 @@ class JobQueue:
                 conn.execute(
                     "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                     "already_ready) VALUES (?, ?, ?, ?, ?, ?, 0)",
-                    (job_id, recipe, _canonical(params), fingerprint, int(priority), now))
+                    (job_id, recipe, canonical_json(params), fingerprint, int(priority), now))
                 for seq, it in enumerate(todo):
                     cur = conn.execute(
                         "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
@@ -436,7 +288,7 @@ class JobQueue:
         ids = list(item_ids)
         out: dict[int, tuple[str, str | None]] = {}
         conn = self._conn()
-        for chunk in _chunks(ids, 500):
+        for chunk in chunks(ids, 500):
             marks = ",".join("?" * len(chunk))
             for row in conn.execute(f"SELECT id, status, last_error FROM items "
                                     f"WHERE id IN ({marks})", tuple(chunk)):
@@ -473,7 +325,7 @@ class JobQueue:
             "SELECT id, sample_id, path, status, attempts, last_error FROM items "
             "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
             (job_id, max(0, int(errors_limit)), max(0, int(errors_offset)))).fetchall()
-        return _job_info(row, counts[job_id], [ItemError(e["id"], e["sample_id"], e["path"],
+        return job_info_from_row(row, counts[job_id], [ItemError(e["id"], e["sample_id"], e["path"],
                                                          e["status"], e["attempts"],
                                                          e["last_error"] or "")
                                                for e in errs], settled.get(job_id))
@@ -486,7 +338,7 @@ class JobQueue:
         rows = conn.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
                             (*args, max(0, int(limit)), max(0, int(offset)))).fetchall()
         counts, settled = self._job_counts(conn, [r["id"] for r in rows])
-        return [_job_info(r, counts[r["id"]], [], settled.get(r["id"])) for r in rows]
+        return [job_info_from_row(r, counts[r["id"]], [], settled.get(r["id"])) for r in rows]
 
     def counts(self) -> dict[str, int]:
         """Items in the whole queue by status."""
@@ -562,7 +414,7 @@ class JobQueue:
         conn = self._conn()
         self.check()
         now = self.clock()
-        with _write(conn):
+        with write_txn(conn):
             self._sweep_expired(conn, now)
             first = conn.execute(
                 "SELECT i.job_id FROM items i JOIN jobs j ON j.id = i.job_id "
@@ -592,8 +444,8 @@ class JobQueue:
         conn = self._conn()
         now = self.clock()
         held: set[int] = set()
-        with _write(conn):
-            for chunk in _chunks(ids, 500):
+        with write_txn(conn):
+            for chunk in chunks(ids, 500):
                 marks = ",".join("?" * len(chunk))
                 conn.execute(
                     f"UPDATE items SET lease_expires = ?, updated = ? WHERE id IN ({marks}) "
@@ -615,7 +467,7 @@ class JobQueue:
         worker that took over an expired lease would only compute it again.
         """
         conn = self._conn()
-        with _write(conn):
+        with write_txn(conn):
             cur = conn.execute(
                 "UPDATE items SET status = 'done', last_error = NULL, lease_owner = ?, "
                 "lease_expires = NULL, updated = ? WHERE id = ? AND status != 'done'",
@@ -632,7 +484,7 @@ class JobQueue:
         An item this worker no longer holds is left alone.
         """
         conn = self._conn()
-        with _write(conn):
+        with write_txn(conn):
             row = conn.execute(
                 "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
                 "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?", (item_id,)).fetchone()
@@ -652,8 +504,8 @@ class JobQueue:
         ids = list(item_ids)
         conn = self._conn()
         n = 0
-        with _write(conn):
-            for chunk in _chunks(ids, 500):
+        with write_txn(conn):
+            for chunk in chunks(ids, 500):
                 marks = ",".join("?" * len(chunk))
                 cur = conn.execute(
                     f"UPDATE items SET status = CASE WHEN (SELECT cancelled FROM jobs "
@@ -667,12 +519,12 @@ class JobQueue:
     def heartbeat(self, worker_id: str, info: dict[str, Any] | None = None) -> None:
         """Say this worker is alive (the service reports the age of the newest)."""
         conn = self._conn()
-        with _write(conn):
+        with write_txn(conn):
             conn.execute("INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
                          (worker_id, os.getpid(), self.clock(),
-                          _canonical({**(info or {}), "host": socket.gethostname()})))
+                          canonical_json({**(info or {}), "host": socket.gethostname()})))
             conn.execute("DELETE FROM heartbeats WHERE seen < ?",
                          (self.clock() - _HEARTBEAT_KEEP_S,))
 
@@ -695,6 +547,7 @@ class JobQueue:
             (now, now, self.max_attempts))
 
 
+
 # An item is claimable when pending, or running under an expired lease, and no other
 # item for the same key is running under a live lease. Bound twice to ``now``.
 _CLAIMABLE = (
@@ -704,52 +557,6 @@ _CLAIMABLE = (
     "AND o.lease_expires >= ?)"
 )
 
-
-class _Connections:
-    """One process's SQLite connections: one per thread, all closed together."""
-
-    def __init__(self) -> None:
-        self.local = threading.local()
-        self.all: list[sqlite3.Connection] = []
-        self.lock = threading.Lock()
-
-    def add(self, conn: sqlite3.Connection) -> None:
-        self.local.conn = conn
-        with self.lock:
-            self.all.append(conn)
-
-    def close(self) -> None:
-        with self.lock:
-            conns, self.all = self.all, []
-        for conn in conns:
-            try:
-                conn.close()
-            except sqlite3.ProgrammingError:
-                # Made in another thread; SQLite lets only that thread close it, and it
-                # is freed when that thread's local storage goes.
-                log.debug("left a connection of another thread to its thread")
-
-
-class _write:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on error) on an autocommit connection."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
-        return self.conn
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
-
-
-def _statements() -> list[str]:
-    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
 def _mtime(path: str) -> float:
@@ -769,15 +576,3 @@ def _pid_exists(pid: int) -> bool:
     except PermissionError:  # someone else's process: it exists
         return True
     return True
-
-
-def _chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
-    for i in range(0, len(seq), n):
-        yield seq[i:i + n]
-
-
-def _job_info(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError],
-              last_settled: float | None) -> JobInfo:
-    return JobInfo(row["id"], row["recipe"], json.loads(row["params"]), row["fingerprint"],
-                   row["priority"], row["created"], bool(row["cancelled"]), row["already_ready"],
-                   counts, errors, last_settled)

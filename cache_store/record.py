@@ -28,7 +28,12 @@ Decoding parses the header with strict validation; any malformed value raises
 (Past the ~600-line mark on purpose: this is the one definition of the record's bytes,
 encoder, strict decoder and the small helpers every store and the service share about
 those bytes (header length, checksum peek, key check, packed ids). Splitting encoder
-from decoder would put the checksum rules in two places.)
+from decoder would put the checksum rules in two places. The batch decoder
+``decode_records`` stays too: it and ``decode_record`` (which takes the batch path inside
+a DataLoader worker) share one copy-and-verify pass over the parsed header, the dtype
+tables and the error rules, so a separate module would import half of this one back and
+be imported by it. Where a batch's memory comes from, which knows nothing of the format,
+is :mod:`cache_store.batch_buffers`.)
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import datetime as _dt
 import json
 import struct
 import sys
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -45,6 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import xxhash
 
+from cache_store.batch_buffers import allocate, in_dataloader_worker
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
 
 if TYPE_CHECKING:
@@ -498,71 +503,6 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
     return part
 
 
-def _in_dataloader_worker() -> bool:
-    import torch.utils.data
-
-    return torch.utils.data.get_worker_info() is not None
-
-
-def _allocate(size: int, worker: bool) -> tuple[torch.Tensor, np.ndarray]:
-    """A fresh uint8 tensor of ``size`` bytes on ONE untyped storage, and a NumPy view.
-
-    In a DataLoader worker (``worker``) the storage is created in shared memory (what
-    ``default_collate`` does for its output): handing it to the trainer then moves no
-    bytes, where a private storage would be copied into shared memory first. Elsewhere
-    the memory is NumPy's: its allocator reuses freed blocks, where torch's returns large
-    ones to the OS and page-faults them back in on every read (measured: 47 us vs 14 us
-    to allocate and fill 160 kB).
-    """
-    import torch
-
-    if size and worker:
-        storage = torch.UntypedStorage._new_shared(size)
-        base = torch.empty(0, dtype=torch.uint8).set_(storage)
-        return base, base.numpy()
-    buf = _BATCH_BUFFERS.take(size)
-    return torch.from_numpy(buf), buf
-
-
-class _BufferPool:
-    """The last few batch buffers of this process, handed out again once nothing else
-    refers to them.
-
-    A batch of large records is tens of MB: a fresh allocation that size is new pages
-    from the OS every time (measured: 3.2 ms to allocate and fill 25 MB, 1.0 ms for 8
-    reused 3 MB buffers), which made batched reads of 3 MB records slower than per-sample
-    ones. A buffer is reused only when its reference count shows that the pool holds the
-    last reference (every tensor of a batch keeps its storage, and the storage the
-    array, alive), so memory a caller still sees is never written. Holds at most
-    ``keep`` buffers of at most ``largest`` bytes (192 MiB per process at most; larger
-    batches are allocated fresh).
-    """
-
-    def __init__(self, keep: int = 3, largest: int = 64 << 20) -> None:
-        self.keep, self.largest = keep, largest
-        self.buffers: list[np.ndarray] = []
-        self.lock = threading.Lock()
-
-    def take(self, size: int) -> np.ndarray:
-        if size > self.largest:
-            return np.empty(size, dtype=np.uint8)
-        with self.lock:
-            for i in range(len(self.buffers)):
-                buf = self.buffers[i]
-                # 3 = the list, ``buf`` and getrefcount's argument
-                if size <= buf.size <= 2 * size and sys.getrefcount(buf) == 3:
-                    self.buffers.append(self.buffers.pop(i))  # most recent last
-                    return buf[:size]
-            buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written
-            self.buffers.append(buf)
-            if len(self.buffers) > self.keep:
-                del self.buffers[0]
-            return buf[:size]
-
-
-_BATCH_BUFFERS = _BufferPool()
-
-
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     rank = len(shape)
     if rank == 1:
@@ -650,7 +590,7 @@ def _batch_tensors(views: Sequence[memoryview], headers: Sequence[RecordHeader],
                 slots.append((j, name, info, size))
                 size += info.end - info.begin
     size = (size + 7) & ~7  # so the storage views as any dtype
-    base, buf = _allocate(size, _in_dataloader_worker())
+    base, buf = allocate(size, in_dataloader_worker())
     flat: dict[str, torch.Tensor] = {}  # dtype name -> the whole storage as that dtype
     out = memoryview(buf)
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
@@ -694,7 +634,7 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
     view = _byte_view(value, key)
     header = _parse_view(view, key)
     names = _selected(header, fields, key)
-    if _in_dataloader_worker():
+    if in_dataloader_worker():
         return Record(_batch_tensors([view], [header], [names], [key])[0], header.metadata)
     return Record(_record_tensors(view, header, names, key), header.metadata)
 

@@ -422,9 +422,9 @@ def test_batch_buffers_are_reused_only_once_released() -> None:
     assert torch.equal(kept_view, made[2][0]["point_hierarchy"][1:])
     del kept_view
     # released: later batches of the same size take memory the pool already holds
-    from cache_store.record import _BATCH_BUFFERS
+    from cache_store.batch_buffers import BATCH_BUFFERS
 
-    pooled = {buf.ctypes.data for buf in _BATCH_BUFFERS.buffers}
+    pooled = {buf.ctypes.data for buf in BATCH_BUFFERS.buffers}
     ptrs = set()
     for _ in range(4):
         batch = decode_records(items)

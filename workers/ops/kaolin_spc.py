@@ -21,7 +21,7 @@ import torch
 
 from cache_store.errors import BackendUnavailable, InvalidTensor
 
-from . import _checks, torch_spc
+from . import _checks, torch_dual, torch_spc
 
 __all__ = [
     "name",
@@ -186,7 +186,7 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
 def unbatched_make_dual(point_hierarchy: torch.Tensor,
                         pyramid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`workers.ops.torch_spc.unbatched_make_dual` (Kaolin's own, after our checks)."""
-    point_hierarchy, pyramid, max_level = torch_spc._check_hierarchy(
+    point_hierarchy, pyramid, max_level = torch_dual._check_hierarchy(
         point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
     with _on("point_hierarchy", point_hierarchy) as spc:
         if max_level == _checks.MAX_LEVEL:  # refuse corners beyond int16, as the torch backend
@@ -196,7 +196,7 @@ def unbatched_make_dual(point_hierarchy: torch.Tensor,
 
 
 def _refuse_far_corners(point_hierarchy: torch.Tensor, pyramid: torch.Tensor) -> None:
-    leaves = point_hierarchy[torch_spc._level_slice(pyramid, pyramid.shape[1] - 2)]
+    leaves = point_hierarchy[torch_dual._level_slice(pyramid, pyramid.shape[1] - 2)]
     if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
         raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
                             "corners at 2**15, beyond int16")

@@ -8,6 +8,9 @@ device of the inputs, except pyramids, which Kaolin keeps on the CPU and so do w
 Bad input raises :class:`~cache_store.errors.TensorTypeError` (a ``TypeError``) or
 :class:`~cache_store.errors.InvalidTensor` (a ``ValueError``) naming the argument; where
 Kaolin would read out of bounds or loop forever we refuse instead (see ``_checks``).
+
+The dual octree and trinkets are written in :mod:`workers.ops.torch_dual` and re-exported
+here, so this module is the whole torch backend; Morton codes are in ``_morton``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch
 
 from cache_store.errors import InvalidTensor
 
-from . import _checks
+from . import _checks, _morton
+from .torch_dual import unbatched_make_dual, unbatched_make_trinkets
 
 __all__ = [
     "name",
@@ -40,40 +44,6 @@ name = "torch"
 # Morton codes of up to 10 levels (30 bits) fit int32, which sorts and shifts about twice
 # as fast as int64 on the CPU; deeper levels use int64.
 _INT32_LEVELS = 10
-
-# Magic masks that spread the bits of a 16-bit integer three apart (and gather them back).
-_SPREAD = ((16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
-           (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249))
-_SPREAD32 = ((16, 0x030000FF), (8, 0x0300F00F), (4, 0x030C30C3), (2, 0x09249249))
-_GATHER = ((2, 0x10C30C30C30C30C3), (4, 0x100F00F00F00F00F),
-           (8, 0x1F0000FF0000FF), (16, 0x1F00000000FFFF), (32, 0x1FFFFF))
-
-
-def _spread_bits(v: torch.Tensor) -> torch.Tensor:
-    """Spread bit i of ``v`` to bit 3*i. ``v``: int32 (< 2**10) or int64 (< 2**16)."""
-    for shift, mask in (_SPREAD32 if v.dtype == torch.int32 else _SPREAD):
-        v = (v | (v << shift)) & mask
-    return v
-
-
-def _encode(points: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Morton codes of valid int16 points (n, 3) as ``dtype`` (n,)."""
-    xyz = points.to(dtype)
-    code = _spread_bits(xyz[:, 2].contiguous())
-    code |= _spread_bits(xyz[:, 1].contiguous()) << 1
-    code |= _spread_bits(xyz[:, 0].contiguous()) << 2
-    return code
-
-
-def _decode(morton: torch.Tensor) -> torch.Tensor:
-    """int16 points (n, 3) of int64 Morton codes (n,) in [0, 2**45)."""
-    axes = []
-    for axis_shift in (2, 1, 0):
-        v = (morton >> axis_shift) & 0x1249249249249249
-        for shift, mask in _GATHER:
-            v = (v ^ (v >> shift)) & mask
-        axes.append(v.to(torch.int16))
-    return torch.stack(axes, dim=1)
 
 
 def quantize_points(x: torch.Tensor, level: int) -> torch.Tensor:
@@ -111,7 +81,7 @@ def points_to_morton(points: torch.Tensor) -> torch.Tensor:
     if points.dim() == 0 or shape[-1] != 3:
         raise InvalidTensor(f"points: expected shape (..., 3), got {tuple(shape)}")
     flat = _checks.check_points(points.reshape(-1, 3), allow_empty=True)
-    return _encode(flat, torch.int64).reshape(shape[:-1])
+    return _morton.encode(flat, torch.int64).reshape(shape[:-1])
 
 
 def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
@@ -124,7 +94,7 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
         (torch.ShortTensor): int16 points of shape :math:`(..., 3)`.
     """
     morton = _checks.check_morton(morton)
-    return _decode(morton.reshape(-1)).reshape(*morton.shape, 3)
+    return _morton.decode(morton.reshape(-1)).reshape(*morton.shape, 3)
 
 
 _CHILD_BITS = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8)
@@ -139,7 +109,7 @@ def _run_starts(values: torch.Tensor) -> torch.Tensor:
 
 def _sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> torch.Tensor:
     dtype = torch.int32 if level <= _INT32_LEVELS else torch.int64
-    morton = _encode(points, dtype)
+    morton = _morton.encode(points, dtype)
     if not is_sorted:  # sort + drop repeats is cheaper than torch.unique on the CPU
         morton = torch.sort(morton).values
         return morton.index_select(0, _run_starts(morton))
@@ -451,7 +421,7 @@ def _descend(table: torch.Tensor | None, query_coords: torch.Tensor, level: int,
     if with_parents:
         out[:, 0] = node
     if table is not None:
-        morton = _encode(voxels, torch.int32 if level <= _INT32_LEVELS else torch.int64)
+        morton = _morton.encode(voxels, torch.int32 if level <= _INT32_LEVELS else torch.int64)
         for depth in range(level - 1, -1, -1):
             child = ((morton >> (3 * depth)) & 7).to(torch.int32)
             node = table.index_select(0, child.bitwise_or_((node + 1) << 3))
@@ -507,173 +477,3 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
         raise InvalidTensor(f"points: expected shape (num_points, 3), got "
                                     f"{tuple(points.shape)}")
     return points.unsqueeze(1) + _CHILD_OFFSETS.to(points.device)
-
-
-# --- dual octree and trinkets ------------------------------------------------------------
-
-
-def _check_hierarchy(point_hierarchy: object, pyramid: object, names: tuple[str, str],
-                     corners: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A point hierarchy and its pyramid; returns ``(point_hierarchy, pyramid on the CPU,
-    max_level)``. Level ``l``'s points must lie in ``[0, 2**l]`` when they are ``corners``
-    (a dual octree), else in ``[0, 2**l)``."""
-    ph_name, pyr_name = names
-    point_hierarchy = _checks.check_tensor(ph_name, point_hierarchy, (torch.int16,), "torch.int16")
-    if point_hierarchy.dim() != 2 or point_hierarchy.shape[1] != 3:
-        raise InvalidTensor(f"{ph_name}: expected shape (num_points, 3), got "
-                            f"{tuple(point_hierarchy.shape)}")
-    pyramid = _checks.check_tensor(pyr_name, pyramid, (torch.int32,), "torch.int32")
-    if pyramid.dim() != 2 or pyramid.shape[0] != 2 or not 2 <= pyramid.shape[1] <= 17:
-        raise InvalidTensor(f"{pyr_name}: expected shape (2, max_level + 2) with max_level in "
-                            f"[0, 15], got {tuple(pyramid.shape)}")
-    pyramid = pyramid.cpu()
-    max_level = pyramid.shape[1] - 2
-    counts = pyramid[0, : max_level + 1].to(torch.int64)
-    starts = torch.cumsum(counts, 0) - counts
-    if (bool((counts < 0).any()) or not torch.equal(pyramid[1, : max_level + 1].to(torch.int64), starts)
-            or int(pyramid[1, max_level + 1]) != point_hierarchy.shape[0]):
-        raise InvalidTensor(f"{pyr_name}: not a pyramid of {ph_name} (counts per level "
-                            f"{pyramid[0].tolist()}, starts {pyramid[1].tolist()}, "
-                            f"{point_hierarchy.shape[0]} points)")
-    level_of = torch.repeat_interleave(torch.arange(max_level + 1), counts).to(point_hierarchy.device)
-    high = (1 << level_of).unsqueeze(1) + (1 if corners else 0)
-    bad = (point_hierarchy < 0) | (point_hierarchy.to(torch.int64) >= high)
-    if bool(bad.any()):
-        row = int(bad.any(dim=1).nonzero()[0, 0])
-        raise InvalidTensor(
-            f"{ph_name}: point {row} {tuple(point_hierarchy[row].tolist())} lies outside its "
-            f"level {int(level_of[row])} grid")
-    return point_hierarchy, pyramid, max_level
-
-
-def _level_slice(pyramid: torch.Tensor, level: int) -> slice:
-    start, count = int(pyramid[1, level]), int(pyramid[0, level])
-    return slice(start, start + count)
-
-
-# Bits of each axis in a Morton code (z at 3i, y at 3i + 1, x at 3i + 2), 21 bits each.
-_AXIS_MASKS = tuple(sum(1 << (3 * i + k) for i in range(21)) for k in (2, 1, 0))  # x, y, z
-_CORNER_BITS = torch.tensor([[(c >> 2) & 1, (c >> 1) & 1, c & 1] for c in range(8)])
-
-
-def _corner_morton(points: torch.Tensor) -> torch.Tensor:
-    """int64 (n, 8): the Morton codes of the 8 corners of each int16 voxel (n, 3).
-
-    Encodes each voxel once, then adds 1 to each axis inside the code ("dilated"
-    addition: the other axes' bits are set to 1 so the carry runs past them), and picks
-    each corner's axis parts; in int64, so the far corner of a level-15 voxel (coordinate
-    2**15, beyond int16) has its code too."""
-    code = _encode(points, torch.int64)
-    parts = []
-    for axis, mask in enumerate(_AXIS_MASKS):
-        low = code & mask
-        step = mask & -mask  # the axis's lowest bit
-        plus_one = ((low | ~mask) + step) & mask
-        parts.append(torch.stack([low, plus_one], dim=1)[:, _CORNER_BITS[:, axis].to(points.device)])
-    return parts[0] | parts[1] | parts[2]
-
-
-def unbatched_make_dual(point_hierarchy: torch.Tensor,
-                        pyramid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The dual octree: the corners of every level's voxels, as a point hierarchy.
-
-    Level ``l`` of the dual holds the distinct corners of level ``l``'s voxels (corner
-    ``c`` of voxel ``p`` is ``p + (c >> 2 & 1, c >> 1 & 1, c & 1)``), sorted by Morton
-    code, so its coordinates lie in ``[0, 2^l]``.
-
-    Args:
-        point_hierarchy (torch.ShortTensor): int16 of shape :math:`(\text{num_points}, 3)`.
-        pyramid (torch.IntTensor): int32 of shape :math:`(2, \text{max_level} + 2)`.
-
-    Returns:
-        (torch.ShortTensor, torch.IntTensor): the dual point hierarchy, int16 of shape
-        :math:`(\text{num_dual_points}, 3)` on the device of ``point_hierarchy``, and the
-        dual pyramid, int32 of shape :math:`(2, \text{max_level} + 2)` on the CPU (row 0:
-        points per level, 0 in the last column; row 1: first index of each level, the
-        total in the last column).
-
-    A level-15 hierarchy whose voxels reach the far border has corners at ``2^15``,
-    which int16 cannot hold: it raises :class:`~cache_store.errors.InvalidTensor`.
-    """
-    point_hierarchy, pyramid, max_level = _check_hierarchy(
-        point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
-    if max_level == _checks.MAX_LEVEL:
-        leaves = point_hierarchy[_level_slice(pyramid, max_level)]
-        if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
-            raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
-                                "corners at 2**15, beyond int16")
-    levels = []
-    for level in range(max_level + 1):
-        codes = _corner_morton(point_hierarchy[_level_slice(pyramid, level)])
-        levels.append(torch.unique(codes.reshape(-1)))  # sorted ascending
-    counts = torch.tensor([len(codes) for codes in levels] + [0], dtype=torch.int64)
-    pyramid_dual = torch.zeros(2, max_level + 2, dtype=torch.int32)
-    pyramid_dual[0] = counts.to(torch.int32)
-    pyramid_dual[1] = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    dual = _decode(torch.cat(levels)) if levels else point_hierarchy.new_empty(0, 3)
-    return dual, pyramid_dual
-
-
-def _lookup(table: torch.Tensor, codes: torch.Tensor, what: str) -> torch.Tensor:
-    """int64 index into ``table`` (int64 codes, any order) of each of ``codes``; where a code
-    appears several times, its last index (as a dict built in order would give). Raises
-    InvalidTensor when a code is missing."""
-    order = torch.argsort(table, stable=True)
-    ordered = table.index_select(0, order)
-    pos = torch.searchsorted(ordered, codes, right=True) - 1
-    found = pos >= 0
-    pos = pos.clamp_min(0)
-    if len(ordered) == 0 or not bool((found & (ordered.index_select(0, pos) == codes)).all()):
-        raise InvalidTensor(f"{what}")
-    return order.index_select(0, pos)
-
-
-def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
-                            point_hierarchy_dual: torch.Tensor,
-                            pyramid_dual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Trinkets (each voxel's 8 corners in the dual octree) and each voxel's parent.
-
-    Args:
-        point_hierarchy (torch.ShortTensor): int16 of shape :math:`(\text{num_points}, 3)`.
-        pyramid (torch.IntTensor): int32 of shape :math:`(2, \text{max_level} + 2)`.
-        point_hierarchy_dual (torch.ShortTensor): int16 of shape
-            :math:`(\text{num_dual_points}, 3)`, from :func:`unbatched_make_dual`.
-        pyramid_dual (torch.IntTensor): int32 of shape :math:`(2, \text{max_level} + 2)`.
-
-    Returns:
-        (torch.IntTensor, torch.IntTensor): on the device of ``point_hierarchy``:
-
-        - trinkets, int32 of shape :math:`(\text{num_points}, 8)`: entry ``[i, c]`` is the
-          index of voxel ``i``'s corner ``c`` *within its level* of the dual (add
-          ``pyramid_dual[1, level]`` for the index in ``point_hierarchy_dual``);
-        - parents, int32 of shape :math:`(\text{num_points})`: the index in
-          ``point_hierarchy`` of each voxel's parent, -1 for the root.
-
-    A corner missing from the dual, or a parent missing from the level above, raises
-    :class:`~cache_store.errors.InvalidTensor` (Kaolin raises a ``KeyError``).
-    """
-    point_hierarchy, pyramid, max_level = _check_hierarchy(
-        point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
-    dual, pyramid_dual, dual_level = _check_hierarchy(
-        point_hierarchy_dual, pyramid_dual, ("point_hierarchy_dual", "pyramid_dual"), corners=True)
-    if dual_level != max_level:
-        raise InvalidTensor(f"pyramid_dual: {dual_level + 1} levels, but pyramid has "
-                            f"{max_level + 1}")
-    device = point_hierarchy.device
-    dual = dual.to(device)
-    trinkets, parents = [], []
-    for level in range(max_level + 1):
-        points = point_hierarchy[_level_slice(pyramid, level)]
-        corners = _corner_morton(points).reshape(-1)
-        dual_codes = _encode(dual[_level_slice(pyramid_dual, level)], torch.int64)
-        trinkets.append(_lookup(dual_codes, corners, f"point_hierarchy_dual: level {level} "
-                                "lacks corners of point_hierarchy's voxels; build it with "
-                                "unbatched_make_dual").view(-1, 8))
-        if level == 0:
-            parents.append(torch.full((len(points),), -1, dtype=torch.int64, device=device))
-            continue
-        above = _encode(point_hierarchy[_level_slice(pyramid, level - 1)], torch.int64)
-        mine = _encode(points, torch.int64) >> 3
-        parents.append(_lookup(above, mine, f"point_hierarchy: a level-{level} voxel has no "
-                               f"parent at level {level - 1}") + int(pyramid[1, level - 1]))
-    return torch.cat(trinkets).to(torch.int32), torch.cat(parents).to(torch.int32)

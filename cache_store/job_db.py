@@ -1,0 +1,119 @@
+"""The job queue's SQLite plumbing: its schema, its connections, its write transactions.
+
+What :class:`cache_store.jobs.JobQueue` needs from SQLite and nothing about jobs' states:
+the schema (created on first open, versioned in ``meta``), one connection per thread
+closed together (:class:`Connections`), ``BEGIN IMMEDIATE`` transactions on autocommit
+connections (:class:`write_txn`) and the small helpers its statements share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "Connections", "canonical_json", "chunks",
+           "schema_statements", "write_txn"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    id            TEXT PRIMARY KEY,
+    recipe        TEXT NOT NULL,
+    params        TEXT NOT NULL,
+    fingerprint   TEXT NOT NULL,
+    priority      INTEGER NOT NULL DEFAULT 0,
+    created       REAL NOT NULL,
+    cancelled     INTEGER NOT NULL DEFAULT 0,
+    already_ready INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS items (
+    id            INTEGER PRIMARY KEY,
+    job_id        TEXT NOT NULL REFERENCES jobs(id),
+    seq           INTEGER NOT NULL,
+    fingerprint   TEXT NOT NULL,
+    sample_id     TEXT NOT NULL,
+    path          TEXT NOT NULL,
+    status        TEXT NOT NULL,
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    last_error    TEXT,
+    lease_owner   TEXT,
+    lease_expires REAL,
+    updated       REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS items_by_job ON items(job_id, status, seq);
+CREATE INDEX IF NOT EXISTS items_by_status ON items(status, lease_expires);
+CREATE INDEX IF NOT EXISTS items_by_sample ON items(fingerprint, sample_id, status);
+CREATE TABLE IF NOT EXISTS heartbeats (
+    worker_id TEXT PRIMARY KEY,
+    pid       INTEGER NOT NULL,
+    seen      REAL NOT NULL,
+    info      TEXT NOT NULL DEFAULT '{}'
+);
+"""
+
+# Connections inherited across fork are parked (cache_store.process_local), never used,
+# closed or collected: closing one in the child could checkpoint or unlink the WAL under
+# the parent's feet.
+
+
+class Connections:
+    """One process's SQLite connections: one per thread, all closed together."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.all: list[sqlite3.Connection] = []
+        self.lock = threading.Lock()
+
+    def add(self, conn: sqlite3.Connection) -> None:
+        self.local.conn = conn
+        with self.lock:
+            self.all.append(conn)
+
+    def close(self) -> None:
+        with self.lock:
+            conns, self.all = self.all, []
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.ProgrammingError:
+                # Made in another thread; SQLite lets only that thread close it, and it
+                # is freed when that thread's local storage goes.
+                log.debug("left a connection of another thread to its thread")
+
+
+class write_txn:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on error) on an autocommit connection."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+
+
+def schema_statements() -> list[str]:
+    return [s.strip() for s in SCHEMA.split(";") if s.strip()]
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
+    for i in range(0, len(seq), n):
+        yield seq[i:i + n]
