@@ -17,11 +17,10 @@ its keyed tag must match (a proxy altering and re-checksumming one is caught; se
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import random
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -34,14 +33,13 @@ from cache_store.errors import (
     ReadOnlyStoreError,
     RecordNotFound,
     SpcacheError,
-    UnsupportedFormat,
 )
 from cache_store.fingerprint import split_key
 from cache_store.process_local import ProcessLocal
 from cache_store.record import Record, check_names_key, decode_record, decode_records, read_metadata
 from cache_store.record_tag import TAG_HEADER, as_secret, check_record_tag
 from cache_store.store import DatasetIndex, Store
-from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
+from cache_store.wire import decode_batch
 
 __all__ = [
     "HTTPStore",

@@ -91,6 +91,29 @@ def _epoch(ds: CachedDataset, context: str) -> list[Any]:
     return [sample for batch in loader for sample in batch]
 
 
+def check_epochs_equal_precompute(ds: CachedDataset, meshes: list[Path], cache: Path,
+                                  reference: Path, rows: list[tuple[str, str, str]],
+                                  first: list[Any], second: list[Any]) -> None:
+    """Read-through's promise: the samples are the sources as precompute discovers them,
+    each queued exactly once and done, one record each, and both epochs equal (torch.equal,
+    every field) to the records ``spcache precompute`` wrote into ``reference``."""
+    fp = ds.fingerprint
+    ids = [ds.sample_id(i) for i in range(len(ds))]
+    assert [sid for sid, _ in discover_sources(meshes)] == ids
+    assert sorted((f, s) for f, s, _ in rows) == sorted((fp, sid) for sid in ids)
+    assert {status for _, _, status in rows} == {"done"}
+    store, ref = LMDBStore(cache), LMDBStore(reference)
+    try:
+        assert sorted(store.keys(prefix=f"{fp}/")) == sorted(f"{fp}/{sid}" for sid in ids)
+        for sid, a, b in zip(ids, first, second, strict=True):
+            expected = decode_record(ref.get(f"{fp}/{sid}")).tensors
+            assert _same(a, expected), sid
+            assert _same(b, expected), sid
+    finally:
+        store.close()
+        ref.close()
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 on 2 cores
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_epoch_over_empty_cache_equals_precompute(tmp_path: Path, meshes: list[Path],
@@ -109,20 +132,7 @@ def test_epoch_over_empty_cache_equals_precompute(tmp_path: Path, meshes: list[P
         assert _queue_rows(cache) == rows  # second epoch: nothing queued
     finally:
         _stop(proc)
-    fp = ds.fingerprint
-    ids = [ds.sample_id(i) for i in range(len(ds))]
-    assert [sid for sid, _ in discover_sources(meshes)] == ids
-    # each sample queued exactly once and done; one record each
-    assert sorted((f, s) for f, s, _ in rows) == sorted((fp, sid) for sid in ids)
-    assert {status for _, _, status in rows} == {"done"}
-    store, ref = LMDBStore(cache), LMDBStore(reference)
-    assert sorted(store.keys(prefix=f"{fp}/")) == sorted(f"{fp}/{sid}" for sid in ids)
-    for sid, a, b in zip(ids, first, second):
-        expected = decode_record(ref.get(f"{fp}/{sid}")).tensors
-        assert _same(a, expected), sid
-        assert _same(b, expected), sid
-    store.close()
-    ref.close()
+    check_epochs_equal_precompute(ds, meshes, cache, reference, rows, first, second)
 
 
 def test_no_worker_fails_fast_naming_the_command(tmp_path: Path, corpus_meshes: list[Path]) -> None:

@@ -15,7 +15,6 @@ named as damaged. Zero callers killed by a signal, zero tracebacks, zero raw 500
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path

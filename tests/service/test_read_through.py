@@ -18,13 +18,10 @@ import httpx
 import pytest
 
 from cache_store import CachedDataset
-from cache_store.sources_list import discover_sources
 from cache_store.errors import NoWorkerAlive, SampleFailed
 from cache_store.fingerprint import compute_fingerprint
 from cache_store.jobs import JobQueue
-from cache_store.lmdb_store import LMDBStore
 from cache_store.recipes import get_recipe_spec
-from cache_store.record import decode_record
 from cache_store.wire import decode_batch
 from service.settings import Settings
 from tests.cache_store.test_read_through import (
@@ -33,9 +30,9 @@ from tests.cache_store.test_read_through import (
     _loader_check,
     _precompute,
     _queue_rows,
-    _same,
     _stop,
     _worker,
+    check_epochs_equal_precompute,
 )
 from tests.service.conftest import AUTH, TOKEN, InProcessServer, start_server, stop_server
 
@@ -67,19 +64,7 @@ def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_me
         ds.close()
         _stop(proc)
         stop_server(server)
-    fp = ds.fingerprint
-    ids = [ds.sample_id(i) for i in range(len(ds))]
-    assert [sid for sid, _ in discover_sources(meshes)] == ids
-    assert sorted((f, s) for f, s, _ in rows) == sorted((fp, sid) for sid in ids)  # once each
-    assert {status for _, _, status in rows} == {"done"}
-    store, ref = LMDBStore(cache), LMDBStore(reference)
-    assert sorted(store.keys(prefix=f"{fp}/")) == sorted(f"{fp}/{sid}" for sid in ids)
-    for sid, a, b in zip(ids, first, second):
-        expected = decode_record(ref.get(f"{fp}/{sid}")).tensors
-        assert _same(a, expected), sid
-        assert _same(b, expected), sid
-    store.close()
-    ref.close()
+    check_epochs_equal_precompute(ds, meshes, cache, reference, rows, first, second)
 
 
 def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(

@@ -3,7 +3,6 @@ export, CachedDataset with a forked DataLoader, and (slow) Ray."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
