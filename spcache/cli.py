@@ -145,8 +145,13 @@ def configure_logging(level: int) -> None:
     """Root logging to stderr at ``level``: the process's one logging set-up, done before
     any command code runs (a command's own later ``basicConfig`` is then a no-op). Where
     the root logger already has handlers (an embedding program, pytest) nothing changes."""
-    logging.basicConfig(level=max(logging.DEBUG, min(logging.CRITICAL, level)),
-                        format=LOG_FORMAT, stream=sys.stderr)
+    level = max(logging.DEBUG, min(logging.CRITICAL, level))
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
+    # httpx/httpcore log every request at INFO: a polling client (the demo, HTTPStore)
+    # would print a line per poll; they speak only at DEBUG, when asked for everything.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING)
+                                           if level > logging.DEBUG else level)
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -199,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"\nread {len(response.content)} bytes over HTTP: {shapes}")
         print(f"""
 spcache is serving {cache}
+  status page:  {base}/
   health:       {base}/healthz
   caches:       {base}/v1/caches
   one record:   {record_url}
