@@ -1,7 +1,9 @@
 """Source discovery: which files a directory, a manifest or a path names, as ``(id, path)``.
 
-One function, :func:`discover_sources`, shared by ``spcache precompute``, the service's
-warm-up glob and anything else that turns "these sources" into samples. CPU only: it
+One function, :func:`discover_sources`, shared by ``spcache precompute`` and
+read-through datasets (``CachedDataset(..., sources=...)``), so both name the same samples.
+(The service's warm-up glob is a different, bounded walk over untrusted patterns:
+``service.warmup.expand_glob``.) CPU only: it
 reads directory listings and manifests, never the files themselves (no trimesh, no torch).
 """
 
@@ -25,16 +27,13 @@ MANIFEST_EXTENSIONS = frozenset({".txt", ".jsonl"})
 
 
 def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *,
-                     pattern: str | None = None,
                      limit: int | None = None) -> list[tuple[str, str]]:
     """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
 
     ``sources`` is one source or an iterable of them:
 
     - a directory: every supported file under it (recursively, hidden entries skipped),
-      sorted; the id is the path relative to the directory, without extension; with
-      ``pattern`` (a glob relative to the directory, e.g. ``"**/*.obj"``) only the
-      supported files matching it;
+      sorted; the id is the path relative to the directory, without extension;
     - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
       folder; the id is that relative path without extension, or for a path outside
       the folder its file name without extension;
@@ -45,8 +44,7 @@ def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLik
 
     Raises:
         SourceError: a source that does not exist or cannot be read, a malformed manifest,
-            a pattern that is absolute or climbs out with ``..``, or more than ``limit``
-            pairs.
+            or more than ``limit`` pairs.
     """
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
@@ -58,7 +56,7 @@ def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLik
         except OSError as exc:
             raise SourceError(path, f"cannot read: {exc.strerror or exc}") from exc
         if is_dir:
-            items.extend(_walk(path) if pattern is None else _glob(path, pattern))
+            items.extend(_walk(path))
         elif not path.exists():
             raise SourceError(path, "no such file or directory")
         elif path.suffix.lower() == ".txt":
@@ -84,20 +82,6 @@ def _walk(root: Path) -> list[tuple[str, str]]:
             file = Path(dirpath) / filename
             if file.suffix.lower() in SUPPORTED_EXTENSIONS:
                 found.append((file.relative_to(root).with_suffix("").as_posix(), str(file)))
-    found.sort()
-    return found
-
-
-def _glob(root: Path, pattern: str) -> list[tuple[str, str]]:
-    if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:
-        raise SourceError(root, f"pattern {pattern!r} must stay inside the directory")
-    found = []
-    for file in root.glob(pattern):
-        relative = file.relative_to(root)
-        if any(part.startswith(".") for part in relative.parts):
-            continue
-        if file.suffix.lower() in SUPPORTED_EXTENSIONS and file.is_file():
-            found.append((relative.with_suffix("").as_posix(), str(file)))
     found.sort()
     return found
 

@@ -17,27 +17,6 @@ def _touch(path: Path) -> Path:
     return path
 
 
-def test_a_pattern_selects_supported_files_under_the_directory(tmp_path: Path) -> None:
-    _touch(tmp_path / "chairs" / "a1.obj")
-    _touch(tmp_path / "chairs" / "b2.ply")
-    _touch(tmp_path / "chairs" / "notes.obj.txt")
-    _touch(tmp_path / "tables" / "t.obj")
-    _touch(tmp_path / ".cache" / "h.obj")
-    assert discover_sources([tmp_path], pattern="chairs/*") == [
-        ("chairs/a1", str(tmp_path / "chairs" / "a1.obj")),
-        ("chairs/b2", str(tmp_path / "chairs" / "b2.ply"))]
-    assert [i for i, _ in discover_sources([tmp_path], pattern="**/*.obj")] == [
-        "chairs/a1", "tables/t"]
-    # with no pattern: the same ids as the pattern that matches everything
-    assert discover_sources([tmp_path]) == discover_sources([tmp_path], pattern="**/*")
-
-
-@pytest.mark.parametrize("pattern", ["../*.obj", "/etc/*", ""])
-def test_a_pattern_must_stay_inside(tmp_path: Path, pattern: str) -> None:
-    with pytest.raises(SourceError, match="must stay inside"):
-        discover_sources([tmp_path], pattern=pattern)
-
-
 def test_a_limit_fails_the_whole_request(tmp_path: Path) -> None:
     for i in range(5):
         _touch(tmp_path / f"s{i}.xyz")
