@@ -91,6 +91,18 @@ def _epoch(ds: CachedDataset, context: str) -> list[Any]:
     return [sample for batch in loader for sample in batch]
 
 
+def two_epochs(ds: CachedDataset, context: str, cache: Path,
+               count: int) -> tuple[list[Any], list[tuple[str, str, str]], list[Any]]:
+    """Two DataLoader epochs over a read-through dataset of ``count`` sources: the samples
+    of each, and the queue rows after the first (the second must queue nothing)."""
+    assert ds.on_miss == "compute" and len(ds) == count
+    first = _epoch(ds, context)
+    rows = _queue_rows(cache)
+    second = _epoch(ds, context)
+    assert _queue_rows(cache) == rows  # second epoch: nothing queued
+    return first, rows, second
+
+
 def check_epochs_equal_precompute(ds: CachedDataset, meshes: list[Path], cache: Path,
                                   reference: Path, rows: list[tuple[str, str, str]],
                                   first: list[Any], second: list[Any]) -> None:
@@ -125,11 +137,7 @@ def test_epoch_over_empty_cache_equals_precompute(tmp_path: Path, meshes: list[P
     try:
         ds = CachedDataset(cache, "spc_query", sources=meshes,
                            transform=functools.partial(_loader_check, parent_had_ops), **PARAMS)
-        assert ds.on_miss == "compute" and len(ds) == len(meshes)
-        first = _epoch(ds, context)
-        rows = _queue_rows(cache)
-        second = _epoch(ds, context)
-        assert _queue_rows(cache) == rows  # second epoch: nothing queued
+        first, rows, second = two_epochs(ds, context, cache, len(meshes))
     finally:
         _stop(proc)
     check_epochs_equal_precompute(ds, meshes, cache, reference, rows, first, second)

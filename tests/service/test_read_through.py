@@ -26,13 +26,13 @@ from cache_store.wire import decode_batch
 from service.settings import Settings
 from tests.cache_store.test_read_through import (
     PARAMS,
-    _epoch,
     _loader_check,
     _precompute,
     _queue_rows,
     _stop,
     _worker,
     check_epochs_equal_precompute,
+    two_epochs,
 )
 from tests.service.conftest import AUTH, TOKEN, InProcessServer, start_server, stop_server
 
@@ -55,11 +55,7 @@ def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_me
         ds = CachedDataset(server.url, "spc_query", sources=meshes,
                            store_options={"token": TOKEN},
                            transform=functools.partial(_loader_check, parent_had_ops), **PARAMS)
-        assert ds.on_miss == "compute" and len(ds) == len(meshes)
-        first = _epoch(ds, context)
-        rows = _queue_rows(cache)
-        second = _epoch(ds, context)
-        assert _queue_rows(cache) == rows  # second epoch: nothing queued
+        first, rows, second = two_epochs(ds, context, cache, len(meshes))
     finally:
         ds.close()
         _stop(proc)
