@@ -51,6 +51,8 @@ _STREAM_AHEAD = 4
 #: waiting for actors" log lines.
 _WAIT_TICK_S = 1.0
 _PLACEMENT_LOG_EVERY_S = 30.0
+#: Longest wait, after ``ray.kill``, for this run's actors to leave Ray's actor table.
+_RELEASE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -89,6 +91,7 @@ class RayRun:
                                 failures=engine.failure_log, skip_failed=engine.skip_failed)
         self.slots: list[ActorSlot] = []
         self.shards: deque[Shard] = deque()
+        self.run_token = ""  # names this run's actors (set when they start)
 
     def execute(self) -> RaySummary:
         start = time.perf_counter()
@@ -158,13 +161,40 @@ class RayRun:
             for slot in self.slots:
                 if slot.state == "busy":
                     slot.stats.busy_s += time.perf_counter() - slot.since
-                try:
-                    ray.kill(slot.handle)
-                except Exception as exc:  # noqa: BLE001 - already gone; nothing to release
-                    logger.debug("ray.kill(actor %d): %s", slot.stats.actor, exc)
+            self._release_actors(ray)
             self.summary.actors = [slot.stats for slot in self.slots]
             if started:
                 ray.shutdown()
+
+    def _release_actors(self, ray: Any) -> None:
+        """Kill this run's actors and wait (boundedly) until Ray no longer lists them.
+
+        ``ray.kill`` only asks; the actor is torn down asynchronously. A caller that keeps
+        Ray running (a notebook, a test, a driver doing several runs) must get the CPUs
+        and GPUs back when :meth:`RayEngine.run` returns, not some time later.
+        """
+        for slot in self.slots:
+            try:
+                ray.kill(slot.handle)
+            except Exception as exc:  # noqa: BLE001 - already gone; nothing to release
+                logger.debug("ray.kill(actor %d): %s", slot.stats.actor, exc)
+        if not self.run_token or not self.slots:
+            return
+        prefix = f"spcache-shard-{self.run_token}-"
+        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+        while True:
+            try:
+                left = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+            except Exception as exc:  # noqa: BLE001 - Ray itself is going; nothing to wait on
+                logger.debug("list_named_actors: %s", exc)
+                return
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("%d Ray actor(s) still listed %.0fs after ray.kill: %s",
+                               len(left), _RELEASE_TIMEOUT_S, ", ".join(sorted(left)))
+                return
+            time.sleep(0.05)
 
     def _connect(self, ray: Any) -> bool:
         """Initialise Ray unless it already is; True when this run started it."""
@@ -212,11 +242,11 @@ class RayRun:
         options["device"] = "cuda" if use_gpu else "cpu"
         remote = ray.remote(ShardWorker)
         level = logging.getLogger("workers").getEffectiveLevel()
-        run_token = uuid.uuid4().hex[:8]
+        self.run_token = uuid.uuid4().hex[:8]
         for index in range(wanted):
             # Named, so that `ray list actors` (and a test) can tell them apart.
             handle = remote.options(
-                name=f"spcache-shard-{run_token}-{index}", num_cpus=1,
+                name=f"spcache-shard-{self.run_token}-{index}", num_cpus=1,
                 num_gpus=1 if use_gpu else 0, max_restarts=engine.actor_restarts,
                 max_task_retries=0,
             ).remote(engine.recipe.name, dict(engine.params), options, level, engine.actor_fault)
