@@ -379,6 +379,15 @@ class LMDBStore(Store):
                 raise RecordNotFound(key, self.location)
             return bytes(value)
 
+    @contextmanager
+    def read_view(self, key: str) -> Iterator[Any]:
+        # The map's own bytes, valid inside one read transaction (held for the block).
+        with self._read() as (txn, dbs):
+            value = _lookup(txn, dbs[_RECORDS_DB], key)
+            if value is None:
+                raise RecordNotFound(key, self.location)
+            yield value
+
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
         # Decoded inside the transaction, straight from the map: one copy per tensor.
         # The hot path of every read: no context-manager generator around the transaction.

@@ -22,6 +22,7 @@ UTF-8 bytes (= code point order).
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime as _dt
 import importlib
 import json
@@ -240,6 +241,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get(self, key: str) -> bytes:
         """The value under ``key``; raises :class:`RecordNotFound` naming key and store."""
+
+    @contextlib.contextmanager
+    def read_view(self, key: str) -> Iterator[Any]:
+        """The value under ``key`` as a bytes-like object valid only inside the ``with``
+        block: a backend that can lend its own memory (LMDB's map) does, so a caller that
+        only inspects a value (an export's first pass) copies nothing. Raises like
+        :meth:`get`."""
+        yield self.get(key)
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         """Write ``(key, record bytes)`` pairs atomically (all or none); returns the count.

@@ -1,12 +1,15 @@
-"""Reading a local snapshot's chunk files directly, without zarr's codec pipeline.
+"""A local snapshot's chunk files read and written directly, without zarr's codec pipeline.
 
 Only for the exact layout :mod:`cache_store.export` writes (regular chunks along axis 0,
 default "/" chunk keys, little-endian bytes -> blosc -> crc32c); anything else is read
-through zarr. ``bench/zarr_snapshot.py`` compares the two (docs/BENCHMARKS.md).
+and written through zarr, which also writes every array's metadata. ``bench/zarr_snapshot.py``
+compares the two ways of reading (docs/BENCHMARKS.md); the writer exists because zarr's
+per-call overhead made an export 2-3x slower than the LMDB ingest of the same records.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import math
 import os
 import threading
@@ -14,8 +17,24 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LocalChunkReader"]
+__all__ = ["LocalChunkReader", "LocalChunkWriter", "ChunkWriterPool"]
 
+
+def supports_direct(array: Any) -> bool:
+    """Whether ``array`` has exactly the layout this module reads and writes."""
+    meta = array.metadata
+    try:
+        codecs = [c.to_dict() for c in meta.codecs]
+        separator = meta.chunk_key_encoding.separator
+        name = meta.chunk_key_encoding.name
+    except AttributeError:
+        return False
+    little = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
+    return (len(codecs) == 3 and codecs[0] in little and codecs[1].get("name") == "blosc"
+            and codecs[2] == {"name": "crc32c"}
+            and name == "default" and separator == "/"
+            and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
+            and not isinstance(getattr(array, "shards", None), tuple))
 
 class LocalChunkReader:
     """Reads rows of one array of a *local* snapshot straight from its chunk files.
@@ -45,18 +64,7 @@ class LocalChunkReader:
 
     @classmethod
     def supports(cls, array: Any) -> bool:
-        meta = array.metadata
-        try:
-            codecs = [c.to_dict() for c in meta.codecs]
-            separator = meta.chunk_key_encoding.separator
-            name = meta.chunk_key_encoding.name
-        except AttributeError:
-            return False
-        little = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
-        return (len(codecs) == 3 and codecs[0] in little and codecs[1].get("name") == "blosc" and codecs[2] == {"name": "crc32c"}
-                and name == "default" and separator == "/"
-                and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
-                and not isinstance(getattr(array, "shards", None), tuple))
+        return supports_direct(array)
 
     def _chunk(self, index: int) -> np.ndarray:
         with self._lock:
@@ -107,3 +115,95 @@ class LocalChunkReader:
         if not pieces:
             return np.empty((0, *trailing), dtype=self.dtype)
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+
+class ChunkWriterPool:
+    """Threads that compress and write chunk files for :class:`LocalChunkWriter`.
+
+    Blosc releases the GIL, so chunks of one export compress in parallel (one blosc
+    thread each: numcodecs compresses single-threaded off the main thread). At most
+    ``2 * threads`` chunks wait or run at once, so memory stays a few chunks, not the
+    snapshot. The first failure is raised by :meth:`submit` or :meth:`finish`.
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or max(1, min(8, os.cpu_count() or 1))
+        self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="spcache-chunks")
+        self._slots = threading.BoundedSemaphore(2 * self.threads)
+        self._pending: set[cf.Future[None]] = set()
+
+    def submit(self, job: Any, *args: Any) -> None:
+        self._slots.acquire()
+        try:
+            future = self._pool.submit(job, *args)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._pending.add(future)
+        done = {f for f in self._pending if f.done()}
+        self._pending -= done
+        for f in done:
+            f.result()
+
+    def finish(self) -> None:
+        """Wait for every chunk; raise the first failure."""
+        pending, self._pending = self._pending, set()
+        for f in pending:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class LocalChunkWriter:
+    """Writes whole chunks of one array of a *local* snapshot straight to their files.
+
+    The array (its ``zarr.json``) is created by zarr; only its chunks are written here, in
+    the very bytes zarr would write (little-endian rows, blosc with the array's cname,
+    clevel, shuffle and typesize, then the CRC-32C of that, little-endian), so zarr and
+    :class:`LocalChunkReader` read them alike (tests read exports both ways). A chunk
+    past the end is padded with the fill value (0), as zarr stores a regular grid.
+    """
+
+    def __init__(self, directory: str, array: Any, pool: ChunkWriterPool) -> None:
+        if not supports_direct(array):
+            raise ValueError(f"{directory}: not a layout LocalChunkWriter writes")
+        import numcodecs
+
+        blosc = [c.to_dict() for c in array.metadata.codecs][1]["configuration"]
+        self.directory = directory
+        self.dtype = np.dtype(array.dtype).newbyteorder("<")
+        self.chunk_shape = tuple(array.chunks)
+        self.pool = pool
+        self.codec = numcodecs.Blosc(
+            cname=blosc["cname"], clevel=int(blosc["clevel"]),
+            shuffle={"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
+                     "bitshuffle": numcodecs.Blosc.BITSHUFFLE}[blosc["shuffle"]],
+            blocksize=int(blosc.get("blocksize", 0)))
+        if int(blosc.get("typesize", self.dtype.itemsize)) != self.dtype.itemsize:
+            raise ValueError(f"{directory}: blosc typesize {blosc['typesize']} is not the "
+                             f"dtype's itemsize {self.dtype.itemsize}")
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Write ``rows`` from row ``start`` (a chunk boundary) on, one file per chunk;
+        only the last chunk may be partial. ``rows`` may be reused once this returns."""
+        step = self.chunk_shape[0]
+        if start % step:
+            raise ValueError(f"{self.directory}: write at row {start}, not a chunk boundary")
+        for lo in range(0, rows.shape[0], step):
+            part = rows[lo:lo + step]
+            chunk = np.zeros(self.chunk_shape, dtype=self.dtype)
+            chunk[(slice(0, part.shape[0]), *(slice(0, d) for d in part.shape[1:]))] = part
+            self.pool.submit(self._write_chunk, (start + lo) // step, chunk)
+
+    def _write_chunk(self, index: int, chunk: np.ndarray) -> None:
+        import google_crc32c
+
+        body = self.codec.encode(chunk)
+        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
+        folder = os.path.join(self.directory, *parts[:-1])
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, parts[-1]), "wb") as f:
+            f.write(body)
+            f.write(np.uint32(google_crc32c.value(body)).astype("<u4").tobytes())

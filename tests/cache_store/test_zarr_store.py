@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import signal
@@ -511,13 +513,19 @@ def test_field_names_never_become_paths(tmp_path: Path) -> None:
 def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported) -> None:
     records, _, cache_dir, _ = exported
     source = LMDBStore(cache_dir)
-    key, calls = f"{FP_A}/tables/t1", []
-    real_get = source.get
+    key, real_get, real_view = f"{FP_A}/tables/t1", source.get, source.read_view
+    seen: list[str] = []
 
-    def get(k: str) -> bytes:  # a worker recomputes the record between the two passes
-        calls.append(k)
-        return make_record(FP_A, "tables/t1", seed=5) if calls.count(key) > 1 else real_get(k)
-    source.get = get
+    @contextlib.contextmanager
+    def read_view(k: str):  # the first pass: records checked in place
+        seen.append(k)
+        with real_view(k) as value:
+            yield value
+
+    def get(k: str) -> bytes:  # the second pass: a worker recomputed t1 in between
+        assert k in seen, "the second pass read a record the first did not check"
+        return make_record(FP_A, "tables/t1", seed=5) if k == key else real_get(k)
+    source.read_view, source.get = read_view, get
     with pytest.raises(SpcacheError, match="changed during the export"):
         export_snapshot(source, FP_A, tmp_path / "s.zarr")
     assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
@@ -578,3 +586,67 @@ def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch
         assert per_pass[0] > 0 and per_pass[1] == 0  # the second pass decodes nothing
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("codec", ["zstd", "lz4hc", "lz4"])
+@pytest.mark.parametrize("dtype", ["int32", "uint8", "float64", "int16"])
+def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: str,
+                                                       dtype: str) -> None:
+    # the export's own chunk writer must write exactly what zarr's pipeline writes, so
+    # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
+    from cache_store.export import _compressors
+    from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter
+
+    data = (np.arange(37 * 3, dtype=np.int64) * 7919 % 251).astype(dtype).reshape(37, 3)
+    files = {}
+    for how in ("zarr", "direct"):
+        group = zarr.create_group(zarr.storage.LocalStore(tmp_path / how))
+        arr = group.create_array("a", shape=data.shape, dtype=data.dtype, chunks=(8, 3),
+                                 compressors=_compressors(data.dtype, 3, codec), fill_value=0)
+        if how == "zarr":
+            arr[:] = data
+        else:
+            pool = ChunkWriterPool(threads=2)
+            writer = LocalChunkWriter(str(tmp_path / how / "a"), arr, pool)
+            writer.write(0, data[:16])
+            writer.write(16, data[16:])
+            pool.finish()
+            pool.close()
+        chunk_dir = tmp_path / how / "a" / "c"
+        files[how] = {p.relative_to(chunk_dir): p.read_bytes()
+                      for p in sorted(chunk_dir.rglob("*")) if p.is_file()}
+        assert np.array_equal(zarr.open_array(tmp_path / how / "a", mode="r")[:], data)
+    assert len(files["direct"]) == 5
+    assert files["direct"] == files["zarr"]
+
+
+def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path) -> None:
+    from cache_store.export import _compressors
+    from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter
+
+    group = zarr.create_group(zarr.storage.LocalStore(tmp_path))
+    arr = group.create_array("a", shape=(20,), dtype="int32", chunks=(8,),
+                             compressors=_compressors(np.dtype("int32"), 3, "lz4"), fill_value=0)
+    pool = ChunkWriterPool(threads=1)
+    with pytest.raises(ValueError, match="not a chunk boundary"):
+        LocalChunkWriter(str(tmp_path / "a"), arr, pool).write(3, np.zeros(4, np.int32))
+    pool.close()
+
+
+def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
+        tmp_path: Path, exported, monkeypatch) -> None:
+    from cache_store import zarr_chunks
+
+    _, _, cache_dir, _ = exported
+    real, calls = zarr_chunks.LocalChunkWriter._write_chunk, []
+
+    def failing(self, index, chunk):  # the disk fills up after a few chunks
+        calls.append(index)
+        if len(calls) > 3:
+            raise OSError(28, "No space left on device")
+        return real(self, index, chunk)
+    monkeypatch.setattr(zarr_chunks.LocalChunkWriter, "_write_chunk", failing)
+    with pytest.raises(OSError, match="No space left"):
+        export_snapshot(cache_dir, FP_A, tmp_path / "s.zarr")
+    assert len(calls) > 3
+    assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
