@@ -76,12 +76,18 @@ from cache_store.snapshot_format import (
 )
 
 __all__ = ["ExportSummary", "export_snapshot", "sweep_leftovers",
-           "CODECS", "DEFAULT_CHUNK_BYTES", "DEFAULT_CLEVEL"]
+           "CODECS", "DEFAULT_CODEC", "DEFAULT_CHUNK_BYTES", "RAW_CHUNK_BYTES",
+           "DEFAULT_CLEVEL"]
 
 log = logging.getLogger(__name__)
 
-#: Smallest uncompressed chunk of a data array, in bytes.
+#: Smallest uncompressed chunk of a data array, in bytes, for a compressing codec: a
+#: read decompresses whole chunks, so they stay small.
 DEFAULT_CHUNK_BYTES = 256 * 1024
+#: The same for ``codec="none"``: a local read takes only a record's own rows from a
+#: chunk file, whatever its size, so chunks are large (fewer files to open, keep open
+#: and fsync).
+RAW_CHUNK_BYTES = 16 * 1024 * 1024
 #: Blosc's ``clevel`` (1-9, one scale for every blosc codec; blosc maps it onto the
 #: codec's own levels, so it is not a zstd level). docs/BENCHMARKS.md compares levels.
 DEFAULT_CLEVEL = 3
@@ -191,14 +197,19 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
     return survey
 
 
-#: blosc compressors offered: zstd compresses best; lz4hc decompresses ~3-4x faster
-#: (reads) at a few percent more size and slower export; lz4 exports fastest.
-CODECS = ("zstd", "lz4hc", "lz4")
+#: Chunk codecs offered: blosc with zstd compresses best; lz4hc decompresses ~3-4x faster
+#: (reads) at a few percent more size and slower export; lz4 exports fastest; ``none``
+#: stores the rows as they are (with their CRC-32C), and a local reader then reads only
+#: a record's own bytes, as from the LMDB cache. docs/BENCHMARKS.md compares them.
+CODECS = ("zstd", "lz4hc", "lz4", "none")
+DEFAULT_CODEC = "zstd"
 
 
 def _compressors(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
     from zarr.codecs import BloscCodec, Crc32cCodec
 
+    if codec == "none":
+        return [Crc32cCodec()]
     shuffle = "shuffle" if dtype.itemsize > 1 else "noshuffle"
     return [BloscCodec(cname=codec, clevel=clevel, shuffle=shuffle), Crc32cCodec()]
 
@@ -537,8 +548,8 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
 
 def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
                     dest: str | os.PathLike[str], *, overwrite: bool = False,
-                    skip_bad: bool = False, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    clevel: int = DEFAULT_CLEVEL, codec: str = "zstd",
+                    skip_bad: bool = False, chunk_bytes: int | None = None,
+                    clevel: int = DEFAULT_CLEVEL, codec: str = DEFAULT_CODEC,
                     storage_options: Mapping[str, Any] | None = None,
                     progress: bool = False) -> ExportSummary:
     """Export the records of ``fingerprint`` in ``source`` to the snapshot ``dest``.
@@ -553,7 +564,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
             old export from their chunk caches (whole, verified records).
         skip_bad: leave out records that are missing, corrupt or shaped unlike the
             first one (each is logged and listed in the summary) instead of failing.
-        chunk_bytes: smallest uncompressed chunk of a data array.
+        chunk_bytes: smallest uncompressed chunk of a data array (default
+            :data:`DEFAULT_CHUNK_BYTES`, or :data:`RAW_CHUNK_BYTES` for ``codec="none"``).
         clevel: blosc's compression level, 1-9 for any codec (blosc maps it onto the
             codec's own scale: not a zstd level).
         codec: blosc compressor, one of :data:`CODECS` (any reader decodes all).
@@ -573,6 +585,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
         raise ParameterError([f"clevel: {clevel!r} is outside 1..9"])
     if codec not in CODECS:
         raise UnknownName("snapshot codec", codec, CODECS)
+    if chunk_bytes is None:
+        chunk_bytes = RAW_CHUNK_BYTES if codec == "none" else DEFAULT_CHUNK_BYTES
     if int(chunk_bytes) < 1:
         raise ParameterError([f"chunk_bytes: {chunk_bytes!r} must be positive"])
     started = time.perf_counter()

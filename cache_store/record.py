@@ -42,7 +42,7 @@ import datetime as _dt
 import json
 import struct
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -66,6 +66,8 @@ __all__ = [
     "encode_tensors",
     "decode_record",
     "decode_records",
+    "decode_filled",
+    "parse_stored_header",
     "decode_arrays",
     "torch_dtype",
     "read_header",
@@ -401,7 +403,22 @@ def _parse_view(view: memoryview, key: str) -> RecordHeader:
     (n,) = _LEN.unpack_from(view, 0)
     if n < 2 or n > MAX_HEADER_BYTES or n > total - _LEN.size:
         raise _fail(key, f"header length {n} does not fit a {total}-byte value")
-    raw = bytes(view[_LEN.size:_LEN.size + n])
+    return _parse_text(bytes(view[_LEN.size:_LEN.size + n]), total, key)
+
+
+def parse_stored_header(text: bytes, data_len: int, *, key: str = "") -> RecordHeader:
+    """The header of a record stored in parts (a snapshot keeps each record's header
+    text apart from its fields): ``text`` is the header as it follows the length prefix,
+    ``data_len`` the bytes of its fields where they are stored. Checked as
+    :func:`read_header` checks a whole value (JSON, metadata, checksum, and that the
+    fields tile exactly ``data_len`` bytes)."""
+    if len(text) < 2 or len(text) > MAX_HEADER_BYTES:
+        raise _fail(key, f"header length {len(text)} out of range")
+    return _parse_text(bytes(text), _LEN.size + len(text) + int(data_len), key)
+
+
+def _parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
+    n = len(raw)
     if raw[:1] != b"{":
         raise _fail(key, "header does not start with '{'")
     try:
@@ -516,7 +533,18 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _record_tensors(view: memoryview, header: RecordHeader, names: list[str],
+#: ``fill(j, name, info, out)``: write record ``j``'s field ``name`` (``info`` its
+#: place in the record) into ``out`` (a writable memoryview of exactly its bytes).
+Fill = Callable[[int, str, TensorInfo, memoryview], None]
+
+
+def _view_fill(views: Sequence[memoryview]) -> Fill:
+    def fill(j: int, name: str, info: TensorInfo, out: memoryview) -> None:
+        out[:] = views[j][info.begin:info.end]  # the one copy out of LMDB's map / the bytes
+    return fill
+
+
+def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
                     key: str) -> dict[str, torch.Tensor]:
     """One record read in this (non-worker) process: its fields copied into one fresh
     buffer (8-byte aligned slots), each copy verified against its checksum and viewed as
@@ -537,10 +565,11 @@ def _record_tensors(view: memoryview, header: RecordHeader, names: list[str],
     buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
     out = memoryview(buf)
     tensors = {}
-    for name, (dtype, shape, begin, end), offset in slots:
+    for name, info, offset in slots:
+        dtype, shape, begin, end = info
         nbytes = end - begin
         copy = out[offset:offset + nbytes]
-        copy[:] = view[begin:end]  # the one copy out of LMDB's map / the bytes
+        fill(0, name, info, copy)
         if xxhash.xxh3_64_hexdigest(copy) != checksums[name]:
             raise _fail(key, f"checksum mismatch in tensor {name!r}")
         if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
@@ -557,7 +586,7 @@ def _record_tensors(view: memoryview, header: RecordHeader, names: list[str],
     return tensors
 
 
-def _batch_tensors(views: Sequence[memoryview], headers: Sequence[RecordHeader],
+def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
                    names: Sequence[list[str]], keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
     """Copy the named fields of every record into ONE fresh buffer, verify each copy
     against its checksum, and view each as a tensor of that ONE storage (batches, and
@@ -594,10 +623,11 @@ def _batch_tensors(views: Sequence[memoryview], headers: Sequence[RecordHeader],
     flat: dict[str, torch.Tensor] = {}  # dtype name -> the whole storage as that dtype
     out = memoryview(buf)
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
-    for j, name, (dtype, shape, begin, end), offset in slots:
+    for j, name, info, offset in slots:
+        dtype, shape, begin, end = info
         nbytes = end - begin
         copy = out[offset:offset + nbytes]
-        copy[:] = views[j][begin:end]  # the one copy out of LMDB's map / the bytes
+        fill(j, name, info, copy)
         if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
             raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
         if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
@@ -635,8 +665,9 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
     header = _parse_view(view, key)
     names = _selected(header, fields, key)
     if in_dataloader_worker():
-        return Record(_batch_tensors([view], [header], [names], [key])[0], header.metadata)
-    return Record(_record_tensors(view, header, names, key), header.metadata)
+        return Record(_batch_tensors(_view_fill([view]), [header], [names], [key])[0],
+                      header.metadata)
+    return Record(_record_tensors(_view_fill([view]), header, names, key), header.metadata)
 
 
 def decode_records(items: Iterable[tuple[str, Any]], *,
@@ -656,7 +687,26 @@ def decode_records(items: Iterable[tuple[str, Any]], *,
         views.append(view)
         headers.append(header)
         names.append(_selected(header, fields, key))
-    tensors = _batch_tensors(views, headers, names, keys)
+    tensors = _batch_tensors(_view_fill(views), headers, names, keys)
+    return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
+
+
+def decode_filled(headers: Sequence[RecordHeader], keys: Sequence[str], fill: Fill, *,
+                  fields: Iterable[str] | None = None) -> list[Record]:
+    """Decode records whose bytes are not one value: a snapshot's record is its header
+    (:func:`parse_stored_header`) and its fields' rows in separate arrays. ``fill``
+    writes each selected field's bytes straight into the returned tensors' storage
+    (e.g. ``pread`` from a chunk file), which are then verified against the header's
+    field checksums exactly as :func:`decode_records` verifies its copies; one record in
+    the trainer's process, batches, and reads in a DataLoader worker are laid out as
+    there."""
+    if fields is not None:
+        fields = [fields] if isinstance(fields, str) else list(fields)
+    names = [_selected(h, fields, k) for h, k in zip(headers, keys)]
+    if len(headers) == 1 and not in_dataloader_worker():
+        return [Record(_record_tensors(fill, headers[0], names[0], keys[0]),
+                       headers[0].metadata)]
+    tensors = _batch_tensors(fill, headers, names, keys)
     return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
 
 

@@ -30,8 +30,9 @@ def supports_direct(array: Any) -> bool:
     except AttributeError:
         return False
     little = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
-    return (len(codecs) == 3 and codecs[0] in little and codecs[1].get("name") == "blosc"
-            and codecs[2] == {"name": "crc32c"}
+    blosc = len(codecs) == 3 and codecs[1].get("name") == "blosc"
+    return (len(codecs) in (2, 3) and codecs[0] in little and (blosc or len(codecs) == 2)
+            and codecs[-1] == {"name": "crc32c"}
             and name == "default" and separator == "/"
             and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
             and not isinstance(getattr(array, "shards", None), tuple))
@@ -49,10 +50,17 @@ class LocalChunkReader:
     records per chunk: with only the last two chunks kept, every shuffled read
     decompressed a whole chunk per small field to take a few bytes of it; kept, its
     array is decoded once per process.
+
+
+    Uncompressed chunks (the ``none`` codec: rows, then a CRC-32C) are not decoded
+    whole: the rows asked for are read from the file with ``pread`` (open files kept, at
+    most ``keep_files``), as LMDB reads a record from its map. The chunk's CRC covers the
+    whole chunk and so is not checked on such a read; what is returned is checked
+    anyway, by the per-field xxh3 of the record it belongs to (every read verifies it).
     """
 
     def __init__(self, directory: str, array: Any, cache_bytes: int = 16 << 20,
-                 min_chunks: int = 2) -> None:
+                 min_chunks: int = 2, keep_files: int = 16) -> None:
         self.directory = directory
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
@@ -61,6 +69,14 @@ class LocalChunkReader:
         self.cache_chunks = max(min_chunks, cache_bytes // chunk_bytes)
         self._cache: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # the service reads from several threads
+        # rows read in place: no compressor, and a chunk's rows as wide as the array's
+        self.raw = (len(array.metadata.codecs) == 2
+                    and tuple(self.chunk_shape[1:]) == tuple(self.shape[1:]))
+        self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        self.chunk_file_bytes = chunk_bytes + 4
+        self.keep_files = keep_files
+        self.codec_names = [c.to_dict()["name"] for c in array.metadata.codecs]
+        self._files: dict[int, int] = {}  # chunk index -> open fd, most recent last
 
     @classmethod
     def supports(cls, array: Any) -> bool:
@@ -88,10 +104,13 @@ class LocalChunkReader:
             if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
                 raise ValueError(f"chunk {'/'.join(parts)}: stored and computed CRC-32C "
                                  f"do not match")
-            try:
-                decoded = numcodecs.Blosc().decode(body)
-            except (RuntimeError, ValueError, TypeError) as exc:
-                raise ValueError(f"chunk {'/'.join(parts)}: {exc}") from None
+            if "blosc" in self.codec_names:
+                try:
+                    decoded = numcodecs.Blosc().decode(body)
+                except (RuntimeError, ValueError, TypeError) as exc:
+                    raise ValueError(f"chunk {'/'.join(parts)}: {exc}") from None
+            else:
+                decoded = body
             chunk = np.frombuffer(decoded, dtype=self.dtype)
             if chunk.size != math.prod(self.chunk_shape):
                 raise ValueError(f"chunk {'/'.join(parts)}: decodes to {chunk.size} items, "
@@ -103,14 +122,85 @@ class LocalChunkReader:
             self._cache[index] = chunk
         return chunk
 
+    def _file(self, index: int) -> int | None:
+        """An open fd of chunk ``index`` (kept), after checking its size; None: no file."""
+        with self._lock:
+            fd = self._files.pop(index, None)
+            if fd is not None:
+                self._files[index] = fd
+                return fd
+        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
+        try:
+            fd = os.open(os.path.join(self.directory, *parts), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # never written: all fill value (0)
+            return None
+        size = os.fstat(fd).st_size
+        if size != self.chunk_file_bytes:
+            os.close(fd)
+            raise ValueError(f"chunk {'/'.join(parts)}: {size} bytes, expected "
+                             f"{self.chunk_file_bytes} (rows and a CRC-32C)")
+        with self._lock:
+            self._files[index] = fd
+            while len(self._files) > self.keep_files:
+                os.close(self._files.pop(next(iter(self._files))))
+        return fd
+
+    def _read_rows(self, index: int, lo: int, hi: int) -> np.ndarray:
+        want = (hi - lo) * self.row_bytes
+        fd = self._file(index)
+        if fd is None:
+            return np.zeros((hi - lo, *self.shape[1:]), dtype=self.dtype)
+        data = os.pread(fd, want, lo * self.row_bytes)
+        if len(data) != want:
+            raise ValueError(f"chunk c/{index}: {len(data)} of {want} bytes read")
+        return np.frombuffer(data, dtype=self.dtype).reshape(hi - lo, *self.shape[1:])
+
+    def read_into(self, start: int, stop: int, out: memoryview) -> None:
+        """Write rows ``start:stop`` into ``out`` (exactly their bytes): an uncompressed
+        chunk's rows straight from its file (``preadv``), others from the decoded chunk."""
+        if (stop - start) * self.row_bytes != out.nbytes:
+            raise ValueError(f"rows {start}:{stop} are {(stop - start) * self.row_bytes} "
+                             f"bytes, not {out.nbytes}")
+        if not self.raw:
+            out[:] = np.ascontiguousarray(self.rows(start, stop)).view(np.uint8).reshape(-1)
+            return
+        step = self.chunk_shape[0]
+        at = 0
+        for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
+            lo = max(start, index * step) - index * step
+            hi = min(stop, (index + 1) * step) - index * step
+            part = out[at:at + (hi - lo) * self.row_bytes]
+            fd = self._file(index)
+            if fd is None:
+                part[:] = bytes(part.nbytes)
+            elif os.preadv(fd, [part], lo * self.row_bytes) != part.nbytes:
+                raise ValueError(f"chunk c/{index}: short read")
+            at += part.nbytes
+
+    def close(self) -> None:
+        """Close the chunk files kept open (reads open them again)."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for fd in files.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter teardown; the OS closes them
+            pass
+
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` (axis 0), all of the other axes."""
         trailing = tuple(self.shape[1:])
         step = self.chunk_shape[0]
         pieces = []
         for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
-            chunk = self._chunk(index)
             lo, hi = max(start, index * step) - index * step, min(stop, (index + 1) * step) - index * step
+            if self.raw:
+                pieces.append(self._read_rows(index, lo, hi))
+                continue
+            chunk = self._chunk(index)
             pieces.append(chunk[(slice(lo, hi), *(slice(0, d) for d in trailing))])
         if not pieces:
             return np.empty((0, *trailing), dtype=self.dtype)
@@ -161,7 +251,8 @@ class LocalChunkWriter:
 
     The array (its ``zarr.json``) is created by zarr; only its chunks are written here, in
     the very bytes zarr would write (little-endian rows, blosc with the array's cname,
-    clevel, shuffle and typesize, then the CRC-32C of that, little-endian), so zarr and
+    clevel, shuffle and typesize unless the codec is ``none``, then the CRC-32C of that,
+    little-endian), so zarr and
     :class:`LocalChunkReader` read them alike (tests read exports both ways). A chunk
     past the end is padded with the fill value (0), as zarr stores a regular grid.
     """
@@ -171,11 +262,15 @@ class LocalChunkWriter:
             raise ValueError(f"{directory}: not a layout LocalChunkWriter writes")
         import numcodecs
 
-        blosc = [c.to_dict() for c in array.metadata.codecs][1]["configuration"]
         self.directory = directory
         self.dtype = np.dtype(array.dtype).newbyteorder("<")
         self.chunk_shape = tuple(array.chunks)
         self.pool = pool
+        codecs = [c.to_dict() for c in array.metadata.codecs]
+        self.codec = None
+        if len(codecs) == 2:  # the "none" codec: rows, then their CRC-32C
+            return
+        blosc = codecs[1]["configuration"]
         self.codec = numcodecs.Blosc(
             cname=blosc["cname"], clevel=int(blosc["clevel"]),
             shuffle={"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
@@ -200,7 +295,7 @@ class LocalChunkWriter:
     def _write_chunk(self, index: int, chunk: np.ndarray) -> None:
         import google_crc32c
 
-        body = self.codec.encode(chunk)
+        body = chunk.tobytes() if self.codec is None else self.codec.encode(chunk)
         parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
         folder = os.path.join(self.directory, *parts[:-1])
         os.makedirs(folder, exist_ok=True)

@@ -45,7 +45,15 @@ from cache_store.fingerprint import (
     validate_fingerprint,
 )
 from cache_store.process_local import ProcessLocal
-from cache_store.record import HEADER_LENGTH, Record, check_names_key, decode_records, unpack_ids
+from cache_store.record import (
+    HEADER_LENGTH,
+    Record,
+    check_names_key,
+    decode_filled,
+    decode_records,
+    parse_stored_header,
+    unpack_ids,
+)
 from cache_store.snapshot_format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
@@ -386,14 +394,8 @@ class ZarrStore(Store):
         return value
 
     def _values(self, keys: Sequence[str], fields: Iterable[str] | None) -> list[bytearray]:
-        located = []
-        for key in keys:
-            found = self._locate(key)
-            if found is None:
-                raise RecordNotFound(key, self.location)
-            located.append((key, *found))
         out = []
-        for value in self._read_values(located, fields):
+        for value in self._read_values(self._located(keys), fields):
             if isinstance(value, CorruptRecord):
                 raise value
             out.append(value)
@@ -440,12 +442,58 @@ class ZarrStore(Store):
                                               else list(fields))
 
         def read() -> list[Record]:
-            records = decode_records(zip(keys, self._values(keys, fields), strict=True),
-                                     fields=fields)
+            located = self._located(keys)
+            if located and all(snap.local is not None for _, snap, _ in located):
+                records = self._decode_local(located, fields)
+            else:
+                records = decode_records(zip(keys, self._values(keys, fields), strict=True),
+                                         fields=fields)
             for key, record in zip(keys, records, strict=True):
                 check_names_key(record.metadata, key)
             return records
         return self._read_checked(read)
+
+    @staticmethod
+    def _decode_local(located: Sequence[tuple[str, _Snapshot, int]],
+                      fields: list[str] | None) -> list[Record]:
+        """Records of a local snapshot decoded straight from its chunk files: each field's
+        rows are read into the tensors' own storage (no record value is assembled), then
+        verified against the stored header's checksums like any read."""
+        headers, keys = [], []
+        for key, snap, row in located:
+            local = snap.local
+            assert local is not None
+            h = snap.header_offsets
+            try:
+                text = local["headers"].rows(int(h[row]), int(h[row + 1])).tobytes()
+            except _READ_ERRORS as exc:
+                raise CorruptRecord(key, f"cannot read {snap.fingerprint}/headers: {exc}") from None
+            data_len = sum((int(o[row + 1]) - int(o[row])) * local[name].row_bytes
+                           for name, o in snap.field_offsets.items())
+            headers.append(parse_stored_header(text, data_len, key=key))
+            keys.append(key)
+
+        def fill(j: int, name: str, info: Any, out: memoryview) -> None:
+            key, snap, row = located[j]
+            reader = snap.local.get(name) if snap.local is not None else None
+            if reader is None:
+                raise CorruptRecord(key, f"field {name!r} is not in snapshot {snap.fingerprint}")
+            o = snap.field_offsets[name]
+            try:
+                reader.read_into(int(o[row]), int(o[row + 1]), out)
+            except _READ_ERRORS as exc:
+                raise CorruptRecord(key, f"cannot read {snap.fingerprint}/data/{name}: "
+                                         f"{exc}") from None
+        return decode_filled(headers, keys, fill, fields=fields)
+
+    def _located(self, keys: Sequence[str]) -> list[tuple[str, _Snapshot, int]]:
+        located = []
+        for key in keys:
+            found = self._locate(key)
+            if found is None:
+                raise RecordNotFound(key, self.location)
+            located.append((key, *found))
+        return located
 
     def has(self, key: str) -> bool:
         return self._locate(key) is not None

@@ -20,7 +20,14 @@ from cache_store.paths import cache_dir_problem
 __all__ = ["configure_parser", "run"]
 
 
+#: ``--codec``'s help: measured (docs/BENCHMARKS.md, "Zarr snapshots").
+CODEC_HELP = ("chunk codec: zstd (default: smallest), lz4hc, lz4 (fastest blosc export), "
+              "none (no compression)")
+
+
 def configure_parser(parser: argparse.ArgumentParser) -> None:
+    from cache_store.export import CODECS, DEFAULT_CHUNK_BYTES, DEFAULT_CODEC, RAW_CHUNK_BYTES
+
     parser.add_argument("fingerprint", help="fingerprint of the dataset to export")
     parser.add_argument("--cache", required=True, type=Path, help="cache directory (LMDB)")
     parser.add_argument("--to", required=True, dest="dest",
@@ -29,16 +36,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="replace this fingerprint if the destination already has it")
     parser.add_argument("--skip-bad", action="store_true",
                         help="leave out missing or corrupt records instead of failing")
-    parser.add_argument("--chunk-kib", type=int, default=256,
-                        help="smallest uncompressed chunk of a data array, KiB (default 256)")
+    parser.add_argument("--chunk-kib", type=int, default=None,
+                        help=f"smallest uncompressed chunk of a data array, KiB (default "
+                             f"{DEFAULT_CHUNK_BYTES // 1024}; {RAW_CHUNK_BYTES // 1024} with "
+                             f"--codec none)")
     parser.add_argument("--clevel", type=int, default=3,
                         help="compression level 1-9 (default 3; 1 exports ~2x faster, "
                              "~5%% larger)")
     # --level was this option's name; kept working, unlisted (demo --level is an octree level)
     parser.add_argument("--level", type=int, dest="clevel", help=argparse.SUPPRESS)
-    parser.add_argument("--codec", default="zstd", choices=["zstd", "lz4hc", "lz4"],
-                        help="blosc compressor: zstd (smallest, default), lz4hc (reads "
-                             "~3x faster, a few %% larger), lz4 (fastest export)")
+    parser.add_argument("--codec", default=DEFAULT_CODEC, choices=list(CODECS),
+                        help=CODEC_HELP)
     parser.add_argument("--storage-options", default="{}",
                         help="JSON object of fsspec options for a URL destination")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -68,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"spcache export: --storage-options: {exc}", file=sys.stderr)
         return 2
+    chunk_bytes = None if args.chunk_kib is None else args.chunk_kib * 1024
     try:
         summary = export_snapshot(args.cache, args.fingerprint, args.dest,
                                   overwrite=args.overwrite, skip_bad=args.skip_bad,
-                                  chunk_bytes=args.chunk_kib * 1024, clevel=args.clevel,
+                                  chunk_bytes=chunk_bytes, clevel=args.clevel,
                                   codec=args.codec,
                                   storage_options=options,
                                   progress=not args.no_progress and sys.stderr.isatty())

@@ -28,7 +28,7 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.export import _exclusive, export_snapshot, sweep_leftovers
+from cache_store.export import CODECS, _exclusive, export_snapshot, sweep_leftovers
 from cache_store.fingerprint import compute_fingerprint
 from cache_store.lmdb_store import LMDBStore
 from cache_store.record import decode_record, encode_record, read_header
@@ -92,6 +92,28 @@ class TestZarrStoreContractThroughZarr(StoreContract):
     @pytest.fixture
     def make_store(self, contract_content, contract_snapshot):
         return lambda records, indexes: ZarrStore(contract_snapshot, direct_reads=False)
+
+
+@pytest.fixture(scope="module")
+def uncompressed_snapshot(tmp_path_factory, contract_content) -> Path:
+    root = tmp_path_factory.mktemp("uncompressed")
+    cache = fill_lmdb(root / "cache", *contract_content)
+    export_all(cache, root / "snap.zarr", codec="none", chunk_bytes=64)
+    cache.close()
+    return root / "snap.zarr"
+
+
+class TestZarrStoreContractUncompressed(StoreContract):
+    """The same, on a ``codec="none"`` snapshot with small chunks: records read in place
+    with ``pread``, several records per chunk and records across chunk boundaries."""
+
+    @pytest.fixture
+    def content(self, contract_content):
+        return contract_content
+
+    @pytest.fixture
+    def make_store(self, contract_content, uncompressed_snapshot):
+        return lambda records, indexes: ZarrStore(uncompressed_snapshot)
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +214,7 @@ def test_plain_zarr_client_reads_arrays_and_attributes(exported) -> None:
     assert header["__metadata__"]["checksum"] == read_header(records[f"{FP_B}/lamps/l1"]).checksum
 
 
-@pytest.mark.parametrize("codec", ["zstd", "lz4hc", "lz4"])
+@pytest.mark.parametrize("codec", CODECS)
 def test_all_dtypes_and_shapes_round_trip(tmp_path: Path, codec: str) -> None:
     params = {"level": 3}
     fp = compute_fingerprint("custom", 2, params)
@@ -318,6 +340,39 @@ def test_flipped_bytes_in_a_chunk_are_reported(tmp_path: Path, exported, direct_
     assert all("point_hierarchy" in reason for reason in report.corrupt.values())
     assert store.verify(FP_B).ok
     assert store.get(f"{FP_B}/lamps/l1") == records[f"{FP_B}/lamps/l1"]
+
+
+def test_uncompressed_chunks_damaged_fail_only_their_records(tmp_path: Path) -> None:
+    # codec "none": a record's rows are read in place, so a flipped byte fails the
+    # record whose rows hold it (its field's xxh3), and a truncated chunk file is named
+    records, indexes = sample_content()
+    cache = fill_lmdb(tmp_path / "cache", records, indexes)
+    export_all(cache, tmp_path / "s.zarr", codec="none")
+    cache.close()
+    store = ZarrStore(tmp_path / "s.zarr")
+    group = zarr.open_group(str(tmp_path / "s.zarr" / FP_A), mode="r")
+    offsets = group["offsets/point_hierarchy"][:]
+    victim = int(np.flatnonzero(np.diff(offsets))[0])  # a record with rows in this field
+    row_bytes = 3 * np.dtype(group["data/point_hierarchy"].dtype).itemsize
+    (chunk,) = _chunk_files(tmp_path / "s.zarr" / FP_A, "data/point_hierarchy")
+    raw = bytearray(chunk.read_bytes())
+    raw[int(offsets[victim]) * row_bytes] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    ids = group["sample_ids"][:].tobytes().decode()
+    id_offsets = group["sample_id_offsets"][:]
+    victim_key = f"{FP_A}/{ids[id_offsets[victim]:id_offsets[victim + 1]]}"
+    fresh = ZarrStore(tmp_path / "s.zarr")
+    with pytest.raises(CorruptRecord, match="point_hierarchy"):
+        fresh.get(victim_key)
+    report = fresh.verify()
+    assert sorted(report.corrupt) == [victim_key]
+    for key, value in records.items():
+        if key != victim_key:
+            assert fresh.get(key) == value
+    chunk.write_bytes(bytes(raw[:-9]))  # truncated
+    with pytest.raises(CorruptRecord, match="bytes, expected"):
+        ZarrStore(tmp_path / "s.zarr").get(victim_key)
+    store.close()
 
 
 def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported) -> None:
@@ -588,7 +643,7 @@ def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch
         store.close()
 
 
-@pytest.mark.parametrize("codec", ["zstd", "lz4hc", "lz4"])
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", ["int32", "uint8", "float64", "int16"])
 def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: str,
                                                        dtype: str) -> None:
