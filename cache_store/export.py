@@ -26,8 +26,9 @@ Publishing is atomic for readers:
 
 Chunking: along the first axis. When every record has the same rows for a field, a
 chunk holds whole records (a sample is never split); otherwise at least the mean
-record's rows (a sample touches one or two chunks). Either way at least ``chunk_bytes``,
-so small fields are not split into tiny objects. Chunks are blosc compressed (zstd by
+record's rows (a sample touches one or two chunks). Either way about ``chunk_bytes``
+(the rows split evenly between chunks, so the last is not mostly padding), so small
+fields are not split into tiny objects. Chunks are blosc compressed (zstd by
 default; byte shuffle for multi-byte dtypes) and end in a CRC-32C.
 """
 
@@ -61,7 +62,7 @@ from cache_store.fingerprint import validate_fingerprint
 from cache_store.record import DTYPES, FORMAT_VERSION, RecordHeader, pack_ids
 from cache_store.recipes import RECIPE_SPECS
 from cache_store.store import DatasetIndex, Store, open_store
-from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter
+from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 from cache_store.snapshot_format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
@@ -258,18 +259,26 @@ class _FieldWriter:
         self.pending_rows = rest.shape[0]
 
 
+def _even(total: int, per_chunk: int) -> int:
+    """``per_chunk`` lowered so that ``total`` splits into as many chunks, evenly: the
+    last chunk (stored at full size, padded) is then not mostly padding."""
+    return math.ceil(total / math.ceil(total / per_chunk)) if total > per_chunk else per_chunk
+
+
 def _chunk_rows(lay: _FieldLayout, n: int, chunk_bytes: int) -> int:
     """Rows per chunk: records of one size get whole records per chunk (a sample is
-    never split); otherwise at least the mean record, and at least ``chunk_bytes``."""
+    never split); otherwise at least the mean record. About ``chunk_bytes`` each, the
+    rows split evenly between the chunks."""
     total = sum(lay.rows)
     row_bytes = lay.numpy_dtype.itemsize * math.prod(lay.trailing)
     if n and lay.rows[0] > 0 and all(r == lay.rows[0] for r in lay.rows):
         record_bytes = lay.rows[0] * row_bytes
         per_chunk = max(1, chunk_bytes // record_bytes) if record_bytes else n
-        return lay.rows[0] * min(n, per_chunk)
+        return lay.rows[0] * _even(n, min(n, per_chunk))
     mean_rows = math.ceil(total / n) if n else 1
     by_bytes = math.ceil(chunk_bytes / row_bytes) if row_bytes else total
-    return max(1, min(max(total, 1), max(mean_rows, by_bytes)))
+    rows = max(1, min(max(total, 1), max(mean_rows, by_bytes)))
+    return max(_even(total, rows), min(rows, mean_rows))
 
 
 def _zarr_write(array: Any) -> Any:
@@ -314,36 +323,58 @@ def _write_fields(group: Any, store: Store, index: DatasetIndex, survey: _Survey
                   chunk_bytes: int, clevel: int, codec: str, progress: bool,
                   local_dir: Path | None, pool: ChunkWriterPool | None) -> None:
     n = len(survey.sample_ids)
-    writers = {}
+    writers: dict[str, Any] = {}
     for name, lay in survey.fields.items():
         dtype, rows = lay.numpy_dtype, sum(lay.rows)
         chunk = _chunk_rows(lay, n, chunk_bytes)
         arr = group.create_array(f"data/{name}", shape=(rows, *lay.trailing), dtype=dtype,
                                  chunks=(chunk, *(max(1, d) for d in lay.trailing)),
                                  compressors=_compressors(dtype, clevel, codec), fill_value=0)
-        if pool is not None and local_dir is not None:
-            write = LocalChunkWriter(str(local_dir / "data" / name), arr, pool).write
-        else:
+        where = None if local_dir is None else str(local_dir / "data" / name)
+        if where is not None and codec == "none" and all(d > 0 for d in lay.trailing):
+            writers[name] = RawChunkAppender(where, arr)
+            continue
+        if where is not None and codec != "none" and pool is not None:
+            write = LocalChunkWriter(where, arr, pool).write
+        else:  # remote, or rows of zero width (chunks are at least 1 wide)
             write = _zarr_write(arr)
         writers[name] = _FieldWriter(write, chunk)
-    with _progress(n, "writing", progress) as bar:
-        for i, sample_id in enumerate(survey.sample_ids):
-            key = f"{index.fingerprint}/{sample_id}"
-            value = store.get(key)
-            header = check_record_value(value, key)
-            if bytes(memoryview(value)[8:header.data_start]) != survey.headers[i]:
-                raise SpcacheError(f"{key}: record changed during the export (is a worker "
-                                   f"still writing this fingerprint?); export again")
-            view = memoryview(value)
-            for name, lay in survey.fields.items():
-                info = header.tensors[name]
-                rows = np.frombuffer(view[info.begin:info.end], dtype=lay.numpy_dtype)
-                writers[name].add(rows.reshape(lay.rows_of(info.shape), *lay.trailing))
-            bar.update(1)
-    for writer in writers.values():
-        writer.flush(final=True)
-    if pool is not None:
-        pool.finish()
+    # Appenders write each record's rows at once, so they can take them from the
+    # source's own memory; a _FieldWriter keeps rows until a chunk is full: a copy.
+    in_place = all(isinstance(w, RawChunkAppender) for w in writers.values())
+    try:
+        with _progress(n, "writing", progress) as bar:
+            for i, sample_id in enumerate(survey.sample_ids):
+                key = f"{index.fingerprint}/{sample_id}"
+                if in_place:
+                    with store.read_view(key) as value:
+                        _send(writers, survey, key, value, survey.headers[i])
+                else:
+                    _send(writers, survey, key, store.get(key), survey.headers[i])
+                bar.update(1)
+        for writer in writers.values():
+            writer.flush(final=True)
+        if pool is not None:
+            pool.finish()
+    finally:
+        for writer in writers.values():
+            if isinstance(writer, RawChunkAppender):
+                writer.close()
+
+
+def _send(writers: Mapping[str, Any], survey: _Survey, key: str, value: Any,
+          checked_header: bytes) -> None:
+    """One record's rows to every field's writer, after checking it is the record the
+    first pass checked."""
+    header = check_record_value(value, key)
+    view = memoryview(value)
+    if bytes(view[8:header.data_start]) != checked_header:
+        raise SpcacheError(f"{key}: record changed during the export (is a worker "
+                           f"still writing this fingerprint?); export again")
+    for name, lay in survey.fields.items():
+        info = header.tensors[name]
+        rows = np.frombuffer(view[info.begin:info.end], dtype=lay.numpy_dtype)
+        writers[name].add(rows.reshape(lay.rows_of(info.shape), *lay.trailing))
 
 
 def _group_attrs(index: DatasetIndex, survey: _Survey, source: str, token: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LocalChunkReader", "LocalChunkWriter", "ChunkWriterPool"]
+__all__ = ["LocalChunkReader", "LocalChunkWriter", "ChunkWriterPool", "RawChunkAppender"]
 
 
 def supports_direct(array: Any) -> bool:
@@ -251,8 +251,7 @@ class LocalChunkWriter:
 
     The array (its ``zarr.json``) is created by zarr; only its chunks are written here, in
     the very bytes zarr would write (little-endian rows, blosc with the array's cname,
-    clevel, shuffle and typesize unless the codec is ``none``, then the CRC-32C of that,
-    little-endian), so zarr and
+    clevel, shuffle and typesize, then the CRC-32C of that, little-endian), so zarr and
     :class:`LocalChunkReader` read them alike (tests read exports both ways). A chunk
     past the end is padded with the fill value (0), as zarr stores a regular grid.
     """
@@ -267,9 +266,8 @@ class LocalChunkWriter:
         self.chunk_shape = tuple(array.chunks)
         self.pool = pool
         codecs = [c.to_dict() for c in array.metadata.codecs]
-        self.codec = None
-        if len(codecs) == 2:  # the "none" codec: rows, then their CRC-32C
-            return
+        if len(codecs) != 3:
+            raise ValueError(f"{directory}: uncompressed chunks are written by RawChunkAppender")
         blosc = codecs[1]["configuration"]
         self.codec = numcodecs.Blosc(
             cname=blosc["cname"], clevel=int(blosc["clevel"]),
@@ -295,10 +293,72 @@ class LocalChunkWriter:
     def _write_chunk(self, index: int, chunk: np.ndarray) -> None:
         import google_crc32c
 
-        body = chunk.tobytes() if self.codec is None else self.codec.encode(chunk)
+        body = self.codec.encode(chunk)
         parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
         folder = os.path.join(self.directory, *parts[:-1])
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, parts[-1]), "wb") as f:
             f.write(body)
             f.write(np.uint32(google_crc32c.value(body)).astype("<u4").tobytes())
+
+
+class RawChunkAppender:
+    """Streams rows into the chunk files of one *uncompressed* array (``none`` codec) of a
+    local snapshot, as they come: each chunk file is the rows, then the CRC-32C of them
+    (little-endian), exactly what zarr writes for ``bytes -> crc32c``; the last chunk is
+    padded with the fill value (0). Nothing is buffered or encoded, so an uncompressed
+    export costs one write and one CRC pass over the data.
+    """
+
+    def __init__(self, directory: str, array: Any) -> None:
+        if not supports_direct(array) or len(array.metadata.codecs) != 2:
+            raise ValueError(f"{directory}: not an uncompressed layout RawChunkAppender writes")
+        self.directory = directory
+        self.dtype = np.dtype(array.dtype).newbyteorder("<")
+        self.chunk_shape = tuple(array.chunks)
+        if tuple(self.chunk_shape[1:]) != tuple(array.shape[1:]):
+            raise ValueError(f"{directory}: chunks narrower or wider than the rows")
+        self.chunk_bytes = math.prod(self.chunk_shape) * self.dtype.itemsize
+        self._index = 0
+        self._file: Any = None
+        self._crc = 0
+        self._filled = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        """Append ``rows`` (the array's dtype and trailing shape) after the last ones."""
+        import google_crc32c
+
+        # uint8 arrays, not memoryviews: google_crc32c takes arrays (and bytes) only
+        data = np.ascontiguousarray(rows, dtype=self.dtype).reshape(-1).view(np.uint8)
+        while data.nbytes:
+            if self._file is None:
+                parts = ["c", str(self._index)] + ["0"] * (len(self.chunk_shape) - 1)
+                folder = os.path.join(self.directory, *parts[:-1])
+                os.makedirs(folder, exist_ok=True)
+                self._file = open(os.path.join(folder, parts[-1]), "wb")  # noqa: SIM115
+                self._crc, self._filled = 0, 0
+            part = data[:self.chunk_bytes - self._filled]
+            self._file.write(part)
+            self._crc = google_crc32c.extend(self._crc, part)
+            self._filled += part.nbytes
+            data = data[part.nbytes:]
+            if self._filled == self.chunk_bytes:
+                self._end_chunk()
+
+    def flush(self, final: bool = True) -> None:
+        """Pad and close the last chunk (``final``; rows are never held back)."""
+        if final and self._file is not None:
+            self.add(np.zeros((self.chunk_bytes - self._filled) // self.dtype.itemsize,
+                              dtype=self.dtype).reshape(-1, *self.chunk_shape[1:]))
+
+    def _end_chunk(self) -> None:
+        self._file.write(np.uint32(self._crc).astype("<u4").tobytes())
+        self._file.close()
+        self._file = None
+        self._index += 1
+
+    def close(self) -> None:
+        """Close a chunk left open by a failed export (its staging is removed anyway)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

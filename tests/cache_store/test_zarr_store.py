@@ -226,6 +226,7 @@ def test_all_dtypes_and_shapes_round_trip(tmp_path: Path, codec: str) -> None:
             "flag": torch.tensor([True, False, True][: i + 1]),
             "zero_d": torch.tensor(float(i), dtype=torch.float64),
             "empty": torch.zeros((0, 3), dtype=torch.int64),
+            "no_width": torch.zeros((i + 2, 0), dtype=torch.float32),
             "vary": torch.arange(i * 4, dtype=torch.int16).reshape(i * 2, 2),
         }
         meta = record_metadata(fp, sid) | {"recipe": "custom", "recipe_version": "2"}
@@ -650,7 +651,7 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
     # the export's own chunk writer must write exactly what zarr's pipeline writes, so
     # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
     from cache_store.export import _compressors
-    from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter
+    from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 
     data = (np.arange(37 * 3, dtype=np.int64) * 7919 % 251).astype(dtype).reshape(37, 3)
     files = {}
@@ -660,6 +661,11 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
                                  compressors=_compressors(data.dtype, 3, codec), fill_value=0)
         if how == "zarr":
             arr[:] = data
+        elif codec == "none":
+            appender = RawChunkAppender(str(tmp_path / how / "a"), arr)
+            for lo, hi in ((0, 5), (5, 5), (5, 21), (21, 37)):  # across chunk boundaries
+                appender.add(data[lo:hi])
+            appender.flush(final=True)
         else:
             pool = ChunkWriterPool(threads=2)
             writer = LocalChunkWriter(str(tmp_path / how / "a"), arr, pool)
