@@ -1,30 +1,41 @@
 """spcache's LMDB cache read every way a trainer reads it, and next to peer formats (issue 18).
 
 Builds ``--samples`` spc_query-shaped records with the pure-PyTorch SPC ops (the
-workload of ``bench/zarr_snapshot.py``), writes them into an spcache LMDB cache and
-into every format in ``WRITERS`` (today only spcache's own: see the note there), checks
-that each format gives back exactly the same tensors, then times, interleaved round by
-round so machine load hits every format alike, and prints each rate and its ratio to
-spcache LMDB:
+workload of ``bench/zarr_snapshot.py``) and writes the same records into an spcache LMDB
+cache and into each peer format of ``WRITERS``: LitData (``litdata``), MosaicML
+Streaming's MDS (``streaming``), tensordict memory-maps (``tensordict``) and a Hugging
+Face Arrow dataset (``datasets``); what each writes and reads is noted at its writer.
+It checks that every format gives back exactly the same tensors (every sample, every
+field: dtype, shape, values), then times, interleaved round by round so machine load
+hits every format alike, and prints each rate and its ratio to spcache LMDB:
 
 - one process, random ``ds[i]``;
-- DataLoader, 0 workers, batch 8 (a list-keeping collate, so every format pays the same
-  collate; spcache also with ``collate_spc`` and per-sample with ``batch_size=None``);
-- DataLoader, ``--workers`` workers (fork), batch 8, list-keeping collate;
-- ingest (write) time.
+- DataLoader, 0 workers, per sample (``batch_size=None``) and batch 8 (a list-keeping
+  collate, so every format pays the same collate; spcache also with ``collate_spc``);
+- DataLoader, ``--workers`` workers (fork), batch 8, list-keeping collate (spcache also
+  with ``collate_spc``);
+- ingest (write) time: the writer alone (records are built before), in a warm process
+  (each writer first runs once untimed on one record, so library imports and first-call
+  set-up are not counted).
 
-Within spcache the rows compare with each other: batch 8 with a list-keeping collate or
-``collate_spc`` against per-sample reads (``batch_size=None``) in the same run. A format
-whose library is not installed is left out and named. Default run is short (two record
-sizes, few samples); ``--samples``/``--level``/``--points``/``--queries`` change that.
+Every format's ``ds[i]`` hands back a dict of CPU tensors whose bytes have been read into
+the process, as spcache's decode does (see the note above the writers). Within spcache
+the rows compare with each other: batch 8 with a list-keeping collate or ``collate_spc``
+against per-sample reads (``batch_size=None``) in the same run. A format whose library
+is missing or fails to import is left out and named (the peers are the ``bench`` extra,
+installed with ``-c bench/constraints.txt``). Default run is short (two record sizes of
+``SIZES``, few samples); ``--sizes``/``--samples``/``--unique``/``--rounds`` change that.
 
     python bench/peers.py [--sizes large small] [--samples 240] [--unique 8] [--rounds 3]
-                          [--workers 2] [--peers lmdb] [--json]
+                          [--workers 2] [--peers lmdb litdata streaming tensordict datasets]
+                          [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib
 import json
 import logging
 import os
@@ -33,13 +44,14 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -74,8 +86,41 @@ def list_collate(batch: list[Any]) -> list[Any]:
 
 
 # --------------------------------------------------------------------------- writers
-# Each returns a Dataset factory (called once per timing, in the parent: fork-safe
-# datasets are built lazily by each format's own reader).
+# ``write_<name>(root, records)`` writes every record under ``root / <name>`` and returns
+# a Dataset factory. The factory is called once per timing, in the parent, before any
+# DataLoader forks its workers: each reader opens its files (index, memory maps) there
+# and reads nothing, and starts no thread, before the first ``ds[i]``, so forked workers
+# use it safely. A peer imports its library inside its writer (``_peer``): a missing one
+# raises ImportError and the format is left out.
+#
+# What ``ds[i]`` returns, alike for every format: a dict of CPU tensors, dtype and shape
+# as written, whose bytes have been read into this process, as spcache's decode does (it
+# copies each record out of LMDB). Where a library hands back views of a file mapping
+# (LitData, tensordict) the view is copied out (``_owned``): a view costs nothing to make,
+# so without the copy the timing would leave the reading to the trainer's first touch.
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into fresh memory with NumPy: one plain memcpy, as spcache's decode
+    does. Not ``t.clone()``: torch copies a MB-sized tensor on its intra-op threads, which
+    on a small machine shared with other work spin against it (measured on 2 loaded
+    cores: 20-50x slower reads, erratic from one timing to the next)."""
+    try:
+        return torch.from_numpy(t.numpy().copy())
+    except TypeError:  # a dtype NumPy lacks (bfloat16)
+        return t.clone()
+
+
+def _peer(module: str) -> Any:
+    """Import a peer's library. Any failure is an ImportError (the format is left out):
+    ``streaming`` imports torchvision at import time, and a torchvision built for another
+    torch (the CUDA wheel next to a CPU torch) fails with a RuntimeError."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise
+    except Exception as exc:
+        raise ImportError(f"import {module} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def write_lmdb(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
@@ -100,11 +145,188 @@ def write_lmdb(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[
     return lambda: CachedDataset(root / "lmdb", fp)
 
 
-#: Formats timed. The peers of issue 18 (LitData, MosaicML Streaming, tensordict, HF
-#: datasets) are not here yet: their pip resolution on this machine pulled a different
-#: torch build (CUDA wheels), which the project's environment must not take; a peer is
-#: one more ``write_<name>(root, records) -> Dataset factory`` in this table.
-WRITERS = {"lmdb": write_lmdb}
+# LitData. Written with ``BinaryWriter`` in this process (``optimize`` is the same writer
+# run in worker processes over a function's outputs): each record is one item, a dict
+# of tensors, into uncompressed chunks of at most 64 MB. LitData picks each field's
+# serializer from the first item, no pickle: ``tensor`` (dtype, rank and shape header,
+# then the raw bytes) for 0-d and N-d tensors, ``no_header_tensor:<dtype>`` (raw bytes,
+# dtype kept in the index) for 1-d ones. Read with ``StreamingDataset`` on the local
+# directory, which memory-maps the chunks in place (nothing copied to a cache dir).
+
+
+class _LitDataRecords(Dataset):
+    """LitData's StreamingDataset is an IterableDataset (a DataLoader takes no sampler for
+    it); this is its documented ``ds[i]`` as a map-style Dataset. Its tensors are views
+    of a read-only mmap of the chunk (writing into one segfaults): copied out in the
+    parent; in a DataLoader worker the trip to the trainer copies them into shared memory
+    already, so they go as they are."""
+
+    def __init__(self, path: Path) -> None:
+        self.ds = _peer("litdata").StreamingDataset(str(path))
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = self.ds[i]
+        if get_worker_info() is not None:
+            return item
+        return {name: _owned(t) for name, t in item.items()}
+
+
+def write_litdata(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
+    writer_mod = _peer("litdata.streaming.writer")
+    path = root / "litdata"
+    writer = writer_mod.BinaryWriter(str(path), chunk_bytes="64MB", compression=None)
+    for i, fields in enumerate(records):
+        writer.add_item(i, fields)
+    writer.done()
+    writer.merge()  # the one worker's index becomes the dataset's index.json
+    return lambda: _LitDataRecords(path)
+
+
+# MosaicML Streaming. ``MDSWriter`` into a local directory, no compression, shards of at
+# most 64 MB (its default): each field a column of the ``ndarray:<dtype>`` encoding
+# (dtype fixed per column, shape per sample in a few header bytes, then the raw bytes;
+# no pickle), a 0-d field a ``<dtype>`` scalar column (``ndarray`` refuses 0-d arrays,
+# and empty ones). Read with ``StreamingDataset(local=..., remote=None)``, whose ``ds[i]``
+# (``get_item``) reads the sample's bytes from the shard file.
+
+
+class _MDSRecords(Dataset):
+    """MDS ``StreamingDataset`` by index (it is an IterableDataset too), NumPy to torch.
+    The arrays are read-only (``np.frombuffer`` over the bytes read): wrapped without a
+    copy, so the tensors are read-only too (nothing here writes into them); torch's
+    warning about that is silenced."""
+
+    def __init__(self, path: Path) -> None:
+        self.ds = _peer("streaming").StreamingDataset(local=str(path), remote=None, shuffle=False)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        sample = self.ds[i]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return {name: torch.from_numpy(np.asarray(v)) for name, v in sample.items()}
+
+
+def write_streaming(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
+    mds = _peer("streaming")
+    path = root / "streaming"
+    columns = {name: (str(t.numpy().dtype) if t.dim() == 0 else f"ndarray:{t.numpy().dtype}")
+               for name, t in records[0].items()}
+    with mds.MDSWriter(out=str(path), columns=columns, compression=None) as out:
+        for fields in records:
+            out.write({name: t.numpy() for name, t in fields.items()})
+    return lambda: _MDSRecords(path)
+
+
+# tensordict. Samples differ in shape, so they cannot be one TensorDict with a batch
+# dimension; tensordict's own answer for that is ``LazyStackedTensorDict``, a stack of
+# per-sample TensorDicts indexed like one. ``memmap`` writes it as one directory per
+# sample with a raw ``<field>.memmap`` file (no header, no pickle) and a ``meta.json``
+# per sample; ``TensorDict.load_memmap`` opens it again as a lazy stack of
+# MemoryMappedTensors. Chosen over one ``TensorDict.memmap`` directory loaded per
+# ``ds[i]``: the stack is opened once in the factory (the maps are inherited by forked
+# workers), where per-sample loading would parse a meta.json and open every file on each
+# read.
+
+
+class _TensorDictRecords(Dataset):
+    """``td[i]`` of the lazy stack, copied out: MemoryMappedTensors are lazy views of the
+    files, and cross to another process by file name (pickled as such), so without the
+    copy neither ``ds[i]`` nor a worker would read any bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self.td = _peer("tensordict").TensorDict.load_memmap(path)
+
+    def __len__(self) -> int:
+        return len(self.td)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: _owned(t) for name, t in self.td[i].items()}
+
+
+def write_tensordict(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
+    td = _peer("tensordict")
+    path = root / "tensordict"
+    stack = td.LazyStackedTensorDict(*(td.TensorDict(fields, batch_size=[]) for fields in records),
+                                     stack_dim=0)
+    stack.memmap(path)
+    return lambda: _TensorDictRecords(path)
+
+
+# HF datasets. ``Dataset.from_generator`` yielding NumPy arrays into an uncompressed Arrow
+# file in a local cache dir, which the Dataset memory-maps. Features given, from the
+# first record: a 0-d field is ``Value(dtype)``, a 1-d one ``Sequence(Value(dtype))``, an
+# N-d one ``ArrayND(shape=(None, *rest), dtype)`` (only the first dimension may vary
+# between samples). An explicit ``fingerprint``: without one, from_generator hashes the
+# generator and everything it reaches (every record) just to name its cache. Read with
+# ``with_format("numpy", dtype=None)`` and ``torch.from_numpy``, not ``"torch"``: the
+# formatters cast every integer to int64 and every float to float32 unless given a
+# dtype, and ``dtype=None`` (handed to ``np.asarray``) keeps the stored one; the NumPy
+# formatter's arrays are fresh and writable, where ``"torch"`` would copy them once more
+# (``torch.tensor``). Batches use Dataset's own ``__getitems__`` (one Arrow gather, about
+# twice the rate of row by row here); there a variable-length 1-d field comes back as a
+# read-only view of the memory-mapped Arrow file, copied out like the other formats' views.
+
+
+class _HFRecords(Dataset):
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds.with_format("numpy", dtype=None)
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    @staticmethod
+    def _tensors(row: dict[str, Any]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, v in row.items():
+            a = np.asarray(v)
+            out[name] = torch.from_numpy(a if a.flags.writeable else a.copy())
+        return out
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self._tensors(self.ds[i])
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, torch.Tensor]]:
+        return [self._tensors(row) for row in self.ds.__getitems__(list(indices))]
+
+
+def _hf_feature(hf: Any, t: torch.Tensor) -> Any:
+    dtype = str(t.numpy().dtype)
+    if t.dim() == 0:
+        return hf.Value(dtype)
+    if t.dim() == 1:
+        return hf.Sequence(hf.Value(dtype))
+    array = {2: hf.Array2D, 3: hf.Array3D, 4: hf.Array4D, 5: hf.Array5D}[t.dim()]
+    return array(shape=(None, *t.shape[1:]), dtype=dtype)
+
+
+def write_datasets(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
+    hf = _peer("datasets")
+    hf.disable_progress_bars()
+    path = root / "datasets"
+    features = hf.Features({name: _hf_feature(hf, t) for name, t in records[0].items()})
+
+    def rows() -> Any:
+        for fields in records:
+            yield {name: t.numpy() for name, t in fields.items()}
+
+    ds = hf.Dataset.from_generator(rows, features=features, cache_dir=str(path),
+                                   fingerprint=hashlib.sha1(str(path).encode()).hexdigest())
+    return lambda: _HFRecords(ds)
+
+
+#: Formats timed: spcache's LMDB cache, then the peers of issue 18. Each peer's library
+#: is in the ``bench`` extra (pyproject.toml), installed with ``-c bench/constraints.txt``
+#: so that its resolution keeps the project's torch; a peer whose import fails is left
+#: out and named.
+WRITERS: dict[str, Callable[[Path, list[dict[str, torch.Tensor]]], Callable[[], Dataset]]] = {
+    "lmdb": write_lmdb, "litdata": write_litdata, "streaming": write_streaming,
+    "tensordict": write_tensordict, "datasets": write_datasets}
 
 
 # --------------------------------------------------------------------------- timing
@@ -138,8 +360,12 @@ def loader_rate(ds: Dataset, order: list[int], workers: int, batch: int | None,
 
 
 def same_tensors(name: str, ds: Dataset, records: list[dict[str, torch.Tensor]]) -> None:
-    for i in (0, len(records) - 1):
+    """Every sample, every field: ``ds[i]`` gives back what was written."""
+    for i in range(len(records)):
         got = ds[i]
+        if set(got) != set(records[i]):
+            raise SystemExit(f"{name}: sample {i} has fields {sorted(got)}, "
+                             f"not {sorted(records[i])}")
         for field, want in records[i].items():
             have = got[field]
             if not (have.dtype == want.dtype and have.shape == want.shape
@@ -158,14 +384,18 @@ def run_size(label: str, level: int, points: int, queries: int, samples: int, un
     try:
         makers, ingest = {}, {}
         for name in peers:
-            start = time.perf_counter()
-            try:
-                makers[name] = WRITERS[name](root, records)
+            try:  # untimed, on one record: imports and first-call set-up out of ingest
+                WRITERS[name](root / "warm-up", records[:1])
             except ImportError as exc:
-                log.info("  %s not installed (%s): left out", name, exc)
+                log.info("  %s not installed or not importable (%s): left out", name, exc)
                 continue
+            start = time.perf_counter()
+            makers[name] = WRITERS[name](root, records)
             ingest[name] = time.perf_counter() - start
             same_tensors(name, makers[name](), records)
+        shutil.rmtree(root / "warm-up", ignore_errors=True)
+        if not makers:
+            raise SystemExit("no format left to time")
         os.sync()
         order = np.random.default_rng(0).permutation(samples).tolist()
         rows = {"one process, random ds[i]": lambda ds: one_process(ds, order),
@@ -214,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", nargs="+", default=list(WRITERS), choices=list(WRITERS))
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings up
+    log.setLevel(logging.INFO)
     log.info("machine: %d CPUs, load %s", os.cpu_count(), os.getloadavg())
     results = {label: run_size(label, *SIZES[label], args.samples, args.unique, args.rounds, args.workers,
                                args.peers) for label in args.sizes}
