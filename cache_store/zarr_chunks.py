@@ -10,6 +10,7 @@ per-call overhead made an export 2-3x slower than the LMDB ingest of the same re
 from __future__ import annotations
 
 import concurrent.futures as cf
+import io
 import math
 import os
 import threading
@@ -36,6 +37,15 @@ def supports_direct(array: Any) -> bool:
             and name == "default" and separator == "/"
             and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
             and not isinstance(getattr(array, "shards", None), tuple))
+
+class _ChunkFile(io.FileIO):
+    """A chunk file kept open by a reader: closed, without a ResourceWarning, when its
+    last reference goes (the reader dropped it and no read holds it)."""
+
+    def __del__(self) -> None:
+        if not self.closed:
+            self.close()
+
 
 class LocalChunkReader:
     """Reads rows of one array of a *local* snapshot straight from its chunk files.
@@ -76,7 +86,7 @@ class LocalChunkReader:
         self.chunk_file_bytes = chunk_bytes + 4
         self.keep_files = keep_files
         self.codec_names = [c.to_dict()["name"] for c in array.metadata.codecs]
-        self._files: dict[int, int] = {}  # chunk index -> open fd, most recent last
+        self._files: dict[int, _ChunkFile] = {}  # chunk index -> open file, oldest first
 
     @classmethod
     def supports(cls, array: Any) -> bool:
@@ -122,35 +132,36 @@ class LocalChunkReader:
             self._cache[index] = chunk
         return chunk
 
-    def _file(self, index: int) -> int | None:
-        """An open fd of chunk ``index`` (kept), after checking its size; None: no file."""
-        with self._lock:
-            fd = self._files.pop(index, None)
-            if fd is not None:
-                self._files[index] = fd
-                return fd
+    def _file(self, index: int) -> _ChunkFile | None:
+        """Chunk ``index``'s file, open (kept, at most ``keep_files``), after checking its
+        size; None: no file. A file object, not a bare fd: one dropped from the kept set
+        stays open while a thread still reads it, and closes with its last reference
+        (a bare fd closed there could be reused by another open mid-read)."""
+        f = self._files.get(index)
+        if f is not None:
+            return f
         parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
         try:
-            fd = os.open(os.path.join(self.directory, *parts), os.O_RDONLY | os.O_CLOEXEC)
+            f = _ChunkFile(os.path.join(self.directory, *parts), "r")
         except FileNotFoundError:  # never written: all fill value (0)
             return None
-        size = os.fstat(fd).st_size
+        size = os.fstat(f.fileno()).st_size
         if size != self.chunk_file_bytes:
-            os.close(fd)
+            f.close()
             raise ValueError(f"chunk {'/'.join(parts)}: {size} bytes, expected "
                              f"{self.chunk_file_bytes} (rows and a CRC-32C)")
         with self._lock:
-            self._files[index] = fd
+            self._files[index] = f
             while len(self._files) > self.keep_files:
-                os.close(self._files.pop(next(iter(self._files))))
-        return fd
+                self._files.pop(next(iter(self._files)))
+        return f
 
     def _read_rows(self, index: int, lo: int, hi: int) -> np.ndarray:
         want = (hi - lo) * self.row_bytes
-        fd = self._file(index)
-        if fd is None:
+        f = self._file(index)
+        if f is None:
             return np.zeros((hi - lo, *self.shape[1:]), dtype=self.dtype)
-        data = os.pread(fd, want, lo * self.row_bytes)
+        data = os.pread(f.fileno(), want, lo * self.row_bytes)
         if len(data) != want:
             raise ValueError(f"chunk c/{index}: {len(data)} of {want} bytes read")
         return np.frombuffer(data, dtype=self.dtype).reshape(hi - lo, *self.shape[1:])
@@ -158,37 +169,38 @@ class LocalChunkReader:
     def read_into(self, start: int, stop: int, out: memoryview) -> None:
         """Write rows ``start:stop`` into ``out`` (exactly their bytes): an uncompressed
         chunk's rows straight from its file (``preadv``), others from the decoded chunk."""
-        if (stop - start) * self.row_bytes != out.nbytes:
-            raise ValueError(f"rows {start}:{stop} are {(stop - start) * self.row_bytes} "
+        row_bytes = self.row_bytes
+        if (stop - start) * row_bytes != out.nbytes:
+            raise ValueError(f"rows {start}:{stop} are {(stop - start) * row_bytes} "
                              f"bytes, not {out.nbytes}")
         if not self.raw:
             out[:] = np.ascontiguousarray(self.rows(start, stop)).view(np.uint8).reshape(-1)
             return
         step = self.chunk_shape[0]
+        first, last = start // step, (stop - 1) // step
+        if first == last:  # the common case: one chunk (chunks are MBs)
+            f = self._file(first)
+            if f is None:
+                out[:] = bytes(out.nbytes)
+            elif os.preadv(f.fileno(), [out], (start - first * step) * row_bytes) != out.nbytes:
+                raise ValueError(f"chunk c/{first}: short read")
+            return
         at = 0
-        for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
+        for index in range(first, last + 1 if stop > start else first):
             lo = max(start, index * step) - index * step
             hi = min(stop, (index + 1) * step) - index * step
-            part = out[at:at + (hi - lo) * self.row_bytes]
-            fd = self._file(index)
-            if fd is None:
+            part = out[at:at + (hi - lo) * row_bytes]
+            f = self._file(index)
+            if f is None:
                 part[:] = bytes(part.nbytes)
-            elif os.preadv(fd, [part], lo * self.row_bytes) != part.nbytes:
+            elif os.preadv(f.fileno(), [part], lo * row_bytes) != part.nbytes:
                 raise ValueError(f"chunk c/{index}: short read")
             at += part.nbytes
 
     def close(self) -> None:
-        """Close the chunk files kept open (reads open them again)."""
+        """Drop the chunk files kept open (each closes once no read holds it)."""
         with self._lock:
-            files, self._files = self._files, {}
-        for fd in files.values():
-            os.close(fd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter teardown; the OS closes them
-            pass
+            self._files = {}
 
     def rows(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` (axis 0), all of the other axes."""

@@ -711,3 +711,29 @@ def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
         export_snapshot(cache_dir, FP_A, tmp_path / "s.zarr")
     assert len(calls) > 3
     assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
+
+
+def test_threads_reading_uncompressed_chunks_while_files_are_dropped(tmp_path: Path) -> None:
+    # one chunk file kept open per array and many chunks: every read drops a file
+    # another thread may be reading; each must still get exactly its record
+    import concurrent.futures as cf
+
+    records, indexes = sample_content()
+    cache = fill_lmdb(tmp_path / "cache", records, indexes)
+    export_all(cache, tmp_path / "s.zarr", codec="none", chunk_bytes=32)
+    cache.close()
+    store = ZarrStore(tmp_path / "s.zarr")
+    keys = list(records)
+    for key in keys:
+        store.get_record(key)
+    for fp in store.fingerprints():
+        for reader in store._snapshot(fp).local.values():
+            reader.keep_files = 1
+    want = {k: decode_record(v).tensors for k, v in records.items()}
+
+    def read(i: int) -> None:
+        key = keys[i % len(keys)]
+        got = store.get_record(key).tensors
+        assert all(torch.equal(got[n], want[key][n]) for n in want[key])
+    with cf.ThreadPoolExecutor(8) as pool:
+        list(pool.map(read, range(400)))
