@@ -12,7 +12,7 @@ hits every format alike, and prints each rate and its ratio to spcache LMDB:
 - one process, random ``ds[i]``;
 - DataLoader, 0 workers, per sample (``batch_size=None``) and batch 8 (a list-keeping
   collate, so every format pays the same collate; spcache also with ``collate_spc``);
-- DataLoader, ``--workers`` workers (fork), batch 8, list-keeping collate (spcache also
+- DataLoader, each of ``--workers`` workers (fork; 2 and 4 by default), batch 8, list-keeping collate (spcache also
   with ``collate_spc``);
 - ingest (write) time: the writer alone (records are built before), in a warm process
   (each writer first runs once untimed on one record, so library imports and first-call
@@ -27,7 +27,7 @@ installed with ``-c bench/constraints.txt``). Default run is short (two record s
 ``SIZES``, few samples); ``--sizes``/``--samples``/``--unique``/``--rounds`` change that.
 
     python bench/peers.py [--sizes large small] [--samples 240] [--unique 8] [--rounds 3]
-                          [--workers 2] [--peers lmdb litdata streaming tensordict datasets]
+                          [--workers 2 4] [--peers lmdb litdata streaming tensordict datasets]
                           [--json]
 """
 
@@ -111,10 +111,51 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
 
+def _stand_in_torchvision() -> None:
+    """``import streaming`` imports torchvision for its image datasets (``streaming.vision``:
+    ``VisionDataset``, ``CIFAR10``, ``to_tensor``), which MDS writing and reading never
+    use. PyPI's only torchvision for this torch is a CUDA build that cannot load next to
+    the CPU torch (``operator torchvision::nms does not exist``), and the CPU build's
+    index is out of reach here. When the real one fails to import, a stand-in module
+    with those three names (raising if ever called) lets ``streaming`` import; what is
+    timed is MDS's own writer and reader, unchanged."""
+    import importlib.machinery
+    import types
+
+    try:
+        import torchvision  # noqa: F401
+        return
+    except Exception as exc:  # noqa: BLE001 - any failure: the CUDA build raises RuntimeError
+        reason = f"{type(exc).__name__}: {exc}"
+    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+        del sys.modules[name]
+
+    def unavailable(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(f"torchvision stand-in (bench/peers.py): {reason}")
+
+    root = types.ModuleType("torchvision")
+    datasets = types.ModuleType("torchvision.datasets")
+    transforms = types.ModuleType("torchvision.transforms")
+    functional = types.ModuleType("torchvision.transforms.functional")
+    datasets.VisionDataset = type("VisionDataset", (), {"__init__": unavailable})
+    datasets.CIFAR10 = type("CIFAR10", (), {"__init__": unavailable})
+    functional.to_tensor = unavailable
+    root.datasets, root.transforms, transforms.functional = datasets, transforms, functional
+    stand_ins = {"torchvision": root, "torchvision.datasets": datasets,
+                 "torchvision.transforms": transforms,
+                 "torchvision.transforms.functional": functional}
+    for name, module in stand_ins.items():  # find_spec() callers look for a spec
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    sys.modules.update(stand_ins)
+    log.info("  torchvision does not load here (%s): streaming imported with a stand-in "
+             "for its image datasets, which MDS does not use", reason)
+
+
 def _peer(module: str) -> Any:
-    """Import a peer's library. Any failure is an ImportError (the format is left out):
-    ``streaming`` imports torchvision at import time, and a torchvision built for another
-    torch (the CUDA wheel next to a CPU torch) fails with a RuntimeError."""
+    """Import a peer's library. Any failure is an ImportError (the format is left out);
+    ``streaming`` gets :func:`_stand_in_torchvision` first."""
+    if module.split(".")[0] == "streaming" and "streaming" not in sys.modules:
+        _stand_in_torchvision()
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -374,7 +415,7 @@ def same_tensors(name: str, ds: Dataset, records: list[dict[str, torch.Tensor]])
 
 
 def run_size(label: str, level: int, points: int, queries: int, samples: int, unique: int,
-             rounds: int, workers: int, peers: list[str]) -> dict[str, Any]:
+             rounds: int, workers: list[int], peers: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     records = build_records(samples, unique, level, points, queries)
     mb = sum(t.nbytes for t in records[0].values()) / 1e6
@@ -400,13 +441,13 @@ def run_size(label: str, level: int, points: int, queries: int, samples: int, un
         order = np.random.default_rng(0).permutation(samples).tolist()
         rows = {"one process, random ds[i]": lambda ds: one_process(ds, order),
                 "DataLoader 0 workers, per sample": lambda ds: loader_rate(ds, order, 0, None, None),
-                "DataLoader 0 workers, batch 8": lambda ds: loader_rate(ds, order, 0, 8, list_collate),
-                f"DataLoader {workers} workers, batch 8":
-                    lambda ds: loader_rate(ds, order, workers, 8, list_collate)}
+                "DataLoader 0 workers, batch 8": lambda ds: loader_rate(ds, order, 0, 8, list_collate)}
+        rows |= {f"DataLoader {w} workers, batch 8":
+                 (lambda ds, w=w: loader_rate(ds, order, w, 8, list_collate)) for w in workers}
         spc_rows = {"DataLoader 0 workers, batch 8, collate_spc":
-                    lambda ds: loader_rate(ds, order, 0, 8, collate_spc),
-                    f"DataLoader {workers} workers, batch 8, collate_spc":
-                    lambda ds: loader_rate(ds, order, workers, 8, collate_spc)}
+                    lambda ds: loader_rate(ds, order, 0, 8, collate_spc)}
+        spc_rows |= {f"DataLoader {w} workers, batch 8, collate_spc":
+                     (lambda ds, w=w: loader_rate(ds, order, w, 8, collate_spc)) for w in workers}
         rates: dict[str, dict[str, list[float]]] = {}
         for _ in range(rounds):
             for row, timer in rows.items():
@@ -440,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--unique", type=int, default=8, help="distinct records computed")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats (median)")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4],
+                        help="DataLoader worker counts timed (besides 0)")
     parser.add_argument("--peers", nargs="+", default=list(WRITERS), choices=list(WRITERS))
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args(argv)
