@@ -77,7 +77,8 @@ from cache_store.snapshot_format import (
 )
 
 __all__ = ["ExportSummary", "export_snapshot", "sweep_leftovers",
-           "CODECS", "DEFAULT_CODEC", "DEFAULT_CHUNK_BYTES", "RAW_CHUNK_BYTES",
+           "CODECS", "DEFAULT_LOCAL_CODEC", "DEFAULT_REMOTE_CODEC", "default_codec",
+           "DEFAULT_CHUNK_BYTES", "RAW_CHUNK_BYTES",
            "DEFAULT_CLEVEL"]
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,19 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
 #: stores the rows as they are (with their CRC-32C), and a local reader then reads only
 #: a record's own bytes, as from the LMDB cache. docs/BENCHMARKS.md compares them.
 CODECS = ("zstd", "lz4hc", "lz4", "none")
-DEFAULT_CODEC = "zstd"
+#: Chosen by measurement (docs/BENCHMARKS.md, issue 18): a local snapshot is for reading
+#: (training), and only ``none`` lets a read take just the record's bytes (~0.5x the LMDB
+#: cache's rate, vs 0.1-0.4x for lz4 and 0.07-0.2x for zstd, which decompress whole
+#: chunks), at the cache's own size; an object-store snapshot is for moving and
+#: sharing, read through zarr one whole chunk at a time, so there the smallest: zstd
+#: (~2.8x smaller than the records on spc_query data).
+DEFAULT_LOCAL_CODEC = "none"
+DEFAULT_REMOTE_CODEC = "zstd"
+
+
+def default_codec(dest: str | os.PathLike[str]) -> str:
+    """The codec an export to ``dest`` uses when none is named."""
+    return DEFAULT_LOCAL_CODEC if is_local_location(dest) else DEFAULT_REMOTE_CODEC
 
 
 def _compressors(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
@@ -580,7 +593,7 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
 def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
                     dest: str | os.PathLike[str], *, overwrite: bool = False,
                     skip_bad: bool = False, chunk_bytes: int | None = None,
-                    clevel: int = DEFAULT_CLEVEL, codec: str = DEFAULT_CODEC,
+                    clevel: int = DEFAULT_CLEVEL, codec: str | None = None,
                     storage_options: Mapping[str, Any] | None = None,
                     progress: bool = False) -> ExportSummary:
     """Export the records of ``fingerprint`` in ``source`` to the snapshot ``dest``.
@@ -599,7 +612,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
             :data:`DEFAULT_CHUNK_BYTES`, or :data:`RAW_CHUNK_BYTES` for ``codec="none"``).
         clevel: blosc's compression level, 1-9 for any codec (blosc maps it onto the
             codec's own scale: not a zstd level).
-        codec: blosc compressor, one of :data:`CODECS` (any reader decodes all).
+        codec: one of :data:`CODECS` (any reader decodes all); default
+            :func:`default_codec`: ``none`` for a local destination, ``zstd`` for a URL.
         storage_options: fsspec options for a URL ``dest``.
         progress: show progress bars (stderr).
 
@@ -614,6 +628,8 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
     validate_fingerprint(fingerprint)
     if not 1 <= int(clevel) <= 9:
         raise ParameterError([f"clevel: {clevel!r} is outside 1..9"])
+    if codec is None:
+        codec = default_codec(dest)
     if codec not in CODECS:
         raise UnknownName("snapshot codec", codec, CODECS)
     if chunk_bytes is None:

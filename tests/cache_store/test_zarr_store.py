@@ -122,7 +122,9 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("exported")
     records, indexes = sample_content()
     cache = fill_lmdb(root / "cache", records, indexes)
-    export_all(cache, root / "snap.zarr")
+    # compressed (the default is "none" locally): tests below count on whole chunks
+    # holding many records, each decoded and CRC-checked at once
+    export_all(cache, root / "snap.zarr", codec="zstd")
     cache.close()
     return records, indexes, root / "cache", root / "snap.zarr"
 
@@ -397,11 +399,15 @@ def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported)
 _KILLED_EXPORT = textwrap.dedent("""
     import os, signal, sys
     import cache_store.export as export
-    real_flush = export._FieldWriter.flush
-    def flush(self, final):
-        real_flush(self, final)
-        os.kill(os.getpid(), signal.SIGKILL)  # die with chunks half written
-    export._FieldWriter.flush = flush
+    def dying(real):
+        def write(self, *args):
+            real(self, *args)
+            os.kill(os.getpid(), signal.SIGKILL)  # die with chunks half written
+        return write
+    # compressed chunks go through _FieldWriter, uncompressed (the local default) are
+    # appended by RawChunkAppender: die in either
+    export._FieldWriter.flush = dying(export._FieldWriter.flush)
+    export.RawChunkAppender.add = dying(export.RawChunkAppender.add)
     export.export_snapshot(sys.argv[1], sys.argv[2], sys.argv[3])
 """)
 
@@ -566,24 +572,30 @@ def test_field_names_never_become_paths(tmp_path: Path) -> None:
     cache.close()
 
 
-def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported) -> None:
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported,
+                                                        codec: str) -> None:
     records, _, cache_dir, _ = exported
     source = LMDBStore(cache_dir)
-    key, real_get, real_view = f"{FP_A}/tables/t1", source.get, source.read_view
+    key, real_view = f"{FP_A}/tables/t1", source.read_view
     seen: list[str] = []
+    rewritten = make_record(FP_A, "tables/t1", seed=5)
 
     @contextlib.contextmanager
-    def read_view(k: str):  # the first pass: records checked in place
+    def read_view(k: str):  # the first pass checks in place; so does "none"'s second
         seen.append(k)
+        if k == key and seen.count(k) > 1:
+            yield rewritten
+            return
         with real_view(k) as value:
             yield value
 
-    def get(k: str) -> bytes:  # the second pass: a worker recomputed t1 in between
+    def get(k: str) -> bytes:  # a compressed second pass copies: t1 recomputed by now
         assert k in seen, "the second pass read a record the first did not check"
-        return make_record(FP_A, "tables/t1", seed=5) if k == key else real_get(k)
+        return rewritten if k == key else records[k]
     source.read_view, source.get = read_view, get
     with pytest.raises(SpcacheError, match="changed during the export"):
-        export_snapshot(source, FP_A, tmp_path / "s.zarr")
+        export_snapshot(source, FP_A, tmp_path / "s.zarr", codec=codec)
     assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
     source.close()
 
@@ -694,21 +706,24 @@ def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path
     pool.close()
 
 
+@pytest.mark.parametrize("codec", ["zstd", "none"])
 def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
-        tmp_path: Path, exported, monkeypatch) -> None:
+        tmp_path: Path, exported, monkeypatch, codec: str) -> None:
     from cache_store import zarr_chunks
 
     _, _, cache_dir, _ = exported
-    real, calls = zarr_chunks.LocalChunkWriter._write_chunk, []
+    writer, method = ((zarr_chunks.LocalChunkWriter, "_write_chunk") if codec != "none"
+                      else (zarr_chunks.RawChunkAppender, "add"))
+    real, calls = getattr(writer, method), []
 
-    def failing(self, index, chunk):  # the disk fills up after a few chunks
-        calls.append(index)
+    def failing(self, *args):  # the disk fills up after a few chunks
+        calls.append(args)
         if len(calls) > 3:
             raise OSError(28, "No space left on device")
-        return real(self, index, chunk)
-    monkeypatch.setattr(zarr_chunks.LocalChunkWriter, "_write_chunk", failing)
+        return real(self, *args)
+    monkeypatch.setattr(writer, method, failing)
     with pytest.raises(OSError, match="No space left"):
-        export_snapshot(cache_dir, FP_A, tmp_path / "s.zarr")
+        export_snapshot(cache_dir, FP_A, tmp_path / "s.zarr", codec=codec)
     assert len(calls) > 3
     assert not (tmp_path / "s.zarr" / FP_A).exists() and not list(tmp_path.glob(".s.zarr*"))
 
