@@ -355,6 +355,32 @@ def _reject_constant(name: str) -> Any:
 _STR_ONLY = {str}  # ``set(map(type, values)) <= _STR_ONLY``: all str, checked in C
 _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
 
+try:  # a C parser ~4x faster than json with the hook above (an optional speed-up)
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - a listed dependency; the strict parser serves
+    _orjson = None
+
+
+def _loads(text: bytes) -> Any:
+    """A header (or its ``field_checksums``) parsed exactly as :data:`_DECODER` parses it.
+
+    Fast path: orjson parses, and the result is accepted only if serialising it again
+    gives back the very text (trailing padding aside). Every record this package writes
+    is in that canonical form (compact ``json.dumps``; ASCII). Any other text (spaces,
+    escapes, non-ASCII, a constant, an int past 64 bits, a duplicate key, which the
+    parsed dict would have lost) takes the strict parser, which gives the answer and the
+    error. The fast path therefore accepts nothing the strict one refuses.
+    """
+    if _orjson is not None:
+        try:
+            parsed = _orjson.loads(text)
+        except _orjson.JSONDecodeError:
+            pass
+        else:
+            if _orjson.dumps(parsed) == text.rstrip(b" "):
+                return parsed
+    return _DECODER.decode(text.decode("utf-8"))
+
 
 def _parse_tensor_info(key: str, name: str, entry: object, data_len: int,
                        data_start: int) -> TensorInfo:
@@ -431,7 +457,7 @@ def _parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
     if raw[:1] != b"{":
         raise _fail(key, "header does not start with '{'")
     try:
-        header = _DECODER.decode(raw.decode("utf-8"))
+        header = _loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise _fail(key, f"header is not valid JSON: {exc}") from None
     if type(header) is not dict:
@@ -479,7 +505,7 @@ def _check_layout(key: str, tensors: Mapping[str, TensorInfo], data_start: int,
 def _parse_field_checksums(key: str, meta: Mapping[str, str],
                            tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
     try:
-        checksums = _DECODER.decode(meta.get("field_checksums", ""))
+        checksums = _loads(meta.get("field_checksums", "").encode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise _fail(key, f"metadata 'field_checksums' is not valid JSON: {exc}") from None
     if (type(checksums) is not dict or checksums.keys() != tensors.keys()

@@ -433,3 +433,37 @@ def test_batch_buffers_are_reused_only_once_released() -> None:
             _assert_same(rec.tensors, fields)
         del batch, rec
     assert ptrs <= pooled
+
+
+def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
+    # the speed-up is real only if our own records are in orjson's canonical form
+    from cache_store import record
+
+    if record._orjson is None:
+        pytest.fail("orjson is a listed dependency; its fast path is what is under test")
+    strict = []
+    real = record._DECODER.decode
+    monkeypatch.setattr(record, "_DECODER", type("Spy", (), {
+        "decode": staticmethod(lambda text: strict.append(text) or real(text))})())
+    tensors, value = _record()
+    _assert_same(decode_record(value, key=KEY).tensors, tensors)
+    assert strict == []
+
+
+@pytest.mark.parametrize("edit", [
+    (b'"recipe":', b'"recipe" :'),                 # not compact: same meaning
+    (b'"recipe":"', b'"recipe":"\\u0041'),         # an escape orjson writes otherwise
+])
+def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> None:
+    from cache_store import record
+
+    _, value = _record()
+    hacked = _signed_with_text_edit(value, *edit)
+    fast = read_header(hacked, key=KEY)
+    saved, record._orjson = record._orjson, None
+    try:
+        slow = read_header(hacked, key=KEY)
+    finally:
+        record._orjson = saved
+    assert fast.metadata == slow.metadata and fast.tensors == slow.tensors
+    assert fast.metadata["recipe"].startswith("A") == (edit[1].endswith(b"0041"))
