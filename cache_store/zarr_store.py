@@ -393,9 +393,10 @@ class ZarrStore(Store):
             target[begin:begin + raw.size] = raw
         return value
 
-    def _values(self, keys: Sequence[str], fields: Iterable[str] | None) -> list[bytearray]:
+    def _values(self, located: Sequence[tuple[str, _Snapshot, int]],
+                fields: Iterable[str] | None) -> list[bytearray]:
         out = []
-        for value in self._read_values(self._located(keys), fields):
+        for value in self._read_values(located, fields):
             if isinstance(value, CorruptRecord):
                 raise value
             out.append(value)
@@ -427,7 +428,7 @@ class ZarrStore(Store):
 
     def get(self, key: str) -> bytes:
         def read() -> bytes:
-            value = self._values([key], None)[0]
+            value = self._values(self._located([key]), None)[0]
             check_record_value(value, key)
             return bytes(value)
         return self._read_checked(read)
@@ -446,7 +447,7 @@ class ZarrStore(Store):
             if located and all(snap.local is not None for _, snap, _ in located):
                 records = self._decode_local(located, fields)
             else:
-                records = decode_records(zip(keys, self._values(keys, fields), strict=True),
+                records = decode_records(zip(keys, self._values(located, fields), strict=True),
                                          fields=fields)
             for key, record in zip(keys, records, strict=True):
                 check_names_key(record.metadata, key)
