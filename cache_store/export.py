@@ -28,8 +28,10 @@ Chunking: along the first axis. When every record has the same rows for a field,
 chunk holds whole records (a sample is never split); otherwise at least the mean
 record's rows (a sample touches one or two chunks). Either way about ``chunk_bytes``
 (the rows split evenly between chunks, so the last is not mostly padding), so small
-fields are not split into tiny objects. Chunks are blosc compressed (zstd by
-default; byte shuffle for multi-byte dtypes) and end in a CRC-32C.
+fields are not split into tiny objects. Chunks are blosc compressed (zstd, lz4hc or lz4;
+byte shuffle for multi-byte dtypes) or, with the ``none`` codec, the rows as they are;
+either way they end in a CRC-32C. The default codec is ``none`` for a local destination
+and ``zstd`` for a URL (:func:`default_codec`).
 """
 
 from __future__ import annotations
