@@ -177,16 +177,8 @@ class LocalChunkReader:
             out[:] = np.ascontiguousarray(self.rows(start, stop)).view(np.uint8).reshape(-1)
             return
         step = self.chunk_shape[0]
-        first, last = start // step, (stop - 1) // step
-        if first == last:  # the common case: one chunk (chunks are MBs)
-            f = self._file(first)
-            if f is None:
-                out[:] = bytes(out.nbytes)
-            elif os.preadv(f.fileno(), [out], (start - first * step) * row_bytes) != out.nbytes:
-                raise ValueError(f"chunk c/{first}: short read")
-            return
         at = 0
-        for index in range(first, last + 1 if stop > start else first):
+        for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
             lo = max(start, index * step) - index * step
             hi = min(stop, (index + 1) * step) - index * step
             part = out[at:at + (hi - lo) * row_bytes]
