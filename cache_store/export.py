@@ -308,7 +308,8 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
     """Write every array of a fingerprint group, then its attributes (still incomplete).
 
     ``local_dir``: the group's directory when it is local; its data chunks are then
-    compressed in parallel and written by :class:`~cache_store.zarr_chunks.LocalChunkWriter`
+    compressed in parallel by :class:`~cache_store.zarr_chunks.LocalChunkWriter`, or
+    (codec ``none``) streamed by :class:`~cache_store.zarr_chunks.RawChunkAppender`
     (zarr still writes every array's metadata and the small arrays)."""
     n = len(survey.sample_ids)
     id_bytes, id_offsets = pack_ids(survey.sample_ids)
@@ -323,7 +324,7 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
     headers = np.frombuffer(b"".join(survey.headers), dtype=np.uint8)
     _write_small(group, "headers", headers, clevel, codec,
                  chunk=max(_HEADER_CHUNK_BYTES, math.ceil(headers.size / max(n, 1))))
-    pool = ChunkWriterPool() if local_dir is not None else None
+    pool = ChunkWriterPool() if local_dir is not None and codec != "none" else None
     try:
         _write_fields(group, store, index, survey, chunk_bytes, clevel, codec, progress,
                       local_dir, pool)
@@ -349,7 +350,7 @@ def _write_fields(group: Any, store: Store, index: DatasetIndex, survey: _Survey
         if where is not None and codec == "none" and all(d > 0 for d in lay.trailing):
             writers[name] = RawChunkAppender(where, arr)
             continue
-        if where is not None and codec != "none" and pool is not None:
+        if where is not None and pool is not None:
             write = LocalChunkWriter(where, arr, pool).write
         else:  # remote, or rows of zero width (chunks are at least 1 wide)
             write = _zarr_write(arr)

@@ -38,6 +38,18 @@ def supports_direct(array: Any) -> bool:
             and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
             and not isinstance(getattr(array, "shards", None), tuple))
 
+def _chunk_key(index: int, ndim: int) -> str:
+    """Chunk ``index`` (axis 0) of an ``ndim``-d array: its file under the array's
+    directory, with zarr's default "/" chunk keys."""
+    return "/".join(["c", str(index)] + ["0"] * (ndim - 1))
+
+
+def _new_chunk_path(directory: str, key: str) -> str:
+    path = os.path.join(directory, *key.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
 class _ChunkFile(io.FileIO):
     """A chunk file kept open by a reader: closed, without a ResourceWarning, when its
     last reference goes (the reader dropped it and no read holds it)."""
@@ -102,28 +114,27 @@ class LocalChunkReader:
         import google_crc32c
         import numcodecs
 
-        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
-        path = os.path.join(self.directory, *parts)
+        key = _chunk_key(index, len(self.chunk_shape))
         try:
-            with open(path, "rb") as f:
+            with open(os.path.join(self.directory, *key.split("/")), "rb") as f:
                 raw = f.read()
         except FileNotFoundError:  # never written: all fill value (0)
             chunk = np.zeros(self.chunk_shape, dtype=self.dtype)
         else:
             body = raw[:-4]
             if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
-                raise ValueError(f"chunk {'/'.join(parts)}: stored and computed CRC-32C "
+                raise ValueError(f"chunk {key}: stored and computed CRC-32C "
                                  f"do not match")
             if "blosc" in self.codec_names:
                 try:
                     decoded = numcodecs.Blosc().decode(body)
                 except (RuntimeError, ValueError, TypeError) as exc:
-                    raise ValueError(f"chunk {'/'.join(parts)}: {exc}") from None
+                    raise ValueError(f"chunk {key}: {exc}") from None
             else:
                 decoded = body
             chunk = np.frombuffer(decoded, dtype=self.dtype)
             if chunk.size != math.prod(self.chunk_shape):
-                raise ValueError(f"chunk {'/'.join(parts)}: decodes to {chunk.size} items, "
+                raise ValueError(f"chunk {key}: decodes to {chunk.size} items, "
                                  f"expected {math.prod(self.chunk_shape)}")
             chunk = chunk.reshape(self.chunk_shape)
         with self._lock:
@@ -140,15 +151,15 @@ class LocalChunkReader:
         f = self._files.get(index)
         if f is not None:
             return f
-        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
+        key = _chunk_key(index, len(self.chunk_shape))
         try:
-            f = _ChunkFile(os.path.join(self.directory, *parts), "r")
+            f = _ChunkFile(os.path.join(self.directory, *key.split("/")), "r")
         except FileNotFoundError:  # never written: all fill value (0)
             return None
         size = os.fstat(f.fileno()).st_size
         if size != self.chunk_file_bytes:
             f.close()
-            raise ValueError(f"chunk {'/'.join(parts)}: {size} bytes, expected "
+            raise ValueError(f"chunk {key}: {size} bytes, expected "
                              f"{self.chunk_file_bytes} (rows and a CRC-32C)")
         with self._lock:
             self._files[index] = f
@@ -298,10 +309,8 @@ class LocalChunkWriter:
         import google_crc32c
 
         body = self.codec.encode(chunk)
-        parts = ["c", str(index)] + ["0"] * (len(self.chunk_shape) - 1)
-        folder = os.path.join(self.directory, *parts[:-1])
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, parts[-1]), "wb") as f:
+        with open(_new_chunk_path(self.directory, _chunk_key(index, len(self.chunk_shape))),
+                  "wb") as f:
             f.write(body)
             f.write(np.uint32(google_crc32c.value(body)).astype("<u4").tobytes())
 
@@ -336,10 +345,8 @@ class RawChunkAppender:
         data = np.ascontiguousarray(rows, dtype=self.dtype).reshape(-1).view(np.uint8)
         while data.nbytes:
             if self._file is None:
-                parts = ["c", str(self._index)] + ["0"] * (len(self.chunk_shape) - 1)
-                folder = os.path.join(self.directory, *parts[:-1])
-                os.makedirs(folder, exist_ok=True)
-                self._file = open(os.path.join(folder, parts[-1]), "wb")  # noqa: SIM115
+                key = _chunk_key(self._index, len(self.chunk_shape))
+                self._file = open(_new_chunk_path(self.directory, key), "wb")  # noqa: SIM115
                 self._crc, self._filled = 0, 0
             part = data[:self.chunk_bytes - self._filled]
             self._file.write(part)
