@@ -201,15 +201,15 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
     return survey
 
 
-#: Chunk codecs offered: blosc with zstd compresses best; lz4hc decompresses ~3-4x faster
-#: (reads) at a few percent more size and slower export; lz4 exports fastest; ``none``
+#: Chunk codecs offered: blosc with zstd compresses best; lz4hc reads 1.2-1.9x faster at
+#: 11-15% more size and exports slowest; lz4 exports fastest of the three; ``none``
 #: stores the rows as they are (with their CRC-32C), and a local reader then reads only
 #: a record's own bytes, as from the LMDB cache. docs/BENCHMARKS.md compares them.
 CODECS = ("zstd", "lz4hc", "lz4", "none")
 #: Chosen by measurement (docs/BENCHMARKS.md, issue 18): a local snapshot is for reading
-#: (training), and only ``none`` lets a read take just the record's bytes (~0.5x the LMDB
-#: cache's rate, vs 0.1-0.4x for lz4 and 0.07-0.2x for zstd, which decompress whole
-#: chunks), at the cache's own size; an object-store snapshot is for moving and
+#: (training), and only ``none`` lets a read take just the record's bytes (0.6-0.95x the
+#: LMDB cache's rate, vs 0.15-0.45x for lz4 and 0.08-0.4x for zstd, which decompress
+#: whole chunks), at the cache's own size; an object-store snapshot is for moving and
 #: sharing, read through zarr one whole chunk at a time, so there the smallest: zstd
 #: (~2.8x smaller than the records on spc_query data).
 DEFAULT_LOCAL_CODEC = "none"

@@ -24,9 +24,9 @@ __all__ = ["configure_parser", "run"]
 #: records of 0.13 and 3.2 MB on a 2-core VM).
 CODEC_HELP = (
     "chunk codec (default: none for a local path, zstd for a URL). none: the records' own "
-    "size, and a local read takes only a record's bytes (~0.5x the LMDB cache's read "
-    "rate); lz4: ~1.9x smaller, reads 0.1-0.4x; zstd: ~2.8x smaller, reads 0.07-0.2x, "
-    "export slowest; lz4hc: ~2.4x smaller, reads 0.2-0.8x. Compressed chunks are "
+    "size, and a local read takes only a record's bytes (0.6-0.95x the LMDB cache's read "
+    "rate); lz4: ~1.9x smaller, reads 0.15-0.45x; lz4hc: ~2.4x smaller, reads "
+    "0.15-0.45x; zstd: ~2.7x smaller, reads 0.08-0.4x. Compressed chunks are "
     "decompressed whole on every read.")
 
 
