@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,10 +21,17 @@ if TYPE_CHECKING:
 __all__ = ["BATCH_BUFFERS", "BufferPool", "allocate", "in_dataloader_worker"]
 
 
-def in_dataloader_worker() -> bool:
-    import torch.utils.data
+_get_worker_info: Any = None  # torch.utils.data.get_worker_info, found on first use
 
-    return torch.utils.data.get_worker_info() is not None
+
+def in_dataloader_worker() -> bool:
+    """True inside a DataLoader worker process (asked on every read: no import here)."""
+    global _get_worker_info
+    if _get_worker_info is None:
+        from torch.utils.data import get_worker_info
+
+        _get_worker_info = get_worker_info
+    return _get_worker_info() is not None
 
 
 def allocate(size: int, worker: bool) -> tuple[torch.Tensor, np.ndarray]:

@@ -231,17 +231,30 @@ class CachedDataset(torch.utils.data.Dataset):
         self._load_index()
         return len(self._id_offsets) - 1  # type: ignore[arg-type]
 
-    def sample_id(self, i: int) -> str:
-        """The sample id at position ``i`` (negative counts from the end)."""
-        n = len(self)
-        j = int(i) + n if int(i) < 0 else int(i)
+    def _id_span(self, i: int) -> tuple[int, int]:
+        """Where the id of the sample at position ``i`` lies in the packed ids (asked by
+        every read: one index check, no property calls)."""
+        offsets = self._id_offsets
+        if offsets is None:
+            self._load_index()
+            offsets = self._id_offsets
+        n = len(offsets) - 1  # type: ignore[arg-type]
+        j = int(i)
+        if j < 0:
+            j += n
         if not 0 <= j < n:
             raise IndexError(f"index {i} out of range for {n} samples")
-        start, stop = self._id_offsets[j], self._id_offsets[j + 1]  # type: ignore[index]
+        return offsets[j], offsets[j + 1]  # type: ignore[index]
+
+    def sample_id(self, i: int) -> str:
+        """The sample id at position ``i`` (negative counts from the end)."""
+        start, stop = self._id_span(i)
         return self._id_bytes[start:stop].tobytes().decode("utf-8")  # type: ignore[index]
 
     def key(self, i: int) -> str:
-        return f"{self.fingerprint}/{self.sample_id(i)}"
+        """``"<fingerprint>/<sample id>"`` of the sample at position ``i``."""
+        start, stop = self._id_span(i)
+        return f"{self._fingerprint}/{self._id_bytes[start:stop].tobytes().decode('utf-8')}"  # type: ignore[index]
 
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:

@@ -178,6 +178,9 @@ class LMDBStore(Store):
         self.sync = sync
         # a partial, not a bound method: no reference cycle keeps a dropped store alive
         self._resolved = ProcessLocal(functools.partial(os.path.realpath, self.path / RECORDS_DIR))
+        # (pid, shared env) this store joined: every read's first check, without the
+        # realpath lookup and WeakSet membership test of the full one
+        self._joined: tuple[int, _SharedEnv] | None = None
 
     # -- environment lifecycle ---------------------------------------------------------
     @property
@@ -196,6 +199,7 @@ class LMDBStore(Store):
 
     def close(self) -> None:
         """Stop using the environment; it closes when no store of this process uses it."""
+        self._joined = None
         with _shared_lock:
             shared = _shared_envs.get(self._env_key)
             if shared is None:
@@ -205,9 +209,16 @@ class LMDBStore(Store):
                 shared.close()
 
     def _environment(self) -> tuple[Any, dict[bytes, Any]]:
+        joined = self._joined
+        if joined is not None:
+            pid, shared = joined
+            if shared.env is not None and pid == os.getpid() and shared.pid == pid and (
+                    self.readonly or shared.writable):
+                return shared.env, shared.dbs
         shared = _shared_envs.get(self._env_key)
         if (shared is not None and shared.env is not None and shared.pid == os.getpid()
                 and (self.readonly or shared.writable) and self in shared.users):
+            self._joined = (shared.pid, shared)
             return shared.env, shared.dbs
         with _shared_lock:
             shared = _shared_envs.setdefault(self._env_key, _SharedEnv())
@@ -218,6 +229,7 @@ class LMDBStore(Store):
                 shared.env, shared.dbs = self._open_env()
                 shared.pid, shared.writable = os.getpid(), not self.readonly
             shared.users.add(self)
+            self._joined = (shared.pid, shared)
             return shared.env, shared.dbs
 
     def _open_env(self) -> tuple[Any, dict[bytes, Any]]:

@@ -477,12 +477,46 @@ def _parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
     if meta.get("checksum") != stored or _header_digest(raw, at) != stored:
         raise _fail(key, "header checksum mismatch (metadata or layout altered)")
     data_start = _LEN.size + n
-    data_len = total - data_start
-    tensors = {name: _parse_tensor_info(key, name, entry, data_len, data_start)
-               for name, entry in header.items()}
-    _check_layout(key, tensors, data_start, total)
+    tensors = _tensor_infos(key, header, total - data_start, data_start)
     checksums = _parse_field_checksums(key, meta, tensors)
     return RecordHeader(meta, tensors, checksums, data_start)
+
+
+def _tensor_infos(key: str, header: Mapping[str, Any], data_len: int,
+                  data_start: int) -> dict[str, TensorInfo]:
+    """Every tensor entry of a parsed header, checked as :func:`_parse_tensor_info` and
+    :func:`_check_layout` check them, in one loop with no call per field: this runs for
+    every record read. An entry that fails any check goes to ``_parse_tensor_info``,
+    which raises naming what is wrong; fields that are not in data order (a writer other
+    than this package's) go to ``_check_layout``."""
+    tensors = {}
+    itemsizes = _ITEMSIZE
+    position = 0      # where the next field must begin for the fields to be in order
+    in_order = True
+    for name, entry in header.items():
+        if type(entry) is dict and len(entry) == 3:
+            dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+            itemsize = itemsizes.get(dtype) if type(dtype) is str else None
+            if itemsize and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+                begin, end = offsets
+                if type(begin) is int and type(end) is int and 0 <= begin <= end <= data_len:
+                    numel = 1
+                    for d in shape:
+                        if type(d) is not int or d < 0:
+                            break
+                        numel *= d
+                    else:
+                        if numel * itemsize == end - begin:
+                            tensors[name] = TensorInfo(dtype, tuple(shape), data_start + begin,
+                                                       data_start + end)
+                            in_order = in_order and begin == position
+                            position = end
+                            continue
+        _parse_tensor_info(key, name, entry, data_len, data_start)  # raises: says what is wrong
+        raise AssertionError(f"tensor {name!r} failed a check that _parse_tensor_info passed")
+    if not (in_order and position == data_len):
+        _check_layout(key, tensors, data_start, data_start + data_len)
+    return tensors
 
 
 def _begin_of(item: tuple[str, TensorInfo]) -> tuple[int, int]:
@@ -573,47 +607,84 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 Fill = Callable[[int, str, TensorInfo, memoryview], None]
 
 
+class _ViewFill:
+    """A :data:`Fill` over whole record values (bytes-like, e.g. LMDB map buffers).
+
+    Its ``span`` copies any byte range of record ``j``: fields that lie end to end in the
+    record are copied in one go (a snapshot's fill has no ``span``: its fields are apart).
+    """
+
+    __slots__ = ("views",)
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self.views = views
+
+    def __call__(self, j: int, name: str, info: TensorInfo, out: memoryview) -> None:
+        out[:] = self.views[j][info.begin:info.end]  # the one copy out of LMDB's map / the bytes
+
+    def span(self, j: int, begin: int, end: int, out: memoryview) -> None:
+        out[:] = self.views[j][begin:end]
+
+
 def _view_fill(views: Sequence[memoryview]) -> Fill:
-    def fill(j: int, name: str, info: TensorInfo, out: memoryview) -> None:
-        out[:] = views[j][info.begin:info.end]  # the one copy out of LMDB's map / the bytes
-    return fill
+    return _ViewFill(views)
 
 
 def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
                     key: str) -> dict[str, torch.Tensor]:
     """One record read in this (non-worker) process: its fields copied into one fresh
-    buffer (8-byte aligned slots), each copy verified against its checksum and viewed as
-    a tensor on its own storage. Nothing will share or collate this record's storage, and
-    a NumPy view + ``torch.from_numpy`` per field is ~2x cheaper to build and free than a
-    torch view of one storage (~7 vs ~12 us a tensor, loaded VM). Same checks, same
-    single pass over the source as :func:`_batch_tensors`.
+    buffer, each verified against its checksum and viewed as a tensor on its own storage.
+    Nothing will share or collate this record's storage, and a NumPy view +
+    ``torch.from_numpy`` per field is ~2x cheaper to build and free than a torch view of
+    one storage. Same checks as :func:`_batch_tensors`.
+
+    Fields that follow each other in the record (all of them, when all are read: the
+    encoder writes them end to end, by decreasing item size) keep their relative places
+    in the buffer and are copied by one ``fill.span``; a field out of order, or whose
+    place would not be aligned for its dtype, starts a new 8-byte aligned run. Each field
+    is then hashed from the copy, so what is verified is what is returned.
     """
     import torch
 
     infos, checksums = header.tensors, header.field_checksums
-    slots, size = [], 0
+    span = getattr(fill, "span", None)
+    slots = []  # (name, info, offset in the buffer)
+    runs = []   # (begin, end, offset): source ranges copied whole (``span``)
+    size = 0
+    run_end = -1
     for name in names:
         info = infos[name]
-        size = (size + 7) & ~7
+        begin, end = info.begin, info.end
+        if span is not None and begin == run_end and size % _ITEMSIZE[info.dtype] == 0:
+            runs[-1] = (runs[-1][0], end, runs[-1][2])  # extends the current run
+        else:
+            size = (size + 7) & ~7
+            if span is not None:
+                runs.append((begin, end, size))
         slots.append((name, info, size))
-        size += info.end - info.begin
+        size += end - begin
+        run_end = end
     buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
     out = memoryview(buf)
+    for begin, end, offset in runs:
+        span(0, begin, end, out[offset:offset + end - begin])  # type: ignore[misc]
     tensors = {}
+    from_numpy, hexdigest = torch.from_numpy, xxhash.xxh3_64_hexdigest
     for name, info, offset in slots:
         dtype, shape, begin, end = info
         nbytes = end - begin
         copy = out[offset:offset + nbytes]
-        fill(0, name, info, copy)
-        if xxhash.xxh3_64_hexdigest(copy) != checksums[name]:
+        if span is None:
+            fill(0, name, info, copy)
+        if hexdigest(copy) != checksums[name]:
             raise _fail(key, f"checksum mismatch in tensor {name!r}")
+        np_dtype = _NUMPY_DTYPES.get(dtype)
         if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
             raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
-        np_dtype = _NUMPY_DTYPES.get(dtype)
         if not nbytes:
             tensors[name] = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
         elif np_dtype is not None:  # a NumPy view costs a fraction of torch.frombuffer
-            tensors[name] = torch.from_numpy(np.ndarray(shape, np_dtype, buf, offset))
+            tensors[name] = from_numpy(np.ndarray(shape, np_dtype, buf, offset))
         else:  # bfloat16: no NumPy dtype
             tensors[name] = torch.frombuffer(buf, dtype=_TORCH_DTYPES[dtype],
                                              count=nbytes // _ITEMSIZE[dtype],
@@ -640,39 +711,83 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
     """
     import torch
 
-    order: dict[str, None] = {}
-    for selected in names:
-        order.update(dict.fromkeys(selected))
-    slots: list[tuple[int, str, TensorInfo, int]] = []
+    if not names:
+        return []
+    same = all(selected == names[0] for selected in names)  # the usual batch
+    order: dict[str, None] = dict.fromkeys(names[0])
+    if not same:
+        for selected in names:
+            order.update(dict.fromkeys(selected))
+    chosen = [set(selected) for selected in names]
+    groups = []  # (name, [(j, info, offset)]): one field of every record, end to end
     size = 0
     for name in order:
         size = (size + 7) & ~7
-        for j, selected in enumerate(names):
-            if name in selected:
-                info = headers[j].tensors[name]
-                size = -(-size // _ITEMSIZE[info.dtype]) * _ITEMSIZE[info.dtype]
-                slots.append((j, name, info, size))
+        members = []
+        for j, header in enumerate(headers):
+            if same or name in chosen[j]:
+                info = header.tensors[name]
+                itemsize = _ITEMSIZE[info.dtype]
+                size = -(-size // itemsize) * itemsize
+                members.append((j, info, size))
                 size += info.end - info.begin
+        groups.append((name, members))
     size = (size + 7) & ~7  # so the storage views as any dtype
     base, buf = allocate(size, in_dataloader_worker())
     flat: dict[str, torch.Tensor] = {}  # dtype name -> the whole storage as that dtype
     out = memoryview(buf)
+    hexdigest = xxhash.xxh3_64_hexdigest
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
-    for j, name, info, offset in slots:
-        dtype, shape, begin, end = info
-        nbytes = end - begin
-        copy = out[offset:offset + nbytes]
-        fill(j, name, info, copy)
-        if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
-            raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
-        if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
-            raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
-        whole = flat.get(dtype)
-        if whole is None:
-            whole = flat[dtype] = base.view(_TORCH_DTYPES[dtype])
-        tensors[j][name] = whole.as_strided(shape, _strides(shape), offset // _ITEMSIZE[dtype])
+    for name, members in groups:
+        for j, info, offset in members:
+            dtype, shape, begin, end = info
+            nbytes = end - begin
+            copy = out[offset:offset + nbytes]
+            fill(j, name, info, copy)
+            if hexdigest(copy) != headers[j].field_checksums[name]:
+                raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
+            if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
+                raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        for (j, _, _), tensor in zip(members, _group_views(base, flat, members)):
+            tensors[j][name] = tensor
     # a record's own field order, as a dict of its header gives it
+    if same:
+        return tensors
     return [{name: found[name] for name in selected} for found, selected in zip(tensors, names)]
+
+
+def _group_views(base: torch.Tensor, flat: dict[str, torch.Tensor],
+                 members: list[tuple[int, TensorInfo, int]]) -> list[torch.Tensor]:
+    """Tensors over one field's group of a batch buffer (``members``: record, place in the
+    record, offset in ``base``), each a view of ``base``'s one storage.
+
+    When every record's field has the same dtype and the same shape past its first
+    dimension (a field of one recipe always has), the group is one run of that dtype and
+    one ``split`` (or ``unbind``, for 0-d fields) cuts all the views in a single call; a
+    view made alone (``as_strided``) costs more than the read of a small field.
+    """
+    dtype, shape0 = members[0][1].dtype, members[0][1].shape
+    whole = flat.get(dtype)
+    if whole is None:
+        whole = flat[dtype] = base.view(_TORCH_DTYPES[dtype])
+    itemsize = _ITEMSIZE[dtype]
+    rest = shape0[1:]
+    numel_rest = 1
+    for d in rest:
+        numel_rest *= d
+    if numel_rest and all(info.dtype == dtype and len(info.shape) == len(shape0)
+                          and info.shape[1:] == rest for _, info, _ in members):
+        start = members[0][2] // itemsize
+        stop = (members[-1][2] + members[-1][1].end - members[-1][1].begin) // itemsize
+        run = whole[start:stop]
+        if not shape0:
+            return list(run.unbind(0))
+        if rest:
+            run = run.view(-1, *rest)
+        return run.split_with_sizes([info.shape[0] for _, info, _ in members])
+    return [flat.setdefault(info.dtype, base.view(_TORCH_DTYPES[info.dtype])).as_strided(
+                info.shape, _strides(info.shape), offset // _ITEMSIZE[info.dtype])
+            for _, info, offset in members]
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:

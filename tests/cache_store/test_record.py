@@ -380,6 +380,57 @@ def test_a_record_shares_one_buffer_and_keeps_header_order() -> None:
     assert decode_record(value, key=KEY)["octree"][0] == fields["octree"][0]
 
 
+def test_fields_in_any_order_and_subsets_with_gaps_decode_exactly() -> None:
+    """A record's fields are copied in runs of neighbours; any order or subset of fields
+    must still give each field's own bytes, aligned, in the order asked for."""
+    fields, value = _record(5)
+    stored = list(read_header(value).tensors)
+    for chosen in (stored[::-1], stored[::2], stored[1::3] + stored[:1], [stored[-1]]):
+        for rec in (decode_record(value, key=KEY, fields=chosen),
+                    decode_records([(KEY, value)], fields=chosen)[0]):
+            assert list(rec.tensors) == chosen
+            _assert_same(rec.tensors, {n: fields[n] for n in chosen})
+            for name, t in rec.tensors.items():
+                assert t.data_ptr() % t.element_size() == 0, name
+
+
+def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
+    """Another writer may put a 1-byte field before a 4-byte one (so the second lies
+    unaligned in the data section) and list its header entries out of data order."""
+    import xxhash
+
+    from cache_store.record import _sign
+
+    small = np.arange(3, dtype=np.uint8)
+    wide = np.array([1.5, -2.25, 3.0], dtype=np.float32)
+    half = np.array([7, -8], dtype=np.int16)
+    data = small.tobytes() + wide.tobytes() + half.tobytes()
+    meta = dict(record_metadata(FP, "chairs/a1", "spc_query"), format_version="1",
+                field_checksums=json.dumps({"half": xxhash.xxh3_64_hexdigest(half.tobytes()),
+                                            "small": xxhash.xxh3_64_hexdigest(small.tobytes()),
+                                            "wide": xxhash.xxh3_64_hexdigest(wide.tobytes())},
+                                           sort_keys=True, separators=(",", ":")),
+                checksum="0" * 32)
+    header = {"__metadata__": meta,
+              "wide": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]},
+              "half": {"dtype": "I16", "shape": [2], "data_offsets": [15, 19]},
+              "small": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    value = struct.pack("<Q", len(text)) + _sign(text) + data
+    want = {"wide": torch.from_numpy(wide), "half": torch.from_numpy(half),
+            "small": torch.from_numpy(small)}
+    for rec in (decode_record(value, key=KEY), decode_records([(KEY, value)] * 2)[1],
+                decode_record(value, key=KEY, fields=["small", "wide"])):
+        _assert_same(rec.tensors, {n: want[n] for n in rec.tensors})
+        for name, t in rec.tensors.items():
+            assert t.data_ptr() % t.element_size() == 0, name
+    flipped = bytearray(value)
+    flipped[-5] ^= 1  # the last byte of ``wide``
+    with pytest.raises(CorruptRecord, match="'wide'"):
+        decode_record(bytes(flipped), key=KEY)
+
+
 def test_a_batch_is_one_storage_laid_out_field_by_field() -> None:
     made = [_record(seed) for seed in range(4)]
     keys = [f"{FP}/k{seed}" for seed in range(4)]
