@@ -513,7 +513,7 @@ def _tensor_infos(key: str, header: Mapping[str, Any], data_len: int,
                             position = end
                             continue
         _parse_tensor_info(key, name, entry, data_len, data_start)  # raises: says what is wrong
-        raise AssertionError(f"tensor {name!r} failed a check that _parse_tensor_info passed")
+        raise _fail(key, f"tensor {name!r}: malformed header entry")  # (the checks agree)
     if not (in_order and position == data_len):
         _check_layout(key, tensors, data_start, data_start + data_len)
     return tensors
@@ -711,83 +711,39 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
     """
     import torch
 
-    if not names:
-        return []
-    same = all(selected == names[0] for selected in names)  # the usual batch
-    order: dict[str, None] = dict.fromkeys(names[0])
-    if not same:
-        for selected in names:
-            order.update(dict.fromkeys(selected))
-    chosen = [set(selected) for selected in names]
-    groups = []  # (name, [(j, info, offset)]): one field of every record, end to end
+    order: dict[str, None] = {}
+    for selected in names:
+        order.update(dict.fromkeys(selected))
+    slots: list[tuple[int, str, TensorInfo, int]] = []
     size = 0
     for name in order:
         size = (size + 7) & ~7
-        members = []
-        for j, header in enumerate(headers):
-            if same or name in chosen[j]:
-                info = header.tensors[name]
-                itemsize = _ITEMSIZE[info.dtype]
-                size = -(-size // itemsize) * itemsize
-                members.append((j, info, size))
+        for j, selected in enumerate(names):
+            if name in selected:
+                info = headers[j].tensors[name]
+                size = -(-size // _ITEMSIZE[info.dtype]) * _ITEMSIZE[info.dtype]
+                slots.append((j, name, info, size))
                 size += info.end - info.begin
-        groups.append((name, members))
     size = (size + 7) & ~7  # so the storage views as any dtype
     base, buf = allocate(size, in_dataloader_worker())
     flat: dict[str, torch.Tensor] = {}  # dtype name -> the whole storage as that dtype
     out = memoryview(buf)
-    hexdigest = xxhash.xxh3_64_hexdigest
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
-    for name, members in groups:
-        for j, info, offset in members:
-            dtype, shape, begin, end = info
-            nbytes = end - begin
-            copy = out[offset:offset + nbytes]
-            fill(j, name, info, copy)
-            if hexdigest(copy) != headers[j].field_checksums[name]:
-                raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
-            if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
-                raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
-        for (j, _, _), tensor in zip(members, _group_views(base, flat, members)):
-            tensors[j][name] = tensor
+    for j, name, info, offset in slots:
+        dtype, shape, begin, end = info
+        nbytes = end - begin
+        copy = out[offset:offset + nbytes]
+        fill(j, name, info, copy)
+        if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
+            raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
+        if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
+            raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        whole = flat.get(dtype)
+        if whole is None:
+            whole = flat[dtype] = base.view(_TORCH_DTYPES[dtype])
+        tensors[j][name] = whole.as_strided(shape, _strides(shape), offset // _ITEMSIZE[dtype])
     # a record's own field order, as a dict of its header gives it
-    if same:
-        return tensors
     return [{name: found[name] for name in selected} for found, selected in zip(tensors, names)]
-
-
-def _group_views(base: torch.Tensor, flat: dict[str, torch.Tensor],
-                 members: list[tuple[int, TensorInfo, int]]) -> list[torch.Tensor]:
-    """Tensors over one field's group of a batch buffer (``members``: record, place in the
-    record, offset in ``base``), each a view of ``base``'s one storage.
-
-    When every record's field has the same dtype and the same shape past its first
-    dimension (a field of one recipe always has), the group is one run of that dtype and
-    one ``split`` (or ``unbind``, for 0-d fields) cuts all the views in a single call; a
-    view made alone (``as_strided``) costs more than the read of a small field.
-    """
-    dtype, shape0 = members[0][1].dtype, members[0][1].shape
-    whole = flat.get(dtype)
-    if whole is None:
-        whole = flat[dtype] = base.view(_TORCH_DTYPES[dtype])
-    itemsize = _ITEMSIZE[dtype]
-    rest = shape0[1:]
-    numel_rest = 1
-    for d in rest:
-        numel_rest *= d
-    if numel_rest and all(info.dtype == dtype and len(info.shape) == len(shape0)
-                          and info.shape[1:] == rest for _, info, _ in members):
-        start = members[0][2] // itemsize
-        stop = (members[-1][2] + members[-1][1].end - members[-1][1].begin) // itemsize
-        run = whole[start:stop]
-        if not shape0:
-            return list(run.unbind(0))
-        if rest:
-            run = run.view(-1, *rest)
-        return run.split_with_sizes([info.shape[0] for _, info, _ in members])
-    return [flat.setdefault(info.dtype, base.view(_TORCH_DTYPES[info.dtype])).as_strided(
-                info.shape, _strides(info.shape), offset // _ITEMSIZE[info.dtype])
-            for _, info, offset in members]
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
