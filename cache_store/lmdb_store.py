@@ -377,8 +377,8 @@ class LMDBStore(Store):
         wanted = max(2 * current, current + 2 * size_hint)
         if self.max_map_size is not None:
             if current >= self.max_map_size:
-                raise SpcacheError(f"{self.env_path}: LMDB map full at max_map_size "
-                                   f"{self.max_map_size} bytes")
+                raise StoreFull(self.env_path, f"LMDB map full at max_map_size "
+                                               f"{self.max_map_size} bytes")
             wanted = min(wanted, self.max_map_size)
         log.info("%s: growing LMDB map from %d to %d bytes", self.env_path, current, wanted)
         env.set_mapsize(wanted)

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from cache_store import __version__ as SPCACHE_VERSION
-from cache_store.errors import ParameterError, SourceError
+from cache_store.errors import ParameterError, SourceError, StoreFull
 from cache_store.failures import FailureLog
 from cache_store.fingerprint import canonical_json, compute_fingerprint, record_key
 from cache_store.store import Store
@@ -256,6 +256,7 @@ class LocalRun:
             self._pipeline(work, pool, writer, device, ops, budget)
             writer.finish()
             self._report_committed()
+            self._stop_if_full(writer)
             self.summary.oom_backoffs = budget.backoffs
         finally:
             if own_pool:
@@ -269,6 +270,8 @@ class LocalRun:
                 self.engine.failure_log.close()
             self.summary.wall_s = time.perf_counter() - start
         self.summary.write_s = writer.busy_s if writer is not None else 0.0
+        if self.ledger.index_unwritten is not None:
+            raise self.ledger.index_unwritten
         logger.info("fingerprint %s: %d done, %d skipped, %d failed in %.1fs",
                     self.summary.fingerprint, self.summary.done, self.summary.skipped,
                     self.summary.failed, self.summary.wall_s)
@@ -304,9 +307,17 @@ class LocalRun:
                     assert outcome.prepared is not None
                     self._compute(item, outcome.prepared, writer, device, ops, budget)
                 self._report_committed()
+                self._stop_if_full(writer)
         finally:
             for _, future in pending:  # interrupted: loads nobody will wait for
                 future.cancel()
+
+    @staticmethod
+    def _stop_if_full(writer: RecordWriter) -> None:
+        """A full store ends the run: every later write would fail the same way. What was
+        committed stays; the caller gets :class:`StoreFull` naming the cache."""
+        if writer.full is not None:
+            raise StoreFull(writer.full.path, writer.full.reason) from writer.full
 
     def _compute(self, item: WorkItem, prepared: Prepared, writer: RecordWriter,
                  device: torch.device, ops: Any, budget: ChunkBudget) -> None:

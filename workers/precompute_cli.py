@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import BackendUnavailable, ParameterError, SpcacheError, UnknownName
+from cache_store.errors import (
+    BackendUnavailable,
+    ParameterError,
+    SpcacheError,
+    StoreFull,
+    UnknownName,
+)
 from cache_store.paths import cache_dir_problem
 from cache_store.recipe_table import recipe_table
 from cache_store.sources_list import discover_sources
@@ -133,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
     except (ParameterError, UnknownName, BackendUnavailable) as exc:
         print(f"spcache precompute: {exc}", file=sys.stderr)
         return 2
+    except StoreFull as exc:
+        print(f"spcache precompute: stopped: {exc}. The records committed before it are "
+              f"kept (spcache stats {args.cache}); free space (or raise the cache's size "
+              f"bound) and run the same command again: stored samples are skipped.",
+              file=sys.stderr)
+        return 1
     finally:
         store.close()
     if args.json:

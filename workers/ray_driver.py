@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from cache_store.errors import ParameterError, SourceError
+from cache_store.errors import ParameterError, SourceError, StoreFull
 from cache_store.freshness import is_current
 from workers.ray_actor import ShardWorker
 from workers.ray_common import (
@@ -109,6 +109,8 @@ class RayRun:
             if self.engine.failure_log is not None:
                 self.engine.failure_log.close()
             self.summary.wall_s = time.perf_counter() - start
+        if self.ledger.index_unwritten is not None:
+            raise self.ledger.index_unwritten
         s = self.summary
         logger.info("fingerprint %s on %d Ray actor(s): %d done, %d skipped, %d failed in %.1fs",
                     s.fingerprint, len(s.actors), s.done, s.skipped, s.failed, s.wall_s)
@@ -377,6 +379,11 @@ class RayRun:
         """Write one batch in one transaction, then report its items."""
         records = [(key, value) for key, value in message["records"]]
         write_error = ""
+        full: StoreFull | None = None
+        # SIGTERM may land between the commit and the reports below: the ledger then
+        # finds these records in the store when it writes the index
+        self.ledger.committing = {sample_id: source_hash for sample_id, _, status, _, _,
+                                  source_hash in message["results"] if status == "done"}
         if records:
             start = time.perf_counter()
             try:
@@ -384,20 +391,25 @@ class RayRun:
             except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
                 logger.exception("writing %d records failed", len(records))
                 write_error = f"store write failed: {' '.join(str(exc).split())[:300]}"
+                full = exc if isinstance(exc, StoreFull) else None
             self.summary.write_s += time.perf_counter() - start
         for sample_id, path, status, key, reason, source_hash in message["results"]:
             if slot.outstanding.pop(sample_id, None) is None:
                 logger.warning("actor %d reported %s, which it was not given; ignored",
                                slot.stats.actor, sample_id)
                 continue
+            transient = False
             if status == "done" and write_error:
-                status, key, reason = "failed", "", write_error
+                status, key, reason, transient = "failed", "", write_error, True
             if status == "done":
                 slot.stats.done += 1
             elif status == "failed":
                 slot.stats.failed += 1
             self.ledger.finish(ItemResult(sample_id, path, status, key=key, reason=reason,
-                                          source_hash=source_hash))
+                                          source_hash=source_hash, transient=transient))
+        self.ledger.committing = {}
+        if full is not None:  # every later write would fail the same way: the run ends
+            raise StoreFull(full.path, full.reason) from full
 
     def _add_timings(self, timings: dict[str, Any]) -> None:
         s = self.summary

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cache_store.errors import StoreFull
 from cache_store.record import encode_record
 from cache_store.store import Store
 from workers.run_ledger import ItemResult, WorkItem, one_line
@@ -33,7 +34,11 @@ class RecordWriter(threading.Thread):
 
     Every item's outcome (``done`` once committed, else ``failed`` with the reason) is
     put on ``committed`` as ``(ItemResult, perf_counter time)``; the engine reports it
-    from its own thread.
+    from its own thread. A failed write is ``transient`` (the sample itself is fine).
+
+    Once a commit raises :class:`StoreFull` (the disk, or the LMDB map at its bound), it
+    is kept in ``full`` and nothing more is written: the items still arriving fail at
+    once with its reason, and the engine stops the run.
     """
 
     _STOP = object()
@@ -46,6 +51,7 @@ class RecordWriter(threading.Thread):
         self.committed = committed
         self.inbox: queue.Queue = queue.Queue(maxsize=2 * batch)
         self.busy_s = 0.0
+        self.full: StoreFull | None = None
 
     def put(self, pending: PendingRecord) -> None:
         self.inbox.put(pending)
@@ -71,6 +77,11 @@ class RecordWriter(threading.Thread):
                 self._commit(batch)
 
     def _commit(self, batch: list[PendingRecord]) -> None:
+        if self.full is not None:
+            for pending in batch:
+                self._report(pending.item, "failed", f"not written: {one_line(self.full)}",
+                             transient=True)
+            return
         start = time.perf_counter()
         encoded: list[tuple[str, bytes]] = []
         ok: list[PendingRecord] = []
@@ -86,15 +97,21 @@ class RecordWriter(threading.Thread):
             try:
                 self.store.put_many(encoded)
             except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
-                logger.exception("writing %d records failed", len(encoded))
+                if isinstance(exc, StoreFull):
+                    self.full = exc
+                    logger.error("writing %d records failed, the cache is full: %s",
+                                 len(encoded), exc)
+                else:
+                    logger.exception("writing %d records failed", len(encoded))
                 for pending in ok:
-                    self._report(pending.item, "failed", f"store write failed: {one_line(exc)}")
+                    self._report(pending.item, "failed", f"store write failed: {one_line(exc)}",
+                                 transient=True)
                 ok = []
         self.busy_s += time.perf_counter() - start
         for pending in ok:
             self._report(pending.item, "done", "")
 
-    def _report(self, item: WorkItem, status: str, reason: str) -> None:
+    def _report(self, item: WorkItem, status: str, reason: str, transient: bool = False) -> None:
         self.committed.put((ItemResult(item.sample_id, item.path, status,
                                        key=item.key if status == "done" else "",
-                                       reason=reason), time.perf_counter()))
+                                       reason=reason, transient=transient), time.perf_counter()))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId
+from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId, StoreFull
 from cache_store.failures import Failure, FailureLog
 from cache_store.fingerprint import record_key, validate_sample_id
 from cache_store.freshness import stored_source_hash
@@ -64,7 +64,8 @@ class ItemResult:
     ``status`` is ``"done"`` (record committed), ``"skipped"`` (an up-to-date record was
     already stored) or ``"failed"`` (``reason`` says why; ``repeat`` as in
     :class:`SampleError`). ``source_hash`` is the content hash the item was computed or
-    failed on, when it was read.
+    failed on, when it was read. ``transient``: the failure is the store's (a write that
+    failed, a full disk), not the sample's; trying it again later may work.
     """
 
     sample_id: str
@@ -74,6 +75,7 @@ class ItemResult:
     reason: str = ""
     source_hash: str = ""
     repeat: str = ""
+    transient: bool = False
 
 
 @dataclass
@@ -168,6 +170,11 @@ class RunLedger:
         self.stored_ids: set[str] = set()
         self.admitted: list[str] = []  # valid, unique sample ids in input order
         self.bar: Any = None
+        self.index_unwritten: StoreFull | None = None
+        # sample id -> source hash of each record in a commit not yet reported: an
+        # interrupt between the commit and its report must not leave a stored record
+        # out of the index (see _write_index)
+        self.committing: dict[str, str] = {}
 
     def key(self, sample_id: str) -> str:
         return record_key(self.summary.fingerprint, sample_id)
@@ -272,7 +279,26 @@ class RunLedger:
             self.bar.close()
 
     def write_index(self) -> None:
-        """The index: ids already indexed, in order, then this run's stored ids in input order."""
+        """The index: ids already indexed, in order, then this run's stored ids in input order.
+
+        Called from the drivers' ``finally``: a full store (:class:`StoreFull`) is logged
+        and kept in ``index_unwritten`` rather than raised, so it never replaces the error
+        that ended a run; a driver whose run ended well raises it then.
+        """
+        try:
+            self._write_index()
+        except StoreFull as exc:
+            logger.error("the index of %s was not written (%s): its records stored in this "
+                         "run are found again by the next run over the same sources",
+                         self.summary.fingerprint, exc)
+            self.index_unwritten = exc
+
+    def _write_index(self) -> None:
+        for sample_id, source_hash in self.committing.items():  # an interrupted commit
+            if (sample_id not in self.stored_ids
+                    and self.stored_source_hash(self.key(sample_id)) == source_hash):
+                self.stored_ids.add(sample_id)
+        self.committing = {}
         store, summary = self.store, self.summary
         fingerprint = summary.fingerprint
         ran = [sid for sid in self.admitted if sid in self.stored_ids]

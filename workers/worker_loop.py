@@ -161,7 +161,9 @@ class WorkerLoop:
             if result.status in ("done", "skipped"):
                 finished.append(item)
                 return
-            queue.fail(self.worker_id, item.item_id, result.reason or "failed", permanent=True)
+            # the sample's own failure is final; a failed write (a full disk) is retried
+            queue.fail(self.worker_id, item.item_id, result.reason or "failed",
+                       permanent=not result.transient)
             with self._held_lock:
                 self._held.pop(item.item_id, None)
             self.processed += 1

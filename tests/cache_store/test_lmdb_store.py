@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.errors import CacheNotFound, UnknownName
+from cache_store.errors import CacheNotFound, StoreFull, UnknownName
 from cache_store.lmdb_store import LMDBStore
 from cache_store.store import Store, backend_for, open_store
 from tests.cache_store.store_contract import FP_A, WritableStoreContract
@@ -49,6 +49,22 @@ def test_map_grows_past_its_initial_size(tmp_path: Path) -> None:
         store.put_many(items[start:start + 8])
     assert store.stats()["lmdb"]["map_size"] > 64 * 1024
     assert all(store.get(k) == v for k, v in items)
+    store.close()
+
+
+def test_a_map_at_its_bound_is_store_full_and_keeps_what_was_committed(tmp_path: Path) -> None:
+    store = LMDBStore(tmp_path, readonly=False, map_size=256 * 1024, max_map_size=512 * 1024)
+    items = [(f"{FP_A}/s{i}", make_record(FP_A, f"s{i}", i, num_points=3000)) for i in range(40)]
+    committed = []
+    with pytest.raises(StoreFull, match="no space left on .*max_map_size 524288") as err:
+        for start in range(0, 40, 4):
+            store.put_many(items[start:start + 4])
+            committed.extend(items[start:start + 4])
+    assert isinstance(err.value, OSError) and str(tmp_path) in str(err.value)
+    assert 0 < len(committed) < 40  # some batches landed before the bound
+    assert store.stats()["records"] == len(committed)
+    assert all(store.get(k) == v for k, v in committed)
+    assert store.verify().ok
     store.close()
 
 

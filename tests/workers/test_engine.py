@@ -236,6 +236,37 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshe
         assert store.verify().ok
 
 
+def test_a_full_cache_stops_the_run_and_keeps_what_was_committed(
+        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    """The LMDB map at its bound (what a full disk is to a writer): the run stops with
+    StoreFull naming the cache instead of failing every later sample one by one; the
+    records committed before stay readable; the same run on room to spare finishes."""
+    from cache_store.errors import StoreFull
+    from cache_store.lmdb_store import LMDBStore
+
+    cache = tmp_path / "cache"
+    items = _items(corpus_meshes)
+    params = {"level": 6, "surface_samples": 4000}
+    seen: list[ItemResult] = []
+    store = LMDBStore(cache, readonly=False, map_size=128 * 1024, max_map_size=512 * 1024)
+    engine = Engine(store, "spc", params, device="cpu", loaders=0, write_batch=1, prefetch=1)
+    with pytest.raises(StoreFull, match="no space left on .*max_map_size") as err:
+        engine.run(items, on_result=seen.append)
+    assert str(cache) in str(err.value)
+    stored = [r.sample_id for r in seen if r.status == "done"]
+    failed = [r for r in seen if r.status == "failed"]
+    assert stored and failed and len(seen) < len(items)  # it stopped early
+    assert all(r.transient and "no space left" in r.reason for r in failed)
+    assert store.verify().ok
+    assert sorted(k.split("/", 1)[1] for k in store.keys()) == sorted(stored)
+    store.close()
+    with open_store(cache, readonly=False) as roomy:
+        again = Engine(roomy, "spc", params, device="cpu", loaders=0).run(items)
+        assert (again.done, again.skipped, again.failed) == (len(items) - len(stored), len(stored), 0)
+        assert roomy.get_index(again.fingerprint).sample_ids.tolist() == [i for i, _ in items]
+        assert roomy.verify().ok
+
+
 def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], corpus_meshes: list[Path]) -> None:
     items = _items(bad_inputs) + [("good", str(corpus_meshes[0])), ("good", str(corpus_meshes[1])),
                                   ("../escape", str(corpus_meshes[1])),

@@ -153,6 +153,32 @@ def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, corpus_meshes: list[P
     assert main(["verify", "--cache", str(tmp_path / "nothing")]) == 2
 
 
+def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
+        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import cache_store.store
+    from cache_store.lmdb_store import LMDBStore
+
+    cache = tmp_path / "cache"
+    args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc", "--param", "level=6",
+            "--param", "surface_samples=4000", "--cache", str(cache), "--device", "cpu",
+            "--jobs", "0"]
+    # the cache's disk, as small as an LMDB map bound makes it
+    monkeypatch.setattr(cache_store.store, "open_store", lambda path, readonly: LMDBStore(
+        path, readonly=readonly, map_size=128 * 1024, max_map_size=512 * 1024))
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "stopped: no space left on" in err and "run the same command again" in err
+    assert "Traceback" not in err
+    monkeypatch.undo()
+    with open_store(cache) as store:
+        kept = len(list(store.keys()))
+        assert 0 < kept < len(corpus_meshes) and store.verify().ok
+    assert main(args) == 0
+    with open_store(cache) as store:
+        assert len(list(store.keys())) == len(corpus_meshes) and store.verify().ok
+
+
 def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
                                                                corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "cache"

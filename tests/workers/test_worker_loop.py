@@ -72,6 +72,31 @@ def test_drain_computes_each_item_and_a_bad_sample_fails_alone(
     store.close()
 
 
+def test_a_full_cache_fails_a_job_item_only_after_its_retries(
+        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails for lack of space is the store's failure, not the sample's: the
+    item goes back to pending and is tried again (a sample's own failure is final at
+    once), and what was committed before stays readable."""
+    import workers.worker_loop
+
+    cache = tmp_path / "cache"
+    queue, job_id, fp = _submit(cache, corpus_meshes, level=6, surface_samples=4000)
+    monkeypatch.setattr(workers.worker_loop, "open_store", lambda path, readonly: LMDBStore(
+        path, readonly=readonly, map_size=64 * 1024, max_map_size=192 * 1024))
+    loop = WorkerLoop(cache, device="cpu", backend="torch", loaders=0, drain=True)
+    loop.run()
+    rows = queue.items(job_id)
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert failed and any(r["status"] == "done" for r in rows)
+    assert all(r["attempts"] == queue.max_attempts for r in failed), failed
+    assert all("no space left" in r["last_error"] for r in failed), failed
+    store = LMDBStore(cache)
+    assert store.verify().ok
+    assert {r["sample_id"] for r in rows if r["status"] == "done"} == {
+        k.split("/", 1)[1] for k in store.keys(fp + "/")}
+    store.close()
+
+
 @pytest.mark.slow
 def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
         tmp_path: Path, corpus_meshes: list[Path]) -> None:
