@@ -248,7 +248,9 @@ class RunLedger:
             self.on_result(result)
 
     def _remember(self, result: ItemResult) -> ItemResult:
-        """Record a failure in the log; say so in its reason when it is a repeat."""
+        """Record a failure in the log; say so in its reason when it is a repeat. A
+        transient one (the store's, not the source's) is not recorded: ``skip_failed``
+        must never skip a sample because the disk was full once."""
         if result.repeat == "skipped":
             return dataclasses.replace(result, reason="not retried: failed before on this "
                                                       "unchanged source (skip_failed): "
@@ -258,7 +260,7 @@ class RunLedger:
                 and known.reason == result.reason):
             result = dataclasses.replace(result, repeat="again",
                                          reason="failed again, same reason: " + result.reason)
-        if self.failures is not None and result.source_hash:
+        if self.failures is not None and result.source_hash and not result.transient:
             raw = known.reason if result.repeat == "again" and known is not None else result.reason
             try:
                 self.failures.record(self.summary.fingerprint, result.sample_id, result.path,

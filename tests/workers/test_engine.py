@@ -341,6 +341,25 @@ def test_jobs_is_still_accepted_as_the_old_name_of_loaders(tmp_path: Path) -> No
             Engine(store, "spc", loaders=1, jobs=2)
 
 
+def test_a_failed_write_is_not_remembered_as_the_sources_failure(tmp_path: Path) -> None:
+    """skip_failed must never skip a sample because a write failed (a full disk) once."""
+    from cache_store.failures import FailureLog
+    from workers.run_ledger import RunLedger, Summary
+
+    fp = "0" * 32
+    log = FailureLog(tmp_path)
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        ledger = RunLedger(store, Summary(fp, "spc", 1, {}), None, failures=log)
+        ledger.admit([("written", "a.ply"), ("broken", "b.ply")])
+        ledger.finish(ItemResult("written", "a.ply", "failed", reason="store write failed: "
+                                 "no space left", source_hash="1" * 16, transient=True))
+        ledger.finish(ItemResult("broken", "b.ply", "failed", reason="not a mesh",
+                                 source_hash="2" * 16))
+    remembered = log.get_many(fp, ["written", "broken"])
+    assert set(remembered) == {"broken"}
+    log.close()
+
+
 def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_fixed(
         tmp_path: Path) -> None:
     from cache_store.failures import FailureLog
