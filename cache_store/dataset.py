@@ -294,8 +294,9 @@ class CachedDataset(torch.utils.data.Dataset):
             from cache_store.http_read_through import HTTPReadThrough
 
             token = getattr(self.cache, "token", None) or self.store_options.get("token")
+            ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
             return HTTPReadThrough(cache, name, params, self.fingerprint, token=token,
-                                   miss_timeout=self.miss_timeout)
+                                   miss_timeout=self.miss_timeout, ca_file=ca_file)
         from cache_store.read_through import QueueReadThrough
 
         return QueueReadThrough(cache.removeprefix("file://"), name, params, self.fingerprint,

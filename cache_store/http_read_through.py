@@ -40,6 +40,7 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.fingerprint import record_key
+from cache_store.http_store import tls_verify
 
 __all__ = ["HTTPReadThrough"]
 
@@ -67,11 +68,12 @@ class HTTPReadThrough:
         token: bearer token (the service needs it for warm-ups when it has one).
         priority: of the warm-ups it posts (misses go ahead of ordinary warm-ups).
         miss_timeout: seconds to wait for a record before :class:`MissTimeout`.
+        ca_file: the PEM file to trust for an ``https://`` service (see ``HTTPStore``).
     """
 
     def __init__(self, url: str, recipe: str, params: dict[str, Any], fingerprint: str, *,
                  token: str | None = None, priority: int = 100,
-                 miss_timeout: float = 120.0) -> None:
+                 miss_timeout: float = 120.0, ca_file: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.recipe = recipe
         self.params = dict(params)
@@ -79,6 +81,7 @@ class HTTPReadThrough:
         self.token = token
         self.priority = priority
         self.miss_timeout = miss_timeout
+        self.ca_file = ca_file
         self._client: httpx.Client | None = None
         #: items the service queued for this process (reused ones not counted)
         self.queued = 0
@@ -86,7 +89,8 @@ class HTTPReadThrough:
     def _http(self) -> httpx.Client:
         if self._client is None:
             headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._client = httpx.Client(base_url=self.url, headers=headers, timeout=30.0)
+            self._client = httpx.Client(base_url=self.url, headers=headers, timeout=30.0,
+                                        verify=tls_verify(self.ca_file))
         return self._client
 
     def close(self) -> None:

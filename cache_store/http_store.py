@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
+import ssl
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -51,10 +53,20 @@ _INDEX_PAGE = 100_000
 
 
 
-def _new_client(url: str, timeout_s: float, token: str | None,
-                max_connections: int) -> httpx.Client:
+def tls_verify(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext | bool:
+    """What an httpx client verifies an https service against: the system's CAs, or only
+    ``ca_file`` (PEM: the CA that signed the service's certificate, or a self-signed
+    certificate itself) when given."""
+    if ca_file is None:
+        return True
+    return ssl.create_default_context(cafile=os.fspath(ca_file))
+
+
+def _new_client(url: str, timeout_s: float, token: str | None, max_connections: int,
+                ca_file: str | None) -> httpx.Client:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=url, timeout=timeout_s, headers=headers,
+                        verify=tls_verify(ca_file),
                         limits=httpx.Limits(max_connections=max_connections,
                                             max_keepalive_connections=max_connections))
 
@@ -72,6 +84,8 @@ class HTTPStore(Store):
         token: bearer token, sent if given (reads need none).
         record_key: secret shared with the service (``SPCACHE_RECORD_KEY``); when set,
             every record must come with a valid keyed tag (``CorruptRecord`` otherwise).
+        ca_file: for an ``https://`` service whose certificate the system does not trust
+            (a private CA, a self-signed certificate): the PEM file to trust instead.
 
     Lists (``keys``, ``fingerprints``) come from the service's dataset indexes: records
     not (yet) in an index are readable by key but not listed (``supports_listing`` is
@@ -84,7 +98,8 @@ class HTTPStore(Store):
     def __init__(self, url: str, *, readonly: bool = True, timeout_s: float = 30.0,
                  retries: int = 5, backoff_s: float = 0.1, max_connections: int = 16,
                  batch_size: int = 64, token: str | None = None,
-                 record_key: str | bytes | None = None) -> None:
+                 record_key: str | bytes | None = None,
+                 ca_file: str | os.PathLike[str] | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"HTTPStore needs an http(s):// URL, got {url!r}")
         if not readonly:
@@ -100,8 +115,10 @@ class HTTPStore(Store):
         self.batch_size = batch_size
         self.token = token
         self.record_key = None if record_key is None else as_secret(record_key)
+        self.ca_file = None if ca_file is None else os.fspath(ca_file)
         self._client = ProcessLocal(functools.partial(
-            _new_client, self.url, timeout_s, token, max_connections), httpx.Client.close)
+            _new_client, self.url, timeout_s, token, max_connections, self.ca_file),
+            httpx.Client.close)
 
     def __repr__(self) -> str:
         return f"HTTPStore({self.url!r})"

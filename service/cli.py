@@ -44,11 +44,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--backend", dest="worker_backend", help="the worker's SPC ops backend")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     parser.add_argument("--log-level", help="debug, info, warning, error (default info)")
+    parser.add_argument("--tls-certfile", metavar="PEM", help="serve HTTPS with this "
+                        "certificate chain (env SPCACHE_TLS_CERTFILE; needs --tls-keyfile)")
+    parser.add_argument("--tls-keyfile", metavar="PEM", help="the certificate's private key "
+                                                             "(env SPCACHE_TLS_KEYFILE)")
     return parser
 
 
 _FLAG_FIELDS = ("cache", "host", "port", "token", "source_roots", "worker", "worker_device",
-                "worker_backend", "max_body_bytes", "log_level")
+                "worker_backend", "max_body_bytes", "log_level", "tls_certfile", "tls_keyfile")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -110,11 +114,13 @@ def serve(settings: Settings) -> int:
     else:
         log.info("spcache serve: no worker child (--no-worker); run `spcache worker --cache %s`",
                  settings.cache)
-    log.info("spcache serve: listening on http://%s:%d", settings.host, settings.port)
+    log.info("spcache serve: listening on %s", settings.url)
+    tls = ({} if settings.tls_certfile is None else
+           {"ssl_certfile": str(settings.tls_certfile), "ssl_keyfile": str(settings.tls_keyfile)})
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), server_header=False,
                             proxy_headers=False, timeout_graceful_shutdown=10,
-                            log_config=None)
+                            log_config=None, **tls)
 
     class Server(uvicorn.Server):
         # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down (so the exit

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
         None, min_length=16, description="secret shared with readers: each record is sent "
         "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.record_tag)")
     log_level: str = "info"
+    tls_certfile: Path | None = Field(None, description="serve HTTPS with this certificate "
+                                      "chain (PEM); needs tls_keyfile")
+    tls_keyfile: Path | None = Field(None, description="the certificate's private key (PEM)")
 
     @field_validator("source_roots", mode="before")
     @classmethod
@@ -109,6 +112,30 @@ class Settings(BaseSettings):
         if token is not None and not token.get_secret_value():
             return None
         return token
+
+    @model_validator(mode="after")
+    def _load_tls(self) -> Settings:
+        """Both TLS files or neither, and they must load: a bad certificate is a one-line
+        error at start, not a traceback from inside uvicorn."""
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together (give both, or neither)")
+        if self.tls_certfile is not None:
+            import ssl
+
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                    self.tls_certfile, self.tls_keyfile)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot load TLS certificate {self.tls_certfile} with key "
+                                 f"{self.tls_keyfile}: {exc.strerror or exc}") from None
+        return self
+
+    @property
+    def url(self) -> str:
+        """Where the service answers: ``http(s)://host:port``."""
+        scheme = "https" if self.tls_certfile is not None else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
 
     @model_validator(mode="after")
     def _refuse_open_bind(self) -> Settings:

@@ -1,0 +1,97 @@
+"""``spcache serve`` over HTTPS, and readers that trust its certificate.
+
+The certificate in ``tests/data/tls`` is self-signed for 127.0.0.1 and localhost, made
+for these tests only (``openssl req -x509 -newkey rsa:2048 -nodes -days 36500
+-subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1,DNS:localhost``).
+"""
+
+from __future__ import annotations
+
+import signal
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from cache_store.dataset import CachedDataset
+from cache_store.fingerprint import compute_fingerprint
+from cache_store.http_store import HTTPStore
+from cache_store.lmdb_store import LMDBStore
+from cache_store.store import DatasetIndex
+from tests.cache_store.synthetic import make_record, spc_fields
+from tests.conftest import REPO_ROOT
+from tests.spcache._proctree import free_port
+
+TLS = REPO_ROOT / "tests" / "data" / "tls"
+CERT, KEY = TLS / "cert.pem", TLS / "key.pem"
+FP = compute_fingerprint("spc", 1, {})
+
+
+def _serve(cache: Path, port: int, *flags: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "spcache", "serve", "--cache", str(cache),
+                             "--port", str(port), "--no-worker", *flags],
+                            cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_https(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    trust = ssl.create_default_context(cafile=str(CERT))
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            if httpx.get(f"{url}/healthz", verify=trust, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"serve did not answer on {url} within {timeout}s")
+
+
+def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
+        tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    store = LMDBStore(cache, readonly=False)
+    value = make_record(FP, "a1", 0)
+    store.put_many([(f"{FP}/a1", value)])
+    store.put_index(DatasetIndex(FP, "spc", 1, {}, np.array(["a1"])))
+    store.close()
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    proc = _serve(cache, port, "--tls-certfile", str(CERT), "--tls-keyfile", str(KEY))
+    try:
+        _wait_https(url, proc)
+        with HTTPStore(url, ca_file=CERT, retries=0) as reader:
+            record = reader.get_record(f"{FP}/a1")
+            assert torch.equal(record["octree"], spc_fields(0)["octree"])
+            assert reader.fingerprints() == [FP]
+        dataset = CachedDataset(url, FP, store_options={"ca_file": str(CERT), "retries": 0})
+        assert torch.equal(dataset[0]["octree"], spc_fields(0)["octree"])
+        dataset.close()
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{url}/healthz", timeout=5)  # the system's CAs do not know it
+        with pytest.raises(httpx.TransportError):  # and nothing answers in plain HTTP
+            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert f"spcache serve: listening on {url}" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tls-certfile", str(CERT)], "tls_certfile and tls_keyfile go together"),
+    (["--tls-certfile", str(KEY), "--tls-keyfile", str(KEY)], "cannot load TLS certificate"),
+    (["--tls-certfile", str(CERT), "--tls-keyfile", "/nowhere/key.pem"],
+     "cannot load TLS certificate"),
+])
+def test_bad_tls_files_are_one_line_at_start(tmp_path: Path, flags: list[str],
+                                             message: str) -> None:
+    proc = _serve(tmp_path / "cache", free_port(), *flags)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert message in err and "Traceback" not in err
