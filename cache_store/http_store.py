@@ -116,6 +116,12 @@ class HTTPStore(Store):
         self.token = token
         self.record_key = None if record_key is None else as_secret(record_key)
         self.ca_file = None if ca_file is None else os.fspath(ca_file)
+        if self.ca_file is not None:  # a bad file is named now, not at the first request
+            try:
+                tls_verify(self.ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"ca_file {self.ca_file}: cannot load it as PEM "
+                                 f"certificates: {getattr(exc, 'strerror', None) or exc}") from None
         self._client = ProcessLocal(functools.partial(
             _new_client, self.url, timeout_s, token, max_connections, self.ca_file),
             httpx.Client.close)

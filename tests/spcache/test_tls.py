@@ -95,3 +95,9 @@ def test_bad_tls_files_are_one_line_at_start(tmp_path: Path, flags: list[str],
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("ca_file", [KEY, TLS / "missing.pem"])
+def test_a_ca_file_that_does_not_load_is_named_when_the_store_is_made(ca_file: Path) -> None:
+    with pytest.raises(ValueError, match=f"ca_file {ca_file}: cannot load"):
+        HTTPStore("https://127.0.0.1:1", ca_file=ca_file)
