@@ -626,10 +626,6 @@ class _ViewFill:
         out[:] = self.views[j][begin:end]
 
 
-def _view_fill(views: Sequence[memoryview]) -> Fill:
-    return _ViewFill(views)
-
-
 def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
                     key: str) -> dict[str, torch.Tensor]:
     """One record read in this (non-worker) process: its fields copied into one fresh
@@ -771,9 +767,9 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
     header = _parse_view(view, key)
     names = _selected(header, fields, key)
     if in_dataloader_worker():
-        return Record(_batch_tensors(_view_fill([view]), [header], [names], [key])[0],
+        return Record(_batch_tensors(_ViewFill([view]), [header], [names], [key])[0],
                       header.metadata)
-    return Record(_record_tensors(_view_fill([view]), header, names, key), header.metadata)
+    return Record(_record_tensors(_ViewFill([view]), header, names, key), header.metadata)
 
 
 def decode_records(items: Iterable[tuple[str, Any]], *,
@@ -793,7 +789,7 @@ def decode_records(items: Iterable[tuple[str, Any]], *,
         views.append(view)
         headers.append(header)
         names.append(_selected(header, fields, key))
-    tensors = _batch_tensors(_view_fill(views), headers, names, keys)
+    tensors = _batch_tensors(_ViewFill(views), headers, names, keys)
     return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
 
 
