@@ -79,7 +79,7 @@ class RecordWriter(threading.Thread):
     def _commit(self, batch: list[PendingRecord]) -> None:
         if self.full is not None:
             for pending in batch:
-                self._report(pending.item, "failed", f"not written: {one_line(self.full)}",
+                self._report(pending, "failed", f"not written: {one_line(self.full)}",
                              transient=True)
             return
         start = time.perf_counter()
@@ -92,7 +92,7 @@ class RecordWriter(threading.Thread):
                 ok.append(pending)
             except Exception as exc:  # noqa: BLE001 - this record fails alone
                 logger.exception("encoding the record of %s failed", item.sample_id)
-                self._report(item, "failed", f"cannot encode record: {one_line(exc)}")
+                self._report(pending, "failed", f"cannot encode record: {one_line(exc)}")
         if encoded:
             try:
                 self.store.put_many(encoded)
@@ -104,14 +104,20 @@ class RecordWriter(threading.Thread):
                 else:
                     logger.exception("writing %d records failed", len(encoded))
                 for pending in ok:
-                    self._report(pending.item, "failed", f"store write failed: {one_line(exc)}",
+                    self._report(pending, "failed", f"store write failed: {one_line(exc)}",
                                  transient=True)
                 ok = []
         self.busy_s += time.perf_counter() - start
         for pending in ok:
-            self._report(pending.item, "done", "")
+            self._report(pending, "done", "")
 
-    def _report(self, item: WorkItem, status: str, reason: str, transient: bool = False) -> None:
+    def _report(self, pending: PendingRecord, status: str, reason: str,
+                transient: bool = False) -> None:
+        # The source hash goes with every result: the Ray driver matches a committed,
+        # unreported record against it when a SIGTERM lands between commit and report.
+        item = pending.item
         self.committed.put((ItemResult(item.sample_id, item.path, status,
                                        key=item.key if status == "done" else "",
-                                       reason=reason, transient=transient), time.perf_counter()))
+                                       reason=reason, transient=transient,
+                                       source_hash=pending.metadata.get("source_hash", "")),
+                            time.perf_counter()))

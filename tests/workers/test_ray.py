@@ -296,6 +296,33 @@ def test_cli_ray_usage_errors(tmp_path: Path, corpus_meshes: list[Path], extra: 
 
 
 @pytest.mark.slow
+def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
+        ray_local, tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    """SIGTERM reaches the driver as KeyboardInterrupt (the CLI's handler) at any bytecode:
+    here right after the second batch is committed, before its results are reported. The
+    record is stored, so it must be in the index too (a CI run once caught it left out)."""
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        commit = store.put_many
+        commits = []
+
+        def commit_then_interrupt(items):
+            stored = commit(items)
+            commits.append(stored)
+            if len(commits) == 2:
+                raise KeyboardInterrupt("signal 15")
+            return stored
+
+        store.put_many = commit_then_interrupt  # type: ignore[method-assign]
+        engine = RayEngine(store, "spc_query", PARAMS,
+                           **{**RAY_OPTIONS, "actors": 1, "write_batch": 1})
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(_items(corpus_meshes[:4]))
+        stored = sorted(key.split("/", 1)[1] for key in store.keys())
+        assert len(stored) == 2
+        assert sorted(store.get_index(engine.fingerprint).sample_ids.tolist()) == stored
+
+
+@pytest.mark.slow
 def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
         ray_local, tmp_path: Path, corpus_meshes: list[Path],
         capsys: pytest.CaptureFixture[str]) -> None:
@@ -327,7 +354,7 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     fingerprint = stored[0].split("/", 1)[0]
     with open_store(cache) as store:
         assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
-            sorted(k.split("/", 1)[1] for k in stored)
+            sorted(k.split("/", 1)[1] for k in stored), err
     # resume in this process (its Ray is the module's): only the rest is computed
     capsys.readouterr()
     assert main(args) == 0
