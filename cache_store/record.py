@@ -69,6 +69,7 @@ __all__ = [
     "decode_filled",
     "parse_stored_header",
     "decode_arrays",
+    "check_record",
     "torch_dtype",
     "read_header",
     "read_metadata",
@@ -582,11 +583,25 @@ def _selected(header: RecordHeader, fields: Iterable[str] | None, key: str) -> l
 
 
 def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str) -> memoryview:
+    """Field ``name``'s bytes in ``view``, checked as a decode checks its copy."""
     info = header.tensors[name]
     part = view[info.begin:info.end]
     if xxhash.xxh3_64_hexdigest(part) != header.field_checksums[name]:
         raise _fail(key, f"checksum mismatch in tensor {name!r}")
+    if info.dtype == "BOOL" and np.frombuffer(part, dtype=np.uint8).max(initial=0) > 1:
+        raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
     return part
+
+
+def check_record(value: Any, *, key: str = "") -> dict[str, str]:
+    """Every check :func:`decode_record` makes on a whole record (header, layout, each
+    field's checksum, BOOL bytes), building nothing and without torch: what ``verify``
+    walks need. Returns the metadata; raises as :func:`decode_record`."""
+    view = _byte_view(value, key)
+    header = _parse_view(view, key)
+    for name in header.tensors:
+        _verified_slice(view, header, name, key)
+    return dict(header.metadata)
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

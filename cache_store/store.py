@@ -55,6 +55,7 @@ from cache_store.fingerprint import (
 from cache_store.record import (
     Record,
     check_names_key,
+    check_record,
     decode_arrays,
     decode_record,
     decode_records,
@@ -360,7 +361,8 @@ class Store(abc.ABC):
                 "fingerprints": dict(sorted(per_fp.items()))}
 
     def verify(self, fingerprint: str | None = None) -> VerifyReport:
-        """Decode every record (of ``fingerprint``, or all) with full checksum checks.
+        """Check every record (of ``fingerprint``, or all) as a decode would, building no
+        tensors (:func:`cache_store.record.check_record`; no torch import).
 
         Also reports records whose metadata names another key, unreadable indexes, and
         indexed sample ids without a record (``missing``). Damage to the store itself
@@ -381,7 +383,7 @@ class Store(abc.ABC):
         for key, value in self.iter_values(prefix):
             report.checked += 1
             try:
-                check_names_key(decode_record(value, key=key).metadata, key)
+                check_names_key(check_record(value, key=key), key)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)

@@ -38,3 +38,22 @@ assert not torch.cuda.is_initialized()
 """
     mods = _modules_after(code)
     assert not {m for m in mods if m.split(".")[0] in {"kaolin", "service", "workers", "fastapi"}}
+
+
+
+def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
+    """``spcache verify`` and ``stats`` (and the service's listings) walk a cache in a
+    child process each time: without torch that child starts in a fraction of a second."""
+    from cache_store.lmdb_store import LMDBStore
+    from tests.cache_store.synthetic import fingerprint_of, make_record
+
+    fp = fingerprint_of("spc", level=4)
+    with LMDBStore(tmp_path, readonly=False) as store:
+        store.put_many([(f"{fp}/s{i}", make_record(fp, f"s{i}", i)) for i in range(3)])
+    code = f"""
+from cache_store.isolated import _child
+report = _child("verify", {str(tmp_path)!r}, [])["result"]
+assert report["ok"] and report["checked"] == 3, report
+assert _child("stats", {str(tmp_path)!r}, [])["result"]
+"""
+    assert "torch" not in _modules_after(code)
