@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
 from cache_store.record import (
     DTYPES,
+    check_record,
+    decode_arrays,
     decode_record,
     decode_records,
     encode_record,
@@ -226,6 +228,13 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n:]))})), sign=True)
     with pytest.raises(CorruptRecord, match="BOOL"):
         decode_record(hacked)
+    for check in (check_record, lambda value: select_fields(value, ["b"]),
+                  lambda value: decode_arrays(value)):  # every reader refuses it alike
+        with pytest.raises(CorruptRecord, match="BOOL"):
+            check(hacked)
+    for name, edit in cases.items():  # and check_record (verify) refuses what decode does
+        with pytest.raises(CorruptRecord):
+            check_record(resign(edit), key=name)
 
 
 def test_header_checksum_covers_every_header_byte() -> None:
