@@ -40,7 +40,6 @@ assert not torch.cuda.is_initialized()
     assert not {m for m in mods if m.split(".")[0] in {"kaolin", "service", "workers", "fastapi"}}
 
 
-
 def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
     """``spcache verify`` and ``stats`` (and the service's listings) walk a cache in a
     child process each time: without torch that child starts in a fraction of a second."""
