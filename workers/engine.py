@@ -261,9 +261,11 @@ class LocalRun:
         finally:
             if own_pool:
                 pool.close()
-            if writer is not None and writer.is_alive():
-                writer.finish()  # interrupted: still commit what was computed
+            if writer is not None:
+                if writer.is_alive():
+                    writer.finish()  # interrupted: still commit what was computed
                 self._report_committed(quiet=True)
+                self.ledger.add_committed(writer.stored)
             self.ledger.write_index()
             self.ledger.close_progress()
             if self.engine.failure_log is not None:

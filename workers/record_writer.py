@@ -39,6 +39,11 @@ class RecordWriter(threading.Thread):
     Once a commit raises :class:`StoreFull` (the disk, or the LMDB map at its bound), it
     is kept in ``full`` and nothing more is written: the items still arriving fail at
     once with its reason, and the engine stops the run.
+
+    ``stored`` holds the sample id of every record committed, added by this thread before
+    the result is queued: a SIGTERM lands only in the engine's thread, possibly between
+    taking a result off the queue and counting it, and the index is written from
+    ``stored`` too, so no committed record is left out of it.
     """
 
     _STOP = object()
@@ -52,6 +57,7 @@ class RecordWriter(threading.Thread):
         self.inbox: queue.Queue = queue.Queue(maxsize=2 * batch)
         self.busy_s = 0.0
         self.full: StoreFull | None = None
+        self.stored: set[str] = set()
 
     def put(self, pending: PendingRecord) -> None:
         self.inbox.put(pending)
@@ -109,6 +115,7 @@ class RecordWriter(threading.Thread):
                 ok = []
         self.busy_s += time.perf_counter() - start
         for pending in ok:
+            self.stored.add(pending.item.sample_id)
             self._report(pending, "done", "")
 
     def _report(self, pending: PendingRecord, status: str, reason: str,

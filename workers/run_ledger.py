@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,6 +216,13 @@ class RunLedger:
         known = self.known_failures[item.sample_id]
         return ItemResult(item.sample_id, item.path, "failed", reason=known.reason,
                           source_hash=source_hash, repeat="skipped")
+
+    def add_committed(self, sample_ids: Iterable[str]) -> None:
+        """Sample ids whose records are known to be committed, reported or not (the local
+        engine's writer keeps them): an interrupt between a commit and its report must
+        not leave a stored record out of the index. (The Ray driver, whose commit an
+        interrupt can cut short, uses ``committing`` and checks the store instead.)"""
+        self.stored_ids.update(sample_ids)
 
     def stored_source_hash(self, key: str) -> str | None:
         """The ``source_hash`` of the record stored under ``key``; None when there is no

@@ -422,3 +422,30 @@ def test_skip_failed_needs_a_store_with_a_failure_log() -> None:
 
     with pytest.raises(ParameterError, match="skip_failed"):
         Engine(ShardBuffer(), "spc", skip_failed=True)
+
+
+def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
+        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM reaches the engine's thread as KeyboardInterrupt (the CLI's handler), at any
+    bytecode: here just after the second committed result is taken off the writer's
+    queue, before it is counted. Its record is stored, so it must be in the index too."""
+    from workers.run_ledger import RunLedger
+
+    finish, done = RunLedger.finish, []
+
+    def finish_or_interrupt(self: RunLedger, result: ItemResult) -> None:
+        if result.status == "done":
+            done.append(result.sample_id)
+            if len(done) == 2:
+                raise KeyboardInterrupt("signal 15")
+        finish(self, result)
+
+    monkeypatch.setattr(RunLedger, "finish", finish_or_interrupt)
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = Engine(store, "spc", {"level": 4}, device="cpu", backend="torch", loaders=0,
+                        write_batch=1)
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(_items(corpus_meshes[:5]))
+        stored = sorted(key.split("/", 1)[1] for key in store.keys())
+        assert done[1] in stored
+        assert sorted(store.get_index(engine.fingerprint).sample_ids.tolist()) == stored
