@@ -47,7 +47,15 @@ from cache_store.store import Store
 from workers.loader import LoaderPool
 from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, check_outputs, get_recipe
 from workers.record_writer import PendingRecord, RecordWriter
-from workers.run_ledger import ItemResult, RunLedger, SampleError, Summary, WorkItem, one_line
+from workers.run_ledger import (
+    ItemResult,
+    RunLedger,
+    SampleError,
+    Summary,
+    WorkItem,
+    one_line,
+    run_all,
+)
 from workers.source_files import DEFAULT_MAX_SOURCE_BYTES, SourceLimits
 
 __all__ = ["DEVICE_PATTERN", "Engine", "LocalRun", "Summary", "SampleError", "ItemResult",
@@ -240,6 +248,27 @@ class LocalRun:
         own_pool = self.engine._loader_pool is None
         pool = self.engine.loader_pool(len(work)) if own_pool else self.engine._loader_pool
         writer: RecordWriter | None = None
+
+        # The cleanup steps, defined before the work so that the ``finally`` is one call
+        # (``run_all`` runs them all even if a SIGTERM lands in one).
+        def close_pool() -> None:
+            if own_pool:
+                pool.close()
+
+        def finish_writer() -> None:
+            if writer is not None:
+                if writer.is_alive():
+                    writer.finish()  # interrupted: still commit what was computed
+                self._report_committed(quiet=True)
+                self.ledger.add_committed(writer.stored)
+
+        def close_failure_log() -> None:
+            if self.engine.failure_log is not None:
+                self.engine.failure_log.close()
+
+        def stop_clock() -> None:
+            self.summary.wall_s = time.perf_counter() - start
+
         try:
             if own_pool:
                 pool.open()
@@ -259,18 +288,8 @@ class LocalRun:
             self._stop_if_full(writer)
             self.summary.oom_backoffs = budget.backoffs
         finally:
-            if own_pool:
-                pool.close()
-            if writer is not None:
-                if writer.is_alive():
-                    writer.finish()  # interrupted: still commit what was computed
-                self._report_committed(quiet=True)
-                self.ledger.add_committed(writer.stored)
-            self.ledger.write_index()
-            self.ledger.close_progress()
-            if self.engine.failure_log is not None:
-                self.engine.failure_log.close()
-            self.summary.wall_s = time.perf_counter() - start
+            run_all(close_pool, finish_writer, self.ledger.write_index,
+                    self.ledger.close_progress, close_failure_log, stop_clock)
         self.summary.write_s = writer.busy_s if writer is not None else 0.0
         if self.ledger.index_unwritten is not None:
             raise self.ledger.index_unwritten

@@ -31,7 +31,7 @@ from workers.ray_common import (
     raise_local,
     ray_get,
 )
-from workers.run_ledger import ItemResult, RunLedger, WorkItem
+from workers.run_ledger import ItemResult, RunLedger, WorkItem, run_all
 from workers.source_files import SourceLimits, hash_source_file
 
 if TYPE_CHECKING:
@@ -95,6 +95,16 @@ class RayRun:
 
     def execute(self) -> RaySummary:
         start = time.perf_counter()
+
+        # The cleanup steps, defined before the work so that the ``finally`` is one call
+        # (``run_all`` runs them all even if a SIGTERM lands in one).
+        def close_failure_log() -> None:
+            if self.engine.failure_log is not None:
+                self.engine.failure_log.close()
+
+        def stop_clock() -> None:
+            self.summary.wall_s = time.perf_counter() - start
+
         try:
             work = self.ledger.admit(self.items)
             self.ledger.open_progress(len(self.items))
@@ -104,11 +114,8 @@ class RayRun:
             else:
                 self.summary.device, self.summary.backend = self.engine.device, self.engine.backend
         finally:
-            self.ledger.write_index()
-            self.ledger.close_progress()
-            if self.engine.failure_log is not None:
-                self.engine.failure_log.close()
-            self.summary.wall_s = time.perf_counter() - start
+            run_all(self.ledger.write_index, self.ledger.close_progress, close_failure_log,
+                    stop_clock)
         if self.ledger.index_unwritten is not None:
             raise self.ledger.index_unwritten
         s = self.summary
@@ -163,10 +170,9 @@ class RayRun:
             for slot in self.slots:
                 if slot.state == "busy":
                     slot.stats.busy_s += time.perf_counter() - slot.since
-            self._release_actors(ray)
             self.summary.actors = [slot.stats for slot in self.slots]
-            if started:
-                ray.shutdown()
+            run_all(lambda: self._release_actors(ray),
+                    lambda: ray.shutdown() if started else None)
 
     def _release_actors(self, ray: Any) -> None:
         """Kill this run's actors and wait (boundedly) until Ray no longer lists them.
@@ -467,6 +473,7 @@ class RayRun:
         half = len(items) // 2
         self.shards.appendleft(Shard(items[half:], 1, set(shard.avoid)))
         self.shards.appendleft(Shard(items[:half], 1, set(shard.avoid)))
+
 
 def _hash_or_error(path: str, limits: SourceLimits) -> str | SourceError:
     try:

@@ -33,7 +33,8 @@ from cache_store.fingerprint import record_key, validate_sample_id
 from cache_store.freshness import stored_source_hash
 from cache_store.store import DatasetIndex, Store
 
-__all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line"]
+__all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line",
+           "run_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -332,3 +333,18 @@ def one_line(exc: BaseException) -> str:
     """An exception's message on one line, at most 300 characters."""
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def run_all(*steps: Callable[[], object]) -> None:
+    """Run every step of a run's cleanup, even when a KeyboardInterrupt (SIGTERM via the
+    CLI, or Ctrl-C, arriving as the run ends) lands in one of them; then raise the first
+    such interrupt. The index is written by a late step: a signal during the loader pool's
+    shutdown or the Ray actors' release must not skip it."""
+    interrupt: KeyboardInterrupt | None = None
+    for step in steps:
+        try:
+            step()
+        except KeyboardInterrupt as exc:
+            interrupt = interrupt or exc
+    if interrupt is not None:
+        raise interrupt

@@ -449,3 +449,26 @@ def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
         stored = sorted(key.split("/", 1)[1] for key in store.keys())
         assert done[1] in stored
         assert sorted(store.get_index(engine.fingerprint).sample_ids.tolist()) == stored
+
+
+def test_an_interrupt_during_the_runs_cleanup_still_writes_the_index(
+        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM that lands as the run ends, while the loader pool shuts down, still
+    stops the run (KeyboardInterrupt), but only after the rest of the cleanup: every
+    record computed is committed and indexed."""
+    from workers.loader import LoaderPool
+
+    close = LoaderPool.close
+
+    def close_then_interrupt(self: LoaderPool) -> None:
+        close(self)
+        raise KeyboardInterrupt("signal 15")
+
+    monkeypatch.setattr(LoaderPool, "close", close_then_interrupt)
+    items = _items(corpus_meshes[:3])
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = Engine(store, "spc", {"level": 4}, device="cpu", backend="torch", loaders=0)
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(items)
+        assert sorted(store.get_index(engine.fingerprint).sample_ids.tolist()) == \
+            sorted(sample_id for sample_id, _ in items)
