@@ -588,9 +588,15 @@ def _verified_slice(view: memoryview, header: RecordHeader, name: str, key: str)
     part = view[info.begin:info.end]
     if xxhash.xxh3_64_hexdigest(part) != header.field_checksums[name]:
         raise _fail(key, f"checksum mismatch in tensor {name!r}")
-    if info.dtype == "BOOL" and np.frombuffer(part, dtype=np.uint8).max(initial=0) > 1:
-        raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+    if info.dtype == "BOOL":
+        _check_bools(part, name, key)
     return part
+
+
+def _check_bools(data: Any, name: str, key: str) -> None:
+    """The one rule for a BOOL field's bytes, for every reader: each is 0 or 1."""
+    if np.frombuffer(data, dtype=np.uint8).max(initial=0) > 1:
+        raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
 
 
 def check_record(value: Any, *, key: str = "") -> dict[str, str]:
@@ -690,8 +696,8 @@ def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
         if hexdigest(copy) != checksums[name]:
             raise _fail(key, f"checksum mismatch in tensor {name!r}")
         np_dtype = _NUMPY_DTYPES.get(dtype)
-        if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
-            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        if dtype == "BOOL":
+            _check_bools(copy, name, key)
         if not nbytes:
             tensors[name] = torch.empty(shape, dtype=_TORCH_DTYPES[dtype])
         elif np_dtype is not None:  # a NumPy view costs a fraction of torch.frombuffer
@@ -747,8 +753,8 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
         fill(j, name, info, copy)
         if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
             raise _fail(keys[j], f"checksum mismatch in tensor {name!r}")
-        if dtype == "BOOL" and nbytes and buf[offset:offset + nbytes].max() > 1:
-            raise _fail(keys[j], f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        if dtype == "BOOL":
+            _check_bools(copy, name, keys[j])
         whole = flat.get(dtype)
         if whole is None:
             whole = flat[dtype] = base.view(_TORCH_DTYPES[dtype])
@@ -845,8 +851,8 @@ def decode_arrays(value: Any, *, key: str = "",
         if xxhash.xxh3_64_hexdigest(flat) != header.field_checksums[name]:  # the copy, cached
             raise _fail(key, f"checksum mismatch in tensor {name!r}")
         array = flat.view(_NUMPY_DTYPES[info.dtype]).reshape(info.shape)
-        if info.dtype == "BOOL" and flat.max(initial=0) > 1:
-            raise _fail(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
+        if info.dtype == "BOOL":
+            _check_bools(flat, name, key)
         arrays[name] = array
     return arrays, dict(header.metadata)
 

@@ -31,7 +31,7 @@ from workers.ray_common import (
     raise_local,
     ray_get,
 )
-from workers.run_ledger import ItemResult, RunLedger, WorkItem, run_all
+from workers.run_ledger import ItemResult, RunLedger, WorkItem, one_line, run_all
 from workers.source_files import SourceLimits, hash_source_file
 
 if TYPE_CHECKING:
@@ -396,7 +396,7 @@ class RayRun:
                 self.engine.store.put_many(records)
             except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
                 logger.exception("writing %d records failed", len(records))
-                write_error = f"store write failed: {' '.join(str(exc).split())[:300]}"
+                write_error = f"store write failed: {one_line(exc)}"
                 full = exc if isinstance(exc, StoreFull) else None
             self.summary.write_s += time.perf_counter() - start
         for sample_id, path, status, key, reason, source_hash in message["results"]:
