@@ -66,11 +66,11 @@ def build_cache(root: Path, records: int) -> tuple[str, dict[str, bytes]]:
     import numpy as np
     import torch
 
-    from cache_store.fingerprint import compute_fingerprint, record_key
-    from cache_store.lmdb_store import LMDBStore
-    from cache_store.recipes import get_recipe_spec
-    from cache_store.record import encode_record
-    from cache_store.store import DatasetIndex
+    from cache_store.keys import compute_fingerprint, record_key
+    from cache_store.stores.lmdb import LMDBStore
+    from cache_store.recipes.specs import get_recipe_spec
+    from cache_store.format.record import encode_record
+    from cache_store.stores.base import DatasetIndex
 
     spec = get_recipe_spec("spc")
     params = spec.resolve({})

@@ -44,8 +44,8 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from cache_store.store import open_store  # noqa: E402
-from cache_store.sources_list import discover_sources  # noqa: E402
+from cache_store.stores.base import open_store  # noqa: E402
+from cache_store.sources.discover import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.ray_engine import RayEngine  # noqa: E402
 

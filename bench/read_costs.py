@@ -32,8 +32,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cache_store.lmdb_store as lmdb_store  # noqa: E402
-import cache_store.record as record  # noqa: E402
+import cache_store.stores.lmdb as lmdb_store  # noqa: E402
+import cache_store.format.record as record  # noqa: E402
 from peers import SIZES, build_records, one_process, write_lmdb, write_tensordict  # noqa: E402
 
 MODES = ("spcache", "no field hashes", "no header parse", "neither")
@@ -52,7 +52,7 @@ class _Passes(str):
 
 
 class _NoFieldHashes:
-    """Stands in for the ``xxhash`` module inside ``cache_store.record``: field hashes
+    """Stands in for the ``xxhash`` module inside ``cache_store.format.record``: field hashes
     always pass, the header's own checksum is still computed."""
 
     def __init__(self, real: Any) -> None:

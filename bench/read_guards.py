@@ -57,8 +57,8 @@ def _asgi(n: int) -> tuple[float, float]:
 def _lmdb(n: int) -> tuple[float, float]:
     import numpy as np
 
-    from cache_store.lmdb_store import LMDBStore
-    from cache_store.record import encode_record
+    from cache_store.stores.lmdb import LMDBStore
+    from cache_store.format.record import encode_record
     from service.budget import record_length
 
     with tempfile.TemporaryDirectory() as tmp:

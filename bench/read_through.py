@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO))
 
 from torch.utils.data import DataLoader  # noqa: E402
 
-from cache_store.dataset import CachedDataset  # noqa: E402
-from cache_store.jobs import JobQueue  # noqa: E402
+from cache_store.readers.dataset import CachedDataset  # noqa: E402
+from cache_store.jobs.queue import JobQueue  # noqa: E402
 
 
 def _as_list(batch: list) -> list:

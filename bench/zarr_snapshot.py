@@ -12,7 +12,7 @@ Reported:
   bytes on disk, the compression ratio, for each codec the exporter offers;
 - export time per codec (both passes, fsync and rename included), as MB/s of records and
   as a multiple of the LMDB ingest time of the same records;
-- read throughput: samples/s of ``CachedDataset`` (when ``cache_store.dataset`` is
+- read throughput: samples/s of ``CachedDataset`` (when ``cache_store.readers.dataset`` is
   present; otherwise ``store.get_record``, which is what ``CachedDataset.__getitem__``
   calls) over the same records, on LMDB and on the snapshot, sequential and shuffled,
   measured interleaved so machine load hits both alike. The ratio snapshot/LMDB is the
@@ -42,12 +42,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store.export import CODECS, export_snapshot  # noqa: E402
-from cache_store.fingerprint import compute_fingerprint  # noqa: E402
-from cache_store.lmdb_store import LMDBStore  # noqa: E402
-from cache_store.record import encode_record  # noqa: E402
-from cache_store.recipes import get_recipe_spec  # noqa: E402
-from cache_store.store import DatasetIndex, open_store  # noqa: E402
+from cache_store.snapshot.export import CODECS, export_snapshot  # noqa: E402
+from cache_store.keys import compute_fingerprint  # noqa: E402
+from cache_store.stores.lmdb import LMDBStore  # noqa: E402
+from cache_store.format.record import encode_record  # noqa: E402
+from cache_store.recipes.specs import get_recipe_spec  # noqa: E402
+from cache_store.stores.base import DatasetIndex, open_store  # noqa: E402
 from workers.ops import get_backend  # noqa: E402
 
 
@@ -122,7 +122,7 @@ def dir_bytes(path: Path) -> int:
 def reader(location: str, fp: str, **store_options):
     """A callable reading sample i (CachedDataset when present), and its name."""
     try:
-        from cache_store.dataset import CachedDataset
+        from cache_store.readers.dataset import CachedDataset
     except ImportError:
         store = open_store(location, **store_options)
         keys = store.get_index(fp).sample_ids.tolist()

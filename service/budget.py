@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 
 from cache_store.errors import RecordNotFound, SpcacheError
-from cache_store.store import Store
+from cache_store.stores.base import Store
 
 __all__ = ["ByteBudget", "ResponseTooLarge", "ReadBudgetBusy", "record_length"]
 
@@ -39,7 +39,7 @@ def record_length(store: Store, key: str) -> int:
 
     Raises :class:`RecordNotFound` like ``store.get``.
     """
-    from cache_store import lmdb_store  # here: service.errors imports this module, not lmdb
+    from cache_store.stores import lmdb as lmdb_store  # here: service.errors imports this module, not lmdb
 
     if not isinstance(store, lmdb_store.LMDBStore):
         return len(store.get(key))

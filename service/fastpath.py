@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_store.errors import SpcacheError
-from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key
+from cache_store.keys import FINGERPRINT_PATTERN, record_key
 from service.context import ServiceContext
 from service.routes_caches import etag_matches, read_record, record_tag_header
 

@@ -1,7 +1,7 @@
 """Read-through over HTTP: a record read that waits (``?wait=SECONDS``) for a queued sample.
 
 A remote trainer (``CachedDataset("http://...", recipe, sources=...)``, see
-:mod:`cache_store.http_read_through`) first queues its misses with ``POST /v1/warmup``
+:mod:`cache_store.readers.http_read_through`) first queues its misses with ``POST /v1/warmup``
 (``dedupe: true``, ``require_worker: true``: :meth:`JobQueue.enqueue_once` semantics,
 so a sample is queued once however many loaders miss it), then reads them with
 ``GET``/``HEAD`` ``/v1/caches/{fp}/records/{id}?wait=S`` or ``POST .../batch?wait=S``.
@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import CacheNotFound, NoWorkerAlive
-from cache_store.fingerprint import record_key
+from cache_store.keys import record_key
 from service.context import ServiceContext
 from service.errors import WaitingFull, error_response
 from service.warmup import WarmupPlan

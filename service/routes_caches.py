@@ -18,12 +18,12 @@ from cache_store.errors import (
     SourceError,
     SpcacheError,
 )
-from cache_store.fingerprint import FINGERPRINT_PATTERN, record_key, validate_fingerprint
-from cache_store.item_state import item_state
-from cache_store.recipes import RECIPE_SPECS
-from cache_store.record import peek_checksum, record_checksum, select_fields
-from cache_store.record_tag import TAG_HEADER, tag_for_checksum
-from cache_store.wire import BATCH_MEDIA_TYPE, encode_batch
+from cache_store.keys import FINGERPRINT_PATTERN, record_key, validate_fingerprint
+from cache_store.jobs.item_state import item_state
+from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.format.record import peek_checksum, record_checksum, select_fields
+from cache_store.format.tag import TAG_HEADER, tag_for_checksum
+from cache_store.format.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.budget import ResponseTooLarge, record_length
 from service.context import Context, ServiceContext
 from service.errors import status_for
@@ -210,7 +210,7 @@ class BatchRequest(BaseModel):
 
 @router.post("/caches/{fingerprint}/batch", response_class=Response,
              responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
-                              "description": "records framed as in cache_store.wire"}})
+                              "description": "records framed as in cache_store.format.wire"}})
 async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
                     wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
                     ) -> Response:

@@ -24,9 +24,9 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import RecordNotFound
-from cache_store.fingerprint import record_key, validate_fingerprint
-from cache_store.item_state import item_state
-from cache_store.record import record_checksum
+from cache_store.keys import record_key, validate_fingerprint
+from cache_store.jobs.item_state import item_state
+from cache_store.format.record import record_checksum
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
 from service.routes_caches import etag_matches

@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     stats_ttl_s: float = Field(10.0, ge=0, description="reuse the per-fingerprint stats walk (a child process) this long once the cache changed")
     record_key: SecretStr | None = Field(
         None, min_length=16, description="secret shared with readers: each record is sent "
-        "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.record_tag)")
+        "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.format.tag)")
     log_level: str = "info"
     tls_certfile: Path | None = Field(None, description="serve HTTPS with this certificate "
                                       "chain (PEM); needs tls_keyfile")

@@ -9,7 +9,7 @@ period.
 
 The child is told this process's pid (``SPCACHE_PARENT_PID``) and ends when this process
 dies, even by SIGKILL. Before each start the supervisor looks at the cache's worker lock
-(``cache_store.owner_lock``): while another live worker owns the cache it starts none,
+(``cache_store.jobs.owner_lock``): while another live worker owns the cache it starts none,
 says who holds it, and looks again after the back-off.
 """
 
@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from cache_store.owner_lock import describe_holder, lock_holder
+from cache_store.jobs.owner_lock import describe_holder, lock_holder
 
 __all__ = ["WorkerSupervisor", "worker_command"]
 

@@ -4,7 +4,7 @@ Everything here is plain, synchronous library code (the route runs it in a threa
 
 * recipe parameters are resolved against the recipe's schema (unknown or out-of-bound
   values -> :class:`ParameterError` listing each problem);
-* sample ids are validated (:func:`cache_store.fingerprint.validate_sample_id`);
+* sample ids are validated (:func:`cache_store.keys.validate_sample_id`);
 * source paths are resolved, symlinks included, and must land inside an allowed source
   root (checked before the file's existence, so the answer reveals nothing outside);
 * an item whose record exists with the source's current content hash is *ready*: it is
@@ -31,11 +31,11 @@ from cache_store.errors import (
     SourceError,
     SpcacheError,
 )
-from cache_store.fingerprint import compute_fingerprint, record_key, validate_sample_id
-from cache_store.freshness import record_is_current
-from cache_store.jobs import NewItem
-from cache_store.recipes import get_recipe_spec
-from cache_store.store import Store
+from cache_store.keys import compute_fingerprint, record_key, validate_sample_id
+from cache_store.jobs.freshness import record_is_current
+from cache_store.jobs.queue import NewItem
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.stores.base import Store
 
 __all__ = ["WarmupPlan", "plan_warmup", "resolve_source", "expand_glob"]
 

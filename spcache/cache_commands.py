@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import SpcacheError
-from cache_store.paths import cache_dir_problem, is_remote
+from cache_store.location import cache_dir_problem, is_remote
 
 __all__ = ["VERIFY", "STATS", "failed_samples"]
 
@@ -78,7 +78,7 @@ def failed_samples(cache: Path, *, limit: int = MAX_FAILED_LISTED) -> dict[str, 
 
     A cache without a job queue has none; nothing is created.
     """
-    from cache_store.jobs import JOBS_FILENAME, JobQueue
+    from cache_store.jobs.queue import JOBS_FILENAME, JobQueue
 
     if not (cache / JOBS_FILENAME).is_file():
         return {"count": 0, "items": []}
@@ -113,11 +113,11 @@ def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> 
 
 
 def _isolated(command: str, cache: str, walk: str) -> Any:
-    """``cache_store.isolated.<walk>(cache)``: the walk runs in a child process, so a damaged
+    """``cache_store.stores.isolated.<walk>(cache)``: the walk runs in a child process, so a damaged
     LMDB page that makes LMDB abort cannot take this process down. A bad path or an
     unreadable cache prints one line and returns None; damage (``CacheDamaged``) is raised
     for the caller to report."""
-    from cache_store import isolated
+    from cache_store.stores import isolated
     from cache_store.errors import CacheDamaged
 
     if not is_remote(cache):

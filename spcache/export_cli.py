@@ -1,7 +1,7 @@
 """``spcache export FINGERPRINT --cache DIR --to DEST.zarr``: publish a Zarr snapshot.
 
 Writes the records of one fingerprint of an LMDB cache as a Zarr v3 group under ``DEST``
-(a path or an fsspec URL), atomically for readers; see :mod:`cache_store.export`.
+(a path or an fsspec URL), atomically for readers; see :mod:`cache_store.snapshot.export`.
 Exit status: 0 exported, 1 not exported (bad records, existing export, another writer,
 unknown fingerprint), 2 bad usage, a bad cache path or a destination not ending in
 ``.zarr``. CPU only.
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from cache_store.errors import SpcacheError
-from cache_store.paths import cache_dir_problem
+from cache_store.location import cache_dir_problem
 
 __all__ = ["configure_parser", "run"]
 
@@ -31,7 +31,7 @@ CODEC_HELP = (
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from cache_store.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
+    from cache_store.snapshot.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
 
     parser.add_argument("fingerprint", help="fingerprint of the dataset to export")
     parser.add_argument("--cache", required=True, type=Path, help="cache directory (LMDB)")
@@ -60,7 +60,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cache_store.export import export_snapshot
+    from cache_store.snapshot.export import export_snapshot
 
     problem = cache_dir_problem(args.cache, write=False)
     if problem:

@@ -1,13 +1,13 @@
 """``spcache recipes [--json]``: the recipes, their parameters, defaults, bounds and fields,
-from the schemas in :mod:`cache_store.recipes` (the same table as ``precompute --help``)."""
+from the schemas in :mod:`cache_store.recipes.specs` (the same table as ``precompute --help``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from cache_store.recipe_table import recipe_table
-from cache_store.recipes import RECIPE_SPECS
+from cache_store.recipes.table import recipe_table
+from cache_store.recipes.specs import RECIPE_SPECS
 
 __all__ = ["configure_parser", "run"]
 

@@ -43,8 +43,8 @@ def test_every_module_is_found() -> None:
     for package in PACKAGES:
         mods = submodules(package)
         assert package in mods and len(mods) > 3
-    assert {"cache_store.jobs", "cache_store.export", "cache_store.zarr_store",
-            "cache_store.snapshot_format", "cache_store.wire"} <= set(submodules("cache_store"))
+    assert {"cache_store.jobs.queue", "cache_store.snapshot.export", "cache_store.snapshot.reader",
+            "cache_store.snapshot.format", "cache_store.format.wire"} <= set(submodules("cache_store"))
 
 
 def test_every_module_of_each_package_imports_and_the_arrows_hold() -> None:
@@ -104,8 +104,8 @@ def test_no_package_imports_the_front_door() -> None:
 
 
 def test_cache_store_helpers_of_the_cli_need_no_torch() -> None:
-    mods = _imported_after("cache_store.sources_list, cache_store.owner_lock, "
-                           "cache_store.paths, cache_store.recipe_table")
+    mods = _imported_after("cache_store.sources.discover, cache_store.jobs.owner_lock, "
+                           "cache_store.location, cache_store.recipes.table")
     assert "torch" not in mods and "trimesh" not in mods
 
 

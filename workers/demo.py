@@ -78,7 +78,7 @@ def write_example_shapes(directory: Path) -> list[Path]:
 
 
 def _precompute(sources: list[Path], cache: Path, level: int) -> str:
-    from cache_store.store import open_store
+    from cache_store.stores.base import open_store
     from workers.engine import Engine
 
     on_terminal = sys.stderr.isatty()
@@ -152,7 +152,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cache_store.paths import cache_dir_problem
+    from cache_store.location import cache_dir_problem
 
     problem = _port_problem(args.port) or cache_dir_problem(args.dir, write=True)
     if problem and args.dir.is_file():

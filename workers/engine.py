@@ -41,9 +41,9 @@ import torch
 
 from cache_store import __version__ as SPCACHE_VERSION
 from cache_store.errors import ParameterError, SourceError, StoreFull
-from cache_store.failures import FailureLog
-from cache_store.fingerprint import canonical_json, compute_fingerprint, record_key
-from cache_store.store import Store
+from cache_store.jobs.failures import FailureLog
+from cache_store.keys import canonical_json, compute_fingerprint, record_key
+from cache_store.stores.base import Store
 from workers.loader import LoaderPool
 from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, check_outputs, get_recipe
 from workers.record_writer import PendingRecord, RecordWriter
@@ -56,7 +56,7 @@ from workers.run_ledger import (
     one_line,
     run_all,
 )
-from workers.source_files import DEFAULT_MAX_SOURCE_BYTES, SourceLimits
+from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES, SourceLimits
 
 __all__ = ["DEVICE_PATTERN", "Engine", "LocalRun", "Summary", "SampleError", "ItemResult",
            "resolve_device"]
@@ -93,7 +93,7 @@ class Engine:
     """Run ``recipe`` with ``params`` over samples on one device, writing into ``store``.
 
     Args:
-        store: an open, writable :class:`cache_store.store.Store`.
+        store: an open, writable :class:`cache_store.stores.base.Store`.
         recipe: a recipe name (or :class:`workers.recipes.Recipe`).
         params: recipe parameters; validated and completed with defaults here.
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
@@ -116,7 +116,7 @@ class Engine:
             recipe and these parameters; it is reported failed (``repeat="skipped"``)
             with the old reason. Needs a failure log.
         failure_log: where failures are remembered; default: ``<cache>/failures.sqlite``
-            for a local LMDB cache (:mod:`cache_store.failures`), none for other stores.
+            for a local LMDB cache (:mod:`cache_store.jobs.failures`), none for other stores.
     """
 
     def __init__(self, store: Store, recipe: str | Recipe, params: Mapping[str, Any] | None = None,
@@ -205,7 +205,7 @@ class Engine:
 
 def failure_log_beside(store: Store) -> FailureLog | None:
     """The failure log of a local LMDB cache directory; None for other stores."""
-    from cache_store.lmdb_store import LMDBStore
+    from cache_store.stores.lmdb import LMDBStore
 
     return FailureLog(store.path) if isinstance(store, LMDBStore) else None
 

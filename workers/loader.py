@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import torch
 
 from cache_store.errors import SourceError
-from cache_store.freshness import is_current
+from cache_store.jobs.freshness import is_current
 from workers.recipes import Prepared, get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
-from workers.source_files import SourceLimits
+from cache_store.sources.files import SourceLimits
 from workers.sources import hash_bytes, load_source, read_source_bytes
 
 __all__ = ["LoadOutcome", "LoaderPool", "load_sample"]
@@ -58,7 +58,7 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
 
     Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
     cross the process boundary. ``limits`` bound how the file is opened and read
-    (:mod:`workers.source_files`).
+    (:mod:`cache_store.sources.files`).
     """
     start = time.perf_counter()
     digest = ""

@@ -1,7 +1,7 @@
 """``spcache precompute SOURCE... --recipe NAME --cache DIR``: compute a recipe into a cache.
 
 The device side of the command line (it imports torch and the engine); the dispatcher is
-:mod:`spcache.cli`. Sources are found by :func:`cache_store.sources_list.discover_sources`.
+:mod:`spcache.cli`. Sources are found by :func:`cache_store.sources.discover.discover_sources`.
 SIGTERM and SIGHUP end a run like Ctrl-C: what was computed is committed and indexed,
 the loader processes stop, and the exit status is 130.
 """
@@ -25,9 +25,9 @@ from cache_store.errors import (
     StoreFull,
     UnknownName,
 )
-from cache_store.paths import cache_dir_problem
-from cache_store.recipe_table import recipe_table
-from cache_store.sources_list import discover_sources
+from cache_store.location import cache_dir_problem
+from cache_store.recipes.table import recipe_table
+from cache_store.sources.discover import discover_sources
 
 __all__ = ["configure_parser", "run", "parse_params", "UsageError"]
 
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     except SpcacheError as exc:
         print(f"spcache precompute: {exc}", file=sys.stderr)
         return 2
-    from cache_store.store import open_store
+    from cache_store.stores.base import open_store
 
     try:
         store = open_store(args.cache, readonly=False)

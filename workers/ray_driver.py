@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from cache_store.errors import ParameterError, SourceError, StoreFull
-from cache_store.freshness import is_current
+from cache_store.jobs.freshness import is_current
 from workers.ray_actor import ShardWorker
 from workers.ray_common import (
     ActorStats,
@@ -32,7 +32,7 @@ from workers.ray_common import (
     ray_get,
 )
 from workers.run_ledger import ItemResult, RunLedger, WorkItem, one_line, run_all
-from workers.source_files import SourceLimits, hash_source_file
+from cache_store.sources.files import SourceLimits, hash_source_file
 
 if TYPE_CHECKING:
     from workers.ray_engine import RayEngine

@@ -53,15 +53,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import ParameterError
-from cache_store.failures import FailureLog
-from cache_store.store import Store
+from cache_store.jobs.failures import FailureLog
+from cache_store.stores.base import Store
 from workers.engine import Engine, _loaders_argument
 from workers.ray_actor import ShardBuffer, ShardWorker
 from workers.ray_common import ActorStats, RaySummary, RayUnavailable
 from workers.ray_driver import RayRun
 from workers.recipes import Recipe
 from workers.run_ledger import ItemResult
-from workers.source_files import DEFAULT_MAX_SOURCE_BYTES
+from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES
 
 __all__ = [
     "RayEngine",

@@ -1,6 +1,6 @@
-"""Recipes: the computation behind each schema in :mod:`cache_store.recipes`.
+"""Recipes: the computation behind each schema in :mod:`cache_store.recipes.specs`.
 
-A :class:`Recipe` pairs a :class:`~cache_store.recipes.RecipeSpec` (name, version,
+A :class:`Recipe` pairs a :class:`~cache_store.recipes.specs.RecipeSpec` (name, version,
 parameters, output fields: public contract, defined without torch) with the code that
 produces those fields. It works in two halves so that the engine can run the first in a
 CPU process pool ahead of the device:
@@ -40,7 +40,7 @@ import torch
 import xxhash
 
 from cache_store.errors import SourceError, SpcacheError, UnknownName
-from cache_store.recipes import RECIPE_SPECS, RecipeSpec
+from cache_store.recipes.specs import RECIPE_SPECS, RecipeSpec
 from workers import sdf as sdf_ops
 from workers.sources import LoadedSource, compute_normalization, normalize_points, shape_points
 

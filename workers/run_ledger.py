@@ -11,7 +11,7 @@ Ray driver's run:
   the progress bar and the caller's ``on_result``;
 - :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
   their order, followed by this run's newly stored ids, in input order;
-- the failure log (:mod:`cache_store.failures`), when the store has one: a failure on a
+- the failure log (:mod:`cache_store.jobs.failures`), when the store has one: a failure on a
   known source hash is remembered, a repeat on the same source with the same reason is
   reported as "failed again, same reason", and a sample computed at last is forgotten.
 """
@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 
 from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId, StoreFull
-from cache_store.failures import Failure, FailureLog
-from cache_store.fingerprint import record_key, validate_sample_id
-from cache_store.freshness import stored_source_hash
-from cache_store.store import DatasetIndex, Store
+from cache_store.jobs.failures import Failure, FailureLog
+from cache_store.keys import record_key, validate_sample_id
+from cache_store.jobs.freshness import stored_source_hash
+from cache_store.stores.base import DatasetIndex, Store
 
 __all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line",
            "run_all"]

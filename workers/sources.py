@@ -40,9 +40,9 @@ import numpy as np
 import torch
 
 from cache_store.errors import SourceError
-from cache_store.hashing import hash_bytes, hash_file
-from cache_store.sources_list import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
-from workers.source_files import SourceLimits, read_source_file
+from cache_store.sources.hashing import hash_bytes, hash_file
+from cache_store.sources.discover import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
+from cache_store.sources.files import SourceLimits, read_source_file
 
 __all__ = [
     "POINT_CLOUD_EXTENSIONS",
@@ -111,7 +111,7 @@ MAX_DECODED_BYTES = 1 << 30
 def read_source_bytes(path: str | Path, limits: SourceLimits | None = None) -> bytes:
     """The bytes of a source file, after checking its extension is supported.
 
-    Read through :func:`workers.source_files.read_source_file`: a regular file only,
+    Read through :func:`cache_store.sources.files.read_source_file`: a regular file only,
     inside ``limits.roots`` when given, within the size and time limits.
 
     Raises:

@@ -1,7 +1,7 @@
 """``spcache worker --cache DIR``: the worker loop behind the command line.
 
 Adds to :mod:`workers.worker_loop` what only a whole process can do: it checks the cache
-path (one line, exit 2), takes the cache's worker lock (:mod:`cache_store.owner_lock`;
+path (one line, exit 2), takes the cache's worker lock (:mod:`cache_store.jobs.owner_lock`;
 a second worker on the same cache is refused with the holder's pid and host, exit 2),
 and runs the loop, whose SIGTERM/SIGINT handling stops it (SIGHUP arrives as SIGTERM from
 the dispatcher). Started by ``spcache serve``, it also ends when the service dies
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cache_store.owner_lock import CacheOwned, WorkerLock
-from cache_store.paths import cache_dir_problem
+from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
+from cache_store.location import cache_dir_problem
 from workers import worker_loop
 
 __all__ = ["configure_parser", "run", "log_level"]

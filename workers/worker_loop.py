@@ -31,8 +31,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from cache_store.jobs import ClaimedItem, JobQueue
-from cache_store.store import Store, open_store
+from cache_store.jobs.queue import ClaimedItem, JobQueue
+from cache_store.stores.base import Store, open_store
 
 __all__ = ["WorkerLoop", "configure_parser", "run", "main"]
 

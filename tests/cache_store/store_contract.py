@@ -27,8 +27,8 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.record import decode_record, read_header
-from cache_store.store import DatasetIndex, Store
+from cache_store.format.record import decode_record, read_header
+from cache_store.stores.base import DatasetIndex, Store
 from tests.cache_store.synthetic import fingerprint_of, make_record
 
 MakeStore = Callable[[dict[str, bytes], list[DatasetIndex]], Store]

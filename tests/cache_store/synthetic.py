@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache_store.fingerprint import compute_fingerprint
-from cache_store.record import encode_record
-from cache_store.recipes import get_recipe_spec
+from cache_store.keys import compute_fingerprint
+from cache_store.format.record import encode_record
+from cache_store.recipes.specs import get_recipe_spec
 
 __all__ = ["spc_fields", "spc_query_fields", "record_metadata", "make_record", "fingerprint_of"]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_store.collate import collate_spc
+from cache_store.readers.collate import collate_spc
 from cache_store.errors import ParameterError
 from tests.cache_store.synthetic import spc_fields, spc_query_fields
 
@@ -82,7 +82,7 @@ def test_dtypes_survive_and_autograd_or_bfloat16_fall_back_to_torch() -> None:
 
 
 def test_fields_already_end_to_end_are_viewed_not_copied() -> None:
-    from cache_store.record import decode_records, encode_record
+    from cache_store.format.record import decode_records, encode_record
     from tests.cache_store.synthetic import record_metadata
 
     fp = "0123456789abcdef" * 2

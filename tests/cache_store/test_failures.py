@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cache_store.failures import FAILURES_FILENAME, FailureLog
+from cache_store.jobs.failures import FAILURES_FILENAME, FailureLog
 
 FP = "0" * 32
 

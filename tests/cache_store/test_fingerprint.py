@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache_store.errors import InvalidSampleId, ParameterError
-from cache_store.fingerprint import (
+from cache_store.keys import (
     MAX_SAMPLE_ID_BYTES,
     compute_fingerprint,
     record_key,
@@ -13,7 +13,7 @@ from cache_store.fingerprint import (
     validate_fingerprint,
     validate_sample_id,
 )
-from cache_store.recipes import get_recipe_spec
+from cache_store.recipes.specs import get_recipe_spec
 
 
 def _fp(**params: object) -> str:

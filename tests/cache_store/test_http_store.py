@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import CorruptRecord, ReadOnlyStoreError, RecordNotFound, SpcacheError
-from cache_store.fingerprint import record_key
-from cache_store.http_store import HTTPStore
-from cache_store.wire import decode_batch, encode_batch
-from cache_store.record import decode_record
-from cache_store.store import open_store
+from cache_store.keys import record_key
+from cache_store.stores.http import HTTPStore
+from cache_store.format.wire import decode_batch, encode_batch
+from cache_store.format.record import decode_record
+from cache_store.stores.base import open_store
 from service.settings import Settings
-from cache_store.lmdb_store import LMDBStore
+from cache_store.stores.lmdb import LMDBStore
 from tests.cache_store.store_contract import StoreContract
 from tests.service.conftest import Cache, InProcessServer, build_cache
 
@@ -162,7 +162,7 @@ def test_cached_dataset_reads_over_http_in_forked_loader_workers(
     import torch
     from torch.utils.data import DataLoader
 
-    from cache_store.dataset import CachedDataset
+    from cache_store.readers.dataset import CachedDataset
 
     cache, server = served
     dataset = CachedDataset(server.url, cache.fingerprint, fields=["octree", "scale"])

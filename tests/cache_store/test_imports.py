@@ -15,8 +15,8 @@ def _modules_after(code: str) -> set[str]:
 
 
 def test_store_and_record_headers_need_no_torch() -> None:
-    mods = _modules_after("import cache_store, cache_store.store, cache_store.lmdb_store, "
-                          "cache_store.record, cache_store.fingerprint")
+    mods = _modules_after("import cache_store, cache_store.stores.base, cache_store.stores.lmdb, "
+                          "cache_store.format.record, cache_store.keys")
     assert "torch" not in mods
 
 
@@ -24,8 +24,8 @@ def test_reading_records_never_initialises_cuda(tmp_path) -> None:
     code = f"""
 import torch
 from cache_store import CachedDataset, collate_spc
-from cache_store.lmdb_store import LMDBStore
-from cache_store.store import DatasetIndex
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.stores.base import DatasetIndex
 from tests.cache_store.synthetic import fingerprint_of, make_record
 fp = fingerprint_of("spc", level=4)
 store = LMDBStore({str(tmp_path)!r}, readonly=False)
@@ -43,14 +43,14 @@ assert not torch.cuda.is_initialized()
 def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
     """``spcache verify`` and ``stats`` (and the service's listings) walk a cache in a
     child process each time: without torch that child starts in a fraction of a second."""
-    from cache_store.lmdb_store import LMDBStore
+    from cache_store.stores.lmdb import LMDBStore
     from tests.cache_store.synthetic import fingerprint_of, make_record
 
     fp = fingerprint_of("spc", level=4)
     with LMDBStore(tmp_path, readonly=False) as store:
         store.put_many([(f"{fp}/s{i}", make_record(fp, f"s{i}", i)) for i in range(3)])
     code = f"""
-from cache_store.isolated import _child
+from cache_store.stores.isolated import _child
 report = _child("verify", {str(tmp_path)!r}, [])["result"]
 assert report["ok"] and report["checked"] == 3, report
 assert _child("stats", {str(tmp_path)!r}, [])["result"]

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_store.errors import CorruptRecord
-from cache_store.store import DatasetIndex, decode_index, encode_index
+from cache_store.stores.base import DatasetIndex, decode_index, encode_index
 from tests.cache_store.synthetic import fingerprint_of
 
 FP = fingerprint_of("spc", level=4)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import JobNotFound
-from cache_store.jobs import JOBS_FILENAME, JobQueue, NewItem
+from cache_store.jobs.queue import JOBS_FILENAME, JobQueue, NewItem
 
 
 def _items(n: int, prefix: str = "s") -> list[NewItem]:

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cache_store.jobs import JobQueue, NewItem
+from cache_store.jobs.queue import JobQueue, NewItem
 
 WORKERS = ("w1", "w2", "w3")
 FPS = ("a" * 32, "b" * 32)

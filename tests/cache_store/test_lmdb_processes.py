@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import SpcacheError
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import decode_record
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import decode_record
 from tests.cache_store.store_contract import FP_A
 from tests.cache_store.synthetic import make_record
 from tests.conftest import REPO_ROOT
@@ -76,7 +76,7 @@ def test_writer_frees_stale_reader_slots(tmp_path: Path, caplog: pytest.LogCaptu
     next opener reset the whole table.)
     """
     items = _fill(tmp_path)
-    hold = ("import sys, time; from cache_store.lmdb_store import LMDBStore\n"
+    hold = ("import sys, time; from cache_store.stores.lmdb import LMDBStore\n"
             "s = LMDBStore(sys.argv[1]); s.fingerprints()\n"
             "if sys.argv[2] == 'txn': ctx = s._read(); ctx.__enter__()\n"
             "print('holding', flush=True); time.sleep(120)\n")
@@ -87,7 +87,7 @@ def test_writer_frees_stale_reader_slots(tmp_path: Path, caplog: pytest.LogCaptu
             assert proc.stdout.readline().strip() == "holding"
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait(30)
-        with caplog.at_level(logging.WARNING, logger="cache_store.lmdb_store"):
+        with caplog.at_level(logging.WARNING, logger="cache_store.stores.lmdb"):
             writer = LMDBStore(tmp_path, readonly=False)
             writer.put_many([(f"{FP_A}/s0", items[f"{FP_A}/s0"])])
         assert "freed 1 stale LMDB reader slot" in caplog.text

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import CacheNotFound, StoreFull, UnknownName
-from cache_store.lmdb_store import LMDBStore
-from cache_store.store import Store, backend_for, open_store
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.stores.base import Store, backend_for, open_store
 from tests.cache_store.store_contract import FP_A, WritableStoreContract
 from tests.cache_store.synthetic import make_record
 
@@ -96,7 +96,7 @@ def test_keys_lmdb_cannot_hold_are_just_absent(tmp_path: Path) -> None:
 
 def test_keys_are_listed_across_transaction_chunks(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import cache_store.lmdb_store as lmdb_store
+    import cache_store.stores.lmdb as lmdb_store
 
     monkeypatch.setattr(lmdb_store, "_KEYS_PER_TXN", 3)
     store = LMDBStore(tmp_path, readonly=False)

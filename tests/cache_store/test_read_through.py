@@ -20,11 +20,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from cache_store import CachedDataset
-from cache_store.sources_list import discover_sources
+from cache_store.sources.discover import discover_sources
 from cache_store.errors import NoWorkerAlive, ParameterError, SampleFailed
-from cache_store.jobs import JobQueue
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import decode_record
+from cache_store.jobs.queue import JobQueue
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import decode_record
 from tests.conftest import REPO_ROOT
 
 # level 8 as the issue asks; fewer samples and queries than the defaults keep the

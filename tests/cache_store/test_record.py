@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
-from cache_store.record import (
+from cache_store.format.record import (
     DTYPES,
     check_record,
     decode_arrays,
@@ -74,7 +74,7 @@ def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, 
 
 
 def test_numpy_round_trip_without_torch_dtypes() -> None:
-    from cache_store.record import decode_arrays
+    from cache_store.format.record import decode_arrays
 
     arrays = {"be": np.arange(6, dtype=">i4").reshape(2, 3), "b": np.array([True, False]),
               "f": np.linspace(0, 1, 5, dtype=np.float16)}
@@ -107,7 +107,7 @@ def test_any_safetensors_reader_opens_a_record() -> None:
 def test_buffers_are_aligned_for_their_dtype() -> None:
     _, value = _record()
     header = read_header(value)
-    from cache_store.record import _ITEMSIZE
+    from cache_store.format.record import _ITEMSIZE
 
     for info in header.tensors.values():
         assert info.begin % _ITEMSIZE[info.dtype] == 0
@@ -174,7 +174,7 @@ def test_every_truncation_is_caught() -> None:
 
 
 def _rewrite_header(value: bytes, edit, sign: bool = False) -> bytes:
-    from cache_store.record import _sign
+    from cache_store.format.record import _sign
 
     n = struct.unpack("<Q", value[:8])[0]
     header = json.loads(value[8:8 + n])
@@ -257,7 +257,7 @@ def test_duplicate_header_keys_are_refused() -> None:
 
 
 def _signed_with_text_edit(value: bytes, old: bytes, new: bytes) -> bytes:
-    from cache_store.record import _sign
+    from cache_store.format.record import _sign
 
     n = struct.unpack("<Q", value[:8])[0]
     text = value[8:8 + n].rstrip()
@@ -408,7 +408,7 @@ def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
     unaligned in the data section) and list its header entries out of data order."""
     import xxhash
 
-    from cache_store.record import _sign
+    from cache_store.format.record import _sign
 
     small = np.arange(3, dtype=np.uint8)
     wide = np.array([1.5, -2.25, 3.0], dtype=np.float32)
@@ -482,7 +482,7 @@ def test_batch_buffers_are_reused_only_once_released() -> None:
     assert torch.equal(kept_view, made[2][0]["point_hierarchy"][1:])
     del kept_view
     # released: later batches of the same size take memory the pool already holds
-    from cache_store.batch_buffers import BATCH_BUFFERS
+    from cache_store.format.buffers import BATCH_BUFFERS
 
     pooled = {buf.ctypes.data for buf in BATCH_BUFFERS.buffers}
     ptrs = set()
@@ -497,7 +497,7 @@ def test_batch_buffers_are_reused_only_once_released() -> None:
 
 def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
     # the speed-up is real only if our own records are in orjson's canonical form
-    from cache_store import record
+    from cache_store.format import record
 
     if record._orjson is None:
         pytest.fail("orjson is a listed dependency; its fast path is what is under test")
@@ -515,7 +515,7 @@ def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
     (b'"recipe":"', b'"recipe":"\\u0041'),         # an escape orjson writes otherwise
 ])
 def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> None:
-    from cache_store import record
+    from cache_store.format import record
 
     _, value = _record()
     hacked = _signed_with_text_edit(value, *edit)

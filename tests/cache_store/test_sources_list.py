@@ -1,4 +1,4 @@
-"""cache_store.sources_list: the one source discovery (patterns and limits here; the
+"""cache_store.sources.discover: the one source discovery (patterns and limits here; the
 directory and manifest rules are in tests/workers/test_cli.py, which predates the move)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import SourceError
-from cache_store.sources_list import SUPPORTED_EXTENSIONS, discover_sources
+from cache_store.sources.discover import SUPPORTED_EXTENSIONS, discover_sources
 
 
 def _touch(path: Path) -> Path:

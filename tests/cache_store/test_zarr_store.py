@@ -28,12 +28,12 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.export import CODECS, _exclusive, export_snapshot, sweep_leftovers
-from cache_store.fingerprint import compute_fingerprint
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import decode_record, encode_record, read_header
-from cache_store.store import DatasetIndex, open_store
-from cache_store.zarr_store import ZarrStore
+from cache_store.snapshot.export import CODECS, _exclusive, export_snapshot, sweep_leftovers
+from cache_store.keys import compute_fingerprint
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import decode_record, encode_record, read_header
+from cache_store.stores.base import DatasetIndex, open_store
+from cache_store.snapshot.reader import ZarrStore
 from tests.cache_store.store_contract import FP_A, FP_B, IDS_A, StoreContract, sample_content
 from tests.cache_store.synthetic import make_record, record_metadata
 
@@ -398,7 +398,7 @@ def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported)
 
 _KILLED_EXPORT = textwrap.dedent("""
     import os, signal, sys
-    import cache_store.export as export
+    import cache_store.snapshot.export as export
     def dying(real):
         def write(self, *args):
             real(self, *args)
@@ -442,7 +442,7 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
     for sid in ("chairs/a1", "lamps/l1"):
         assert store.get(f"{FP_B}/{sid}") == records[f"{FP_B}/{sid}"]
 
-    import cache_store.export as export
+    import cache_store.snapshot.export as export
 
     def broken(self, final):
         raise RuntimeError("connection lost")
@@ -662,8 +662,8 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
                                                        dtype: str) -> None:
     # the export's own chunk writer must write exactly what zarr's pipeline writes, so
     # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
-    from cache_store.export import _compressors
-    from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
+    from cache_store.snapshot.export import _compressors
+    from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 
     data = (np.arange(37 * 3, dtype=np.int64) * 7919 % 251).astype(dtype).reshape(37, 3)
     files = {}
@@ -694,8 +694,8 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
 
 
 def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path) -> None:
-    from cache_store.export import _compressors
-    from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter
+    from cache_store.snapshot.export import _compressors
+    from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter
 
     group = zarr.create_group(zarr.storage.LocalStore(tmp_path))
     arr = group.create_array("a", shape=(20,), dtype="int32", chunks=(8,),
@@ -709,7 +709,7 @@ def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path
 @pytest.mark.parametrize("codec", ["zstd", "none"])
 def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
         tmp_path: Path, exported, monkeypatch, codec: str) -> None:
-    from cache_store import zarr_chunks
+    from cache_store.snapshot import chunks as zarr_chunks
 
     _, _, cache_dir, _ = exported
     writer, method = ((zarr_chunks.LocalChunkWriter, "_write_chunk") if codec != "none"

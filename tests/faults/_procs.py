@@ -43,8 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_store.fingerprint import compute_fingerprint
-from cache_store.recipes import get_recipe_spec
+from cache_store.keys import compute_fingerprint
+from cache_store.recipes.specs import get_recipe_spec
 
 __all__ = ["FAULT_FINGERPRINT", "batch_key", "make_small_record", "main"]
 
@@ -61,7 +61,7 @@ def batch_key(batch: int, i: int) -> str:
 
 def make_small_record(key: str, nbytes: int, seed: int) -> bytes:
     """A valid record of about ``nbytes`` under ``key`` (NumPy only, deterministic)."""
-    from cache_store.record import encode_record
+    from cache_store.format.record import encode_record
 
     fingerprint, sample_id = key.split("/", 1)
     rng = np.random.default_rng(seed)
@@ -84,7 +84,7 @@ def _say(line: str) -> None:
 
 
 def _writer(args: argparse.Namespace) -> int:
-    from cache_store.lmdb_store import LMDBStore
+    from cache_store.stores.lmdb import LMDBStore
 
     store = LMDBStore(args.cache, readonly=False, map_size=args.map_size)
     for b in range(args.batches):
@@ -102,7 +102,7 @@ def _writer(args: argparse.Namespace) -> int:
 
 
 def _hold_readers(args: argparse.Namespace) -> int:
-    from cache_store.lmdb_store import LMDBStore
+    from cache_store.stores.lmdb import LMDBStore
 
     store = LMDBStore(args.cache, readonly=True, max_readers=args.max_readers)
     env, _ = store._environment()
@@ -114,8 +114,8 @@ def _hold_readers(args: argparse.Namespace) -> int:
 
 def _read_loop(args: argparse.Namespace) -> int:
     from cache_store.errors import RecordNotFound
-    from cache_store.lmdb_store import LMDBStore
-    from cache_store.record import decode_arrays
+    from cache_store.stores.lmdb import LMDBStore
+    from cache_store.format.record import decode_arrays
 
     rng = random.Random(args.seed)
     store = LMDBStore(args.cache, readonly=True)
@@ -194,7 +194,7 @@ def _worker_zygote(args: argparse.Namespace) -> int:
 
 
 def _queue_submit(args: argparse.Namespace) -> int:
-    from cache_store.jobs import JobQueue, NewItem
+    from cache_store.jobs.queue import JobQueue, NewItem
 
     queue = JobQueue(args.cache)
     params = _SPEC.resolve({"level": 3})
@@ -227,7 +227,7 @@ def _queue_submit(args: argparse.Namespace) -> int:
 
 
 def _queue_claim(args: argparse.Namespace) -> int:
-    from cache_store.jobs import JobQueue
+    from cache_store.jobs.queue import JobQueue
 
     queue = JobQueue(args.cache)
     start = time.monotonic()

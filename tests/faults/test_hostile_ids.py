@@ -30,8 +30,8 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from cache_store.wire import decode_batch
-from cache_store.store import Store
+from cache_store.format.wire import decode_batch
+from cache_store.stores.base import Store
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
 from tests.faults.conftest import report, served
@@ -222,7 +222,7 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
          "--json"], cwd=workdir, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
     summary = json.loads(result.stdout)
-    from cache_store.lmdb_store import LMDBStore
+    from cache_store.stores.lmdb import LMDBStore
 
     with LMDBStore(cache) as store:
         keys = list(store.keys())

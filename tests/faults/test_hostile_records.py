@@ -34,9 +34,9 @@ import pytest
 import xxhash
 
 from cache_store.errors import CorruptRecord
-from cache_store.http_store import HTTPStore
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import decode_arrays, decode_record, select_fields
+from cache_store.stores.http import HTTPStore
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import decode_arrays, decode_record, select_fields
 from service.settings import Settings
 from tests.cache_store.synthetic import fingerprint_of, make_record
 from tests.faults.conftest import env_int, report, served

@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 from cache_store.errors import CacheDamaged
-from cache_store.isolated import stats_cache, verify_cache
-from cache_store.lmdb_store import LMDBStore
-from cache_store.store import DatasetIndex
+from cache_store.stores.isolated import stats_cache, verify_cache
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.stores.base import DatasetIndex
 from tests.conftest import REPO_ROOT
 from tests.faults._procs import FAULT_FINGERPRINT, _SPEC, make_small_record
 from tests.faults.conftest import env_int, report

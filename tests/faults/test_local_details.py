@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cache_store.jobs import JobQueue
+from cache_store.jobs.queue import JobQueue
 from service.app import create_app
 from service.settings import Settings
 from tests.faults.conftest import report

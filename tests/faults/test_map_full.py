@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.lmdb_store import LMDBStore
+from cache_store.stores.lmdb import LMDBStore
 from tests.faults.conftest import Child, env_float, env_int, report
 
 READERS = env_int("SPCACHE_FAULT_MAP_READERS", 16)

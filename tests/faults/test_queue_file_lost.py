@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cache_store.errors import QueueDamaged
-from cache_store.jobs import JOBS_FILENAME, JobQueue
+from cache_store.jobs.queue import JOBS_FILENAME, JobQueue
 from service.settings import Settings
 from tests.faults.conftest import report
 from tests.service.conftest import AUTH, TOKEN, InProcessServer, build_cache
@@ -51,7 +51,7 @@ def test_a_lost_queue_file_is_reported_and_refuses_work(
         assert answer.status_code in (200, 202), answer.text
         assert worker_queue.counts()["pending"] >= 0  # the worker has the file open too
         _lose(cache.root / JOBS_FILENAME, how)
-        with caplog.at_level(logging.ERROR, logger="cache_store.jobs"):
+        with caplog.at_level(logging.ERROR, logger="cache_store.jobs.queue"):
             ready = client.get("/readyz")
             refused = client.post("/v1/warmup", json=warmup, headers=AUTH)
             with pytest.raises(QueueDamaged, match=how.rstrip("d")):

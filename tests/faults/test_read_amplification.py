@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from cache_store.fingerprint import record_key
-from cache_store.lmdb_store import LMDBStore
-from cache_store.wire import decode_batch
+from cache_store.keys import record_key
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.wire import decode_batch
 from tests.faults.conftest import env_int, report
 from tests.service.conftest import build_cache, make_record, start_server, stop_server
 

@@ -28,10 +28,10 @@ import httpx
 import pytest
 import torch
 
-from cache_store.dataset import CachedDataset
-from cache_store.http_store import HTTPStore
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import decode_record
+from cache_store.readers.dataset import CachedDataset
+from cache_store.stores.http import HTTPStore
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import decode_record
 from service.settings import Settings
 from tests.faults.conftest import Child, env_int, report, served
 from tests.service.conftest import TOKEN, Cache, build_cache

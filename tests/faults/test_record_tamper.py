@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from cache_store.errors import CorruptRecord
-from cache_store.http_store import HTTPStore
-from cache_store.record import decode_arrays, encode_record
-from cache_store.record_tag import TAG_HEADER
-from cache_store.wire import decode_batch, encode_batch
+from cache_store.stores.http import HTTPStore
+from cache_store.format.record import decode_arrays, encode_record
+from cache_store.format.tag import TAG_HEADER
+from cache_store.format.wire import decode_batch, encode_batch
 from service.settings import Settings
 from tests.faults.conftest import report
 from tests.service.conftest import TOKEN, Cache, InProcessServer, build_cache

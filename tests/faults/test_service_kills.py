@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.owner_lock import lock_holder
+from cache_store.jobs.owner_lock import lock_holder
 from tests.faults.conftest import env_int, report
 from tests.spcache._proctree import (
     free_port,

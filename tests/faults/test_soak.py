@@ -25,9 +25,9 @@ import psutil
 import pytest
 import torch
 
-from cache_store.dataset import CachedDataset
-from cache_store.fingerprint import record_key
-from cache_store.record import decode_record
+from cache_store.readers.dataset import CachedDataset
+from cache_store.keys import record_key
+from cache_store.format.record import decode_record
 from tests.faults.conftest import env_float, report
 from tests.service.conftest import AUTH, start_server, stop_server
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_store.fingerprint import compute_fingerprint, record_key
-from cache_store.jobs import JobQueue, NewItem
-from cache_store.lmdb_store import LMDBStore
-from cache_store.recipes import get_recipe_spec
+from cache_store.keys import compute_fingerprint, record_key
+from cache_store.jobs.queue import JobQueue, NewItem
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.recipes.specs import get_recipe_spec
 from tests.faults.conftest import report
 from workers.engine import Engine
 from workers.worker_loop import WorkerLoop

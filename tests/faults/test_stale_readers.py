@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import cache_store.lmdb_store as lmdb_store
-from cache_store.lmdb_store import LMDBStore
+import cache_store.stores.lmdb as lmdb_store
+from cache_store.stores.lmdb import LMDBStore
 from tests.faults._procs import batch_key, make_small_record
 from tests.faults.conftest import Child, env_int, report
 
@@ -68,7 +68,7 @@ def test_killed_readers_stop_pinning_pages_once_the_writer_checks(
     pinned = _used(writer)
 
     monkeypatch.setattr(lmdb_store, "READER_CHECK_INTERVAL_S", 0.0)
-    with caplog.at_level(logging.WARNING, logger="cache_store.lmdb_store"):
+    with caplog.at_level(logging.WARNING, logger="cache_store.stores.lmdb"):
         _overwrite(writer, 100)  # the check runs before this write
     freed = [r for r in caplog.records if "stale LMDB reader slot" in r.getMessage()]
     after_check = _used(writer)
@@ -105,7 +105,7 @@ def test_a_writer_opening_the_cache_frees_dead_readers(tmp_path: Path,
     keeper.expect("holding")
     child.expect("holding")
     child.kill()
-    with caplog.at_level(logging.WARNING, logger="cache_store.lmdb_store"):
+    with caplog.at_level(logging.WARNING, logger="cache_store.stores.lmdb"):
         with LMDBStore(cache, readonly=False) as writer:
             _overwrite(writer, 1)
     assert any("freed 2 stale" in r.getMessage() for r in caplog.records)

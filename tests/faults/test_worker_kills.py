@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_store.fingerprint import compute_fingerprint, record_key
-from cache_store.jobs import JobQueue, NewItem
-from cache_store.lmdb_store import LMDBStore
-from cache_store.recipes import get_recipe_spec
-from cache_store.record import decode_record, record_checksum
+from cache_store.keys import compute_fingerprint, record_key
+from cache_store.jobs.queue import JobQueue, NewItem
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.format.record import decode_record, record_checksum
 from tests.conftest import REPO_ROOT
 from tests.faults.conftest import Child, env_int, report
 

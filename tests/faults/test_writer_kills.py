@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import decode_arrays
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import decode_arrays
 from tests.faults._procs import FAULT_FINGERPRINT, batch_key
 from tests.faults.conftest import Child, env_int, report
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 import uvicorn
 
-from cache_store.fingerprint import compute_fingerprint, record_key
-from cache_store.hashing import hash_file
-from cache_store.lmdb_store import LMDBStore
-from cache_store.recipes import get_recipe_spec
-from cache_store.record import encode_record
-from cache_store.store import DatasetIndex
+from cache_store.keys import compute_fingerprint, record_key
+from cache_store.sources.hashing import hash_file
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.format.record import encode_record
+from cache_store.stores.base import DatasetIndex
 from service.app import create_app
 from service.settings import Settings
 from tests.conftest import REPO_ROOT

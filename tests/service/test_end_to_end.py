@@ -12,10 +12,10 @@ import httpx
 import pytest
 import safetensors.numpy
 
-from cache_store.fingerprint import record_key
-from cache_store.jobs import JobQueue
-from cache_store.lmdb_store import LMDBStore
-from cache_store.record import record_checksum
+from cache_store.keys import record_key
+from cache_store.jobs.queue import JobQueue
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.record import record_checksum
 from tests.service.conftest import AUTH, start_server, stop_server
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from cache_store.jobs import JobQueue
+from cache_store.jobs.queue import JobQueue
 from service.settings import Settings, is_loopback
 from tests.conftest import REPO_ROOT
 from tests.service.conftest import AUTH, Cache

@@ -19,10 +19,10 @@ import pytest
 
 from cache_store import CachedDataset
 from cache_store.errors import NoWorkerAlive, SampleFailed
-from cache_store.fingerprint import compute_fingerprint
-from cache_store.jobs import JobQueue
-from cache_store.recipes import get_recipe_spec
-from cache_store.wire import decode_batch
+from cache_store.keys import compute_fingerprint
+from cache_store.jobs.queue import JobQueue
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.format.wire import decode_batch
 from service.settings import Settings
 from tests.cache_store.test_read_through import (
     PARAMS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import safetensors.numpy
 
-from cache_store.wire import BATCH_MEDIA_TYPE, decode_batch
-from cache_store.record import decode_record, record_checksum
+from cache_store.format.wire import BATCH_MEDIA_TYPE, decode_batch
+from cache_store.format.record import decode_record, record_checksum
 from tests.service.conftest import Cache, LiveServer
 
 

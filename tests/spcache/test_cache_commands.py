@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cache_store.jobs import JobQueue, NewItem
-from cache_store.lmdb_store import LMDBStore
-from cache_store.store import DatasetIndex
+from cache_store.jobs.queue import JobQueue, NewItem
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.stores.base import DatasetIndex
 from spcache.cli import resolve, subcommand_parser
 from tests.cache_store.synthetic import fingerprint_of, make_record
 from tests.conftest import REPO_ROOT

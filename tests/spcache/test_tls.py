@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from cache_store.dataset import CachedDataset
-from cache_store.fingerprint import compute_fingerprint
-from cache_store.http_store import HTTPStore
-from cache_store.lmdb_store import LMDBStore
-from cache_store.store import DatasetIndex
+from cache_store.readers.dataset import CachedDataset
+from cache_store.keys import compute_fingerprint
+from cache_store.stores.http import HTTPStore
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.stores.base import DatasetIndex
 from tests.cache_store.synthetic import make_record, spc_fields
 from tests.conftest import REPO_ROOT
 from tests.spcache._proctree import free_port

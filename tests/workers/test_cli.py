@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import ParameterError, SourceError
-from cache_store.sources_list import discover_sources
+from cache_store.sources.discover import discover_sources
 from spcache import cli
 from spcache.cli import COMMANDS, main
 from tests.conftest import REPO_ROOT
@@ -160,8 +160,8 @@ def test_cpu_side_commands_import_neither_torch_nor_workers(command: str) -> Non
 
 
 def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema() -> None:
-    from cache_store.recipe_table import param_bounds
-    from cache_store.recipes import RECIPE_SPECS
+    from cache_store.recipes.table import param_bounds
+    from cache_store.recipes.specs import RECIPE_SPECS
 
     table = subprocess.run([sys.executable, "-m", "spcache", "recipes"], cwd=REPO_ROOT,
                            capture_output=True, text=True, timeout=60).stdout

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cache_store.record import decode_record, read_header
-from cache_store.store import open_store
+from cache_store.format.record import decode_record, read_header
+from cache_store.stores.base import open_store
 from workers.engine import Engine, ItemResult
 from workers.ops import get_backend
 from workers.recipes import RECIPES, check_outputs, make_generator
@@ -242,7 +242,7 @@ def test_a_full_cache_stops_the_run_and_keeps_what_was_committed(
     StoreFull naming the cache instead of failing every later sample one by one; the
     records committed before stay readable; the same run on room to spare finishes."""
     from cache_store.errors import StoreFull
-    from cache_store.lmdb_store import LMDBStore
+    from cache_store.stores.lmdb import LMDBStore
 
     cache = tmp_path / "cache"
     items = _items(corpus_meshes)
@@ -343,7 +343,7 @@ def test_jobs_is_still_accepted_as_the_old_name_of_loaders(tmp_path: Path) -> No
 
 def test_a_failed_write_is_not_remembered_as_the_sources_failure(tmp_path: Path) -> None:
     """skip_failed must never skip a sample because a write failed (a full disk) once."""
-    from cache_store.failures import FailureLog
+    from cache_store.jobs.failures import FailureLog
     from workers.run_ledger import RunLedger, Summary
 
     fp = "0" * 32
@@ -362,7 +362,7 @@ def test_a_failed_write_is_not_remembered_as_the_sources_failure(tmp_path: Path)
 
 def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_fixed(
         tmp_path: Path) -> None:
-    from cache_store.failures import FailureLog
+    from cache_store.jobs.failures import FailureLog
 
     sources = tmp_path / "src"
     sources.mkdir()

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from cache_store.errors import SpcacheError
-from cache_store.store import open_store
+from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main
 
@@ -156,15 +156,15 @@ def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, corpus_meshes: list[P
 def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
         tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    import cache_store.store
-    from cache_store.lmdb_store import LMDBStore
+    import cache_store.stores.base
+    from cache_store.stores.lmdb import LMDBStore
 
     cache = tmp_path / "cache"
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc", "--param", "level=6",
             "--param", "surface_samples=4000", "--cache", str(cache), "--device", "cpu",
             "--jobs", "0"]
     # the cache's disk, as small as an LMDB map bound makes it
-    monkeypatch.setattr(cache_store.store, "open_store", lambda path, readonly: LMDBStore(
+    monkeypatch.setattr(cache_store.stores.base, "open_store", lambda path, readonly: LMDBStore(
         path, readonly=readonly, map_size=128 * 1024, max_map_size=512 * 1024))
     assert main(args) == 1
     err = capsys.readouterr().err

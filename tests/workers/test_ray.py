@@ -22,8 +22,8 @@ import pytest
 import ray
 
 from cache_store.errors import BackendUnavailable, SpcacheError
-from cache_store.record import read_header
-from cache_store.store import open_store
+from cache_store.format.record import read_header
+from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main
 from workers.engine import Engine, ItemResult

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache_store.errors import SpcacheError, UnknownName
-from cache_store.recipes import RECIPE_SPECS
+from cache_store.recipes.specs import RECIPE_SPECS
 from workers.recipes import (
     RECIPES,
     ChunkBudget,

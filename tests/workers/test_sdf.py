@@ -253,7 +253,7 @@ def test_the_stated_size_bound_holds_at_the_parameter_bounds() -> None:
     assert per_sample == 24
     assert points * 47 + 8 * points * 6 + m * per_sample < 400e6
     # the schema's own worst case covers that estimate and is enforced at the record limit
-    from cache_store.recipes import MAX_RECORD_BYTES
+    from cache_store.recipes.specs import MAX_RECORD_BYTES
 
     worst = RECIPE.spec.worst_case_record_bytes({"level": level, "surface_samples": samples,
                                                  "near_samples": m // 2, "uniform_samples": m // 2})

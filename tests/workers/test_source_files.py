@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import SourceError
-from cache_store.hashing import hash_file
-from workers.source_files import (
+from cache_store.sources.hashing import hash_file
+from cache_store.sources.files import (
     SourceLimits,
     hash_source_file,
     open_resolved,

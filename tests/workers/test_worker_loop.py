@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.fingerprint import compute_fingerprint, record_key
-from cache_store.item_state import item_state
-from cache_store.jobs import JobQueue, NewItem
-from cache_store.lmdb_store import LMDBStore
-from cache_store.recipes import get_recipe_spec
-from cache_store.record import decode_record
+from cache_store.keys import compute_fingerprint, record_key
+from cache_store.jobs.item_state import item_state
+from cache_store.jobs.queue import JobQueue, NewItem
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.format.record import decode_record
 from tests.conftest import REPO_ROOT
 from workers.worker_loop import WorkerLoop
 
@@ -147,9 +147,9 @@ def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
 
 
 def test_service_and_workers_hash_sources_the_same_way(corpus_meshes: list[Path]) -> None:
-    # The service counts "already ready" with cache_store.hashing; records carry the
+    # The service counts "already ready" with cache_store.sources.hashing; records carry the
     # workers' source hash. If these ever differ, every warm-up recomputes everything.
-    from cache_store.hashing import hash_file
+    from cache_store.sources.hashing import hash_file
     from workers.sources import load_source
 
     for mesh in corpus_meshes[:3]:

@@ -44,7 +44,7 @@ from cache_store.errors import (
     SpcacheError,
     UnknownName,
 )
-from cache_store.fingerprint import (
+from cache_store.keys import (
     FINGERPRINT_HEX_CHARS,
     canonical_json,
     compute_fingerprint,
@@ -52,7 +52,7 @@ from cache_store.fingerprint import (
     validate_fingerprint,
     validate_sample_id,
 )
-from cache_store.record import (
+from cache_store.format.record import (
     Record,
     check_names_key,
     check_record,
@@ -65,7 +65,7 @@ from cache_store.record import (
     read_header,
     unpack_ids,
 )
-from cache_store.recipes import RECIPE_SPECS
+from cache_store.recipes.specs import RECIPE_SPECS
 
 __all__ = [
     "STORE_BACKENDS",
@@ -362,13 +362,13 @@ class Store(abc.ABC):
 
     def verify(self, fingerprint: str | None = None) -> VerifyReport:
         """Check every record (of ``fingerprint``, or all) as a decode would, building no
-        tensors (:func:`cache_store.record.check_record`; no torch import).
+        tensors (:func:`cache_store.format.record.check_record`; no torch import).
 
         Also reports records whose metadata names another key, unreadable indexes, and
         indexed sample ids without a record (``missing``). Damage to the store itself
         (``CacheDamaged``: an unreadable LMDB page) ends the walk and is reported in
         ``damaged``. Damage that makes LMDB abort the process cannot be caught here: walk
-        a cache that may be damaged with :func:`cache_store.isolated.verify_cache`.
+        a cache that may be damaged with :func:`cache_store.stores.isolated.verify_cache`.
         """
         report = VerifyReport()
         try:
@@ -436,9 +436,9 @@ class Store(abc.ABC):
 #: Backend name -> "module:Class". Modules are imported when a location needs them, so
 #: backends can land (or be absent) independently.
 STORE_BACKENDS: dict[str, str] = {
-    "lmdb": "cache_store.lmdb_store:LMDBStore",
-    "zarr": "cache_store.zarr_store:ZarrStore",
-    "http": "cache_store.http_store:HTTPStore",
+    "lmdb": "cache_store.stores.lmdb:LMDBStore",
+    "zarr": "cache_store.snapshot.reader:ZarrStore",
+    "http": "cache_store.stores.http:HTTPStore",
 }
 
 

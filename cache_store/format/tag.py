@@ -21,7 +21,7 @@ import hmac
 from typing import Any
 
 from cache_store.errors import CorruptRecord
-from cache_store.record import peek_checksum, record_checksum
+from cache_store.format.record import peek_checksum, record_checksum
 
 __all__ = ["TAG_HEADER", "record_tag", "tag_for_checksum", "check_record_tag", "as_secret"]
 

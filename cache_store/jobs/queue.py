@@ -33,8 +33,8 @@ Guarantees:
 Reads are single statements in autocommit mode, so no read transaction stays open and
 the WAL can always be checkpointed.
 
-The values it takes and returns live in :mod:`cache_store.job_rows`, its schema and SQLite
-plumbing in :mod:`cache_store.job_db`; every public name is importable from here.
+The values it takes and returns live in :mod:`cache_store.jobs.rows`, its schema and SQLite
+plumbing in :mod:`cache_store.jobs.db`; every public name is importable from here.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import JobNotFound, QueueDamaged, SpcacheError
-from cache_store.job_db import (
+from cache_store.jobs.db import (
     SCHEMA_VERSION,
     Connections,
     canonical_json,
@@ -59,7 +59,7 @@ from cache_store.job_db import (
     schema_statements,
     write_txn,
 )
-from cache_store.job_rows import (
+from cache_store.jobs.rows import (
     ITEM_STATUSES,
     ClaimedItem,
     ItemError,

@@ -1,4 +1,4 @@
-"""The recipes' parameters as text, generated from their schemas (``cache_store.recipes``).
+"""The recipes' parameters as text, generated from their schemas (``cache_store.recipes.specs``).
 
 ``spcache precompute --help`` and ``spcache recipes`` print :func:`recipe_table`, so the
 defaults and bounds a user reads are the ones the schema enforces.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cache_store.recipes import RECIPE_SPECS, ParamSpec, RecipeSpec
+from cache_store.recipes.specs import RECIPE_SPECS, ParamSpec, RecipeSpec
 
 __all__ = ["recipe_table", "param_bounds"]
 

@@ -1,6 +1,6 @@
 """Read-through: a loader's miss is queued for the worker and waited for.
 
-A :class:`~cache_store.dataset.CachedDataset` built over sources with
+A :class:`~cache_store.readers.dataset.CachedDataset` built over sources with
 ``on_miss="compute"`` hands its misses to a :class:`QueueReadThrough` (a cache
 directory: the SQLite job queue in ``<cache>/jobs.sqlite``). It
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import MissTimeout, NoWorkerAlive, SampleFailed, SpcacheError
-from cache_store.fingerprint import record_key
-from cache_store.jobs import JobQueue, QueuedItem
+from cache_store.keys import record_key
+from cache_store.jobs.queue import JobQueue, QueuedItem
 
 __all__ = ["QueueReadThrough", "ON_MISS_CHOICES", "no_worker_message"]
 

@@ -1,7 +1,7 @@
 """Is a stored record current for its source? The one answer, used everywhere.
 
 A record is current for a source when the ``source_hash`` in its metadata equals the
-content hash of the source (:func:`cache_store.hashing.hash_file`): same bytes, same
+content hash of the source (:func:`cache_store.sources.hashing.hash_file`): same bytes, same
 record (the key already pins recipe, version and parameters). The engine skips such
 items on resume, the Ray driver skips them before sharding, the service's warm-up counts
 them as ready and ``item_state`` explains the others.
@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.hashing import hash_file
-from cache_store.record import read_metadata
+from cache_store.sources.hashing import hash_file
+from cache_store.format.record import read_metadata
 
 __all__ = ["is_current", "record_is_current", "stored_source_hash"]
 

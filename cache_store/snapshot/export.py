@@ -2,13 +2,13 @@
 
 :func:`export_snapshot` reads every record of a fingerprint's index from a source store
 (normally the LMDB cache), checks it (header checksum, per-field xxh3, metadata naming
-its key) and writes the layout described in :mod:`cache_store.snapshot_format`.
+its key) and writes the layout described in :mod:`cache_store.snapshot.format`.
 
 Two passes over the source: the first reads and checks every record and keeps its
 header, so each array can be created at its final shape with chunks sized for it; the
 second streams the tensors into chunk-aligned writes (no chunk is written twice) and
 makes sure no record changed in between. A local export compresses and writes its data
-chunks on a pool of threads (:class:`~cache_store.zarr_chunks.LocalChunkWriter`, the bytes
+chunks on a pool of threads (:class:`~cache_store.snapshot.chunks.LocalChunkWriter`, the bytes
 zarr would write); an object store is written through zarr.
 
 Publishing is atomic for readers:
@@ -60,12 +60,12 @@ from cache_store.errors import (
     SpcacheError,
     UnknownName,
 )
-from cache_store.fingerprint import validate_fingerprint
-from cache_store.record import DTYPES, FORMAT_VERSION, RecordHeader, pack_ids
-from cache_store.recipes import RECIPE_SPECS
-from cache_store.store import DatasetIndex, Store, open_store
-from cache_store.zarr_chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
-from cache_store.snapshot_format import (
+from cache_store.keys import validate_fingerprint
+from cache_store.format.record import DTYPES, FORMAT_VERSION, RecordHeader, pack_ids
+from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.stores.base import DatasetIndex, Store, open_store
+from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
+from cache_store.snapshot.format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
     SNAPSHOT_KIND,
@@ -248,7 +248,7 @@ def _write_small(group: Any, name: str, data: np.ndarray, clevel: int, codec: st
 class _FieldWriter:
     """Streams one field's rows into its data array in whole chunks, through
     ``write(start_row, rows)``: zarr's own (any store) or a local snapshot's
-    :class:`~cache_store.zarr_chunks.LocalChunkWriter`."""
+    :class:`~cache_store.snapshot.chunks.LocalChunkWriter`."""
 
     def __init__(self, write: Any, chunk_rows: int) -> None:
         self.write, self.chunk_rows = write, chunk_rows
@@ -308,8 +308,8 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
     """Write every array of a fingerprint group, then its attributes (still incomplete).
 
     ``local_dir``: the group's directory when it is local; its data chunks are then
-    compressed in parallel by :class:`~cache_store.zarr_chunks.LocalChunkWriter`, or
-    (codec ``none``) streamed by :class:`~cache_store.zarr_chunks.RawChunkAppender`
+    compressed in parallel by :class:`~cache_store.snapshot.chunks.LocalChunkWriter`, or
+    (codec ``none``) streamed by :class:`~cache_store.snapshot.chunks.RawChunkAppender`
     (zarr still writes every array's metadata and the small arrays)."""
     n = len(survey.sample_ids)
     id_bytes, id_offsets = pack_ids(survey.sample_ids)

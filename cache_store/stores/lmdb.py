@@ -27,7 +27,7 @@ Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
   past the file) becomes :class:`CacheDamaged` naming the cache, never a raw lmdb error.
   Some damage makes LMDB itself ``abort()`` the process inside a cursor walk; walks that
   must survive that (verify, stats, the service's listings) run in a child process
-  (:mod:`cache_store.isolated`). A commit that fails with ENOSPC/EIO raises
+  (:mod:`cache_store.stores.isolated`). A commit that fails with ENOSPC/EIO raises
   :class:`StoreFull` ("no space left on <path>") so a writer can stop early.
 """
 
@@ -55,10 +55,10 @@ from cache_store.errors import (
     StoreBusy,
     StoreFull,
 )
-from cache_store.fingerprint import FINGERPRINT_HEX_CHARS, validate_fingerprint
+from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
-from cache_store.record import Record, check_names_key, decode_record, decode_records
-from cache_store.store import DatasetIndex, Store, decode_index, encode_index
+from cache_store.format.record import Record, check_names_key, decode_record, decode_records
+from cache_store.stores.base import DatasetIndex, Store, decode_index, encode_index
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
 

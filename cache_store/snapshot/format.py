@@ -17,7 +17,7 @@ Every chunk is blosc-zstd compressed and ends in a CRC-32C (flipped bytes raise 
 read). Sample ids and field names are *data*, never store keys; only fingerprints (32
 hex chars) and validated field names name nodes.
 
-Neither :mod:`cache_store.export` nor :mod:`cache_store.zarr_store` defines any of these
+Neither :mod:`cache_store.snapshot.export` nor :mod:`cache_store.snapshot.reader` defines any of these
 names; both import them from here. No zarr import: this module is constants and checks.
 """
 
@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 
 from cache_store.errors import CorruptRecord, ParameterError
-from cache_store.record import RecordHeader, check_names_key, read_header
+from cache_store.format.record import RecordHeader, check_names_key, read_header
 
 __all__ = [
     "ATTRS_KEY",

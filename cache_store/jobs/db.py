@@ -1,6 +1,6 @@
 """The job queue's SQLite plumbing: its schema, its connections, its write transactions.
 
-What :class:`cache_store.jobs.JobQueue` needs from SQLite and nothing about jobs' states:
+What :class:`cache_store.jobs.queue.JobQueue` needs from SQLite and nothing about jobs' states:
 the schema (created on first open, versioned in ``meta``), one connection per thread
 closed together (:class:`Connections`), ``BEGIN IMMEDIATE`` transactions on autocommit
 connections (:class:`write_txn`) and the small helpers its statements share.

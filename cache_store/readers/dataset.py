@@ -25,11 +25,11 @@ from cache_store.errors import (
     RecordNotFound,
     SourceError,
 )
-from cache_store.fingerprint import canonical_json, compute_fingerprint, is_fingerprint
+from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes import RECIPE_SPECS, get_recipe_spec
-from cache_store.record import pack_ids
-from cache_store.store import DatasetIndex, Store, open_store
+from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.format.record import pack_ids
+from cache_store.stores.base import DatasetIndex, Store, open_store
 
 __all__ = ["CachedDataset", "resolve_index"]
 
@@ -82,24 +82,24 @@ class CachedDataset(torch.utils.data.Dataset):
 
     Args:
         cache: a cache directory, a ``.zarr`` path or URL, ``http(s)://host:port`` of the
-            service, or an already constructed :class:`~cache_store.store.Store`.
+            service, or an already constructed :class:`~cache_store.stores.base.Store`.
         fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``) that,
             with ``**params``, selects exactly one dataset recorded in the cache (see
             :func:`resolve_index`).
         fields: names of the tensors to read (default: all); the others' bytes are not
             touched.
         transform: called on each sample dict (in the worker) before it is returned.
-        store_options: passed to :func:`~cache_store.store.open_store` (e.g.
+        store_options: passed to :func:`~cache_store.stores.base.open_store` (e.g.
             ``max_readers`` for LMDB).
         sources: read-through (with a recipe name): a directory, ``.txt``/``.jsonl``
             manifest, file, or a list of them, discovered exactly as ``spcache
-            precompute`` does (:func:`cache_store.sources_list.discover_sources`). The
+            precompute`` does (:func:`cache_store.sources.discover.discover_sources`). The
             samples are those sources, in that order, whatever the cache holds yet; the
             fingerprint is the recipe's with ``**params`` (defaults filled in).
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
             ``"compute"`` (the default with sources): queue the sample for the cache's
-            worker and wait for its record (see :mod:`cache_store.read_through`; over the
-            service URL :mod:`cache_store.http_read_through`: the service queues and
+            worker and wait for its record (see :mod:`cache_store.readers.read_through`; over the
+            service URL :mod:`cache_store.readers.http_read_through`: the service queues and
             waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
             order), so the worker keeps busy while loaders wait.
@@ -193,7 +193,7 @@ class CachedDataset(torch.utils.data.Dataset):
     def _index_from_sources(self) -> None:
         """Ids and paths from the sources; fingerprint from the recipe (no store opened)."""
         # Late import: discovery is only needed with sources.
-        from cache_store.sources_list import discover_sources
+        from cache_store.sources.discover import discover_sources
 
         spec = get_recipe_spec(self.selector)
         resolved = spec.resolve(self.params)
@@ -291,13 +291,13 @@ class CachedDataset(torch.utils.data.Dataset):
         cache = self.cache.location if isinstance(self.cache, Store) else self.cache
         name, _, params = self.recipe
         if cache.startswith(("http://", "https://")):
-            from cache_store.http_read_through import HTTPReadThrough
+            from cache_store.readers.http_read_through import HTTPReadThrough
 
             token = getattr(self.cache, "token", None) or self.store_options.get("token")
             ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
             return HTTPReadThrough(cache, name, params, self.fingerprint, token=token,
                                    miss_timeout=self.miss_timeout, ca_file=ca_file)
-        from cache_store.read_through import QueueReadThrough
+        from cache_store.readers.read_through import QueueReadThrough
 
         return QueueReadThrough(cache.removeprefix("file://"), name, params, self.fingerprint,
                                 miss_timeout=self.miss_timeout)
@@ -310,7 +310,7 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def _on_miss(self, indices: Sequence[int]) -> None:
         """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
-        then wait for the batch's records (see :mod:`cache_store.read_through`)."""
+        then wait for the batch's records (see :mod:`cache_store.readers.read_through`)."""
         wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)
                   if not self._has(self.key(i))]
         ahead = []

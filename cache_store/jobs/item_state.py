@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.fingerprint import record_key
-from cache_store.freshness import is_current
-from cache_store.hashing import hash_file
-from cache_store.jobs import JobQueue
-from cache_store.recipes import RECIPE_SPECS
-from cache_store.record import read_metadata
+from cache_store.keys import record_key
+from cache_store.jobs.freshness import is_current
+from cache_store.sources.hashing import hash_file
+from cache_store.jobs.queue import JobQueue
+from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.format.record import read_metadata
 
 __all__ = ["ItemState", "item_state"]
 
@@ -65,7 +65,7 @@ def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
     """Explain one sample's state from its record (if any) and its latest queue item.
 
     Args:
-        store: a :class:`cache_store.store.Store`, or None when none exists yet.
+        store: a :class:`cache_store.stores.base.Store`, or None when none exists yet.
         path: the source to compare the record's ``source_hash`` with; default: the
             path of the latest queue item for this sample, if any.
     """

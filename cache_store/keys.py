@@ -86,7 +86,7 @@ def compute_fingerprint(recipe: str, recipe_version: int,
     """Return the fingerprint (32 lowercase hex chars) of a recipe run.
 
     ``resolved_params`` must hold *every* parameter, defaults filled in (see
-    :meth:`cache_store.recipes.RecipeSpec.resolve`); values are JSON scalars, lists or
+    :meth:`cache_store.recipes.specs.RecipeSpec.resolve`); values are JSON scalars, lists or
     string-keyed mappings. ``1`` and ``1.0`` fingerprint differently, which is why
     parameters are coerced to their declared type before they get here.
     """

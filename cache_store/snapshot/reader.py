@@ -1,6 +1,6 @@
 """ZarrStore: a read-only store over a Zarr v3 snapshot written by ``spcache export``.
 
-The layout is described in :mod:`cache_store.snapshot_format`.
+The layout is described in :mod:`cache_store.snapshot.format`.
 
 ``get(key)`` rebuilds the record value byte for byte (header + field bytes) and checks
 it like any record (header checksum, per-field xxh3, metadata naming the key), so the
@@ -14,7 +14,7 @@ whole batch) are issued together on zarr's IO loop.
 
 A group is visible only once its ``complete`` attribute is true; the exporter publishes
 local snapshots by renaming a finished directory into place and remote ones by setting
-that attribute last (see :mod:`cache_store.export`).
+that attribute last (see :mod:`cache_store.snapshot.export`).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from cache_store.errors import (
     SpcacheError,
     UnsupportedFormat,
 )
-from cache_store.fingerprint import (
+from cache_store.keys import (
     FINGERPRINT_HEX_CHARS,
     compute_fingerprint,
     is_fingerprint,
     validate_fingerprint,
 )
 from cache_store.process_local import ProcessLocal
-from cache_store.record import (
+from cache_store.format.record import (
     HEADER_LENGTH,
     Record,
     check_names_key,
@@ -54,7 +54,7 @@ from cache_store.record import (
     parse_stored_header,
     unpack_ids,
 )
-from cache_store.snapshot_format import (
+from cache_store.snapshot.format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
     SNAPSHOT_KIND,
@@ -66,8 +66,8 @@ from cache_store.snapshot_format import (
     records_digest,
     validate_field_name,
 )
-from cache_store.store import DatasetIndex, Store, VerifyReport
-from cache_store.zarr_chunks import LocalChunkReader
+from cache_store.stores.base import DatasetIndex, Store, VerifyReport
+from cache_store.snapshot.chunks import LocalChunkReader
 
 __all__ = ["ZarrStore"]
 
@@ -166,7 +166,7 @@ class ZarrStore(Store):
     Args:
         location: a ``*.zarr`` path, ``file://`` URL or fsspec URL (``s3://``, ``gs://``,
             ``memory://`` ...).
-        readonly: must be True: snapshots are written by :func:`cache_store.export.
+        readonly: must be True: snapshots are written by :func:`cache_store.snapshot.export.
             export_snapshot`, never through the store contract.
         storage_options: passed to fsspec for URLs (credentials, endpoint ...).
         direct_reads: read a local snapshot's chunk files directly (default) rather than

@@ -33,7 +33,7 @@ from decoder would put the checksum rules in two places. The batch decoder
 a DataLoader worker) share one copy-and-verify pass over the parsed header, the dtype
 tables and the error rules, so a separate module would import half of this one back and
 be imported by it. Where a batch's memory comes from, which knows nothing of the format,
-is :mod:`cache_store.batch_buffers`.)
+is :mod:`cache_store.format.buffers`.)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import xxhash
 
-from cache_store.batch_buffers import allocate, in_dataloader_worker
+from cache_store.format.buffers import allocate, in_dataloader_worker
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
 
 if TYPE_CHECKING:
@@ -127,12 +127,12 @@ _TORCH_DTYPES = _TorchDtypes()
 
 
 #: The u64 little-endian length that opens a record (and an HTTP batch, see
-#: :mod:`cache_store.wire`): the one definition of that framing.
+#: :mod:`cache_store.format.wire`): the one definition of that framing.
 HEADER_LENGTH = struct.Struct("<Q")
 _LEN = HEADER_LENGTH
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-    raise ImportError("cache_store.record reads little-endian buffers in place; "
+    raise ImportError("cache_store.format.record reads little-endian buffers in place; "
                       "this host is big-endian")
 
 
@@ -718,7 +718,7 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
 
     Field-major: all records' ``octree`` end to end, then all ``exsum``, ... (each field's
     group starts 8-byte aligned; within a group every slot is aligned for its dtype), so
-    :func:`~cache_store.collate.collate_spc` concatenates or stacks a batch by taking a
+    :func:`~cache_store.readers.collate.collate_spc` concatenates or stacks a batch by taking a
     view, and the DataLoader hands a batch between processes as one storage, not one per
     tensor (a fixed cost each).
 

@@ -6,12 +6,12 @@ and opened anew after a fork (an inherited pool is parked, never used or closed:
 sockets are shared with the parent). Connection errors and 503 answers are retried with
 exponential back-off (honouring ``Retry-After``); 4xx answers are not retried.
 
-The batch responses it reads are framed as :mod:`cache_store.wire` describes.
+The batch responses it reads are framed as :mod:`cache_store.format.wire` describes.
 
 Every record read is bound to its key: its metadata must name the fingerprint and
 sample id asked for (a proxy swapping two records is caught), and with ``record_key``
 its keyed tag must match (a proxy altering and re-checksumming one is caught; see
-:mod:`cache_store.record_tag`).
+:mod:`cache_store.format.tag`).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.fingerprint import split_key
+from cache_store.keys import split_key
 from cache_store.process_local import ProcessLocal
-from cache_store.record import Record, check_names_key, decode_record, decode_records, read_metadata
-from cache_store.record_tag import TAG_HEADER, as_secret, check_record_tag
-from cache_store.store import DatasetIndex, Store
-from cache_store.wire import decode_batch
+from cache_store.format.record import Record, check_names_key, decode_record, decode_records, read_metadata
+from cache_store.format.tag import TAG_HEADER, as_secret, check_record_tag
+from cache_store.stores.base import DatasetIndex, Store
+from cache_store.format.wire import decode_batch
 
 __all__ = [
     "HTTPStore",

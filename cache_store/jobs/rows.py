@@ -3,8 +3,8 @@
 Plain frozen dataclasses (no SQLite, no I/O): :class:`NewItem` (submitted),
 :class:`ClaimedItem` (a worker's leased item), :class:`QueuedItem` (a read-through
 caller's item), :class:`ItemError` and :class:`JobInfo` (a job's counts, progress and
-errors, as listed by the service). :class:`cache_store.jobs.JobQueue` builds them from its
-rows; ``cache_store.jobs`` re-exports each name, which is where callers import them from.
+errors, as listed by the service). :class:`cache_store.jobs.queue.JobQueue` builds them from its
+rows; ``cache_store.jobs.queue`` re-exports each name, which is where callers import them from.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class ClaimedItem:
 
 @dataclass(frozen=True)
 class QueuedItem:
-    """Where one sample asked for by :meth:`cache_store.jobs.JobQueue.enqueue_once` stands
+    """Where one sample asked for by :meth:`cache_store.jobs.queue.JobQueue.enqueue_once` stands
     in the queue.
 
     ``reused`` is True when an existing item (another process's, or an earlier one) was

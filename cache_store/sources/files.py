@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import xxhash
 
 from cache_store.errors import SourceError
-from cache_store.hashing import HASH_PREFIX
+from cache_store.sources.hashing import HASH_PREFIX
 
 __all__ = ["DEFAULT_MAX_SOURCE_BYTES", "DEFAULT_MAX_READ_S", "SourceLimits",
            "read_source_file", "hash_source_file"]
@@ -70,7 +70,7 @@ def read_source_file(path: str | os.PathLike[str], limits: SourceLimits | None =
 
 
 def hash_source_file(path: str | os.PathLike[str], limits: SourceLimits | None = None) -> str:
-    """The content hash of the file at ``path`` (as :func:`cache_store.hashing.hash_file`),
+    """The content hash of the file at ``path`` (as :func:`cache_store.sources.hashing.hash_file`),
     read as :func:`read_source_file` reads it."""
     digest = xxhash.xxh3_128()
     for block in _blocks(path, limits or SourceLimits()):
