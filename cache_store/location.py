@@ -1,21 +1,92 @@
-"""Checks of a cache path given on a command line, so a bad one is one clear line.
+"""Where a cache is: the one parser of location strings, and checks of a local cache path.
 
-``spcache precompute --cache FILE`` used to end in a ``NotADirectoryError`` traceback from
-deep inside LMDB; the commands now ask :func:`cache_dir_problem` first and print its
-answer (naming the path and the reason) with exit status 2.
+Every opener (``open_store``, ``CachedDataset``, export, the snapshot reader, the CLI)
+asks :func:`parse_location`, so a string means the same thing everywhere:
+
+* ``http://`` / ``https://`` URL -> the service (``kind="http"``);
+* anything ending in ``.zarr`` -> a snapshot, local or at any fsspec URL (``kind="zarr"``);
+* a plain path -> an LMDB cache directory (``kind="lmdb"``).
+
+Schemes are case-insensitive (``FILE://``, ``HTTP://``). ``file://`` names a local path
+(``file:///tmp/x`` and ``file://localhost/tmp/x`` are ``/tmp/x``); it is stripped once,
+here. Any other scheme is refused unless the location is a ``.zarr`` snapshot.
+
+:func:`cache_dir_problem` answers why a local path cannot be used as a cache directory
+(naming the path and the reason), so a command prints one line instead of a traceback.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["cache_dir_problem", "is_remote"]
+from cache_store.errors import UnknownName
+
+__all__ = ["Location", "cache_dir_problem", "is_remote", "local_path", "parse_location"]
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+Kind = Literal["lmdb", "zarr", "http"]
 
 
-def is_remote(cache: str | os.PathLike[str]) -> bool:
-    """A URL (``http://``, ``s3://`` ...) rather than a local path."""
-    return "://" in str(cache) and not str(cache).startswith("file://")
+@dataclass(frozen=True)
+class Location:
+    """A parsed location. ``target`` is the local path (no ``file://``) for a local
+    location, else the URL with its scheme lower-cased."""
+
+    text: str
+    scheme: str  # "" for a local path (``file://`` included), else e.g. "http", "s3"
+    target: str
+    kind: Kind
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == ""
+
+
+def parse_location(location: str | os.PathLike[str]) -> Location:
+    """Parse a cache location (see the module docstring); ``UnknownName`` for a URL
+    scheme that is neither http(s), ``file`` nor a ``.zarr`` snapshot."""
+    text = os.fspath(location)
+    match = _SCHEME.match(text)
+    scheme = match.group(1).lower() if match else ""
+    rest = text[match.end():] if match else text
+    if scheme == "file":
+        host, slash, path = rest.partition("/")
+        if host not in ("", "localhost"):
+            raise UnknownName("file:// host", host, ["localhost", "(empty: file:///path)"])
+        scheme, target = "", slash + path
+    elif scheme:
+        target = f"{scheme}://{rest}"
+    else:
+        target = text
+    if scheme in ("http", "https"):
+        kind: Kind = "http"
+    elif target.rstrip("/").lower().endswith(".zarr"):
+        kind = "zarr"
+    elif scheme:
+        raise UnknownName("store location scheme", scheme,
+                          ["http", "https", "file", "<any>://….zarr"])
+    else:
+        kind = "lmdb"
+    return Location(text=text, scheme=scheme, target=target, kind=kind)
+
+
+def is_remote(location: str | os.PathLike[str]) -> bool:
+    """A URL other than ``file://`` (``http://``, ``s3://...zarr``), rather than a path."""
+    match = _SCHEME.match(os.fspath(location))
+    return bool(match) and match.group(1).lower() != "file"
+
+
+def local_path(location: str | os.PathLike[str]) -> str:
+    """The filesystem path of a local location (``file://`` stripped); ``ValueError`` for
+    a remote one."""
+    parsed = parse_location(location)
+    if not parsed.is_local:
+        raise ValueError(f"{parsed.text}: not a local path")
+    return parsed.target
 
 
 def cache_dir_problem(cache: str | os.PathLike[str], *, write: bool) -> str | None:
@@ -25,7 +96,10 @@ def cache_dir_problem(cache: str | os.PathLike[str], *, write: bool) -> str | No
     readable. ``write=True``: it may be missing if it can be created; an existing one
     must be a writable directory.
     """
-    path = Path(cache)
+    try:
+        path = Path(local_path(cache))
+    except (ValueError, UnknownName):
+        return f"{os.fspath(cache)}: not a local cache directory"
     try:
         exists = path.exists()
         is_dir = path.is_dir()

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from cache_store.errors import SpcacheError
-from cache_store.location import cache_dir_problem
+from cache_store.location import cache_dir_problem, is_remote, local_path
 
 __all__ = ["configure_parser", "run"]
 
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"spcache export: {problem}", file=sys.stderr)
         return 2
-    if "://" not in str(args.dest) and Path(args.dest).exists() and not Path(args.dest).is_dir():
+    if not is_remote(args.dest) and Path(local_path(args.dest)).exists() \
+            and not Path(local_path(args.dest)).is_dir():
         print(f"spcache export: --to {args.dest}: is a file, not a Zarr snapshot directory",
               file=sys.stderr)
         return 2

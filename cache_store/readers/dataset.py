@@ -25,6 +25,7 @@ from cache_store.errors import (
     RecordNotFound,
     SourceError,
 )
+from cache_store.location import parse_location
 from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
@@ -136,11 +137,10 @@ class CachedDataset(torch.utils.data.Dataset):
             problems.append("on_miss='compute' needs sources= (the paths to compute from)")
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
-        location = cache.location if isinstance(cache, Store) else os.fspath(cache)
-        if (on_miss == "compute" and "://" in location
-                and not location.startswith(("file://", "http://", "https://"))):
+        location = parse_location(cache.location if isinstance(cache, Store) else cache)
+        if on_miss == "compute" and location.kind == "zarr":
             problems.append(f"on_miss='compute' needs a cache directory or the service's "
-                            f"http(s):// URL; {location} is neither")
+                            f"http(s):// URL; {location.text} is neither")
         if warm_ahead < 0 or miss_timeout <= 0:
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
         if problems:
@@ -288,9 +288,11 @@ class CachedDataset(torch.utils.data.Dataset):
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> Any:
-        cache = self.cache.location if isinstance(self.cache, Store) else self.cache
+        location = parse_location(self.cache.location if isinstance(self.cache, Store)
+                                  else self.cache)
+        cache = location.target
         name, _, params = self.recipe
-        if cache.startswith(("http://", "https://")):
+        if location.kind == "http":
             from cache_store.readers.http_read_through import HTTPReadThrough
 
             token = getattr(self.cache, "token", None) or self.store_options.get("token")
@@ -299,7 +301,7 @@ class CachedDataset(torch.utils.data.Dataset):
                                    miss_timeout=self.miss_timeout, ca_file=ca_file)
         from cache_store.readers.read_through import QueueReadThrough
 
-        return QueueReadThrough(cache.removeprefix("file://"), name, params, self.fingerprint,
+        return QueueReadThrough(cache, name, params, self.fingerprint,
                                 miss_timeout=self.miss_timeout)
 
     def _has(self, key: str) -> bool:

@@ -65,6 +65,7 @@ from cache_store.format.record import DTYPES, FORMAT_VERSION, RecordHeader, pack
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.stores.base import DatasetIndex, Store, open_store
 from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
+from cache_store.location import local_path, parse_location
 from cache_store.snapshot.format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
@@ -72,8 +73,6 @@ from cache_store.snapshot.format import (
     SNAPSHOT_ROOT_KIND,
     array_digest,
     check_record_value,
-    is_local_location,
-    local_path,
     records_digest,
     validate_field_name,
 )
@@ -218,7 +217,7 @@ DEFAULT_REMOTE_CODEC = "zstd"
 
 def default_codec(dest: str | os.PathLike[str]) -> str:
     """The codec an export to ``dest`` uses when none is named."""
-    return DEFAULT_LOCAL_CODEC if is_local_location(dest) else DEFAULT_REMOTE_CODEC
+    return DEFAULT_LOCAL_CODEC if parse_location(dest).is_local else DEFAULT_REMOTE_CODEC
 
 
 def _compressors(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
@@ -652,7 +651,7 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
                 listed = "; ".join(f"{k}: {r}" for k, r in list(survey.bad.items())[:20])
                 raise SpcacheError(f"{len(survey.bad)} record(s) of {fingerprint} cannot be "
                                    f"exported (skip_bad / --skip-bad leaves them out): {listed}")
-        if is_local_location(dest):
+        if parse_location(dest).is_local:
             _export_local(Path(local_path(dest)).absolute(), store, index, survey, overwrite,
                           int(chunk_bytes), int(clevel), codec, progress)
         else:

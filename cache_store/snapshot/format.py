@@ -42,8 +42,6 @@ __all__ = [
     "SNAPSHOT_ROOT_KIND",
     "array_digest",
     "check_record_value",
-    "is_local_location",
-    "local_path",
     "records_digest",
     "validate_field_name",
 ]
@@ -69,17 +67,6 @@ def validate_field_name(name: str) -> str:
 def array_digest(array: np.ndarray) -> str:
     """xxh3_64 hex of an array's bytes (C order), as kept in a snapshot's attributes."""
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
-
-
-def is_local_location(location: str | os.PathLike[str]) -> bool:
-    """True for a filesystem path or ``file://`` URL; False for other URLs."""
-    text = os.fspath(location)
-    return "://" not in text or text.lower().startswith("file://")
-
-
-def local_path(location: str | os.PathLike[str]) -> str:
-    text = os.fspath(location)
-    return text[len("file://"):] if text.lower().startswith("file://") else text
 
 
 def check_record_value(value: Any, key: str) -> RecordHeader:

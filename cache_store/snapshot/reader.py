@@ -54,6 +54,7 @@ from cache_store.format.record import (
     parse_stored_header,
     unpack_ids,
 )
+from cache_store.location import local_path, parse_location
 from cache_store.snapshot.format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
@@ -61,8 +62,6 @@ from cache_store.snapshot.format import (
     SNAPSHOT_ROOT_KIND,
     array_digest,
     check_record_value,
-    is_local_location,
-    local_path,
     records_digest,
     validate_field_name,
 )
@@ -129,7 +128,7 @@ class _Opened:
 def _zarr_store(location: str, storage_options: Mapping[str, Any]) -> Any:
     from zarr.storage import FsspecStore, LocalStore
 
-    if is_local_location(location):
+    if parse_location(location).is_local:
         path = local_path(location)
         if not os.path.isdir(path):
             raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
@@ -289,7 +288,7 @@ class ZarrStore(Store):
 
     def _local_readers(self, fingerprint: str, headers: Any,
                        data: dict[str, Any]) -> dict[str, LocalChunkReader] | None:
-        if not (self.direct_reads and is_local_location(self.location)):
+        if not (self.direct_reads and parse_location(self.location).is_local):
             return None
         arrays = {"headers": (headers, "headers")}
         arrays |= {f: (a, f"data/{f}") for f, a in data.items()}

@@ -44,6 +44,7 @@ from cache_store.errors import (
     SpcacheError,
     UnknownName,
 )
+from cache_store.location import parse_location
 from cache_store.keys import (
     FINGERPRINT_HEX_CHARS,
     canonical_json,
@@ -442,21 +443,6 @@ STORE_BACKENDS: dict[str, str] = {
 }
 
 
-def backend_for(cache: str | os.PathLike[str]) -> str:
-    """Name of the backend for a location: ``http(s)://`` -> http, ``*.zarr`` -> zarr,
-    any other URL scheme -> error, a local path -> lmdb."""
-    text = os.fspath(cache)
-    scheme = text.split("://", 1)[0].lower() if "://" in text else ""
-    if scheme in ("http", "https"):
-        return "http"
-    if text.rstrip("/").lower().endswith(".zarr"):
-        return "zarr"
-    if scheme and scheme != "file":
-        raise UnknownName("store location scheme", scheme,
-                          ["http", "https", "file", "<any>://….zarr"])
-    return "lmdb"
-
-
 def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
                **options: Any) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
@@ -466,9 +452,8 @@ def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
     """
     if isinstance(cache, Store):
         return cache
-    name = backend_for(cache)
-    if isinstance(cache, str) and cache.startswith("file://"):
-        cache = cache[len("file://"):]
+    parsed = parse_location(cache)
+    name = parsed.kind
     module_name, _, class_name = STORE_BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -477,4 +462,4 @@ def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
             raise
         raise UnknownName("store backend", name,
                           [n for n in STORE_BACKENDS if n != name]) from exc
-    return getattr(module, class_name)(cache, readonly=readonly, **options)
+    return getattr(module, class_name)(parsed.target, readonly=readonly, **options)

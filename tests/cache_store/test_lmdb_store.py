@@ -6,7 +6,8 @@ import pytest
 
 from cache_store.errors import CacheNotFound, StoreFull, UnknownName
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.stores.base import Store, backend_for, open_store
+from cache_store.location import parse_location
+from cache_store.stores.base import Store, open_store
 from tests.cache_store.store_contract import FP_A, WritableStoreContract
 from tests.cache_store.synthetic import make_record
 
@@ -69,13 +70,13 @@ def test_a_map_at_its_bound_is_store_full_and_keeps_what_was_committed(tmp_path:
 
 
 def test_open_store_picks_backends(tmp_path: Path) -> None:
-    assert backend_for(tmp_path) == "lmdb"
-    assert backend_for("http://host:8000") == "http"
-    assert backend_for("HTTPS://host") == "http"
-    assert backend_for("s3://bucket/cache.zarr/") == "zarr"
-    assert backend_for(str(tmp_path / "snap.zarr")) == "zarr"
+    assert parse_location(tmp_path).kind == "lmdb"
+    assert parse_location("http://host:8000").kind == "http"
+    assert parse_location("HTTPS://host").kind == "http"
+    assert parse_location("s3://bucket/cache.zarr/").kind == "zarr"
+    assert parse_location(str(tmp_path / "snap.zarr")).kind == "zarr"
     with pytest.raises(UnknownName, match="ftp"):
-        backend_for("ftp://host/x")
+        parse_location("ftp://host/x")
     store = open_store(tmp_path, readonly=False)
     assert isinstance(store, LMDBStore) and not store.readonly
     assert open_store(store) is store
