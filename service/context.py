@@ -18,6 +18,7 @@ from cache_store.jobs.queue import JobQueue
 from cache_store.stores.lmdb import RECORDS_DIR, has_cache
 from cache_store.stores.base import Store, open_store
 from service.budget import ByteBudget
+from service.limits import WaitSlots
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -44,9 +45,6 @@ class ServiceContext:
         self.cache = Path(settings.cache)
         self.queue = JobQueue(self.cache)
         self.metrics = Metrics()
-        # Late import: service.read_through imports this module.
-        from service.read_through import WaitSlots
-
         self.waits = WaitSlots(settings.max_waiting_requests)
 
         self.read_budget = ByteBudget(settings.max_read_bytes_in_flight)

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cache_store.errors import SpcacheError
 from cache_store.keys import FINGERPRINT_PATTERN, record_key
 from service.context import ServiceContext
-from service.routes_caches import etag_matches, read_record, record_tag_header
+from service.records import RECORD_MEDIA_TYPE, etag_matches, read_record, record_tag_header
 
 __all__ = ["RecordFastPath", "RECORD_ROUTE"]
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 RECORD_ROUTE = "/v1/caches/{fingerprint}/records/{sample_id:path}"
 _PATH = re.compile(rf"^/v1/caches/({FINGERPRINT_PATTERN})/records/(.+)$")
-_MEDIA = b"application/octet-stream"
+_MEDIA = RECORD_MEDIA_TYPE.encode()
 
 
 class RecordFastPath:

@@ -1,15 +1,21 @@
-"""Request-body size and time limits (uvicorn has neither of its own)."""
+"""Limits on requests: body size and time (uvicorn has neither of its own), and how
+many requests may wait for records at once."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["BodySizeLimit"]
+from service.errors import WaitingFull
+
+__all__ = ["BodySizeLimit", "WaitSlots"]
 
 
 class _TooLarge(HTTPException):
@@ -89,3 +95,26 @@ class BodySizeLimit:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class WaitSlots:
+    """At most ``limit`` requests waiting for records at once (read-through ``?wait=``,
+    :mod:`service.read_through`); one more is :class:`WaitingFull` (503)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._lock:
+            if self.taken >= self.limit:
+                raise WaitingFull(f"{self.taken} requests are already waiting for records "
+                                  f"(max_waiting_requests={self.limit}); retry shortly")
+            self.taken += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.taken -= 1

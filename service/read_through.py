@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +36,10 @@ from starlette.concurrency import run_in_threadpool
 from cache_store.errors import CacheNotFound, NoWorkerAlive
 from cache_store.keys import record_key
 from service.context import ServiceContext
-from service.errors import WaitingFull, error_response
+from service.errors import error_response
 from service.warmup import WarmupPlan
 
-__all__ = ["WaitSlots", "WaitingFull", "ItemWait", "wait_for_records", "not_ready_response",
+__all__ = ["ItemWait", "wait_for_records", "not_ready_response",
            "require_worker", "dedupe_warmup", "STATE_HEADER"]
 
 log = logging.getLogger(__name__)
@@ -53,28 +51,6 @@ _STATES_EVERY_S = 0.25
 _LIVENESS_EVERY_S = 1.0
 _POLL_MAX_S = 0.25
 _WORKER_STALE_S = 90.0
-
-
-class WaitSlots:
-    """At most ``limit`` requests waiting for records at once."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.taken = 0
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def slot(self) -> Iterator[None]:
-        with self._lock:
-            if self.taken >= self.limit:
-                raise WaitingFull(f"{self.taken} requests are already waiting for records "
-                                  f"(max_waiting_requests={self.limit}); retry shortly")
-            self.taken += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.taken -= 1
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
@@ -18,27 +18,33 @@ from cache_store.errors import (
     SourceError,
     SpcacheError,
 )
-from cache_store.keys import FINGERPRINT_PATTERN, record_key, validate_fingerprint
+from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.item_state import item_state
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.format.record import peek_checksum, record_checksum, select_fields
-from cache_store.format.tag import TAG_HEADER, tag_for_checksum
+from cache_store.format.record import select_fields
+from cache_store.format.tag import TAG_HEADER
 from cache_store.format.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.budget import ResponseTooLarge, record_length
-from service.context import Context, ServiceContext
+from service.context import Context
 from service.errors import status_for
 from service.read_through import not_ready_response, wait_for_records
+from service.records import (
+    RECORD_MEDIA_TYPE,
+    Fingerprint,
+    etag_matches,
+    read_record,
+    read_stored,
+    record_etag,
+    record_tag_header,
+)
 from service.warmup import resolve_source
 
-__all__ = ["router", "BatchRequest", "read_record", "etag_matches", "record_tag_header"]
+__all__ = ["router", "BatchRequest"]
 
 router = APIRouter(prefix="/v1", tags=["caches"])
 
-_RECORD_MEDIA_TYPE = "application/octet-stream"
 _WAIT_DOC = ("on a miss, wait up to this many seconds (capped by max_wait_s) for a queued "
              "sample's record; 404 with its state if it does not land")
-Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
-                                  description="32 lowercase hex characters")]
 
 
 @router.get("/recipes")
@@ -89,79 +95,10 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
             "jobs": [j.id for j in jobs]}
 
 
-def _etag(value: bytes, key: str) -> str:
-    """The strong ETag of a record: its checksum, read from the header's metadata.
-
-    Serving does not re-verify what the worker verified when it wrote (readers verify
-    on decode); anything unexpected here falls back to the full, validating parse,
-    which raises :class:`CorruptRecord` for a damaged header.
-    """
-    checksum = peek_checksum(value)
-    return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
-
-
-def etag_matches(header: str | None, etag: str) -> bool:
-    if not header:
-        return False
-    if header.strip() == "*":
-        return True
-    return any(tag.strip() == etag for tag in header.split(","))
-
-
-def _read(ctx: ServiceContext, key: str) -> bytes:
-    store = ctx.store()
-    if store is None:
-        raise RecordNotFound(key, str(ctx.cache))
-    return store.get(key)
-
-
-def _fields(fields: str | None) -> list[str] | None:
-    if fields is None:
-        return None
-    names = [f.strip() for f in fields.split(",") if f.strip()]
-    if not names:
-        raise ParameterError(["fields: empty list; leave it out to get every field"],
-                             what="query")
-    return names
-
-
-def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
-                fields: str | None) -> tuple[bytes, str, Callable[[], None]]:
-    """The bytes to send for a record (all fields, or the comma-separated ``fields``),
-    their strong ETag, and the release of the bytes reserved for them in the process's
-    read budget (call it once the answer is sent). Shared by this route and
-    :mod:`service.fastpath`.
-
-    The record's size is checked before it is copied: over ``max_response_bytes`` is
-    :class:`ResponseTooLarge` (413), past the read budget :class:`ReadBudgetBusy` (503).
-    One LMDB copy, done inline: cheaper than a hop to the thread pool.
-    """
-    key = record_key(fingerprint, sample_id)
-    store = ctx.store()
-    if store is None:
-        raise RecordNotFound(key, str(ctx.cache))
-    size = record_length(store, key)
-    limit = ctx.settings.max_response_bytes
-    if size > limit:
-        raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
-                               f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
-                               "from the cache directly")
-    release = ctx.read_budget.reserve(size, f"record {sample_id!r}")
-    try:
-        value = store.get(key)
-        names = _fields(fields)
-        if names is not None:
-            value = select_fields(value, names, key=key)
-        return value, _etag(value, key), release
-    except BaseException:
-        release()
-        raise
-
-
 @router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
 @router.get("/caches/{fingerprint}/records/{sample_id:path}", operation_id="get_record",
             response_class=Response,
-            responses={200: {"content": {_RECORD_MEDIA_TYPE: {}},
+            responses={200: {"content": {RECORD_MEDIA_TYPE: {}},
                              "description": "the record, safetensors bytes"},
                        304: {"description": "not modified (If-None-Match)"}})
 async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
@@ -187,17 +124,8 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
         release()
         return Response(status_code=304, headers=headers)
     ctx.metrics.add_records(1)
-    return Response(value, media_type=_RECORD_MEDIA_TYPE, headers=headers,
+    return Response(value, media_type=RECORD_MEDIA_TYPE, headers=headers,
                     background=BackgroundTask(release))
-
-
-def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
-    """``{X-Spcache-Record-Tag: tag}`` when the service has a record key, else ``{}``."""
-    secret = ctx.settings.record_key
-    if secret is None:
-        return {}
-    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
-                                         etag.strip('"'))}
 
 
 class BatchRequest(BaseModel):
@@ -254,12 +182,12 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
         for sample_id in sizes:
             try:
                 key = record_key(fingerprint, sample_id)
-                value = _read(ctx, key)
+                value = read_stored(ctx, key)
                 if body.fields is not None:
                     value = select_fields(value, body.fields, key=key)
                 found.append((sample_id, value))
                 if secret is not None:
-                    tags.append(record_tag_header(ctx, key, _etag(value, key))[TAG_HEADER])
+                    tags.append(record_tag_header(ctx, key, record_etag(value, key))[TAG_HEADER])
             except SpcacheError as exc:
                 if status_for(exc) == 503:
                     raise

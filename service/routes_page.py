@@ -15,21 +15,20 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path as FilePath
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
-from fastapi import APIRouter, FastAPI, Path, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from cache_store.errors import RecordNotFound
 from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.item_state import item_state
 from cache_store.format.record import record_checksum
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
-from service.routes_caches import etag_matches
+from service.records import Fingerprint, etag_matches, read_stored
 from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, record_levels,
                              render_record)
 
@@ -51,8 +50,6 @@ _CSP_DOCS = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe
 
 router = APIRouter(tags=["page"])
 
-Fingerprint = Annotated[str, Path(pattern="^[0-9a-f]{32}$",
-                                  description="32 lowercase hex characters")]
 View = Literal["iso", "front", "side", "top"]
 if set(get_args(View)) != set(VIEWS):  # the schema's enum and the renderer's cameras
     raise RuntimeError(f"preview views {get_args(View)} do not match {sorted(VIEWS)}")
@@ -143,10 +140,7 @@ def redoc_docs(request: Request) -> HTMLResponse:
 
 
 def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:
-    store = ctx.store()
-    if store is None:
-        raise RecordNotFound(key, str(ctx.cache))
-    value = store.get(key)
+    value = read_stored(ctx, key)
     return value, record_checksum(value, key=key)
 
 

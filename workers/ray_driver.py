@@ -16,12 +16,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cache_store.errors import ParameterError, SourceError, StoreFull
+from cache_store.jobs.failures import FailureLog
 from cache_store.jobs.freshness import is_current
+from cache_store.stores.base import Store
 from workers.ray_actor import ShardWorker
 from workers.ray_common import (
     ActorStats,
@@ -34,10 +36,7 @@ from workers.ray_common import (
 from workers.run_ledger import ItemResult, RunLedger, WorkItem, one_line, run_all
 from cache_store.sources.files import SourceLimits, hash_source_file
 
-if TYPE_CHECKING:
-    from workers.ray_engine import RayEngine
-
-__all__ = ["RayRun", "Shard", "ActorSlot"]
+__all__ = ["RayRunOptions", "RayRun", "Shard", "ActorSlot"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +52,35 @@ _WAIT_TICK_S = 1.0
 _PLACEMENT_LOG_EVERY_S = 30.0
 #: Longest wait, after ``ray.kill``, for this run's actors to leave Ray's actor table.
 _RELEASE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class RayRunOptions:
+    """Everything one run needs from its :class:`~workers.ray_engine.RayEngine`, fixed
+    when the run starts (built by :meth:`RayEngine.run_options`)."""
+
+    store: Store
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: Mapping[str, Any]
+    #: ``auto``, ``cpu`` or ``cuda``; ``backend`` as the engine resolved it.
+    device: str
+    backend: str
+    #: The keyword arguments of each actor's local engine (``device`` is set per run).
+    actor_options: Mapping[str, Any]
+    source_limits: SourceLimits
+    address: str | None = None
+    ray_init: Mapping[str, Any] = field(default_factory=dict)
+    actors: int | None = None
+    shard_size: int | None = None
+    max_attempts: int = 3
+    actor_restarts: int = 2
+    placement_timeout_s: float = 600.0
+    actor_fault: Callable[[str], None] | None = None
+    progress: bool = False
+    skip_failed: bool = False
+    failure_log: FailureLog | None = None
 
 
 @dataclass
@@ -81,14 +109,14 @@ class RayRun:
     """One :meth:`RayEngine.run`: the local run's admission, reporting and index (its
     :class:`RunLedger`), with the compute loop replaced by the actors."""
 
-    def __init__(self, engine: RayEngine, items: list[tuple[str, Any]],
+    def __init__(self, options: RayRunOptions, items: list[tuple[str, Any]],
                  on_result: Callable[[ItemResult], None] | None) -> None:
-        self.engine = engine
+        self.options = options
         self.items = items
-        self.summary = RaySummary(engine.fingerprint, engine.recipe.name, engine.recipe.version,
-                                  dict(engine.params))
-        self.ledger = RunLedger(engine.store, self.summary, on_result, progress=engine.progress,
-                                failures=engine.failure_log, skip_failed=engine.skip_failed)
+        self.summary = RaySummary(options.fingerprint, options.recipe, options.recipe_version,
+                                  dict(options.params))
+        self.ledger = RunLedger(options.store, self.summary, on_result, progress=options.progress,
+                                failures=options.failure_log, skip_failed=options.skip_failed)
         self.slots: list[ActorSlot] = []
         self.shards: deque[Shard] = deque()
         self.run_token = ""  # names this run's actors (set when they start)
@@ -99,8 +127,8 @@ class RayRun:
         # The cleanup steps, defined before the work so that the ``finally`` is one call
         # (``run_all`` runs them all even if a SIGTERM lands in one).
         def close_failure_log() -> None:
-            if self.engine.failure_log is not None:
-                self.engine.failure_log.close()
+            if self.options.failure_log is not None:
+                self.options.failure_log.close()
 
         def stop_clock() -> None:
             self.summary.wall_s = time.perf_counter() - start
@@ -112,7 +140,7 @@ class RayRun:
             if todo:
                 self._run_on_ray(todo)
             else:
-                self.summary.device, self.summary.backend = self.engine.device, self.engine.backend
+                self.summary.device, self.summary.backend = self.options.device, self.options.backend
         finally:
             run_all(self.ledger.write_index, self.ledger.close_progress, close_failure_log,
                     stop_clock)
@@ -137,7 +165,7 @@ class RayRun:
         if stored:
             with cf.ThreadPoolExecutor(min(_HASH_THREADS, len(stored))) as pool:
                 digests = pool.map(_hash_or_error, [i.path for i in stored],
-                                   [self.engine.source_limits] * len(stored))
+                                   [self.options.source_limits] * len(stored))
                 for item, digest in zip(stored, digests, strict=True):
                     hashes[item.sample_id] = digest
         todo = []
@@ -207,16 +235,16 @@ class RayRun:
     def _connect(self, ray: Any) -> bool:
         """Initialise Ray unless it already is; True when this run started it."""
         if ray.is_initialized():
-            if self.engine.address is not None:
+            if self.options.address is not None:
                 logger.warning("Ray is already initialised in this process; using it, not %s",
-                               self.engine.address)
+                               self.options.address)
             return False
         options: dict[str, Any] = {"logging_level": logging.WARNING}
-        if self.engine.address is None:
+        if self.options.address is None:
             options.update(address="local", include_dashboard=False)
         else:
-            options["address"] = self.engine.address
-        options.update(self.engine.ray_init)
+            options["address"] = self.options.address
+        options.update(self.options.ray_init)
         main_thread = threading.current_thread() is threading.main_thread()
         sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
         try:
@@ -232,21 +260,21 @@ class RayRun:
         return True
 
     def _start_actors(self, ray: Any, count: int) -> None:
-        engine = self.engine
+        opts = self.options
         resources = ray.cluster_resources()
         cluster_gpus, cluster_cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
-        use_gpu = engine.device == "cuda" or (engine.device == "auto" and cluster_gpus > 0)
-        if engine.device == "cuda" and cluster_gpus == 0:
+        use_gpu = opts.device == "cuda" or (opts.device == "auto" and cluster_gpus > 0)
+        if opts.device == "cuda" and cluster_gpus == 0:
             raise ParameterError(["device: 'cuda' requested but the Ray cluster has no GPU"],
                                  what="ray engine options")
         capacity = cluster_gpus if use_gpu else cluster_cpus
-        wanted = engine.actors if engine.actors is not None else capacity
+        wanted = opts.actors if opts.actors is not None else capacity
         if capacity < 1 or wanted > capacity:
             unit = "GPU" if use_gpu else "CPU"
             raise RayUnavailable(f"{wanted} actor(s) of one {unit} each asked for, but the Ray "
                                  f"cluster has {capacity} {unit}(s)")
         wanted = max(1, min(wanted, count))
-        options = engine.actor_options()
+        options = dict(opts.actor_options)
         options["device"] = "cuda" if use_gpu else "cpu"
         remote = ray.remote(ShardWorker)
         level = logging.getLogger("workers").getEffectiveLevel()
@@ -255,16 +283,16 @@ class RayRun:
             # Named, so that `ray list actors` (and a test) can tell them apart.
             handle = remote.options(
                 name=f"spcache-shard-{self.run_token}-{index}", num_cpus=1,
-                num_gpus=1 if use_gpu else 0, max_restarts=engine.actor_restarts,
+                num_gpus=1 if use_gpu else 0, max_restarts=opts.actor_restarts,
                 max_task_retries=0,
-            ).remote(engine.recipe.name, dict(engine.params), options, level, engine.actor_fault)
+            ).remote(opts.recipe, dict(opts.params), options, level, opts.actor_fault)
             self.slots.append(ActorSlot(ActorStats(index), handle))
         self._describe_actors(ray)
 
     def _describe_actors(self, ray: Any) -> None:
         """Wait until every actor is placed and has resolved its device and backend."""
         pending = {slot.handle.describe.remote(): slot for slot in self.slots}
-        deadline = time.monotonic() + self.engine.placement_timeout_s
+        deadline = time.monotonic() + self.options.placement_timeout_s
         last_log = time.monotonic()
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=_WAIT_TICK_S)
@@ -279,7 +307,7 @@ class RayRun:
             now = time.monotonic()
             if pending and now > deadline:
                 raise RayUnavailable(f"{len(pending)} of {len(self.slots)} Ray actor(s) were not "
-                                     f"placed within {self.engine.placement_timeout_s:.0f}s")
+                                     f"placed within {self.options.placement_timeout_s:.0f}s")
             if pending and now - last_log > _PLACEMENT_LOG_EVERY_S:
                 logger.warning("waiting for the Ray cluster to place %d actor(s)", len(pending))
                 last_log = now
@@ -287,8 +315,8 @@ class RayRun:
         self.summary.backend = ",".join(sorted({s.stats.backend for s in self.slots}))
 
     def _shard_size(self, count: int) -> int:
-        if self.engine.shard_size is not None:
-            return self.engine.shard_size
+        if self.options.shard_size is not None:
+            return self.options.shard_size
         return max(1, min(_MAX_AUTO_SHARD, math.ceil(count / (4 * len(self.slots)))))
 
     def _schedule(self, ray: Any) -> None:
@@ -358,9 +386,9 @@ class RayRun:
         """An actor Ray cannot place again (its node is lost and no other fits) is gone."""
         now = time.perf_counter()
         for slot in self.slots:
-            if slot.state == "restarting" and now - slot.since > self.engine.placement_timeout_s:
+            if slot.state == "restarting" and now - slot.since > self.options.placement_timeout_s:
                 logger.warning("Ray actor %d was not restarted within %.0fs; going on without it",
-                               slot.stats.actor, self.engine.placement_timeout_s)
+                               slot.stats.actor, self.options.placement_timeout_s)
                 slot.state, slot.probe = "gone", None
 
     def _receive(self, ray: Any, slot: ActorSlot) -> None:
@@ -393,7 +421,7 @@ class RayRun:
         if records:
             start = time.perf_counter()
             try:
-                self.engine.store.put_many(records)
+                self.options.store.put_many(records)
             except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
                 logger.exception("writing %d records failed", len(records))
                 write_error = f"store write failed: {one_line(exc)}"
@@ -459,7 +487,7 @@ class RayRun:
         second time is halved (a sample that crashes every actor is then isolated); a
         single sample fails once it has killed ``max_attempts`` actors."""
         items = shard.items
-        if len(items) == 1 and shard.deaths >= self.engine.max_attempts:
+        if len(items) == 1 and shard.deaths >= self.options.max_attempts:
             item = items[0]
             self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
                                     reason=f"the Ray actor computing this sample died "

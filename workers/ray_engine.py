@@ -58,13 +58,14 @@ from cache_store.stores.base import Store
 from workers.engine import Engine, _loaders_argument
 from workers.ray_actor import ShardBuffer, ShardWorker
 from workers.ray_common import ActorStats, RaySummary, RayUnavailable
-from workers.ray_driver import RayRun
+from workers.ray_driver import RayRun, RayRunOptions
 from workers.recipes import Recipe
 from workers.run_ledger import ItemResult
 from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES
 
 __all__ = [
     "RayEngine",
+    "RayRunOptions",
     "RaySummary",
     "ActorStats",
     "ShardWorker",
@@ -155,7 +156,19 @@ class RayEngine(Engine):
     def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
             on_result: Callable[[ItemResult], None] | None = None) -> RaySummary:
         """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`."""
-        return RayRun(self, list(items), on_result).execute()
+        return RayRun(self.run_options(), list(items), on_result).execute()
+
+    def run_options(self) -> RayRunOptions:
+        """What a run needs from this engine, frozen: the driver reads nothing else."""
+        return RayRunOptions(
+            store=self.store, fingerprint=self.fingerprint, recipe=self.recipe.name,
+            recipe_version=self.recipe.version, params=dict(self.params), device=self.device,
+            backend=self.backend, actor_options=self.actor_options(),
+            source_limits=self.source_limits, address=self.address, ray_init=dict(self.ray_init),
+            actors=self.actors, shard_size=self.shard_size, max_attempts=self.max_attempts,
+            actor_restarts=self.actor_restarts, placement_timeout_s=self.placement_timeout_s,
+            actor_fault=self.actor_fault, progress=self.progress, skip_failed=self.skip_failed,
+            failure_log=self.failure_log)
 
     def actor_options(self) -> dict[str, Any]:
         """The keyword arguments each actor's local :class:`Engine` is built with."""

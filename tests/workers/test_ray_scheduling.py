@@ -90,11 +90,24 @@ def test_the_actor_engine_options_are_the_local_engine_options() -> None:
     assert _engine().actor_options()["loaders"] is None  # each actor chooses
 
 
+def test_the_driver_gets_a_frozen_copy_of_the_engine_options() -> None:
+    engine = _engine(actors=2, shard_size=5, max_attempts=4, address="auto", loaders=1)
+    options = engine.run_options()
+    assert (options.actors, options.shard_size, options.max_attempts, options.address) == \
+        (2, 5, 4, "auto")
+    assert options.fingerprint == engine.fingerprint and options.recipe == "spc"
+    assert options.actor_options == engine.actor_options()
+    with pytest.raises(AttributeError):
+        options.actors = 3  # type: ignore[misc]
+    engine.shard_size = 9  # a later change to the engine does not reach a started run
+    assert options.shard_size == 5
+
+
 # --- the retry policy --------------------------------------------------------------------
 
 
 def test_a_shard_whose_actor_died_once_is_retried_whole_and_first() -> None:
-    run = RayRun(_engine(), [], None)
+    run = RayRun(_engine().run_options(), [], None)
     run.shards.append(_shard(["z"]))
     run._requeue(_shard(["a", "b", "c", "d"], deaths=1, avoid={0}))
     first = run.shards[0]
@@ -103,14 +116,14 @@ def test_a_shard_whose_actor_died_once_is_retried_whole_and_first() -> None:
 
 
 def test_a_shard_that_killed_two_actors_is_halved() -> None:
-    run = RayRun(_engine(), [], None)
+    run = RayRun(_engine().run_options(), [], None)
     run._requeue(_shard(["a", "b", "c", "d", "e"], deaths=2, avoid={0, 1}))
     assert [[i.sample_id for i in s.items] for s in run.shards] == [["a", "b"], ["c", "d", "e"]]
     assert all(s.deaths == 1 and s.avoid == {0, 1} for s in run.shards)
 
 
 def test_a_single_sample_fails_after_max_attempts_deaths() -> None:
-    run = RayRun(_engine(max_attempts=3), [], None)
+    run = RayRun(_engine(max_attempts=3).run_options(), [], None)
     run._requeue(_shard(["poison"], deaths=2))
     assert len(run.shards) == 1 and run.summary.failed == 0
     run.shards.clear()
@@ -122,7 +135,7 @@ def test_a_single_sample_fails_after_max_attempts_deaths() -> None:
 
 def test_bisection_isolates_a_poison_sample_in_a_bounded_number_of_deaths() -> None:
     """Simulate the policy: every shard holding the poison kills its actor."""
-    run = RayRun(_engine(max_attempts=3), [], None)
+    run = RayRun(_engine(max_attempts=3).run_options(), [], None)
     ids = [f"s{i:02d}" for i in range(64)]
     run.shards.append(_shard(ids))
     deaths = computed = 0
@@ -139,7 +152,7 @@ def test_bisection_isolates_a_poison_sample_in_a_bounded_number_of_deaths() -> N
 
 
 def test_next_shard_prefers_one_this_actor_did_not_kill() -> None:
-    run = RayRun(_engine(), [], None)
+    run = RayRun(_engine().run_options(), [], None)
     run.shards.extend([_shard(["a"], 1, {0}), _shard(["b"])])
     assert [i.sample_id for i in run._next_shard(0, {0, 1}).items] == ["b"]
     # the only shard left avoids actor 0, but actor 1 is alive to take it

@@ -1,0 +1,109 @@
+"""Reading a stored record for an answer: size checks, read budget, ``?fields=``, ETag.
+
+Shared by the record route (:mod:`service.routes_caches`), its fast path
+(:mod:`service.fastpath`) and the previews (:mod:`service.routes_page`), so the three
+answer the same bytes with the same validators; routes never import one another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import Path
+
+from cache_store.errors import ParameterError, RecordNotFound
+from cache_store.format.record import peek_checksum, record_checksum, select_fields
+from cache_store.format.tag import TAG_HEADER, tag_for_checksum
+from cache_store.keys import FINGERPRINT_PATTERN, record_key
+from service.budget import ResponseTooLarge, record_length
+from service.context import ServiceContext
+
+__all__ = ["Fingerprint", "RECORD_MEDIA_TYPE", "read_record", "read_stored", "record_etag",
+           "etag_matches", "record_tag_header", "parse_fields"]
+
+RECORD_MEDIA_TYPE = "application/octet-stream"
+
+#: Route path parameter: a cache's fingerprint.
+Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
+                                  description="32 lowercase hex characters")]
+
+
+def record_etag(value: bytes, key: str) -> str:
+    """The strong ETag of a record: its checksum, read from the header's metadata.
+
+    Serving does not re-verify what the worker verified when it wrote (readers verify
+    on decode); anything unexpected here falls back to the full, validating parse,
+    which raises :class:`CorruptRecord` for a damaged header.
+    """
+    checksum = peek_checksum(value)
+    return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
+
+
+def etag_matches(header: str | None, etag: str) -> bool:
+    """Whether an ``If-None-Match`` header names ``etag`` (or is ``*``)."""
+    if not header:
+        return False
+    if header.strip() == "*":
+        return True
+    return any(tag.strip() == etag for tag in header.split(","))
+
+
+def read_stored(ctx: ServiceContext, key: str) -> bytes:
+    """The stored bytes of ``key``; :class:`RecordNotFound` while there is no store yet."""
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    return store.get(key)
+
+
+def parse_fields(fields: str | None) -> list[str] | None:
+    """The field names of a ``?fields=a,b`` query (None: every field)."""
+    if fields is None:
+        return None
+    names = [f.strip() for f in fields.split(",") if f.strip()]
+    if not names:
+        raise ParameterError(["fields: empty list; leave it out to get every field"],
+                             what="query")
+    return names
+
+
+def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
+                fields: str | None) -> tuple[bytes, str, Callable[[], None]]:
+    """The bytes to send for a record (all fields, or the comma-separated ``fields``),
+    their strong ETag, and the release of the bytes reserved for them in the process's
+    read budget (call it once the answer is sent).
+
+    The record's size is checked before it is copied: over ``max_response_bytes`` is
+    :class:`ResponseTooLarge` (413), past the read budget :class:`ReadBudgetBusy` (503).
+    One LMDB copy, done inline: cheaper than a hop to the thread pool.
+    """
+    key = record_key(fingerprint, sample_id)
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    size = record_length(store, key)
+    limit = ctx.settings.max_response_bytes
+    if size > limit:
+        raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
+                               f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
+                               "from the cache directly")
+    release = ctx.read_budget.reserve(size, f"record {sample_id!r}")
+    try:
+        value = store.get(key)
+        names = parse_fields(fields)
+        if names is not None:
+            value = select_fields(value, names, key=key)
+        return value, record_etag(value, key), release
+    except BaseException:
+        release()
+        raise
+
+
+def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
+    """``{X-Spcache-Record-Tag: tag}`` when the service has a record key, else ``{}``."""
+    secret = ctx.settings.record_key
+    if secret is None:
+        return {}
+    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
+                                         etag.strip('"'))}
