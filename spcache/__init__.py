@@ -1,9 +1,120 @@
-"""spcache: the program's front door.
+"""spcache: precompute GPU-derived 3D features into a cache; read them in training.
 
-``spcache COMMAND ...`` (:mod:`spcache.cli`) dispatches to the package that does the work:
-``cache_store`` for what reads a cache at rest (verify, stats, export, recipes, here in
-``spcache``), ``service`` for ``serve``, ``workers`` for what may touch a GPU
-(precompute, worker, demo). Importing this package imports none of them.
+The one import for Python code::
+
+    import spcache
+
+    result = spcache.precompute("meshes/", "spc_query", "cache", level=8)
+    dataset = spcache.CachedDataset("cache", result.fingerprint)
+    loader = DataLoader(dataset, batch_size=8, num_workers=4, collate_fn=spcache.collate_spc)
+
+``__all__`` is the public surface; what it does not list is internal. ``import spcache``
+stays light: torch, the engine and the readers load when a name that needs them is first
+used (PEP 562), so the service and the command line start without them.
+
+The command line is ``spcache COMMAND ...`` (:mod:`spcache.cli`): it dispatches to the
+package that does the work: ``cache_store`` for what reads a cache at rest (verify,
+stats, export, recipes), ``service`` for ``serve``, ``workers`` for what may touch a GPU
+(precompute, worker, demo).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from cache_store.errors import (
+        BackendUnavailable,
+        CacheNotFound,
+        CorruptRecord,
+        FingerprintLookupError,
+        InvalidSampleId,
+        MissTimeout,
+        NoWorkerAlive,
+        ParameterError,
+        ReadOnlyStoreError,
+        RecordNotFound,
+        SampleFailed,
+        SourceError,
+        SpcacheError,
+        StoreBusy,
+        StoreFull,
+        UnknownName,
+        UnsupportedFormat,
+    )
+    from cache_store.readers.collate import collate_spc
+    from cache_store.readers.dataset import CachedDataset
+    from cache_store.sources.discover import discover_sources
+    from spcache.compute import FailedSample, PrecomputeResult, Timings, precompute
+    from workers.precompute import UsageError
+
 __version__ = "0.1.0"
+
+#: the error classes, all defined in cache_store.errors (every one is a SpcacheError)
+_ERRORS = (
+    "SpcacheError", "ParameterError", "UnknownName", "SourceError", "InvalidSampleId",
+    "BackendUnavailable", "StoreFull", "StoreBusy", "ReadOnlyStoreError", "CacheNotFound",
+    "FingerprintLookupError", "RecordNotFound", "CorruptRecord", "UnsupportedFormat",
+    "SampleFailed", "NoWorkerAlive", "MissTimeout",
+)
+
+# public name -> module that defines it, imported on first access (PEP 562)
+_LAZY: dict[str, str] = {
+    "precompute": "spcache.compute",
+    "PrecomputeResult": "spcache.compute",
+    "FailedSample": "spcache.compute",
+    "Timings": "spcache.compute",
+    "UsageError": "workers.precompute",
+    "CachedDataset": "cache_store.readers.dataset",
+    "collate_spc": "cache_store.readers.collate",
+    "discover_sources": "cache_store.sources.discover",
+    **dict.fromkeys(_ERRORS, "cache_store.errors"),
+    # The recipe API (spcache.recipes) and the lifecycle calls (ls, rm, prune, compact)
+    # get their entries here, and in __all__, once they exist.
+}
+
+__all__ = [
+    "__version__",
+    # running
+    "precompute",
+    "PrecomputeResult",
+    "FailedSample",
+    "Timings",
+    "discover_sources",
+    # reading
+    "CachedDataset",
+    "collate_spc",
+    # errors: every one is a SpcacheError
+    "SpcacheError",
+    "UsageError",
+    "ParameterError",
+    "UnknownName",
+    "SourceError",
+    "InvalidSampleId",
+    "BackendUnavailable",
+    "StoreFull",
+    "StoreBusy",
+    "ReadOnlyStoreError",
+    "CacheNotFound",
+    "FingerprintLookupError",
+    "RecordNotFound",
+    "CorruptRecord",
+    "UnsupportedFormat",
+    "SampleFailed",
+    "NoWorkerAlive",
+    "MissTimeout",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

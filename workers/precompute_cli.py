@@ -1,7 +1,9 @@
 """``spcache precompute SOURCE... --recipe NAME --cache DIR``: compute a recipe into a cache.
 
 The device side of the command line (it imports torch and the engine); the dispatcher is
-:mod:`spcache.cli`. Sources are found by :func:`cache_store.sources.discover.discover_sources`.
+:mod:`spcache.cli`; the run itself is :func:`workers.precompute.run_precompute`, the
+function :func:`spcache.precompute` calls too. Sources are found by
+:func:`cache_store.sources.discover.discover_sources`.
 SIGTERM and SIGHUP end a run like Ctrl-C: what was computed is committed and indexed,
 the loader processes stop, and the exit status is 130.
 """
@@ -11,29 +13,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import (
-    BackendUnavailable,
-    ParameterError,
-    SpcacheError,
-    StoreFull,
-    UnknownName,
-)
-from cache_store.location import cache_dir_problem
+from cache_store.errors import ParameterError, SpcacheError, StoreFull
 from cache_store.recipes.table import recipe_table
-from cache_store.sources.discover import discover_sources
+from workers.precompute import UsageError
 
 __all__ = ["configure_parser", "run", "parse_params", "UsageError"]
-
-
-class UsageError(SpcacheError, ValueError):
-    """Bad command-line usage; reported on stderr with exit status 2."""
 
 
 def parse_params(pairs: Sequence[str]) -> dict[str, Any]:
@@ -101,93 +90,31 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.engine import DEVICE_PATTERN
-    from workers.recipes import get_recipe
-
-    try:  # everything that can be checked without touching the cache or a device
-        params = get_recipe(args.recipe).spec.resolve(parse_params(args.param))
-        if not DEVICE_PATTERN.match(args.device):
-            raise UsageError(f"--device {args.device!r}: expected auto, cpu, cuda or cuda:N")
-        if args.loaders is not None and args.loaders < 0:
-            raise UsageError(f"--loaders {args.loaders}: must be 0 or more")
-        if args.engine == "local" and (args.address is not None or args.actors is not None):
-            raise UsageError("--address and --actors need --engine ray")
-        if args.actors is not None and args.actors < 1:
-            raise UsageError(f"--actors {args.actors}: must be 1 or more")
-        problem = cache_dir_problem(args.cache, write=True)
-        if problem:
-            raise UsageError(problem)
-        items = discover_sources(args.sources)
-        if not items:
-            raise UsageError("no supported source files found in "
-                             + ", ".join(map(str, args.sources)))
-    except SpcacheError as exc:
-        print(f"spcache precompute: {exc}", file=sys.stderr)
-        return 2
-    from cache_store.stores.base import open_store
+    from workers.precompute import run_precompute
 
     try:
-        store = open_store(args.cache, readonly=False)
-        engine = _make_engine(args, store, params)
-    except (SpcacheError, OSError) as exc:
-        print(f"spcache precompute: cannot open cache {args.cache}: {exc}", file=sys.stderr)
-        return 2
-    try:
+        params = parse_params(args.param)
         # with --json, stdout carries the summary alone (Ray prints actor deaths there)
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            summary = _run_engine(engine, items)
-    except (ParameterError, UnknownName, BackendUnavailable) as exc:
-        print(f"spcache precompute: {exc}", file=sys.stderr)
-        return 2
+            summary = run_precompute(
+                args.sources, args.recipe, args.cache, params=params, device=args.device,
+                backend=args.backend, loaders=args.loaders, skip_failed=args.skip_failed,
+                progress=sys.stderr.isatty(), engine=args.engine, address=args.address,
+                actors=args.actors, query_chunk=args.query_chunk, write_batch=args.write_batch)
     except StoreFull as exc:
         print(f"spcache precompute: stopped: {exc}. The records committed before it are "
               f"kept (spcache stats {args.cache}); free space (or raise the cache's size "
               f"bound) and run the same command again: stored samples are skipped.",
               file=sys.stderr)
         return 1
-    finally:
-        store.close()
+    except SpcacheError as exc:  # a bad option, recipe, parameter, backend or cache
+        print(f"spcache precompute: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(summary.as_json(), sort_keys=True))
     else:
         _print_summary(summary)
     return 1 if summary.failed else 0
-
-
-def _make_engine(args: argparse.Namespace, store: Any, params: dict[str, Any]) -> Any:
-    options = dict(device=args.device, backend=args.backend, query_chunk=args.query_chunk,
-                   write_batch=args.write_batch, progress=sys.stderr.isatty())
-    if args.engine == "ray":  # Ray is imported only on this path
-        from workers.ray_engine import RayEngine
-
-        return RayEngine(store, args.recipe, params, address=args.address, actors=args.actors,
-                         loaders=args.loaders, skip_failed=args.skip_failed, **options)
-    from workers.engine import Engine
-
-    loaders = max(1, min(8, (os.cpu_count() or 2) - 1)) if args.loaders is None else args.loaders
-    return Engine(store, args.recipe, params, loaders=loaders, skip_failed=args.skip_failed,
-                  **options)
-
-
-def _run_engine(engine: Any, items: list[tuple[str, str]]) -> Any:
-    """``engine.run(items)``; SIGTERM (``docker stop``, or SIGHUP via the dispatcher) ends
-    it like Ctrl-C: what was computed is committed and indexed before the process exits
-    with status 130."""
-    previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        if not engine.progress:
-            return engine.run(items)
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
-        with logging_redirect_tqdm():
-            return engine.run(items)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _print_summary(summary: Any) -> None:

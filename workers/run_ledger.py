@@ -19,8 +19,10 @@ Ray driver's run:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,7 @@ from cache_store.jobs.freshness import stored_source_hash
 from cache_store.stores.base import DatasetIndex, Store
 
 __all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line",
-           "run_all"]
+           "progress_bar_class", "run_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -279,9 +281,7 @@ class RunLedger:
 
     def open_progress(self, total: int) -> None:
         if self.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
+            self.bar = progress_bar_class()(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
                             initial=self.summary.total)
 
     def close_progress(self) -> None:
@@ -327,6 +327,21 @@ class RunLedger:
             return
         store.put_index(DatasetIndex(fingerprint, summary.recipe, summary.recipe_version,
                                      dict(summary.params), np.array(old + new, dtype=str)))
+
+
+@functools.cache
+def progress_bar_class() -> Any:
+    """The tqdm class of a run's bar: a widget in a Jupyter kernel that has ipywidgets,
+    text on stderr everywhere else (a notebook without ipywidgets gets the text bar
+    without tqdm's warning about the missing widgets). Its bars start no monitor thread,
+    so a run leaves no thread behind (a DataLoader may fork right after it)."""
+    from tqdm import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+        from tqdm.auto import tqdm
+
+    return type("RunProgressBar", (tqdm,), {"monitor_interval": 0})
 
 
 def one_line(exc: BaseException) -> str:

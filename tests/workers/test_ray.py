@@ -283,8 +283,8 @@ def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--actors", "2"], "need --engine ray"),
-    (["--engine", "ray", "--actors", "0"], "--actors 0"),
+    (["--actors", "2"], "need the ray engine"),
+    (["--engine", "ray", "--actors", "0"], "actors 0: must be 1 or more"),
     (["--engine", "ray", "--device", "cuda:1"], "use auto, cpu or cuda"),
 ])
 def test_cli_ray_usage_errors(tmp_path: Path, corpus_meshes: list[Path], extra: list[str],

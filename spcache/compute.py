@@ -1,0 +1,198 @@
+"""``spcache.precompute(...)``: compute a recipe over sources into a cache, from Python.
+
+The same run as ``spcache precompute`` (both call :func:`workers.precompute.run_precompute`);
+the result is what ``spcache precompute --json`` prints, as a frozen dataclass. Importing
+this module imports neither torch nor the engine: they load when :func:`precompute` runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cache_store.readers.dataset import CachedDataset
+
+__all__ = ["FailedSample", "PrecomputeResult", "Timings", "precompute"]
+
+
+@dataclass(frozen=True)
+class FailedSample:
+    """A sample that has no record after the run, and why.
+
+    ``repeat``: ``""`` (first failure on this source), ``"again"`` (it failed before on the
+    same unchanged source, for the same reason) or ``"skipped"`` (it failed before on the
+    same unchanged source and was not retried: ``skip_failed=True``).
+    """
+
+    id: str
+    path: str
+    reason: str
+    repeat: str = ""
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds. ``load_s`` sums the loader processes' time, ``compute_s`` is device time,
+    ``write_s`` the encode-and-commit time, ``wall_s`` the whole run; ``actor_start_s``
+    (Ray only) the time until every actor was placed and ready."""
+
+    load_s: float = 0.0
+    compute_s: float = 0.0
+    write_s: float = 0.0
+    wall_s: float = 0.0
+    actor_start_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PrecomputeResult:
+    """The outcome of :func:`precompute` (what ``spcache precompute --json`` prints).
+
+    ``done`` samples were computed and stored in this run, ``skipped`` ones already had an
+    up-to-date record, ``failed`` ones have none: ``errors`` says why, one
+    :class:`FailedSample` each. ``fingerprint`` names the recipe, version and parameters
+    in the cache: ``CachedDataset(cache, fingerprint)`` reads the records
+    (:meth:`dataset`). ``extra`` holds what only one engine reports (with
+    ``engine="ray"``: ``actors`` and ``shard_retries``).
+    """
+
+    cache: str
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: Mapping[str, Any]
+    device: str
+    backend: str
+    engine: str
+    done: int
+    skipped: int
+    failed: int
+    errors: tuple[FailedSample, ...] = ()
+    failed_again: tuple[str, ...] = ()
+    skipped_failed: tuple[str, ...] = ()
+    timings: Timings = field(default_factory=Timings)
+    oom_backoffs: int = 0
+    extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def total(self) -> int:
+        """Samples the run reported on: ``done + skipped + failed``."""
+        return self.done + self.skipped + self.failed
+
+    @property
+    def ok(self) -> bool:
+        """No sample failed (``spcache precompute`` exits 0)."""
+        return self.failed == 0
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, cache: str | os.PathLike[str] = "",
+                  engine: str = "local") -> PrecomputeResult:
+        """The result from ``spcache precompute --json``'s object (keys it does not know
+        go into ``extra``)."""
+        known = {"fingerprint", "recipe", "recipe_version", "params", "device", "backend",
+                 "engine", "done", "skipped", "failed", "errors", "failed_again",
+                 "skipped_failed", "timings", "oom_backoffs"}
+        timings = dict(data.get("timings", {}))
+        return cls(
+            cache=os.fspath(cache), fingerprint=str(data["fingerprint"]),
+            recipe=str(data["recipe"]), recipe_version=int(data["recipe_version"]),
+            params=MappingProxyType(dict(data.get("params", {}))),
+            device=str(data.get("device", "")), backend=str(data.get("backend", "")),
+            engine=str(data.get("engine", engine)), done=int(data["done"]),
+            skipped=int(data["skipped"]), failed=int(data["failed"]),
+            errors=tuple(FailedSample(str(e["id"]), str(e["path"]), str(e["reason"]),
+                                      str(e.get("repeat", ""))) for e in data.get("errors", ())),
+            failed_again=tuple(map(str, data.get("failed_again", ()))),
+            skipped_failed=tuple(map(str, data.get("skipped_failed", ()))),
+            timings=Timings(**{k: float(v) for k, v in timings.items()
+                               if k in Timings.__dataclass_fields__}),
+            oom_backoffs=int(data.get("oom_backoffs", 0)),
+            extra=MappingProxyType({k: v for k, v in data.items() if k not in known}),
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        """The object ``spcache precompute --json`` prints for this run."""
+        timings = {"load_s": self.timings.load_s, "compute_s": self.timings.compute_s,
+                   "write_s": self.timings.write_s, "wall_s": self.timings.wall_s}
+        if self.timings.actor_start_s is not None:
+            timings["actor_start_s"] = self.timings.actor_start_s
+        data: dict[str, Any] = {
+            "fingerprint": self.fingerprint, "recipe": self.recipe,
+            "recipe_version": self.recipe_version, "params": dict(self.params),
+            "device": self.device, "backend": self.backend, "done": self.done,
+            "skipped": self.skipped, "failed": self.failed,
+            "errors": [{"id": e.id, "path": e.path, "reason": e.reason, "repeat": e.repeat}
+                       for e in self.errors],
+            "failed_again": list(self.failed_again), "skipped_failed": list(self.skipped_failed),
+            "timings": timings, "oom_backoffs": self.oom_backoffs, **self.extra,
+        }
+        if self.engine != "local":
+            data["engine"] = self.engine
+        return data
+
+    def dataset(self, **options: Any) -> CachedDataset:
+        """``CachedDataset(cache, fingerprint, **options)``: this run's records."""
+        from cache_store.readers.dataset import CachedDataset
+
+        return CachedDataset(self.cache, self.fingerprint, **options)
+
+
+def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+               recipe: str, cache: str | os.PathLike[str], *, device: str = "auto",
+               backend: str = "auto", loaders: int | None = None, skip_failed: bool = False,
+               progress: bool = True, engine: str = "local", address: str | None = None,
+               actors: int | None = None, query_chunk: int = 1 << 18, write_batch: int = 32,
+               **params: Any) -> PrecomputeResult:
+    """Compute ``recipe`` over ``sources`` into the cache directory ``cache``; samples
+    already stored with an unchanged source are skipped, so a second call is cheap.
+
+    Args:
+        sources: a file, a directory (searched recursively) or a manifest (``.txt``: one
+            path a line; ``.jsonl``: ``{"id": ..., "path": ...}`` a line), or several.
+        recipe: the recipe's name (``spcache recipes`` lists them).
+        cache: the cache directory (created if missing).
+        device: ``"auto"`` (CUDA where it works, else CPU), ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"``.
+        backend: SPC ops: ``"kaolin"`` (Kaolin on CUDA), ``"torch"`` (pure PyTorch, any
+            device) or ``"auto"``.
+        loaders: loader processes reading sources (0: in this process; default one per
+            core but one, at most 8; with ``engine="ray"``, per actor).
+        skip_failed: do not retry samples that failed before on an unchanged source.
+        progress: show a progress bar (a widget in Jupyter with ipywidgets, else text
+            on stderr).
+        engine: ``"local"`` (this process) or ``"ray"`` (Ray actors, one per GPU; needs
+            ``spcache[ray]``), with ``address`` (a cluster to join; default a local
+            Ray) and ``actors`` (default one per GPU, or per CPU without GPUs).
+        query_chunk: queries per device call before any out-of-memory back-off.
+        write_batch: records per write transaction.
+        **params: the recipe's parameters (e.g. ``level=8``); defaults fill the rest.
+
+    Returns:
+        A :class:`PrecomputeResult`. Samples that fail are reported in it, not raised.
+
+    Raises:
+        ValueError: a bad option, no source found, or a cache directory that cannot be
+            used (:class:`spcache.UsageError`; :class:`spcache.ParameterError` for a recipe
+            parameter out of its bounds).
+        spcache.UnknownName: no such recipe or backend.
+        spcache.BackendUnavailable: the backend or device asked for does not work here.
+        spcache.StoreFull: the cache filled up; the records committed before it are kept,
+            and the same call later goes on where it stopped.
+        KeyboardInterrupt: interrupted (Ctrl-C, a notebook's stop button, SIGTERM): what
+            was computed is committed and indexed first.
+
+    Nothing is left open when it returns or raises (loader processes, the LMDB
+    environment, SQLite connections, signal handlers), so DataLoader workers may fork
+    right after it.
+    """
+    from workers.precompute import run_precompute
+
+    summary = run_precompute(sources, recipe, cache, params=params, device=device,
+                             backend=backend, loaders=loaders, skip_failed=skip_failed,
+                             progress=progress, engine=engine, address=address, actors=actors,
+                             query_chunk=query_chunk, write_batch=write_batch)
+    return PrecomputeResult.from_json(summary.as_json(), cache=os.path.abspath(cache),
+                                      engine=engine)

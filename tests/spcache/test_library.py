@@ -1,0 +1,197 @@
+"""``import spcache`` as training code uses it: the front door, ``spcache.precompute`` in
+this process (twice), DataLoader workers forked right after it, and the same call inside a
+Jupyter kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import spcache
+from spcache.cli import main
+from tests.conftest import REPO_ROOT
+
+PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}
+SMALL = [arg for key, value in PARAMS.items() for arg in ("--param", f"{key}={value}")]
+
+
+def _open_paths_under(folder: Path) -> list[str]:
+    """Files under ``folder`` this process holds open (LMDB, SQLite, lock files...)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed while listing
+        if target.startswith(str(folder)):
+            held.append(target)
+    return held
+
+
+def test_import_spcache_is_light_and_lists_its_surface() -> None:
+    code = ("import sys, spcache\n"
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'workers', 'service', 'cache_store', 'numpy', 'lmdb'})\n"
+            "before = list(heavy)\n"
+            "spcache.precompute; spcache.PrecomputeResult; spcache.SpcacheError\n"
+            "after = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'workers'})\n"
+            "print(before, after)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    # nothing at import; the precompute function and the errors still need no torch
+    assert out.split() == ["[]", "[]"], out
+    public = set(spcache.__all__) - {"__version__"}
+    assert {"CachedDataset", "collate_spc", "precompute", "PrecomputeResult", "SpcacheError",
+            "ParameterError", "UsageError", "StoreFull", "SampleFailed"} <= public
+    namespace: dict[str, object] = {}
+    exec("from spcache import *", namespace)  # every listed name resolves
+    assert public <= set(namespace)
+    with pytest.raises(AttributeError, match="no attribute 'Engine'"):
+        spcache.Engine  # noqa: B018 - internal names are not reachable from the front door
+    # the older import paths name the same objects
+    import cache_store
+    from cache_store.errors import SpcacheError
+    assert spcache.CachedDataset is cache_store.CachedDataset
+    assert spcache.collate_spc is cache_store.collate_spc
+    assert spcache.SpcacheError is SpcacheError
+    assert issubclass(spcache.UsageError, SpcacheError) and issubclass(spcache.UsageError, ValueError)
+
+
+@pytest.mark.slow
+def test_precompute_twice_then_fork_dataloader_workers(tmp_path: Path, corpus_meshes: list[Path],
+                                                       corpus_points: list[Path],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from torch.utils.data import DataLoader
+
+    folder = tmp_path / "sources"
+    folder.mkdir()
+    chosen = corpus_meshes[:3] + corpus_points[:2]
+    for path in chosen:
+        (folder / path.name).symlink_to(path)
+    (folder / "broken.obj").write_text("v 0 0 0\nf 1 2 9\n")  # fails with a reason
+    cache = tmp_path / "cache"
+    sigterm_before = signal.getsignal(signal.SIGTERM)
+    threads_before = set(threading.enumerate())
+
+    first = spcache.precompute(folder, "spc_query", cache, device="cpu", backend="torch",
+                               loaders=1, **PARAMS)
+    assert isinstance(first, spcache.PrecomputeResult)
+    assert (first.done, first.skipped, first.failed) == (len(chosen), 0, 1), first.errors
+    [error] = first.errors
+    assert error.id == "broken" and error.path == str(folder / "broken.obj") and error.reason
+    assert first.recipe == "spc_query" and dict(first.params)["level"] == 5
+    assert first.device == "cpu" and first.backend == "torch" and first.engine == "local"
+    assert first.timings.wall_s > 0 and first.timings.compute_s > 0
+    assert not first.ok and first.total == len(chosen) + 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.done = 0  # type: ignore[misc]
+
+    second = spcache.precompute([folder], "spc_query", cache, device="cpu", backend="torch",
+                                loaders=1, progress=False, **PARAMS)
+    assert (second.done, second.skipped, second.failed) == (0, len(chosen), 1)
+    assert second.fingerprint == first.fingerprint
+    assert second.failed_again == ("broken",)
+
+    # the CLI is the same run: its --json object is the result's as_json()
+    capsys.readouterr()
+    assert main(["precompute", str(folder), "--recipe", "spc_query", *SMALL, "--cache",
+                 str(cache), "--device", "cpu", "--backend", "torch", "--loaders", "0",
+                 "--json"]) == 1
+    printed = json.loads(capsys.readouterr().out)
+    third = spcache.PrecomputeResult.from_json(printed, cache=cache)
+    assert printed == third.as_json()
+    assert set(printed) == set(second.as_json())
+    assert (third.skipped, third.failed, third.fingerprint) == (len(chosen), 1, first.fingerprint)
+
+    # nothing left open: no file of the cache, no loader process, no thread, no handler
+    assert _open_paths_under(cache) == []
+    assert multiprocessing.active_children() == []
+    assert set(threading.enumerate()) <= threads_before
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before
+
+    dataset = first.dataset()
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=spcache.collate_spc,
+                        multiprocessing_context="fork")
+    sizes, octrees = [], []
+    for batch in loader:
+        sizes.append(len(batch["lengths"]))
+        octrees.append(batch["octree"])
+    assert sum(sizes) == len(dataset) == len(chosen)
+    read_here = [dataset[i]["octree"] for i in range(len(dataset))]  # after the fork
+    assert torch.equal(torch.cat(octrees), torch.cat(read_here))
+
+
+def test_precompute_reports_bad_calls_as_errors(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    source = corpus_meshes[0]
+    with pytest.raises(spcache.UnknownName):
+        spcache.precompute(source, "no_such_recipe", tmp_path / "c", progress=False)
+    with pytest.raises(spcache.ParameterError, match="level"):
+        spcache.precompute(source, "spc_query", tmp_path / "c", level=99, progress=False)
+    with pytest.raises(spcache.UsageError, match="device 'tpu'"):
+        spcache.precompute(source, "spc_query", tmp_path / "c", device="tpu", progress=False)
+    with pytest.raises(spcache.UsageError, match="engine 'spark'"):
+        spcache.precompute(source, "spc_query", tmp_path / "c", engine="spark", progress=False)
+    with pytest.raises(spcache.UsageError, match="no supported source files"):
+        spcache.precompute(tmp_path, "spc_query", tmp_path / "c", progress=False)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(spcache.UsageError, match="afile"):
+        spcache.precompute(source, "spc_query", afile, progress=False)
+    assert not (tmp_path / "c").exists()
+
+
+NOTEBOOK_CELLS = [
+    "import sys\nsys.path.insert(0, {repo!r})\nimport signal, spcache",
+    "handler = signal.getsignal(signal.SIGTERM)\n"
+    "first = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
+    "                           backend='torch', loaders=1, **{params!r})\n"
+    "first",
+    "second = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
+    "                            backend='torch', loaders=1, **{params!r})",
+    "import json\n"
+    "print(json.dumps({{'type': type(first).__name__, 'first': first.as_json(),\n"
+    "                  'second': second.as_json(), 'handler_kept': signal.getsignal(signal.SIGTERM) is handler}}))",
+]
+
+
+@pytest.mark.slow
+def test_precompute_in_a_jupyter_kernel(tmp_path: Path, corpus_meshes: list[Path],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the kernel's connection file goes here, not into the user's Jupyter runtime folder
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    import nbclient  # the dev extra installs both
+    import nbformat
+
+    sources = [str(p) for p in corpus_meshes[:2]]
+    cache = str(tmp_path / "cache")
+    values = {"repo": str(REPO_ROOT), "sources": sources, "cache": cache, "params": PARAMS}
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell(cell.format(**values)) for cell in NOTEBOOK_CELLS]
+    client = nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
+                                     resources={"metadata": {"path": str(tmp_path)}})
+    client.execute()
+
+    shown = notebook.cells[1].outputs  # the result's repr as the cell's value
+    assert any("PrecomputeResult(" in o.get("data", {}).get("text/plain", "") for o in shown)
+    [printed] = [o for o in notebook.cells[3].outputs if o.get("name") == "stdout"]
+    report = json.loads(printed["text"])
+    assert report["type"] == "PrecomputeResult" and report["handler_kept"]
+    first, second = report["first"], report["second"]
+    assert (first["done"], first["skipped"], first["failed"]) == (2, 0, 0), first["errors"]
+    assert (second["done"], second["skipped"], second["failed"]) == (0, 2, 0)
+    assert first["fingerprint"] == second["fingerprint"]
+    from cache_store.stores.base import open_store
+
+    with open_store(cache) as store:
+        index = store.get_index(first["fingerprint"])
+        assert sorted(index.sample_ids.tolist()) == sorted(Path(s).stem for s in sources)

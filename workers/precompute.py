@@ -1,0 +1,159 @@
+"""One precompute run from start to end: check the options, find the sources, open the
+cache, run the engine (local or Ray), close everything.
+
+The one code path behind both ``spcache precompute`` (:mod:`workers.precompute_cli`,
+which adds argument parsing, exit statuses and printing) and the library call
+:func:`spcache.precompute` (which turns the :class:`~workers.run_ledger.Summary` into a
+frozen result). It raises instead of exiting, and leaves nothing open when it returns or
+raises: the loader processes have ended, the store (its LMDB environment) and the failure
+log (SQLite) are closed, the writer thread has finished, and a SIGTERM handler it
+installed is the previous one again. So a script can fork DataLoader workers right after
+it, and a notebook can call it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from cache_store.errors import SpcacheError
+from cache_store.location import cache_dir_problem
+from cache_store.sources.discover import discover_sources
+
+__all__ = ["DEFAULT_QUERY_CHUNK", "DEFAULT_WRITE_BATCH", "ENGINES", "UsageError",
+           "default_loaders", "run_precompute"]
+
+#: The engines a run may use: this process and its loaders, or Ray actors.
+ENGINES = ("local", "ray")
+DEFAULT_QUERY_CHUNK = 1 << 18
+DEFAULT_WRITE_BATCH = 32
+
+
+class UsageError(SpcacheError, ValueError):
+    """A precompute option, source list or cache directory that cannot be used (the CLI
+    reports it on stderr with exit status 2)."""
+
+
+def default_loaders() -> int:
+    """Loader processes of a local run when none are asked for: one per core but one, at
+    most 8, at least 1."""
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
+def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+                   recipe: str, cache: str | os.PathLike[str], *,
+                   params: Mapping[str, Any] | None = None, device: str = "auto",
+                   backend: str = "auto", loaders: int | None = None,
+                   skip_failed: bool = False, progress: bool = False, engine: str = "local",
+                   address: str | None = None, actors: int | None = None,
+                   query_chunk: int = DEFAULT_QUERY_CHUNK,
+                   write_batch: int = DEFAULT_WRITE_BATCH) -> Any:
+    """Compute ``recipe`` with ``params`` over ``sources`` into the cache directory ``cache``.
+
+    ``sources``: files, directories (searched recursively) and manifests, as
+    :func:`cache_store.sources.discover.discover_sources` reads them. Returns the engine's
+    :class:`workers.run_ledger.Summary` (a :class:`workers.ray_common.RaySummary` with
+    ``engine="ray"``); samples that failed are in it, not raised.
+
+    Raises:
+        UsageError: a bad option, no source found, or a cache that cannot be opened.
+        ParameterError: a recipe parameter out of its schema (UnknownName: no such recipe).
+        BackendUnavailable: the ops backend (or the device) asked for does not work here.
+        StoreFull: the cache filled up; the records committed before it are kept.
+        KeyboardInterrupt: Ctrl-C, or SIGTERM while this runs in the main thread; what was
+            computed is committed and indexed first.
+    """
+    from workers.engine import DEVICE_PATTERN
+    from workers.recipes import get_recipe
+
+    resolved = get_recipe(recipe).spec.resolve(dict(params or {}))
+    if not isinstance(device, str) or not DEVICE_PATTERN.match(device):
+        raise UsageError(f"device {device!r}: expected auto, cpu, cuda or cuda:N")
+    if engine not in ENGINES:
+        raise UsageError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    if loaders is not None and loaders < 0:
+        raise UsageError(f"loaders {loaders}: must be 0 or more")
+    if engine == "local" and (address is not None or actors is not None):
+        raise UsageError("address and actors need the ray engine (--engine ray)")
+    if actors is not None and actors < 1:
+        raise UsageError(f"actors {actors}: must be 1 or more")
+    problem = cache_dir_problem(cache, write=True)
+    if problem:
+        raise UsageError(problem)
+    source_list = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
+    items = discover_sources(source_list)
+    if not items:
+        raise UsageError("no supported source files found in " + ", ".join(map(str, source_list)))
+
+    from cache_store.stores.base import open_store
+
+    try:
+        store = open_store(Path(cache), readonly=False)
+    except (SpcacheError, OSError) as exc:
+        raise UsageError(f"cannot open cache {cache}: {exc}") from exc
+    try:
+        try:
+            runner = _make_engine(store, recipe, resolved, engine=engine, device=device,
+                                  backend=backend, loaders=loaders, skip_failed=skip_failed,
+                                  progress=progress, address=address, actors=actors,
+                                  query_chunk=query_chunk, write_batch=write_batch)
+        except (SpcacheError, OSError) as exc:
+            raise UsageError(f"cannot open cache {cache}: {exc}") from exc
+        with _sigterm_as_interrupt(), _progress_logging(progress):
+            return runner.run(items)
+    finally:
+        store.close()
+
+
+def _make_engine(store: Any, recipe: str, params: dict[str, Any], *, engine: str,
+                 loaders: int | None, **options: Any) -> Any:
+    if engine == "ray":  # Ray is imported only on this path
+        from workers.ray_engine import RayEngine
+
+        return RayEngine(store, recipe, params, loaders=loaders, **options)
+    from workers.engine import Engine
+
+    options.pop("address"), options.pop("actors")
+    return Engine(store, recipe, params, loaders=default_loaders() if loaders is None else loaders,
+                  **options)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``docker stop``; SIGHUP via the CLI) ends the run like Ctrl-C: what was
+    computed is committed and indexed. Only the main thread can set a handler; elsewhere
+    (a worker thread of the caller's) the process's handling is left alone. The previous
+    handler is back when the run ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _progress_logging(progress: bool) -> Iterator[None]:
+    """While a bar is shown, log lines go through the bar so they do not break it."""
+    if not progress:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from workers.run_ledger import progress_bar_class
+
+    with logging_redirect_tqdm(tqdm_class=progress_bar_class()):
+        yield
+
