@@ -177,6 +177,25 @@ def test_summary_reports_every_item_once_and_each_actor(ray_cache, sources) -> N
 
 
 @pytest.mark.slow
+def test_spcache_precompute_runs_on_ray(ray_local, tmp_path: Path, local_cache,
+                                        corpus_meshes: list[Path]) -> None:
+    """The library call with engine="ray": the same records, a Ray result object."""
+    import spcache
+
+    sources = corpus_meshes[:3]
+    result = spcache.precompute(sources, "spc_query", tmp_path / "cache", engine="ray",
+                                progress=False, **RAY_OPTIONS, **PARAMS)
+    assert result.engine == "ray" and (result.done, result.failed) == (3, 0), result.errors
+    assert result.fingerprint == local_cache[1].fingerprint
+    assert len(result.extra["actors"]) == 2 and result.timings.actor_start_s is not None
+    assert result.as_json()["engine"] == "ray"
+    local, ray_made = _all_records(local_cache[0]), _all_records(tmp_path / "cache")
+    for path in sources:
+        key = f"{result.fingerprint}/{path.stem}"
+        assert _split(ray_made[key])[1] == _split(local[key])[1]
+
+
+@pytest.mark.slow
 def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
         ray_local, tmp_path: Path, local_cache, corpus_meshes: list[Path],
         capsys: pytest.CaptureFixture[str]) -> None:
