@@ -32,6 +32,9 @@ class Metrics:
                               ["route"], registry=self.registry)
         self._records = Counter("spcache_records_served",
                                 "records sent (single and batch reads)", registry=self.registry)
+        self._hashed = Counter("spcache_source_bytes_hashed",
+                               "source bytes hashed to compare records with their sources "
+                               "(sample listings)", registry=self.registry)
         self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._lock = threading.Lock()
 
@@ -47,6 +50,9 @@ class Metrics:
 
     def add_records(self, n: int) -> None:
         self._records.inc(n)
+
+    def add_listing_hashed(self, n: int) -> None:
+        self._hashed.inc(n)
 
     def snapshot(self) -> tuple[dict[tuple[str, str, str], int], dict[str, int], int]:
         """``(requests by (method, route, status), bytes by route, records served)``."""

@@ -15,11 +15,12 @@ from cache_store.errors import (
     FingerprintLookupError,
     ParameterError,
     RecordNotFound,
-    SourceError,
     SpcacheError,
 )
 from cache_store.keys import record_key, validate_fingerprint
+from cache_store.jobs.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
+from cache_store.sources.files import SourceLimits
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.record import select_fields
 from cache_store.format.tag import TAG_HEADER
@@ -225,13 +226,13 @@ def get_item_state(fingerprint: Fingerprint, sample_id: str, ctx: Context,
                                             description="source to compare against"),
                    ) -> dict[str, Any]:
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
+    settings = ctx.settings
+    # The gate bounds the one file this may hash: it refuses a source over max_hash_bytes
+    # on the descriptor it reads (no stat-then-hash race), and the budget caps the request.
+    limits = SourceLimits.of(settings.source_roots, settings.max_hash_bytes)
     source = None
     if path is not None:
-        real = resolve_source(path, ctx.settings.source_roots)
-        size = real.stat().st_size
-        if size > ctx.settings.max_hash_bytes:  # each such request hashes the whole file
-            raise SourceError(path, f"is {size} bytes; item state compares sources up to "
-                                    f"{ctx.settings.max_hash_bytes} bytes")
-        source = str(real)
-    return item_state(ctx.store(), ctx.queue, fingerprint, sample_id, path=source).as_json()
+        source = str(resolve_source(path, settings.source_roots, settings.max_hash_bytes))
+    return item_state(ctx.store(), ctx.queue, fingerprint, sample_id, path=source,
+                      limits=limits, budget=HashBudget(settings.max_hash_bytes)).as_json()
 

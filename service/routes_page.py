@@ -24,7 +24,9 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.keys import record_key, validate_fingerprint
+from cache_store.jobs.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
+from cache_store.sources.files import SourceLimits
 from cache_store.format.record import record_checksum
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
@@ -194,7 +196,14 @@ def _sample_page(ctx: ServiceContext, fingerprint: str, prefix: str, after: str,
     page = list(itertools.islice(merged, limit + 1))
     more = len(page) > limit
     page = page[:limit]
-    samples = [item_state(store, ctx.queue, fingerprint, sid).as_json() for sid in page]
+    # Each sample's source is compared by its stat signature; the few whose signature
+    # changed are hashed within one budget for the whole page (the rest say "unchecked").
+    settings = ctx.settings
+    limits = SourceLimits.of(settings.source_roots, settings.max_hash_bytes)
+    budget = HashBudget(settings.max_listing_hash_bytes)
+    samples = [item_state(store, ctx.queue, fingerprint, sid, limits=limits,
+                          budget=budget).as_json() for sid in page]
+    ctx.metrics.add_listing_hashed(budget.hashed)
     return {"fingerprint": fingerprint, "prefix": prefix, "after": after, "limit": limit,
             "samples": samples, "next": page[-1] if more else None}
 

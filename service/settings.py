@@ -59,7 +59,10 @@ class Settings(BaseSettings):
     max_read_bytes_in_flight: int = Field(1 << 30, ge=1 << 20, description="record bytes all "
                                           "answers being built or sent may hold (else 503)")
     max_hash_bytes: int = Field(512 << 20, ge=1, description="largest source an item-state "
-                                "?path= request hashes")
+                                "request hashes (and the bytes it may hash)")
+    max_listing_hash_bytes: int = Field(64 << 20, ge=0, description="source bytes one sample "
+                                        "listing may hash (sources whose stat signature "
+                                        "changed); the rest are listed 'unchecked'")
     glob_max_entries: int = Field(200_000, ge=1,
                                   description="directory entries one warm-up glob may look at")
     glob_max_seconds: float = Field(5.0, gt=0, description="time one warm-up glob may take")

@@ -5,10 +5,12 @@ Everything here is plain, synchronous library code (the route runs it in a threa
 * recipe parameters are resolved against the recipe's schema (unknown or out-of-bound
   values -> :class:`ParameterError` listing each problem);
 * sample ids are validated (:func:`cache_store.keys.validate_sample_id`);
-* source paths are resolved, symlinks included, and must land inside an allowed source
-  root (checked before the file's existence, so the answer reveals nothing outside);
-* an item whose record exists with the source's current content hash is *ready*: it is
-  counted, not queued.
+* source paths go through the source gate (:mod:`cache_store.sources.files`): resolved,
+  symlinks included, inside an allowed source root (checked before the file's existence,
+  so the answer reveals nothing outside), a regular file within the size limit;
+* an item whose record exists with the source's current content (same stat signature, or
+  else the same hash; :mod:`cache_store.jobs.freshness`) is *ready*: it is counted, not
+  queued.
 
 The job itself, and later the dataset index (written by the worker when the job
 finishes), keep the request's order.
@@ -33,6 +35,12 @@ from cache_store.errors import (
 )
 from cache_store.keys import compute_fingerprint, record_key, validate_sample_id
 from cache_store.jobs.freshness import record_is_current
+from cache_store.sources.files import (
+    DEFAULT_MAX_SOURCE_BYTES,
+    SourceLimits,
+    check_source,
+    inside_roots,
+)
 from cache_store.jobs.queue import NewItem
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.stores.base import Store
@@ -54,12 +62,15 @@ class WarmupPlan:
     ready: list[NewItem] = field(default_factory=list)
 
 
-def resolve_source(path: str, roots: Sequence[Path]) -> Path:
+def resolve_source(path: str, roots: Sequence[Path],
+                   max_bytes: int = DEFAULT_MAX_SOURCE_BYTES) -> Path:
     """The real path of a source file, which must lie inside one of ``roots``.
 
-    Relative paths are taken relative to the first root. Raises :class:`SourceError`
-    naming ``path`` when it escapes every root (through ``..`` or a symlink), does not
-    exist or is not a regular file.
+    Relative paths are taken relative to the first root. The path is checked by the
+    source gate (:func:`cache_store.sources.files.check_source`: resolved, inside the
+    roots before anything else is looked at, opened without following a final link, a
+    regular file of at most ``max_bytes``); raises :class:`SourceError` naming ``path``
+    and the reason, never what lies outside the roots.
     """
     if not path or "\x00" in path:
         raise SourceError(repr(path), "not a usable path")
@@ -70,19 +81,10 @@ def resolve_source(path: str, roots: Sequence[Path]) -> Path:
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
     try:
-        real = candidate.resolve(strict=False)
-    except (OSError, RuntimeError) as exc:  # symlink loops
-        raise SourceError(path, f"cannot be resolved: {exc}") from None
-    if not any(real.is_relative_to(root) for root in roots):
-        raise SourceError(path, "resolves outside the allowed source roots "
-                                f"({', '.join(str(r) for r in roots)})")
-    try:
-        if not real.is_file():
-            raise SourceError(path, "does not exist" if not real.exists()
-                              else "is not a regular file")
-    except OSError as exc:  # e.g. a name too long for the filesystem
-        raise SourceError(path, f"cannot be checked: {exc.strerror or exc}") from None
-    return real
+        checked = check_source(candidate, SourceLimits.of(roots, max_bytes), name_target=False)
+    except SourceError as exc:
+        raise SourceError(path, exc.reason) from None
+    return Path(checked.resolved)
 
 
 #: Default bounds of one glob expansion (the service passes its settings).
@@ -134,7 +136,7 @@ class _GlobWalk:
                  max_entries: int, max_seconds: float, pattern: str, root: str) -> None:
         self.base = base
         self.segments = segments
-        self.roots = roots
+        self.roots = [os.path.realpath(r) for r in roots]
         self.limit = limit
         self.max_entries = max_entries
         self.deadline = time.monotonic() + max_seconds
@@ -155,7 +157,7 @@ class _GlobWalk:
             real = os.path.realpath(path)
         except (OSError, ValueError):
             return None
-        return real if any(Path(real).is_relative_to(r) for r in self.roots) else None
+        return real if inside_roots(real, self.roots) else None
 
     def walk(self, directory: Path, i: int, rel: tuple[str, ...]) -> None:
         try:
@@ -226,8 +228,11 @@ def resolve_dir(root: str, roots: Sequence[Path]) -> Path:
         raise SourceError(root, f"cannot be resolved: {exc}") from None
     if not candidate.is_absolute():
         candidate = roots[0] / candidate
-    real = candidate.resolve(strict=False)
-    if not any(real.is_relative_to(r) for r in roots):
+    try:
+        real = Path(os.path.realpath(candidate))
+    except (OSError, ValueError) as exc:
+        raise SourceError(root, f"cannot be resolved: {exc}") from None
+    if not inside_roots(str(real), [os.path.realpath(r) for r in roots]):
         raise SourceError(root, "resolves outside the allowed source roots "
                                 f"({', '.join(str(r) for r in roots)})")
     if not real.is_dir():
@@ -265,12 +270,10 @@ def plan_warmup(recipe: str, params: dict[str, Any] | None, items: Sequence[tupl
                 break
     if problems:
         raise ParameterError(problems, what="warm-up items")
+    limits = SourceLimits.of(roots)
     for sid, real in checked:
         item = NewItem(sid, str(real))
-        (plan.ready if _is_ready(store, fingerprint, sid, real) else plan.todo).append(item)
+        ready = store is not None and record_is_current(
+            store, record_key(fingerprint, sid), real, limits)
+        (plan.ready if ready else plan.todo).append(item)
     return plan
-
-
-def _is_ready(store: Store | None, fingerprint: str, sample_id: str,
-              path: os.PathLike[str]) -> bool:
-    return store is not None and record_is_current(store, record_key(fingerprint, sample_id), path)

@@ -42,6 +42,7 @@ import torch
 from cache_store import __version__ as SPCACHE_VERSION
 from cache_store.errors import ParameterError, SourceError, StoreFull
 from cache_store.jobs.failures import FailureLog
+from cache_store.jobs.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool
@@ -326,7 +327,8 @@ class LocalRun:
                                                   source_hash=outcome.source_hash))
                 else:
                     assert outcome.prepared is not None
-                    self._compute(item, outcome.prepared, writer, device, ops, budget)
+                    self._compute(item, outcome.prepared, writer, device, ops, budget,
+                                  outcome.source_stat)
                 self._report_committed()
                 self._stop_if_full(writer)
         finally:
@@ -341,7 +343,8 @@ class LocalRun:
             raise StoreFull(writer.full.path, writer.full.reason) from writer.full
 
     def _compute(self, item: WorkItem, prepared: Prepared, writer: RecordWriter,
-                 device: torch.device, ops: Any, budget: ChunkBudget) -> None:
+                 device: torch.device, ops: Any, budget: ChunkBudget,
+                 source_stat: str = "") -> None:
         start = time.perf_counter()
         try:
             tensors = self.engine.recipe.compute_prepared(
@@ -368,6 +371,8 @@ class LocalRun:
         finally:
             self.summary.compute_s += time.perf_counter() - start
         metadata = self._metadata(item, prepared, device, ops)
+        if source_stat:  # readers compare it before hashing (cache_store.jobs.freshness)
+            metadata[STAT_FIELD] = source_stat
         writer.put(PendingRecord(item, tensors, metadata))
 
     def _metadata(self, item: WorkItem, prepared: Prepared, device: torch.device,

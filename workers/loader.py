@@ -23,10 +23,10 @@ from typing import Any, NamedTuple
 import torch
 
 from cache_store.errors import SourceError
-from cache_store.jobs.freshness import is_current
+from cache_store.jobs.freshness import is_current, trusted_signature
 from workers.recipes import Prepared, get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
-from cache_store.sources.files import SourceLimits
+from cache_store.sources.files import SourceLimits, source_signature
 from workers.sources import hash_bytes, load_source, read_source_bytes
 
 __all__ = ["LoadOutcome", "LoaderPool", "load_sample"]
@@ -41,7 +41,8 @@ class LoadOutcome(NamedTuple):
     ``"skipped-failed"`` (the file is unchanged since this sample failed, and the run
     skips those), ``"failed"`` (``reason`` says why) or ``"prepared"`` (``prepared`` is
     set); ``seconds`` is the time it took; ``source_hash`` the file's content hash once
-    it was read.
+    it was read; ``source_stat`` its stat signature, taken before the read (``""`` when
+    the file changed too recently to trust one: :func:`trusted_signature`).
     """
 
     status: str
@@ -49,6 +50,7 @@ class LoadOutcome(NamedTuple):
     prepared: Prepared | None = None
     reason: str = ""
     source_hash: str = ""
+    source_stat: str = ""
 
 
 def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, sample_id: str,
@@ -63,6 +65,9 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
     start = time.perf_counter()
     digest = ""
     try:
+        # The signature is taken before the read: an edit in between leaves the record
+        # with an older signature (hashed again when checked), never a newer one.
+        signature = trusted_signature(source_signature(path, limits))
         data = read_source_bytes(path, limits)
         digest = hash_bytes(data)
         if is_current(stored_hash, digest):
@@ -73,7 +78,7 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
         recipe = get_recipe(recipe_name)
         prepared = recipe.prepare(source, sample_id, params, make_generator(fingerprint, sample_id))
         return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared,
-                           source_hash=digest)
+                           source_hash=digest, source_stat=signature)
     except SourceError as exc:
         return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
                            source_hash=digest)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from cache_store.errors import SourceError
-from cache_store.sources.hashing import hash_bytes, hash_file
+from cache_store.sources.hashing import hash_bytes
 from cache_store.sources.discover import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
 from cache_store.sources.files import SourceLimits, read_source_file
 
@@ -51,7 +51,6 @@ __all__ = [
     "LoadedSource",
     "Normalization",
     "hash_bytes",
-    "hash_file",
     "read_source_bytes",
     "load_source",
     "compute_normalization",

@@ -1,25 +1,105 @@
 """Is a stored record current for its source? The one answer, used everywhere.
 
 A record is current for a source when the ``source_hash`` in its metadata equals the
-content hash of the source (:func:`cache_store.sources.hashing.hash_file`): same bytes, same
-record (the key already pins recipe, version and parameters). The engine skips such
-items on resume, the Ray driver skips them before sharding, the service's warm-up counts
-them as ready and ``item_state`` explains the others.
+content hash of the source: same bytes, same record (the key already pins recipe,
+version and parameters). The engine skips such items on resume, the Ray driver skips
+them before sharding, the service's warm-up counts them as ready, ``item_state``
+explains the others and a read-through :class:`~cache_store.readers.dataset.CachedDataset`
+refuses a stale one.
+
+Hashing a whole source to answer is expensive (a 512 MB mesh is ~0.3 s of a core), so
+records also carry ``source_stat``: the stat signature of the file they were computed
+from (size, mtime_ns, inode, device; :func:`cache_store.sources.files.signature_of`),
+taken when the worker opened it. :func:`compare_source` opens the source through the gate
+(one ``open`` + ``fstat``, nothing read): an equal signature is current without reading
+a byte; a different one (edited, replaced, another file under the same id, or a record
+without a signature) is decided by the bounded hash, which a :class:`HashBudget` caps per
+request. A signature is stored only when the file's mtime was at least
+:data:`RACY_S` old when it was taken: a file edited within the filesystem's timestamp
+granularity of being read could keep its signature with other bytes, so such records are
+always hashed.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.sources.hashing import hash_file
 from cache_store.format.record import read_metadata
+from cache_store.sources.files import SourceLimits, check_source, hash_source
 
-__all__ = ["is_current", "record_is_current", "stored_source_hash"]
+__all__ = ["STAT_FIELD", "RACY_S", "HashBudget", "SourceComparison", "compare_source",
+           "trusted_signature", "is_current", "record_is_current", "stored_source_hash"]
 
 log = logging.getLogger(__name__)
+
+#: The record metadata field that holds the source's stat signature.
+STAT_FIELD = "source_stat"
+#: A signature taken less than this long after the file's mtime is not stored.
+RACY_S = 2.0
+
+
+def trusted_signature(signature: str, now_ns: int | None = None) -> str:
+    """``signature`` when its mtime is at least :data:`RACY_S` in the past, else ``""``
+    (never equal to a real signature: the record is hashed when checked)."""
+    try:
+        mtime_ns = int(signature.split(":")[1])
+    except (IndexError, ValueError):
+        return ""
+    now = time.time_ns() if now_ns is None else now_ns
+    return signature if now - mtime_ns >= RACY_S * 1e9 else ""
+
+
+class HashBudget:
+    """How many source bytes one request (or one reader) may still hash."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.left = int(max_bytes)
+        self.hashed = 0   # bytes actually hashed
+        self.refused = 0  # comparisons left undecided for want of budget
+
+    def take(self, size: int) -> bool:
+        if size > self.left:
+            self.refused += 1
+            return False
+        self.left -= size
+        return True
+
+
+@dataclass(frozen=True)
+class SourceComparison:
+    """``current`` is True/False, or None when the hash was over the budget (undecided).
+    ``source_hash`` is the file's hash when it was hashed; ``signature`` its stat
+    signature now; ``hashed`` the bytes read to decide."""
+
+    current: bool | None
+    signature: str
+    source_hash: str | None = None
+    hashed: int = 0
+
+
+def compare_source(meta: Mapping[str, Any], path: str | os.PathLike[str],
+                   limits: SourceLimits | None = None, *,
+                   budget: HashBudget | None = None) -> SourceComparison:
+    """Compare a record's metadata with the source at ``path`` as it is now: its stat
+    signature first, the bounded hash only when the signature differs (and ``budget``,
+    if given, still covers the file). Raises :class:`SourceError` when the gate refuses
+    the path (missing, not a regular file, outside the roots, over the size limit)."""
+    check = check_source(path, limits)
+    stored = meta.get(STAT_FIELD)
+    if stored and stored == check.signature:
+        return SourceComparison(True, check.signature)
+    if budget is not None and not budget.take(check.size):
+        return SourceComparison(None, check.signature)
+    digest, signature, read = hash_source(path, limits)
+    if budget is not None:
+        budget.hashed += read
+    return SourceComparison(is_current(meta.get("source_hash"), digest), signature, digest, read)
 
 
 def is_current(stored_hash: str | None, source_hash: str) -> bool:
@@ -28,11 +108,9 @@ def is_current(stored_hash: str | None, source_hash: str) -> bool:
     return stored_hash is not None and stored_hash == source_hash
 
 
-def stored_source_hash(store: Any, key: str) -> str | None:
-    """The ``source_hash`` of the record stored under ``key``; None when there is no
-    record, or when it is unreadable (logged: it will be computed again)."""
+def _stored_metadata(store: Any, key: str) -> dict[str, str] | None:
     try:
-        return read_metadata(store.get(key), key=key).get("source_hash")
+        return read_metadata(store.get(key), key=key)
     except RecordNotFound:
         return None
     except CorruptRecord as exc:
@@ -40,13 +118,23 @@ def stored_source_hash(store: Any, key: str) -> str | None:
         return None
 
 
-def record_is_current(store: Any, key: str, path: str | os.PathLike[str]) -> bool:
+def stored_source_hash(store: Any, key: str) -> str | None:
+    """The ``source_hash`` of the record stored under ``key``; None when there is no
+    record, or when it is unreadable (logged: it will be computed again)."""
+    meta = _stored_metadata(store, key)
+    return None if meta is None else meta.get("source_hash")
+
+
+def record_is_current(store: Any, key: str, path: str | os.PathLike[str],
+                      limits: SourceLimits | None = None, *,
+                      budget: HashBudget | None = None) -> bool:
     """True when ``store`` holds a readable record under ``key`` computed from the
-    source at ``path`` as it is now (an unreadable source is never current)."""
-    stored = stored_source_hash(store, key)
-    if stored is None:
+    source at ``path`` as it is now (an unreadable source, or one left undecided by
+    ``budget``, is never current)."""
+    meta = _stored_metadata(store, key)
+    if meta is None:
         return False
     try:
-        return is_current(stored, hash_file(path))
+        return compare_source(meta, path, limits, budget=budget).current is True
     except SourceError:
         return False

@@ -12,8 +12,8 @@ from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
 from cache_store.keys import record_key
-from cache_store.jobs.freshness import is_current
-from cache_store.sources.hashing import hash_file
+from cache_store.jobs.freshness import HashBudget, compare_source
+from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.record import read_metadata
@@ -28,7 +28,8 @@ class ItemState:
     ``state`` is one of ``ready`` (record present, source and recipe unchanged),
     ``stale`` (record present but its source hash or recipe version no longer matches),
     ``failed`` (the last attempt failed; ``reason`` says why), ``queued`` (pending or
-    running) or ``missing`` (no record, nothing queued).
+    running), ``missing`` (no record, nothing queued) or ``unchecked`` (record present,
+    its source changed on disk and the request's hashing budget did not cover it).
     """
 
     fingerprint: str
@@ -42,8 +43,15 @@ class ItemState:
                 "state": self.state, "reason": self.reason, "job_id": self.job_id}
 
 
-def _stale_reasons(meta: dict[str, str], path: str | None) -> list[str]:
-    """Why a stored record is not current: recipe version moved on, source changed."""
+class _Unchecked(Exception):
+    """The source could not be compared within the request's hashing budget."""
+
+
+def _stale_reasons(meta: dict[str, str], path: str | None, limits: SourceLimits | None,
+                   budget: HashBudget | None) -> list[str]:
+    """Why a stored record is not current: recipe version moved on, source changed.
+    The source is compared by stat signature, hashed only when that differs and
+    ``budget`` allows (else the answer says it was not checked)."""
     spec = RECIPE_SPECS.get(meta.get("recipe", ""))
     problems = []
     if spec is not None and meta.get("recipe_version") != str(spec.version):
@@ -51,9 +59,14 @@ def _stale_reasons(meta: dict[str, str], path: str | None) -> list[str]:
                         f"has version {meta.get('recipe_version')}")
     if path is not None:
         try:
-            current = hash_file(path)
-            if not is_current(meta.get("source_hash"), current):
-                problems.append(f"source {path} changed (hash {current}, record has "
+            seen = compare_source(meta, path, limits, budget=budget)
+            if seen.current is None:
+                raise _Unchecked(f"record present; source {path} changed on disk since the "
+                                 f"record was computed (size, mtime, inode or device) and was "
+                                 f"not hashed: this request's hashing budget is spent; ask "
+                                 f"for this item alone")
+            if not seen.current:
+                problems.append(f"source {path} changed (hash {seen.source_hash}, record has "
                                 f"{meta.get('source_hash')})")
         except SourceError as exc:
             problems.append(f"source cannot be checked: {exc}")
@@ -61,13 +74,17 @@ def _stale_reasons(meta: dict[str, str], path: str | None) -> list[str]:
 
 
 def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
-               path: str | None = None) -> ItemState:
+               path: str | None = None, limits: SourceLimits | None = None,
+               budget: HashBudget | None = None) -> ItemState:
     """Explain one sample's state from its record (if any) and its latest queue item.
 
     Args:
         store: a :class:`cache_store.stores.base.Store`, or None when none exists yet.
         path: the source to compare the record's ``source_hash`` with; default: the
             path of the latest queue item for this sample, if any.
+        limits: how the source may be opened (roots, size): the source gate's.
+        budget: bytes of hashing this answer may still spend (shared across the items of
+            one listing); a source whose signature changed beyond it is "stale", unchecked.
     """
     key = record_key(fingerprint, sample_id)
     latest = queue.latest_item(fingerprint, sample_id)
@@ -87,7 +104,10 @@ def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
         except CorruptRecord as exc:
             return say("stale", f"stored record is unreadable: {exc}")
     if meta is not None:
-        problems = _stale_reasons(meta, path)
+        try:
+            problems = _stale_reasons(meta, path, limits, budget)
+        except _Unchecked as exc:
+            return say("unchecked", str(exc))
         if problems:
             return say("stale", "; ".join(problems) + ("; recomputation queued" if queued else ""))
         checked = f" against {path}" if path else " (no source known to compare)"

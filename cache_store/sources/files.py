@@ -1,4 +1,7 @@
-"""Opening source files in the worker, which reads them later than the service checked them.
+"""The source gate: the one way any process opens, stats or hashes a source file.
+
+The worker reads a source later than the service checked it, and the service and the
+readers compare stored records with sources; all of them go through here.
 
 Between the service's check and the worker's read, a path can change under it: the file
 may have been replaced by a FIFO (a read that never ends), a device, a directory, a
@@ -15,6 +18,11 @@ fails alone:
   which also catches a swapped parent directory;
 - the opened file must be a regular file, at most ``max_bytes`` long, and read within
   ``max_read_s`` seconds (checked between blocks).
+
+:func:`check_source` opens and checks without reading (the service's check of a warm-up
+path), and :func:`source_signature` gives the cheap stat signature (size, mtime_ns,
+inode, device of the opened file) that records store beside their ``source_hash``: a
+reader compares signatures first and hashes a source only when they differ.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ import xxhash
 from cache_store.errors import SourceError
 from cache_store.sources.hashing import HASH_PREFIX
 
-__all__ = ["DEFAULT_MAX_SOURCE_BYTES", "DEFAULT_MAX_READ_S", "SourceLimits",
-           "read_source_file", "hash_source_file"]
+__all__ = ["DEFAULT_MAX_SOURCE_BYTES", "DEFAULT_MAX_READ_S", "SourceLimits", "SourceCheck",
+           "check_source", "source_signature", "signature_of", "inside_roots", "read_source_file",
+           "read_source", "hash_source_file", "hash_source", "resolve_source", "open_resolved"]
 
 #: The default per-source size limit: 1 GiB.
 DEFAULT_MAX_SOURCE_BYTES = 1 << 30
@@ -64,25 +73,91 @@ class SourceLimits:
                    float(max_read_s))
 
 
+@dataclass(frozen=True)
+class SourceCheck:
+    """What :func:`check_source` found: the resolved path, its size and stat signature."""
+
+    resolved: str
+    size: int
+    signature: str
+
+
+def signature_of(st: os.stat_result) -> str:
+    """``"size:mtime_ns:inode:device"`` of a stat result: what changes when a file is
+    edited, replaced or swapped for another one (a different file under the same name)."""
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
+
+
+def check_source(path: str | os.PathLike[str], limits: SourceLimits | None = None, *,
+                 name_target: bool = True) -> SourceCheck:
+    """Open ``path`` as the gate opens it (inside the roots, no link at the end, a regular
+    file within the size limit) and close it again without reading; SourceError otherwise.
+
+    ``name_target=False`` leaves the resolved path out of the "outside the roots" message
+    (the service answers strangers, and must not describe what lies outside).
+    """
+    limits = limits or SourceLimits()
+    resolved = resolve_source(path, limits, name_target=name_target)
+    fd = open_resolved(path, resolved, limits)
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if st.st_size > limits.max_bytes:
+        raise SourceError(path, f"file is {st.st_size} bytes, over the per-source limit of "
+                                f"{limits.max_bytes} bytes")
+    return SourceCheck(resolved, st.st_size, signature_of(st))
+
+
+def source_signature(path: str | os.PathLike[str], limits: SourceLimits | None = None) -> str:
+    """The stat signature of the source at ``path`` (see :func:`signature_of`), opened
+    through the gate; one ``open`` + ``fstat``, nothing read."""
+    return check_source(path, limits).signature
+
+
 def read_source_file(path: str | os.PathLike[str], limits: SourceLimits | None = None) -> bytes:
     """The bytes of the regular file at ``path``, within ``limits``; raises SourceError."""
-    return b"".join(_blocks(path, limits or SourceLimits()))
+    return read_source(path, limits)[0]
+
+
+def read_source(path: str | os.PathLike[str],
+                limits: SourceLimits | None = None) -> tuple[bytes, str]:
+    """The bytes of the file at ``path`` and the stat signature of the file read (taken
+    when it was opened, so an edit during the read makes the signature stale, never the
+    stored hash)."""
+    seen: list[str] = []
+    data = b"".join(_blocks(path, limits or SourceLimits(), seen))
+    return data, seen[0]
 
 
 def hash_source_file(path: str | os.PathLike[str], limits: SourceLimits | None = None) -> str:
-    """The content hash of the file at ``path`` (as :func:`cache_store.sources.hashing.hash_file`),
-    read as :func:`read_source_file` reads it."""
+    """The content hash of the file at ``path`` (``"xxh3_128:<32 hex>"``, as
+    :func:`cache_store.sources.hashing.hash_bytes` of its bytes), read as
+    :func:`read_source_file` reads it."""
+    return hash_source(path, limits)[0]
+
+
+def hash_source(path: str | os.PathLike[str],
+                limits: SourceLimits | None = None) -> tuple[str, str, int]:
+    """``(content hash, stat signature, bytes read)`` of the file at ``path``."""
     digest = xxhash.xxh3_128()
-    for block in _blocks(path, limits or SourceLimits()):
+    seen: list[str] = []
+    total = 0
+    for block in _blocks(path, limits or SourceLimits(), seen):
         digest.update(block)
-    return HASH_PREFIX + digest.hexdigest()
+        total += len(block)
+    return HASH_PREFIX + digest.hexdigest(), seen[0], total
 
 
-def _blocks(path: str | os.PathLike[str], limits: SourceLimits) -> Iterator[bytes]:
+def _blocks(path: str | os.PathLike[str], limits: SourceLimits,
+            seen: list[str] | None = None) -> Iterator[bytes]:
     resolved = resolve_source(path, limits)
     fd = open_resolved(path, resolved, limits)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if seen is not None:
+            seen.append(signature_of(st))
+        size = st.st_size
         if size > limits.max_bytes:
             raise SourceError(path, f"file is {size} bytes, over the per-source limit of "
                                     f"{limits.max_bytes} bytes")
@@ -107,10 +182,20 @@ def _blocks(path: str | os.PathLike[str], limits: SourceLimits) -> Iterator[byte
         os.close(fd)
 
 
-def resolve_source(path: str | os.PathLike[str], limits: SourceLimits) -> str:
-    """``path`` with every link followed; SourceError when it lies outside the roots."""
-    resolved = os.path.realpath(path)
-    if limits.roots and not _inside(resolved, limits.roots):
+def resolve_source(path: str | os.PathLike[str], limits: SourceLimits, *,
+                   name_target: bool = True) -> str:
+    """``path`` with every link followed; SourceError when it lies outside the roots
+    (naming where it leads unless ``name_target`` is False)."""
+    if "\x00" in os.fspath(path):
+        raise SourceError(repr(path), "not a usable path")
+    try:
+        resolved = os.path.realpath(path)
+    except (OSError, ValueError) as exc:
+        raise SourceError(path, f"cannot be resolved: {exc}") from None
+    if limits.roots and not inside_roots(resolved, limits.roots):
+        if not name_target:
+            raise SourceError(path, "resolves outside the allowed source roots "
+                                    f"({', '.join(limits.roots)})")
         raise SourceError(path, f"resolves to {resolved}, outside the allowed source roots")
     return resolved
 
@@ -125,6 +210,8 @@ def open_resolved(path: str | os.PathLike[str], resolved: str, limits: SourceLim
         if os.path.islink(resolved):
             raise SourceError(path, "became a symbolic link after it was checked; "
                                     "refusing to follow it") from exc
+        if isinstance(exc, FileNotFoundError):
+            raise SourceError(path, "cannot read file: it does not exist") from exc
         raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
     try:
         mode = os.fstat(fd).st_mode
@@ -132,7 +219,7 @@ def open_resolved(path: str | os.PathLike[str], resolved: str, limits: SourceLim
             raise SourceError(path, f"is not a regular file (it is a {_kind(mode)})")
         if limits.roots:
             opened = _opened_path(fd)
-            if opened is not None and not _inside(opened, limits.roots):
+            if opened is not None and not inside_roots(opened, limits.roots):
                 raise SourceError(path, f"opened {opened}, outside the allowed source roots "
                                         f"(a directory on its path changed after the check)")
     except BaseException:
@@ -141,8 +228,9 @@ def open_resolved(path: str | os.PathLike[str], resolved: str, limits: SourceLim
     return fd
 
 
-def _inside(path: str, roots: tuple[str, ...]) -> bool:
-    return any(os.path.commonpath([path, root]) == root for root in roots)
+def inside_roots(path: str, roots: Sequence[str | os.PathLike[str]]) -> bool:
+    """True when the (resolved) ``path`` is one of the resolved ``roots`` or lies under one."""
+    return any(os.path.commonpath([path, os.fspath(root)]) == os.fspath(root) for root in roots)
 
 
 def _opened_path(fd: int) -> str | None:

@@ -174,7 +174,7 @@
     const body = $("samples").tBodies[0];
     body.replaceChildren(...page.samples.map((s) => {
       const show = el("button", { type: "button", "aria-controls": "preview-panel" }, "Show");
-      show.disabled = !(s.state === "ready" || s.state === "stale");
+      show.disabled = !(s.state === "ready" || s.state === "stale" || s.state === "unchecked");
       show.onclick = () => openPreview(s.sample_id);
       return el("tr", { "data-sample": s.sample_id }, el("td", {}, el("code", {}, s.sample_id)),
         el("td", {}, el("span", { class: `state ${s.state}` }, s.state)), el("td", {}, s.reason), el("td", {}, show));

@@ -117,7 +117,7 @@ def test_read_routes_stay_within_their_byte_budgets(tmp_path: Path) -> None:
     assert "over the 16777216-byte response limit" in too_big.json()["detail"]
     assert repeated.status_code == 200 and list(found) == ["mid/m0"] and not missing
     assert over.status_code == 413 and "ask for fewer ids" in over.text, over.text
-    assert hashed.status_code == 422 and "compares sources up to" in hashed.text, hashed.text
+    assert hashed.status_code == 422 and "over the per-source limit" in hashed.text, hashed.text
     assert set(concurrent) <= {200, 503} and concurrent[200] >= 1, concurrent
     assert after.status_code == 200 and len(after.content) > 5 * MIB
     assert growth < RSS_BUDGET_MIB, growth

@@ -20,7 +20,7 @@ import torch
 import uvicorn
 
 from cache_store.keys import compute_fingerprint, record_key
-from cache_store.sources.hashing import hash_file
+from cache_store.sources.files import hash_source_file
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.record import encode_record
@@ -68,7 +68,7 @@ def build_cache(tmp: Path, n: int = 5) -> Cache:
         (sources / "shapes").mkdir(exist_ok=True)
         src = sources / "shapes" / f"s{i}.obj"
         src.write_text(f"v 0 0 {i}\nv 1 0 0\nv 0 1 0\nf 1 2 3\n")
-        value = make_record(fp, sid, hash_file(src), seed=i)
+        value = make_record(fp, sid, hash_source_file(src), seed=i)
         store.put_many([(record_key(fp, sid), value)])
         ids.append(sid)
         values[sid] = value

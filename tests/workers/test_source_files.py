@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.errors import SourceError
-from cache_store.sources.hashing import hash_file
+from cache_store.sources.hashing import hash_bytes
 from cache_store.sources.files import (
     SourceLimits,
     hash_source_file,
@@ -28,11 +28,11 @@ def roots(tmp_path: Path) -> tuple[Path, Path]:
     return inside, outside
 
 
-def test_a_regular_file_inside_the_roots_reads_and_hashes_like_hash_file(roots) -> None:
+def test_a_regular_file_inside_the_roots_reads_and_hashes_like_hash_bytes(roots) -> None:
     inside, _ = roots
     limits = SourceLimits.of([inside])
     assert read_source_file(inside / "a.xyz", limits) == b"0 0 0\n1 1 1\n"
-    assert hash_source_file(inside / "a.xyz", limits) == hash_file(inside / "a.xyz")
+    assert hash_source_file(inside / "a.xyz", limits) == hash_bytes(b"0 0 0\n1 1 1\n")
 
 
 def test_a_link_that_stays_inside_the_roots_is_followed(roots) -> None:

@@ -15,12 +15,12 @@ from hypothesis.extra.numpy import arrays
 
 from cache_store.errors import SourceError
 from tests.data.corpus import hostile_expectations
+from cache_store.sources.files import hash_source_file
 from workers.sources import (
     SUPPORTED_EXTENSIONS,
     compute_normalization,
     face_areas,
     hash_bytes,
-    hash_file,
     load_source,
     normalize_points,
     sample_surface,
@@ -39,7 +39,7 @@ def test_every_mesh_loads_as_a_valid_mesh(meshes: list[Path]) -> None:
         assert src.vertices.dtype == np.float64 and src.vertices.shape[1] == 3
         assert np.isfinite(src.vertices).all()
         assert src.faces.min() >= 0 and src.faces.max() < len(src.vertices)
-        assert src.source_hash == hash_file(path)
+        assert src.source_hash == hash_source_file(path)
         area = face_areas(torch.from_numpy(src.vertices), torch.from_numpy(src.faces)).sum()
         assert float(area) > 0
 
@@ -51,7 +51,7 @@ def test_every_corpus_point_cloud_loads_as_points(corpus_points: list[Path]) -> 
         assert src.kind == "points" and src.faces is None, path
         assert src.vertices.dtype == np.float64 and src.vertices.shape[1] == 3
         assert len(src.vertices) >= 500 and np.isfinite(src.vertices).all()
-        assert src.source_hash == hash_file(path)
+        assert src.source_hash == hash_source_file(path)
 
 
 # ../shared/data/bad_inputs by name; the generated corpus's files by their documented outcome
@@ -202,15 +202,15 @@ def test_missing_file_is_a_source_error(tmp_path: Path) -> None:
     with pytest.raises(SourceError, match="cannot read"):
         load_source(tmp_path / "nope.obj")
     with pytest.raises(SourceError, match="cannot read"):
-        hash_file(tmp_path / "nope.obj")
+        hash_source_file(tmp_path / "nope.obj")
 
 
 def test_hash_is_of_the_bytes(tmp_path: Path) -> None:
     path = tmp_path / "a.xyz"
     path.write_bytes(b"0 0 0\n1 1 1\n")
-    assert hash_file(path) == hash_bytes(b"0 0 0\n1 1 1\n") == load_source(path).source_hash
+    assert hash_source_file(path) == hash_bytes(b"0 0 0\n1 1 1\n") == load_source(path).source_hash
     path.write_bytes(b"0 0 0\n1 1 2\n")
-    assert hash_file(path) != hash_bytes(b"0 0 0\n1 1 1\n")
+    assert hash_source_file(path) != hash_bytes(b"0 0 0\n1 1 1\n")
 
 
 def test_supported_extensions_are_the_issue_list() -> None:

@@ -149,8 +149,8 @@ def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
 def test_service_and_workers_hash_sources_the_same_way(corpus_meshes: list[Path]) -> None:
     # The service counts "already ready" with cache_store.sources.hashing; records carry the
     # workers' source hash. If these ever differ, every warm-up recomputes everything.
-    from cache_store.sources.hashing import hash_file
+    from cache_store.sources.files import hash_source_file
     from workers.sources import load_source
 
     for mesh in corpus_meshes[:3]:
-        assert hash_file(mesh) == load_source(mesh).source_hash
+        assert hash_source_file(mesh) == load_source(mesh).source_hash
