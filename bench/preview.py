@@ -68,9 +68,9 @@ def naive_render(voxels: np.ndarray, level: int, view: str, size: int) -> np.nda
     from service import preview as p
 
     rotation = p.VIEWS[view]
-    scale = (size / 2) * 0.94 / p._half_extent(rotation)
+    scale = (size / 2) * 0.94 / p.half_extent(rotation)
     half = 1.0 / (1 << level)
-    dx, dy, shade = p._template(rotation, half, scale)
+    dx, dy, shade = p.splat_template(rotation, half, scale)
     centres = (voxels.astype(np.float64) + 0.5) * (2 * half) - 1.0
     xyz = centres @ rotation.T
     order = np.argsort(-xyz[:, 2], kind="stable")
@@ -84,7 +84,7 @@ def naive_render(voxels: np.ndarray, level: int, view: str, size: int) -> np.nda
     image = np.empty((size * size, 3), np.uint8)
     image[:] = p.BACKGROUND
     light = shade[chosen % len(dx)]
-    image[pixels] = np.clip(light[:, None] * p._BASE_COLOUR * 255, 0, 255).astype(np.uint8)
+    image[pixels] = np.clip(light[:, None] * p.BASE_COLOUR * 255, 0, 255).astype(np.uint8)
     return image.reshape(size, size, 3)
 
 

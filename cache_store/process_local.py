@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ProcessLocal", "park"]
+__all__ = ["ProcessLocal", "is_parked", "park"]
 
 T = TypeVar("T")
 
@@ -25,6 +25,11 @@ _PARKED: list[Any] = []
 def park(handle: Any) -> None:
     """Keep an inherited handle alive and untouched for the rest of this process."""
     _PARKED.append(handle)
+
+
+def is_parked(handle: Any) -> bool:
+    """Whether ``handle`` was parked in this process (kept, never used or closed)."""
+    return any(parked is handle for parked in _PARKED)
 
 
 class ProcessLocal(Generic[T]):

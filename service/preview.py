@@ -37,7 +37,7 @@ MAX_SPLATS = 12_000_000
 MAX_QUERY_POINTS = 20_000
 
 BACKGROUND = np.array([248, 248, 246], dtype=np.uint8)
-_BASE_COLOUR = np.array([0.36, 0.56, 0.86])
+BASE_COLOUR = np.array([0.36, 0.56, 0.86])
 _HIT_COLOUR = np.array([30, 160, 60], dtype=np.uint8)
 _MISS_COLOUR = np.array([215, 50, 40], dtype=np.uint8)
 #: Light direction in view space (x right, y up, z towards the viewer): upper left, front.
@@ -91,7 +91,7 @@ class PreviewRequest:
         return f"l{self.level}-{self.view}-{self.size}-q{int(self.queries)}"
 
 
-def _half_extent(rotation: np.ndarray) -> float:
+def half_extent(rotation: np.ndarray) -> float:
     """Largest |screen coordinate| of the corners of [-1, 1]^3 (same for every record)."""
     corners = np.array([[x, y, z] for x in (-1, 1) for y in (-1, 1) for z in (-1, 1)], float)
     return float(np.abs(corners @ rotation[:2].T).max())
@@ -130,7 +130,7 @@ def level_voxels(point_hierarchy: np.ndarray, pyramid: np.ndarray, level: int, *
     return voxels
 
 
-def _template(rotation: np.ndarray, half: float, scale: float) -> tuple[np.ndarray, ...]:
+def splat_template(rotation: np.ndarray, half: float, scale: float) -> tuple[np.ndarray, ...]:
     """Pixels covered by one cube of half-size ``half`` (world) at ``scale`` px per unit.
 
     Returns ``(dx, dy, shade)``: pixel offsets from the projected centre (image y down)
@@ -188,7 +188,7 @@ def render_voxels(voxels: np.ndarray, level: int, view: str, size: int,
         ParameterError: too many voxels to draw at this size (see :data:`MAX_SPLATS`).
     """
     rotation = VIEWS[view]
-    scale = (size / 2) * 0.94 / _half_extent(rotation)
+    scale = (size / 2) * 0.94 / half_extent(rotation)
     half = 1.0 / (1 << level)
     image = np.empty((size * size, 3), dtype=np.uint8)
     image[:] = BACKGROUND
@@ -213,7 +213,7 @@ def _project(points: np.ndarray, rotation: np.ndarray, half: float | None) -> li
 
 def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
                  rotation: np.ndarray, scale: float, size: int, half: float, level: int) -> None:
-    dx, dy, shade = _template(rotation, half, scale)
+    dx, dy, shade = splat_template(rotation, half, scale)
     count = len(voxels) * len(dx)
     if count > MAX_SPLATS:
         raise ParameterError([f"level: {len(voxels)} voxels at level {level} are too many "
@@ -243,7 +243,7 @@ def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
     z = view_xyz[2][chosen // len(dx)]
     cue = 0.72 + 0.28 * (z + 1.8) / 3.6  # fixed depth cue, the same for every record
     light = shade[chosen % len(dx)] * cue
-    image[pixels] = np.clip(light[:, None] * _BASE_COLOUR * 255.0, 0, 255).astype(np.uint8)
+    image[pixels] = np.clip(light[:, None] * BASE_COLOUR * 255.0, 0, 255).astype(np.uint8)
     depth[pixels] = z
 
 

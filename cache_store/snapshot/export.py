@@ -80,7 +80,7 @@ from cache_store.snapshot.format import (
 __all__ = ["ExportSummary", "export_snapshot", "sweep_leftovers",
            "CODECS", "DEFAULT_LOCAL_CODEC", "DEFAULT_REMOTE_CODEC", "default_codec",
            "DEFAULT_CHUNK_BYTES", "RAW_CHUNK_BYTES",
-           "DEFAULT_CLEVEL"]
+           "DEFAULT_CLEVEL", "FieldWriter", "compressors_for", "export_lock"]
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def default_codec(dest: str | os.PathLike[str]) -> str:
     return DEFAULT_LOCAL_CODEC if parse_location(dest).is_local else DEFAULT_REMOTE_CODEC
 
 
-def _compressors(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
+def compressors_for(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[Any]:
     from zarr.codecs import BloscCodec, Crc32cCodec
 
     if codec == "none":
@@ -239,12 +239,12 @@ def _write_small(group: Any, name: str, data: np.ndarray, clevel: int, codec: st
                  chunk: int = _INDEX_CHUNK) -> None:
     arr = group.create_array(name, shape=data.shape, dtype=data.dtype,
                              chunks=(max(1, min(chunk, data.shape[0])),),
-                             compressors=_compressors(data.dtype, clevel, codec), fill_value=0)
+                             compressors=compressors_for(data.dtype, clevel, codec), fill_value=0)
     if data.size:
         arr[:] = data
 
 
-class _FieldWriter:
+class FieldWriter:
     """Streams one field's rows into its data array in whole chunks, through
     ``write(start_row, rows)``: zarr's own (any store) or a local snapshot's
     :class:`~cache_store.snapshot.chunks.LocalChunkWriter`."""
@@ -344,7 +344,7 @@ def _write_fields(group: Any, store: Store, index: DatasetIndex, survey: _Survey
         chunk = _chunk_rows(lay, n, chunk_bytes)
         arr = group.create_array(f"data/{name}", shape=(rows, *lay.trailing), dtype=dtype,
                                  chunks=(chunk, *(max(1, d) for d in lay.trailing)),
-                                 compressors=_compressors(dtype, clevel, codec), fill_value=0)
+                                 compressors=compressors_for(dtype, clevel, codec), fill_value=0)
         where = None if local_dir is None else str(local_dir / "data" / name)
         if where is not None and codec == "none" and all(d > 0 for d in lay.trailing):
             writers[name] = RawChunkAppender(where, arr)
@@ -353,9 +353,9 @@ def _write_fields(group: Any, store: Store, index: DatasetIndex, survey: _Survey
             write = LocalChunkWriter(where, arr, pool).write
         else:  # remote, or rows of zero width (chunks are at least 1 wide)
             write = _zarr_write(arr)
-        writers[name] = _FieldWriter(write, chunk)
+        writers[name] = FieldWriter(write, chunk)
     # Appenders write each record's rows at once, so they can take them from the
-    # source's own memory; a _FieldWriter keeps rows until a chunk is full: a copy.
+    # source's own memory; a FieldWriter keeps rows until a chunk is full: a copy.
     in_place = all(isinstance(w, RawChunkAppender) for w in writers.values())
     try:
         with _progress(n, "writing", progress) as bar:
@@ -439,7 +439,7 @@ def _ensure_root(zstore: Any, where: str) -> Any:
 
 
 @contextlib.contextmanager
-def _exclusive(dest: Path) -> Iterator[None]:
+def export_lock(dest: Path) -> Iterator[None]:
     fd = os.open(dest, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         try:
@@ -528,7 +528,7 @@ def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey
     if dest.is_dir() and any(dest.iterdir()) and not (dest / "zarr.json").is_file():
         raise SpcacheError(f"{dest}: a non-empty directory that is not a Zarr snapshot")
     dest.mkdir(parents=True, exist_ok=True)
-    with _exclusive(dest):
+    with export_lock(dest):
         sweep_leftovers(dest)
         _ensure_root(LocalStore(dest), str(dest))
         target = dest / index.fingerprint

@@ -23,7 +23,6 @@ names; both import them from here. No zarr import: this module is constants and 
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 from typing import Any

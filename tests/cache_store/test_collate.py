@@ -5,7 +5,7 @@ import torch
 
 from cache_store.readers.collate import collate_spc
 from cache_store.errors import ParameterError
-from tests.cache_store.synthetic import spc_fields, spc_query_fields
+from tests.helpers.synthetic import spc_fields, spc_query_fields
 
 
 def _kaolin_example() -> list[dict[str, torch.Tensor]]:
@@ -83,7 +83,7 @@ def test_dtypes_survive_and_autograd_or_bfloat16_fall_back_to_torch() -> None:
 
 def test_fields_already_end_to_end_are_viewed_not_copied() -> None:
     from cache_store.format.record import decode_records, encode_record
-    from tests.cache_store.synthetic import record_metadata
+    from tests.helpers.synthetic import record_metadata
 
     fp = "0123456789abcdef" * 2
     samples = [spc_query_fields(seed, num_points=30 + 10 * seed) for seed in range(3)]

@@ -21,7 +21,7 @@ from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore, _shared_envs
 from cache_store.format.record import decode_record, read_header
 from cache_store.stores.base import DatasetIndex
-from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record
 
 QUERY_PARAMS = {"level": 4, "surface_samples": 100_000, "uniform_queries": 16_384,
                 "surface_queries": 16_384, "surface_sigma": 0.01}

@@ -16,8 +16,8 @@ from cache_store.format.record import decode_record
 from cache_store.stores.base import open_store
 from service.settings import Settings
 from cache_store.stores.lmdb import LMDBStore
-from tests.cache_store.store_contract import StoreContract
-from tests.service.conftest import Cache, InProcessServer, build_cache
+from tests.helpers.store_contract import StoreContract
+from tests.helpers.service import Cache, InProcessServer, build_cache
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_read_only(served: tuple[Cache, InProcessServer]) -> None:
 
 
 def test_connection_errors_are_retried_then_reported(tmp_path: Path) -> None:
-    from tests.service.conftest import free_port
+    from tests.helpers.service import free_port
 
     store = HTTPStore(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01)
     with store, pytest.raises(SpcacheError, match="after 3 attempts"):
@@ -184,7 +184,7 @@ def test_503_is_retried_honouring_retry_after() -> None:
     from starlette.routing import Route
 
     calls = []
-    from tests.service.conftest import make_record
+    from tests.helpers.service import make_record
     value = make_record("a" * 32, "x/y", "xxh3_128:0")  # get() checks it names its key
 
     async def busy_then_ok(request):  # the service's answer when LMDB's reader table is full

@@ -26,7 +26,7 @@ import torch
 from cache_store import CachedDataset, collate_spc
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.stores.base import DatasetIndex
-from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record
 fp = fingerprint_of("spc", level=4)
 store = LMDBStore({str(tmp_path)!r}, readonly=False)
 store.put_many([(f"{{fp}}/s{{i}}", make_record(fp, f"s{{i}}", i)) for i in range(3)])
@@ -44,7 +44,7 @@ def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
     """``spcache verify`` and ``stats`` (and the service's listings) walk a cache in a
     child process each time: without torch that child starts in a fraction of a second."""
     from cache_store.stores.lmdb import LMDBStore
-    from tests.cache_store.synthetic import fingerprint_of, make_record
+    from tests.helpers.synthetic import fingerprint_of, make_record
 
     fp = fingerprint_of("spc", level=4)
     with LMDBStore(tmp_path, readonly=False) as store:

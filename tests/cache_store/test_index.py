@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from cache_store.errors import CorruptRecord
 from cache_store.stores.base import DatasetIndex, decode_index, encode_index
-from tests.cache_store.synthetic import fingerprint_of
+from tests.helpers.synthetic import fingerprint_of
 
 FP = fingerprint_of("spc", level=4)
 PARAMS = {"level": 4, "surface_samples": 100_000}
@@ -29,7 +29,7 @@ def test_sample_ids_are_normalised_and_not_coerced() -> None:
 
 
 def test_a_record_is_not_an_index() -> None:
-    from tests.cache_store.synthetic import make_record
+    from tests.helpers.synthetic import make_record
 
     with pytest.raises(CorruptRecord, match="not a dataset index"):
         decode_index(make_record(FP, "a", 1), key="idx")

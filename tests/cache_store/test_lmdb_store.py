@@ -8,8 +8,8 @@ from cache_store.errors import CacheNotFound, StoreFull, UnknownName
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.location import parse_location
 from cache_store.stores.base import Store, open_store
-from tests.cache_store.store_contract import FP_A, WritableStoreContract
-from tests.cache_store.synthetic import make_record
+from tests.helpers.store_contract import FP_A, WritableStoreContract
+from tests.helpers.synthetic import make_record
 
 
 class TestLMDBStoreContract(WritableStoreContract):

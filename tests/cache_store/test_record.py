@@ -25,7 +25,7 @@ from cache_store.format.record import (
     record_checksum,
     select_fields,
 )
-from tests.cache_store.synthetic import record_metadata, spc_query_fields
+from tests.helpers.synthetic import record_metadata, spc_query_fields
 
 FP = "0123456789abcdef" * 2
 KEY = f"{FP}/chairs/a1"

@@ -28,14 +28,14 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.snapshot.export import CODECS, _exclusive, export_snapshot, sweep_leftovers
+from cache_store.snapshot.export import CODECS, export_lock, export_snapshot, sweep_leftovers
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.record import decode_record, encode_record, read_header
 from cache_store.stores.base import DatasetIndex, open_store
 from cache_store.snapshot.reader import ZarrStore
-from tests.cache_store.store_contract import FP_A, FP_B, IDS_A, StoreContract, sample_content
-from tests.cache_store.synthetic import make_record, record_metadata
+from tests.helpers.store_contract import FP_A, FP_B, IDS_A, StoreContract, sample_content
+from tests.helpers.synthetic import make_record, record_metadata
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -304,7 +304,7 @@ def test_existing_export_needs_overwrite(tmp_path: Path) -> None:
 def test_one_writer_per_local_snapshot(tmp_path: Path, exported) -> None:
     *_, cache_dir, snap = exported
     dest = copy_snapshot(snap, tmp_path / "s.zarr")
-    with _exclusive(dest):
+    with export_lock(dest):
         with pytest.raises(SpcacheError, match="another export"):
             export_snapshot(cache_dir, FP_A, dest, overwrite=True)
 
@@ -404,9 +404,9 @@ _KILLED_EXPORT = textwrap.dedent("""
             real(self, *args)
             os.kill(os.getpid(), signal.SIGKILL)  # die with chunks half written
         return write
-    # compressed chunks go through _FieldWriter, uncompressed (the local default) are
+    # compressed chunks go through FieldWriter, uncompressed (the local default) are
     # appended by RawChunkAppender: die in either
-    export._FieldWriter.flush = dying(export._FieldWriter.flush)
+    export.FieldWriter.flush = dying(export.FieldWriter.flush)
     export.RawChunkAppender.add = dying(export.RawChunkAppender.add)
     export.export_snapshot(sys.argv[1], sys.argv[2], sys.argv[3])
 """)
@@ -446,7 +446,7 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
 
     def broken(self, final):
         raise RuntimeError("connection lost")
-    monkeypatch.setattr(export._FieldWriter, "flush", broken)
+    monkeypatch.setattr(export.FieldWriter, "flush", broken)
     with pytest.raises(RuntimeError, match="connection lost"):
         export_snapshot(cache_dir, FP_A, url)
     monkeypatch.undo()
@@ -662,7 +662,7 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
                                                        dtype: str) -> None:
     # the export's own chunk writer must write exactly what zarr's pipeline writes, so
     # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
-    from cache_store.snapshot.export import _compressors
+    from cache_store.snapshot.export import compressors_for
     from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 
     data = (np.arange(37 * 3, dtype=np.int64) * 7919 % 251).astype(dtype).reshape(37, 3)
@@ -670,7 +670,7 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
     for how in ("zarr", "direct"):
         group = zarr.create_group(zarr.storage.LocalStore(tmp_path / how))
         arr = group.create_array("a", shape=data.shape, dtype=data.dtype, chunks=(8, 3),
-                                 compressors=_compressors(data.dtype, 3, codec), fill_value=0)
+                                 compressors=compressors_for(data.dtype, 3, codec), fill_value=0)
         if how == "zarr":
             arr[:] = data
         elif codec == "none":
@@ -694,12 +694,12 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
 
 
 def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path) -> None:
-    from cache_store.snapshot.export import _compressors
+    from cache_store.snapshot.export import compressors_for
     from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter
 
     group = zarr.create_group(zarr.storage.LocalStore(tmp_path))
     arr = group.create_array("a", shape=(20,), dtype="int32", chunks=(8,),
-                             compressors=_compressors(np.dtype("int32"), 3, "lz4"), fill_value=0)
+                             compressors=compressors_for(np.dtype("int32"), 3, "lz4"), fill_value=0)
     pool = ChunkWriterPool(threads=1)
     with pytest.raises(ValueError, match="not a chunk boundary"):
         LocalChunkWriter(str(tmp_path / "a"), arr, pool).write(3, np.zeros(4, np.int32))

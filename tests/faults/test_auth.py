@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from service.settings import Settings
-from tests.faults.conftest import report, served
-from tests.service.conftest import TOKEN, build_cache
+from tests.helpers.faults import report, served
+from tests.helpers.service import TOKEN, build_cache
 
 READ_ONLY_POSTS = {"/v1/caches/{fingerprint}/batch"}
 

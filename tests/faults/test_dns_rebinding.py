@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 
 from service.settings import Settings
-from tests.faults.conftest import report, served
-from tests.service.conftest import build_cache
+from tests.helpers.faults import report, served
+from tests.helpers.service import build_cache
 
 FOREIGN = ["attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example",
            "localhost.attacker.example", "[::2]", "evil", ""]

@@ -30,8 +30,8 @@ import pytest
 
 from cache_store.errors import ParameterError
 from service.settings import Settings
-from tests.faults.conftest import env_int, report, served
-from tests.service.conftest import TOKEN, build_cache, start_server
+from tests.helpers.faults import env_int, report, served
+from tests.helpers.service import TOKEN, build_cache, start_server
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 HOSTILE = env_int("SPCACHE_FAULT_HOSTILE_GLOBS", 45)

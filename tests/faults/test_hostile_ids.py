@@ -34,8 +34,8 @@ from cache_store.format.wire import decode_batch
 from cache_store.stores.base import Store
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
-from tests.faults.conftest import report, served
-from tests.service.conftest import AUTH, TOKEN, build_cache
+from tests.helpers.faults import report, served
+from tests.helpers.service import AUTH, TOKEN, build_cache
 
 HOSTILE_IDS = [
     "../x", "a/../../x", "..", ".", "/etc/passwd", "..\\x", "a\\..\\..\\x", "x\x00y", "\x00",

@@ -38,9 +38,9 @@ from cache_store.stores.http import HTTPStore
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.record import decode_arrays, decode_record, select_fields
 from service.settings import Settings
-from tests.cache_store.synthetic import fingerprint_of, make_record
-from tests.faults.conftest import env_int, report, served
-from tests.service.conftest import TOKEN
+from tests.helpers.synthetic import fingerprint_of, make_record
+from tests.helpers.faults import env_int, report, served
+from tests.helpers.service import TOKEN
 
 MUTANTS = env_int("SPCACHE_FAULT_MUTANTS", 1000)
 _LEN = struct.Struct("<Q")

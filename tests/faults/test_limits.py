@@ -27,8 +27,8 @@ import httpx
 import psutil
 import pytest
 
-from tests.faults.conftest import env_int, report
-from tests.service.conftest import TOKEN, build_cache, start_server, stop_server
+from tests.helpers.faults import env_int, report
+from tests.helpers.service import TOKEN, build_cache, start_server, stop_server
 
 LIMIT = 64 * 1024
 BODY_TIMEOUT_S = 2.0

@@ -28,9 +28,9 @@ from cache_store.stores.isolated import stats_cache, verify_cache
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.stores.base import DatasetIndex
 from tests.conftest import REPO_ROOT
-from tests.faults._procs import FAULT_FINGERPRINT, _SPEC, make_small_record
-from tests.faults.conftest import env_int, report
-from tests.service.conftest import AUTH, LiveServer, start_server, stop_server
+from tests.helpers.procs import FAULT_FINGERPRINT, SPEC, make_small_record
+from tests.helpers.faults import env_int, report
+from tests.helpers.service import AUTH, LiveServer, start_server, stop_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -44,8 +44,8 @@ def _build(root: Path, n: int) -> list[str]:
               make_small_record(f"{FAULT_FINGERPRINT}/{sid}", 600 + 37 * (i % 50), i))
              for i, sid in enumerate(ids)]
     store.put_many(items)
-    store.put_index(DatasetIndex(FAULT_FINGERPRINT, "spc", _SPEC.version,
-                                 _SPEC.resolve({"level": 3}), np.array(ids)))
+    store.put_index(DatasetIndex(FAULT_FINGERPRINT, "spc", SPEC.version,
+                                 SPEC.resolve({"level": 3}), np.array(ids)))
     store.close()
     return ids
 

@@ -21,8 +21,8 @@ import pytest
 from cache_store.jobs.queue import JobQueue
 from service.app import create_app
 from service.settings import Settings
-from tests.faults.conftest import report
-from tests.service.conftest import TOKEN, build_cache, start_server, stop_server
+from tests.helpers.faults import report
+from tests.helpers.service import TOKEN, build_cache, start_server, stop_server
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.stores.lmdb import LMDBStore
-from tests.faults.conftest import Child, env_float, env_int, report
+from tests.helpers.faults import Child, env_float, env_int, report
 
 READERS = env_int("SPCACHE_FAULT_MAP_READERS", 16)
 READ_SECONDS = env_float("SPCACHE_FAULT_MAP_READ_SECONDS", 12.0)

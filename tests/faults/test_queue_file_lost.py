@@ -19,8 +19,8 @@ import pytest
 from cache_store.errors import QueueDamaged
 from cache_store.jobs.queue import JOBS_FILENAME, JobQueue
 from service.settings import Settings
-from tests.faults.conftest import report
-from tests.service.conftest import AUTH, TOKEN, InProcessServer, build_cache
+from tests.helpers.faults import report
+from tests.helpers.service import AUTH, TOKEN, InProcessServer, build_cache
 
 
 def _lose(path: Path, how: str) -> None:

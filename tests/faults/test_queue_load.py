@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.jobs.queue import JobQueue
-from tests.faults.conftest import Child, env_float, env_int, report
+from tests.helpers.faults import Child, env_float, env_int, report
 
 RATE = env_int("SPCACHE_FAULT_QUEUE_RATE", 1500)  # per submitter; two submitters
 SECONDS = env_float("SPCACHE_FAULT_QUEUE_SECONDS", 5.0)

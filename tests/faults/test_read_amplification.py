@@ -31,8 +31,8 @@ import psutil
 from cache_store.keys import record_key
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.wire import decode_batch
-from tests.faults.conftest import env_int, report
-from tests.service.conftest import build_cache, make_record, start_server, stop_server
+from tests.helpers.faults import env_int, report
+from tests.helpers.service import build_cache, make_record, start_server, stop_server
 
 MIB = 1 << 20
 CONCURRENT = env_int("SPCACHE_FAULT_CONCURRENT_READS", 24)
@@ -125,7 +125,7 @@ def test_read_routes_stay_within_their_byte_budgets(tmp_path: Path) -> None:
 
 def test_reads_past_the_process_budget_are_answered_503(tmp_path: Path) -> None:
     from service.settings import Settings
-    from tests.faults.conftest import served
+    from tests.helpers.faults import served
 
     cache = build_cache(tmp_path)
     settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False,

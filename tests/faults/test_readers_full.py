@@ -33,8 +33,8 @@ from cache_store.stores.http import HTTPStore
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.record import decode_record
 from service.settings import Settings
-from tests.faults.conftest import Child, env_int, report, served
-from tests.service.conftest import TOKEN, Cache, build_cache
+from tests.helpers.faults import Child, env_int, report, served
+from tests.helpers.service import TOKEN, Cache, build_cache
 
 SLOTS = 6
 STORM_THREADS = env_int("SPCACHE_FAULT_READER_STORM_THREADS", 24)

@@ -23,8 +23,8 @@ import torch
 from cache_store.errors import ParameterError
 from cache_store.recipes.specs import MAX_RECORD_BYTES, RECIPE_SPECS, get_recipe_spec
 from service.settings import Settings
-from tests.faults.conftest import report, served
-from tests.service.conftest import TOKEN, build_cache
+from tests.helpers.faults import report, served
+from tests.helpers.service import TOKEN, build_cache
 
 
 def test_params_past_the_record_bound_are_refused(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from cache_store.format.record import decode_arrays, encode_record
 from cache_store.format.tag import TAG_HEADER
 from cache_store.format.wire import decode_batch, encode_batch
 from service.settings import Settings
-from tests.faults.conftest import report
-from tests.service.conftest import TOKEN, Cache, InProcessServer, build_cache
+from tests.helpers.faults import report
+from tests.helpers.service import TOKEN, Cache, InProcessServer, build_cache
 
 SECRET = "a-shared-record-key-0123456789"
 

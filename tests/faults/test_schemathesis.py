@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from service.settings import Settings
-from tests.faults.conftest import env_int, report, served
-from tests.service.conftest import TOKEN, build_cache
+from tests.helpers.faults import env_int, report, served
+from tests.helpers.service import TOKEN, build_cache
 
 EXAMPLES = env_int("SPCACHE_FAULT_ST_EXAMPLES", 20)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from cache_store.jobs.owner_lock import lock_holder
-from tests.faults.conftest import env_int, report
-from tests.spcache._proctree import (
+from tests.helpers.faults import env_int, report
+from tests.helpers.proctree import (
     free_port,
     has_descendant,
     kill_all,

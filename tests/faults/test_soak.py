@@ -28,8 +28,8 @@ import torch
 from cache_store.readers.dataset import CachedDataset
 from cache_store.keys import record_key
 from cache_store.format.record import decode_record
-from tests.faults.conftest import env_float, report
-from tests.service.conftest import AUTH, start_server, stop_server
+from tests.helpers.faults import env_float, report
+from tests.helpers.service import AUTH, start_server, stop_server
 
 SOAK_SECONDS = env_float("SPCACHE_SOAK_SECONDS", 60.0)
 LOADER_WORKERS = 8

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from tests.conftest import REPO_ROOT
-from tests.faults.conftest import report
+from tests.helpers.faults import report
 
 RSS_BUDGET_MIB = 64
 

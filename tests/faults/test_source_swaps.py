@@ -22,7 +22,7 @@ from cache_store.keys import compute_fingerprint, record_key
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
-from tests.faults.conftest import report
+from tests.helpers.faults import report
 from workers.engine import Engine
 from workers.worker_loop import WorkerLoop
 

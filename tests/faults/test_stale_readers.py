@@ -21,8 +21,8 @@ import pytest
 
 import cache_store.stores.lmdb as lmdb_store
 from cache_store.stores.lmdb import LMDBStore
-from tests.faults._procs import batch_key, make_small_record
-from tests.faults.conftest import Child, env_int, report
+from tests.helpers.procs import batch_key, make_small_record
+from tests.helpers.faults import Child, env_int, report
 
 READERS = env_int("SPCACHE_FAULT_STALE_READERS", 8)
 RECORDS = 100

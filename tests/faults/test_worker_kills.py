@@ -35,7 +35,7 @@ from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.record import decode_record, record_checksum
 from tests.conftest import REPO_ROOT
-from tests.faults.conftest import Child, env_int, report
+from tests.helpers.faults import Child, env_int, report
 
 KILLS = env_int("SPCACHE_FAULT_WORKER_KILLS", 50)
 ITEMS = env_int("SPCACHE_FAULT_WORKER_ITEMS", 400)  # ample: on a quiet machine 160 ran out before 50 kills

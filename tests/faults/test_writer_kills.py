@@ -23,8 +23,8 @@ import pytest
 
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.record import decode_arrays
-from tests.faults._procs import FAULT_FINGERPRINT, batch_key
-from tests.faults.conftest import Child, env_int, report
+from tests.helpers.procs import FAULT_FINGERPRINT, batch_key
+from tests.helpers.faults import Child, env_int, report
 
 KILLS = env_int("SPCACHE_FAULT_WRITER_KILLS", 20)
 SIZE = env_int("SPCACHE_FAULT_WRITER_BATCH", 2000)

@@ -1,80 +1,24 @@
-"""Fixtures for the service: a real LMDB cache with records, the app, a live uvicorn."""
+"""Fixtures for the service: a real LMDB cache with records, the app, a live uvicorn.
+(The helpers behind them live in ``tests/helpers/service.py``.)"""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import threading
-
 import httpx
-import numpy as np
 import pytest
-import torch
-import uvicorn
 
-from cache_store.keys import compute_fingerprint, record_key
-from cache_store.sources.files import hash_source_file
-from cache_store.stores.lmdb import LMDBStore
-from cache_store.recipes.specs import get_recipe_spec
-from cache_store.format.record import encode_record
-from cache_store.stores.base import DatasetIndex
-from service.app import create_app
 from service.settings import Settings
-from tests.conftest import REPO_ROOT
-
-TOKEN = "test-token-0123456789"
-
-
-@dataclass
-class Cache:
-    root: Path  # cache directory
-    sources: Path  # the allowed source root
-    fingerprint: str
-    params: dict
-    ids: list[str]
-    values: dict[str, bytes]  # sample id -> stored record bytes
-
-
-def make_record(fingerprint: str, sample_id: str, source_hash: str, nbytes: int = 4096,
-                seed: int = 0) -> bytes:
-    gen = torch.Generator().manual_seed(seed)
-    n = max(nbytes // 4, 1)
-    return encode_record(
-        {"octree": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen),
-         "point_hierarchy": torch.randint(-5, 5, (n // 2, 3), dtype=torch.int16, generator=gen),
-         "center": torch.zeros(3), "scale": torch.tensor(1.0)},
-        {"recipe": "spc", "recipe_version": "1", "fingerprint": fingerprint,
-         "sample_id": sample_id, "source_hash": source_hash, "backend": "torch",
-         "device": "cpu"})
-
-
-def build_cache(tmp: Path, n: int = 5) -> Cache:
-    sources = tmp / "sources"
-    sources.mkdir(parents=True)
-    spec = get_recipe_spec("spc")
-    params = spec.resolve({"level": 4})
-    fp = compute_fingerprint("spc", spec.version, params)
-    ids, values = [], {}
-    store = LMDBStore(tmp / "cache", readonly=False)
-    for i in range(n):
-        sid = f"shapes/s{i}"
-        (sources / "shapes").mkdir(exist_ok=True)
-        src = sources / "shapes" / f"s{i}.obj"
-        src.write_text(f"v 0 0 {i}\nv 1 0 0\nv 0 1 0\nf 1 2 3\n")
-        value = make_record(fp, sid, hash_source_file(src), seed=i)
-        store.put_many([(record_key(fp, sid), value)])
-        ids.append(sid)
-        values[sid] = value
-    store.put_index(DatasetIndex(fp, "spc", spec.version, params, np.array(ids)))
-    store.close()
-    return Cache(tmp / "cache", sources, fp, params, ids, values)
+from tests.helpers.service import (
+    TOKEN,
+    Cache,
+    InProcessServer,
+    LiveServer,
+    build_cache,
+    start_server,
+    stop_server,
+)
 
 
 @pytest.fixture
@@ -88,84 +32,10 @@ def settings(cache: Cache) -> Settings:
                     max_body_bytes=64 * 1024)
 
 
-class InProcessServer:
-    """The app under a real uvicorn on a loopback port, in a thread of the test process.
-
-    (Starlette's TestClient is avoided: it is not a real server, and it warns with httpx.)
-    """
-
-    def __init__(self, settings: Settings | None, app: object = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(settings) if app is None else app
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
-                                log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> InProcessServer:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("in-process uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture
 def client(settings: Settings) -> Iterator[httpx.Client]:
     with InProcessServer(settings) as server, httpx.Client(base_url=server.url) as c:
         yield c
-
-
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class LiveServer:
-    url: str
-    proc: subprocess.Popen
-
-
-def start_server(cache: Path, sources: Path, *extra: str, env: dict | None = None) -> LiveServer:
-    port = free_port()
-    full_env = {**os.environ, "SPCACHE_TOKEN": TOKEN, **(env or {})}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "--cache", str(cache), "--port", str(port),
-         "--source-root", str(sources), "--log-level", "warning", *extra],
-        cwd=REPO_ROOT, env=full_env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return LiveServer(url, proc)
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not come up in 30 s")
-
-
-def stop_server(server: LiveServer) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from cache_store.keys import record_key
 from cache_store.jobs.queue import JobQueue
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.record import record_checksum
-from tests.service.conftest import AUTH, start_server, stop_server
+from tests.helpers.service import AUTH, start_server, stop_server
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from cache_store.jobs.queue import JobQueue
 from service.settings import Settings, is_loopback
 from tests.conftest import REPO_ROOT
-from tests.service.conftest import AUTH, Cache
+from tests.helpers.service import AUTH, Cache
 
 
 def test_health_and_readiness(client: httpx.Client) -> None:
@@ -101,7 +101,7 @@ print(codes, heavy)
 
 
 def test_serving_imports_neither_torch_nor_workers(cache: Cache) -> None:
-    from tests.service.conftest import free_port
+    from tests.helpers.service import free_port
 
     out = subprocess.run([sys.executable, "-c", _SERVE_ONE, str(cache.root), cache.fingerprint,
                           cache.ids[0], str(free_port())], cwd=REPO_ROOT, capture_output=True,
@@ -113,7 +113,7 @@ def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Se
     import lmdb
 
     from cache_store.errors import StoreBusy
-    from tests.service.conftest import InProcessServer
+    from tests.helpers.service import InProcessServer
 
     server = InProcessServer(settings)
 

@@ -25,7 +25,7 @@ import pytest
 
 from service.preview import BACKGROUND, decode_png_rgb
 from tests.conftest import SHARED_DATA
-from tests.service.conftest import AUTH, LiveServer, start_server, stop_server
+from tests.helpers.service import AUTH, LiveServer, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [

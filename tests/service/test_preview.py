@@ -21,7 +21,7 @@ from service.preview import (BACKGROUND, MAX_SIZE, PreviewRequest, decode_png_rg
                              level_voxels, render_record, render_voxels)
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
-from tests.service.conftest import InProcessServer, build_cache
+from tests.helpers.service import InProcessServer, build_cache
 
 LEVEL = 7
 

@@ -24,17 +24,17 @@ from cache_store.jobs.queue import JobQueue
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.wire import decode_batch
 from service.settings import Settings
-from tests.cache_store.test_read_through import (
+from tests.helpers.read_through import (
     PARAMS,
-    _loader_check,
-    _precompute,
-    _queue_rows,
-    _stop,
-    _worker,
+    loader_check,
+    precompute_reference,
+    queue_rows,
+    stop_worker,
+    start_worker,
     check_epochs_equal_precompute,
     two_epochs,
 )
-from tests.service.conftest import AUTH, TOKEN, InProcessServer, start_server, stop_server
+from tests.helpers.service import AUTH, TOKEN, InProcessServer, start_server, stop_server
 
 
 def _root(paths: list[Path]) -> Path:
@@ -47,18 +47,18 @@ def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_me
                                                        context: str) -> None:
     meshes = corpus_meshes[:4]
     cache, reference = tmp_path / "rt", tmp_path / "pre"
-    _precompute(reference, meshes)
+    precompute_reference(reference, meshes)
     parent_had_ops = any(m.startswith("workers.ops") for m in sys.modules)
     server = start_server(cache, _root(meshes), "--no-worker")
-    proc = _worker(cache)
+    proc = start_worker(cache)
     try:
         ds = CachedDataset(server.url, "spc_query", sources=meshes,
                            store_options={"token": TOKEN},
-                           transform=functools.partial(_loader_check, parent_had_ops), **PARAMS)
+                           transform=functools.partial(loader_check, parent_had_ops), **PARAMS)
         first, rows, second = two_epochs(ds, context, cache, len(meshes))
     finally:
         ds.close()
-        _stop(proc)
+        stop_worker(proc)
         stop_server(server)
     check_epochs_equal_precompute(ds, meshes, cache, reference, rows, first, second)
 
@@ -77,7 +77,7 @@ def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
             ds[0]
         assert time.monotonic() - start < 5
         assert JobQueue(cache).counts()["pending"] == 0  # nothing queued for nobody
-        proc = _worker(cache)
+        proc = start_worker(cache)
         try:
             assert set(ds[0]) >= {"octree", "point_hierarchy"}
             with pytest.raises(SampleFailed, match="nan_vertices") as err:
@@ -89,11 +89,11 @@ def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
                 ds[1]  # the recorded failure, not a second computation
             assert ds.read_through_queued() == queued
         finally:
-            _stop(proc)
+            stop_worker(proc)
     finally:
         ds.close()
         stop_server(server)
-    rows = _queue_rows(cache)
+    rows = queue_rows(cache)
     assert sorted(s for _, s, _ in rows) == sorted(p.stem for p in sources)  # once each
 
 

@@ -7,7 +7,7 @@ import safetensors.numpy
 
 from cache_store.format.wire import BATCH_MEDIA_TYPE, decode_batch
 from cache_store.format.record import decode_record, record_checksum
-from tests.service.conftest import Cache, LiveServer
+from tests.helpers.service import Cache, LiveServer
 
 
 def _url(cache: Cache, sid: str) -> str:

@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
 from service.settings import Settings
-from tests.service.conftest import AUTH, InProcessServer
+from tests.helpers.service import AUTH, InProcessServer
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    from tests.service.conftest import build_cache
+    from tests.helpers.service import build_cache
 
     cache = build_cache(tmp_path_factory.mktemp("fuzz"))
     s = Settings(cache=cache.root, source_roots=[cache.sources], token=AUTH["Authorization"][7:],

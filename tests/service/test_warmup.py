@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import AUTH, Cache
+from tests.helpers.service import AUTH, Cache
 
 
 def _warm(client: httpx.Client, body: dict, headers: dict | None = AUTH) -> httpx.Response:

@@ -11,7 +11,7 @@ from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.stores.base import DatasetIndex
 from spcache.cli import resolve, subcommand_parser
-from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record
 from tests.conftest import REPO_ROOT
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.spcache._proctree import (
+from tests.helpers.proctree import (
     free_port,
     has_descendant,
     kill_all,

@@ -24,9 +24,9 @@ from cache_store.keys import compute_fingerprint
 from cache_store.stores.http import HTTPStore
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.stores.base import DatasetIndex
-from tests.cache_store.synthetic import make_record, spc_fields
+from tests.helpers.synthetic import make_record, spc_fields
 from tests.conftest import REPO_ROOT
-from tests.spcache._proctree import free_port
+from tests.helpers.proctree import free_port
 
 TLS = REPO_ROOT / "tests" / "data" / "tls"
 CERT, KEY = TLS / "cert.pem", TLS / "key.pem"

@@ -27,7 +27,7 @@ from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main
 from workers.engine import Engine, ItemResult
-from tests.workers.ray_faults import CrashOnce, register_with_ray
+from tests.helpers.ray_faults import CrashOnce, register_with_ray
 from workers.ray_engine import RayEngine, RaySummary
 
 PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}

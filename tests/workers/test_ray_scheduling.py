@@ -10,8 +10,8 @@ import pytest
 
 from cache_store.errors import ParameterError, RecordNotFound, SourceError, SpcacheError
 from cache_store.stores.base import DatasetIndex
-from tests.cache_store.synthetic import fingerprint_of, make_record
-from tests.workers.ray_faults import CrashOnce
+from tests.helpers.synthetic import fingerprint_of, make_record
+from tests.helpers.ray_faults import CrashOnce
 from workers.ray_common import RemoteError, local_error
 from workers.ray_driver import RayRun, Shard
 from workers.ray_engine import ActorStats, RayEngine, RaySummary, ShardBuffer

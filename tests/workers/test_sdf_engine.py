@@ -242,7 +242,7 @@ def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]
 
     from cache_store.format.record import decode_record as decode
     from service.settings import Settings
-    from tests.service.conftest import InProcessServer
+    from tests.helpers.service import InProcessServer
 
     engine, summary, values = _run(tmp_path / "cache", generated[:2], jobs=0)
     assert summary.done == 2

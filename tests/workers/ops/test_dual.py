@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from cache_store.errors import InvalidTensor, TensorTypeError
-from tests.workers.ops import reference as ref
-from tests.workers.ops.test_properties import point_sets
+from tests.helpers import ops_reference as ref
+from tests.helpers.strategies import point_sets
 from workers.ops import torch_spc as ops
 
 SETTINGS = settings(max_examples=60, deadline=None,

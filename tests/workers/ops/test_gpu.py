@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cache_store.errors import BackendUnavailable
-from tests.workers.ops._kaolin_data import two_octrees
+from tests.helpers.kaolin_data import two_octrees
 from workers.ops import kaolin_spc, torch_spc
 
 pytestmark = pytest.mark.gpu

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cache_store.errors import InvalidTensor, SpcacheError, TensorTypeError
-from tests.workers.ops._kaolin_data import two_octrees
+from tests.helpers.kaolin_data import two_octrees
 
 
 def _octree(ops, level=3):

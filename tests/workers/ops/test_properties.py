@@ -8,19 +8,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.workers.ops import reference as ref
+from tests.helpers import ops_reference as ref
+from tests.helpers.strategies import point_sets
 from workers.ops import torch_spc as ops
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-@st.composite
-def point_sets(draw, min_level: int = 1, max_level: int = 10, max_points: int = 80):
-    level = draw(st.integers(min_level, max_level))
-    coord = st.integers(0, 2 ** level - 1)
-    points = draw(st.lists(st.tuples(coord, coord, coord), min_size=1, max_size=max_points))
-    return level, points
 
 
 def _tensor(points) -> torch.Tensor:

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from tests.workers.ops._kaolin_data import (
+from tests.helpers.kaolin_data import (
     TWO_OCTREES_EXSUM,
     TWO_OCTREES_POINTS,
     TWO_OCTREES_PYRAMIDS,

@@ -11,7 +11,7 @@ import torch
 import trimesh
 
 from tests.conftest import shared_corpus
-from tests.workers.ops import reference as ref
+from tests.helpers import ops_reference as ref
 from workers.ops import torch_spc as ops
 
 LEVEL = 7

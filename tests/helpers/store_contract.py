@@ -29,7 +29,7 @@ from cache_store.errors import (
 )
 from cache_store.format.record import decode_record, read_header
 from cache_store.stores.base import DatasetIndex, Store
-from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record
 
 MakeStore = Callable[[dict[str, bytes], list[DatasetIndex]], Store]
 

@@ -1,6 +1,6 @@
 """Child processes the fault suite starts, kills and watches.
 
-Run as ``python -m tests.faults._procs COMMAND ...`` from the repository root. Each
+Run as ``python -m tests.helpers.procs COMMAND ...`` from the repository root. Each
 command is a small, real client of the project's code (``LMDBStore``, ``JobQueue``,
 ``WorkerLoop``); it reports on stdout, one line per event, flushed, so the test knows
 what had happened when it sent SIGKILL. Nothing here imports torch unless asked to.
@@ -50,9 +50,9 @@ __all__ = ["FAULT_FINGERPRINT", "batch_key", "make_small_record", "main"]
 
 log = logging.getLogger(__name__)
 
-_SPEC = get_recipe_spec("spc")
+SPEC = get_recipe_spec("spc")
 #: The fingerprint synthetic records are stored under (recipe ``spc``, level 3).
-FAULT_FINGERPRINT = compute_fingerprint("spc", _SPEC.version, _SPEC.resolve({"level": 3}))
+FAULT_FINGERPRINT = compute_fingerprint("spc", SPEC.version, SPEC.resolve({"level": 3}))
 
 
 def batch_key(batch: int, i: int) -> str:
@@ -70,7 +70,7 @@ def make_small_record(key: str, nbytes: int, seed: int) -> bytes:
         {"octree": rng.integers(0, 255, n, dtype=np.uint8),
          "point_hierarchy": rng.integers(-8, 8, (max(n // 6, 1), 3), dtype=np.int16),
          "center": np.zeros(3, dtype=np.float32), "scale": np.ones((), dtype=np.float32)},
-        {"recipe": "spc", "recipe_version": str(_SPEC.version), "fingerprint": fingerprint,
+        {"recipe": "spc", "recipe_version": str(SPEC.version), "fingerprint": fingerprint,
          "sample_id": sample_id, "source_hash": f"xxh3_128:{seed:032x}", "backend": "torch",
          "device": "cpu", "created": "2026-01-01T00:00:00+00:00", "spcache_version": "0"})
 
@@ -197,7 +197,7 @@ def _queue_submit(args: argparse.Namespace) -> int:
     from cache_store.jobs.queue import JobQueue, NewItem
 
     queue = JobQueue(args.cache)
-    params = _SPEC.resolve({"level": 3})
+    params = SPEC.resolve({"level": 3})
     start = time.monotonic()
     submitted, locked, jobs = 0, 0, 0
     latencies = []
@@ -263,7 +263,7 @@ def _queue_claim(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tests.faults._procs")
+    parser = argparse.ArgumentParser(prog="python -m tests.helpers.procs")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("writer")
     p.add_argument("cache", type=Path)
