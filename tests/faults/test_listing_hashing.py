@@ -35,8 +35,8 @@ from cache_store.sources.files import hash_source_file
 from cache_store.format.record import encode_record
 from cache_store.stores.base import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
-from tests.faults.conftest import env_int, report
-from tests.service.conftest import start_server, stop_server
+from tests.helpers.faults import env_int, report
+from tests.helpers.service import start_server, stop_server
 
 MIB = 1 << 20
 SAMPLES = env_int("SPCACHE_FAULT_LISTING_SAMPLES", 12)
