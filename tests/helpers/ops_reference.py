@@ -1,6 +1,6 @@
 """Slow, obviously-correct reference SPC ops in plain Python, for the property tests.
 
-Written straight from the definitions in SPC_SEMANTICS.md: sets of voxels per level,
+Written straight from the definitions in docs/SPC_SEMANTICS.md: sets of voxels per level,
 sorted by Morton code, with loops everywhere. Only for small inputs.
 """
 

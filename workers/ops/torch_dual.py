@@ -1,7 +1,7 @@
 """Kaolin 0.18's dual octree and trinkets in pure PyTorch, bit for bit.
 
 ``unbatched_make_dual`` and ``unbatched_make_trinkets`` of ``kaolin.ops.spc`` (see
-``docs/SPC_SEMANTICS.md`` of the shared docs), with the same conventions as
+``docs/SPC_SEMANTICS.md``), with the same conventions as
 :mod:`workers.ops.torch_spc`, which re-exports both: that module is the torch backend.
 Python loops run over octree levels only. Bad input raises
 :class:`~cache_store.errors.TensorTypeError` or :class:`~cache_store.errors.InvalidTensor`

@@ -1,7 +1,7 @@
 """Kaolin 0.18's SPC ops in pure PyTorch, bit for bit, on whatever device the inputs live.
 
 Same names, argument order, dtypes, shapes and results as ``kaolin.ops.spc`` (see
-``docs/SPC_SEMANTICS.md`` of the shared docs). Every function is vectorised: Python loops
+``docs/SPC_SEMANTICS.md``). Every function is vectorised: Python loops
 run over octree levels only (at most 15), never over points or nodes. Outputs live on the
 device of the inputs, except pyramids, which Kaolin keeps on the CPU and so do we.
 

@@ -1,4 +1,4 @@
-"""Kaolin 0.18's published expectations (SPC_SEMANTICS.md and Kaolin's own tests)."""
+"""Kaolin 0.18's published expectations (docs/SPC_SEMANTICS.md and Kaolin's own tests)."""
 
 from __future__ import annotations
 
