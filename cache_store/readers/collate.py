@@ -81,8 +81,13 @@ def _stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(np.stack(arrays))
 
 
-def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     """Batch SPC samples (dicts of CPU tensors from ``CachedDataset``).
+
+    ``None`` samples (what ``CachedDataset(on_error="skip")`` returns for a sample it
+    left out) are dropped: the batch is shorter. A batch of nothing but ``None`` gives
+    an empty dict, which a training loop skips (``if not batch: continue``): a
+    DataLoader cannot drop a batch by itself.
 
     Kaolin's packed layout, keeping the record's field names:
 
@@ -112,12 +117,15 @@ def collate_spc(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     storage, without copying; otherwise it is copied into a new tensor.
 
     Raises:
-        ParameterError: empty batch, samples with different fields, pyramids of
+        ParameterError: empty batch (no samples at all), samples with different fields, pyramids of
             different levels, exsum not matching its octree, or tensors that fit neither
             layout.
     """
     if not samples:
         raise _problem("empty batch")
+    samples = [sample for sample in samples if sample is not None]
+    if not samples:
+        return {}
     names = list(samples[0])
     for i, sample in enumerate(samples):
         if set(sample) != set(names):

@@ -20,9 +20,11 @@ import torch.utils.data
 
 from cache_store.errors import (
     CacheNotFound,
+    CorruptRecord,
     FingerprintLookupError,
     ParameterError,
     RecordNotFound,
+    SampleFailed,
     SourceError,
 )
 from cache_store.location import parse_location
@@ -30,6 +32,7 @@ from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.record import pack_ids
+from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import DatasetIndex, Store, open_store
 
 __all__ = ["CachedDataset", "resolve_index"]
@@ -37,6 +40,17 @@ __all__ = ["CachedDataset", "resolve_index"]
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
+
+#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
+#: damaged one, or the worker could not compute it). A missing cache, no live worker or
+#: a timeout are not the sample's fault and raise whatever the policy.
+SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed)
+ON_ERROR_CHOICES = ("raise", "skip")
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _describe(index: DatasetIndex) -> str:
@@ -105,6 +119,15 @@ class CachedDataset(torch.utils.data.Dataset):
         warm_ahead: on a miss, also queue this many following uncached samples (index
             order), so the worker keeps busy while loaders wait.
         miss_timeout: seconds a miss waits for its record before ``MissTimeout``.
+        on_error: ``"raise"`` (the default): a sample without a usable record raises.
+            ``"skip"``: such a sample (no record, a damaged one, or one the worker could
+            not compute: ``RecordNotFound``, ``CorruptRecord``, ``SampleFailed``) is
+            returned as ``None``, which :func:`~cache_store.readers.collate.collate_spc`
+            drops from its batch; it is logged once per sample id (whichever process
+            skips it first) and listed by :attr:`failed`, in every process of the
+            dataset, the parent after a DataLoader epoch included. Batches are then
+            shorter than ``batch_size`` now and then, and a batch whose samples all
+            failed collates to an empty dict (``if not batch: continue``).
         **params: recipe parameters, with a recipe name only.
 
     The index is read on first use (``len``, indexing, ``fingerprint``) through a store
@@ -125,7 +148,8 @@ class CachedDataset(torch.utils.data.Dataset):
                  store_options: Mapping[str, Any] | None = None,
                  sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
                  on_miss: str | None = None, warm_ahead: int = 16,
-                 miss_timeout: float = 120.0, **params: Any) -> None:
+                 miss_timeout: float = 120.0, on_error: str = "raise",
+                 **params: Any) -> None:
         if not isinstance(fingerprint_or_recipe, str):
             raise ParameterError([f"fingerprint_or_recipe: expected a str, got "
                                   f"{type(fingerprint_or_recipe).__name__}"])
@@ -141,6 +165,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if on_miss == "compute" and location.kind == "zarr":
             problems.append(f"on_miss='compute' needs a cache directory or the service's "
                             f"http(s):// URL; {location.text} is neither")
+        if on_error not in ON_ERROR_CHOICES:
+            problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if warm_ahead < 0 or miss_timeout <= 0:
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
         if problems:
@@ -155,6 +181,9 @@ class CachedDataset(torch.utils.data.Dataset):
         self.on_miss = on_miss
         self.warm_ahead = int(warm_ahead)
         self.miss_timeout = float(miss_timeout)
+        self.on_error = on_error
+        # made here, in the process that builds the dataset, so its workers share it
+        self._skipped = SkippedSamples() if on_error == "skip" else None
         self._path_bytes: np.ndarray | None = None    # uint8, with sources only
         self._path_offsets: np.ndarray | None = None  # int64 [n + 1]
         self._miss_handler: tuple[int, Any] | None = None  # (pid, handler), made on a miss
@@ -265,6 +294,42 @@ class CachedDataset(torch.utils.data.Dataset):
         return self.transform(sample) if self.transform is not None else sample
 
     def __getitem__(self, i: int) -> Any:
+        if self._skipped is None:
+            return self._read_one(i)
+        try:
+            return self._read_one(i)
+        except SKIPPABLE_ERRORS as exc:
+            self._skip(i, exc)
+            return None
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Batched read used by DataLoader: one store transaction for the whole batch
+        (with ``on_error="skip"``, a batch with a failed sample is read again one sample
+        at a time, the failed ones as ``None``)."""
+        if self._skipped is None:
+            return self._read_many(indices)
+        try:
+            return self._read_many(indices)
+        except SKIPPABLE_ERRORS:
+            return [self.__getitem__(i) for i in indices]
+
+    @property
+    def failed(self) -> dict[str, SkippedSample]:
+        """Sample id -> :class:`~cache_store.readers.skipped.SkippedSample` (path,
+        reason, when) of every sample any process of this dataset skipped so far
+        (``on_error="skip"``; empty otherwise). Read in the parent after an epoch, it
+        includes what the DataLoader's workers skipped."""
+        return {} if self._skipped is None else self._skipped.entries()
+
+    def _skip(self, i: int, exc: BaseException) -> None:
+        sample_id = self.sample_id(i)
+        path = self.source_path(i) if self._path_offsets is not None else self.key(i)
+        reason = _one_line(exc)
+        if self._skipped is not None and self._skipped.add(sample_id, path, reason):
+            log.warning("CachedDataset %s: skipping sample %r (%s): %s",
+                        self._fingerprint, sample_id, path, reason)
+
+    def _read_one(self, i: int) -> Any:
         key = self.key(i)
         try:
             return self._finish(self._store_here().get_record(key, fields=self.fields))
@@ -274,8 +339,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._on_miss([i])
         return self._finish(self._store_here().get_record(key, fields=self.fields))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Batched read used by DataLoader: one store transaction for the whole batch."""
+    def _read_many(self, indices: Sequence[int]) -> list[Any]:
         keys = [self.key(i) for i in indices]
         try:
             records = self._store_here().get_records(keys, fields=self.fields)
