@@ -19,6 +19,7 @@ from cache_store.errors import (
 )
 from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.freshness import HashBudget
+from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
 from cache_store.recipes.specs import RECIPE_SPECS
@@ -57,9 +58,11 @@ def list_recipes() -> dict[str, Any]:
 @router.get("/caches")
 def list_caches(ctx: Context) -> dict[str, Any]:
     # from the walk in a child process: a damaged page answers 503, never kills us
+    failed = failure_counts(ctx.cache)
     out = [{"fingerprint": fp, "recipe": entry["recipe"],
             "recipe_version": entry["recipe_version"], "params": dict(entry["params"]),
-            "samples": int(entry["samples"])}
+            "samples": int(entry["samples"]), "created": entry.get("created") or None,
+            "failed": failed.get(fp, 0)}
            for fp, entry in ctx.cache_walk().items() if "recipe" in entry]
     return {"caches": out}
 
@@ -67,7 +70,10 @@ def list_caches(ctx: Context) -> dict[str, Any]:
 @router.get("/caches/{fingerprint}")
 def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=0, le=10**9),
               limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
-    """A fingerprint's recipe, parameters, counts, bytes and (a page of) its index."""
+    """A fingerprint's recipe, parameters, counts, bytes, (a page of) its index, when its
+    index was first written (``created``, ISO 8601; null before one is) and its
+    remembered failures (``failed``: ``{"count", "items": [{"id", "path", "reason",
+    "when", "times"}]}``, from precompute, the worker and read-through alike)."""
     validate_fingerprint(fingerprint)
     walked = ctx.cache_walk(fingerprint)  # in a child process: raises CacheDamaged, never aborts us
     store = ctx.store()
@@ -79,8 +85,10 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
         raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}")
     stats = ctx.cache_stats(fingerprint)
     counts = {"records": stats.records, "indexed": 0 if index is None else len(index.sample_ids)}
-    for status in ("pending", "running", "failed"):
+    for status in ("pending", "running"):
         counts[status] = sum(j.counts[status] for j in jobs)
+    failed = failures_of(ctx.cache, fingerprint)
+    counts["failed"] = failed["count"]
     if index is not None:
         recipe, version, params = index.recipe, index.recipe_version, dict(index.params)
         ids = [str(s) for s in index.sample_ids[offset:offset + limit]]
@@ -90,6 +98,7 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
         ids = []
     return {"fingerprint": fingerprint, "recipe": recipe, "recipe_version": version,
             "params": params, "counts": counts, "bytes": stats.bytes,
+            "created": None if index is None else (index.created or None), "failed": failed,
             "index": None if index is None else {"offset": offset, "limit": limit,
                                                  "total": len(index.sample_ids),
                                                  "sample_ids": ids},

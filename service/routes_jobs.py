@@ -93,11 +93,18 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
     return await run_in_threadpool(plan_and_submit)
 
 
+#: errors listed per job by ``GET /v1/jobs`` (its ``counts.failed`` is the exact number)
+LISTED_JOB_ERRORS = 10
+
+
 @router.get("/jobs")
 def list_jobs(ctx: Context, limit: int = Query(100, ge=1, le=1000),
               offset: int = Query(0, ge=0, le=10**9),
               fingerprint: str | None = Query(None, max_length=64)) -> dict[str, Any]:
-    jobs = ctx.queue.jobs(limit=limit, offset=offset, fingerprint=fingerprint)
+    """Jobs, newest first; a job with failed items lists its first
+    ``LISTED_JOB_ERRORS`` errors (``GET /v1/jobs/{id}`` pages through all of them)."""
+    jobs = ctx.queue.jobs(limit=limit, offset=offset, fingerprint=fingerprint,
+                          errors_limit=LISTED_JOB_ERRORS)
     return {"jobs": [j.as_json() for j in jobs], "offset": offset, "limit": limit}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,9 @@ from typing import Any
 from cache_store.errors import SpcacheError
 from cache_store.location import cache_dir_problem, is_remote
 
-__all__ = ["VERIFY", "STATS", "failed_samples"]
+__all__ = ["VERIFY", "STATS", "with_failures_and_jobs"]
 
-#: failed queue items listed by ``stats`` at most (the count is always exact)
+#: failed samples listed per fingerprint by ``stats`` at most (the count is always exact)
 MAX_FAILED_LISTED = 50
 
 
@@ -62,47 +63,88 @@ class STATS:
             return 2
         if not is_remote(args.cache) and Path(args.cache).is_dir():
             try:
-                stats = {**stats, "failed_samples": failed_samples(Path(args.cache))}
-            except (SpcacheError, OSError) as exc:  # the queue is extra: say why it is absent
-                stats = {**stats, "failed_samples": {"error": f"job queue unreadable: {exc}"}}
+                stats = with_failures_and_jobs(stats, Path(args.cache))
+            except (SpcacheError, OSError, sqlite3.Error) as exc:  # extra: say why absent
+                stats = {**stats, "failures_error": f"failure log or job queue unreadable: {exc}"}
         if args.json:
             print(json.dumps(stats, sort_keys=True, default=str))
         else:
-            _print_tree(stats)
+            _print_stats(stats)
         return 0
 
 
-def failed_samples(cache: Path, *, limit: int = MAX_FAILED_LISTED) -> dict[str, Any]:
-    """Failed items of the cache's job queue, newest job first: ``{"count": N, "items":
-    [{"job", "id", "path", "attempts", "reason"}, ...]}`` (at most ``limit`` items).
-
-    A cache without a job queue has none; nothing is created.
-    """
+def with_failures_and_jobs(stats: dict[str, Any], cache: Path, *,
+                           limit: int = MAX_FAILED_LISTED) -> dict[str, Any]:
+    """``stats`` with, under each fingerprint, its remembered failures (``failed``:
+    :func:`cache_store.jobs.failures.failures_of`) and its jobs' states (``jobs``);
+    fingerprints known only to the queue or the failure log are added. Creates nothing."""
+    from cache_store.jobs.failures import failure_counts, failures_of
     from cache_store.jobs.queue import JOBS_FILENAME, JobQueue
 
-    if not (cache / JOBS_FILENAME).is_file():
-        return {"count": 0, "items": []}
-    queue = JobQueue(cache)
-    try:
-        count, items = 0, []
-        offset = 0
-        while True:
-            jobs = queue.jobs(limit=100, offset=offset)
-            if not jobs:
-                break
-            offset += len(jobs)
-            for job in jobs:
-                failed = job.counts.get("failed", 0)
-                if not failed:
-                    continue
-                count += failed
-                if len(items) < limit:
-                    detail = queue.job(job.id, errors_limit=limit - len(items))
-                    items += [{"job": job.id, "id": e.sample_id, "path": e.path,
-                               "attempts": e.attempts, "reason": e.error} for e in detail.errors]
-    finally:
-        queue.close()
-    return {"count": count, "items": items}
+    per_fp = {fp: dict(entry) for fp, entry in stats.get("fingerprints", {}).items()}
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    if (cache / JOBS_FILENAME).is_file():
+        queue = JobQueue(cache)
+        try:
+            for job in queue.jobs(limit=10_000):
+                jobs.setdefault(job.fingerprint, []).append(
+                    {"id": job.id, "status": job.status, "recipe": job.recipe,
+                     "total": job.total, "percent": job.percent,
+                     "counts": {k: v for k, v in job.counts.items() if v}})
+        finally:
+            queue.close()
+    counts = failure_counts(cache)
+    for fp in [*jobs, *counts]:
+        per_fp.setdefault(fp, {"records": 0, "bytes": 0})
+    total_failed = 0
+    for fp, entry in per_fp.items():
+        entry["failed"] = failures_of(cache, fp, limit=limit) if counts.get(fp) else \
+            {"count": 0, "items": []}
+        entry["jobs"] = jobs.get(fp, [])
+        total_failed += entry["failed"]["count"]
+    return {**stats, "failed": total_failed, "fingerprints": dict(sorted(per_fp.items()))}
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"
+
+
+def _print_stats(stats: dict[str, Any]) -> None:
+    """The statistics, one block per fingerprint: what it is, when it was made, its
+    records, its jobs by state and its failed samples (id, path, when, reason)."""
+    fps = stats.get("fingerprints", {})
+    print(f"cache {stats.get('location', '')}: {len(fps)} fingerprint(s), "
+          f"{stats.get('records', 0)} records, {_size(int(stats.get('bytes', 0)))}"
+          + (f", {stats['failed']} failed sample(s)" if stats.get("failed") else ""))
+    if stats.get("failures_error"):
+        print(f"  ({stats['failures_error']})")
+    for fp, entry in fps.items():
+        what = (f"{entry['recipe']} v{entry['recipe_version']} "
+                f"{json.dumps(entry.get('params', {}), sort_keys=True)}"
+                if "recipe" in entry else "(no index)")
+        print(f"\nfingerprint {fp}  {what}")
+        if entry.get("created"):
+            print(f"  created  {entry['created']}")
+        indexed = f", {entry['samples']} indexed" if "samples" in entry else ""
+        print(f"  records  {entry.get('records', 0)} ({_size(int(entry.get('bytes', 0)))}){indexed}")
+        if entry.get("index_error"):
+            print(f"  index    unreadable: {entry['index_error']}")
+        for job in entry.get("jobs", []):
+            counted = ", ".join(f"{v} {k}" for k, v in job["counts"].items())
+            print(f"  job      {job['id']}  {job['status'].replace('_', ' ')}  "
+                  f"({counted}; {job['percent']:g}%)")
+        failed = entry.get("failed", {"count": 0, "items": []})
+        if failed["count"]:
+            print(f"  failed   {failed['count']}")
+            for f in failed["items"]:
+                again = f" ({f['times']} times)" if f.get("times", 1) > 1 else ""
+                print(f"    {f['id']}  {f['path']}  {f['when']}{again}: {f['reason']}")
+            if failed["count"] > len(failed["items"]):
+                print(f"    ... and {failed['count'] - len(failed['items'])} more (--json)")
 
 
 def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> None:
@@ -139,19 +181,3 @@ def _isolated(command: str, cache: str, walk: str) -> Any:
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def _print_tree(data: Any, indent: str = "") -> None:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            if isinstance(value, dict | list):
-                print(f"{indent}{key}:")
-                _print_tree(value, indent + "  ")
-            else:
-                print(f"{indent}{key}: {value}")
-    elif isinstance(data, list):
-        for value in data:
-            _print_tree(value, indent + "- ") if isinstance(value, dict | list) \
-                else print(f"{indent}- {value}")
-    else:
-        print(f"{indent}{data}")

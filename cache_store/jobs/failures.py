@@ -12,6 +12,13 @@ One SQLite database in WAL mode, ``<cache>/failures.sqlite``, beside the records
 the job queue but outside both: record readers (datasets, the service, Zarr export)
 never see it, and a failure is not a record. Standard library only, CPU only.
 Connections are per process (a forked child opens its own).
+
+Every path that computes records writes here: ``spcache precompute`` (both engines) and
+the queue's worker (``spcache worker`` and the one ``spcache serve`` runs), which computes
+read-through misses and warm-ups. :func:`failures_of` is what ``spcache stats``, ``GET
+/v1/caches/{fp}``, the status page and ``spcache ls`` show: this log merged with the
+queue's failed items (a queue written by an older worker, or an item failed outside an
+engine run), one entry per sample.
 """
 
 from __future__ import annotations
@@ -22,9 +29,15 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-__all__ = ["FAILURES_FILENAME", "Failure", "FailureLog"]
+__all__ = ["FAILURES_FILENAME", "Failure", "FailureLog", "failures_of", "failure_counts",
+           "MAX_FAILURES_LISTED"]
+
+#: failures listed per fingerprint at most by :func:`failures_of` (the count is exact)
+MAX_FAILURES_LISTED = 50
 
 FAILURES_FILENAME = "failures.sqlite"
 
@@ -122,6 +135,15 @@ class FailureLog:
             raise
         return failure
 
+    def entries(self, fingerprint: str | None = None) -> list[Failure]:
+        """Every remembered failure (of ``fingerprint``, or all), newest first."""
+        if not self.path.exists():
+            return []
+        where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
+        rows = self._conn().execute(f"SELECT * FROM failures {where}ORDER BY last_failed DESC, "
+                                    f"sample_id", args).fetchall()
+        return [Failure(**dict(row)) for row in rows]
+
     def forget(self, fingerprint: str, sample_ids: Iterable[str]) -> None:
         """Drop the failures of ``sample_ids`` (they have records now)."""
         ids = list(sample_ids)
@@ -139,3 +161,60 @@ class FailureLog:
         if conn is not None and pid == os.getpid():
             conn.close()
         self._local.conn = None
+
+
+def _when(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _merged(cache_dir: Path, fingerprint: str | None) -> list[dict[str, Any]]:
+    """The failure log's entries plus the queue's failed samples the log lacks."""
+    from cache_store.jobs.queue import JOBS_FILENAME, JobQueue  # late: the queue is optional
+
+    entries: dict[tuple[str, str], dict[str, Any]] = {}
+    log = FailureLog(cache_dir)
+    try:
+        for f in log.entries(fingerprint):
+            entries[(f.fingerprint, f.sample_id)] = {
+                "fingerprint": f.fingerprint, "id": f.sample_id, "path": f.path,
+                "reason": f.reason, "times": f.times, "when": _when(f.last_failed),
+                "at": f.last_failed}
+    finally:
+        log.close()
+    if (cache_dir / JOBS_FILENAME).is_file():
+        queue = JobQueue(cache_dir)
+        try:
+            for row in queue.failed_samples(fingerprint):
+                entries.setdefault((row["fingerprint"], row["sample_id"]), {
+                    "fingerprint": row["fingerprint"], "id": row["sample_id"],
+                    "path": row["path"], "reason": row["reason"], "times": 1,
+                    "when": _when(row["updated"]), "at": row["updated"]})
+        finally:
+            queue.close()
+    return sorted(entries.values(), key=lambda e: (-e["at"], e["fingerprint"], e["id"]))
+
+
+def failures_of(cache_dir: str | os.PathLike[str], fingerprint: str, *,
+                limit: int = MAX_FAILURES_LISTED) -> dict[str, Any]:
+    """The remembered failures of one fingerprint of a cache directory, newest first:
+    ``{"count": N, "items": [{"id", "path", "reason", "when", "times"}, ...]}`` with at
+    most ``limit`` items (``when``: ISO 8601 UTC of the last failure; ``times``: failures
+    in a row on the same source and reason).
+
+    Reads the failure log (every precompute, worker, read-through and Ray failure) and
+    the job queue's failed items; creates neither file. A sample computed successfully
+    since is not listed (the log forgets it; a queue item is superseded by a newer one),
+    except one that failed only in the queue and was then computed by ``precompute``.
+    """
+    found = _merged(Path(cache_dir), fingerprint)
+    return {"count": len(found),
+            "items": [{k: e[k] for k in ("id", "path", "reason", "when", "times")}
+                      for e in found[:max(0, int(limit))]]}
+
+
+def failure_counts(cache_dir: str | os.PathLike[str]) -> dict[str, int]:
+    """Fingerprint -> number of remembered failed samples, for every fingerprint with any."""
+    counts: dict[str, int] = {}
+    for entry in _merged(Path(cache_dir), None):
+        counts[entry["fingerprint"]] = counts.get(entry["fingerprint"], 0) + 1
+    return counts

@@ -321,24 +321,34 @@ class JobQueue:
         if row is None:
             raise JobNotFound(job_id)
         counts, settled = self._job_counts(conn, [job_id])
-        errs = conn.execute(
-            "SELECT id, sample_id, path, status, attempts, last_error FROM items "
-            "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
-            (job_id, max(0, int(errors_limit)), max(0, int(errors_offset)))).fetchall()
-        return job_info_from_row(row, counts[job_id], [ItemError(e["id"], e["sample_id"], e["path"],
-                                                         e["status"], e["attempts"],
-                                                         e["last_error"] or "")
-                                               for e in errs], settled.get(job_id))
+        errors = self._errors(conn, job_id, errors_offset, errors_limit)
+        return job_info_from_row(row, counts[job_id], errors, settled.get(job_id))
 
-    def jobs(self, *, limit: int = 100, offset: int = 0,
-             fingerprint: str | None = None) -> list[JobInfo]:
-        """Jobs, newest first, with counts (no errors; ask :meth:`job` for those)."""
+    def jobs(self, *, limit: int = 100, offset: int = 0, fingerprint: str | None = None,
+             errors_limit: int = 0) -> list[JobInfo]:
+        """Jobs, newest first, with counts and, for a job with failed items, the first
+        ``errors_limit`` of their errors (ask :meth:`job` for more)."""
         conn = self._conn()
         where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
         rows = conn.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
                             (*args, max(0, int(limit)), max(0, int(offset)))).fetchall()
         counts, settled = self._job_counts(conn, [r["id"] for r in rows])
-        return [job_info_from_row(r, counts[r["id"]], [], settled.get(r["id"])) for r in rows]
+        out = []
+        for r in rows:
+            errors = []
+            if errors_limit > 0 and counts[r["id"]]["failed"]:
+                errors = self._errors(conn, r["id"], 0, errors_limit)
+            out.append(job_info_from_row(r, counts[r["id"]], errors, settled.get(r["id"])))
+        return out
+
+    @staticmethod
+    def _errors(conn: sqlite3.Connection, job_id: str, offset: int, limit: int) -> list[ItemError]:
+        errs = conn.execute(
+            "SELECT id, sample_id, path, status, attempts, last_error FROM items "
+            "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
+            (job_id, max(0, int(limit)), max(0, int(offset)))).fetchall()
+        return [ItemError(e["id"], e["sample_id"], e["path"], e["status"], e["attempts"],
+                          e["last_error"] or "") for e in errs]
 
     def counts(self) -> dict[str, int]:
         """Items in the whole queue by status."""
@@ -365,6 +375,20 @@ class JobQueue:
             "SELECT * FROM items WHERE fingerprint = ? AND sample_id = ? "
             "ORDER BY updated DESC, id DESC LIMIT 1", (fingerprint, sample_id)).fetchone()
         return dict(row) if row is not None else None
+
+    def failed_samples(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
+        """Samples whose newest (non-cancelled) item failed: ``{"fingerprint",
+        "sample_id", "path", "reason", "updated"}`` dicts, newest first."""
+        where, args = ("AND i.fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
+        rows = self._conn().execute(
+            "SELECT i.fingerprint, i.sample_id, i.path, i.last_error, i.updated FROM items i "
+            "WHERE i.status = 'failed' " + where +
+            "AND NOT EXISTS (SELECT 1 FROM items n WHERE n.fingerprint = i.fingerprint "
+            "AND n.sample_id = i.sample_id AND n.status != 'cancelled' "
+            "AND (n.updated > i.updated OR (n.updated = i.updated AND n.id > i.id))) "
+            "ORDER BY i.updated DESC, i.id DESC", args).fetchall()
+        return [{"fingerprint": r["fingerprint"], "sample_id": r["sample_id"], "path": r["path"],
+                 "reason": r["last_error"] or "failed", "updated": r["updated"]} for r in rows]
 
     def sample_ids(self, fingerprint: str, *, prefix: str = "", after: str = "",
                    limit: int = 100) -> list[str]:

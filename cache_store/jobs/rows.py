@@ -78,6 +78,11 @@ class ItemError:
     error: str
 
 
+#: a job's states, as ``JobInfo.status``, ``GET /v1/jobs``, the page and ``spcache stats``
+#: spell them
+JOB_STATES = ("pending", "running", "done", "done_with_errors", "failed", "cancelled")
+
+
 @dataclass(frozen=True)
 class JobInfo:
     id: str
@@ -100,9 +105,10 @@ class JobInfo:
 
     @property
     def percent(self) -> float:
-        """Items no longer pending or running, as a percentage of all (100 when none)."""
-        left = self.counts["pending"] + self.counts["running"]
-        return 100.0 if self.total == 0 else round(100.0 * (self.total - left) / self.total, 2)
+        """Items settled (done or failed) as a percentage of all (100 when there are none):
+        a cancelled job's dropped items count as not done, so it stays below 100."""
+        settled = self.counts["done"] + self.counts["failed"]
+        return 100.0 if self.total == 0 else round(100.0 * settled / self.total, 2)
 
     @property
     def samples_per_s(self) -> float | None:
@@ -126,16 +132,19 @@ class JobInfo:
 
     @property
     def status(self) -> str:
-        """``pending``, ``running``, ``done``, ``failed`` (some item failed) or ``cancelled``."""
+        """One of :data:`JOB_STATES`: ``pending``, ``running``, ``done`` (every item
+        done), ``done_with_errors`` (some done, some failed), ``failed`` (every item that
+        settled failed, none done) or ``cancelled`` (cancelled before every item settled).
+        """
         c = self.counts
         if c["running"] or (c["pending"] and (c["done"] or c["failed"])):
             return "running"
         if c["pending"]:
             return "pending"
-        if self.cancelled:
+        if self.cancelled and c.get("cancelled", 0):
             return "cancelled"
         if c["failed"]:
-            return "failed"
+            return "done_with_errors" if c["done"] else "failed"
         return "done"
 
     def as_json(self) -> dict[str, Any]:

@@ -93,7 +93,7 @@
       body.append(el("tr", { "data-job": job.id, "data-status": job.status },
         el("td", {}, shortId(job.id), el("br"), el("span", { class: "muted" }, fmtTime(job.created))),
         el("td", {}, job.recipe, el("br"), fmtParams(job.params)),
-        el("td", {}, el("span", { class: `state ${job.status}` }, job.status)),
+        el("td", {}, el("span", { class: `state ${job.status}` }, job.status.replaceAll("_", " "))),
         el("td", {}, progressBar(job)),
         el("td", { class: "num" }, rate == null ? "—" : `${rate.toFixed(1)}/s`),
         el("td", { class: "num" }, left === 0 ? "done" : fmtDuration(eta)),
@@ -145,15 +145,28 @@
       const detail = await getJSON(`/v1/caches/${c.fingerprint}?limit=0`);
       const open = el("button", { type: "button", "aria-controls": "samples-panel" }, `${c.samples} samples`);
       open.onclick = () => openCache(c);
+      // the index's own time (precompute writes one); a job's only before any index
+      const when = detail.created ? fmtTime(Date.parse(detail.created) / 1000) : fmtTime(created.get(c.fingerprint));
       return el("tr", { "data-fingerprint": c.fingerprint },
         el("td", {}, shortId(c.fingerprint)), el("td", {}, `${c.recipe} v${c.recipe_version}`),
         el("td", {}, fmtParams(c.params)),
         el("td", { class: "num" }, detail.counts.records), el("td", { class: "num" }, fmtBytes(detail.bytes)),
-        el("td", {}, fmtTime(created.get(c.fingerprint))), el("td", {}, open));
+        el("td", {}, when), el("td", {}, failedCell(detail.failed)), el("td", {}, open));
     }));
     body.replaceChildren(...rows);
     label($("caches"));
     $("caches-empty").hidden = rows.length > 0;
+  }
+
+  // A cache row's failures: the count, and the list (id, path, reason, when) in a
+  // disclosure, from every path that computes (precompute, worker, read-through).
+  function failedCell(failed) {
+    if (!failed || failed.count === 0) return el("span", { class: "muted" }, "none");
+    const list = el("ul", { class: "failures" }, ...failed.items.map((f) => el("li", { "data-sample": f.id },
+      el("code", {}, f.id), " ", el("code", { class: "path" }, f.path), ": ", f.reason, " ",
+      el("span", { class: "muted" }, `(${fmtTime(Date.parse(f.when) / 1000)})`))));
+    if (failed.count > failed.items.length) list.append(el("li", { class: "muted" }, `and ${failed.count - failed.items.length} more (spcache stats)`));
+    return el("details", { class: "failed" }, el("summary", {}, `${failed.count} failed`), list);
   }
 
   function openCache(c) {

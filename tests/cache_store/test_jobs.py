@@ -144,6 +144,7 @@ def test_cancel_stops_pending_items_running_ones_finish(queue: JobQueue) -> None
     queue.complete("w", c.item_id)
     info = queue.job(job_id)
     assert info.status == "cancelled" and info.counts["done"] == 1
+    assert info.percent == 25.0  # 3 of 4 items were dropped: not 100 %
 
 
 def test_release_after_cancel_cancels(queue: JobQueue) -> None:
@@ -278,3 +279,24 @@ def test_progress_from_queue_timestamps(queue: JobQueue, clock: FakeClock) -> No
         queue.complete("w", c.item_id)
     info = queue.job(job_id)
     assert (info.percent, info.samples_per_s, info.eta_s) == (100.0, 0.4, 0.0)
+
+
+def test_job_states_tell_done_with_errors_from_failed(queue: JobQueue) -> None:
+    mixed = queue.submit("spc", {}, "a" * 16, _items(3))
+    claimed = queue.claim("w", limit=3)
+    queue.complete("w", claimed[0].item_id)
+    queue.complete("w", claimed[1].item_id)
+    queue.fail("w", claimed[2].item_id, "bad mesh", permanent=True)
+    all_bad = queue.submit("spc", {}, "b" * 16, _items(2))
+    for c in queue.claim("w", limit=2):
+        queue.fail("w", c.item_id, "bad mesh", permanent=True)
+    clean = queue.submit("spc", {}, "c" * 16, _items(1))
+    queue.complete("w", queue.claim("w")[0].item_id)
+    assert queue.job(mixed).status == "done_with_errors"
+    assert queue.job(all_bad).status == "failed"
+    assert queue.job(clean).status == "done"
+    # the list carries the errors of a job with failures, not an empty list
+    listed = {j.id: j for j in queue.jobs(errors_limit=10)}
+    assert [e.error for e in listed[mixed].errors] == ["bad mesh"]
+    assert len(listed[all_bad].errors) == 2 and listed[clean].errors == []
+    assert listed[mixed].as_json()["status"] == "done_with_errors"

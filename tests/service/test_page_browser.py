@@ -123,10 +123,11 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
 
     row = page.locator(f"tr[data-job='{job_id}']")
     row.wait_for(timeout=30_000)
-    # The page polls: the row's status becomes final (failed: one item failed) and the
+    # The page polls: the row's status becomes final (done with errors: one item of
+    # several failed) and the
     # progress text says every item is through.
     page.wait_for_function(
-        "id => ['done', 'failed'].includes(document.querySelector(`tr[data-job='${id}']`)"
+        "id => ['done', 'done_with_errors', 'failed'].includes(document.querySelector(`tr[data-job='${id}']`)"
         "?.dataset.status)", arg=job_id, timeout=300_000)
     total = len(items)
     progress = row.locator(".progress-text").inner_text()

@@ -146,7 +146,8 @@ def test_jobs_list_get_cancel_and_404(client: httpx.Client, cache: Cache) -> Non
     assert (listed[0]["total"], listed[0]["percent"], listed[0]["eta_s"]) == (len(cache.ids), 0.0, None)
     r = client.delete(f"/v1/jobs/{job_id}", headers=AUTH)
     assert r.json()["counts"]["cancelled"] == len(cache.ids) and r.json()["status"] == "cancelled"
-    assert r.json()["percent"] == 100.0 and r.json()["eta_s"] == 0.0
+    # nothing was computed: a cancelled job is not "100 %" done
+    assert r.json()["percent"] == 0.0 and r.json()["eta_s"] == 0.0
     r = client.get("/v1/jobs/nope")
     assert r.status_code == 404 and r.json()["error"] == "JobNotFound"
     assert client.delete("/v1/jobs/nope", headers=AUTH).status_code == 404

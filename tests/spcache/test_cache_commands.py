@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cache_store.jobs.failures import FailureLog
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.stores.base import DatasetIndex
@@ -41,16 +42,27 @@ def _cache_with_failures(root: Path) -> str:
 
 
 def test_stats_lists_failed_samples_with_their_reasons(tmp_path: Path) -> None:
-    _cache_with_failures(tmp_path)
+    fp = _cache_with_failures(tmp_path)
+    # a precompute failure, remembered in the failure log (not the queue)
+    FailureLog(tmp_path).record(fp, "bad3", "/data/bad3.stl", "h3", "bad3.stl: not a mesh")
     out = _spcache("stats", "--cache", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
-    failed = json.loads(out.stdout)["failed_samples"]
-    assert failed["count"] == 2
+    data = json.loads(out.stdout)
+    failed = data["fingerprints"][fp]["failed"]
+    assert failed["count"] == 3 and data["failed"] == 3
     assert sorted((f["id"], f["path"], f["reason"]) for f in failed["items"]) == [
         ("bad1", "/data/bad1.obj", "bad1.obj: file is empty"),
-        ("bad2", "/data/bad2.ply", "bad2.ply: no vertices")]
+        ("bad2", "/data/bad2.ply", "bad2.ply: no vertices"),
+        ("bad3", "/data/bad3.stl", "bad3.stl: not a mesh")]
+    assert all(f["when"].endswith("Z") for f in failed["items"])
+    (job,) = data["fingerprints"][fp]["jobs"]
+    assert job["status"] == "done_with_errors" and job["counts"] == {"done": 1, "failed": 2}
     text = _spcache("stats", "--cache", str(tmp_path)).stdout
-    assert "failed_samples:" in text and "bad2.ply: no vertices" in text
+    # grouped per fingerprint: the block of fp holds its job and its failures
+    block = text.split(f"fingerprint {fp}")[1]
+    assert "done with errors" in block and "failed   3" in block
+    assert "bad2  /data/bad2.ply" in block and "bad2.ply: no vertices" in block
+    assert "- id:" not in text and "- job:" not in text
 
 
 def test_stats_of_a_cache_without_a_queue_creates_none(tmp_path: Path) -> None:
@@ -59,8 +71,9 @@ def test_stats_of_a_cache_without_a_queue_creates_none(tmp_path: Path) -> None:
         store.put_many([(f"{fp}/s0", make_record(fp, "s0", 0))])
     out = _spcache("stats", "--cache", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["failed_samples"] == {"count": 0, "items": []}
-    assert not (tmp_path / "jobs.sqlite").exists()
+    data = json.loads(out.stdout)
+    assert data["failed"] == 0 and data["fingerprints"][fp]["failed"] == {"count": 0, "items": []}
+    assert not (tmp_path / "jobs.sqlite").exists() and not (tmp_path / "failures.sqlite").exists()
 
 
 def test_export_compression_level_is_clevel_and_level_stays_a_hidden_alias() -> None:
