@@ -151,3 +151,29 @@ def test_jobs_list_get_cancel_and_404(client: httpx.Client, cache: Cache) -> Non
     r = client.get("/v1/jobs/nope")
     assert r.status_code == 404 and r.json()["error"] == "JobNotFound"
     assert client.delete("/v1/jobs/nope", headers=AUTH).status_code == 404
+
+
+def test_cache_lists_every_remembered_failure_and_its_created_time(client: httpx.Client,
+                                                                   cache: Cache) -> None:
+    from cache_store.jobs.failures import FailureLog
+    from cache_store.jobs.queue import JobQueue, NewItem
+
+    # a precompute failure (the failure log) and a worker failure (the queue) alike
+    FailureLog(cache.root).record(cache.fingerprint, "broken", "/data/broken.obj", "h",
+                                  "no faces")
+    queue = JobQueue(cache.root)
+    queue.submit("spc", cache.params, cache.fingerprint, [NewItem("empty", "/data/empty.ply")])
+    (claimed,) = queue.claim("w")
+    queue.fail("w", claimed.item_id, "file is empty", permanent=True)
+    queue.close()
+    body = client.get(f"/v1/caches/{cache.fingerprint}").json()
+    assert body["created"] and body["created"].startswith("20")
+    failed = body["failed"]
+    assert failed["count"] == 2 == body["counts"]["failed"]
+    assert sorted((f["id"], f["path"], f["reason"]) for f in failed["items"]) == [
+        ("broken", "/data/broken.obj", "no faces"), ("empty", "/data/empty.ply", "file is empty")]
+    listed = client.get("/v1/caches").json()["caches"]
+    assert [(c["failed"], bool(c["created"])) for c in listed
+            if c["fingerprint"] == cache.fingerprint] == [(2, True)]
+    jobs = client.get("/v1/jobs").json()["jobs"]
+    assert jobs[0]["status"] == "failed" and jobs[0]["errors"][0]["error"] == "file is empty"
