@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -88,7 +90,34 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"spcache serve: {settings.cache}: cannot create the cache "
                          f"directory ({exc.strerror or exc})\n")
         return 2
+    busy = port_problem(settings.host, settings.port)
+    if busy:
+        sys.stderr.write(f"spcache serve: {busy}\n")
+        return 2
     return serve(settings)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why uvicorn could not listen on ``host:port`` (in use, not an address of this
+    machine, not permitted), or None: checked before anything starts or says
+    "listening", so a busy port is one line instead of a worker started for nothing."""
+    if not port:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            return (f"cannot listen on {host}:{port}: {reason}"
+                    + (" (pick another --port, or stop what holds it)"
+                       if exc.errno == errno.EADDRINUSE else ""))
+    return None
 
 
 def serve(settings: Settings) -> int:

@@ -13,7 +13,8 @@ A process started by another spcache process (the service's worker, the demo's s
 finds its parent's pid in ``SPCACHE_PARENT_PID`` and ends when that parent dies
 (:mod:`spcache.lifecycle`). SIGHUP is treated as SIGTERM by every command.
 
-Exit status: 0 all good, 1 some samples failed (or the cache did not verify), 2 bad
+Exit status: 0 all good (``precompute --skip-failed``: failures known from an earlier run
+and not retried do not count), 1 some samples failed (or the cache did not verify), 2 bad
 usage or a bad path, 130 interrupted.
 """
 
@@ -96,15 +97,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _top_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<12}{help_}" for name, (_, help_) in COMMANDS.items()]
     parser = argparse.ArgumentParser(
-        prog="spcache", usage="spcache [-h] [-v] [-q] COMMAND [ARGS ...]",
+        prog="spcache", usage="spcache [-h] [--version] [-v] [-q] COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Precompute and serve cached Kaolin SPC features.",
         epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'spcache COMMAND --help' for a command's options.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (repeatable)")
     parser.add_argument("-q", "--quiet", action="count", default=0, help="less logging")
+    parser.add_argument("--version", action="version", version=f"spcache {_version()}",
+                        help="print the version and exit")
     parser.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND",
                         help="one of: " + ", ".join(COMMANDS))
     return parser
+
+
+def _version() -> str:
+    from spcache import __version__
+
+    return __version__
 
 
 def subcommand_parser(name: str, target: Any) -> argparse.ArgumentParser:

@@ -52,13 +52,16 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
                    skip_failed: bool = False, progress: bool = False, engine: str = "local",
                    address: str | None = None, actors: int | None = None,
                    query_chunk: int = DEFAULT_QUERY_CHUNK,
-                   write_batch: int = DEFAULT_WRITE_BATCH) -> Any:
+                   write_batch: int = DEFAULT_WRITE_BATCH,
+                   id_template: str | None = None) -> Any:
     """Compute ``recipe`` with ``params`` over ``sources`` into the cache directory ``cache``.
 
     ``sources``: files, directories (searched recursively) and manifests, as
     :func:`cache_store.sources.discover.discover_sources` reads them. Returns the engine's
     :class:`workers.run_ledger.Summary` (a :class:`workers.ray_common.RaySummary` with
-    ``engine="ray"``); samples that failed are in it, not raised.
+    ``engine="ray"``); samples that failed are in it, not raised. ``id_template`` makes
+    the sample ids from the files' relative paths
+    (:func:`cache_store.sources.discover.sample_id_for`; ``"{path}"`` keeps the extension).
 
     Raises:
         UsageError: a bad option, no source found, or a cache that cannot be opened.
@@ -86,7 +89,7 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
     if problem:
         raise UsageError(problem)
     source_list = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
-    items = discover_sources(source_list)
+    items = discover_sources(source_list, id_template=id_template)
     if not items:
         raise UsageError("no supported source files found in " + ", ".join(map(str, source_list)))
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from cache_store.errors import ParameterError, SpcacheError, StoreFull
 from cache_store.recipes.table import recipe_table
+from cache_store.sources.discover import KEEP_EXTENSION
 from workers.precompute import UsageError
 
 __all__ = ["configure_parser", "run", "parse_params", "UsageError"]
@@ -59,6 +60,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("sources", nargs="+", metavar="SOURCE",
                         help="a file, a directory (searched recursively) or a manifest "
                              "(.txt: one path a line; .jsonl: {\"id\": ..., \"path\": ...})")
+    ids = parser.add_mutually_exclusive_group()
+    ids.add_argument("--id-template", default=None, metavar="TEMPLATE",
+                     help="sample ids from each file's path relative to its directory or "
+                          ".txt manifest: a format string over {path} (with extension), "
+                          "{id} (without: the default), {parts[N]} (its components), "
+                          "{parent}, {name}, {stem}, {ext}; e.g. \"{parts[0]}/{parts[1]}\" "
+                          "for ShapeNet's SYNSET/MODEL/models/model_normalized.obj. .jsonl "
+                          "manifests keep their ids")
+    ids.add_argument("--id-keep-ext", action="store_true",
+                     help="keep the extension in sample ids (link_0.stl and link_0.obj "
+                          "become two samples); the same as --id-template \"{path}\"")
     parser.add_argument("--recipe", required=True, help="recipe name (see below; spcache recipes)")
     parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe parameter (repeatable; see below)")
@@ -100,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
                 args.sources, args.recipe, args.cache, params=params, device=args.device,
                 backend=args.backend, loaders=args.loaders, skip_failed=args.skip_failed,
                 progress=sys.stderr.isatty(), engine=args.engine, address=args.address,
-                actors=args.actors, query_chunk=args.query_chunk, write_batch=args.write_batch)
+                actors=args.actors, query_chunk=args.query_chunk, write_batch=args.write_batch,
+                id_template=KEEP_EXTENSION if args.id_keep_ext else args.id_template)
     except StoreFull as exc:
         print(f"spcache precompute: stopped: {exc}. The records committed before it are "
               f"kept (spcache stats {args.cache}); free space (or raise the cache's size "
@@ -114,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary.as_json(), sort_keys=True))
     else:
         _print_summary(summary)
-    return 1 if summary.failed else 0
+    # with --skip-failed, a failure known from an earlier run and not retried is no news:
+    # exit 1 only when something failed in this run
+    return 1 if summary.failed > len(summary.repeats("skipped")) else 0
 
 
 def _print_summary(summary: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
 from cache_store.location import cache_dir_problem
@@ -30,7 +31,13 @@ def log_level(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = cache_dir_problem(args.cache, write=True)
+    # A worker never creates its cache: a mistyped --cache would otherwise make a new,
+    # empty queue there and wait forever for jobs nobody sends.
+    if not Path(args.cache).exists():
+        problem = (f"{args.cache}: no such cache directory (a worker drains an existing "
+                   f"cache: check the path, or create it first)")
+    else:
+        problem = cache_dir_problem(args.cache, write=True)
     if problem:
         print(f"spcache worker: {problem}", file=sys.stderr)
         return 2

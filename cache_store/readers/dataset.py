@@ -111,6 +111,9 @@ class CachedDataset(torch.utils.data.Dataset):
             precompute`` does (:func:`cache_store.sources.discover.discover_sources`). The
             samples are those sources, in that order, whatever the cache holds yet; the
             fingerprint is the recipe's with ``**params`` (defaults filled in).
+        id_template: with sources, how sample ids are made from the files' relative
+            paths (:func:`cache_store.sources.discover.sample_id_for`; ``"{path}"``
+            keeps the extension), as ``spcache precompute --id-template`` makes them.
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
             ``"compute"`` (the default with sources): queue the sample for the cache's
             worker and wait for its record (see :mod:`cache_store.readers.read_through`; over the
@@ -149,7 +152,7 @@ class CachedDataset(torch.utils.data.Dataset):
                  sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
                  on_miss: str | None = None, warm_ahead: int = 16,
                  miss_timeout: float = 120.0, on_error: str = "raise",
-                 **params: Any) -> None:
+                 id_template: str | None = None, **params: Any) -> None:
         if not isinstance(fingerprint_or_recipe, str):
             raise ParameterError([f"fingerprint_or_recipe: expected a str, got "
                                   f"{type(fingerprint_or_recipe).__name__}"])
@@ -159,6 +162,8 @@ class CachedDataset(torch.utils.data.Dataset):
             problems.append(f"on_miss: expected 'error' or 'compute', got {on_miss!r}")
         elif on_miss == "compute" and sources is None:
             problems.append("on_miss='compute' needs sources= (the paths to compute from)")
+        if id_template is not None and sources is None:
+            problems.append("id_template= needs sources= (it names the samples found there)")
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
         location = parse_location(cache.location if isinstance(cache, Store) else cache)
@@ -182,6 +187,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.warm_ahead = int(warm_ahead)
         self.miss_timeout = float(miss_timeout)
         self.on_error = on_error
+        self.id_template = id_template
         # made here, in the process that builds the dataset, so its workers share it
         self._skipped = SkippedSamples() if on_error == "skip" else None
         self._path_bytes: np.ndarray | None = None    # uint8, with sources only
@@ -226,9 +232,15 @@ class CachedDataset(torch.utils.data.Dataset):
 
         spec = get_recipe_spec(self.selector)
         resolved = spec.resolve(self.params)
-        items = discover_sources(self.sources)  # type: ignore[arg-type]
+        items = discover_sources(self.sources, id_template=self.id_template)  # type: ignore[arg-type]
         if not items:
             raise SourceError(self.sources, "no supported source files found")
+        first: dict[str, str] = {}
+        for sid, path in items:
+            if first.setdefault(sid, path) != path:
+                raise SourceError(path, f"sample id {sid!r} is also that of {first[sid]}; "
+                                        f"choose ids with id_template= (e.g. "
+                                        f"cache_store.sources.discover.KEEP_EXTENSION)")
         self._path_bytes, self._path_offsets = pack_ids([path for _, path in items])
         self._id_bytes, self._id_offsets = pack_ids([sid for sid, _ in items])
         self._recipe = (spec.name, spec.version, resolved)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from cache_store.errors import SourceError
 
 __all__ = ["POINT_CLOUD_EXTENSIONS", "MESH_EXTENSIONS", "SUPPORTED_EXTENSIONS",
-           "MANIFEST_EXTENSIONS", "discover_sources"]
+           "MANIFEST_EXTENSIONS", "KEEP_EXTENSION", "discover_sources", "sample_id_for"]
+
+#: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ)
+KEEP_EXTENSION = "{path}"
 
 #: file extensions a worker can load (``workers.sources`` loads them)
 POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
@@ -26,8 +29,40 @@ SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS
 MANIFEST_EXTENSIONS = frozenset({".txt", ".jsonl"})
 
 
+def sample_id_for(relative: str, template: str | None = None) -> str:
+    """The sample id of a file at ``relative`` (a ``/``-separated path, with extension,
+    relative to the directory or manifest folder it was found through).
+
+    Without a template it is ``relative`` without its extension. A template is a
+    :meth:`str.format` string over ``path`` (``relative`` itself), ``id`` (the default
+    id), ``parts`` (the default id's components: ``{parts[0]}/{parts[1]}``), ``parent``,
+    ``name`` (with extension), ``stem`` and ``ext`` (without the dot).
+
+    Raises:
+        ValueError: the template names an unknown field or a part the path lacks, or
+            gives an empty id.
+    """
+    path = PurePosixPath(relative)
+    default = path.with_suffix("").as_posix() if path.suffix else path.as_posix()
+    if template is None:
+        return default
+    fields = {"path": path.as_posix(), "id": default, "parts": PurePosixPath(default).parts,
+              "parent": path.parent.as_posix() if path.parent != PurePosixPath(".") else "",
+              "name": path.name, "stem": path.stem, "ext": path.suffix.lstrip(".")}
+    try:
+        sample_id = template.format(**fields)
+    except (KeyError, IndexError, AttributeError, ValueError) as exc:
+        known = ", ".join(fields)
+        raise ValueError(f"id template {template!r} does not fit {relative!r} "
+                         f"({type(exc).__name__}: {exc}; fields: {known})") from None
+    if not sample_id.strip("/"):
+        raise ValueError(f"id template {template!r} gives an empty id for {relative!r}")
+    return sample_id
+
+
 def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *,
-                     limit: int | None = None) -> list[tuple[str, str]]:
+                     limit: int | None = None,
+                     id_template: str | None = None) -> list[tuple[str, str]]:
     """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
 
     ``sources`` is one source or an iterable of them:
@@ -40,11 +75,17 @@ def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLik
     - ``.jsonl``: a manifest, one ``{"id": ..., "path": ...}`` object a line;
     - any other file: one sample whose id is the file name without extension.
 
+    ``id_template`` (see :func:`sample_id_for`; :data:`KEEP_EXTENSION` keeps the
+    extension) makes the ids of directories, ``.txt`` manifests and files from their
+    relative paths instead; a ``.jsonl`` manifest's ids are its own. Two files with one
+    id are not caught here: ``precompute`` fails the second naming the first, and a
+    dataset over sources refuses them (naming both paths).
+
     ``limit`` caps the number of pairs (a request that names more fails as a whole).
 
     Raises:
         SourceError: a source that does not exist or cannot be read, a malformed manifest,
-            or more than ``limit`` pairs.
+            more than ``limit`` pairs, or an id template that does not fit a path.
     """
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
@@ -56,21 +97,28 @@ def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLik
         except OSError as exc:
             raise SourceError(path, f"cannot read: {exc.strerror or exc}") from exc
         if is_dir:
-            items.extend(_walk(path))
+            items.extend(_walk(path, id_template))
         elif not path.exists():
             raise SourceError(path, "no such file or directory")
         elif path.suffix.lower() == ".txt":
-            items.extend(_read_txt_manifest(path))
+            items.extend(_read_txt_manifest(path, id_template))
         elif path.suffix.lower() == ".jsonl":
             items.extend(_read_jsonl_manifest(path))
         else:
-            items.append((path.stem, str(path)))
+            items.append((_id(path, path.name, id_template), str(path)))
         if limit is not None and len(items) > limit:
             raise SourceError(path, f"names more than {limit} sources; split the request")
     return items
 
 
-def _walk(root: Path) -> list[tuple[str, str]]:
+def _id(source: Path, relative: str, template: str | None) -> str:
+    try:
+        return sample_id_for(relative, template)
+    except ValueError as exc:
+        raise SourceError(source, str(exc)) from None
+
+
+def _walk(root: Path, template: str | None = None) -> list[tuple[str, str]]:
     if not os.access(root, os.R_OK | os.X_OK):
         raise SourceError(root, "directory is not readable")
     found: list[tuple[str, str]] = []
@@ -81,7 +129,8 @@ def _walk(root: Path) -> list[tuple[str, str]]:
                 continue
             file = Path(dirpath) / filename
             if file.suffix.lower() in SUPPORTED_EXTENSIONS:
-                found.append((file.relative_to(root).with_suffix("").as_posix(), str(file)))
+                found.append((_id(file, file.relative_to(root).as_posix(), template),
+                              str(file)))
     found.sort()
     return found
 
@@ -95,26 +144,31 @@ def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
             if line.strip() and not line.strip().startswith("#")]
 
 
-def _read_txt_manifest(manifest: Path) -> list[tuple[str, str]]:
+def _read_txt_manifest(manifest: Path, template: str | None = None) -> list[tuple[str, str]]:
     items = []
-    for _, line in _manifest_lines(manifest):
+    for lineno, line in _manifest_lines(manifest):
         path = manifest.parent / line  # an absolute line stays absolute
-        items.append((_manifest_id(manifest.parent, Path(line)), str(path)))
+        relative = _manifest_relative(manifest.parent, Path(line))
+        try:
+            sample_id = sample_id_for(relative, template)
+        except ValueError as exc:
+            raise SourceError(manifest, f"line {lineno}: {exc}") from None
+        items.append((sample_id, str(path)))
     return items
 
 
-def _manifest_id(base: Path, written: Path) -> str:
-    """The path relative to the manifest's folder, without extension; a path outside that
-    folder (absolute, or climbing out with ``..``) gets its file name without extension."""
+def _manifest_relative(base: Path, written: Path) -> str:
+    """The path relative to the manifest's folder; a path outside that folder (absolute,
+    or climbing out with ``..``) is its file name alone."""
     if written.is_absolute():
         try:
             written = written.relative_to(base.resolve())
         except ValueError:
-            return written.stem
+            return written.name
     inside = Path(os.path.normpath(written))
     if inside.parts and inside.parts[0] == "..":
-        return written.stem
-    return inside.with_suffix("").as_posix()
+        return written.name
+    return inside.as_posix()
 
 
 def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:

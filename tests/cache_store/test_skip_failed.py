@@ -16,7 +16,7 @@ from cache_store import CachedDataset, collate_spc
 from cache_store.errors import ParameterError, RecordNotFound
 from cache_store.stores.base import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
-from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record
 
 FP = fingerprint_of("spc", level=4)
 N = 40

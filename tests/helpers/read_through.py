@@ -28,6 +28,7 @@ CLI_PARAMS = [arg for k, v in PARAMS.items() for arg in ("--param", f"{k}={v}")]
 
 
 def start_worker(cache: Path) -> subprocess.Popen:
+    cache.mkdir(parents=True, exist_ok=True)  # a worker drains an existing cache only
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
          "--backend", "torch", "--loaders", "0", "--poll", "0.05", "--batch", "4",

@@ -65,6 +65,7 @@ CASES = [
     ("export", "0123456789abcdef --cache {s}/empty --to {s}/out", "{s}/out", False),
     ("export", "0123456789abcdef --cache {s}/empty --to {s}/x.zarr", "{s}/x.zarr", False),
     ("worker", "--cache {s}/a_file --drain", "{s}/a_file", False),
+    ("worker", "--cache {s}/missing --drain", "{s}/missing", False),
     ("worker", "--cache {s}/readonly --drain", "{s}/readonly", True),
     ("serve", "--cache {s}/a_file --port 1", "{s}/a_file", False),
     ("serve", "--cache {s}/a_file/sub --port 1", "{s}/a_file/sub", False),

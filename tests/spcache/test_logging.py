@@ -75,6 +75,7 @@ def test_serve_takes_its_level_from_the_environment_and_warning_hides_info(tmp_p
 
 @pytest.mark.parametrize("level", ["debug", "info", "warning"])
 def test_worker_logs_at_its_log_level(tmp_path: Path, level: str) -> None:
+    (tmp_path / "cache").mkdir()
     proc = subprocess.run([sys.executable, "-m", "spcache", "worker", "--cache",
                            str(tmp_path / "cache"), "--device", "cpu", "--drain", "--jobs", "0",
                            "--log-level", level], cwd=REPO_ROOT, capture_output=True, text=True,

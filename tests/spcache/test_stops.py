@@ -56,6 +56,7 @@ def test_a_signal_to_serve_stops_it_and_its_worker(tmp_path: Path, signum: int) 
 @pytest.mark.slow
 def test_sigterm_to_a_worker_stops_it(tmp_path: Path) -> None:
     log = tmp_path / "worker.log"
+    (tmp_path / "cache").mkdir()
     proc = spcache("worker", "--cache", str(tmp_path / "cache"), "--device", "cpu",
                    "--poll", "0.2", log=log)
     try:
@@ -130,6 +131,7 @@ def test_demo_on_a_busy_port_says_to_use_port(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_second_worker_on_an_owned_cache_is_refused_naming_the_holder(tmp_path: Path) -> None:
     cache, log = tmp_path / "cache", tmp_path / "first.log"
+    cache.mkdir()
     first = spcache("worker", "--cache", str(cache), "--device", "cpu", log=log)
     try:
         wait_for(lambda: "draining" in _log(log), 60, "the first worker")
