@@ -36,7 +36,7 @@ GOAL_MS = 200.0
 def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     from cache_store.keys import compute_fingerprint
     from cache_store.recipes.specs import get_recipe_spec
-    from cache_store.format.record import encode_record
+    from cache_store.format.encode import encode_record
     from workers.ops import get_backend
     from workers.recipes import get_recipe, make_generator
     from workers.sources import load_source
@@ -108,7 +108,7 @@ def main() -> int:
     parser.add_argument("--mesh", type=Path, default=None)
     args = parser.parse_args()
 
-    from cache_store.format.record import decode_arrays
+    from cache_store.format.decode import decode_arrays
     from service.preview import PreviewRequest, level_voxels, render_record
 
     value, mesh = make_record(args.mesh, args.level)

@@ -33,7 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cache_store.stores.lmdb as lmdb_store  # noqa: E402
-import cache_store.format.record as record  # noqa: E402
+import cache_store.format.decode as decode  # noqa: E402
+import cache_store.format.header as header_format  # noqa: E402
 from peers import SIZES, build_records, one_process, write_lmdb, write_tensordict  # noqa: E402
 
 MODES = ("spcache", "no field hashes", "no header parse", "neither")
@@ -52,7 +53,7 @@ class _Passes(str):
 
 
 class _NoFieldHashes:
-    """Stands in for the ``xxhash`` module inside ``cache_store.format.record``: field hashes
+    """Stands in for the ``xxhash`` module inside ``cache_store.format.decode``: field hashes
     always pass, the header's own checksum is still computed."""
 
     def __init__(self, real: Any) -> None:
@@ -66,12 +67,12 @@ class _NoFieldHashes:
 def _set_mode(mode: str, parsed: dict[tuple[bytes, int], Any], real: dict[str, Any]) -> None:
     hashes = mode in ("spcache", "no header parse")
     parse = mode in ("spcache", "no field hashes")
-    record.xxhash = real["xxhash"] if hashes else _NoFieldHashes(real["xxhash"])
+    decode.xxhash = real["xxhash"] if hashes else _NoFieldHashes(real["xxhash"])
     if parse:
-        record._parse_text = real["parse"]
+        header_format._parse_text = real["parse"]
         lmdb_store.check_names_key = real["names_key"]
     else:
-        record._parse_text = lambda raw, total, key: parsed[(raw, total)]
+        header_format._parse_text = lambda raw, total, key: parsed[(raw, total)]
         lmdb_store.check_names_key = lambda metadata, key: None
 
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     order = list(range(args.samples))
     random.Random(0).shuffle(order)
 
-    real = {"xxhash": record.xxhash, "parse": record._parse_text,
+    real = {"xxhash": decode.xxhash, "parse": header_format._parse_text,
             "names_key": lmdb_store.check_names_key}
     parsed: dict[tuple[bytes, int], Any] = {}
 
@@ -104,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         parsed[(raw, total)] = header = real["parse"](raw, total, key)
         return header
 
-    record._parse_text = remember  # one untimed pass parses every header once
+    header_format._parse_text = remember  # one untimed pass parses every header once
     ds = factories["spcache"]()
     for i in order:
         ds[i]
-    record._parse_text = real["parse"]
+    header_format._parse_text = real["parse"]
 
     rates: dict[str, list[float]] = {}
     try:

@@ -58,7 +58,7 @@ def _lmdb(n: int) -> tuple[float, float]:
     import numpy as np
 
     from cache_store.stores.lmdb import LMDBStore
-    from cache_store.format.record import encode_record
+    from cache_store.format.encode import encode_record
     from service.budget import record_length
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from cache_store import CachedDataset, collate_spc  # noqa: E402
 from cache_store.keys import compute_fingerprint  # noqa: E402
 from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from cache_store.format.record import encode_record  # noqa: E402
-from cache_store.stores.base import DatasetIndex  # noqa: E402
+from cache_store.format.encode import encode_record  # noqa: E402
+from cache_store.format.index import DatasetIndex  # noqa: E402
 
 log = logging.getLogger("bench.read_throughput")
 FIELDS = ("octree", "point_hierarchy", "exsum", "query_points", "labels")

@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cache_store.snapshot.export import CODECS, export_snapshot  # noqa: E402
 from cache_store.keys import compute_fingerprint  # noqa: E402
 from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from cache_store.format.record import encode_record  # noqa: E402
+from cache_store.format.encode import encode_record  # noqa: E402
 from cache_store.recipes.specs import get_recipe_spec  # noqa: E402
-from cache_store.stores.base import DatasetIndex, open_store  # noqa: E402
+from cache_store.format.index import DatasetIndex  # noqa: E402
+from cache_store.stores.base import open_store  # noqa: E402
 from workers.ops import get_backend  # noqa: E402
 
 

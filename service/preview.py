@@ -1,6 +1,6 @@
 """Pictures of records: one octree level as shaded cubes, rendered with NumPy on the CPU.
 
-No torch and no GPU: the record is decoded with :func:`cache_store.format.record.decode_arrays`.
+No torch and no GPU: the record is decoded with :func:`cache_store.format.decode.decode_arrays`.
 The camera is fixed per view (orthographic, the whole normalised cube ``[-1, 1]^3`` in
 frame), so pictures of different records and levels line up. Every voxel of a level is
 the same cube, so its projection is one pixel *template* (offsets, face, shade) computed
@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cache_store.errors import CorruptRecord, ParameterError
-from cache_store.format.record import decode_arrays, read_header
+from cache_store.format.decode import decode_arrays
+from cache_store.format.header import read_header
 
 __all__ = ["VIEWS", "MAX_SIZE", "MIN_SIZE", "MAX_SPLATS", "MAX_QUERY_POINTS", "PreviewRequest",
            "level_voxels", "render_voxels", "render_record", "encode_png", "decode_png_rgb",

@@ -13,7 +13,8 @@ from typing import Annotated
 from fastapi import Path
 
 from cache_store.errors import ParameterError, RecordNotFound
-from cache_store.format.record import peek_checksum, record_checksum, select_fields
+from cache_store.format.encode import select_fields
+from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, tag_for_checksum
 from cache_store.keys import FINGERPRINT_PATTERN, record_key
 from service.budget import ResponseTooLarge, record_length
@@ -30,14 +31,10 @@ Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
 
 
 def record_etag(value: bytes, key: str) -> str:
-    """The strong ETag of a record: its checksum, read from the header's metadata.
-
-    Serving does not re-verify what the worker verified when it wrote (readers verify
-    on decode); anything unexpected here falls back to the full, validating parse,
-    which raises :class:`CorruptRecord` for a damaged header.
-    """
-    checksum = peek_checksum(value)
-    return f'"{checksum if checksum is not None else record_checksum(value, key=key)}"'
+    """The strong ETag of a record: its checksum, from the strictly parsed header (a
+    damaged header raises :class:`CorruptRecord`). The fields are not re-hashed here:
+    readers verify them on decode."""
+    return f'"{record_checksum(value, key=key)}"'
 
 
 def etag_matches(header: str | None, etag: str) -> bool:

@@ -23,7 +23,7 @@ from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.format.record import select_fields
+from cache_store.format.encode import select_fields
 from cache_store.format.tag import TAG_HEADER
 from cache_store.format.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.budget import ResponseTooLarge, record_length

@@ -27,7 +27,7 @@ from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
-from cache_store.format.record import record_checksum
+from cache_store.format.header import record_checksum
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
 from service.records import Fingerprint, etag_matches, read_stored

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import RecordNotFound, SpcacheError
-from cache_store.stores.base import DatasetIndex, Store
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import Store
 from workers.engine import Engine, resolve_device
 from workers.ray_common import RemoteError
 from workers.run_ledger import ItemResult, Summary

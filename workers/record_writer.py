@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from cache_store.errors import StoreFull
-from cache_store.format.record import encode_record
+from cache_store.format.encode import encode_record
 from cache_store.stores.base import Store
 from workers.run_ledger import ItemResult, WorkItem, one_line
 

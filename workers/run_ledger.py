@@ -33,7 +33,8 @@ from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSam
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
 from cache_store.jobs.freshness import stored_source_hash
-from cache_store.stores.base import DatasetIndex, Store
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import Store
 
 __all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line",
            "progress_bar_class", "run_all"]

@@ -1,6 +1,6 @@
 """Where a decoded batch's memory comes from: one storage per batch, pooled or shared.
 
-:func:`cache_store.format.record.decode_records` (and ``decode_record`` inside a DataLoader
+:func:`cache_store.format.decode.decode_records` (and ``decode_record`` inside a DataLoader
 worker) copies every field of a batch into ONE uint8 storage; this module allocates it:
 in shared memory inside a DataLoader worker, else from a small per-process pool of
 recently freed buffers. Nothing here knows the record format. torch is imported on first

@@ -21,7 +21,7 @@ import hmac
 from typing import Any
 
 from cache_store.errors import CorruptRecord
-from cache_store.format.record import peek_checksum, record_checksum
+from cache_store.format.header import record_checksum
 
 __all__ = ["TAG_HEADER", "record_tag", "tag_for_checksum", "check_record_tag", "as_secret"]
 
@@ -40,14 +40,9 @@ def tag_for_checksum(secret: bytes, key: str, checksum: str) -> str:
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def _checksum(value: Any, key: str) -> str:
-    checksum = peek_checksum(value)
-    return checksum if checksum is not None else record_checksum(value, key=key)
-
-
 def record_tag(secret: bytes, key: str, value: Any) -> str:
     """The tag of record bytes ``value`` stored under ``key``."""
-    return tag_for_checksum(secret, key, _checksum(value, key))
+    return tag_for_checksum(secret, key, record_checksum(value, key=key))
 
 
 def check_record_tag(secret: bytes, key: str, value: Any, tag: str | None) -> None:

@@ -7,7 +7,7 @@
 The header is ``{"format": "spcache-batch", "version": 1, "records": [{"id", "offset",
 "length"[, "tag"]}, ...], "missing": [{"id", "error", "detail"}, ...]}``; each record's bytes are
 ``data[offset:offset + length]`` (a complete safetensors record), in request order. The
-length prefix is the same u64 framing as a record's (:data:`cache_store.format.record.HEADER_LENGTH`).
+length prefix is the same u64 framing as a record's (:data:`cache_store.format.header.HEADER_LENGTH`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 
 from cache_store.errors import CorruptRecord, UnsupportedFormat
-from cache_store.format.record import HEADER_LENGTH
+from cache_store.format.header import HEADER_LENGTH
 
 __all__ = ["BATCH_FORMAT", "BATCH_MEDIA_TYPE", "BATCH_VERSION", "decode_batch", "encode_batch"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.format.record import read_metadata
+from cache_store.format.header import read_metadata
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 
 __all__ = ["STAT_FIELD", "RACY_S", "HashBudget", "SourceComparison", "compare_source",

@@ -16,7 +16,7 @@ from cache_store.jobs.freshness import HashBudget, compare_source
 from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.format.record import read_metadata
+from cache_store.format.header import read_metadata
 
 __all__ = ["ItemState", "item_state"]
 

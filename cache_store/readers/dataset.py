@@ -31,9 +31,10 @@ from cache_store.location import parse_location
 from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
-from cache_store.format.record import pack_ids
+from cache_store.format.ids import pack_ids
+from cache_store.format.index import DatasetIndex
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
-from cache_store.stores.base import DatasetIndex, Store, open_store
+from cache_store.stores.base import Store, open_store
 
 __all__ = ["CachedDataset", "resolve_index"]
 

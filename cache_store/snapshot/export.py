@@ -61,9 +61,12 @@ from cache_store.errors import (
     UnknownName,
 )
 from cache_store.keys import validate_fingerprint
-from cache_store.format.record import DTYPES, FORMAT_VERSION, RecordHeader, pack_ids
+from cache_store.format.decode import check_record
+from cache_store.format.header import DTYPES, FORMAT_VERSION, RecordHeader
+from cache_store.format.ids import pack_ids
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.stores.base import DatasetIndex, Store, open_store
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import Store, open_store
 from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 from cache_store.location import local_path, parse_location
 from cache_store.snapshot.format import (
@@ -72,7 +75,6 @@ from cache_store.snapshot.format import (
     SNAPSHOT_KIND,
     SNAPSHOT_ROOT_KIND,
     array_digest,
-    check_record_value,
     records_digest,
     validate_field_name,
 )
@@ -176,7 +178,7 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
             bar.update(1)
             try:
                 with store.read_view(key) as value:  # checked in place, not copied
-                    header = check_record_value(value, key)
+                    header = check_record(value, key=key)
                     header_bytes = bytes(memoryview(value)[8:header.data_start])
                     size = len(value)
             except (RecordNotFound, CorruptRecord) as exc:
@@ -381,7 +383,7 @@ def _send(writers: Mapping[str, Any], survey: _Survey, key: str, value: Any,
           checked_header: bytes) -> None:
     """One record's rows to every field's writer, after checking it is the record the
     first pass checked."""
-    header = check_record_value(value, key)
+    header = check_record(value, key=key)
     view = memoryview(value)
     if bytes(view[8:header.data_start]) != checked_header:
         raise SpcacheError(f"{key}: record changed during the export (is a worker "

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 import xxhash
 
-from cache_store.errors import CorruptRecord, ParameterError
-from cache_store.format.record import RecordHeader, check_names_key, read_header
+from cache_store.errors import ParameterError
 
 __all__ = [
     "ATTRS_KEY",
@@ -40,7 +38,6 @@ __all__ = [
     "SNAPSHOT_KIND",
     "SNAPSHOT_ROOT_KIND",
     "array_digest",
-    "check_record_value",
     "records_digest",
     "validate_field_name",
 ]
@@ -68,16 +65,6 @@ def array_digest(array: np.ndarray) -> str:
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
 
 
-def check_record_value(value: Any, key: str) -> RecordHeader:
-    """Validate a whole record value: header, every field's checksum, and that its
-    metadata names ``key``. Returns the header; raises ``CorruptRecord`` naming ``key``."""
-    header = read_header(value, key=key)
-    view = memoryview(value).cast("B")
-    for name, info in header.tensors.items():
-        if xxhash.xxh3_64_hexdigest(view[info.begin:info.end]) != header.field_checksums[name]:
-            raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
-    check_names_key(header.metadata, key)
-    return header
 
 
 def records_digest(checksums: Iterable[str]) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
+import math
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -45,15 +45,9 @@ from cache_store.keys import (
     validate_fingerprint,
 )
 from cache_store.process_local import ProcessLocal
-from cache_store.format.record import (
-    HEADER_LENGTH,
-    Record,
-    check_names_key,
-    decode_filled,
-    decode_records,
-    parse_stored_header,
-    unpack_ids,
-)
+from cache_store.format.decode import Record, check_record, decode_filled, decode_records
+from cache_store.format.header import HEADER_LENGTH, check_names_key, parse_stored_header
+from cache_store.format.ids import unpack_ids
 from cache_store.location import local_path, parse_location
 from cache_store.snapshot.format import (
     ATTRS_KEY,
@@ -61,11 +55,11 @@ from cache_store.snapshot.format import (
     SNAPSHOT_KIND,
     SNAPSHOT_ROOT_KIND,
     array_digest,
-    check_record_value,
     records_digest,
     validate_field_name,
 )
-from cache_store.stores.base import DatasetIndex, Store, VerifyReport
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import Store, VerifyReport
 from cache_store.snapshot.chunks import LocalChunkReader
 
 __all__ = ["ZarrStore"]
@@ -104,6 +98,7 @@ class _Snapshot:
     headers: Any                    # AsyncArray uint8
     field_offsets: dict[str, np.ndarray]
     data: dict[str, Any]            # field -> AsyncArray
+    row_bytes: dict[str, int]       # field -> bytes of one row of its data array
     local: dict[str, LocalChunkReader] | None = None  # "headers" and fields, when local
 
     def row(self, sample_id: str) -> int | None:
@@ -115,6 +110,11 @@ class _Snapshot:
     @property
     def fields(self) -> list[str]:
         return list(self.data)
+
+    def data_len(self, row: int) -> int:
+        """Bytes of record ``row``'s fields: the data section its header must tile."""
+        return sum((int(o[row + 1]) - int(o[row])) * self.row_bytes[name]
+                   for name, o in self.field_offsets.items())
 
 
 @dataclass
@@ -284,6 +284,8 @@ class ZarrStore(Store):
                          arrays["header_offsets"], headers.async_array,
                          {f: arrays[f"offsets/{f}"] for f in fields},
                          {f: data[f].async_array for f in fields},
+                         {f: math.prod(data[f].shape[1:]) * np.dtype(data[f].dtype).itemsize
+                          for f in fields},
                          self._local_readers(fingerprint, headers, data))
 
     def _local_readers(self, fingerprint: str, headers: Any,
@@ -332,7 +334,7 @@ class ZarrStore(Store):
             results = iter(self._read_local(plan))
         else:
             results = iter(_run(_gather(self._read_calls(plan))) if plan else [])
-        return [self._assemble(key, snap, names, [next(results) for _ in range(len(names) + 1)])
+        return [self._assemble(key, snap, row, names, [next(results) for _ in range(len(names) + 1)])
                 for key, snap, row, names in plan]
 
     @staticmethod
@@ -361,35 +363,28 @@ class ZarrStore(Store):
         return out
 
     @staticmethod
-    def _assemble(key: str, snap: _Snapshot, names: list[str],
+    def _assemble(key: str, snap: _Snapshot, row: int, names: list[str],
                   parts: list[Any]) -> bytearray | CorruptRecord:
         for what, part in zip(["headers", *(f"data/{n}" for n in names)], parts, strict=True):
             if isinstance(part, BaseException):
                 if isinstance(part, _READ_ERRORS):
                     return CorruptRecord(key, f"cannot read {snap.fingerprint}/{what}: {part}")
                 raise part
-        header = np.asarray(parts[0]).tobytes()
+        text = np.asarray(parts[0]).tobytes()
         try:
-            entries = json.loads(header)
-            if not isinstance(entries, dict):
-                raise ValueError("not a JSON object")
-            size = HEADER_LENGTH.size + len(header) + max(
-                [e["data_offsets"][1] for n, e in entries.items() if n != "__metadata__"],
-                default=0)
-            begins = {n: HEADER_LENGTH.size + len(header) + e["data_offsets"][0]
-                      for n, e in entries.items() if n != "__metadata__"}
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
-            return CorruptRecord(key, f"stored header unreadable: {exc}")
-        value = bytearray(size)  # zero-filled; fields not read stay zero
-        value[:HEADER_LENGTH.size] = HEADER_LENGTH.pack(len(header))
-        value[HEADER_LENGTH.size:HEADER_LENGTH.size + len(header)] = header
+            header = parse_stored_header(text, snap.data_len(row), key=key)
+        except CorruptRecord as exc:
+            return exc
+        value = bytearray(header.data_start + snap.data_len(row))  # unread fields stay zero
+        value[:HEADER_LENGTH.size] = HEADER_LENGTH.pack(len(text))
+        value[HEADER_LENGTH.size:header.data_start] = text
         target = np.frombuffer(value, dtype=np.uint8)  # writable view of value
         for name, part in zip(names, parts[1:], strict=True):
             raw = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
-            begin = begins.get(name)
-            if begin is None or not isinstance(begin, int) or begin + raw.size > size:
+            info = header.tensors.get(name)
+            if info is None or info.end - info.begin != raw.size:
                 return CorruptRecord(key, f"field {name!r} does not fit the stored header")
-            target[begin:begin + raw.size] = raw
+            target[info.begin:info.end] = raw
         return value
 
     def _values(self, located: Sequence[tuple[str, _Snapshot, int]],
@@ -428,7 +423,7 @@ class ZarrStore(Store):
     def get(self, key: str) -> bytes:
         def read() -> bytes:
             value = self._values(self._located([key]), None)[0]
-            check_record_value(value, key)
+            check_record(value, key=key)
             return bytes(value)
         return self._read_checked(read)
 
@@ -468,9 +463,7 @@ class ZarrStore(Store):
                 text = local["headers"].rows(int(h[row]), int(h[row + 1])).tobytes()
             except _READ_ERRORS as exc:
                 raise CorruptRecord(key, f"cannot read {snap.fingerprint}/headers: {exc}") from None
-            data_len = sum((int(o[row + 1]) - int(o[row])) * local[name].row_bytes
-                           for name, o in snap.field_offsets.items())
-            headers.append(parse_stored_header(text, data_len, key=key))
+            headers.append(parse_stored_header(text, snap.data_len(row), key=key))
             keys.append(key)
 
         def fill(j: int, name: str, info: Any, out: memoryview) -> None:
@@ -540,7 +533,7 @@ class ZarrStore(Store):
         attrs = snap.attrs
         try:
             # The ids were checked against their digest when the snapshot was opened.
-            return DatasetIndex._trusted(fingerprint, attrs["recipe"],
+            return DatasetIndex.from_trusted(fingerprint, attrs["recipe"],
                                          int(attrs["recipe_version"]), dict(attrs["params"]),
                                          snap.sample_ids, str(attrs.get("index_created", "")))
         except (KeyError, TypeError, ValueError, SpcacheError) as exc:
@@ -595,7 +588,7 @@ class ZarrStore(Store):
                 try:
                     if isinstance(value, CorruptRecord):
                         raise value
-                    checksums.append(check_record_value(value, key).checksum)
+                    checksums.append(check_record(value, key=key).checksum)
                 except CorruptRecord as exc:
                     report.corrupt[key] = exc.reason
                     log.warning("verify: %s", exc)

@@ -38,9 +38,11 @@ from cache_store.errors import (
 )
 from cache_store.keys import split_key
 from cache_store.process_local import ProcessLocal
-from cache_store.format.record import Record, check_names_key, decode_record, decode_records, read_metadata
+from cache_store.format.decode import Record, decode_record, decode_records
+from cache_store.format.header import check_names_key, read_metadata
 from cache_store.format.tag import TAG_HEADER, as_secret, check_record_tag
-from cache_store.stores.base import DatasetIndex, Store
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import Store
 from cache_store.format.wire import decode_batch
 
 __all__ = [

@@ -57,8 +57,10 @@ from cache_store.errors import (
 )
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
-from cache_store.format.record import Record, check_names_key, decode_record, decode_records
-from cache_store.stores.base import DatasetIndex, Store, decode_index, encode_index
+from cache_store.format.decode import Record, decode_record, decode_records
+from cache_store.format.header import check_names_key
+from cache_store.format.index import DatasetIndex, decode_index, encode_index
+from cache_store.stores.base import Store
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
 

@@ -82,7 +82,8 @@ def test_dtypes_survive_and_autograd_or_bfloat16_fall_back_to_torch() -> None:
 
 
 def test_fields_already_end_to_end_are_viewed_not_copied() -> None:
-    from cache_store.format.record import decode_records, encode_record
+    from cache_store.format.decode import decode_records
+    from cache_store.format.encode import encode_record
     from tests.helpers.synthetic import record_metadata
 
     fp = "0123456789abcdef" * 2

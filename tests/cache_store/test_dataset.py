@@ -19,8 +19,9 @@ from cache_store.errors import (
 )
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore, _shared_envs
-from cache_store.format.record import decode_record, read_header
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.decode import decode_record
+from cache_store.format.header import read_header
+from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import fingerprint_of, make_record
 
 QUERY_PARAMS = {"level": 4, "surface_samples": 100_000, "uniform_queries": 16_384,

@@ -16,7 +16,8 @@ def _modules_after(code: str) -> set[str]:
 
 def test_store_and_record_headers_need_no_torch() -> None:
     mods = _modules_after("import cache_store, cache_store.stores.base, cache_store.stores.lmdb, "
-                          "cache_store.format.record, cache_store.keys")
+                          "cache_store.format.header, cache_store.format.decode, "
+                          "cache_store.format.encode, cache_store.format.index, cache_store.keys")
     assert "torch" not in mods
 
 
@@ -25,7 +26,7 @@ def test_reading_records_never_initialises_cuda(tmp_path) -> None:
 import torch
 from cache_store import CachedDataset, collate_spc
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import fingerprint_of, make_record
 fp = fingerprint_of("spc", level=4)
 store = LMDBStore({str(tmp_path)!r}, readonly=False)

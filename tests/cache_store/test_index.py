@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_store.errors import CorruptRecord
-from cache_store.stores.base import DatasetIndex, decode_index, encode_index
+from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from tests.helpers.synthetic import fingerprint_of
 
 FP = fingerprint_of("spc", level=4)

@@ -12,19 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
-from cache_store.format.record import (
-    DTYPES,
-    check_record,
-    decode_arrays,
-    decode_record,
-    decode_records,
-    encode_record,
-    encode_tensors,
-    read_header,
-    read_metadata,
-    record_checksum,
-    select_fields,
-)
+from cache_store.format.decode import check_record, decode_arrays, decode_record, decode_records
+from cache_store.format.encode import encode_record, encode_tensors, select_fields
+from cache_store.format.header import DTYPES, read_header, read_metadata, record_checksum
 from tests.helpers.synthetic import record_metadata, spc_query_fields
 
 FP = "0123456789abcdef" * 2
@@ -74,7 +64,7 @@ def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, 
 
 
 def test_numpy_round_trip_without_torch_dtypes() -> None:
-    from cache_store.format.record import decode_arrays
+    from cache_store.format.decode import decode_arrays
 
     arrays = {"be": np.arange(6, dtype=">i4").reshape(2, 3), "b": np.array([True, False]),
               "f": np.linspace(0, 1, 5, dtype=np.float16)}
@@ -107,10 +97,10 @@ def test_any_safetensors_reader_opens_a_record() -> None:
 def test_buffers_are_aligned_for_their_dtype() -> None:
     _, value = _record()
     header = read_header(value)
-    from cache_store.format.record import _ITEMSIZE
+    from cache_store.format.header import ITEMSIZE
 
     for info in header.tensors.values():
-        assert info.begin % _ITEMSIZE[info.dtype] == 0
+        assert info.begin % ITEMSIZE[info.dtype] == 0
 
 
 def test_subset_decoding_touches_only_its_fields() -> None:
@@ -174,13 +164,13 @@ def test_every_truncation_is_caught() -> None:
 
 
 def _rewrite_header(value: bytes, edit, sign: bool = False) -> bytes:
-    from cache_store.format.record import _sign
+    from cache_store.format.header import sign_header
 
     n = struct.unpack("<Q", value[:8])[0]
     header = json.loads(value[8:8 + n])
     edit(header)
     text = json.dumps(header, separators=(",", ":")).encode()
-    text = _sign(text) if sign else text
+    text = sign_header(text) if sign else text
     return struct.pack("<Q", len(text)) + text + value[8 + n:]
 
 
@@ -228,7 +218,8 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n:]))})), sign=True)
     with pytest.raises(CorruptRecord, match="BOOL"):
         decode_record(hacked)
-    for check in (check_record, lambda value: select_fields(value, ["b"]),
+    for check in (lambda value: check_record(value, key="k"),
+                  lambda value: select_fields(value, ["b"]),
                   lambda value: decode_arrays(value)):  # every reader refuses it alike
         with pytest.raises(CorruptRecord, match="BOOL"):
             check(hacked)
@@ -257,12 +248,12 @@ def test_duplicate_header_keys_are_refused() -> None:
 
 
 def _signed_with_text_edit(value: bytes, old: bytes, new: bytes) -> bytes:
-    from cache_store.format.record import _sign
+    from cache_store.format.header import sign_header
 
     n = struct.unpack("<Q", value[:8])[0]
     text = value[8:8 + n].rstrip()
     assert text.count(old) == 1
-    text = _sign(text.replace(old, new))
+    text = sign_header(text.replace(old, new))
     return struct.pack("<Q", len(text)) + text + value[8 + n:]
 
 
@@ -408,7 +399,7 @@ def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
     unaligned in the data section) and list its header entries out of data order."""
     import xxhash
 
-    from cache_store.format.record import _sign
+    from cache_store.format.header import sign_header
 
     small = np.arange(3, dtype=np.uint8)
     wide = np.array([1.5, -2.25, 3.0], dtype=np.float32)
@@ -426,7 +417,7 @@ def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
               "small": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
-    value = struct.pack("<Q", len(text)) + _sign(text) + data
+    value = struct.pack("<Q", len(text)) + sign_header(text) + data
     want = {"wide": torch.from_numpy(wide), "half": torch.from_numpy(half),
             "small": torch.from_numpy(small)}
     for rec in (decode_record(value, key=KEY), decode_records([(KEY, value)] * 2)[1],
@@ -497,7 +488,7 @@ def test_batch_buffers_are_reused_only_once_released() -> None:
 
 def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
     # the speed-up is real only if our own records are in orjson's canonical form
-    from cache_store.format import record
+    from cache_store.format import header as record
 
     if record._orjson is None:
         pytest.fail("orjson is a listed dependency; its fast path is what is under test")
@@ -515,7 +506,7 @@ def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
     (b'"recipe":"', b'"recipe":"\\u0041'),         # an escape orjson writes otherwise
 ])
 def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> None:
-    from cache_store.format import record
+    from cache_store.format import header as record
 
     _, value = _record()
     hacked = _signed_with_text_edit(value, *edit)

@@ -31,8 +31,11 @@ from cache_store.errors import (
 from cache_store.snapshot.export import CODECS, export_lock, export_snapshot, sweep_leftovers
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.format.record import decode_record, encode_record, read_header
-from cache_store.stores.base import DatasetIndex, open_store
+from cache_store.format.decode import decode_record
+from cache_store.format.encode import encode_record
+from cache_store.format.header import read_header
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import open_store
 from cache_store.snapshot.reader import ZarrStore
 from tests.helpers.store_contract import FP_A, FP_B, IDS_A, StoreContract, sample_content
 from tests.helpers.synthetic import make_record, record_metadata
@@ -752,3 +755,72 @@ def test_threads_reading_uncompressed_chunks_while_files_are_dropped(tmp_path: P
         assert all(torch.equal(got[n], want[key][n]) for n in want[key])
     with cf.ThreadPoolExecutor(8) as pool:
         list(pool.map(read, range(400)))
+
+
+def _bool_record(fingerprint: str, sample_id: str, flags: list[bool]) -> bytes:
+    return encode_record({"flags": torch.tensor(flags), "points": torch.arange(6.0)},
+                         record_metadata(fingerprint, sample_id))
+
+
+def _with_bool_byte_two(value: bytes) -> bytes:
+    """``value`` with its ``flags`` field's first byte set to 2, its field checksum and
+    header checksum recomputed (as a bug or an attacker could): only the BOOL rule is left
+    to catch it."""
+    import xxhash
+
+    header = read_header(value)
+    info = header.tensors["flags"]
+    out = bytearray(value)
+    out[info.begin] = 2
+    text = bytes(out[8:header.data_start])
+    old = header.field_checksums["flags"].encode()
+    new = xxhash.xxh3_64_hexdigest(bytes(out[info.begin:info.end])).encode()
+    assert text.count(old) == 1
+    text = text.replace(old, new)
+    at = text.index(b'"checksum":"') + len(b'"checksum":"')
+    blank = text[:at] + b"0" * 32 + text[at + 32:]
+    text = text[:at] + xxhash.xxh3_128_hexdigest(blank).encode() + text[at + 32:]
+    out[8:header.data_start] = text
+    return bytes(out)
+
+
+def test_a_bool_byte_of_two_is_refused_by_export_and_zarr_verify(tmp_path: Path) -> None:
+    """The Zarr path (export, ``get``, ``verify``) refuses what the LMDB verify refuses: a
+    BOOL byte other than 0 or 1, even with every checksum re-signed to match."""
+    fp = compute_fingerprint("spc", 1, {"level": 4, "surface_samples": 100_000})
+    ids = ["a", "b"]
+    clean = {f"{fp}/{s}": _bool_record(fp, s, [False, True, False]) for s in ids}
+    bad_key = f"{fp}/b"
+    bad = _with_bool_byte_two(clean[bad_key])
+    index = DatasetIndex(fp, "spc", 1, {"level": 4, "surface_samples": 100_000}, ids)
+    cache = fill_lmdb(tmp_path / "cache", {**clean, bad_key: bad}, [index])
+    assert list(cache.verify().corrupt) == [bad_key]  # the LMDB verify's answer
+    with pytest.raises(SpcacheError, match="BOOL") as err:
+        export_snapshot(cache, fp, tmp_path / "refused.zarr")
+    assert bad_key in str(err.value)
+    cache.close()
+
+    # A snapshot whose stored bytes were edited the same way after a clean export.
+    cache = fill_lmdb(tmp_path / "clean", clean, [index])
+    dest = tmp_path / "s.zarr"
+    export_snapshot(cache, fp, dest, codec="none")
+    cache.close()
+    group = zarr.open_group(str(dest / fp), mode="r")
+    row = ids.index("b")
+    (flags_chunk,) = _chunk_files(dest / fp, "data/flags")
+    raw = bytearray(flags_chunk.read_bytes())
+    raw[int(group["offsets/flags"][row])] = 2
+    flags_chunk.write_bytes(bytes(raw))
+    (headers_chunk,) = _chunk_files(dest / fp, "headers")
+    raw = bytearray(headers_chunk.read_bytes())
+    n = len(read_header(clean[bad_key]).metadata) and read_header(clean[bad_key]).data_start - 8
+    old_text = clean[bad_key][8:8 + n]
+    new_text = bad[8:8 + n]
+    assert raw.count(old_text) == 1
+    headers_chunk.write_bytes(bytes(raw).replace(old_text, new_text))
+    store = ZarrStore(dest)
+    with pytest.raises(CorruptRecord, match="BOOL"):
+        store.get(bad_key)
+    report = store.verify()
+    assert bad_key in report.corrupt and "BOOL" in report.corrupt[bad_key]
+    assert f"{fp}/a" not in report.corrupt

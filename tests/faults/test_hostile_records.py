@@ -36,7 +36,8 @@ import xxhash
 from cache_store.errors import CorruptRecord
 from cache_store.stores.http import HTTPStore
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.format.record import decode_arrays, decode_record, select_fields
+from cache_store.format.decode import decode_arrays, decode_record
+from cache_store.format.encode import select_fields
 from service.settings import Settings
 from tests.helpers.synthetic import fingerprint_of, make_record
 from tests.helpers.faults import env_int, report, served

@@ -32,8 +32,8 @@ from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.sources.files import hash_source_file
-from cache_store.format.record import encode_record
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.encode import encode_record
+from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.faults import env_int, report
 from tests.helpers.service import start_server, stop_server

@@ -26,7 +26,7 @@ import pytest
 from cache_store.errors import CacheDamaged
 from cache_store.stores.isolated import stats_cache, verify_cache
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from tests.conftest import REPO_ROOT
 from tests.helpers.procs import FAULT_FINGERPRINT, SPEC, make_small_record
 from tests.helpers.faults import env_int, report

@@ -31,7 +31,7 @@ import torch
 from cache_store.readers.dataset import CachedDataset
 from cache_store.stores.http import HTTPStore
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.format.record import decode_record
+from cache_store.format.decode import decode_record
 from service.settings import Settings
 from tests.helpers.faults import Child, env_int, report, served
 from tests.helpers.service import TOKEN, Cache, build_cache

@@ -63,7 +63,7 @@ def test_params_past_the_record_bound_are_refused(tmp_path: Path) -> None:
                    "surface_queries": 700}),
 ])
 def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
-    from cache_store.format.record import encode_record
+    from cache_store.format.encode import encode_record
     from workers.ops import get_backend
     from workers.recipes import get_recipe
     from workers.sources import LoadedSource

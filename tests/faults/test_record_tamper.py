@@ -20,7 +20,8 @@ import pytest
 
 from cache_store.errors import CorruptRecord
 from cache_store.stores.http import HTTPStore
-from cache_store.format.record import decode_arrays, encode_record
+from cache_store.format.decode import decode_arrays
+from cache_store.format.encode import encode_record
 from cache_store.format.tag import TAG_HEADER
 from cache_store.format.wire import decode_batch, encode_batch
 from service.settings import Settings

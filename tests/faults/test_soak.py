@@ -27,7 +27,7 @@ import torch
 
 from cache_store.readers.dataset import CachedDataset
 from cache_store.keys import record_key
-from cache_store.format.record import decode_record
+from cache_store.format.decode import decode_record
 from tests.helpers.faults import env_float, report
 from tests.helpers.service import AUTH, start_server, stop_server
 

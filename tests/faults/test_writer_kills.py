@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.format.record import decode_arrays
+from cache_store.format.decode import decode_arrays
 from tests.helpers.procs import FAULT_FINGERPRINT, batch_key
 from tests.helpers.faults import Child, env_int, report
 

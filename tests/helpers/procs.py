@@ -61,7 +61,7 @@ def batch_key(batch: int, i: int) -> str:
 
 def make_small_record(key: str, nbytes: int, seed: int) -> bytes:
     """A valid record of about ``nbytes`` under ``key`` (NumPy only, deterministic)."""
-    from cache_store.format.record import encode_record
+    from cache_store.format.encode import encode_record
 
     fingerprint, sample_id = key.split("/", 1)
     rng = np.random.default_rng(seed)
@@ -115,7 +115,7 @@ def _hold_readers(args: argparse.Namespace) -> int:
 def _read_loop(args: argparse.Namespace) -> int:
     from cache_store.errors import RecordNotFound
     from cache_store.stores.lmdb import LMDBStore
-    from cache_store.format.record import decode_arrays
+    from cache_store.format.decode import decode_arrays
 
     rng = random.Random(args.seed)
     store = LMDBStore(args.cache, readonly=True)

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from cache_store import CachedDataset
-from cache_store.format.record import decode_record
+from cache_store.format.decode import decode_record
 from cache_store.jobs.queue import JobQueue
 from cache_store.sources.discover import discover_sources
 from cache_store.stores.lmdb import LMDBStore

@@ -27,8 +27,10 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.format.record import decode_record, read_header
-from cache_store.stores.base import DatasetIndex, Store
+from cache_store.format.decode import decode_record
+from cache_store.format.header import read_header
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import Store
 from tests.helpers.synthetic import fingerprint_of, make_record
 
 MakeStore = Callable[[dict[str, bytes], list[DatasetIndex]], Store]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from cache_store.keys import compute_fingerprint
-from cache_store.format.record import encode_record
+from cache_store.format.encode import encode_record
 from cache_store.recipes.specs import get_recipe_spec
 
 __all__ = ["spc_fields", "spc_query_fields", "record_metadata", "make_record", "fingerprint_of"]

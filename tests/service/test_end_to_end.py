@@ -15,7 +15,7 @@ import safetensors.numpy
 from cache_store.keys import record_key
 from cache_store.jobs.queue import JobQueue
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.format.record import record_checksum
+from cache_store.format.header import record_checksum
 from tests.helpers.service import AUTH, start_server, stop_server
 
 

@@ -15,8 +15,8 @@ from cache_store.keys import compute_fingerprint, record_key
 from cache_store.jobs.queue import JobQueue
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
-from cache_store.format.record import encode_record
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.encode import encode_record
+from cache_store.format.index import DatasetIndex
 from service.preview import (BACKGROUND, MAX_SIZE, PreviewRequest, decode_png_rgb, encode_png,
                              level_voxels, render_record, render_voxels)
 from service.settings import Settings

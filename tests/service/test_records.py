@@ -6,7 +6,8 @@ import httpx
 import safetensors.numpy
 
 from cache_store.format.wire import BATCH_MEDIA_TYPE, decode_batch
-from cache_store.format.record import decode_record, record_checksum
+from cache_store.format.decode import decode_record
+from cache_store.format.header import record_checksum
 from tests.helpers.service import Cache, LiveServer
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from cache_store.jobs.failures import FailureLog
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from spcache.cli import resolve, subcommand_parser
 from tests.helpers.synthetic import fingerprint_of, make_record
 from tests.conftest import REPO_ROOT

@@ -23,7 +23,7 @@ from cache_store.readers.dataset import CachedDataset
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.http import HTTPStore
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import make_record, spc_fields
 from tests.conftest import REPO_ROOT
 from tests.helpers.proctree import free_port

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cache_store.format.record import decode_record, read_header
+from cache_store.format.decode import decode_record
+from cache_store.format.header import read_header
 from cache_store.stores.base import open_store
 from workers.engine import Engine, ItemResult
 from workers.ops import get_backend

@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from cache_store.errors import BackendUnavailable, SpcacheError
-from cache_store.format.record import read_header
+from cache_store.format.header import read_header
 from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main

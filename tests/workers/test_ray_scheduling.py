@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cache_store.errors import ParameterError, RecordNotFound, SourceError, SpcacheError
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import fingerprint_of, make_record
 from tests.helpers.ray_faults import CrashOnce
 from workers.ray_common import RemoteError, local_error

@@ -12,7 +12,8 @@ import trimesh
 
 from cache_store import CachedDataset, collate_spc
 from cache_store.snapshot.export import export_snapshot
-from cache_store.format.record import decode_record, read_header
+from cache_store.format.decode import decode_record
+from cache_store.format.header import read_header
 from cache_store.stores.base import open_store
 from tests.conftest import SHARED_DATA
 from workers import sdf
@@ -240,7 +241,7 @@ def test_the_readme_indexing_finds_each_points_voxel_corners(tmp_path: Path,
 def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]) -> None:
     import httpx
 
-    from cache_store.format.record import decode_record as decode
+    from cache_store.format.decode import decode_record as decode
     from service.settings import Settings
     from tests.helpers.service import InProcessServer
 

@@ -17,7 +17,7 @@ from cache_store.jobs.item_state import item_state
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
-from cache_store.format.record import decode_record
+from cache_store.format.decode import decode_record
 from tests.conftest import REPO_ROOT
 from workers.worker_loop import WorkerLoop
 

@@ -1,0 +1,131 @@
+"""A dataset index: the ordered sample ids of one fingerprint and the recipe that
+computed them, and its stored form (a checksummed value of the record format, ids packed
+as UTF-8 + offsets)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cache_store.errors import CorruptRecord, ParameterError, SpcacheError
+from cache_store.format.decode import decode_arrays
+from cache_store.format.encode import encode_tensors
+from cache_store.format.ids import pack_ids, unpack_ids
+from cache_store.keys import (
+    canonical_json,
+    compute_fingerprint,
+    validate_fingerprint,
+    validate_sample_id,
+)
+
+__all__ = ["INDEX_KIND", "DatasetIndex", "encode_index", "decode_index"]
+
+#: The ``kind`` metadata of a stored dataset index.
+INDEX_KIND = "spcache.dataset_index"
+
+
+@dataclass(frozen=True, eq=False)
+class DatasetIndex:
+    """The ordered sample ids of one fingerprint, with the recipe that computed them.
+
+    ``sample_ids`` is a NumPy unicode array (no per-sample Python objects). The
+    constructor validates every id (normalising to NFC), refuses duplicates, and checks
+    that ``fingerprint`` is the fingerprint of ``(recipe, recipe_version, params)``.
+    """
+
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: Mapping[str, Any]
+    sample_ids: np.ndarray
+    created: str = ""
+
+    def __post_init__(self) -> None:
+        validate_fingerprint(self.fingerprint)
+        expected = compute_fingerprint(self.recipe, self.recipe_version, self.params)
+        if expected != self.fingerprint:
+            raise ParameterError([f"fingerprint {self.fingerprint} is not that of recipe "
+                                  f"{self.recipe!r} v{self.recipe_version} with params "
+                                  f"{canonical_json(dict(self.params))} ({expected})"],
+                                 what="dataset index")
+        raw = self.sample_ids
+        raw = raw.ravel().tolist() if isinstance(raw, np.ndarray) else list(raw)
+        ids = [validate_sample_id(s) for s in raw]  # refuses non-str ids (no str() coercion)
+        seen: set[str] = set()
+        for sample_id in ids:
+            if sample_id in seen:
+                raise ParameterError([f"sample id {sample_id!r} appears more than once"],
+                                     what="dataset index")
+            seen.add(sample_id)
+        object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "sample_ids",
+                           np.array(ids, dtype=str) if ids else np.array([], dtype="<U1"))
+        if not self.created:
+            object.__setattr__(self, "created",
+                               _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+
+    @classmethod
+    def from_trusted(cls, fingerprint: str, recipe: str, recipe_version: int,
+                 params: dict[str, Any], sample_ids: np.ndarray, created: str) -> DatasetIndex:
+        """Build without re-validating: for indexes read back from checksummed storage,
+        which were validated when written."""
+        obj = object.__new__(cls)
+        for name, value in (("fingerprint", fingerprint), ("recipe", recipe),
+                            ("recipe_version", recipe_version), ("params", params),
+                            ("sample_ids", sample_ids), ("created", created)):
+            object.__setattr__(obj, name, value)
+        validate_fingerprint(fingerprint)
+        if compute_fingerprint(recipe, recipe_version, params) != fingerprint:
+            raise ValueError("fingerprint does not match recipe and params")
+        return obj
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(blob uint8 [total_bytes], offsets int64 [n + 1])``: the ids in UTF-8, packed."""
+        return pack_ids(self.sample_ids.tolist())
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary (no ids)."""
+        return {"fingerprint": self.fingerprint, "recipe": self.recipe,
+                "recipe_version": self.recipe_version, "params": dict(self.params),
+                "samples": len(self), "created": self.created}
+
+
+def encode_index(index: DatasetIndex) -> bytes:
+    """A dataset index as a checksummed safetensors value (ids packed as UTF-8 + offsets)."""
+    blob, offsets = index.packed_ids()
+    meta = {"kind": INDEX_KIND, "fingerprint": index.fingerprint, "recipe": index.recipe,
+            "recipe_version": str(index.recipe_version),
+            "params": canonical_json(dict(index.params)), "created": index.created}
+    return encode_tensors({"sample_ids_utf8": blob, "sample_id_offsets": offsets}, meta)
+
+
+def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
+    """Inverse of :func:`encode_index`; raises ``CorruptRecord`` naming ``key``."""
+    arrays, meta = decode_arrays(value, key=key)
+    try:
+        if meta.get("kind") != INDEX_KIND:
+            raise ValueError(f"kind {meta.get('kind')!r} is not a dataset index")
+        blob, offsets = arrays["sample_ids_utf8"], arrays["sample_id_offsets"]
+        if blob.dtype != np.uint8 or offsets.dtype != np.int64 or offsets.size == 0:
+            raise ValueError("unexpected dtypes for sample ids")
+        if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != blob.size
+                or np.any(np.diff(offsets) < 0)):
+            raise ValueError("sample id offsets do not cover the id bytes")
+        params = json.loads(meta["params"])
+        if not isinstance(params, dict):
+            raise ValueError("params is not a JSON object")
+        return DatasetIndex.from_trusted(meta["fingerprint"], meta["recipe"],
+                                     int(meta["recipe_version"]), params,
+                                     unpack_ids(blob, offsets), meta.get("created", ""))
+    except (KeyError, ValueError, TypeError, SpcacheError) as exc:
+        if isinstance(exc, CorruptRecord):
+            raise
+        raise CorruptRecord(key, f"bad dataset index: {exc}") from None
