@@ -127,9 +127,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary.as_json(), sort_keys=True))
     else:
         _print_summary(summary)
-    # with --skip-failed, a failure known from an earlier run and not retried is no news:
-    # exit 1 only when something failed in this run
-    return 1 if summary.failed > len(summary.repeats("skipped")) else 0
+    # with --skip-failed, a failure known from an earlier run (not retried, or one found
+    # before its source could be hashed, failing again the same way) is no news: exit 1
+    # only when something failed anew
+    known = len(summary.repeats("skipped")) + len(summary.repeats("again")) if args.skip_failed else 0
+    return 1 if summary.failed > known else 0
 
 
 def _print_summary(summary: Any) -> None:

@@ -261,21 +261,23 @@ class RunLedger:
     def _remember(self, result: ItemResult) -> ItemResult:
         """Record a failure in the log; say so in its reason when it is a repeat. A
         transient one (the store's, not the source's) is not recorded: ``skip_failed``
-        must never skip a sample because the disk was full once."""
+        must never skip a sample because the disk was full once. A failure before the
+        source was hashed (an empty or missing file, a duplicate id) is recorded with an
+        empty hash, which no source matches: listed, never skipped."""
         if result.repeat == "skipped":
             return dataclasses.replace(result, reason="not retried: failed before on this "
                                                       "unchanged source (skip_failed): "
                                                       + result.reason)
         known = self.known_failures.get(result.sample_id)
-        if (known is not None and result.source_hash and known.source_hash == result.source_hash
+        if (known is not None and known.source_hash == (result.source_hash or "")
                 and known.reason == result.reason):
             result = dataclasses.replace(result, repeat="again",
                                          reason="failed again, same reason: " + result.reason)
-        if self.failures is not None and result.source_hash and not result.transient:
+        if self.failures is not None and not result.transient:
             raw = known.reason if result.repeat == "again" and known is not None else result.reason
             try:
                 self.failures.record(self.summary.fingerprint, result.sample_id, result.path,
-                                     result.source_hash, raw)
+                                     result.source_hash or "", raw)
             except Exception:  # noqa: BLE001 - the log is advice; the failure is still reported
                 logger.exception("cannot remember the failure of %s", result.sample_id)
         return result
