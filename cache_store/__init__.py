@@ -55,6 +55,8 @@ _LAZY = {
     "CachedDataset": "cache_store.readers.dataset",
     "collate_spc": "cache_store.readers.collate",
     "discover_sources": "cache_store.sources.discover",
+    "to_kaolin_spc": "cache_store.readers.to_kaolin",
+    "failures_of": "cache_store.jobs.failures",
 }
 
 __all__ = [
