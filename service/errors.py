@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cache_store.format.protocol import ERROR_HEADER
 from service.budget import ReadBudgetBusy, ResponseTooLarge
 from cache_store.errors import (
     CacheDamaged,
@@ -99,7 +100,7 @@ def error_response(status: int, error: str, detail: str, *, problems: list[Any] 
                    headers: dict[str, str] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": error, "detail": detail}
     # HEAD answers lose their body: the error's name also travels as a header.
-    headers = {**(headers or {}), "X-Spcache-Error": error}
+    headers = {**(headers or {}), ERROR_HEADER: error}
     if problems is not None:
         body["problems"] = problems
     return JSONResponse(body, status_code=status, headers=headers)

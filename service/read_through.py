@@ -10,7 +10,8 @@ On a miss such a read:
 1. takes one of ``max_waiting_requests`` wait slots, or is answered 503 +
    ``Retry-After`` at once (:class:`WaitingFull`);
 2. fails fast with 503 :class:`~cache_store.errors.NoWorkerAlive` (the detail names the
-   command that starts a worker) when no worker heartbeat is fresh;
+   command that starts a worker) when no worker heartbeat is fresh and no supervisor
+   (``spcache serve``'s) is restarting one;
 3. polls ``store.has`` in the thread pool (one short read transaction per key, never
    held across a sleep) with ``asyncio.sleep`` between polls, backing off from 10 ms to
    250 ms, and the queue's latest item of each sample four times a second;
@@ -18,6 +19,7 @@ On a miss such a read:
    route then answers 404 naming its state (``SampleFailed`` with the worker's reason,
    or ``RecordNotFound``); likewise when ``wait`` runs out (state ``queued``).
 
+The headers, states, intervals and messages are :mod:`cache_store.format.protocol`'s.
 Nothing here blocks the event loop or imports ``workers``.
 """
 
@@ -34,6 +36,18 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import CacheNotFound, NoWorkerAlive
+from cache_store.format.protocol import (
+    FAILED,
+    LIVENESS_EVERY_S,
+    MISSING,
+    POLL_GROWTH,
+    QUEUED,
+    STATE_HEADER,
+    STATES_EVERY_S,
+    WORKER_STALE_S,
+    no_worker_message,
+    sample_state,
+)
 from cache_store.keys import record_key
 from service.context import ServiceContext
 from service.errors import error_response
@@ -44,13 +58,10 @@ __all__ = ["ItemWait", "wait_for_records", "not_ready_response",
 
 log = logging.getLogger(__name__)
 
-#: Response header of a not-ready answer: ``queued``, ``failed`` or ``missing`` (HEAD
-#: answers carry no body; this and ``X-Spcache-Error`` say what happened).
-STATE_HEADER = "X-Spcache-Item-State"
-_STATES_EVERY_S = 0.25
-_LIVENESS_EVERY_S = 1.0
+#: The longest sleep between two looks at the store (many requests may be waiting).
 _POLL_MAX_S = 0.25
-_WORKER_STALE_S = 90.0
+#: The first one (the protocol's POLL_FIRST_S is for a single loader's own process).
+_POLL_FIRST_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -58,28 +69,24 @@ class ItemWait:
     """Why a waited-for sample has no record yet."""
 
     sample_id: str
-    state: str  # queued | failed | missing
+    state: str  # a protocol.SAMPLE_STATES value
     reason: str
     path: str | None = None
 
     @property
     def error(self) -> str:
-        return "SampleFailed" if self.state == "failed" else "RecordNotFound"
+        return "SampleFailed" if self.state == FAILED else "RecordNotFound"
 
     def detail(self, fingerprint: str) -> str:
-        if self.state == "failed":
+        if self.state == FAILED:
             return f"sample {self.sample_id!r} ({self.path}) failed: {self.reason}"
         return f"no record {record_key(fingerprint, self.sample_id)!r} yet: {self.state} ({self.reason})"
 
 
 def require_worker(ctx: ServiceContext, what: str) -> None:
     """Raise :class:`NoWorkerAlive` naming the command to start one when none is alive."""
-    if not ctx.queue.live_workers(stale_s=_WORKER_STALE_S):
-        raise NoWorkerAlive(
-            f"{what}: no spcache worker is alive for cache {ctx.cache} (no heartbeat within "
-            f"{_WORKER_STALE_S:g} s). Start one on the service's machine: `spcache worker "
-            f"--cache {ctx.cache}` (or `python -m workers worker --cache {ctx.cache}`), or "
-            f"restart `spcache serve` without --no-worker.")
+    if not ctx.queue.worker_expected(stale_s=WORKER_STALE_S):
+        raise NoWorkerAlive(no_worker_message(what, str(ctx.cache), WORKER_STALE_S))
 
 
 def _missing(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> list[str]:
@@ -101,19 +108,16 @@ def _states(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> dict[s
     for sid in ids:
         latest = ctx.queue.latest_item(fingerprint, sid)
         if latest is None:
-            out[sid] = ItemWait(sid, "missing", "not queued: POST /v1/warmup it first")
-        elif latest["status"] in ("pending", "running"):
-            out[sid] = ItemWait(sid, "queued", f"{latest['status']}, attempt "
-                                f"{latest['attempts']} of job {latest['job_id']}",
-                                latest["path"])
-        elif latest["status"] == "failed":
-            out[sid] = ItemWait(sid, "failed", latest["last_error"] or "failed",
-                                latest["path"])
-        elif latest["status"] == "done":  # landed between the two looks, or deleted since
-            out[sid] = ItemWait(sid, "queued", "done", latest["path"])
-        else:
-            out[sid] = ItemWait(sid, "missing", f"job {latest['job_id']} was "
-                                f"{latest['status']}", latest["path"])
+            out[sid] = ItemWait(sid, MISSING, "not queued: POST /v1/warmup it first")
+            continue
+        state = sample_state(latest["status"])
+        if state == QUEUED:
+            reason = f"{latest['status']}, attempt {latest['attempts']} of job {latest['job_id']}"
+        elif state == FAILED:
+            reason = latest["last_error"] or "failed"
+        else:  # cancelled, or done and deleted since (a record landing now is looked for)
+            reason = f"job {latest['job_id']} was {latest['status']}"
+        out[sid] = ItemWait(sid, state, reason, latest["path"])
     return out
 
 
@@ -129,7 +133,7 @@ async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[
         start = time.monotonic()
         deadline = start + wait_s
         next_states, next_liveness = start, start
-        delay = 0.01
+        delay = _POLL_FIRST_S
         pending = list(dict.fromkeys(ids))
         states: dict[str, ItemWait] = {}
         while True:
@@ -140,19 +144,19 @@ async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[
             # states first: a sample nobody queued (or that failed) is answered at once,
             # whether or not a worker is alive; only a queued one needs a worker to wait on
             if now >= next_states or now >= deadline:
-                next_states = now + _STATES_EVERY_S
+                next_states = now + STATES_EVERY_S
                 states = await run_in_threadpool(_states, ctx, fingerprint, pending)
-                if now >= deadline or all(s.state != "queued" for s in states.values()):
+                if now >= deadline or all(s.state != QUEUED for s in states.values()):
                     # a sample that landed since the last look is not "not ready"
                     landed = set(pending) - set(
                         await run_in_threadpool(_missing, ctx, fingerprint, pending))
                     return {sid: s for sid, s in states.items() if sid not in landed}
             if now >= next_liveness:
-                next_liveness = now + _LIVENESS_EVERY_S
+                next_liveness = now + LIVENESS_EVERY_S
                 await run_in_threadpool(require_worker, ctx,
                                         f"{len(pending)} record(s) of {fingerprint} missing")
             await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
-            delay = min(delay * 1.5, _POLL_MAX_S)
+            delay = min(delay * POLL_GROWTH, _POLL_MAX_S)
 
 
 def not_ready_response(fingerprint: str, state: ItemWait) -> JSONResponse:

@@ -7,6 +7,12 @@ doubles on each quick death (capped) and resets once it has stayed up a while. O
 it gets SIGTERM (it finishes or releases what it holds), then SIGKILL after a grace
 period.
 
+While the child is starting, and after a death while it is restarted, the supervisor
+says so in the cache's job queue (:meth:`JobQueue.announce_restart`): read-through
+waiters then wait for the new worker instead of failing with ``NoWorkerAlive``. A child
+that keeps dying at once (``QUICK_DEATHS`` times in a row) is not announced any more, so
+waiters fail fast with the command to run.
+
 The child is told this process's pid (``SPCACHE_PARENT_PID``) and ends when this process
 dies, even by SIGKILL. Before each start the supervisor looks at the cache's worker lock
 (``cache_store.jobs.owner_lock``): while another live worker owns the cache it starts none,
@@ -18,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +32,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from cache_store.errors import SpcacheError
 from cache_store.jobs.owner_lock import describe_holder, lock_holder
+from cache_store.jobs.queue import JobQueue
 
 __all__ = ["WorkerSupervisor", "worker_command"]
 
@@ -34,6 +43,11 @@ log = logging.getLogger(__name__)
 
 #: environment variable naming the pid a child spcache process must outlive no longer
 PARENT_PID_ENV = "SPCACHE_PARENT_PID"
+#: How long a starting worker may take to write its first heartbeat (imports torch).
+START_GRACE_S = 60.0
+#: Deaths in a row, each before ``healthy_after_s``, after which a restart is not
+#: announced to waiters.
+QUICK_DEATHS = 3
 
 
 def worker_command(cache: str, *, device: str | None = None, backend: str = "auto",
@@ -75,6 +89,7 @@ class WorkerSupervisor:
         self.stop_grace_s = stop_grace_s
         self.first_backoff_s = first_backoff_s
         self.restarts = 0
+        self.supervisor_id = f"supervisor:{socket.gethostname()}:{os.getpid()}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -108,8 +123,25 @@ class WorkerSupervisor:
             return None
         return describe_holder(holder) if holder is not None else None
 
+    def _announce(self, within_s: float | None) -> None:
+        """Tell read-through waiters a worker is on its way within ``within_s`` (None:
+        none is)."""
+        if self.cache is None:
+            return
+        queue = JobQueue(self.cache)
+        try:
+            if within_s is None:
+                queue.end_restarts(self.supervisor_id)
+            else:
+                queue.announce_restart(self.supervisor_id, within_s)
+        except (SpcacheError, OSError) as exc:  # waiters then fail fast, as without it
+            log.warning("cannot tell waiters the worker is restarting: %s", exc)
+        finally:
+            queue.close()
+
     def _watch(self) -> None:
         backoff = self.first_backoff_s
+        quick_deaths = 0
         while not self._stop.is_set():
             holder = self._owned_elsewhere()
             if holder is not None:
@@ -122,6 +154,8 @@ class WorkerSupervisor:
             with self._lock:
                 if self._stop.is_set():
                     return
+                if quick_deaths < QUICK_DEATHS:
+                    self._announce(START_GRACE_S)
                 self._proc = self._spawn()
             started = time.monotonic()
             code = self._proc.wait()
@@ -130,6 +164,10 @@ class WorkerSupervisor:
             ran = time.monotonic() - started
             if ran >= self.healthy_after_s:
                 backoff = self.first_backoff_s
+                quick_deaths = 0
+            else:
+                quick_deaths += 1
+            self._announce(backoff + START_GRACE_S if quick_deaths < QUICK_DEATHS else None)
             log.warning("worker (pid %d) exited with %s after %.1fs; restarting in %.1fs",
                         self._proc.pid, code, ran, backoff)
             if self._stop.wait(backoff):
@@ -159,4 +197,5 @@ class WorkerSupervisor:
             code = proc.returncode
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._announce(None)
         return code

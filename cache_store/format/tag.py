@@ -22,10 +22,10 @@ from typing import Any
 
 from cache_store.errors import CorruptRecord
 from cache_store.format.header import record_checksum
+from cache_store.format.protocol import TAG_HEADER
 
 __all__ = ["TAG_HEADER", "record_tag", "tag_for_checksum", "check_record_tag", "as_secret"]
 
-TAG_HEADER = "X-Spcache-Record-Tag"
 
 
 def as_secret(key: str | bytes) -> bytes:

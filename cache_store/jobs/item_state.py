@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
+from cache_store.format.protocol import FAILED, MISSING, QUEUED, sample_state
 from cache_store.keys import record_key
 from cache_store.jobs.freshness import HashBudget, compare_source
 from cache_store.sources.files import SourceLimits
@@ -30,6 +31,8 @@ class ItemState:
     ``failed`` (the last attempt failed; ``reason`` says why), ``queued`` (pending or
     running), ``missing`` (no record, nothing queued) or ``unchecked`` (record present,
     its source changed on disk and the request's hashing budget did not cover it).
+    ``queued``, ``failed`` and ``missing`` without a record are
+    :func:`cache_store.format.protocol.sample_state` of the latest queue item.
     """
 
     fingerprint: str
@@ -89,7 +92,7 @@ def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
     key = record_key(fingerprint, sample_id)
     latest = queue.latest_item(fingerprint, sample_id)
     job_id = latest["job_id"] if latest else None
-    queued = latest is not None and latest["status"] in ("pending", "running")
+    queued = latest is not None and sample_state(latest["status"]) == QUEUED
     path = path or (latest["path"] if latest else None)
 
     def say(state: str, reason: str) -> ItemState:
@@ -113,11 +116,12 @@ def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
         checked = f" against {path}" if path else " (no source known to compare)"
         return say("ready", f"record present, source hash and recipe version match{checked}")
     if latest is None:
-        return say("missing", "no record and no queue item for this sample")
-    if queued:
-        return say("queued", f"{latest['status']} (attempt {latest['attempts']} of job {job_id})")
-    if latest["status"] == "failed":
-        return say("failed", latest["last_error"] or "failed without an error message")
+        return say(MISSING, "no record and no queue item for this sample")
+    state = sample_state(latest["status"])
+    if state == QUEUED:
+        return say(QUEUED, f"{latest['status']} (attempt {latest['attempts']} of job {job_id})")
+    if state == FAILED:
+        return say(FAILED, latest["last_error"] or "failed without an error message")
     if latest["status"] == "cancelled":
-        return say("missing", f"job {job_id} was cancelled before this sample was computed")
-    return say("missing", f"queue says {latest['status']} but no record is stored (deleted?)")
+        return say(MISSING, f"job {job_id} was cancelled before this sample was computed")
+    return say(MISSING, f"queue says {latest['status']} but no record is stored (deleted?)")

@@ -298,19 +298,43 @@ class JobQueue:
     def live_workers(self, *, stale_s: float = 90.0) -> list[dict[str, Any]]:
         """Workers that look alive: a heartbeat within ``stale_s`` (or three of the
         worker's own heartbeat periods, if longer), not marked stopped, and, for a worker
-        on this host, a process that still exists."""
+        on this host, a process that still exists and is not a zombie."""
         now = self.clock()
-        here = socket.gethostname()
         alive = []
         for beat in self.heartbeats():
             info = beat["info"]
             window = max(stale_s, 3.0 * float(info.get("heartbeat_s") or 0.0))
             if info.get("stopped") or beat["seen"] < now - window:
                 continue
-            if info.get("host") == here and not _pid_exists(beat["pid"]):
+            if not _process_alive(beat):
                 continue
             alive.append(beat)
         return alive
+
+    def worker_expected(self, *, stale_s: float = 90.0) -> bool:
+        """Whether a read-through miss will be computed: a worker is alive
+        (:meth:`live_workers`), or a live supervisor announced, within its restart window,
+        that it is starting one again (:meth:`announce_restart`)."""
+        if self.live_workers(stale_s=stale_s):
+            return True
+        now = self.clock()
+        for beat in self._beats():
+            info = beat["info"]
+            if (info.get("supervisor") and not info.get("stopped")
+                    and now - beat["seen"] <= float(info.get("restart_within_s") or 0.0)
+                    and _process_alive(beat)):
+                return True
+        return False
+
+    def announce_restart(self, supervisor_id: str, within_s: float) -> None:
+        """Say, from the process that supervises this cache's worker (``spcache serve``),
+        that the worker died and a new one will heartbeat within ``within_s``: waiters
+        wait for it (:meth:`worker_expected`) instead of failing with ``NoWorkerAlive``."""
+        self.heartbeat(supervisor_id, {"supervisor": True, "restart_within_s": float(within_s)})
+
+    def end_restarts(self, supervisor_id: str) -> None:
+        """The supervisor stops: no worker is on its way any more."""
+        self.heartbeat(supervisor_id, {"supervisor": True, "stopped": True})
 
     # -- reading -----------------------------------------------------------------------
 
@@ -553,6 +577,10 @@ class JobQueue:
                          (self.clock() - _HEARTBEAT_KEEP_S,))
 
     def heartbeats(self) -> list[dict[str, Any]]:
+        """The workers' heartbeats, newest first (a supervisor's announcements left out)."""
+        return [b for b in self._beats() if not b["info"].get("supervisor")]
+
+    def _beats(self) -> list[dict[str, Any]]:
         rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
         return [{"worker_id": r["worker_id"], "pid": r["pid"], "seen": r["seen"],
                  "info": json.loads(r["info"])} for r in rows]
@@ -592,11 +620,27 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def _pid_exists(pid: int) -> bool:
+def _process_alive(beat: dict[str, Any]) -> bool:
+    """Whether the process that wrote a heartbeat still runs; one on another host is
+    taken for alive (its heartbeat's age is all there is to go on)."""
+    if beat["info"].get("host") != socket.gethostname():
+        return True
+    return _pid_running(int(beat["pid"]))
+
+
+def _pid_running(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, waiting for its parent to reap it:
+    ``kill(pid, 0)`` still succeeds for one)."""
     try:
-        os.kill(int(pid), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: it exists
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:  # no /proc (not Linux), or it ended just now
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
+    state = stat[stat.rfind(b")") + 2:][:1]  # the field after "(command name)"
+    return state not in (b"Z", b"X")

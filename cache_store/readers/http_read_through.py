@@ -32,32 +32,21 @@ from urllib.parse import quote
 
 import httpx
 
-from cache_store.errors import (
-    MissTimeout,
-    NoWorkerAlive,
-    ParameterError,
-    SampleFailed,
-    SpcacheError,
+from cache_store.errors import MissTimeout, ParameterError, SampleFailed, SpcacheError
+from cache_store.format.protocol import (
+    ERROR_HEADER,
+    FAILED,
+    MISSING,
+    QUEUED,
+    STATE_HEADER,
+    WAIT_CHUNK_S,
 )
 from cache_store.keys import record_key
-from cache_store.stores.http import tls_verify
+from cache_store.stores.service_client import json_body, new_client, send
 
 __all__ = ["HTTPReadThrough"]
 
 log = logging.getLogger(__name__)
-
-_WAIT_CHUNK_S = 30.0   # one ?wait= request at most this long (the service caps it too)
-_STATE_HEADER = "x-spcache-item-state"
-_ERROR_HEADER = "x-spcache-error"
-
-
-def _body(response: httpx.Response) -> dict[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        return {"error": "", "detail": response.text[:500]}
-    return body if isinstance(body, dict) else {"error": "", "detail": str(body)[:500]}
-
 
 class HTTPReadThrough:
     """Misses of one fingerprint, queued on and waited for through the service at ``url``.
@@ -88,9 +77,8 @@ class HTTPReadThrough:
 
     def _http(self) -> httpx.Client:
         if self._client is None:
-            headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-            self._client = httpx.Client(base_url=self.url, headers=headers, timeout=30.0,
-                                        verify=tls_verify(self.ca_file))
+            self._client = new_client(self.url, timeout_s=30.0, token=self.token,
+                                      ca_file=self.ca_file)
         return self._client
 
     def close(self) -> None:
@@ -99,42 +87,16 @@ class HTTPReadThrough:
             self._client = None
 
     def _request(self, method: str, path: str, deadline: float, **kwargs: Any) -> httpx.Response:
-        """One request; connection errors and 503s other than ``NoWorkerAlive`` retried
-        (after ``Retry-After``) until ``deadline``."""
-        delay = 0.1
-        while True:
-            try:
-                response = self._http().request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                if time.monotonic() + delay >= deadline:
-                    raise SpcacheError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
-                wait = delay
-                delay = min(delay * 2, 5.0)
-            else:
-                if response.status_code != 503:
-                    return response
-                if response.headers.get(_ERROR_HEADER) == "NoWorkerAlive":
-                    detail = _body(response).get("detail") if method != "HEAD" else None
-                    raise NoWorkerAlive(detail or (
-                        f"{self.url}: the service has no spcache worker alive to compute "
-                        f"misses of {self.fingerprint}. Start one on the service's machine: "
-                        f"`spcache worker --cache <its cache>`, or run `spcache serve` "
-                        f"without --no-worker."))
-                try:
-                    wait = min(max(float(response.headers.get("retry-after", 1)), 0.05), 10.0)
-                except ValueError:
-                    wait = 1.0
-                if time.monotonic() + wait >= deadline:
-                    return response
-            log.debug("%s %s: retrying in %.2fs", method, path, wait)
-            time.sleep(wait)
+        """One request; connection errors and 503s other than ``NoWorkerAlive`` (raised)
+        retried, after ``Retry-After``, until ``deadline``."""
+        return send(self._http, method, path, where=self.url, deadline=deadline, **kwargs)
 
     def _warmup(self, items: Sequence[tuple[str, str]], deadline: float) -> list[dict[str, Any]]:
         body = {"recipe": self.recipe, "params": self.params, "priority": self.priority,
                 "dedupe": True, "require_worker": True,
                 "items": [{"id": sid, "path": os.path.abspath(path)} for sid, path in items]}
         response = self._request("POST", "/v1/warmup", deadline, json=body)
-        answer = _body(response)
+        answer = json_body(response)
         if response.status_code == 422 and answer.get("problems"):
             raise ParameterError([f"{self.url}: {p}" for p in answer["problems"]],
                                  what="read-through warm-up")
@@ -178,17 +140,17 @@ class HTTPReadThrough:
                                   f"({path}) did not land on {self.url} within "
                                   f"{self.miss_timeout:g} s; the worker may be busy with a "
                                   f"long queue: raise miss_timeout or warm up first")
-            chunk = min(remaining, _WAIT_CHUNK_S)
+            chunk = min(remaining, WAIT_CHUNK_S)
             response = self._request("HEAD", record, deadline, params={"wait": f"{chunk:.3f}"},
                                      timeout=chunk + 30.0)
             if response.status_code == 200:
                 return
-            state = response.headers.get(_STATE_HEADER)
-            if response.status_code == 404 and state == "failed":
+            state = response.headers.get(STATE_HEADER)
+            if response.status_code == 404 and state == FAILED:
                 raise SampleFailed(sample_id, path, self._reason(sample_id, deadline))
-            if response.status_code == 404 and state == "queued":
+            if response.status_code == 404 and state == QUEUED:
                 continue
-            if response.status_code == 404 and state == "missing":
+            if response.status_code == 404 and state == MISSING:
                 # not queued (or its job was cancelled): queue it again, once
                 if requeued:
                     time.sleep(min(0.5, max(deadline - time.monotonic(), 0.0)))
@@ -198,7 +160,7 @@ class HTTPReadThrough:
             if response.status_code == 503:  # still past the waiting bound at the deadline
                 continue
             raise SpcacheError(f"{self.url}{record}?wait=: HTTP {response.status_code} "
-                               f"{response.headers.get(_ERROR_HEADER, '')}")
+                               f"{response.headers.get(ERROR_HEADER, '')}")
 
     def _reason(self, sample_id: str, deadline: float) -> str:
         response = self._request(
@@ -206,4 +168,4 @@ class HTTPReadThrough:
             max(deadline, time.monotonic() + 5.0))
         if response.status_code != 200:
             return "failed (the service gave no reason)"
-        return str(_body(response).get("reason") or "failed")
+        return str(json_body(response).get("reason") or "failed")

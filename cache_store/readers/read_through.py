@@ -5,8 +5,9 @@ A :class:`~cache_store.readers.dataset.CachedDataset` built over sources with
 directory: the SQLite job queue in ``<cache>/jobs.sqlite``). It
 
 1. checks that a worker is alive (``spcache worker --cache DIR`` or the one ``spcache
-   serve`` runs; :meth:`JobQueue.live_workers`) and fails at once, naming the command to
-   start one, when none is: never a silent hang;
+   serve`` runs, which counts as alive while ``serve`` restarts it;
+   :meth:`JobQueue.worker_expected`) and fails at once, naming the command to start one,
+   when none is: never a silent hang;
 2. queues the missing samples, plus the next ``warm_ahead`` uncached ones in index
    order, as one high-priority job through :meth:`JobQueue.enqueue_once`, which reuses
    an item another loader process already queued, so a sample is computed once however
@@ -17,7 +18,8 @@ directory: the SQLite job queue in ``<cache>/jobs.sqlite``). It
    worker's recorded reason) and at the workers' heartbeats once a second.
 
 Nothing here imports torch's CUDA or ``workers``: loaders read; the worker computes.
-Over HTTP the service does the same for the client (``service/read_through.py``).
+Over HTTP the service does the same for the client (``service/read_through.py``); the
+rules both follow are in :mod:`cache_store.format.protocol`.
 """
 
 from __future__ import annotations
@@ -29,25 +31,26 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import MissTimeout, NoWorkerAlive, SampleFailed, SpcacheError
-from cache_store.keys import record_key
+from cache_store.errors import MissTimeout, NoWorkerAlive, SampleFailed
+from cache_store.format.protocol import (
+    FAILED,
+    LIVENESS_EVERY_S,
+    POLL_FIRST_S,
+    POLL_GROWTH,
+    QUEUED,
+    STATES_EVERY_S,
+    WORKER_STALE_S,
+    no_worker_message,
+    sample_state,
+)
 from cache_store.jobs.queue import JobQueue, QueuedItem
+from cache_store.keys import record_key
 
-__all__ = ["QueueReadThrough", "ON_MISS_CHOICES", "no_worker_message"]
+__all__ = ["QueueReadThrough", "ON_MISS_CHOICES"]
 
 log = logging.getLogger(__name__)
 
 ON_MISS_CHOICES = ("error", "compute")
-_STATUS_EVERY_S = 0.25
-_LIVENESS_EVERY_S = 1.0
-
-
-def no_worker_message(cache: str, missing: Sequence[str], stale_s: float) -> str:
-    first = ", ".join(repr(m) for m in missing[:3]) + (" ..." if len(missing) > 3 else "")
-    return (f"{len(missing)} sample(s) missing from {cache} ({first}) and no spcache worker "
-            f"is alive to compute them (no heartbeat within {stale_s:g} s). Start one: "
-            f"`spcache worker --cache {cache}` (or `python -m workers worker --cache {cache}`), "
-            f"or run `spcache serve`, which starts one; or precompute with `spcache precompute`.")
 
 
 class QueueReadThrough:
@@ -64,7 +67,7 @@ class QueueReadThrough:
 
     def __init__(self, cache_dir: str | os.PathLike[str], recipe: str, params: dict[str, Any],
                  fingerprint: str, *, priority: int = 100, miss_timeout: float = 120.0,
-                 worker_stale_s: float = 90.0, poll_max_s: float = 0.05) -> None:
+                 worker_stale_s: float = WORKER_STALE_S, poll_max_s: float = 0.05) -> None:
         self.cache_dir = Path(cache_dir)
         self.recipe = recipe
         self.params = dict(params)
@@ -81,9 +84,10 @@ class QueueReadThrough:
         self.queue.close()
 
     def _require_worker(self, missing: Sequence[str]) -> None:
-        if not self.queue.live_workers(stale_s=self.worker_stale_s):
-            raise NoWorkerAlive(no_worker_message(str(self.cache_dir), missing,
-                                                  self.worker_stale_s))
+        if not self.queue.worker_expected(stale_s=self.worker_stale_s):
+            first = ", ".join(repr(m) for m in missing[:3]) + (" ..." if len(missing) > 3 else "")
+            raise NoWorkerAlive(no_worker_message(f"{len(missing)} sample(s) missing ({first})",
+                                                  str(self.cache_dir), self.worker_stale_s))
 
     def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
               ahead: Sequence[tuple[str, str]] = ()) -> None:
@@ -109,9 +113,9 @@ class QueueReadThrough:
     def _wait(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
         start = time.monotonic()
         deadline = start + self.miss_timeout
-        next_status = start + _STATUS_EVERY_S
-        next_liveness = start + _LIVENESS_EVERY_S
-        delay = 0.005
+        next_status = start + STATES_EVERY_S
+        next_liveness = start + LIVENESS_EVERY_S
+        delay = POLL_FIRST_S
         while True:
             for sid in [s for s in waiting if has(record_key(self.fingerprint, s))]:
                 del waiting[sid]
@@ -119,10 +123,10 @@ class QueueReadThrough:
                 return
             now = time.monotonic()
             if now >= next_status:
-                next_status = now + _STATUS_EVERY_S
+                next_status = now + STATES_EVERY_S
                 self._check_items(has, waiting)
             if now >= next_liveness:
-                next_liveness = now + _LIVENESS_EVERY_S
+                next_liveness = now + LIVENESS_EVERY_S
                 self._require_worker(sorted(waiting))
             if now >= deadline:
                 states = self.queue.item_statuses(r.item_id for r in waiting.values())
@@ -133,23 +137,20 @@ class QueueReadThrough:
                                   f"{self.miss_timeout:g} s ({listed}); the worker may be "
                                   f"busy with a long queue: raise miss_timeout or warm up first")
             time.sleep(min(delay, max(deadline - now, 0.0)))
-            delay = min(delay * 1.5, self.poll_max_s)
+            delay = min(delay * POLL_GROWTH, self.poll_max_s)
 
     def _check_items(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
         states = self.queue.item_statuses(r.item_id for r in waiting.values())
         for sid, row in list(waiting.items()):
             status, error = states.get(row.item_id, ("gone", None))
-            if status in ("pending", "running"):
+            state = sample_state(status)
+            if state == QUEUED:
                 continue
             if has(record_key(self.fingerprint, sid)):
                 del waiting[sid]
-            elif status == "failed":
+            elif state == FAILED:
                 raise SampleFailed(sid, row.path, error or "failed")
-            elif status == "done":
-                raise SpcacheError(f"{self.cache_dir}: the queue says sample {sid!r} of "
-                                   f"{self.fingerprint} is done but no record is stored "
-                                   f"(deleted meanwhile?)")
-            else:  # cancelled (or gone): queue it again
+            else:  # cancelled, gone, or done and deleted since: queue it again
                 log.info("read-through: item %s of %r was %s; queueing it again",
                          row.item_id, sid, status)
                 again = self.queue.enqueue_once(self.recipe, self.params, self.fingerprint,

@@ -19,9 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import random
 import ssl
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import quote
@@ -43,6 +41,7 @@ from cache_store.format.header import check_names_key, read_metadata
 from cache_store.format.tag import TAG_HEADER, as_secret, check_record_tag
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
+from cache_store.stores.service_client import error_of, new_client, send, tls_verify
 from cache_store.format.wire import decode_batch
 
 __all__ = [
@@ -53,24 +52,6 @@ log = logging.getLogger(__name__)
 
 _INDEX_PAGE = 100_000
 
-
-
-def tls_verify(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext | bool:
-    """What an httpx client verifies an https service against: the system's CAs, or only
-    ``ca_file`` (PEM: the CA that signed the service's certificate, or a self-signed
-    certificate itself) when given."""
-    if ca_file is None:
-        return True
-    return ssl.create_default_context(cafile=os.fspath(ca_file))
-
-
-def _new_client(url: str, timeout_s: float, token: str | None, max_connections: int,
-                ca_file: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=url, timeout=timeout_s, headers=headers,
-                        verify=tls_verify(ca_file),
-                        limits=httpx.Limits(max_connections=max_connections,
-                                            max_keepalive_connections=max_connections))
 
 
 class HTTPStore(Store):
@@ -125,8 +106,8 @@ class HTTPStore(Store):
                 raise ValueError(f"ca_file {self.ca_file}: cannot load it as PEM "
                                  f"certificates: {getattr(exc, 'strerror', None) or exc}") from None
         self._client = ProcessLocal(functools.partial(
-            _new_client, self.url, timeout_s, token, max_connections, self.ca_file),
-            httpx.Client.close)
+            new_client, self.url, timeout_s=timeout_s, token=token, ca_file=self.ca_file,
+            max_connections=max_connections), httpx.Client.close)
 
     def __repr__(self) -> str:
         return f"HTTPStore({self.url!r})"
@@ -140,32 +121,13 @@ class HTTPStore(Store):
         self._client.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
-            try:
-                response = self._http().request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                if attempt == self.retries:
-                    raise SpcacheError(f"{self.url}{path}: {type(exc).__name__}: {exc} "
-                                       f"(after {attempt + 1} attempts)") from exc
-                wait = delay
-            else:
-                if response.status_code != 503 or attempt == self.retries:
-                    return response
-                wait = _retry_after(response, delay)
-            log.debug("%s %s: retrying in %.2fs", method, path, wait)
-            time.sleep(wait * (0.5 + random.random()))
-            delay = min(delay * 2 or 0.1, 10.0)
-        raise AssertionError("unreachable")
+        return send(self._http, method, path, where=self.url, retries=self.retries,
+                    backoff_s=self.backoff_s, **kwargs)
 
     def _check(self, response: httpx.Response, key: str = "") -> httpx.Response:
         if response.status_code < 400:
             return response
-        try:
-            body = response.json()
-            error, detail = body.get("error", ""), body.get("detail", response.text)
-        except ValueError:
-            error, detail = "", response.text[:500]
+        error, detail = error_of(response)
         if response.status_code == 404:
             if key and error in ("RecordNotFound", ""):
                 raise RecordNotFound(key, self.url)
@@ -287,9 +249,3 @@ class HTTPStore(Store):
 def _record_path(fingerprint: str, sample_id: str) -> str:
     return f"/v1/caches/{fingerprint}/records/{quote(sample_id, safe='/')}"
 
-
-def _retry_after(response: httpx.Response, default: float) -> float:
-    try:
-        return min(max(float(response.headers.get("retry-after", default)), 0.0), 30.0)
-    except ValueError:
-        return default

@@ -1,0 +1,124 @@
+"""A read-through loader and a worker that dies: restarted by ``spcache serve``, or left
+unreaped as a zombie.
+
+* The service's supervisor restarts its worker child after a crash. Loaders waiting for
+  a miss used to fail together with ``NoWorkerAlive`` about 0.8 s after the kill (the
+  dead pid was gone and nothing said a new worker was coming); now the supervisor
+  announces the restart in the job queue and the loaders wait for the new worker.
+* A worker killed but not reaped by its parent is a zombie: ``kill(pid, 0)`` still
+  succeeds, so a waiting loader took it for alive for its whole heartbeat window (about
+  117 s with the default lease); now a zombie is dead and the loader fails at once.
+
+Real worker processes (CPU, torch backend), real LMDB and SQLite, real meshes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cache_store import CachedDataset
+from cache_store.errors import NoWorkerAlive
+from cache_store.jobs.queue import JobQueue
+from service.supervisor import WorkerSupervisor, worker_command
+from tests.conftest import REPO_ROOT
+from tests.faults.conftest import report
+
+PARAMS = {"level": 8, "surface_samples": 20_000, "uniform_queries": 1024, "surface_queries": 1024}
+WORKER_ARGS = ["--loaders", "0", "--poll", "0.05", "--batch", "4", "--log-level", "warning"]
+
+
+def _wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_bytes()
+    return chr(stat[stat.rfind(b")") + 2])
+
+
+@pytest.mark.slow
+def test_loaders_wait_while_the_service_restarts_its_worker(tmp_path: Path,
+                                                           corpus_meshes: list[Path]) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    queue = JobQueue(cache)
+    supervisor = WorkerSupervisor(
+        worker_command(str(cache), device="cpu", backend="torch", extra=WORKER_ARGS),
+        cache=cache, first_backoff_s=1.0)
+    supervisor.start()
+    try:
+        _wait_for(lambda: queue.live_workers(), 90, "the first worker's heartbeat")
+        first = supervisor.pid
+        assert first is not None
+        # Frozen, it claims nothing: the loader's miss waits until the worker is killed.
+        os.kill(first, signal.SIGSTOP)
+        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes[:2], miss_timeout=120,
+                           **PARAMS)
+        got: dict[str, Any] = {}
+
+        def load() -> None:
+            try:
+                got["sample"] = ds[0]
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                got["error"] = exc
+            got["at"] = time.monotonic()
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        _wait_for(lambda: queue.counts()["pending"] >= 1, 30, "the loader to queue its miss")
+        time.sleep(0.5)
+        killed = time.monotonic()
+        os.kill(first, signal.SIGKILL)
+        loader.join(150)
+        assert not loader.is_alive(), "the loader is still waiting"
+        assert "error" not in got, f"the loader failed while the worker restarted: {got['error']!r}"
+        assert "octree" in got["sample"]
+        assert supervisor.restarts == 1 and supervisor.pid not in (None, first)
+        report("26.m worker restart", {"kill_to_record_s": round(got["at"] - killed, 2),
+                                       "loader_errors": 0})
+        ds.close()
+    finally:
+        supervisor.stop()
+        queue.close()
+    assert not JobQueue(cache).worker_expected()  # a stopped service announces nothing
+
+
+@pytest.mark.slow
+def test_a_loader_does_not_wait_on_a_zombie_worker(tmp_path: Path,
+                                                   corpus_meshes: list[Path]) -> None:
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-m", "spcache", "worker", "--cache", str(cache),
+                             "--device", "cpu", "--backend", "torch", *WORKER_ARGS],
+                            cwd=REPO_ROOT)
+    try:
+        _wait_for(lambda: cache.joinpath("jobs.sqlite").exists(), 90, "the queue file")
+        queue = JobQueue(cache)
+        _wait_for(lambda: queue.live_workers(), 90, "the worker's heartbeat")
+        os.kill(proc.pid, signal.SIGKILL)  # and not reaped: this process never waits yet
+        _wait_for(lambda: _state(proc.pid) == "Z", 10, "the worker to be a zombie")
+        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes[:1], miss_timeout=20,
+                           **PARAMS)
+        start = time.monotonic()
+        with pytest.raises(NoWorkerAlive, match=f"spcache worker --cache {cache}"):
+            ds[0]
+        waited = time.monotonic() - start
+        assert waited < 5, f"waited {waited:.1f} s on a zombie"
+        report("26.m zombie worker", {"fail_after_s": round(waited, 2)})
+        ds.close()
+        queue.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
