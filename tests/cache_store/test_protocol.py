@@ -21,7 +21,7 @@ from cache_store.format.protocol import (
 from cache_store.jobs.queue import JobQueue
 from cache_store.jobs.rows import ITEM_STATUSES
 from cache_store.stores.service_client import error_of, new_client, send
-from tests.service.conftest import InProcessServer
+from tests.helpers.service import InProcessServer
 
 
 def test_every_queue_status_maps_to_a_sample_state() -> None:

@@ -30,7 +30,7 @@ from cache_store.errors import NoWorkerAlive
 from cache_store.jobs.queue import JobQueue
 from service.supervisor import WorkerSupervisor, worker_command
 from tests.conftest import REPO_ROOT
-from tests.faults.conftest import report
+from tests.helpers.faults import report
 
 PARAMS = {"level": 8, "surface_samples": 20_000, "uniform_queries": 1024, "surface_queries": 1024}
 WORKER_ARGS = ["--loaders", "0", "--poll", "0.05", "--batch", "4", "--log-level", "warning"]
@@ -99,12 +99,12 @@ def test_loaders_wait_while_the_service_restarts_its_worker(tmp_path: Path,
 def test_a_loader_does_not_wait_on_a_zombie_worker(tmp_path: Path,
                                                    corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "cache"
+    cache.mkdir()
+    queue = JobQueue(cache)
     proc = subprocess.Popen([sys.executable, "-m", "spcache", "worker", "--cache", str(cache),
                              "--device", "cpu", "--backend", "torch", *WORKER_ARGS],
                             cwd=REPO_ROOT)
     try:
-        _wait_for(lambda: cache.joinpath("jobs.sqlite").exists(), 90, "the queue file")
-        queue = JobQueue(cache)
         _wait_for(lambda: queue.live_workers(), 90, "the worker's heartbeat")
         os.kill(proc.pid, signal.SIGKILL)  # and not reaped: this process never waits yet
         _wait_for(lambda: _state(proc.pid) == "Z", 10, "the worker to be a zombie")
@@ -117,8 +117,8 @@ def test_a_loader_does_not_wait_on_a_zombie_worker(tmp_path: Path,
         assert waited < 5, f"waited {waited:.1f} s on a zombie"
         report("26.m zombie worker", {"fail_after_s": round(waited, 2)})
         ds.close()
-        queue.close()
     finally:
+        queue.close()
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
