@@ -33,6 +33,7 @@ __all__ = [
     "SampleFailed",
     "NoWorkerAlive",
     "MissTimeout",
+    "StaleRecord",
 ]
 
 
@@ -216,3 +217,19 @@ class NoWorkerAlive(SpcacheError, RuntimeError):
 
 class MissTimeout(SpcacheError, TimeoutError):
     """A read-through miss whose record did not land within ``miss_timeout``."""
+
+
+class StaleRecord(SpcacheError):
+    """A stored record was computed from other bytes than its source holds now (the
+    source was edited, or another file stands under the same sample id), read with
+    ``on_stale="error"``. The message names the key, the source and both hashes."""
+
+    def __init__(self, key: object, path: object = None, stored: object = None,
+                 current: object = None) -> None:
+        if path is None:  # rebuilt from its message
+            super().__init__(str(key))
+        else:
+            super().__init__(f"record {key!r} is stale: it was computed from a source with "
+                             f"hash {stored}, and {path} now hashes to {current}")
+        self.key = key
+        self.path = path

@@ -34,7 +34,7 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.keys import compute_fingerprint, record_key, validate_sample_id
-from cache_store.jobs.freshness import record_is_current
+from cache_store.jobs.freshness import compare_source, stored_metadata
 from cache_store.sources.files import (
     DEFAULT_MAX_SOURCE_BYTES,
     SourceLimits,
@@ -60,6 +60,8 @@ class WarmupPlan:
     fingerprint: str
     todo: list[NewItem] = field(default_factory=list)
     ready: list[NewItem] = field(default_factory=list)
+    #: ids in ``todo`` whose stored record is out of date with its source
+    stale: set[str] = field(default_factory=set)
 
 
 def resolve_source(path: str, roots: Sequence[Path],
@@ -273,7 +275,18 @@ def plan_warmup(recipe: str, params: dict[str, Any] | None, items: Sequence[tupl
     limits = SourceLimits.of(roots)
     for sid, real in checked:
         item = NewItem(sid, str(real))
-        ready = store is not None and record_is_current(
-            store, record_key(fingerprint, sid), real, limits)
-        (plan.ready if ready else plan.todo).append(item)
+        meta = None if store is None else stored_metadata(store, record_key(fingerprint, sid))
+        if meta is not None and _current(meta, real, limits):
+            plan.ready.append(item)
+            continue
+        plan.todo.append(item)
+        if meta is not None:
+            plan.stale.add(sid)
     return plan
+
+
+def _current(meta: dict[str, str], path: Path, limits: SourceLimits) -> bool:
+    try:
+        return compare_source(meta, path, limits).current is True
+    except SourceError:
+        return False

@@ -34,7 +34,7 @@ from cache_store.format.header import read_metadata
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 
 __all__ = ["STAT_FIELD", "RACY_S", "HashBudget", "SourceComparison", "compare_source",
-           "trusted_signature", "is_current", "record_is_current", "stored_source_hash"]
+           "trusted_signature", "is_current", "stored_metadata", "record_is_current", "stored_source_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,9 @@ def is_current(stored_hash: str | None, source_hash: str) -> bool:
     return stored_hash is not None and stored_hash == source_hash
 
 
-def _stored_metadata(store: Any, key: str) -> dict[str, str] | None:
+def stored_metadata(store: Any, key: str) -> dict[str, str] | None:
+    """The metadata of the record stored under ``key``; None when there is none, or it
+    is unreadable (logged: it will be computed again)."""
     try:
         return read_metadata(store.get(key), key=key)
     except RecordNotFound:
@@ -121,7 +123,7 @@ def _stored_metadata(store: Any, key: str) -> dict[str, str] | None:
 def stored_source_hash(store: Any, key: str) -> str | None:
     """The ``source_hash`` of the record stored under ``key``; None when there is no
     record, or when it is unreadable (logged: it will be computed again)."""
-    meta = _stored_metadata(store, key)
+    meta = stored_metadata(store, key)
     return None if meta is None else meta.get("source_hash")
 
 
@@ -131,7 +133,7 @@ def record_is_current(store: Any, key: str, path: str | os.PathLike[str],
     """True when ``store`` holds a readable record under ``key`` computed from the
     source at ``path`` as it is now (an unreadable source, or one left undecided by
     ``budget``, is never current)."""
-    meta = _stored_metadata(store, key)
+    meta = stored_metadata(store, key)
     if meta is None:
         return False
     try:

@@ -227,7 +227,7 @@ class JobQueue:
 
     def enqueue_once(self, recipe: str, params: dict[str, Any], fingerprint: str,
                      items: Iterable[NewItem | tuple[str, str]], *,
-                     priority: int = 100) -> list[QueuedItem]:
+                     priority: int = 100, stale: Iterable[str] = ()) -> list[QueuedItem]:
         """Queue each sample unless the queue already has it in hand; one transaction.
 
         The read-through path: many loader processes missing the same sample call this
@@ -235,7 +235,9 @@ class JobQueue:
         newest queue item of the same ``(fingerprint, sample id)`` is reused when it is
 
         * ``pending`` or ``running``: it will produce the record;
-        * ``done``: the record was written (the caller reads it again);
+        * ``done``: the record was written (the caller reads it again), unless the
+          sample is in ``stale``: the caller found that record out of date with its
+          source, so it is computed again;
         * ``failed`` no earlier than the source file's last change: the caller reports
           its ``last_error`` instead of computing it again every epoch (a source edited
           since gets a new item).
@@ -245,26 +247,29 @@ class JobQueue:
         Returns one :class:`QueuedItem` per item, in the given order.
         """
         wanted = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
+        again = set(stale)
         out: dict[str, QueuedItem] = {}
         conn = self._conn()
         now = self.clock()
         with write_txn(conn):
             todo: list[NewItem] = []
+            todo_ids: set[str] = set()  # a set: a list scan made 24k items take 26 s
             for it in wanted:
-                if it.sample_id in out or any(t.sample_id == it.sample_id for t in todo):
+                if it.sample_id in out or it.sample_id in todo_ids:
                     continue
                 row = conn.execute(
                     "SELECT id, job_id, path, status, last_error, updated FROM items "
                     "WHERE fingerprint = ? AND sample_id = ? AND status != 'cancelled' "
                     "ORDER BY updated DESC, id DESC LIMIT 1",
                     (fingerprint, it.sample_id)).fetchone()
-                if row is not None and (row["status"] != "failed"
-                                        or row["updated"] >= _mtime(it.path)):
+                if row is not None and not (row["status"] == "done" and it.sample_id in again) \
+                        and (row["status"] != "failed" or row["updated"] >= _mtime(it.path)):
                     out[it.sample_id] = QueuedItem(row["id"], row["job_id"], it.sample_id,
                                                    row["path"], row["status"],
                                                    row["last_error"], True)
                 else:
                     todo.append(it)
+                    todo_ids.add(it.sample_id)
             if todo:
                 job_id = uuid.uuid4().hex
                 conn.execute(

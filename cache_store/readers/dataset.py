@@ -12,6 +12,7 @@ import functools
 import logging
 import operator
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -22,11 +23,16 @@ from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
     FingerprintLookupError,
+    MissTimeout,
     ParameterError,
     RecordNotFound,
     SampleFailed,
     SourceError,
+    StaleRecord,
 )
+from cache_store.format.record import read_metadata
+from cache_store.jobs.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
@@ -132,6 +138,17 @@ class CachedDataset(torch.utils.data.Dataset):
             dataset, the parent after a DataLoader epoch included. Batches are then
             shorter than ``batch_size`` now and then, and a batch whose samples all
             failed collates to an empty dict (``if not batch: continue``).
+        on_stale: with sources, what a stored record computed from other bytes than its
+            source holds now is (the file was edited, or another directory's file has
+            the same id): ``"compute"`` (the default with ``on_miss="compute"``) treats it
+            as a miss, recomputed by the worker and waited for; ``"error"`` (the default
+            with ``on_miss="error"``) raises ``StaleRecord``; ``"serve"`` returns it
+            unchecked. Checked on every read of a sample, so every epoch and in every
+            DataLoader worker process: one ``open`` + ``fstat`` of its source through the
+            source gate (:mod:`cache_store.sources.files`), compared with the stat
+            signature stored in the record; only when that differs is the source hashed
+            (bounded by the gate), and an unchanged file is then hashed at most once per
+            process. A dataset without sources serves what is stored, unchecked.
         **params: recipe parameters, with a recipe name only.
 
     The index is read on first use (``len``, indexing, ``fingerprint``) through a store
@@ -153,7 +170,8 @@ class CachedDataset(torch.utils.data.Dataset):
                  sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
                  on_miss: str | None = None, warm_ahead: int = 16,
                  miss_timeout: float = 120.0, on_error: str = "raise",
-                 id_template: str | None = None, **params: Any) -> None:
+                 id_template: str | None = None, on_stale: str | None = None,
+                 **params: Any) -> None:
         if not isinstance(fingerprint_or_recipe, str):
             raise ParameterError([f"fingerprint_or_recipe: expected a str, got "
                                   f"{type(fingerprint_or_recipe).__name__}"])
@@ -165,6 +183,16 @@ class CachedDataset(torch.utils.data.Dataset):
             problems.append("on_miss='compute' needs sources= (the paths to compute from)")
         if id_template is not None and sources is None:
             problems.append("id_template= needs sources= (it names the samples found there)")
+        on_stale = on_stale or ("serve" if sources is None else
+                                "compute" if on_miss == "compute" else "error")
+        if on_stale not in ("compute", "error", "serve"):
+            problems.append(f"on_stale: expected 'compute', 'error' or 'serve', got {on_stale!r}")
+        elif on_stale != "serve" and sources is None:
+            problems.append(f"on_stale={on_stale!r} needs sources= (the files to compare "
+                            f"records with); without them what is stored is served")
+        elif on_stale == "compute" and on_miss != "compute":
+            problems.append("on_stale='compute' needs on_miss='compute' (a stale record is "
+                            "recomputed as a miss is)")
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
         location = parse_location(cache.location if isinstance(cache, Store) else cache)
@@ -191,6 +219,9 @@ class CachedDataset(torch.utils.data.Dataset):
         self.id_template = id_template
         # made here, in the process that builds the dataset, so its workers share it
         self._skipped = SkippedSamples() if on_error == "skip" else None
+        self.on_stale = on_stale
+        # index -> (signature, record checksum) this process hashed and found current
+        self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None    # uint8, with sources only
         self._path_offsets: np.ndarray | None = None  # int64 [n + 1]
         self._miss_handler: tuple[int, Any] | None = None  # (pid, handler), made on a miss
@@ -345,12 +376,15 @@ class CachedDataset(torch.utils.data.Dataset):
     def _read_one(self, i: int) -> Any:
         key = self.key(i)
         try:
-            return self._finish(self._store_here().get_record(key, fields=self.fields))
+            record = self._store_here().get_record(key, fields=self.fields)
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
-        self._on_miss([i])
-        return self._finish(self._store_here().get_record(key, fields=self.fields))
+            self._on_miss([i])
+            record = self._store_here().get_record(key, fields=self.fields)
+        if self.on_stale != "serve":
+            record = self._current_records([i], [record])[0]
+        return self._finish(record)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         keys = [self.key(i) for i in indices]
@@ -361,7 +395,83 @@ class CachedDataset(torch.utils.data.Dataset):
                 raise
             self._on_miss(indices)
             records = self._store_here().get_records(keys, fields=self.fields)
+        if self.on_stale != "serve":
+            records = self._current_records(indices, records)
         return [self._finish(record) for record in records]
+
+    # -- stale records (sources=..., on_stale != "serve") -------------------------------
+    _LIMITS = SourceLimits()
+
+    def _verified_here(self) -> dict[int, tuple[str, str]]:
+        pid = os.getpid()
+        if self._verified is None or self._verified[0] != pid:
+            self._verified = (pid, {})  # what the parent verified is not inherited
+        return self._verified[1]
+
+    def _staleness(self, i: int, meta: Mapping[str, str]) -> tuple[str, str] | None:
+        """None when the record read for position ``i`` is current for its source; else
+        ``(path, the source's hash now)``. Raises SourceError for an unusable source."""
+        path = self.source_path(i)
+        signature = check_source(path, self._LIMITS).signature
+        if meta.get(STAT_FIELD) == signature:
+            return None
+        verified = self._verified_here()
+        checksum = meta.get("checksum", "")
+        if verified.get(int(i)) == (signature, checksum):
+            return None
+        digest, seen, _ = hash_source(path, self._LIMITS)
+        if is_current(meta.get("source_hash"), digest):
+            if trusted_signature(seen):
+                verified[int(i)] = (seen, checksum)
+            return None
+        return path, digest
+
+    def _current_records(self, indices: Sequence[int], records: list[Any]) -> list[Any]:
+        """``records`` with every stale one handled as ``on_stale`` says."""
+        stale = {}
+        for n, (i, record) in enumerate(zip(indices, records, strict=True)):
+            found = self._staleness(i, record.metadata)
+            if found is not None:
+                stale[n] = (i, record, *found)
+        if not stale:
+            return records
+        if self.on_stale == "error":
+            i, record, path, digest = next(iter(stale.values()))
+            raise StaleRecord(self.key(i), path, record.metadata.get("source_hash"), digest)
+        out = list(records)
+        for n, record in zip(stale, self._recompute([i for i, *_ in stale.values()]),
+                             strict=True):
+            out[n] = record
+        return out
+
+    def _recompute(self, indices: Sequence[int]) -> list[Any]:
+        """Queue the stale samples at ``indices`` again and wait until each stored record
+        is current for its source (or ``miss_timeout``); their records, in order."""
+        wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)]
+        position = {self.key(i): i for i in indices}
+
+        def current(key: str) -> bool:
+            try:
+                meta = read_metadata(self._store_here().get(key), key=key)
+            except (RecordNotFound, CacheNotFound):
+                return False
+            return self._staleness(position[key], meta) is None
+
+        deadline = time.monotonic() + self.miss_timeout
+        delay = 0.05
+        while True:
+            # QueueReadThrough waits on ``current``; over HTTP the service decides what is
+            # stale and this loop waits for the recomputed record
+            self._handler().fetch(current, wanted, (), stale=[sid for sid, _ in wanted])
+            if all(current(key) for key in position):
+                break
+            if time.monotonic() >= deadline:
+                raise MissTimeout(f"{len(wanted)} stale record(s) of {self.fingerprint} were "
+                                  f"not recomputed within {self.miss_timeout:g} s "
+                                  f"({', '.join(repr(s) for s, _ in wanted[:3])})")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        return [self._store_here().get_record(self.key(i), fields=self.fields) for i in indices]
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> Any:

@@ -111,8 +111,11 @@ class HTTPReadThrough:
         return list(answer.get("items") or [])
 
     def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
-              ahead: Sequence[tuple[str, str]] = ()) -> None:
+              ahead: Sequence[tuple[str, str]] = (), *, stale: Sequence[str] = ()) -> None:
         """Return once every ``(sample id, path)`` of ``wanted`` has a record.
+
+        ``stale`` is accepted for the same call as the queue's: the service compares
+        records with their sources itself and queues a stale one again.
 
         Raises :class:`NoWorkerAlive`, :class:`SampleFailed` (the first failed wanted
         sample) or :class:`MissTimeout`.

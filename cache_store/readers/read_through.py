@@ -90,18 +90,20 @@ class QueueReadThrough:
                                                   str(self.cache_dir), self.worker_stale_s))
 
     def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
-              ahead: Sequence[tuple[str, str]] = ()) -> None:
+              ahead: Sequence[tuple[str, str]] = (), *, stale: Sequence[str] = ()) -> None:
         """Return once every ``(sample id, path)`` of ``wanted`` has a record.
 
-        ``has(key)`` says whether the store holds a record. ``ahead`` are samples the
-        caller will want soon (not waited for). Raises :class:`NoWorkerAlive`,
+        ``has(key)`` says whether the store holds a (current) record. ``ahead`` are
+        samples the caller will want soon (not waited for). ``stale`` are ids whose
+        stored record is out of date with its source: a done queue item is not reused for
+        them (:meth:`JobQueue.enqueue_once`). Raises :class:`NoWorkerAlive`,
         :class:`SampleFailed` (the first failed wanted sample) or :class:`MissTimeout`.
         """
         if not wanted:
             return
         self._require_worker([sid for sid, _ in wanted])
         rows = self.queue.enqueue_once(self.recipe, self.params, self.fingerprint,
-                                       [*wanted, *ahead], priority=self.priority)
+                                       [*wanted, *ahead], priority=self.priority, stale=stale)
         self.queued += sum(1 for r in rows if not r.reused)
         wanted_ids = {sid for sid, _ in wanted}
         waiting = {r.sample_id: r for r in rows if r.sample_id in wanted_ids}
