@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from cache_store import CachedDataset
 from cache_store.errors import SpcacheError
-from cache_store.format.record import read_metadata
+from cache_store.format.header import read_metadata
 from cache_store.jobs.queue import JobQueue
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.recipes.specs import get_recipe_spec
