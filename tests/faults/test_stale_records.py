@@ -43,7 +43,7 @@ from cache_store.recipes.specs import get_recipe_spec
 from cache_store.sources.files import hash_source_file
 from cache_store.stores.lmdb import LMDBStore
 from tests.conftest import REPO_ROOT
-from tests.faults.conftest import report
+from tests.helpers.faults import report
 
 PARAMS = {"level": 4, "surface_samples": 200}
 IDS = ["a", "b", "c"]
