@@ -8,11 +8,13 @@ maps these classes to HTTP status codes in one place (``service/errors.py``).
 
 from __future__ import annotations
 
+import datetime as _dt
 from collections.abc import Iterable
 
 __all__ = [
     "SpcacheError",
     "RecordNotFound",
+    "FingerprintRemoved",
     "CorruptRecord",
     "UnsupportedFormat",
     "InvalidSampleId",
@@ -52,6 +54,25 @@ class RecordNotFound(SpcacheError, KeyError):
         super().__init__(f"no record {key!r}{where}")
         self.key = key
         self.cache = cache
+
+
+class FingerprintRemoved(RecordNotFound):
+    """Every record of ``fingerprint`` was removed from the cache (``spcache rm`` or
+    ``prune``) at ``removed_at`` (seconds since the epoch). A ``RecordNotFound``, so code
+    that handles a missing record handles this one too; the message says why."""
+
+    def __init__(self, fingerprint: str, cache: str = "", removed_at: float | None = None,
+                 key: str = "") -> None:
+        when = ("" if removed_at is None else " at " + _dt.datetime.fromtimestamp(
+            removed_at, _dt.UTC).isoformat(timespec="seconds"))
+        where = f" from cache {cache}" if cache else ""
+        what = f"record {key!r}: " if key else ""
+        Exception.__init__(self, f"{what}fingerprint {fingerprint} was removed{where}{when} "
+                                 f"(spcache rm/prune); compute it again to read it")
+        self.key = key or fingerprint
+        self.cache = cache
+        self.fingerprint = fingerprint
+        self.removed_at = removed_at
 
 
 class CorruptRecord(SpcacheError, ValueError):

@@ -29,14 +29,34 @@ Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
   must survive that (verify, stats, the service's listings) run in a child process
   (:mod:`cache_store.stores.isolated`). A commit that fails with ENOSPC/EIO raises
   :class:`StoreFull` ("no space left on <path>") so a writer can stop early.
+* Removal (``spcache rm``/``prune``): a third named database, ``removed``, holds a
+  tombstone (fingerprint -> removal time) written in the same transaction that drops
+  the index; the records are then deleted in chunks. A read that misses a record or
+  index of a tombstoned fingerprint raises :class:`FingerprintRemoved`; a write of its
+  records or index is refused inside the write transaction (so a run that was under
+  way cannot bring it back), until :meth:`LMDBStore.revive` lifts the tombstone for
+  work requested after the removal.
+* Compaction (:func:`compact_environment`): a compacting copy into ``records.compact/``,
+  then ``renameat2(RENAME_EXCHANGE)`` swaps the two directories in one step, so a path
+  lookup always finds a whole environment (data and lock file of one generation).
+  Writers hold a shared ``flock`` on ``<cache>/records.lock`` for each write
+  transaction; compaction holds it exclusively, so writers wait (up to
+  ``COMPACT_WAIT_S``, then :class:`StoreBusy`). Processes notice a swap by the
+  directory's inode: a writer before each write, a reader at most once a second; they
+  open the new generation and close the old handle a minute later (reads in flight
+  finish on the old file, which stays readable while mapped).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import functools
+import json
 import logging
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -50,19 +70,21 @@ import lmdb
 from cache_store.errors import (
     CacheDamaged,
     CacheNotFound,
+    FingerprintRemoved,
     RecordNotFound,
     SpcacheError,
     StoreBusy,
     StoreFull,
 )
-from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
+from cache_store.keys import FINGERPRINT_HEX_CHARS, is_fingerprint, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
 from cache_store.format.decode import Record, decode_record, decode_records
 from cache_store.format.header import check_names_key
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.stores.base import Store
 
-__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache"]
+__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache",
+           "compact_environment", "WRITE_LOCK_FILENAME", "COMPACT_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +94,19 @@ DEFAULT_MAP_SIZE = 1 << 30
 DEFAULT_MAX_READERS = 1024
 _RECORDS_DB = b"records"
 _INDEXES_DB = b"indexes"
+_REMOVED_DB = b"removed"
+_DB_NAMES = (_RECORDS_DB, _INDEXES_DB, _REMOVED_DB)
+#: Writers hold a shared flock on ``<cache>/<this>`` per write; compaction an exclusive one.
+WRITE_LOCK_FILENAME = "records.lock"
+#: Where compaction builds the new generation (and leaves the old one, briefly).
+COMPACT_DIR = RECORDS_DIR + ".compact"
+#: A writer waits this long for a compaction to finish before raising StoreBusy.
+COMPACT_WAIT_S = 600.0
+#: A reader looks for a swapped (compacted) environment at most this often.
+SWAP_CHECK_INTERVAL_S = 1.0
+#: A handle on a swapped-out generation is closed this long after the swap was seen.
+RETIRED_GRACE_S = 60.0
+_RENAME_EXCHANGE = 2
 _KEYS_PER_TXN = 4096
 #: A long-lived writer frees reader slots left by dead processes at most this often.
 READER_CHECK_INTERVAL_S = 5.0
@@ -99,6 +134,20 @@ def _lookup(txn: Any, db: Any, key: str) -> Any:
     return txn.get(raw, db=db)
 
 
+def _removed_at(txn: Any, dbs: dict[bytes, Any], fingerprint: str) -> float | None:
+    """When ``fingerprint`` was removed (its tombstone), or None."""
+    db = dbs.get(_REMOVED_DB)
+    if db is None or not is_fingerprint(fingerprint):
+        return None
+    value = txn.get(fingerprint.encode("ascii"), db=db)
+    if value is None:
+        return None
+    try:
+        return float(json.loads(bytes(value))["removed_at"])
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # an unreadable tombstone still means "removed"
+
+
 class _SharedEnv:
     """One LMDB environment per path per process, shared by every store on that path.
 
@@ -114,15 +163,29 @@ class _SharedEnv:
         self.writable = False
         self.reader_checked = time.monotonic()  # a writer checks when it opens
         self.users: weakref.WeakSet[LMDBStore] = weakref.WeakSet()
+        self.dir_ino: int | None = None  # inode of the records directory opened
+        self.swap_checked = time.monotonic()
+        self.retired: list[tuple[Any, float]] = []  # swapped-out handles, closed later
 
     def close(self) -> None:
         env, self.env, self.dbs = self.env, None, {}
-        if env is None:
-            return
-        if self.pid == os.getpid():
-            env.close()
-        else:  # inherited through a fork that bypassed the hook: never close it here
-            park(env)
+        retired, self.retired = self.retired, []
+        for old in [env, *(e for e, _ in retired)]:
+            if old is None:
+                continue
+            if self.pid == os.getpid():
+                old.close()
+            else:  # inherited through a fork that bypassed the hook: never close it here
+                park(old)
+
+    def close_retired(self, now: float) -> None:
+        keep = []
+        for env, since in self.retired:
+            if now - since >= RETIRED_GRACE_S and self.pid == os.getpid():
+                env.close()
+            else:
+                keep.append((env, since))
+        self.retired = keep
 
 
 _shared_envs: dict[str, _SharedEnv] = {}
@@ -138,6 +201,13 @@ def _close_all_before_fork() -> None:
 
 
 os.register_at_fork(before=_close_all_before_fork)
+
+
+def _dir_inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def has_cache(path: str | os.PathLike[str]) -> bool:
@@ -183,6 +253,7 @@ class LMDBStore(Store):
         # (pid, shared env) this store joined: every read's first check, without the
         # realpath lookup and WeakSet membership test of the full one
         self._joined: tuple[int, _SharedEnv] | None = None
+        self._removed_retry = 0.0
 
     # -- environment lifecycle ---------------------------------------------------------
     @property
@@ -216,7 +287,9 @@ class LMDBStore(Store):
             pid, shared = joined
             if shared.env is not None and pid == os.getpid() and shared.pid == pid and (
                     self.readonly or shared.writable):
-                return shared.env, shared.dbs
+                if time.monotonic() - shared.swap_checked < SWAP_CHECK_INTERVAL_S:
+                    return shared.env, shared.dbs
+                return self._adopt_swap(shared)
         shared = _shared_envs.get(self._env_key)
         if (shared is not None and shared.env is not None and shared.pid == os.getpid()
                 and (self.readonly or shared.writable) and self in shared.users):
@@ -228,25 +301,60 @@ class LMDBStore(Store):
                                            or (not self.readonly and not shared.writable)):
                 shared.close()  # forked without the hook, or a writer upgrading a reader
             if shared.env is None:
-                shared.env, shared.dbs = self._open_env()
+                shared.env, shared.dbs, shared.dir_ino = self._open_env()
                 shared.pid, shared.writable = os.getpid(), not self.readonly
+                shared.swap_checked = time.monotonic()
             shared.users.add(self)
             self._joined = (shared.pid, shared)
             return shared.env, shared.dbs
 
-    def _open_env(self) -> tuple[Any, dict[bytes, Any]]:
+    def _adopt_swap(self, shared: _SharedEnv) -> tuple[Any, dict[bytes, Any]]:
+        """The environment of the current generation: when compaction swapped the
+        records directory since this process opened it, open the new one (the old handle
+        is closed ``RETIRED_GRACE_S`` later, so reads in flight finish on it)."""
+        with _shared_lock:
+            now = time.monotonic()
+            shared.swap_checked = now
+            if shared.env is not None and shared.pid == os.getpid():
+                shared.close_retired(now)
+                current = _dir_inode(self.env_path)
+                if current is not None and current != shared.dir_ino:
+                    log.info("%s: the environment was compacted (swapped); opening the new "
+                             "generation", self.env_path)
+                    env, dbs, ino = self._open_env(readonly=not shared.writable)
+                    shared.retired.append((shared.env, now))
+                    shared.env, shared.dbs, shared.dir_ino = env, dbs, ino
+            if shared.env is None:  # closed meanwhile (a fork): the slow path re-opens
+                self._joined = None
+                return self._environment()
+            return shared.env, shared.dbs
+
+    def _open_env(self, readonly: bool | None = None) -> tuple[Any, dict[bytes, Any], int | None]:
+        """Open the environment; returns it, its databases and the records directory's
+        inode. Retried when compaction swaps the directory during the open (LMDB opens
+        the lock file and the data file by path, one after the other)."""
+        for _ in range(10):
+            before = _dir_inode(self.env_path)
+            env, dbs = self._open_env_once(self.readonly if readonly is None else readonly)
+            after = _dir_inode(self.env_path)
+            if before == after:
+                return env, dbs, after
+            env.close()
+        raise StoreBusy(f"{self.env_path}: the environment keeps being swapped while opening")
+
+    def _open_env_once(self, readonly: bool) -> tuple[Any, dict[bytes, Any]]:
         options = dict(subdir=True, max_dbs=4, max_readers=self.max_readers, lock=self.lock,
                        readahead=self.readahead)
         env = None
         try:
-            if self.readonly:
+            if readonly:
                 if not (self.env_path / "data.mdb").is_file():
                     reason = ("not a directory" if self.path.exists() and not self.path.is_dir()
                               else f"no cache here ({RECORDS_DIR}/data.mdb missing)")
                     raise CacheNotFound(self.path, reason)
                 env = lmdb.open(str(self.env_path), readonly=True, create=False, **options)
                 dbs = {}
-                for name in (_RECORDS_DB, _INDEXES_DB):
+                for name in _DB_NAMES:
                     try:
                         dbs[name] = env.open_db(name, create=False)
                     except lmdb.NotFoundError:
@@ -259,7 +367,7 @@ class LMDBStore(Store):
             if stale:
                 log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
                             self.env_path, stale)
-            dbs = {name: env.open_db(name, create=True) for name in (_RECORDS_DB, _INDEXES_DB)}
+            dbs = {name: env.open_db(name, create=True) for name in _DB_NAMES}
             return env, dbs
         except lmdb.Error as exc:
             if env is not None:
@@ -275,7 +383,8 @@ class LMDBStore(Store):
     def _begin(self) -> tuple[Any, dict[bytes, Any]]:
         """A read transaction (``buffers=True``) and the databases; the caller ends it."""
         env, dbs = self._environment()
-        if None in dbs.values():  # read-only handle opened before a writer created them
+        if None in dbs.values() and self._retry_missing_dbs(dbs):
+            # read-only handle opened before a writer created them
             for name, db in dbs.items():
                 if db is None:
                     try:
@@ -301,6 +410,17 @@ class LMDBStore(Store):
         except lmdb.Error as exc:
             raise self._damaged(exc) from exc
         return txn, dbs
+
+    def _retry_missing_dbs(self, dbs: dict[bytes, Any]) -> bool:
+        # records and indexes at once; the tombstones (absent in caches made before they
+        # existed, needed only on a miss) at most once a second, not on every read
+        if dbs.get(_RECORDS_DB) is None or dbs.get(_INDEXES_DB) is None:
+            return True
+        now = time.monotonic()
+        if now - self._removed_retry < 1.0:
+            return False
+        self._removed_retry = now
+        return True
 
     def _key_text(self, raw: Any) -> str:
         """A stored key as text; keys are checked UTF-8 when written, so one that is not
@@ -342,9 +462,41 @@ class LMDBStore(Store):
             f"x processes)")
 
     def _write(self, action: Any, size_hint: int = 0) -> Any:
-        """Run ``action(txn, dbs)`` in one write transaction, growing the map when full."""
+        """Run ``action(txn, dbs)`` in one write transaction, growing the map when full;
+        under a shared lock that compaction takes exclusively (see the module doc)."""
         self.check_writable()
-        env, dbs = self._environment()
+        with self._write_lock():
+            env, dbs = self._environment()
+            joined = self._joined
+            if joined is not None:  # a compaction may have swapped the file: never write the old one
+                env, dbs = self._adopt_swap(joined[1])
+            return self._write_txn(env, dbs, action, size_hint)
+
+    @contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        """A shared ``flock`` on ``<cache>/records.lock`` for one write; waits up to
+        ``COMPACT_WAIT_S`` while a compaction holds it exclusively."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline, told = time.monotonic() + COMPACT_WAIT_S, False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreBusy(f"{self.path}: the cache is being compacted (spcache "
+                                        f"compact); writes waited {COMPACT_WAIT_S:.0f}s") from None
+                    if not told:
+                        log.info("%s: the cache is being compacted; writes wait for it", self.path)
+                        told = True
+                    time.sleep(0.1)
+            yield
+        finally:
+            os.close(fd)  # drops the lock
+
+    def _write_txn(self, env: Any, dbs: dict[bytes, Any], action: Any, size_hint: int) -> Any:
         self._free_stale_readers(env)
         while True:
             try:
@@ -386,11 +538,19 @@ class LMDBStore(Store):
         env.set_mapsize(wanted)
 
     # -- primitives ------------------------------------------------------------------
+    def _missing(self, txn: Any, dbs: dict[bytes, Any], key: str) -> RecordNotFound:
+        """The error for a record not found: :class:`FingerprintRemoved` when its
+        fingerprint carries a tombstone (looked up only on a miss)."""
+        removed = _removed_at(txn, dbs, key[:FINGERPRINT_HEX_CHARS])
+        if removed is not None:
+            return FingerprintRemoved(key[:FINGERPRINT_HEX_CHARS], self.location, removed, key=key)
+        return RecordNotFound(key, self.location)
+
     def get(self, key: str) -> bytes:
         with self._read() as (txn, dbs):
             value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
-                raise RecordNotFound(key, self.location)
+                raise self._missing(txn, dbs, key)
             return bytes(value)
 
     @contextmanager
@@ -399,7 +559,7 @@ class LMDBStore(Store):
         with self._read() as (txn, dbs):
             value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
-                raise RecordNotFound(key, self.location)
+                raise self._missing(txn, dbs, key)
             yield value
 
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
@@ -409,7 +569,7 @@ class LMDBStore(Store):
         try:
             value = _lookup(txn, dbs[_RECORDS_DB], key)
             if value is None:
-                raise RecordNotFound(key, self.location)
+                raise self._missing(txn, dbs, key)
             record = decode_record(value, key=key, fields=fields)
         except lmdb.Error as exc:
             raise self._damaged(exc) from exc
@@ -427,7 +587,7 @@ class LMDBStore(Store):
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
-                    raise RecordNotFound(key, self.location)
+                    raise self._missing(txn, dbs, key)
                 values.append((key, value))
             # one storage for the batch, decoded inside the transaction from the map
             records = decode_records(values, fields=fields)
@@ -440,6 +600,7 @@ class LMDBStore(Store):
         checked = [(key.encode(), value) for key, value in self.check_items(items)]
 
         def put(txn: Any, dbs: dict[bytes, Any]) -> int:
+            self._refuse_removed(txn, dbs, {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked})
             for key, value in checked:
                 txn.put(key, value, db=dbs[_RECORDS_DB])
             return len(checked)
@@ -488,8 +649,18 @@ class LMDBStore(Store):
 
     def put_index(self, index: DatasetIndex) -> None:
         value = encode_index(index)
-        self._write(lambda txn, dbs: txn.put(index.fingerprint.encode(), value,
-                                             db=dbs[_INDEXES_DB]), len(value))
+
+        def put(txn: Any, dbs: dict[bytes, Any]) -> None:
+            self._refuse_removed(txn, dbs, {index.fingerprint})
+            txn.put(index.fingerprint.encode(), value, db=dbs[_INDEXES_DB])
+
+        self._write(put, len(value))
+
+    def _refuse_removed(self, txn: Any, dbs: dict[bytes, Any], fingerprints: set[str]) -> None:
+        for fingerprint in fingerprints:
+            removed = _removed_at(txn, dbs, fingerprint)
+            if removed is not None:
+                raise FingerprintRemoved(fingerprint, self.location, removed)
 
     def get_index(self, fingerprint: str) -> DatasetIndex:
         validate_fingerprint(fingerprint)
@@ -498,6 +669,9 @@ class LMDBStore(Store):
             value = None if db is None else txn.get(fingerprint.encode(), db=db)
             if value is not None:
                 return decode_index(value, key=f"index:{fingerprint}")
+            removed = _removed_at(txn, dbs, fingerprint)
+        if removed is not None:
+            raise FingerprintRemoved(fingerprint, self.location, removed)
         raise self.index_missing(fingerprint)
 
     def fingerprints(self) -> list[str]:
@@ -506,6 +680,88 @@ class LMDBStore(Store):
                 return []
             cursor = txn.cursor(db=dbs[_INDEXES_DB])
             return [self._key_text(k) for k in cursor.iternext(keys=True, values=False)]
+
+    # -- removal (spcache rm / prune) --------------------------------------------------
+    def removals(self) -> dict[str, float]:
+        """Tombstoned fingerprints -> when they were removed."""
+        with self._read() as (txn, dbs):
+            db = dbs.get(_REMOVED_DB)
+            if db is None:
+                return {}
+            out = {}
+            for key in txn.cursor(db=db).iternext(keys=True, values=False):
+                fingerprint = self._key_text(key)
+                out[fingerprint] = _removed_at(txn, dbs, fingerprint) or 0.0
+            return out
+
+    def removed_at(self, fingerprint: str) -> float | None:
+        """When ``fingerprint`` was removed, or None if it carries no tombstone."""
+        with self._read() as (txn, dbs):
+            return _removed_at(txn, dbs, fingerprint)
+
+    def mark_removed(self, fingerprint: str, when: float | None = None) -> float:
+        """Step one of removing a fingerprint, in one transaction: write its tombstone
+        (an existing one keeps its time) and drop its index. From then on its readers get
+        :class:`FingerprintRemoved` and its writes are refused. Returns the removal time."""
+        validate_fingerprint(fingerprint)
+        stamp = time.time() if when is None else float(when)
+
+        def mark(txn: Any, dbs: dict[bytes, Any]) -> float:
+            earlier = _removed_at(txn, dbs, fingerprint)
+            if earlier is None:
+                txn.put(fingerprint.encode(), json.dumps({"removed_at": stamp}).encode(),
+                        db=dbs[_REMOVED_DB])
+            txn.delete(fingerprint.encode(), db=dbs[_INDEXES_DB])
+            return stamp if earlier is None else earlier
+
+        return self._write(mark)
+
+    def delete_records(self, fingerprint: str, *, chunk: int = 1024) -> tuple[int, int]:
+        """Step two: delete every record of ``fingerprint``, ``chunk`` per transaction
+        (each commit is a consistent state; a kill leaves fewer records, never a broken
+        one). Returns ``(records, bytes)`` deleted."""
+        prefix = validate_fingerprint(fingerprint).encode() + b"/"
+
+        def delete(txn: Any, dbs: dict[bytes, Any]) -> tuple[int, int]:
+            cursor = txn.cursor(db=dbs[_RECORDS_DB])
+            count = size = 0
+            if not cursor.set_range(prefix):
+                return 0, 0
+            while count < chunk and bytes(cursor.key()).startswith(prefix):
+                size += len(cursor.value())
+                count += 1
+                if not cursor.delete():  # moves to the next item; False at the end
+                    break
+            return count, size
+
+        total = total_bytes = 0
+        while True:
+            count, size = self._write(delete)
+            total, total_bytes = total + count, total_bytes + size
+            if count < chunk:
+                return total, total_bytes
+
+    def revive(self, fingerprint: str, requested_at: float) -> bool:
+        """Lift the tombstone of ``fingerprint`` if it is older than ``requested_at`` (work
+        on it asked for after the removal); True when one was lifted."""
+        validate_fingerprint(fingerprint)
+        if self.readonly:
+            return False
+        with self._read() as (txn, dbs):
+            if _removed_at(txn, dbs, fingerprint) is None:
+                return False  # the common case: no write transaction
+
+        def lift(txn: Any, dbs: dict[bytes, Any]) -> bool:
+            removed = _removed_at(txn, dbs, fingerprint)
+            if removed is None or removed > requested_at:
+                return False
+            txn.delete(fingerprint.encode(), db=dbs[_REMOVED_DB])
+            return True
+
+        lifted = bool(self._write(lift))
+        if lifted:
+            log.info("%s: fingerprint %s computed again after its removal", self.path, fingerprint)
+        return lifted
 
     # -- conveniences done natively ----------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -524,3 +780,82 @@ class LMDBStore(Store):
                        "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
                        "max_readers": info["max_readers"], "readers_in_use": info["num_readers"]}
         return out
+
+
+# --------------------------------------------------------------------------- compaction
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directory entries in one step (``renameat2(RENAME_EXCHANGE)``, Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        raise SpcacheError("compaction needs renameat2(RENAME_EXCHANGE) (Linux, glibc >= "
+                           "2.28); not available here") from None
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise SpcacheError(f"cannot swap {a} and {b}: {os.strerror(err)} (compaction needs a "
+                           f"file system with renameat2 RENAME_EXCHANGE)")
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) -> dict[str, int]:
+    """Shrink ``<cache>/records/data.mdb`` to what it holds: LMDB's compacting copy into
+    ``<cache>/records.compact/``, then an atomic swap of the two directories.
+
+    Writers are held off for the copy (an exclusive flock on ``records.lock``; a writer
+    in the middle of a transaction is waited for up to ``wait_s``, then
+    :class:`StoreBusy`). Readers keep reading the old file until they notice the swap
+    (see the module doc). A leftover ``records.compact/`` from a killed compaction is
+    removed first. Returns ``{"before": bytes, "after": bytes}`` of ``data.mdb``.
+    """
+    root = Path(cache)
+    live = root / RECORDS_DIR
+    if not (live / "data.mdb").is_file():
+        raise CacheNotFound(root, f"no cache here ({RECORDS_DIR}/data.mdb missing)")
+    fd = os.open(root / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreBusy(f"{root}: a writer kept the cache busy for {wait_s:.0f}s; "
+                                    f"compaction not started (try again, or stop the "
+                                    f"worker)") from None
+                time.sleep(0.05)
+        spare = root / COMPACT_DIR
+        if spare.exists():
+            log.warning("%s: removing %s left by an unfinished compaction", root, spare)
+            shutil.rmtree(spare)
+        spare.mkdir()
+        before = (live / "data.mdb").stat().st_size
+        store = LMDBStore(root, readonly=True)
+        try:
+            env, _ = store._environment()
+            env.copy(str(spare), compact=True)
+        except lmdb.Error as exc:
+            raise store._damaged(exc) from exc
+        finally:
+            store.close()
+        _fsync_path(spare / "data.mdb")
+        _fsync_path(spare)
+        _exchange(spare, live)  # the one step: records/ is now the compacted copy
+        _fsync_path(root)
+        after = (live / "data.mdb").stat().st_size
+        shutil.rmtree(spare)  # the old generation; processes still mapping it keep reading it
+        log.info("%s: compacted data.mdb from %d to %d bytes", root, before, after)
+        return {"before": before, "after": after}
+    finally:
+        os.close(fd)
