@@ -46,6 +46,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--backend", dest="worker_backend", help="the worker's SPC ops backend")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     parser.add_argument("--log-level", help="debug, info, warning, error (default info)")
+    parser.add_argument("--max-size", metavar="SIZE",
+                        help="keep the cache's records under SIZE (bytes, or 500M, 2G): the "
+                             "worker removes least recently used fingerprints after each batch")
     parser.add_argument("--tls-certfile", metavar="PEM", help="serve HTTPS with this "
                         "certificate chain (env SPCACHE_TLS_CERTFILE; needs --tls-keyfile)")
     parser.add_argument("--tls-keyfile", metavar="PEM", help="the certificate's private key "
@@ -94,7 +97,21 @@ def run(args: argparse.Namespace) -> int:
     if busy:
         sys.stderr.write(f"spcache serve: {busy}\n")
         return 2
-    return serve(settings)
+    max_size = None
+    if getattr(args, "max_size", None) is not None:
+        from cache_store.housekeeping import LimitTooSmall, SizeLimit, parse_size
+
+        if not settings.worker:
+            sys.stderr.write("spcache serve: --max-size is kept by the worker; with "
+                             "--no-worker give it to `spcache worker` instead\n")
+            return 2
+        try:
+            max_size = parse_size(args.max_size)
+            SizeLimit(settings.cache, max_size).check_start()
+        except (LimitTooSmall, ValueError) as exc:
+            sys.stderr.write(f"spcache serve: {exc}\n")
+            return 2
+    return serve(settings, max_size=max_size)
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -120,7 +137,7 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, *, max_size: int | None = None) -> int:
     import uvicorn
 
     from service.app import create_app
@@ -135,7 +152,8 @@ def serve(settings: Settings) -> int:
         supervisor = WorkerSupervisor(
             worker_command(str(settings.cache), device=settings.worker_device,
                            backend=settings.worker_backend, log_level=settings.log_level,
-                           source_roots=settings.source_roots),
+                           source_roots=settings.source_roots,
+                           extra=() if max_size is None else ("--max-size", str(max_size))),
             max_backoff_s=settings.worker_restart_max_s, cache=settings.cache)
         log.info("spcache serve: worker child on device %s (backend %s)",
                  settings.worker_device or "auto", settings.worker_backend)

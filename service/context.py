@@ -112,6 +112,11 @@ class ServiceContext:
             assert self._walk is not None
             return self._walk
 
+    def forget_walk(self) -> None:
+        """Make the next :meth:`cache_walk` walk again (after a removal)."""
+        with self._walk_lock:
+            self._walk, self._walk_damage, self._walk_at = None, None, 0.0
+
     def cache_stats(self, fingerprint: str) -> CacheStats:
         """Records and bytes stored under a fingerprint (from :meth:`cache_walk`)."""
         entry = self.cache_walk(fingerprint).get(fingerprint, {})

@@ -12,6 +12,7 @@ from typing import Annotated
 
 from fastapi import Path
 
+from cache_store import usage
 from cache_store.errors import ParameterError, RecordNotFound
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
@@ -21,9 +22,11 @@ from service.budget import ResponseTooLarge, record_length
 from service.context import ServiceContext
 
 __all__ = ["Fingerprint", "RECORD_MEDIA_TYPE", "read_record", "read_stored", "record_etag",
-           "etag_matches", "record_tag_header", "parse_fields"]
+           "etag_matches", "record_tag_header", "parse_fields", "note_read_hourly"]
 
 RECORD_MEDIA_TYPE = "application/octet-stream"
+#: "last read" of a fingerprint (spcache ls, prune): recorded at most once an hour each
+note_read_hourly = usage.Throttle(usage.note_read, 3600.0)
 
 #: Route path parameter: a cache's fingerprint.
 Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
@@ -79,6 +82,7 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
     store = ctx.store()
     if store is None:
         raise RecordNotFound(key, str(ctx.cache))
+    note_read_hourly(ctx.cache, fingerprint)
     size = record_length(store, key)
     limit = ctx.settings.max_response_bytes
     if size > limit:

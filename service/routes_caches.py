@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
@@ -26,6 +29,7 @@ from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.encode import select_fields
 from cache_store.format.tag import TAG_HEADER
 from cache_store.format.wire import BATCH_MEDIA_TYPE, encode_batch
+from service.auth import require_token
 from service.budget import ResponseTooLarge, record_length
 from service.context import Context
 from service.errors import status_for
@@ -35,6 +39,7 @@ from service.records import (
     Fingerprint,
     etag_matches,
     read_record,
+    note_read_hourly,
     read_stored,
     record_etag,
     record_tag_header,
@@ -105,6 +110,37 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
             "jobs": [j.id for j in jobs]}
 
 
+@router.delete("/caches/{fingerprint}", dependencies=[Depends(require_token)])
+async def remove_cache(fingerprint: Fingerprint, ctx: Context) -> dict[str, Any]:
+    """Remove a fingerprint as ``spcache rm`` does (token): its queued items are
+    cancelled, its records, index and remembered failures removed. Readers of other
+    fingerprints never notice; readers of this one get ``FingerprintRemoved``. The disk
+    is given back by ``spcache compact``."""
+    validate_fingerprint(fingerprint)
+    report = await run_in_threadpool(remove_in_child, ctx.cache, fingerprint)
+    ctx.forget_walk()
+    return report
+
+
+def remove_in_child(cache: Any, fingerprint: str, *, timeout_s: float = 600.0) -> dict[str, Any]:
+    """``spcache rm FINGERPRINT --cache CACHE`` in a child process: the service's own
+    store stays read-only (a writable handle here would re-open it under its readers)."""
+    command = [sys.executable, "-m", "spcache", "rm", fingerprint, "--cache", str(cache), "--json"]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise SpcacheError(f"removing {fingerprint} took over {timeout_s:.0f}s; it goes on "
+                           f"when `spcache rm` is run again") from None
+    if done.returncode == 0:
+        return json.loads(done.stdout)[0]
+    reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    reason = reason.removeprefix("spcache rm: ")
+    if "no such fingerprint" in reason:
+        raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}: {reason}")
+    raise SpcacheError(f"removing {fingerprint} failed: {reason}")
+
+
 @router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
 @router.get("/caches/{fingerprint}/records/{sample_id:path}", operation_id="get_record",
             response_class=Response,
@@ -168,6 +204,7 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
 
     def collect() -> tuple[list[tuple[str, bytes]], list[tuple[str, str, str]], list[str]]:
         store = ctx.store()
+        note_read_hourly(ctx.cache, fingerprint)
         sizes: dict[str, int] = {}
         missing: list[tuple[str, str, str]] = []
         for sample_id in ids:

@@ -237,7 +237,8 @@ class LocalRun:
         self.ledger = RunLedger(engine.store, Summary(engine.fingerprint, engine.recipe.name,
                                                       engine.recipe.version, dict(engine.params)),
                                 on_result, progress=engine.progress,
-                                failures=engine.failure_log, skip_failed=engine.skip_failed)
+                                failures=engine.failure_log, skip_failed=engine.skip_failed,
+                                requested_at=getattr(engine, "requested_at", None))
         self.summary = self.ledger.summary
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_store.errors import StoreFull
+from cache_store.errors import FingerprintRemoved, StoreFull
 from cache_store.format.encode import encode_record
 from cache_store.stores.base import Store
 from workers.run_ledger import ItemResult, WorkItem, one_line
@@ -103,15 +103,19 @@ class RecordWriter(threading.Thread):
             try:
                 self.store.put_many(encoded)
             except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
-                if isinstance(exc, StoreFull):
+                if isinstance(exc, FingerprintRemoved):
+                    logger.info("not writing %d records: %s", len(encoded), exc)
+                elif isinstance(exc, StoreFull):
                     self.full = exc
                     logger.error("writing %d records failed, the cache is full: %s",
                                  len(encoded), exc)
                 else:
                     logger.exception("writing %d records failed", len(encoded))
+                # a removed fingerprint (spcache rm) is final: retrying would bring it back
+                transient = not isinstance(exc, FingerprintRemoved)
                 for pending in ok:
                     self._report(pending, "failed", f"store write failed: {one_line(exc)}",
-                                 transient=True)
+                                 transient=transient)
                 ok = []
         self.busy_s += time.perf_counter() - start
         for pending in ok:

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import logging
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -29,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from cache_store.errors import CorruptRecord, FingerprintLookupError, InvalidSampleId, StoreFull
+from cache_store.errors import (
+    CorruptRecord,
+    FingerprintLookupError,
+    FingerprintRemoved,
+    InvalidSampleId,
+    StoreFull,
+)
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
 from cache_store.jobs.freshness import stored_source_hash
@@ -163,8 +170,12 @@ class RunLedger:
 
     def __init__(self, store: Store, summary: Summary,
                  on_result: Callable[[ItemResult], None] | None, *, progress: bool = False,
-                 failures: FailureLog | None = None, skip_failed: bool = False) -> None:
+                 failures: FailureLog | None = None, skip_failed: bool = False,
+                 requested_at: float | None = None) -> None:
         self.store = store
+        # when the work was asked for: a removal of the fingerprint (spcache rm) after it
+        # keeps refusing this run's writes; one before it is lifted (see admit)
+        self.requested_at = time.time() if requested_at is None else requested_at
         self.summary = summary
         self.on_result = on_result
         self.progress = progress
@@ -185,6 +196,9 @@ class RunLedger:
 
     def admit(self, items: list[tuple[str, Any]]) -> list[WorkItem]:
         """Valid, unique items with their keys and stored source hashes; the rest fail now."""
+        revive = getattr(self.store, "revive", None)  # a removed fingerprint asked for again
+        if callable(revive) and not self.store.readonly:
+            revive(self.summary.fingerprint, self.requested_at)
         seen: dict[str, str] = {}
         work: list[WorkItem] = []
         for sample_id, path in items:
@@ -300,6 +314,8 @@ class RunLedger:
         """
         try:
             self._write_index()
+        except FingerprintRemoved as exc:  # removed while this run was under way: stay removed
+            logger.info("the index of %s was not written: %s", self.summary.fingerprint, exc)
         except StoreFull as exc:
             logger.error("the index of %s was not written (%s): its records stored in this "
                          "run are found again by the next run over the same sources",

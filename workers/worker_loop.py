@@ -56,6 +56,10 @@ class WorkerLoop:
         source_roots: directories every source must resolve into, checked again when the
             engine opens the file (the service checked the path earlier); None: any.
         max_source_bytes: the largest source file the engine reads (default 1 GiB).
+        max_size: keep the records under this many bytes: after each claimed batch, the
+            least recently used fingerprints are removed (never the one being written,
+            nor one with queued or running items); see
+            :class:`cache_store.housekeeping.SizeLimit`.
     """
 
     def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
@@ -64,7 +68,7 @@ class WorkerLoop:
                  max_attempts: int = 3, worker_id: str | None = None,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = 1 << 30,
-                 loader_jobs: int | None = None) -> None:
+                 loader_jobs: int | None = None, max_size: int | None = None) -> None:
         if loaders is None:
             loaders = 2 if loader_jobs is None else loader_jobs
         if batch < 1 or lease_s <= 0 or poll_s <= 0 or loaders < 0:
@@ -80,6 +84,11 @@ class WorkerLoop:
         self.max_attempts = max_attempts
         self.source_roots = list(source_roots) if source_roots is not None else None
         self.max_source_bytes = max_source_bytes
+        self.size_limit = None
+        if max_size is not None:
+            from cache_store.housekeeping import SizeLimit
+
+            self.size_limit = SizeLimit(self.cache, max_size)
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self.stop_requested = threading.Event()
         self.processed = 0
@@ -116,7 +125,10 @@ class WorkerLoop:
                  self.cache, self.device, self.backend)
         try:
             queue.heartbeat(self.worker_id, self._info())
+            if self.size_limit is not None:
+                self.size_limit.after_batch(None)  # over the limit already: evict first
             while not self.stop_requested.is_set():
+                claimed_at = time.time()
                 claimed = queue.claim(self.worker_id, limit=self.batch, lease_s=self.lease_s)
                 if not claimed:
                     if self.drain:
@@ -125,7 +137,9 @@ class WorkerLoop:
                     continue
                 with self._held_lock:
                     self._held.update({c.item_id: c for c in claimed})
-                self._process(queue, store, claimed)
+                self._process(queue, store, claimed, claimed_at)
+                if self.size_limit is not None:
+                    self._keep_under_limit(claimed[0].fingerprint)
         except KeyboardInterrupt:
             log.warning("worker %s interrupted", self.worker_id)
         finally:
@@ -144,7 +158,17 @@ class WorkerLoop:
         log.info("worker %s stopped after %d item(s)", self.worker_id, self.processed)
         return 0
 
-    def _process(self, queue: JobQueue, store: Store, claimed: list[ClaimedItem]) -> None:
+    def _keep_under_limit(self, writing: str) -> None:
+        """``--max-size``: after each batch, evict least recently used fingerprints (never
+        the one being written, nor one with queued or running items)."""
+        assert self.size_limit is not None
+        try:
+            self.size_limit.after_batch(writing)
+        except Exception:  # noqa: BLE001 - eviction is housekeeping: the work goes on
+            log.exception("worker %s: keeping the cache under --max-size failed", self.worker_id)
+
+    def _process(self, queue: JobQueue, store: Store, claimed: list[ClaimedItem],
+                 claimed_at: float | None = None) -> None:
         first = claimed[0]
         by_id = {c.sample_id: c for c in claimed}
         reported: set[int] = set()
@@ -179,6 +203,8 @@ class WorkerLoop:
         start = time.perf_counter()
         try:
             engine = self._engine(store, first)
+            # asked for when claimed: a removal of the fingerprint after that refuses its writes
+            engine.requested_at = claimed_at
             try:
                 engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
             finally:  # the run wrote the index, even when interrupted
@@ -282,6 +308,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                                             "(repeatable; default: any path)")
     parser.add_argument("--max-source-bytes", type=int, default=1 << 30,
                         help="largest source file read (default 1 GiB)")
+    parser.add_argument("--max-size", metavar="SIZE",
+                        help="keep the cache's records under SIZE (bytes, or 500M, 2G): "
+                             "least recently used fingerprints are removed after each batch")
     parser.add_argument("--log-level", default="info")
     return parser
 
@@ -289,10 +318,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    max_size = None
+    if args.max_size is not None:
+        from cache_store.housekeeping import LimitTooSmall, SizeLimit, parse_size
+
+        try:
+            max_size = parse_size(args.max_size)
+            SizeLimit(args.cache, max_size).check_start()
+        except (LimitTooSmall, ValueError) as exc:
+            print(f"spcache worker: {exc}", file=sys.stderr)
+            return 2
     loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
                       lease_s=args.lease, poll_s=args.poll, loaders=args.loaders,
                       drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id,
-                      source_roots=args.source_roots, max_source_bytes=args.max_source_bytes)
+                      source_roots=args.source_roots, max_source_bytes=args.max_source_bytes,
+                      max_size=max_size)
     loop.install_signal_handlers()
     return loop.run()
 

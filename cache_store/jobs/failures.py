@@ -155,6 +155,20 @@ class FailureLog:
             conn.execute(f"DELETE FROM failures WHERE fingerprint = ? AND sample_id IN "
                          f"({','.join('?' * len(part))})", (fingerprint, *part))
 
+    def counts(self) -> dict[str, int]:
+        """Fingerprint -> samples with a remembered failure."""
+        if not self.path.exists():
+            return {}
+        rows = self._conn().execute("SELECT fingerprint, COUNT(*) FROM failures GROUP BY fingerprint")
+        return {fp: count for fp, count in rows}
+
+    def forget_fingerprint(self, fingerprint: str) -> int:
+        """Drop every remembered failure of ``fingerprint``; returns how many."""
+        if not self.path.exists():
+            return 0
+        return self._conn().execute("DELETE FROM failures WHERE fingerprint = ?",
+                                    (fingerprint,)).rowcount
+
     def close(self) -> None:
         """Close this thread's connection (the next call opens a new one)."""
         conn, pid = getattr(self._local, "conn", None), getattr(self._local, "pid", None)

@@ -436,6 +436,46 @@ class JobQueue:
                 out.append(sample_id)
         return out[:limit]
 
+    # -- housekeeping (spcache rm / prune) ---------------------------------------------
+
+    def active_fingerprints(self) -> dict[str, int]:
+        """Fingerprints with items pending or running -> how many (never pruned)."""
+        rows = self._conn().execute(
+            "SELECT fingerprint, COUNT(*) FROM items WHERE status IN ('pending', 'running') "
+            "GROUP BY fingerprint")
+        return {fp: count for fp, count in rows}
+
+    def failed_counts(self) -> dict[str, int]:
+        """Fingerprint -> how many distinct sample ids have a failed item."""
+        rows = self._conn().execute(
+            "SELECT fingerprint, COUNT(DISTINCT sample_id) FROM items WHERE status = 'failed' "
+            "GROUP BY fingerprint")
+        return {fp: count for fp, count in rows}
+
+    def cancel_fingerprint(self, fingerprint: str) -> int:
+        """Cancel every pending item of ``fingerprint`` (and mark its jobs cancelled);
+        running items finish (their writes are refused once the fingerprint is removed).
+        Returns the items cancelled."""
+        conn = self._conn()
+        with write_txn(conn):
+            cur = conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
+                               "WHERE fingerprint = ? AND status = 'pending'",
+                               (self.clock(), fingerprint))
+            conn.execute("UPDATE jobs SET cancelled = 1 WHERE fingerprint = ? AND id IN "
+                         "(SELECT job_id FROM items WHERE fingerprint = ? AND status = "
+                         "'cancelled')", (fingerprint, fingerprint))
+            return cur.rowcount
+
+    def forget_failed(self, fingerprint: str) -> int:
+        """Failed items of ``fingerprint`` become ``cancelled``, so a later request
+        computes those samples again instead of answering with the old failure. Returns
+        how many."""
+        conn = self._conn()
+        with write_txn(conn):
+            return conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
+                                "WHERE fingerprint = ? AND status = 'failed'",
+                                (self.clock(), fingerprint)).rowcount
+
     @staticmethod
     def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str],
                     ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
@@ -252,6 +253,8 @@ class CachedDataset(torch.utils.data.Dataset):
             index = resolve_index(store, self.selector, **self.params)
         finally:
             store.close()  # nothing left open for a fork to inherit
+        if type(store).__name__ == "LMDBStore":  # a local cache directory
+            usage.note_read(store.location, index.fingerprint)  # once per open (spcache ls)
         self._id_bytes, self._id_offsets = index.packed_ids()
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
         self._fingerprint = index.fingerprint

@@ -76,6 +76,7 @@ from cache_store.errors import (
     StoreBusy,
     StoreFull,
 )
+from cache_store import usage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, is_fingerprint, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
 from cache_store.format.decode import Record, decode_record, decode_records
@@ -107,6 +108,8 @@ SWAP_CHECK_INTERVAL_S = 1.0
 #: A handle on a swapped-out generation is closed this long after the swap was seen.
 RETIRED_GRACE_S = 60.0
 _RENAME_EXCHANGE = 2
+#: "last written" (spcache ls, prune) is recorded at most once a minute per fingerprint
+_note_written = usage.Throttle(usage.note_written, 60.0)
 _KEYS_PER_TXN = 4096
 #: A long-lived writer frees reader slots left by dead processes at most this often.
 READER_CHECK_INTERVAL_S = 5.0
@@ -605,7 +608,10 @@ class LMDBStore(Store):
                 txn.put(key, value, db=dbs[_RECORDS_DB])
             return len(checked)
 
-        return self._write(put, sum(len(v) for _, v in checked))
+        count = self._write(put, sum(len(v) for _, v in checked))
+        for fingerprint in {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}:
+            _note_written(self.path, fingerprint)
+        return count
 
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
@@ -740,6 +746,40 @@ class LMDBStore(Store):
             total, total_bytes = total + count, total_bytes + size
             if count < chunk:
                 return total, total_bytes
+
+    def record_fingerprints(self) -> list[str]:
+        """Fingerprints that have at least one record (indexed or not), sorted: one seek
+        per fingerprint, not a walk over every record."""
+        found: list[str] = []
+        with self._read() as (txn, dbs):
+            if dbs[_RECORDS_DB] is None:
+                return found
+            cursor = txn.cursor(db=dbs[_RECORDS_DB])
+            position = cursor.first()
+            while position:
+                key = bytes(cursor.key())
+                head = key[:FINGERPRINT_HEX_CHARS]
+                found.append(self._key_text(head))
+                position = cursor.set_range(head + b"0")  # "0" sorts right after "/"
+        return found
+
+    def fingerprint_size(self, fingerprint: str) -> tuple[int, int]:
+        """``(records, bytes)`` stored under ``fingerprint`` (record values' lengths; the
+        values themselves are not read)."""
+        prefix = validate_fingerprint(fingerprint).encode() + b"/"
+        count = size = 0
+        with self._read() as (txn, dbs):
+            if dbs[_RECORDS_DB] is None:
+                return 0, 0
+            cursor = txn.cursor(db=dbs[_RECORDS_DB])
+            if not cursor.set_range(prefix):
+                return 0, 0
+            for key, value in cursor:
+                if not bytes(key).startswith(prefix):
+                    break
+                count += 1
+                size += len(value)
+        return count, size
 
     def revive(self, fingerprint: str, requested_at: float) -> bool:
         """Lift the tombstone of ``fingerprint`` if it is older than ``requested_at`` (work

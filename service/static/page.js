@@ -120,15 +120,24 @@
     $("errors-next").disabled = state.errorsOffset + ERRORS_PAGE >= failed;
   }
 
-  async function cancelJob(id) {
+  // The token dialog: asks for the bearer token (kept in this tab's memory only), and
+  // doubles as the confirmation of a removal. Resolves true when the user went ahead.
+  async function askToken(title, why, okText, always) {
+    if (state.token && !always) return true;
     const dialog = $("token-dialog");
-    if (!state.token) {
-      $("token").value = "";
-      dialog.showModal();
-      const answer = await new Promise((ok) => dialog.addEventListener("close", () => ok(dialog.returnValue), { once: true }));
-      if (answer !== "ok" || !$("token").value) return;
-      state.token = $("token").value;
-    }
+    $("token-title").textContent = title;
+    $("token-why").textContent = why;
+    $("token-ok").textContent = okText;
+    $("token").value = state.token ?? "";
+    dialog.showModal();
+    const answer = await new Promise((ok) => dialog.addEventListener("close", () => ok(dialog.returnValue), { once: true }));
+    if (answer !== "ok" || !$("token").value) return false;
+    state.token = $("token").value;
+    return true;
+  }
+
+  async function cancelJob(id) {
+    if (!await askToken("Token needed", "Cancelling a job needs the service's bearer token.", "Cancel the job")) return;
     const r = await fetch(`/v1/jobs/${encodeURIComponent(id)}`,
       { method: "DELETE", headers: { Authorization: `Bearer ${state.token}` } });
     if (r.status === 401) { state.token = null; alert("The token was not accepted."); }
@@ -147,11 +156,14 @@
       open.onclick = () => openCache(c);
       // the index's own time (precompute writes one); a job's only before any index
       const when = detail.created ? fmtTime(Date.parse(detail.created) / 1000) : fmtTime(created.get(c.fingerprint));
+      const remove = el("button", { type: "button", class: "danger",
+        "aria-label": `Remove ${c.recipe} ${c.fingerprint}` }, "Remove");
+      remove.onclick = () => removeCache(c, detail);
       return el("tr", { "data-fingerprint": c.fingerprint },
         el("td", {}, shortId(c.fingerprint)), el("td", {}, `${c.recipe} v${c.recipe_version}`),
         el("td", {}, fmtParams(c.params)),
         el("td", { class: "num" }, detail.counts.records), el("td", { class: "num" }, fmtBytes(detail.bytes)),
-        el("td", {}, when), el("td", {}, failedCell(detail.failed)), el("td", {}, open));
+        el("td", {}, when), el("td", {}, failedCell(detail.failed)), el("td", {}, open), el("td", {}, remove));
     }));
     body.replaceChildren(...rows);
     label($("caches"));
@@ -167,6 +179,21 @@
       el("span", { class: "muted" }, `(${fmtTime(Date.parse(f.when) / 1000)})`))));
     if (failed.count > failed.items.length) list.append(el("li", { class: "muted" }, `and ${failed.count - failed.items.length} more (spcache stats)`));
     return el("details", { class: "failed" }, el("summary", {}, `${failed.count} failed`), list);
+  }
+
+  async function removeCache(c, detail) {
+    const what = `${c.recipe} ${c.fingerprint.slice(0, 12)}… (${detail.counts.records} records, ${fmtBytes(detail.bytes)})`;
+    if (!await askToken("Remove a fingerprint",
+      `Remove ${what}? Its records, index and remembered failures are deleted and its queued samples cancelled. Readers of it get FingerprintRemoved.`,
+      "Remove", true)) return;
+    const r = await fetch(`/v1/caches/${c.fingerprint}`,
+      { method: "DELETE", headers: { Authorization: `Bearer ${state.token}` } });
+    if (r.status === 401) { state.token = null; $("caches-message").textContent = "The token was not accepted."; return; }
+    if (!r.ok) { $("caches-message").textContent = `Remove failed: ${r.status} ${(await r.text()).slice(0, 200)}`; return; }
+    const done = await r.json();
+    $("caches-message").textContent = `Removed ${c.fingerprint}: ${done.records} records, ${fmtBytes(done.bytes)}.`;
+    if (state.cache?.fingerprint === c.fingerprint) { $("samples-panel").hidden = true; $("preview-panel").hidden = true; state.cache = null; }
+    refreshCaches();
   }
 
   function openCache(c) {

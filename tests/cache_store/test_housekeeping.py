@@ -1,0 +1,289 @@
+"""ls / rm / prune / compact on real LMDB caches (cache_store.housekeeping)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cache_store import housekeeping as hk
+from cache_store import usage
+from cache_store.errors import FingerprintLookupError, FingerprintRemoved, RecordNotFound
+from cache_store.jobs.failures import FailureLog
+from cache_store.jobs.queue import JobQueue
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.stores.base import DatasetIndex
+from cache_store.stores.lmdb import LMDBStore
+from spcache.cli import main
+from tests.cache_store.synthetic import fingerprint_of, make_record
+
+
+def fill(cache: Path, level: int, n: int = 20, *, points: int = 400,
+         index: bool = True) -> str:
+    """``n`` records (and the index) of the ``spc`` recipe at ``level``; its fingerprint."""
+    spec = get_recipe_spec("spc")
+    params = spec.resolve({"level": level})
+    fp = fingerprint_of("spc", level=level)
+    ids = [f"s{i:03d}" for i in range(n)]
+    store = LMDBStore(cache, readonly=False)
+    try:
+        store.put_many([(f"{fp}/{sid}", make_record(fp, sid, seed=i, level=level,
+                                                    num_points=points))
+                        for i, sid in enumerate(ids)])
+        if index:
+            store.put_index(DatasetIndex(fp, "spc", spec.version, params, np.array(ids)))
+    finally:
+        store.close()
+    return fp
+
+
+def set_used(cache: Path, fp: str, when: float) -> None:
+    usage.note_read(cache, fp)
+    os.utime(cache / usage.USAGE_DIR / f"{fp}.read", (when, when))
+    path = cache / usage.USAGE_DIR / f"{fp}.written"
+    if path.exists():
+        os.utime(path, (when, when))
+
+
+@pytest.mark.parametrize("text,expected", [("123", 123), ("500M", 500 << 20), ("2G", 2 << 30),
+                                           ("1.5T", int(1.5 * (1 << 40))), ("4KiB", 4096),
+                                           ("10kb", 10240)])
+def test_parse_size(text: str, expected: int) -> None:
+    assert hk.parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "2X", "-1", "G", "1.2.3M"])
+def test_parse_size_refuses_naming_the_text(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        hk.parse_size(text)
+
+
+def test_parse_duration() -> None:
+    assert hk.parse_duration("45s") == 45
+    assert hk.parse_duration("12h") == 12 * 3600
+    assert hk.parse_duration("30d") == 30 * 86400
+    assert hk.parse_duration("2w") == 14 * 86400
+    with pytest.raises(ValueError, match="duration '3 years'"):
+        hk.parse_duration("3 years")
+
+
+def test_ls_rows_exact_bytes_state_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    a = fill(tmp_path, 3)
+    b = fill(tmp_path, 4, index=False)
+    store = LMDBStore(tmp_path)
+    exact = sum(len(store.get(k)) for k in store.keys(a + "/"))
+    store.close()
+    FailureLog(tmp_path).record(a, "bad", "/x/bad.obj", "h", "broken mesh")
+    rows = {r["fingerprint"]: r for r in hk.ls(tmp_path)}
+    assert rows[a]["bytes"] == exact and isinstance(rows[a]["bytes"], int)
+    assert rows[a]["records"] == 20 and rows[a]["state"] == "complete"
+    assert rows[a]["failed"] == 1 and rows[a]["recipe"] == "spc"
+    assert rows[a]["last_written"] is not None and rows[a]["last_read"] is None
+    assert rows[a]["recipe_changed"] is False
+    assert rows[b]["state"] == "unindexed" and rows[b]["recipe"] is None
+    assert main(["ls", "--cache", str(tmp_path), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {r["fingerprint"] for r in listed} == {a, b}
+    for row in listed:
+        assert {"fingerprint", "recipe", "records", "bytes", "last_read", "last_written"} <= set(row)
+    assert main(["ls", "--cache", str(tmp_path)]) == 0
+    assert a in capsys.readouterr().out
+
+
+def test_ls_partial_against_the_index(tmp_path: Path) -> None:
+    a = fill(tmp_path, 3)
+    store = LMDBStore(tmp_path, readonly=False)
+    store._write(lambda txn, dbs: txn.delete(f"{a}/s005".encode(), db=dbs[b"records"]))
+    store.close()
+    (row,) = hk.ls(tmp_path)
+    assert row["state"] == "partial" and row["indexed"] == 20 and row["records"] == 19
+
+
+def test_dataset_open_records_last_read_once(tmp_path: Path) -> None:
+    from cache_store.readers.dataset import CachedDataset
+
+    a = fill(tmp_path, 3)
+    assert usage.last_read(tmp_path, a) is None
+    ds = CachedDataset(str(tmp_path), a)
+    assert len(ds) == 20
+    first = usage.last_read(tmp_path, a)
+    assert first is not None
+    os.utime(tmp_path / usage.USAGE_DIR / f"{a}.read", (1.0, 1.0))
+    for i in range(20):  # reads record nothing: no write per record
+        ds[i]
+    assert usage.last_read(tmp_path, a) == 1.0
+
+
+def test_rm_removes_one_and_readers_get_a_clear_error(tmp_path: Path) -> None:
+    a, b, c = fill(tmp_path, 3), fill(tmp_path, 4), fill(tmp_path, 5)
+    FailureLog(tmp_path).record(b, "bad", "/x/bad.obj", "h", "broken mesh")
+    reader = LMDBStore(tmp_path)
+    reader.get_record(f"{b}/s001")
+    (report,) = hk.rm(tmp_path, [b[:8]])
+    assert report["fingerprint"] == b and report["records"] == 20 and report["failures"] == 1
+    with pytest.raises(FingerprintRemoved, match=f"fingerprint {b} was removed") as caught:
+        reader.get_record(f"{b}/s001")
+    assert isinstance(caught.value, RecordNotFound)  # code that handles a miss handles this
+    with pytest.raises(FingerprintRemoved):
+        reader.get_index(b)
+    with pytest.raises(FingerprintRemoved):
+        reader.get_records([f"{a}/s000", f"{b}/s000"])
+    assert reader.get_record(f"{a}/s000").metadata["sample_id"] == "s000"
+    assert list(reader.keys(b)) == [] and reader.fingerprints() == sorted([a, c])
+    assert reader.verify().ok
+    reader.close()
+    assert FailureLog(tmp_path).get_many(b, ["bad"]) == {}
+    assert {r["fingerprint"] for r in hk.ls(tmp_path)} == {a, c}
+
+
+def test_rm_refuses_unknown_and_ambiguous_names_before_removing_anything(tmp_path: Path) -> None:
+    a = fill(tmp_path, 3)
+    with pytest.raises(FingerprintLookupError, match="no such fingerprint"):
+        hk.rm(tmp_path, [a, "f" * 32])
+    with pytest.raises(FingerprintLookupError, match="not a fingerprint"):
+        hk.rm(tmp_path, ["abc"])
+    assert [r["fingerprint"] for r in hk.ls(tmp_path)] == [a]  # nothing removed
+
+
+def test_rm_cli_messages_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    a = fill(tmp_path, 3)
+    assert main(["rm", "0" * 32, "--cache", str(tmp_path)]) == 2
+    assert "no such fingerprint" in capsys.readouterr().err
+    assert main(["rm", a, "--cache", str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["rm", a, "--cache", str(tmp_path)]) == 0
+    assert f"removed {a}: 20 records" in capsys.readouterr().out
+
+
+def test_rm_cancels_queued_items_and_failed_forgets_failures(tmp_path: Path) -> None:
+    a, b = fill(tmp_path, 3), fill(tmp_path, 4)
+    queue = JobQueue(tmp_path)
+    job_a = queue.submit("spc", {"level": 3}, a, [("n1", "/x/n1.obj"), ("n2", "/x/n2.obj")])
+    job_b = queue.submit("spc", {"level": 4}, b, [("m1", "/x/m1.obj")])
+    (claimed,) = queue.claim("w", limit=1)
+    assert claimed.job_id == job_a
+    queue.fail("w", claimed.item_id, "broken", permanent=True)
+    FailureLog(tmp_path).record(a, claimed.sample_id, "/x/n1.obj", "h", "broken")
+    (forgot,) = hk.rm(tmp_path, [a], failed=True)
+    assert forgot["failures"] == 1 and forgot["records"] == 0
+    assert queue.job(job_a).counts["failed"] == 0
+    assert FailureLog(tmp_path).get_many(a, [claimed.sample_id]) == {}
+    assert LMDBStore(tmp_path).has(f"{a}/s000")  # records untouched by --failed
+    (removed,) = hk.rm(tmp_path, [b])
+    assert removed["cancelled"] == 1
+    assert queue.job(job_b).counts["cancelled"] == 1 and queue.job(job_b).counts["pending"] == 0
+    queue.close()
+
+
+def test_writes_of_a_removed_fingerprint_are_refused_until_asked_for_again(tmp_path: Path) -> None:
+    a = fill(tmp_path, 3)
+    asked_before = time.time() - 10
+    hk.rm(tmp_path, [a])
+    writer = LMDBStore(tmp_path, readonly=False)
+    record = make_record(a, "late", seed=1, level=3)
+    with pytest.raises(FingerprintRemoved):
+        writer.put_many([(f"{a}/late", record)])
+    assert not writer.revive(a, asked_before)  # work asked for before the removal stays refused
+    with pytest.raises(FingerprintRemoved):
+        writer.put_many([(f"{a}/late", record)])
+    assert writer.revive(a, time.time())  # asked for again: computed again
+    writer.put_many([(f"{a}/late", record)])
+    assert writer.get_record(f"{a}/late").metadata["sample_id"] == "late"
+    writer.close()
+
+
+def test_prune_least_recently_used_first(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    fps = [fill(tmp_path, level) for level in (3, 4, 5, 6)]
+    now = time.time()
+    for age, fp in zip((400, 300, 200, 100), fps):  # fps[0] least recently used
+        set_used(tmp_path, fp, now - age * 3600)
+    sizes = {r["fingerprint"]: r["bytes"] for r in hk.ls(tmp_path)}
+    limit = sizes[fps[2]] + sizes[fps[3]]
+    plan = hk.prune(tmp_path, max_size=limit, dry_run=True)
+    assert [r["fingerprint"] for r in plan["removed"]] == fps[:2]
+    assert len(hk.ls(tmp_path)) == 4  # a dry run removes nothing
+    assert [r["fingerprint"] for r in hk.prune(tmp_path, unused_for="250h", dry_run=True)
+            ["removed"]] == fps[:2]
+    assert hk.prune(tmp_path, unused_for="250h", keep=3, dry_run=True)["removed"][0][
+        "fingerprint"] == fps[0]
+    assert main(["prune", "--cache", str(tmp_path), "--max-size", str(limit)]) == 0
+    out = capsys.readouterr().out
+    assert f"removed {fps[0]}" in out and f"removed {fps[1]}" in out
+    assert [r["fingerprint"] for r in hk.ls(tmp_path)] == fps[2:]
+    assert LMDBStore(tmp_path).verify().ok
+
+
+def test_prune_never_removes_queued_work_and_refuses_a_limit_below_it(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    small, big = fill(tmp_path, 3), fill(tmp_path, 6)
+    set_used(tmp_path, big, time.time() - 10 * 86400)  # the least recently used...
+    queue = JobQueue(tmp_path)
+    queue.submit("spc", {"level": 6}, big, [("more", "/x/more.obj")])  # ...but queued
+    queue.close()
+    sizes = {r["fingerprint"]: r["bytes"] for r in hk.ls(tmp_path)}
+    result = hk.prune(tmp_path, max_size=sizes[big], dry_run=True)
+    assert [r["fingerprint"] for r in result["removed"]] == [small]
+    with pytest.raises(hk.LimitTooSmall, match=f"smaller than fingerprint {big}"):
+        hk.prune(tmp_path, max_size=sizes[big] - 1)
+    assert main(["prune", "--cache", str(tmp_path), "--max-size", "1K"]) == 2
+    assert "must be kept" in capsys.readouterr().err
+    assert len(hk.ls(tmp_path)) == 2
+    assert main(["prune", "--cache", str(tmp_path)]) == 2
+    assert "at least one of" in capsys.readouterr().err
+
+
+def test_size_limit_refuses_at_start_and_evicts_lru_but_not_the_one_written(tmp_path: Path) -> None:
+    a, b, c = fill(tmp_path, 3), fill(tmp_path, 4), fill(tmp_path, 5)
+    sizes = {r["fingerprint"]: r["bytes"] for r in hk.ls(tmp_path)}
+    with pytest.raises(hk.LimitTooSmall, match=f"fingerprint {c}"):
+        hk.SizeLimit(tmp_path, sizes[c] - 1).check_start()
+    now = time.time()
+    set_used(tmp_path, c, now - 3000)  # c: least recently used, but being written
+    set_used(tmp_path, a, now - 2000)
+    set_used(tmp_path, b, now - 1000)
+    limit = hk.SizeLimit(tmp_path, sizes[c] + sizes[b])
+    limit.check_start()
+    assert limit.after_batch(c) == [a]
+    assert {r["fingerprint"] for r in hk.ls(tmp_path)} == {b, c}
+
+
+def test_compact_shrinks_the_file_and_keeps_every_survivor(tmp_path: Path) -> None:
+    a, b, c = (fill(tmp_path, level, n=30, points=3000) for level in (4, 5, 6))
+    before = (tmp_path / "records" / "data.mdb").stat().st_size
+    reader = LMDBStore(tmp_path)
+    expected = {key: reader.get(key) for fp in (a, c) for key in reader.keys(fp + "/")}
+    (removed,) = hk.rm(tmp_path, [b])
+    assert (tmp_path / "records" / "data.mdb").stat().st_size >= before  # LMDB keeps its file
+    before = (tmp_path / "records" / "data.mdb").stat().st_size
+    sizes = hk.compact(tmp_path)
+    after = (tmp_path / "records" / "data.mdb").stat().st_size
+    assert sizes == {"before": before, "after": after}
+    assert before - after >= removed["bytes"] - 64 * 4096, (before, after, removed)
+    assert not (tmp_path / "records.compact").exists()
+    time.sleep(1.1)  # the reader notices the swap within a second
+    assert {key: reader.get(key) for key in expected} == expected
+    with pytest.raises(FingerprintRemoved):  # the tombstone survives compaction
+        reader.get(f"{b}/s000")
+    reader.close()
+    writer = LMDBStore(tmp_path, readonly=False)  # and writers write the new file
+    writer.put_many([(f"{a}/new", make_record(a, "new", seed=9, level=4))])
+    writer.close()
+    fresh = LMDBStore(tmp_path)
+    assert fresh.has(f"{a}/new") and fresh.verify().ok
+    fresh.close()
+
+
+def test_snapshots_are_listed_and_never_removed(tmp_path: Path) -> None:
+    from cache_store.snapshot.export import export_snapshot
+
+    a = fill(tmp_path / "cache", 3)
+    snap = tmp_path / "a.zarr"
+    export_snapshot(str(tmp_path / "cache"), a, str(snap))
+    (row,) = hk.ls(snap)
+    assert row["fingerprint"] == a and row["records"] == 20 and row["bytes"] > 0
+    with pytest.raises(Exception, match="immutable"):
+        hk.rm(snap, [a])
