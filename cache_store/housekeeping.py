@@ -41,7 +41,8 @@ from cache_store.errors import (
 )
 from cache_store.keys import is_fingerprint
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.stores.base import backend_for, open_store
+from cache_store.location import parse_location
+from cache_store.stores.base import open_store
 
 __all__ = ["ls", "rm", "prune", "compact", "parse_size", "parse_duration", "format_size",
            "LimitTooSmall", "SizeLimit", "CacheEntry"]
@@ -176,16 +177,17 @@ class CacheEntry:
 
 
 def _is_snapshot(cache: str | os.PathLike[str]) -> bool:
-    return backend_for(cache) == "zarr"
+    return parse_location(cache).kind == "zarr"
 
 
 def _lmdb_store(cache: str | os.PathLike[str], *, readonly: bool) -> Any:
     from cache_store.stores.lmdb import LMDBStore, has_cache
 
-    root = Path(cache)
-    if _is_snapshot(cache) or "://" in os.fspath(cache):
+    where = parse_location(cache)
+    if where.kind != "lmdb" or not where.is_local:
         raise ReadOnlyStoreError(f"{cache}: a Zarr snapshot or remote cache is immutable here; "
                                  f"rm, prune and compact act on a cache directory")
+    root = Path(where.target)
     if not root.is_dir():
         raise CacheNotFound(root, "not a directory" if root.exists() else "no such directory")
     if not has_cache(root):
@@ -249,18 +251,13 @@ def _snapshot_entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
 
 
 def _failure_counts(cache: Path) -> dict[str, int]:
-    from cache_store.jobs.failures import FAILURES_FILENAME, FailureLog
+    from cache_store.jobs.failures import failure_counts
 
-    if not (cache / FAILURES_FILENAME).is_file():
-        return {}
-    failures = FailureLog(cache)
     try:
-        return failures.counts()
+        return failure_counts(cache)  # the failure log and the queue's failed items
     except Exception as exc:  # noqa: BLE001 - the counts are extra; say why they are absent
-        log.warning("%s: failure log unreadable: %s", cache, exc)
+        log.warning("%s: failures unreadable: %s", cache, exc)
         return {}
-    finally:
-        failures.close()
 
 
 def ls(cache: str | os.PathLike[str]) -> list[dict[str, Any]]:

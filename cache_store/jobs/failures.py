@@ -155,13 +155,6 @@ class FailureLog:
             conn.execute(f"DELETE FROM failures WHERE fingerprint = ? AND sample_id IN "
                          f"({','.join('?' * len(part))})", (fingerprint, *part))
 
-    def counts(self) -> dict[str, int]:
-        """Fingerprint -> samples with a remembered failure."""
-        if not self.path.exists():
-            return {}
-        rows = self._conn().execute("SELECT fingerprint, COUNT(*) FROM failures GROUP BY fingerprint")
-        return {fp: count for fp, count in rows}
-
     def forget_fingerprint(self, fingerprint: str) -> int:
         """Drop every remembered failure of ``fingerprint``; returns how many."""
         if not self.path.exists():

@@ -19,7 +19,7 @@ from cache_store.recipes.specs import get_recipe_spec
 from cache_store.stores.base import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from spcache.cli import main
-from tests.cache_store.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record
 
 
 def fill(cache: Path, level: int, n: int = 20, *, points: int = 400,
