@@ -1,0 +1,54 @@
+"""Caches with several indexed fingerprints, for the housekeeping tests (ls/rm/prune/compact)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.stores.base import DatasetIndex
+from cache_store.stores.lmdb import LMDBStore
+from tests.helpers.procs import make_small_record
+from tests.helpers.synthetic import fingerprint_of
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def add_fingerprint(cache: Path, level: int, n: int, nbytes: int, *, batch: int = 2000) -> str:
+    """``n`` records of about ``nbytes`` for the ``spc`` recipe at ``level``, indexed;
+    returns the fingerprint."""
+    spec = get_recipe_spec("spc")
+    fp = fingerprint_of("spc", level=level)
+    ids = [f"s{i:06d}" for i in range(n)]
+    store = LMDBStore(cache, readonly=False)
+    try:
+        for start in range(0, n, batch):
+            store.put_many([(f"{fp}/{sid}", make_small_record(f"{fp}/{sid}", nbytes, level * 10**6 + i))
+                            for i, sid in enumerate(ids[start:start + batch], start)])
+        store.put_index(DatasetIndex(fp, "spc", spec.version, spec.resolve({"level": level}),
+                                     np.array(ids)))
+    finally:
+        store.close()
+    return fp
+
+
+def record_counts(cache: Path) -> dict[str, int]:
+    store = LMDBStore(cache)
+    try:
+        return {fp: e["records"] for fp, e in store.stats()["fingerprints"].items()}
+    finally:
+        store.close()
+
+
+def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m spcache ARGS`` from the repository root; its result."""
+    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def spcache_popen(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

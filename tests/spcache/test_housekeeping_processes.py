@@ -1,0 +1,96 @@
+"""rm and compact as real processes while forked DataLoader workers read the cache."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch.utils.data
+
+from cache_store.errors import FingerprintRemoved
+from cache_store.readers.dataset import CachedDataset
+from cache_store.stores.lmdb import LMDBStore
+from tests.helpers.housekeeping import add_fingerprint, record_counts, spcache, spcache_popen
+
+
+def _loader(ds: CachedDataset) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                                       multiprocessing_context="fork", persistent_workers=True,
+                                       collate_fn=lambda batch: batch)
+
+
+def _read_while(loader: torch.utils.data.DataLoader, proc: subprocess.Popen[str],
+                timeout: float = 240) -> tuple[int, list[str]]:
+    """Iterate epochs until ``proc`` exited and one more epoch ran. Returns (samples
+    read, errors)."""
+    read, errors = 0, []
+    deadline = time.monotonic() + timeout
+    finished_epochs_after = 0
+    while finished_epochs_after < 1 and time.monotonic() < deadline:
+        done = proc.poll() is not None
+        try:
+            for batch in loader:
+                for sample in batch:
+                    read += 1
+                    if int(sample["octree"].numel()) <= 0:
+                        errors.append("empty octree")
+        except Exception as exc:  # noqa: BLE001 - counted: the test asserts there are none
+            errors.append(f"{type(exc).__name__}: {exc}")
+        if done:
+            finished_epochs_after += 1
+    return read, errors
+
+
+def test_rm_and_compact_while_forked_workers_read_another_fingerprint(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    keep = add_fingerprint(cache, 3, n=400, nbytes=4096)
+    gone = add_fingerprint(cache, 4, n=6000, nbytes=4096)
+    other = add_fingerprint(cache, 5, n=300, nbytes=4096)
+    counts = record_counts(cache)
+    reader_of_gone = CachedDataset(str(cache), gone)
+    assert len(reader_of_gone) == 6000 and reader_of_gone[0]["octree"].numel() > 0
+
+    ds = CachedDataset(str(cache), keep)
+    loader = _loader(ds)
+    first = next(iter(loader))  # the workers are up and reading
+    assert len(first) == 16
+    rm = spcache_popen("rm", gone, "--cache", str(cache), "--json")
+    read, errors = _read_while(loader, rm)
+    out, err = rm.communicate(timeout=60)
+    assert rm.returncode == 0, err
+    (report,) = json.loads(out)
+    assert report["records"] == 6000 and report["fingerprint"] == gone
+    assert errors == [] and read >= 400
+
+    # the removed one: one clear error, for an open dataset and for a new one
+    with pytest.raises(FingerprintRemoved, match=f"fingerprint {gone} was removed"):
+        reader_of_gone[5]
+    with pytest.raises(FingerprintRemoved, match="was removed"):
+        len(CachedDataset(str(cache), gone))
+    verify = spcache("verify", "--cache", str(cache))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "cache verifies clean" in verify.stdout
+    assert record_counts(cache) == {keep: counts[keep], other: counts[other]}
+
+    # compact while the workers keep reading the survivors
+    size_before = (cache / "records" / "data.mdb").stat().st_size
+    compact = spcache_popen("compact", "--cache", str(cache), "--json")
+    read, errors = _read_while(loader, compact)
+    out, err = compact.communicate(timeout=60)
+    assert compact.returncode == 0, err
+    sizes = json.loads(out)
+    size_after = (cache / "records" / "data.mdb").stat().st_size
+    assert sizes == {"before": size_before, "after": size_after}
+    # the removed bytes come back, less LMDB's page overhead (a page header per overflow
+    # record, branch pages): at most one 4 KiB page per removed record
+    assert size_before - size_after >= report["bytes"] - 6000 * 4096 // 4, (sizes, report)
+    assert errors == [] and read >= 400
+    del loader
+    assert spcache("verify", "--cache", str(cache)).returncode == 0
+    assert record_counts(cache) == {keep: counts[keep], other: counts[other]}
+    store = LMDBStore(cache)
+    assert store.get_record(f"{other}/s000007").metadata["sample_id"] == "s000007"
+    store.close()
