@@ -1,0 +1,110 @@
+"""A running `spcache serve` that keeps its cache under --max-size, and removes a
+fingerprint on DELETE /v1/caches/{fingerprint}."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cache_store import housekeeping as hk
+from tests.helpers.housekeeping import REPO_ROOT, add_fingerprint
+from tests.helpers.service import AUTH, start_server, stop_server
+
+# four fingerprints of about the same size: the same recipe, a different query count
+QUERIES = (1000, 1001, 1002, 1003)
+
+
+def _params(queries: int) -> dict[str, int]:
+    return {"level": 5, "surface_samples": 4000, "uniform_queries": queries,
+            "surface_queries": 500}
+
+
+def _warm(http: httpx.Client, items: list[dict[str, str]], queries: int) -> str:
+    r = http.post("/v1/warmup", headers=AUTH,
+                  json={"recipe": "spc_query", "params": _params(queries), "items": items})
+    assert r.status_code == 202, r.text
+    job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
+    deadline = time.monotonic() + 300
+    while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] in ("pending", "running"):
+        assert time.monotonic() < deadline, job
+        time.sleep(0.2)
+    assert job["counts"]["done"] == len(items), job
+    return fp
+
+
+@pytest.mark.slow
+def test_max_size_keeps_a_running_service_under_its_limit(tmp_path: Path,
+                                                          corpus_meshes: list[Path]) -> None:
+    meshes = corpus_meshes[:6]
+    root = meshes[0].parent
+    items = [{"id": p.stem, "path": str(p)} for p in meshes]
+    # the size of one fingerprint, measured with a service without a limit
+    probe = tmp_path / "probe"
+    server = start_server(probe, root, "--device", "cpu", "--backend", "torch")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            _warm(http, items, 999)
+    finally:
+        stop_server(server)
+    one = hk.ls(probe)[0]["bytes"]
+    per_record = max(r["bytes"] / r["records"] for r in hk.ls(probe))
+    limit = int(2.5 * one)  # room for two fingerprints and a half
+
+    cache = tmp_path / "cache"
+    server = start_server(cache, root, "--device", "cpu", "--backend", "torch",
+                          "--max-size", str(limit))
+    seen: list[list[str]] = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            fps = []
+            for queries in QUERIES:
+                fps.append(_warm(http, items, queries))
+                rows = hk.ls(cache)
+                seen.append([r["fingerprint"] for r in rows])
+                total = sum(r["bytes"] for r in rows)
+                # under the limit, plus at most one batch (8 records) of the one written
+                assert total <= limit + 8 * per_record, (total, limit, rows)
+                written = {r["fingerprint"]: r for r in rows}[fps[-1]]
+                assert written["state"] == "complete"  # the one being written is never evicted
+            r = http.get(f"/v1/caches/{fps[0]}/records/{items[0]['id']}")
+            assert r.status_code == 404 and "was removed" in r.text, r.text
+    finally:
+        stop_server(server)
+    assert seen[-1][-1] == fps[-1] and fps[0] not in seen[-1]  # least recently used went first
+    assert len(seen[-1]) == 2
+
+    # a limit smaller than a fingerprint already stored is refused at start
+    refused = subprocess.run(
+        [sys.executable, "-m", "spcache", "serve", "--cache", str(cache), "--port", "0",
+         "--max-size", str(one // 2)], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=60, check=False)
+    assert refused.returncode == 2
+    assert "--max-size" in refused.stderr and "is smaller than fingerprint" in refused.stderr
+
+
+def test_delete_route_removes_a_fingerprint(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    keep = add_fingerprint(cache, 3, n=20, nbytes=1024)
+    gone = add_fingerprint(cache, 4, n=30, nbytes=1024)
+    server = start_server(cache, tmp_path, "--no-worker")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            assert http.get(f"/v1/caches/{gone}/records/s000001").status_code == 200
+            assert http.delete(f"/v1/caches/{gone}").status_code == 401
+            r = http.delete(f"/v1/caches/{gone}", headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.json()["records"] == 30 and r.json()["fingerprint"] == gone
+            r = http.get(f"/v1/caches/{gone}/records/s000001")
+            assert r.status_code == 404 and "FingerprintRemoved" in r.text, r.text
+            assert http.get(f"/v1/caches/{keep}/records/s000001").status_code == 200
+            listed = [c["fingerprint"] for c in http.get("/v1/caches").json()["caches"]]
+            assert listed == [keep]
+            r = http.delete(f"/v1/caches/{'0' * 32}", headers=AUTH)
+            assert r.status_code == 404, r.text
+    finally:
+        stop_server(server)
