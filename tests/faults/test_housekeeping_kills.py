@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from cache_store.stores.lmdb import COMPACT_DIR, LMDBStore
+from tests.helpers.faults import report
 from tests.helpers.housekeeping import add_fingerprint, record_counts, spcache, spcache_popen
 
 
@@ -67,6 +68,7 @@ def test_sigkill_during_rm_then_rm_again_finishes(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert gone not in record_counts(cache)
     _check_after(cache, survivors)
+    report("rm-kill", {"records": 30000, "left_at_kill": left, "survivors_intact": True})
 
 
 def test_sigkill_during_prune_then_prune_again_finishes(tmp_path: Path) -> None:
@@ -84,12 +86,14 @@ def test_sigkill_during_prune_then_prune_again_finishes(tmp_path: Path) -> None:
     size_new = LMDBStore(cache).fingerprint_size(new)[1]
     proc = spcache_popen("prune", "--cache", str(cache), "--max-size", str(size_new))
     assert _kill_when(proc, _deleting(cache, old, 30000))  # older went first, old is under way
-    assert 0 < record_counts(cache).get(old, 0) < 30000
+    left = record_counts(cache).get(old, 0)
+    assert 0 < left < 30000 and older not in record_counts(cache)
     _check_after(cache, {new: 300})
     again = spcache("prune", "--cache", str(cache), "--max-size", str(size_new))
     assert again.returncode == 0, again.stderr
     assert set(record_counts(cache)) == {new}
     _check_after(cache, {new: 300})
+    report("prune-kill", {"records": 30000, "left_at_kill": left})
 
 
 def test_sigkill_during_compact_then_compact_again_finishes(tmp_path: Path) -> None:
@@ -102,6 +106,7 @@ def test_sigkill_during_compact_then_compact_again_finishes(tmp_path: Path) -> N
     killed = _kill_when(proc, lambda: spare.exists() and spare.stat().st_size > 0)
     assert killed
     assert spare.exists()  # a half-written copy is left beside the cache
+    partial = spare.stat().st_size
     _check_after(cache, {a: 20000})
     store = LMDBStore(cache, readonly=False)  # writers are not held off by the dead compaction
     store.put_many([])
@@ -110,5 +115,7 @@ def test_sigkill_during_compact_then_compact_again_finishes(tmp_path: Path) -> N
     again = spcache("compact", "--cache", str(cache))
     assert again.returncode == 0, again.stderr
     assert not (cache / COMPACT_DIR).exists()
-    assert (cache / "records" / "data.mdb").stat().st_size < before
+    after = (cache / "records" / "data.mdb").stat().st_size
+    assert after < before
     _check_after(cache, {a: 20000})
+    report("compact-kill", {"partial_copy_bytes": partial, "before": before, "after": after})
