@@ -13,6 +13,7 @@ A cache the caller cannot write to (a read-only medium) simply records nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -70,10 +71,8 @@ def last_written(cache: str | os.PathLike[str], fingerprint: str) -> float | Non
 def forget(cache: str | os.PathLike[str], fingerprint: str) -> None:
     """Drop the usage marks of a removed fingerprint."""
     for kind in ("read", "written"):
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(Path(cache) / USAGE_DIR / f"{fingerprint}.{kind}")
-        except OSError:
-            pass
 
 
 class Throttle:

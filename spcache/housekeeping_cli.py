@@ -46,7 +46,7 @@ def _table(rows: list[dict[str, Any]]) -> None:
                       _when(row["last_read"])))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
 
 
 class LS:

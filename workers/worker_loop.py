@@ -164,7 +164,7 @@ class WorkerLoop:
         assert self.size_limit is not None
         try:
             self.size_limit.after_batch(writing)
-        except Exception:  # noqa: BLE001 - eviction is housekeeping: the work goes on
+        except Exception:  # eviction is housekeeping: the work goes on
             log.exception("worker %s: keeping the cache under --max-size failed", self.worker_id)
 
     def _process(self, queue: JobQueue, store: Store, claimed: list[ClaimedItem],

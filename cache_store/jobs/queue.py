@@ -443,14 +443,7 @@ class JobQueue:
         rows = self._conn().execute(
             "SELECT fingerprint, COUNT(*) FROM items WHERE status IN ('pending', 'running') "
             "GROUP BY fingerprint")
-        return {fp: count for fp, count in rows}
-
-    def failed_counts(self) -> dict[str, int]:
-        """Fingerprint -> how many distinct sample ids have a failed item."""
-        rows = self._conn().execute(
-            "SELECT fingerprint, COUNT(DISTINCT sample_id) FROM items WHERE status = 'failed' "
-            "GROUP BY fingerprint")
-        return {fp: count for fp, count in rows}
+        return dict(rows)
 
     def cancel_fingerprint(self, fingerprint: str) -> int:
         """Cancel every pending item of ``fingerprint`` (and mark its jobs cancelled);

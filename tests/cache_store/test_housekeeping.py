@@ -199,7 +199,7 @@ def test_writes_of_a_removed_fingerprint_are_refused_until_asked_for_again(tmp_p
 def test_prune_least_recently_used_first(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     fps = [fill(tmp_path, level) for level in (3, 4, 5, 6)]
     now = time.time()
-    for age, fp in zip((400, 300, 200, 100), fps):  # fps[0] least recently used
+    for age, fp in zip((400, 300, 200, 100), fps, strict=True):  # fps[0] least recently used
         set_used(tmp_path, fp, now - age * 3600)
     sizes = {r["fingerprint"]: r["bytes"] for r in hk.ls(tmp_path)}
     limit = sizes[fps[2]] + sizes[fps[3]]
