@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import REPO_ROOT
 
@@ -117,3 +120,45 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "torch==2.13.0" in command
     assert command.index("torch==2.13.0") < command.index("-e '.[dev]'")
     assert "pytest" in command
+
+
+def _fake_ci_checkout(tmp_path, ruff_rc: int, mypy_rc: int, tests_rc: int):
+    """A checkout whose README command installs nothing and whose tools are stand-ins that
+    record their call and exit with the given status."""
+    import shutil
+
+    root = tmp_path / "checkout"
+    (root / ".ci").mkdir(parents=True)
+    shutil.copy(REPO_ROOT / ".ci" / "run", root / ".ci" / "run")
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool, rc in (("ruff", ruff_rc), ("mypy", mypy_rc)):
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} >> calls\nexit {rc}\n")
+        (bin_dir / tool).chmod(0o755)
+    path_dir = tmp_path / "path"  # so .ci/run never tries to install a browser here
+    path_dir.mkdir()
+    (path_dir / "chromium").write_text("#!/bin/sh\n")
+    (path_dir / "chromium").chmod(0o755)
+    (root / "README.md").write_text(
+        "<!-- ci:test-command: .ci/run runs the next line exactly -->\n```\n"
+        f"echo install >> calls && echo pytest >> calls; exit {tests_rc}\n```\n")
+    return root, {**os.environ, "PATH": f"{path_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("ruff_rc, mypy_rc, tests_rc, expected", [
+    (0, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 1), (0, 0, 3, 3), (1, 1, 5, 5)])
+def test_ci_runs_ruff_and_mypy_between_install_and_tests_and_fails_on_a_finding(
+        tmp_path, ruff_rc: int, mypy_rc: int, tests_rc: int, expected: int) -> None:
+    root, env = _fake_ci_checkout(tmp_path, ruff_rc, mypy_rc, tests_rc)
+    proc = subprocess.run(["bash", ".ci/run"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == expected, proc.stdout + proc.stderr
+    assert (root / "calls").read_text().split() == ["install", "ruff", "mypy", "pytest"]
+    assert ("ruff or mypy reported findings" in proc.stderr) == bool(ruff_rc or mypy_rc)
+
+
+def test_the_code_passes_ruff() -> None:
+    """The lint CI runs (pyproject.toml [tool.ruff]), here too so a finding fails pytest."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
