@@ -57,9 +57,13 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory, corpus_meshes: list[Path]
 
     root = tmp_path_factory.mktemp("readme")
     sources = corpus_points + corpus_meshes[:3]
+    folder = root / "spcache-demo" / "sources"  # the snippet's precompute finds them cached
+    folder.mkdir(parents=True)
+    for path in sources:
+        (folder / path.name).symlink_to(path)
     with open_store(root / "spcache-demo" / "cache", readonly=False) as store:
         summary = Engine(store, "spc_query", {"level": 7}, device="cpu", backend="torch",
-                         jobs=0).run([(p.stem, str(p)) for p in sources])
+                         loaders=0).run([(p.stem, str(folder / p.name)) for p in sources])
     assert summary.done == len(sources) and summary.failed == 0, summary.errors
     return root, len(sources)
 
@@ -69,6 +73,7 @@ def test_the_snippet_has_what_spawn_needs() -> None:
     compile(code, "README.md", "exec")
     assert 'if __name__ == "__main__":' in code
     assert "os.cpu_count()" in code  # num_workers fits the machine
+    assert "spcache.precompute(" in code  # the Python way: precompute, then the DataLoader
 
 
 @pytest.mark.slow
@@ -81,6 +86,7 @@ def test_the_readme_training_snippet_runs_as_pasted(demo_dir: tuple[Path, int], 
     out = subprocess.run([sys.executable, "run_snippet.py", method, "train.py"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
+    assert f"0 computed, {count} cached, 0 failed" in out.stdout  # precompute found them all
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["method"] == method
     assert sum(result["sizes"]) == count  # every sample, once
