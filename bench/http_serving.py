@@ -111,7 +111,7 @@ def wait_up(port: int, proc: subprocess.Popen, path: str) -> None:
 
 
 def _client(port: int, paths: list[str], seconds: float, start_at: float,
-            out: "mp.Queue[tuple[int, int]]") -> None:
+            out: mp.Queue[tuple[int, int]]) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(4 << 20)
@@ -198,7 +198,7 @@ def main() -> None:
                 for _ in range(args.repeats):  # interleaved: load swings hit both alike
                     floors.append(drive(floor_port, floor_paths, args.clients, args.seconds))
                     svcs.append(drive(svc_port, svc_paths, args.clients, args.seconds))
-                ratios = [s["records_per_s"] / f["records_per_s"] for s, f in zip(svcs, floors)]
+                ratios = [s["records_per_s"] / f["records_per_s"] for s, f in zip(svcs, floors, strict=True)]
                 results[size_name] = {"floor": _median(floors), "spcache": _median(svcs),
                                       "ratio": {"median": statistics.median(ratios),
                                                 "min": min(ratios), "max": max(ratios)}}

@@ -57,12 +57,12 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store import CachedDataset, collate_spc  # noqa: E402
-from cache_store.keys import compute_fingerprint  # noqa: E402
-from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from cache_store.format.encode import encode_record  # noqa: E402
-from cache_store.recipes.specs import get_recipe_spec  # noqa: E402
-from cache_store.format.index import DatasetIndex  # noqa: E402
+from cache_store import CachedDataset, collate_spc
+from cache_store.keys import compute_fingerprint
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.encode import encode_record
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.format.index import DatasetIndex
 
 log = logging.getLogger("bench.peers")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 GOAL_MS = 200.0
 
@@ -120,7 +120,7 @@ def main() -> int:
     render = median_ms(lambda: render_record(value, request), args.repeat)
     naive = median_ms(lambda: naive_render(voxels, args.level, args.view, args.size), args.repeat)
     print(json.dumps({
-        "mesh": mesh, "level": args.level, "voxels": int(len(voxels)), "size": args.size,
+        "mesh": mesh, "level": args.level, "voxels": len(voxels), "size": args.size,
         "view": args.view, "record_bytes": len(value), "repeat": args.repeat,
         "median_ms": {"decode": round(decode[0], 2), "render_png": round(render[0], 1),
                       "naive_zbuffer": round(naive[0], 1)},

@@ -32,10 +32,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cache_store.stores.lmdb as lmdb_store  # noqa: E402
-import cache_store.format.decode as decode  # noqa: E402
-import cache_store.format.header as header_format  # noqa: E402
-from peers import SIZES, build_records, one_process, write_lmdb, write_tensordict  # noqa: E402
+import cache_store.stores.lmdb as lmdb_store
+import cache_store.format.decode as decode
+import cache_store.format.header as header_format
+from peers import SIZES, build_records, one_process, write_lmdb, write_tensordict
 
 MODES = ("spcache", "no field hashes", "no header parse", "neither")
 

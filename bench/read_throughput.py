@@ -28,15 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
 
-from cache_store import CachedDataset, collate_spc  # noqa: E402
-from cache_store.keys import compute_fingerprint  # noqa: E402
-from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from cache_store.format.encode import encode_record  # noqa: E402
-from cache_store.format.index import DatasetIndex  # noqa: E402
+from cache_store import CachedDataset, collate_spc
+from cache_store.keys import compute_fingerprint
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.encode import encode_record
+from cache_store.format.index import DatasetIndex
 
 log = logging.getLogger("bench.read_throughput")
 FIELDS = ("octree", "point_hierarchy", "exsum", "query_points", "labels")
@@ -197,7 +197,7 @@ def main() -> None:
             a, b = (float(np.median([r[0] for r in runs])) for runs in (ours_runs, base_runs))
             row = {"cached_dataset_sps": a, "torch_save_sps": b, "ratio": a / b,
                    "cached_dataset_gb_s": a * mean_bytes / 1e9,
-                   "ratios_per_round": [o[0] / t[0] for o, t in zip(ours_runs, base_runs)]}
+                   "ratios_per_round": [o[0] / t[0] for o, t in zip(ours_runs, base_runs, strict=True)]}
             if workers == 0:
                 ca, cb = (float(np.median([r[1] for r in runs])) for runs in (ours_runs, base_runs))
                 row.update(cached_dataset_cpu_sps=ca, torch_save_cpu_sps=cb, cpu_ratio=ca / cb)

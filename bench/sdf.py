@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers import sdf  # noqa: E402
-from workers.ops import get_backend  # noqa: E402
-from workers.recipes import RECIPES, make_generator  # noqa: E402
-from workers.sources import compute_normalization, load_source, normalize_points  # noqa: E402
+from workers import sdf
+from workers.ops import get_backend
+from workers.recipes import RECIPES, make_generator
+from workers.sources import compute_normalization, load_source, normalize_points
 
 GOAL_S = 2.0  # 100,000 signed distances on the bunny
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.ops import get_backend  # noqa: E402
+from workers.ops import get_backend
 
 GOALS = {"build": 4.0, "query": 6.0}
 

@@ -35,11 +35,11 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store import CachedDataset  # noqa: E402
-from cache_store.keys import compute_fingerprint  # noqa: E402
-from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from cache_store.format.encode import encode_record  # noqa: E402
-from cache_store.format.index import DatasetIndex  # noqa: E402
+from cache_store import CachedDataset
+from cache_store.keys import compute_fingerprint
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.encode import encode_record
+from cache_store.format.index import DatasetIndex
 
 log = logging.getLogger("bench.worker_memory")
 PARAMS = {"level": 3, "surface_samples": 1000}

@@ -42,14 +42,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store.snapshot.export import CODECS, export_snapshot  # noqa: E402
-from cache_store.keys import compute_fingerprint  # noqa: E402
-from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from cache_store.format.encode import encode_record  # noqa: E402
-from cache_store.recipes.specs import get_recipe_spec  # noqa: E402
-from cache_store.format.index import DatasetIndex  # noqa: E402
-from cache_store.stores.base import open_store  # noqa: E402
-from workers.ops import get_backend  # noqa: E402
+from cache_store.snapshot.export import CODECS, export_snapshot
+from cache_store.keys import compute_fingerprint
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.format.encode import encode_record
+from cache_store.recipes.specs import get_recipe_spec
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import open_store
+from workers.ops import get_backend
 
 
 def shape_points(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -145,7 +145,7 @@ def run(samples: int, level: int, points: int, queries: int, repeats: int,
     with tempfile.TemporaryDirectory(prefix="spcache-bench-") as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
-        store, fp, ids, ingest_s = build_cache(tmp / "cache", samples, level, points,
+        store, fp, _ids, ingest_s = build_cache(tmp / "cache", samples, level, points,
                                                queries, unique)
         build_s = time.perf_counter() - t0
         stats = store.stats()

@@ -11,7 +11,7 @@ so the service and header-only readers start without it.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cache_store.errors import (
     CacheNotFound,
@@ -31,6 +31,26 @@ from cache_store.errors import (
     UnknownName,
     UnsupportedFormat,
 )
+
+if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from cache_store.format.decode import Record, decode_record
+    from cache_store.format.encode import encode_record, select_fields
+    from cache_store.format.header import read_metadata, record_checksum
+    from cache_store.format.index import DatasetIndex
+    from cache_store.jobs.failures import failures_of
+    from cache_store.keys import (
+        compute_fingerprint,
+        record_key,
+        split_key,
+        validate_fingerprint,
+        validate_sample_id,
+    )
+    from cache_store.readers.collate import collate_spc
+    from cache_store.readers.dataset import CachedDataset
+    from cache_store.readers.to_kaolin import to_kaolin_spc
+    from cache_store.sources.discover import discover_sources
+    from cache_store.stores.base import Store, VerifyReport, open_store
+    from cache_store.stores.lmdb import LMDBStore
 
 __version__ = "0.1.0"
 
@@ -77,7 +97,27 @@ __all__ = [
     "StoreBusy",
     "CacheNotFound",
     "JobNotFound",
-    *_LAZY,
+    "compute_fingerprint",
+    "validate_fingerprint",
+    "validate_sample_id",
+    "record_key",
+    "split_key",
+    "Record",
+    "encode_record",
+    "decode_record",
+    "read_metadata",
+    "record_checksum",
+    "select_fields",
+    "Store",
+    "DatasetIndex",
+    "VerifyReport",
+    "open_store",
+    "LMDBStore",
+    "CachedDataset",
+    "collate_spc",
+    "discover_sources",
+    "to_kaolin_spc",
+    "failures_of",
 ]
 
 

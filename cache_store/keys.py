@@ -20,7 +20,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from cache_store.errors import InvalidSampleId, ParameterError
 
@@ -101,7 +101,7 @@ def compute_fingerprint(recipe: str, recipe_version: int,
     return digest.hexdigest()
 
 
-def is_fingerprint(text: object) -> bool:
+def is_fingerprint(text: object) -> TypeGuard[str]:
     """True when ``text`` has a fingerprint's syntax (32 lowercase hex chars)."""
     return isinstance(text, str) and _FINGERPRINT_RE.fullmatch(text) is not None
 
@@ -109,8 +109,8 @@ def is_fingerprint(text: object) -> bool:
 def validate_fingerprint(fingerprint: object) -> str:
     """Return ``fingerprint`` if it is 32 lowercase hex chars, else raise ``ParameterError``."""
     if not is_fingerprint(fingerprint):
-        raise ParameterError([f"fingerprint: expected {FINGERPRINT_HEX_CHARS} lowercase hex "
-                              f"characters, got {fingerprint!r}"])
+        raise ParameterError([(f"fingerprint: expected {FINGERPRINT_HEX_CHARS} lowercase hex "
+                              f"characters, got {fingerprint!r}")])
     return fingerprint
 
 

@@ -77,7 +77,7 @@ def parse_location(location: str | os.PathLike[str]) -> Location:
 def is_remote(location: str | os.PathLike[str]) -> bool:
     """A URL other than ``file://`` (``http://``, ``s3://...zarr``), rather than a path."""
     match = _SCHEME.match(os.fspath(location))
-    return bool(match) and match.group(1).lower() != "file"
+    return match is not None and match.group(1).lower() != "file"
 
 
 def local_path(location: str | os.PathLike[str]) -> str:

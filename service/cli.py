@@ -162,12 +162,11 @@ def serve(settings: Settings, *, max_size: int | None = None) -> int:
         log.info("spcache serve: no worker child (--no-worker); run `spcache worker --cache %s`",
                  settings.cache)
     log.info("spcache serve: listening on %s", settings.url)
-    tls = ({} if settings.tls_certfile is None else
-           {"ssl_certfile": str(settings.tls_certfile), "ssl_keyfile": str(settings.tls_keyfile)})
     config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), server_header=False,
                             proxy_headers=False, timeout_graceful_shutdown=10,
-                            log_config=None, **tls)
+                            log_config=None, ssl_certfile=settings.tls_certfile,
+                            ssl_keyfile=settings.tls_keyfile)
 
     class Server(uvicorn.Server):
         # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down (so the exit

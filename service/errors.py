@@ -142,7 +142,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("%s %s failed", request.method, request.url.path)
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     return error_response(500, "InternalError", "internal error; the service log has the details")
 
 

@@ -105,7 +105,7 @@ class HostGuard:
                     given.strip().encode("utf-8"), token.get_secret_value().encode("utf-8")):
                 return True
         client = scope.get("client")
-        return bool(client) and _loopback(str(client[0]))
+        return client is not None and _loopback(str(client[0]))
 
     def _secrets(self) -> list[tuple[re.Pattern[bytes], bytes]]:
         cached = getattr(self, "_secrets_cache", None)

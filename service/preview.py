@@ -217,8 +217,8 @@ def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
     dx, dy, shade = splat_template(rotation, half, scale)
     count = len(voxels) * len(dx)
     if count > MAX_SPLATS:
-        raise ParameterError([f"level: {len(voxels)} voxels at level {level} are too many "
-                              f"to draw at size {size}; pick a lower level or size"],
+        raise ParameterError([(f"level: {len(voxels)} voxels at level {level} are too many "
+                              f"to draw at size {size}; pick a lower level or size")],
                              what="preview request")
     # Stamp on a canvas padded by the template's reach, so that no splat needs a bounds
     # test (every voxel centre lies inside the picture), then crop.
@@ -307,8 +307,8 @@ def render_record(value: bytes, request: PreviewRequest, *, key: str = "") -> by
 def encode_png(image: np.ndarray, *, compression: int = 6) -> bytes:
     """A PNG (8-bit RGB, no interlace) of ``image``, uint8 of shape (height, width, 3)."""
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-        raise ParameterError([f"image: expected uint8 (H, W, 3), got {image.dtype} "
-                              f"{tuple(image.shape)}"], what="PNG image")
+        raise ParameterError([(f"image: expected uint8 (H, W, 3), got {image.dtype} "
+                              f"{tuple(image.shape)}")], what="PNG image")
     height, width = image.shape[:2]
     rows = np.empty((height, 1 + width * 3), dtype=np.uint8)
     rows[:, 0] = 0  # filter: none

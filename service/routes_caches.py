@@ -192,8 +192,8 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
     ``?wait=`` first waits for the missing ones that are queued (read-through)."""
     validate_fingerprint(fingerprint)
     if len(body.ids) > ctx.settings.max_batch_records:
-        raise ParameterError([f"ids: {len(body.ids)} ids, at most "
-                              f"{ctx.settings.max_batch_records} per batch"], what="batch request")
+        raise ParameterError([(f"ids: {len(body.ids)} ids, at most "
+                              f"{ctx.settings.max_batch_records} per batch")], what="batch request")
     if body.fields is not None and not body.fields:
         raise ParameterError(["fields: empty list; leave it out to get every field"],
                              what="batch request")

@@ -29,14 +29,18 @@ class WarmupItem(BaseModel):
                       description="source file, inside a source root")
 
 
+# typed as plain dicts: pydantic's JsonDict would not accept the inferred list[str] values
+_ITEMS_OR_GLOB: dict[str, Any] = {"oneOf": [{"required": ["items"]}, {"required": ["root", "glob"]}]}
+_RECIPE_ENUM: dict[str, Any] = {"enum": sorted(RECIPE_SPECS)}
+
+
 class WarmupRequest(BaseModel):
     """Either ``items`` or ``root`` + ``glob`` (ids are the matches' paths without extension)."""
 
-    model_config = ConfigDict(extra="forbid", json_schema_extra={
-        "oneOf": [{"required": ["items"]}, {"required": ["root", "glob"]}]})
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_ITEMS_OR_GLOB)
 
     recipe: str = Field(min_length=1, max_length=64,
-                        json_schema_extra={"enum": sorted(RECIPE_SPECS)})
+                        json_schema_extra=_RECIPE_ENUM)
     params: dict[str, Any] = Field(default_factory=dict)
     items: list[WarmupItem] | None = None
     root: str | None = Field(None, min_length=1, max_length=4096)
@@ -68,8 +72,8 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
     def plan_and_submit() -> dict[str, Any]:
         if body.items is not None:
             if len(body.items) > settings.max_warmup_items:
-                raise ParameterError([f"items: {len(body.items)} items, at most "
-                                      f"{settings.max_warmup_items} per request"],
+                raise ParameterError([(f"items: {len(body.items)} items, at most "
+                                      f"{settings.max_warmup_items} per request")],
                                      what="warm-up request")
             pairs = [(it.id, it.path) for it in body.items]
         else:

@@ -15,7 +15,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path as FilePath
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -152,11 +152,12 @@ def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:
                        304: {"description": "not modified (If-None-Match)"}})
 async def get_preview(
         fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
-        level: int | None = Query(None, ge=0, le=15,
-                                  description="octree level (default: the record's deepest)"),
-        view: View = Query("iso", description="camera: iso, front, side or top"),
-        size: int = Query(512, ge=MIN_SIZE, le=MAX_SIZE, description="width = height, pixels"),
-        queries: bool = Query(True, description="draw spc_query records' query points"),
+        level: Annotated[int | None, Query(
+            ge=0, le=15, description="octree level (default: the record's deepest)")] = None,
+        view: Annotated[View, Query(description="camera: iso, front, side or top")] = "iso",
+        size: Annotated[int, Query(ge=MIN_SIZE, le=MAX_SIZE,
+                                   description="width = height, pixels")] = 512,
+        queries: Annotated[bool, Query(description="draw spc_query records' query points")] = True,
 ) -> Response:
     """A picture of one octree level of a record: occupied voxels as shaded cubes, query
     points green (voxel occupied at that level) or red. ETag = record checksum + params."""

@@ -73,7 +73,8 @@ class Settings(BaseSettings):
     worker_device: str | None = None
     worker_backend: str = "auto"
     worker_restart_max_s: float = Field(60.0, gt=0)
-    stats_ttl_s: float = Field(10.0, ge=0, description="reuse the per-fingerprint stats walk (a child process) this long once the cache changed")
+    stats_ttl_s: float = Field(10.0, ge=0, description="reuse the per-fingerprint stats walk (a "
+                                "child process) this long once the cache changed")
     record_key: SecretStr | None = Field(
         None, min_length=16, description="secret shared with readers: each record is sent "
         "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.format.tag)")

@@ -121,8 +121,8 @@ def expand_glob(root: str, pattern: str, roots: Sequence[Path], limit: int, *,
         raise ParameterError([f"glob: {pattern!r} must be a relative pattern without '..'"],
                              what="warm-up request")
     if sum(1 for s in segments if "**" in s) > 1 or any("**" in s and s != "**" for s in segments):
-        raise ParameterError([f"glob: {pattern!r}: at most one '**', and only as a whole "
-                              f"path segment"], what="warm-up request")
+        raise ParameterError([(f"glob: {pattern!r}: at most one '**', and only as a whole "
+                              f"path segment")], what="warm-up request")
     walker = _GlobWalk(base, segments, roots, limit, max_entries, max_seconds, pattern, root)
     walker.walk(base, 0, ())
     if not walker.out:
@@ -150,8 +150,8 @@ class _GlobWalk:
         self.walked: set[tuple[int, int, int]] = set()
 
     def _fail(self, why: str) -> ParameterError:
-        return ParameterError([f"glob: {self.pattern!r} under {self.root} {why}; narrow the "
-                               f"pattern or split the request"], what="warm-up request")
+        return ParameterError([(f"glob: {self.pattern!r} under {self.root} {why}; narrow the "
+                               f"pattern or split the request")], what="warm-up request")
 
     def _inside(self, path: str) -> str | None:
         """The real path of ``path`` when it lies inside a source root, else None."""

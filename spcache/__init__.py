@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
+    from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import discover_sources
     from spcache.compute import FailedSample, PrecomputeResult, Timings, precompute
     from workers.precompute import UsageError
@@ -68,6 +69,7 @@ _LAZY: dict[str, str] = {
     "UsageError": "workers.precompute",
     "CachedDataset": "cache_store.readers.dataset",
     "collate_spc": "cache_store.readers.collate",
+    "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
     **dict.fromkeys(_ERRORS, "cache_store.errors"),
     # The recipe API (spcache.recipes) and the lifecycle calls (ls, rm, prune, compact)
@@ -85,6 +87,7 @@ __all__ = [
     # reading
     "CachedDataset",
     "collate_spc",
+    "to_kaolin_spc",
     # errors: every one is a SpcacheError
     "SpcacheError",
     "UsageError",

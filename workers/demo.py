@@ -16,6 +16,7 @@ the service also ends by itself if the demo is killed outright (``SPCACHE_PARENT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import errno
@@ -107,11 +108,11 @@ def _wait_healthy(client, base: str, service: subprocess.Popen, timeout: float =
     while time.monotonic() < deadline:
         if service.poll() is not None:
             raise SystemExit(f"the service exited early with status {service.returncode}")
-        try:
+        import httpx
+
+        with contextlib.suppress(httpx.TransportError):  # not listening yet
             if client.get(f"{base}/healthz").status_code == 200:
                 return
-        except Exception:  # noqa: BLE001 - not listening yet
-            pass
         time.sleep(0.2)
     raise SystemExit(f"the service did not answer {base}/healthz within {timeout:.0f}s")
 

@@ -83,8 +83,8 @@ def resolve_device(device: str) -> torch.device:
                                  what="engine options")
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise ParameterError([f"device: {device!r} requested but only "
-                                  f"{torch.cuda.device_count()} CUDA device(s) exist"],
+            raise ParameterError([(f"device: {device!r} requested but only "
+                                  f"{torch.cuda.device_count()} CUDA device(s) exist")],
                                  what="engine options")
         dev = torch.device("cuda", index)
     return dev
@@ -214,8 +214,8 @@ def failure_log_beside(store: Store) -> FailureLog | None:
 def _loaders_argument(loaders: int | None, jobs: int | None, *, default: int | None) -> Any:
     """``loaders``, or the deprecated ``jobs`` spelling of it; both given must agree."""
     if jobs is not None and loaders is not None and jobs != loaders:
-        raise ParameterError([f"loaders: {loaders} and its deprecated alias jobs: {jobs} "
-                              f"disagree; give loaders only"], what="engine options")
+        raise ParameterError([(f"loaders: {loaders} and its deprecated alias jobs: {jobs} "
+                              f"disagree; give loaders only")], what="engine options")
     if loaders is None:
         loaders = jobs
     return default if loaders is None else loaders
@@ -247,8 +247,9 @@ class LocalRun:
     def execute(self) -> Summary:
         start = time.perf_counter()
         work = self.ledger.admit(self.items)
-        own_pool = self.engine._loader_pool is None
-        pool = self.engine.loader_pool(len(work)) if own_pool else self.engine._loader_pool
+        shared_pool = self.engine._loader_pool
+        own_pool = shared_pool is None
+        pool = self.engine.loader_pool(len(work)) if shared_pool is None else shared_pool
         writer: RecordWriter | None = None
 
         # The cleanup steps, defined before the work so that the ``finally`` is one call
@@ -363,7 +364,7 @@ class LocalRun:
             self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason,
                                           source_hash=prepared.source_hash))
             return
-        except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
+        except Exception as exc:  # one sample's failure is recorded, the run goes on
             logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
             self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
                                           reason=f"{type(exc).__name__}: {one_line(exc)}",
@@ -403,7 +404,7 @@ class LocalRun:
                 return
             try:
                 self.ledger.finish(result)
-            except Exception:  # noqa: BLE001 - on_result failing must not lose other results
+            except Exception:  # on_result failing must not lose other results
                 if not quiet:
                     raise
                 logger.exception("on_result failed for %s", result.sample_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import multiprocessing
+import multiprocessing.context
 import os
 import signal
 import threading
@@ -85,7 +86,7 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
     except MemoryError:
         return LoadOutcome("failed", time.perf_counter() - start,
                            reason="out of memory while loading", source_hash=digest)
-    except Exception as exc:  # noqa: BLE001 - reported as this sample's failure, never swallowed
+    except Exception as exc:  # reported as this sample's failure, never swallowed
         logger.exception("loading %s failed", path)
         return LoadOutcome("failed", time.perf_counter() - start,
                            reason=f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
@@ -154,6 +155,7 @@ class LoaderPool:
             self.pool = self._new_pool()
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
+        context: multiprocessing.context.BaseContext
         if "forkserver" in multiprocessing.get_all_start_methods():
             context = multiprocessing.get_context("forkserver")
             # Import the heavy modules once in the server (CPU only: it never runs an op),
@@ -189,9 +191,9 @@ class LoaderPool:
         except BrokenProcessPool:
             pass
         logger.warning("a loader process died; retrying %s alone", item.path)
-        self._restart()
+        pool = self._restart()
         try:
-            outcome = self.pool.submit(load_sample, *self._args(item)).result()
+            outcome = pool.submit(load_sample, *self._args(item)).result()
         except BrokenProcessPool:
             self._restart()
             outcome = LoadOutcome("failed", 0.0, reason="the loader process died while reading "
@@ -202,10 +204,11 @@ class LoaderPool:
             pending[i] = (other, self.submit(other))
         return outcome
 
-    def _restart(self) -> None:
+    def _restart(self) -> cf.ProcessPoolExecutor:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
         self.pool = self._new_pool()
+        return self.pool
 
     def close(self) -> None:
         if self.pool is not None:

@@ -170,16 +170,16 @@ class RayRun:
                     hashes[item.sample_id] = digest
         todo = []
         for item in work:
-            digest = hashes.get(item.sample_id)
-            if digest is None:
+            found = hashes.get(item.sample_id)
+            if found is None:
                 todo.append(item)
-            elif isinstance(digest, SourceError):
-                self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=digest.reason))
-            elif is_current(item.stored_hash, digest):
+            elif isinstance(found, SourceError):
+                self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=found.reason))
+            elif is_current(item.stored_hash, found):
                 self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key,
-                                              source_hash=digest))
-            elif digest == item.failed_hash:
-                self.ledger.finish(self.ledger.skipped_failure(item, digest))
+                                              source_hash=found))
+            elif found == item.failed_hash:
+                self.ledger.finish(self.ledger.skipped_failure(item, found))
             else:
                 todo.append(item)
         return todo
@@ -422,7 +422,7 @@ class RayRun:
             start = time.perf_counter()
             try:
                 self.options.store.put_many(records)
-            except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
+            except Exception as exc:  # the batch fails with its reason, the run goes on
                 logger.exception("writing %d records failed", len(records))
                 write_error = f"store write failed: {one_line(exc)}"
                 full = exc if isinstance(exc, StoreFull) else None

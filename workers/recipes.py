@@ -145,7 +145,7 @@ class Prepared:
     source_hash: str
     points: np.ndarray
     center: np.ndarray
-    scale: np.ndarray
+    scale: np.float32  # a 0-d scalar
     queries: np.ndarray | None = None
     mesh_vertices: np.ndarray | None = None
     mesh_faces: np.ndarray | None = None
@@ -339,6 +339,8 @@ def _query_leaf(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: to
 def _signed_distance(prepared: Prepared, queries: torch.Tensor, ops: Any, budget: ChunkBudget,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the CPU."""
+    assert (prepared.queries is not None and prepared.mesh_vertices is not None
+            and prepared.mesh_faces is not None), "prepared without its mesh (spc_sdf's prepare)"
     if getattr(ops, "name", "") != "kaolin" or device.type != "cuda" or len(queries) == 0:
         sdf, face = sdf_ops.signed_distance(prepared.queries, prepared.mesh_vertices,
                                             prepared.mesh_faces)

@@ -96,13 +96,13 @@ class RecordWriter(threading.Thread):
             try:
                 encoded.append((item.key, encode_record(pending.tensors, pending.metadata)))
                 ok.append(pending)
-            except Exception as exc:  # noqa: BLE001 - this record fails alone
+            except Exception as exc:  # this record fails alone
                 logger.exception("encoding the record of %s failed", item.sample_id)
                 self._report(pending, "failed", f"cannot encode record: {one_line(exc)}")
         if encoded:
             try:
                 self.store.put_many(encoded)
-            except Exception as exc:  # noqa: BLE001 - the batch fails with its reason, the run goes on
+            except Exception as exc:  # the batch fails with its reason, the run goes on
                 if isinstance(exc, FingerprintRemoved):
                     logger.info("not writing %d records: %s", len(encoded), exc)
                 elif isinstance(exc, StoreFull):

@@ -220,7 +220,7 @@ class RunLedger:
             try:
                 self.known_failures = self.failures.get_many(self.summary.fingerprint,
                                                              [item.sample_id for item in work])
-            except Exception:  # noqa: BLE001 - the log is advice: without it, retry everything
+            except Exception:  # the log is advice: without it, retry everything
                 logger.exception("cannot read the failure log %s; every sample is tried",
                                  getattr(self.failures, "path", ""))
             if self.skip_failed:
@@ -256,7 +256,7 @@ class RunLedger:
             if result.sample_id in self.known_failures and self.failures is not None:
                 try:
                     self.failures.forget(summary.fingerprint, [result.sample_id])
-                except Exception:  # noqa: BLE001 - the log is advice; the record is stored
+                except Exception:  # the log is advice; the record is stored
                     logger.exception("cannot forget the old failure of %s", result.sample_id)
         elif result.status == "skipped":
             summary.skipped += 1
@@ -292,7 +292,7 @@ class RunLedger:
             try:
                 self.failures.record(self.summary.fingerprint, result.sample_id, result.path,
                                      result.source_hash or "", raw)
-            except Exception:  # noqa: BLE001 - the log is advice; the failure is still reported
+            except Exception:  # the log is advice; the failure is still reported
                 logger.exception("cannot remember the failure of %s", result.sample_id)
         return result
 

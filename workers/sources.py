@@ -34,6 +34,7 @@ import re
 import warnings
 import zipfile
 from dataclasses import dataclass
+from typing import IO, Any
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +175,7 @@ def load_source(path: str | Path, data: bytes | None = None, *,
 # --- size checks (before any array is allocated) -----------------------------------------
 
 
-def _check_npy_header(path: Path, fh: io.IOBase, limit: int, available: int | None,
+def _check_npy_header(path: Path, fh: IO[bytes], limit: int, available: int | None,
                       what: str) -> int:
     """The data bytes an ``.npy`` header declares; SourceError when over ``limit``, or
     more than the ``available`` bytes that follow the header (a truncated file)."""
@@ -309,12 +310,12 @@ def _load_with_trimesh(path: Path, data: bytes, ext: str) -> tuple[np.ndarray, n
 
     if ext == ".ply":
         declared = _ply_declared_counts(path, data)
-    kwargs = {"skip_materials": True} if ext in (".obj", ".ply", ".glb") else {}
+    kwargs: dict[str, Any] = {"skip_materials": True} if ext in (".obj", ".ply", ".glb") else {}
     try:
         loaded = trimesh.load(io.BytesIO(data), file_type=ext[1:], process=False, **kwargs)
     except (MemoryError, RecursionError):
         raise
-    except Exception as exc:  # noqa: BLE001 - trimesh raises anything; each becomes a SourceError
+    except Exception as exc:  # trimesh raises anything; each becomes a SourceError
         raise SourceError(path, f"cannot parse as {ext[1:].upper()}: "
                                 f"{type(exc).__name__}: {exc}") from exc
     vertices, faces = _geometry_of(path, loaded, trimesh)
@@ -329,6 +330,7 @@ def _geometry_of(path: Path, loaded: object, trimesh) -> tuple[np.ndarray, np.nd
     Only positions and faces are read (never ``copy()`` or ``dump()``, which would touch
     textures and need an image library).
     """
+    parts: list[tuple[np.ndarray, np.ndarray | None]]
     if isinstance(loaded, trimesh.Trimesh):
         parts = [(np.asarray(loaded.vertices), np.asarray(loaded.faces))]
     elif isinstance(loaded, trimesh.PointCloud):
@@ -352,12 +354,14 @@ def _geometry_of(path: Path, loaded: object, trimesh) -> tuple[np.ndarray, np.nd
     with_faces = [(v, f) for v, f in parts if f is not None and len(f)]
     if not with_faces:
         return np.concatenate([np.asarray(v, np.float64).reshape(-1, 3) for v, _ in parts]), None
-    vertices, faces, offset = [], [], 0
+    vertex_parts: list[np.ndarray] = []
+    face_parts: list[np.ndarray] = []
+    offset = 0
     for v, f in with_faces:  # a mesh's loose points (if any) do not belong to its surface
-        vertices.append(np.asarray(v, np.float64).reshape(-1, 3))
-        faces.append(np.asarray(f, np.int64).reshape(-1, 3) + offset)
-        offset += len(vertices[-1])
-    return np.concatenate(vertices), np.concatenate(faces)
+        vertex_parts.append(np.asarray(v, np.float64).reshape(-1, 3))
+        face_parts.append(np.asarray(f, np.int64).reshape(-1, 3) + offset)
+        offset += len(vertex_parts[-1])
+    return np.concatenate(vertex_parts), np.concatenate(face_parts)
 
 
 _PLY_ELEMENT = re.compile(rb"^element\s+(\w+)\s+(\d+)\s*$")

@@ -33,6 +33,7 @@ def log_level(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     # A worker never creates its cache: a mistyped --cache would otherwise make a new,
     # empty queue there and wait forever for jobs nobody sends.
+    problem: str | None
     if not Path(args.cache).exists():
         problem = (f"{args.cache}: no such cache directory (a worker drains an existing "
                    f"cache: check the path, or create it first)")

@@ -211,7 +211,7 @@ class WorkerLoop:
                 complete_finished()
         except KeyboardInterrupt:
             raise
-        except Exception as exc:  # noqa: BLE001 - a crashed run must not kill the worker
+        except Exception as exc:  # a crashed run must not kill the worker
             reason = f"engine run failed: {type(exc).__name__}: {exc}"
             log.exception("worker %s: job %s: %s", self.worker_id, first.job_id, reason)
             for c in claimed:
@@ -225,7 +225,7 @@ class WorkerLoop:
         """One INFO line per finished batch: the job, its progress and this batch's rate."""
         try:
             info = queue.job(job_id, errors_limit=0)
-        except Exception:  # noqa: BLE001 - progress is informational; the work is done
+        except Exception:  # progress is informational; the work is done
             log.exception("worker %s: job %s: cannot read its progress", self.worker_id, job_id)
             return
         finished = info.counts.get("done", 0) + info.counts.get("failed", 0)
@@ -258,7 +258,7 @@ class WorkerLoop:
         for fingerprint, engine in list(self._engines.items()):
             try:
                 engine.close()
-            except Exception:  # noqa: BLE001 - a broken pool must not stop the worker
+            except Exception:  # a broken pool must not stop the worker
                 log.exception("closing the engine of %s failed", fingerprint)
             del self._engines[fingerprint]
 
@@ -277,7 +277,7 @@ class WorkerLoop:
                         for lost in set(ids) - held:
                             self._held.pop(lost, None)
                 queue.heartbeat(self.worker_id, self._info())
-            except Exception:  # noqa: BLE001 - keep renewing; the next round may work
+            except Exception:  # keep renewing; the next round may work
                 log.exception("worker %s: lease renewal failed", self.worker_id)
             if stopping:  # still finishing the last claim: keep its leases alive
                 time.sleep(every)

@@ -164,7 +164,7 @@ def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
     infos, checksums = header.tensors, header.field_checksums
     span = getattr(fill, "span", None)
     slots = []  # (name, info, offset in the buffer)
-    runs = []   # (begin, end, offset): source ranges copied whole (``span``)
+    runs: list[tuple[int, int, int]] = []  # (begin, end, offset): source ranges copied whole (``span``)
     size = 0
     run_end = -1
     for name in names:
@@ -180,7 +180,7 @@ def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
         size += end - begin
         run_end = end
     buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
-    out = memoryview(buf)
+    out = buf.data
     for begin, end, offset in runs:
         span(0, begin, end, out[offset:offset + end - begin])  # type: ignore[misc]
     tensors = {}
@@ -224,7 +224,6 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
     still in the CPU cache, so what is verified is exactly what is returned, and the
     source (an LMDB map page, often not cached) is read once.
     """
-    import torch
 
     order: dict[str, None] = {}
     for selected in names:
@@ -242,7 +241,7 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
     size = (size + 7) & ~7  # so the storage views as any dtype
     base, buf = allocate(size, in_dataloader_worker())
     flat: dict[str, torch.Tensor] = {}  # dtype name -> the whole storage as that dtype
-    out = memoryview(buf)
+    out = buf.data
     tensors: list[dict[str, torch.Tensor]] = [{} for _ in names]
     for j, name, info, offset in slots:
         dtype, shape, begin, end = info
@@ -258,7 +257,7 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
             whole = flat[dtype] = base.view(TORCH_DTYPES[dtype])
         tensors[j][name] = whole.as_strided(shape, _strides(shape), offset // ITEMSIZE[dtype])
     # a record's own field order, as a dict of its header gives it
-    return [{name: found[name] for name in selected} for found, selected in zip(tensors, names)]
+    return [{name: found[name] for name in selected} for found, selected in zip(tensors, names, strict=True)]
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
@@ -309,7 +308,7 @@ def decode_records(items: Iterable[tuple[str, Any]], *,
         headers.append(header)
         names.append(selected_fields(header, fields, key))
     tensors = _batch_tensors(_ViewFill(views), headers, names, keys)
-    return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
+    return [Record(t, h.metadata) for t, h in zip(tensors, headers, strict=True)]
 
 
 def decode_filled(headers: Sequence[RecordHeader], keys: Sequence[str], fill: Fill, *,
@@ -323,12 +322,12 @@ def decode_filled(headers: Sequence[RecordHeader], keys: Sequence[str], fill: Fi
     there."""
     if fields is not None:
         fields = [fields] if isinstance(fields, str) else list(fields)
-    names = [selected_fields(h, fields, k) for h, k in zip(headers, keys)]
+    names = [selected_fields(h, fields, k) for h, k in zip(headers, keys, strict=True)]
     if len(headers) == 1 and not in_dataloader_worker():
         return [Record(_record_tensors(fill, headers[0], names[0], keys[0]),
                        headers[0].metadata)]
     tensors = _batch_tensors(fill, headers, names, keys)
-    return [Record(t, h.metadata) for t, h in zip(tensors, headers)]
+    return [Record(t, h.metadata) for t, h in zip(tensors, headers, strict=True)]
 
 
 def decode_arrays(value: Any, *, key: str = "",
@@ -346,7 +345,7 @@ def decode_arrays(value: Any, *, key: str = "",
         if info.dtype == "BF16":
             raise ParameterError([f"{name}: bfloat16 has no NumPy dtype; use decode_record"])
         flat = np.frombuffer(view[info.begin:info.end], dtype=np.uint8).copy()
-        if xxhash.xxh3_64_hexdigest(flat) != header.field_checksums[name]:  # the copy, cached
+        if xxhash.xxh3_64_hexdigest(flat.data) != header.field_checksums[name]:  # the copy, cached
             raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
         array = flat.view(NUMPY_DTYPES[info.dtype]).reshape(info.shape)
         if info.dtype == "BOOL":

@@ -43,7 +43,7 @@ def _numpy_bytes_view(name: str, array: np.ndarray) -> tuple[str, tuple[int, ...
     if dtype is None:
         raise _bad(name, f"numpy dtype {array.dtype} has no safetensors name here")
     array = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[dtype])  # native order
-    return dtype, tuple(array.shape), memoryview(array.reshape(-1).view(np.uint8))
+    return dtype, tuple(array.shape), array.reshape(-1).view(np.uint8).data
 
 
 def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
@@ -113,8 +113,8 @@ def encode_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | Non
     prepared = []
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
-            raise ParameterError([f"tensor name {name!r}: must be a non-empty str other than "
-                                  f"'__metadata__'"], what="record tensors")
+            raise ParameterError([(f"tensor name {name!r}: must be a non-empty str other than "
+                                  f"'__metadata__'")], what="record tensors")
         prepared.append((name, *_as_bytes_view(name, tensor)))
     # Largest item size first, then by name: every buffer starts aligned for its dtype.
     prepared.sort(key=lambda item: (-ITEMSIZE[item[1]], item[0]))

@@ -37,7 +37,7 @@ import struct
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 import xxhash
@@ -103,7 +103,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, DTYPES[name])
 
 
-class _TorchDtypes(dict):  # type: ignore[type-arg]
+class _TorchDtypes(dict[str, Any]):
     """safetensors name -> torch dtype, filled on first use (torch stays unimported until
     a tensor is built)."""
 
@@ -205,7 +205,7 @@ _DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_reje
 try:  # a C parser ~4x faster than json with the hook above (an optional speed-up)
     import orjson as _orjson
 except ImportError:  # pragma: no cover - a listed dependency; the strict parser serves
-    _orjson = None
+    _orjson = None  # type: ignore[assignment]  # None stands for "not installed"
 
 
 def _loads(text: bytes) -> Any:
@@ -352,7 +352,8 @@ def _tensor_infos(key: str, header: Mapping[str, Any], data_len: int,
                         numel *= d
                     else:
                         if numel * itemsize == end - begin:
-                            tensors[name] = TensorInfo(dtype, tuple(shape), data_start + begin,
+                            tensors[name] = TensorInfo(cast(str, dtype), tuple(shape),
+                                                       data_start + begin,
                                                        data_start + end)
                             in_order = in_order and begin == position
                             position = end

@@ -49,12 +49,12 @@ class DatasetIndex:
         validate_fingerprint(self.fingerprint)
         expected = compute_fingerprint(self.recipe, self.recipe_version, self.params)
         if expected != self.fingerprint:
-            raise ParameterError([f"fingerprint {self.fingerprint} is not that of recipe "
+            raise ParameterError([(f"fingerprint {self.fingerprint} is not that of recipe "
                                   f"{self.recipe!r} v{self.recipe_version} with params "
-                                  f"{canonical_json(dict(self.params))} ({expected})"],
+                                  f"{canonical_json(dict(self.params))} ({expected})")],
                                  what="dataset index")
-        raw = self.sample_ids
-        raw = raw.ravel().tolist() if isinstance(raw, np.ndarray) else list(raw)
+        given = self.sample_ids
+        raw = given.ravel().tolist() if isinstance(given, np.ndarray) else list(given)
         ids = [validate_sample_id(s) for s in raw]  # refuses non-str ids (no str() coercion)
         seen: set[str] = set()
         for sample_id in ids:

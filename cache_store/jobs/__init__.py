@@ -1,1 +1,2 @@
-"""The work queue and what the worker keeps beside it: jobs and items in SQLite, the failure log, the worker's owner lock, and whether a record is current."""
+"""The work queue and what the worker keeps beside it: jobs and items in SQLite, the failure
+log, the worker's owner lock, and whether a record is current."""

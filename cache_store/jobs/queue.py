@@ -281,7 +281,8 @@ class JobQueue:
                         "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
                         "updated) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
                         (job_id, seq, fingerprint, it.sample_id, str(it.path), now))
-                    out[it.sample_id] = QueuedItem(int(cur.lastrowid), job_id, it.sample_id,
+                    assert cur.lastrowid is not None  # set by every INSERT
+                    out[it.sample_id] = QueuedItem(cur.lastrowid, job_id, it.sample_id,
                                                    str(it.path), "pending", None, False)
         if todo:
             log.info("read-through job %s: %s %s, %d item(s) queued, %d reused", job_id, recipe,

@@ -123,16 +123,16 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     """
     if not samples:
         raise _problem("empty batch")
-    samples = [sample for sample in samples if sample is not None]
-    if not samples:
+    present = [sample for sample in samples if sample is not None]
+    if not present:
         return {}
-    names = list(samples[0])
-    for i, sample in enumerate(samples):
+    names = list(present[0])
+    for i, sample in enumerate(present):
         if set(sample) != set(names):
             raise _problem(f"sample {i} has fields {sorted(sample)}, sample 0 has {sorted(names)}")
     out: dict[str, Any] = {}
     for name in names:
-        values = [sample[name] for sample in samples]
+        values = [sample[name] for sample in present]
         if not all(isinstance(v, torch.Tensor) for v in values):
             out[name] = default_collate(values)
         elif name in CONCATENATED_FIELDS:
@@ -150,9 +150,9 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
         else:
             out[name] = _cat(name, values)
             out[f"{name}_lengths"] = _lengths(values)
-    if "octree" in out and "exsum" in out and isinstance(out["exsum"], torch.Tensor):
-        if out["exsum"].shape[0] != out["octree"].shape[0]:
-            raise _problem(f"exsum has {out['exsum'].shape[0]} entries for "
-                           f"{out['octree'].shape[0]} octree bytes (expected Kaolin 0.18's "
-                           f"inclusive layout, one per byte)")
+    if ("octree" in out and "exsum" in out and isinstance(out["exsum"], torch.Tensor)
+            and out["exsum"].shape[0] != out["octree"].shape[0]):
+        raise _problem(f"exsum has {out['exsum'].shape[0]} entries for "
+                       f"{out['octree'].shape[0]} octree bytes (expected Kaolin 0.18's "
+                       f"inclusive layout, one per byte)")
     return out

@@ -100,7 +100,7 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
         [i.fingerprint for i in others])
 
 
-class CachedDataset(torch.utils.data.Dataset):
+class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     """Records of one fingerprint of a cache, as dicts of CPU tensors, in index order.
 
     Args:
@@ -174,8 +174,8 @@ class CachedDataset(torch.utils.data.Dataset):
                  id_template: str | None = None, on_stale: str | None = None,
                  **params: Any) -> None:
         if not isinstance(fingerprint_or_recipe, str):
-            raise ParameterError([f"fingerprint_or_recipe: expected a str, got "
-                                  f"{type(fingerprint_or_recipe).__name__}"])
+            raise ParameterError([(f"fingerprint_or_recipe: expected a str, got "
+                                  f"{type(fingerprint_or_recipe).__name__}")])
         on_miss = on_miss or ("compute" if sources is not None else "error")
         problems = []
         if on_miss not in ("error", "compute"):
@@ -505,7 +505,7 @@ class CachedDataset(torch.utils.data.Dataset):
         then wait for the batch's records (see :mod:`cache_store.readers.read_through`)."""
         wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)
                   if not self._has(self.key(i))]
-        ahead = []
+        ahead: list[tuple[str, str]] = []
         j = max(int(i) for i in indices) + 1
         while len(ahead) < self.warm_ahead and j < len(self):
             if not self._has(self.key(j)):
@@ -525,7 +525,7 @@ class CachedDataset(torch.utils.data.Dataset):
         """Samples this process queued for computing (reused queue items not counted)."""
         if self._miss_handler is None or self._miss_handler[0] != os.getpid():
             return 0
-        return self._miss_handler[1].queued
+        return int(self._miss_handler[1].queued)
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""

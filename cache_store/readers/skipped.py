@@ -18,6 +18,7 @@ often. The failures behind read-through skips are also in the cache's failure lo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -81,10 +82,8 @@ class SkippedSamples:
                 return True
             return True
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
-            except FileNotFoundError:
-                pass
 
     def entries(self) -> dict[str, SkippedSample]:
         """Every sample id skipped so far by any process of the dataset, sorted."""

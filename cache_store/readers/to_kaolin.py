@@ -89,7 +89,7 @@ def kaolin_exsum_layout() -> str:
     """The exsum layout the installed Kaolin's ``Spc`` takes (raises ImportError without
     Kaolin): ``"current"`` where ``kaolin.ops.spc.exsum_compat`` exists, else ``"legacy"``
     (the released 0.18.0)."""
-    import kaolin.ops.spc  # noqa: F401 - raises ImportError without Kaolin
+    import kaolin.ops.spc  # raises ImportError without Kaolin
 
     try:
         import kaolin.ops.spc.exsum_compat  # noqa: F401

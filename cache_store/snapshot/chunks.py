@@ -185,7 +185,7 @@ class LocalChunkReader:
             raise ValueError(f"rows {start}:{stop} are {(stop - start) * row_bytes} "
                              f"bytes, not {out.nbytes}")
         if not self.raw:
-            out[:] = np.ascontiguousarray(self.rows(start, stop)).view(np.uint8).reshape(-1)
+            out[:] = np.ascontiguousarray(self.rows(start, stop)).view(np.uint8).reshape(-1).data
             return
         step = self.chunk_shape[0]
         at = 0

@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -227,8 +227,8 @@ def compressors_for(dtype: np.dtype, clevel: int, codec: str = "zstd") -> list[A
 
     if codec == "none":
         return [Crc32cCodec()]
-    shuffle = "shuffle" if dtype.itemsize > 1 else "noshuffle"
-    return [BloscCodec(cname=codec, clevel=clevel, shuffle=shuffle), Crc32cCodec()]
+    shuffle: Literal["shuffle", "noshuffle"] = "shuffle" if dtype.itemsize > 1 else "noshuffle"
+    return [BloscCodec(cname=cast(Any, codec), clevel=clevel, shuffle=shuffle), Crc32cCodec()]
 
 
 def _offsets(lengths: list[int]) -> np.ndarray:
@@ -642,7 +642,7 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
         raise ParameterError([f"chunk_bytes: {chunk_bytes!r} must be positive"])
     started = time.perf_counter()
     owned = not isinstance(source, Store)
-    store = open_store(source, readonly=True) if owned else source
+    store = source if isinstance(source, Store) else open_store(source, readonly=True)
     try:
         index = store.get_index(fingerprint)
         survey = _survey(store, index, progress)

@@ -582,7 +582,7 @@ class ZarrStore(Store):
         for start in range(0, n, VERIFY_BATCH):
             rows = range(start, min(n, start + VERIFY_BATCH))
             keys = [f"{fp}/{snap.sample_ids[r]}" for r in rows]
-            values = self._read_values([(k, snap, r) for k, r in zip(keys, rows)], None)
+            values = self._read_values([(k, snap, r) for k, r in zip(keys, rows, strict=True)], None)
             for key, value in zip(keys, values, strict=True):
                 report.checked += 1
                 try:

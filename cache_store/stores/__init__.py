@@ -1,1 +1,2 @@
-"""Where records rest: the store contract (base), the LMDB cache, the HTTP reader, and walks isolated in a child process."""
+"""Where records rest: the store contract (base), the LMDB cache, the HTTP reader, and walks
+isolated in a child process."""

@@ -170,9 +170,9 @@ class Store(abc.ABC):
             split_key(key)  # validates both parts
             meta = read_header(value, key=key).metadata
             if metadata_key(meta) != key:
-                raise ParameterError([f"{key}: record metadata names fingerprint "
+                raise ParameterError([(f"{key}: record metadata names fingerprint "
                                       f"{meta.get('fingerprint')!r} and sample id "
-                                      f"{meta.get('sample_id')!r}"], what="record key")
+                                      f"{meta.get('sample_id')!r}")], what="record key")
             checked.append((key, value if isinstance(value, bytes) else bytes(value)))
         return checked
 

@@ -293,11 +293,11 @@ class LMDBStore(Store):
                 if time.monotonic() - shared.swap_checked < SWAP_CHECK_INTERVAL_S:
                     return shared.env, shared.dbs
                 return self._adopt_swap(shared)
-        shared = _shared_envs.get(self._env_key)
-        if (shared is not None and shared.env is not None and shared.pid == os.getpid()
-                and (self.readonly or shared.writable) and self in shared.users):
-            self._joined = (shared.pid, shared)
-            return shared.env, shared.dbs
+        known = _shared_envs.get(self._env_key)
+        if (known is not None and known.env is not None and known.pid == os.getpid()
+                and (self.readonly or known.writable) and self in known.users):
+            self._joined = (os.getpid(), known)
+            return known.env, known.dbs
         with _shared_lock:
             shared = _shared_envs.setdefault(self._env_key, _SharedEnv())
             if shared.env is not None and (shared.pid != os.getpid()
@@ -308,7 +308,7 @@ class LMDBStore(Store):
                 shared.pid, shared.writable = os.getpid(), not self.readonly
                 shared.swap_checked = time.monotonic()
             shared.users.add(self)
-            self._joined = (shared.pid, shared)
+            self._joined = (os.getpid(), shared)
             return shared.env, shared.dbs
 
     def _adopt_swap(self, shared: _SharedEnv) -> tuple[Any, dict[bytes, Any]]:
@@ -346,8 +346,8 @@ class LMDBStore(Store):
         raise StoreBusy(f"{self.env_path}: the environment keeps being swapped while opening")
 
     def _open_env_once(self, readonly: bool) -> tuple[Any, dict[bytes, Any]]:
-        options = dict(subdir=True, max_dbs=4, max_readers=self.max_readers, lock=self.lock,
-                       readahead=self.readahead)
+        options: dict[str, Any] = dict(subdir=True, max_dbs=4, max_readers=self.max_readers,
+                                       lock=self.lock, readahead=self.readahead)
         env = None
         try:
             if readonly:
@@ -356,7 +356,7 @@ class LMDBStore(Store):
                               else f"no cache here ({RECORDS_DIR}/data.mdb missing)")
                     raise CacheNotFound(self.path, reason)
                 env = lmdb.open(str(self.env_path), readonly=True, create=False, **options)
-                dbs = {}
+                dbs: dict[bytes, Any] = {}
                 for name in _DB_NAMES:
                     try:
                         dbs[name] = env.open_db(name, create=False)
@@ -594,7 +594,7 @@ class LMDBStore(Store):
                 values.append((key, value))
             # one storage for the batch, decoded inside the transaction from the map
             records = decode_records(values, fields=fields)
-            for (key, _), record in zip(values, records):
+            for (key, _), record in zip(values, records, strict=True):
                 check_names_key(record.metadata, key)
             return records
 

@@ -97,19 +97,21 @@ def send(http: Callable[[], httpx.Client], method: str, path: str, *, where: str
     delay = backoff_s
     attempt = 0
     while True:
+        response: httpx.Response | None
         try:
-            response = http().request(method, path, **kwargs)
+            answer = http().request(method, path, **kwargs)
         except httpx.TransportError as exc:
             response, wait = None, delay
             failure: BaseException = exc
         else:
-            if response.status_code != 503:
-                return response
-            error, detail = error_of(response)
+            response = answer
+            if answer.status_code != 503:
+                return answer
+            error, detail = error_of(answer)
             if error == NO_WORKER_ERROR:
                 raise NoWorkerAlive(detail or no_worker_message(f"{where}{path}",
                                                                 "<the service's cache>"))
-            wait = retry_after(response, delay)
+            wait = retry_after(answer, delay)
         out_of_tries = retries is not None and attempt >= retries
         out_of_time = deadline is not None and time.monotonic() + wait >= deadline
         if out_of_tries or out_of_time:

@@ -15,7 +15,7 @@ def _kaolin_example() -> list[dict[str, torch.Tensor]]:
     exsums = [[2, 4, 5, 6, 7, 8], [1, 4, 5, 13, 17]]
     return [{"octree": torch.tensor(o, dtype=torch.uint8),
              "pyramid": torch.tensor(p, dtype=torch.int32),
-             "exsum": torch.tensor(e, dtype=torch.int32)} for o, p, e in zip(octrees, pyramids, exsums)]
+             "exsum": torch.tensor(e, dtype=torch.int32)} for o, p, e in zip(octrees, pyramids, exsums, strict=True)]
 
 
 def test_matches_kaolins_packed_layout() -> None:

@@ -173,7 +173,7 @@ def _load_all(cache: Path, context: str, workers: int, **kw: object) -> list[dic
 def _check_against_single_process(cache: Path, got: list[dict[str, torch.Tensor]], workers: int) -> None:
     expected = _expected(cache, FP_Q4)
     assert len(got) == len(expected)
-    for sample, want in zip(got, expected):
+    for sample, want in zip(got, expected, strict=True):
         assert not sample.pop("cuda_initialized").item()
         sample.pop("pid")
         assert _same(sample, want)
@@ -245,7 +245,7 @@ def test_worker_batches_arrive_as_one_shared_storage(cache: Path, collate, field
         got.extend(batch if collate is keep_list else [batch])
     if collate is keep_list:
         assert len(got) == N
-        for sample, want in zip(got, expected):
+        for sample, want in zip(got, expected, strict=True):
             assert _same(sample, {n: want[n] for n in names})
     else:
         octrees = torch.cat([b["octree"] for b in got])

@@ -61,7 +61,8 @@ def test_valid_sample_ids(good: str) -> None:
 
 HOSTILE = [
     "", "../x", "a/../../x", "/etc/passwd", "..\\x", "a\\b", "a\x00b", "a\nb", "a\x1bb",
-    "a\x7fb", "a\u202eb", "a\u200bb", ".", "..", "a/./b", "a/", "a//b", "x" * (MAX_SAMPLE_ID_BYTES + 1), "x" * 513, "a" * 256, "/".join(["a" * 200] * 3),
+    "a\x7fb", "a\u202eb", "a\u200bb", ".", "..", "a/./b", "a/", "a//b",
+    "x" * (MAX_SAMPLE_ID_BYTES + 1), "x" * 513, "a" * 256, "/".join(["a" * 200] * 3),
     "é" * (MAX_SAMPLE_ID_BYTES // 2 + 1), "\u2024", "\u2025", "a/\u2025/b", "\uff0e\uff0e/x",
     "a\uff0fb", "a\uff3cb", " a", "a/b ", "...", 17, None, b"a",
 ]

@@ -118,7 +118,7 @@ def test_retry_reaches_a_server_that_comes_up_late(tmp_path: Path) -> None:
         server.__exit__()
 
 
-def _read_in_child(store: HTTPStore, key: str, out: "mp.Queue[tuple[int, int]]") -> None:
+def _read_in_child(store: HTTPStore, key: str, out: mp.Queue[tuple[int, int]]) -> None:
     inherited = store._client._value  # the parent's pool, as the fork copied it
     value = store.get(key)
     out.put((len(value), int(store._client.peek() not in (None, inherited))))

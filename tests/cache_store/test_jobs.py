@@ -182,7 +182,7 @@ def test_errors_are_paged_and_jobs_listed_newest_first(queue: JobQueue, clock: F
     assert queue.counts() == {"pending": 1, "running": 0, "done": 0, "failed": 5, "cancelled": 0}
 
 
-def _claim_all(cache: str, worker: str, out: "mp.Queue[list[str]]") -> None:
+def _claim_all(cache: str, worker: str, out: mp.Queue[list[str]]) -> None:
     q = JobQueue(cache)
     mine: list[str] = []
     while batch := q.claim(worker, limit=3):
@@ -232,7 +232,7 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
     q.close()
 
 
-def _child_claims(q: JobQueue, out: "mp.Queue[tuple[bool, int]]") -> None:
+def _child_claims(q: JobQueue, out: mp.Queue[tuple[bool, int]]) -> None:
     inherited = q._conns._value.all[0]  # the parent's connection, as the fork copied it
     got = q.claim("child", limit=1)
     for c in got:

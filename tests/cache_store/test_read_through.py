@@ -18,7 +18,17 @@ from torch.utils.data import DataLoader
 from cache_store import CachedDataset
 from cache_store.errors import NoWorkerAlive, ParameterError, SampleFailed
 from cache_store.jobs.queue import JobQueue
-from tests.helpers.read_through import PARAMS, as_list, check_epochs_equal_precompute, loader_check, precompute_reference, queue_rows, start_worker, stop_worker, two_epochs
+from tests.helpers.read_through import (
+    PARAMS,
+    as_list,
+    check_epochs_equal_precompute,
+    loader_check,
+    precompute_reference,
+    queue_rows,
+    start_worker,
+    stop_worker,
+    two_epochs,
+)
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 on 2 cores
 @pytest.mark.parametrize("context", ["fork", "spawn"])

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 
@@ -156,7 +157,7 @@ def test_every_flipped_bit_is_caught() -> None:
 
 def test_every_truncation_is_caught() -> None:
     _, value = _record()
-    for cut in list(range(0, 64)) + list(range(64, len(value), 13)):
+    for cut in list(range(64)) + list(range(64, len(value), 13)):
         with pytest.raises(CorruptRecord, match="corrupt record"):
             decode_record(value[:cut], key=KEY)
     with pytest.raises(CorruptRecord):
@@ -193,7 +194,8 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         return _rewrite_header(value, edit, sign=True)
 
     cases = {
-        "overlap": lambda h: h["octree"].update(data_offsets=[0, h["octree"]["data_offsets"][1] - h["octree"]["data_offsets"][0]]),
+        "overlap": lambda h: h["octree"].update(
+            data_offsets=[0, h["octree"]["data_offsets"][1] - h["octree"]["data_offsets"][0]]),
         "shape": lambda h: h["octree"].update(shape=[h["octree"]["shape"][0] + 1]),
         "dtype": lambda h: h["octree"].update(dtype="Q9"),
         "bool-shape": lambda h: h["octree"].update(shape=[True]),
@@ -434,15 +436,15 @@ def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
 def test_a_batch_is_one_storage_laid_out_field_by_field() -> None:
     made = [_record(seed) for seed in range(4)]
     keys = [f"{FP}/k{seed}" for seed in range(4)]
-    records = decode_records(zip(keys, [v for _, v in made]), fields=["octree", "exsum", "scale"])
+    records = decode_records(zip(keys, [v for _, v in made], strict=True), fields=["octree", "exsum", "scale"])
     assert len(_storages(t for r in records for t in r.tensors.values())) == 1
-    for (fields, value), rec in zip(made, records):
+    for (fields, value), rec in zip(made, records, strict=True):
         _assert_same(rec.tensors, {n: fields[n] for n in ("octree", "exsum", "scale")})
         assert rec.metadata == decode_record(value).metadata
     # each field's tensors end to end, in batch order
     for name in ("octree", "exsum", "scale"):
         ts = [r[name] for r in records]
-        for a, b in zip(ts, ts[1:]):
+        for a, b in itertools.pairwise(ts):
             assert a.data_ptr() + a.nbytes == b.data_ptr(), name
 
 
@@ -480,7 +482,7 @@ def test_batch_buffers_are_reused_only_once_released() -> None:
     for _ in range(4):
         batch = decode_records(items)
         ptrs.add(batch[0]["octree"].untyped_storage().data_ptr())
-        for (fields, _), rec in zip(made, batch):
+        for (fields, _), rec in zip(made, batch, strict=True):
             _assert_same(rec.tensors, fields)
         del batch, rec
     assert ptrs <= pooled

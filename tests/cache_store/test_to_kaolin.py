@@ -4,7 +4,6 @@ our ops, and Kaolin's published expectations); on CUDA with Kaolin, the Spc itse
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest

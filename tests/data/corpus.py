@@ -55,7 +55,7 @@ def _fmt(values: np.ndarray) -> str:
 def write_obj(path: Path, vertices: np.ndarray, faces: list[list[int]] | np.ndarray, *,
               header: str = "", groups: list[tuple[str, int]] | None = None) -> None:
     """OBJ with 1-based faces of any arity; ``groups``: (material, first face index) pairs."""
-    starts = dict((start, name) for name, start in (groups or []))
+    starts = {start: name for name, start in (groups or [])}
     lines = [header] if header else []
     lines += [f"v {_fmt(v)}" for v in vertices]
     for i, face in enumerate(faces):

@@ -90,7 +90,7 @@ def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
                     "items": [{"id": "shapes/new", "path": "shapes/s0.obj"}]}
     with served(settings) as server, httpx.Client(base_url=server.url,
                                                            timeout=20) as client:
-        app, ctx = server.app, server.app.state.ctx  # noqa: F841
+        app, ctx = server.app, server.app.state.ctx
         job_id = ctx.queue.submit("spc", cache.params, cache.fingerprint, [("shapes/x", "/x.obj")])
         mutating = sorted((method.upper(), path) for path, ops in app.openapi()["paths"].items()
                           for method in ops if method in {"post", "put", "patch", "delete"}

@@ -65,7 +65,7 @@ def test_foreign_host_is_refused_without_a_token(tmp_path: Path) -> None:
 
 
 def test_allowed_hosts_setting_replaces_the_default(tmp_path: Path,
-                                                    monkeypatch) -> None:  # noqa: ANN001
+                                                    monkeypatch) -> None:
     cache = build_cache(tmp_path)
     monkeypatch.setenv("SPCACHE_ALLOWED_HOSTS", "cache.internal, 127.0.0.1")
     settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False)

@@ -307,13 +307,14 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
     outcomes: Counter[str] = Counter()
     for key, (family, value) in mutants.items():
         octree = _octree_of(bases[key])
-        _rejects(lambda: decode_record(value, key=key), key, outcomes, "decode_record")
-        _rejects(lambda: decode_arrays(value, key=key), key, outcomes, "decode_arrays")
-        _rejects(lambda: select_fields(value, ["octree"], key=key), key, outcomes,
-                 "select_fields", lambda out: _octree_of(out) == octree)
+        # each callable runs at once, inside _rejects; the defaults bind this iteration's values
+        _rejects(lambda v=value, k=key: decode_record(v, key=k), key, outcomes, "decode_record")
+        _rejects(lambda v=value, k=key: decode_arrays(v, key=k), key, outcomes, "decode_arrays")
+        _rejects(lambda v=value, k=key: select_fields(v, ["octree"], key=k), key, outcomes,
+                 "select_fields", lambda out, want=octree: _octree_of(out) == want)
     huge_key = f"{fp}/huge"
     huge = _huge_header(make_record(fp, "huge", seed=1))
-    _rejects(lambda: decode_record(huge, key=huge_key), huge_key, outcomes, "decode_record")
+    _rejects(lambda v=huge: decode_record(v, key=huge_key), huge_key, outcomes, "decode_record")
     del huge
 
     # Stored raw (past put_many's checks, as a disk fault or a foreign writer would).
@@ -327,7 +328,7 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
     env.close()
     with LMDBStore(cache) as store:
         for key in mutants:
-            _rejects(lambda: store.get_record(key), key, outcomes, "LMDBStore.get_record")
+            _rejects(lambda k=key: store.get_record(k), key, outcomes, "LMDBStore.get_record")
         verified = store.verify()
 
     settings = Settings(cache=cache, source_roots=[tmp_path], token=TOKEN, worker=False)
@@ -336,11 +337,12 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
                                                            timeout=30) as raw:
         client = HTTPStore(server.url, retries=0)
         for key in mutants:
-            _rejects(lambda: client.get_record(key), key, outcomes, "HTTP GET")
-            _rejects(lambda: client.get_record(key, fields=["octree"]), key, outcomes,
+            _rejects(lambda k=key: client.get_record(k), key, outcomes, "HTTP GET")
+            _rejects(lambda k=key: client.get_record(k, fields=["octree"]), key, outcomes,
                      "HTTP GET fields",
-                     lambda rec: rec.tensors["octree"].numpy().tobytes() == _octree_of(bases[key]))
-            _rejects(lambda: client.get_records([key]), key, outcomes, "HTTP batch")
+                     lambda rec, base=bases[key]: (
+                         rec.tensors["octree"].numpy().tobytes() == _octree_of(base)))
+            _rejects(lambda k=key: client.get_records([k]), key, outcomes, "HTTP batch")
             sid = key.split("/", 1)[1]
             response = raw.get(f"/v1/caches/{fp}/records/{sid}", params={"fields": "octree"})
             if response.status_code >= 500:

@@ -12,6 +12,7 @@ latency, the largest WAL size, and every item done.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -38,10 +39,8 @@ def test_enqueue_storm_while_claiming_never_surfaces_database_locked(
 
     def sample_wal() -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 largest[0] = max(largest[0], wal.stat().st_size)
-            except FileNotFoundError:
-                pass
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample_wal, daemon=True)

@@ -53,8 +53,9 @@ def test_sigkill_of_the_service_leaves_no_worker(tmp_path: Path) -> None:
             wait_for(lambda: has_descendant(proc.pid, "spcache", "worker"), 60,  # noqa: B023
                      "the worker child")
             # a new service gets a worker of its own: the last round's is gone
-            wait_for(lambda: (lock_holder(cache) or {}).get("pid") in  # noqa: B023
-                     {p.pid for p in tree(proc.pid)[1:]}, 60, "the worker to own the cache")
+            wait_for(lambda: (lock_holder(cache) or {}).get("pid") in
+                     {p.pid for p in tree(proc.pid)[1:]},  # noqa: B023 - called at once
+                     60, "the worker to own the cache")
             if round_ == ROUNDS:
                 break
             procs = tree(proc.pid)
@@ -67,7 +68,7 @@ def test_sigkill_of_the_service_leaves_no_worker(tmp_path: Path) -> None:
                 orphans += 1
             exits.append(time.monotonic() - killed)
             # the kernel drops the flock with the worker's last descriptor
-            wait_for(lambda: lock_holder(cache) is None, WORKER_EXIT_S,  # noqa: B023
+            wait_for(lambda: lock_holder(cache) is None, WORKER_EXIT_S,
                      f"the lock to be free (holder {lock_holder(cache)}, left {left})")
         finally:
             if round_ == ROUNDS:

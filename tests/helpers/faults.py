@@ -112,10 +112,8 @@ class Child:
         self._reader.join(10)
         for pipe in (self.proc.stdout, self.proc.stdin):
             if pipe is not None and not pipe.closed:
-                try:
+                with contextlib.suppress(BrokenPipeError):
                     pipe.close()
-                except BrokenPipeError:
-                    pass
 
 
 @contextlib.contextmanager

@@ -74,9 +74,9 @@ def test_no_second_worker_while_another_live_process_owns_the_cache(
     script = f"import time; open({str(marker)!r}, 'a').write('x'); time.sleep(60)"
     # another process owns the cache, as a worker started by hand would
     owner = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from cache_store.jobs.owner_lock import WorkerLock; "
+        [sys.executable, "-c", ("import sys, time; from cache_store.jobs.owner_lock import WorkerLock; "
          f"WorkerLock({str(tmp_path)!r}).acquire(worker_id='other'); print('held', flush=True); "
-         "time.sleep(60)"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+         "time.sleep(60)")], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     assert owner.stdout is not None and owner.stdout.readline() == "held\n"
     holder = owner.pid
     sup = WorkerSupervisor([sys.executable, "-c", script], first_backoff_s=0.1,

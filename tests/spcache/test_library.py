@@ -57,8 +57,11 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
     assert public <= set(namespace)
     with pytest.raises(AttributeError, match="no attribute 'Engine'"):
         spcache.Engine  # noqa: B018 - internal names are not reachable from the front door
-    # the older import paths name the same objects
+    # every lazily loaded name of both front doors is listed (an unlisted one is internal)
     import cache_store
+    for package in (spcache, cache_store):
+        assert set(vars(package)["_LAZY"]) <= set(package.__all__), package.__name__
+    # the older import paths name the same objects
     from cache_store.errors import SpcacheError
     assert spcache.CachedDataset is cache_store.CachedDataset
     assert spcache.collate_spc is cache_store.collate_spc
@@ -152,15 +155,15 @@ def test_precompute_reports_bad_calls_as_errors(tmp_path: Path, corpus_meshes: l
 
 NOTEBOOK_CELLS = [
     "import sys\nsys.path.insert(0, {repo!r})\nimport signal, spcache",
-    "handler = signal.getsignal(signal.SIGTERM)\n"
+    ("handler = signal.getsignal(signal.SIGTERM)\n"
     "first = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
     "                           backend='torch', loaders=1, **{params!r})\n"
-    "first",
-    "second = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
-    "                            backend='torch', loaders=1, **{params!r})",
-    "import json\n"
+    "first"),
+    ("second = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
+    "                            backend='torch', loaders=1, **{params!r})"),
+    ("import json\n"
     "print(json.dumps({{'type': type(first).__name__, 'first': first.as_json(),\n"
-    "                  'second': second.as_json(), 'handler_kept': signal.getsignal(signal.SIGTERM) is handler}}))",
+    "                  'second': second.as_json(), 'handler_kept': signal.getsignal(signal.SIGTERM) is handler}}))"),
 ]
 
 

@@ -214,7 +214,7 @@ def test_hash_is_of_the_bytes(tmp_path: Path) -> None:
 
 
 def test_supported_extensions_are_the_issue_list() -> None:
-    assert SUPPORTED_EXTENSIONS == {".npy", ".npz", ".ply", ".xyz", ".pts", ".obj", ".stl", ".off", ".glb"}
+    assert {".npy", ".npz", ".ply", ".xyz", ".pts", ".obj", ".stl", ".off", ".glb"} == SUPPORTED_EXTENSIONS
 
 
 def test_sampling_is_seeded_on_surface_and_area_weighted() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from typing import SupportsIndex, cast
 
 import torch
 
@@ -64,7 +65,7 @@ def check_level(level: object, name: str = "level", low: int = 0,
     if isinstance(level, bool) or (isinstance(level, torch.Tensor) and level.dim() != 0):
         raise TensorTypeError(f"{name}: expected an int, got {type(level).__name__}")
     try:
-        level = operator.index(level)  # int, numpy integers, 0-d integer tensors
+        level = operator.index(cast(SupportsIndex, level))  # int, numpy ints, 0-d int tensors
     except TypeError:
         raise TensorTypeError(f"{name}: expected an int, got {type(level).__name__}") from None
     if not low <= level <= high:

@@ -119,7 +119,7 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
 
 
 def unbatched_points_to_octree(points: torch.Tensor, level: int,
-                               sorted: bool = False) -> torch.Tensor:  # noqa: A002 (Kaolin's name)
+                               sorted: bool = False) -> torch.Tensor:  # `sorted` is Kaolin's name
     """See :func:`workers.ops.torch_spc.unbatched_points_to_octree`."""
     level = _checks.check_level(level, low=1)
     points = _checks.check_points(points, level)

@@ -126,7 +126,7 @@ def _sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> 
 
 
 def unbatched_points_to_octree(points: torch.Tensor, level: int,
-                               sorted: bool = False) -> torch.Tensor:  # noqa: A002 (Kaolin's name)
+                               sorted: bool = False) -> torch.Tensor:  # `sorted` is Kaolin's name
     r"""Build the octree of a set of quantized points.
 
     Points are deduplicated and ordered by Morton code; the octree holds one byte per
