@@ -26,23 +26,31 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.errors import (
         BackendUnavailable,
+        CacheDamaged,
         CacheNotFound,
         CorruptRecord,
         FingerprintLookupError,
+        FingerprintRemoved,
         InvalidSampleId,
+        InvalidTensor,
+        JobNotFound,
         MissTimeout,
         NoWorkerAlive,
         ParameterError,
+        QueueDamaged,
         ReadOnlyStoreError,
         RecordNotFound,
         SampleFailed,
         SourceError,
         SpcacheError,
+        StaleRecord,
         StoreBusy,
         StoreFull,
+        TensorTypeError,
         UnknownName,
         UnsupportedFormat,
     )
+    from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
     from cache_store.readers.to_kaolin import to_kaolin_spc
@@ -54,10 +62,12 @@ __version__ = "0.1.0"
 
 #: the error classes, all defined in cache_store.errors (every one is a SpcacheError)
 _ERRORS = (
-    "SpcacheError", "ParameterError", "UnknownName", "SourceError", "InvalidSampleId",
-    "BackendUnavailable", "StoreFull", "StoreBusy", "ReadOnlyStoreError", "CacheNotFound",
-    "FingerprintLookupError", "RecordNotFound", "CorruptRecord", "UnsupportedFormat",
-    "SampleFailed", "NoWorkerAlive", "MissTimeout",
+    "SpcacheError", "RecordNotFound", "FingerprintRemoved", "CorruptRecord",
+    "UnsupportedFormat", "InvalidSampleId", "SourceError", "UnknownName", "ParameterError",
+    "FingerprintLookupError", "ReadOnlyStoreError", "StoreBusy", "StoreFull",
+    "CacheDamaged", "QueueDamaged", "CacheNotFound", "JobNotFound", "InvalidTensor",
+    "TensorTypeError", "BackendUnavailable", "SampleFailed", "NoWorkerAlive", "MissTimeout",
+    "StaleRecord",
 )
 
 # public name -> module that defines it, imported on first access (PEP 562)
@@ -72,8 +82,11 @@ _LAZY: dict[str, str] = {
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
     **dict.fromkeys(_ERRORS, "cache_store.errors"),
-    # The recipe API (spcache.recipes) and the lifecycle calls (ls, rm, prune, compact)
-    # get their entries here, and in __all__, once they exist.
+    "ls": "cache_store.housekeeping",
+    "rm": "cache_store.housekeeping",
+    "prune": "cache_store.housekeeping",
+    "compact": "cache_store.housekeeping",
+    # The recipe API (spcache.recipes) gets its entry here, and in __all__, once it exists.
 }
 
 __all__ = [
@@ -84,6 +97,11 @@ __all__ = [
     "FailedSample",
     "Timings",
     "discover_sources",
+    # a cache's fingerprints: list, remove, prune least recently used, give disk back
+    "ls",
+    "rm",
+    "prune",
+    "compact",
     # reading
     "CachedDataset",
     "collate_spc",
@@ -91,22 +109,29 @@ __all__ = [
     # errors: every one is a SpcacheError
     "SpcacheError",
     "UsageError",
-    "ParameterError",
-    "UnknownName",
-    "SourceError",
-    "InvalidSampleId",
-    "BackendUnavailable",
-    "StoreFull",
-    "StoreBusy",
-    "ReadOnlyStoreError",
-    "CacheNotFound",
-    "FingerprintLookupError",
     "RecordNotFound",
+    "FingerprintRemoved",
     "CorruptRecord",
     "UnsupportedFormat",
+    "InvalidSampleId",
+    "SourceError",
+    "UnknownName",
+    "ParameterError",
+    "FingerprintLookupError",
+    "ReadOnlyStoreError",
+    "StoreBusy",
+    "StoreFull",
+    "CacheDamaged",
+    "QueueDamaged",
+    "CacheNotFound",
+    "JobNotFound",
+    "InvalidTensor",
+    "TensorTypeError",
+    "BackendUnavailable",
     "SampleFailed",
     "NoWorkerAlive",
     "MissTimeout",
+    "StaleRecord",
 ]
 
 

@@ -51,6 +51,7 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
     assert out.split() == ["[]", "[]"], out
     public = set(spcache.__all__) - {"__version__"}
     assert {"CachedDataset", "collate_spc", "precompute", "PrecomputeResult", "SpcacheError",
+            "ls", "rm", "prune", "compact",
             "ParameterError", "UsageError", "StoreFull", "SampleFailed"} <= public
     namespace: dict[str, object] = {}
     exec("from spcache import *", namespace)  # every listed name resolves
@@ -67,6 +68,10 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
     assert spcache.collate_spc is cache_store.collate_spc
     assert spcache.SpcacheError is SpcacheError
     assert issubclass(spcache.UsageError, SpcacheError) and issubclass(spcache.UsageError, ValueError)
+    import cache_store.errors
+    defined = {name for name, value in vars(cache_store.errors).items()
+               if isinstance(value, type) and issubclass(value, SpcacheError)}
+    assert defined <= public, defined - public  # every error class is on the front door
 
 
 @pytest.mark.slow
@@ -115,6 +120,8 @@ def test_precompute_twice_then_fork_dataloader_workers(tmp_path: Path, corpus_me
     assert printed == third.as_json()
     assert set(printed) == set(second.as_json())
     assert (third.skipped, third.failed, third.fingerprint) == (len(chosen), 1, first.fingerprint)
+    [listed] = spcache.ls(cache)  # the lifecycle calls are on the front door too
+    assert (listed["fingerprint"], listed["records"]) == (first.fingerprint, len(chosen))
 
     # nothing left open: no file of the cache, no loader process, no thread, no handler
     assert _open_paths_under(cache) == []
