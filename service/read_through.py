@@ -171,7 +171,8 @@ def dedupe_warmup(ctx: ServiceContext, plan: WarmupPlan, priority: int) -> dict[
     items to do, so a sample that many loaders miss is queued once. Answers, besides the
     usual counts, each item's queue status (``items``: id, status, error, reused)."""
     rows = ctx.queue.enqueue_once(plan.recipe, plan.params, plan.fingerprint, plan.todo,
-                                  priority=priority, stale=plan.stale) if plan.todo else []
+                                  priority=priority, stale=plan.stale,
+                                  roots=ctx.settings.source_roots) if plan.todo else []
     new_jobs = sorted({r.job_id for r in rows if not r.reused})
     return {"job_id": new_jobs[0] if new_jobs else None, "fingerprint": plan.fingerprint,
             "recipe": plan.recipe, "recipe_version": plan.recipe_version,

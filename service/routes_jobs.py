@@ -86,8 +86,9 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
             require_worker(ctx, f"warm-up of {len(plan.todo)} item(s) of {plan.fingerprint}")
         if body.dedupe:
             return dedupe_warmup(ctx, plan, body.priority)
+        # the roots travel with the job: whichever worker reads its files enforces them
         job_id = ctx.queue.submit(plan.recipe, plan.params, plan.fingerprint, plan.todo,
-                                  priority=body.priority, ready=plan.ready)
+                                  priority=body.priority, ready=plan.ready, roots=roots)
         info = ctx.queue.job(job_id, errors_limit=0)
         return {"job_id": job_id, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
                 "recipe_version": plan.recipe_version, "params": plan.params,

@@ -64,6 +64,8 @@ def test_services_share_one_named_cache_volume_and_the_sources() -> None:
         assert any(v.endswith(":/sources:ro") for v in service["volumes"])
     roots = _parse(SERVICES["api"]["command"]).source_roots
     assert [str(r) for r in roots] == ["/sources"]
+    worker_roots = _parse(SERVICES["worker"]["command"]).source_roots
+    assert [str(r) for r in worker_roots] == ["/sources"], "the worker reads only /sources"
 
 
 def test_dockerfile_runs_spcache_and_installs_kaolin_before_the_project() -> None:

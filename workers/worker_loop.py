@@ -32,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from cache_store.jobs.queue import ClaimedItem, JobQueue
+from cache_store.sources.files import SourceLimits, narrow_roots
 from cache_store.stores.base import Store, open_store
 
 __all__ = ["WorkerLoop", "configure_parser", "run", "main"]
@@ -54,7 +55,10 @@ class WorkerLoop:
         max_attempts: claims per item before it fails (queue setting).
         worker_id: name in leases and heartbeats (default ``host:pid``).
         source_roots: directories every source must resolve into, checked again when the
-            engine opens the file (the service checked the path earlier); None: any.
+            engine opens the file (the service checked the path earlier); None: any. The
+            roots a job was accepted under travel with it in the queue and are enforced
+            too: a source must lie inside both (a job without roots, e.g. a local
+            read-through's, is bound by these alone).
         max_source_bytes: the largest source file the engine reads (default 1 GiB).
         max_size: keep the records under this many bytes: after each claimed batch, the
             least recently used fingerprints are removed (never the one being written,
@@ -83,6 +87,7 @@ class WorkerLoop:
         self.drain = drain
         self.max_attempts = max_attempts
         self.source_roots = list(source_roots) if source_roots is not None else None
+        self._own_roots = SourceLimits.of(source_roots).roots
         self.max_source_bytes = max_source_bytes
         self.size_limit = None
         if max_size is not None:
@@ -94,7 +99,7 @@ class WorkerLoop:
         self.processed = 0
         self._held: dict[int, ClaimedItem] = {}
         self._held_lock = threading.Lock()
-        self._engines: dict[str, Any] = {}
+        self._engines: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._signals = 0
 
     # -- signals ---------------------------------------------------------------------
@@ -201,8 +206,19 @@ class WorkerLoop:
             finished.clear()
 
         start = time.perf_counter()
+        roots = narrow_roots(first.roots, self._own_roots)
+        if roots is None:
+            reason = (f"the job's source roots ({', '.join(first.roots)}) and this worker's "
+                      f"--source-root ({', '.join(self._own_roots)}) share no directory; "
+                      f"nothing of this job may be read here")
+            log.error("worker %s: job %s: %s", self.worker_id, first.job_id, reason)
+            for c in claimed:
+                queue.fail(self.worker_id, c.item_id, reason, permanent=True)
+                with self._held_lock:
+                    self._held.pop(c.item_id, None)
+            return
         try:
-            engine = self._engine(store, first)
+            engine = self._engine(store, first, roots)
             # asked for when claimed: a removal of the fingerprint after that refuses its writes
             engine.requested_at = claimed_at
             try:
@@ -234,14 +250,16 @@ class WorkerLoop:
                  info.counts.get("failed", 0), count, seconds,
                  count / seconds if seconds > 0 else 0.0)
 
-    def _engine(self, store: Store, item: ClaimedItem) -> Any:
-        engine = self._engines.get(item.fingerprint)
+    def _engine(self, store: Store, item: ClaimedItem, roots: tuple[str, ...]) -> Any:
+        """The engine for the item's fingerprint, reading sources only inside ``roots``
+        (the job's roots narrowed by this worker's own; empty: any path)."""
+        engine = self._engines.get((item.fingerprint, roots))
         if engine is None:
             from workers.engine import Engine  # late: imports torch and the ops
 
             engine = Engine(store, item.recipe, item.params, device=self.device,
                             backend=self.backend, loaders=self.loaders,
-                            source_roots=self.source_roots,
+                            source_roots=list(roots) or None,
                             max_source_bytes=self.max_source_bytes)
             if engine.fingerprint != item.fingerprint:
                 raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
@@ -251,7 +269,7 @@ class WorkerLoop:
             # other fingerprints are closed first: their pools would sit idle.
             self._close_engines()
             engine.open()
-            self._engines[item.fingerprint] = engine
+            self._engines[(item.fingerprint, roots)] = engine
         return engine
 
     def _close_engines(self) -> None:

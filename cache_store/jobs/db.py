@@ -15,12 +15,17 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "Connections", "canonical_json", "chunks",
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "MIGRATIONS", "Connections", "canonical_json", "chunks",
            "schema_statements", "write_txn"]
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Statements that bring a database of each older schema version to the next one.
+MIGRATIONS: dict[int, list[str]] = {
+    # 1 -> 2: the source roots a job was accepted under travel with it (JSON list)
+    1: ["ALTER TABLE jobs ADD COLUMN roots TEXT NOT NULL DEFAULT '[]'"],
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -35,7 +40,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     priority      INTEGER NOT NULL DEFAULT 0,
     created       REAL NOT NULL,
     cancelled     INTEGER NOT NULL DEFAULT 0,
-    already_ready INTEGER NOT NULL DEFAULT 0
+    already_ready INTEGER NOT NULL DEFAULT 0,
+    roots         TEXT NOT NULL DEFAULT '[]'
 );
 CREATE TABLE IF NOT EXISTS items (
     id            INTEGER PRIMARY KEY,

@@ -52,6 +52,7 @@ from typing import Any
 
 from cache_store.errors import JobNotFound, QueueDamaged, SpcacheError
 from cache_store.jobs.db import (
+    MIGRATIONS,
     SCHEMA_VERSION,
     Connections,
     canonical_json,
@@ -150,9 +151,18 @@ class JobQueue:
             if row is None:
                 conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
                              (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
-                                   f"the supported {SCHEMA_VERSION}")
+            else:
+                version = int(row[0])
+                while version in MIGRATIONS and version < SCHEMA_VERSION:
+                    for statement in MIGRATIONS[version]:
+                        conn.execute(statement)
+                    version += 1
+                    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'",
+                                 (str(version),))
+                    log.info("%s: job queue schema migrated to version %d", self.path, version)
+                if version != SCHEMA_VERSION:
+                    raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
+                                       f"the supported {SCHEMA_VERSION}")
         return conn
 
     def close(self) -> None:
@@ -185,12 +195,15 @@ class JobQueue:
 
     def submit(self, recipe: str, params: dict[str, Any], fingerprint: str,
                items: Iterable[NewItem | tuple[str, str]], *, priority: int = 0,
-               ready: Iterable[NewItem | tuple[str, str]] = ()) -> str:
+               ready: Iterable[NewItem | tuple[str, str]] = (),
+               roots: Sequence[str | os.PathLike[str]] = ()) -> str:
         """Create a job; returns its id.
 
         ``items`` are queued ``pending``. ``ready`` are samples the caller found already
         computed (record present, source unchanged): they are recorded ``done`` without
-        being queued, so the job's counts and its dataset index include them.
+        being queued, so the job's counts and its dataset index include them. ``roots``
+        are the source roots the job was accepted under: every worker that claims its
+        items reads their sources only inside them (:attr:`ClaimedItem.roots`).
         """
         todo = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
         done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
@@ -201,9 +214,9 @@ class JobQueue:
         with write_txn(conn):
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
-                "already_ready) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (job_id, recipe, canonical_json(params), fingerprint, int(priority), now,
-                 len(done)))
+                 len(done), _roots_json(roots)))
             conn.executemany(
                 "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -227,7 +240,8 @@ class JobQueue:
 
     def enqueue_once(self, recipe: str, params: dict[str, Any], fingerprint: str,
                      items: Iterable[NewItem | tuple[str, str]], *,
-                     priority: int = 100, stale: Iterable[str] = ()) -> list[QueuedItem]:
+                     priority: int = 100, stale: Iterable[str] = (),
+                     roots: Sequence[str | os.PathLike[str]] = ()) -> list[QueuedItem]:
         """Queue each sample unless the queue already has it in hand; one transaction.
 
         The read-through path: many loader processes missing the same sample call this
@@ -243,7 +257,8 @@ class JobQueue:
           since gets a new item).
 
         Every other sample (never queued, cancelled, failed before its source changed)
-        becomes an item of one new job of ``priority`` (high: ahead of warm-ups).
+        becomes an item of one new job of ``priority`` (high: ahead of warm-ups), accepted
+        under ``roots`` (as :meth:`submit`).
         Returns one :class:`QueuedItem` per item, in the given order.
         """
         wanted = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
@@ -274,8 +289,9 @@ class JobQueue:
                 job_id = uuid.uuid4().hex
                 conn.execute(
                     "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
-                    "already_ready) VALUES (?, ?, ?, ?, ?, ?, 0)",
-                    (job_id, recipe, canonical_json(params), fingerprint, int(priority), now))
+                    "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+                    (job_id, recipe, canonical_json(params), fingerprint, int(priority), now,
+                     _roots_json(roots)))
                 for seq, it in enumerate(todo):
                     cur = conn.execute(
                         "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
@@ -520,8 +536,10 @@ class JobQueue:
                 "lease_expires = ?, updated = ? WHERE id = ?",
                 [(worker_id, expires, now, r["id"]) for r in rows])
         params = json.loads(job["params"])
+        roots = tuple(json.loads(job["roots"]))
         return [ClaimedItem(r["id"], job["id"], job["recipe"], params, job["fingerprint"],
-                            r["sample_id"], r["path"], r["attempts"] + 1, expires) for r in rows]
+                            r["sample_id"], r["path"], r["attempts"] + 1, expires, roots)
+                for r in rows]
 
     def renew(self, worker_id: str, item_ids: Iterable[int], *, lease_s: float = 60.0) -> set[int]:
         """Extend the leases ``worker_id`` still holds; returns the ids it still holds."""
@@ -648,6 +666,10 @@ _CLAIMABLE = (
     "AND o.lease_expires >= ?)"
 )
 
+
+
+def _roots_json(roots: Sequence[str | os.PathLike[str]]) -> str:
+    return json.dumps([os.path.realpath(r) for r in roots])
 
 
 def _mtime(path: str) -> float:

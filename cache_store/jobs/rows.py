@@ -48,6 +48,8 @@ class ClaimedItem:
     path: str
     attempts: int
     lease_expires: float
+    #: the source roots the job was accepted under (resolved); empty: none recorded
+    roots: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

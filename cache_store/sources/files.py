@@ -39,7 +39,7 @@ from cache_store.errors import SourceError
 from cache_store.sources.hashing import HASH_PREFIX
 
 __all__ = ["DEFAULT_MAX_SOURCE_BYTES", "DEFAULT_MAX_READ_S", "SourceLimits", "SourceCheck",
-           "check_source", "source_signature", "signature_of", "inside_roots", "read_source_file",
+           "check_source", "source_signature", "signature_of", "inside_roots", "narrow_roots", "read_source_file",
            "read_source", "hash_source_file", "hash_source", "resolve_source", "open_resolved"]
 
 #: The default per-source size limit: 1 GiB.
@@ -236,6 +236,17 @@ def open_resolved(path: str | os.PathLike[str], resolved: str, limits: SourceLim
 def inside_roots(path: str, roots: Sequence[str | os.PathLike[str]]) -> bool:
     """True when the (resolved) ``path`` is one of the resolved ``roots`` or lies under one."""
     return any(os.path.commonpath([path, os.fspath(root)]) == os.fspath(root) for root in roots)
+
+
+def narrow_roots(first: Sequence[str], second: Sequence[str]) -> tuple[str, ...] | None:
+    """The roots inside both ``first`` and ``second`` (resolved paths; empty = any path):
+    one side when the other is empty, else the deeper of each nested pair. None when
+    both are given and share no directory (nothing may be read)."""
+    if not first or not second:
+        return tuple(first or second)
+    both = {b if inside_roots(b, [a]) else a for a in first for b in second
+            if inside_roots(b, [a]) or inside_roots(a, [b])}
+    return tuple(sorted(both)) or None
 
 
 def _opened_path(fd: int) -> str | None:

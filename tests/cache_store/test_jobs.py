@@ -300,3 +300,29 @@ def test_job_states_tell_done_with_errors_from_failed(queue: JobQueue) -> None:
     assert [e.error for e in listed[mixed].errors] == ["bad mesh"]
     assert len(listed[all_bad].errors) == 2 and listed[clean].errors == []
     assert listed[mixed].as_json()["status"] == "done_with_errors"
+
+
+def test_a_version_1_queue_is_migrated_and_its_jobs_claim_with_no_roots(tmp_path: Path) -> None:
+    import sqlite3
+
+    from cache_store.jobs.db import SCHEMA
+
+    old = SCHEMA.replace(",\n    roots         TEXT NOT NULL DEFAULT '[]'", "")
+    assert "roots" not in old
+    conn = sqlite3.connect(tmp_path / "jobs.sqlite")
+    conn.executescript(old)
+    conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    conn.execute("INSERT INTO jobs (id, recipe, params, fingerprint, priority, created) "
+                 "VALUES ('j1', 'spc', '{}', ?, 0, 1.0)", ("f" * 32,))
+    conn.execute("INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
+                 "updated) VALUES ('j1', 0, ?, 's', '/x/s.obj', 'pending', 1.0)", ("f" * 32,))
+    conn.commit()
+    conn.close()
+    queue = JobQueue(tmp_path)
+    [claimed] = queue.claim("w")
+    assert claimed.job_id == "j1" and claimed.roots == ()
+    new = queue.submit("spc", {}, "f" * 32, [("t", "/x/t.obj")], roots=[tmp_path])
+    queue.complete("w", claimed.item_id)
+    [later] = queue.claim("w")
+    assert later.job_id == new and later.roots == (os.path.realpath(tmp_path),)
+    queue.close()
