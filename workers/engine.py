@@ -254,9 +254,14 @@ class LocalRun:
 
         # The cleanup steps, defined before the work so that the ``finally`` is one call
         # (``run_all`` runs them all even if a SIGTERM lands in one).
+        interrupted = False
+
         def close_pool() -> None:
             if own_pool:
-                pool.close()
+                if interrupted:
+                    pool.abort()
+                else:
+                    pool.close()
 
         def finish_writer() -> None:
             if writer is not None:
@@ -290,6 +295,9 @@ class LocalRun:
             self._report_committed()
             self._stop_if_full(writer)
             self.summary.oom_backoffs = budget.backoffs
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the loaders now, not after them
+            interrupted = True
+            raise
         finally:
             run_all(close_pool, finish_writer, self.ledger.write_index,
                     self.ledger.close_progress, close_failure_log, stop_clock)

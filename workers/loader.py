@@ -161,7 +161,7 @@ class LoaderPool:
             # Import the heavy modules once in the server (CPU only: it never runs an op),
             # so each loader forks ready instead of importing torch and trimesh itself.
             # Takes effect when this process first starts its forkserver.
-            context.set_forkserver_preload(["workers.loader", "trimesh"])
+            context.set_forkserver_preload(["workers.loader_preload", "workers.loader", "trimesh"])
         else:
             context = multiprocessing.get_context("spawn")
         return cf.ProcessPoolExecutor(max_workers=min(self.loaders, self.count),
@@ -214,3 +214,22 @@ class LoaderPool:
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
+
+    def abort(self, timeout_s: float = 1.0) -> None:
+        """Stop now (an interrupted run): queued loads are dropped and the loader
+        processes, which only read and parse sources, are terminated rather than waited
+        for; a large mesh half parsed would otherwise hold the run for its whole parse."""
+        pool, self.pool = self.pool, None
+        if pool is None:
+            return
+        # the executor's own process table: the stdlib has no public terminate before 3.14
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from workers.precompute import run_precompute
 
+    previous = _say_when_stopping()
     try:
         params = parse_params(args.param)
         # with --json, stdout carries the summary alone (Ray prints actor deaths there)
@@ -123,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     except SpcacheError as exc:  # a bad option, recipe, parameter, backend or cache
         print(f"spcache precompute: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     if args.json:
         print(json.dumps(summary.as_json(), sort_keys=True))
     else:
@@ -132,6 +138,22 @@ def run(args: argparse.Namespace) -> int:
     # only when something failed anew
     known = len(summary.repeats("skipped")) + len(summary.repeats("again")) if args.skip_failed else 0
     return 1 if summary.failed > known else 0
+
+
+def _say_when_stopping() -> Any:
+    """Ctrl-C says at once that the run is stopping (the loaders are stopped and what
+    was computed is committed and indexed, which takes a moment, not a silent wait).
+    Returns the previous SIGINT handler (None off the main thread: nothing changed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stopping(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: as usual
+        print("spcache precompute: stopping: committing and indexing what was computed ...",
+              file=sys.stderr, flush=True)
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGINT, stopping)
 
 
 def _print_summary(summary: Any) -> None:

@@ -6,12 +6,15 @@ Real process trees (``python -m spcache ...``) watched with psutil.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.conftest import REPO_ROOT
@@ -90,6 +93,42 @@ def test_sigterm_to_precompute_stops_it_and_its_loaders(tmp_path: Path) -> None:
         assert wait_gone(procs, 15) == []
     finally:
         kill_all(tree(proc.pid))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["starting", "loading"])
+def test_ctrl_c_on_precompute_says_so_at_once_and_stops_within_seconds(tmp_path: Path,
+                                                                       when: str) -> None:
+    import trimesh
+
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    mesh = trimesh.creation.icosphere(subdivisions=3)
+    for i in range(24):
+        mesh.export(sources / f"s{i:02d}.obj")
+    log = tmp_path / "precompute.log"
+    # loads that take seconds each (4 M surface samples): the loaders are busy when it lands
+    proc = spcache("precompute", str(sources), "--recipe", "spc", "--param", "level=6",
+                   "--param", "surface_samples=4000000", "--cache", str(tmp_path / "cache"),
+                   "--device", "cpu", "--loaders", "2", log=log)
+    try:
+        if when == "loading":  # main, resource tracker, forkserver and its 2 loaders
+            wait_for(lambda: len(tree(proc.pid)) >= 5, 60, "the loader processes")
+        time.sleep(1)  # "starting": the loaders' forkserver may still be importing torch
+        procs = tree(proc.pid)
+        start = time.monotonic()
+        for p in procs:  # a terminal's Ctrl-C reaches the whole process group
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGINT)
+        wait_for(lambda: "stopping" in _log(log), 2, "the stopping line")
+        said = time.monotonic() - start
+        assert proc.wait(timeout=60) == 130, _log(log)[-3000:]
+        stopped = time.monotonic() - start
+        assert wait_gone(procs, 15) == []
+    finally:
+        kill_all(tree(proc.pid))
+    assert said < 1.0 and stopped < 4.0, (said, stopped)
+    assert _log(log).splitlines()[0].startswith("spcache precompute: stopping")
 
 
 @pytest.mark.slow
