@@ -19,6 +19,8 @@ from the same octrees); :func:`to_kaolin_spc` imports Kaolin, which needs CUDA.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -89,11 +91,8 @@ def kaolin_exsum_layout() -> str:
     """The exsum layout the installed Kaolin's ``Spc`` takes (raises ImportError without
     Kaolin): ``"current"`` where ``kaolin.ops.spc.exsum_compat`` exists, else ``"legacy"``
     (the released 0.18.0)."""
-    import kaolin.ops.spc  # raises ImportError without Kaolin
-
-    try:
-        import kaolin.ops.spc.exsum_compat  # noqa: F401
-    except ImportError:
+    importlib.import_module("kaolin.ops.spc")  # raises ImportError without Kaolin
+    if importlib.util.find_spec("kaolin.ops.spc.exsum_compat") is None:
         return "legacy"
     return "current"
 
@@ -106,6 +105,5 @@ def to_kaolin_spc(batch: Mapping[str, Any], device: str | torch.device = "cuda")
         ImportError: Kaolin is not installed (``pip install spcache[gpu]``: see the README).
         ParameterError: see :func:`spc_fields`.
     """
-    from kaolin.rep import Spc
-
-    return Spc(**spc_fields(batch, device=device, exsum_layout=kaolin_exsum_layout()))
+    spc_class = importlib.import_module("kaolin.rep").Spc
+    return spc_class(**spc_fields(batch, device=device, exsum_layout=kaolin_exsum_layout()))

@@ -4,6 +4,7 @@ our ops, and Kaolin's published expectations); on CUDA with Kaolin, the Spc itse
 
 from __future__ import annotations
 
+import importlib.util
 
 import numpy as np
 import pytest
@@ -79,6 +80,9 @@ def test_a_batch_without_the_structures_is_refused(batch: dict) -> None:
         spc_fields({k: v for k, v in batch.items() if k != "point_hierarchy"})
     with pytest.raises(ParameterError, match="exsum_layout"):
         spc_fields(batch, exsum_layout="inclusive")
+    if importlib.util.find_spec("kaolin") is None:  # without Kaolin: a plain ImportError
+        with pytest.raises(ImportError, match="kaolin"):
+            to_kaolin_spc(batch, "cpu")
 
 
 @pytest.mark.gpu
