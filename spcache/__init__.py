@@ -86,7 +86,8 @@ _LAZY: dict[str, str] = {
     "rm": "cache_store.housekeeping",
     "prune": "cache_store.housekeeping",
     "compact": "cache_store.housekeeping",
-    # The recipe API (spcache.recipes) gets its entry here, and in __all__, once it exists.
+    # The recipe API gets its entry here, "recipes": "spcache.recipes" (a submodule: the
+    # module itself is the value), and in __all__, once spcache/recipes.py exists.
 }
 
 __all__ = [
@@ -139,7 +140,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'spcache' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    loaded = importlib.import_module(module)
+    # an entry naming its own submodule ("recipes": "spcache.recipes") is that module
+    value = loaded if module == f"{__name__}.{name}" else getattr(loaded, name)
     globals()[name] = value
     return value
 

@@ -179,6 +179,7 @@ def test_precompute_in_a_jupyter_kernel(tmp_path: Path, corpus_meshes: list[Path
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # the kernel's connection file goes here, not into the user's Jupyter runtime folder
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # the kernel's profile, too
     import nbclient  # the dev extra installs both
     import nbformat
 
