@@ -108,3 +108,39 @@ def test_delete_route_removes_a_fingerprint(tmp_path: Path) -> None:
             assert r.status_code == 404, r.text
     finally:
         stop_server(server)
+
+
+@pytest.mark.slow
+def test_rm_while_the_worker_computes_it_stops_its_writes(tmp_path: Path,
+                                                           corpus_meshes: list[Path]) -> None:
+    """DELETE while the worker is in the middle of the fingerprint's job: its queued items
+    are cancelled, the batch in flight is not written, and nothing brings it back."""
+    root = corpus_meshes[0].parent
+    items = [{"id": f"m{i:03d}", "path": str(corpus_meshes[i % len(corpus_meshes)])}
+             for i in range(60)]
+    cache = tmp_path / "cache"
+    server = start_server(cache, root, "--device", "cpu", "--backend", "torch")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            r = http.post("/v1/warmup", headers=AUTH,
+                          json={"recipe": "spc", "params": {"level": 5, "surface_samples": 4000},
+                                "items": items})
+            assert r.status_code == 202, r.text
+            job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
+            deadline = time.monotonic() + 300
+            while http.get(f"/v1/jobs/{job_id}").json()["counts"]["done"] < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            r = http.delete(f"/v1/caches/{fp}", headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.json()["cancelled"] > 0
+            while (job := http.get(f"/v1/jobs/{job_id}").json())["counts"]["running"]:
+                assert time.monotonic() < deadline, job
+                time.sleep(0.2)
+            time.sleep(2)  # a batch in flight would have committed by now
+            assert job["counts"]["pending"] == 0 and job["counts"]["cancelled"] > 0, job
+            r = http.get(f"/v1/caches/{fp}/records/{items[0]['id']}")
+            assert r.status_code == 404 and "FingerprintRemoved" in r.text
+    finally:
+        stop_server(server)
+    assert fp not in {row["fingerprint"] for row in hk.ls(cache)}  # no record, no index

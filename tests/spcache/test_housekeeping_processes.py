@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +14,13 @@ import torch.utils.data
 from cache_store.errors import FingerprintRemoved
 from cache_store.readers.dataset import CachedDataset
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.housekeeping import add_fingerprint, record_counts, spcache, spcache_popen
+from tests.helpers.housekeeping import (
+    REPO_ROOT,
+    add_fingerprint,
+    record_counts,
+    spcache,
+    spcache_popen,
+)
 
 
 def _loader(ds: CachedDataset) -> torch.utils.data.DataLoader:
@@ -94,3 +101,35 @@ def test_rm_and_compact_while_forked_workers_read_another_fingerprint(tmp_path: 
     store = LMDBStore(cache)
     assert store.get_record(f"{other}/s000007").metadata["sample_id"] == "s000007"
     store.close()
+
+
+def test_compact_while_a_writer_process_writes_loses_no_commit(tmp_path: Path) -> None:
+    """A writer that committed before, during and after the swap: every batch it said was
+    committed is in the compacted file (none went to the swapped-out one)."""
+    from tests.helpers.procs import FAULT_FINGERPRINT
+
+    cache = tmp_path / "cache"
+    keep = add_fingerprint(cache, 4, n=6000, nbytes=3000)
+    gone = add_fingerprint(cache, 5, n=3000, nbytes=3000)
+    assert spcache("rm", gone, "--cache", str(cache)).returncode == 0
+    writer = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.procs", "writer", str(cache), "--batches", "400",
+         "--size", "50", "--record-bytes", "1000"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert writer.stdout is not None
+    for line in writer.stdout:  # start compacting once the writer is under way
+        if line.strip() == "committed 2":
+            break
+    compact = spcache("compact", "--cache", str(cache), "--json")
+    still_writing = writer.poll() is None  # so it also wrote after the swap
+    out, err = writer.communicate(timeout=300)
+    assert still_writing
+    assert writer.returncode == 0, err
+    assert compact.returncode == 0, compact.stderr
+    sizes = json.loads(compact.stdout)
+    assert sizes["after"] < sizes["before"]
+    assert "finished" in out
+    counts = record_counts(cache)
+    assert counts[FAULT_FINGERPRINT] == 400 * 50  # every committed batch survived the swap
+    assert counts[keep] == 6000 and gone not in counts
+    assert spcache("verify", "--cache", str(cache)).returncode == 0
