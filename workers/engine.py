@@ -198,6 +198,10 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    #: when the work was asked for (the worker's claim time; None: each run's start). A
+    #: removal of the fingerprint after it refuses the run's writes; see RunLedger.
+    requested_at: float | None = None
+
     def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
             on_result: Callable[[ItemResult], None] | None = None) -> Summary:
         """Compute every ``(sample_id, path)`` item; return the :class:`Summary`."""
@@ -238,7 +242,7 @@ class LocalRun:
                                                       engine.recipe.version, dict(engine.params)),
                                 on_result, progress=engine.progress,
                                 failures=engine.failure_log, skip_failed=engine.skip_failed,
-                                requested_at=getattr(engine, "requested_at", None))
+                                requested_at=engine.requested_at)
         self.summary = self.ledger.summary
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
 

@@ -141,6 +141,19 @@ def test_rm_while_the_worker_computes_it_stops_its_writes(tmp_path: Path,
             assert job["counts"]["pending"] == 0 and job["counts"]["cancelled"] > 0, job
             r = http.get(f"/v1/caches/{fp}/records/{items[0]['id']}")
             assert r.status_code == 404 and "FingerprintRemoved" in r.text
+            assert fp not in {row["fingerprint"] for row in hk.ls(cache)}  # no record, no index
+            # asked for again: computed again
+            r = http.post("/v1/warmup", headers=AUTH,
+                          json={"recipe": "spc", "params": {"level": 5, "surface_samples": 4000},
+                                "items": items[:4]})
+            assert r.status_code == 202 and r.json()["fingerprint"] == fp, r.text
+            again = r.json()["job_id"]
+            while (job := http.get(f"/v1/jobs/{again}").json())["status"] in ("pending", "running"):
+                assert time.monotonic() < deadline, job
+                time.sleep(0.2)
+            assert job["counts"]["done"] == 4, job
+            assert http.get(f"/v1/caches/{fp}/records/{items[0]['id']}").status_code == 200
     finally:
         stop_server(server)
-    assert fp not in {row["fingerprint"] for row in hk.ls(cache)}  # no record, no index
+    (row,) = [r for r in hk.ls(cache) if r["fingerprint"] == fp]
+    assert row["records"] == 4 and row["state"] == "complete"

@@ -149,7 +149,7 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     cache_row = page.locator(f"tr[data-fingerprint='{fp}']")
     cells = cache_row.locator("td").all_inner_texts()
     assert cells[1].startswith("spc_query") and int(cells[3]) == total - 1
-    cache_row.get_by_role("button").click()
+    cache_row.get_by_role("button", name=f"{total - 1} samples").click()
     page.fill("#prefix", subject)
     page.click("#samples-search button")
     # The search's answer replaces the unfiltered first page: one row, the subject's.
