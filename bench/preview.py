@@ -39,7 +39,7 @@ def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
     from workers.recipes import get_recipe, make_generator
-    from workers.sources import load_source
+    from workers.source_load import load_source
 
     if mesh is None:
         shared = Path(__file__).resolve().parents[2] / "shared" / "data" / "meshes" / "bunny.ply"

@@ -1,6 +1,6 @@
 """Benchmark the CPU signed-distance path of the spc_sdf recipe against brute force.
 
-Workload (issue 14): for each mesh (the shared meshes, or generated shapes when the path
+Workload: for each mesh (the shared meshes, or generated shapes when the path
 is absent or holds none), M sample points (default 100,000) drawn as the recipe draws
 them (half uniform in [-1, 1]^3, half surface samples jittered with sigma 0.01) in the
 normalised frame, then:
@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from workers import sdf
 from workers.ops import get_backend
 from workers.recipes import RECIPES, make_generator
-from workers.sources import compute_normalization, load_source, normalize_points
+from workers.sampling import compute_normalization, normalize_points
+from workers.source_load import load_source
 
 GOAL_S = 2.0  # 100,000 signed distances on the bunny
 

@@ -27,7 +27,7 @@ def test_two_builds_are_byte_identical(tmp_path: Path, corpus_data: Path) -> Non
 
 
 def test_suffixes_agree_with_the_loader() -> None:
-    from workers.sources import SUPPORTED_EXTENSIONS
+    from workers.source_load import SUPPORTED_EXTENSIONS
 
     assert corpus.SOURCE_SUFFIXES == SUPPORTED_EXTENSIONS
 
@@ -140,7 +140,7 @@ def test_hostile_files_end_as_documented_in_the_engine(tmp_path: Path,
     expected = corpus.hostile_expectations()
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = Engine(store, "spc", {"level": 4, "surface_samples": 500}, device="cpu",
-                        backend="torch", jobs=0)
+                        backend="torch", loaders=0)
         summary = engine.run([(p.stem, str(p)) for p in corpus_bad_inputs])
         errors = {e.id: e for e in summary.errors}
         for path in corpus_bad_inputs:

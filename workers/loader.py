@@ -28,7 +28,7 @@ from cache_store.jobs.freshness import is_current, trusted_signature
 from workers.recipes import Prepared, get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
-from workers.sources import hash_bytes, load_source, read_source_bytes
+from workers.source_load import hash_bytes, load_source, read_source_bytes
 
 __all__ = ["LoadOutcome", "LoaderPool", "load_sample"]
 

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "MIGRATIONS", "Connections", "canonical_json", "chunks",
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "MIGRATIONS", "Connections", "column_json", "chunks",
            "schema_statements", "write_txn"]
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,9 @@ def schema_statements() -> list[str]:
     return [s.strip() for s in SCHEMA.split(";") if s.strip()]
 
 
-def canonical_json(obj: Any) -> str:
+def column_json(obj: Any) -> str:
+    """JSON text for a queue column (params, heartbeat info): sorted keys, no spaces.
+    Not a fingerprint's text: that is :func:`cache_store.keys.canonical_json`."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 

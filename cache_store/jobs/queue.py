@@ -55,7 +55,7 @@ from cache_store.jobs.db import (
     MIGRATIONS,
     SCHEMA_VERSION,
     Connections,
-    canonical_json,
+    column_json,
     chunks,
     schema_statements,
     write_txn,
@@ -215,7 +215,7 @@ class JobQueue:
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                 "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, recipe, canonical_json(params), fingerprint, int(priority), now,
+                (job_id, recipe, column_json(params), fingerprint, int(priority), now,
                  len(done), _roots_json(roots)))
             conn.executemany(
                 "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, updated) "
@@ -290,7 +290,7 @@ class JobQueue:
                 conn.execute(
                     "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                     "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
-                    (job_id, recipe, canonical_json(params), fingerprint, int(priority), now,
+                    (job_id, recipe, column_json(params), fingerprint, int(priority), now,
                      _roots_json(roots)))
                 for seq, it in enumerate(todo):
                     cur = conn.execute(
@@ -629,7 +629,7 @@ class JobQueue:
                          "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
                          "seen = excluded.seen, info = excluded.info",
                          (worker_id, os.getpid(), self.clock(),
-                          canonical_json({**(info or {}), "host": socket.gethostname()})))
+                          column_json({**(info or {}), "host": socket.gethostname()})))
             conn.execute("DELETE FROM heartbeats WHERE seen < ?",
                          (self.clock() - _HEARTBEAT_KEEP_S,))
 

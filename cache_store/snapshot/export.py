@@ -207,7 +207,7 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
 #: stores the rows as they are (with their CRC-32C), and a local reader then reads only
 #: a record's own bytes, as from the LMDB cache. docs/BENCHMARKS.md compares them.
 CODECS = ("zstd", "lz4hc", "lz4", "none")
-#: Chosen by measurement (docs/BENCHMARKS.md, issue 18): a local snapshot is for reading
+#: Chosen by measurement (docs/BENCHMARKS.md): a local snapshot is for reading
 #: (training), and only ``none`` lets a read take just the record's bytes (0.6-0.95x the
 #: LMDB cache's rate, vs 0.15-0.45x for lz4 and 0.08-0.4x for zstd, which decompress
 #: whole chunks), at the cache's own size; an object-store snapshot is for moving and
@@ -394,7 +394,7 @@ def _send(writers: Mapping[str, Any], survey: _Survey, key: str, value: Any,
         writers[name].add(rows.reshape(lay.rows_of(info.shape), *lay.trailing))
 
 
-def _group_attrs(index: DatasetIndex, survey: _Survey, source: str, token: str) -> dict[str, Any]:
+def _snapshot_attrs(index: DatasetIndex, survey: _Survey, source: str, token: str) -> dict[str, Any]:
     spec = RECIPE_SPECS.get(index.recipe)
     meanings = {name: f.meaning for name, f in spec.fields.items()} if spec else {}
     from cache_store import __version__
@@ -541,7 +541,7 @@ def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey
         staging = dest.parent / f".{dest.name}.{index.fingerprint}.{token}.staging"
         try:
             group = zarr.create_group(LocalStore(staging))
-            attrs = _group_attrs(index, survey, store.location, token)
+            attrs = _snapshot_attrs(index, survey, store.location, token)
             _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress,
                          local_dir=staging)
             attrs["complete"] = True
@@ -580,7 +580,7 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
                                f"(--overwrite) to replace it")
         del root[fp]
     token = uuid.uuid4().hex
-    attrs = _group_attrs(index, survey, store.location, token)
+    attrs = _snapshot_attrs(index, survey, store.location, token)
     group = root.create_group(fp, attributes={ATTRS_KEY: dict(attrs)})
     _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress)
     now = zarr.open_group(zstore, mode="r", path=fp).attrs.get(ATTRS_KEY, {})

@@ -214,7 +214,7 @@ class ZarrStore(Store):
 
         return sorted(name for name in _run(listing()) if is_fingerprint(name))
 
-    def _group_attrs(self, fingerprint: str) -> tuple[Any, dict[str, Any]] | None:
+    def _open_group(self, fingerprint: str) -> tuple[Any, dict[str, Any]] | None:
         """(group, attrs) of a fingerprint group, or None when absent."""
         root = self._group()
         try:
@@ -229,7 +229,7 @@ class ZarrStore(Store):
         snap = self._snapshots.get(fingerprint)
         if snap is not None:
             return snap
-        found = self._group_attrs(fingerprint)
+        found = self._open_group(fingerprint)
         if found is None:
             return None
         group, attrs = found
@@ -334,7 +334,7 @@ class ZarrStore(Store):
             results = iter(self._read_local(plan))
         else:
             results = iter(_run(_gather(self._read_calls(plan))) if plan else [])
-        return [self._assemble(key, snap, row, names, [next(results) for _ in range(len(names) + 1)])
+        return [self._join_record(key, snap, row, names, [next(results) for _ in range(len(names) + 1)])
                 for key, snap, row, names in plan]
 
     @staticmethod
@@ -363,7 +363,7 @@ class ZarrStore(Store):
         return out
 
     @staticmethod
-    def _assemble(key: str, snap: _Snapshot, row: int, names: list[str],
+    def _join_record(key: str, snap: _Snapshot, row: int, names: list[str],
                   parts: list[Any]) -> bytearray | CorruptRecord:
         for what, part in zip(["headers", *(f"data/{n}" for n in names)], parts, strict=True):
             if isinstance(part, BaseException):
@@ -401,7 +401,7 @@ class ZarrStore(Store):
         (another writer token) or removed since they were opened; True if any was."""
         stale = []
         for fingerprint, snap in list(self._snapshots.items()):
-            found = self._group_attrs(fingerprint)
+            found = self._open_group(fingerprint)
             if found is None or found[1].get("writer") != snap.attrs.get("writer"):
                 stale.append(fingerprint)
         for fingerprint in stale:
@@ -510,7 +510,7 @@ class ZarrStore(Store):
     def fingerprints(self) -> list[str]:
         found = []
         for name in self._child_names():
-            entry = self._group_attrs(name)
+            entry = self._open_group(name)
             if entry is not None and entry[1].get("complete"):
                 found.append(name)
         return found
@@ -520,7 +520,7 @@ class ZarrStore(Store):
         finish writing to an object store)."""
         out = []
         for name in self._child_names():
-            entry = self._group_attrs(name)
+            entry = self._open_group(name)
             if entry is not None and not entry[1].get("complete"):
                 out.append(name)
         return out
@@ -544,7 +544,7 @@ class ZarrStore(Store):
         """Records and record bytes per fingerprint (from the snapshot's attributes)."""
         per_fp: dict[str, dict[str, Any]] = {}
         for fingerprint in self.fingerprints():
-            entry = self._group_attrs(fingerprint)
+            entry = self._open_group(fingerprint)
             attrs = entry[1] if entry else {}
             per_fp[fingerprint] = {"records": int(attrs.get("samples", 0)),
                                    "bytes": int(attrs.get("record_bytes", 0)),

@@ -22,7 +22,7 @@ __all__ = ["POINT_CLOUD_EXTENSIONS", "MESH_EXTENSIONS", "SUPPORTED_EXTENSIONS",
 #: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ)
 KEEP_EXTENSION = "{path}"
 
-#: file extensions a worker can load (``workers.sources`` loads them)
+#: file extensions a worker can load (``workers.source_load`` loads them)
 POINT_CLOUD_EXTENSIONS = frozenset({".npy", ".npz", ".xyz", ".pts"})
 MESH_EXTENSIONS = frozenset({".obj", ".ply", ".stl", ".off", ".glb"})
 SUPPORTED_EXTENSIONS = POINT_CLOUD_EXTENSIONS | MESH_EXTENSIONS

@@ -3,7 +3,7 @@
 A record stores the hash of the source it was computed from (``source_hash``); the
 service compares it with the file's current hash to tell "already ready" from "stale",
 so both sides must hash the same way. Format: ``"xxh3_128:<32 hex digits>"`` over the
-file's bytes (the same value ``workers.sources.hash_bytes`` gives them). Files are hashed
+file's bytes (the same value ``workers.source_load.hash_bytes`` gives them). Files are hashed
 only through the source gate, :func:`cache_store.sources.files.hash_source_file`.
 """
 

@@ -26,6 +26,6 @@ def test_a_limit_fails_the_whole_request(tmp_path: Path) -> None:
 
 
 def test_the_workers_load_exactly_the_extensions_discovery_finds() -> None:
-    from workers.sources import SUPPORTED_EXTENSIONS as LOADABLE
+    from workers.source_load import SUPPORTED_EXTENSIONS as LOADABLE
 
     assert LOADABLE is SUPPORTED_EXTENSIONS

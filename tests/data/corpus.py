@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 # Bump when the corpus's meaning changes; any edit of this file also changes the key.
 VERSION = 1
 DEFAULT_ROOT = Path(__file__).resolve().parent / ".generated"
-# The file types workers.sources reads (kept here so conftest need not import torch);
+# The file types workers.source_load reads (kept here so conftest need not import torch);
 # tests/test_corpus.py checks the two agree.
 SOURCE_SUFFIXES = frozenset({".obj", ".ply", ".stl", ".off", ".glb", ".npy", ".npz", ".xyz", ".pts"})
 

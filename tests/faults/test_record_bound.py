@@ -1,4 +1,4 @@
-"""Issue 15, break 3 (recipe half): parameters within the bounds cannot ask for
+"""Read amplification, the recipe half: parameters within the bounds cannot ask for
 a record larger than the stated maximum.
 
 Each parameter had its own range, but together (level 15, 50 M samples) they allowed a
@@ -66,7 +66,7 @@ def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
     from workers.recipes import get_recipe
-    from workers.sources import LoadedSource
+    from workers.source_load import LoadedSource
 
     spec = get_recipe_spec(name)
     resolved = spec.resolve(params)

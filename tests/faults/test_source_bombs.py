@@ -1,4 +1,4 @@
-"""Issue 15, break 5: sources too big to load fail alone, cheaply.
+"""Sources too big to load fail alone, cheaply.
 
 A 2 GB sparse ``.npy`` took a loader to 8.3 GB RSS, and a 1.2 MB ``.npz`` bomb (zeros
 that inflate to gigabytes) to 3.6 GB. Each is loaded here in a fresh child process
@@ -28,7 +28,7 @@ RSS_BUDGET_MIB = 64
 _CHILD = """
 import json, resource, sys
 from cache_store.errors import SourceError
-from workers.sources import load_source
+from workers.source_load import load_source
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:
     src = load_source(sys.argv[1])

@@ -15,7 +15,7 @@ from cache_store.stores.base import open_store
 from workers.engine import Engine, ItemResult
 from workers.ops import get_backend
 from workers.recipes import RECIPES, check_outputs, make_generator
-from workers.sources import load_source
+from workers.source_load import load_source
 
 # Small enough for a 2-core CI machine, big enough to exercise every stage.
 PARAMS = {"level": 6, "surface_samples": 4000, "uniform_queries": 1000, "surface_queries": 1000}
@@ -331,15 +331,12 @@ def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
     assert engine._loader_pool is None and pool is not None
 
 
-def test_jobs_is_still_accepted_as_the_old_name_of_loaders(tmp_path: Path) -> None:
-    from cache_store.errors import ParameterError
-
+def test_loaders_has_one_name(tmp_path: Path) -> None:
     with open_store(tmp_path / "c", readonly=False) as store:
-        assert Engine(store, "spc", jobs=3).loaders == 3
-        assert Engine(store, "spc", loaders=1, jobs=1).loaders == 1
+        assert Engine(store, "spc", loaders=3).loaders == 3
         assert Engine(store, "spc").loaders == 2
-        with pytest.raises(ParameterError, match="disagree"):
-            Engine(store, "spc", loaders=1, jobs=2)
+        with pytest.raises(TypeError, match="jobs"):
+            Engine(store, "spc", jobs=3)  # type: ignore[call-arg]
 
 
 def test_a_failed_write_is_not_remembered_as_the_sources_failure(tmp_path: Path) -> None:

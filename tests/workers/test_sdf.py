@@ -14,7 +14,8 @@ from cache_store.errors import ParameterError, SourceError
 from workers import sdf
 from workers.ops import get_backend
 from workers.recipes import RECIPES, check_outputs, make_generator
-from workers.sources import load_source, normalize_points, compute_normalization
+from workers.sampling import compute_normalization, normalize_points
+from workers.source_load import load_source
 
 RECIPE = RECIPES["spc_sdf"]
 PARAMS = RECIPE.spec.resolve({"level": 5, "surface_samples": 3000, "near_samples": 1500,

@@ -19,7 +19,8 @@ from tests.conftest import SHARED_DATA
 from workers import sdf
 from workers.engine import Engine
 from workers.recipes import RECIPES, check_outputs
-from workers.sources import compute_normalization, load_source, normalize_points
+from workers.sampling import compute_normalization, normalize_points
+from workers.source_load import load_source
 
 PARAMS = {"level": 5, "surface_samples": 3000, "near_samples": 1000, "uniform_samples": 1000}
 SPEC = RECIPES["spc_sdf"].spec
@@ -62,9 +63,9 @@ def shared_or_skip() -> Path:
     return SHARED_DATA
 
 
-def _run(cache: Path, paths: list[Path], jobs: int = 2) -> tuple[Engine, object, dict]:
+def _run(cache: Path, paths: list[Path], loaders: int = 2) -> tuple[Engine, object, dict]:
     with open_store(cache, readonly=False) as store:
-        engine = Engine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", jobs=jobs)
+        engine = Engine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", loaders=loaders)
         summary = engine.run(_items(paths))
         values = {k: store.get(k) for k in store.keys()}
     return engine, summary, values
@@ -117,7 +118,7 @@ def test_bad_inputs_and_point_clouds_fail_alone(tmp_path: Path, generated: list[
         bad += sorted(p for p in (SHARED_DATA / "bad_inputs").iterdir() if p.is_file())
     items = _items(bad) + _items(generated[:2])
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = Engine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", jobs=2)
+        engine = Engine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", loaders=2)
         summary = engine.run(items)
         errors = {e.id: e.reason for e in summary.errors}
         assert "point cloud" in errors["cloud"]
@@ -176,7 +177,7 @@ def test_lmdb_to_zarr_to_dataloader(tmp_path: Path, generated: list[Path]) -> No
 
 def test_collate_concatenates_dual_fields_even_when_sizes_agree(tmp_path: Path,
                                                                generated: list[Path]) -> None:
-    engine, _, _ = _run(tmp_path / "cache", generated[:1], jobs=0)
+    engine, _, _ = _run(tmp_path / "cache", generated[:1], loaders=0)
     sample = CachedDataset(tmp_path / "cache", engine.fingerprint)[0]
     batch = collate_spc([sample, sample])  # same sizes: still Kaolin's packed layout
     assert batch["trinkets"].shape == (2 * len(sample["trinkets"]), 8)
@@ -192,13 +193,13 @@ def test_ray_engine_writes_the_same_records(tmp_path: Path, generated: list[Path
 
     from workers.ray_engine import RayEngine
 
-    _, _, local = _run(tmp_path / "local", generated[:2], jobs=0)
+    _, _, local = _run(tmp_path / "local", generated[:2], loaders=0)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=False)
     try:
         with open_store(tmp_path / "ray", readonly=False) as store:
-            summary = RayEngine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", jobs=0,
+            summary = RayEngine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", loaders=0,
                                 actors=2, shard_size=1).run(_items(generated[:2]))
             remote = {k: store.get(k) for k in store.keys()}
     finally:
@@ -214,7 +215,7 @@ def test_the_readme_indexing_finds_each_points_voxel_corners(tmp_path: Path,
                                                             generated: list[Path]) -> None:
     from workers.ops import torch_spc
 
-    engine, _, _ = _run(tmp_path / "cache", generated[:3], jobs=0)
+    engine, _, _ = _run(tmp_path / "cache", generated[:3], loaders=0)
     level = PARAMS["level"]
     ds = CachedDataset(tmp_path / "cache", "spc_sdf", **PARAMS)
     batch = collate_spc([ds[i] for i in range(3)])
@@ -245,7 +246,7 @@ def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]
     from service.settings import Settings
     from tests.helpers.service import InProcessServer
 
-    engine, summary, values = _run(tmp_path / "cache", generated[:2], jobs=0)
+    engine, summary, values = _run(tmp_path / "cache", generated[:2], loaders=0)
     assert summary.done == 2
     settings = Settings(cache=tmp_path / "cache", source_roots=[tmp_path], token="t" * 32,
                         worker=False)

@@ -16,16 +16,14 @@ from hypothesis.extra.numpy import arrays
 from cache_store.errors import SourceError
 from tests.data.corpus import hostile_expectations
 from cache_store.sources.files import hash_source_file
-from workers.sources import (
-    SUPPORTED_EXTENSIONS,
+from workers.sampling import (
     compute_normalization,
     face_areas,
-    hash_bytes,
-    load_source,
     normalize_points,
     sample_surface,
     shape_points,
 )
+from workers.source_load import SUPPORTED_EXTENSIONS, hash_bytes, load_source
 
 TETRA_V = np.array([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1]], dtype=np.float64)
 TETRA_F = np.array([[0, 2, 1], [0, 1, 3], [0, 3, 2], [1, 2, 3]], dtype=np.int64)

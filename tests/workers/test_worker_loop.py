@@ -34,7 +34,7 @@ def _submit(cache: Path, paths: list[Path], **params: int) -> tuple[JobQueue, st
 def _worker(cache: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--jobs", "0", "--poll", "0.1", "--log-level", "warning", *extra],
+         "--backend", "torch", "--loaders", "0", "--poll", "0.1", "--log-level", "warning", *extra],
         cwd=REPO_ROOT)
 
 
@@ -150,7 +150,7 @@ def test_service_and_workers_hash_sources_the_same_way(corpus_meshes: list[Path]
     # The service counts "already ready" with cache_store.sources.hashing; records carry the
     # workers' source hash. If these ever differ, every warm-up recomputes everything.
     from cache_store.sources.files import hash_source_file
-    from workers.sources import load_source
+    from workers.source_load import load_source
 
     for mesh in corpus_meshes[:3]:
         assert hash_source_file(mesh) == load_source(mesh).source_hash
