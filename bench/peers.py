@@ -1,4 +1,4 @@
-"""spcache's LMDB cache read every way a trainer reads it, and next to peer formats (issue 18).
+"""spcache's LMDB cache read every way a trainer reads it, and next to peer formats.
 
 Builds ``--samples`` spc_query-shaped records with the pure-PyTorch SPC ops (the
 workload of ``bench/zarr_snapshot.py``) and writes the same records into an spcache LMDB
@@ -363,7 +363,7 @@ def write_datasets(root: Path, records: list[dict[str, torch.Tensor]]) -> Callab
     return lambda: _HFRecords(ds)
 
 
-#: Formats timed: spcache's LMDB cache, then the peers of issue 18. Each peer's library
+#: Formats timed: spcache's LMDB cache, then the peer formats. Each peer's library
 #: is in the ``bench`` extra (pyproject.toml), installed with ``-c bench/constraints.txt``
 #: so that its resolution keeps the project's torch; a peer whose import fails is left
 #: out and named.

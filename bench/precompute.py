@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--queries", type=int, default=32_768)
     parser.add_argument("--surface-samples", type=int, default=100_000)
-    parser.add_argument("--loaders", "--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--loaders", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--queries", type=int, default=32_768)
     parser.add_argument("--surface-samples", type=int, default=100_000)
-    parser.add_argument("--loaders", "--jobs", type=int, default=2,
-                        help="loaders of the pipelined local run (--jobs: the old name)")
+    parser.add_argument("--loaders", type=int, default=2,
+                        help="loaders of the pipelined local run")
     parser.add_argument("--cpus", type=int, default=2, help="CPUs given to the local Ray")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the local runs (a one-CPU actor gets 1)")

@@ -1,4 +1,4 @@
-"""What one spcache read spends on its checks (issue 18: small records against tensordict).
+"""What one spcache read spends on its checks (small records against tensordict).
 
 Writes ``--samples`` spc_query records (the workload of ``bench/peers.py``) into an
 spcache LMDB cache and, when tensordict is installed (the ``bench`` extra), into a

@@ -1,4 +1,4 @@
-"""What issue 15's read-path guards cost per record GET, against baselines in the same run.
+"""What the read-path guards cost per record GET, against baselines in the same run.
 
 * ``HostGuard`` (Host check + trust test) around a bare ASGI app answering 16 KiB,
   against the bare app;

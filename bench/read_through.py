@@ -49,7 +49,7 @@ def read_through(cache: Path, sources: Path, params: dict,
                  args: argparse.Namespace) -> tuple[float, int]:
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "workers", "worker", "--cache", str(cache),
-                             "--device", "cpu", "--backend", "torch", "--jobs", str(args.jobs),
+                             "--device", "cpu", "--backend", "torch", "--loaders", str(args.loaders),
                              "--poll", "0.05", "--batch", str(args.claim),
                              "--log-level", "warning"], cwd=REPO)
     try:
@@ -70,7 +70,7 @@ def precompute_and_read(cache: Path, sources: Path, params: dict,
     subprocess.run([sys.executable, "-m", "workers", "precompute", str(sources), "--recipe",
                     "spc_query", *[a for k, v in params.items() for a in ("--param", f"{k}={v}")],
                     "--cache", str(cache), "--device", "cpu", "--backend", "torch",
-                    "--jobs", str(args.jobs)], cwd=REPO, check=True, capture_output=True)
+                    "--loaders", str(args.loaders)], cwd=REPO, check=True, capture_output=True)
     computed = time.perf_counter()
     n = epoch(cache, sources, params, args.workers, args.batch)
     return computed - start, time.perf_counter() - computed, n
@@ -85,7 +85,7 @@ def main() -> int:
     parser.add_argument("--queries", type=int, default=32_768, help="half uniform, half surface")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     parser.add_argument("--batch", type=int, default=4, help="DataLoader batch size")
-    parser.add_argument("--jobs", type=int, default=0, help="loader processes of worker/precompute")
+    parser.add_argument("--loaders", type=int, default=0, help="loader processes of worker/precompute")
     parser.add_argument("--claim", type=int, default=4, help="items per worker claim")
     args = parser.parse_args()
     params = {"level": args.level, "surface_samples": args.surface_samples,

@@ -1,6 +1,6 @@
 """Benchmark the pure-PyTorch SPC ops against one torch.sort, on one CPU thread.
 
-Workload (issue 3): 1,000,000 points sampled on a surface (a sphere of radius 0.9 and a
+Workload: 1,000,000 points sampled on a surface (a sphere of radius 0.9 and a
 torus, half each, in [-1, 1]^3), quantized at level 10;
 
 - build: ``unbatched_points_to_octree`` + ``scan_octrees`` + ``generate_points``;

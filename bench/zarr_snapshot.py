@@ -1,4 +1,4 @@
-"""Zarr snapshot vs the LMDB cache it was exported from, in one run (issue 7).
+"""Zarr snapshot vs the LMDB cache it was exported from, in one run.
 
 Workload: ``--samples`` spc_query-shaped records (``--unique`` of them computed with the
 pure-PyTorch SPC ops, cycled: surface points of a randomly scaled sphere + torus,

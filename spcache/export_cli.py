@@ -20,7 +20,7 @@ from cache_store.location import cache_dir_problem, is_remote, local_path
 __all__ = ["configure_parser", "run"]
 
 
-#: ``--codec``'s help: the numbers are measured (docs/BENCHMARKS.md, issue 18: spc_query
+#: ``--codec``'s help: the numbers are measured (docs/BENCHMARKS.md: spc_query
 #: records of 0.13 and 3.2 MB on a 2-core VM).
 CODEC_HELP = (
     "chunk codec (default: none for a local path, zstd for a URL). none: the records' own "

@@ -100,8 +100,7 @@ class Engine:
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         backend: ops backend name for :func:`workers.ops.get_backend` (``auto``, ``torch``,
             ``kaolin``).
-        loaders: loader processes; 0 loads in the calling process. (``jobs=`` is the
-            deprecated spelling, accepted for one release.)
+        loaders: loader processes; 0 loads in the calling process.
         query_chunk: queries per device call before any back-off.
         min_query_chunk: the back-off gives up below this chunk size.
         write_batch: records per write transaction.
@@ -128,11 +127,10 @@ class Engine:
                  progress: bool = False,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-                 skip_failed: bool = False, failure_log: FailureLog | None = None,
-                 jobs: int | None = None) -> None:
+                 skip_failed: bool = False, failure_log: FailureLog | None = None) -> None:
         self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
         self.params = self.recipe.spec.resolve(params)
-        loaders = _loaders_argument(loaders, jobs, default=2)
+        loaders = 2 if loaders is None else loaders
         problems = []
         if not DEVICE_PATTERN.match(str(device)):
             problems.append(f"device: {device!r} is not auto, cpu, cuda or cuda:N")
@@ -213,16 +211,6 @@ def failure_log_beside(store: Store) -> FailureLog | None:
     from cache_store.stores.lmdb import LMDBStore
 
     return FailureLog(store.path) if isinstance(store, LMDBStore) else None
-
-
-def _loaders_argument(loaders: int | None, jobs: int | None, *, default: int | None) -> Any:
-    """``loaders``, or the deprecated ``jobs`` spelling of it; both given must agree."""
-    if jobs is not None and loaders is not None and jobs != loaders:
-        raise ParameterError([(f"loaders: {loaders} and its deprecated alias jobs: {jobs} "
-                              f"disagree; give loaders only")], what="engine options")
-    if loaders is None:
-        loaders = jobs
-    return default if loaders is None else loaders
 
 
 # --- one run -----------------------------------------------------------------------------

@@ -81,10 +81,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"],
                         help="SPC ops: kaolin (needs Kaolin and CUDA), torch (pure PyTorch, "
                              "any device), auto (kaolin where it works, else torch)")
-    parser.add_argument("--loaders", "--jobs", dest="loaders", type=int, default=None,
+    parser.add_argument("--loaders", type=int, default=None,
                         help="loader processes (0: load in this process; default: one per "
                              "core but one, at most 8; with --engine ray, per actor, "
-                             "default chosen by each actor from its node). --jobs is an alias")
+                             "default chosen by each actor from its node)")
     parser.add_argument("--skip-failed", action="store_true",
                         help="do not retry samples that failed in an earlier run of this "
                              "recipe on this cache")

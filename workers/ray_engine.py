@@ -55,7 +55,7 @@ from typing import Any
 from cache_store.errors import ParameterError
 from cache_store.jobs.failures import FailureLog
 from cache_store.stores.base import Store
-from workers.engine import Engine, _loaders_argument
+from workers.engine import Engine
 from workers.ray_actor import ShardBuffer, ShardWorker
 from workers.ray_common import ActorStats, RaySummary, RayUnavailable
 from workers.ray_driver import RayRun, RayRunOptions
@@ -96,7 +96,6 @@ class RayEngine(Engine):
         ray_init: extra keyword arguments for ``ray.init`` when this engine calls it.
         actor_fault: test hook handed to every actor (see
             :class:`workers.ray_actor.ShardWorker`; the tests' ``CrashOnce``).
-        jobs: deprecated spelling of ``loaders``, accepted for one release.
     """
 
     def __init__(self, store: Store, recipe: str | Recipe, params: Mapping[str, Any] | None = None,
@@ -110,9 +109,7 @@ class RayEngine(Engine):
                  actor_fault: Callable[[str], None] | None = None,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-                 skip_failed: bool = False, failure_log: FailureLog | None = None,
-                 jobs: int | None = None) -> None:
-        loaders = _loaders_argument(loaders, jobs, default=None)
+                 skip_failed: bool = False, failure_log: FailureLog | None = None) -> None:
         super().__init__(store, recipe, params, device=device, backend=backend,
                          loaders=0 if loaders is None else loaders, query_chunk=query_chunk,
                          min_query_chunk=min_query_chunk, write_batch=write_batch,

@@ -49,8 +49,7 @@ class WorkerLoop:
         batch: items per claim (one engine run).
         lease_s: lease length; renewed every third of it while held.
         poll_s: sleep between claims when the queue is empty.
-        loaders: the engine's loader processes (``loader_jobs=`` is the deprecated
-            spelling, accepted for one release).
+        loaders: the engine's loader processes.
         drain: exit (0) once the queue has nothing claimable, instead of polling.
         max_attempts: claims per item before it fails (queue setting).
         worker_id: name in leases and heartbeats (default ``host:pid``).
@@ -68,13 +67,10 @@ class WorkerLoop:
 
     def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
                  backend: str = "auto", batch: int = 8, lease_s: float = 120.0,
-                 poll_s: float = 1.0, loaders: int | None = None, drain: bool = False,
+                 poll_s: float = 1.0, loaders: int = 2, drain: bool = False,
                  max_attempts: int = 3, worker_id: str | None = None,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
-                 max_source_bytes: int = 1 << 30,
-                 loader_jobs: int | None = None, max_size: int | None = None) -> None:
-        if loaders is None:
-            loaders = 2 if loader_jobs is None else loader_jobs
+                 max_source_bytes: int = 1 << 30, max_size: int | None = None) -> None:
         if batch < 1 or lease_s <= 0 or poll_s <= 0 or loaders < 0:
             raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loaders >= 0 needed")
         self.cache = Path(cache)
@@ -314,8 +310,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--batch", type=int, default=8, help="items per claim (default 8)")
     parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
     parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
-    parser.add_argument("--loaders", "--jobs", dest="loaders", type=int, default=2,
-                        help="loader processes (default 2; --jobs is the old name)")
+    parser.add_argument("--loaders", type=int, default=2, help="loader processes (default 2)")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="claims per item before it fails (default 3)")
     parser.add_argument("--drain", action="store_true",

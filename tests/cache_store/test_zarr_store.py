@@ -629,7 +629,7 @@ def test_any_row_counts_and_chunk_sizes_round_trip(tmp_path_factory, rows, width
 
 def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch) -> None:
     # 40 records, 64-byte chunks: a small field's chunk holds several records, and a
-    # shuffled pass used to decompress it again for nearly every read.
+    # shuffled pass must not decompress it again for nearly every read.
     import numcodecs
 
     fp = compute_fingerprint("spc", 1, {"level": 3})

@@ -1,4 +1,4 @@
-"""Issue 15, break 8: DNS rebinding against a token-less service on loopback.
+"""DNS rebinding against a token-less service on loopback.
 
 A page on ``attacker.example`` that re-resolves its name to 127.0.0.1 makes the browser
 send ``Host: attacker.example:PORT``; such a warm-up was accepted (202). Against a real

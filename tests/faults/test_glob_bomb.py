@@ -1,4 +1,4 @@
-"""Issue 15, break 2: hostile warm-up globs must not disable the service.
+"""Hostile warm-up globs must not disable the service.
 
 A 56-character pattern of repeated ``**/`` made ``Path.glob`` walk a 120-file tree for
 about a minute per request, in the thread pool; 45 of them took every pool thread, so

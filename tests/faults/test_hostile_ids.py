@@ -218,7 +218,7 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "spcache", "precompute", str(manifest), str(looks),
          "--recipe", "spc", "--param", "level=3", "--param", "surface_samples=100",
-         "--cache", str(cache), "--device", "cpu", "--backend", "torch", "--jobs", "0",
+         "--cache", str(cache), "--device", "cpu", "--backend", "torch", "--loaders", "0",
          "--json"], cwd=workdir, capture_output=True, text=True, timeout=300,
         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
     summary = json.loads(result.stdout)

@@ -1,7 +1,7 @@
-"""Issue 26, break 3: listing samples must not hash every source in full.
+"""Listing samples must not hash every source in full.
 
-``GET /v1/caches/{fp}/samples`` (no token; the status page polls it) used to hash the
-whole source of every listed sample: with 512 MB sources, 10 GB read per request. Now a
+``GET /v1/caches/{fp}/samples`` (no token; the status page polls it) must not hash the
+whole source of every listed sample (with 512 MB sources: 10 GB read per request). A
 record carries its source's stat signature and the listing compares that first; only a
 source whose signature changed is hashed, within ``max_listing_hash_bytes`` per request
 (the rest are listed ``unchecked``).

@@ -1,4 +1,4 @@
-"""Issue 15, break 1: byte flips in ``records/data.mdb`` never kill a caller.
+"""Byte flips in ``records/data.mdb`` never kill a caller.
 
 A real cache of a few hundred records; seeded trials each flip bytes of the LMDB file in
 place (half of them in a page header, where LMDB's structure lives and where damage

@@ -1,4 +1,4 @@
-"""Issue 15, minor break: strangers do not learn the cache path, the source roots or
+"""Strangers do not learn the cache path, the source roots or
 worker ``host:pid`` ids.
 
 Unauthenticated answers named the absolute cache directory (record not found), the

@@ -1,4 +1,4 @@
-"""Issue 15, break 9: a deleted, replaced or truncated ``jobs.sqlite`` is said loudly.
+"""A deleted, replaced or truncated ``jobs.sqlite`` is said loudly.
 
 A live service (in-process uvicorn, no worker) has a queue with a job; then the file
 is deleted, truncated, or replaced by another file. Wanted: ``/readyz`` answers 503

@@ -1,4 +1,4 @@
-"""Issue 15, break 3: read routes do not amplify memory.
+"""Read routes do not amplify memory.
 
 One GET of a 1.3 GB record took the service from 247 MiB to 5.2 GB RSS, and a batch of
 256 copies of one id hit ``MemoryError``; no token is needed for either. Against a real

@@ -1,4 +1,4 @@
-"""Issue 15, break 7: records over HTTP are bound to their key.
+"""Records over HTTP are bound to their key.
 
 A tampering proxy (a real uvicorn serving a small ASGI app in front of a real service)
 either *swaps* records (answers sample A with sample B's record, tag and all) or

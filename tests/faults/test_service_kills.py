@@ -1,8 +1,8 @@
 """Case 13: SIGKILL the service; its worker must not be left orphaned.
 
 ``spcache serve`` starts one worker child. Killed with SIGKILL, the service cannot stop
-it; before the fix the worker lived on, reparented to init (4 of 4 in an attack run),
-and the next service started a second worker on the same cache. Now the worker learns
+it; without a parent-death hook the worker lives on, reparented to init, and the next
+service starts a second worker on the same cache. The worker learns
 of its parent's death from the kernel (``PR_SET_PDEATHSIG``) and exits; while a worker
 still owns the cache (its flock), a new service starts none.
 

@@ -1,4 +1,4 @@
-"""Case 13 (issue 15, break 4): sources that change between the service's check and the
+"""Sources that change between the service's check and the
 worker's read.
 
 The service checks a warm-up path when the job is submitted; the worker reads the file

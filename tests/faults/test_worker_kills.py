@@ -151,7 +151,7 @@ def test_worker_sigkill_loses_nothing_and_computes_nothing_twice(
 
     drain = subprocess.run(
         [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--jobs", "0", "--poll", "0.05", "--lease", str(LEASE_S),
+         "--backend", "torch", "--loaders", "0", "--poll", "0.05", "--lease", str(LEASE_S),
          "--max-attempts", "1000", "--drain", "--log-level", "warning"],
         cwd=REPO_ROOT, timeout=300)
     time.sleep(0.1)

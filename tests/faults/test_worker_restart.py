@@ -1,13 +1,12 @@
 """A read-through loader and a worker that dies: restarted by ``spcache serve``, or left
 unreaped as a zombie.
 
-* The service's supervisor restarts its worker child after a crash. Loaders waiting for
-  a miss used to fail together with ``NoWorkerAlive`` about 0.8 s after the kill (the
-  dead pid was gone and nothing said a new worker was coming); now the supervisor
-  announces the restart in the job queue and the loaders wait for the new worker.
+* The service's supervisor restarts its worker child after a crash. A loader waiting
+  for a miss must wait for the new worker, not fail with ``NoWorkerAlive`` as soon as
+  the dead pid is gone: the supervisor announces the restart in the job queue.
 * A worker killed but not reaped by its parent is a zombie: ``kill(pid, 0)`` still
-  succeeds, so a waiting loader took it for alive for its whole heartbeat window (about
-  117 s with the default lease); now a zombie is dead and the loader fails at once.
+  succeeds for it. A waiting loader must take it for dead at once, not for alive for
+  the whole heartbeat window (about 117 s with the default lease).
 
 Real worker processes (CPU, torch backend), real LMDB and SQLite, real meshes.
 """

@@ -175,7 +175,7 @@ def _worker_zygote(args: argparse.Namespace) -> int:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 sys.stdin.close()
                 loop = WorkerLoop(args.cache, device="cpu", backend="torch", batch=args.batch,
-                                  lease_s=args.lease, poll_s=0.05, loader_jobs=0,
+                                  lease_s=args.lease, poll_s=0.05, loaders=0,
                                   max_attempts=args.max_attempts, worker_id=worker_id)
                 code = loop.run()
             finally:

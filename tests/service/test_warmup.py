@@ -34,7 +34,7 @@ def test_ready_items_are_counted_not_queued(client: httpx.Client, cache: Cache) 
     job = client.get(f"/v1/jobs/{body['job_id']}").json()
     assert job["counts"] == {"pending": 2, "running": 0, "done": 4, "failed": 0, "cancelled": 0}
     assert job["status"] == "running" and job["priority"] == 3
-    # progress (issue 17): 4 of 6 settled; no worker has finished one, so no rate yet
+    # progress: 4 of 6 settled; no worker has finished one, so no rate yet
     assert (job["total"], job["percent"], job["samples_per_s"], job["eta_s"]) == (6, 66.67, None, None)
     state = client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s1").json()
     assert state["state"] == "stale" and "changed" in state["reason"]

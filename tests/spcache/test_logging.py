@@ -1,7 +1,7 @@
 """Logging follows the subcommand's own level, through the real entry point.
 
-The dispatcher used to call ``basicConfig(WARNING)`` before dispatching, so ``serve`` and
-``worker`` logged nothing below WARNING whatever ``--log-level`` said.
+The dispatcher must not call ``basicConfig(WARNING)`` before dispatching: ``serve`` and
+``worker`` would then log nothing below WARNING whatever ``--log-level`` said.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_serve_takes_its_level_from_the_environment_and_warning_hides_info(tmp_p
 def test_worker_logs_at_its_log_level(tmp_path: Path, level: str) -> None:
     (tmp_path / "cache").mkdir()
     proc = subprocess.run([sys.executable, "-m", "spcache", "worker", "--cache",
-                           str(tmp_path / "cache"), "--device", "cpu", "--drain", "--jobs", "0",
+                           str(tmp_path / "cache"), "--device", "cpu", "--drain", "--loaders", "0",
                            "--log-level", level], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -194,9 +194,10 @@ def test_the_recipe_is_validated_before_sources_are_searched(
     assert "unknown recipe 'nope'" in err and "missing" not in err
 
 
-def test_jobs_is_an_alias_of_loaders() -> None:
+def test_loaders_is_the_one_flag_for_loader_processes() -> None:
     parser = cli.subcommand_parser("precompute", cli.resolve("precompute"))
     base = ["src", "--recipe", "spc", "--cache", "c"]
-    assert parser.parse_args(base + ["--jobs", "3"]).loaders == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--jobs", "3"])
     assert parser.parse_args(base + ["--loaders", "4"]).loaders == 4
     assert parser.parse_args(base).loaders is None and parser.parse_args(base).skip_failed is False

@@ -32,7 +32,7 @@ def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs:
     cache = tmp_path / "cache"
     folder = bad_inputs[0].parent
     out = spcache("precompute", str(folder), "--recipe", "spc_query", *SMALL,
-                  "--cache", str(cache), "--device", "cpu", "--jobs", "2", "--json")
+                  "--cache", str(cache), "--device", "cpu", "--loaders", "2", "--json")
     assert out.returncode == 1, out.stderr
     summary = json.loads(out.stdout)
     assert {"fingerprint", "done", "skipped", "failed", "errors"} <= set(summary)
@@ -52,7 +52,7 @@ def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs:
         assert store.verify().ok
     # without --json: a readable summary with the reasons and the fingerprint
     assert main(["precompute", str(folder), "--recipe", "spc_query", *SMALL,
-                 "--cache", str(cache), "--device", "cpu", "--jobs", "0"]) == 1
+                 "--cache", str(cache), "--device", "cpu", "--loaders", "0"]) == 1
     text = capsys.readouterr().out
     assert f"fingerprint {summary['fingerprint']}" in text
     assert f"skipped {summary['done']}" in text
@@ -78,7 +78,7 @@ def test_killed_run_resumes_without_recomputing(tmp_path: Path, corpus_meshes: l
     total = 2 * len(corpus_meshes)
     cache = tmp_path / "cache"
     args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
-            "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
+            "--device", "cpu", "--loaders", "1", "--write-batch", "1", "--json"]
     proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -129,7 +129,7 @@ def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, corpus
     src.write_bytes(next(m for m in corpus_meshes if m.suffix == ".obj").read_bytes())
     cache = tmp_path / "cache"
     base = ["precompute", str(src), "--recipe", "spc", "--param", "surface_samples=1000",
-            "--cache", str(cache), "--device", "cpu", "--jobs", "0", "--json"]
+            "--cache", str(cache), "--device", "cpu", "--loaders", "0", "--json"]
     first = _json_run(capsys, *base, "--param", "level=5")
     again = _json_run(capsys, *base, "--param", "level=5")
     assert (first["done"], again["skipped"], again["done"]) == (1, 1, 0)
@@ -145,7 +145,7 @@ def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, corpus_meshes: list[P
     cache = tmp_path / "cache"
     fingerprint = _json_run(capsys, "precompute", str(corpus_meshes[0]), "--recipe", "spc",
                             "--param", "level=4", "--param", "surface_samples=500",
-                            "--cache", str(cache), "--device", "cpu", "--jobs", "0",
+                            "--cache", str(cache), "--device", "cpu", "--loaders", "0",
                             "--json")["fingerprint"]
     assert main(["verify", "--cache", str(cache)]) == 0
     assert "verifies clean" in capsys.readouterr().out
@@ -163,7 +163,7 @@ def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
     cache = tmp_path / "cache"
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc", "--param", "level=6",
             "--param", "surface_samples=4000", "--cache", str(cache), "--device", "cpu",
-            "--jobs", "0"]
+            "--loaders", "0"]
     # the cache's disk, as small as an LMDB map bound makes it
     monkeypatch.setattr(cache_store.stores.base, "open_store", lambda path, readonly: LMDBStore(
         path, readonly=readonly, map_size=128 * 1024, max_map_size=512 * 1024))
@@ -184,7 +184,7 @@ def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
                                                                corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "cache"
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
-            "--cache", str(cache), "--device", "cpu", "--jobs", "1", "--write-batch", "1", "--json"]
+            "--cache", str(cache), "--device", "cpu", "--loaders", "1", "--write-batch", "1", "--json"]
     proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

@@ -351,7 +351,7 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     cache = tmp_path / "cache"
     args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
             "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
-            "--backend", "torch", "--jobs", "0", "--write-batch", "1", "--json"]
+            "--backend", "torch", "--loaders", "0", "--write-batch", "1", "--json"]
     proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
