@@ -58,7 +58,7 @@ def _cloud(path: Path, seed: int) -> None:
 def _worker(cache: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--jobs", "0", "--poll", "0.05", "--log-level", "warning"],
+         "--backend", "torch", "--loaders", "0", "--poll", "0.05", "--log-level", "warning"],
         cwd=REPO_ROOT)
     queue = JobQueue(cache)
     deadline = time.monotonic() + 60
