@@ -88,8 +88,10 @@ def test_a_changed_builder_builds_a_fresh_copy(tmp_path: Path, monkeypatch: pyte
 
 
 def test_command_line_builds_and_refuses_a_full_directory(tmp_path: Path) -> None:
-    run = lambda dest: subprocess.run([sys.executable, "-m", "tests.data.corpus", str(dest)],  # noqa: E731
-                                      cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    def run(dest: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "tests.data.corpus", str(dest)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
     done = run(tmp_path / "c")
     assert done.returncode == 0, done.stderr
     assert '"bad_inputs": ' in done.stdout and (tmp_path / "c" / "meshes" / "icosphere.obj").is_file()

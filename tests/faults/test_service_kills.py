@@ -49,13 +49,13 @@ def test_sigkill_of_the_service_leaves_no_worker(tmp_path: Path) -> None:
                        log=log)
         procs = []
         try:
-            wait_for(lambda: not port_is_free(port), 60, "serve to listen")  # noqa: B023
-            wait_for(lambda: has_descendant(proc.pid, "spcache", "worker"), 60,  # noqa: B023
+            # wait_for calls each lambda at once; the defaults bind this round's values
+            wait_for(lambda port=port: not port_is_free(port), 60, "serve to listen")
+            wait_for(lambda proc=proc: has_descendant(proc.pid, "spcache", "worker"), 60,
                      "the worker child")
             # a new service gets a worker of its own: the last round's is gone
-            wait_for(lambda: (lock_holder(cache) or {}).get("pid") in
-                     {p.pid for p in tree(proc.pid)[1:]},  # noqa: B023 - called at once
-                     60, "the worker to own the cache")
+            wait_for(lambda proc=proc: (lock_holder(cache) or {}).get("pid") in
+                     {p.pid for p in tree(proc.pid)[1:]}, 60, "the worker to own the cache")
             if round_ == ROUNDS:
                 break
             procs = tree(proc.pid)
