@@ -62,8 +62,25 @@ def host_of(header: str) -> str:
     return header
 
 
+_NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
+def _nosniff(send: Send) -> Send:
+    """``send`` adding ``X-Content-Type-Options: nosniff`` to every answer: a browser
+    then never runs a record or a JSON body it was tricked into loading as a script or
+    a style sheet."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), _NOSNIFF]}
+        await send(message)
+
+    return sending
+
+
 class HostGuard:
-    """Pure-ASGI middleware: 400 for a Host not allowed; redaction for untrusted callers."""
+    """Pure-ASGI middleware: 400 for a Host not allowed; redaction for untrusted callers;
+    ``X-Content-Type-Options: nosniff`` on every answer."""
 
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -73,6 +90,7 @@ class HostGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _nosniff(send)
         host = b""
         token = b""
         for name, value in scope["headers"]:

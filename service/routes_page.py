@@ -9,6 +9,7 @@ served from ``/docs-assets``, so the API docs work without internet.
 from __future__ import annotations
 
 import heapq
+import html
 import itertools
 import logging
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path as FilePath
 from typing import Annotated, Any, Literal, get_args
 
 from fastapi import APIRouter, FastAPI, Query, Request
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.openapi.docs import get_redoc_html
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
@@ -46,9 +47,13 @@ _PNG = "image/png"
 #: for it, and ReDoc hides the image that did not load.)
 _CSP_PAGE = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
              "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
-_CSP_DOCS = ("default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
-             "script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; font-src 'self' data:; "
-             "connect-src 'self'; object-src 'none'; base-uri 'none'")
+#: Swagger UI: its start-up script is a file (ui/docs.js), so no inline script or style.
+_CSP_SWAGGER = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+                "worker-src 'self' blob:; font-src 'self' data:; connect-src 'self'; "
+                "object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+#: ReDoc builds its styles at run time (styled-components adds <style> elements), so its
+#: style-src allows inline styles; scripts stay 'self' only (no inline script runs).
+_CSP_REDOC = _CSP_SWAGGER.replace("style-src 'self';", "style-src 'self' 'unsafe-inline';")
 
 router = APIRouter(tags=["page"])
 
@@ -116,20 +121,36 @@ def status_page() -> FileResponse:
                                  "Content-Security-Policy": _CSP_PAGE})
 
 
-def _with_csp(page: HTMLResponse) -> HTMLResponse:
-    page.headers["Content-Security-Policy"] = _CSP_DOCS
+def _with_csp(page: HTMLResponse, policy: str) -> HTMLResponse:
+    page.headers["Content-Security-Policy"] = policy
     return page
+
+
+_SWAGGER_PAGE = """<!DOCTYPE html>
+<html>
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1.0">
+<link type="text/css" rel="stylesheet" href="{assets}/swagger-ui.css">
+<link rel="shortcut icon" href="{assets}/favicon.png">
+<title>spcache - API (Swagger UI)</title>
+</head>
+<body>
+<div id="swagger-ui" data-openapi="{openapi}"></div>
+<script src="{assets}/swagger-ui-bundle.js"></script>
+<script src="{ui}/docs.js"></script>
+</body>
+</html>
+"""
 
 
 @router.get("/docs", include_in_schema=False)
 def swagger_docs(request: Request) -> HTMLResponse:
-    root = request.scope.get("root_path", "")
-    return _with_csp(get_swagger_ui_html(
-        openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (Swagger UI)",
-        swagger_js_url=f"{root}{_DOCS_ASSETS_URL}/swagger-ui-bundle.js",
-        swagger_css_url=f"{root}{_DOCS_ASSETS_URL}/swagger-ui.css",
-        swagger_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png",
-        swagger_ui_parameters={"validatorUrl": None}))
+    root = html.escape(request.scope.get("root_path", ""), quote=True)
+    openapi = html.escape(str(request.app.openapi_url), quote=True)
+    return _with_csp(HTMLResponse(_SWAGGER_PAGE.format(
+        assets=f"{root}{_DOCS_ASSETS_URL}", openapi=f"{root}{openapi}", ui=f"{root}/ui")),
+        _CSP_SWAGGER)
 
 
 @router.get("/redoc", include_in_schema=False)
@@ -138,7 +159,8 @@ def redoc_docs(request: Request) -> HTMLResponse:
     return _with_csp(get_redoc_html(
         openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (ReDoc)",
         redoc_js_url=f"{root}{_DOCS_ASSETS_URL}/redoc.standalone.js",
-        redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False))
+        redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False),
+        _CSP_REDOC)
 
 
 def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:

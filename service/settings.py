@@ -16,6 +16,8 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from cache_store.errors import SpcacheError
+
 __all__ = ["Settings", "is_loopback"]
 
 
@@ -125,6 +127,14 @@ class Settings(BaseSettings):
             raise ValueError("tls_certfile and tls_keyfile go together (give both, or neither)")
         if self.tls_certfile is not None:
             import ssl
+
+            from cache_store.sources.files import SourceLimits, check_source
+
+            for path in (self.tls_certfile, self.tls_keyfile):
+                try:  # a FIFO or a device would block the load forever: regular files only
+                    check_source(path, SourceLimits(max_bytes=1 << 20))
+                except SpcacheError as exc:
+                    raise ValueError(f"TLS file {exc}") from None
 
             try:
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(

@@ -361,8 +361,10 @@ class JobQueue:
     # -- reading -----------------------------------------------------------------------
 
     def job(self, job_id: str, *, errors_offset: int = 0, errors_limit: int = 100) -> JobInfo:
-        """One job with its counts and one page of its failed items' errors."""
+        """One job with its counts and one page of its failed items' errors (QueueDamaged
+        when the file was lost: a deleted file's open connection would still answer)."""
         conn = self._conn()
+        self.check()
         row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         if row is None:
             raise JobNotFound(job_id)
@@ -375,6 +377,7 @@ class JobQueue:
         """Jobs, newest first, with counts and, for a job with failed items, the first
         ``errors_limit`` of their errors (ask :meth:`job` for more)."""
         conn = self._conn()
+        self.check()
         where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
         rows = conn.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
                             (*args, max(0, int(limit)), max(0, int(offset)))).fetchall()

@@ -200,6 +200,11 @@ def test_api_docs_render_offline(browser: object, tmp_path: Path) -> None:
     server = start_server(tmp_path / "cache", tmp_path / "sources", "--no-worker")
     try:
         page, attempted = _offline_page(browser, 1280, 800)
+        # what the pages' CSP blocked, but ReDoc's CDN logo (img-src; see routes_page):
+        # an inline script or style refused would break the page
+        refused: list[str] = []
+        page.on("console", lambda m: refused.append(m.text)
+                if "Content Security Policy" in m.text and "img-src" not in m.text else None)
         page.goto(server.url + "/")
         page.get_by_role("link", name="API docs (Swagger UI)").click()
         page.wait_for_url("**/docs")
@@ -212,6 +217,7 @@ def test_api_docs_render_offline(browser: object, tmp_path: Path) -> None:
         assert page.locator("h1").first.inner_text().startswith("spcache")
         time.sleep(0.5)  # late requests (fonts, validators) would show up here
         assert attempted == [], attempted
+        assert refused == [], refused
     finally:
         stop_server(server)
 
