@@ -38,7 +38,7 @@ def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     from cache_store.recipes.specs import get_recipe_spec
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
-    from workers.recipes import get_recipe, make_generator
+    from workers.recipes import get_recipe, make_generator, run_recipe
     from workers.source_load import load_source
 
     if mesh is None:
@@ -54,8 +54,8 @@ def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     params = spec.resolve({"level": level, "surface_samples": 400_000})
     fp = compute_fingerprint("spc", spec.version, params)
     source = load_source(mesh)
-    tensors = get_recipe("spc").compute(source, params, generator=make_generator(fp, mesh.stem),
-                                        device="cpu", ops=get_backend("torch", "cpu"))
+    tensors = run_recipe(get_recipe("spc"), source, params,
+                         generator=make_generator(fp, mesh.stem), device="cpu", ops=get_backend("torch", "cpu"))
     value = encode_record(tensors, {"recipe": "spc", "recipe_version": str(spec.version),
                                     "fingerprint": fp, "sample_id": mesh.stem,
                                     "source_hash": source.source_hash, "backend": "torch",

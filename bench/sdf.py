@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers import sdf
 from workers.ops import get_backend
-from workers.recipes import RECIPES, make_generator
+from workers.recipes import RECIPES, make_generator, run_recipe
 from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 
@@ -125,7 +125,7 @@ def bench_mesh(path: Path, count: int, subset: int, compare: bool) -> dict:
     params = recipe.spec.resolve({"level": 8, "near_samples": count - count // 2,
                                   "uniform_samples": count // 2})
     ops = get_backend("torch", "cpu")
-    _, recipe_s = _timed(lambda: recipe.compute(source, params, generator=make_generator(
+    _, recipe_s = _timed(lambda: run_recipe(recipe, source, params, generator=make_generator(
         "0" * 32, path.name), device="cpu", ops=ops))
     sub = torch.from_numpy(points[:subset])
     (brute, _), brute_s = _timed(lambda: sdf.brute_force_signed_distance(

@@ -5,13 +5,15 @@ Three stages overlap:
 1. **Loading** (CPU, in parallel): a process pool reads each source file, hashes its
    bytes, skips it when the store already holds a record with that source hash, else
    parses, validates, normalises and draws the sample's random numbers
-   (:meth:`workers.recipes.Recipe.prepare`). The pool uses a ``forkserver`` (or
+   (the recipe's ``prepare``). The pool uses a ``forkserver`` (or
    ``spawn``) context and is created before the device is touched, so no process that
    holds CUDA is ever forked. ``loaders=0`` loads in the calling process instead.
    (:mod:`workers.loader`)
-2. **Device compute** (the calling thread): octree, scan, point hierarchy and chunked
-   queries through the ops backend. Out of device memory on a query chunk empties the
-   cache, halves the chunk and retries (:class:`workers.recipes.ChunkBudget`).
+2. **Device compute** (the calling thread): the recipe's ``compute`` (for the built-ins:
+   octree, scan, point hierarchy and chunked queries through the ops backend), its
+   outputs checked against the declared fields. Out of device memory on a chunk run
+   through the recipe's :class:`~cache_store.recipes.api.ChunkBudget` empties the
+   cache, halves the chunk and retries.
 3. **Writing** (a writer thread, :mod:`workers.record_writer`): records are encoded
    and written in batched transactions (``store.put_many``).
 
@@ -46,7 +48,9 @@ from cache_store.jobs.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool
-from workers.recipes import OOM_ERRORS, ChunkBudget, Prepared, Recipe, check_outputs, get_recipe
+from cache_store.recipes.api import is_out_of_memory
+from cache_store.recipes.registry import get_entry
+from workers.recipes import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
 from workers.run_ledger import (
     ItemResult,
@@ -95,7 +99,8 @@ class Engine:
 
     Args:
         store: an open, writable :class:`cache_store.stores.base.Store`.
-        recipe: a recipe name (or :class:`workers.recipes.Recipe`).
+        recipe: an installed recipe's name (or a :class:`spcache.recipes.Recipe` instance,
+            which must be installed too: loader processes find it by name).
         params: recipe parameters; validated and completed with defaults here.
         device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         backend: ops backend name for :func:`workers.ops.get_backend` (``auto``, ``torch``,
@@ -128,8 +133,12 @@ class Engine:
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
                  skip_failed: bool = False, failure_log: FailureLog | None = None) -> None:
-        self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
-        self.params = self.recipe.spec.resolve(params)
+        entry = get_entry(recipe.name if isinstance(recipe, Recipe) else recipe)
+        self.recipe = recipe if isinstance(recipe, Recipe) else entry.new()
+        self.recipe_spec = entry.spec
+        #: digest of the recipe's code, stored in every record (``code_digest``)
+        self.code_digest = entry.code_digest
+        self.params = self.recipe_spec.resolve(params)
         loaders = 2 if loaders is None else loaders
         problems = []
         if not DEVICE_PATTERN.match(str(device)):
@@ -163,7 +172,8 @@ class Engine:
         self.source_limits = SourceLimits.of(source_roots, max_source_bytes)
         self.skip_failed = bool(skip_failed)
         self.failure_log = failure_log
-        self.fingerprint = compute_fingerprint(self.recipe.name, self.recipe.version, self.params)
+        self.fingerprint = compute_fingerprint(self.recipe_spec.name, self.recipe_spec.version,
+                                               self.params)
         self._loader_pool: LoaderPool | None = None
 
     def key(self, sample_id: str) -> str:
@@ -172,7 +182,7 @@ class Engine:
     def loader_pool(self, count: int | None = None) -> LoaderPool:
         """A new, unopened loader pool for this engine's recipe (``count``: items it will
         see, when known)."""
-        return LoaderPool(self.recipe.name, dict(self.params), self.fingerprint,
+        return LoaderPool(self.recipe_spec.name, dict(self.params), self.fingerprint,
                           loaders=self.loaders, count=count, limits=self.source_limits)
 
     def open(self) -> Engine:
@@ -226,8 +236,9 @@ class LocalRun:
                  on_result: Callable[[ItemResult], None] | None) -> None:
         self.engine = engine
         self.items = items
-        self.ledger = RunLedger(engine.store, Summary(engine.fingerprint, engine.recipe.name,
-                                                      engine.recipe.version, dict(engine.params)),
+        self.ledger = RunLedger(engine.store, Summary(engine.fingerprint, engine.recipe_spec.name,
+                                                      engine.recipe_spec.version,
+                                                      dict(engine.params)),
                                 on_result, progress=engine.progress,
                                 failures=engine.failure_log, skip_failed=engine.skip_failed,
                                 requested_at=engine.requested_at)
@@ -279,6 +290,7 @@ class LocalRun:
             self.summary.device, self.summary.backend = str(device), str(ops.name)
             budget = ChunkBudget(self.engine.query_chunk, minimum=self.engine.min_query_chunk,
                                  before_query_chunk=self.engine.before_query_chunk)
+            self.engine.recipe.chunks = budget
             writer = RecordWriter(self.engine.store, self.engine.write_batch, self.committed)
             writer.start()
             self.ledger.open_progress(len(self.items))
@@ -329,8 +341,8 @@ class LocalRun:
                                                   source_hash=outcome.source_hash))
                 else:
                     assert outcome.prepared is not None
-                    self._compute(item, outcome.prepared, writer, device, ops, budget,
-                                  outcome.source_stat)
+                    self._compute(item, outcome.prepared, outcome.source_hash, writer, device,
+                                  ops, budget, outcome.source_stat)
                 self._report_committed()
                 self._stop_if_full(writer)
         finally:
@@ -344,48 +356,48 @@ class LocalRun:
         if writer.full is not None:
             raise StoreFull(writer.full.path, writer.full.reason) from writer.full
 
-    def _compute(self, item: WorkItem, prepared: Prepared, writer: RecordWriter,
-                 device: torch.device, ops: Any, budget: ChunkBudget,
-                 source_stat: str = "") -> None:
+    def _compute(self, item: WorkItem, prepared: dict[str, Any], source_hash: str,
+                 writer: RecordWriter, device: torch.device, ops: Any,
+                 budget: ChunkBudget, source_stat: str = "") -> None:
         start = time.perf_counter()
+        spec = self.engine.recipe_spec
+        stage = "compute() raised"
         try:
-            tensors = self.engine.recipe.compute_prepared(
-                prepared, self.engine.params, device=device, ops=ops, query_chunk=budget)
-            check_outputs(self.engine.recipe.spec, tensors, self.engine.params)
-        except OOM_ERRORS as exc:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                          reason=f"out of device memory (after backing off to "
-                                                 f"{budget.size}-query chunks): {one_line(exc)}",
-                                          source_hash=prepared.source_hash))
-            return
-        except SourceError as exc:
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=exc.reason,
-                                          source_hash=prepared.source_hash))
-            return
+            tensors = self.engine.recipe.compute(prepared, self.engine.params, device, ops)
+            stage = "outputs"
+            check_outputs(spec, tensors, self.engine.params)
         except Exception as exc:  # one sample's failure is recorded, the run goes on
-            logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                          reason=f"{type(exc).__name__}: {one_line(exc)}",
-                                          source_hash=prepared.source_hash))
+            if is_out_of_memory(exc):
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                reason = (f"recipe {spec.name!r}: out of device memory (after backing off to "
+                          f"{budget.size}-item chunks): {one_line(exc)}")
+            elif isinstance(exc, SourceError):
+                reason = exc.reason
+            elif stage == "outputs":
+                reason = one_line(exc)
+            else:
+                logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
+                reason = f"recipe {spec.name!r}: {stage} {type(exc).__name__}: {one_line(exc)}"
+            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=reason,
+                                          source_hash=source_hash))
             return
         finally:
             self.summary.compute_s += time.perf_counter() - start
-        metadata = self._metadata(item, prepared, device, ops)
+        metadata = self._metadata(item, source_hash, device, ops)
         if source_stat:  # readers compare it before hashing (cache_store.jobs.freshness)
             metadata[STAT_FIELD] = source_stat
         writer.put(PendingRecord(item, tensors, metadata))
 
-    def _metadata(self, item: WorkItem, prepared: Prepared, device: torch.device,
+    def _metadata(self, item: WorkItem, source_hash: str, device: torch.device,
                   ops: Any) -> dict[str, str]:
-        spec = self.engine.recipe.spec
+        spec = self.engine.recipe_spec
         return {
             "recipe": spec.name,
             "recipe_version": str(spec.version),
             "fingerprint": self.engine.fingerprint,
             "sample_id": item.sample_id,
-            "source_hash": prepared.source_hash,
+            "source_hash": source_hash,
             "backend": str(ops.name),
             "device": str(device),
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -393,6 +405,7 @@ class LocalRun:
             "schema": json.dumps({k: f.as_json() for k, f in spec.fields.items()},
                                  sort_keys=True, separators=(",", ":")),
             "params": canonical_json(dict(self.engine.params)),
+            "code_digest": self.engine.code_digest,
         }
 
     def _report_committed(self, quiet: bool = False) -> None:

@@ -25,7 +25,7 @@ import torch
 
 from cache_store.errors import SourceError
 from cache_store.jobs.freshness import is_current, trusted_signature
-from workers.recipes import Prepared, get_recipe, make_generator
+from workers.recipes import get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
@@ -41,14 +41,15 @@ class LoadOutcome(NamedTuple):
     ``status`` is ``"skipped"`` (the stored record's source hash matches the file),
     ``"skipped-failed"`` (the file is unchanged since this sample failed, and the run
     skips those), ``"failed"`` (``reason`` says why) or ``"prepared"`` (``prepared`` is
-    set); ``seconds`` is the time it took; ``source_hash`` the file's content hash once
-    it was read; ``source_stat`` its stat signature, taken before the read (``""`` when
-    the file changed too recently to trust one: :func:`trusted_signature`).
+    set: what the recipe's ``prepare`` returned); ``seconds`` is the time it took;
+    ``source_hash`` the file's content hash once it was read; ``source_stat`` its stat
+    signature, taken before the read (``""`` when the file changed too recently to trust
+    one: :func:`trusted_signature`).
     """
 
     status: str
     seconds: float
-    prepared: Prepared | None = None
+    prepared: dict[str, Any] | None = None
     reason: str = ""
     source_hash: str = ""
     source_stat: str = ""
@@ -77,9 +78,6 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
             return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
         source = load_source(path, data)
         recipe = get_recipe(recipe_name)
-        prepared = recipe.prepare(source, sample_id, params, make_generator(fingerprint, sample_id))
-        return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared,
-                           source_hash=digest, source_stat=signature)
     except SourceError as exc:
         return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
                            source_hash=digest)
@@ -90,6 +88,25 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
         logger.exception("loading %s failed", path)
         return LoadOutcome("failed", time.perf_counter() - start,
                            reason=f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
+    try:
+        prepared = recipe.prepare(source, params, make_generator(fingerprint, sample_id))
+        if not isinstance(prepared, dict):
+            return LoadOutcome("failed", time.perf_counter() - start, source_hash=digest,
+                               reason=f"recipe {recipe_name!r}: prepare() returned "
+                                      f"{type(prepared).__name__}, expected a dict of arrays")
+        return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared,
+                           source_hash=digest, source_stat=signature)
+    except SourceError as exc:
+        return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
+                           source_hash=digest)
+    except MemoryError:
+        return LoadOutcome("failed", time.perf_counter() - start,
+                           reason="out of memory while loading", source_hash=digest)
+    except Exception as exc:  # noqa: BLE001 - reported as this sample's failure, never swallowed
+        logger.exception("recipe %r: prepare() failed on %s", recipe_name, path)
+        return LoadOutcome("failed", time.perf_counter() - start,
+                           reason=f"recipe {recipe_name!r}: prepare() raised "
+                                  f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
 
 
 def _init_loader_process(engine_pid: int) -> None:

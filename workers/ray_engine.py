@@ -158,8 +158,8 @@ class RayEngine(Engine):
     def run_options(self) -> RayRunOptions:
         """What a run needs from this engine, frozen: the driver reads nothing else."""
         return RayRunOptions(
-            store=self.store, fingerprint=self.fingerprint, recipe=self.recipe.name,
-            recipe_version=self.recipe.version, params=dict(self.params), device=self.device,
+            store=self.store, fingerprint=self.fingerprint, recipe=self.recipe_spec.name,
+            recipe_version=self.recipe_spec.version, params=dict(self.params), device=self.device,
             backend=self.backend, actor_options=self.actor_options(),
             source_limits=self.source_limits, address=self.address, ray_init=dict(self.ray_init),
             actors=self.actors, shard_size=self.shard_size, max_attempts=self.max_attempts,

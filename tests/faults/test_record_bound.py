@@ -65,7 +65,7 @@ def test_params_past_the_record_bound_are_refused(tmp_path: Path) -> None:
 def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
-    from workers.recipes import get_recipe
+    from workers.recipes import get_recipe, run_recipe
     from workers.source_load import LoadedSource
 
     spec = get_recipe_spec(name)
@@ -73,8 +73,9 @@ def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
     rng = np.random.default_rng(0)
     cloud = rng.uniform(-1, 1, size=(resolved["surface_samples"], 3))  # fills every level
     source = LoadedSource("dense.npy", "xxh3_128:0", cloud, None)
-    tensors = get_recipe(name).compute(source, resolved, generator=torch.Generator().manual_seed(0),
-                                       device="cpu", ops=get_backend("torch", "cpu"))
+    tensors = run_recipe(get_recipe(name), source, resolved,
+                         generator=torch.Generator().manual_seed(0),
+                         device="cpu", ops=get_backend("torch", "cpu"))
     record = encode_record(tensors, {"recipe": name, "recipe_version": str(spec.version),
                                      "fingerprint": "0" * 32, "sample_id": "dense",
                                      "source_hash": "xxh3_128:0", "backend": "torch",

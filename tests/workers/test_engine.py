@@ -81,9 +81,9 @@ def test_records_agree_with_the_ops_called_directly(mesh_cache, meshes: list[Pat
         record = store.get_record(engine.key(path.stem))
         t = record.tensors
         # redo the CPU half with the same seed, then every op by hand
-        prepared = recipe.prepare(load_source(path), path.stem, engine.params,
+        prepared = recipe.prepare(load_source(path), engine.params,
                                   make_generator(engine.fingerprint, path.stem))
-        points = torch.from_numpy(prepared.points)
+        points = torch.from_numpy(prepared["points"])
         octree = ops.unbatched_points_to_octree(ops.quantize_points(points, level), level)
         max_level, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)], dtype=torch.int32))
         assert max_level == level
@@ -91,7 +91,7 @@ def test_records_agree_with_the_ops_called_directly(mesh_cache, meshes: list[Pat
         assert torch.equal(t["pyramid"], pyramids[0])
         assert torch.equal(t["exsum"], exsum)
         assert torch.equal(t["point_hierarchy"], ops.generate_points(octree, pyramids, exsum))
-        queries = torch.from_numpy(prepared.queries)
+        queries = torch.from_numpy(prepared["queries"])
         assert torch.equal(t["query_points"], queries)
         pidx = ops.unbatched_query(octree, exsum, queries, level, with_parents=True)
         assert torch.equal(t["query_pidx"], pidx.to(torch.int32))
@@ -112,9 +112,9 @@ def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, meshe
         leaves = t["point_hierarchy"][start:end].long()
         assert len(leaves) == t["pyramid"][0, level].item()
         # recompute the surface samples the record was built from (same seed, CPU only)
-        prepared = RECIPES["spc"].prepare(load_source(path), path.stem, engine.params,
+        prepared = RECIPES["spc"].prepare(load_source(path), engine.params,
                                           make_generator(engine.fingerprint, path.stem))
-        samples = torch.from_numpy(prepared.points).double()
+        samples = torch.from_numpy(prepared["points"]).double()
         assert samples.abs().max() <= 1.0
         cells = torch.floor(((samples + 1) / 2 * 2**level).clamp(0, 2**level - 1)).long()
         as_set = lambda p: set(map(tuple, p.tolist()))  # noqa: E731

@@ -114,5 +114,5 @@ def test_check_outputs() -> None:
     bad["occupancy"] = bad["occupancy"].bool()
     with pytest.raises(SpcacheError, match="occupancy: dtype"):
         check_outputs(spec, bad, params)
-    with pytest.raises(SpcacheError, match="fields"):
+    with pytest.raises(SpcacheError, match="not declared"):
         check_outputs(RECIPES["spc"].spec, _spc_like(3, 10), params)

@@ -13,7 +13,7 @@ from hypothesis.extra.numpy import arrays
 from cache_store.errors import ParameterError, SourceError
 from workers import sdf
 from workers.ops import get_backend
-from workers.recipes import RECIPES, check_outputs, make_generator
+from workers.recipes import RECIPES, check_outputs, make_generator, run_recipe
 from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 
@@ -111,8 +111,8 @@ def _record(tmp_path, mesh: trimesh.Trimesh, params=PARAMS, name: str = "shape.p
     path = tmp_path / name
     mesh.export(path)
     source = load_source(path)
-    out = RECIPE.compute(source, params, generator=make_generator("f" * 32, name),
-                         device="cpu", ops=get_backend("torch", "cpu"))
+    out = run_recipe(RECIPE, source, params, generator=make_generator("f" * 32, name),
+                     device="cpu", ops=get_backend("torch", "cpu"))
     check_outputs(RECIPE.spec, out, params)
     return source, out
 
@@ -175,7 +175,7 @@ def test_a_point_cloud_fails_with_its_reason(tmp_path) -> None:
     path = tmp_path / "cloud.npy"
     np.save(path, np.random.default_rng(0).normal(size=(500, 3)))
     with pytest.raises(SourceError, match="point cloud") as info:
-        RECIPE.prepare(load_source(path), "cloud", PARAMS, make_generator("f" * 32, "cloud"))
+        RECIPE.prepare(load_source(path), PARAMS, make_generator("f" * 32, "cloud"))
     assert str(path) in str(info.value)
 
 
@@ -193,8 +193,8 @@ def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
 
     budget = ChunkBudget(2048, minimum=256, before_query_chunk=fault)
     source = load_source(tmp_path / "shape.ply")
-    out = RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "shape.ply"),
-                         device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
+    out = run_recipe(RECIPE, source, PARAMS,
+                     generator=make_generator("f" * 32, "shape.ply"), device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
     assert budget.backoffs == 1 and calls[0] == 2048 and calls[1] == 1024
     assert all(torch.equal(out[k], plain[k]) for k in plain)
 
@@ -228,8 +228,8 @@ def test_kaolin_records_agree_with_cpu_records(tmp_path) -> None:
     path = tmp_path / "capsule.ply"
     trimesh.creation.capsule(height=1.0, radius=0.4).export(path)
     source = load_source(path)
-    records = [RECIPE.compute(source, PARAMS, generator=make_generator("f" * 32, "c"),
-                              device=device, ops=ops)
+    records = [run_recipe(RECIPE, source, PARAMS, generator=make_generator("f" * 32, "c"),
+                          device=device, ops=ops)
                for device, ops in (("cpu", get_backend("torch", "cpu")), ("cuda", kaolin_ops))]
     cpu, gpu = records
     for name in cpu:

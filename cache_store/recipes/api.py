@@ -1,0 +1,328 @@
+"""The recipe contract: what a user's recipe class declares and implements.
+
+A recipe is a class deriving from :class:`Recipe` whose class attributes are its public
+schema (``name``, ``version``, ``params``, ``fields``) and whose two methods compute it:
+
+- :meth:`Recipe.prepare` (CPU only; may run in a loader process): from the loaded source
+  and the sample's seeded CPU ``torch.Generator``, a dict of NumPy arrays;
+- :meth:`Recipe.compute` (on the worker's device): from those arrays, a dict of tensors,
+  exactly the declared fields, on the CPU.
+
+This module imports no torch: the schema is plain class attributes, so the service and
+the readers learn a recipe's parameters and fields by importing its class, never by
+running it. Users import these names from :mod:`spcache.recipes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import logging
+import re
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from cache_store.recipes.specs import FieldSpec, ParamSpec, RecipeSpec
+
+if TYPE_CHECKING:  # pragma: no cover - for annotations only
+    import numpy as np
+    import torch
+
+__all__ = ["Recipe", "Param", "Field", "ChunkBudget", "check_outputs", "code_digest",
+           "contract_problems", "FIELD_DTYPES", "is_out_of_memory"]
+
+logger = logging.getLogger(__name__)
+
+#: ``Param(type, default, minimum=None, maximum=None, doc="")``: one recipe parameter.
+Param = ParamSpec
+#: ``Field(dtype, shape, meaning, finite=False)``: one output tensor.
+Field = FieldSpec
+
+#: The dtypes a field may declare (torch's names; records store exactly these).
+FIELD_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
+                "float32", "float64")
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_SHAPE = re.compile(r"^\[\s*([^\[\],]+(\s*,\s*[^\[\],]+)*)?\s*\]$")
+
+
+class Recipe:
+    """Base class of every recipe (the built-in ones included).
+
+    Class attributes (the schema; read without running anything):
+        name: the recipe's name (lowercase letters, digits, ``_``), as in its entry point.
+        version: an integer >= 1; bump it when the output changes, so old records become
+            a different fingerprint instead of stale hits.
+        params: ``{name: Param(...)}``; every parameter with its default.
+        fields: ``{name: Field(...)}``; exactly the tensors :meth:`compute` returns.
+        doc: one line for ``spcache recipes`` (default: the class docstring's first line).
+        record_bytes: optional ``staticmethod(params) -> int``, the worst-case record size
+            for resolved parameters; parameters over the record limit are then refused.
+        record_bytes_doc: how ``record_bytes`` bounds it, in words.
+        code_modules: extra modules (dotted names) whose source counts in the recipe's
+            code digest, besides the class's own module.
+
+    Per run, the engine sets ``self.chunks``: a :class:`ChunkBudget` shared by the run's
+    samples, for recipes that split device work into chunks.
+    """
+
+    name: ClassVar[str] = ""
+    version: ClassVar[int] = 0
+    params: ClassVar[Mapping[str, ParamSpec]] = {}
+    fields: ClassVar[Mapping[str, FieldSpec]] = {}
+    doc: ClassVar[str] = ""
+    record_bytes: ClassVar[Callable[[Mapping[str, Any]], int] | None] = None
+    record_bytes_doc: ClassVar[str] = ""
+    code_modules: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self) -> None:
+        self.chunks = ChunkBudget(1 << 18)
+
+    def prepare(self, source: Any, params: Mapping[str, Any],
+                generator: torch.Generator) -> dict[str, np.ndarray]:
+        """CPU only. ``source.path``, ``source.vertices`` (float64 ``[V, 3]``, the file's
+        coordinates), ``source.faces`` (int64 ``[F, 3]``, None for a point cloud). Draw
+        every random number from ``generator``. Raise
+        :class:`cache_store.errors.SourceError` for a source this recipe cannot use."""
+        raise NotImplementedError
+
+    def compute(self, prepared: dict[str, np.ndarray], params: Mapping[str, Any],
+                device: torch.device, ops: Any) -> dict[str, torch.Tensor]:
+        """On ``device``; ``ops`` is the SPC backend in use (``quantize_points``,
+        ``unbatched_points_to_octree``, ``scan_octrees``, ...). Return CPU tensors."""
+        raise NotImplementedError
+
+    @classmethod
+    def spec(cls) -> RecipeSpec:
+        """The schema as a :class:`RecipeSpec` (built once per class)."""
+        cached = cls.__dict__.get("_spec_cache")
+        if cached is None:
+            doc = cls.doc or (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
+            bound = getattr(cls, "record_bytes", None)
+            cached = RecipeSpec(cls.name, int(cls.version), dict(cls.params), dict(cls.fields),
+                                doc, bound, cls.record_bytes_doc)
+            cls._spec_cache = cached  # type: ignore[attr-defined]
+        return cached
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, version={self.version})"
+
+
+def contract_problems(cls: Any) -> list[str]:
+    """Why ``cls`` is not a usable recipe class (empty when it is)."""
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        return [f"{cls!r} is not a subclass of spcache.recipes.Recipe"]
+    problems = []
+    if not isinstance(cls.name, str) or not _NAME.match(cls.name):
+        problems.append(f"name {cls.name!r} is not lowercase letters, digits and '_' "
+                        "(starting with a letter)")
+    if isinstance(cls.version, bool) or not isinstance(cls.version, int) or cls.version < 1:
+        problems.append(f"version {cls.version!r} is not an integer >= 1")
+    if not isinstance(cls.params, Mapping):
+        problems.append("params is not a mapping of name to Param")
+    else:
+        for key, param in cls.params.items():
+            if not isinstance(key, str) or not isinstance(param, ParamSpec):
+                problems.append(f"params[{key!r}] is not a Param")
+            elif param.type not in (int, float, str, bool):
+                problems.append(f"params[{key!r}]: type {param.type!r} is not int, float, "
+                                "str or bool")
+            else:
+                _, problem = param.check(key, param.default)
+                if problem:
+                    problems.append(f"params[{key!r}]: its default is invalid ({problem})")
+    if not isinstance(cls.fields, Mapping) or not cls.fields:
+        problems.append("fields is not a non-empty mapping of name to Field")
+    else:
+        for key, field in cls.fields.items():
+            if not isinstance(key, str) or not isinstance(field, FieldSpec):
+                problems.append(f"fields[{key!r}] is not a Field")
+            elif field.dtype not in FIELD_DTYPES:
+                problems.append(f"fields[{key!r}]: dtype {field.dtype!r} is not one of "
+                                f"{', '.join(FIELD_DTYPES)}")
+            elif not isinstance(field.shape, str) or not _SHAPE.match(field.shape):
+                problems.append(f"fields[{key!r}]: shape {field.shape!r} is not like "
+                                "'[N, 3]' or '[]'")
+    for method in ("prepare", "compute"):
+        if getattr(cls, method, None) is getattr(Recipe, method):
+            problems.append(f"{method}() is not implemented")
+    if cls.record_bytes is not None and not callable(cls.record_bytes):
+        problems.append("record_bytes is not callable")
+    return problems
+
+
+# --- out-of-memory back-off -------------------------------------------------------------
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for a device out-of-memory error (``torch.cuda.OutOfMemoryError``)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
+
+
+class ChunkBudget:
+    """A chunk size shared by the samples of a run; halves on out-of-memory.
+
+    :meth:`run` applies a step to ``[start, stop)`` ranges of at most ``size`` items. When
+    a step raises a device out-of-memory error, the device cache is emptied, ``size`` is
+    halved (and stays halved for later samples) and the same range is retried; when
+    ``size`` would drop below ``minimum`` the error propagates, so the sample fails with
+    a recorded reason while the run goes on.
+
+    Args:
+        size: first chunk size (> 0).
+        minimum: smallest chunk worth trying (> 0).
+        before_query_chunk: called with the chunk size before every attempt; tests make
+            it raise an out-of-memory error to prove the back-off without a GPU.
+    """
+
+    def __init__(self, size: int, *, minimum: int = 256,
+                 before_query_chunk: Callable[[int], None] | None = None) -> None:
+        if size < 1 or minimum < 1:
+            raise ValueError(f"chunk size and minimum must be positive, got {size}, {minimum}")
+        self.size = int(size)
+        self.minimum = min(int(minimum), self.size)
+        self.before_query_chunk = before_query_chunk
+        self.backoffs = 0
+
+    def run(self, total: int, step: Callable[[int, int], Any], device: Any) -> list[Any]:
+        """Results of ``step(start, stop)`` over ``[0, total)``, in order."""
+        parts: list[Any] = []
+        start = 0
+        while start < total:
+            stop = min(total, start + self.size)
+            try:
+                if self.before_query_chunk is not None:
+                    self.before_query_chunk(stop - start)
+                parts.append(step(start, stop))
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                _free_device_cache(device)
+                if self.size // 2 < self.minimum:
+                    raise
+                self.size //= 2
+                self.backoffs += 1
+                logger.warning("out of device memory on a %d-item chunk; retrying with %d",
+                               stop - start, self.size)
+                continue
+            start = stop
+        return parts
+
+
+def _free_device_cache(device: Any) -> None:
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# --- output checking -------------------------------------------------------------------
+
+_DIM_EXPR = re.compile(r"^([A-Za-z_]\w*)\s*([+-])\s*(\d+)$")
+
+
+def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> None:
+    """Raise :class:`cache_store.errors.SpcacheError` unless ``tensors`` are exactly the
+    fields ``spec`` declares: no field missing or extra, each a CPU tensor of the declared
+    dtype and rank, finite where the field says so.
+
+    Shapes are checked against the symbolic shapes: integers, parameter expressions such
+    as ``level+2``, and symbols (``M``, ``num_bytes``) that must take the same value
+    wherever they appear. The message names the recipe and every field at fault.
+    """
+    import torch
+
+    from cache_store.errors import SpcacheError
+
+    def fail(problems: list[str]) -> None:
+        raise SpcacheError(f"recipe {spec.name!r} produced the wrong outputs: "
+                           + "; ".join(problems))
+
+    if not isinstance(tensors, Mapping):
+        fail([f"compute() returned {type(tensors).__name__}, expected a dict of tensors"])
+    problems: list[str] = []
+    missing = sorted(set(spec.fields) - set(tensors))
+    extra = sorted(set(tensors) - set(spec.fields), key=str)
+    if missing:
+        problems.append(f"field(s) {', '.join(missing)} missing")
+    if extra:
+        problems.append(f"field(s) {', '.join(map(str, extra))} not declared")
+    symbols: dict[str, int] = {}
+    if "uniform_queries" in params and "surface_queries" in params:
+        symbols["M"] = int(params["uniform_queries"]) + int(params["surface_queries"])
+    if "uniform_samples" in params and "near_samples" in params:
+        symbols["M"] = int(params["uniform_samples"]) + int(params["near_samples"])
+    for name, field in spec.fields.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            problems.append(f"{name}: a {type(tensor).__name__}, expected a torch.Tensor")
+            continue
+        if str(tensor.dtype).removeprefix("torch.") != field.dtype:
+            problems.append(f"{name}: dtype {tensor.dtype}, declared {field.dtype}")
+        if tensor.device.type != "cpu":
+            problems.append(f"{name}: left on {tensor.device}, expected cpu")
+        if getattr(field, "finite", False) and tensor.is_floating_point() \
+                and tensor.device.type == "cpu" and not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{name}: holds NaN or infinite values, declared finite")
+        dims = [d.strip() for d in field.shape.strip("[]").split(",") if d.strip()]
+        if len(dims) != tensor.dim():
+            problems.append(f"{name}: shape {tuple(tensor.shape)} (rank {tensor.dim()}), "
+                            f"declared {field.shape}")
+            continue
+        for dim, size in zip(dims, tensor.shape, strict=True):
+            if _dim_value(dim, params, symbols, size) != size:
+                problems.append(f"{name}: shape {tuple(tensor.shape)}, declared {field.shape}")
+                break
+    if problems:
+        fail(problems)
+
+
+def _dim_value(dim: str, params: Mapping[str, Any], symbols: dict[str, int], size: int) -> int:
+    if dim.isdigit():
+        return int(dim)
+    match = _DIM_EXPR.match(dim)
+    if match and match.group(1) in params:
+        base, sign, offset = params[match.group(1)], match.group(2), int(match.group(3))
+        return int(base) + offset if sign == "+" else int(base) - offset
+    if dim in params and isinstance(params[dim], int):
+        return int(params[dim])
+    return symbols.setdefault(dim, size)
+
+
+# --- code digest ---------------------------------------------------------------------------
+
+
+def code_digest(cls: type) -> str:
+    """A digest of the recipe's code: the source of the class's module and of its
+    ``code_modules`` (read from their files, nothing imported). Two records of one
+    fingerprint with different digests were computed by different code."""
+    h = hashlib.blake2b(digest_size=8)
+    for module in (cls.__module__, *getattr(cls, "code_modules", ())):
+        h.update(module.encode() + b"\0")
+        h.update(_module_source(module, cls))
+    return h.hexdigest()
+
+
+def _module_source(module: str, cls: type) -> bytes:
+    loaded = sys.modules.get(module)
+    origin = getattr(loaded, "__file__", None)
+    if origin is None:
+        try:
+            spec = importlib.util.find_spec(module)
+            origin = spec.origin if spec is not None else None
+        except (ImportError, ValueError):
+            origin = None
+    if origin and origin.endswith(".py"):
+        try:
+            with open(origin, "rb") as fh:
+                return fh.read()
+        except OSError:
+            pass
+    try:  # a class defined in a notebook or __main__ without a file
+        return inspect.getsource(cls).encode()
+    except (OSError, TypeError):
+        return b"unknown:" + f"{module}.{cls.__qualname__}".encode()

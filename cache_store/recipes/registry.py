@@ -1,0 +1,236 @@
+"""The installed recipes: the built-ins, entry points, and ``SPCACHE_RECIPES``.
+
+Every process (the CLI, the worker, loader processes, Ray actors, the service, readers)
+finds recipes the same way, once per process, on first use:
+
+1. the built-in recipes (:mod:`cache_store.recipes.builtin`; spcache's own
+   ``pyproject.toml`` also names them as entry points, which resolve to the same classes);
+2. the entry points of the group ``spcache.recipes`` of every installed distribution
+   (``[project.entry-points."spcache.recipes"]`` ``my_recipe = "mypkg.recipes:MyRecipe"``),
+   in the order of (distribution name, entry point name);
+3. the environment variable ``SPCACHE_RECIPES``: comma-separated ``module:Class``
+   entries, for a recipe in a script or a source tree that is not installed (the module
+   must be importable: on ``sys.path`` / ``PYTHONPATH``).
+
+Finding a recipe imports its module (the class attributes are its schema) and runs none
+of its code. A recipe that cannot be used (its module fails to import, the class breaks
+the contract, its name is taken) is left out with one line naming the entry and the
+reason (:attr:`Registry.problems`, logged at ERROR when found); the others still work.
+A name taken twice is refused for both plugins (nothing says which one computed a
+record), and a plugin never replaces a built-in.
+
+The service imports the recipe classes to learn their schemas, so a recipe module whose
+top level imports torch makes the service import it too; it works, but a recipe that keeps
+``import torch`` inside ``prepare``/``compute`` (as the built-ins do) keeps the service
+light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cache_store.errors import UnknownName
+from cache_store.recipes.api import Recipe, code_digest, contract_problems
+from cache_store.recipes.specs import RecipeSpec
+
+__all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "RecipeEntry", "Registry", "installed_recipes",
+           "load_registry", "get_entry"]
+
+logger = logging.getLogger(__name__)
+
+#: The entry-point group recipes register under.
+ENTRY_POINT_GROUP = "spcache.recipes"
+#: ``module:Class[,module:Class...]``: recipes from modules that are not installed.
+ENV_VAR = "SPCACHE_RECIPES"
+
+
+@dataclass
+class RecipeEntry:
+    """One usable recipe: its class, schema and where it came from."""
+
+    name: str
+    cls: type[Recipe]
+    spec: RecipeSpec
+    #: ``{"kind": "builtin"|"entry point"|ENV_VAR, "entry": "name = module:Class",
+    #: "package": distribution or None, "package_version": its version or None}``
+    origin: dict[str, Any]
+    _digest: str | None = field(default=None, repr=False)
+
+    @property
+    def code_digest(self) -> str:
+        """Digest of the recipe's module source (see :func:`code_digest`)."""
+        if self._digest is None:
+            self._digest = code_digest(self.cls)
+        return self._digest
+
+    def new(self) -> Recipe:
+        """A fresh instance of the recipe (what a worker computes with)."""
+        recipe = self.cls()
+        recipe.spec = self.spec  # type: ignore[attr-defined]
+        return recipe
+
+    def as_json(self) -> dict[str, Any]:
+        return {**self.spec.as_json(), "origin": dict(self.origin),
+                "code_digest": self.code_digest}
+
+
+@dataclass
+class Registry:
+    """The recipes usable in this process, and the lines saying why others are not."""
+
+    recipes: dict[str, RecipeEntry]
+    problems: list[str]
+
+    def get(self, name: str) -> RecipeEntry:
+        """The recipe called ``name``; raises :class:`UnknownName` listing the known ones."""
+        try:
+            return self.recipes[name]
+        except KeyError:
+            raise UnknownName("recipe", name, self.recipes) from None
+
+
+def _distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.metadata["Name"], dist.version
+
+
+def _builtin_origin() -> dict[str, Any]:
+    from cache_store import __version__
+
+    return {"kind": "builtin", "entry": None, "package": "spcache", "package_version": __version__}
+
+
+def _import_class(value: str) -> Any:
+    module_name, sep, attr = value.strip().partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{value!r} is not 'module:Class'")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _candidates() -> list[tuple[str, str, dict[str, Any], Any]]:
+    """``(label, expected name or "", origin, loader)`` for every entry point and every
+    ``SPCACHE_RECIPES`` entry, in registration order."""
+    out: list[tuple[str, str, dict[str, Any], Any]] = []
+    try:
+        points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+    except Exception as exc:  # noqa: BLE001 - broken metadata must not stop the program
+        logger.error("recipe entry points of group %r could not be listed: %s",
+                     ENTRY_POINT_GROUP, exc)
+        points = []
+    points.sort(key=lambda ep: (_distribution_of(ep)[0] or "", ep.name))
+    for ep in points:
+        package, version = _distribution_of(ep)
+        where = f" (package {package} {version})" if package else ""
+        label = f"recipe entry point '{ep.name} = {ep.value}'{where}"
+        origin = {"kind": "entry point", "entry": f"{ep.name} = {ep.value}",
+                  "package": package, "package_version": version}
+        out.append((label, ep.name, origin, ep.load))
+    for value in (v.strip() for v in os.environ.get(ENV_VAR, "").split(",")):
+        if value:
+            origin = {"kind": ENV_VAR, "entry": value, "package": None, "package_version": None}
+            out.append((f"recipe {value!r} from {ENV_VAR}", "", origin,
+                        lambda value=value: _import_class(value)))
+    return out
+
+
+def load_registry() -> Registry:
+    """Find the installed recipes now (no cache; see :func:`installed_recipes`)."""
+    from cache_store.recipes.builtin import BUILTIN_RECIPES
+
+    recipes: dict[str, RecipeEntry] = {}
+    problems: list[str] = []
+    builtin = set(BUILTIN_RECIPES)
+    for cls in BUILTIN_RECIPES:
+        recipes[cls.name] = RecipeEntry(cls.name, cls, cls.spec(), _builtin_origin())
+    refused: dict[str, str] = {}  # name -> label of the first plugin that claimed it
+    for label, expected, origin, load in _candidates():
+        try:
+            cls = load()
+        except Exception as exc:  # noqa: BLE001 - any import failure is this entry's alone
+            problems.append(f"{label}: failed to import: {type(exc).__name__}: "
+                            f"{_one_line(exc)}")
+            continue
+        if cls in builtin:
+            if origin["kind"] == "entry point" and origin["package"] == "spcache":
+                recipes[cls.name].origin = {**origin, "kind": "builtin"}
+            continue
+        bad = contract_problems(cls)
+        if not bad and expected and expected != cls.name:
+            bad = [f"the class's name is {cls.name!r}; the entry point must be named after "
+                   "the recipe"]
+        if bad:
+            problems.append(f"{label}: not a usable recipe: {'; '.join(bad)}")
+            continue
+        name = cls.name
+        if name in refused:
+            problems.append(f"{label}: recipe name {name!r} is also claimed by "
+                            f"{refused[name]}; neither is used")
+            continue
+        current = recipes.get(name)
+        if current is not None and current.cls is cls:
+            continue  # the same class named twice (an entry point and SPCACHE_RECIPES)
+        if current is not None and current.cls in builtin:
+            problems.append(f"{label}: recipe name {name!r} is a built-in recipe; this "
+                            "one is not used")
+            continue
+        if current is not None:
+            first = recipes.pop(name)
+            first_label = first.origin.get("label", repr(first.origin.get("entry")))
+            refused[name] = first_label
+            problems.append(f"{label}: recipe name {name!r} is also claimed by "
+                            f"{first_label}; neither is used")
+            continue
+        try:
+            spec = cls.spec()
+        except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
+            problems.append(f"{label}: not a usable recipe: {type(exc).__name__}: "
+                            f"{_one_line(exc)}")
+            continue
+        recipes[name] = RecipeEntry(name, cls, spec, {**origin, "label": label})
+    for entry in recipes.values():
+        entry.origin.pop("label", None)
+    return Registry(recipes, problems)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+_lock = threading.Lock()
+_cached: tuple[str, Registry] | None = None
+
+
+def installed_recipes(*, reload: bool = False) -> Registry:
+    """The recipes of this process, found once (again when ``SPCACHE_RECIPES`` changes or
+    ``reload`` is given). Each problem is logged once, at ERROR, when found."""
+    global _cached
+    key = os.environ.get(ENV_VAR, "")
+    with _lock:
+        if _cached is None or reload or _cached[0] != key:
+            registry = load_registry()
+            for line in registry.problems:
+                logger.error("%s", line)
+            _cached = (key, registry)
+        return _cached[1]
+
+
+def get_entry(name: str) -> RecipeEntry:
+    """The installed recipe called ``name`` (raises :class:`UnknownName`)."""
+    return installed_recipes().get(name)
+
+
+def schemas() -> Mapping[str, RecipeSpec]:
+    """Every installed recipe's schema, by name."""
+    return {name: entry.spec for name, entry in installed_recipes().recipes.items()}
