@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from cache_store import __version__
+from cache_store.recipes.registry import installed_recipes
 from service.context import ServiceContext
 from service.errors import ERROR_RESPONSES, install_error_handlers
 from service.fastpath import RecordFastPath
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 def create_app(settings: Settings) -> FastAPI:
     """The spcache service for ``settings.cache``."""
+    installed_recipes()  # a recipe that cannot be used is named now, one ERROR line each
     ctx = ServiceContext(settings)
 
     @asynccontextmanager

@@ -24,6 +24,7 @@ from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.freshness import HashBudget
 from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
+from cache_store.recipes.registry import installed_recipes
 from cache_store.sources.files import SourceLimits
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.encode import select_fields
@@ -56,8 +57,12 @@ _WAIT_DOC = ("on a miss, wait up to this many seconds (capped by max_wait_s) for
 
 @router.get("/recipes")
 def list_recipes() -> dict[str, Any]:
-    """Every recipe: name, version, parameter schema, output fields."""
-    return {"recipes": [spec.as_json() for spec in RECIPE_SPECS.values()]}
+    """Every installed recipe: name, version, parameter schema, output fields, where it
+    comes from (``origin``: package and version) and its code digest. Only installed
+    recipes are ever computed: a request names one, it never carries code."""
+    registry = installed_recipes()
+    return {"recipes": [entry.as_json() for entry in registry.recipes.values()],
+            "problems": list(registry.problems)}
 
 
 @router.get("/caches")

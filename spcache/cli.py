@@ -84,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if level is None:
         level = logging.WARNING - 10 * (ns.verbose + getattr(args, "verbose", 0) - ns.quiet)
     configure_logging(level)
+    _load_recipes()
     logger.debug("spcache %s: pid %d, log level %s", name, os.getpid(),
                  logging.getLevelName(logging.getLogger().level))
     parent = os.environ.get(PARENT_PID_ENV)
@@ -99,6 +100,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGHUP, previous_hangup)
+
+
+def _load_recipes() -> None:
+    """Find the installed recipes now, so a plugin that cannot be used is named (one
+    ERROR line each) when the command starts, not when it is first needed."""
+    try:
+        from cache_store.recipes.registry import installed_recipes
+    except ImportError:  # a broken install: the command itself reports it
+        return
+    installed_recipes()
 
 
 def _top_parser() -> argparse.ArgumentParser:

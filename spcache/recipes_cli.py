@@ -1,13 +1,17 @@
-"""``spcache recipes [--json]``: the recipes, their parameters, defaults, bounds and fields,
-from the schemas in :mod:`cache_store.recipes.specs` (the same table as ``precompute --help``)."""
+"""``spcache recipes [--json]``: the installed recipes (built-in and plugins), their
+parameters, defaults, bounds and fields, and where each comes from (the same table as
+``precompute --help``). A recipe that could not be loaded is named on stderr with the
+reason, and the command exits 1."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import sys
+
+from cache_store.recipes.registry import installed_recipes
 from cache_store.recipes.table import recipe_table
-from cache_store.recipes.specs import RECIPE_SPECS
 
 __all__ = ["configure_parser", "run"]
 
@@ -19,9 +23,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    registry = installed_recipes()
     if args.json:
-        print(json.dumps({name: spec.as_json() for name, spec in RECIPE_SPECS.items()},
+        print(json.dumps({name: entry.as_json() for name, entry in registry.recipes.items()},
                          sort_keys=True))
     else:
         print(recipe_table())
-    return 0
+    for line in registry.problems:
+        print(f"spcache recipes: {line}", file=sys.stderr)
+    return 1 if registry.problems else 0
