@@ -16,10 +16,11 @@ from cache_store.keys import record_key
 from cache_store.jobs.freshness import HashBudget, compare_source
 from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
+from cache_store.recipes.registry import installed_recipes
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.header import read_metadata
 
-__all__ = ["ItemState", "item_state"]
+__all__ = ["ItemState", "item_state", "code_comparison"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,14 @@ class ItemState:
     state: str
     reason: str
     job_id: str | None = None
+    #: the record's recipe code digest against the installed recipe's
+    #: (``{"record", "installed", "changed"}``), when a record is stored
+    code: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "sample_id": self.sample_id,
-                "state": self.state, "reason": self.reason, "job_id": self.job_id}
+                "state": self.state, "reason": self.reason, "job_id": self.job_id,
+                "code": self.code}
 
 
 class _Unchecked(Exception):
@@ -74,6 +79,17 @@ def _stale_reasons(meta: dict[str, str], path: str | None, limits: SourceLimits 
         except SourceError as exc:
             problems.append(f"source cannot be checked: {exc}")
     return problems
+
+
+def code_comparison(meta: dict[str, str]) -> dict[str, Any] | None:
+    """The record's code digest against the installed recipe's, or None when the recipe
+    is not installed here. ``changed`` is None for a record that carries no digest."""
+    entry = installed_recipes().recipes.get(meta.get("recipe", ""))
+    if entry is None:
+        return None
+    recorded = meta.get("code_digest")
+    return {"record": recorded, "installed": entry.code_digest,
+            "changed": None if recorded is None else recorded != entry.code_digest}
 
 
 def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
@@ -107,14 +123,21 @@ def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
         except CorruptRecord as exc:
             return say("stale", f"stored record is unreadable: {exc}")
     if meta is not None:
+        code = code_comparison(meta)
         try:
             problems = _stale_reasons(meta, path, limits, budget)
         except _Unchecked as exc:
-            return say("unchecked", str(exc))
+            return ItemState(fingerprint, sample_id, "unchecked", str(exc), job_id, code)
         if problems:
-            return say("stale", "; ".join(problems) + ("; recomputation queued" if queued else ""))
+            return ItemState(fingerprint, sample_id, "stale", "; ".join(problems)
+                             + ("; recomputation queued" if queued else ""), job_id, code)
         checked = f" against {path}" if path else " (no source known to compare)"
-        return say("ready", f"record present, source hash and recipe version match{checked}")
+        reason = f"record present, source hash and recipe version match{checked}"
+        if code is not None and code["changed"]:
+            reason += (f"; but it was computed by different recipe code (digest "
+                       f"{code['record']}, installed {code['installed']}) under the same "
+                       "version: bump the recipe's version if its output changed")
+        return ItemState(fingerprint, sample_id, "ready", reason, job_id, code)
     if latest is None:
         return say(MISSING, "no record and no queue item for this sample")
     state = sample_state(latest["status"])

@@ -41,7 +41,7 @@ from cache_store.errors import (
 )
 from cache_store.location import parse_location
 from cache_store.format.decode import Record, check_record, decode_record, decode_records
-from cache_store.format.header import check_names_key, metadata_key, read_header
+from cache_store.format.header import check_names_key, metadata_key, read_header, read_metadata
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
 from cache_store.recipes.specs import RECIPE_SPECS
@@ -78,6 +78,17 @@ class VerifyReport:
 
 
 # --------------------------------------------------------------------------- store
+
+
+def count_code_digest(entry: dict[str, Any], value: Any) -> None:
+    """Count a record's recipe code digest (metadata ``code_digest``) into a stats entry's
+    ``code_digests``; records without one (or unreadable) count under ``"none"``."""
+    try:
+        digest = read_metadata(value).get("code_digest", "none")
+    except SpcacheError:
+        digest = "none"
+    counts = entry.setdefault("code_digests", {})
+    counts[digest] = counts.get(digest, 0) + 1
 
 
 class Store(abc.ABC):
@@ -212,9 +223,17 @@ class Store(abc.ABC):
             entry = per_fp.setdefault(key[:FINGERPRINT_HEX_CHARS], {"records": 0, "bytes": 0})
             entry["records"] += 1
             entry["bytes"] += len(value)
+            count_code_digest(entry, value)
         return self._finish_stats(per_fp)
 
     def _finish_stats(self, per_fp: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        for entry in per_fp.values():
+            digests = [d for d in entry.get("code_digests", {}) if d != "none"]
+            if len(digests) > 1:
+                entry["mixed_code"] = (f"records of this fingerprint were computed by "
+                                       f"{len(digests)} different versions of the recipe's "
+                                       "code under one recipe version: bump the recipe's "
+                                       "version if its output changed")
         for fingerprint in self.fingerprints():
             entry = per_fp.setdefault(fingerprint, {"records": 0, "bytes": 0})
             try:

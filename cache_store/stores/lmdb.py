@@ -82,7 +82,7 @@ from cache_store.process_local import ProcessLocal, park
 from cache_store.format.decode import Record, decode_record, decode_records
 from cache_store.format.header import check_names_key
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
-from cache_store.stores.base import Store
+from cache_store.stores.base import Store, count_code_digest
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache",
            "compact_environment", "WRITE_LOCK_FILENAME", "COMPACT_DIR"]
@@ -813,6 +813,7 @@ class LMDBStore(Store):
                                               {"records": 0, "bytes": 0})
                     entry["records"] += 1
                     entry["bytes"] += len(value)
+                    count_code_digest(entry, value)
             env, _ = self._environment()
             info, stat = env.info(), env.stat()
         out = self._finish_stats(per_fp)

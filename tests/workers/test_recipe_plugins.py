@@ -1,0 +1,189 @@
+"""Plugin recipes: how they are found, what is refused, and how a misbehaving one fails.
+
+The recipes are in ``tests/workers/plugin_recipes.py``, written only against
+``spcache.recipes``, and found through ``SPCACHE_RECIPES`` (entry points: a fake
+distribution on ``sys.path`` in a child interpreter).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cache_store.errors import UnknownName
+from cache_store.recipes.registry import ENV_VAR, installed_recipes, load_registry
+from cache_store.stores.lmdb import LMDBStore
+from tests.conftest import REPO_ROOT
+from workers.engine import Engine
+
+DATA = REPO_ROOT / "tests" / "data" / "recipes_golden"
+MESH, CLOUD = DATA / "blob.obj", DATA / "cloud.xyz"
+PLUGINS = "tests.workers.plugin_recipes"
+
+
+@pytest.fixture
+def probe(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Probe")
+    yield installed_recipes(reload=True).get("probe")
+    monkeypatch.delenv(ENV_VAR)
+    installed_recipes(reload=True)
+
+
+def _run(tmp_path: Path, params: dict, **options):
+    store = LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 24)
+    engine = Engine(store, "probe", params, device="cpu", backend="torch",
+                    loaders=options.pop("loaders", 0), **options)
+    summary = engine.run([("mesh", str(MESH)), ("cloud", str(CLOUD))])
+    return store, engine, summary
+
+
+def test_a_plugin_recipe_is_listed_with_its_origin_and_computed(probe, tmp_path: Path) -> None:
+    assert probe.origin == {"kind": ENV_VAR, "entry": f"{PLUGINS}:Probe", "package": None,
+                            "package_version": None}
+    assert probe.as_json()["fields"]["extent"]["finite"] is True
+    store, engine, summary = _run(tmp_path, {"level": 4})
+    with store:
+        assert summary.done == 2 and summary.failed == 0
+        record = store.get_record(engine.key("cloud"))
+        assert record.tensors["voxels"].dtype.is_floating_point is False
+        assert record.metadata["code_digest"] == probe.code_digest
+        assert record.metadata["recipe"] == "probe"
+
+
+@pytest.mark.parametrize(("mode", "says"), [
+    ("dtype", "extent: dtype torch.float64, declared float32"),
+    ("missing", "field(s) extent missing"),
+    ("extra", "field(s) bonus not declared"),
+    ("rank", "voxels: shape"),
+    ("nan", "extent: holds NaN or infinite values, declared finite"),
+    ("meta", "extent: left on meta, expected cpu"),
+    ("compute", "compute() raised RuntimeError: probe's compute failed on purpose"),
+    ("prepare", "prepare() raised RuntimeError: probe's prepare refuses meshes"),
+    ("not_a_dict", "prepare() returned list, expected a dict of arrays"),
+])
+def test_a_misbehaving_recipe_fails_that_sample_alone(probe, tmp_path: Path, mode: str,
+                                                      says: str) -> None:
+    store, engine, summary = _run(tmp_path, {"mode": mode})
+    with store:
+        assert (summary.done, summary.failed) == (1, 1), summary.errors
+        [error] = summary.errors
+        assert error.id == "mesh"
+        assert "recipe 'probe'" in error.reason and says in error.reason, error.reason
+        assert store.has(engine.key("cloud")) and not store.has(engine.key("mesh"))
+
+
+def test_version_bump_is_a_new_fingerprint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Probe")
+    first = load_registry().get("probe").spec
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:ProbeV2")
+    bumped = load_registry().get("probe").spec
+    from cache_store.keys import compute_fingerprint
+
+    params = first.resolve({})
+    assert bumped.version == 2
+    assert compute_fingerprint("probe", first.version, params) \
+        != compute_fingerprint("probe", bumped.version, bumped.resolve({}))
+
+
+@pytest.mark.parametrize(("entries", "says"), [
+    (f"{PLUGINS}:Probe,{PLUGINS}:OtherProbe",
+     "recipe name 'probe' is also claimed by"),
+    ("no_such_module_anywhere:Thing",
+     "failed to import: ModuleNotFoundError: No module named 'no_such_module_anywhere'"),
+    (f"{PLUGINS}:Missing", "failed to import: AttributeError"),
+    (f"{PLUGINS}:NoCompute", "not a usable recipe: compute() is not implemented"),
+    (f"{PLUGINS}:BadField", "dtype 'complex64' is not one of"),
+    (f"{PLUGINS}:Shadow", "recipe name 'spc' is a built-in recipe; this one is not used"),
+    ("nonsense", "is not 'module:Class'"),
+])
+def test_an_unusable_recipe_is_named_with_its_reason_and_the_others_work(
+        monkeypatch: pytest.MonkeyPatch, entries: str, says: str) -> None:
+    monkeypatch.setenv(ENV_VAR, entries)
+    registry = load_registry()
+    assert len(registry.problems) == 1 and says in registry.problems[0], registry.problems
+    assert entries.split(",")[-1] in registry.problems[0]  # names the entry
+    assert {"spc", "spc_query", "spc_sdf"} <= set(registry.recipes)
+    assert "probe" not in registry.recipes or "OtherProbe" not in entries
+    assert registry.recipes["spc"].cls.__module__ == "cache_store.recipes.builtin"
+    with pytest.raises(UnknownName, match="known: .*spc"):
+        registry.get("nothing")
+
+
+def _fake_distribution(root: Path, name: str, entry_points: dict[str, str]) -> None:
+    info = root / f"{name}-1.2.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(
+        "[spcache.recipes]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+
+
+def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
+    """Installed distributions (fake dist-info on the path) register recipes by entry
+    point; a broken one and a duplicate are each one ERROR line when the CLI starts, and
+    ``spcache recipes --json`` still lists the good ones with package and version."""
+    _fake_distribution(tmp_path, "good_recipes", {"probe": f"{PLUGINS}:Probe"})
+    _fake_distribution(tmp_path, "broken_recipes", {"broken": "broken_recipes_mod:Thing"})
+    _fake_distribution(tmp_path, "twin_recipes", {"spc": f"{PLUGINS}:Shadow"})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
+    env.pop(ENV_VAR, None)
+    proc = subprocess.run([sys.executable, "-m", "spcache", "recipes", "--json"], cwd=REPO_ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    listed = json.loads(proc.stdout)
+    assert listed["probe"]["origin"] == {"kind": "entry point",
+                                         "entry": f"probe = {PLUGINS}:Probe",
+                                         "package": "good_recipes", "package_version": "1.2.3"}
+    assert listed["spc"]["origin"]["package"] == "spcache"
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 2, proc.stderr
+    assert "recipe entry point 'broken = broken_recipes_mod:Thing' (package broken_recipes " \
+           "1.2.3): failed to import: ModuleNotFoundError" in errors[0]
+    assert "'spc = tests.workers.plugin_recipes:Shadow' (package twin_recipes 1.2.3)" in errors[1]
+    assert "is a built-in recipe" in errors[1]
+    assert proc.returncode == 1  # `spcache recipes` says a plugin could not be used
+
+
+def test_code_changed_without_a_version_bump_is_reported(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Edit a recipe's module and forget to bump its version: the fingerprint stays, the
+    records carry two code digests, and `stats` and the item route say so."""
+    from service.settings import Settings
+    from tests.service.conftest import InProcessServer
+
+    module = tmp_path / "mods" / "edited_recipe.py"
+    module.parent.mkdir()
+    module.write_text(f"from {PLUGINS} import Probe\n\n\nclass Edited(Probe):\n"
+                      "    name = 'edited'\n")
+    monkeypatch.syspath_prepend(str(module.parent))
+    monkeypatch.setenv(ENV_VAR, "edited_recipe:Edited")
+    try:
+        store = LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 24)
+        with store:
+            first = Engine(store, "edited", {}, device="cpu", backend="torch", loaders=0)
+            assert first.run([("mesh", str(MESH))]).done == 1
+            module.write_text(module.read_text() + "    # compute changed here\n")
+            installed_recipes(reload=True)
+            second = Engine(store, "edited", {}, device="cpu", backend="torch", loaders=0)
+            assert second.fingerprint == first.fingerprint
+            assert second.code_digest != first.code_digest
+            assert second.run([("cloud", str(CLOUD))]).done == 1
+            stats = store.stats()["fingerprints"][first.fingerprint]
+            assert stats["code_digests"] == {first.code_digest: 1, second.code_digest: 1}
+            assert "2 different versions of the recipe's code" in stats["mixed_code"]
+        settings = Settings(cache=tmp_path / "cache", source_roots=[DATA], worker=False)
+        with InProcessServer(settings) as server:
+            import httpx
+
+            old = httpx.get(f"{server.url}/v1/caches/{first.fingerprint}/items/mesh").json()
+            new = httpx.get(f"{server.url}/v1/caches/{first.fingerprint}/items/cloud").json()
+        assert old["code"] == {"record": first.code_digest, "installed": second.code_digest,
+                               "changed": True}
+        assert "computed by different recipe code" in old["reason"]
+        assert new["code"]["changed"] is False and new["state"] == "ready"
+    finally:
+        monkeypatch.delenv(ENV_VAR)
+        installed_recipes(reload=True)
