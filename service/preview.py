@@ -18,6 +18,8 @@ import logging
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 
 from cache_store.errors import CorruptRecord, ParameterError
@@ -273,20 +275,24 @@ def record_levels(value: bytes, *, key: str = "") -> int:
     """The deepest level of a record (from its header: ``pyramid`` is (2, L+2))."""
     header = read_header(value, key=key)
     info = header.tensors.get("pyramid")
-    if info is None or len(info.shape) != 2:
-        raise ParameterError([f"{key or 'record'}: no pyramid field to draw levels from"],
-                             what="preview request")
+    if info is None or len(info.shape) != 2 or "point_hierarchy" not in header.tensors:
+        raise _no_octree(header, key)
     return int(info.shape[1]) - 2
+
+
+def _no_octree(header: Any, key: str) -> ParameterError:
+    """The 422 for a record of a recipe without an octree (a plugin's features)."""
+    return ParameterError([f"{key or 'record'}: no octree in this record (a picture needs "
+                           f"point_hierarchy and pyramid; its fields: "
+                           f"{', '.join(sorted(header.tensors))})"], what="preview request")
 
 
 def render_record(value: bytes, request: PreviewRequest, *, key: str = "") -> bytes:
     """PNG bytes of one level of a record (``spc`` or ``spc_query``)."""
     request.check()
     header = read_header(value, key=key)
-    missing = [f for f in ("point_hierarchy", "pyramid") if f not in header.tensors]
-    if missing:
-        raise ParameterError([f"{key or 'record'}: no {', '.join(missing)} to draw"],
-                             what="preview request")
+    if any(f not in header.tensors for f in ("point_hierarchy", "pyramid")):
+        raise _no_octree(header, key)
     fields = ["point_hierarchy", "pyramid"]
     with_queries = request.queries and "query_points" in header.tensors
     if with_queries:

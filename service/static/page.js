@@ -226,8 +226,32 @@
     $("samples-first").disabled = state.samplesAfter.length === 1;
   }
 
-  function openPreview(sampleId) {
+  // A recipe without an octree (a plugin's own features) has nothing to draw: the panel
+  // lists its fields (from GET /v1/recipes) instead of a picture.
+  async function recipeFields(name) {
+    if (!state.recipes) {
+      const listed = await getJSON("/v1/recipes");
+      state.recipes = Object.fromEntries(listed.recipes.map((r) => [r.name, r.fields]));
+    }
+    return state.recipes[name] || null;
+  }
+
+  async function openPreview(sampleId) {
     state.sample = sampleId;
+    let fields = null;
+    try { fields = await recipeFields(state.cache.recipe); } catch (e) { console.error(e); }
+    const drawable = !fields || (fields.point_hierarchy && fields.pyramid);
+    $("preview-controls").hidden = !drawable;
+    $("preview-figure").hidden = !drawable;
+    $("preview-fields").hidden = drawable;
+    if (!drawable) {
+      $("preview-fields-body").replaceChildren(...Object.entries(fields).map(([name, f]) =>
+        el("tr", {}, el("td", {}, name), el("td", {}, f.dtype), el("td", {}, f.shape), el("td", {}, f.meaning))));
+      $("preview-panel").hidden = false;
+      $("preview-title").textContent = `Fields of ${sampleId}`;
+      state.sample = null;
+      return;
+    }
     const level = $("level");
     level.max = state.maxLevel;
     if (+level.value > state.maxLevel) level.value = state.maxLevel;

@@ -220,7 +220,8 @@ def test_preview_of_a_record_without_levels_is_422(tmp_path: Path) -> None:
     settings = Settings(cache=built.root, source_roots=[built.sources], worker=False)
     with InProcessServer(settings) as server, httpx.Client(base_url=server.url) as client:
         r = client.get(f"/v1/caches/{built.fingerprint}/previews/{built.ids[0]}")
-    assert r.status_code == 422 and "pyramid" in r.json()["detail"]
+    assert r.status_code == 422 and "no octree in this record" in r.json()["detail"]
+    assert "its fields: center, octree, point_hierarchy, scale" in r.json()["detail"]
 
 
 def test_sample_search_by_prefix_with_states_and_cursor(
