@@ -152,7 +152,7 @@ def test_code_changed_without_a_version_bump_is_reported(
     """Edit a recipe's module and forget to bump its version: the fingerprint stays, the
     records carry two code digests, and `stats` and the item route say so."""
     from service.settings import Settings
-    from tests.service.conftest import InProcessServer
+    from tests.helpers.service import InProcessServer
 
     module = tmp_path / "mods" / "edited_recipe.py"
     module.parent.mkdir()
