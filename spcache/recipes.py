@@ -25,11 +25,14 @@ and register it in your ``pyproject.toml``::
 
 (or, for a module that is not installed, ``SPCACHE_RECIPES=mymodule:VoxelNormals``).
 The contract is in :class:`Recipe`; how recipes are found, in
-:mod:`cache_store.recipes.registry`. Importing this module imports no torch.
+:mod:`cache_store.recipes.registry`. ``prepare`` raises :class:`SourceError` for a source
+the recipe cannot use (that sample fails with the reason). Importing this module imports
+no torch.
 """
 
 from __future__ import annotations
 
+from cache_store.errors import SourceError
 from cache_store.recipes.api import (
     FIELD_DTYPES,
     ChunkBudget,
@@ -48,6 +51,6 @@ from cache_store.recipes.registry import (
 )
 from cache_store.recipes.specs import MAX_RECORD_BYTES, RecipeSpec
 
-__all__ = ["Recipe", "Param", "Field", "ChunkBudget", "RecipeSpec", "RecipeEntry", "Registry",
+__all__ = ["Recipe", "Param", "Field", "ChunkBudget", "SourceError", "RecipeSpec", "RecipeEntry", "Registry",
            "installed_recipes", "check_outputs", "code_digest", "ENTRY_POINT_GROUP", "ENV_VAR",
            "FIELD_DTYPES", "MAX_RECORD_BYTES"]

@@ -158,3 +158,12 @@ def meshes(request: pytest.FixtureRequest) -> list[Path]:
 def bad_inputs(request: pytest.FixtureRequest) -> list[Path]:
     """Every hostile file of one corpus: the generated one, then (where present) ../shared."""
     return request.getfixturevalue(f"{request.param}_bad_inputs")
+
+
+@pytest.fixture(scope="session")
+def example_recipe(tmp_path_factory: pytest.TempPathFactory) -> str | None:
+    """The example recipe package installed (see tests/helpers/example_recipe.py); the
+    directory added to PYTHONPATH, or None when the venv has it already (CI)."""
+    from tests.helpers.example_recipe import ensure_installed
+
+    return ensure_installed(tmp_path_factory.mktemp("example_recipe"))

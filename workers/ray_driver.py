@@ -78,6 +78,8 @@ class RayRunOptions:
     actor_restarts: int = 2
     placement_timeout_s: float = 600.0
     actor_fault: Callable[[str], None] | None = None
+    #: Ray ``runtime_env`` of the actors (empty: the cluster's own).
+    actor_runtime_env: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = False
     skip_failed: bool = False
     failure_log: FailureLog | None = None
@@ -284,7 +286,8 @@ class RayRun:
             handle = remote.options(
                 name=f"spcache-shard-{self.run_token}-{index}", num_cpus=1,
                 num_gpus=1 if use_gpu else 0, max_restarts=opts.actor_restarts,
-                max_task_retries=0,
+                max_task_retries=0, **({"runtime_env": dict(opts.actor_runtime_env)}
+                                       if opts.actor_runtime_env else {}),
             ).remote(opts.recipe, dict(opts.params), options, level, opts.actor_fault)
             self.slots.append(ActorSlot(ActorStats(index), handle))
         self._describe_actors(ray)

@@ -94,6 +94,10 @@ class RayEngine(Engine):
         actor_restarts: how often Ray restarts each actor that died (``max_restarts``).
         placement_timeout_s: how long to wait for the cluster to place the actors.
         ray_init: extra keyword arguments for ``ray.init`` when this engine calls it.
+        actor_runtime_env: Ray ``runtime_env`` of the actors (e.g. ``{"py_modules":
+            [...]}`` to ship a recipe module that is not installed on the nodes). The
+            driver's ``SPCACHE_RECIPES``, when set, is added to its ``env_vars``, so the
+            actors find the same recipes the driver does.
         actor_fault: test hook handed to every actor (see
             :class:`workers.ray_actor.ShardWorker`; the tests' ``CrashOnce``).
     """
@@ -106,6 +110,7 @@ class RayEngine(Engine):
                  shard_size: int | None = None, max_attempts: int = 3, actor_restarts: int = 2,
                  placement_timeout_s: float = 600.0,
                  ray_init: Mapping[str, Any] | None = None,
+                 actor_runtime_env: Mapping[str, Any] | None = None,
                  actor_fault: Callable[[str], None] | None = None,
                  source_roots: Sequence[str | os.PathLike[str]] | None = None,
                  max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
@@ -141,6 +146,7 @@ class RayEngine(Engine):
         self.actor_restarts = int(actor_restarts)
         self.placement_timeout_s = float(placement_timeout_s)
         self.ray_init = dict(ray_init or {})
+        self.actor_runtime_env = actor_runtime_env_with_recipes(actor_runtime_env)
         self.actor_fault = actor_fault
 
     def open(self) -> RayEngine:
@@ -164,7 +170,8 @@ class RayEngine(Engine):
             source_limits=self.source_limits, address=self.address, ray_init=dict(self.ray_init),
             actors=self.actors, shard_size=self.shard_size, max_attempts=self.max_attempts,
             actor_restarts=self.actor_restarts, placement_timeout_s=self.placement_timeout_s,
-            actor_fault=self.actor_fault, progress=self.progress, skip_failed=self.skip_failed,
+            actor_fault=self.actor_fault, actor_runtime_env=self.actor_runtime_env,
+            progress=self.progress, skip_failed=self.skip_failed,
             failure_log=self.failure_log)
 
     def actor_options(self) -> dict[str, Any]:
@@ -175,3 +182,16 @@ class RayEngine(Engine):
                 "source_roots": list(self.source_limits.roots),
                 "max_source_bytes": self.source_limits.max_bytes}
 
+
+def actor_runtime_env_with_recipes(runtime_env: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``runtime_env`` with the driver's ``SPCACHE_RECIPES`` in its ``env_vars`` (when set
+    here and not given there): actors find recipes as every process does."""
+    from cache_store.recipes.registry import ENV_VAR
+
+    env = dict(runtime_env or {})
+    value = os.environ.get(ENV_VAR)
+    if value:
+        env_vars = dict(env.get("env_vars") or {})
+        env_vars.setdefault(ENV_VAR, value)
+        env["env_vars"] = env_vars
+    return env

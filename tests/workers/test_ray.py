@@ -123,6 +123,31 @@ def test_records_are_byte_identical_to_the_local_engine(local_cache, ray_cache) 
 
 
 @pytest.mark.slow
+def test_an_installed_recipe_package_runs_on_ray_as_locally(ray_local, example_recipe,
+                                                          tmp_path: Path,
+                                                          corpus_meshes: list[Path]) -> None:
+    """The example recipe package (an entry point, not spcache's code) on the actors: found
+    there as in the driver, records identical to the local engine's."""
+    params = {"level": 4, "samples": 2000}
+    items = _items(corpus_meshes[:3])
+    # An installed package is found by every actor; the session's fallback copy (a
+    # developer's older venv) travels in the actors' runtime env instead.
+    runtime_env = {"env_vars": {"PYTHONPATH": example_recipe}} if example_recipe else None
+    with open_store(tmp_path / "local", readonly=False) as store:
+        assert Engine(store, "voxel_normals", params, device="cpu", backend="torch",
+                      loaders=0).run(items).done == 3
+    with open_store(tmp_path / "ray", readonly=False) as store:
+        summary = RayEngine(store, "voxel_normals", params, actor_runtime_env=runtime_env,
+                            **RAY_OPTIONS).run(items)
+        assert summary.done == 3, summary.errors
+    local, ray_ = _all_records(tmp_path / "local"), _all_records(tmp_path / "ray")
+    assert local.keys() == ray_.keys()
+    for key in local:
+        assert _split(ray_[key])[1] == _split(local[key])[1], key
+        assert _split(ray_[key])[0]["code_digest"] == _split(local[key])[0]["code_digest"]
+
+
+@pytest.mark.slow
 def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, corpus_bad_inputs) -> None:
     local, ray_summary = local_cache[1], ray_cache[1]
     assert isinstance(ray_summary, RaySummary)
