@@ -282,9 +282,10 @@ def record_levels(value: bytes, *, key: str = "") -> int:
 
 def _no_octree(header: Any, key: str) -> ParameterError:
     """The 422 for a record of a recipe without an octree (a plugin's features)."""
-    return ParameterError([f"{key or 'record'}: no octree in this record (a picture needs "
-                           f"point_hierarchy and pyramid; its fields: "
-                           f"{', '.join(sorted(header.tensors))})"], what="preview request")
+    fields = ", ".join(sorted(header.tensors))
+    return ParameterError([(f"{key or 'record'}: no octree in this record (a picture needs "
+                            f"point_hierarchy and pyramid; its fields: {fields})")],
+                          what="preview request")
 
 
 def render_record(value: bytes, request: PreviewRequest, *, key: str = "") -> bytes:

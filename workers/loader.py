@@ -102,7 +102,7 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
     except MemoryError:
         return LoadOutcome("failed", time.perf_counter() - start,
                            reason="out of memory while loading", source_hash=digest)
-    except Exception as exc:  # noqa: BLE001 - reported as this sample's failure, never swallowed
+    except Exception as exc:  # reported as this sample's failure, never swallowed
         logger.exception("recipe %r: prepare() failed on %s", recipe_name, path)
         return LoadOutcome("failed", time.perf_counter() - start,
                            reason=f"recipe {recipe_name!r}: prepare() raised "

@@ -10,8 +10,8 @@ can run the first in a CPU process pool ahead of the device:
   hierarchy and run the chunked queries with the ops backend.
 
 :func:`get_recipe` returns an instance of any installed recipe (built-in or plugin);
-:meth:`Recipe.compute` of an instance, given a loaded source, runs both halves. Because every random number is drawn on the CPU from a
-generator seeded by ``(fingerprint, sample id)`` (:func:`make_generator`) and the device
+:func:`run_recipe` runs both halves of one in this process. Because every random number
+is drawn on the CPU from a generator seeded by ``(fingerprint, sample id)`` (:func:`make_generator`) and the device
 ops are exact integer work on float32 inputs, a record's tensors are identical on every
 device and backend.
 
@@ -270,11 +270,9 @@ def _query_leaf(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: to
     return torch.cat(budget.run(len(queries), step, device))
 
 
-def _signed_distance(prepared: Mapping[str, np.ndarray], queries: torch.Tensor, ops: Any, budget: ChunkBudget,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _signed_distance(prepared: Mapping[str, np.ndarray], queries: torch.Tensor, ops: Any,
+                     budget: ChunkBudget, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the CPU."""
-    assert (prepared.queries is not None and prepared.mesh_vertices is not None
-            and prepared.mesh_faces is not None), "prepared without its mesh (spc_sdf's prepare)"
     if getattr(ops, "name", "") != "kaolin" or device.type != "cuda" or len(queries) == 0:
         sdf, face = sdf_ops.signed_distance(prepared["queries"], prepared["mesh_vertices"],
                                             prepared["mesh_faces"])

@@ -64,7 +64,8 @@ class Recipe:
             code digest, besides the class's own module.
 
     Per run, the engine sets ``self.chunks``: a :class:`ChunkBudget` shared by the run's
-    samples, for recipes that split device work into chunks.
+    samples, for recipes that split device work into chunks. ``self.spec`` (and
+    :meth:`schema` on the class) is the schema as a :class:`RecipeSpec`.
     """
 
     name: ClassVar[str] = ""
@@ -72,12 +73,16 @@ class Recipe:
     params: ClassVar[Mapping[str, ParamSpec]] = {}
     fields: ClassVar[Mapping[str, FieldSpec]] = {}
     doc: ClassVar[str] = ""
-    record_bytes: ClassVar[Callable[[Mapping[str, Any]], int] | None] = None
+    #: ``staticmethod(params) -> int`` or None (typed Any: a callable class attribute)
+    record_bytes: ClassVar[Any] = None
     record_bytes_doc: ClassVar[str] = ""
     code_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self) -> None:
+        #: the run's chunk budget (the engine sets it per run)
         self.chunks = ChunkBudget(1 << 18)
+        #: the schema (:meth:`schema`)
+        self.spec: RecipeSpec = type(self).schema()
 
     def prepare(self, source: Any, params: Mapping[str, Any],
                 generator: torch.Generator) -> dict[str, np.ndarray]:
@@ -94,7 +99,7 @@ class Recipe:
         raise NotImplementedError
 
     @classmethod
-    def spec(cls) -> RecipeSpec:
+    def schema(cls) -> RecipeSpec:
         """The schema as a :class:`RecipeSpec` (built once per class)."""
         cached = cls.__dict__.get("_spec_cache")
         if cached is None:

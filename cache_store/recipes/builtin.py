@@ -10,9 +10,10 @@ every installed recipe class to learn its schema, free of torch.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from cache_store.recipes.api import Field, Param, Recipe
+from cache_store.recipes.specs import FieldSpec, ParamSpec
 
 __all__ = ["Spc", "SpcQuery", "SpcSdf", "BUILTIN_RECIPES"]
 
@@ -144,8 +145,8 @@ class Spc(Recipe):
 
     name = "spc"
     version = 1
-    params = _SPC_PARAMS
-    fields = _SPC_FIELDS
+    params: ClassVar[Mapping[str, ParamSpec]] = _SPC_PARAMS
+    fields: ClassVar[Mapping[str, FieldSpec]] = _SPC_FIELDS
     doc = "structured point cloud (sparse octree) of the normalised shape"
     record_bytes = staticmethod(_spc_bytes)
     record_bytes_doc = _SPC_BOUND
@@ -169,8 +170,8 @@ class SpcQuery(Spc):
     """spc plus seeded query points with their octree indices and occupancy."""
 
     name = "spc_query"
-    params = {**_SPC_PARAMS, **_QUERY_PARAMS}
-    fields = {**_SPC_FIELDS, **_QUERY_FIELDS}
+    params: ClassVar[Mapping[str, ParamSpec]] = {**_SPC_PARAMS, **_QUERY_PARAMS}
+    fields: ClassVar[Mapping[str, FieldSpec]] = {**_SPC_FIELDS, **_QUERY_FIELDS}
     doc = "spc plus seeded query points with their octree indices and occupancy"
     record_bytes = staticmethod(_query_bytes)
     record_bytes_doc = _QUERY_BOUND
@@ -182,8 +183,8 @@ class SpcSdf(Recipe):
 
     name = "spc_sdf"
     version = 1
-    params = _SDF_PARAMS
-    fields = {**_SPC_FIELDS, **_DUAL_FIELDS, **_SDF_FIELDS}
+    params: ClassVar[Mapping[str, ParamSpec]] = _SDF_PARAMS
+    fields: ClassVar[Mapping[str, FieldSpec]] = {**_SPC_FIELDS, **_DUAL_FIELDS, **_SDF_FIELDS}
     doc = _SDF_DOC
     record_bytes = staticmethod(_sdf_bytes)
     record_bytes_doc = _SDF_BOUND

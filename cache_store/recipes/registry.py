@@ -73,7 +73,7 @@ class RecipeEntry:
     def new(self) -> Recipe:
         """A fresh instance of the recipe (what a worker computes with)."""
         recipe = self.cls()
-        recipe.spec = self.spec  # type: ignore[attr-defined]
+        recipe.spec = self.spec  # also when the class's __init__ skipped Recipe's
         return recipe
 
     def as_json(self) -> dict[str, Any]:
@@ -153,7 +153,7 @@ def load_registry() -> Registry:
     problems: list[str] = []
     builtin = set(BUILTIN_RECIPES)
     for cls in BUILTIN_RECIPES:
-        recipes[cls.name] = RecipeEntry(cls.name, cls, cls.spec(), _builtin_origin())
+        recipes[cls.name] = RecipeEntry(cls.name, cls, cls.schema(), _builtin_origin())
     refused: dict[str, str] = {}  # name -> label of the first plugin that claimed it
     for label, expected, origin, load in _candidates():
         try:
@@ -168,8 +168,8 @@ def load_registry() -> Registry:
             continue
         bad = contract_problems(cls)
         if not bad and expected and expected != cls.name:
-            bad = [f"the class's name is {cls.name!r}; the entry point must be named after "
-                   "the recipe"]
+            bad = [(f"the class's name is {cls.name!r}; the entry point must be named after "
+                    "the recipe")]
         if bad:
             problems.append(f"{label}: not a usable recipe: {'; '.join(bad)}")
             continue
@@ -193,7 +193,7 @@ def load_registry() -> Registry:
                             f"{first_label}; neither is used")
             continue
         try:
-            spec = cls.spec()
+            spec = cls.schema()
         except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
             problems.append(f"{label}: not a usable recipe: {type(exc).__name__}: "
                             f"{_one_line(exc)}")

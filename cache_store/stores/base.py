@@ -37,6 +37,7 @@ from cache_store.errors import (
     ParameterError,
     ReadOnlyStoreError,
     RecordNotFound,
+    SpcacheError,
     UnknownName,
 )
 from cache_store.location import parse_location

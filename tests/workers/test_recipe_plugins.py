@@ -140,8 +140,8 @@ def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
     assert listed["spc"]["origin"]["package"] == "spcache"
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 2, proc.stderr
-    assert "recipe entry point 'broken = broken_recipes_mod:Thing' (package broken_recipes " \
-           "1.2.3): failed to import: ModuleNotFoundError" in errors[0]
+    assert ("recipe entry point 'broken = broken_recipes_mod:Thing' (package broken_recipes "
+            "1.2.3): failed to import: ModuleNotFoundError") in errors[0]
     assert "'spc = tests.workers.plugin_recipes:Shadow' (package twin_recipes 1.2.3)" in errors[1]
     assert "is a built-in recipe" in errors[1]
     assert proc.returncode == 1  # `spcache recipes` says a plugin could not be used

@@ -194,7 +194,8 @@ def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
     budget = ChunkBudget(2048, minimum=256, before_query_chunk=fault)
     source = load_source(tmp_path / "shape.ply")
     out = run_recipe(RECIPE, source, PARAMS,
-                     generator=make_generator("f" * 32, "shape.ply"), device="cpu", ops=get_backend("torch", "cpu"), query_chunk=budget)
+                     generator=make_generator("f" * 32, "shape.ply"), device="cpu",
+                     ops=get_backend("torch", "cpu"), query_chunk=budget)
     assert budget.backoffs == 1 and calls[0] == 2048 and calls[1] == 1024
     assert all(torch.equal(out[k], plain[k]) for k in plain)
 
