@@ -16,7 +16,7 @@ ops are exact integer work on float32 inputs, a record's tensors are identical o
 device and backend.
 
 Random draws, in order: ``surface_samples`` surface points (meshes only; see
-:func:`workers.sources.sample_surface`), then for ``spc_query`` ``uniform_queries x 3``
+:func:`workers.sampling.sample_surface`), then for ``spc_query`` ``uniform_queries x 3``
 float64 uniforms (mapped to ``[-1, 1]``), ``surface_queries`` indices into the shape's
 points, and ``surface_queries x 3`` float64 normal deviates scaled by ``surface_sigma``.
 Query points are rounded to float32 *before* they are queried, so the stored
@@ -40,7 +40,8 @@ from cache_store.errors import SourceError, SpcacheError
 from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
 from cache_store.recipes.registry import get_entry, installed_recipes
 from workers import sdf as sdf_ops
-from workers.sources import LoadedSource, compute_normalization, normalize_points, shape_points
+from workers.sampling import compute_normalization, normalize_points, shape_points
+from workers.source_load import LoadedSource
 
 __all__ = [
     "OOM_ERRORS",

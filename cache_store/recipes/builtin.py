@@ -150,7 +150,7 @@ class Spc(Recipe):
     doc = "structured point cloud (sparse octree) of the normalised shape"
     record_bytes = staticmethod(_spc_bytes)
     record_bytes_doc = _SPC_BOUND
-    code_modules = ("workers.recipes", "workers.sources")
+    code_modules = ("workers.recipes", "workers.sampling")
     with_queries = False
 
     def prepare(self, source: Any, params: Mapping[str, Any], generator: Any) -> dict[str, Any]:
@@ -188,7 +188,7 @@ class SpcSdf(Recipe):
     doc = _SDF_DOC
     record_bytes = staticmethod(_sdf_bytes)
     record_bytes_doc = _SDF_BOUND
-    code_modules = ("workers.recipes", "workers.sources", "workers.sdf")
+    code_modules = ("workers.recipes", "workers.sampling", "workers.sdf")
 
     def prepare(self, source: Any, params: Mapping[str, Any], generator: Any) -> dict[str, Any]:
         from workers.recipes import prepare_sdf
