@@ -370,8 +370,9 @@ class LocalRun:
             if is_out_of_memory(exc):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                reason = (f"recipe {spec.name!r}: out of device memory (after backing off to "
-                          f"{budget.size}-item chunks): {one_line(exc)}")
+                how = (f"after backing off to {budget.size}-item chunks" if budget.backoffs
+                       else "outside any chunked step: nothing to back off")
+                reason = f"recipe {spec.name!r}: out of device memory ({how}): {one_line(exc)}"
             elif isinstance(exc, SourceError):
                 reason = exc.reason
             elif stage == "outputs":

@@ -13,7 +13,7 @@ import numpy as np
 from spcache.recipes import Field, Param, Recipe
 
 MODES = ("ok", "dtype", "missing", "extra", "rank", "nan", "meta", "prepare", "compute",
-         "not_a_dict")
+         "not_a_dict", "oom")
 
 
 class Probe(Recipe):
@@ -53,6 +53,8 @@ class Probe(Recipe):
         mode = params["mode"]
         if mode == "compute":
             raise RuntimeError("probe's compute failed on purpose")
+        if mode == "oom":  # device memory running out outside any ChunkBudget
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
         if mode == "dtype":
             out["extent"] = out["extent"].double()
         elif mode == "missing":
