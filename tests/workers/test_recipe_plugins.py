@@ -65,8 +65,8 @@ def test_a_plugin_recipe_is_listed_with_its_origin_and_computed(probe, tmp_path:
     ("compute", "compute() raised RuntimeError: probe's compute failed on purpose"),
     ("prepare", "prepare() raised RuntimeError: probe's prepare refuses meshes"),
     ("not_a_dict", "prepare() returned list, expected a dict of arrays"),
-    ("oom", "out of device memory (outside any chunked step: nothing to back off): CUDA out "
-            "of memory (injected)"),
+    ("oom", ("out of device memory (outside any chunked step: nothing to back off): CUDA "
+             "out of memory (injected)")),
 ])
 def test_a_misbehaving_recipe_fails_that_sample_alone(probe, tmp_path: Path, mode: str,
                                                       says: str) -> None:
