@@ -337,10 +337,18 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             max_size = parse_size(args.max_size)
-            SizeLimit(args.cache, max_size).check_start()
-        except (LimitTooSmall, ValueError) as exc:
-            print(f"spcache worker: {exc}", file=sys.stderr)
+        except ValueError as exc:
+            print(f"spcache worker: --max-size: {exc}", file=sys.stderr)
             return 2
+        try:
+            SizeLimit(args.cache, max_size).check_start()
+        except LimitTooSmall as exc:
+            if not os.environ.get("SPCACHE_PARENT_PID"):
+                print(f"spcache worker: {exc}", file=sys.stderr)
+                return 2
+            # serve's child: serve checked the limit when it started; a fingerprint
+            # written since may have outgrown it, and refusing would only restart-loop
+            log.warning("%s; evicting what can be evicted", exc)
     loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
                       lease_s=args.lease, poll_s=args.poll, loaders=args.loaders,
                       drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id,

@@ -287,3 +287,15 @@ def test_snapshots_are_listed_and_never_removed(tmp_path: Path) -> None:
     assert row["fingerprint"] == a and row["records"] == 20 and row["bytes"] > 0
     with pytest.raises(Exception, match="immutable"):
         hk.rm(snap, [a])
+
+
+def test_worker_refuses_a_limit_below_a_stored_fingerprint(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPCACHE_PARENT_PID", raising=False)
+    fp = fill(tmp_path, 4)
+    assert main(["worker", "--cache", str(tmp_path), "--max-size", "1K", "--drain"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-size 1024 bytes" in err and f"fingerprint {fp}" in err
+    assert main(["worker", "--cache", str(tmp_path), "--max-size", "lots", "--drain"]) == 2
+    assert "size 'lots'" in capsys.readouterr().err
