@@ -36,6 +36,7 @@ from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
     FingerprintLookupError,
+    FingerprintRemoved,
     ReadOnlyStoreError,
     SpcacheError,
 )
@@ -217,7 +218,11 @@ def _entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
                 if entry.indexed:
                     prefix = fp + "/"
                     stored = {key[len(prefix):] for key in store.keys(prefix)}
-                    ids = store.get_index(fp).sample_ids.tolist()
+                    try:
+                        ids = store.get_index(fp).sample_ids.tolist()
+                    except FingerprintRemoved as exc:  # removed since the walk above
+                        entry.removed_at = exc.removed_at or time.time()
+                        ids = []
                     entry.present = sum(1 for sid in ids if sid in stored)
             if entry.removed_at is not None and not entry.records:
                 continue  # removed completely: nothing left to list

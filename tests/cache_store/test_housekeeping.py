@@ -299,3 +299,19 @@ def test_worker_refuses_a_limit_below_a_stored_fingerprint(tmp_path: Path,
     assert "--max-size 1024 bytes" in err and f"fingerprint {fp}" in err
     assert main(["worker", "--cache", str(tmp_path), "--max-size", "lots", "--drain"]) == 2
     assert "size 'lots'" in capsys.readouterr().err
+
+
+def test_ls_while_a_fingerprint_is_removed_under_it(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = fill(tmp_path, 3), fill(tmp_path, 4)
+    real_keys = LMDBStore.keys
+
+    def keys_then_remove(self: LMDBStore, prefix: str = "") -> object:
+        if prefix == b + "/":  # rm lands between ls's walk and its index read
+            hk.rm(tmp_path, [b])
+        return real_keys(self, prefix)
+
+    monkeypatch.setattr(LMDBStore, "keys", keys_then_remove)
+    rows = {r["fingerprint"]: r for r in hk.ls(tmp_path)}
+    assert rows[a]["state"] == "complete"
+    assert b not in rows or rows[b]["state"] == "removing"
