@@ -194,5 +194,8 @@ def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
                              backend=backend, loaders=loaders, skip_failed=skip_failed,
                              progress=progress, engine=engine, address=address, actors=actors,
                              query_chunk=query_chunk, write_batch=write_batch)
-    return PrecomputeResult.from_json(summary.as_json(), cache=os.path.abspath(cache),
+    from cache_store.location import is_remote
+
+    where = os.fspath(cache) if is_remote(cache) else os.path.abspath(cache)
+    return PrecomputeResult.from_json(summary.as_json(), cache=where,
                                       engine=engine)

@@ -18,11 +18,10 @@ import os
 import signal
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from cache_store.errors import SpcacheError
-from cache_store.location import cache_dir_problem
+from cache_store.location import cache_dir_problem, parse_location
 from cache_store.sources.discover import discover_sources
 
 __all__ = ["DEFAULT_QUERY_CHUNK", "DEFAULT_WRITE_BATCH", "ENGINES", "UsageError",
@@ -85,7 +84,14 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
         raise UsageError("address and actors need the ray engine (--engine ray)")
     if actors is not None and actors < 1:
         raise UsageError(f"actors {actors}: must be 1 or more")
-    problem = cache_dir_problem(cache, write=True)
+    try:
+        location = parse_location(cache)
+    except SpcacheError as exc:
+        raise UsageError(f"cache {cache}: {exc}") from exc
+    if location.kind == "http":
+        raise UsageError(f"cache {cache}: precompute writes into a cache directory or a "
+                         f"snapshot (*.zarr, local or s3://...), not a service URL")
+    problem = cache_dir_problem(location.target, write=True) if location.is_local else None
     if problem:
         raise UsageError(problem)
     source_list = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
@@ -96,7 +102,7 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
     from cache_store.stores.base import open_store
 
     try:
-        store = open_store(Path(cache), readonly=False)
+        store = open_store(location.target, readonly=False)
     except (SpcacheError, OSError) as exc:
         raise UsageError(f"cannot open cache {cache}: {exc}") from exc
     try:

@@ -106,13 +106,16 @@ class ShardWorker:
 
     def __init__(self, recipe: str, params: Mapping[str, Any], options: Mapping[str, Any],
                  log_level: int = logging.WARNING,
-                 actor_fault: Callable[[str], None] | None = None) -> None:
+                 actor_fault: Callable[[str], None] | None = None,
+                 sink: Mapping[str, Any] | None = None) -> None:
         self.recipe = recipe
         self.params = dict(params)
         self.options = dict(options)
         self.log_level = log_level
         self.actor_fault = actor_fault
+        self.sink = dict(sink) if sink is not None else None
         self._buffer: ShardBuffer | None = None
+        self._parts: Any = None  # the sharded snapshot this actor writes into, with a sink
         self._engine: Engine | None = None
 
     def _configure(self) -> Engine:
@@ -127,7 +130,16 @@ class ShardWorker:
         if self.options.get("loaders") is None:
             self.options["loaders"] = _auto_loaders(self.options.get("device", "cpu"))
         self._buffer = ShardBuffer()
-        engine = Engine(self._buffer, self.recipe, self.params, progress=False, **self.options)
+        target: Store = self._buffer
+        if self.sink is not None:
+            # Records go straight to the snapshot, one committed part per write batch;
+            # only results travel back to the driver.
+            from cache_store.snapshot.sharded import ShardedSnapshot
+
+            self._parts = ShardedSnapshot(self.sink["location"], readonly=False,
+                                          storage_options=self.sink.get("storage_options"))
+            target = self._parts
+        engine = Engine(target, self.recipe, self.params, progress=False, **self.options)
         self._engine = engine.open()  # the loader pool starts now, once
         return self._engine
 
@@ -156,13 +168,16 @@ class ShardWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "loaders": self.options["loaders"],
                 "threads": torch.get_num_threads()}
 
-    def run_shard(self, items: Sequence[Sequence[str]]) -> Iterator[dict[str, Any]]:
+    def run_shard(self, items: Sequence[Sequence[str]],
+                  label: str | None = None) -> Iterator[dict[str, Any]]:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
 
         Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
         ...], "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and
         the last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
-        the engine (not one sample's failure) is raised from here.
+        the engine (not one sample's failure) is raised from here. With a sink the records
+        are already committed to it (parts named after ``label``: shard and attempt) and
+        ``records`` is empty.
         """
         try:
             engine = self._configure()
@@ -171,13 +186,16 @@ class ShardWorker:
         buffer, batch = self._buffer, engine.write_batch
         assert buffer is not None
         buffer.close()  # nothing is left over from a shard that stopped early
+        if self._parts is not None:
+            self._parts.start_writer(label or "s-unknown")
         # Bounded: when Ray holds the stream back, the engine waits here, not in memory.
         events: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=2 * batch)
 
         def on_result(result: ItemResult) -> None:
             if self.actor_fault is not None:
                 self.actor_fault(result.sample_id)
-            record = buffer.pop(result.key) if result.status == "done" else None
+            record = (buffer.pop(result.key) if result.status == "done" and self._parts is None
+                      else None)
             events.put(("result", (result, record)))
 
         def work() -> None:

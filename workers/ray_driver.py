@@ -83,6 +83,11 @@ class RayRunOptions:
     progress: bool = False
     skip_failed: bool = False
     failure_log: FailureLog | None = None
+    #: Where the actors write their records themselves (``{"location",
+    #: "storage_options"}`` of a sharded snapshot); None: they send them here.
+    sink: Mapping[str, Any] | None = None
+    #: Seconds between merges of the sink's manifests into its index during a run.
+    merge_every_s: float = 30.0
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Shard:
     items: list[WorkItem]
     deaths: int = 0
     avoid: set[int] = field(default_factory=set)
+    number: int = 0  # names its parts in a sink, with the attempt (deaths + 1)
 
 
 @dataclass
@@ -144,8 +150,8 @@ class RayRun:
             else:
                 self.summary.device, self.summary.backend = self.options.device, self.options.backend
         finally:
-            run_all(self.ledger.write_index, self.ledger.close_progress, close_failure_log,
-                    stop_clock)
+            run_all(self.ledger.write_index, self._merge_final, self.ledger.close_progress,
+                    close_failure_log, stop_clock)
         if self.ledger.index_unwritten is not None:
             raise self.ledger.index_unwritten
         s = self.summary
@@ -194,7 +200,8 @@ class RayRun:
             start = time.perf_counter()
             self._start_actors(ray, len(todo))
             self.summary.actor_start_s = time.perf_counter() - start
-            self.shards.extend(Shard(part) for part in _cut(todo, self._shard_size(len(todo))))
+            self.shards.extend(Shard(part, number=n) for n, part in
+                               enumerate(_cut(todo, self._shard_size(len(todo))), start=1))
             self._schedule(ray)
         finally:
             for slot in self.slots:
@@ -288,7 +295,8 @@ class RayRun:
                 num_gpus=1 if use_gpu else 0, max_restarts=opts.actor_restarts,
                 max_task_retries=0, **({"runtime_env": dict(opts.actor_runtime_env)}
                                        if opts.actor_runtime_env else {}),
-            ).remote(opts.recipe, dict(opts.params), options, level, opts.actor_fault)
+            ).remote(opts.recipe, dict(opts.params), options, level, opts.actor_fault,
+                     None if opts.sink is None else dict(opts.sink))
             self.slots.append(ActorSlot(ActorStats(index), handle))
         self._describe_actors(ray)
 
@@ -323,8 +331,13 @@ class RayRun:
         return max(1, min(_MAX_AUTO_SHARD, math.ceil(count / (4 * len(self.slots)))))
 
     def _schedule(self, ray: Any) -> None:
+        last_merge = time.monotonic()
         while True:
             self._dispatch()
+            if (self.options.sink is not None
+                    and time.monotonic() - last_merge > self.options.merge_every_s):
+                self._merge_sink()
+                last_merge = time.monotonic()
             waiting = {slot.stream: slot for slot in self.slots if slot.state == "busy"}
             if self.shards:
                 waiting.update({slot.probe: slot for slot in self.slots
@@ -347,6 +360,25 @@ class RayRun:
                                                    "actor died and was not restarted)"))
             self.shards.clear()
 
+    def _merge_sink(self) -> None:
+        """Merge the manifests committed so far into the snapshot's index, so readers
+        (and a driver that dies now) start from a recent one. Advice: a failure is
+        logged and the run goes on; the final index is written at the end."""
+        from cache_store.snapshot.sharded import merge_into
+
+        try:
+            merge_into(self.options.store, self.options.fingerprint,  # type: ignore[arg-type]
+                       order=self.ledger.admitted,
+                       describe={"recipe": self.options.recipe,
+                                 "recipe_version": self.options.recipe_version,
+                                 "params": dict(self.options.params)})
+        except Exception:  # noqa: BLE001 - see the docstring
+            logger.exception("merging the manifests of %s failed", self.options.fingerprint)
+
+    def _merge_final(self) -> None:
+        if self.options.sink is not None:
+            self._merge_sink()
+
     def _dispatch(self) -> None:
         live = {slot.stats.actor for slot in self.slots if slot.state != "gone"}
         for slot in self.slots:
@@ -362,7 +394,8 @@ class RayRun:
             # pauses (its engine blocks in on_result), so a slow writer bounds memory.
             slot.stream = slot.handle.run_shard.options(
                 num_returns="streaming", _generator_backpressure_num_objects=_STREAM_AHEAD,
-            ).remote([[item.sample_id, item.path] for item in shard.items])
+            ).remote([[item.sample_id, item.path] for item in shard.items],
+                     f"s{shard.number:05d}-a{shard.deaths + 1}")
 
     def _next_shard(self, actor: int, live: set[int]) -> Shard | None:
         """The first shard that does not avoid this actor, else one every live actor
@@ -483,7 +516,8 @@ class RayRun:
                        slot.stats.actor, type(exc).__name__, len(left), len(shard.items),
                        "it will not be restarted" if gone else "Ray restarts it")
         if left:
-            self._requeue(Shard(left, shard.deaths + 1, shard.avoid | {slot.stats.actor}))
+            self._requeue(Shard(left, shard.deaths + 1, shard.avoid | {slot.stats.actor},
+                                shard.number))
 
     def _requeue(self, shard: Shard) -> None:
         """Queue a shard whose actor died, first in line. A shard that killed an actor a
@@ -502,8 +536,8 @@ class RayRun:
             self.shards.appendleft(shard)
             return
         half = len(items) // 2
-        self.shards.appendleft(Shard(items[half:], 1, set(shard.avoid)))
-        self.shards.appendleft(Shard(items[:half], 1, set(shard.avoid)))
+        self.shards.appendleft(Shard(items[half:], 1, set(shard.avoid), shard.number))
+        self.shards.appendleft(Shard(items[:half], 1, set(shard.avoid), shard.number))
 
 
 def _hash_or_error(path: str, limits: SourceLimits) -> str | SourceError:

@@ -172,7 +172,17 @@ class RayEngine(Engine):
             actor_restarts=self.actor_restarts, placement_timeout_s=self.placement_timeout_s,
             actor_fault=self.actor_fault, actor_runtime_env=self.actor_runtime_env,
             progress=self.progress, skip_failed=self.skip_failed,
-            failure_log=self.failure_log)
+            failure_log=self.failure_log, sink=self.sink())
+
+    def sink(self) -> dict[str, Any] | None:
+        """Where the actors write their records themselves: the sharded snapshot this
+        engine writes into (None for a cache: the actors send records here)."""
+        from cache_store.snapshot.sharded import ShardedSnapshot
+
+        if not isinstance(self.store, ShardedSnapshot):
+            return None
+        return {"location": self.store.location,
+                "storage_options": dict(self.store.storage_options)}
 
     def actor_options(self) -> dict[str, Any]:
         """The keyword arguments each actor's local :class:`Engine` is built with."""

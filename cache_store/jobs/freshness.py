@@ -122,7 +122,12 @@ def stored_metadata(store: Any, key: str) -> dict[str, str] | None:
 
 def stored_source_hash(store: Any, key: str) -> str | None:
     """The ``source_hash`` of the record stored under ``key``; None when there is no
-    record, or when it is unreadable (logged: it will be computed again)."""
+    record, or when it is unreadable (logged: it will be computed again). A store that
+    knows its records' source hashes without reading them (a sharded snapshot, from its
+    manifests) answers directly."""
+    lookup = getattr(store, "source_hash_of", None)
+    if lookup is not None:
+        return lookup(key)
     meta = stored_metadata(store, key)
     return None if meta is None else meta.get("source_hash")
 

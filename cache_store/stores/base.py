@@ -325,13 +325,16 @@ STORE_BACKENDS: dict[str, str] = {
     "lmdb": "cache_store.stores.lmdb:LMDBStore",
     "zarr": "cache_store.snapshot.reader:ZarrStore",
     "http": "cache_store.stores.http:HTTPStore",
+    "sharded": "cache_store.snapshot.sharded:ShardedSnapshot",
 }
 
 
 def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
                **options: Any) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
-    ``ZarrStore``; ``http(s)://host:port`` -> ``HTTPStore``. A ``Store`` passes through.
+    ``ZarrStore`` (an exported snapshot) or ``ShardedSnapshot`` (one written by many
+    writers, and any ``*.zarr`` opened for writing); ``http(s)://host:port`` ->
+    ``HTTPStore``. A ``Store`` passes through.
 
     Nothing is opened yet (the first access opens it, in the calling process).
     """
@@ -339,6 +342,11 @@ def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
         return cache
     parsed = parse_location(cache)
     name = parsed.kind
+    if name == "zarr":
+        from cache_store.snapshot.sharded import is_sharded
+
+        if not readonly or is_sharded(parsed.target, options.get("storage_options")):
+            name = "sharded"
     module_name, _, class_name = STORE_BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
