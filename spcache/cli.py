@@ -50,6 +50,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compact": ("spcache.housekeeping_cli:COMPACT",
                 "give the disk back: rewrite the cache's file without its free pages"),
     "export": ("spcache.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
+    "merge": ("spcache.shards_cli:MERGE",
+              "merge a sharded snapshot's committed parts into its index (idempotent)"),
+    "import": ("spcache.shards_cli:IMPORT",
+               "copy a snapshot's records into a local cache directory (LMDB)"),
     "recipes": ("spcache.recipes_cli", "list the recipes with their parameters, defaults and bounds"),
     "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
 }

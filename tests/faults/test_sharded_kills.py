@@ -1,0 +1,108 @@
+"""Sharded Ray writes: SIGKILL the driver mid-run, then run again.
+
+``spcache precompute --engine ray --cache DEST.zarr`` starts a local Ray with two CPU
+actors that commit their own parts. The test kills the driver's whole process tree
+(driver, raylet, actors) with SIGKILL once some parts are committed, then:
+
+* every committed part is readable and no uncommitted bytes are ever read,
+* the same command again computes only what was not committed (``done`` of the second
+  run + parts committed before the kill = every good sample) and indexes everything,
+* every sample is present exactly once, ``verify`` is clean, ``merge`` is idempotent,
+* ``spcache import`` copies the snapshot into a local LMDB cache with the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trimesh
+
+from cache_store.snapshot.sharded import ShardedSnapshot
+from cache_store.stores.base import open_store
+from tests.conftest import REPO_ROOT
+from tests.helpers.faults import report
+from tests.helpers.proctree import kill_all, spcache, tree, wait_for
+
+PARAMS = ["--param", "level=6", "--param", "surface_samples=300000"]
+
+
+def _committed(dest: Path) -> int:
+    return sum(1 for _ in dest.glob("*/commits/*.json"))
+
+
+@pytest.mark.slow
+def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
+        tmp_path: Path) -> None:
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    for i in range(16):
+        trimesh.creation.icosphere(subdivisions=2, radius=1 + i / 10).export(
+            sources / f"s{i:02d}.obj")
+    (sources / "broken.obj").write_text("v 0 0 0\nf 1 2 3\n")  # fails alone, every run
+    dest = tmp_path / "snap.zarr"
+    args = ("precompute", str(sources), "--recipe", "spc", *PARAMS, "--cache", str(dest),
+            "--engine", "ray", "--actors", "2", "--device", "cpu", "--loaders", "0",
+            "--json")
+    proc = spcache(*args, log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: _committed(dest) >= 3 or proc.poll() is not None, 240,
+                 "three committed parts")
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        procs = tree(proc.pid)
+        for p in procs:  # the driver and everything it started, at once
+            try:
+                p.send_signal(signal.SIGKILL)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        proc.wait(timeout=30)
+    finally:
+        kill_all(tree(proc.pid))
+    time.sleep(1)
+    with ShardedSnapshot(dest) as snap:
+        fingerprints = [p.name for p in dest.iterdir() if p.is_dir()]
+        (fp,) = fingerprints
+        before = {k.split("/", 1)[1] for k in snap.keys(f"{fp}/")}
+        assert snap.verify().ok
+    assert 1 <= len(before) < 16
+
+    second = subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert second.returncode == 1, second.stderr[-3000:]  # broken.obj failed, as it must
+    summary = json.loads(second.stdout)
+    assert summary["skipped"] == len(before)
+    assert summary["done"] == 16 - len(before)
+    assert [e["id"] for e in summary["errors"]] == ["broken"]
+
+    with ShardedSnapshot(dest) as snap:
+        keys = list(snap.keys(f"{fp}/"))
+        assert len(keys) == len(set(keys)) == 16
+        assert sorted(snap.get_index(fp).sample_ids.tolist()) == sorted(
+            k.split("/", 1)[1] for k in keys)
+        report_ = snap.verify()
+        assert report_.ok and report_.checked == 16
+    merged = subprocess.run([sys.executable, "-m", "spcache", "merge", str(dest), "--json"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert merged.returncode == 0 and json.loads(merged.stdout)["merged"] == {fp: 16}
+    verified = subprocess.run([sys.executable, "-m", "spcache", "verify", "--cache", str(dest)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    cache = tmp_path / "cache"
+    imported = subprocess.run([sys.executable, "-m", "spcache", "import", str(dest), "--cache",
+                               str(cache), "--json"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert imported.returncode == 0, imported.stderr
+    assert json.loads(imported.stdout) == {fp: {"copied": 16, "present": 0}}
+    with open_store(cache) as lmdb_cache, ShardedSnapshot(dest) as snap:
+        assert lmdb_cache.get_index(fp).sample_ids.tolist() == \
+            snap.get_index(fp).sample_ids.tolist()
+        assert all(lmdb_cache.get(k) == snap.get(k) for k in keys)
+    report("sharded_driver_kill", {"committed_before_kill": len(before),
+                                   "recomputed_after": summary["done"],
+                                   "present_once": len(keys)})
