@@ -12,7 +12,16 @@ reported apart from the work. Configurations, interleaved ``--repeat`` times:
   the same serial work one actor does;
 - ``local-pipelined``: the local engine with ``--loaders`` loader processes (for reference);
 - ``ray-1``, ``ray-2``: :class:`workers.ray_engine.RayEngine` with 1 and 2 CPU actors,
-  each loading in its own process (``loaders=0``).
+  each loading in its own process (``loaders=0``), every record sent to the driver, which
+  writes them into one LMDB cache;
+- ``ray-2-sharded``: 2 actors writing their own parts into a sharded snapshot in a local
+  directory (the driver writes no record bytes);
+- ``ray-2-s3``: the same into ``s3://`` on moto's S3 server on 127.0.0.1 (skipped, and
+  said, where ``moto[server]`` and ``s3fs`` are not installed).
+
+The driver's CPU time (this process's, all its threads) per record is printed for each
+Ray run with its ratio to ``ray-2`` (the single writer), and the bytes each run wrote per
+second of work.
 
 With ``--device cuda`` every run uses the GPU (``ray-2`` only with two GPUs), and each
 actor gets ``--loaders`` loader processes. The overhead line then compares ``ray-1`` with
@@ -36,7 +45,9 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -44,16 +55,47 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from cache_store.snapshot.sharded import ShardedSnapshot  # noqa: E402
 from cache_store.stores.base import open_store  # noqa: E402
 from cache_store.sources.discover import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.ray_engine import RayEngine  # noqa: E402
 
 
-def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: str) -> dict:
+def _moto() -> tuple[Any, str] | None:
+    """moto's S3 server on a free loopback port, or None where it is not installed."""
+    try:
+        import boto3
+        import s3fs  # noqa: F401 - the snapshot's client
+        from moto.server import ThreadedMotoServer
+    except ImportError:
+        return None
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                 aws_secret_access_key="testing").create_bucket(Bucket="spcache-bench")
+    return server, endpoint
+
+
+def _target(config: dict, tmp: str, endpoint: str | None) -> Any:
+    sink = config.get("sink")
+    if sink == "local":
+        return ShardedSnapshot(Path(tmp) / "snap.zarr", readonly=False)
+    if sink == "s3":
+        return ShardedSnapshot(f"s3://spcache-bench/{uuid.uuid4().hex}.zarr", readonly=False,
+                               storage_options={"endpoint_url": endpoint, "key": "testing",
+                                                "secret": "testing"})
+    return open_store(Path(tmp) / "cache", readonly=False)
+
+
+def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: str,
+             endpoint: str | None = None) -> dict:
     backend = "torch" if device == "cpu" else "auto"
     with tempfile.TemporaryDirectory(prefix="spcache-bench-") as tmp:
-        store = open_store(Path(tmp) / "cache", readonly=False)
+        store = _target(config, tmp, endpoint)
         try:
             if config["engine"] == "ray":
                 engine = RayEngine(store, "spc_query", params, device=device, backend=backend,
@@ -61,9 +103,10 @@ def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: s
             else:
                 engine = Engine(store, "spc_query", params, device=device, backend=backend,
                                 loaders=config["loaders"])
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             summary = engine.run(items)
-            wall = time.perf_counter() - start
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            written = int(store.stats()["bytes"])
         finally:
             store.close()
     if summary.failed or summary.done != len(items):
@@ -74,7 +117,8 @@ def run_once(items: list[tuple[str, str]], params: dict, config: dict, device: s
     return {"samples": summary.done, "wall_s": wall, "actor_start_s": actor_start,
             "work_s": work, "samples_per_s": summary.done / wall,
             "work_samples_per_s": summary.done / work, "per_actor_samples_per_s": per_actor,
-            "load_s": summary.load_s, "compute_s": summary.compute_s, "write_s": summary.write_s}
+            "load_s": summary.load_s, "compute_s": summary.compute_s, "write_s": summary.write_s,
+            "driver_cpu_s": cpu, "bytes": written}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cpu" or actors <= gpus:
             configs[f"ray-{actors}"] = {"engine": "ray", "actors": actors,
                                         "loaders": actor_loaders}
+    if args.device == "cpu" or gpus >= 2:
+        configs["ray-2-sharded"] = {"engine": "ray", "actors": 2, "loaders": actor_loaders,
+                                    "sink": "local"}
+    moto = _moto()
+    if moto is None:
+        print("ray-2-s3 skipped: moto[server] and s3fs are not installed")
+    elif "ray-2-sharded" in configs:
+        configs["ray-2-s3"] = {"engine": "ray", "actors": 2, "loaders": actor_loaders,
+                               "sink": "s3"}
+    endpoint = moto[1] if moto else None
     ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level=logging.WARNING)
     try:
         print(f"{len(items)} samples ({len(meshes)} meshes x {args.copies}) from {args.meshes} "
@@ -124,13 +178,15 @@ def main(argv: list[str] | None = None) -> int:
               f"ray {ray.__version__}")
         # warm-up: imports, the loader pool's first start, Ray's first worker processes
         for config in configs.values():
-            run_once(items[:2], params, config, args.device)
+            run_once(items[:2], params, config, args.device, endpoint)
         trials: dict[str, list[dict]] = {name: [] for name in configs}
         for _ in range(args.repeat):
             for name, config in configs.items():
-                trials[name].append(run_once(items, params, config, args.device))
+                trials[name].append(run_once(items, params, config, args.device, endpoint))
     finally:
         ray.shutdown()
+        if moto is not None:
+            moto[0].stop()
     runs = {name: min(t, key=lambda r: r["work_s"])
             | {"median_wall_s": statistics.median(r["wall_s"] for r in t),
                "median_work_s": statistics.median(r["work_s"] for r in t)}
@@ -159,6 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Ray overhead per sample (ray-1 work time - local wall) / {n}: "
           f"{overhead['best_ms']:.1f} ms (best), {overhead['median_ms']:.1f} ms (median); "
           f"actor start per run: {starts}")
+    single = runs.get("ray-2")
+    print("driver CPU per record (this process, all threads), and bytes written per second "
+          "of work:")
+    for name, r in runs.items():
+        if not name.startswith("ray-"):
+            continue
+        r["driver_cpu_ms_per_record"] = 1000 * r["driver_cpu_s"] / r["samples"]
+        r["write_mb_per_s"] = r["bytes"] / r["work_s"] / 1e6
+        ratio = (f"{r['driver_cpu_ms_per_record'] / single['driver_cpu_ms_per_record']:.2f}x "
+                 f"ray-2" if single else "")
+        print(f"  {name:<16}{r['driver_cpu_ms_per_record']:>8.2f} ms  {ratio:>12}"
+              f"{r['write_mb_per_s']:>9.2f} MB/s ({r['bytes'] / 1e6:.1f} MB)")
     if args.json:
         args.json.write_text(json.dumps({"params": params, "samples": n, "runs": runs,
                                          "overhead_per_sample_ms": overhead}, indent=2))
