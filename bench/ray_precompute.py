@@ -218,11 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     single = runs.get("ray-2")
     print("driver CPU per record (this process, all threads), and bytes written per second "
           "of work:")
-    for name, r in runs.items():
-        if not name.startswith("ray-"):
-            continue
+    ray_runs = {name: r for name, r in runs.items() if name.startswith("ray-")}
+    for r in ray_runs.values():
         r["driver_cpu_ms_per_record"] = 1000 * r["driver_cpu_s"] / r["samples"]
         r["write_mb_per_s"] = r["bytes"] / r["work_s"] / 1e6
+    for name, r in ray_runs.items():
         ratio = (f"{r['driver_cpu_ms_per_record'] / single['driver_cpu_ms_per_record']:.2f}x "
                  f"ray-2" if single else "")
         print(f"  {name:<16}{r['driver_cpu_ms_per_record']:>8.2f} ms  {ratio:>12}"

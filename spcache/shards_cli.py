@@ -95,7 +95,8 @@ def import_snapshot(source: str, cache: str, *, fingerprints: list[str] | None =
                     storage_options: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
     """Copy the indexed records of ``source`` (a snapshot) into the LMDB cache ``cache``;
     returns ``{fingerprint: {"copied", "present"}}``."""
-    from cache_store.format.record import check_names_key, check_record, read_header
+    from cache_store.format.decode import check_record
+    from cache_store.format.header import read_header
     from cache_store.stores.base import open_store
 
     if parse_location(source).kind != "zarr":
@@ -118,7 +119,7 @@ def import_snapshot(source: str, cache: str, *, fingerprints: list[str] | None =
                     batch.append((key, value))
                 if batch:
                     for key, value in batch:  # the cache never takes a damaged record
-                        check_names_key(check_record(value, key=key), key)
+                        check_record(value, key=key)
                     dst.put_many(batch)
                     copied += len(batch)
             dst.put_index(index)

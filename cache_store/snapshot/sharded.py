@@ -57,7 +57,8 @@ from cache_store.errors import (
     SpcacheError,
     UnsupportedFormat,
 )
-from cache_store.format.record import check_names_key, check_record, read_header
+from cache_store.format.decode import check_record
+from cache_store.format.header import check_names_key, read_header
 from cache_store.keys import (
     is_fingerprint,
     split_key,
@@ -491,7 +492,7 @@ class ShardedSnapshot(Store):
         return out
 
     def get_records(self, keys: Iterable[str], fields: Iterable[str] | None = None) -> list[Any]:
-        from cache_store.format.record import decode_records
+        from cache_store.format.decode import decode_records
 
         keys = list(keys)
         fields = None if fields is None else tuple(fields)
@@ -561,7 +562,7 @@ class ShardedSnapshot(Store):
         for key in self.keys(prefix):
             report.checked += 1
             try:
-                check_names_key(check_record(self.get(key), key=key), key)
+                check_record(self.get(key), key=key)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)
