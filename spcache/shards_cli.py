@@ -101,9 +101,9 @@ def import_snapshot(source: str, cache: str, *, fingerprints: list[str] | None =
 
     if parse_location(source).kind != "zarr":
         raise SpcacheError(f"{source}: import reads a snapshot (*.zarr), not a cache or URL")
-    options = {"storage_options": storage_options} if storage_options else {}
+    options: dict[str, Any] = {"storage_options": storage_options} if storage_options else {}
     result: dict[str, dict[str, int]] = {}
-    with open_store(source, **options) as src, open_store(cache, readonly=False) as dst:
+    with open_store(source, True, **options) as src, open_store(cache, readonly=False) as dst:
         for fingerprint in fingerprints or src.fingerprints():
             index = src.get_index(fingerprint)
             keys = [f"{fingerprint}/{sid}" for sid in index.sample_ids.tolist()]

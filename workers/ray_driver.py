@@ -372,7 +372,7 @@ class RayRun:
                        describe={"recipe": self.options.recipe,
                                  "recipe_version": self.options.recipe_version,
                                  "params": dict(self.options.params)})
-        except Exception:  # noqa: BLE001 - see the docstring
+        except Exception:  # see the docstring: advice, logged
             logger.exception("merging the manifests of %s failed", self.options.fingerprint)
 
     def _merge_final(self) -> None:

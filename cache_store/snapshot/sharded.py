@@ -34,6 +34,7 @@ Nothing is deleted on a failure path: :func:`orphan_parts` lists parts with no m
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -193,8 +194,8 @@ def _parse_manifest(raw: bytes, fingerprint: str, part: str) -> tuple[dict[str, 
     if doc.get("kind") != COMMIT_KIND:
         raise CorruptRecord(what, f"kind {doc.get('kind')!r} is not {COMMIT_KIND!r}")
     if doc.get("format_version") != FORMAT_VERSION:
-        raise UnsupportedFormat(f"{what}: format_version {doc.get('format_version')!r}; this "
-                                f"spcache reads {FORMAT_VERSION}")
+        raise UnsupportedFormat(what, f"format_version {doc.get('format_version')!r}; this "
+                                      f"spcache reads {FORMAT_VERSION}")
     if doc.get("fingerprint") != fingerprint or doc.get("part") != part:
         raise CorruptRecord(what, "names another fingerprint or part")
     size = doc.get("data_size")
@@ -312,10 +313,8 @@ class ShardedSnapshot(Store):
         if self.fs.exists(marker):
             return
         body = json.dumps({"kind": ROOT_KIND, "format_version": FORMAT_VERSION}).encode()
-        try:
+        with contextlib.suppress(CommitConflict):  # another writer made it
             self._write_once(marker, body)
-        except CommitConflict:
-            pass  # another writer made it
 
     # -- writing ----------------------------------------------------------------------
     def start_writer(self, label: str) -> None:
@@ -585,7 +584,7 @@ def _dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> _Dataset:
     if doc.get("kind") != INDEX_KIND or doc.get("fingerprint") != fingerprint:
         raise CorruptRecord(what, "not this fingerprint's sharded index")
     if doc.get("format_version") != FORMAT_VERSION:
-        raise UnsupportedFormat(f"{what}: format_version {doc.get('format_version')!r}")
+        raise UnsupportedFormat(what, f"format_version {doc.get('format_version')!r}")
     try:
         dataset = _Dataset(doc["recipe"], int(doc["recipe_version"]), dict(doc["params"]),
                            created=str(doc.get("created", "")))
@@ -653,8 +652,8 @@ def merge(location: str | os.PathLike[str], *, fingerprint: str | None = None,
     store = ShardedSnapshot(location, readonly=False, storage_options=storage_options)
     try:
         if not store.fs.exists(store._path(ROOT_MARKER)):
-            raise ParameterError([f"{store.location}: not a sharded snapshot (no "
-                                  f"{ROOT_MARKER})"], what="merge")
+            raise ParameterError([f"{store.location}: not a sharded snapshot (no {ROOT_MARKER})"],
+                                 what="merge")
         fingerprints = [validate_fingerprint(fingerprint)] if fingerprint else store.fingerprints()
         return {fp: merge_into(store, fp) for fp in fingerprints}
     finally:

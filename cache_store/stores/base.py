@@ -341,7 +341,7 @@ def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
     if isinstance(cache, Store):
         return cache
     parsed = parse_location(cache)
-    name = parsed.kind
+    name: str = parsed.kind
     if name == "zarr":
         from cache_store.snapshot.sharded import is_sharded
 

@@ -13,6 +13,7 @@ actors that commit their own parts. The test kills the driver's whole process tr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import trimesh
 
@@ -56,10 +58,8 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         procs = tree(proc.pid)
         for p in procs:  # the driver and everything it started, at once
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         proc.wait(timeout=30)
     finally:
         kill_all(tree(proc.pid))
