@@ -41,7 +41,9 @@ import argparse
 import json
 import logging
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,18 +65,30 @@ from workers.ray_engine import RayEngine  # noqa: E402
 
 
 def _moto() -> tuple[Any, str] | None:
-    """moto's S3 server on a free loopback port, or None where it is not installed."""
+    """moto's S3 server in a process of its own (its CPU is not the driver's) on a free
+    loopback port, or None where it is not installed."""
     try:
         import boto3
+        import moto.server  # noqa: F401 - run below as its own process
         import s3fs  # noqa: F401 - the snapshot's client
-        from moto.server import ThreadedMotoServer
     except ImportError:
         return None
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise SystemExit("moto's S3 server did not start") from None
+            time.sleep(0.2)
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
                  aws_secret_access_key="testing").create_bucket(Bucket="spcache-bench")
     return server, endpoint
@@ -186,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
         if moto is not None:
-            moto[0].stop()
+            moto[0].terminate()
+            moto[0].wait(timeout=30)
     runs = {name: min(t, key=lambda r: r["work_s"])
             | {"median_wall_s": statistics.median(r["wall_s"] for r in t),
                "median_work_s": statistics.median(r["work_s"] for r in t)}
