@@ -103,16 +103,20 @@ def readme_python_snippets() -> list[str]:
 def snippet_kind(code: str) -> str:
     """Which set-up a snippet needs; every snippet of the README must have one."""
     kinds = [kind for kind, marker in (("training", "spcache.precompute("),
-                                       ("read_through", "sources="),
+                                       ("read_through", 'sources="meshes/"'),
+                                       ("plugin_reader", '"point_count", level=6)'),
                                        ("ddp", "init_process_group"),
-                                       ("sdf", '"spc_sdf"')) if marker in code]
+                                       ("sdf", '"spc_sdf"'),
+                                       # run as a plugin package by tests/test_readme_recipe.py
+                                       ("recipe", "from spcache.recipes import")) if marker in code]
     assert len(kinds) == 1, f"a README snippet this test does not know how to run:\n{code}"
     return kinds[0]
 
 
 def test_every_python_snippet_is_run_by_a_test() -> None:
     kinds = [snippet_kind(code) for code in readme_python_snippets()]
-    assert sorted(kinds) == ["ddp", "read_through", "sdf", "training"]
+    assert sorted(kinds) == ["ddp", "plugin_reader", "read_through", "recipe", "sdf",
+                             "training"]
     for code in readme_python_snippets():
         compile(code, "README.md", "exec")
 
@@ -146,6 +150,13 @@ def test_the_read_through_snippet_runs_as_pasted(tmp_path: Path, corpus_meshes: 
     # relative "meshes/" in the snippet: the worker, elsewhere, still finds the files
     (line,) = out.stdout.splitlines()
     assert line.startswith(f"skipped nan_vertices ({meshes / 'nan_vertices.obj'}): SampleFailed")
+
+
+def test_the_plugin_reader_snippet_runs_as_pasted(tmp_path: Path) -> None:
+    # it builds the datasets and the loader only (each opens nothing before its first read)
+    (tmp_path / "read.py").write_text(_snippet("plugin_reader"))
+    out = _run(tmp_path, [sys.executable, "read.py"], timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
 
 
 @pytest.mark.slow
