@@ -131,6 +131,8 @@ class Settings(BaseSettings):
             from cache_store.sources.files import SourceLimits, check_source
 
             for path in (self.tls_certfile, self.tls_keyfile):
+                if path is None:  # not reached: both or neither (checked above)
+                    continue
                 try:  # a FIFO or a device would block the load forever: regular files only
                     check_source(path, SourceLimits(max_bytes=1 << 20))
                 except SpcacheError as exc:

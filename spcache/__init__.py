@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.readers.dataset import CachedDataset
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import discover_sources
+    from spcache import recipes
     from spcache.compute import FailedSample, PrecomputeResult, Timings, precompute
     from workers.precompute import UsageError
 
@@ -86,8 +87,8 @@ _LAZY: dict[str, str] = {
     "rm": "cache_store.housekeeping",
     "prune": "cache_store.housekeeping",
     "compact": "cache_store.housekeeping",
-    # The recipe API gets its entry here, "recipes": "spcache.recipes" (a submodule: the
-    # module itself is the value), and in __all__, once spcache/recipes.py exists.
+    # the recipe API, a submodule: the value is the module itself
+    "recipes": "spcache.recipes",
 }
 
 __all__ = [
@@ -98,6 +99,8 @@ __all__ = [
     "FailedSample",
     "Timings",
     "discover_sources",
+    # your own features: spcache.recipes.Recipe, Param, Field
+    "recipes",
     # a cache's fingerprints: list, remove, prune least recently used, give disk back
     "ls",
     "rm",

@@ -145,7 +145,7 @@ def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
                backend: str = "auto", loaders: int | None = None, skip_failed: bool = False,
                progress: bool = True, engine: str = "local", address: str | None = None,
                actors: int | None = None, query_chunk: int = 1 << 18, write_batch: int = 32,
-               **params: Any) -> PrecomputeResult:
+               id_template: str | None = None, **params: Any) -> PrecomputeResult:
     """Compute ``recipe`` over ``sources`` into the cache directory ``cache``; samples
     already stored with an unchanged source are skipped, so a second call is cheap.
 
@@ -168,6 +168,10 @@ def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
             Ray) and ``actors`` (default one per GPU, or per CPU without GPUs).
         query_chunk: queries per device call before any out-of-memory back-off.
         write_batch: records per write transaction.
+        id_template: how sample ids are made from the files' paths relative to their
+            directory or ``.txt`` manifest (``"{parts[0]}/{parts[1]}"``; ``"{path}"``
+            keeps the extension), as ``--id-template`` (see
+            :func:`cache_store.sources.discover.sample_id_for`).
         **params: the recipe's parameters (e.g. ``level=8``); defaults fill the rest.
 
     Returns:
@@ -193,7 +197,8 @@ def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
     summary = run_precompute(sources, recipe, cache, params=params, device=device,
                              backend=backend, loaders=loaders, skip_failed=skip_failed,
                              progress=progress, engine=engine, address=address, actors=actors,
-                             query_chunk=query_chunk, write_batch=write_batch)
+                             query_chunk=query_chunk, write_batch=write_batch,
+                             id_template=id_template)
     from cache_store.location import is_remote
 
     where = os.fspath(cache) if is_remote(cache) else os.path.abspath(cache)

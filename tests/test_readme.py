@@ -1,4 +1,5 @@
-"""README.md's training snippet runs as pasted, under every multiprocessing start method."""
+"""Every python snippet of README.md runs as pasted: the training one under every
+multiprocessing start method, read-through next to a real worker, DDP under torchrun."""
 
 from __future__ import annotations
 
@@ -91,3 +92,91 @@ def test_the_readme_training_snippet_runs_as_pasted(demo_dir: tuple[Path, int], 
     assert result["method"] == method
     assert sum(result["sizes"]) == count  # every sample, once
     assert result["sizes"] == [8] * (count // 8) + ([count % 8] if count % 8 else [])
+
+
+# -- every other python snippet of the README, each where it is meant to run --------------
+
+def readme_python_snippets() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+
+
+def snippet_kind(code: str) -> str:
+    """Which set-up a snippet needs; every snippet of the README must have one."""
+    kinds = [kind for kind, marker in (("training", "spcache.precompute("),
+                                       ("read_through", 'sources="meshes/"'),
+                                       ("plugin_reader", '"point_count", level=6)'),
+                                       ("ddp", "init_process_group"),
+                                       ("sdf", '"spc_sdf"'),
+                                       # run as a plugin package by tests/test_readme_recipe.py
+                                       ("recipe", "from spcache.recipes import")) if marker in code]
+    assert len(kinds) == 1, f"a README snippet this test does not know how to run:\n{code}"
+    return kinds[0]
+
+
+def test_every_python_snippet_is_run_by_a_test() -> None:
+    kinds = [snippet_kind(code) for code in readme_python_snippets()]
+    assert sorted(kinds) == ["ddp", "plugin_reader", "read_through", "recipe", "sdf",
+                             "training"]
+    for code in readme_python_snippets():
+        compile(code, "README.md", "exec")
+
+
+def _snippet(kind: str) -> str:
+    return next(code for code in readme_python_snippets() if snippet_kind(code) == kind)
+
+
+def _run(root: Path, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_the_read_through_snippet_runs_as_pasted(tmp_path: Path, corpus_meshes: list[Path],
+                                                 corpus_bad_inputs: list[Path]) -> None:
+    from tests.helpers.read_through import start_worker, stop_worker
+
+    meshes = tmp_path / "meshes"
+    meshes.mkdir()
+    for path in corpus_meshes[:2] + [p for p in corpus_bad_inputs if p.name == "nan_vertices.obj"]:
+        (meshes / path.name).symlink_to(path)
+    (tmp_path / "train.py").write_text(_snippet("read_through"))
+    worker = start_worker(tmp_path / "cache")
+    try:
+        out = _run(tmp_path, [sys.executable, "train.py"])
+    finally:
+        stop_worker(worker)
+    assert out.returncode == 0, out.stderr[-4000:]
+    # relative "meshes/" in the snippet: the worker, elsewhere, still finds the files
+    (line,) = out.stdout.splitlines()
+    assert line.startswith(f"skipped nan_vertices ({meshes / 'nan_vertices.obj'}): SampleFailed")
+
+
+def test_the_plugin_reader_snippet_runs_as_pasted(tmp_path: Path) -> None:
+    # it builds the datasets and the loader only (each opens nothing before its first read)
+    (tmp_path / "read.py").write_text(_snippet("plugin_reader"))
+    out = _run(tmp_path, [sys.executable, "read.py"], timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_the_ddp_snippet_runs_under_torchrun(demo_dir: tuple[Path, int]) -> None:
+    root, _ = demo_dir
+    (root / "train_ddp.py").write_text(_snippet("ddp"))
+    out = _run(root, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", "train_ddp.py"])
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_the_sdf_snippet_runs_as_pasted(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    from workers.engine import Engine
+
+    closed = [p for p in corpus_meshes if p.name in ("icosphere.obj", "box_quads.obj")]
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        summary = Engine(store, "spc_sdf", {"level": 7}, device="cpu", backend="torch",
+                         loaders=0).run([(p.stem, str(p)) for p in closed])
+    assert summary.done == 2, summary.errors
+    (tmp_path / "sdf.py").write_text(_snippet("sdf"))
+    out = _run(tmp_path, [sys.executable, "sdf.py"])
+    assert out.returncode == 0, out.stderr[-4000:]

@@ -25,6 +25,7 @@ import torch
 
 from cache_store.errors import SourceError
 from cache_store.jobs.freshness import is_current, trusted_signature
+from cache_store.recipes.registry import report_problems_here
 from workers.recipes import get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
@@ -111,6 +112,7 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
 
 def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    report_problems_here(False)  # the engine's process named any unusable recipe already
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
                      name="spcache-orphan-watch").start()

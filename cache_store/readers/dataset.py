@@ -276,7 +276,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 raise SourceError(path, f"sample id {sid!r} is also that of {first[sid]}; "
                                         f"choose ids with id_template= (e.g. "
                                         f"cache_store.sources.discover.KEEP_EXTENSION)")
-        self._path_bytes, self._path_offsets = pack_ids([path for _, path in items])
+        # absolute: the worker (or the service) that computes a miss has its own cwd
+        self._path_bytes, self._path_offsets = pack_ids([os.path.abspath(path)
+                                                         for _, path in items])
         self._id_bytes, self._id_offsets = pack_ids([sid for sid, _ in items])
         self._recipe = (spec.name, spec.version, resolved)
         self._fingerprint = compute_fingerprint(spec.name, spec.version, resolved)

@@ -41,7 +41,7 @@ from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
 
 __all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "RecipeEntry", "Registry", "installed_recipes",
-           "load_registry", "get_entry"]
+           "load_registry", "get_entry", "report_problems_here"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +210,14 @@ def _one_line(exc: BaseException) -> str:
 
 _lock = threading.Lock()
 _cached: tuple[str, Registry] | None = None
+_report = True
+
+
+def report_problems_here(enabled: bool) -> None:
+    """Whether this process logs the unusable recipes (a loader process does not: its
+    engine already said so once)."""
+    global _report
+    _report = bool(enabled)
 
 
 def installed_recipes(*, reload: bool = False) -> Registry:
@@ -220,7 +228,7 @@ def installed_recipes(*, reload: bool = False) -> Registry:
     with _lock:
         if _cached is None or reload or _cached[0] != key:
             registry = load_registry()
-            for line in registry.problems:
+            for line in registry.problems if _report else ():
                 logger.error("%s", line)
             _cached = (key, registry)
         return _cached[1]

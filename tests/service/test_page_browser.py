@@ -273,3 +273,46 @@ def test_cancel_asks_for_the_token_and_sends_it_as_a_header(browser: object,
         assert attempted == []
     finally:
         stop_server(server)
+
+
+def test_a_record_without_an_octree_shows_its_fields(browser: object, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin recipe's record with no octree: the preview route answers 422 and the
+    page lists the recipe's fields instead of a picture."""
+    from cache_store.recipes.registry import ENV_VAR, installed_recipes
+    from cache_store.stores.lmdb import LMDBStore
+    from tests.conftest import REPO_ROOT
+    from workers.engine import Engine
+
+    plugin = "tests.workers.plugin_recipes:Probe"
+    monkeypatch.setenv(ENV_VAR, plugin)
+    installed_recipes(reload=True)
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "tri.obj").write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n")
+    with LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 24) as store:
+        engine = Engine(store, "probe", {}, device="cpu", backend="torch", loaders=0)
+        assert engine.run([("tri", str(sources / "tri.obj"))]).done == 1
+    monkeypatch.delenv(ENV_VAR)
+    installed_recipes(reload=True)
+    server = start_server(tmp_path / "cache", sources, "--no-worker",
+                          env={ENV_VAR: plugin, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        fp = engine.fingerprint
+        r = httpx.get(f"{server.url}/v1/caches/{fp}/previews/tri", timeout=30)
+        assert r.status_code == 422 and "no octree in this record" in r.json()["detail"]
+        page, attempted = _offline_page(browser, 1280, 800)
+        page.goto(server.url + "/")
+        cache_row = page.locator(f"tr[data-fingerprint='{fp}']")
+        cache_row.wait_for(timeout=30_000)
+        cache_row.get_by_role("button", name="1 samples").click()
+        sample_row = page.locator("tr[data-sample='tri']")
+        sample_row.wait_for(timeout=10_000)
+        sample_row.get_by_role("button", name="Show").click()
+        page.locator("#preview-fields").wait_for(state="visible", timeout=10_000)
+        listed = page.locator("#preview-fields-body").inner_text()
+        assert "voxels" in listed and "extent" in listed and "int16" in listed
+        assert page.locator("#preview-figure").is_hidden()
+        assert attempted == []
+    finally:
+        stop_server(server)

@@ -43,6 +43,7 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
             "{'torch', 'workers', 'service', 'cache_store', 'numpy', 'lmdb'})\n"
             "before = list(heavy)\n"
             "spcache.precompute; spcache.PrecomputeResult; spcache.SpcacheError\n"
+            "spcache.recipes.Recipe; spcache.ls\n"
             "after = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'workers'})\n"
             "print(before, after)\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
@@ -51,7 +52,7 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
     assert out.split() == ["[]", "[]"], out
     public = set(spcache.__all__) - {"__version__"}
     assert {"CachedDataset", "collate_spc", "precompute", "PrecomputeResult", "SpcacheError",
-            "ls", "rm", "prune", "compact",
+            "ls", "rm", "prune", "compact", "recipes",
             "ParameterError", "UsageError", "StoreFull", "SampleFailed"} <= public
     namespace: dict[str, object] = {}
     exec("from spcache import *", namespace)  # every listed name resolves
@@ -62,6 +63,8 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
     import cache_store
     for package in (spcache, cache_store):
         assert set(vars(package)["_LAZY"]) <= set(package.__all__), package.__name__
+    from spcache.recipes import Recipe
+    assert spcache.recipes.Recipe is Recipe  # the submodule itself, loaded on first use
     # the older import paths name the same objects
     from cache_store.errors import SpcacheError
     assert spcache.CachedDataset is cache_store.CachedDataset

@@ -189,3 +189,19 @@ def test_code_changed_without_a_version_bump_is_reported(
     finally:
         monkeypatch.delenv(ENV_VAR)
         installed_recipes(reload=True)
+
+
+def test_a_run_with_loader_processes_names_a_broken_recipe_once(tmp_path: Path) -> None:
+    """`spcache precompute --loaders 2`: the plugin computes in the loader processes, and a
+    broken entry beside it is one ERROR line (the loaders do not repeat it)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
+           ENV_VAR: f"{PLUGINS}:Probe,no_such_module_anywhere:Thing"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "spcache", "precompute", str(MESH), str(CLOUD), "--recipe",
+         "probe", "--cache", str(tmp_path / "cache"), "--device", "cpu", "--backend", "torch",
+         "--loaders", "2", "--json"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["done"] == 2
+    errors = [line for line in proc.stderr.splitlines() if "no_such_module_anywhere" in line]
+    assert len(errors) == 1 and "failed to import: ModuleNotFoundError" in errors[0], proc.stderr
