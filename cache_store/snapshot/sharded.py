@@ -87,6 +87,8 @@ INDEX_KIND = "spcache.sharded_index"
 FORMAT_VERSION = 1
 #: A part without a manifest younger than this may still be being written.
 DEFAULT_ORPHAN_GRACE_S = 3600.0
+#: A key not found is looked for again in a fresh listing at most this often (seconds).
+MISS_RELIST_S = 1.0
 #: S3 multipart part size for large parts (S3's minimum is 5 MiB).
 MULTIPART_CHUNK = 16 * 1024 * 1024
 
@@ -263,6 +265,7 @@ class ShardedSnapshot(Store):
         self._parts_written = 0
         self._fs = ProcessLocal(lambda: _open_fs(self.location, self.storage_options))
         self._datasets: dict[str, _Dataset] = {}
+        self._listed_at: dict[str, float] = {}  # fingerprint -> when commits were last listed
         self._lock = threading.Lock()
 
     # -- paths ----------------------------------------------------------------------
@@ -374,7 +377,8 @@ class ShardedSnapshot(Store):
     # -- reading ----------------------------------------------------------------------
     def _commit_names(self, fingerprint: str) -> list[str]:
         try:
-            names = self.fs.ls(self._path(fingerprint, "commits"), detail=False)
+            # refresh: s3fs caches listings, and a reader must see commits made since
+            names = self.fs.ls(self._path(fingerprint, "commits"), detail=False, refresh=True)
         except FileNotFoundError:
             return []
         parts = []
@@ -443,18 +447,23 @@ class ShardedSnapshot(Store):
                     dataset.order.append(sample_id)
         with self._lock:
             self._datasets[fingerprint] = dataset
+            self._listed_at[fingerprint] = time.monotonic()
         return dataset
 
     def refresh(self) -> None:
         """Forget what was read: the next access lists the commits again."""
         with self._lock:
             self._datasets.clear()
+            self._listed_at.clear()
 
     def _entry(self, key: str) -> Entry | None:
         fingerprint, sample_id = split_key(key)
         dataset = self._load(fingerprint)
         entry = dataset.entries.get(sample_id) if dataset else None
-        if entry is None:  # committed since this process looked?
+        listed = self._listed_at.get(fingerprint, 0.0)
+        if entry is None and time.monotonic() - listed > MISS_RELIST_S:
+            # committed since this process looked? (at most one listing a second: a run's
+            # admission asks for every sample it has not computed yet)
             dataset = self._load(fingerprint, refresh=True)
             entry = dataset.entries.get(sample_id) if dataset else None
         return entry
@@ -519,7 +528,7 @@ class ShardedSnapshot(Store):
 
     def _fingerprint_dirs(self) -> list[str]:
         try:
-            names = self.fs.ls(self.root, detail=False)
+            names = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         return sorted(n for n in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in names)
@@ -672,7 +681,7 @@ def orphan_parts(location: str | os.PathLike[str], *, older_than_s: float = DEFA
         for fingerprint in store._fingerprint_dirs():
             committed = set(store._commit_names(fingerprint))
             try:
-                listing = fs.ls(store._path(fingerprint, "parts"), detail=True)
+                listing = fs.ls(store._path(fingerprint, "parts"), detail=True, refresh=True)
             except FileNotFoundError:
                 continue
             for info in listing:

@@ -182,3 +182,20 @@ def test_a_large_part_goes_up_in_multipart_and_reads_by_range(
     with ShardedSnapshot(location, storage_options=options) as reader:
         assert reader.get(f"{FP}/r5") == records[5][1]
         assert reader.get_many([f"{FP}/r7", f"{FP}/r0"]) == [records[7][1], records[0][1]]
+
+
+def test_a_long_lived_reader_sees_later_commits(dest) -> None:
+    """One reader object kept open (as a DataLoader worker keeps its store): parts
+    committed after it first listed are found, on S3 too (s3fs caches listings)."""
+    location, options = dest
+    writer = ShardedSnapshot(location, readonly=False, storage_options=options)
+    writer.put_many([(f"{FP}/a", make_record(FP, "a", seed=1))])
+    writer.put_index(_index(["a"]))
+    reader = ShardedSnapshot(location, storage_options=options)
+    assert reader.get_index(FP).sample_ids.tolist() == ["a"]
+    writer.put_many([(f"{FP}/b", make_record(FP, "b", seed=2))])
+    time.sleep(1.1)  # past the one-listing-a-second bound on lookups of unknown keys
+    assert reader.has(f"{FP}/b")
+    assert reader.get_index(FP).sample_ids.tolist() == ["a", "b"]
+    reader.close()
+    writer.close()
