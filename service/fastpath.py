@@ -21,7 +21,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cache_store.errors import SpcacheError
 from cache_store.keys import FINGERPRINT_PATTERN, record_key
 from service.context import ServiceContext
-from service.records import RECORD_MEDIA_TYPE, etag_matches, read_record, record_tag_header
+from service.records import (
+    RECORD_MEDIA_TYPE,
+    RecordStream,
+    etag_matches,
+    read_record,
+    record_tag_header,
+)
 
 __all__ = ["RecordFastPath", "RECORD_ROUTE"]
 
@@ -53,14 +59,23 @@ class RecordFastPath:
         scope["spcache.route"] = RECORD_ROUTE
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body",
-                        "body": body if scope["method"] == "GET" else b""})
+            if isinstance(body, RecordStream) and scope["method"] == "GET":
+                # One chunk copied at a time; each send waits while the connection's
+                # buffer is full, so the reservation is held until the last chunk left.
+                for chunk in body.chunks():
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+            else:
+                await send({"type": "http.response.body",
+                            "body": body if scope["method"] == "GET"
+                            and not isinstance(body, RecordStream) else b""})
         finally:
             release()
 
-    def _answer(self, fingerprint: str, raw_id: str,
-                scope: Scope,
-                ) -> tuple[int, list[tuple[bytes, bytes]], bytes, Callable[[], None]] | None:
+    def _answer(self, fingerprint: str, raw_id: str, scope: Scope,
+                ) -> tuple[int, list[tuple[bytes, bytes]], bytes | RecordStream,
+                           Callable[[], None]] | None:
         fields = None
         if scope.get("query_string"):
             query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)

@@ -27,7 +27,7 @@ from cache_store.format.decode import decode_arrays
 from cache_store.format.header import read_header
 
 __all__ = ["VIEWS", "MAX_SIZE", "MIN_SIZE", "MAX_SPLATS", "MAX_QUERY_POINTS", "PreviewRequest",
-           "level_voxels", "render_voxels", "render_record", "encode_png", "decode_png_rgb",
+           "level_voxels", "render_voxels", "render_record", "drawn_fields", "encode_png", "decode_png_rgb",
            "record_levels"]
 
 log = logging.getLogger(__name__)
@@ -288,16 +288,25 @@ def _no_octree(header: Any, key: str) -> ParameterError:
                           what="preview request")
 
 
-def render_record(value: bytes, request: PreviewRequest, *, key: str = "") -> bytes:
-    """PNG bytes of one level of a record (``spc`` or ``spc_query``)."""
-    request.check()
+def drawn_fields(value: Any, request: PreviewRequest, *,
+                 key: str = "") -> tuple[list[str], int]:
+    """The fields a picture of ``request`` reads from a record, and their bytes (from the
+    header: nothing else of the record is read)."""
     header = read_header(value, key=key)
     if any(f not in header.tensors for f in ("point_hierarchy", "pyramid")):
         raise _no_octree(header, key)
     fields = ["point_hierarchy", "pyramid"]
-    with_queries = request.queries and "query_points" in header.tensors
-    if with_queries:
+    if request.queries and "query_points" in header.tensors:
         fields += ["query_points"] + (["query_pidx"] if "query_pidx" in header.tensors else [])
+    return fields, sum(header.tensors[f].end - header.tensors[f].begin for f in fields)
+
+
+def render_record(value: Any, request: PreviewRequest, *, key: str = "") -> bytes:
+    """PNG bytes of one level of a record (``spc`` or ``spc_query``); only the fields
+    drawn are decoded (:func:`drawn_fields`)."""
+    request.check()
+    fields, _ = drawn_fields(value, request, key=key)
+    with_queries = "query_points" in fields
     arrays, _ = decode_arrays(value, key=key, fields=fields)
     voxels = level_voxels(arrays["point_hierarchy"], arrays["pyramid"], request.level, key=key)
     points = hits = None

@@ -7,8 +7,9 @@ answer the same bytes with the same validators; routes never import one another.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
 
 from fastapi import Path
 
@@ -21,7 +22,8 @@ from cache_store.keys import FINGERPRINT_PATTERN, record_key
 from service.budget import ResponseTooLarge, record_length
 from service.context import ServiceContext
 
-__all__ = ["Fingerprint", "RECORD_MEDIA_TYPE", "read_record", "read_stored", "record_etag",
+__all__ = ["RecordStream", "STREAM_CHUNK", "Fingerprint", "RECORD_MEDIA_TYPE", "read_record",
+           "read_stored", "record_etag",
            "etag_matches", "record_tag_header", "parse_fields", "note_read_hourly"]
 
 RECORD_MEDIA_TYPE = "application/octet-stream"
@@ -68,15 +70,43 @@ def parse_fields(fields: str | None) -> list[str] | None:
     return names
 
 
-def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
-                fields: str | None) -> tuple[bytes, str, Callable[[], None]]:
-    """The bytes to send for a record (all fields, or the comma-separated ``fields``),
-    their strong ETag, and the release of the bytes reserved for them in the process's
-    read budget (call it once the answer is sent).
+#: Whole records larger than this are streamed from the store in chunks of this size.
+STREAM_CHUNK = 1 << 20
 
-    The record's size is checked before it is copied: over ``max_response_bytes`` is
+
+class RecordStream:
+    """A whole record sent from the store's own memory (the LMDB map) in chunks of
+    :data:`STREAM_CHUNK`: one chunk is copied at a time, and the read transaction that
+    keeps the map's pages valid is held until :meth:`close` (after the last chunk)."""
+
+    def __init__(self, view: Any, stack: contextlib.ExitStack) -> None:
+        self.view = memoryview(view).cast("B")
+        self._stack = stack
+
+    def __len__(self) -> int:
+        return self.view.nbytes
+
+    def chunks(self) -> Iterator[bytes]:
+        for start in range(0, self.view.nbytes, STREAM_CHUNK):
+            yield bytes(self.view[start:start + STREAM_CHUNK])
+
+    def close(self) -> None:
+        view, self.view = self.view, memoryview(b"")
+        view.release()
+        self._stack.close()
+
+
+def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
+                fields: str | None) -> tuple[bytes | RecordStream, str, Callable[[], None]]:
+    """The body to send for a record (all fields, or the comma-separated ``fields``),
+    its strong ETag, and the release of the bytes reserved for it in the process's read
+    budget (call it once the last byte is sent: it also ends the stream's read view).
+
+    The record's size is checked before it is read: over ``max_response_bytes`` is
     :class:`ResponseTooLarge` (413), past the read budget :class:`ReadBudgetBusy` (503).
-    One LMDB copy, done inline: cheaper than a hop to the thread pool.
+    A whole record over :data:`STREAM_CHUNK` is a :class:`RecordStream` over the
+    store's memory (nothing copied up front); a smaller one, or a ``fields`` subset, is
+    bytes (one copy, done inline: cheaper than a hop to the thread pool).
     """
     key = record_key(fingerprint, sample_id)
     store = ctx.store()
@@ -89,15 +119,25 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
         raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
                                f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
                                "from the cache directly")
-    release = ctx.read_budget.reserve(size, f"record {sample_id!r}")
+    reserved = ctx.read_budget.reserve(size, f"record {sample_id!r}")
+    names = parse_fields(fields)
+    stack = contextlib.ExitStack()
     try:
+        if names is None and size > STREAM_CHUNK:
+            stream = RecordStream(stack.enter_context(store.read_view(key)), stack)
+
+            def release() -> None:
+                stream.close()
+                reserved()
+
+            return stream, record_etag(stream.view, key), release
         value = store.get(key)
-        names = parse_fields(fields)
         if names is not None:
             value = select_fields(value, names, key=key)
-        return value, record_etag(value, key), release
+        return value, record_etag(value, key), reserved
     except BaseException:
-        release()
+        stack.close()
+        reserved()
         raise
 
 

@@ -28,12 +28,12 @@ from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
-from cache_store.format.header import record_checksum
+from cache_store.errors import RecordNotFound
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
-from service.records import Fingerprint, etag_matches, read_stored
-from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, record_levels,
-                             render_record)
+from service.records import Fingerprint, etag_matches, record_etag
+from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, drawn_fields,
+                             record_levels, render_record)
 
 __all__ = ["router", "install_page", "PreviewCache", "STATIC_DIR"]
 
@@ -90,7 +90,7 @@ class PreviewCache:
                 _, old = self._pngs.popitem(last=False)
                 self._bytes -= len(old)
 
-    def render(self, value: bytes, request: PreviewRequest, key: str) -> bytes:
+    def render(self, value: Any, request: PreviewRequest, key: str) -> bytes:
         with self._slots:
             return render_record(value, request, key=key)
 
@@ -163,9 +163,36 @@ def redoc_docs(request: Request) -> HTMLResponse:
         _CSP_REDOC)
 
 
-def _record(ctx: ServiceContext, key: str) -> tuple[bytes, str]:
-    value = read_stored(ctx, key)
-    return value, record_checksum(value, key=key)
+def _preview(ctx: ServiceContext, cache: PreviewCache, key: str, level: int | None, view: str,
+             size: int, queries: bool, if_none_match: str | None) -> tuple[str, bytes | None]:
+    """``(ETag, PNG or None for 304)`` of a preview, read from the record in place.
+
+    The record is looked at through the store's read view (the LMDB map: no copy of
+    it); its ETag comes from the header; a picture already rendered for that ETag is
+    served from the cache; otherwise only the drawn fields are decoded, with their bytes
+    reserved in the read budget (503 past it) until the picture is made.
+    """
+    store = ctx.store()
+    if store is None:
+        raise RecordNotFound(key, str(ctx.cache))
+    with store.read_view(key) as value:
+        checksum = record_etag(value, key).strip('"')
+        wanted = PreviewRequest(level=record_levels(value, key=key) if level is None else level,
+                                view=view, size=size, queries=queries)
+        wanted.check()
+        etag = f'"{checksum}-{wanted.as_tag()}"'
+        if etag_matches(if_none_match, etag):
+            return etag, None
+        png = cache.get(etag)
+        if png is None:
+            _, nbytes = drawn_fields(value, wanted, key=key)
+            release = ctx.read_budget.reserve(nbytes, f"preview of {key!r}")
+            try:
+                png = cache.render(value, wanted, key)
+            finally:
+                release()
+            cache.put(etag, png)
+        return etag, png
 
 
 @router.get("/v1/caches/{fingerprint}/previews/{sample_id:path}", operation_id="get_preview",
@@ -184,20 +211,12 @@ async def get_preview(
     """A picture of one octree level of a record: occupied voxels as shaded cubes, query
     points green (voxel occupied at that level) or red. ETag = record checksum + params."""
     key = record_key(fingerprint, sample_id)
-    value, checksum = await run_in_threadpool(_record, ctx, key)
-    if level is None:
-        level = record_levels(value, key=key)
-    wanted = PreviewRequest(level=level, view=view, size=size, queries=queries)
-    wanted.check()
-    etag = f'"{checksum}-{wanted.as_tag()}"'
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    if etag_matches(request.headers.get("if-none-match"), etag):
-        return Response(status_code=304, headers=headers)
     cache: PreviewCache = request.app.state.previews
-    png = cache.get(etag)
+    etag, png = await run_in_threadpool(_preview, ctx, cache, key, level, view, size, queries,
+                                        request.headers.get("if-none-match"))
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if png is None:
-        png = await run_in_threadpool(cache.render, value, wanted, key)
-        cache.put(etag, png)
+        return Response(status_code=304, headers=headers)
     return Response(png, media_type=_PNG, headers=headers)
 
 

@@ -149,6 +149,13 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     cache_row = page.locator(f"tr[data-fingerprint='{fp}']")
     cells = cache_row.locator("td").all_inner_texts()
     assert cells[1].startswith("spc_query") and int(cells[3]) == total - 1
+    # the row's failures: the count, opening to the list with the failed file's id and path
+    assert cells[5] != "—"  # Created: the time of the index the worker wrote
+    failed = cache_row.locator("details.failed")
+    assert failed.locator("summary").inner_text() == "1 failed"
+    failed.locator("summary").click()
+    item = failed.locator("li").first
+    assert item.get_attribute("data-sample") == bad.stem and str(bad) in item.inner_text()
     cache_row.get_by_role("button", name=f"{total - 1} samples").click()
     page.fill("#prefix", subject)
     page.click("#samples-search button")
