@@ -21,7 +21,7 @@ from cache_store.errors import BackendUnavailable, UnknownName
 
 from . import kaolin_spc, torch_spc
 
-__all__ = ["BACKENDS", "OP_NAMES", "get_backend", "kaolin_spc", "torch_spc"]
+__all__ = ["BACKENDS", "OP_NAMES", "get_backend", "select_backend", "kaolin_spc", "torch_spc"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,28 +43,55 @@ OP_NAMES = (
 )
 
 
+def _device_type(device: torch.device | str | None) -> str:
+    """``cuda`` or ``cpu`` for a device (``None`` or ``auto``: CUDA when it is available).
+
+    Never initialises CUDA: ``torch.cuda.is_available()`` does not create a context."""
+    if device is None or str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def select_backend(name: str = "auto",
+                   device: torch.device | str | None = None) -> tuple[ModuleType, str]:
+    """The backend called ``name`` for ``device``, and why it is that one (for a log line).
+
+    Same rules and errors as :func:`get_backend`; nothing is logged here.
+    """
+    if name not in (*BACKENDS, "auto"):
+        raise UnknownName("SPC backend", name, [*BACKENDS, "auto"])
+    any_device = device is None or str(device) == "auto"
+    where = "cuda" if any_device else str(device)
+    is_cuda = _device_type(device) == "cuda"
+    if name == "torch":
+        return torch_spc, "asked for"
+    if name == "kaolin":
+        if not any_device and not is_cuda:
+            raise BackendUnavailable("kaolin", f"device {where} is not a CUDA device (Kaolin's "
+                                               "SPC ops are CUDA-only); use --backend torch or "
+                                               "auto there")
+        kaolin_spc.ensure_available()
+        return kaolin_spc, f"asked for; kaolin {kaolin_spc.kaolin_version()} on {where}"
+    if not is_cuda:
+        return torch_spc, f"device {where}: Kaolin's SPC ops are CUDA-only"
+    try:
+        kaolin_spc.ensure_available()
+    except BackendUnavailable as exc:
+        return torch_spc, exc.reason
+    return kaolin_spc, f"kaolin {kaolin_spc.kaolin_version()} imports and {where} is CUDA"
+
+
 def get_backend(name: str = "auto", device: torch.device | str | None = None) -> ModuleType:
     """The backend called ``name`` ("torch", "kaolin" or "auto").
 
     "auto" picks Kaolin when it imports and ``device`` is a CUDA device (``device=None``
-    means CUDA when it is available), else the torch backend. Asking for "kaolin" where
-    Kaolin or CUDA is missing raises :class:`~cache_store.errors.BackendUnavailable`; an
+    means CUDA when it is available), else the torch backend; falling back to torch on a
+    CUDA device logs one WARNING line with the reason. Asking for "kaolin" with a device
+    that is not CUDA, or where Kaolin or CUDA is missing, raises
+    :class:`~cache_store.errors.BackendUnavailable` (before any sample is computed); an
     unknown name raises :class:`~cache_store.errors.UnknownName` listing the known ones.
     """
-    if name == "auto":
-        is_cuda = (torch.device(device).type == "cuda" if device is not None
-                   else torch.cuda.is_available())
-        if is_cuda:
-            try:
-                kaolin_spc.ensure_available()
-            except BackendUnavailable as exc:
-                logger.info("SPC ops on %s use the torch backend: %s", device or "cuda", exc)
-                return torch_spc
-            return kaolin_spc
-        return torch_spc
-    if name not in BACKENDS:
-        raise UnknownName("SPC backend", name, [*BACKENDS, "auto"])
-    backend = BACKENDS[name]
-    if backend is kaolin_spc:
-        kaolin_spc.ensure_available()
+    backend, why = select_backend(name, device)
+    if name == "auto" and backend is torch_spc and _device_type(device) == "cuda":
+        logger.warning("SPC ops on %s use the torch backend: %s", device or "cuda", why)
     return backend

@@ -28,6 +28,7 @@ __all__ = [
     "check_points",
     "check_float_coords",
     "check_morton",
+    "check_morton_points",
     "check_octree",
     "check_lengths",
     "check_query_coords",
@@ -113,6 +114,19 @@ def check_float_coords(x: object, name: str = "x") -> torch.Tensor:
     if x.numel() and bool(torch.isnan(x).any()):
         raise InvalidTensor(f"{name}: contains NaN coordinates")
     return x
+
+
+def check_morton_points(points: object, name: str = "points") -> torch.Tensor:
+    """The int16 points of ``points_to_morton``: shape (..., num_points, 3).
+
+    A lone point of shape (3,) is refused in both backends: Kaolin 0.18 reshapes its codes
+    to ``points.shape[:-1]``, which for (3,) is ``reshape()`` with no size, a TypeError."""
+    points = check_tensor(name, points, (torch.int16,), "torch.int16")
+    if points.dim() < 2 or points.shape[-1] != 3:
+        raise InvalidTensor(f"{name}: expected shape (..., num_points, 3), got {_shape(points)}"
+                            + (" (one point is [[x, y, z]], shape (1, 3))"
+                               if points.dim() == 1 else ""))
+    return points
 
 
 def check_morton(morton: object, name: str = "morton") -> torch.Tensor:

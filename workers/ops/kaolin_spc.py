@@ -5,7 +5,13 @@ does, and a missing Kaolin or CUDA raises :class:`~cache_store.errors.BackendUna
 Each function runs the same input checks as the torch backend first, so bad input fails
 the same way on both, and Kaolin's kernels never see octrees they would read past.
 Where Kaolin's result is undefined (NaN queries, voxels beyond int16) the answer is -1,
-as in the torch backend.
+as in the torch backend. ``unbatched_make_trinkets`` is the torch backend's (on the same
+device): Kaolin's is a Python dictionary walk, slow on large hierarchies, and the gpu
+tests check that the two agree.
+
+Importing Kaolin runs a lot of code (warp, USD): any exception it raises, and any warning
+it emits (an error under ``-W error``), makes the backend unavailable with the reason,
+never an exception out of :func:`ensure_available`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -26,6 +34,9 @@ from . import _checks, torch_dual, torch_spc
 __all__ = [
     "name",
     "ensure_available",
+    "SUPPORTED_VERSION",
+    "TORCH_RANGE",
+    "torch_version_note",
     "quantize_points",
     "points_to_morton",
     "morton_to_points",
@@ -41,9 +52,34 @@ __all__ = [
 
 name = "kaolin"
 
+logger = logging.getLogger(__name__)
+
 
 SUPPORTED_VERSION = "0.18"
 """The Kaolin release whose results the torch backend matches bit for bit."""
+
+
+TORCH_RANGE = ("2.3.0", "2.8.0")
+"""The torch releases Kaolin 0.18.0 publishes wheels for (its setup.py refuses newer)."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.5.1+cu121"`` -> ``(2, 5, 1)`` (enough to compare releases)."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def torch_version_note(version: str | None = None) -> str:
+    """``""`` when ``version`` (default: this torch) is one Kaolin 0.18 ships wheels for,
+    else a short note saying it is not."""
+    version = torch.__version__ if version is None else version
+    low, high = TORCH_RANGE
+    if _release(low) <= _release(version) <= _release(high):
+        return ""
+    return f"torch {version} is outside Kaolin {SUPPORTED_VERSION}'s {low}-{high}"
 
 
 def _kaolin_version() -> str:
@@ -56,24 +92,47 @@ def _kaolin_version() -> str:
     return str(version)
 
 
+def guarded_import(module: str) -> ModuleType:
+    """``importlib.import_module(module)`` for a Kaolin module, with the import's warnings
+    recorded instead of raised (``-W error`` must not turn a noisy import into a failure).
+
+    Any exception of the import propagates; the warnings are logged at DEBUG."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        imported = importlib.import_module(module)
+    if caught:
+        logger.debug("importing %s warned %d time(s); first: %s", module, len(caught),
+                     caught[0].message)
+    return imported
+
+
 @functools.cache
 def _import_spc() -> tuple[ModuleType | None, str]:
     try:
-        spc = importlib.import_module("kaolin.ops.spc")
-    except (ImportError, OSError, RuntimeError) as exc:  # a missing wheel or a broken CUDA build
-        return None, f"cannot import kaolin.ops.spc ({type(exc).__name__}: {exc})"
-    version = _kaolin_version()
+        spc = guarded_import("kaolin.ops.spc")
+        version = _kaolin_version()
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - a missing wheel, a broken CUDA build, anything
+        text = " ".join(str(exc).split())[:200]
+        reason = f"kaolin not importable ({type(exc).__name__}: {text})"
+        note = torch_version_note()
+        return None, f"{reason}; {note}" if note else reason
     if version.split(".")[:2] != SUPPORTED_VERSION.split("."):
         return None, (f"found kaolin {version}, but records must match Kaolin "
                       f"{SUPPORTED_VERSION} bit for bit (earlier releases use another exsum layout)")
     return spc, ""
 
 
+def kaolin_version() -> str:
+    """The importable Kaolin's version (call after :func:`ensure_available` succeeded)."""
+    return _kaolin_version()
+
+
 def ensure_available() -> ModuleType:
     """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
     spc, reason = _import_spc()
     if spc is None:
-        raise BackendUnavailable(name, reason + "; install kaolin==0.18.x for this torch/CUDA")
+        raise BackendUnavailable(name, reason + f"; install kaolin=={SUPPORTED_VERSION}.x for "
+                                                "this torch/CUDA")
     if not torch.cuda.is_available():
         raise BackendUnavailable(name, "CUDA is not available (Kaolin's SPC ops are CUDA-only)")
     return spc
@@ -99,9 +158,7 @@ def quantize_points(x: torch.Tensor, level: int) -> torch.Tensor:
 
 def points_to_morton(points: torch.Tensor) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.points_to_morton`."""
-    shape = _checks.check_tensor("points", points, (torch.int16,), "torch.int16").shape
-    if points.dim() == 0 or shape[-1] != 3:
-        raise InvalidTensor(f"points: expected shape (..., 3), got {tuple(shape)}")
+    shape = _checks.check_morton_points(points).shape
     _checks.check_points(points.reshape(-1, 3), allow_empty=True)
     with _on("points", points) as spc:
         if points.numel() == 0:  # Kaolin launches an empty grid, which CUDA refuses
@@ -124,7 +181,7 @@ def unbatched_points_to_octree(points: torch.Tensor, level: int,
     level = _checks.check_level(level, low=1)
     points = _checks.check_points(points, level)
     if sorted:  # refuse out-of-order points as the torch backend does (duplicates are harmless)
-        torch_spc._sorted_unique_morton(points, level, True)
+        torch_spc.sorted_unique_morton(points, level, True)
     with _on("points", points) as spc:
         return spc.unbatched_points_to_octree(points.contiguous(), level, sorted=bool(sorted))
 
@@ -145,7 +202,7 @@ def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
                     exsum: torch.Tensor) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.generate_points`."""
     with _on("octrees", _checks.check_octree(octrees, "octrees")) as spc:
-        _, _, exsum = torch_spc._checked_structure(octrees, pyramids, exsum, "generate_points")
+        _, _, exsum = torch_spc.checked_structure(octrees, pyramids, exsum, "generate_points")
         return spc.generate_points(octrees.contiguous(), pyramids.cpu().contiguous(),
                                    exsum.contiguous())
 
@@ -154,7 +211,7 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
                     level: int, with_parents: bool = False) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.unbatched_query` (same -1 for undefined queries)."""
     with _on("octree", _checks.check_octree(octree)) as spc:
-        exsum, query_coords, level = torch_spc._check_query(octree, exsum, query_coords, level)
+        exsum, query_coords, level = torch_spc.check_query(octree, exsum, query_coords, level)
         if query_coords.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
             return torch_spc.unbatched_query(octree, exsum, query_coords, level, with_parents)
         result = spc.unbatched_query(octree.contiguous(), exsum.contiguous(),
@@ -186,7 +243,7 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
 def unbatched_make_dual(point_hierarchy: torch.Tensor,
                         pyramid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`workers.ops.torch_spc.unbatched_make_dual` (Kaolin's own, after our checks)."""
-    point_hierarchy, pyramid, max_level = torch_dual._check_hierarchy(
+    point_hierarchy, pyramid, max_level = torch_dual.check_hierarchy(
         point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
     with _on("point_hierarchy", point_hierarchy) as spc:
         if max_level == _checks.MAX_LEVEL:  # refuse corners beyond int16, as the torch backend
@@ -196,7 +253,7 @@ def unbatched_make_dual(point_hierarchy: torch.Tensor,
 
 
 def _refuse_far_corners(point_hierarchy: torch.Tensor, pyramid: torch.Tensor) -> None:
-    leaves = point_hierarchy[torch_dual._level_slice(pyramid, pyramid.shape[1] - 2)]
+    leaves = point_hierarchy[torch_dual.level_slice(pyramid, pyramid.shape[1] - 2)]
     if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
         raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
                             "corners at 2**15, beyond int16")
@@ -205,12 +262,13 @@ def _refuse_far_corners(point_hierarchy: torch.Tensor, pyramid: torch.Tensor) ->
 def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
                             point_hierarchy_dual: torch.Tensor,
                             pyramid_dual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """See :func:`workers.ops.torch_spc.unbatched_make_trinkets` (Kaolin's own, after our checks).
+    """See :func:`workers.ops.torch_spc.unbatched_make_trinkets`: that implementation, on the
+    CUDA device.
 
-    Kaolin raises a ``KeyError`` for a corner or parent it cannot find; the torch backend's
-    lookups run first here so that such input raises the same ``InvalidTensor``."""
-    with _on("point_hierarchy", _checks.check_tensor("point_hierarchy", point_hierarchy)) as spc:
-        torch_spc.unbatched_make_trinkets(point_hierarchy, pyramid, point_hierarchy_dual,
-                                          pyramid_dual)
-        return spc.unbatched_make_trinkets(point_hierarchy, pyramid.cpu(),
-                                           point_hierarchy_dual, pyramid_dual.cpu())
+    Kaolin 0.18's own walks the hierarchy level by level through Python dictionaries (slow
+    on large hierarchies) and raises a ``KeyError`` for a missing corner or parent; the
+    torch one gives the same trinkets and parents (the gpu tests compare them) and
+    ``InvalidTensor`` for such input."""
+    with _on("point_hierarchy", _checks.check_tensor("point_hierarchy", point_hierarchy)):
+        return torch_spc.unbatched_make_trinkets(point_hierarchy, pyramid, point_hierarchy_dual,
+                                                 pyramid_dual)

@@ -19,8 +19,8 @@ from . import _checks, _morton
 __all__ = ["unbatched_make_dual", "unbatched_make_trinkets"]
 
 
-def _check_hierarchy(point_hierarchy: object, pyramid: object, names: tuple[str, str],
-                     corners: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+def check_hierarchy(point_hierarchy: object, pyramid: object, names: tuple[str, str],
+                    corners: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A point hierarchy and its pyramid; returns ``(point_hierarchy, pyramid on the CPU,
     max_level)``. Level ``l``'s points must lie in ``[0, 2**l]`` when they are ``corners``
     (a dual octree), else in ``[0, 2**l)``."""
@@ -53,7 +53,8 @@ def _check_hierarchy(point_hierarchy: object, pyramid: object, names: tuple[str,
     return point_hierarchy, pyramid, max_level
 
 
-def _level_slice(pyramid: torch.Tensor, level: int) -> slice:
+def level_slice(pyramid: torch.Tensor, level: int) -> slice:
+    """The rows of ``level`` in a point hierarchy with this (CPU) pyramid."""
     start, count = int(pyramid[1, level]), int(pyramid[0, level])
     return slice(start, start + count)
 
@@ -102,16 +103,16 @@ def unbatched_make_dual(point_hierarchy: torch.Tensor,
     A level-15 hierarchy whose voxels reach the far border has corners at ``2^15``,
     which int16 cannot hold: it raises :class:`~cache_store.errors.InvalidTensor`.
     """
-    point_hierarchy, pyramid, max_level = _check_hierarchy(
+    point_hierarchy, pyramid, max_level = check_hierarchy(
         point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
     if max_level == _checks.MAX_LEVEL:
-        leaves = point_hierarchy[_level_slice(pyramid, max_level)]
+        leaves = point_hierarchy[level_slice(pyramid, max_level)]
         if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
             raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
                                 "corners at 2**15, beyond int16")
     levels = []
     for level in range(max_level + 1):
-        codes = _corner_morton(point_hierarchy[_level_slice(pyramid, level)])
+        codes = _corner_morton(point_hierarchy[level_slice(pyramid, level)])
         levels.append(torch.unique(codes.reshape(-1)))  # sorted ascending
     counts = torch.tensor([len(codes) for codes in levels] + [0], dtype=torch.int64)
     pyramid_dual = torch.zeros(2, max_level + 2, dtype=torch.int32)
@@ -159,9 +160,9 @@ def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor
     A corner missing from the dual, or a parent missing from the level above, raises
     :class:`~cache_store.errors.InvalidTensor` (Kaolin raises a ``KeyError``).
     """
-    point_hierarchy, pyramid, max_level = _check_hierarchy(
+    point_hierarchy, pyramid, max_level = check_hierarchy(
         point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
-    dual, pyramid_dual, dual_level = _check_hierarchy(
+    dual, pyramid_dual, dual_level = check_hierarchy(
         point_hierarchy_dual, pyramid_dual, ("point_hierarchy_dual", "pyramid_dual"), corners=True)
     if dual_level != max_level:
         raise InvalidTensor(f"pyramid_dual: {dual_level + 1} levels, but pyramid has "
@@ -170,16 +171,16 @@ def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor
     dual = dual.to(device)
     trinkets, parents = [], []
     for level in range(max_level + 1):
-        points = point_hierarchy[_level_slice(pyramid, level)]
+        points = point_hierarchy[level_slice(pyramid, level)]
         corners = _corner_morton(points).reshape(-1)
-        dual_codes = _morton.encode(dual[_level_slice(pyramid_dual, level)], torch.int64)
+        dual_codes = _morton.encode(dual[level_slice(pyramid_dual, level)], torch.int64)
         trinkets.append(_lookup(dual_codes, corners, f"point_hierarchy_dual: level {level} "
                                 "lacks corners of point_hierarchy's voxels; build it with "
                                 "unbatched_make_dual").view(-1, 8))
         if level == 0:
             parents.append(torch.full((len(points),), -1, dtype=torch.int64, device=device))
             continue
-        above = _morton.encode(point_hierarchy[_level_slice(pyramid, level - 1)], torch.int64)
+        above = _morton.encode(point_hierarchy[level_slice(pyramid, level - 1)], torch.int64)
         mine = _morton.encode(points, torch.int64) >> 3
         parents.append(_lookup(above, mine, f"point_hierarchy: a level-{level} voxel has no "
                                f"parent at level {level - 1}") + int(pyramid[1, level - 1]))

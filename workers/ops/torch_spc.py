@@ -72,14 +72,13 @@ def points_to_morton(points: torch.Tensor) -> torch.Tensor:
     For each bit i of the coordinates, z's bit goes to 3i, y's to 3i+1 and x's to 3i+2.
 
     Args:
-        points (torch.ShortTensor): int16 points of shape :math:`(..., 3)`, non-negative.
+        points (torch.ShortTensor): int16 points of shape :math:`(..., \text{num_points}, 3)`,
+            non-negative. A lone point of shape (3,) is refused (Kaolin 0.18 fails on it).
 
     Returns:
-        (torch.LongTensor): int64 codes of shape :math:`(...)`.
+        (torch.LongTensor): int64 codes of shape :math:`(..., \text{num_points})`.
     """
-    shape = _checks.check_tensor("points", points, (torch.int16,), "torch.int16").shape
-    if points.dim() == 0 or shape[-1] != 3:
-        raise InvalidTensor(f"points: expected shape (..., 3), got {tuple(shape)}")
+    shape = _checks.check_morton_points(points).shape
     flat = _checks.check_points(points.reshape(-1, 3), allow_empty=True)
     return _morton.encode(flat, torch.int64).reshape(shape[:-1])
 
@@ -107,7 +106,11 @@ def _run_starts(values: torch.Tensor) -> torch.Tensor:
     return first.nonzero().squeeze(1)
 
 
-def _sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> torch.Tensor:
+def sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> torch.Tensor:
+    """Sorted distinct Morton codes of valid points (int32 up to level 10, else int64).
+
+    With ``is_sorted`` the points must already be in Morton order (else InvalidTensor);
+    both backends' ``unbatched_points_to_octree(sorted=True)`` check it with this."""
     dtype = torch.int32 if level <= _INT32_LEVELS else torch.int64
     morton = _morton.encode(points, dtype)
     if not is_sorted:  # sort + drop repeats is cheaper than torch.unique on the CPU
@@ -145,7 +148,7 @@ def unbatched_points_to_octree(points: torch.Tensor, level: int,
     """
     level = _checks.check_level(level, low=1)
     points = _checks.check_points(points, level)
-    morton = _sorted_unique_morton(points, level, bool(sorted))
+    morton = sorted_unique_morton(points, level, bool(sorted))
     child_bits = _CHILD_BITS.to(morton.device)
     levels = []
     for _ in range(level):
@@ -204,8 +207,8 @@ def _to_legacy(exsum: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor,
-                       caller: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+def checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor,
+                      caller: str) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Check that ``pyramids`` and ``exsum`` are those of ``octrees``; return
     ``(max_level, byte lengths (int64 CPU), exsum in the current layout)``."""
     octrees = _checks.check_octree(octrees, "octrees")
@@ -266,7 +269,7 @@ def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
         a node are listed in bit order, child ``c`` at ``2 * parent + (c >> 2 & 1,
         c >> 1 & 1, c & 1)``.
     """
-    max_level, lengths, _ = _checked_structure(octrees, pyramids, exsum, "generate_points")
+    max_level, lengths, _ = checked_structure(octrees, pyramids, exsum, "generate_points")
     pyramids = pyramids.cpu()
     device = octrees.device
     batch = lengths.shape[0]
@@ -324,8 +327,8 @@ def query_voxels(query_coords: torch.Tensor, level: int,
     return voxels, inside
 
 
-def _check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
-                 level: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
+                level: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Shared input checks of :func:`unbatched_query`; returns (exsum, query_coords, level)."""
     octree = _checks.check_octree(octree)
     query_coords = _checks.check_query_coords(query_coords)
@@ -394,7 +397,7 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     for the second. NaN queries, and queries whose voxel lies beyond int16 (where Kaolin is
     undefined), give -1.
     """
-    exsum, query_coords, level = _check_query(octree, exsum, query_coords, level)
+    exsum, query_coords, level = check_query(octree, exsum, query_coords, level)
     with_parents = bool(with_parents)
     num_query = query_coords.shape[0]
     shape = (num_query, level + 1) if with_parents else (num_query,)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import torch
 
 from cache_store.errors import BackendUnavailable, UnknownName
 from tests.conftest import REPO_ROOT
-from workers.ops import BACKENDS, OP_NAMES, get_backend, kaolin_spc, torch_spc
+from workers.ops import BACKENDS, OP_NAMES, get_backend, kaolin_spc, select_backend, torch_spc
 
 
 def test_every_backend_has_every_op_and_a_name():
@@ -90,3 +91,104 @@ def test_kaolin_without_cuda_is_refused(monkeypatch, clean_kaolin_cache):
     with pytest.raises(BackendUnavailable, match="CUDA is not available"):
         get_backend("kaolin")
     assert get_backend("auto", device="cuda") is torch_spc
+
+
+def test_kaolin_on_a_cpu_device_is_refused_up_front(monkeypatch, clean_kaolin_cache):
+    """Even where Kaolin imports and CUDA works, --device cpu --backend kaolin cannot run:
+    refused before any sample, not sample by sample."""
+    _fake_kaolin(monkeypatch, "0.18.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert get_backend("kaolin", "cuda:0") is kaolin_spc  # the fake passes the probe
+    for device in ("cpu", torch.device("cpu")):
+        with pytest.raises(BackendUnavailable, match="device cpu is not a CUDA device"):
+            get_backend("kaolin", device)
+    assert get_backend("auto", "cpu") is torch_spc
+
+
+def test_select_backend_says_why(monkeypatch, clean_kaolin_cache):
+    assert select_backend("torch", "cuda:0") == (torch_spc, "asked for")
+    backend, why = select_backend("auto", "cpu")
+    assert backend is torch_spc and "CUDA-only" in why
+    _fake_kaolin(monkeypatch, "0.18.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    backend, why = select_backend("auto", "cuda:1")
+    assert backend is kaolin_spc and why == "kaolin 0.18.0 imports and cuda:1 is CUDA"
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    _fake_kaolin(monkeypatch, "0.17.0")
+    backend, why = select_backend("auto", "cuda:1")
+    assert backend is torch_spc and why.startswith("found kaolin 0.17.0")
+
+
+def test_the_torch_range_note():
+    assert kaolin_spc.torch_version_note("2.5.1+cu121") == ""
+    assert kaolin_spc.torch_version_note("2.8.0") == ""
+    assert kaolin_spc.torch_version_note("2.13.0") == (
+        "torch 2.13.0 is outside Kaolin 0.18's 2.3.0-2.8.0")
+    assert "outside" in kaolin_spc.torch_version_note("2.2.2")
+
+
+# A fake ``kaolin`` package that misbehaves at import, put first on sys.path of a child
+# interpreter run with -W error (pytest's filterwarnings = error does the same).
+_PROBE = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, format="LOG %(levelname)s %(message)s")
+torch.cuda.is_available = lambda: True  # the probe must run as on a CUDA machine
+from workers.ops import get_backend, select_backend
+backend, why = select_backend("auto", "cuda:0")
+print("SELECTED", backend.name, "|", why)
+print("GOT", get_backend("auto", "cuda:0").name)
+"""
+
+
+def _run_with_fake_kaolin(tmp_path, init_body: str, spc_body: str = "") -> subprocess.CompletedProcess:
+    package = tmp_path / "kaolin"
+    (package / "ops").mkdir(parents=True)
+    (package / "__init__.py").write_text(init_body)
+    (package / "ops" / "__init__.py").write_text("")
+    (package / "ops" / "spc.py").write_text(spc_body)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
+    return subprocess.run([sys.executable, "-W", "error", "-c", _PROBE], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("init_body, shown", [
+    ("raise RuntimeError('libcudart.so.12: cannot open shared object file')",
+     "RuntimeError: libcudart.so.12: cannot open shared object file"),
+    ("raise SystemExit(1)", "SystemExit: 1"),
+    ("import warp_missing_module", "ModuleNotFoundError: No module named 'warp_missing_module'"),
+    ("raise AttributeError('partially initialized module')", "AttributeError"),
+])
+def test_a_broken_kaolin_import_falls_back_to_torch_with_one_line(tmp_path, init_body, shown):
+    proc = _run_with_fake_kaolin(tmp_path, init_body)
+    assert proc.returncode == 0, proc.stderr
+    assert f"SELECTED torch | kaolin not importable ({shown}" in proc.stdout
+    assert "GOT torch" in proc.stdout
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("LOG WARNING")]
+    assert len(warnings) == 1 and "use the torch backend: kaolin not importable" in warnings[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_noisy_but_working_kaolin_import_is_used_under_warnings_as_errors(tmp_path):
+    init = ("import warnings\n__version__ = '0.18.0'\n"
+            "warnings.warn('warp: CUDA driver is old', UserWarning)\n"
+            "warnings.warn('pxr is deprecated', DeprecationWarning)\n")
+    proc = _run_with_fake_kaolin(tmp_path, init, "import warnings\nwarnings.warn('spc', FutureWarning)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "SELECTED kaolin | kaolin 0.18.0 imports and cuda:0 is CUDA" in proc.stdout
+    assert "GOT kaolin" in proc.stdout
+
+
+def test_a_lone_point_is_refused_by_points_to_morton():
+    """Kaolin 0.18 cannot reshape the code of a (3,) point (``reshape()`` with no size): both
+    backends refuse it with the same InvalidTensor; (1, 3) is the way to pass one point."""
+    from cache_store.errors import InvalidTensor
+
+    with pytest.raises(InvalidTensor, match=r"expected shape \(\.\.\., num_points, 3\), got "
+                                            r"\(3\) \(one point is \[\[x, y, z\]\]"):
+        torch_spc.points_to_morton(torch.tensor([1, 2, 3], dtype=torch.int16))
+    with pytest.raises(InvalidTensor, match="num_points, 3"):
+        kaolin_spc.points_to_morton(torch.tensor([1, 2, 3], dtype=torch.int16))
+    one = torch_spc.points_to_morton(torch.tensor([[1, 2, 3]], dtype=torch.int16))
+    assert one.shape == (1,) and one.tolist() == [29]
+    batched = torch_spc.points_to_morton(torch.tensor([[[1, 2, 3], [0, 0, 1]]], dtype=torch.int16))
+    assert batched.shape == (1, 2) and batched.tolist() == [[29, 1]]
