@@ -160,17 +160,29 @@ def contract_problems(cls: Any) -> list[str]:
 # --- out-of-memory back-off -------------------------------------------------------------
 
 
+# Kaolin's C++ bindings have no exception translator for c10's OutOfMemoryError, so an
+# allocation failing inside its kernels reaches Python as a plain RuntimeError whose message
+# is the allocator's ("CUDA out of memory. Tried to allocate ...") or a CUDA runtime error
+# ("CUDA error: out of memory").
+_OOM_MESSAGE = re.compile(r"CUDA (error: )?out of memory", re.IGNORECASE)
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for a device out-of-memory error (``torch.cuda.OutOfMemoryError``)."""
+    """True for a device out-of-memory error: ``torch.cuda.OutOfMemoryError``, or a plain
+    ``RuntimeError`` carrying CUDA's out-of-memory message (raised from C++ extensions
+    such as Kaolin's)."""
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
+    if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and bool(_OOM_MESSAGE.search(str(exc)))
 
 
 class ChunkBudget:
     """A chunk size shared by the samples of a run; halves on out-of-memory.
 
     :meth:`run` applies a step to ``[start, stop)`` ranges of at most ``size`` items. When
-    a step raises a device out-of-memory error, the device cache is emptied, ``size`` is
+    a step raises a device out-of-memory error (:func:`is_out_of_memory`: also the plain
+    ``RuntimeError`` of an allocation failing inside Kaolin's C++), the device cache is emptied, ``size`` is
     halved (and stays halved for later samples) and the same range is retried; when
     ``size`` would drop below ``minimum`` the error propagates, so the sample fails with
     a recorded reason while the run goes on.

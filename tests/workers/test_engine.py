@@ -189,13 +189,18 @@ def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
     assert values[0] == values[1]
 
 
-def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+@pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError, RuntimeError],
+                         ids=["OutOfMemoryError", "kaolin-plain-RuntimeError"])
+def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, corpus_meshes: list[Path],
+                                                   error: type[Exception]) -> None:
+    """Also when the out-of-memory error is the plain RuntimeError an allocation inside
+    Kaolin's C++ raises: the sample fails as out of memory, not as a crash."""
     calls = []
 
     def inject(size: int) -> None:
         calls.append(size)
         if len(calls) == 1:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+            raise error("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
 
     with open_store(tmp_path / "c", readonly=False) as store:
         engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cache_store.errors import SpcacheError, UnknownName
+from cache_store.recipes.api import is_out_of_memory
 from cache_store.recipes.specs import RECIPE_SPECS
 from workers.recipes import (
     RECIPES,
@@ -59,6 +60,42 @@ def test_chunk_budget_halves_on_oom_and_keeps_order() -> None:
     assert attempts[:3] == [64, 32, 16] and budget.size == 16 and budget.backoffs == 2
     # the reduced size carries over to the next sample
     assert [len(p) for p in budget.run(20, lambda a, b: torch.arange(a, b), torch.device("cpu"))] == [16, 4]
+
+
+# The message c10's CUDA caching allocator raises; from inside Kaolin's C++ (no exception
+# translator in its bindings) it arrives as a plain RuntimeError, not OutOfMemoryError.
+KAOLIN_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+              "79.11 GiB of which 1.06 GiB is free. Of the allocated memory 75.2 GiB is "
+              "allocated by PyTorch, and 1.3 GiB is reserved by PyTorch but unallocated.")
+
+
+def test_chunk_budget_backs_off_on_kaolins_plain_runtime_error(monkeypatch) -> None:
+    emptied: list[int] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    sizes: list[int] = []
+
+    def step(a: int, b: int) -> torch.Tensor:
+        sizes.append(b - a)
+        if b - a > 16:
+            raise RuntimeError(KAOLIN_OOM)
+        return torch.arange(a, b)
+
+    budget = ChunkBudget(64, minimum=4)
+    # torch.device("cuda") is only a name: nothing here initialises CUDA
+    parts = budget.run(40, step, torch.device("cuda"))
+    assert torch.equal(torch.cat(parts), torch.arange(40))
+    assert sizes[:3] == [40, 32, 16] and budget.size == 16
+    assert budget.backoffs == 2 and len(emptied) == 2
+
+
+def test_out_of_memory_is_recognised_by_type_or_by_cudas_message() -> None:
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("anything"))
+    assert is_out_of_memory(RuntimeError(KAOLIN_OOM))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might "
+                                         "be asynchronously reported"))
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
+    assert not is_out_of_memory(ValueError(KAOLIN_OOM))
+    assert not is_out_of_memory(MemoryError())
 
 
 def test_chunk_budget_gives_up_below_minimum() -> None:
