@@ -37,14 +37,24 @@ def shared_data_present() -> bool:
     return (SHARED_DATA / "meshes").is_dir()
 
 
-def _cuda_works() -> bool:
-    # Only asked when a gpu-marked test was collected, so CPU runs never touch CUDA.
-    try:
-        import torch
+# Run in a child interpreter: creating a CUDA context in the pytest process would break the
+# tests that assert it never initialises CUDA (a DataLoader forked from it could not use CUDA).
+_CUDA_PROBE = ("import torch; ok = torch.cuda.is_available() and "
+               "torch.zeros(1, device='cuda').item() == 0; print('cuda-ok' if ok else 'no-cuda')")
 
-        return bool(torch.cuda.is_available()) and torch.zeros(1, device="cuda").item() == 0
-    except Exception:  # noqa: BLE001 - any failure means "no usable CUDA here"
+
+def cuda_works(timeout: float = 120.0) -> bool:
+    """Whether CUDA can run a kernel here, asked of a child interpreter (so this process
+    never initialises CUDA). Only asked when a gpu-marked test was collected."""
+    import subprocess
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True,
+                              text=True, timeout=timeout, cwd=REPO_ROOT)
+    except (OSError, subprocess.TimeoutExpired):
         return False
+    return proc.returncode == 0 and proc.stdout.split()[-1:] == ["cuda-ok"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,7 +76,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.get_closest_marker("shared_corpus"):
                 item.add_marker(skip_shared)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items or _cuda_works():
+    if not gpu_items or cuda_works():
         return
     skip = pytest.mark.skip(reason="needs a working CUDA device")
     for item in gpu_items:
