@@ -207,9 +207,13 @@ def _query(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.T
 # ``near_sigma``. SDF points are rounded to float32 before anything is computed from
 # them, so the stored ``sdf_points`` reproduce ``sdf`` and ``sdf_pidx``.
 #
-# Distances: with the Kaolin ops backend (CUDA), Kaolin's ``point_to_mesh_distance`` and
-# ``check_sign`` in chunks of the query budget; otherwise libigl on the CPU
-# (:func:`workers.sdf.signed_distance`). Both are float64 and agree within 1e-5.
+# Signs: the generalised winding number rule (:func:`workers.sdf.winding_inside`),
+# computed in ``prepare_sdf`` on the CPU whatever the device and backend (``sdf_inside``
+# of the prepared dict), so they are identical on every machine. Distances and closest
+# faces: with the Kaolin ops backend (CUDA), Kaolin's ``point_to_mesh_distance`` in chunks
+# of the query budget (float32 arithmetic, lowest index among equally near faces);
+# otherwise libigl on the CPU (float64). Both are stored as float32 and agree to float32
+# rounding; :mod:`workers.sdf` says what ``sdf_face`` promises.
 
 
 def prepare_sdf(source: LoadedSource, params: Mapping[str, Any],
@@ -224,13 +228,17 @@ def prepare_sdf(source: LoadedSource, params: Mapping[str, Any],
     points = shape_points(source, norm, int(params["surface_samples"]), generator)
     queries = _draw_queries(points, {
         "uniform_queries": params["uniform_samples"], "surface_queries": params["near_samples"],
-        "surface_sigma": params["near_sigma"]}, generator)
+        "surface_sigma": params["near_sigma"]}, generator).numpy()
+    vertices = normalize_points(source.vertices, norm)
+    faces = np.ascontiguousarray(source.faces, dtype=np.int64)
     return {"points": points.to(torch.float32).numpy(),
             "center": norm.center.astype(np.float32),
             "scale": np.array(norm.scale, dtype=np.float32),
-            "queries": queries.numpy(),
-            "mesh_vertices": normalize_points(source.vertices, norm),
-            "mesh_faces": np.ascontiguousarray(source.faces, dtype=np.int64)}
+            "queries": queries,
+            "mesh_vertices": vertices,
+            "mesh_faces": faces,
+            # the sign of every SDF point, here on the CPU for every device and backend
+            "sdf_inside": sdf_ops.winding_inside(queries, vertices, faces)}
 
 
 def compute_sdf(prepared: Mapping[str, np.ndarray], params: Mapping[str, Any],
@@ -273,16 +281,20 @@ def _query_leaf(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: to
 
 def _signed_distance(prepared: Mapping[str, np.ndarray], queries: torch.Tensor, ops: Any,
                      budget: ChunkBudget, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the CPU."""
+    """float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the CPU; the
+    signs are ``prepared["sdf_inside"]`` on every path."""
+    inside = prepared["sdf_inside"]
     if getattr(ops, "name", "") != "kaolin" or device.type != "cuda" or len(queries) == 0:
         sdf, face = sdf_ops.signed_distance(prepared["queries"], prepared["mesh_vertices"],
-                                            prepared["mesh_faces"])
+                                            prepared["mesh_faces"], inside)
         return torch.from_numpy(sdf), torch.from_numpy(face)
     vertices = torch.from_numpy(prepared["mesh_vertices"]).to(device)
     faces = torch.from_numpy(prepared["mesh_faces"]).to(device)
+    signs = torch.from_numpy(inside)
 
     def step(start: int, stop: int) -> torch.Tensor:
-        sdf, face = sdf_ops.signed_distance_kaolin(queries[start:stop].to(device), vertices, faces)
+        sdf, face = sdf_ops.signed_distance_kaolin(queries[start:stop].to(device), vertices, faces,
+                                                   signs[start:stop])
         return torch.stack([sdf.cpu(), face.cpu().to(torch.float64)], dim=1)
 
     both = torch.cat(budget.run(len(queries), step, device))

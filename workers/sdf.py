@@ -2,9 +2,10 @@
 
 Two exact ways to the same numbers:
 
-- :func:`signed_distance` (CPU): libigl's AABB-tree point-to-triangle distance (float64,
-  exact up to rounding) with the closest face, signed by the generalised winding number
-  (libigl's fast one, and its exact one where the fast one is near the threshold).
+- :func:`signed_distance` (CPU): libigl's AABB-tree point-to-triangle distance
+  (:func:`unsigned_distance`, float64, exact up to rounding) with the closest face, signed
+  by :func:`winding_inside` (libigl's fast generalised winding number, and its exact one
+  where the fast one is near the threshold).
 - :func:`brute_force_distance` / :func:`brute_force_winding_number` (torch, any device):
   every point against every triangle, written from the definitions. Quadratic: the
   reference the tests and ``bench/sdf.py`` measure the fast path against.
@@ -17,9 +18,24 @@ to 1 inside and 0 outside, so the sign stays right away from the holes; on an op
 follows which side of the sheet they are on, within the patch's "shadow". Orientation
 does not matter (the magnitude is used), so inverted meshes are handled too.
 
-The Kaolin path (:func:`signed_distance_kaolin`, CUDA) uses Kaolin's
-``point_to_mesh_distance`` and ``check_sign`` (ray parity); on closed meshes its signs
-equal the winding-number signs except within about 1e-4 of the surface.
+The sign is one computation on every device and backend: :func:`winding_inside`, on the
+CPU. The ``spc_sdf`` recipe runs it in :meth:`~workers.recipes.SdfRecipe.prepare` (the
+loader processes), so a record's signs never depend on the machine that computed it.
+Kaolin's ``check_sign`` (parity of a ray along +x) is not used: on open or non-manifold
+meshes it disagrees with the winding number far from the surface.
+
+The Kaolin path (:func:`signed_distance_kaolin`, CUDA) takes distances and closest faces
+from Kaolin's ``point_to_mesh_distance`` and the sign from the caller. What the two paths
+promise (``sdf``/``sdf_face`` of a record):
+
+- the sign: identical (same code, same inputs);
+- ``|sdf|``: the distance to the mesh; the CPU path computes it in float64, Kaolin in
+  float32 (its kernel keeps the squared distance in a ``float`` even for float64 input),
+  so on CUDA it is within float32 rounding (about 1e-6 for the normalised [-1, 1] cube)
+  of the CPU value, not bit-identical;
+- ``sdf_face``: *a* nearest face. Where several faces are equally near (a point closest
+  to a shared edge or vertex), Kaolin picks the lowest face index and libigl's AABB tree
+  whichever it reaches first, so the two may name different, equally near faces.
 """
 
 from __future__ import annotations
@@ -39,6 +55,8 @@ __all__ = [
     "brute_force_signed_distance",
     "signed_distance",
     "signed_distance_kaolin",
+    "unsigned_distance",
+    "winding_inside",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,25 +168,38 @@ def _igl() -> Any:
 WINDING_MARGIN = 0.05
 
 
-def signed_distance(points: np.ndarray, vertices: np.ndarray,
-                    faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Signed distance of each point to a triangle mesh, on the CPU (libigl).
+def winding_inside(points: np.ndarray, vertices: np.ndarray, faces: np.ndarray) -> np.ndarray:
+    """bool ``[M]``: the sign rule of the module (|generalised winding number| > 1/2), on
+    the CPU with libigl.
 
-    The distance and closest face come from libigl's AABB tree (``signed_distance`` with
-    ``SIGNED_DISTANCE_TYPE_UNSIGNED``: exact point-to-triangle distances; its
-    winding-number modes cut the search short and are off by up to 1e-2 on the bunny).
-    The sign is the winding-number rule of the module: libigl's fast winding number, and
-    its exact ``winding_number`` for the points where the fast one is within
-    :data:`WINDING_MARGIN` of 1/2, so the rule is the exact one wherever it matters.
+    libigl's fast winding number, and its exact ``winding_number`` for the points where the
+    fast one is within :data:`WINDING_MARGIN` of 1/2, so the rule is the exact one wherever
+    it matters.
 
     Args:
         points: float ``[M, 3]``.
         vertices: float ``[N, 3]``.
         faces: integer ``[F, 3]``, F >= 1.
-
-    Returns:
-        float64 ``[M]`` signed distances (negative inside) and int64 ``[M]`` closest faces.
     """
+    igl = _igl()
+    p = np.ascontiguousarray(points, dtype=np.float64)
+    if len(p) == 0:
+        return np.empty(0, bool)
+    v = np.ascontiguousarray(vertices, dtype=np.float64)
+    f = np.ascontiguousarray(faces, dtype=np.int64)
+    winding = np.abs(igl.fast_winding_number(v, f, p))
+    unsure = np.flatnonzero(np.abs(winding - 0.5) < WINDING_MARGIN)
+    if len(unsure):
+        winding[unsure] = np.abs(igl.winding_number(v, f, np.ascontiguousarray(p[unsure])))
+    return winding > 0.5
+
+
+def unsigned_distance(points: np.ndarray, vertices: np.ndarray,
+                      faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float64 ``[M]`` distances to a triangle mesh and int64 ``[M]`` closest faces, on the
+    CPU: libigl's AABB tree (``signed_distance`` with ``SIGNED_DISTANCE_TYPE_UNSIGNED``:
+    exact point-to-triangle distances; its winding-number modes cut the search short and
+    are off by up to 1e-2 on the bunny). Arguments as :func:`winding_inside`."""
     igl = _igl()
     p = np.ascontiguousarray(points, dtype=np.float64)
     if len(p) == 0:
@@ -176,44 +207,63 @@ def signed_distance(points: np.ndarray, vertices: np.ndarray,
     v = np.ascontiguousarray(vertices, dtype=np.float64)
     f = np.ascontiguousarray(faces, dtype=np.int64)
     dist, face, _, _ = igl.signed_distance(p, v, f, sign_type=igl.SIGNED_DISTANCE_TYPE_UNSIGNED)
-    winding = np.abs(igl.fast_winding_number(v, f, p))
-    unsure = np.flatnonzero(np.abs(winding - 0.5) < WINDING_MARGIN)
-    if len(unsure):
-        winding[unsure] = np.abs(igl.winding_number(v, f, np.ascontiguousarray(p[unsure])))
-    dist = np.abs(np.asarray(dist, dtype=np.float64))
-    return np.where(winding > 0.5, -dist, dist), np.asarray(face, dtype=np.int64)
+    return np.abs(np.asarray(dist, dtype=np.float64)), np.asarray(face, dtype=np.int64)
 
 
-def _kaolin() -> tuple[Any, Any]:
+def signed_distance(points: np.ndarray, vertices: np.ndarray, faces: np.ndarray,
+                    inside: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Signed distance of each point to a triangle mesh, on the CPU (libigl):
+    :func:`unsigned_distance` signed by :func:`winding_inside` (or by ``inside``, that
+    rule's answer computed earlier).
+
+    Args:
+        points: float ``[M, 3]``.
+        vertices: float ``[N, 3]``.
+        faces: integer ``[F, 3]``, F >= 1.
+        inside: bool ``[M]`` from :func:`winding_inside` for the same mesh, or None.
+
+    Returns:
+        float64 ``[M]`` signed distances (negative inside) and int64 ``[M]`` closest faces.
+    """
+    dist, face = unsigned_distance(points, vertices, faces)
+    if inside is None:
+        inside = winding_inside(points, vertices, faces)
+    return np.where(inside, -dist, dist), face
+
+
+def _kaolin_point_to_mesh_distance() -> Any:
+    from workers.ops.kaolin_spc import guarded_import
+
     try:
-        from kaolin.metrics.trianglemesh import point_to_mesh_distance
-        from kaolin.ops.mesh import check_sign
-    except (ImportError, OSError, RuntimeError) as exc:
-        raise BackendUnavailable("kaolin", f"cannot import Kaolin's mesh ops ({exc})") from exc
-    return point_to_mesh_distance, check_sign
+        return guarded_import("kaolin.metrics.trianglemesh").point_to_mesh_distance
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any broken install: unavailable
+        raise BackendUnavailable("kaolin", f"cannot import Kaolin's mesh distance "
+                                           f"({type(exc).__name__}: {exc})") from exc
 
 
-def signed_distance_kaolin(points: torch.Tensor, vertices: torch.Tensor,
-                           faces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Signed distance of each point to a triangle mesh with Kaolin's CUDA kernels.
+def signed_distance_kaolin(points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor,
+                           inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed distance of each point to a triangle mesh with Kaolin's CUDA kernel.
 
-    ``kaolin.metrics.trianglemesh.point_to_mesh_distance`` (squared distance and face, in
-    float64) and ``kaolin.ops.mesh.check_sign`` (ray parity: inside when a ray from the
-    point crosses the surface an odd number of times).
+    Distances and closest faces come from ``kaolin.metrics.trianglemesh.
+    point_to_mesh_distance``, which computes the squared distance in float32 whatever the
+    input dtype and picks the lowest face index among equally near faces (see the module
+    docstring for what that means next to the CPU path). The sign is ``inside``, the
+    module's winding-number rule computed by :func:`winding_inside`.
 
     Args:
         points: float ``[M, 3]`` on a CUDA device (M >= 1).
-        vertices: float64 ``[N, 3]`` on the same device.
+        vertices: float ``[N, 3]`` on the same device.
         faces: int64 ``[F, 3]`` on the same device.
+        inside: bool ``[M]`` (any device): which points are inside.
 
     Returns:
-        float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the device.
+        float64 ``[M]`` signed distances (float32 precision) and int64 ``[M]`` closest
+        faces, on the device.
     """
-    point_to_mesh_distance, check_sign = _kaolin()
+    point_to_mesh_distance = _kaolin_point_to_mesh_distance()
     p = points.to(torch.float64).unsqueeze(0)
     face_vertices = vertices.to(torch.float64)[faces].unsqueeze(0)
     sq_dist, face, _ = point_to_mesh_distance(p, face_vertices)
-    inside = check_sign(vertices.to(torch.float32).unsqueeze(0), faces,
-                        points.to(torch.float32).unsqueeze(0))[0]
     dist = sq_dist[0].clamp_min(0).sqrt()
-    return torch.where(inside, -dist, dist), face[0].to(torch.int64)
+    return torch.where(inside.to(dist.device), -dist, dist), face[0].to(torch.int64)
