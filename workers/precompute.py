@@ -84,6 +84,12 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
         raise UsageError("address and actors need the ray engine (--engine ray)")
     if actors is not None and actors < 1:
         raise UsageError(f"actors {actors}: must be 1 or more")
+    if backend == "kaolin" and engine == "local":
+        # kaolin on a CPU device, or without Kaolin or CUDA: refused before the cache or any
+        # sample is touched (never one failure per sample); asks CUDA only is_available()
+        from workers.ops import select_backend
+
+        select_backend("kaolin", device)
     try:
         location = parse_location(cache)
     except SpcacheError as exc:

@@ -1,7 +1,8 @@
 """``spcache worker --cache DIR``: the worker loop behind the command line.
 
 Adds to :mod:`workers.worker_loop` what only a whole process can do: it checks the cache
-path (one line, exit 2), takes the cache's worker lock (:mod:`cache_store.jobs.owner_lock`;
+path and the ops backend (``--backend kaolin`` where it cannot run: one line, exit 2,
+before any item is claimed), takes the cache's worker lock (:mod:`cache_store.jobs.owner_lock`;
 a second worker on the same cache is refused with the holder's pid and host, exit 2),
 and runs the loop, whose SIGTERM/SIGINT handling stops it (SIGHUP arrives as SIGTERM from
 the dispatcher). Started by ``spcache serve``, it also ends when the service dies
@@ -14,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from cache_store.errors import BackendUnavailable, UnknownName
 from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
 from cache_store.location import cache_dir_problem
 from workers import worker_loop
@@ -41,6 +43,16 @@ def run(args: argparse.Namespace) -> int:
         problem = cache_dir_problem(args.cache, write=True)
     if problem:
         print(f"spcache worker: {problem}", file=sys.stderr)
+        return 2
+    try:  # a backend that cannot run here: refused before any item is claimed
+        worker_loop.WorkerLoop(args.cache, device=args.device,
+                               backend=args.backend).choose_backend()
+    except (BackendUnavailable, UnknownName) as exc:
+        print(f"spcache worker: {exc}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError) as exc:  # torch.device refuses the name
+        print(f"spcache worker: --device {args.device!r}: {' '.join(str(exc).split())}",
+              file=sys.stderr)
         return 2
     lock = WorkerLock(args.cache)
     try:

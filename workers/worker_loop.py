@@ -114,9 +114,35 @@ class WorkerLoop:
         log.warning("worker %s: second signal; interrupting", self.worker_id)
         raise KeyboardInterrupt
 
+    # -- the backend -------------------------------------------------------------------
+
+    def choose_backend(self) -> tuple[str, str]:
+        """The SPC ops backend this worker's engines will use, and why (one phrase).
+
+        Raises :class:`~cache_store.errors.BackendUnavailable` for a combination that cannot
+        run (``--backend kaolin`` on a CPU device, or where Kaolin or CUDA is missing) and
+        :class:`~cache_store.errors.UnknownName` for an unknown backend: the caller refuses
+        to start (exit 2) rather than fail every claimed sample. Never initialises CUDA.
+        """
+        from workers.ops import select_backend  # late: imports torch
+
+        backend, why = select_backend(self.backend, self.device)
+        return backend.name, why
+
+    def log_backend(self) -> None:
+        """One line at start: which backend runs and why (WARNING when a CUDA device falls
+        back to the torch ops, which is slower than Kaolin's kernels)."""
+        from workers.ops import device_type
+
+        name, why = self.choose_backend()
+        fell_back = self.backend == "auto" and name == "torch" and device_type(self.device) == "cuda"
+        log.log(logging.WARNING if fell_back else logging.INFO,
+                "worker %s: backend: %s (%s); device %s", self.worker_id, name, why, self.device)
+
     # -- the loop ----------------------------------------------------------------------
 
     def run(self) -> int:
+        self.log_backend()  # raises, before anything is claimed, for a backend that cannot run
         queue = JobQueue(self.cache, max_attempts=self.max_attempts)
         store = open_store(self.cache, readonly=False)
         keeper = threading.Thread(target=self._keep_leases, args=(queue,), daemon=True,

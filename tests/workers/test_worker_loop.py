@@ -154,3 +154,55 @@ def test_service_and_workers_hash_sources_the_same_way(corpus_meshes: list[Path]
 
     for mesh in corpus_meshes[:3]:
         assert hash_source_file(mesh) == load_source(mesh).source_hash
+
+
+def test_kaolin_on_a_cpu_device_is_refused_before_anything_is_claimed(
+        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    """--device cpu --backend kaolin cannot work (Kaolin's SPC ops are CUDA-only): one line,
+    exit 2, and the queue never hears of it (no attempt spent, no failure remembered)."""
+    cache = tmp_path / "cache"
+    queue, job_id, _ = _submit(cache, corpus_meshes[:2], level=4, surface_samples=500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
+         "--backend", "kaolin", "--drain", "--jobs", "0"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["spcache worker: backend 'kaolin' is unavailable: device cpu is not a CUDA "
+                     "device (Kaolin's SPC ops are CUDA-only); use --backend torch or auto there"]
+    rows = queue.items(job_id)
+    assert [(r["status"], r["attempts"]) for r in rows] == [("pending", 0), ("pending", 0)]
+    assert queue.heartbeats() == []
+    loop = WorkerLoop(cache, device="cpu", backend="kaolin", loaders=0, drain=True)
+    from cache_store.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable, match="not a CUDA device"):
+        loop.run()  # used as a library: refused the same way, before claiming
+    assert [r["attempts"] for r in queue.items(job_id)] == [0, 0]
+
+
+def test_the_worker_says_which_backend_runs_and_why(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    JobQueue(cache).close()
+    with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
+        assert WorkerLoop(cache, device="cpu", backend="auto", loaders=0, drain=True).run() == 0
+    lines = [r.getMessage() for r in caplog.records if "backend: " in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(
+        "backend: torch (device cpu: Kaolin's SPC ops are CUDA-only); device cpu"), lines
+    # a CUDA machine whose Kaolin does not import: the fall-back is a WARNING with the reason
+    import torch
+
+    from workers.ops import kaolin_spc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kaolin_spc, "_import_spc", lambda: (None, "kaolin not importable "
+                        "(ImportError: undefined symbol); torch 2.13.0 is outside Kaolin 0.18's "
+                        "2.3.0-2.8.0"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
+        WorkerLoop(cache, device="cuda:0", backend="auto").log_backend()
+    (record,) = [r for r in caplog.records if "backend: " in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert ("backend: torch (kaolin not importable (ImportError: undefined symbol); torch 2.13.0 "
+            "is outside Kaolin 0.18's 2.3.0-2.8.0; install kaolin==0.18.x") in record.getMessage()

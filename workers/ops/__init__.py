@@ -21,7 +21,8 @@ from cache_store.errors import BackendUnavailable, UnknownName
 
 from . import kaolin_spc, torch_spc
 
-__all__ = ["BACKENDS", "OP_NAMES", "get_backend", "select_backend", "kaolin_spc", "torch_spc"]
+__all__ = ["BACKENDS", "OP_NAMES", "device_type", "get_backend", "select_backend", "kaolin_spc",
+           "torch_spc"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ OP_NAMES = (
 )
 
 
-def _device_type(device: torch.device | str | None) -> str:
+def device_type(device: torch.device | str | None) -> str:
     """``cuda`` or ``cpu`` for a device (``None`` or ``auto``: CUDA when it is available).
 
     Never initialises CUDA: ``torch.cuda.is_available()`` does not create a context."""
@@ -62,7 +63,7 @@ def select_backend(name: str = "auto",
         raise UnknownName("SPC backend", name, [*BACKENDS, "auto"])
     any_device = device is None or str(device) == "auto"
     where = "cuda" if any_device else str(device)
-    is_cuda = _device_type(device) == "cuda"
+    is_cuda = device_type(device) == "cuda"
     if name == "torch":
         return torch_spc, "asked for"
     if name == "kaolin":
@@ -92,6 +93,6 @@ def get_backend(name: str = "auto", device: torch.device | str | None = None) ->
     unknown name raises :class:`~cache_store.errors.UnknownName` listing the known ones.
     """
     backend, why = select_backend(name, device)
-    if name == "auto" and backend is torch_spc and _device_type(device) == "cuda":
+    if name == "auto" and backend is torch_spc and device_type(device) == "cuda":
         logger.warning("SPC ops on %s use the torch backend: %s", device or "cuda", why)
     return backend
