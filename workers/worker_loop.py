@@ -6,7 +6,11 @@ reclaimed after a crash is never computed twice), and reports each item back as 
 engine reports it: ``done``/``skipped`` -> done, ``failed`` -> failed with its reason
 (a bad sample fails alone; it is not retried, the engine already gave it its chances).
 If the engine itself crashes, the items it did not report go back to the queue as a
-failed *attempt* and are retried while attempts remain.
+failed *attempt* and are retried while attempts remain. If the whole process dies (a
+native library calling ``exit()``, a segfault), the supervisor starts it again and the
+held items come back when their leases run out, each lost claim counted as an attempt; an
+item on a later attempt is run in a batch of its own, so one sample that kills the
+process spends only its own attempts and fails when they run out.
 
 A background thread renews the leases of held items and writes a heartbeat. SIGTERM or
 SIGINT asks the loop to stop: the current claim is finished (it is small), nothing new
@@ -162,6 +166,7 @@ class WorkerLoop:
                         break
                     self.stop_requested.wait(self.poll_s)
                     continue
+                claimed = self._isolate_suspects(queue, claimed)
                 with self._held_lock:
                     self._held.update({c.item_id: c for c in claimed})
                 self._process(queue, store, claimed, claimed_at)
@@ -184,6 +189,30 @@ class WorkerLoop:
             queue.close()
         log.info("worker %s stopped after %d item(s)", self.worker_id, self.processed)
         return 0
+
+    def _isolate_suspects(self, queue: JobQueue, claimed: list[ClaimedItem]) -> list[ClaimedItem]:
+        """Run an item that an earlier claim did not finish on its own.
+
+        An item on its second or later attempt was held when a worker died (a native
+        library calling ``exit()``, such as Kaolin's ``CubDebugExit`` on a CUB error, or a
+        segfault: the supervisor restarts the worker and the lease runs out) or when an
+        engine run crashed. Run together with the others, it would kill them again and
+        spend their attempts too. So the items before the first such item are kept (they
+        were claimed in order, so they are the ones the dead run had finished or not
+        reached), or that item alone when it comes first; the rest are released without
+        spending an attempt. The queue fails the item itself once its attempts run out.
+        """
+        suspects = [i for i, c in enumerate(claimed) if c.attempts > 1]
+        if not suspects or len(claimed) == 1:
+            return claimed
+        keep = claimed[:suspects[0]] or claimed[:1]
+        rest = claimed[len(keep):]
+        queue.release(self.worker_id, [c.item_id for c in rest])
+        suspect = claimed[suspects[0]]
+        log.warning("worker %s: sample %s is on attempt %d (an earlier claim did not finish "
+                    "it); it runs in a batch of its own%s", self.worker_id, suspect.sample_id,
+                    suspect.attempts, "" if suspects[0] == 0 else ", after the items before it")
+        return keep
 
     def _keep_under_limit(self, writing: str) -> None:
         """``--max-size``: after each batch, evict least recently used fingerprints (never

@@ -206,3 +206,56 @@ def test_the_worker_says_which_backend_runs_and_why(
     assert record.levelno == logging.WARNING
     assert ("backend: torch (kaolin not importable (ImportError: undefined symbol); torch 2.13.0 "
             "is outside Kaolin 0.18's 2.3.0-2.8.0; install kaolin==0.18.x") in record.getMessage()
+
+
+# A worker whose process dies on one sample the way Kaolin's CubDebugExit kills it (exit(1)
+# from native code: no exception, no cleanup), started the way `spcache serve` starts it.
+_DIES_ON_POISON = """
+import os, sys
+import workers.recipes as recipes
+compute = recipes.Recipe.compute_prepared
+def dies_on_poison(self, prepared, *args, **kwargs):
+    if prepared.sample_id == "poison":
+        os._exit(1)
+    return compute(self, prepared, *args, **kwargs)
+recipes.Recipe.compute_prepared = dies_on_poison
+from spcache.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_sample_that_kills_the_worker_fails_alone_after_its_attempts(
+        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    """The supervisor restarts the dead worker; the poison sample is claimed again only
+    while it has attempts, and the samples claimed with it are finished, not dragged down."""
+    from service.supervisor import WorkerSupervisor
+
+    cache = tmp_path / "cache"
+    spec = get_recipe_spec("spc")
+    params = spec.resolve({"level": 4, "surface_samples": 500})
+    fp = compute_fingerprint("spc", spec.version, params)
+    queue = JobQueue(cache)
+    names = ["first", "poison", "second", "third"]
+    job_id = queue.submit("spc", params, fp, [NewItem(n, str(p))
+                                              for n, p in zip(names, corpus_meshes, strict=False)])
+    command = [sys.executable, "-c", _DIES_ON_POISON, "worker", "--cache", str(cache),
+               "--device", "cpu", "--backend", "torch", "--jobs", "0", "--poll", "0.1",
+               "--lease", "1", "--batch", "4", "--max-attempts", "3", "--log-level", "warning"]
+    supervisor = WorkerSupervisor(command, first_backoff_s=0.1, max_backoff_s=0.2,
+                                  stop_grace_s=10, cache=cache)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 240
+        while queue.job(job_id).status not in ("done", "failed"):
+            assert time.monotonic() < deadline, queue.items(job_id)
+            time.sleep(0.2)
+    finally:
+        supervisor.stop()
+    rows = {r["sample_id"]: r for r in queue.items(job_id)}
+    assert rows["poison"]["status"] == "failed" and rows["poison"]["attempts"] == 3
+    assert "lease expired after the last attempt" in rows["poison"]["last_error"]
+    for name in ("first", "second", "third"):
+        assert rows[name]["status"] == "done", rows[name]
+        assert rows[name]["attempts"] < 3, rows[name]
+    assert supervisor.restarts == 3  # three deaths, each followed by a restart
