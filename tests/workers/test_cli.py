@@ -103,9 +103,9 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     # kaolin on the CPU cannot run: one line, before the cache or any sample is touched
     assert main(["precompute", str(src), "--recipe", "spc", "--device", "cpu",
                  "--backend", "kaolin", "--cache", str(cache)]) == 2
-    assert capsys.readouterr().err.splitlines() == [
+    assert capsys.readouterr().err.splitlines() == [(
         "spcache precompute: backend 'kaolin' is unavailable: device cpu is not a CUDA device "
-        "(Kaolin's SPC ops are CUDA-only); use --backend torch or auto there"]
+        "(Kaolin's SPC ops are CUDA-only); use --backend torch or auto there")]
     assert not cache.exists()
     assert main(["--help"]) == 0
     assert "precompute" in capsys.readouterr().out

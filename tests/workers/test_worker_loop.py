@@ -168,8 +168,8 @@ def test_kaolin_on_a_cpu_device_is_refused_before_anything_is_claimed(
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines == ["spcache worker: backend 'kaolin' is unavailable: device cpu is not a CUDA "
-                     "device (Kaolin's SPC ops are CUDA-only); use --backend torch or auto there"]
+    assert lines == [("spcache worker: backend 'kaolin' is unavailable: device cpu is not a CUDA "
+                      "device (Kaolin's SPC ops are CUDA-only); use --backend torch or auto there")]
     rows = queue.items(job_id)
     assert [(r["status"], r["attempts"]) for r in rows] == [("pending", 0), ("pending", 0)]
     assert queue.heartbeats() == []
@@ -196,9 +196,9 @@ def test_the_worker_says_which_backend_runs_and_why(
     from workers.ops import kaolin_spc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(kaolin_spc, "_import_spc", lambda: (None, "kaolin not importable "
-                        "(ImportError: undefined symbol); torch 2.13.0 is outside Kaolin 0.18's "
-                        "2.3.0-2.8.0"))
+    reason = ("kaolin not importable (ImportError: undefined symbol); torch 2.13.0 is outside "
+              "Kaolin 0.18's 2.3.0-2.8.0")
+    monkeypatch.setattr(kaolin_spc, "_import_spc", lambda: (None, reason))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
         WorkerLoop(cache, device="cuda:0", backend="auto").log_backend()
@@ -247,7 +247,7 @@ def test_a_sample_that_kills_the_worker_fails_alone_after_its_attempts(
     supervisor.start()
     try:
         deadline = time.monotonic() + 240
-        while queue.job(job_id).status not in ("done", "failed"):
+        while sum(queue.job(job_id).counts.get(s, 0) for s in ("done", "failed")) < len(names):
             assert time.monotonic() < deadline, queue.items(job_id)
             time.sleep(0.2)
     finally:
