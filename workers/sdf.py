@@ -236,7 +236,7 @@ def _kaolin_point_to_mesh_distance() -> Any:
 
     try:
         return guarded_import("kaolin.metrics.trianglemesh").point_to_mesh_distance
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - any broken install: unavailable
+    except (Exception, SystemExit) as exc:  # any broken install: unavailable
         raise BackendUnavailable("kaolin", f"cannot import Kaolin's mesh distance "
                                            f"({type(exc).__name__}: {exc})") from exc
 
