@@ -164,7 +164,7 @@ def test_kaolin_on_a_cpu_device_is_refused_before_anything_is_claimed(
     queue, job_id, _ = _submit(cache, corpus_meshes[:2], level=4, surface_samples=500)
     proc = subprocess.run(
         [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "kaolin", "--drain", "--jobs", "0"],
+         "--backend", "kaolin", "--drain", "--loaders", "0"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -212,13 +212,13 @@ def test_the_worker_says_which_backend_runs_and_why(
 # from native code: no exception, no cleanup), started the way `spcache serve` starts it.
 _DIES_ON_POISON = """
 import os, sys
-import workers.recipes as recipes
-compute = recipes.Recipe.compute_prepared
-def dies_on_poison(self, prepared, *args, **kwargs):
-    if prepared.sample_id == "poison":
+import workers.engine as engine
+compute = engine.LocalRun._compute
+def dies_on_poison(self, item, *args, **kwargs):
+    if item.sample_id == "poison":
         os._exit(1)
-    return compute(self, prepared, *args, **kwargs)
-recipes.Recipe.compute_prepared = dies_on_poison
+    return compute(self, item, *args, **kwargs)
+engine.LocalRun._compute = dies_on_poison
 from spcache.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -240,7 +240,7 @@ def test_a_sample_that_kills_the_worker_fails_alone_after_its_attempts(
     job_id = queue.submit("spc", params, fp, [NewItem(n, str(p))
                                               for n, p in zip(names, corpus_meshes, strict=False)])
     command = [sys.executable, "-c", _DIES_ON_POISON, "worker", "--cache", str(cache),
-               "--device", "cpu", "--backend", "torch", "--jobs", "0", "--poll", "0.1",
+               "--device", "cpu", "--backend", "torch", "--loaders", "0", "--poll", "0.1",
                "--lease", "1", "--batch", "4", "--max-attempts", "3", "--log-level", "warning"]
     supervisor = WorkerSupervisor(command, first_backoff_s=0.1, max_backoff_s=0.2,
                                   stop_grace_s=10, cache=cache)
