@@ -199,3 +199,30 @@ def test_a_long_lived_reader_sees_later_commits(dest) -> None:
     assert reader.get_index(FP).sample_ids.tolist() == ["a", "b"]
     reader.close()
     writer.close()
+
+
+def test_export_and_stats_read_a_sharded_snapshot(tmp_path: Path) -> None:
+    """``spcache export`` turns a sharded snapshot into an exported one (the same records),
+    and ``spcache stats`` reads it, through the CLI as a user runs them."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    location = str(tmp_path / "s.zarr")
+    values = {f"a{i}": make_record(FP, f"a{i}", seed=i) for i in range(4)}
+    with ShardedSnapshot(location, readonly=False) as store:
+        store.put_many([(f"{FP}/{sid}", value) for sid, value in values.items()])
+        store.put_index(_index(sorted(values)))
+    exported = subprocess.run([sys.executable, "-m", "spcache", "export", FP, "--cache", location,
+                               "--to", str(tmp_path / "out.zarr")], cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    with open_store(tmp_path / "out.zarr") as snapshot:
+        assert not isinstance(snapshot, ShardedSnapshot)
+        assert snapshot.get_index(FP).sample_ids.tolist() == sorted(values)
+        assert all(snapshot.get(f"{FP}/{sid}") == value for sid, value in values.items())
+    stats = subprocess.run([sys.executable, "-m", "spcache", "stats", "--cache", location,
+                            "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["fingerprints"][FP]["records"] == 4
