@@ -35,7 +35,7 @@ Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
                                   description="32 lowercase hex characters")]
 
 
-def record_etag(value: bytes, key: str) -> str:
+def record_etag(value: bytes | memoryview, key: str) -> str:
     """The strong ETag of a record: its checksum, from the strictly parsed header (a
     damaged header raises :class:`CorruptRecord`). The fields are not re-hashed here:
     readers verify them on decode."""
