@@ -28,7 +28,8 @@ from cache_store.recipes.registry import installed_recipes
 from cache_store.sources.files import SourceLimits
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.encode import select_fields
-from cache_store.format.tag import TAG_HEADER
+from cache_store.format.header import record_checksum
+from cache_store.format.tag import TAG_HEADER, sign_checksums
 from cache_store.format.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.auth import require_token
 from service.budget import ResponseTooLarge, record_length
@@ -188,6 +189,45 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
                                  background=BackgroundTask(release))
     return Response(value, media_type=RECORD_MEDIA_TYPE, headers=headers,
                     background=BackgroundTask(release))
+
+
+class ChecksumsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ids: list[str] = Field(min_length=1, description="sample ids")
+    nonce: str = Field(min_length=16, max_length=128,
+                       description="the reader's fresh random value, signed with the answer")
+
+
+@router.post("/caches/{fingerprint}/checksums")
+def get_checksums(fingerprint: Fingerprint, body: ChecksumsRequest, ctx: Context,
+                  ) -> dict[str, Any]:
+    """The checksum of the record stored now under each id (null: none), signed with the
+    service's record key together with the reader's nonce: a reader holding the key
+    refuses a replayed (older, validly tagged) record. 404 without a record key."""
+    validate_fingerprint(fingerprint)
+    secret = ctx.settings.record_key
+    if secret is None:
+        raise FingerprintLookupError("this service has no record key (SPCACHE_RECORD_KEY): "
+                                     "its records are not signed")
+    if len(body.ids) > ctx.settings.max_batch_records:
+        raise ParameterError([(f"ids: {len(body.ids)} ids, at most "
+                               f"{ctx.settings.max_batch_records} per request")], what="request")
+    store = ctx.store()
+    checksums: dict[str, str | None] = {}
+    for sample_id in dict.fromkeys(body.ids):
+        key = record_key(fingerprint, sample_id)
+        try:
+            if store is None:
+                raise RecordNotFound(key, str(ctx.cache))
+            with store.read_view(key) as value:
+                checksums[sample_id] = record_checksum(value, key=key)
+        except RecordNotFound:
+            checksums[sample_id] = None
+    signature = sign_checksums(secret.get_secret_value().encode("utf-8"), fingerprint,
+                               body.nonce, checksums)
+    return {"fingerprint": fingerprint, "nonce": body.nonce, "checksums": checksums,
+            "signature": signature}
 
 
 class BatchRequest(BaseModel):

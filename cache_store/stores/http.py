@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
 import ssl
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -37,8 +38,13 @@ from cache_store.errors import (
 from cache_store.keys import split_key
 from cache_store.process_local import ProcessLocal
 from cache_store.format.decode import Record, decode_record, decode_records
-from cache_store.format.header import check_names_key, read_metadata
-from cache_store.format.tag import TAG_HEADER, as_secret, check_record_tag
+from cache_store.format.header import check_names_key, read_metadata, record_checksum
+from cache_store.format.tag import (
+    TAG_HEADER,
+    as_secret,
+    check_record_tag,
+    check_signed_checksums,
+)
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 from cache_store.stores.service_client import error_of, new_client, send, tls_verify
@@ -98,6 +104,7 @@ class HTTPStore(Store):
         self.batch_size = batch_size
         self.token = token
         self.record_key = None if record_key is None else as_secret(record_key)
+        self._told_signed = False
         self.ca_file = None if ca_file is None else os.fspath(ca_file)
         if self.ca_file is not None:  # a bad file is named now, not at the first request
             try:
@@ -141,14 +148,53 @@ class HTTPStore(Store):
     def get(self, key: str) -> bytes:
         fingerprint, sample_id = split_key(key)
         response = self._check(self._request("GET", _record_path(fingerprint, sample_id)), key)
-        return self._bound(key, response.content, response.headers.get(TAG_HEADER))
+        value = self._bound(key, response.content, response.headers.get(TAG_HEADER))
+        self._check_current({key: value})
+        return value
 
     def _bound(self, key: str, value: Any, tag: str | None) -> Any:
         """``value`` once it is shown to be the record stored under ``key``."""
         if self.record_key is not None:
             check_record_tag(self.record_key, key, value, tag)
+        elif tag and not self._told_signed:
+            self._told_signed = True
+            log.warning("%s signs its records (%s), but this reader has no record_key: "
+                        "nothing binds what it reads to what the service holds. Pass "
+                        "record_key= (the service's SPCACHE_RECORD_KEY) to check them",
+                        self.url, TAG_HEADER)
         check_names_key(read_metadata(value, key=key), key)
         return value
+
+    def _check_current(self, values: dict[str, Any]) -> None:
+        """With a record key: each whole record must be the one the service holds now.
+
+        A tag binds a record to its key, so an older record of the same key, with its
+        own valid tag, would pass it; the service's signed list of the checksums it
+        holds now (``POST .../checksums``, bound to a fresh nonce so that list cannot be
+        replayed either) refuses it. One extra request per read (per batch).
+        """
+        if self.record_key is None or not values:
+            return
+        by_fp: dict[str, list[tuple[str, str, str]]] = {}
+        for key, value in values.items():
+            fingerprint, sample_id = split_key(key)
+            by_fp.setdefault(fingerprint, []).append(
+                (sample_id, key, record_checksum(value, key=key)))
+        for fingerprint, wanted in by_fp.items():
+            for start in range(0, len(wanted), self.batch_size):
+                chunk = wanted[start:start + self.batch_size]
+                nonce = secrets.token_hex(16)
+                path = f"/v1/caches/{fingerprint}/checksums"
+                answer = self._check(self._request(
+                    "POST", path, json={"ids": [sid for sid, _, _ in chunk], "nonce": nonce}))
+                signed = check_signed_checksums(self.record_key, fingerprint, nonce,
+                                                answer.json(), self.url + path)
+                for sample_id, key, checksum in chunk:
+                    if signed.get(sample_id) != checksum:
+                        raise CorruptRecord(key, f"{self.url}: record with checksum "
+                                                 f"{checksum} is not the one the service holds "
+                                                 f"now ({signed.get(sample_id)}): a replayed "
+                                                 f"or stale record")
 
     def has(self, key: str) -> bool:
         fingerprint, sample_id = split_key(key)
@@ -181,9 +227,12 @@ class HTTPStore(Store):
                 tags: dict[str, str] = {}
                 found, missing = decode_batch(response.content, where=self.url + path,
                                               tags=tags)
-                for sid, value in found.items():
-                    key = f"{fingerprint}/{sid}"
-                    found_all[key] = self._bound(key, value, tags.get(sid))
+                bound = {f"{fingerprint}/{sid}": self._bound(f"{fingerprint}/{sid}", value,
+                                                            tags.get(sid))
+                         for sid, value in found.items()}
+                if fields is None:  # a subset's checksum is the subset's: not signed
+                    self._check_current(bound)
+                found_all.update(bound)
                 missing_all.update({f"{fingerprint}/{sid}": why for sid, why in missing.items()})
         return found_all, missing_all
 
