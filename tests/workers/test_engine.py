@@ -142,21 +142,40 @@ def test_determinism_across_runs_and_loader_modes(tmp_path: Path, corpus_meshes:
         assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
 
 
+def _kaolin_or_skip() -> None:
+    """Skip unless Kaolin's backend runs here (not importorskip: on a broken install it
+    warns, an error under filterwarnings = error)."""
+    from cache_store.errors import BackendUnavailable
+    from workers.ops import kaolin_spc
+
+    try:
+        kaolin_spc.ensure_available()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.mark.gpu
-def test_cpu_and_cuda_records_are_identical(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_cpu_and_cuda_records_are_identical(tmp_path: Path, corpus_meshes: list[Path],
+                                            backend: str) -> None:
+    """torch on CUDA (explicitly), and whatever auto picks there (Kaolin where it runs),
+    against the CPU: the same record bytes."""
     paths = corpus_meshes[:4]
     values = []
-    for device in ("cpu", "cuda"):
+    for device, name in (("cpu", "torch"), ("cuda", backend)):
         with open_store(tmp_path / device, readonly=False) as store:
-            summary = Engine(store, "spc_query", PARAMS, device=device, loaders=0).run(_items(paths))
+            summary = Engine(store, "spc_query", PARAMS, device=device, backend=name,
+                             loaders=0).run(_items(paths))
             assert summary.done == len(paths)
+            if name == "torch":
+                assert summary.backend == "torch"
             values.append({k: _data_section(store.get(k)) for k in store.keys()})
     assert values[0] == values[1]
 
 
 @pytest.mark.gpu
 def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, corpus_meshes: list[Path]) -> None:
-    pytest.importorskip("kaolin")
+    _kaolin_or_skip()
     paths = corpus_meshes[:4]
     values = []
     for backend in ("torch", "kaolin"):
