@@ -35,3 +35,17 @@ def test_script_runs_and_prints_usage(script) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("usage:") and script.name in proc.stdout
     assert "--" in proc.stdout.split("usage:", 1)[1]  # it documents its options
+
+
+def test_gpu_check_without_cuda_says_so_in_one_line_and_exits_0() -> None:
+    """CUDA hidden (so this holds on a GPU machine too): one line, exit 0, no report."""
+    import os
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "gpu_check.py"), "--out",
+                           "never-written.md"], cwd=REPO_ROOT / "bench", env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)"]
+    assert not (REPO_ROOT / "bench" / "never-written.md").exists()
