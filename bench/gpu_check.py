@@ -283,10 +283,11 @@ def compare_sdf(work: Path, devices: list[str], kaolin_ok: bool, meshes: list[Pa
             delta = float((want["sdf"].double() - have["sdf"].double()).abs().max())
             faces = float((want["sdf_face"] != have["sdf_face"]).double().mean())
             verdict = "same" if not exact and signs and delta <= 1e-5 else "DIFFERENT"
+            fields = exact if exact else "all equal"
             rows.append((f"{label}: {sample}",
-                         f"{verdict}: exact fields {'all equal' if not exact else exact}; signs "
-                         f"{'identical' if signs else 'DIFFER'}; max |d sdf| {delta:.2e}; "
-                         f"sdf_face differs on {100 * faces:.2f}% (equally near faces)"))
+                         (f"{verdict}: exact fields {fields}; signs "
+                          f"{'identical' if signs else 'DIFFER'}; max |d sdf| {delta:.2e}; "
+                          f"sdf_face differs on {100 * faces:.2f}% (equally near faces)")))
     return rows
 
 
@@ -308,7 +309,7 @@ def measure(work: Path, device: str, meshes: list[Path], quick: bool) -> list[tu
         shutil.copyfile(src, dst)
         paths.append(dst)
     loaders = max(1, min(8, (os.cpu_count() or 2) - 1))
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for level in (8, 10):
         params = {"level": level, "surface_samples": 20_000 if quick else 100_000,
                   "uniform_queries": 20_000 if quick else 100_000,
@@ -329,8 +330,8 @@ def measure(work: Path, device: str, meshes: list[Path], quick: bool) -> list[tu
             rate = summary.done / summary.wall_s if summary.wall_s else 0.0
             rows.append((str(level), str(n_loaders), summary.backend, f"{rate:.2f}",
                          "n/a" if math.isnan(peak) else f"{peak:.0f}",
-                         f"{summary.done} done, {summary.failed} failed, "
-                         f"{summary.oom_backoffs} OOM back-offs"))
+                         (f"{summary.done} done, {summary.failed} failed, "
+                          f"{summary.oom_backoffs} OOM back-offs")))
             shutil.rmtree(cache, ignore_errors=True)
     return rows
 
@@ -343,8 +344,8 @@ def _environment(devices: list[str]) -> tuple[list[str], Any]:
 
     from workers.ops import kaolin_spc, select_backend
 
-    lines = [f"- python {platform.python_version()}, torch {torch.__version__}, "
-             f"CUDA build {torch.version.cuda}"]
+    lines = [(f"- python {platform.python_version()}, torch {torch.__version__}, "
+              f"CUDA build {torch.version.cuda}")]
     for device in devices:
         if device.startswith("cuda"):
             props = torch.cuda.get_device_properties(device)
