@@ -124,7 +124,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             keeps the extension), as ``spcache precompute --id-template`` makes them.
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
             ``"compute"`` (the default with sources): queue the sample for the cache's
-            worker and wait for its record (see :mod:`cache_store.readers.read_through`; over the
+            worker and wait for its record (see :mod:`cache_store.readers.queue_read_through`; over the
             service URL :mod:`cache_store.readers.http_read_through`: the service queues and
             waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
@@ -491,7 +491,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
             return HTTPReadThrough(cache, name, params, self.fingerprint, token=token,
                                    miss_timeout=self.miss_timeout, ca_file=ca_file)
-        from cache_store.readers.read_through import QueueReadThrough
+        from cache_store.readers.queue_read_through import QueueReadThrough
 
         return QueueReadThrough(cache, name, params, self.fingerprint,
                                 miss_timeout=self.miss_timeout)
@@ -504,7 +504,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _on_miss(self, indices: Sequence[int]) -> None:
         """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
-        then wait for the batch's records (see :mod:`cache_store.readers.read_through`)."""
+        then wait for the batch's records (see :mod:`cache_store.readers.queue_read_through`)."""
         wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)
                   if not self._has(self.key(i))]
         ahead: list[tuple[str, str]] = []
