@@ -30,6 +30,7 @@ from cache_store.errors import (
     SampleFailed,
     SourceError,
     StaleRecord,
+    UnknownName,
 )
 from cache_store.format.header import read_metadata
 from cache_store.jobs.freshness import STAT_FIELD, is_current, trusted_signature
@@ -196,10 +197,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                             "recomputed as a miss is)")
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
-        location = parse_location(cache.location if isinstance(cache, Store) else cache)
-        if on_miss == "compute" and location.kind == "zarr":
+        where = os.fspath(cache.location if isinstance(cache, Store) else cache)
+        try:
+            kind = parse_location(where).kind
+        except UnknownName:  # a scheme no store opens: named by open_store, or here
+            kind = "unknown"
+        if on_miss == "compute" and kind not in ("lmdb", "http"):
             problems.append(f"on_miss='compute' needs a cache directory or the service's "
-                            f"http(s):// URL; {location.text} is neither")
+                            f"http(s):// URL; {where} is neither")
         if on_error not in ON_ERROR_CHOICES:
             problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if warm_ahead < 0 or miss_timeout <= 0:
