@@ -1,5 +1,5 @@
 """The read-through protocol: what the service, its worker and the two read-through
-clients (:mod:`cache_store.readers.read_through` over the queue,
+clients (:mod:`cache_store.readers.queue_read_through` over the queue,
 :mod:`cache_store.readers.http_read_through` over HTTP) must agree on.
 
 * the headers of a not-ready answer (a HEAD answer carries no body);

@@ -30,6 +30,7 @@ from cache_store.errors import (
     SampleFailed,
     SourceError,
     StaleRecord,
+    UnknownName,
 )
 from cache_store.format.header import read_metadata
 from cache_store.jobs.freshness import STAT_FIELD, is_current, trusted_signature
@@ -124,7 +125,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             keeps the extension), as ``spcache precompute --id-template`` makes them.
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
             ``"compute"`` (the default with sources): queue the sample for the cache's
-            worker and wait for its record (see :mod:`cache_store.readers.read_through`; over the
+            worker and wait for its record (see :mod:`cache_store.readers.queue_read_through`; over the
             service URL :mod:`cache_store.readers.http_read_through`: the service queues and
             waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
@@ -196,10 +197,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                             "recomputed as a miss is)")
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
-        location = parse_location(cache.location if isinstance(cache, Store) else cache)
-        if on_miss == "compute" and location.kind == "zarr":
+        where = os.fspath(cache.location if isinstance(cache, Store) else cache)
+        try:
+            kind = parse_location(where).kind
+        except UnknownName:  # a scheme no store opens: named by open_store, or here
+            kind = "unknown"
+        if on_miss == "compute" and kind not in ("lmdb", "http"):
             problems.append(f"on_miss='compute' needs a cache directory or the service's "
-                            f"http(s):// URL; {location.text} is neither")
+                            f"http(s):// URL; {where} is neither")
         if on_error not in ON_ERROR_CHOICES:
             problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if warm_ahead < 0 or miss_timeout <= 0:
@@ -491,7 +496,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
             return HTTPReadThrough(cache, name, params, self.fingerprint, token=token,
                                    miss_timeout=self.miss_timeout, ca_file=ca_file)
-        from cache_store.readers.read_through import QueueReadThrough
+        from cache_store.readers.queue_read_through import QueueReadThrough
 
         return QueueReadThrough(cache, name, params, self.fingerprint,
                                 miss_timeout=self.miss_timeout)
@@ -504,7 +509,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _on_miss(self, indices: Sequence[int]) -> None:
         """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
-        then wait for the batch's records (see :mod:`cache_store.readers.read_through`)."""
+        then wait for the batch's records (see :mod:`cache_store.readers.queue_read_through`)."""
         wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)
                   if not self._has(self.key(i))]
         ahead: list[tuple[str, str]] = []

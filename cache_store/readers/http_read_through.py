@@ -2,7 +2,7 @@
 
 ``CachedDataset("http://host:port", "spc_query", sources=..., level=8)`` hands its misses
 to an :class:`HTTPReadThrough`, the HTTP twin of
-:class:`cache_store.readers.read_through.QueueReadThrough`. For each miss it
+:class:`cache_store.readers.queue_read_through.QueueReadThrough`. For each miss it
 
 1. posts the missing samples, plus the next ``warm_ahead`` uncached ones, to
    ``POST /v1/warmup`` with ``dedupe`` (the service queues each through

@@ -19,6 +19,7 @@ import hashlib
 import importlib.util
 import inspect
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -324,15 +325,40 @@ def code_digest(cls: type) -> str:
     return h.hexdigest()
 
 
+def _module_file(module: str) -> str | None:
+    """The file of ``module`` found without importing it or its parent packages
+    (``find_spec("a.b")`` would import ``a``: the service must not import ``workers``)."""
+    top, *rest = module.split(".")
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    if not rest:
+        return spec.origin
+    locations = list(spec.submodule_search_locations or [])
+    for i, part in enumerate(rest):
+        last = i == len(rest) - 1
+        found = None
+        for where in locations:
+            package = os.path.join(where, part)
+            if os.path.isfile(os.path.join(package, "__init__.py")):
+                found = package
+                break
+            if last and os.path.isfile(package + ".py"):
+                return package + ".py"
+        if found is None:
+            return None
+        if last:
+            return os.path.join(found, "__init__.py")
+        locations = [found]
+    return None
+
+
 def _module_source(module: str, cls: type) -> bytes:
     loaded = sys.modules.get(module)
-    origin = getattr(loaded, "__file__", None)
-    if origin is None:
-        try:
-            spec = importlib.util.find_spec(module)
-            origin = spec.origin if spec is not None else None
-        except (ImportError, ValueError):
-            origin = None
+    origin = getattr(loaded, "__file__", None) or _module_file(module)
     if origin and origin.endswith(".py"):
         try:
             with open(origin, "rb") as fh:

@@ -94,3 +94,25 @@ def test_kaolin_backend_equals_torch_backend(level):
     with_torch = _everything(torch_spc, x.cuda(), queries.cuda(), level)
     with_kaolin = _everything(kaolin_spc, x.cuda(), queries.cuda(), level)
     _assert_same(with_kaolin, with_torch, "cuda")
+
+
+@pytest.mark.parametrize("level", [1, 4, 8, 10])
+def test_kaolins_own_trinkets_equal_the_torch_ones(level):
+    """The kaolin backend's unbatched_make_trinkets is the torch one (Kaolin's walks Python
+    dictionaries); this holds it to Kaolin 0.18's own, which it replaces."""
+    try:
+        spc = kaolin_spc.ensure_available()
+    except BackendUnavailable as exc:
+        pytest.skip(str(exc))
+    x, _ = _random_case(200 + level, level, n=5_000)
+    points = torch_spc.quantize_points(x.cuda(), level)
+    octree = torch_spc.unbatched_points_to_octree(points, level)
+    lengths = torch.tensor([len(octree)], dtype=torch.int32)
+    _, pyramids, exsum = torch_spc.scan_octrees(octree, lengths)
+    hierarchy = torch_spc.generate_points(octree, pyramids, exsum)
+    dual, pyramid_dual = torch_spc.unbatched_make_dual(hierarchy, pyramids[0])
+    ours = torch_spc.unbatched_make_trinkets(hierarchy, pyramids[0], dual, pyramid_dual)
+    theirs = spc.unbatched_make_trinkets(hierarchy, pyramids[0], dual, pyramid_dual)
+    for mine, kaolins in zip(ours, theirs, strict=True):
+        assert mine.dtype == kaolins.dtype == torch.int32
+        assert torch.equal(mine.cpu(), kaolins.cpu())
