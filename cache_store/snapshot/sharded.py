@@ -421,6 +421,8 @@ class ShardedSnapshot(Store):
             if describe is not None and docs:
                 described.insert(0, dict(describe))
             if not docs:
+                with self._lock:  # nothing committed yet: a lookup lists again in a second
+                    self._listed_at[fingerprint] = time.monotonic()
                 return None
             if not described:
                 described = [{"recipe": None}]  # records readable, index not yet
@@ -458,6 +460,10 @@ class ShardedSnapshot(Store):
 
     def _entry(self, key: str) -> Entry | None:
         fingerprint, sample_id = split_key(key)
+        listed = self._listed_at.get(fingerprint, 0.0)
+        if (fingerprint not in self._datasets
+                and time.monotonic() - listed <= MISS_RELIST_S):
+            return None  # listed a moment ago, and nothing was committed
         dataset = self._load(fingerprint)
         entry = dataset.entries.get(sample_id) if dataset else None
         listed = self._listed_at.get(fingerprint, 0.0)

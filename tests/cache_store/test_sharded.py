@@ -226,3 +226,25 @@ def test_export_and_stats_read_a_sharded_snapshot(tmp_path: Path) -> None:
                             "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["fingerprints"][FP]["records"] == 4
+
+
+def test_lookups_of_unknown_keys_list_at_most_once_a_second(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's admission asks about every sample of an empty snapshot: that must not be
+    one listing per sample (on S3, one LIST request each)."""
+    store = ShardedSnapshot(str(tmp_path / "snap.zarr"), readonly=False)
+    store.put_many([(f"{FP}/a", make_record(FP, "a", seed=1))])
+    other = fingerprint_of("spc", level=5)
+    listings = []
+    real = ShardedSnapshot._commit_names
+
+    def counting(self, fingerprint):
+        listings.append(fingerprint)
+        return real(self, fingerprint)
+
+    monkeypatch.setattr(ShardedSnapshot, "_commit_names", counting)
+    for i in range(50):
+        assert store.source_hash_of(f"{other}/s{i}") is None  # nothing committed there
+        assert store.source_hash_of(f"{FP}/s{i}") is None  # not among the commits
+    assert listings.count(other) == 1 and listings.count(FP) == 1
+    store.close()
