@@ -226,10 +226,30 @@ def current_exsum(exsum: object, lengths: torch.Tensor, caller: str,
     warnings.warn(f"{caller} received a legacy exsum of length num_bytes + batch_size; the "
                   "current layout (inclusive sums, length num_bytes) is expected",
                   DeprecationWarning, stacklevel=3)
-    starts = torch.cumsum(lengths + 1, 0) - (lengths + 1)
-    keep = torch.ones(exsum.shape[0], dtype=torch.bool)
-    keep[starts] = False
-    return exsum[keep.to(exsum.device)]
+    return from_legacy_exsum(exsum, lengths)
+
+
+def _legacy_starts(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
+    lengths = lengths.to(device="cpu", dtype=torch.int64)
+    return (torch.cumsum(lengths + 1, 0) - (lengths + 1)).to(device)
+
+
+def from_legacy_exsum(exsum: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The current exsum layout (per-octree inclusive sums, ``num_bytes``) from the legacy
+    one (a leading 0 per octree, ``num_bytes + batch_size``), as released Kaolin 0.18.0
+    wheels still return and take it."""
+    keep = torch.ones(exsum.shape[0], dtype=torch.bool, device=exsum.device)
+    keep[_legacy_starts(lengths, exsum.device)] = False
+    return exsum[keep]
+
+
+def to_legacy_exsum(exsum: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The legacy exsum layout (a leading 0 per octree) from the current one."""
+    out = exsum.new_zeros(exsum.shape[0] + lengths.shape[0])
+    keep = torch.ones(out.shape[0], dtype=torch.bool, device=exsum.device)
+    keep[_legacy_starts(lengths, exsum.device)] = False
+    out[keep] = exsum
+    return out
 
 
 def octree_structure(exsum: torch.Tensor, lengths: torch.Tensor,

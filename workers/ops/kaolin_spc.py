@@ -9,6 +9,12 @@ as in the torch backend. ``unbatched_make_trinkets`` is the torch backend's (on 
 device): Kaolin's is a Python dictionary walk, slow on large hierarchies, and the gpu
 tests check that the two agree.
 
+Two exsum layouts have shipped as Kaolin 0.18.0: the released wheels return and take the
+legacy layout (a leading 0 per octree), later builds the inclusive one of
+``docs/SPC_SEMANTICS.md`` (and a ``legacy_exsum`` flag). :func:`exsum_layout` tells them
+apart by ``scan_octrees``' signature and the calls convert at the boundary, so records
+hold the inclusive layout whichever Kaolin computed them.
+
 Importing Kaolin runs a lot of code (warp, USD): any exception it raises, and any warning
 it emits (an error under ``-W error``), makes the backend unavailable with the reason,
 never an exception out of :func:`ensure_available`.
@@ -19,6 +25,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import warnings
 from collections.abc import Iterator
@@ -48,6 +55,7 @@ __all__ = [
     "points_to_corners",
     "unbatched_make_dual",
     "unbatched_make_trinkets",
+    "exsum_layout",
 ]
 
 name = "kaolin"
@@ -138,6 +146,19 @@ def ensure_available() -> ModuleType:
     return spc
 
 
+def exsum_layout(spc: ModuleType) -> str:
+    """Which exsum layout this ``kaolin.ops.spc`` speaks: ``"inclusive"`` (per-octree
+    inclusive sums, ``num_bytes``; its ``scan_octrees`` takes ``legacy_exsum``) or
+    ``"legacy"`` (a leading 0 per octree, ``num_bytes + batch_size``: the released 0.18.0
+    wheels, whose version string is the same). Records always hold the inclusive layout;
+    the calls convert at the boundary, so both give the torch backend's results."""
+    try:
+        parameters = inspect.signature(spc.scan_octrees).parameters
+    except (TypeError, ValueError):  # a compiled function without a signature
+        return "legacy"
+    return "inclusive" if "legacy_exsum" in parameters else "legacy"
+
+
 @contextmanager
 def _on(arg: str, tensor: torch.Tensor) -> Iterator[ModuleType]:
     """Kaolin's spc module, with ``tensor``'s GPU current (some kernels allocate on it)."""
@@ -194,15 +215,26 @@ def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
     with _on("octrees", octrees) as spc:
         # Kaolin loops forever on some malformed octrees: walk them on our side first.
         _checks.octree_structure(_checks.inclusive_exsum(octrees, cpu_lengths), cpu_lengths)
-        return spc.scan_octrees(octrees.contiguous(), cpu_lengths.to(torch.int32),
-                                legacy_exsum=legacy_exsum)
+        if exsum_layout(spc) == "inclusive":
+            return spc.scan_octrees(octrees.contiguous(), cpu_lengths.to(torch.int32),
+                                    legacy_exsum=legacy_exsum)
+        max_level, pyramids, legacy = spc.scan_octrees(octrees.contiguous(),
+                                                       cpu_lengths.to(torch.int32))
+        if legacy_exsum:
+            warnings.warn("scan_octrees(legacy_exsum=True) returns the deprecated exsum layout "
+                          "of size num_bytes + batch_size", DeprecationWarning, stacklevel=2)
+            return max_level, pyramids, legacy
+        return max_level, pyramids, _checks.from_legacy_exsum(legacy, cpu_lengths)
 
 
 def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
                     exsum: torch.Tensor) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.generate_points`."""
     with _on("octrees", _checks.check_octree(octrees, "octrees")) as spc:
-        _, _, exsum = torch_spc.checked_structure(octrees, pyramids, exsum, "generate_points")
+        _, lengths, exsum = torch_spc.checked_structure(octrees, pyramids, exsum,
+                                                        "generate_points")
+        if exsum_layout(spc) == "legacy":
+            exsum = _checks.to_legacy_exsum(exsum, lengths)
         return spc.generate_points(octrees.contiguous(), pyramids.cpu().contiguous(),
                                    exsum.contiguous())
 
@@ -214,6 +246,8 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
         exsum, query_coords, level = torch_spc.check_query(octree, exsum, query_coords, level)
         if query_coords.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
             return torch_spc.unbatched_query(octree, exsum, query_coords, level, with_parents)
+        if exsum_layout(spc) == "legacy":
+            exsum = _checks.to_legacy_exsum(exsum, torch.tensor([octree.shape[0]]))
         result = spc.unbatched_query(octree.contiguous(), exsum.contiguous(),
                                      query_coords.contiguous(), level, with_parents=with_parents)
         _, inside = torch_spc.query_voxels(query_coords, level, bool(with_parents))

@@ -194,17 +194,8 @@ def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
     if legacy_exsum:
         warnings.warn("scan_octrees(legacy_exsum=True) returns the deprecated exsum layout of "
                       "size num_bytes + batch_size", DeprecationWarning, stacklevel=2)
-        exsum = _to_legacy(exsum, lengths)
+        exsum = _checks.to_legacy_exsum(exsum, lengths)
     return max_level, pyramids, exsum
-
-
-def _to_legacy(exsum: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    out = exsum.new_zeros(exsum.shape[0] + lengths.shape[0])
-    starts = (torch.cumsum(lengths + 1, 0) - (lengths + 1)).to(exsum.device)
-    keep = torch.ones(out.shape[0], dtype=torch.bool, device=exsum.device)
-    keep[starts] = False
-    out[keep] = exsum
-    return out
 
 
 def checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor,
