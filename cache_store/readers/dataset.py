@@ -198,6 +198,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
         where = os.fspath(cache.location if isinstance(cache, Store) else cache)
+        kind: str
         try:
             kind = parse_location(where).kind
         except UnknownName:  # a scheme no store opens: named by open_store, or here
