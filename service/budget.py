@@ -1,7 +1,8 @@
 """Byte budgets of the read routes: per response and per process.
 
-A record's size is read from the store *before* its bytes are copied (for LMDB, the
-length of the value in a read transaction's map view: no copy), so that:
+A record's size is read from the store *before* its bytes are copied
+(``Store.value_size``; for LMDB the length of the value in a read transaction's map
+view: no copy), so that:
 
 * a response (one record, or a batch) larger than ``max_response_bytes`` is refused
   with 413 and the sizes, before any copy (a client can ask for ``?fields=`` subsets or
@@ -34,22 +35,12 @@ class ReadBudgetBusy(SpcacheError):
 
 
 def record_length(store: Store, key: str) -> int:
-    """The stored size of ``key``'s record without copying it (LMDB: the map view's
-    length inside a read transaction); other stores fall back to reading it.
+    """The stored size of ``key``'s record, before any copy (``Store.value_size``: for
+    LMDB the length of the map's value inside a read transaction).
 
     Raises :class:`RecordNotFound` like ``store.get``.
     """
-    from cache_store.stores import lmdb as lmdb_store  # here: service.errors imports this module, not lmdb
-
-    if not isinstance(store, lmdb_store.LMDBStore):
-        return len(store.get(key))
-    # Couples to LMDBStore's read transaction on purpose: the Store contract has no
-    # "size of" primitive, and a copy is exactly what this check must avoid.
-    with store._read() as (txn, dbs):
-        view = lmdb_store._lookup(txn, dbs[lmdb_store._RECORDS_DB], key)
-        if view is not None:
-            return len(view)
-    return len(store.get(key))  # a miss: raises as a read would (FingerprintRemoved, ...)
+    return store.value_size(key)
 
 
 class ByteBudget:

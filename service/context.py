@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -12,10 +11,9 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from cache_store.errors import CacheDamaged
+from cache_store.errors import CacheDamaged, CacheNotFound
 from cache_store.stores.isolated import stats_cache
 from cache_store.jobs.queue import JobQueue
-from cache_store.stores.lmdb import RECORDS_DIR, has_cache
 from cache_store.stores.base import Store, open_store
 from service.budget import ByteBudget
 from service.limits import WaitSlots
@@ -53,7 +51,7 @@ class ServiceContext:
         self._store_lock = threading.Lock()
         self._walk: dict[str, Any] | None = None
         self._walk_damage: CacheDamaged | None = None
-        self._walk_signature: tuple[int, ...] | None = None
+        self._walk_signature: int | None = None
         self._walk_at = 0.0
         self._walk_lock = threading.Lock()
 
@@ -63,9 +61,13 @@ class ServiceContext:
             return self._store
         with self._store_lock:
             if self._store is None:
-                if not has_cache(self.cache):
+                store = open_store(self.cache, readonly=True)
+                try:
+                    store.generation()  # opens it: CacheNotFound until a writer made it
+                except CacheNotFound:
+                    store.close()
                     return None
-                self._store = open_store(self.cache, readonly=True)
+                self._store = store
             return self._store
 
     def close(self) -> None:
@@ -75,32 +77,30 @@ class ServiceContext:
                 self._store = None
         self.queue.close()
 
-    def _lmdb_signature(self) -> tuple[int, ...] | None:
-        try:
-            st = os.stat(self.cache / RECORDS_DIR / "data.mdb")
-        except FileNotFoundError:
-            return None
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
     def cache_walk(self, want: str | None = None) -> dict[str, Any]:
         """Per fingerprint: records, bytes and (when indexed) the index's description.
 
         One ``store.stats()`` walk over the whole cache, run in a child process
         (:func:`cache_store.stores.isolated.stats_cache`): a damaged LMDB page that makes LMDB
-        abort kills the child, never the service. The result is reused until the LMDB
-        file changes (and at least ``stats_ttl_s``). Raises :class:`CacheDamaged` while
-        the last walk found the cache damaged. A fingerprint ``want`` the last walk did
-        not see is looked for again as soon as the file changed.
+        abort kills the child, never the service. The result is reused until the store's
+        ``generation()`` changes (and at least ``stats_ttl_s``). Raises
+        :class:`CacheDamaged` while the last walk found the cache damaged. A fingerprint
+        ``want`` the last walk did not see is looked for again as soon as a write landed.
         """
         with self._walk_lock:  # one walk at a time; the others wait for its answer
-            signature = self._lmdb_signature()
-            if signature is None:
+            store = self.store()
+            if store is None:
                 return {}
+            try:
+                signature = store.generation()
+            except CacheDamaged:
+                signature = None  # cannot tell: the walk says what is wrong
             now = time.time()
             known = self._walk is not None or self._walk_damage is not None
             stale = (now - self._walk_at >= self.settings.stats_ttl_s
                      or (want is not None and self._walk is not None and want not in self._walk))
-            if not known or (signature != self._walk_signature and stale):
+            changed = signature is None or signature != self._walk_signature
+            if not known or (changed and stale):
                 try:
                     self._walk = stats_cache(self.cache)["fingerprints"]
                     self._walk_damage = None

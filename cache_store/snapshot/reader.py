@@ -45,8 +45,8 @@ from cache_store.keys import (
     validate_fingerprint,
 )
 from cache_store.process_local import ProcessLocal
-from cache_store.format.decode import Record, check_record, decode_filled, decode_records
-from cache_store.format.header import HEADER_LENGTH, check_names_key, parse_stored_header
+from cache_store.format.decode import Record, check_record
+from cache_store.format.header import HEADER_LENGTH, parse_stored_header
 from cache_store.format.ids import unpack_ids
 from cache_store.location import local_path, parse_location
 from cache_store.snapshot.format import (
@@ -59,7 +59,7 @@ from cache_store.snapshot.format import (
     validate_field_name,
 )
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import Store, VerifyReport
+from cache_store.stores.base import RecordDecoder, Store, VerifyReport
 from cache_store.snapshot.chunks import LocalChunkReader
 
 __all__ = ["ZarrStore"]
@@ -427,34 +427,22 @@ class ZarrStore(Store):
             return bytes(value)
         return self._read_checked(read)
 
-    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
-        return self.get_records([key], fields)[0]
-
-    def get_records(self, keys: Iterable[str],
-                    fields: Iterable[str] | None = None) -> list[Record]:
-        keys = list(keys)
-        fields = None if fields is None else ([fields] if isinstance(fields, str)
-                                              else list(fields))
-
+    def supply(self, keys: list[str], fields: list[str] | None,
+               decoder: RecordDecoder) -> list[Record]:
         def read() -> list[Record]:
             located = self._located(keys)
             if located and all(snap.local is not None for _, snap, _ in located):
-                records = self._decode_local(located, fields)
-            else:
-                records = decode_records(zip(keys, self._values(located, fields), strict=True),
-                                         fields=fields)
-            for key, record in zip(keys, records, strict=True):
-                check_names_key(record.metadata, key)
-            return records
+                return self._decode_local(located, decoder)
+            return decoder.values(self._values(located, fields))
         return self._read_checked(read)
 
     @staticmethod
     def _decode_local(located: Sequence[tuple[str, _Snapshot, int]],
-                      fields: list[str] | None) -> list[Record]:
+                      decoder: RecordDecoder) -> list[Record]:
         """Records of a local snapshot decoded straight from its chunk files: each field's
         rows are read into the tensors' own storage (no record value is assembled), then
         verified against the stored header's checksums like any read."""
-        headers, keys = [], []
+        headers = []
         for key, snap, row in located:
             local = snap.local
             assert local is not None
@@ -464,7 +452,6 @@ class ZarrStore(Store):
             except _READ_ERRORS as exc:
                 raise CorruptRecord(key, f"cannot read {snap.fingerprint}/headers: {exc}") from None
             headers.append(parse_stored_header(text, snap.data_len(row), key=key))
-            keys.append(key)
 
         def fill(j: int, name: str, info: Any, out: memoryview) -> None:
             key, snap, row = located[j]
@@ -477,7 +464,7 @@ class ZarrStore(Store):
             except _READ_ERRORS as exc:
                 raise CorruptRecord(key, f"cannot read {snap.fingerprint}/data/{name}: "
                                          f"{exc}") from None
-        return decode_filled(headers, keys, fill, fields=fields)
+        return decoder.filled(headers, fill)
 
     def _located(self, keys: Sequence[str]) -> list[tuple[str, _Snapshot, int]]:
         located = []

@@ -3,7 +3,20 @@
 A :class:`Store` has a handful of primitives that each backend implements (``get``,
 ``put_many``, ``has``, ``keys``, ``close``, and the per-fingerprint index ``put_index``,
 ``get_index``, ``fingerprints``); everything else (``get_record``, ``stats``, ``verify``,
-``find_fingerprints``) is built on them once, here. :func:`open_store` picks a backend
+``find_fingerprints``, ``value_size``) is built on them once, here, and a backend may
+override it where it has a cheaper way (LMDB's ``value_size`` reads a length, not bytes).
+
+Reading records: a backend supplies bytes, the base decodes and checks them. The hook
+:meth:`Store.supply` hands the values of the keys asked for (valid only during the call:
+LMDB lends its map inside a read transaction) or a snapshot's headers and a fill
+callback to a :class:`RecordDecoder`, which decodes them with the format's checks
+(header, layout, each returned field's hash, BOOL bytes) and then checks that every
+record's metadata names its key: the one place a decoded record is bound to its key.
+``verify`` runs :func:`cache_store.format.decode.check_record`, the whole-record check.
+
+``generation()`` is a change counter: it differs after any write that landed (LMDB: the
+last committed transaction id), so a reader can tell "nothing changed" cheaply; None
+where the backend cannot tell. :func:`open_store` picks a backend
 from a location through a plain-dict registry; backends written in other modules are
 imported by name only when a location needs them.
 
@@ -26,7 +39,7 @@ import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,14 +54,28 @@ from cache_store.errors import (
     UnknownName,
 )
 from cache_store.location import parse_location
-from cache_store.format.decode import Record, check_record, decode_record, decode_records
-from cache_store.format.header import check_names_key, metadata_key, read_header, read_metadata
+from cache_store.format.decode import (
+    Fill,
+    Record,
+    check_record,
+    decode_filled,
+    decode_record,
+    decode_records,
+)
+from cache_store.format.header import (
+    RecordHeader,
+    check_names_key,
+    metadata_key,
+    read_header,
+    read_metadata,
+)
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
 from cache_store.recipes.specs import RECIPE_SPECS
 
 __all__ = [
     "STORE_BACKENDS",
+    "RecordDecoder",
     "Store",
     "VerifyReport",
     "open_store",
@@ -76,6 +103,49 @@ class VerifyReport:
     def as_json(self) -> dict[str, Any]:
         return {"checked": self.checked, "ok": self.ok, "corrupt": dict(self.corrupt),
                 "missing": list(self.missing), "damaged": self.damaged}
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class RecordDecoder:
+    """Decodes the records of one read (``keys``, ``fields``) from what a backend
+    supplies, and checks that each names its key. Made by the base class, handed to
+    :meth:`Store.supply`; ``batch`` False for :meth:`Store.get_record` (one record, laid
+    out for itself), True for :meth:`Store.get_records` (one storage, field by field)."""
+
+    __slots__ = ("keys", "fields", "batch")
+
+    def __init__(self, keys: Sequence[str], fields: list[str] | None, batch: bool) -> None:
+        self.keys = keys
+        self.fields = fields
+        self.batch = batch
+
+    def values(self, values: Sequence[Any]) -> list[Record]:
+        """Records from whole values, one per key in order (bytes-like; a backend's own
+        memory may be lent: nothing returned aliases it)."""
+        keys = self.keys
+        if self.batch:
+            records = decode_records(zip(keys, values, strict=True), fields=self.fields)
+        else:
+            records = [decode_record(values[0], key=keys[0], fields=self.fields)]
+        return self._bound(records)
+
+    def filled(self, headers: Sequence[RecordHeader], fill: Fill) -> list[Record]:
+        """Records stored in parts: checked headers, and ``fill`` writing each selected
+        field's bytes into the returned storage (see ``decode_filled``)."""
+        return self._bound(decode_filled(headers, self.keys, fill, fields=self.fields))
+
+    def _bound(self, records: list[Record]) -> list[Record]:
+        for key, record in zip(self.keys, records, strict=True):
+            check_names_key(record.metadata, key)
+        return records
+
+
+def _field_list(fields: Iterable[str] | None) -> list[str] | None:
+    if fields is None:
+        return None
+    return [fields] if isinstance(fields, str) else list(fields)
 
 
 # --------------------------------------------------------------------------- store
@@ -201,14 +271,37 @@ class Store(abc.ABC):
     def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
         """Decoded record under ``key`` (``fields``: subset to decode and verify); its
         metadata must name ``key`` (``CorruptRecord`` otherwise)."""
-        record = decode_record(self.get(key), key=key, fields=fields)
-        check_names_key(record.metadata, key)
-        return record
+        fields = _field_list(fields)
+        return self.supply([key], fields, RecordDecoder([key], fields, False))[0]
 
     def get_records(self, keys: Iterable[str],
                     fields: Iterable[str] | None = None) -> list[Record]:
-        fields = None if fields is None else tuple(fields)
-        return decode_records([(key, self.get(key)) for key in keys], fields=fields)
+        """Decoded records in ``keys`` order, in one storage laid out field by field (see
+        ``decode_records``); checked as :meth:`get_record` checks one. A missing one
+        raises :class:`RecordNotFound` naming its key."""
+        keys = list(keys)
+        fields = _field_list(fields)
+        return self.supply(keys, fields, RecordDecoder(keys, fields, True))
+
+    def supply(self, keys: list[str], fields: list[str] | None,
+               decoder: RecordDecoder) -> list[Record]:
+        """Backend hook behind :meth:`get_record`/:meth:`get_records`: hand the records of
+        ``keys`` to ``decoder`` (``decoder.values(values)`` or ``decoder.filled(headers,
+        fill)``) and return what it returns. Raise :class:`RecordNotFound` for a missing
+        key. ``fields`` may let a backend skip (or not fetch) other fields' bytes.
+        Default: each value through :meth:`get`."""
+        return decoder.values([self.get(key) for key in keys])
+
+    def value_size(self, key: str) -> int:
+        """Bytes of the value under ``key`` (raises like :meth:`get`). Default: the
+        length of :meth:`get`; backends that can read a length without the bytes do."""
+        return len(self.get(key))
+
+    def generation(self) -> int | None:
+        """A change counter: a different value after any write has landed since the last
+        call, the same while nothing was written. None: this backend cannot tell (treat
+        every call as a change)."""
+        return None
 
     def iter_values(self, prefix: str = "") -> Iterator[tuple[str, bytes]]:
         for key in self.keys(prefix):
@@ -266,13 +359,16 @@ class Store(abc.ABC):
 
     def _verify_into(self, report: VerifyReport, fingerprint: str | None) -> None:
         prefix = "" if fingerprint is None else validate_fingerprint(fingerprint) + "/"
-        for key, value in self.iter_values(prefix):
-            report.checked += 1
+        for key in self.keys(prefix):
             try:
-                check_record(value, key=key)
-            except CorruptRecord as exc:
+                with self.read_view(key) as value:  # checked in place where a backend lends it
+                    check_record(value, key=key)
+            except RecordNotFound:  # deleted meanwhile
+                continue
+            except CorruptRecord as exc:  # from check_record, or from a get that checks
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)
+            report.checked += 1
         fingerprints = self.fingerprints() if fingerprint is None else [fingerprint]
         for fp in fingerprints:
             try:

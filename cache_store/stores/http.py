@@ -37,7 +37,7 @@ from cache_store.errors import (
 )
 from cache_store.keys import split_key
 from cache_store.process_local import ProcessLocal
-from cache_store.format.decode import Record, decode_record, decode_records
+from cache_store.format.decode import Record
 from cache_store.format.header import check_names_key, read_metadata, record_checksum
 from cache_store.format.tag import (
     TAG_HEADER,
@@ -46,7 +46,7 @@ from cache_store.format.tag import (
     check_signed_checksums,
 )
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import Store
+from cache_store.stores.base import RecordDecoder, Store
 from cache_store.stores.service_client import error_of, new_client, send, tls_verify
 from cache_store.format.wire import decode_batch
 
@@ -146,14 +146,26 @@ class HTTPStore(Store):
     # -- Store primitives ----------------------------------------------------------
 
     def get(self, key: str) -> bytes:
-        fingerprint, sample_id = split_key(key)
-        response = self._check(self._request("GET", _record_path(fingerprint, sample_id)), key)
-        value = self._bound(key, response.content, response.headers.get(TAG_HEADER))
-        self._check_current({key: value})
+        # Raw bytes leave the store here, undecoded: bound to their key first, as the
+        # module doc promises (decoded reads are bound by the base class's decoder).
+        value = self._fetch(key, None)
+        check_names_key(read_metadata(value, key=key), key)
         return value
 
-    def _bound(self, key: str, value: Any, tag: str | None) -> Any:
-        """``value`` once it is shown to be the record stored under ``key``."""
+    def _fetch(self, key: str, fields: list[str] | None) -> Any:
+        """The record under ``key`` (with ``fields``: the service's re-encoded subset),
+        its tag checked and, whole, checked current when this reader holds the key."""
+        fingerprint, sample_id = split_key(key)
+        params = None if fields is None else {"fields": ",".join(fields)}
+        response = self._check(self._request("GET", _record_path(fingerprint, sample_id),
+                                             params=params), key)
+        value = self._tagged(key, response.content, response.headers.get(TAG_HEADER))
+        if fields is None:  # a subset's checksum is the subset's: not signed
+            self._check_current({key: value})
+        return value
+
+    def _tagged(self, key: str, value: Any, tag: str | None) -> Any:
+        """``value`` once its tag is checked (with a record key)."""
         if self.record_key is not None:
             check_record_tag(self.record_key, key, value, tag)
         elif tag and not self._told_signed:
@@ -162,7 +174,6 @@ class HTTPStore(Store):
                         "nothing binds what it reads to what the service holds. Pass "
                         "record_key= (the service's SPCACHE_RECORD_KEY) to check them",
                         self.url, TAG_HEADER)
-        check_names_key(read_metadata(value, key=key), key)
         return value
 
     def _check_current(self, values: dict[str, Any]) -> None:
@@ -209,9 +220,17 @@ class HTTPStore(Store):
         """Records for ``keys`` through the batch route, ``batch_size`` ids a request.
 
         Returns ``({key: record bytes}, {key: why it is missing})``; with ``fields`` the
-        service sends only those tensors (a smaller, re-checksummed record).
+        service sends only those tensors (a smaller, re-checksummed record). Each is
+        bound to its key as :meth:`get` binds one.
         """
-        body_fields = None if fields is None else list(fields)
+        found, missing = self._fetch_many(keys, None if fields is None else list(fields))
+        for key, value in found.items():
+            check_names_key(read_metadata(value, key=key), key)
+        return found, missing
+
+    def _fetch_many(self, keys: Iterable[str], fields: list[str] | None,
+                    ) -> tuple[dict[str, memoryview], dict[str, str]]:
+        body_fields = fields
         by_fp: dict[str, list[str]] = {}
         for key in keys:
             fingerprint, sample_id = split_key(key)
@@ -227,8 +246,8 @@ class HTTPStore(Store):
                 tags: dict[str, str] = {}
                 found, missing = decode_batch(response.content, where=self.url + path,
                                               tags=tags)
-                bound = {f"{fingerprint}/{sid}": self._bound(f"{fingerprint}/{sid}", value,
-                                                            tags.get(sid))
+                bound = {f"{fingerprint}/{sid}": self._tagged(f"{fingerprint}/{sid}", value,
+                                                             tags.get(sid))
                          for sid, value in found.items()}
                 if fields is None:  # a subset's checksum is the subset's: not signed
                     self._check_current(bound)
@@ -236,28 +255,17 @@ class HTTPStore(Store):
                 missing_all.update({f"{fingerprint}/{sid}": why for sid, why in missing.items()})
         return found_all, missing_all
 
-    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
-        """One decoded record; with ``fields`` only those tensors cross the wire."""
-        if fields is None:
-            return decode_record(self.get(key), key=key)
-        fields = list(fields)
-        fingerprint, sample_id = split_key(key)
-        response = self._check(self._request("GET", _record_path(fingerprint, sample_id),
-                                             params={"fields": ",".join(fields)}), key)
-        value = self._bound(key, response.content, response.headers.get(TAG_HEADER))
-        return decode_record(value, key=key, fields=fields)
-
-    def get_records(self, keys: Iterable[str],
-                    fields: Iterable[str] | None = None) -> list[Record]:
-        """Decoded records in ``keys`` order, fetched in batches; a missing one raises
-        :class:`RecordNotFound` naming its key (as every store's ``get_records`` does)."""
-        keys = list(keys)
-        fields = None if fields is None else list(fields)
-        found, missing = self.get_many(keys, fields)
+    def supply(self, keys: list[str], fields: list[str] | None,
+               decoder: RecordDecoder) -> list[Record]:
+        """One record by its route, several through the batch route; with ``fields``
+        only those tensors cross the wire (the service re-encodes the subset)."""
+        if not decoder.batch:
+            return decoder.values([self._fetch(keys[0], fields)])
+        found, missing = self._fetch_many(keys, fields)
         for key in keys:
             if key not in found:
                 raise RecordNotFound(key, f"{self.url} ({missing.get(key, 'not returned')})")
-        return decode_records([(key, found[key]) for key in keys], fields=fields)
+        return decoder.values([found[key] for key in keys])
 
     def fingerprints(self) -> list[str]:
         body = self._check(self._request("GET", "/v1/caches")).json()

@@ -79,10 +79,9 @@ from cache_store.errors import (
 from cache_store import usage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, is_fingerprint, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
-from cache_store.format.decode import Record, decode_record, decode_records
-from cache_store.format.header import check_names_key
+from cache_store.format.decode import Record
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
-from cache_store.stores.base import Store, count_code_digest
+from cache_store.stores.base import RecordDecoder, Store, count_code_digest
 
 __all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache",
            "compact_environment", "WRITE_LOCK_FILENAME", "COMPACT_DIR"]
@@ -565,38 +564,46 @@ class LMDBStore(Store):
                 raise self._missing(txn, dbs, key)
             yield value
 
-    def get_record(self, key: str, fields: Iterable[str] | None = None) -> Record:
-        # Decoded inside the transaction, straight from the map: one copy per tensor.
+    def supply(self, keys: list[str], fields: list[str] | None,
+               decoder: RecordDecoder) -> list[Record]:
+        # The map's own bytes, decoded inside one read transaction: one copy per tensor.
         # The hot path of every read: no context-manager generator around the transaction.
         txn, dbs = self._begin()
         try:
-            value = _lookup(txn, dbs[_RECORDS_DB], key)
-            if value is None:
-                raise self._missing(txn, dbs, key)
-            record = decode_record(value, key=key, fields=fields)
-        except lmdb.Error as exc:
-            raise self._damaged(exc) from exc
-        finally:
-            txn.abort()  # read-only: ends it and releases the reader slot
-        check_names_key(record.metadata, key)
-        return record
-
-    def get_records(self, keys: Iterable[str],
-                    fields: Iterable[str] | None = None) -> list[Record]:
-        fields = None if fields is None else tuple(fields)
-        with self._read() as (txn, dbs):
             db = dbs[_RECORDS_DB]
             values = []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
                     raise self._missing(txn, dbs, key)
-                values.append((key, value))
-            # one storage for the batch, decoded inside the transaction from the map
-            records = decode_records(values, fields=fields)
-            for (key, _), record in zip(values, records, strict=True):
-                check_names_key(record.metadata, key)
-            return records
+                values.append(value)
+            return decoder.values(values)
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from exc
+        finally:
+            txn.abort()  # read-only: ends it and releases the reader slot
+
+    def value_size(self, key: str) -> int:
+        # the value's length in the map view: no copy
+        txn, dbs = self._begin()
+        try:
+            value = _lookup(txn, dbs[_RECORDS_DB], key)
+            if value is None:
+                raise self._missing(txn, dbs, key)
+            return len(value)
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from exc
+        finally:
+            txn.abort()
+
+    def generation(self) -> int:
+        """The id of the environment's last committed write transaction (read from its
+        meta page, no transaction): any write that landed, in any process, changes it."""
+        env, _ = self._environment()
+        try:
+            return int(env.info()["last_txnid"])
+        except lmdb.Error as exc:
+            raise self._damaged(exc) from exc
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         self.check_writable()

@@ -16,7 +16,12 @@ from cache_store.format.decode import decode_record
 from cache_store.stores.base import open_store
 from service.settings import Settings
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.store_contract import StoreContract
+from tests.helpers.store_contract import (
+    SWAPPED_FOR,
+    SWAPPED_KEY,
+    StoreContract,
+    plant_lmdb_value,
+)
 from tests.helpers.service import Cache, InProcessServer, build_cache
 
 
@@ -49,6 +54,21 @@ class TestHTTPStoreContract(StoreContract):
         yield make
         for server in servers:
             server.__exit__()
+
+    @pytest.fixture
+    def swapped_store(self, tmp_path: Path, content):
+        records, indexes = content
+        root = tmp_path / "swapped"
+        writer = LMDBStore(root, readonly=False)
+        writer.put_many(records.items())
+        for index in indexes:
+            writer.put_index(index)
+        writer.close()
+        plant_lmdb_value(root, SWAPPED_KEY, records[SWAPPED_FOR])
+        with InProcessServer(Settings(cache=root, source_roots=[tmp_path], worker=False)) as server:
+            store = HTTPStore(server.url)
+            yield store
+            store.close()
 
 
 def test_open_store_picks_http_and_reads_records(served: tuple[Cache, InProcessServer]) -> None:

@@ -37,7 +37,16 @@ from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import open_store
 from cache_store.snapshot.reader import ZarrStore
-from tests.helpers.store_contract import FP_A, FP_B, IDS_A, StoreContract, sample_content
+from cache_store.snapshot.format import ATTRS_KEY, array_digest
+from tests.helpers.store_contract import (
+    FP_A,
+    FP_B,
+    IDS_A,
+    SWAPPED_FOR,
+    SWAPPED_KEY,
+    StoreContract,
+    sample_content,
+)
 from tests.helpers.synthetic import make_record, record_metadata
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,8 +79,36 @@ def contract_snapshot(tmp_path_factory, contract_content) -> Path:
     return root / "snap.zarr"
 
 
+@pytest.fixture(scope="module")
+def swapped_snapshot(tmp_path_factory, contract_content) -> Path:
+    """The contract snapshot with the ids of SWAPPED_KEY and SWAPPED_FOR swapped in its
+    id array (and the array's digest recomputed): each key finds the other's record."""
+    root = tmp_path_factory.mktemp("swapped")
+    cache = fill_lmdb(root / "cache", *contract_content)
+    export_all(cache, root / "snap.zarr")
+    cache.close()
+    group = zarr.open_group(str(root / "snap.zarr" / FP_A), mode="r+")
+    blob, offsets = group["sample_ids"][:], group["sample_id_offsets"][:]
+    rows = [IDS_A.index(k.split("/", 1)[1]) for k in (SWAPPED_KEY, SWAPPED_FOR)]
+    spans = [(int(offsets[i]), int(offsets[i + 1])) for i in rows]
+    first, second = (blob[a:b].copy() for a, b in spans)
+    assert first.size == second.size
+    blob[spans[0][0]:spans[0][1]], blob[spans[1][0]:spans[1][1]] = second, first
+    group["sample_ids"][:] = blob
+    attrs = dict(group.attrs[ATTRS_KEY])
+    attrs["digests"] = {**attrs["digests"], "sample_ids": array_digest(blob)}
+    group.attrs[ATTRS_KEY] = attrs
+    return root / "snap.zarr"
+
+
 class TestZarrStoreContract(StoreContract):
     """The shared read contract, on a snapshot exported from an LMDB cache (once)."""
+
+    @pytest.fixture
+    def swapped_store(self, swapped_snapshot):
+        store = ZarrStore(swapped_snapshot)
+        yield store
+        store.close()
 
     @pytest.fixture
     def content(self, contract_content):
@@ -96,6 +133,12 @@ class TestZarrStoreContractThroughZarr(StoreContract):
     def make_store(self, contract_content, contract_snapshot):
         return lambda records, indexes: ZarrStore(contract_snapshot, direct_reads=False)
 
+    @pytest.fixture
+    def swapped_store(self, swapped_snapshot):
+        store = ZarrStore(swapped_snapshot, direct_reads=False)
+        yield store
+        store.close()
+
 
 @pytest.fixture(scope="module")
 def uncompressed_snapshot(tmp_path_factory, contract_content) -> Path:
@@ -117,6 +160,12 @@ class TestZarrStoreContractUncompressed(StoreContract):
     @pytest.fixture
     def make_store(self, contract_content, uncompressed_snapshot):
         return lambda records, indexes: ZarrStore(uncompressed_snapshot)
+
+    @pytest.fixture
+    def swapped_store(self, swapped_snapshot):
+        store = ZarrStore(swapped_snapshot)
+        yield store
+        store.close()
 
 
 @pytest.fixture(scope="module")

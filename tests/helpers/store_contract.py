@@ -9,11 +9,20 @@ store holding exactly those records and indexes (built however the backend is fi
 (a fixture returning ``() -> Store`` opened writable, plus ``reopen(store, readonly)``
 when the backend can open the same location twice). Its ``make_store`` fills an empty
 store through ``put_many``/``put_index``.
+
+The key check (a record whose metadata names another key is refused by every decoded
+read and reported by ``verify``) needs a store that holds such a record, which no
+writer lets in: each subclass provides ``swapped_store``, a store holding the sample
+content except that :data:`SWAPPED_KEY` holds the record of :data:`SWAPPED_FOR` (planted
+past the writer's checks, as a bug or an attacker could).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
 
 import numpy as np
 import pytest
@@ -40,6 +49,22 @@ FP_B = fingerprint_of("spc_query", level=4)
 FP_C = fingerprint_of("spc", level=5)
 IDS_A = ["chairs/a1", "chairs/a2", "tables/t1", "unicode/é-ü", "zeta"]
 IDS_B = ["chairs/a1", "lamps/l1"]
+#: In ``swapped_store``, this key holds the record of SWAPPED_FOR (same length, so a
+#: snapshot's ids can be swapped in place).
+SWAPPED_KEY = f"{FP_A}/chairs/a1"
+SWAPPED_FOR = f"{FP_A}/chairs/a2"
+
+
+def plant_lmdb_value(cache_dir: str | Path, key: str, value: bytes) -> None:
+    """Write ``value`` under ``key`` in the LMDB cache at ``cache_dir`` with the lmdb
+    module itself, past every check of ``LMDBStore.put_many`` (no store of this process
+    may have the cache open)."""
+    env = lmdb.open(str(Path(cache_dir) / "records"), max_dbs=4, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key.encode(), value, db=env.open_db(b"records", txn=txn))
+    finally:
+        env.close()
 
 
 def sample_content() -> tuple[dict[str, bytes], list[DatasetIndex]]:
@@ -163,6 +188,52 @@ class StoreContract:
                 store.put_index(indexes[0])
             assert store.get(key) == records[key]  # nothing changed
 
+    def test_read_view_lends_the_stored_bytes(self, store: Store, content) -> None:
+        records, _ = content
+        for key, value in records.items():
+            with store.read_view(key) as view:
+                assert bytes(view) == value
+        with pytest.raises(RecordNotFound):
+            with store.read_view(f"{FP_A}/nope"):
+                pass
+
+    def test_value_size(self, store: Store, content) -> None:
+        records, _ = content
+        for key, value in records.items():
+            assert store.value_size(key) == len(value)
+        with pytest.raises(RecordNotFound) as err:
+            store.value_size(f"{FP_A}/nope")
+        assert f"{FP_A}/nope" in str(err.value)
+
+    def test_generation_stays_while_nothing_is_written(self, store: Store, content) -> None:
+        records, _ = content
+        first = store.generation()
+        assert first is None or (isinstance(first, int) and not isinstance(first, bool))
+        store.get_records(list(records))
+        store.verify()
+        assert store.generation() == first
+
+    @pytest.fixture
+    def swapped_store(self) -> Store:  # pragma: no cover - overridden
+        raise NotImplementedError("subclasses provide swapped_store")
+
+    def test_a_record_under_another_key_is_refused(self, swapped_store: Store) -> None:
+        store = swapped_store
+        named = SWAPPED_FOR.split("/", 1)[1]
+        reads = {"get_record": lambda: store.get_record(SWAPPED_KEY),
+                 "get_record(fields)": lambda: store.get_record(SWAPPED_KEY, fields=["octree"]),
+                 "get_records": lambda: store.get_records([f"{FP_A}/zeta", SWAPPED_KEY]),
+                 "get_records(fields)": lambda: store.get_records([SWAPPED_KEY], ["octree"])}
+        for what, read in reads.items():
+            with pytest.raises(CorruptRecord) as err:
+                read()
+            assert err.value.key == SWAPPED_KEY, what
+            assert named in str(err.value), what
+        report = store.verify(FP_A)
+        assert SWAPPED_KEY in report.corrupt and named in report.corrupt[SWAPPED_KEY]
+        assert f"{FP_A}/zeta" not in report.corrupt
+        assert store.get_record(f"{FP_A}/zeta").metadata["sample_id"] == "zeta"
+
     def test_close_then_use_again(self, store: Store, content) -> None:
         records, _ = content
         key = next(iter(records))
@@ -207,6 +278,34 @@ class WritableStoreContract(StoreContract):
             with pytest.raises(SpcacheError):
                 store.put_many([good, bad])
             assert not store.has(good[0])
+
+    @pytest.fixture
+    def swapped_store(self, make_store, content) -> Store:
+        records, indexes = content
+        store = make_store(records, indexes)
+        location = store.location
+        store.close()
+        plant_lmdb_value(location, SWAPPED_KEY, records[SWAPPED_FOR])
+        reader = self.reopen(store, readonly=True)
+        yield reader
+        reader.close()
+
+    def test_generation_changes_with_every_write(self, store: Store) -> None:
+        before = store.generation()
+        assert isinstance(before, int)
+        store.put_many([(f"{FP_A}/gen1", make_record(FP_A, "gen1", 1))])
+        after_put = store.generation()
+        assert after_put != before
+        store.put_index(DatasetIndex(FP_A, "spc", 1, {"level": 4, "surface_samples": 100_000},
+                                     ["gen1"]))
+        assert store.generation() not in (before, after_put)
+        reader = self.reopen(store, readonly=True)
+        try:  # another handle on the same store sees the same counter, and its changes
+            assert reader.generation() == store.generation()
+            store.put_many([(f"{FP_A}/gen2", make_record(FP_A, "gen2", 2))])
+            assert reader.generation() == store.generation()
+        finally:
+            reader.close()
 
     def test_put_index_replaces(self, store: Store) -> None:
         index = DatasetIndex(FP_A, "spc", 1, {"level": 4, "surface_samples": 100_000}, ["zeta"])
