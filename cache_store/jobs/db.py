@@ -1,9 +1,12 @@
-"""The job queue's SQLite plumbing: its schema, its connections, its write transactions.
+"""SQLite plumbing of the job queue and the failure log: connections, transactions, the
+queue's schema.
 
-What :class:`cache_store.jobs.queue.JobQueue` needs from SQLite and nothing about jobs' states:
-the schema (created on first open, versioned in ``meta``), one connection per thread
-closed together (:class:`Connections`), ``BEGIN IMMEDIATE`` transactions on autocommit
-connections (:class:`write_txn`) and the small helpers its statements share.
+The one way this package opens SQLite (:func:`connect`: autocommit, WAL, the pragmas),
+holds connections (:class:`ThreadConnections`: one per thread, per process through
+:class:`~cache_store.process_local.ProcessLocal`, all closed together) and writes
+(``BEGIN IMMEDIATE`` transactions, :class:`write_txn`); plus the job queue's schema
+(created on first open, versioned in ``meta``) and the small helpers its statements
+share. Nothing about jobs' states.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "MIGRATIONS", "Connections", "column_json", "chunks",
-           "schema_statements", "write_txn"]
+from cache_store.process_local import ProcessLocal
+
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "MIGRATIONS", "Connections", "ThreadConnections",
+           "column_json", "chunks", "connect", "schema_statements", "write_txn"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +102,48 @@ class Connections:
                 # Made in another thread; SQLite lets only that thread close it, and it
                 # is freed when that thread's local storage goes.
                 log.debug("left a connection of another thread to its thread")
+
+
+def connect(path: str | Path, *, busy_timeout_s: float) -> sqlite3.Connection:
+    """A connection to the SQLite file ``path`` as every database here uses it:
+    autocommit (transactions are explicit, :class:`write_txn`), rows as ``sqlite3.Row``,
+    ``busy_timeout``, WAL journal (a warning when the filesystem refuses it),
+    ``synchronous = NORMAL`` and foreign keys on. Usable by the thread that made it."""
+    conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None,
+                           check_same_thread=True)
+    conn.row_factory = sqlite3.Row
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    if mode.lower() != "wal":
+        log.warning("%s: SQLite refused WAL mode (got %s); concurrency will suffer", path, mode)
+    conn.execute("PRAGMA synchronous = NORMAL")
+    conn.execute("PRAGMA foreign_keys = ON")
+    return conn
+
+
+class ThreadConnections:
+    """One connection per thread of each process, opened on first use. The process's
+    set is a :class:`ProcessLocal`: a forked child opens its own and parks the inherited
+    ones (never used or closed: closing one could checkpoint or unlink the WAL under the
+    parent's feet)."""
+
+    def __init__(self) -> None:
+        self.process: ProcessLocal[Connections] = ProcessLocal(Connections, Connections.close)
+
+    def get(self, opener: Callable[[], sqlite3.Connection]) -> sqlite3.Connection:
+        """This thread's connection, made by ``opener()`` when it has none. (The opener
+        is passed per call, not kept: a bound method kept here would be a reference
+        cycle holding a dropped owner's connections open until the cyclic collector.)"""
+        conns = self.process.get()
+        conn = getattr(conns.local, "conn", None)
+        if conn is None:
+            conn = opener()
+            conns.add(conn)
+        return conn
+
+    def close(self) -> None:
+        """Close this process's connections (re-opened on next use)."""
+        self.process.close()
 
 
 class write_txn:

@@ -10,8 +10,9 @@ forgotten.
 
 One SQLite database in WAL mode, ``<cache>/failures.sqlite``, beside the records and
 the job queue but outside both: record readers (datasets, the service, Zarr export)
-never see it, and a failure is not a record. Standard library only, CPU only.
-Connections are per process (a forked child opens its own).
+never see it, and a failure is not a record. Opened, held (per thread, per process: a
+forked child opens its own) and written as the job queue is
+(:mod:`cache_store.jobs.db`). CPU only.
 
 Every path that computes records writes here: ``spcache precompute`` (both engines) and
 the queue's worker (``spcache worker`` and the one ``spcache serve`` runs), which computes
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+
+from cache_store.jobs.db import ThreadConnections, connect, write_txn
 from typing import Any
 
 __all__ = ["FAILURES_FILENAME", "Failure", "FailureLog", "failures_of", "failure_counts",
@@ -81,19 +83,15 @@ class FailureLog:
     def __init__(self, cache_dir: str | os.PathLike[str], *, busy_timeout_s: float = 30.0) -> None:
         self.path = Path(cache_dir) / FAILURES_FILENAME
         self.busy_timeout_s = busy_timeout_s
-        self._local = threading.local()
+        self._conns = ThreadConnections()
 
     def _conn(self) -> sqlite3.Connection:
-        conn, pid = getattr(self._local, "conn", None), getattr(self._local, "pid", None)
-        if conn is None or pid != os.getpid():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
-                                   check_same_thread=False)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")
-            conn.execute(_SCHEMA)
-            self._local.conn, self._local.pid = conn, os.getpid()
+        return self._conns.get(self._open)
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = connect(self.path, busy_timeout_s=self.busy_timeout_s)
+        conn.execute(_SCHEMA)
         return conn
 
     def get_many(self, fingerprint: str, sample_ids: Iterable[str]) -> dict[str, Failure]:
@@ -116,9 +114,7 @@ class FailureLog:
         """Remember a failure; ``times`` grows when source and reason are those of the
         failure remembered before, else starts again at 1."""
         now = time.time()
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with write_txn(self._conn()) as conn:
             row = conn.execute("SELECT * FROM failures WHERE fingerprint = ? AND sample_id = ?",
                                (fingerprint, sample_id)).fetchone()
             same = row is not None and row["source_hash"] == source_hash and row["reason"] == reason
@@ -129,10 +125,6 @@ class FailureLog:
                          (failure.fingerprint, failure.sample_id, failure.source_hash,
                           failure.reason, failure.path, failure.times, failure.first_failed,
                           failure.last_failed))
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         return failure
 
     def entries(self, fingerprint: str | None = None) -> list[Failure]:
@@ -163,11 +155,8 @@ class FailureLog:
                                     (fingerprint,)).rowcount
 
     def close(self) -> None:
-        """Close this thread's connection (the next call opens a new one)."""
-        conn, pid = getattr(self._local, "conn", None), getattr(self._local, "pid", None)
-        if conn is not None and pid == os.getpid():
-            conn.close()
-        self._local.conn = None
+        """Close this process's connections (the next call opens a new one)."""
+        self._conns.close()
 
 
 def _when(seconds: float) -> str:

@@ -54,9 +54,10 @@ from cache_store.errors import JobNotFound, QueueDamaged, SpcacheError
 from cache_store.jobs.db import (
     MIGRATIONS,
     SCHEMA_VERSION,
-    Connections,
+    ThreadConnections,
     column_json,
     chunks,
+    connect,
     schema_statements,
     write_txn,
 )
@@ -69,7 +70,6 @@ from cache_store.jobs.rows import (
     QueuedItem,
     job_info_from_row,
 )
-from cache_store.process_local import ProcessLocal
 
 __all__ = [
     "ITEM_STATUSES",
@@ -113,7 +113,7 @@ class JobQueue:
         self.max_attempts = max_attempts
         self.busy_timeout_s = busy_timeout_s
         self.clock = clock
-        self._conns: ProcessLocal[Connections] = ProcessLocal(Connections, Connections.close)
+        self._conns = ThreadConnections()
         self._identity: tuple[int, int] | None = None  # (device, inode) of the file opened
         self._seen_size = 0
 
@@ -121,29 +121,19 @@ class JobQueue:
 
     def _conn(self) -> sqlite3.Connection:
         """This thread's connection (per process: an inherited one is parked, never used)."""
-        conns = self._conns.get()
-        conn = getattr(conns.local, "conn", None)
-        if conn is None:
-            self.check()  # never let SQLite create a fresh file in place of a lost one
-            conn = self._open()
-            if self._identity is None:
-                st = os.stat(self.path)
-                self._identity, self._seen_size = (st.st_dev, st.st_ino), st.st_size
-            conns.add(conn)
+        return self._conns.get(self._open_checked)
+
+    def _open_checked(self) -> sqlite3.Connection:
+        self.check()  # never let SQLite create a fresh file in place of a lost one
+        conn = self._open()
+        if self._identity is None:
+            st = os.stat(self.path)
+            self._identity, self._seen_size = (st.st_dev, st.st_ino), st.st_size
         return conn
 
     def _open(self) -> sqlite3.Connection:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_s, isolation_level=None,
-                               check_same_thread=True)
-        conn.row_factory = sqlite3.Row
-        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if mode.lower() != "wal":
-            log.warning("%s: SQLite refused WAL mode (got %s); concurrency will suffer",
-                        self.path, mode)
-        conn.execute("PRAGMA synchronous = NORMAL")
-        conn.execute("PRAGMA foreign_keys = ON")
+        conn = connect(self.path, busy_timeout_s=self.busy_timeout_s)
         with write_txn(conn):
             for statement in schema_statements():  # not executescript: it would COMMIT first
                 conn.execute(statement)

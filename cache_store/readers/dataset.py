@@ -231,7 +231,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None    # uint8, with sources only
         self._path_offsets: np.ndarray | None = None  # int64 [n + 1]
-        self._miss_handler: tuple[int, Any] | None = None  # (pid, handler), made on a miss
+        self._miss_handler: ProcessLocal[Any] | None = None  # made on the first miss
         self._fingerprint: str | None = None
         self._recipe: tuple[str, int, dict[str, Any]] | None = None
         self._id_bytes: np.ndarray | None = None     # uint8 [total id bytes]
@@ -485,22 +485,20 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return [self._store_here().get_record(self.key(i), fields=self.fields) for i in indices]
 
     # -- read-through (on_miss="compute") ---------------------------------------------
-    def _new_read_through(self) -> Any:
+    def _new_read_through(self) -> ProcessLocal[Any]:
+        """This dataset's read-through client, one per process (made on first use in
+        each; an inherited one is parked). Opened by a module function over plain
+        values, not a bound method: that would be a reference cycle keeping a dropped
+        dataset's store open until the cyclic collector runs."""
         location = parse_location(self.cache.location if isinstance(self.cache, Store)
                                   else self.cache)
-        cache = location.target
         name, _, params = self.recipe
-        if location.kind == "http":
-            from cache_store.readers.http_read_through import HTTPReadThrough
-
-            token = getattr(self.cache, "token", None) or self.store_options.get("token")
-            ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
-            return HTTPReadThrough(cache, name, params, self.fingerprint, token=token,
-                                   miss_timeout=self.miss_timeout, ca_file=ca_file)
-        from cache_store.readers.queue_read_through import QueueReadThrough
-
-        return QueueReadThrough(cache, name, params, self.fingerprint,
-                                miss_timeout=self.miss_timeout)
+        token = getattr(self.cache, "token", None) or self.store_options.get("token")
+        ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
+        return ProcessLocal(functools.partial(_open_read_through, location.kind,
+                                              location.target, name, params, self.fingerprint,
+                                              self.miss_timeout, token, ca_file),
+                            operator.methodcaller("close"))
 
     def _has(self, key: str) -> bool:
         try:
@@ -522,22 +520,31 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._handler().fetch(self._has, wanted, ahead)
 
     def _handler(self) -> Any:
-        # Not a ProcessLocal around a bound method: that would be a reference cycle,
-        # keeping a dropped dataset's store open until the cyclic collector runs.
-        pid = os.getpid()
-        if self._miss_handler is None or self._miss_handler[0] != pid:
-            self._miss_handler = (pid, self._new_read_through())  # an inherited one is left
-        return self._miss_handler[1]
+        if self._miss_handler is None:
+            self._miss_handler = self._new_read_through()
+        return self._miss_handler.get()
 
     def read_through_queued(self) -> int:
         """Samples this process queued for computing (reused queue items not counted)."""
-        if self._miss_handler is None or self._miss_handler[0] != os.getpid():
-            return 0
-        return int(self._miss_handler[1].queued)
+        handler = None if self._miss_handler is None else self._miss_handler.peek()
+        return 0 if handler is None else int(handler.queued)
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""
         self._store.close()
-        handler, self._miss_handler = self._miss_handler, None
-        if handler is not None and handler[0] == os.getpid():
-            handler[1].close()
+        if self._miss_handler is not None:
+            self._miss_handler.close()
+
+
+def _open_read_through(kind: str, cache: str, recipe: str, params: dict[str, Any],
+                       fingerprint: str, miss_timeout: float, token: str | None,
+                       ca_file: str | None) -> Any:
+    """A read-through client for the cache at ``cache`` (``kind``: its location's)."""
+    if kind == "http":
+        from cache_store.readers.http_read_through import HTTPReadThrough
+
+        return HTTPReadThrough(cache, recipe, params, fingerprint, token=token,
+                               miss_timeout=miss_timeout, ca_file=ca_file)
+    from cache_store.readers.queue_read_through import QueueReadThrough
+
+    return QueueReadThrough(cache, recipe, params, fingerprint, miss_timeout=miss_timeout)

@@ -233,7 +233,7 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
 
 
 def _child_claims(q: JobQueue, out: mp.Queue[tuple[bool, int]]) -> None:
-    inherited = q._conns._value.all[0]  # the parent's connection, as the fork copied it
+    inherited = q._conns.process._value.all[0]  # the parent's connection, as the fork copied it
     got = q.claim("child", limit=1)
     for c in got:
         q.complete("child", c.item_id)
