@@ -101,7 +101,7 @@ def wait_up(port: int, proc: subprocess.Popen, path: str) -> None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
                 if s.recv(12).startswith(b"HTTP/1.1 200"):
                     return
         except OSError:
@@ -122,7 +122,7 @@ def _client(port: int, paths: list[str], seconds: float, start_at: float,
     n = nbytes = 0
     while time.time() < deadline:
         path = paths[n % len(paths)]
-        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
         got = 0
         while True:  # read until the header ends
             got += sock.recv_into(view[got:], len(buf) - got)

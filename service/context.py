@@ -99,7 +99,10 @@ class ServiceContext:
             known = self._walk is not None or self._walk_damage is not None
             stale = (now - self._walk_at >= self.settings.stats_ttl_s
                      or (want is not None and self._walk is not None and want not in self._walk))
-            changed = signature is None or signature != self._walk_signature
+            # a damaged cache is walked again each time the walk is stale: damage and its
+            # repair happen out of band, without a write the counter would count
+            changed = (signature is None or signature != self._walk_signature
+                       or self._walk_damage is not None)
             if not known or (changed and stale):
                 try:
                     self._walk = stats_cache(self.cache)["fingerprints"]

@@ -114,7 +114,7 @@ class RecordDecoder:
     :meth:`Store.supply`; ``batch`` False for :meth:`Store.get_record` (one record, laid
     out for itself), True for :meth:`Store.get_records` (one storage, field by field)."""
 
-    __slots__ = ("keys", "fields", "batch")
+    __slots__ = ("batch", "fields", "keys")
 
     def __init__(self, keys: Sequence[str], fields: list[str] | None, batch: bool) -> None:
         self.keys = keys

@@ -598,12 +598,17 @@ class LMDBStore(Store):
 
     def generation(self) -> int:
         """The id of the environment's last committed write transaction (read from its
-        meta page, no transaction): any write that landed, in any process, changes it."""
+        meta page, no transaction): any write that landed, in any process, changes it.
+        Tagged with the records directory's inode, so a compacted environment swapped in
+        (whose counter starts again) counts as a change too."""
         env, _ = self._environment()
         try:
-            return int(env.info()["last_txnid"])
+            txnid = int(env.info()["last_txnid"])
         except lmdb.Error as exc:
             raise self._damaged(exc) from exc
+        joined = self._joined
+        inode = joined[1].dir_ino if joined is not None else None
+        return txnid if inode is None else (inode << 48) | (txnid & ((1 << 48) - 1))
 
     def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
         self.check_writable()
