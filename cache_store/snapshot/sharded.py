@@ -58,7 +58,7 @@ from cache_store.errors import (
     SpcacheError,
     UnsupportedFormat,
 )
-from cache_store.format.decode import check_record
+from cache_store.format.decode import Record, check_record
 from cache_store.format.header import check_names_key, read_header
 from cache_store.keys import (
     is_fingerprint,
@@ -68,7 +68,8 @@ from cache_store.keys import (
 )
 from cache_store.location import parse_location
 from cache_store.process_local import ProcessLocal
-from cache_store.stores.base import DatasetIndex, Store, VerifyReport
+from cache_store.format.index import DatasetIndex
+from cache_store.stores.base import RecordDecoder, Store, VerifyReport
 
 __all__ = [
     "ROOT_MARKER",
@@ -505,12 +506,10 @@ class ShardedSnapshot(Store):
             out.append(_checked(bytes(value), key, entry))
         return out
 
-    def get_records(self, keys: Iterable[str], fields: Iterable[str] | None = None) -> list[Any]:
-        from cache_store.format.decode import decode_records
-
-        keys = list(keys)
-        fields = None if fields is None else tuple(fields)
-        return decode_records(list(zip(keys, self.get_many(keys), strict=True)), fields=fields)
+    def supply(self, keys: list[str], fields: list[str] | None,
+               decoder: RecordDecoder) -> list[Record]:
+        # the values, range reads grouped; the base's decoder decodes and key-checks them
+        return decoder.values(self.get_many(keys))
 
     def source_hash_of(self, key: str) -> str | None:
         """The source hash a committed record was computed from (from its manifest)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from tests.conftest import REPO_ROOT
 from tests.helpers.synthetic import fingerprint_of, make_record

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from cache_store import CachedDataset, collate_spc
 from cache_store.errors import ParameterError
 from cache_store.readers.to_kaolin import spc_fields, to_kaolin_spc
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.kaolin_data import (
     TWO_OCTREES_EXSUM,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_store.recipes.specs import get_recipe_spec
-from cache_store.stores.base import DatasetIndex
+from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.procs import make_small_record
 from tests.helpers.synthetic import fingerprint_of
