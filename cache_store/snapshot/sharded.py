@@ -613,11 +613,21 @@ def _dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> _Dataset:
 
 
 # -- merge and housekeeping ---------------------------------------------------------------
+def snapshot_kind(location: str | os.PathLike[str],
+                  storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """What a ``*.zarr`` location holds: ``"sharded"`` (its root marker exists),
+    ``"exported"`` (a Zarr hierarchy that ``spcache export`` wrote: read-only), or None
+    (nothing yet)."""
+    fs, root = _open_fs(os.fspath(location), storage_options or {})
+    if fs.exists(f"{root}/{ROOT_MARKER}"):
+        return "sharded"
+    return "exported" if fs.exists(f"{root}/zarr.json") else None
+
+
 def is_sharded(location: str | os.PathLike[str],
                storage_options: Mapping[str, Any] | None = None) -> bool:
     """Whether ``location`` holds a sharded snapshot (its root marker exists)."""
-    fs, root = _open_fs(os.fspath(location), storage_options or {})
-    return bool(fs.exists(f"{root}/{ROOT_MARKER}"))
+    return snapshot_kind(location, storage_options) == "sharded"
 
 
 def merge_into(store: ShardedSnapshot, fingerprint: str, *, order: Sequence[str] = (),

@@ -439,10 +439,14 @@ def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
     parsed = parse_location(cache)
     name: str = parsed.kind
     if name == "zarr":
-        from cache_store.snapshot.sharded import is_sharded
+        from cache_store.snapshot.sharded import snapshot_kind
 
-        if not readonly or is_sharded(parsed.target, options.get("storage_options")):
+        kind = snapshot_kind(parsed.target, options.get("storage_options"))
+        if kind == "sharded" or (kind is None and not readonly):
             name = "sharded"
+        elif not readonly:  # an exported snapshot is immutable: writers start a new one
+            raise ReadOnlyStoreError(f"{parsed.text}: an exported Zarr snapshot is read-only; "
+                                     f"write into a new location (a sharded snapshot)")
     module_name, _, class_name = STORE_BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
