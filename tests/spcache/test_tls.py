@@ -87,7 +87,7 @@ def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
     (["--tls-certfile", str(CERT)], "tls_certfile and tls_keyfile go together"),
     (["--tls-certfile", str(KEY), "--tls-keyfile", str(KEY)], "cannot load TLS certificate"),
     (["--tls-certfile", str(CERT), "--tls-keyfile", "/nowhere/key.pem"],
-     "cannot load TLS certificate"),
+     "TLS file /nowhere/key.pem: cannot read file: it does not exist"),
 ])
 def test_bad_tls_files_are_one_line_at_start(tmp_path: Path, flags: list[str],
                                              message: str) -> None:
