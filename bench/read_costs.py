@@ -69,10 +69,10 @@ def _set_mode(mode: str, parsed: dict[tuple[bytes, int], Any], real: dict[str, A
     parse = mode in ("spcache", "no field hashes")
     decode.xxhash = real["xxhash"] if hashes else _NoFieldHashes(real["xxhash"])
     if parse:
-        header_format._parse_text = real["parse"]
+        header_format.parse_text = real["parse"]
         lmdb_store.check_names_key = real["names_key"]
     else:
-        header_format._parse_text = lambda raw, total, key: parsed[(raw, total)]
+        header_format.parse_text = lambda raw, total, key: parsed[(raw, total)]
         lmdb_store.check_names_key = lambda metadata, key: None
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     order = list(range(args.samples))
     random.Random(0).shuffle(order)
 
-    real = {"xxhash": decode.xxhash, "parse": header_format._parse_text,
+    real = {"xxhash": decode.xxhash, "parse": header_format.parse_text,
             "names_key": lmdb_store.check_names_key}
     parsed: dict[tuple[bytes, int], Any] = {}
 
@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         parsed[(raw, total)] = header = real["parse"](raw, total, key)
         return header
 
-    header_format._parse_text = remember  # one untimed pass parses every header once
+    header_format.parse_text = remember  # one untimed pass parses every header once
     ds = factories["spcache"]()
     for i in order:
         ds[i]
-    header_format._parse_text = real["parse"]
+    header_format.parse_text = real["parse"]
 
     rates: dict[str, list[float]] = {}
     try:

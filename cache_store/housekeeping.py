@@ -18,6 +18,9 @@ Four plain functions, used by ``spcache ls|rm|prune|compact``, by the service
 
 Sizes are the bytes of the stored records; ``data.mdb`` is at least that, and does not
 shrink until :func:`compact` (LMDB reuses the freed pages for later writes).
+
+Why one module: ls, rm, prune and compact share one view of a cache (sizes, last use,
+queued work, removal markers); split, each would re-derive it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ commits what comes back and writes the index (see :mod:`workers.ray_engine`).
 :class:`RayRun` holds a :class:`workers.run_ledger.RunLedger` for the bookkeeping it
 shares with the local engine; the scheduling (shards, actor slots, retries after an
 actor died) is its own.
+
+Why one module: the scheduler's state (shards, actor slots, retries, commits) is one
+state machine; the actor side and what both share are in ray_actor.py and ray_common.py.
 """
 
 from __future__ import annotations

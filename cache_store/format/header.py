@@ -200,16 +200,16 @@ def _reject_constant(name: str) -> Any:
 # One decoder for every read (``json.loads`` with hooks builds a new decoder and scanner
 # per call). Stateless between calls, so safe to share across threads.
 _STR_ONLY = {str}  # ``set(map(type, values)) <= _STR_ONLY``: all str, checked in C
-_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+STRICT_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
 
 try:  # a C parser ~4x faster than json with the hook above (an optional speed-up)
-    import orjson as _orjson
+    import orjson as FAST_JSON
 except ImportError:  # pragma: no cover - a listed dependency; the strict parser serves
-    _orjson = None  # type: ignore[assignment]  # None stands for "not installed"
+    FAST_JSON = None  # type: ignore[assignment]  # None stands for "not installed"
 
 
 def _loads(text: bytes) -> Any:
-    """A header (or its ``field_checksums``) parsed exactly as :data:`_DECODER` parses it.
+    """A header (or its ``field_checksums``) parsed exactly as :data:`STRICT_DECODER` parses it.
 
     Fast path: orjson parses, and the result is accepted only if serialising it again
     gives back the very text (trailing padding aside). Every record this package writes
@@ -218,15 +218,15 @@ def _loads(text: bytes) -> Any:
     parsed dict would have lost) takes the strict parser, which gives the answer and the
     error. The fast path therefore accepts nothing the strict one refuses.
     """
-    if _orjson is not None:
+    if FAST_JSON is not None:
         try:
-            parsed = _orjson.loads(text)
-        except _orjson.JSONDecodeError:
+            parsed = FAST_JSON.loads(text)
+        except FAST_JSON.JSONDecodeError:
             pass
         else:
-            if _orjson.dumps(parsed) == text.rstrip(b" "):
+            if FAST_JSON.dumps(parsed) == text.rstrip(b" "):
                 return parsed
-    return _DECODER.decode(text.decode("utf-8"))
+    return STRICT_DECODER.decode(text.decode("utf-8"))
 
 
 def _parse_tensor_info(key: str, name: str, entry: object, data_len: int,
@@ -283,7 +283,7 @@ def parse_view(view: memoryview, key: str) -> RecordHeader:
     (n,) = HEADER_LENGTH.unpack_from(view, 0)
     if n < 2 or n > MAX_HEADER_BYTES or n > total - HEADER_LENGTH.size:
         raise CorruptRecord(key, f"header length {n} does not fit a {total}-byte value")
-    return _parse_text(bytes(view[HEADER_LENGTH.size:HEADER_LENGTH.size + n]), total, key)
+    return parse_text(bytes(view[HEADER_LENGTH.size:HEADER_LENGTH.size + n]), total, key)
 
 
 def parse_stored_header(text: bytes, data_len: int, *, key: str = "") -> RecordHeader:
@@ -294,10 +294,10 @@ def parse_stored_header(text: bytes, data_len: int, *, key: str = "") -> RecordH
     fields tile exactly ``data_len`` bytes)."""
     if len(text) < 2 or len(text) > MAX_HEADER_BYTES:
         raise CorruptRecord(key, f"header length {len(text)} out of range")
-    return _parse_text(bytes(text), HEADER_LENGTH.size + len(text) + int(data_len), key)
+    return parse_text(bytes(text), HEADER_LENGTH.size + len(text) + int(data_len), key)
 
 
-def _parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
+def parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
     n = len(raw)
     if raw[:1] != b"{":
         raise CorruptRecord(key, "header does not start with '{'")

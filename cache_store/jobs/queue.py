@@ -35,6 +35,10 @@ the WAL can always be checkpointed.
 
 The values it takes and returns live in :mod:`cache_store.jobs.rows`, its schema and SQLite
 plumbing in :mod:`cache_store.jobs.db`; every public name is importable from here.
+
+Why one module: every state change of a job and its items is one SQL transaction written
+here; the rules of the state machine are read in one place (the schema and connections
+are in db.py, the values in rows.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@ What a forked DataLoader worker inherits from it is a handful of scalars and two
 arrays (the sample ids as packed UTF-8 plus offsets): no per-sample Python objects whose
 reference counts would copy pages on read, and no open store. Each process opens its
 own store on first read; nothing here touches CUDA.
+
+Why one module: CachedDataset's three read modes (a store, read-through, skip on error)
+share its fork-safe state; each mode's machinery lives elsewhere
+(readers/*_read_through.py, readers/skipped.py).
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ fields are not split into tiny objects. Chunks are blosc compressed (zstd, lz4hc
 byte shuffle for multi-byte dtypes) or, with the ``none`` codec, the rows as they are;
 either way they end in a CRC-32C. The default codec is ``none`` for a local destination
 and ``zstd`` for a URL (:func:`default_codec`).
+
+Why one module: the two passes of an export (survey, then chunk-aligned writes) share
+their plan; the layout rule is in format.py and the chunk files in chunks.py.
 """
 
 from __future__ import annotations

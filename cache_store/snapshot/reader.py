@@ -15,6 +15,9 @@ whole batch) are issued together on zarr's IO loop.
 A group is visible only once its ``complete`` attribute is true; the exporter publishes
 local snapshots by renaming a finished directory into place and remote ones by setting
 that attribute last (see :mod:`cache_store.snapshot.export`).
+
+Why one module: the Store contract over one Zarr layout; the layout rule is in format.py
+and direct chunk reads in chunks.py.
 """
 
 from __future__ import annotations

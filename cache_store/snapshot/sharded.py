@@ -30,6 +30,9 @@ after it, in commit order.
 Nothing is deleted on a failure path: :func:`orphan_parts` lists parts with no manifest
 (older than a grace period, so a part still being written is never taken), and
 ``spcache merge --remove-orphans`` deletes them.
+
+Why one module: the sharded layout's writer, reader, merge and orphan sweep must agree
+on every name and on the commit rule; kept together so they cannot drift apart.
 """
 
 from __future__ import annotations

@@ -45,6 +45,10 @@ Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
   directory's inode: a writer before each write, a reader at most once a second; they
   open the new generation and close the old handle a minute later (reads in flight
   finish on the old file, which stays readable while mapped).
+
+Why one module: LMDB's process rules (one environment per path and process, fork, the
+compaction swap, the reader table) bind every operation on the environment; split, each
+part would need them all.
 """
 
 from __future__ import annotations
@@ -190,14 +194,15 @@ class _SharedEnv:
         self.retired = keep
 
 
-_shared_envs: dict[str, _SharedEnv] = {}
+#: This process's open environments by real path (one per path: py-lmdb refuses a second).
+shared_envs: dict[str, _SharedEnv] = {}
 _shared_lock = threading.Lock()
 # Environments inherited through a fork that bypassed the at-fork hook are parked
 # (cache_store.process_local): closing them in the child would touch the parent's locks.
 
 
 def _close_all_before_fork() -> None:
-    for shared in list(_shared_envs.values()):
+    for shared in list(shared_envs.values()):
         if shared.env is not None and shared.pid == os.getpid():
             shared.close()
 
@@ -276,7 +281,7 @@ class LMDBStore(Store):
         """Stop using the environment; it closes when no store of this process uses it."""
         self._joined = None
         with _shared_lock:
-            shared = _shared_envs.get(self._env_key)
+            shared = shared_envs.get(self._env_key)
             if shared is None:
                 return
             shared.users.discard(self)
@@ -292,13 +297,13 @@ class LMDBStore(Store):
                 if time.monotonic() - shared.swap_checked < SWAP_CHECK_INTERVAL_S:
                     return shared.env, shared.dbs
                 return self._adopt_swap(shared)
-        known = _shared_envs.get(self._env_key)
+        known = shared_envs.get(self._env_key)
         if (known is not None and known.env is not None and known.pid == os.getpid()
                 and (self.readonly or known.writable) and self in known.users):
             self._joined = (os.getpid(), known)
             return known.env, known.dbs
         with _shared_lock:
-            shared = _shared_envs.setdefault(self._env_key, _SharedEnv())
+            shared = shared_envs.setdefault(self._env_key, _SharedEnv())
             if shared.env is not None and (shared.pid != os.getpid()
                                            or (not self.readonly and not shared.writable)):
                 shared.close()  # forked without the hook, or a writer upgrading a reader
@@ -518,7 +523,7 @@ class LMDBStore(Store):
         # A reader killed inside a transaction pins its snapshot: until its slot is
         # freed, no page freed after it can be reused and the file only grows. The
         # check at open is not enough for a writer that runs for days.
-        shared = _shared_envs.get(self._env_key)
+        shared = shared_envs.get(self._env_key)
         now = time.monotonic()
         if shared is None or now - shared.reader_checked < READER_CHECK_INTERVAL_S:
             return

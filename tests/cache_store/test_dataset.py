@@ -18,7 +18,7 @@ from cache_store.errors import (
     UnknownName,
 )
 from cache_store.keys import compute_fingerprint
-from cache_store.stores.lmdb import LMDBStore, _shared_envs
+from cache_store.stores.lmdb import LMDBStore, shared_envs
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
@@ -95,7 +95,7 @@ def test_constructor_opens_nothing_and_index_leaves_nothing_open(cache: Path, tm
     ds = CachedDataset(cache, FP_Q4)
     env_key = os.path.realpath(cache / "records")
     assert len(ds) == N
-    shared = _shared_envs.get(env_key)
+    shared = shared_envs.get(env_key)
     assert shared is None or shared.env is None  # the index came without leaving it open
     assert ds._id_bytes.dtype == np.uint8 and ds._id_offsets.dtype == np.int64
 

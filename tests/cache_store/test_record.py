@@ -492,11 +492,11 @@ def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
     # the speed-up is real only if our own records are in orjson's canonical form
     from cache_store.format import header as record
 
-    if record._orjson is None:
+    if record.FAST_JSON is None:
         pytest.fail("orjson is a listed dependency; its fast path is what is under test")
     strict = []
-    real = record._DECODER.decode
-    monkeypatch.setattr(record, "_DECODER", type("Spy", (), {
+    real = record.STRICT_DECODER.decode
+    monkeypatch.setattr(record, "STRICT_DECODER", type("Spy", (), {
         "decode": staticmethod(lambda text: strict.append(text) or real(text))})())
     tensors, value = _record()
     _assert_same(decode_record(value, key=KEY).tensors, tensors)
@@ -513,10 +513,10 @@ def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> 
     _, value = _record()
     hacked = _signed_with_text_edit(value, *edit)
     fast = read_header(hacked, key=KEY)
-    saved, record._orjson = record._orjson, None
+    saved, record.FAST_JSON = record.FAST_JSON, None
     try:
         slow = read_header(hacked, key=KEY)
     finally:
-        record._orjson = saved
+        record.FAST_JSON = saved
     assert fast.metadata == slow.metadata and fast.tensors == slow.tensors
     assert fast.metadata["recipe"].startswith("A") == (edit[1].endswith(b"0041"))

@@ -198,7 +198,7 @@ def test_the_worker_says_which_backend_runs_and_why(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     reason = ("kaolin not importable (ImportError: undefined symbol); torch 2.13.0 is outside "
               "Kaolin 0.18's 2.3.0-2.8.0")
-    monkeypatch.setattr(kaolin_spc, "_import_spc", lambda: (None, reason))
+    monkeypatch.setattr(kaolin_spc, "import_spc", lambda: (None, reason))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
         WorkerLoop(cache, device="cuda:0", backend="auto").log_backend()

@@ -37,6 +37,7 @@ import torch
 from cache_store.errors import BackendUnavailable, InvalidTensor
 
 from . import _checks, torch_dual, torch_spc
+from ._checks import from_legacy_exsum, to_legacy_exsum
 
 __all__ = [
     "name",
@@ -56,6 +57,9 @@ __all__ = [
     "unbatched_make_dual",
     "unbatched_make_trinkets",
     "exsum_layout",
+    "import_spc",
+    "from_legacy_exsum",
+    "to_legacy_exsum",
 ]
 
 name = "kaolin"
@@ -115,7 +119,9 @@ def guarded_import(module: str) -> ModuleType:
 
 
 @functools.cache
-def _import_spc() -> tuple[ModuleType | None, str]:
+def import_spc() -> tuple[ModuleType | None, str]:
+    """``(kaolin.ops.spc, "")``, or ``(None, why not)``; probed once per process
+    (``import_spc.cache_clear()`` probes again)."""
     try:
         spc = guarded_import("kaolin.ops.spc")
         version = _kaolin_version()
@@ -137,7 +143,7 @@ def kaolin_version() -> str:
 
 def ensure_available() -> ModuleType:
     """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
-    spc, reason = _import_spc()
+    spc, reason = import_spc()
     if spc is None:
         raise BackendUnavailable(name, reason + f"; install kaolin=={SUPPORTED_VERSION}.x for "
                                                 "this torch/CUDA")

@@ -68,14 +68,14 @@ def _fake_kaolin(monkeypatch, version: str) -> None:
         module = types.ModuleType(name)
         module.__version__ = version
         monkeypatch.setitem(sys.modules, name, module)
-    kaolin_spc._import_spc.cache_clear()
+    kaolin_spc.import_spc.cache_clear()
 
 
 @pytest.fixture()
 def clean_kaolin_cache():
-    kaolin_spc._import_spc.cache_clear()
+    kaolin_spc.import_spc.cache_clear()
     yield
-    kaolin_spc._import_spc.cache_clear()
+    kaolin_spc.import_spc.cache_clear()
 
 
 def test_other_kaolin_releases_are_refused(monkeypatch, clean_kaolin_cache):

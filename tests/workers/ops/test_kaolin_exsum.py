@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from workers.ops import _checks, kaolin_spc
+from workers.ops import kaolin_spc
 from workers.ops import torch_spc as ops
 
 
@@ -34,10 +34,10 @@ def test_the_conversions_are_the_torch_backends_two_layouts(seed: int, count: in
         warnings.simplefilter("ignore", DeprecationWarning)
         _, _, legacy = ops.scan_octrees(octrees, lengths, legacy_exsum=True)
     assert legacy.shape[0] == inclusive.shape[0] + count
-    assert torch.equal(_checks.to_legacy_exsum(inclusive, lengths), legacy)
-    assert torch.equal(_checks.from_legacy_exsum(legacy, lengths), inclusive)
+    assert torch.equal(kaolin_spc.to_legacy_exsum(inclusive, lengths), legacy)
+    assert torch.equal(kaolin_spc.from_legacy_exsum(legacy, lengths), inclusive)
     single = inclusive[: int(lengths[0])]  # one octree, as unbatched_query takes it
-    assert torch.equal(_checks.to_legacy_exsum(single, lengths[:1]),
+    assert torch.equal(kaolin_spc.to_legacy_exsum(single, lengths[:1]),
                        torch.cat([single.new_zeros(1), single]))
 
 
