@@ -173,11 +173,13 @@ def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cach
     assert remembered and remembered <= failed and again.skipped == first.done
     assert all(e.reason.startswith("failed again, same reason: ") for e in again.errors
                if e.id in remembered)
-    assert set(skipped.as_json()["skipped_failed"]) == remembered
+    # a failure found before its file could be hashed (unreadable, empty) is remembered
+    # and reported "again", but without a hash it can never be skipped as unchanged
+    not_retried = set(skipped.as_json()["skipped_failed"])
+    assert not_retried and not_retried <= remembered
     assert skipped.skipped == first.done and skipped.failed == first.failed
-    # only the failures without a remembered source hash (unreadable files) were retried
     retried = {e.id for e in skipped.errors if e.repeat != "skipped"}
-    assert retried == failed - remembered
+    assert retried == failed - not_retried
 
 
 @pytest.mark.slow
