@@ -14,7 +14,13 @@ from typing import Annotated, Any
 from fastapi import Path
 
 from cache_store import usage
-from cache_store.errors import ParameterError, RecordNotFound
+from cache_store.errors import (
+    CacheDamaged,
+    FingerprintRemoved,
+    ParameterError,
+    RecordNotFound,
+    SpcacheError,
+)
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, tag_for_checksum
@@ -113,7 +119,15 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
     if store is None:
         raise RecordNotFound(key, str(ctx.cache))
     note_read_hourly(ctx.cache, fingerprint)
-    size = record_length(store, key)
+    try:
+        size = record_length(store, key)
+    except FingerprintRemoved:
+        raise
+    except RecordNotFound as exc:
+        damaged = _damage_behind(store, fingerprint, sample_id, ctx.cache)
+        if damaged is None:
+            raise
+        raise damaged from exc
     limit = ctx.settings.max_response_bytes
     if size > limit:
         raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
@@ -139,6 +153,22 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
         stack.close()
         reserved()
         raise
+
+
+def _damage_behind(store: Any, fingerprint: str, sample_id: str,
+                   cache: object) -> CacheDamaged | None:
+    """A record its dataset index lists but the store cannot find: records commit before
+    their index and a removal drops the index first, so only damage to the storage (a
+    flipped byte in an LMDB branch page) hides one. Then the answer is "cache damaged"
+    (503), never a plain "not found". Looked into only on a miss."""
+    try:
+        listed = bool((store.get_index(fingerprint).sample_ids == sample_id).any())
+    except SpcacheError:
+        return None
+    if not listed:
+        return None
+    return CacheDamaged(cache, f"{fingerprint}/{sample_id} is in its dataset index but cannot "
+                               f"be found (a damaged page?); run spcache verify --cache {cache}")
 
 
 def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
