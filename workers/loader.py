@@ -31,7 +31,7 @@ from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
 
-__all__ = ["LoadOutcome", "LoaderPool", "load_sample"]
+__all__ = ["LoadOutcome", "LoaderPool", "load_sample", "stop_executor"]
 
 logger = logging.getLogger(__name__)
 
@@ -239,16 +239,31 @@ class LoaderPool:
         processes, which only read and parse sources, are terminated rather than waited
         for; a large mesh half parsed would otherwise hold the run for its whole parse."""
         pool, self.pool = self.pool, None
-        if pool is None:
-            return
-        # the executor's own process table: the stdlib has no public terminate before 3.14
-        processes = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
+        if pool is not None:
+            stop_executor(pool, timeout_s)
+
+
+def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:
+    """Terminate a process pool's workers now (then kill what is left after ``timeout_s``)
+    and let its management thread end.
+
+    A worker terminated while it writes a result leaves half a message in the result pipe;
+    the executor's thread would wait for the rest forever, and the interpreter joins that
+    thread at exit (a run stopped by Ctrl-C then never ends). The parent holds the pipe's
+    write end too, so closing it turns that wait into end-of-file: the executor sees a
+    broken pool and its thread ends. The stdlib has no public way to do either before
+    Python 3.14, so this reaches into the executor's process table and result queue."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
