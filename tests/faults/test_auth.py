@@ -26,7 +26,8 @@ from service.settings import Settings
 from tests.helpers.faults import report, served
 from tests.helpers.service import TOKEN, build_cache
 
-READ_ONLY_POSTS = {"/v1/caches/{fingerprint}/batch"}
+# POSTs that read: a batch of records, the signed checksums of records a reader holds
+READ_ONLY_POSTS = {"/v1/caches/{fingerprint}/batch", "/v1/caches/{fingerprint}/checksums"}
 
 
 def _variants() -> list[tuple[str, list[tuple[str, str]], dict[str, str]]]:
@@ -97,14 +98,15 @@ def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
                           and path not in READ_ONLY_POSTS)
         assert ("POST", "/v1/warmup") in mutating and ("DELETE", "/v1/jobs/{job_id}") in mutating
         targets = {("POST", "/v1/warmup"): [valid_warmup, {"recipe": 5, "nonsense": True}],
-                   ("DELETE", "/v1/jobs/{job_id}"): [None]}
+                   ("DELETE", "/v1/jobs/{job_id}"): [None],
+                   ("DELETE", "/v1/caches/{fingerprint}"): [None]}
         unknown = set(mutating) - set(targets)
         assert not unknown, f"mutating routes this test does not know how to call: {unknown}"
         counts_before = ctx.queue.counts()
         statuses: Counter[int] = Counter()
         leaks: list[str] = []
         for (method, path), bodies in targets.items():
-            url = path.replace("{job_id}", job_id)
+            url = path.replace("{job_id}", job_id).replace("{fingerprint}", cache.fingerprint)
             for body in bodies:
                 for name, headers, params in _variants():
                     query = "&".join(f"{k}={v}" for k, v in params.items())
@@ -117,6 +119,7 @@ def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
                     elif response.status_code == 401:
                         assert response.headers.get("www-authenticate") == "Bearer"
         counts_after = ctx.queue.counts()
+        still_there = client.get(f"/v1/caches/{cache.fingerprint}").status_code
         cancelled = ctx.queue.job(job_id).cancelled
         ok_warmup = client.post("/v1/warmup", json=valid_warmup,
                                 headers={"Authorization": f"Bearer {TOKEN}"}).status_code
@@ -130,5 +133,5 @@ def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
                       "job_cancelled": cancelled,
                       "with_token": {"warmup": ok_warmup, "cancel": ok_cancel}})
     assert not leaks, "\n".join(leaks)
-    assert counts_after == counts_before and not cancelled
+    assert counts_after == counts_before and not cancelled and still_there == 200
     assert ok_warmup == 202 and ok_cancel == 200
