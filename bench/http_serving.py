@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 SIZES = {"1MiB": 1 << 20, "16KiB": 16 << 10}
 
-FLOOR_APP = r'''
+FLOOR_APP = r"""
 import sys
 from starlette.applications import Starlette
 from starlette.responses import Response
@@ -53,7 +53,7 @@ app = Starlette(routes=[Route("/r/{size}/{i}", record)])
 import uvicorn
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
             server_header=False, proxy_headers=False, log_config=None)
-'''
+"""
 
 
 def free_port() -> int:
@@ -83,9 +83,18 @@ def build_cache(root: Path, records: int) -> tuple[str, dict[str, bytes]]:
             sid = f"{size_name}/{i}"
             # Payload sized so the whole record (header included) is close to `size`.
             octree = torch.randint(0, 255, (size - 1024,), dtype=torch.uint8)
-            value = encode_record({"octree": octree}, {
-                "recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
-                "source_hash": "xxh3_128:" + "0" * 32, "backend": "torch", "device": "cpu"})
+            value = encode_record(
+                {"octree": octree},
+                {
+                    "recipe": "spc",
+                    "recipe_version": "1",
+                    "fingerprint": fp,
+                    "sample_id": sid,
+                    "source_hash": "xxh3_128:" + "0" * 32,
+                    "backend": "torch",
+                    "device": "cpu",
+                },
+            )
             store.put_many([(record_key(fp, sid), value)])
             ids.append(sid)
             samples.setdefault(size_name, value)
@@ -101,7 +110,9 @@ def wait_up(port: int, proc: subprocess.Popen, path: str) -> None:
             raise RuntimeError(f"server exited with {proc.returncode}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
-                s.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+                s.sendall(
+                    f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+                )
                 if s.recv(12).startswith(b"HTTP/1.1 200"):
                     return
         except OSError:
@@ -110,8 +121,9 @@ def wait_up(port: int, proc: subprocess.Popen, path: str) -> None:
     raise RuntimeError("server did not come up")
 
 
-def _client(port: int, paths: list[str], seconds: float, start_at: float,
-            out: mp.Queue[tuple[int, int]]) -> None:
+def _client(
+    port: int, paths: list[str], seconds: float, start_at: float, out: mp.Queue[tuple[int, int]]
+) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(4 << 20)
@@ -135,7 +147,7 @@ def _client(port: int, paths: list[str], seconds: float, start_at: float,
         length = int(head.split(b"content-length:")[1].split(b"\r\n")[0])
         body = got - end - 4
         while body < length:
-            body += sock.recv_into(view[end + 4 + body:], length - body)
+            body += sock.recv_into(view[end + 4 + body :], length - body)
         n += 1
         nbytes += length
     sock.close()
@@ -146,8 +158,10 @@ def drive(port: int, paths: list[str], clients: int, seconds: float) -> dict[str
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     start_at = time.time() + 0.5
-    procs = [ctx.Process(target=_client, args=(port, paths[i::clients] or paths, seconds,
-                                               start_at, out)) for i in range(clients)]
+    procs = [
+        ctx.Process(target=_client, args=(port, paths[i::clients] or paths, seconds, start_at, out))
+        for i in range(clients)
+    ]
     for p in procs:
         p.start()
     results = [out.get(timeout=seconds + 60) for _ in procs]
@@ -179,18 +193,42 @@ def main() -> None:
         svc_port, floor_port = free_port(), free_port()
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         service = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "--cache", str(tmp_path / "cache"), "--port",
-             str(svc_port), "--no-worker", "--log-level", "warning", "--source-root", tmp],
-            cwd=REPO, env=env)
+            [
+                sys.executable,
+                "-m",
+                "service.cli",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--port",
+                str(svc_port),
+                "--no-worker",
+                "--log-level",
+                "warning",
+                "--source-root",
+                tmp,
+            ],
+            cwd=REPO,
+            env=env,
+        )
         floor = subprocess.Popen(
-            [sys.executable, "-c", FLOOR_APP, str(floor_port),
-             *(f"{name}={tmp_path / name}" for name in samples)], cwd=REPO, env=env)
+            [
+                sys.executable,
+                "-c",
+                FLOOR_APP,
+                str(floor_port),
+                *(f"{name}={tmp_path / name}" for name in samples),
+            ],
+            cwd=REPO,
+            env=env,
+        )
         try:
             wait_up(svc_port, service, "/healthz")
             wait_up(floor_port, floor, "/r/16KiB/0")
             results: dict[str, dict] = {}
             for size_name in SIZES:
-                svc_paths = [f"/v1/caches/{fp}/records/{size_name}/{i}" for i in range(args.records)]
+                svc_paths = [
+                    f"/v1/caches/{fp}/records/{size_name}/{i}" for i in range(args.records)
+                ]
                 floor_paths = [f"/r/{size_name}/{i}" for i in range(args.records)]
                 drive(floor_port, floor_paths, args.clients, 1.0)  # warm both up
                 drive(svc_port, svc_paths, args.clients, 1.0)
@@ -198,31 +236,53 @@ def main() -> None:
                 for _ in range(args.repeats):  # interleaved: load swings hit both alike
                     floors.append(drive(floor_port, floor_paths, args.clients, args.seconds))
                     svcs.append(drive(svc_port, svc_paths, args.clients, args.seconds))
-                ratios = [s["records_per_s"] / f["records_per_s"] for s, f in zip(svcs, floors, strict=True)]
-                results[size_name] = {"floor": _median(floors), "spcache": _median(svcs),
-                                      "ratio": {"median": statistics.median(ratios),
-                                                "min": min(ratios), "max": max(ratios)}}
+                ratios = [
+                    s["records_per_s"] / f["records_per_s"]
+                    for s, f in zip(svcs, floors, strict=True)
+                ]
+                results[size_name] = {
+                    "floor": _median(floors),
+                    "spcache": _median(svcs),
+                    "ratio": {
+                        "median": statistics.median(ratios),
+                        "min": min(ratios),
+                        "max": max(ratios),
+                    },
+                }
         finally:
             for proc in (service, floor):
                 proc.terminate()
                 proc.wait(30)
-    conditions = {"cpus": os.cpu_count(), "clients": args.clients, "seconds": args.seconds,
-                  "repeats": args.repeats, "records_per_size": args.records,
-                  "python": sys.version.split()[0], "load_average": os.getloadavg()}
+    conditions = {
+        "cpus": os.cpu_count(),
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "repeats": args.repeats,
+        "records_per_size": args.records,
+        "python": sys.version.split()[0],
+        "load_average": os.getloadavg(),
+    }
     if args.json:
         print(json.dumps({"conditions": conditions, "results": results}, indent=2))
         return
     print(f"conditions: {conditions}")
-    print("medians over the repeats; 'vs floor' is the median of the interleaved pairs' ratios "
-          "(min-max)")
+    print(
+        "medians over the repeats; 'vs floor' is the median of the interleaved pairs' ratios "
+        "(min-max)"
+    )
     print(f"{'size':>6} {'server':>8} {'records/s':>10} {'GB/s':>7} {'vs floor':>16}")
     for size_name, r in results.items():
         for server in ("floor", "spcache"):
             q = r["ratio"]
-            ratio = (f"{q['median']:.0%} ({q['min']:.0%}-{q['max']:.0%})" if server == "spcache"
-                     else "100%")
-            print(f"{size_name:>6} {server:>8} {r[server]['records_per_s']:>10.0f} "
-                  f"{r[server]['gb_per_s']:>7.2f} {ratio:>16}")
+            ratio = (
+                f"{q['median']:.0%} ({q['min']:.0%}-{q['max']:.0%})"
+                if server == "spcache"
+                else "100%"
+            )
+            print(
+                f"{size_name:>6} {server:>8} {r[server]['records_per_s']:>10.0f} "
+                f"{r[server]['gb_per_s']:>7.2f} {ratio:>16}"
+            )
 
 
 if __name__ == "__main__":

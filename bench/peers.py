@@ -70,8 +70,9 @@ log = logging.getLogger("bench.peers")
 SIZES = {"large": (8, 60_000, 48_000), "small": (6, 4_000, 2_000)}
 
 
-def build_records(samples: int, unique: int, level: int, points: int,
-                  queries: int) -> list[dict[str, Any]]:
+def build_records(
+    samples: int, unique: int, level: int, points: int, queries: int
+) -> list[dict[str, Any]]:
     """``unique`` distinct records computed, cycled to ``samples`` (computing is slow;
     each copy is still its own record in every format)."""
     from zarr_snapshot import make_fields  # bench/ heads sys.path when run as a script
@@ -126,6 +127,7 @@ def _stand_in_torchvision() -> None:
 
     try:
         import torchvision  # noqa: F401
+
         return
     except Exception as exc:  # noqa: BLE001 - any failure: the CUDA build raises RuntimeError
         reason = f"{type(exc).__name__}: {exc}"
@@ -143,14 +145,20 @@ def _stand_in_torchvision() -> None:
     datasets.CIFAR10 = type("CIFAR10", (), {"__init__": unavailable})
     functional.to_tensor = unavailable
     root.datasets, root.transforms, transforms.functional = datasets, transforms, functional
-    stand_ins = {"torchvision": root, "torchvision.datasets": datasets,
-                 "torchvision.transforms": transforms,
-                 "torchvision.transforms.functional": functional}
+    stand_ins = {
+        "torchvision": root,
+        "torchvision.datasets": datasets,
+        "torchvision.transforms": transforms,
+        "torchvision.transforms.functional": functional,
+    }
     for name, module in stand_ins.items():  # find_spec() callers look for a spec
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     sys.modules.update(stand_ins)
-    log.info("  torchvision does not load here (%s): streaming imported with a stand-in "
-             "for its image datasets, which MDS does not use", reason)
+    log.info(
+        "  torchvision does not load here (%s): streaming imported with a stand-in "
+        "for its image datasets, which MDS does not use",
+        reason,
+    )
 
 
 def _peer(module: str) -> Any:
@@ -174,8 +182,15 @@ def write_lmdb(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[
     ids, batch = [], []
     for i, fields in enumerate(records):
         sid = f"s{i:06d}"
-        meta = {"recipe": "spc_query", "recipe_version": str(spec.version), "fingerprint": fp,
-                "sample_id": sid, "source_hash": "0" * 16, "backend": "torch", "device": "cpu"}
+        meta = {
+            "recipe": "spc_query",
+            "recipe_version": str(spec.version),
+            "fingerprint": fp,
+            "sample_id": sid,
+            "source_hash": "0" * 16,
+            "backend": "torch",
+            "device": "cpu",
+        }
         batch.append((f"{fp}/{sid}", encode_record(fields, meta)))
         ids.append(sid)
         if len(batch) == 32:
@@ -258,8 +273,10 @@ class _MDSRecords(Dataset):
 def write_streaming(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
     mds = _peer("streaming")
     path = root / "streaming"
-    columns = {name: (str(t.numpy().dtype) if t.dim() == 0 else f"ndarray:{t.numpy().dtype}")
-               for name, t in records[0].items()}
+    columns = {
+        name: (str(t.numpy().dtype) if t.dim() == 0 else f"ndarray:{t.numpy().dtype}")
+        for name, t in records[0].items()
+    }
     with mds.MDSWriter(out=str(path), columns=columns, compression=None) as out:
         for fields in records:
             out.write({name: t.numpy() for name, t in fields.items()})
@@ -295,8 +312,9 @@ class _TensorDictRecords(Dataset):
 def write_tensordict(root: Path, records: list[dict[str, torch.Tensor]]) -> Callable[[], Dataset]:
     td = _peer("tensordict")
     path = root / "tensordict"
-    stack = td.LazyStackedTensorDict(*(td.TensorDict(fields, batch_size=[]) for fields in records),
-                                     stack_dim=0)
+    stack = td.LazyStackedTensorDict(
+        *(td.TensorDict(fields, batch_size=[]) for fields in records), stack_dim=0
+    )
     stack.memmap(path)
     return lambda: _TensorDictRecords(path)
 
@@ -358,8 +376,12 @@ def write_datasets(root: Path, records: list[dict[str, torch.Tensor]]) -> Callab
         for fields in records:
             yield {name: t.numpy() for name, t in fields.items()}
 
-    ds = hf.Dataset.from_generator(rows, features=features, cache_dir=str(path),
-                                   fingerprint=hashlib.sha1(str(path).encode()).hexdigest())
+    ds = hf.Dataset.from_generator(
+        rows,
+        features=features,
+        cache_dir=str(path),
+        fingerprint=hashlib.sha1(str(path).encode()).hexdigest(),
+    )
     return lambda: _HFRecords(ds)
 
 
@@ -368,8 +390,12 @@ def write_datasets(root: Path, records: list[dict[str, torch.Tensor]]) -> Callab
 #: so that its resolution keeps the project's torch; a peer whose import fails is left
 #: out and named.
 WRITERS: dict[str, Callable[[Path, list[dict[str, torch.Tensor]]], Callable[[], Dataset]]] = {
-    "lmdb": write_lmdb, "litdata": write_litdata, "streaming": write_streaming,
-    "tensordict": write_tensordict, "datasets": write_datasets}
+    "lmdb": write_lmdb,
+    "litdata": write_litdata,
+    "streaming": write_streaming,
+    "tensordict": write_tensordict,
+    "datasets": write_datasets,
+}
 
 
 # --------------------------------------------------------------------------- timing
@@ -383,15 +409,25 @@ def one_process(ds: Dataset, order: list[int]) -> float:
     return len(order) / (time.perf_counter() - start)
 
 
-def loader_rate(ds: Dataset, order: list[int], workers: int, batch: int | None,
-                collate: Callable[[list[Any]], Any] | None) -> float:
+def loader_rate(
+    ds: Dataset,
+    order: list[int],
+    workers: int,
+    batch: int | None,
+    collate: Callable[[list[Any]], Any] | None,
+) -> float:
     """Samples/s of one epoch; with workers, the second epoch of persistent workers (worker
     start-up is not what is compared)."""
-    loader = DataLoader(ds, batch_size=batch, sampler=order, num_workers=workers,
-                        collate_fn=collate if batch else list_collate,
-                        multiprocessing_context="fork" if workers else None,
-                        persistent_workers=bool(workers),
-                        prefetch_factor=2 if workers else None)
+    loader = DataLoader(
+        ds,
+        batch_size=batch,
+        sampler=order,
+        num_workers=workers,
+        collate_fn=collate if batch else list_collate,
+        multiprocessing_context="fork" if workers else None,
+        persistent_workers=bool(workers),
+        prefetch_factor=2 if workers else None,
+    )
     if workers:
         for _ in loader:
             pass
@@ -410,22 +446,34 @@ def same_tensors(name: str, ds: Dataset, records: list[dict[str, torch.Tensor]])
     for i in range(len(records)):
         got = ds[i]
         if set(got) != set(records[i]):
-            raise SystemExit(f"{name}: sample {i} has fields {sorted(got)}, "
-                             f"not {sorted(records[i])}")
+            raise SystemExit(
+                f"{name}: sample {i} has fields {sorted(got)}, not {sorted(records[i])}"
+            )
         for field, want in records[i].items():
             have = got[field]
-            if not (have.dtype == want.dtype and have.shape == want.shape
-                    and torch.equal(have, want)):
+            if not (
+                have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
+            ):
                 raise SystemExit(f"{name}: sample {i} field {field} differs from the source")
 
 
-def run_size(label: str, level: int, points: int, queries: int, samples: int, unique: int,
-             rounds: int, workers: list[int], peers: list[str]) -> dict[str, Any]:
+def run_size(
+    label: str,
+    level: int,
+    points: int,
+    queries: int,
+    samples: int,
+    unique: int,
+    rounds: int,
+    workers: list[int],
+    peers: list[str],
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     records = build_records(samples, unique, level, points, queries)
     mb = sum(t.nbytes for t in records[0].values()) / 1e6
-    log.info("%s: %d records of ~%.2f MB built in %.0fs", label, samples, mb,
-             time.perf_counter() - t0)
+    log.info(
+        "%s: %d records of ~%.2f MB built in %.0fs", label, samples, mb, time.perf_counter() - t0
+    )
     root = Path(tempfile.mkdtemp(prefix="spcache-peers-"))
     try:
         makers, ingest, durable = {}, {}, {}
@@ -449,15 +497,28 @@ def run_size(label: str, level: int, points: int, queries: int, samples: int, un
             raise SystemExit("no format left to time")
         os.sync()
         order = np.random.default_rng(0).permutation(samples).tolist()
-        rows = {"one process, random ds[i]": lambda ds: one_process(ds, order),
-                "DataLoader 0 workers, per sample": lambda ds: loader_rate(ds, order, 0, None, None),
-                "DataLoader 0 workers, batch 8": lambda ds: loader_rate(ds, order, 0, 8, list_collate)}
-        rows |= {f"DataLoader {w} workers, batch 8":
-                 (lambda ds, w=w: loader_rate(ds, order, w, 8, list_collate)) for w in workers}
-        spc_rows = {"DataLoader 0 workers, batch 8, collate_spc":
-                    lambda ds: loader_rate(ds, order, 0, 8, collate_spc)}
-        spc_rows |= {f"DataLoader {w} workers, batch 8, collate_spc":
-                     (lambda ds, w=w: loader_rate(ds, order, w, 8, collate_spc)) for w in workers}
+        rows = {
+            "one process, random ds[i]": lambda ds: one_process(ds, order),
+            "DataLoader 0 workers, per sample": lambda ds: loader_rate(ds, order, 0, None, None),
+            "DataLoader 0 workers, batch 8": lambda ds: loader_rate(ds, order, 0, 8, list_collate),
+        }
+        rows |= {
+            f"DataLoader {w} workers, batch 8": (
+                lambda ds, w=w: loader_rate(ds, order, w, 8, list_collate)
+            )
+            for w in workers
+        }
+        spc_rows = {
+            "DataLoader 0 workers, batch 8, collate_spc": lambda ds: loader_rate(
+                ds, order, 0, 8, collate_spc
+            )
+        }
+        spc_rows |= {
+            f"DataLoader {w} workers, batch 8, collate_spc": (
+                lambda ds, w=w: loader_rate(ds, order, w, 8, collate_spc)
+            )
+            for w in workers
+        }
         rates: dict[str, dict[str, list[float]]] = {}
         for _ in range(rounds):
             for row, timer in rows.items():
@@ -471,17 +532,30 @@ def run_size(label: str, level: int, points: int, queries: int, samples: int, un
         for row, per in rates.items():
             med = {name: statistics.median(v) for name, v in per.items()}
             base = med.get(base_name)
-            result["rows"][row] = {name: {"per_s": r, "ratio": (r / base if base else None)}
-                                   for name, r in med.items()}
-            log.info("  %-44s %s", row, "  ".join(
-                f"{n} {r:,.0f}/s" + (f" ({r / base:.2f})" if base and n != base_name else "")
-                for n, r in med.items()))
+            result["rows"][row] = {
+                name: {"per_s": r, "ratio": (r / base if base else None)} for name, r in med.items()
+            }
+            log.info(
+                "  %-44s %s",
+                row,
+                "  ".join(
+                    f"{n} {r:,.0f}/s" + (f" ({r / base:.2f})" if base and n != base_name else "")
+                    for n, r in med.items()
+                ),
+            )
         result["ingest_s"], result["ingest_durable_s"] = ingest, durable
-        for what, times in (("ingest (write) seconds", ingest),
-                            ("ingest until on disk (+ os.sync) s", durable)):
-            log.info("  %-44s %s", what, "  ".join(
-                f"{n} {s:.2f}s" + (f" ({s / times[base_name]:.2f})" if n != base_name else "")
-                for n, s in times.items()))
+        for what, times in (
+            ("ingest (write) seconds", ingest),
+            ("ingest until on disk (+ os.sync) s", durable),
+        ):
+            log.info(
+                "  %-44s %s",
+                what,
+                "  ".join(
+                    f"{n} {s:.2f}s" + (f" ({s / times[base_name]:.2f})" if n != base_name else "")
+                    for n, s in times.items()
+                ),
+            )
         return result
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -493,16 +567,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--unique", type=int, default=8, help="distinct records computed")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repeats (median)")
-    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4],
-                        help="DataLoader worker counts timed (besides 0)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[2, 4],
+        help="DataLoader worker counts timed (besides 0)",
+    )
     parser.add_argument("--peers", nargs="+", default=list(WRITERS), choices=list(WRITERS))
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # libraries: warnings up
     log.setLevel(logging.INFO)
     log.info("machine: %d CPUs, load %s", os.cpu_count(), os.getloadavg())
-    results = {label: run_size(label, *SIZES[label], args.samples, args.unique, args.rounds, args.workers,
-                               args.peers) for label in args.sizes}
+    results = {
+        label: run_size(
+            label, *SIZES[label], args.samples, args.unique, args.rounds, args.workers, args.peers
+        )
+        for label in args.sizes
+    }
     if args.json:
         print(json.dumps(results))
     return 0

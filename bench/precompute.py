@@ -36,13 +36,15 @@ from cache_store.sources.discover import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 
 
-def run_once(items: list[tuple[str, str]], params: dict, *, device: str, backend: str,
-             loaders: int) -> dict:
+def run_once(
+    items: list[tuple[str, str]], params: dict, *, device: str, backend: str, loaders: int
+) -> dict:
     with tempfile.TemporaryDirectory(prefix="spcache-bench-") as tmp:
         store = open_store(Path(tmp) / "cache", readonly=False)
         try:
-            engine = Engine(store, "spc_query", params, device=device, backend=backend,
-                            loaders=loaders)
+            engine = Engine(
+                store, "spc_query", params, device=device, backend=backend, loaders=loaders
+            )
             start = time.perf_counter()
             summary = engine.run(items)
             wall = time.perf_counter() - start
@@ -50,9 +52,17 @@ def run_once(items: list[tuple[str, str]], params: dict, *, device: str, backend
             store.close()
     if summary.failed:
         raise SystemExit(f"benchmark samples failed: {summary.errors}")
-    return {"device": summary.device, "backend": summary.backend, "loaders": loaders,
-            "samples": summary.done, "wall_s": wall, "samples_per_s": summary.done / wall,
-            "load_s": summary.load_s, "compute_s": summary.compute_s, "write_s": summary.write_s}
+    return {
+        "device": summary.device,
+        "backend": summary.backend,
+        "loaders": loaders,
+        "samples": summary.done,
+        "wall_s": wall,
+        "samples_per_s": summary.done / wall,
+        "load_s": summary.load_s,
+        "compute_s": summary.compute_s,
+        "write_s": summary.write_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
 
     items = discover_sources([args.meshes])
-    params = {"level": args.level, "surface_samples": args.surface_samples,
-              "uniform_queries": args.queries // 2, "surface_queries": args.queries - args.queries // 2}
-    print(f"{len(items)} meshes from {args.meshes}; spc_query {params}; "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    params = {
+        "level": args.level,
+        "surface_samples": args.surface_samples,
+        "uniform_queries": args.queries // 2,
+        "surface_queries": args.queries - args.queries // 2,
+    }
+    print(
+        f"{len(items)} meshes from {args.meshes}; spc_query {params}; "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     # a warm-up run pays for imports and the loader pool's first start
     run_once(items[:2], params, device="cpu", backend=args.backend, loaders=args.loaders)
     configs = {"serial": ("cpu", 0), "pipelined": ("cpu", args.loaders)}
@@ -83,20 +99,28 @@ def main(argv: list[str] | None = None) -> int:
     trials: dict[str, list[dict]] = {name: [] for name in configs}
     for _ in range(args.repeat):
         for name, (device, loaders) in configs.items():
-            trials[name].append(run_once(items, params, device=device, backend=args.backend,
-                                         loaders=loaders))
-    runs = {name: min(t, key=lambda r: r["wall_s"]) | {"median_wall_s": statistics.median(
-        r["wall_s"] for r in t)} for name, t in trials.items()}
+            trials[name].append(
+                run_once(items, params, device=device, backend=args.backend, loaders=loaders)
+            )
+    runs = {
+        name: min(t, key=lambda r: r["wall_s"])
+        | {"median_wall_s": statistics.median(r["wall_s"] for r in t)}
+        for name, t in trials.items()
+    }
     base = runs["serial"]["samples_per_s"]
     print(f"best of {args.repeat} (median wall in the last column)")
-    print(f"{'run':<10}{'device':<9}{'backend':<8}{'loaders':>8}{'samples/s':>11}{'x serial':>9}"
-          f"{'load s':>9}{'device s':>10}{'write s':>9}{'wall s':>8}{'median':>8}")
+    print(
+        f"{'run':<10}{'device':<9}{'backend':<8}{'loaders':>8}{'samples/s':>11}{'x serial':>9}"
+        f"{'load s':>9}{'device s':>10}{'write s':>9}{'wall s':>8}{'median':>8}"
+    )
     for name, r in runs.items():
         r["ratio_to_serial"] = r["samples_per_s"] / base
-        print(f"{name:<10}{r['device']:<9}{r['backend']:<8}{r['loaders']:>8}"
-              f"{r['samples_per_s']:>11.2f}"
-              f"{r['ratio_to_serial']:>9.2f}{r['load_s']:>9.2f}{r['compute_s']:>10.2f}"
-              f"{r['write_s']:>9.2f}{r['wall_s']:>8.2f}{r['median_wall_s']:>8.2f}")
+        print(
+            f"{name:<10}{r['device']:<9}{r['backend']:<8}{r['loaders']:>8}"
+            f"{r['samples_per_s']:>11.2f}"
+            f"{r['ratio_to_serial']:>9.2f}{r['load_s']:>9.2f}{r['compute_s']:>10.2f}"
+            f"{r['write_s']:>9.2f}{r['wall_s']:>8.2f}{r['median_wall_s']:>8.2f}"
+        )
     if args.json:
         args.json.write_text(json.dumps({"params": params, "runs": runs}, indent=2))
     return 0

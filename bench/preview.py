@@ -54,12 +54,26 @@ def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     params = spec.resolve({"level": level, "surface_samples": 400_000})
     fp = compute_fingerprint("spc", spec.version, params)
     source = load_source(mesh)
-    tensors = run_recipe(get_recipe("spc"), source, params,
-                         generator=make_generator(fp, mesh.stem), device="cpu", ops=get_backend("torch", "cpu"))
-    value = encode_record(tensors, {"recipe": "spc", "recipe_version": str(spec.version),
-                                    "fingerprint": fp, "sample_id": mesh.stem,
-                                    "source_hash": source.source_hash, "backend": "torch",
-                                    "device": "cpu"})
+    tensors = run_recipe(
+        get_recipe("spc"),
+        source,
+        params,
+        generator=make_generator(fp, mesh.stem),
+        device="cpu",
+        ops=get_backend("torch", "cpu"),
+    )
+    value = encode_record(
+        tensors,
+        {
+            "recipe": "spc",
+            "recipe_version": str(spec.version),
+            "fingerprint": fp,
+            "sample_id": mesh.stem,
+            "source_hash": source.source_hash,
+            "backend": "torch",
+            "device": "cpu",
+        },
+    )
     return value, str(mesh)
 
 
@@ -119,16 +133,34 @@ def main() -> int:
     decode = median_ms(lambda: decode_arrays(value, fields=fields), args.repeat)
     render = median_ms(lambda: render_record(value, request), args.repeat)
     naive = median_ms(lambda: naive_render(voxels, args.level, args.view, args.size), args.repeat)
-    print(json.dumps({
-        "mesh": mesh, "level": args.level, "voxels": len(voxels), "size": args.size,
-        "view": args.view, "record_bytes": len(value), "repeat": args.repeat,
-        "median_ms": {"decode": round(decode[0], 2), "render_png": round(render[0], 1),
-                      "naive_zbuffer": round(naive[0], 1)},
-        "fastest_ms": {"decode": round(decode[1], 2), "render_png": round(render[1], 1),
-                       "naive_zbuffer": round(naive[1], 1)},
-        "render_over_decode": round(render[0] / decode[0], 1),
-        "naive_over_render": round(naive[0] / render[0], 2), "goal_ms": GOAL_MS,
-        "meets_goal": render[0] < GOAL_MS}, indent=1))
+    print(
+        json.dumps(
+            {
+                "mesh": mesh,
+                "level": args.level,
+                "voxels": len(voxels),
+                "size": args.size,
+                "view": args.view,
+                "record_bytes": len(value),
+                "repeat": args.repeat,
+                "median_ms": {
+                    "decode": round(decode[0], 2),
+                    "render_png": round(render[0], 1),
+                    "naive_zbuffer": round(naive[0], 1),
+                },
+                "fastest_ms": {
+                    "decode": round(decode[1], 2),
+                    "render_png": round(render[1], 1),
+                    "naive_zbuffer": round(naive[1], 1),
+                },
+                "render_over_decode": round(render[0] / decode[0], 1),
+                "naive_over_render": round(naive[0] / render[0], 2),
+                "goal_ms": GOAL_MS,
+                "meets_goal": render[0] < GOAL_MS,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -78,11 +78,19 @@ def _set_mode(mode: str, parsed: dict[tuple[bytes, int], Any], real: dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="small",
-                        help="record size, as in bench/peers.py (default: small, ~0.13 MB)")
+    parser.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="small",
+        help="record size, as in bench/peers.py (default: small, ~0.13 MB)",
+    )
     parser.add_argument("--samples", type=int, default=480, help="records (default 480)")
-    parser.add_argument("--unique", type=int, default=16,
-                        help="distinct records computed, cycled to --samples (default 16)")
+    parser.add_argument(
+        "--unique",
+        type=int,
+        default=16,
+        help="distinct records computed, cycled to --samples (default 16)",
+    )
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     args = parser.parse_args(argv)
 
@@ -97,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     order = list(range(args.samples))
     random.Random(0).shuffle(order)
 
-    real = {"xxhash": decode.xxhash, "parse": header_format.parse_text,
-            "names_key": lmdb_store.check_names_key}
+    real = {
+        "xxhash": decode.xxhash,
+        "parse": header_format.parse_text,
+        "names_key": lmdb_store.check_names_key,
+    }
     parsed: dict[tuple[bytes, int], Any] = {}
 
     def remember(raw: bytes, total: int, key: str) -> Any:
@@ -120,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
             _set_mode("spcache", parsed, real)
             if "tensordict" in factories:
                 rates.setdefault("tensordict", []).append(
-                    one_process(factories["tensordict"](), order))
+                    one_process(factories["tensordict"](), order)
+                )
     finally:
         _set_mode("spcache", parsed, real)
     base = statistics.median(rates["spcache"])
-    print(f"{args.size}: {args.samples} records, one process, random ds[i], "
-          f"median of {args.rounds} rounds")
+    print(
+        f"{args.size}: {args.samples} records, one process, random ds[i], "
+        f"median of {args.rounds} rounds"
+    )
     for name, got in rates.items():
         rate = statistics.median(got)
         print(f"  {name:18s} {rate:9,.0f}/s  {rate / base:5.2f}x  ({1e6 / rate:6.1f} us a read)")

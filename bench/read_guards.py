@@ -25,15 +25,28 @@ def _asgi(n: int) -> tuple[float, float]:
     body = b"x" * 16384
 
     async def inner(scope: dict, receive: object, send: object) -> None:
-        await send({"type": "http.response.start", "status": 200,  # type: ignore[operator]
-                    "headers": [(b"content-type", b"application/octet-stream")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,  # type: ignore[operator]
+                "headers": [(b"content-type", b"application/octet-stream")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})  # type: ignore[operator]
 
-    settings = Settings(cache=Path(tempfile.gettempdir()) / "bench-cache",
-                        source_roots=[tempfile.gettempdir()], worker=False)
+    settings = Settings(
+        cache=Path(tempfile.gettempdir()) / "bench-cache",
+        source_roots=[tempfile.gettempdir()],
+        worker=False,
+    )
     guarded = HostGuard(inner, settings)
-    scope = {"type": "http", "method": "GET", "path": "/v1/x", "client": ("127.0.0.1", 5555),
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"accept", b"*/*")]}
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/x",
+        "client": ("127.0.0.1", 5555),
+        "headers": [(b"host", b"127.0.0.1:8000"), (b"accept", b"*/*")],
+    }
 
     async def send(message: dict) -> None:
         return None
@@ -67,9 +80,16 @@ def _lmdb(n: int) -> tuple[float, float]:
         key = f"{fingerprint}/bench"
         value = encode_record(
             {"octree": np.random.default_rng(0).integers(0, 255, 16384, dtype=np.uint8)},
-            {"recipe": "spc", "recipe_version": "1", "fingerprint": fingerprint,
-             "sample_id": "bench", "source_hash": "xxh3_128:0", "backend": "torch",
-             "device": "cpu"})
+            {
+                "recipe": "spc",
+                "recipe_version": "1",
+                "fingerprint": fingerprint,
+                "sample_id": "bench",
+                "source_hash": "xxh3_128:0",
+                "backend": "torch",
+                "device": "cpu",
+            },
+        )
         writer.put_many([(key, value)])
         writer.close()
         store = LMDBStore(Path(tmp), readonly=True)
@@ -93,11 +113,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=20000)
     n = parser.parse_args().n
     bare, guarded = _asgi(n)
-    print(f"ASGI 16 KiB answer: bare {bare:.2f} us, with HostGuard {guarded:.2f} us "
-          f"(+{guarded - bare:.2f} us, ratio {guarded / bare:.2f})")
+    print(
+        f"ASGI 16 KiB answer: bare {bare:.2f} us, with HostGuard {guarded:.2f} us "
+        f"(+{guarded - bare:.2f} us, ratio {guarded / bare:.2f})"
+    )
     get, peeked = _lmdb(n)
-    print(f"LMDB 16 KiB record: get {get:.2f} us, size peek + get {peeked:.2f} us "
-          f"(+{peeked - get:.2f} us, ratio {peeked / get:.2f})")
+    print(
+        f"LMDB 16 KiB record: get {get:.2f} us, size peek + get {peeked:.2f} us "
+        f"(+{peeked - get:.2f} us, ratio {peeked / get:.2f})"
+    )
 
 
 if __name__ == "__main__":

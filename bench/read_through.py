@@ -40,18 +40,43 @@ def _as_list(batch: list) -> list:
 
 def epoch(cache: Path, sources: Path, params: dict, workers: int, batch: int) -> int:
     ds = CachedDataset(cache, "spc_query", sources=sources, **params)
-    loader = DataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_as_list,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        ds,
+        batch_size=batch,
+        num_workers=workers,
+        collate_fn=_as_list,
+        multiprocessing_context="fork",
+    )
     return sum(len(b) for b in loader)
 
 
-def read_through(cache: Path, sources: Path, params: dict,
-                 args: argparse.Namespace) -> tuple[float, int]:
+def read_through(
+    cache: Path, sources: Path, params: dict, args: argparse.Namespace
+) -> tuple[float, int]:
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "workers", "worker", "--cache", str(cache),
-                             "--device", "cpu", "--backend", "torch", "--loaders", str(args.loaders),
-                             "--poll", "0.05", "--batch", str(args.claim),
-                             "--log-level", "warning"], cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workers",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            str(args.loaders),
+            "--poll",
+            "0.05",
+            "--batch",
+            str(args.claim),
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+    )
     try:
         queue = JobQueue(cache)
         while not queue.live_workers():
@@ -64,13 +89,33 @@ def read_through(cache: Path, sources: Path, params: dict,
         proc.wait(timeout=120)
 
 
-def precompute_and_read(cache: Path, sources: Path, params: dict,
-                        args: argparse.Namespace) -> tuple[float, float, int]:
+def precompute_and_read(
+    cache: Path, sources: Path, params: dict, args: argparse.Namespace
+) -> tuple[float, float, int]:
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "workers", "precompute", str(sources), "--recipe",
-                    "spc_query", *[a for k, v in params.items() for a in ("--param", f"{k}={v}")],
-                    "--cache", str(cache), "--device", "cpu", "--backend", "torch",
-                    "--loaders", str(args.loaders)], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workers",
+            "precompute",
+            str(sources),
+            "--recipe",
+            "spc_query",
+            *[a for k, v in params.items() for a in ("--param", f"{k}={v}")],
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            str(args.loaders),
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    )
     computed = time.perf_counter()
     n = epoch(cache, sources, params, args.workers, args.batch)
     return computed - start, time.perf_counter() - computed, n
@@ -78,18 +123,28 @@ def precompute_and_read(cache: Path, sources: Path, params: dict,
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="read_through.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--meshes", type=Path, default=REPO.parent.parent / "shared/data/meshes",
-                        help="source directory (default: ../shared/data/meshes)")
+    parser.add_argument(
+        "--meshes",
+        type=Path,
+        default=REPO.parent.parent / "shared/data/meshes",
+        help="source directory (default: ../shared/data/meshes)",
+    )
     parser.add_argument("--level", type=int, default=8)
     parser.add_argument("--surface-samples", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=32_768, help="half uniform, half surface")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
     parser.add_argument("--batch", type=int, default=4, help="DataLoader batch size")
-    parser.add_argument("--loaders", type=int, default=0, help="loader processes of worker/precompute")
+    parser.add_argument(
+        "--loaders", type=int, default=0, help="loader processes of worker/precompute"
+    )
     parser.add_argument("--claim", type=int, default=4, help="items per worker claim")
     args = parser.parse_args()
-    params = {"level": args.level, "surface_samples": args.surface_samples,
-              "uniform_queries": args.queries // 2, "surface_queries": args.queries - args.queries // 2}
+    params = {
+        "level": args.level,
+        "surface_samples": args.surface_samples,
+        "uniform_queries": args.queries // 2,
+        "surface_queries": args.queries - args.queries // 2,
+    }
     with tempfile.TemporaryDirectory(prefix="spcache-rt-") as tmp:
         rt, n_rt = read_through(Path(tmp) / "rt", args.meshes, params, args)
         pre, read, n_pre = precompute_and_read(Path(tmp) / "pre", args.meshes, params, args)

@@ -51,8 +51,9 @@ def make_fields(rng: np.random.Generator, scale: float = 1.0) -> dict[str, torch
     return {
         "octree": torch.from_numpy(octree),
         "point_hierarchy": torch.from_numpy(rng.integers(0, 256, (npoints, 3), dtype=np.int16)),
-        "exsum": torch.from_numpy(np.cumsum(np.unpackbits(octree[:, None], axis=1).sum(1),
-                                            dtype=np.int32)),
+        "exsum": torch.from_numpy(
+            np.cumsum(np.unpackbits(octree[:, None], axis=1).sum(1), dtype=np.int32)
+        ),
         "query_points": torch.from_numpy(rng.uniform(-1, 1, (nquery, 3)).astype(np.float32)),
         "labels": torch.from_numpy(rng.integers(0, 2, nquery, dtype=np.uint8)),
     }
@@ -67,8 +68,15 @@ def write_caches(root: Path, n: int, scale: float) -> tuple[str, float]:
     for i in range(n):
         sid = f"shape{i:06d}"
         fields = make_fields(rng, scale)
-        meta = {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
-                "source_hash": "0" * 16, "backend": "torch", "device": "cpu"}
+        meta = {
+            "recipe": "spc",
+            "recipe_version": "1",
+            "fingerprint": fp,
+            "sample_id": sid,
+            "source_hash": "0" * 16,
+            "backend": "torch",
+            "device": "cpu",
+        }
         value = encode_record(fields, meta)
         total += len(value)
         batch.append((f"{fp}/{sid}", value))
@@ -105,16 +113,22 @@ def identity(sample: object) -> object:
     return sample
 
 
-def time_loader(dataset: Dataset, workers: int, order: list[int],
-                batch_size: int = 0) -> tuple[float, float]:
+def time_loader(
+    dataset: Dataset, workers: int, order: list[int], batch_size: int = 0
+) -> tuple[float, float]:
     """Samples/s reading ``order`` (batch_size 0: one sample at a time, no collate), by
     wall clock and by this process's CPU time (the second is the rate one uncontended
     core would give; it means something only with ``workers == 0``)."""
     batched = batch_size > 0
-    loader = DataLoader(dataset, batch_size=batch_size if batched else None, sampler=order,
-                        num_workers=workers, collate_fn=collate_spc if batched else identity,
-                        prefetch_factor=(2 if batched else 8) if workers else None,
-                        multiprocessing_context="fork" if workers else None)
+    loader = DataLoader(
+        dataset,
+        batch_size=batch_size if batched else None,
+        sampler=order,
+        num_workers=workers,
+        collate_fn=collate_spc if batched else identity,
+        prefetch_factor=(2 if batched else 8) if workers else None,
+        multiprocessing_context="fork" if workers else None,
+    )
     start, cpu = time.perf_counter(), time.process_time()
     count = sum(len(b["lengths"]) if batched else 1 for b in loader)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -131,11 +145,20 @@ def decode_gbps(root: Path, n: int, rounds: int = 7) -> dict[str, float]:
     items = []
     for i in range(n):
         sid = f"big{i:05d}"
-        meta = {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
-                "source_hash": "0" * 16, "backend": "torch", "device": "cpu"}
+        meta = {
+            "recipe": "spc",
+            "recipe_version": "1",
+            "fingerprint": fp,
+            "sample_id": sid,
+            "source_hash": "0" * 16,
+            "backend": "torch",
+            "device": "cpu",
+        }
         items.append((f"{fp}/{sid}", encode_record(make_fields(rng, 1.65), meta)))
     store.put_many(items)
-    store.put_index(DatasetIndex(fp, "spc", 1, params, np.array([k.split("/")[1] for k, _ in items])))
+    store.put_index(
+        DatasetIndex(fp, "spc", 1, params, np.array([k.split("/")[1] for k, _ in items]))
+    )
     store.close()
     record_bytes = sum(len(v) for _, v in items)
     ds = CachedDataset(root / "lmdb1mb", fp)
@@ -154,20 +177,28 @@ def decode_gbps(root: Path, n: int, rounds: int = 7) -> dict[str, float]:
         copy_cpu.append(src.nbytes / max(time.process_time() - cpu, 1e-9))
     ds.close()
     best, med, copy_best = max(decode), float(np.median(decode)), max(copy)
-    return {"record_mb": record_bytes / n / 1e6, "decode_gb_s": best / 1e9,
-            "decode_gb_s_median": med / 1e9,
-            "decode_gb_s_cpu_median": float(np.median(decode_cpu)) / 1e9,
-            "memcpy_gb_s": copy_best / 1e9, "memcpy_gb_s_median": float(np.median(copy)) / 1e9,
-            "memcpy_gb_s_cpu_median": float(np.median(copy_cpu)) / 1e9,
-            "decode_over_memcpy": best / copy_best}
+    return {
+        "record_mb": record_bytes / n / 1e6,
+        "decode_gb_s": best / 1e9,
+        "decode_gb_s_median": med / 1e9,
+        "decode_gb_s_cpu_median": float(np.median(decode_cpu)) / 1e9,
+        "memcpy_gb_s": copy_best / 1e9,
+        "memcpy_gb_s_median": float(np.median(copy)) / 1e9,
+        "memcpy_gb_s_cpu_median": float(np.median(copy_cpu)) / 1e9,
+        "decode_over_memcpy": best / copy_best,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 4])
-    parser.add_argument("--batch-size", type=int, default=0,
-                        help="0: per-sample reads (default); N: batches of N through collate_spc")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=0,
+        help="0: per-sample reads (default); N: batches of N through collate_spc",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed passes per loader (median)")
     parser.add_argument("--decode-records", type=int, default=500)
     parser.add_argument("--decode-rounds", type=int, default=7)
@@ -179,14 +210,23 @@ def main() -> None:
     try:
         start = time.perf_counter()
         fp, mean_bytes = write_caches(root, args.records, 1.0)
-        log.info("wrote %d records of %.2f MB twice in %.1fs", args.records, mean_bytes / 1e6,
-                 time.perf_counter() - start)
+        log.info(
+            "wrote %d records of %.2f MB twice in %.1fs",
+            args.records,
+            mean_bytes / 1e6,
+            time.perf_counter() - start,
+        )
         os.sync()  # no writeback of what was just written competes with the timed reads
         order = np.random.default_rng(2).permutation(args.records).tolist()
         ours = CachedDataset(root / "lmdb", fp)
         base = TorchSaveDataset(root / "torchsave", args.records)
-        results = {"records": args.records, "record_mb": mean_bytes / 1e6, "cpus": os.cpu_count(),
-                   "batch_size": args.batch_size, "loadavg_start": os.getloadavg()}
+        results = {
+            "records": args.records,
+            "record_mb": mean_bytes / 1e6,
+            "cpus": os.cpu_count(),
+            "batch_size": args.batch_size,
+            "loadavg_start": os.getloadavg(),
+        }
         for workers in args.workers:
             time_loader(ours, workers, order[:100], args.batch_size)  # warm both paths
             time_loader(base, workers, order[:100], args.batch_size)
@@ -195,26 +235,49 @@ def main() -> None:
                 ours_runs.append(time_loader(ours, workers, order, args.batch_size))
                 base_runs.append(time_loader(base, workers, order, args.batch_size))
             a, b = (float(np.median([r[0] for r in runs])) for runs in (ours_runs, base_runs))
-            row = {"cached_dataset_sps": a, "torch_save_sps": b, "ratio": a / b,
-                   "cached_dataset_gb_s": a * mean_bytes / 1e9,
-                   "ratios_per_round": [o[0] / t[0] for o, t in zip(ours_runs, base_runs, strict=True)]}
+            row = {
+                "cached_dataset_sps": a,
+                "torch_save_sps": b,
+                "ratio": a / b,
+                "cached_dataset_gb_s": a * mean_bytes / 1e9,
+                "ratios_per_round": [
+                    o[0] / t[0] for o, t in zip(ours_runs, base_runs, strict=True)
+                ],
+            }
             if workers == 0:
                 ca, cb = (float(np.median([r[1] for r in runs])) for runs in (ours_runs, base_runs))
                 row.update(cached_dataset_cpu_sps=ca, torch_save_cpu_sps=cb, cpu_ratio=ca / cb)
-                log.info("  by CPU time of the reading process: %.0f vs %.0f samples/s: %.1fx",
-                         ca, cb, ca / cb)
+                log.info(
+                    "  by CPU time of the reading process: %.0f vs %.0f samples/s: %.1fx",
+                    ca,
+                    cb,
+                    ca / cb,
+                )
             results[f"workers{workers}"] = row
-            log.info("num_workers=%d batch_size=%d: CachedDataset %.0f samples/s (%.2f GB/s), "
-                     "torch.save files %.0f samples/s: %.1fx (rounds: %s)", workers,
-                     args.batch_size, a, a * mean_bytes / 1e9, b, a / b,
-                     " ".join(f"{r:.1f}x" for r in row["ratios_per_round"]))
+            log.info(
+                "num_workers=%d batch_size=%d: CachedDataset %.0f samples/s (%.2f GB/s), "
+                "torch.save files %.0f samples/s: %.1fx (rounds: %s)",
+                workers,
+                args.batch_size,
+                a,
+                a * mean_bytes / 1e9,
+                b,
+                a / b,
+                " ".join(f"{r:.1f}x" for r in row["ratios_per_round"]),
+            )
         dec = decode_gbps(root, args.decode_records, args.decode_rounds)
         results["decode_1mb"] = dec
-        log.info("decode %.2f MB records in one process: best %.2f GB/s, median %.2f GB/s "
-                 "(by CPU time %.2f); memcpy best %.2f, median %.2f GB/s (by CPU time %.2f)",
-                 dec["record_mb"], dec["decode_gb_s"], dec["decode_gb_s_median"],
-                 dec["decode_gb_s_cpu_median"], dec["memcpy_gb_s"], dec["memcpy_gb_s_median"],
-                 dec["memcpy_gb_s_cpu_median"])
+        log.info(
+            "decode %.2f MB records in one process: best %.2f GB/s, median %.2f GB/s "
+            "(by CPU time %.2f); memcpy best %.2f, median %.2f GB/s (by CPU time %.2f)",
+            dec["record_mb"],
+            dec["decode_gb_s"],
+            dec["decode_gb_s_median"],
+            dec["decode_gb_s_cpu_median"],
+            dec["memcpy_gb_s"],
+            dec["memcpy_gb_s_median"],
+            dec["memcpy_gb_s_cpu_median"],
+        )
         results["loadavg_end"] = os.getloadavg()
         if args.json:
             print(json.dumps(results))

@@ -40,15 +40,16 @@ def surface_points(n: int, generator: torch.Generator) -> torch.Tensor:
     sphere = torch.randn(half, 3, generator=generator)
     sphere = 0.9 * sphere / sphere.norm(dim=1, keepdim=True)
     u, v = (2 * math.pi * torch.rand(2, n - half, generator=generator)).unbind(0)
-    torus = torch.stack([(0.6 + 0.2 * v.cos()) * u.cos(), (0.6 + 0.2 * v.cos()) * u.sin(),
-                         0.2 * v.sin()], dim=1)
+    torus = torch.stack(
+        [(0.6 + 0.2 * v.cos()) * u.cos(), (0.6 + 0.2 * v.cos()) * u.sin(), 0.2 * v.sin()], dim=1
+    )
     return torch.cat([sphere, torus])
 
 
 def query_points(surface: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     n = surface.shape[0]
     uniform = torch.rand(n // 2, 3, generator=generator) * 2 - 1
-    near = surface[n // 2:] + 0.01 * torch.randn(n - n // 2, 3, generator=generator)
+    near = surface[n // 2 :] + 0.01 * torch.randn(n - n // 2, 3, generator=generator)
     return torch.cat([uniform, near])
 
 
@@ -65,8 +66,9 @@ def _timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def run(points: int, level: int, repeats: int, threads: int, device: str, backend: str,
-        seed: int = 0) -> dict:
+def run(
+    points: int, level: int, repeats: int, threads: int, device: str, backend: str, seed: int = 0
+) -> dict:
     torch.set_num_threads(threads)
     dev = torch.device(device)
     ops = get_backend(backend, device=dev)
@@ -74,7 +76,7 @@ def run(points: int, level: int, repeats: int, threads: int, device: str, backen
     surface = surface_points(points, gen)
     quantized = ops.quantize_points(surface.to(dev), level)
     queries = query_points(surface, gen).to(dev)
-    keys = torch.randint(0, 2 ** 30, (points,), generator=gen, dtype=torch.int64).to(dev)
+    keys = torch.randint(0, 2**30, (points,), generator=gen, dtype=torch.int64).to(dev)
     state: dict = {}
 
     def build() -> None:
@@ -96,8 +98,13 @@ def run(points: int, level: int, repeats: int, threads: int, device: str, backen
         times["query"].append(_timed(query, dev))
     octree, _, hierarchy = state["spc"]
     result = {
-        "backend": ops.name, "device": str(dev), "threads": threads, "points": points,
-        "level": level, "repeats": repeats, "torch": torch.__version__,
+        "backend": ops.name,
+        "device": str(dev),
+        "threads": threads,
+        "points": points,
+        "level": level,
+        "repeats": repeats,
+        "torch": torch.__version__,
         "unique_voxels": int(hierarchy.shape[0] - octree.shape[0]),
         "octree_bytes": int(octree.shape[0]),
         "query_hits": float((state["pidx"][:, -1] >= 0).float().mean()),
@@ -125,18 +132,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(r))
         return 0
-    print(f"backend={r['backend']} device={r['device']} threads={r['threads']} "
-          f"torch={r['torch']} points={r['points']:,} level={r['level']} "
-          f"(unique voxels {r['unique_voxels']:,}, octree {r['octree_bytes']:,} bytes, "
-          f"query hits {r['query_hits']:.1%}), {r['repeats']} interleaved repeats")
-    print(f"  torch.sort of {r['points']:,} int64 keys: median {r['sort_median_s'] * 1e3:7.1f} ms"
-          f"  min {r['sort_min_s'] * 1e3:7.1f} ms")
-    for name, label in (("build", "build (points_to_octree + scan + generate)"),
-                        ("query", "query (with_parents=True)")):
+    print(
+        f"backend={r['backend']} device={r['device']} threads={r['threads']} "
+        f"torch={r['torch']} points={r['points']:,} level={r['level']} "
+        f"(unique voxels {r['unique_voxels']:,}, octree {r['octree_bytes']:,} bytes, "
+        f"query hits {r['query_hits']:.1%}), {r['repeats']} interleaved repeats"
+    )
+    print(
+        f"  torch.sort of {r['points']:,} int64 keys: median {r['sort_median_s'] * 1e3:7.1f} ms"
+        f"  min {r['sort_min_s'] * 1e3:7.1f} ms"
+    )
+    for name, label in (
+        ("build", "build (points_to_octree + scan + generate)"),
+        ("query", "query (with_parents=True)"),
+    ):
         ok = "ok" if r[f"{name}_ratio_median"] <= GOALS[name] else "OVER GOAL"
-        print(f"  {label}: median {r[f'{name}_median_s'] * 1e3:7.1f} ms "
-              f"= {r[f'{name}_ratio_median']:.2f}x sort (min {r[f'{name}_min_s'] * 1e3:.1f} ms "
-              f"= {r[f'{name}_ratio_min']:.2f}x); goal <= {GOALS[name]:g}x: {ok}")
+        print(
+            f"  {label}: median {r[f'{name}_median_s'] * 1e3:7.1f} ms "
+            f"= {r[f'{name}_ratio_median']:.2f}x sort (min {r[f'{name}_min_s'] * 1e3:.1f} ms "
+            f"= {r[f'{name}_ratio_min']:.2f}x); goal <= {GOALS[name]:g}x: {ok}"
+        )
     return 0
 
 

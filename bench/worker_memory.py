@@ -53,13 +53,23 @@ def build_cache(root: Path, n: int) -> tuple[str, list[str]]:
     for i in range(n):
         sid = f"category{i % 55:02d}/shape_{i:07d}"
         k = int(rng.integers(8, 24))
-        fields = {"octree": torch.from_numpy(rng.integers(1, 256, k, dtype=np.uint8)),
-                  "exsum": torch.arange(1, k + 1, dtype=torch.int32),
-                  "point_hierarchy": torch.from_numpy(rng.integers(0, 8, (k + 1, 3), dtype=np.int16)),
-                  "pyramid": torch.zeros(2, 5, dtype=torch.int32),
-                  "center": torch.zeros(3), "scale": torch.ones(())}
-        meta = {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
-                "source_hash": f"{i:016x}", "backend": "torch", "device": "cpu"}
+        fields = {
+            "octree": torch.from_numpy(rng.integers(1, 256, k, dtype=np.uint8)),
+            "exsum": torch.arange(1, k + 1, dtype=torch.int32),
+            "point_hierarchy": torch.from_numpy(rng.integers(0, 8, (k + 1, 3), dtype=np.int16)),
+            "pyramid": torch.zeros(2, 5, dtype=torch.int32),
+            "center": torch.zeros(3),
+            "scale": torch.ones(()),
+        }
+        meta = {
+            "recipe": "spc",
+            "recipe_version": "1",
+            "fingerprint": fp,
+            "sample_id": sid,
+            "source_hash": f"{i:016x}",
+            "backend": "torch",
+            "device": "cpu",
+        }
         batch.append((f"{fp}/{sid}", encode_record(fields, meta)))
         ids.append(sid)
         if len(batch) == 5000:
@@ -76,8 +86,16 @@ class ListOfDictsDataset(Dataset):
 
     def __init__(self, cache: Path, fp: str, ids: list[str]) -> None:
         self.cache = cache
-        self.samples = [{"sample_id": sid, "key": f"{fp}/{sid}", "index": i,
-                         "recipe": "spc", "params": dict(PARAMS)} for i, sid in enumerate(ids)]
+        self.samples = [
+            {
+                "sample_id": sid,
+                "key": f"{fp}/{sid}",
+                "index": i,
+                "recipe": "spc",
+                "params": dict(PARAMS),
+            }
+            for i, sid in enumerate(ids)
+        ]
         self._store: LMDBStore | None = None
 
     def __len__(self) -> int:
@@ -113,9 +131,16 @@ def pss_kib(pid: int) -> dict[str, int]:
 
 def measure(dataset: Dataset, workers: int, epochs: int) -> dict[str, Any]:
     gc.collect()
-    loader = DataLoader(dataset, batch_size=64, shuffle=True, num_workers=workers,
-                        multiprocessing_context="fork", persistent_workers=True,
-                        collate_fn=summarise, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        dataset,
+        batch_size=64,
+        shuffle=True,
+        num_workers=workers,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+        collate_fn=summarise,
+        generator=torch.Generator().manual_seed(0),
+    )
     pids: set[int] = set()
     start_pss: dict[int, dict[str, int]] = {}
     samples = 0
@@ -136,8 +161,12 @@ def measure(dataset: Dataset, workers: int, epochs: int) -> dict[str, Any]:
         if all(kind in start_pss[p] and kind in end_pss[p] for p in pids):
             start = sum(start_pss[p][kind] for p in pids) / 1024
             end = sum(end_pss[p][kind] for p in pids) / 1024
-            out[kind] = {"start_mib": start, "end_mib": end, "growth_mib": end - start,
-                         "growth_per_worker_mib": (end - start) / len(pids)}
+            out[kind] = {
+                "start_mib": start,
+                "end_mib": end,
+                "growth_mib": end - start,
+                "growth_per_worker_mib": (end - start) / len(pids),
+            }
     return out
 
 
@@ -166,14 +195,24 @@ def main() -> None:
         log.info("list of per-sample dicts:")
         results["list_of_dicts"] = measure(baseline, args.workers, args.epochs)
         for name, r in results.items():
-            log.info("%-15s %d workers, %d samples in %.1fs", name, r["workers"], r["samples"],
-                     r["seconds"])
+            log.info(
+                "%-15s %d workers, %d samples in %.1fs",
+                name,
+                r["workers"],
+                r["samples"],
+                r["seconds"],
+            )
             for kind in PSS_KINDS:
                 if kind in r:
                     k = r[kind]
-                    log.info("    %-10s summed %.1f -> %.1f MiB: growth %.1f MiB, %.2f MiB per "
-                             "worker", kind, k["start_mib"], k["end_mib"], k["growth_mib"],
-                             k["growth_per_worker_mib"])
+                    log.info(
+                        "    %-10s summed %.1f -> %.1f MiB: growth %.1f MiB, %.2f MiB per worker",
+                        kind,
+                        k["start_mib"],
+                        k["end_mib"],
+                        k["growth_mib"],
+                        k["growth_per_worker_mib"],
+                    )
         if args.json:
             print(json.dumps(results))
     finally:

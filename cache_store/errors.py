@@ -61,14 +61,22 @@ class FingerprintRemoved(RecordNotFound):
     ``prune``) at ``removed_at`` (seconds since the epoch). A ``RecordNotFound``, so code
     that handles a missing record handles this one too; the message says why."""
 
-    def __init__(self, fingerprint: str, cache: str = "", removed_at: float | None = None,
-                 key: str = "") -> None:
-        when = ("" if removed_at is None else " at " + _dt.datetime.fromtimestamp(
-            removed_at, _dt.UTC).isoformat(timespec="seconds"))
+    def __init__(
+        self, fingerprint: str, cache: str = "", removed_at: float | None = None, key: str = ""
+    ) -> None:
+        when = (
+            ""
+            if removed_at is None
+            else " at "
+            + _dt.datetime.fromtimestamp(removed_at, _dt.UTC).isoformat(timespec="seconds")
+        )
         where = f" from cache {cache}" if cache else ""
         what = f"record {key!r}: " if key else ""
-        Exception.__init__(self, f"{what}fingerprint {fingerprint} was removed{where}{when} "
-                                 f"(spcache rm/prune); compute it again to read it")
+        Exception.__init__(
+            self,
+            f"{what}fingerprint {fingerprint} was removed{where}{when} "
+            f"(spcache rm/prune); compute it again to read it",
+        )
         self.key = key or fingerprint
         self.cache = cache
         self.fingerprint = fingerprint
@@ -245,12 +253,15 @@ class StaleRecord(SpcacheError):
     source was edited, or another file stands under the same sample id), read with
     ``on_stale="error"``. The message names the key, the source and both hashes."""
 
-    def __init__(self, key: object, path: object = None, stored: object = None,
-                 current: object = None) -> None:
+    def __init__(
+        self, key: object, path: object = None, stored: object = None, current: object = None
+    ) -> None:
         if path is None:  # rebuilt from its message
             super().__init__(str(key))
         else:
-            super().__init__(f"record {key!r} is stale: it was computed from a source with "
-                             f"hash {stored}, and {path} now hashes to {current}")
+            super().__init__(
+                f"record {key!r} is stale: it was computed from a source with "
+                f"hash {stored}, and {path} now hashes to {current}"
+            )
         self.key = key
         self.path = path

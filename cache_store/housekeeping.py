@@ -48,8 +48,18 @@ from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.location import parse_location
 from cache_store.stores.base import open_store
 
-__all__ = ["ls", "rm", "prune", "compact", "parse_size", "parse_duration", "format_size",
-           "LimitTooSmall", "SizeLimit", "CacheEntry"]
+__all__ = [
+    "ls",
+    "rm",
+    "prune",
+    "compact",
+    "parse_size",
+    "parse_duration",
+    "format_size",
+    "LimitTooSmall",
+    "SizeLimit",
+    "CacheEntry",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +82,14 @@ def parse_size(text: str | int) -> int:
     if isinstance(text, int):
         value = text
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*", str(text), re.IGNORECASE)
+        match = re.fullmatch(
+            r"\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*", str(text), re.IGNORECASE
+        )
         if match is None:
-            raise ValueError(f"size {text!r}: expected a number of bytes, optionally with a "
-                             f"unit K, M, G, T (e.g. 500M, 2G, 1.5T)")
+            raise ValueError(
+                f"size {text!r}: expected a number of bytes, optionally with a "
+                f"unit K, M, G, T (e.g. 500M, 2G, 1.5T)"
+            )
         value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
     if value < 0:
         raise ValueError(f"size {text!r}: must not be negative")
@@ -90,8 +104,9 @@ def parse_duration(text: str | float) -> float:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
         if match is None:
-            raise ValueError(f"duration {text!r}: expected a number with a unit s, m, h, d "
-                             f"or w (e.g. 12h, 30d)")
+            raise ValueError(
+                f"duration {text!r}: expected a number with a unit s, m, h, d or w (e.g. 12h, 30d)"
+            )
         seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
     if seconds < 0:
         raise ValueError(f"duration {text!r}: must not be negative")
@@ -172,12 +187,21 @@ class CacheEntry:
         return spec is None or spec.version != self.recipe_version
 
     def as_json(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "recipe": self.recipe,
-                "recipe_version": self.recipe_version, "params": self.params,
-                "records": self.records, "bytes": self.bytes, "indexed": self.indexed,
-                "state": self.state, "failed": self.failed, "created": _iso(self.created),
-                "last_written": _iso(self.last_written), "last_read": _iso(self.last_read),
-                "recipe_changed": self.recipe_changed}
+        return {
+            "fingerprint": self.fingerprint,
+            "recipe": self.recipe,
+            "recipe_version": self.recipe_version,
+            "params": self.params,
+            "records": self.records,
+            "bytes": self.bytes,
+            "indexed": self.indexed,
+            "state": self.state,
+            "failed": self.failed,
+            "created": _iso(self.created),
+            "last_written": _iso(self.last_written),
+            "last_read": _iso(self.last_read),
+            "recipe_changed": self.recipe_changed,
+        }
 
 
 def _is_snapshot(cache: str | os.PathLike[str]) -> bool:
@@ -189,8 +213,10 @@ def _lmdb_store(cache: str | os.PathLike[str], *, readonly: bool) -> Any:
 
     where = parse_location(cache)
     if where.kind != "lmdb" or not where.is_local:
-        raise ReadOnlyStoreError(f"{cache}: a Zarr snapshot or remote cache is immutable here; "
-                                 f"rm, prune and compact act on a cache directory")
+        raise ReadOnlyStoreError(
+            f"{cache}: a Zarr snapshot or remote cache is immutable here; "
+            f"rm, prune and compact act on a cache directory"
+        )
     root = Path(where.target)
     if not root.is_dir():
         raise CacheNotFound(root, "not a directory" if root.exists() else "no such directory")
@@ -209,8 +235,12 @@ def _entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
         removals = store.removals()
         entries = []
         for fp, info in stats.items():
-            entry = CacheEntry(fp, records=int(info.get("records", 0)),
-                               bytes=int(info.get("bytes", 0)), removed_at=removals.get(fp))
+            entry = CacheEntry(
+                fp,
+                records=int(info.get("records", 0)),
+                bytes=int(info.get("bytes", 0)),
+                removed_at=removals.get(fp),
+            )
             if "index_error" in info:
                 entry.index_error = str(info["index_error"])
             if "recipe" in info:
@@ -220,7 +250,7 @@ def _entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
                 entry.created = _from_iso(info.get("created"))
                 if entry.indexed:
                     prefix = fp + "/"
-                    stored = {key[len(prefix):] for key in store.keys(prefix)}
+                    stored = {key[len(prefix) :] for key in store.keys(prefix)}
                     try:
                         ids = store.get_index(fp).sample_ids.tolist()
                     except FingerprintRemoved as exc:  # removed since the walk above
@@ -300,8 +330,10 @@ def _resolve(store: Any, cache: Path, names: Iterable[str]) -> list[str]:
         elif len(text) >= MIN_PREFIX and re.fullmatch(r"[0-9a-f]+", text):
             matches = sorted(fp for fp in known if fp.startswith(text))
         else:
-            problems.append(f"{name!r}: not a fingerprint (32 hex characters, or a prefix of "
-                            f"at least {MIN_PREFIX})")
+            problems.append(
+                f"{name!r}: not a fingerprint (32 hex characters, or a prefix of "
+                f"at least {MIN_PREFIX})"
+            )
             continue
         if len(matches) == 1:
             if matches[0] not in out:
@@ -309,17 +341,25 @@ def _resolve(store: Any, cache: Path, names: Iterable[str]) -> list[str]:
         elif not matches:
             problems.append(f"{name!r}: no such fingerprint in {cache}")
         else:
-            problems.append(f"{name!r}: matches {len(matches)} fingerprints "
-                            f"({', '.join(matches)}); give more characters")
+            problems.append(
+                f"{name!r}: matches {len(matches)} fingerprints "
+                f"({', '.join(matches)}); give more characters"
+            )
     if problems:
         listed = ", ".join(sorted(known)) or "none"
-        raise FingerprintLookupError("; ".join(problems) + f" (fingerprints here: {listed})",
-                                     sorted(known))
+        raise FingerprintLookupError(
+            "; ".join(problems) + f" (fingerprints here: {listed})", sorted(known)
+        )
     return out
 
 
-def rm(cache: str | os.PathLike[str], fingerprints: Iterable[str], *, failed: bool = False,
-       compact_after: bool = False) -> list[dict[str, Any]]:
+def rm(
+    cache: str | os.PathLike[str],
+    fingerprints: Iterable[str],
+    *,
+    failed: bool = False,
+    compact_after: bool = False,
+) -> list[dict[str, Any]]:
     """Remove fingerprints from a cache directory; one JSON-able report per fingerprint:
     ``fingerprint``, ``records`` and ``bytes`` deleted, ``cancelled`` queue items,
     ``failures`` forgotten.
@@ -341,8 +381,13 @@ def rm(cache: str | os.PathLike[str], fingerprints: Iterable[str], *, failed: bo
         failures = FailureLog(root)
         try:
             for fp in chosen:
-                report: dict[str, Any] = {"fingerprint": fp, "records": 0, "bytes": 0,
-                                          "cancelled": 0, "failures": 0}
+                report: dict[str, Any] = {
+                    "fingerprint": fp,
+                    "records": 0,
+                    "bytes": 0,
+                    "cancelled": 0,
+                    "failures": 0,
+                }
                 if queue is not None and not failed:
                     report["cancelled"] = queue.cancel_fingerprint(fp)
                 report["failures"] = failures.forget_fingerprint(fp)
@@ -352,8 +397,13 @@ def rm(cache: str | os.PathLike[str], fingerprints: Iterable[str], *, failed: bo
                     store.mark_removed(fp)
                     report["records"], report["bytes"] = store.delete_records(fp)
                     usage.forget(root, fp)
-                    log.info("%s: removed fingerprint %s (%d records, %d bytes)", root, fp,
-                             report["records"], report["bytes"])
+                    log.info(
+                        "%s: removed fingerprint %s (%d records, %d bytes)",
+                        root,
+                        fp,
+                        report["records"],
+                        report["bytes"],
+                    )
                 reports.append(report)
         finally:
             failures.close()
@@ -369,10 +419,15 @@ def rm(cache: str | os.PathLike[str], fingerprints: Iterable[str], *, failed: bo
 # --------------------------------------------------------------------------- prune
 
 
-def plan_prune(entries: list[CacheEntry], *, max_size: int | None = None,
-               unused_for: float | None = None, keep: int | None = None,
-               protect: Iterable[str] = (), now: float | None = None,
-               ) -> tuple[list[CacheEntry], list[CacheEntry]]:
+def plan_prune(
+    entries: list[CacheEntry],
+    *,
+    max_size: int | None = None,
+    unused_for: float | None = None,
+    keep: int | None = None,
+    protect: Iterable[str] = (),
+    now: float | None = None,
+) -> tuple[list[CacheEntry], list[CacheEntry]]:
     """``(remove, kept)``: which fingerprints a prune removes, least recently used first.
 
     ``protect`` (queued, running, being written) and the ``keep`` most recently used are
@@ -391,13 +446,17 @@ def plan_prune(entries: list[CacheEntry], *, max_size: int | None = None,
     if max_size is not None and must_keep:
         largest = max(must_keep, key=lambda e: e.bytes)
         if largest.bytes > max_size:
-            why = ("it has queue items pending or running, or is being written"
-                   if largest.fingerprint in protected else f"it is among the {keep} kept")
+            why = (
+                "it has queue items pending or running, or is being written"
+                if largest.fingerprint in protected
+                else f"it is among the {keep} kept"
+            )
             raise LimitTooSmall(
                 f"size limit {max_size} bytes ({format_size(max_size)}) is smaller than "
                 f"fingerprint {largest.fingerprint} ({largest.bytes} bytes, "
                 f"{format_size(largest.bytes)}), which must be kept: {why}; give a larger "
-                f"limit")
+                f"limit"
+            )
     candidates = [e for e in lru if e.fingerprint not in keep_names]
     chosen: set[str] = set()
     if unused_for is not None:
@@ -425,10 +484,16 @@ def _active(cache: Path) -> set[str]:
         queue.close()
 
 
-def prune(cache: str | os.PathLike[str], *, max_size: int | str | None = None,
-          unused_for: float | str | None = None, keep: int | None = None,
-          dry_run: bool = False, protect: Iterable[str] = (),
-          compact_after: bool = False) -> dict[str, Any]:
+def prune(
+    cache: str | os.PathLike[str],
+    *,
+    max_size: int | str | None = None,
+    unused_for: float | str | None = None,
+    keep: int | None = None,
+    dry_run: bool = False,
+    protect: Iterable[str] = (),
+    compact_after: bool = False,
+) -> dict[str, Any]:
     """Remove least recently used fingerprints (see :func:`plan_prune`); never one with
     queue items pending or running. Returns ``{"removed": [rows], "kept": [rows],
     "bytes_before", "bytes_after", "dry_run"}`` (rows as :func:`ls`'s)."""
@@ -439,14 +504,19 @@ def prune(cache: str | os.PathLike[str], *, max_size: int | str | None = None,
         raise ValueError(f"keep {keep}: must not be negative")
     _lmdb_store(root, readonly=True).close()  # a clear error for a snapshot or a bad path
     entries = _entries(root)
-    remove, kept = plan_prune(entries, max_size=limit, unused_for=unused, keep=keep,
-                              protect=set(protect) | _active(root))
+    remove, kept = plan_prune(
+        entries, max_size=limit, unused_for=unused, keep=keep, protect=set(protect) | _active(root)
+    )
     if remove and not dry_run:
         rm(root, [e.fingerprint for e in remove], compact_after=compact_after)
     before = sum(e.bytes for e in entries)
-    return {"removed": [e.as_json() for e in remove], "kept": [e.as_json() for e in kept],
-            "bytes_before": before, "bytes_after": before - sum(e.bytes for e in remove),
-            "dry_run": dry_run}
+    return {
+        "removed": [e.as_json() for e in remove],
+        "kept": [e.as_json() for e in kept],
+        "bytes_before": before,
+        "bytes_after": before - sum(e.bytes for e in remove),
+        "dry_run": dry_run,
+    }
 
 
 # --------------------------------------------------------------------------- compact
@@ -477,8 +547,9 @@ class SizeLimit:
     ``refresh_s``; the one being written after every batch.
     """
 
-    def __init__(self, cache: str | os.PathLike[str], max_size: int, *,
-                 refresh_s: float = 60.0) -> None:
+    def __init__(
+        self, cache: str | os.PathLike[str], max_size: int, *, refresh_s: float = 60.0
+    ) -> None:
         self.cache = Path(cache)
         self.max_size = int(max_size)
         self.refresh_s = refresh_s
@@ -521,7 +592,8 @@ class SizeLimit:
                 f"than fingerprint {largest.fingerprint} already in {self.cache} "
                 f"({largest.bytes} bytes, {format_size(largest.bytes)}): it could not be "
                 f"evicted while it is written; give a larger limit or remove it first "
-                f"(spcache rm)")
+                f"(spcache rm)"
+            )
 
     def after_batch(self, writing: str | None) -> list[str]:
         """Evict what the limit asks for; returns the fingerprints removed."""
@@ -539,13 +611,23 @@ class SizeLimit:
                 log.warning("%s: over --max-size and nothing can be evicted: %s", self.cache, exc)
         if remove:
             names = [e.fingerprint for e in remove]
-            log.info("%s: %d bytes stored, over --max-size %d: evicting %s (least recently "
-                     "used)", self.cache, self.total(), self.max_size, ", ".join(names))
+            log.info(
+                "%s: %d bytes stored, over --max-size %d: evicting %s (least recently used)",
+                self.cache,
+                self.total(),
+                self.max_size,
+                ", ".join(names),
+            )
             rm(self.cache, names)
             for name in names:
                 self._entries.pop(name, None)
         if self.total() > self.max_size and writing not in self._warned:
             self._warned.add(writing or "")
-            log.warning("%s: still %d bytes stored, over --max-size %d: the rest is queued, "
-                        "running or being written", self.cache, self.total(), self.max_size)
+            log.warning(
+                "%s: still %d bytes stored, over --max-size %d: the rest is queued, "
+                "running or being written",
+                self.cache,
+                self.total(),
+                self.max_size,
+            )
         return [e.fingerprint for e in remove]

@@ -77,12 +77,14 @@ def _check_param_value(path: str, value: Any) -> None:
 
 def canonical_json(obj: Any) -> str:
     """JSON with sorted keys, no spaces and no NaN: equal values give equal text."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False,
-                      allow_nan=False)
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
-def compute_fingerprint(recipe: str, recipe_version: int,
-                        resolved_params: Mapping[str, Any]) -> str:
+def compute_fingerprint(
+    recipe: str, recipe_version: int, resolved_params: Mapping[str, Any]
+) -> str:
     """Return the fingerprint (32 lowercase hex chars) of a recipe run.
 
     ``resolved_params`` must hold *every* parameter, defaults filled in (see
@@ -95,8 +97,9 @@ def compute_fingerprint(recipe: str, recipe_version: int,
     if isinstance(recipe_version, bool) or not isinstance(recipe_version, int):
         raise ParameterError([f"recipe_version: expected an integer, got {recipe_version!r}"])
     _check_param_value("params", dict(resolved_params))
-    text = canonical_json({"recipe": recipe, "recipe_version": recipe_version,
-                           "params": dict(resolved_params)})
+    text = canonical_json(
+        {"recipe": recipe, "recipe_version": recipe_version, "params": dict(resolved_params)}
+    )
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=FINGERPRINT_HEX_CHARS // 2)
     return digest.hexdigest()
 
@@ -109,8 +112,14 @@ def is_fingerprint(text: object) -> TypeGuard[str]:
 def validate_fingerprint(fingerprint: object) -> str:
     """Return ``fingerprint`` if it is 32 lowercase hex chars, else raise ``ParameterError``."""
     if not is_fingerprint(fingerprint):
-        raise ParameterError([(f"fingerprint: expected {FINGERPRINT_HEX_CHARS} lowercase hex "
-                              f"characters, got {fingerprint!r}")])
+        raise ParameterError(
+            [
+                (
+                    f"fingerprint: expected {FINGERPRINT_HEX_CHARS} lowercase hex "
+                    f"characters, got {fingerprint!r}"
+                )
+            ]
+        )
     return fingerprint
 
 
@@ -149,11 +158,15 @@ def validate_sample_id(sample_id: object) -> str:
         raise InvalidSampleId(sample_id, "empty")
     for ch in sample_id:
         if unicodedata.category(ch) in _REFUSED_CATEGORIES:
-            raise InvalidSampleId(sample_id, f"contains the control or invisible character "
-                                             f"U+{ord(ch):04X}")
+            raise InvalidSampleId(
+                sample_id, f"contains the control or invisible character U+{ord(ch):04X}"
+            )
     if "\ufffd" in sample_id:  # what a lossy decoder makes of bytes that are not UTF-8
-        raise InvalidSampleId(sample_id, "contains U+FFFD (the id was not valid UTF-8 "
-                                         "somewhere; distinct bytes would share this id)")
+        raise InvalidSampleId(
+            sample_id,
+            "contains U+FFFD (the id was not valid UTF-8 "
+            "somewhere; distinct bytes would share this id)",
+        )
     normalised = unicodedata.normalize("NFC", sample_id)
     if len(normalised.encode("utf-8")) > MAX_SAMPLE_ID_BYTES:
         raise InvalidSampleId(sample_id, f"longer than {MAX_SAMPLE_ID_BYTES} bytes in UTF-8")

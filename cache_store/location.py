@@ -52,7 +52,7 @@ def parse_location(location: str | os.PathLike[str]) -> Location:
     text = os.fspath(location)
     match = _SCHEME.match(text)
     scheme = match.group(1).lower() if match else ""
-    rest = text[match.end():] if match else text
+    rest = text[match.end() :] if match else text
     if scheme == "file":
         host, slash, path = rest.partition("/")
         if host not in ("", "localhost"):
@@ -67,8 +67,9 @@ def parse_location(location: str | os.PathLike[str]) -> Location:
     elif target.rstrip("/").lower().endswith(".zarr"):
         kind = "zarr"
     elif scheme:
-        raise UnknownName("store location scheme", scheme,
-                          ["http", "https", "file", "<any>://….zarr"])
+        raise UnknownName(
+            "store location scheme", scheme, ["http", "https", "file", "<any>://….zarr"]
+        )
     else:
         kind = "lmdb"
     return Location(text=text, scheme=scheme, target=target, kind=kind)

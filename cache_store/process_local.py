@@ -42,8 +42,7 @@ class ProcessLocal(Generic[T]):
     Pickles empty (a handle never travels to a spawned process); thread-safe.
     """
 
-    def __init__(self, opener: Callable[[], T],
-                 closer: Callable[[T], None] | None = None) -> None:
+    def __init__(self, opener: Callable[[], T], closer: Callable[[T], None] | None = None) -> None:
         self.opener = opener
         self.closer = closer
         self._value: T | None = None

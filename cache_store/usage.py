@@ -20,8 +20,15 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["USAGE_DIR", "note_read", "note_written", "last_read", "last_written", "forget",
-           "Throttle"]
+__all__ = [
+    "USAGE_DIR",
+    "note_read",
+    "note_written",
+    "last_read",
+    "last_written",
+    "forget",
+    "Throttle",
+]
 
 log = logging.getLogger(__name__)
 

@@ -38,18 +38,25 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        log.info("serving cache %s (source roots: %s; token %s)", settings.cache,
-                 ", ".join(str(r) for r in settings.source_roots),
-                 "required for mutations" if settings.token else "not set (loopback only)")
+        log.info(
+            "serving cache %s (source roots: %s; token %s)",
+            settings.cache,
+            ", ".join(str(r) for r in settings.source_roots),
+            "required for mutations" if settings.token else "not set (loopback only)",
+        )
         try:
             yield
         finally:
             ctx.close()
 
-    app = FastAPI(title="spcache", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None,  # offline versions: service.routes_page
-                  description="Precomputed SPC octrees and octree queries, served as "
-                              "safetensors records.")
+    app = FastAPI(
+        title="spcache",
+        version=__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,  # offline versions: service.routes_page
+        description="Precomputed SPC octrees and octree queries, served as safetensors records.",
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(health_router, responses=ERROR_RESPONSES)
@@ -58,8 +65,9 @@ def create_app(settings: Settings) -> FastAPI:
     install_page(app)
     # Added last = outermost: metrics see every answer, the 413s included.
     app.add_middleware(RecordFastPath, ctx=ctx)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=settings.max_body_bytes, body_timeout_s=settings.body_timeout_s
+    )
     # Host check before anything reads the body; redaction of local details outside
     # every route (see service.hosts).
     app.add_middleware(HostGuard, settings=settings)

@@ -19,7 +19,9 @@ def require_token(request: Request) -> None:
         return
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
     expected = token.get_secret_value().encode("utf-8")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode("utf-8"),
-                                                                  expected):
-        raise HTTPException(401, "missing or wrong bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        given.strip().encode("utf-8"), expected
+    ):
+        raise HTTPException(
+            401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )

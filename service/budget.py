@@ -56,9 +56,11 @@ class ByteBudget:
         :class:`ReadBudgetBusy` when the reservation does not fit now."""
         with self._lock:
             if self.used + nbytes > self.limit and self.used > 0:
-                raise ReadBudgetBusy(f"{what}: {nbytes} bytes would pass the service's read "
-                                     f"budget ({self.used} of {self.limit} bytes in flight); "
-                                     "retry shortly")
+                raise ReadBudgetBusy(
+                    f"{what}: {nbytes} bytes would pass the service's read "
+                    f"budget ({self.used} of {self.limit} bytes in flight); "
+                    "retry shortly"
+                )
             self.used += nbytes
         released = False
 

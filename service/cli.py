@@ -32,38 +32,75 @@ log = logging.getLogger(__name__)
 
 def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--cache", help="cache directory (env SPCACHE_CACHE)")
-    parser.add_argument("--host", help="address to bind (default 127.0.0.1; anything but "
-                                       "loopback needs a token)")
+    parser.add_argument(
+        "--host", help="address to bind (default 127.0.0.1; anything but loopback needs a token)"
+    )
     parser.add_argument("--port", type=int, help="port (default 8000)")
-    parser.add_argument("--token", help="bearer token for mutating routes (env SPCACHE_TOKEN; "
-                                        "prefer the environment: flags show in ps)")
-    parser.add_argument("--source-root", action="append", dest="source_roots", metavar="DIR",
-                        help="warm-up sources must resolve inside one of these (repeatable; "
-                             "env SPCACHE_SOURCE_ROOTS, os.pathsep-separated; default: cwd)")
-    parser.add_argument("--no-worker", action="store_false", dest="worker", default=None,
-                        help="do not start a worker child (run `spcache worker` elsewhere)")
+    parser.add_argument(
+        "--token",
+        help="bearer token for mutating routes (env SPCACHE_TOKEN; "
+        "prefer the environment: flags show in ps)",
+    )
+    parser.add_argument(
+        "--source-root",
+        action="append",
+        dest="source_roots",
+        metavar="DIR",
+        help="warm-up sources must resolve inside one of these (repeatable; "
+        "env SPCACHE_SOURCE_ROOTS, os.pathsep-separated; default: cwd)",
+    )
+    parser.add_argument(
+        "--no-worker",
+        action="store_false",
+        dest="worker",
+        default=None,
+        help="do not start a worker child (run `spcache worker` elsewhere)",
+    )
     parser.add_argument("--device", dest="worker_device", help="the worker's device (e.g. cuda:0)")
     parser.add_argument("--backend", dest="worker_backend", help="the worker's SPC ops backend")
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     parser.add_argument("--log-level", help="debug, info, warning, error (default info)")
-    parser.add_argument("--max-size", metavar="SIZE",
-                        help="keep the cache's records under SIZE (bytes, or 500M, 2G): the "
-                             "worker removes least recently used fingerprints after each batch")
-    parser.add_argument("--tls-certfile", metavar="PEM", help="serve HTTPS with this "
-                        "certificate chain (env SPCACHE_TLS_CERTFILE; needs --tls-keyfile)")
-    parser.add_argument("--tls-keyfile", metavar="PEM", help="the certificate's private key "
-                                                             "(env SPCACHE_TLS_KEYFILE)")
+    parser.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="keep the cache's records under SIZE (bytes, or 500M, 2G): the "
+        "worker removes least recently used fingerprints after each batch",
+    )
+    parser.add_argument(
+        "--tls-certfile",
+        metavar="PEM",
+        help="serve HTTPS with this "
+        "certificate chain (env SPCACHE_TLS_CERTFILE; needs --tls-keyfile)",
+    )
+    parser.add_argument(
+        "--tls-keyfile",
+        metavar="PEM",
+        help="the certificate's private key (env SPCACHE_TLS_KEYFILE)",
+    )
     return parser
 
 
-_FLAG_FIELDS = ("cache", "host", "port", "token", "source_roots", "worker", "worker_device",
-                "worker_backend", "max_body_bytes", "log_level", "tls_certfile", "tls_keyfile")
+_FLAG_FIELDS = (
+    "cache",
+    "host",
+    "port",
+    "token",
+    "source_roots",
+    "worker",
+    "worker_device",
+    "worker_backend",
+    "max_body_bytes",
+    "log_level",
+    "tls_certfile",
+    "tls_keyfile",
+)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings from the environment, overridden by the flags that were given."""
-    given: dict[str, Any] = {name: getattr(args, name) for name in _FLAG_FIELDS
-                             if getattr(args, name, None) is not None}
+    given: dict[str, Any] = {
+        name: getattr(args, name) for name in _FLAG_FIELDS if getattr(args, name, None) is not None
+    }
     return Settings(**given)
 
 
@@ -80,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
-                             f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
+            f"{e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
         sys.stderr.write(f"spcache serve: {problems}\n")
         return 2
     if settings.cache.exists() and not settings.cache.is_dir():
@@ -90,8 +130,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings.cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        sys.stderr.write(f"spcache serve: {settings.cache}: cannot create the cache "
-                         f"directory ({exc.strerror or exc})\n")
+        sys.stderr.write(
+            f"spcache serve: {settings.cache}: cannot create the cache "
+            f"directory ({exc.strerror or exc})\n"
+        )
         return 2
     busy = port_problem(settings.host, settings.port)
     if busy:
@@ -102,8 +144,10 @@ def run(args: argparse.Namespace) -> int:
         from cache_store.housekeeping import LimitTooSmall, SizeLimit, parse_size
 
         if not settings.worker:
-            sys.stderr.write("spcache serve: --max-size is kept by the worker; with "
-                             "--no-worker give it to `spcache worker` instead\n")
+            sys.stderr.write(
+                "spcache serve: --max-size is kept by the worker; with "
+                "--no-worker give it to `spcache worker` instead\n"
+            )
             return 2
         try:
             max_size = parse_size(args.max_size)
@@ -130,10 +174,16 @@ def port_problem(host: str, port: int) -> str | None:
         try:
             probe.bind(address)
         except OSError as exc:
-            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-            return (f"cannot listen on {host}:{port}: {reason}"
-                    + (" (pick another --port, or stop what holds it)"
-                       if exc.errno == errno.EADDRINUSE else ""))
+            reason = (
+                "the port is in use"
+                if exc.errno == errno.EADDRINUSE
+                else (exc.strerror or str(exc))
+            )
+            return f"cannot listen on {host}:{port}: {reason}" + (
+                " (pick another --port, or stop what holds it)"
+                if exc.errno == errno.EADDRINUSE
+                else ""
+            )
     return None
 
 
@@ -146,27 +196,47 @@ def serve(settings: Settings, *, max_size: int | None = None) -> int:
     settings.cache.mkdir(parents=True, exist_ok=True)
     supervisor = None
     log.info("spcache serve: cache %s", settings.cache.resolve())
-    log.info("spcache serve: warm-up sources must lie under %s",
-             ", ".join(str(r) for r in settings.source_roots))
+    log.info(
+        "spcache serve: warm-up sources must lie under %s",
+        ", ".join(str(r) for r in settings.source_roots),
+    )
     if settings.worker:
         supervisor = WorkerSupervisor(
-            worker_command(str(settings.cache), device=settings.worker_device,
-                           backend=settings.worker_backend, log_level=settings.log_level,
-                           source_roots=settings.source_roots,
-                           extra=() if max_size is None else ("--max-size", str(max_size))),
-            max_backoff_s=settings.worker_restart_max_s, cache=settings.cache)
-        log.info("spcache serve: worker child on device %s (backend %s)",
-                 settings.worker_device or "auto", settings.worker_backend)
+            worker_command(
+                str(settings.cache),
+                device=settings.worker_device,
+                backend=settings.worker_backend,
+                log_level=settings.log_level,
+                source_roots=settings.source_roots,
+                extra=() if max_size is None else ("--max-size", str(max_size)),
+            ),
+            max_backoff_s=settings.worker_restart_max_s,
+            cache=settings.cache,
+        )
+        log.info(
+            "spcache serve: worker child on device %s (backend %s)",
+            settings.worker_device or "auto",
+            settings.worker_backend,
+        )
         supervisor.start()
     else:
-        log.info("spcache serve: no worker child (--no-worker); run `spcache worker --cache %s`",
-                 settings.cache)
+        log.info(
+            "spcache serve: no worker child (--no-worker); run `spcache worker --cache %s`",
+            settings.cache,
+        )
     log.info("spcache serve: listening on %s", settings.url)
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level.lower(), server_header=False,
-                            proxy_headers=False, timeout_graceful_shutdown=10,
-                            log_config=None, ssl_certfile=settings.tls_certfile,
-                            ssl_keyfile=settings.tls_keyfile)
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=10,
+        log_config=None,
+        ssl_certfile=settings.tls_certfile,
+        ssl_keyfile=settings.tls_keyfile,
+    )
 
     class Server(uvicorn.Server):
         # uvicorn re-raises a caught SIGTERM/SIGINT once it has shut down (so the exit
@@ -190,11 +260,14 @@ def serve(settings: Settings, *, max_size: int | None = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m service.cli``: serve without the ``spcache`` dispatcher."""
-    parser = configure_parser(argparse.ArgumentParser(
-        prog="spcache serve", description=__doc__.splitlines()[0]))
+    parser = configure_parser(
+        argparse.ArgumentParser(prog="spcache serve", description=__doc__.splitlines()[0])
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=(log_level(args) or "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=(log_level(args) or "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     return run(args)
 
 

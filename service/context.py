@@ -24,6 +24,7 @@ __all__ = ["ServiceContext", "CacheStats", "Context", "get_context"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class CacheStats:
     records: int
@@ -97,12 +98,16 @@ class ServiceContext:
                 signature = None  # cannot tell: the walk says what is wrong
             now = time.time()
             known = self._walk is not None or self._walk_damage is not None
-            stale = (now - self._walk_at >= self.settings.stats_ttl_s
-                     or (want is not None and self._walk is not None and want not in self._walk))
+            stale = now - self._walk_at >= self.settings.stats_ttl_s or (
+                want is not None and self._walk is not None and want not in self._walk
+            )
             # a damaged cache is walked again each time the walk is stale: damage and its
             # repair happen out of band, without a write the counter would count
-            changed = (signature is None or signature != self._walk_signature
-                       or self._walk_damage is not None)
+            changed = (
+                signature is None
+                or signature != self._walk_signature
+                or self._walk_damage is not None
+            )
             if not known or (changed and stale):
                 try:
                     self._walk = stats_cache(self.cache)["fingerprints"]
@@ -123,8 +128,7 @@ class ServiceContext:
     def cache_stats(self, fingerprint: str) -> CacheStats:
         """Records and bytes stored under a fingerprint (from :meth:`cache_walk`)."""
         entry = self.cache_walk(fingerprint).get(fingerprint, {})
-        return CacheStats(int(entry.get("records", 0)), int(entry.get("bytes", 0)),
-                          self._walk_at)
+        return CacheStats(int(entry.get("records", 0)), int(entry.get("bytes", 0)), self._walk_at)
 
 
 def get_context(request: Request) -> ServiceContext:

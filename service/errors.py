@@ -38,10 +38,18 @@ from cache_store.errors import (
     UnknownName,
 )
 
-__all__ = ["WaitingFull", "STATUS_BY_ERROR", "ERROR_RESPONSES", "ErrorBody", "status_for", "error_response",
-           "install_error_handlers"]
+__all__ = [
+    "WaitingFull",
+    "STATUS_BY_ERROR",
+    "ERROR_RESPONSES",
+    "ErrorBody",
+    "status_for",
+    "error_response",
+    "install_error_handlers",
+]
 
 log = logging.getLogger(__name__)
+
 
 class WaitingFull(SpcacheError):
     """Every read-through wait slot is taken (``max_waiting_requests``); retry after
@@ -96,8 +104,14 @@ def status_for(exc: BaseException) -> int:
     return 500
 
 
-def error_response(status: int, error: str, detail: str, *, problems: list[Any] | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    error: str,
+    detail: str,
+    *,
+    problems: list[Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body: dict[str, Any] = {"error": error, "detail": detail}
     # HEAD answers lose their body: the error's name also travels as a header.
     headers = {**(headers or {}), ERROR_HEADER: error}
@@ -118,9 +132,13 @@ async def _spcache_error(request: Request, exc: Exception) -> JSONResponse:
     if status >= 500:
         log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
     problems = getattr(exc, "problems", None)
-    return error_response(status, type(exc).__name__, _detail(exc),
-                          problems=list(problems) if problems is not None else None,
-                          headers=headers)
+    return error_response(
+        status,
+        type(exc).__name__,
+        _detail(exc),
+        problems=list(problems) if problems is not None else None,
+        headers=headers,
+    )
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -129,16 +147,24 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()))
         problems.append(f"{where}: {err.get('msg', 'invalid')}")
-    return error_response(422, "RequestValidationError", "invalid request: " + "; ".join(problems),
-                          problems=problems)
+    return error_response(
+        422, "RequestValidationError", "invalid request: " + "; ".join(problems), problems=problems
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    name = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "MethodNotAllowed",
-            408: "RequestTimeout", 413: "RequestTooLarge"}.get(exc.status_code, "HTTPError")
-    return error_response(exc.status_code, name, str(exc.detail),
-                          headers=dict(exc.headers) if exc.headers else None)
+    name = {
+        401: "Unauthorized",
+        403: "Forbidden",
+        404: "NotFound",
+        405: "MethodNotAllowed",
+        408: "RequestTimeout",
+        413: "RequestTooLarge",
+    }.get(exc.status_code, "HTTPError")
+    return error_response(
+        exc.status_code, name, str(exc.detail), headers=dict(exc.headers) if exc.headers else None
+    )
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

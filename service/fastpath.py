@@ -63,19 +63,26 @@ class RecordFastPath:
                 # One chunk copied at a time; each send waits while the connection's
                 # buffer is full, so the reservation is held until the last chunk left.
                 for chunk in body.chunks():
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 await send({"type": "http.response.body", "body": b""})
             else:
-                await send({"type": "http.response.body",
-                            "body": body if scope["method"] == "GET"
-                            and not isinstance(body, RecordStream) else b""})
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": body
+                        if scope["method"] == "GET" and not isinstance(body, RecordStream)
+                        else b"",
+                    }
+                )
         finally:
             release()
 
-    def _answer(self, fingerprint: str, raw_id: str, scope: Scope,
-                ) -> tuple[int, list[tuple[bytes, bytes]], bytes | RecordStream,
-                           Callable[[], None]] | None:
+    def _answer(
+        self,
+        fingerprint: str,
+        raw_id: str,
+        scope: Scope,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes | RecordStream, Callable[[], None]] | None:
         fields = None
         if scope.get("query_string"):
             query = parse_qs(scope["query_string"].decode("latin-1"), keep_blank_values=True)
@@ -90,8 +97,12 @@ class RecordFastPath:
             return None
         headers = [(b"etag", etag.encode()), (b"cache-control", b"no-cache")]
         if self.ctx.settings.record_key is not None:
-            headers += [(name.lower().encode(), tag.encode()) for name, tag in
-                        record_tag_header(self.ctx, record_key(fingerprint, raw_id), etag).items()]
+            headers += [
+                (name.lower().encode(), tag.encode())
+                for name, tag in record_tag_header(
+                    self.ctx, record_key(fingerprint, raw_id), etag
+                ).items()
+            ]
         if_none_match = None
         for name, val in scope["headers"]:
             if name == b"if-none-match":

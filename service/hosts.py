@@ -56,7 +56,7 @@ def host_of(header: str) -> str:
     """``example:8000`` -> ``example``; ``[::1]:8000`` -> ``::1``; lower case."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1:header.find("]")] if "]" in header else header
+        return header[1 : header.find("]")] if "]" in header else header
     if header.count(":") == 1:
         return header.split(":", 1)[0]
     return header
@@ -100,9 +100,12 @@ class HostGuard:
                 token = value
         if not _host_allowed(host, self._allowed()):
             text = host.decode("latin-1")
-            await _reject(send, f"Host {text[:200]!r} is not served here (allowed: "
-                                f"{', '.join(sorted(self._allowed()))}; set "
-                                "SPCACHE_ALLOWED_HOSTS)")
+            await _reject(
+                send,
+                f"Host {text[:200]!r} is not served here (allowed: "
+                f"{', '.join(sorted(self._allowed()))}; set "
+                "SPCACHE_ALLOWED_HOSTS)",
+            )
             return
         if self._trusted(scope, token):
             await self.app(scope, receive, send)
@@ -120,7 +123,8 @@ class HostGuard:
         if token is not None and authorization:
             scheme, _, given = authorization.decode("latin-1").partition(" ")
             if scheme.lower() == "bearer" and secrets.compare_digest(
-                    given.strip().encode("utf-8"), token.get_secret_value().encode("utf-8")):
+                given.strip().encode("utf-8"), token.get_secret_value().encode("utf-8")
+            ):
                 return True
         client = scope.get("client")
         return client is not None and _loopback(str(client[0]))
@@ -130,7 +134,8 @@ class HostGuard:
         if cached is None:
             cached = self._secrets_cache = _patterns(
                 [(self.settings.cache, "<cache>")]
-                + [(root, "<source-root>") for root in self.settings.source_roots])
+                + [(root, "<source-root>") for root in self.settings.source_roots]
+            )
         return cached
 
 
@@ -151,8 +156,10 @@ def _patterns(paths: Iterable[tuple[Path, str]]) -> list[tuple[re.Pattern[bytes]
         for form in {str(path), str(Path(path).expanduser().resolve())}:
             if len(form) > 1:  # never rewrite a bare "/"
                 subs[form] = label
-    out = [(re.compile(re.escape(text).encode()), label.encode())
-           for text, label in sorted(subs.items(), key=lambda kv: -len(kv[0]))]
+    out = [
+        (re.compile(re.escape(text).encode()), label.encode())
+        for text, label in sorted(subs.items(), key=lambda kv: -len(kv[0]))
+    ]
     host = socket.gethostname()
     if host:
         out.append((re.compile(re.escape(host).encode() + rb":\d+"), b"<worker>"))
@@ -193,7 +200,14 @@ class _Redacting:
 
 async def _reject(send: Send, detail: str) -> None:
     body = json.dumps({"error": "BadHost", "detail": detail}).encode()
-    await send({"type": "http.response.start", "status": 400,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

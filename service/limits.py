@@ -60,8 +60,9 @@ class BodySizeLimit:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
             except TimeoutError:
-                raise _TooSlow(408, f"request body not received within "
-                                    f"{self.body_timeout_s:g} s") from None
+                raise _TooSlow(
+                    408, f"request body not received within {self.body_timeout_s:g} s"
+                ) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
@@ -84,16 +85,24 @@ class BodySizeLimit:
                 await self._reject(send, 408, "RequestTimeout", str(exc.detail))
 
     async def _reject_size(self, send: Send) -> None:
-        await self._reject(send, 413, "RequestTooLarge",
-                           f"request body larger than {self.max_bytes} bytes")
+        await self._reject(
+            send, 413, "RequestTooLarge", f"request body larger than {self.max_bytes} bytes"
+        )
 
     @staticmethod
     async def _reject(send: Send, status: int, error: str, detail: str) -> None:
         body = json.dumps({"error": error, "detail": detail}).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -110,8 +119,10 @@ class WaitSlots:
     def slot(self) -> Iterator[None]:
         with self._lock:
             if self.taken >= self.limit:
-                raise WaitingFull(f"{self.taken} requests are already waiting for records "
-                                  f"(max_waiting_requests={self.limit}); retry shortly")
+                raise WaitingFull(
+                    f"{self.taken} requests are already waiting for records "
+                    f"(max_waiting_requests={self.limit}); retry shortly"
+                )
             self.taken += 1
         try:
             yield

@@ -26,15 +26,28 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self._requests = Counter("spcache_http_requests", "HTTP requests by method, route and status",
-                                 ["method", "route", "status"], registry=self.registry)
-        self._bytes = Counter("spcache_http_response_bytes", "response body bytes sent, by route",
-                              ["route"], registry=self.registry)
-        self._records = Counter("spcache_records_served",
-                                "records sent (single and batch reads)", registry=self.registry)
-        self._hashed = Counter("spcache_source_bytes_hashed",
-                               "source bytes hashed to compare records with their sources "
-                               "(sample listings)", registry=self.registry)
+        self._requests = Counter(
+            "spcache_http_requests",
+            "HTTP requests by method, route and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self._bytes = Counter(
+            "spcache_http_response_bytes",
+            "response body bytes sent, by route",
+            ["route"],
+            registry=self.registry,
+        )
+        self._records = Counter(
+            "spcache_records_served",
+            "records sent (single and batch reads)",
+            registry=self.registry,
+        )
+        self._hashed = Counter(
+            "spcache_source_bytes_hashed",
+            "source bytes hashed to compare records with their sources (sample listings)",
+            registry=self.registry,
+        )
         self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._lock = threading.Lock()
 
@@ -43,8 +56,10 @@ class Metrics:
         children = self._children.get(key)
         if children is None:  # label lookups cost ~2 us: once per (method, route, status)
             with self._lock:
-                children = self._children.setdefault(key, (
-                    self._requests.labels(method, route, str(status)), self._bytes.labels(route)))
+                children = self._children.setdefault(
+                    key,
+                    (self._requests.labels(method, route, str(status)), self._bytes.labels(route)),
+                )
         children[0].inc()
         children[1].inc(nbytes)
 
@@ -63,7 +78,9 @@ class Metrics:
             for sample in family.samples:
                 if sample.name == "spcache_http_requests_total":
                     labels = sample.labels
-                    requests[(labels["method"], labels["route"], labels["status"])] = int(sample.value)
+                    requests[(labels["method"], labels["route"], labels["status"])] = int(
+                        sample.value
+                    )
                 elif sample.name == "spcache_http_response_bytes_total":
                     nbytes[sample.labels["route"]] = int(sample.value)
                 elif sample.name == "spcache_records_served_total":
@@ -96,6 +113,9 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            route = (scope.get("spcache.route") or getattr(scope.get("route"), "path", None)
-                     or "unmatched")
+            route = (
+                scope.get("spcache.route")
+                or getattr(scope.get("route"), "path", None)
+                or "unmatched"
+            )
             self.metrics.observe(scope["method"], route, status, nbytes)

@@ -26,9 +26,21 @@ from cache_store.errors import CorruptRecord, ParameterError
 from cache_store.format.decode import decode_arrays
 from cache_store.format.header import read_header
 
-__all__ = ["VIEWS", "MAX_SIZE", "MIN_SIZE", "MAX_SPLATS", "MAX_QUERY_POINTS", "PreviewRequest",
-           "level_voxels", "render_voxels", "render_record", "drawn_fields", "encode_png", "decode_png_rgb",
-           "record_levels"]
+__all__ = [
+    "VIEWS",
+    "MAX_SIZE",
+    "MIN_SIZE",
+    "MAX_SPLATS",
+    "MAX_QUERY_POINTS",
+    "PreviewRequest",
+    "level_voxels",
+    "render_voxels",
+    "render_record",
+    "drawn_fields",
+    "encode_png",
+    "decode_png_rgb",
+    "record_levels",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +112,9 @@ def half_extent(rotation: np.ndarray) -> float:
     return float(np.abs(corners @ rotation[:2].T).max())
 
 
-def level_voxels(point_hierarchy: np.ndarray, pyramid: np.ndarray, level: int, *,
-                 key: str = "") -> np.ndarray:
+def level_voxels(
+    point_hierarchy: np.ndarray, pyramid: np.ndarray, level: int, *, key: str = ""
+) -> np.ndarray:
     """The voxel coordinates of one level.
 
     Args:
@@ -120,16 +133,22 @@ def level_voxels(point_hierarchy: np.ndarray, pyramid: np.ndarray, level: int, *
         raise CorruptRecord(key, f"pyramid of shape {tuple(pyramid.shape)}, expected (2, L+2)")
     max_level = pyramid.shape[1] - 2
     if not 0 <= level <= max_level:
-        raise ParameterError([f"level: {level} is outside this record's levels 0..{max_level}"],
-                             what="preview request")
+        raise ParameterError(
+            [f"level: {level} is outside this record's levels 0..{max_level}"],
+            what="preview request",
+        )
     count, start = int(pyramid[0, level]), int(pyramid[1, level])
     if count < 0 or start < 0 or start + count > len(point_hierarchy):
-        raise CorruptRecord(key, f"pyramid level {level} ({start}+{count}) exceeds the "
-                                 f"{len(point_hierarchy)} points of point_hierarchy")
-    voxels = point_hierarchy[start:start + count]
+        raise CorruptRecord(
+            key,
+            f"pyramid level {level} ({start}+{count}) exceeds the "
+            f"{len(point_hierarchy)} points of point_hierarchy",
+        )
+    voxels = point_hierarchy[start : start + count]
     if len(voxels) and (int(voxels.min()) < 0 or int(voxels.max()) >= 1 << level):
-        raise CorruptRecord(key, f"point_hierarchy level {level} has coordinates outside "
-                                 f"0..{(1 << level) - 1}")
+        raise CorruptRecord(
+            key, f"point_hierarchy level {level} has coordinates outside 0..{(1 << level) - 1}"
+        )
     return voxels
 
 
@@ -143,7 +162,7 @@ def splat_template(rotation: np.ndarray, half: float, scale: float) -> tuple[np.
     """
     grown = half + 0.5 / scale
     reach = int(np.ceil(grown * scale * np.abs(rotation[:2]).sum(axis=1).max())) + 1
-    dy, dx = np.mgrid[-reach:reach + 1, -reach:reach + 1]
+    dy, dx = np.mgrid[-reach : reach + 1, -reach : reach + 1]
     dx, dy = dx.ravel(), dy.ravel()
     origin_view = np.stack([dx / scale, -dy / scale, np.full(dx.shape, 4.0)], axis=1)
     origin = origin_view @ rotation  # view -> world (rotation is orthonormal)
@@ -171,9 +190,14 @@ def splat_template(rotation: np.ndarray, half: float, scale: float) -> tuple[np.
     return dx[hit], dy[hit], shade[hit]
 
 
-def render_voxels(voxels: np.ndarray, level: int, view: str, size: int,
-                  query_points: np.ndarray | None = None,
-                  query_hits: np.ndarray | None = None) -> np.ndarray:
+def render_voxels(
+    voxels: np.ndarray,
+    level: int,
+    view: str,
+    size: int,
+    query_points: np.ndarray | None = None,
+    query_hits: np.ndarray | None = None,
+) -> np.ndarray:
     """Draw occupied voxels as shaded cubes (and query points as dots).
 
     Args:
@@ -210,18 +234,34 @@ def _project(points: np.ndarray, rotation: np.ndarray, half: float | None) -> li
     cols = [points[:, i].astype(np.float32) for i in range(3)]
     if half is not None:
         cols = [(c + np.float32(0.5)) * np.float32(2.0 * half) - np.float32(1.0) for c in cols]
-    return [cols[0] * np.float32(r[0]) + cols[1] * np.float32(r[1]) + cols[2] * np.float32(r[2])
-            for r in rotation]
+    return [
+        cols[0] * np.float32(r[0]) + cols[1] * np.float32(r[1]) + cols[2] * np.float32(r[2])
+        for r in rotation
+    ]
 
 
-def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
-                 rotation: np.ndarray, scale: float, size: int, half: float, level: int) -> None:
+def _draw_voxels(
+    image: np.ndarray,
+    depth: np.ndarray,
+    voxels: np.ndarray,
+    rotation: np.ndarray,
+    scale: float,
+    size: int,
+    half: float,
+    level: int,
+) -> None:
     dx, dy, shade = splat_template(rotation, half, scale)
     count = len(voxels) * len(dx)
     if count > MAX_SPLATS:
-        raise ParameterError([(f"level: {len(voxels)} voxels at level {level} are too many "
-                              f"to draw at size {size}; pick a lower level or size")],
-                             what="preview request")
+        raise ParameterError(
+            [
+                (
+                    f"level: {len(voxels)} voxels at level {level} are too many "
+                    f"to draw at size {size}; pick a lower level or size"
+                )
+            ],
+            what="preview request",
+        )
     # Stamp on a canvas padded by the template's reach, so that no splat needs a bounds
     # test (every voxel centre lies inside the picture), then crop.
     pad = int(max(np.abs(dx).max(), np.abs(dy).max())) + 1
@@ -231,8 +271,9 @@ def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
     cy = np.rint(pad + size / 2 - scale * view_xyz[1]).astype(np.int64)
     # One int64 per splat: quantised distance (high bits) then splat number (voxel-major):
     # the smallest per pixel is the nearest voxel's, with no sort of the voxels.
-    distance = np.rint((_DEPTH_RANGE - view_xyz[2]) * ((1 << _DEPTH_BITS) - 1)
-                       / (2 * _DEPTH_RANGE)).astype(np.int64)
+    distance = np.rint(
+        (_DEPTH_RANGE - view_xyz[2]) * ((1 << _DEPTH_BITS) - 1) / (2 * _DEPTH_RANGE)
+    ).astype(np.int64)
     first_splat = np.arange(len(voxels), dtype=np.int64) * len(dx)
     voxel_key = (distance << _SPLAT_BITS) + first_splat
     splat_key = (voxel_key[:, None] + np.arange(len(dx), dtype=np.int64)[None, :]).ravel()
@@ -240,7 +281,7 @@ def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
     empty = np.iinfo(np.int64).max
     nearest = np.full(width * width, empty, dtype=np.int64)
     np.minimum.at(nearest, where, splat_key)
-    nearest = nearest.reshape(width, width)[pad:pad + size, pad:pad + size].ravel()
+    nearest = nearest.reshape(width, width)[pad : pad + size, pad : pad + size].ravel()
     pixels = np.flatnonzero(nearest != empty)
     chosen = nearest[pixels] & ((1 << _SPLAT_BITS) - 1)
     z = view_xyz[2][chosen // len(dx)]
@@ -250,8 +291,16 @@ def _draw_voxels(image: np.ndarray, depth: np.ndarray, voxels: np.ndarray,
     depth[pixels] = z
 
 
-def _draw_queries(image: np.ndarray, depth: np.ndarray, rotation: np.ndarray, scale: float,
-                  size: int, half: float, points: np.ndarray, hits: np.ndarray | None) -> None:
+def _draw_queries(
+    image: np.ndarray,
+    depth: np.ndarray,
+    rotation: np.ndarray,
+    scale: float,
+    size: int,
+    half: float,
+    points: np.ndarray,
+    hits: np.ndarray | None,
+) -> None:
     stride = max(1, -(-len(points) // MAX_QUERY_POINTS))
     points = np.asarray(points[::stride], dtype=np.float64)
     hits = np.zeros(len(points), bool) if hits is None else np.asarray(hits[::stride], bool)
@@ -283,13 +332,18 @@ def record_levels(value: bytes, *, key: str = "") -> int:
 def _no_octree(header: Any, key: str) -> ParameterError:
     """The 422 for a record of a recipe without an octree (a plugin's features)."""
     fields = ", ".join(sorted(header.tensors))
-    return ParameterError([(f"{key or 'record'}: no octree in this record (a picture needs "
-                            f"point_hierarchy and pyramid; its fields: {fields})")],
-                          what="preview request")
+    return ParameterError(
+        [
+            (
+                f"{key or 'record'}: no octree in this record (a picture needs "
+                f"point_hierarchy and pyramid; its fields: {fields})"
+            )
+        ],
+        what="preview request",
+    )
 
 
-def drawn_fields(value: Any, request: PreviewRequest, *,
-                 key: str = "") -> tuple[list[str], int]:
+def drawn_fields(value: Any, request: PreviewRequest, *, key: str = "") -> tuple[list[str], int]:
     """The fields a picture of ``request`` reads from a record, and their bytes (from the
     header: nothing else of the record is read)."""
     header = read_header(value, key=key)
@@ -313,8 +367,12 @@ def render_record(value: Any, request: PreviewRequest, *, key: str = "") -> byte
     if with_queries:
         points = arrays["query_points"]
         pidx = arrays.get("query_pidx")
-        if pidx is not None and pidx.ndim == 2 and request.level < pidx.shape[1] \
-                and len(pidx) == len(points):
+        if (
+            pidx is not None
+            and pidx.ndim == 2
+            and request.level < pidx.shape[1]
+            and len(pidx) == len(points)
+        ):
             hits = pidx[:, request.level] >= 0
     image = render_voxels(voxels, request.level, request.view, request.size, points, hits)
     return encode_png(image)
@@ -323,20 +381,30 @@ def render_record(value: Any, request: PreviewRequest, *, key: str = "") -> byte
 def encode_png(image: np.ndarray, *, compression: int = 6) -> bytes:
     """A PNG (8-bit RGB, no interlace) of ``image``, uint8 of shape (height, width, 3)."""
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-        raise ParameterError([(f"image: expected uint8 (H, W, 3), got {image.dtype} "
-                              f"{tuple(image.shape)}")], what="PNG image")
+        raise ParameterError(
+            [(f"image: expected uint8 (H, W, 3), got {image.dtype} {tuple(image.shape)}")],
+            what="PNG image",
+        )
     height, width = image.shape[:2]
     rows = np.empty((height, 1 + width * 3), dtype=np.uint8)
     rows[:, 0] = 0  # filter: none
     rows[:, 1:] = image.reshape(height, width * 3)
 
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + kind + data
-                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+        return (
+            struct.pack(">I", len(data))
+            + kind
+            + data
+            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-            + chunk(b"IDAT", zlib.compress(rows.tobytes(), compression)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(rows.tobytes(), compression))
+        + chunk(b"IEND", b"")
+    )
 
 
 def decode_png_rgb(data: bytes) -> np.ndarray:
@@ -346,10 +414,12 @@ def decode_png_rgb(data: bytes) -> np.ndarray:
         raise ParameterError(["not a PNG signature"], what="PNG")
     pos, idat, width, height = 8, b"", 0, 0
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        if zlib.crc32(kind + body) & 0xFFFFFFFF != struct.unpack(">I", data[pos + 8 + length:
-                                                                          pos + 12 + length])[0]:
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        if (
+            zlib.crc32(kind + body) & 0xFFFFFFFF
+            != struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])[0]
+        ):
             raise ParameterError([f"chunk {kind!r}: CRC mismatch"], what="PNG")
         if kind == b"IHDR":
             width, height = struct.unpack(">II", body[:8])

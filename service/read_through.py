@@ -53,8 +53,14 @@ from service.context import ServiceContext
 from service.errors import error_response
 from service.warmup import WarmupPlan
 
-__all__ = ["ItemWait", "wait_for_records", "not_ready_response",
-           "require_worker", "dedupe_warmup", "STATE_HEADER"]
+__all__ = [
+    "ItemWait",
+    "wait_for_records",
+    "not_ready_response",
+    "require_worker",
+    "dedupe_warmup",
+    "STATE_HEADER",
+]
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +127,9 @@ def _states(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> dict[s
     return out
 
 
-async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[str],
-                           wait_s: float) -> dict[str, ItemWait]:
+async def wait_for_records(
+    ctx: ServiceContext, fingerprint: str, ids: Sequence[str], wait_s: float
+) -> dict[str, ItemWait]:
     """Wait up to ``wait_s`` for the records of ``ids``; the ones still missing, and why.
 
     Returns at once for samples that cannot land (failed, not queued). Raises
@@ -149,20 +156,23 @@ async def wait_for_records(ctx: ServiceContext, fingerprint: str, ids: Sequence[
                 if now >= deadline or all(s.state != QUEUED for s in states.values()):
                     # a sample that landed since the last look is not "not ready"
                     landed = set(pending) - set(
-                        await run_in_threadpool(_missing, ctx, fingerprint, pending))
+                        await run_in_threadpool(_missing, ctx, fingerprint, pending)
+                    )
                     return {sid: s for sid, s in states.items() if sid not in landed}
             if now >= next_liveness:
                 next_liveness = now + LIVENESS_EVERY_S
-                await run_in_threadpool(require_worker, ctx,
-                                        f"{len(pending)} record(s) of {fingerprint} missing")
+                await run_in_threadpool(
+                    require_worker, ctx, f"{len(pending)} record(s) of {fingerprint} missing"
+                )
             await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
             delay = min(delay * POLL_GROWTH, _POLL_MAX_S)
 
 
 def not_ready_response(fingerprint: str, state: ItemWait) -> JSONResponse:
     """404 naming the sample's state (and, when it failed, the worker's reason)."""
-    response = error_response(404, state.error, state.detail(fingerprint),
-                              headers={STATE_HEADER: state.state})
+    response = error_response(
+        404, state.error, state.detail(fingerprint), headers={STATE_HEADER: state.state}
+    )
     return response
 
 
@@ -170,13 +180,31 @@ def dedupe_warmup(ctx: ServiceContext, plan: WarmupPlan, priority: int) -> dict[
     """``POST /v1/warmup`` with ``dedupe``: :meth:`JobQueue.enqueue_once` over the plan's
     items to do, so a sample that many loaders miss is queued once. Answers, besides the
     usual counts, each item's queue status (``items``: id, status, error, reused)."""
-    rows = ctx.queue.enqueue_once(plan.recipe, plan.params, plan.fingerprint, plan.todo,
-                                  priority=priority, stale=plan.stale,
-                                  roots=ctx.settings.source_roots) if plan.todo else []
+    rows = (
+        ctx.queue.enqueue_once(
+            plan.recipe,
+            plan.params,
+            plan.fingerprint,
+            plan.todo,
+            priority=priority,
+            stale=plan.stale,
+            roots=ctx.settings.source_roots,
+        )
+        if plan.todo
+        else []
+    )
     new_jobs = sorted({r.job_id for r in rows if not r.reused})
-    return {"job_id": new_jobs[0] if new_jobs else None, "fingerprint": plan.fingerprint,
-            "recipe": plan.recipe, "recipe_version": plan.recipe_version,
-            "params": plan.params, "queued": sum(1 for r in rows if not r.reused),
-            "reused": sum(1 for r in rows if r.reused), "already_ready": len(plan.ready),
-            "items": [{"id": r.sample_id, "status": r.status, "error": r.last_error,
-                       "reused": r.reused} for r in rows]}
+    return {
+        "job_id": new_jobs[0] if new_jobs else None,
+        "fingerprint": plan.fingerprint,
+        "recipe": plan.recipe,
+        "recipe_version": plan.recipe_version,
+        "params": plan.params,
+        "queued": sum(1 for r in rows if not r.reused),
+        "reused": sum(1 for r in rows if r.reused),
+        "already_ready": len(plan.ready),
+        "items": [
+            {"id": r.sample_id, "status": r.status, "error": r.last_error, "reused": r.reused}
+            for r in rows
+        ],
+    }

@@ -28,17 +28,28 @@ from cache_store.keys import FINGERPRINT_PATTERN, record_key
 from service.budget import ResponseTooLarge, record_length
 from service.context import ServiceContext
 
-__all__ = ["RecordStream", "STREAM_CHUNK", "Fingerprint", "RECORD_MEDIA_TYPE", "read_record",
-           "read_stored", "record_etag",
-           "etag_matches", "record_tag_header", "parse_fields", "note_read_hourly"]
+__all__ = [
+    "RecordStream",
+    "STREAM_CHUNK",
+    "Fingerprint",
+    "RECORD_MEDIA_TYPE",
+    "read_record",
+    "read_stored",
+    "record_etag",
+    "etag_matches",
+    "record_tag_header",
+    "parse_fields",
+    "note_read_hourly",
+]
 
 RECORD_MEDIA_TYPE = "application/octet-stream"
 #: "last read" of a fingerprint (spcache ls, prune): recorded at most once an hour each
 note_read_hourly = usage.Throttle(usage.note_read, 3600.0)
 
 #: Route path parameter: a cache's fingerprint.
-Fingerprint = Annotated[str, Path(pattern=f"^{FINGERPRINT_PATTERN}$",
-                                  description="32 lowercase hex characters")]
+Fingerprint = Annotated[
+    str, Path(pattern=f"^{FINGERPRINT_PATTERN}$", description="32 lowercase hex characters")
+]
 
 
 def record_etag(value: bytes | memoryview, key: str) -> str:
@@ -71,8 +82,7 @@ def parse_fields(fields: str | None) -> list[str] | None:
         return None
     names = [f.strip() for f in fields.split(",") if f.strip()]
     if not names:
-        raise ParameterError(["fields: empty list; leave it out to get every field"],
-                             what="query")
+        raise ParameterError(["fields: empty list; leave it out to get every field"], what="query")
     return names
 
 
@@ -94,7 +104,7 @@ class RecordStream:
 
     def chunks(self) -> Iterator[bytes]:
         for start in range(0, self.view.nbytes, STREAM_CHUNK):
-            yield bytes(self.view[start:start + STREAM_CHUNK])
+            yield bytes(self.view[start : start + STREAM_CHUNK])
 
     def close(self) -> None:
         view, self.view = self.view, memoryview(b"")
@@ -102,8 +112,9 @@ class RecordStream:
         self._stack.close()
 
 
-def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
-                fields: str | None) -> tuple[bytes | RecordStream, str, Callable[[], None]]:
+def read_record(
+    ctx: ServiceContext, fingerprint: str, sample_id: str, fields: str | None
+) -> tuple[bytes | RecordStream, str, Callable[[], None]]:
     """The body to send for a record (all fields, or the comma-separated ``fields``),
     its strong ETag, and the release of the bytes reserved for it in the process's read
     budget (call it once the last byte is sent: it also ends the stream's read view).
@@ -130,9 +141,11 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
         raise damaged from exc
     limit = ctx.settings.max_response_bytes
     if size > limit:
-        raise ResponseTooLarge(f"record {sample_id!r} is {size} bytes, over the "
-                               f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
-                               "from the cache directly")
+        raise ResponseTooLarge(
+            f"record {sample_id!r} is {size} bytes, over the "
+            f"{limit}-byte response limit (SPCACHE_MAX_RESPONSE_BYTES); read it "
+            "from the cache directly"
+        )
     reserved = ctx.read_budget.reserve(size, f"record {sample_id!r}")
     names = parse_fields(fields)
     stack = contextlib.ExitStack()
@@ -155,8 +168,9 @@ def read_record(ctx: ServiceContext, fingerprint: str, sample_id: str,
         raise
 
 
-def _damage_behind(store: Any, fingerprint: str, sample_id: str,
-                   cache: object) -> CacheDamaged | None:
+def _damage_behind(
+    store: Any, fingerprint: str, sample_id: str, cache: object
+) -> CacheDamaged | None:
     """A record its dataset index lists but the store cannot find: records commit before
     their index and a removal drops the index first, so only damage to the storage (a
     flipped byte in an LMDB branch page) hides one. Then the answer is "cache damaged"
@@ -167,8 +181,11 @@ def _damage_behind(store: Any, fingerprint: str, sample_id: str,
         return None
     if not listed:
         return None
-    return CacheDamaged(cache, f"{fingerprint}/{sample_id} is in its dataset index but cannot "
-                               f"be found (a damaged page?); run spcache verify --cache {cache}")
+    return CacheDamaged(
+        cache,
+        f"{fingerprint}/{sample_id} is in its dataset index but cannot "
+        f"be found (a damaged page?); run spcache verify --cache {cache}",
+    )
 
 
 def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str]:
@@ -176,5 +193,8 @@ def record_tag_header(ctx: ServiceContext, key: str, etag: str) -> dict[str, str
     secret = ctx.settings.record_key
     if secret is None:
         return {}
-    return {TAG_HEADER: tag_for_checksum(secret.get_secret_value().encode("utf-8"), key,
-                                         etag.strip('"'))}
+    return {
+        TAG_HEADER: tag_for_checksum(
+            secret.get_secret_value().encode("utf-8"), key, etag.strip('"')
+        )
+    }

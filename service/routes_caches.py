@@ -53,8 +53,10 @@ __all__ = ["router", "BatchRequest"]
 
 router = APIRouter(prefix="/v1", tags=["caches"])
 
-_WAIT_DOC = ("on a miss, wait up to this many seconds (capped by max_wait_s) for a queued "
-             "sample's record; 404 with its state if it does not land")
+_WAIT_DOC = (
+    "on a miss, wait up to this many seconds (capped by max_wait_s) for a queued "
+    "sample's record; 404 with its state if it does not land"
+)
 
 
 @router.get("/recipes")
@@ -63,25 +65,39 @@ def list_recipes() -> dict[str, Any]:
     comes from (``origin``: package and version) and its code digest. Only installed
     recipes are ever computed: a request names one, it never carries code."""
     registry = installed_recipes()
-    return {"recipes": [entry.as_json() for entry in registry.recipes.values()],
-            "problems": list(registry.problems)}
+    return {
+        "recipes": [entry.as_json() for entry in registry.recipes.values()],
+        "problems": list(registry.problems),
+    }
 
 
 @router.get("/caches")
 def list_caches(ctx: Context) -> dict[str, Any]:
     # from the walk in a child process: a damaged page answers 503, never kills us
     failed = failure_counts(ctx.cache)
-    out = [{"fingerprint": fp, "recipe": entry["recipe"],
-            "recipe_version": entry["recipe_version"], "params": dict(entry["params"]),
-            "samples": int(entry["samples"]), "created": entry.get("created") or None,
-            "failed": failed.get(fp, 0)}
-           for fp, entry in ctx.cache_walk().items() if "recipe" in entry]
+    out = [
+        {
+            "fingerprint": fp,
+            "recipe": entry["recipe"],
+            "recipe_version": entry["recipe_version"],
+            "params": dict(entry["params"]),
+            "samples": int(entry["samples"]),
+            "created": entry.get("created") or None,
+            "failed": failed.get(fp, 0),
+        }
+        for fp, entry in ctx.cache_walk().items()
+        if "recipe" in entry
+    ]
     return {"caches": out}
 
 
 @router.get("/caches/{fingerprint}")
-def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=0, le=10**9),
-              limit: int = Query(1000, ge=0, le=100_000)) -> dict[str, Any]:
+def get_cache(
+    fingerprint: Fingerprint,
+    ctx: Context,
+    offset: int = Query(0, ge=0, le=10**9),
+    limit: int = Query(1000, ge=0, le=100_000),
+) -> dict[str, Any]:
     """A fingerprint's recipe, parameters, counts, bytes, (a page of) its index, when its
     index was first written (``created``, ISO 8601; null before one is) and its
     remembered failures (``failed``: ``{"count", "items": [{"id", "path", "reason",
@@ -103,18 +119,25 @@ def get_cache(fingerprint: Fingerprint, ctx: Context, offset: int = Query(0, ge=
     counts["failed"] = failed["count"]
     if index is not None:
         recipe, version, params = index.recipe, index.recipe_version, dict(index.params)
-        ids = [str(s) for s in index.sample_ids[offset:offset + limit]]
+        ids = [str(s) for s in index.sample_ids[offset : offset + limit]]
     else:
         recipe, params = jobs[0].recipe, jobs[0].params
         version = RECIPE_SPECS[recipe].version
         ids = []
-    return {"fingerprint": fingerprint, "recipe": recipe, "recipe_version": version,
-            "params": params, "counts": counts, "bytes": stats.bytes,
-            "created": None if index is None else (index.created or None), "failed": failed,
-            "index": None if index is None else {"offset": offset, "limit": limit,
-                                                 "total": len(index.sample_ids),
-                                                 "sample_ids": ids},
-            "jobs": [j.id for j in jobs]}
+    return {
+        "fingerprint": fingerprint,
+        "recipe": recipe,
+        "recipe_version": version,
+        "params": params,
+        "counts": counts,
+        "bytes": stats.bytes,
+        "created": None if index is None else (index.created or None),
+        "failed": failed,
+        "index": None
+        if index is None
+        else {"offset": offset, "limit": limit, "total": len(index.sample_ids), "sample_ids": ids},
+        "jobs": [j.id for j in jobs],
+    }
 
 
 @router.delete("/caches/{fingerprint}", dependencies=[Depends(require_token)])
@@ -134,11 +157,14 @@ def remove_in_child(cache: Any, fingerprint: str, *, timeout_s: float = 600.0) -
     store stays read-only (a writable handle here would re-open it under its readers)."""
     command = [sys.executable, "-m", "spcache", "rm", fingerprint, "--cache", str(cache), "--json"]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
-                              check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired:
-        raise SpcacheError(f"removing {fingerprint} took over {timeout_s:.0f}s; it goes on "
-                           f"when `spcache rm` is run again") from None
+        raise SpcacheError(
+            f"removing {fingerprint} took over {timeout_s:.0f}s; it goes on "
+            f"when `spcache rm` is run again"
+        ) from None
     if done.returncode == 0:
         return json.loads(done.stdout)[0]
     reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
@@ -149,16 +175,23 @@ def remove_in_child(cache: Any, fingerprint: str, *, timeout_s: float = 600.0) -
 
 
 @router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
-@router.get("/caches/{fingerprint}/records/{sample_id:path}", operation_id="get_record",
-            response_class=Response,
-            responses={200: {"content": {RECORD_MEDIA_TYPE: {}},
-                             "description": "the record, safetensors bytes"},
-                       304: {"description": "not modified (If-None-Match)"}})
-async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
-                     fields: str | None = Query(None, max_length=4096,
-                                                description="comma-separated field names"),
-                     wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
-                     ) -> Response:
+@router.get(
+    "/caches/{fingerprint}/records/{sample_id:path}",
+    operation_id="get_record",
+    response_class=Response,
+    responses={
+        200: {"content": {RECORD_MEDIA_TYPE: {}}, "description": "the record, safetensors bytes"},
+        304: {"description": "not modified (If-None-Match)"},
+    },
+)
+async def get_record(
+    fingerprint: Fingerprint,
+    sample_id: str,
+    request: Request,
+    ctx: Context,
+    fields: str | None = Query(None, max_length=4096, description="comma-separated field names"),
+    wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
+) -> Response:
     """The record's safetensors bytes; strong ETag = record checksum; ``?fields=`` subsets;
     ``?wait=`` waits for a queued sample (read-through, :mod:`service.read_through`)."""
     try:
@@ -171,8 +204,11 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
         if not_ready:
             return not_ready_response(fingerprint, not_ready[sample_id])
         value, etag, release = read_record(ctx, fingerprint, sample_id, fields)
-    headers = {"ETag": etag, "Cache-Control": "no-cache",
-               **record_tag_header(ctx, record_key(fingerprint, sample_id), etag)}
+    headers = {
+        "ETag": etag,
+        "Cache-Control": "no-cache",
+        **record_tag_header(ctx, record_key(fingerprint, sample_id), etag),
+    }
     if etag_matches(request.headers.get("if-none-match"), etag):
         release()
         return Response(status_code=304, headers=headers)
@@ -184,35 +220,48 @@ async def get_record(fingerprint: Fingerprint, sample_id: str, request: Request,
             for chunk in stream.chunks():
                 yield chunk
 
-        return StreamingResponse(chunks(), media_type=RECORD_MEDIA_TYPE,
-                                 headers={**headers, "Content-Length": str(len(stream))},
-                                 background=BackgroundTask(release))
-    return Response(value, media_type=RECORD_MEDIA_TYPE, headers=headers,
-                    background=BackgroundTask(release))
+        return StreamingResponse(
+            chunks(),
+            media_type=RECORD_MEDIA_TYPE,
+            headers={**headers, "Content-Length": str(len(stream))},
+            background=BackgroundTask(release),
+        )
+    return Response(
+        value, media_type=RECORD_MEDIA_TYPE, headers=headers, background=BackgroundTask(release)
+    )
 
 
 class ChecksumsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ids: list[str] = Field(min_length=1, description="sample ids")
-    nonce: str = Field(min_length=16, max_length=128,
-                       description="the reader's fresh random value, signed with the answer")
+    nonce: str = Field(
+        min_length=16,
+        max_length=128,
+        description="the reader's fresh random value, signed with the answer",
+    )
 
 
 @router.post("/caches/{fingerprint}/checksums")
-def get_checksums(fingerprint: Fingerprint, body: ChecksumsRequest, ctx: Context,
-                  ) -> dict[str, Any]:
+def get_checksums(
+    fingerprint: Fingerprint,
+    body: ChecksumsRequest,
+    ctx: Context,
+) -> dict[str, Any]:
     """The checksum of the record stored now under each id (null: none), signed with the
     service's record key together with the reader's nonce: a reader holding the key
     refuses a replayed (older, validly tagged) record. 404 without a record key."""
     validate_fingerprint(fingerprint)
     secret = ctx.settings.record_key
     if secret is None:
-        raise FingerprintLookupError("this service has no record key (SPCACHE_RECORD_KEY): "
-                                     "its records are not signed")
+        raise FingerprintLookupError(
+            "this service has no record key (SPCACHE_RECORD_KEY): its records are not signed"
+        )
     if len(body.ids) > ctx.settings.max_batch_records:
-        raise ParameterError([(f"ids: {len(body.ids)} ids, at most "
-                               f"{ctx.settings.max_batch_records} per request")], what="request")
+        raise ParameterError(
+            [(f"ids: {len(body.ids)} ids, at most {ctx.settings.max_batch_records} per request")],
+            what="request",
+        )
     store = ctx.store()
     checksums: dict[str, str | None] = {}
     for sample_id in dict.fromkeys(body.ids):
@@ -224,35 +273,54 @@ def get_checksums(fingerprint: Fingerprint, body: ChecksumsRequest, ctx: Context
                 checksums[sample_id] = record_checksum(value, key=key)
         except RecordNotFound:
             checksums[sample_id] = None
-    signature = sign_checksums(secret.get_secret_value().encode("utf-8"), fingerprint,
-                               body.nonce, checksums)
-    return {"fingerprint": fingerprint, "nonce": body.nonce, "checksums": checksums,
-            "signature": signature}
+    signature = sign_checksums(
+        secret.get_secret_value().encode("utf-8"), fingerprint, body.nonce, checksums
+    )
+    return {
+        "fingerprint": fingerprint,
+        "nonce": body.nonce,
+        "checksums": checksums,
+        "signature": signature,
+    }
 
 
 class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     ids: list[str] = Field(min_length=1, description="sample ids, answered in this order")
-    fields: list[str] | None = Field(None, min_length=1,
-                                     description="subset of fields (default: all)")
+    fields: list[str] | None = Field(
+        None, min_length=1, description="subset of fields (default: all)"
+    )
 
 
-@router.post("/caches/{fingerprint}/batch", response_class=Response,
-             responses={200: {"content": {BATCH_MEDIA_TYPE: {}},
-                              "description": "records framed as in cache_store.format.wire"}})
-async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
-                    wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
-                    ) -> Response:
+@router.post(
+    "/caches/{fingerprint}/batch",
+    response_class=Response,
+    responses={
+        200: {
+            "content": {BATCH_MEDIA_TYPE: {}},
+            "description": "records framed as in cache_store.format.wire",
+        }
+    },
+)
+async def get_batch(
+    fingerprint: Fingerprint,
+    body: BatchRequest,
+    ctx: Context,
+    wait: float | None = Query(None, ge=0, le=3600, description=_WAIT_DOC),
+) -> Response:
     """Many records in one response; a missing or bad sample is listed, the rest still come.
     ``?wait=`` first waits for the missing ones that are queued (read-through)."""
     validate_fingerprint(fingerprint)
     if len(body.ids) > ctx.settings.max_batch_records:
-        raise ParameterError([(f"ids: {len(body.ids)} ids, at most "
-                              f"{ctx.settings.max_batch_records} per batch")], what="batch request")
+        raise ParameterError(
+            [(f"ids: {len(body.ids)} ids, at most {ctx.settings.max_batch_records} per batch")],
+            what="batch request",
+        )
     if body.fields is not None and not body.fields:
-        raise ParameterError(["fields: empty list; leave it out to get every field"],
-                             what="batch request")
+        raise ParameterError(
+            ["fields: empty list; leave it out to get every field"], what="batch request"
+        )
 
     ids = list(dict.fromkeys(body.ids))  # a repeated id is read (and sent) once
     reserved: list[Callable[[], None]] = []
@@ -276,8 +344,10 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
         total = sum(sizes.values())
         limit = ctx.settings.max_response_bytes
         if total > limit:
-            raise ResponseTooLarge(f"batch of {len(sizes)} records is {total} bytes, over the "
-                                   f"{limit}-byte response limit; ask for fewer ids")
+            raise ResponseTooLarge(
+                f"batch of {len(sizes)} records is {total} bytes, over the "
+                f"{limit}-byte response limit; ask for fewer ids"
+            )
         # the records, then the framed answer: twice the bytes at the peak
         reserved.append(ctx.read_budget.reserve(2 * total, f"batch of {len(sizes)} records"))
         found: list[tuple[str, bytes]] = []
@@ -307,15 +377,22 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
         if wait and any(error == "RecordNotFound" for _, error, _ in missing):
             release()  # nothing read so far is sent: hold no read budget while waiting
             not_ready = await wait_for_records(
-                ctx, fingerprint, [sid for sid, error, _ in missing if error == "RecordNotFound"],
-                wait)
+                ctx,
+                fingerprint,
+                [sid for sid, error, _ in missing if error == "RecordNotFound"],
+                wait,
+            )
             found, missing, tags = await run_in_threadpool(collect)
-            missing = [(sid, not_ready[sid].error, not_ready[sid].detail(fingerprint))
-                       if sid in not_ready else (sid, error, detail)
-                       for sid, error, detail in missing]
+            missing = [
+                (sid, not_ready[sid].error, not_ready[sid].detail(fingerprint))
+                if sid in not_ready
+                else (sid, error, detail)
+                for sid, error, detail in missing
+            ]
         ctx.metrics.add_records(len(found))
-        answer = await run_in_threadpool(encode_batch, found, missing,
-                                         tags if secret is not None else None)
+        answer = await run_in_threadpool(
+            encode_batch, found, missing, tags if secret is not None else None
+        )
     except BaseException:
         release()
         raise
@@ -323,10 +400,12 @@ async def get_batch(fingerprint: Fingerprint, body: BatchRequest, ctx: Context,
 
 
 @router.get("/caches/{fingerprint}/items/{sample_id:path}")
-def get_item_state(fingerprint: Fingerprint, sample_id: str, ctx: Context,
-                   path: str | None = Query(None, max_length=4096,
-                                            description="source to compare against"),
-                   ) -> dict[str, Any]:
+def get_item_state(
+    fingerprint: Fingerprint,
+    sample_id: str,
+    ctx: Context,
+    path: str | None = Query(None, max_length=4096, description="source to compare against"),
+) -> dict[str, Any]:
     """Why a sample is (not) ready: ``ready``, ``stale``, ``failed``, ``queued`` or ``missing``."""
     settings = ctx.settings
     # The gate bounds the one file this may hash: it refuses a source over max_hash_bytes
@@ -335,6 +414,12 @@ def get_item_state(fingerprint: Fingerprint, sample_id: str, ctx: Context,
     source = None
     if path is not None:
         source = str(resolve_source(path, settings.source_roots, settings.max_hash_bytes))
-    return item_state(ctx.store(), ctx.queue, fingerprint, sample_id, path=source,
-                      limits=limits, budget=HashBudget(settings.max_hash_bytes)).as_json()
-
+    return item_state(
+        ctx.store(),
+        ctx.queue,
+        fingerprint,
+        sample_id,
+        path=source,
+        limits=limits,
+        budget=HashBudget(settings.max_hash_bytes),
+    ).as_json()

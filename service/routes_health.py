@@ -36,9 +36,14 @@ async def healthz(request: Request) -> JSONResponse:
     try:
         await asyncio.wait_for(run_in_threadpool(_noop), limit)
     except TimeoutError:
-        return JSONResponse({"status": "thread pool starved",
-                             "detail": f"a trivial task did not run within {limit:g} s"},
-                            status_code=503, headers={"Retry-After": "1"})
+        return JSONResponse(
+            {
+                "status": "thread pool starved",
+                "detail": f"a trivial task did not run within {limit:g} s",
+            },
+            status_code=503,
+            headers={"Retry-After": "1"},
+        )
     return JSONResponse({"status": "ok"})
 
 
@@ -60,8 +65,12 @@ def readyz(ctx: Context) -> JSONResponse:
     except Exception as exc:  # noqa: BLE001 - as above
         problems.append(f"store: {type(exc).__name__}: {exc}")
         store_state = "error"
-    body: dict[str, Any] = {"status": "not ready" if problems else "ready", "queue": queue,
-                            "store": store_state, "worker_heartbeat_age_s": _heartbeat_age(ctx)}
+    body: dict[str, Any] = {
+        "status": "not ready" if problems else "ready",
+        "queue": queue,
+        "store": store_state,
+        "worker_heartbeat_age_s": _heartbeat_age(ctx),
+    }
     if problems:
         body["problems"] = problems
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
@@ -84,17 +93,24 @@ class _ScrapeGauges:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         ctx = self.ctx
-        queue = GaugeMetricFamily("spcache_queue_items", "job queue items by status",
-                                  labels=["status"])
+        queue = GaugeMetricFamily(
+            "spcache_queue_items", "job queue items by status", labels=["status"]
+        )
         for status, n in ctx.queue.counts().items():
             queue.add_metric([status], n)
         yield queue
-        yield GaugeMetricFamily("spcache_uptime_seconds", "seconds since the service started",
-                                value=round(time.time() - ctx.started, 3))
+        yield GaugeMetricFamily(
+            "spcache_uptime_seconds",
+            "seconds since the service started",
+            value=round(time.time() - ctx.started, 3),
+        )
         beats = ctx.queue.heartbeats()
         if beats:
-            age = GaugeMetricFamily("spcache_worker_heartbeat_age_seconds",
-                                    "seconds since each worker last reported", labels=["worker"])
+            age = GaugeMetricFamily(
+                "spcache_worker_heartbeat_age_seconds",
+                "seconds since each worker last reported",
+                labels=["worker"],
+            )
             for b in beats:
                 age.add_metric([b["worker_id"]], round(time.time() - b["seen"], 3))
             yield age
@@ -104,10 +120,12 @@ class _ScrapeGauges:
             walked = {}
         if walked:
             per_fp = [(fp, ctx.cache_stats(fp)) for fp, e in walked.items() if "recipe" in e]
-            records = GaugeMetricFamily("spcache_cache_records", "records stored per fingerprint",
-                                        labels=["fingerprint"])
-            nbytes = GaugeMetricFamily("spcache_cache_bytes", "record bytes stored per fingerprint",
-                                       labels=["fingerprint"])
+            records = GaugeMetricFamily(
+                "spcache_cache_records", "records stored per fingerprint", labels=["fingerprint"]
+            )
+            nbytes = GaugeMetricFamily(
+                "spcache_cache_bytes", "record bytes stored per fingerprint", labels=["fingerprint"]
+            )
             for fp, st in per_fp:
                 records.add_metric([fp], st.records)
                 nbytes.add_metric([fp], st.bytes)

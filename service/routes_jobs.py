@@ -23,14 +23,18 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
 class WarmupItem(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    id: str = Field(min_length=1, max_length=512,
-                    description="sample id (relative path, no extension)")
-    path: str = Field(min_length=1, max_length=4096,
-                      description="source file, inside a source root")
+    id: str = Field(
+        min_length=1, max_length=512, description="sample id (relative path, no extension)"
+    )
+    path: str = Field(
+        min_length=1, max_length=4096, description="source file, inside a source root"
+    )
 
 
 # typed as plain dicts: pydantic's JsonDict would not accept the inferred list[str] values
-_ITEMS_OR_GLOB: dict[str, Any] = {"oneOf": [{"required": ["items"]}, {"required": ["root", "glob"]}]}
+_ITEMS_OR_GLOB: dict[str, Any] = {
+    "oneOf": [{"required": ["items"]}, {"required": ["root", "glob"]}]
+}
 _RECIPE_ENUM: dict[str, Any] = {"enum": sorted(RECIPE_SPECS)}
 
 
@@ -39,18 +43,23 @@ class WarmupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_ITEMS_OR_GLOB)
 
-    recipe: str = Field(min_length=1, max_length=64,
-                        json_schema_extra=_RECIPE_ENUM)
+    recipe: str = Field(min_length=1, max_length=64, json_schema_extra=_RECIPE_ENUM)
     params: dict[str, Any] = Field(default_factory=dict)
     items: list[WarmupItem] | None = None
     root: str | None = Field(None, min_length=1, max_length=4096)
     glob: str | None = Field(None, min_length=1, max_length=1024)
     priority: int = Field(0, ge=-1000, le=1000)
-    dedupe: bool = Field(False, description="read-through: reuse the queue's pending, "
-                         "running, done or (source unchanged) failed item of a sample "
-                         "instead of queueing it again; answers each item's status")
-    require_worker: bool = Field(False, description="503 NoWorkerAlive (naming the command "
-                                 "to start one) instead of queueing when no worker is alive")
+    dedupe: bool = Field(
+        False,
+        description="read-through: reuse the queue's pending, "
+        "running, done or (source unchanged) failed item of a sample "
+        "instead of queueing it again; answers each item's status",
+    )
+    require_worker: bool = Field(
+        False,
+        description="503 NoWorkerAlive (naming the command "
+        "to start one) instead of queueing when no worker is alive",
+    )
 
     @model_validator(mode="after")
     def _one_source_of_items(self) -> WarmupRequest:
@@ -72,28 +81,53 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
     def plan_and_submit() -> dict[str, Any]:
         if body.items is not None:
             if len(body.items) > settings.max_warmup_items:
-                raise ParameterError([(f"items: {len(body.items)} items, at most "
-                                      f"{settings.max_warmup_items} per request")],
-                                     what="warm-up request")
+                raise ParameterError(
+                    [
+                        (
+                            f"items: {len(body.items)} items, at most "
+                            f"{settings.max_warmup_items} per request"
+                        )
+                    ],
+                    what="warm-up request",
+                )
             pairs = [(it.id, it.path) for it in body.items]
         else:
             assert body.root is not None and body.glob is not None
-            pairs = expand_glob(body.root, body.glob, roots, settings.max_warmup_items,
-                                max_entries=settings.glob_max_entries,
-                                max_seconds=settings.glob_max_seconds)
+            pairs = expand_glob(
+                body.root,
+                body.glob,
+                roots,
+                settings.max_warmup_items,
+                max_entries=settings.glob_max_entries,
+                max_seconds=settings.glob_max_seconds,
+            )
         plan = plan_warmup(body.recipe, body.params, pairs, roots, ctx.store())
         if body.require_worker and plan.todo:
             require_worker(ctx, f"warm-up of {len(plan.todo)} item(s) of {plan.fingerprint}")
         if body.dedupe:
             return dedupe_warmup(ctx, plan, body.priority)
         # the roots travel with the job: whichever worker reads its files enforces them
-        job_id = ctx.queue.submit(plan.recipe, plan.params, plan.fingerprint, plan.todo,
-                                  priority=body.priority, ready=plan.ready, roots=roots)
+        job_id = ctx.queue.submit(
+            plan.recipe,
+            plan.params,
+            plan.fingerprint,
+            plan.todo,
+            priority=body.priority,
+            ready=plan.ready,
+            roots=roots,
+        )
         info = ctx.queue.job(job_id, errors_limit=0)
-        return {"job_id": job_id, "fingerprint": plan.fingerprint, "recipe": plan.recipe,
-                "recipe_version": plan.recipe_version, "params": plan.params,
-                "queued": len(plan.todo), "already_ready": len(plan.ready),
-                "status": info.status, "counts": info.counts}
+        return {
+            "job_id": job_id,
+            "fingerprint": plan.fingerprint,
+            "recipe": plan.recipe,
+            "recipe_version": plan.recipe_version,
+            "params": plan.params,
+            "queued": len(plan.todo),
+            "already_ready": len(plan.ready),
+            "status": info.status,
+            "counts": info.counts,
+        }
 
     return await run_in_threadpool(plan_and_submit)
 
@@ -103,19 +137,27 @@ LISTED_JOB_ERRORS = 10
 
 
 @router.get("/jobs")
-def list_jobs(ctx: Context, limit: int = Query(100, ge=1, le=1000),
-              offset: int = Query(0, ge=0, le=10**9),
-              fingerprint: str | None = Query(None, max_length=64)) -> dict[str, Any]:
+def list_jobs(
+    ctx: Context,
+    limit: int = Query(100, ge=1, le=1000),
+    offset: int = Query(0, ge=0, le=10**9),
+    fingerprint: str | None = Query(None, max_length=64),
+) -> dict[str, Any]:
     """Jobs, newest first; a job with failed items lists its first
     ``LISTED_JOB_ERRORS`` errors (``GET /v1/jobs/{id}`` pages through all of them)."""
-    jobs = ctx.queue.jobs(limit=limit, offset=offset, fingerprint=fingerprint,
-                          errors_limit=LISTED_JOB_ERRORS)
+    jobs = ctx.queue.jobs(
+        limit=limit, offset=offset, fingerprint=fingerprint, errors_limit=LISTED_JOB_ERRORS
+    )
     return {"jobs": [j.as_json() for j in jobs], "offset": offset, "limit": limit}
 
 
 @router.get("/jobs/{job_id}")
-def get_job(job_id: str, ctx: Context, errors_offset: int = Query(0, ge=0, le=10**9),
-            errors_limit: int | None = Query(None, ge=0, le=10_000)) -> dict[str, Any]:
+def get_job(
+    job_id: str,
+    ctx: Context,
+    errors_offset: int = Query(0, ge=0, le=10**9),
+    errors_limit: int | None = Query(None, ge=0, le=10_000),
+) -> dict[str, Any]:
     """A job's status and counts, with one page of its failed items' errors."""
     limit = ctx.settings.job_errors_page if errors_limit is None else errors_limit
     info = ctx.queue.job(job_id, errors_offset=errors_offset, errors_limit=limit)

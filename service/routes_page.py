@@ -32,8 +32,15 @@ from cache_store.errors import RecordNotFound
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
 from service.records import Fingerprint, etag_matches, record_etag
-from service.preview import (MAX_SIZE, MIN_SIZE, VIEWS, PreviewRequest, drawn_fields,
-                             record_levels, render_record)
+from service.preview import (
+    MAX_SIZE,
+    MIN_SIZE,
+    VIEWS,
+    PreviewRequest,
+    drawn_fields,
+    record_levels,
+    render_record,
+)
 
 __all__ = ["router", "install_page", "PreviewCache", "STATIC_DIR"]
 
@@ -45,12 +52,16 @@ _PNG = "image/png"
 #: The page and the docs may load nothing from anywhere but this service. (ReDoc's bundle
 #: hard-codes a Redocly logo from cdn.redoc.ly; under this policy the browser never asks
 #: for it, and ReDoc hides the image that did not load.)
-_CSP_PAGE = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
-             "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+_CSP_PAGE = (
+    "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 #: Swagger UI: its start-up script is a file (ui/docs.js), so no inline script or style.
-_CSP_SWAGGER = ("default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
-                "worker-src 'self' blob:; font-src 'self' data:; connect-src 'self'; "
-                "object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+_CSP_SWAGGER = (
+    "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+    "worker-src 'self' blob:; font-src 'self' data:; connect-src 'self'; "
+    "object-src 'none'; base-uri 'none'; frame-ancestors 'none'"
+)
 #: ReDoc builds its styles at run time (styled-components adds <style> elements), so its
 #: style-src allows inline styles; scripts stay 'self' only (no inline script runs).
 _CSP_REDOC = _CSP_SWAGGER.replace("style-src 'self';", "style-src 'self' 'unsafe-inline';")
@@ -116,9 +127,11 @@ def _docs_assets_dir() -> FilePath:
 @router.get("/", include_in_schema=False)
 def status_page() -> FileResponse:
     """The status page (HTML)."""
-    return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
-                        headers={"Cache-Control": "no-cache",
-                                 "Content-Security-Policy": _CSP_PAGE})
+    return FileResponse(
+        STATIC_DIR / "index.html",
+        media_type="text/html",
+        headers={"Cache-Control": "no-cache", "Content-Security-Policy": _CSP_PAGE},
+    )
 
 
 def _with_csp(page: HTMLResponse, policy: str) -> HTMLResponse:
@@ -148,23 +161,41 @@ _SWAGGER_PAGE = """<!DOCTYPE html>
 def swagger_docs(request: Request) -> HTMLResponse:
     root = html.escape(request.scope.get("root_path", ""), quote=True)
     openapi = html.escape(str(request.app.openapi_url), quote=True)
-    return _with_csp(HTMLResponse(_SWAGGER_PAGE.format(
-        assets=f"{root}{_DOCS_ASSETS_URL}", openapi=f"{root}{openapi}", ui=f"{root}/ui")),
-        _CSP_SWAGGER)
+    return _with_csp(
+        HTMLResponse(
+            _SWAGGER_PAGE.format(
+                assets=f"{root}{_DOCS_ASSETS_URL}", openapi=f"{root}{openapi}", ui=f"{root}/ui"
+            )
+        ),
+        _CSP_SWAGGER,
+    )
 
 
 @router.get("/redoc", include_in_schema=False)
 def redoc_docs(request: Request) -> HTMLResponse:
     root = request.scope.get("root_path", "")
-    return _with_csp(get_redoc_html(
-        openapi_url=f"{root}{request.app.openapi_url}", title="spcache - API (ReDoc)",
-        redoc_js_url=f"{root}{_DOCS_ASSETS_URL}/redoc.standalone.js",
-        redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png", with_google_fonts=False),
-        _CSP_REDOC)
+    return _with_csp(
+        get_redoc_html(
+            openapi_url=f"{root}{request.app.openapi_url}",
+            title="spcache - API (ReDoc)",
+            redoc_js_url=f"{root}{_DOCS_ASSETS_URL}/redoc.standalone.js",
+            redoc_favicon_url=f"{root}{_DOCS_ASSETS_URL}/favicon.png",
+            with_google_fonts=False,
+        ),
+        _CSP_REDOC,
+    )
 
 
-def _preview(ctx: ServiceContext, cache: PreviewCache, key: str, level: int | None, view: str,
-             size: int, queries: bool, if_none_match: str | None) -> tuple[str, bytes | None]:
+def _preview(
+    ctx: ServiceContext,
+    cache: PreviewCache,
+    key: str,
+    level: int | None,
+    view: str,
+    size: int,
+    queries: bool,
+    if_none_match: str | None,
+) -> tuple[str, bytes | None]:
     """``(ETag, PNG or None for 304)`` of a preview, read from the record in place.
 
     The record is looked at through the store's read view (the LMDB map: no copy of
@@ -177,8 +208,12 @@ def _preview(ctx: ServiceContext, cache: PreviewCache, key: str, level: int | No
         raise RecordNotFound(key, str(ctx.cache))
     with store.read_view(key) as value:
         checksum = record_etag(value, key).strip('"')
-        wanted = PreviewRequest(level=record_levels(value, key=key) if level is None else level,
-                                view=view, size=size, queries=queries)
+        wanted = PreviewRequest(
+            level=record_levels(value, key=key) if level is None else level,
+            view=view,
+            size=size,
+            queries=queries,
+        )
         wanted.check()
         etag = f'"{checksum}-{wanted.as_tag()}"'
         if etag_matches(if_none_match, etag):
@@ -195,33 +230,45 @@ def _preview(ctx: ServiceContext, cache: PreviewCache, key: str, level: int | No
         return etag, png
 
 
-@router.get("/v1/caches/{fingerprint}/previews/{sample_id:path}", operation_id="get_preview",
-            response_class=Response,
-            responses={200: {"content": {_PNG: {}}, "description": "PNG picture of one level"},
-                       304: {"description": "not modified (If-None-Match)"}})
+@router.get(
+    "/v1/caches/{fingerprint}/previews/{sample_id:path}",
+    operation_id="get_preview",
+    response_class=Response,
+    responses={
+        200: {"content": {_PNG: {}}, "description": "PNG picture of one level"},
+        304: {"description": "not modified (If-None-Match)"},
+    },
+)
 async def get_preview(
-        fingerprint: Fingerprint, sample_id: str, request: Request, ctx: Context,
-        level: Annotated[int | None, Query(
-            ge=0, le=15, description="octree level (default: the record's deepest)")] = None,
-        view: Annotated[View, Query(description="camera: iso, front, side or top")] = "iso",
-        size: Annotated[int, Query(ge=MIN_SIZE, le=MAX_SIZE,
-                                   description="width = height, pixels")] = 512,
-        queries: Annotated[bool, Query(description="draw spc_query records' query points")] = True,
+    fingerprint: Fingerprint,
+    sample_id: str,
+    request: Request,
+    ctx: Context,
+    level: Annotated[
+        int | None, Query(ge=0, le=15, description="octree level (default: the record's deepest)")
+    ] = None,
+    view: Annotated[View, Query(description="camera: iso, front, side or top")] = "iso",
+    size: Annotated[
+        int, Query(ge=MIN_SIZE, le=MAX_SIZE, description="width = height, pixels")
+    ] = 512,
+    queries: Annotated[bool, Query(description="draw spc_query records' query points")] = True,
 ) -> Response:
     """A picture of one octree level of a record: occupied voxels as shaded cubes, query
     points green (voxel occupied at that level) or red. ETag = record checksum + params."""
     key = record_key(fingerprint, sample_id)
     cache: PreviewCache = request.app.state.previews
-    etag, png = await run_in_threadpool(_preview, ctx, cache, key, level, view, size, queries,
-                                        request.headers.get("if-none-match"))
+    etag, png = await run_in_threadpool(
+        _preview, ctx, cache, key, level, view, size, queries, request.headers.get("if-none-match")
+    )
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if png is None:
         return Response(status_code=304, headers=headers)
     return Response(png, media_type=_PNG, headers=headers)
 
 
-def _sample_page(ctx: ServiceContext, fingerprint: str, prefix: str, after: str,
-                 limit: int) -> dict[str, Any]:
+def _sample_page(
+    ctx: ServiceContext, fingerprint: str, prefix: str, after: str, limit: int
+) -> dict[str, Any]:
     store = ctx.store()
     head = f"{fingerprint}/"
 
@@ -229,7 +276,7 @@ def _sample_page(ctx: ServiceContext, fingerprint: str, prefix: str, after: str,
         if store is None:
             return
         for key in store.keys(head + prefix):
-            sample_id = key[len(head):]
+            sample_id = key[len(head) :]
             if sample_id > after:  # str order of code points == UTF-8 byte order
                 yield sample_id
 
@@ -243,20 +290,30 @@ def _sample_page(ctx: ServiceContext, fingerprint: str, prefix: str, after: str,
     settings = ctx.settings
     limits = SourceLimits.of(settings.source_roots, settings.max_hash_bytes)
     budget = HashBudget(settings.max_listing_hash_bytes)
-    samples = [item_state(store, ctx.queue, fingerprint, sid, limits=limits,
-                          budget=budget).as_json() for sid in page]
+    samples = [
+        item_state(store, ctx.queue, fingerprint, sid, limits=limits, budget=budget).as_json()
+        for sid in page
+    ]
     ctx.metrics.add_listing_hashed(budget.hashed)
-    return {"fingerprint": fingerprint, "prefix": prefix, "after": after, "limit": limit,
-            "samples": samples, "next": page[-1] if more else None}
+    return {
+        "fingerprint": fingerprint,
+        "prefix": prefix,
+        "after": after,
+        "limit": limit,
+        "samples": samples,
+        "next": page[-1] if more else None,
+    }
 
 
 @router.get("/v1/caches/{fingerprint}/samples")
 async def list_samples(
-        fingerprint: Fingerprint, ctx: Context,
-        prefix: str = Query("", max_length=448, description="sample ids starting with this"),
-        after: str = Query("", max_length=448, description="cursor: the last id of the "
-                                                           "previous page ('next')"),
-        limit: int = Query(50, ge=1, le=500),
+    fingerprint: Fingerprint,
+    ctx: Context,
+    prefix: str = Query("", max_length=448, description="sample ids starting with this"),
+    after: str = Query(
+        "", max_length=448, description="cursor: the last id of the previous page ('next')"
+    ),
+    limit: int = Query(50, ge=1, le=500),
 ) -> dict[str, Any]:
     """A page of a cache's samples (records and queued items), sorted by id, with each
     sample's state as ``/v1/caches/{fp}/items/{id}`` gives it; ``next`` is the cursor."""

@@ -34,8 +34,7 @@ def is_loopback(host: str) -> bool:
 class Settings(BaseSettings):
     """What the service needs to run; see ``spcache serve --help`` for each flag."""
 
-    model_config = SettingsConfigDict(env_prefix="SPCACHE_", extra="ignore",
-                                      validate_default=True)
+    model_config = SettingsConfigDict(env_prefix="SPCACHE_", extra="ignore", validate_default=True)
 
     cache: Path = Field(description="cache directory (LMDB records + jobs.sqlite)")
     host: str = "127.0.0.1"
@@ -43,46 +42,75 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(None, description="bearer token for mutating routes")
     source_roots: Annotated[list[Path], NoDecode] = Field(
         default_factory=lambda: [Path.cwd()],
-        description="warm-up source paths must resolve inside one of these")
+        description="warm-up source paths must resolve inside one of these",
+    )
     allowed_hosts: Annotated[list[str] | None, NoDecode] = Field(
-        None, description="Host header values served (comma-separated or JSON; '*' = any); "
-                          "default: the bound host, localhost, 127.0.0.1, ::1 (any when bound "
-                          "to a wildcard address)")
+        None,
+        description="Host header values served (comma-separated or JSON; '*' = any); "
+        "default: the bound host, localhost, 127.0.0.1, ::1 (any when bound "
+        "to a wildcard address)",
+    )
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest accepted request body")
     body_timeout_s: float = Field(30.0, gt=0, description="a request body must arrive within this")
     max_warmup_items: int = Field(100_000, ge=1)
     max_batch_records: int = Field(256, ge=1)
-    max_waiting_requests: int = Field(64, ge=0, description="read-through reads (?wait=) "
-                                      "waiting at once; past it: 503 + Retry-After")
+    max_waiting_requests: int = Field(
+        64,
+        ge=0,
+        description="read-through reads (?wait=) waiting at once; past it: 503 + Retry-After",
+    )
     max_wait_s: float = Field(60.0, gt=0, description="longest ?wait= honoured, seconds")
 
-    max_response_bytes: int = Field(256 << 20, ge=1 << 20,
-                                    description="largest record or batch answer (else 413)")
-    max_read_bytes_in_flight: int = Field(1 << 30, ge=1 << 20, description="record bytes all "
-                                          "answers being built or sent may hold (else 503)")
-    max_hash_bytes: int = Field(512 << 20, ge=1, description="largest source an item-state "
-                                "request hashes (and the bytes it may hash)")
-    max_listing_hash_bytes: int = Field(64 << 20, ge=0, description="source bytes one sample "
-                                        "listing may hash (sources whose stat signature "
-                                        "changed); the rest are listed 'unchecked'")
-    glob_max_entries: int = Field(200_000, ge=1,
-                                  description="directory entries one warm-up glob may look at")
+    max_response_bytes: int = Field(
+        256 << 20, ge=1 << 20, description="largest record or batch answer (else 413)"
+    )
+    max_read_bytes_in_flight: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        description="record bytes all answers being built or sent may hold (else 503)",
+    )
+    max_hash_bytes: int = Field(
+        512 << 20,
+        ge=1,
+        description="largest source an item-state request hashes (and the bytes it may hash)",
+    )
+    max_listing_hash_bytes: int = Field(
+        64 << 20,
+        ge=0,
+        description="source bytes one sample "
+        "listing may hash (sources whose stat signature "
+        "changed); the rest are listed 'unchecked'",
+    )
+    glob_max_entries: int = Field(
+        200_000, ge=1, description="directory entries one warm-up glob may look at"
+    )
     glob_max_seconds: float = Field(5.0, gt=0, description="time one warm-up glob may take")
-    pool_check_s: float = Field(2.0, gt=0, description="/healthz: the thread pool must run a "
-                                "trivial task within this, else 503")
+    pool_check_s: float = Field(
+        2.0,
+        gt=0,
+        description="/healthz: the thread pool must run a trivial task within this, else 503",
+    )
     job_errors_page: int = Field(100, ge=1, le=10_000)
     worker: bool = Field(True, description="run one worker child process (spcache serve)")
     worker_device: str | None = None
     worker_backend: str = "auto"
     worker_restart_max_s: float = Field(60.0, gt=0)
-    stats_ttl_s: float = Field(10.0, ge=0, description="reuse the per-fingerprint stats walk (a "
-                                "child process) this long once the cache changed")
+    stats_ttl_s: float = Field(
+        10.0,
+        ge=0,
+        description="reuse the per-fingerprint stats walk (a "
+        "child process) this long once the cache changed",
+    )
     record_key: SecretStr | None = Field(
-        None, min_length=16, description="secret shared with readers: each record is sent "
-        "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.format.tag)")
+        None,
+        min_length=16,
+        description="secret shared with readers: each record is sent "
+        "with a keyed tag (HMAC-SHA256) binding it to its key (cache_store.format.tag)",
+    )
     log_level: str = "info"
-    tls_certfile: Path | None = Field(None, description="serve HTTPS with this certificate "
-                                      "chain (PEM); needs tls_keyfile")
+    tls_certfile: Path | None = Field(
+        None, description="serve HTTPS with this certificate chain (PEM); needs tls_keyfile"
+    )
     tls_keyfile: Path | None = Field(None, description="the certificate's private key (PEM)")
 
     @field_validator("source_roots", mode="before")
@@ -140,10 +168,13 @@ class Settings(BaseSettings):
 
             try:
                 ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                    self.tls_certfile, self.tls_keyfile)
+                    self.tls_certfile, self.tls_keyfile
+                )
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"cannot load TLS certificate {self.tls_certfile} with key "
-                                 f"{self.tls_keyfile}: {exc.strerror or exc}") from None
+                raise ValueError(
+                    f"cannot load TLS certificate {self.tls_certfile} with key "
+                    f"{self.tls_keyfile}: {exc.strerror or exc}"
+                ) from None
         return self
 
     @property
@@ -156,6 +187,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _refuse_open_bind(self) -> Settings:
         if self.token is None and not is_loopback(self.host):
-            raise ValueError(f"refusing to bind to {self.host!r} without a token: set "
-                             "SPCACHE_TOKEN (or --token), or bind to 127.0.0.1")
+            raise ValueError(
+                f"refusing to bind to {self.host!r} without a token: set "
+                "SPCACHE_TOKEN (or --token), or bind to 127.0.0.1"
+            )
         return self

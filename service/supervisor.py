@@ -50,9 +50,15 @@ START_GRACE_S = 60.0
 QUICK_DEATHS = 3
 
 
-def worker_command(cache: str, *, device: str | None = None, backend: str = "auto",
-                   log_level: str | None = None, source_roots: Sequence[os.PathLike[str] | str] = (),
-                   extra: Sequence[str] = ()) -> list[str]:
+def worker_command(
+    cache: str,
+    *,
+    device: str | None = None,
+    backend: str = "auto",
+    log_level: str | None = None,
+    source_roots: Sequence[os.PathLike[str] | str] = (),
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The command line that starts one worker for ``cache``; with ``source_roots`` the
     worker re-checks, when it opens a source, that it still lies inside one of them (the
     service checked at submit time, but a path can be swapped for a link afterwards)."""
@@ -78,10 +84,16 @@ class WorkerSupervisor:
             (None: not checked).
     """
 
-    def __init__(self, command: Sequence[str], *, max_backoff_s: float = 60.0,
-                 healthy_after_s: float = 60.0, stop_grace_s: float = 30.0,
-                 first_backoff_s: float = 1.0,
-                 cache: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        max_backoff_s: float = 60.0,
+        healthy_after_s: float = 60.0,
+        stop_grace_s: float = 30.0,
+        first_backoff_s: float = 1.0,
+        cache: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.command = list(command)
         self.cache = Path(cache) if cache is not None else None
         self.max_backoff_s = max_backoff_s
@@ -103,8 +115,9 @@ class WorkerSupervisor:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("supervisor already started")
-        self._thread = threading.Thread(target=self._watch, name="spcache-worker-supervisor",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._watch, name="spcache-worker-supervisor", daemon=True
+        )
         self._thread.start()
 
     def _spawn(self) -> subprocess.Popen[bytes]:
@@ -145,8 +158,13 @@ class WorkerSupervisor:
         while not self._stop.is_set():
             holder = self._owned_elsewhere()
             if holder is not None:
-                log.warning("cache %s is owned by %s; not starting a second worker "
-                            "(looking again in %.0fs)", self.cache, holder, backoff)
+                log.warning(
+                    "cache %s is owned by %s; not starting a second worker "
+                    "(looking again in %.0fs)",
+                    self.cache,
+                    holder,
+                    backoff,
+                )
                 if self._stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, self.max_backoff_s)
@@ -168,8 +186,13 @@ class WorkerSupervisor:
             else:
                 quick_deaths += 1
             self._announce(backoff + START_GRACE_S if quick_deaths < QUICK_DEATHS else None)
-            log.warning("worker (pid %d) exited with %s after %.1fs; restarting in %.1fs",
-                        self._proc.pid, code, ran, backoff)
+            log.warning(
+                "worker (pid %d) exited with %s after %.1fs; restarting in %.1fs",
+                self._proc.pid,
+                code,
+                ran,
+                backoff,
+            )
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, self.max_backoff_s)
@@ -189,8 +212,9 @@ class WorkerSupervisor:
             try:
                 code = proc.wait(self.stop_grace_s)
             except subprocess.TimeoutExpired:
-                log.warning("worker (pid %d) did not stop in %.0fs; killing it", proc.pid,
-                            self.stop_grace_s)
+                log.warning(
+                    "worker (pid %d) did not stop in %.0fs; killing it", proc.pid, self.stop_grace_s
+                )
                 proc.kill()
                 code = proc.wait()
         elif proc is not None:

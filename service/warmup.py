@@ -64,8 +64,9 @@ class WarmupPlan:
     stale: set[str] = field(default_factory=set)
 
 
-def resolve_source(path: str, roots: Sequence[Path],
-                   max_bytes: int = DEFAULT_MAX_SOURCE_BYTES) -> Path:
+def resolve_source(
+    path: str, roots: Sequence[Path], max_bytes: int = DEFAULT_MAX_SOURCE_BYTES
+) -> Path:
     """The real path of a source file, which must lie inside one of ``roots``.
 
     Relative paths are taken relative to the first root. The path is checked by the
@@ -94,9 +95,15 @@ GLOB_MAX_ENTRIES = 200_000
 GLOB_MAX_SECONDS = 5.0
 
 
-def expand_glob(root: str, pattern: str, roots: Sequence[Path], limit: int, *,
-                max_entries: int = GLOB_MAX_ENTRIES,
-                max_seconds: float = GLOB_MAX_SECONDS) -> list[tuple[str, str]]:
+def expand_glob(
+    root: str,
+    pattern: str,
+    roots: Sequence[Path],
+    limit: int,
+    *,
+    max_entries: int = GLOB_MAX_ENTRIES,
+    max_seconds: float = GLOB_MAX_SECONDS,
+) -> list[tuple[str, str]]:
     """``(sample id, path)`` for each file under ``root`` matching ``pattern``, sorted.
 
     The id is the match's path relative to ``root`` without its extension
@@ -114,28 +121,42 @@ def expand_glob(root: str, pattern: str, roots: Sequence[Path], limit: int, *,
     """
     base = resolve_dir(root, roots)
     if not pattern or Path(pattern).is_absolute():
-        raise ParameterError([f"glob: {pattern!r} must be a relative pattern without '..'"],
-                             what="warm-up request")
+        raise ParameterError(
+            [f"glob: {pattern!r} must be a relative pattern without '..'"], what="warm-up request"
+        )
     segments = [s for s in pattern.split("/") if s not in ("", ".")]
     if not segments or ".." in segments:
-        raise ParameterError([f"glob: {pattern!r} must be a relative pattern without '..'"],
-                             what="warm-up request")
+        raise ParameterError(
+            [f"glob: {pattern!r} must be a relative pattern without '..'"], what="warm-up request"
+        )
     if sum(1 for s in segments if "**" in s) > 1 or any("**" in s and s != "**" for s in segments):
-        raise ParameterError([(f"glob: {pattern!r}: at most one '**', and only as a whole "
-                              f"path segment")], what="warm-up request")
+        raise ParameterError(
+            [(f"glob: {pattern!r}: at most one '**', and only as a whole path segment")],
+            what="warm-up request",
+        )
     walker = _GlobWalk(base, segments, roots, limit, max_entries, max_seconds, pattern, root)
     walker.walk(base, 0, ())
     if not walker.out:
-        raise ParameterError([f"glob: {pattern!r} matches no file under {root}"],
-                             what="warm-up request")
+        raise ParameterError(
+            [f"glob: {pattern!r} matches no file under {root}"], what="warm-up request"
+        )
     return sorted(walker.out)
 
 
 class _GlobWalk:
     """One bounded glob expansion over ``os.scandir`` (see :func:`expand_glob`)."""
 
-    def __init__(self, base: Path, segments: list[str], roots: Sequence[Path], limit: int,
-                 max_entries: int, max_seconds: float, pattern: str, root: str) -> None:
+    def __init__(
+        self,
+        base: Path,
+        segments: list[str],
+        roots: Sequence[Path],
+        limit: int,
+        max_entries: int,
+        max_seconds: float,
+        pattern: str,
+        root: str,
+    ) -> None:
         self.base = base
         self.segments = segments
         self.roots = [os.path.realpath(r) for r in roots]
@@ -150,8 +171,15 @@ class _GlobWalk:
         self.walked: set[tuple[int, int, int]] = set()
 
     def _fail(self, why: str) -> ParameterError:
-        return ParameterError([(f"glob: {self.pattern!r} under {self.root} {why}; narrow the "
-                               f"pattern or split the request")], what="warm-up request")
+        return ParameterError(
+            [
+                (
+                    f"glob: {self.pattern!r} under {self.root} {why}; narrow the "
+                    f"pattern or split the request"
+                )
+            ],
+            what="warm-up request",
+        )
 
     def _inside(self, path: str) -> str | None:
         """The real path of ``path`` when it lies inside a source root, else None."""
@@ -235,15 +263,21 @@ def resolve_dir(root: str, roots: Sequence[Path]) -> Path:
     except (OSError, ValueError) as exc:
         raise SourceError(root, f"cannot be resolved: {exc}") from None
     if not inside_roots(str(real), [os.path.realpath(r) for r in roots]):
-        raise SourceError(root, "resolves outside the allowed source roots "
-                                f"({', '.join(str(r) for r in roots)})")
+        raise SourceError(
+            root, f"resolves outside the allowed source roots ({', '.join(str(r) for r in roots)})"
+        )
     if not real.is_dir():
         raise SourceError(root, "is not a directory")
     return real
 
 
-def plan_warmup(recipe: str, params: dict[str, Any] | None, items: Sequence[tuple[str, str]],
-                roots: Sequence[Path], store: Store | None) -> WarmupPlan:
+def plan_warmup(
+    recipe: str,
+    params: dict[str, Any] | None,
+    items: Sequence[tuple[str, str]],
+    roots: Sequence[Path],
+    store: Store | None,
+) -> WarmupPlan:
     """Validate a warm-up request and split its items into ``todo`` and ``ready``.
 
     Raises:

@@ -28,7 +28,9 @@ class VERIFY:
 
     @staticmethod
     def run(args: argparse.Namespace) -> int:
-        data = _isolated("verify", args.cache, "verify_cache")  # a child: an LMDB abort cannot kill us
+        data = _isolated(
+            "verify", args.cache, "verify_cache"
+        )  # a child: an LMDB abort cannot kill us
         if data is None:
             return 2
         problems = [f"corrupt {key}: {reason}" for key, reason in data["corrupt"].items()]
@@ -40,8 +42,10 @@ class VERIFY:
         else:
             for problem in problems:
                 print(f"  {problem}")
-            print(f"checked {data['checked']} records: "
-                  + ("cache verifies clean" if not problems else f"{len(problems)} problem(s)"))
+            print(
+                f"checked {data['checked']} records: "
+                + ("cache verifies clean" if not problems else f"{len(problems)} problem(s)")
+            )
         return 1 if problems else 0
 
 
@@ -73,8 +77,9 @@ class STATS:
         return 0
 
 
-def with_failures_and_jobs(stats: dict[str, Any], cache: Path, *,
-                           limit: int = MAX_FAILED_LISTED) -> dict[str, Any]:
+def with_failures_and_jobs(
+    stats: dict[str, Any], cache: Path, *, limit: int = MAX_FAILED_LISTED
+) -> dict[str, Any]:
     """``stats`` with, under each fingerprint, its remembered failures (``failed``:
     :func:`cache_store.jobs.failures.failures_of`) and its jobs' states (``jobs``);
     fingerprints known only to the queue or the failure log are added. Creates nothing."""
@@ -88,9 +93,15 @@ def with_failures_and_jobs(stats: dict[str, Any], cache: Path, *,
         try:
             for job in queue.jobs(limit=10_000):
                 jobs.setdefault(job.fingerprint, []).append(
-                    {"id": job.id, "status": job.status, "recipe": job.recipe,
-                     "total": job.total, "percent": job.percent,
-                     "counts": {k: v for k, v in job.counts.items() if v}})
+                    {
+                        "id": job.id,
+                        "status": job.status,
+                        "recipe": job.recipe,
+                        "total": job.total,
+                        "percent": job.percent,
+                        "counts": {k: v for k, v in job.counts.items() if v},
+                    }
+                )
         finally:
             queue.close()
     counts = failure_counts(cache)
@@ -98,8 +109,9 @@ def with_failures_and_jobs(stats: dict[str, Any], cache: Path, *,
         per_fp.setdefault(fp, {"records": 0, "bytes": 0})
     total_failed = 0
     for fp, entry in per_fp.items():
-        entry["failed"] = failures_of(cache, fp, limit=limit) if counts.get(fp) else \
-            {"count": 0, "items": []}
+        entry["failed"] = (
+            failures_of(cache, fp, limit=limit) if counts.get(fp) else {"count": 0, "items": []}
+        )
         entry["jobs"] = jobs.get(fp, [])
         total_failed += entry["failed"]["count"]
     return {**stats, "failed": total_failed, "fingerprints": dict(sorted(per_fp.items()))}
@@ -117,26 +129,35 @@ def _print_stats(stats: dict[str, Any]) -> None:
     """The statistics, one block per fingerprint: what it is, when it was made, its
     records, its jobs by state and its failed samples (id, path, when, reason)."""
     fps = stats.get("fingerprints", {})
-    print(f"cache {stats.get('location', '')}: {len(fps)} fingerprint(s), "
-          f"{stats.get('records', 0)} records, {_size(int(stats.get('bytes', 0)))}"
-          + (f", {stats['failed']} failed sample(s)" if stats.get("failed") else ""))
+    print(
+        f"cache {stats.get('location', '')}: {len(fps)} fingerprint(s), "
+        f"{stats.get('records', 0)} records, {_size(int(stats.get('bytes', 0)))}"
+        + (f", {stats['failed']} failed sample(s)" if stats.get("failed") else "")
+    )
     if stats.get("failures_error"):
         print(f"  ({stats['failures_error']})")
     for fp, entry in fps.items():
-        what = (f"{entry['recipe']} v{entry['recipe_version']} "
-                f"{json.dumps(entry.get('params', {}), sort_keys=True)}"
-                if "recipe" in entry else "(no index)")
+        what = (
+            f"{entry['recipe']} v{entry['recipe_version']} "
+            f"{json.dumps(entry.get('params', {}), sort_keys=True)}"
+            if "recipe" in entry
+            else "(no index)"
+        )
         print(f"\nfingerprint {fp}  {what}")
         if entry.get("created"):
             print(f"  created  {entry['created']}")
         indexed = f", {entry['samples']} indexed" if "samples" in entry else ""
-        print(f"  records  {entry.get('records', 0)} ({_size(int(entry.get('bytes', 0)))}){indexed}")
+        print(
+            f"  records  {entry.get('records', 0)} ({_size(int(entry.get('bytes', 0)))}){indexed}"
+        )
         if entry.get("index_error"):
             print(f"  index    unreadable: {entry['index_error']}")
         for job in entry.get("jobs", []):
             counted = ", ".join(f"{v} {k}" for k, v in job["counts"].items())
-            print(f"  job      {job['id']}  {job['status'].replace('_', ' ')}  "
-                  f"({counted}; {job['percent']:g}%)")
+            print(
+                f"  job      {job['id']}  {job['status'].replace('_', ' ')}  "
+                f"({counted}; {job['percent']:g}%)"
+            )
         failed = entry.get("failed", {"count": 0, "items": []})
         if failed["count"]:
             print(f"  failed   {failed['count']}")
@@ -148,8 +169,9 @@ def _print_stats(stats: dict[str, Any]) -> None:
 
 
 def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> None:
-    parser.add_argument("--cache", required=True,
-                        help="cache directory, Zarr snapshot (path or URL) or service URL")
+    parser.add_argument(
+        "--cache", required=True, help="cache directory, Zarr snapshot (path or URL) or service URL"
+    )
     parser.add_argument("--json", action="store_true", help=json_help)
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
 

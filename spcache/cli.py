@@ -35,27 +35,50 @@ logger = logging.getLogger(__name__)
 
 #: command name -> (import target, help). Targets are imported at dispatch time.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "precompute": ("workers.precompute_cli", "compute a recipe over sources into a cache (GPU side)"),
+    "precompute": (
+        "workers.precompute_cli",
+        "compute a recipe over sources into a cache (GPU side)",
+    ),
     "worker": ("workers.worker_cli", "run the long-lived GPU worker over the cache's job queue"),
     "serve": ("service.cli", "run the HTTP service (and its worker)"),
-    "verify": ("spcache.cache_commands:VERIFY",
-               "check every record of a cache decodes and matches its checksum"),
-    "stats": ("spcache.cache_commands:STATS",
-              "summarise a cache: fingerprints, records, bytes, failed samples"),
-    "ls": ("spcache.housekeeping_cli:LS",
-           "list a cache's fingerprints: records, bytes, last written, last read"),
+    "verify": (
+        "spcache.cache_commands:VERIFY",
+        "check every record of a cache decodes and matches its checksum",
+    ),
+    "stats": (
+        "spcache.cache_commands:STATS",
+        "summarise a cache: fingerprints, records, bytes, failed samples",
+    ),
+    "ls": (
+        "spcache.housekeeping_cli:LS",
+        "list a cache's fingerprints: records, bytes, last written, last read",
+    ),
     "rm": ("spcache.housekeeping_cli:RM", "remove fingerprints from a cache"),
-    "prune": ("spcache.housekeeping_cli:PRUNE",
-              "remove least recently used fingerprints (--max-size, --unused-for, --keep)"),
-    "compact": ("spcache.housekeeping_cli:COMPACT",
-                "give the disk back: rewrite the cache's file without its free pages"),
+    "prune": (
+        "spcache.housekeeping_cli:PRUNE",
+        "remove least recently used fingerprints (--max-size, --unused-for, --keep)",
+    ),
+    "compact": (
+        "spcache.housekeeping_cli:COMPACT",
+        "give the disk back: rewrite the cache's file without its free pages",
+    ),
     "export": ("spcache.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
-    "merge": ("spcache.shards_cli:MERGE",
-              "merge a sharded snapshot's committed parts into its index (idempotent)"),
-    "import": ("spcache.shards_cli:IMPORT",
-               "copy a snapshot's records into a local cache directory (LMDB)"),
-    "recipes": ("spcache.recipes_cli", "list the recipes with their parameters, defaults and bounds"),
-    "demo": ("workers.demo", "make example shapes, precompute them, serve them, show where to look"),
+    "merge": (
+        "spcache.shards_cli:MERGE",
+        "merge a sharded snapshot's committed parts into its index (idempotent)",
+    ),
+    "import": (
+        "spcache.shards_cli:IMPORT",
+        "copy a snapshot's records into a local cache directory (LMDB)",
+    ),
+    "recipes": (
+        "spcache.recipes_cli",
+        "list the recipes with their parameters, defaults and bounds",
+    ),
+    "demo": (
+        "workers.demo",
+        "make example shapes, precompute them, serve them, show where to look",
+    ),
 }
 
 PARENT_PID_ENV = "SPCACHE_PARENT_PID"
@@ -68,13 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     top = _top_parser()
     split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     try:
-        ns = top.parse_args(argv[:split + 1])
+        ns = top.parse_args(argv[: split + 1])
     except SystemExit as exc:
         return _exit_code(exc)
     if ns.command is None:
         top.print_help(sys.stderr)
         return 2
-    name, rest = ns.command, argv[split + 1:]
+    name, rest = ns.command, argv[split + 1 :]
     target = resolve(name)
     if isinstance(target, str):
         print(f"spcache: {target}", file=sys.stderr)
@@ -89,8 +112,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         level = logging.WARNING - 10 * (ns.verbose + getattr(args, "verbose", 0) - ns.quiet)
     configure_logging(level)
     _load_recipes()
-    logger.debug("spcache %s: pid %d, log level %s", name, os.getpid(),
-                 logging.getLevelName(logging.getLogger().level))
+    logger.debug(
+        "spcache %s: pid %d, log level %s",
+        name,
+        os.getpid(),
+        logging.getLevelName(logging.getLogger().level),
+    )
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         from spcache.lifecycle import exit_with_parent
@@ -119,16 +146,31 @@ def _load_recipes() -> None:
 def _top_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<12}{help_}" for name, (_, help_) in COMMANDS.items()]
     parser = argparse.ArgumentParser(
-        prog="spcache", usage="spcache [-h] [--version] [-v] [-q] COMMAND [ARGS ...]",
+        prog="spcache",
+        usage="spcache [-h] [--version] [-v] [-q] COMMAND [ARGS ...]",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Precompute and serve cached Kaolin SPC features.",
-        epilog="commands:\n" + "\n".join(lines) + "\n\nRun 'spcache COMMAND --help' for a command's options.")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (repeatable)")
+        epilog="commands:\n"
+        + "\n".join(lines)
+        + "\n\nRun 'spcache COMMAND --help' for a command's options.",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (repeatable)"
+    )
     parser.add_argument("-q", "--quiet", action="count", default=0, help="less logging")
-    parser.add_argument("--version", action="version", version=f"spcache {_version()}",
-                        help="print the version and exit")
-    parser.add_argument("command", nargs="?", choices=list(COMMANDS), metavar="COMMAND",
-                        help="one of: " + ", ".join(COMMANDS))
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"spcache {_version()}",
+        help="print the version and exit",
+    )
+    parser.add_argument(
+        "command",
+        nargs="?",
+        choices=list(COMMANDS),
+        metavar="COMMAND",
+        help="one of: " + ", ".join(COMMANDS),
+    )
     return parser
 
 
@@ -140,8 +182,11 @@ def _version() -> str:
 
 def subcommand_parser(name: str, target: Any) -> argparse.ArgumentParser:
     """The argument parser of command ``name`` (``target`` from :func:`resolve`)."""
-    parser = argparse.ArgumentParser(prog=f"spcache {name}", description=COMMANDS[name][1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=f"spcache {name}",
+        description=COMMANDS[name][1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     target.configure_parser(parser)
     return parser
 
@@ -153,10 +198,14 @@ def resolve(name: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        return (f"command {name!r} is unavailable: cannot import {module_name} "
-                f"({type(exc).__name__}: {exc})")
+        return (
+            f"command {name!r} is unavailable: cannot import {module_name} "
+            f"({type(exc).__name__}: {exc})"
+        )
     obj = getattr(module, attribute) if attribute else module
-    if not (callable(getattr(obj, "configure_parser", None)) and callable(getattr(obj, "run", None))):
+    if not (
+        callable(getattr(obj, "configure_parser", None)) and callable(getattr(obj, "run", None))
+    ):
         return f"command {name!r} is unavailable: {target} has no configure_parser() and run()"
     return obj
 
@@ -181,8 +230,9 @@ def configure_logging(level: int) -> None:
     # httpx/httpcore log every request at INFO: a polling client (the demo, HTTPStore)
     # would print a line per poll; they speak only at DEBUG, when asked for everything.
     for chatty in ("httpx", "httpcore"):
-        logging.getLogger(chatty).setLevel(max(level, logging.WARNING)
-                                           if level > logging.DEBUG else level)
+        logging.getLogger(chatty).setLevel(
+            max(level, logging.WARNING) if level > logging.DEBUG else level
+        )
 
 
 def _exit_code(exc: SystemExit) -> int:

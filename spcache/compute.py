@@ -88,46 +88,85 @@ class PrecomputeResult:
         return self.failed == 0
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], *, cache: str | os.PathLike[str] = "",
-                  engine: str = "local") -> PrecomputeResult:
+    def from_json(
+        cls, data: Mapping[str, Any], *, cache: str | os.PathLike[str] = "", engine: str = "local"
+    ) -> PrecomputeResult:
         """The result from ``spcache precompute --json``'s object (keys it does not know
         go into ``extra``)."""
-        known = {"fingerprint", "recipe", "recipe_version", "params", "device", "backend",
-                 "engine", "done", "skipped", "failed", "errors", "failed_again",
-                 "skipped_failed", "timings", "oom_backoffs"}
+        known = {
+            "fingerprint",
+            "recipe",
+            "recipe_version",
+            "params",
+            "device",
+            "backend",
+            "engine",
+            "done",
+            "skipped",
+            "failed",
+            "errors",
+            "failed_again",
+            "skipped_failed",
+            "timings",
+            "oom_backoffs",
+        }
         timings = dict(data.get("timings", {}))
         return cls(
-            cache=os.fspath(cache), fingerprint=str(data["fingerprint"]),
-            recipe=str(data["recipe"]), recipe_version=int(data["recipe_version"]),
+            cache=os.fspath(cache),
+            fingerprint=str(data["fingerprint"]),
+            recipe=str(data["recipe"]),
+            recipe_version=int(data["recipe_version"]),
             params=MappingProxyType(dict(data.get("params", {}))),
-            device=str(data.get("device", "")), backend=str(data.get("backend", "")),
-            engine=str(data.get("engine", engine)), done=int(data["done"]),
-            skipped=int(data["skipped"]), failed=int(data["failed"]),
-            errors=tuple(FailedSample(str(e["id"]), str(e["path"]), str(e["reason"]),
-                                      str(e.get("repeat", ""))) for e in data.get("errors", ())),
+            device=str(data.get("device", "")),
+            backend=str(data.get("backend", "")),
+            engine=str(data.get("engine", engine)),
+            done=int(data["done"]),
+            skipped=int(data["skipped"]),
+            failed=int(data["failed"]),
+            errors=tuple(
+                FailedSample(
+                    str(e["id"]), str(e["path"]), str(e["reason"]), str(e.get("repeat", ""))
+                )
+                for e in data.get("errors", ())
+            ),
             failed_again=tuple(map(str, data.get("failed_again", ()))),
             skipped_failed=tuple(map(str, data.get("skipped_failed", ()))),
-            timings=Timings(**{k: float(v) for k, v in timings.items()
-                               if k in Timings.__dataclass_fields__}),
+            timings=Timings(
+                **{k: float(v) for k, v in timings.items() if k in Timings.__dataclass_fields__}
+            ),
             oom_backoffs=int(data.get("oom_backoffs", 0)),
             extra=MappingProxyType({k: v for k, v in data.items() if k not in known}),
         )
 
     def as_json(self) -> dict[str, Any]:
         """The object ``spcache precompute --json`` prints for this run."""
-        timings = {"load_s": self.timings.load_s, "compute_s": self.timings.compute_s,
-                   "write_s": self.timings.write_s, "wall_s": self.timings.wall_s}
+        timings = {
+            "load_s": self.timings.load_s,
+            "compute_s": self.timings.compute_s,
+            "write_s": self.timings.write_s,
+            "wall_s": self.timings.wall_s,
+        }
         if self.timings.actor_start_s is not None:
             timings["actor_start_s"] = self.timings.actor_start_s
         data: dict[str, Any] = {
-            "fingerprint": self.fingerprint, "recipe": self.recipe,
-            "recipe_version": self.recipe_version, "params": dict(self.params),
-            "device": self.device, "backend": self.backend, "done": self.done,
-            "skipped": self.skipped, "failed": self.failed,
-            "errors": [{"id": e.id, "path": e.path, "reason": e.reason, "repeat": e.repeat}
-                       for e in self.errors],
-            "failed_again": list(self.failed_again), "skipped_failed": list(self.skipped_failed),
-            "timings": timings, "oom_backoffs": self.oom_backoffs, **self.extra,
+            "fingerprint": self.fingerprint,
+            "recipe": self.recipe,
+            "recipe_version": self.recipe_version,
+            "params": dict(self.params),
+            "device": self.device,
+            "backend": self.backend,
+            "done": self.done,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "errors": [
+                {"id": e.id, "path": e.path, "reason": e.reason, "repeat": e.repeat}
+                for e in self.errors
+            ],
+            "failed_again": list(self.failed_again),
+            "skipped_failed": list(self.skipped_failed),
+            "timings": timings,
+            "oom_backoffs": self.oom_backoffs,
+            **self.extra,
         }
         if self.engine != "local":
             data["engine"] = self.engine
@@ -140,12 +179,24 @@ class PrecomputeResult:
         return CachedDataset(self.cache, self.fingerprint, **options)
 
 
-def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-               recipe: str, cache: str | os.PathLike[str], *, device: str = "auto",
-               backend: str = "auto", loaders: int | None = None, skip_failed: bool = False,
-               progress: bool = True, engine: str = "local", address: str | None = None,
-               actors: int | None = None, query_chunk: int = 1 << 18, write_batch: int = 32,
-               id_template: str | None = None, **params: Any) -> PrecomputeResult:
+def precompute(
+    sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    recipe: str,
+    cache: str | os.PathLike[str],
+    *,
+    device: str = "auto",
+    backend: str = "auto",
+    loaders: int | None = None,
+    skip_failed: bool = False,
+    progress: bool = True,
+    engine: str = "local",
+    address: str | None = None,
+    actors: int | None = None,
+    query_chunk: int = 1 << 18,
+    write_batch: int = 32,
+    id_template: str | None = None,
+    **params: Any,
+) -> PrecomputeResult:
     """Compute ``recipe`` over ``sources`` into the cache directory ``cache``; samples
     already stored with an unchanged source are skipped, so a second call is cheap.
 
@@ -194,13 +245,24 @@ def precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]
     """
     from workers.precompute import run_precompute
 
-    summary = run_precompute(sources, recipe, cache, params=params, device=device,
-                             backend=backend, loaders=loaders, skip_failed=skip_failed,
-                             progress=progress, engine=engine, address=address, actors=actors,
-                             query_chunk=query_chunk, write_batch=write_batch,
-                             id_template=id_template)
+    summary = run_precompute(
+        sources,
+        recipe,
+        cache,
+        params=params,
+        device=device,
+        backend=backend,
+        loaders=loaders,
+        skip_failed=skip_failed,
+        progress=progress,
+        engine=engine,
+        address=address,
+        actors=actors,
+        query_chunk=query_chunk,
+        write_batch=write_batch,
+        id_template=id_template,
+    )
     from cache_store.location import is_remote
 
     where = os.fspath(cache) if is_remote(cache) else os.path.abspath(cache)
-    return PrecomputeResult.from_json(summary.as_json(), cache=where,
-                                      engine=engine)
+    return PrecomputeResult.from_json(summary.as_json(), cache=where, engine=engine)

@@ -34,19 +34,38 @@ def _when(text: str | None) -> str:
 
 
 def _table(rows: list[dict[str, Any]]) -> None:
-    head = ("FINGERPRINT", "RECIPE", "RECORDS", "SIZE", "STATE", "FAILED", "LAST WRITTEN",
-            "LAST READ")
+    head = (
+        "FINGERPRINT",
+        "RECIPE",
+        "RECORDS",
+        "SIZE",
+        "STATE",
+        "FAILED",
+        "LAST WRITTEN",
+        "LAST READ",
+    )
     lines = [head]
     for row in rows:
         recipe = "-" if row["recipe"] is None else f"{row['recipe']} v{row['recipe_version']}"
         if row.get("recipe_changed"):
             recipe += " (changed)"
-        lines.append((row["fingerprint"], recipe, str(row["records"]), format_size(row["bytes"]),
-                      row["state"], str(row["failed"]), _when(row["last_written"]),
-                      _when(row["last_read"])))
+        lines.append(
+            (
+                row["fingerprint"],
+                recipe,
+                str(row["records"]),
+                format_size(row["bytes"]),
+                row["state"],
+                str(row["failed"]),
+                _when(row["last_written"]),
+                _when(row["last_read"]),
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+        print(
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        )
 
 
 class LS:
@@ -71,21 +90,33 @@ class LS:
             return 0
         _table(rows)
         total = sum(r["bytes"] for r in rows)
-        print(f"{len(rows)} fingerprint(s), {format_size(total)} ({total} bytes) of records; "
-              f"least recently used first")
+        print(
+            f"{len(rows)} fingerprint(s), {format_size(total)} ({total} bytes) of records; "
+            f"least recently used first"
+        )
         return 0
 
 
 class RM:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("fingerprints", nargs="+", metavar="FINGERPRINT",
-                            help="fingerprint, or a unique prefix of at least 6 characters")
+        parser.add_argument(
+            "fingerprints",
+            nargs="+",
+            metavar="FINGERPRINT",
+            help="fingerprint, or a unique prefix of at least 6 characters",
+        )
         _cache_argument(parser, "cache directory")
-        parser.add_argument("--failed", action="store_true",
-                            help="only forget remembered failures, so they are retried")
-        parser.add_argument("--compact", action="store_true",
-                            help="compact the file afterwards (gives the disk back)")
+        parser.add_argument(
+            "--failed",
+            action="store_true",
+            help="only forget remembered failures, so they are retried",
+        )
+        parser.add_argument(
+            "--compact",
+            action="store_true",
+            help="compact the file afterwards (gives the disk back)",
+        )
         parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
     @staticmethod
@@ -93,8 +124,9 @@ class RM:
         from cache_store.housekeeping import rm
 
         try:
-            reports = rm(args.cache, args.fingerprints, failed=args.failed,
-                         compact_after=args.compact)
+            reports = rm(
+                args.cache, args.fingerprints, failed=args.failed, compact_after=args.compact
+            )
         except (SpcacheError, OSError, ValueError) as exc:
             return _fail("rm", exc)
         if args.json:
@@ -104,9 +136,11 @@ class RM:
             if args.failed:
                 print(f"{r['fingerprint']}: forgot {r['failures']} failure(s)")
             else:
-                print(f"removed {r['fingerprint']}: {r['records']} records, "
-                      f"{format_size(r['bytes'])}; {r['cancelled']} queued item(s) cancelled, "
-                      f"{r['failures']} failure(s) forgotten")
+                print(
+                    f"removed {r['fingerprint']}: {r['records']} records, "
+                    f"{format_size(r['bytes'])}; {r['cancelled']} queued item(s) cancelled, "
+                    f"{r['failures']} failure(s) forgotten"
+                )
         if not args.failed and not args.compact:
             print("the file keeps its size until `spcache compact` (freed pages are reused)")
         return 0
@@ -116,14 +150,20 @@ class PRUNE:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
         _cache_argument(parser, "cache directory")
-        parser.add_argument("--max-size", metavar="SIZE",
-                            help="remove least recently used fingerprints until the records "
-                                 "fit in SIZE (bytes, or 500M, 2G, 1.5T)")
-        parser.add_argument("--unused-for", metavar="DURATION",
-                            help="remove fingerprints not read or written for DURATION "
-                                 "(e.g. 12h, 30d, 2w)")
-        parser.add_argument("--keep", type=int, metavar="N",
-                            help="never remove the N most recently used")
+        parser.add_argument(
+            "--max-size",
+            metavar="SIZE",
+            help="remove least recently used fingerprints until the records "
+            "fit in SIZE (bytes, or 500M, 2G, 1.5T)",
+        )
+        parser.add_argument(
+            "--unused-for",
+            metavar="DURATION",
+            help="remove fingerprints not read or written for DURATION (e.g. 12h, 30d, 2w)",
+        )
+        parser.add_argument(
+            "--keep", type=int, metavar="N", help="never remove the N most recently used"
+        )
         parser.add_argument("--dry-run", action="store_true", help="only say what would go")
         parser.add_argument("--compact", action="store_true", help="compact afterwards")
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -133,12 +173,20 @@ class PRUNE:
         from cache_store.housekeeping import prune
 
         if args.max_size is None and args.unused_for is None and args.keep is None:
-            print("spcache prune: give at least one of --max-size, --unused-for, --keep",
-                  file=sys.stderr)
+            print(
+                "spcache prune: give at least one of --max-size, --unused-for, --keep",
+                file=sys.stderr,
+            )
             return 2
         try:
-            result = prune(args.cache, max_size=args.max_size, unused_for=args.unused_for,
-                           keep=args.keep, dry_run=args.dry_run, compact_after=args.compact)
+            result = prune(
+                args.cache,
+                max_size=args.max_size,
+                unused_for=args.unused_for,
+                keep=args.keep,
+                dry_run=args.dry_run,
+                compact_after=args.compact,
+            )
         except (SpcacheError, OSError, ValueError) as exc:
             return _fail("prune", exc)
         if args.json:
@@ -147,11 +195,15 @@ class PRUNE:
         verb = "would remove" if args.dry_run else "removed"
         for row in result["removed"]:
             recipe = row["recipe"] or "unindexed"
-            print(f"{verb} {row['fingerprint']} ({recipe}, {row['records']} records, "
-                  f"{format_size(row['bytes'])}, last used "
-                  f"{_when(row['last_read'] or row['last_written'] or row['created'])})")
-        print(f"{len(result['removed'])} fingerprint(s) {verb}; records "
-              f"{format_size(result['bytes_before'])} -> {format_size(result['bytes_after'])}")
+            print(
+                f"{verb} {row['fingerprint']} ({recipe}, {row['records']} records, "
+                f"{format_size(row['bytes'])}, last used "
+                f"{_when(row['last_read'] or row['last_written'] or row['created'])})"
+            )
+        print(
+            f"{len(result['removed'])} fingerprint(s) {verb}; records "
+            f"{format_size(result['bytes_before'])} -> {format_size(result['bytes_after'])}"
+        )
         return 0
 
 
@@ -159,8 +211,13 @@ class COMPACT:
     @staticmethod
     def configure_parser(parser: argparse.ArgumentParser) -> None:
         _cache_argument(parser, "cache directory")
-        parser.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
-                            help="how long to wait for a writer's transaction (default 60)")
+        parser.add_argument(
+            "--wait",
+            type=float,
+            default=60.0,
+            metavar="SECONDS",
+            help="how long to wait for a writer's transaction (default 60)",
+        )
         parser.add_argument("--json", action="store_true", help="print the sizes as JSON")
 
     @staticmethod

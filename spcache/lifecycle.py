@@ -41,8 +41,7 @@ def set_parent_death_signal(signum: int = signal.SIGTERM) -> bool:
     return True
 
 
-def exit_with_parent(parent_pid: int | str, *, grace_s: float = 30.0,
-                     poll_s: float = 0.5) -> None:
+def exit_with_parent(parent_pid: int | str, *, grace_s: float = 30.0, poll_s: float = 0.5) -> None:
     """End this process (SIGTERM, then a hard exit after ``grace_s``) once ``parent_pid``
     is no longer its parent.
 
@@ -54,8 +53,12 @@ def exit_with_parent(parent_pid: int | str, *, grace_s: float = 30.0,
     if os.getppid() != parent:  # the parent died before the request above was made
         log.warning("parent process %d is gone; stopping", parent)
         os.kill(os.getpid(), signal.SIGTERM)
-    threading.Thread(target=_watch_parent, args=(parent, by_kernel, grace_s, poll_s),
-                     daemon=True, name="spcache-parent-watch").start()
+    threading.Thread(
+        target=_watch_parent,
+        args=(parent, by_kernel, grace_s, poll_s),
+        daemon=True,
+        name="spcache-parent-watch",
+    ).start()
 
 
 def _watch_parent(parent: int, by_kernel: bool, grace_s: float, poll_s: float) -> None:
@@ -65,6 +68,7 @@ def _watch_parent(parent: int, by_kernel: bool, grace_s: float, poll_s: float) -
         log.warning("parent process %d is gone; stopping", parent)
         os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
-    log.error("parent process %d is gone and this process did not stop in %.0fs; exiting",
-              parent, grace_s)
+    log.error(
+        "parent process %d is gone and this process did not stop in %.0fs; exiting", parent, grace_s
+    )
     os._exit(1)

@@ -51,6 +51,20 @@ from cache_store.recipes.registry import (
 )
 from cache_store.recipes.specs import MAX_RECORD_BYTES, RecipeSpec
 
-__all__ = ["Recipe", "Param", "Field", "ChunkBudget", "SourceError", "RecipeSpec", "RecipeEntry", "Registry",
-           "installed_recipes", "check_outputs", "code_digest", "ENTRY_POINT_GROUP", "ENV_VAR",
-           "FIELD_DTYPES", "MAX_RECORD_BYTES"]
+__all__ = [
+    "Recipe",
+    "Param",
+    "Field",
+    "ChunkBudget",
+    "SourceError",
+    "RecipeSpec",
+    "RecipeEntry",
+    "Registry",
+    "installed_recipes",
+    "check_outputs",
+    "code_digest",
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
+    "FIELD_DTYPES",
+    "MAX_RECORD_BYTES",
+]

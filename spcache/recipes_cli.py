@@ -17,16 +17,22 @@ __all__ = ["configure_parser", "run"]
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
-                        help="print every recipe's schema (params with type, default, bounds; "
-                             "output fields) as JSON")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print every recipe's schema (params with type, default, bounds; "
+        "output fields) as JSON",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     registry = installed_recipes()
     if args.json:
-        print(json.dumps({name: entry.as_json() for name, entry in registry.recipes.items()},
-                         sort_keys=True))
+        print(
+            json.dumps(
+                {name: entry.as_json() for name, entry in registry.recipes.items()}, sort_keys=True
+            )
+        )
     else:
         print(recipe_table())
     for line in registry.problems:

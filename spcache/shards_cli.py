@@ -32,11 +32,19 @@ class MERGE:
     def configure_parser(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("dest", help="a sharded snapshot: DEST.zarr or s3://bucket/x.zarr")
         parser.add_argument("--fingerprint", help="merge only this fingerprint")
-        parser.add_argument("--remove-orphans", action="store_true",
-                            help="delete parts that have no manifest and are older than "
-                                 "--orphan-age (a writer died while writing them)")
-        parser.add_argument("--orphan-age", type=float, default=3600.0, metavar="SECONDS",
-                            help="a part younger than this may still be written (default 3600)")
+        parser.add_argument(
+            "--remove-orphans",
+            action="store_true",
+            help="delete parts that have no manifest and are older than "
+            "--orphan-age (a writer died while writing them)",
+        )
+        parser.add_argument(
+            "--orphan-age",
+            type=float,
+            default=3600.0,
+            metavar="SECONDS",
+            help="a part younger than this may still be written (default 3600)",
+        )
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
     @staticmethod
@@ -45,14 +53,23 @@ class MERGE:
 
         try:
             merged = merge(args.dest, fingerprint=args.fingerprint)
-            orphans = orphan_parts(args.dest, older_than_s=args.orphan_age,
-                                   remove=args.remove_orphans)
+            orphans = orphan_parts(
+                args.dest, older_than_s=args.orphan_age, remove=args.remove_orphans
+            )
         except (SpcacheError, OSError) as exc:
             print(f"spcache merge: {args.dest}: {' '.join(str(exc).split())}", file=sys.stderr)
             return 2
         if args.json:
-            print(json.dumps({"merged": merged, "orphans": orphans,
-                              "orphans_removed": bool(args.remove_orphans)}, sort_keys=True))
+            print(
+                json.dumps(
+                    {
+                        "merged": merged,
+                        "orphans": orphans,
+                        "orphans_removed": bool(args.remove_orphans),
+                    },
+                    sort_keys=True,
+                )
+            )
             return 0
         for fingerprint, count in merged.items():
             print(f"{fingerprint}: {count} record(s) indexed")
@@ -67,8 +84,9 @@ class IMPORT:
     def configure_parser(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("dest", help="a snapshot (DEST.zarr or s3://bucket/x.zarr)")
         parser.add_argument("--cache", required=True, help="the local cache directory to fill")
-        parser.add_argument("--fingerprint", action="append",
-                            help="import only this fingerprint (repeatable)")
+        parser.add_argument(
+            "--fingerprint", action="append", help="import only this fingerprint (repeatable)"
+        )
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
     @staticmethod
@@ -86,13 +104,20 @@ class IMPORT:
             print(json.dumps(result, sort_keys=True))
         else:
             for fingerprint, counts in result.items():
-                print(f"{fingerprint}: {counts['copied']} copied, {counts['present']} already "
-                      f"in {args.cache}")
+                print(
+                    f"{fingerprint}: {counts['copied']} copied, {counts['present']} already "
+                    f"in {args.cache}"
+                )
         return 0
 
 
-def import_snapshot(source: str, cache: str, *, fingerprints: list[str] | None = None,
-                    storage_options: dict[str, Any] | None = None) -> dict[str, dict[str, int]]:
+def import_snapshot(
+    source: str,
+    cache: str,
+    *,
+    fingerprints: list[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, dict[str, int]]:
     """Copy the indexed records of ``source`` (a snapshot) into the LMDB cache ``cache``;
     returns ``{fingerprint: {"copied", "present"}}``."""
     from cache_store.format.decode import check_record
@@ -110,10 +135,12 @@ def import_snapshot(source: str, cache: str, *, fingerprints: list[str] | None =
             copied = present = 0
             for start in range(0, len(keys), IMPORT_BATCH):
                 batch = []
-                for key in keys[start:start + IMPORT_BATCH]:
+                for key in keys[start : start + IMPORT_BATCH]:
                     value = src.get(key)
-                    if dst.has(key) and (read_header(dst.get(key), key=key).metadata["checksum"]
-                                         == read_header(value, key=key).metadata["checksum"]):
+                    if dst.has(key) and (
+                        read_header(dst.get(key), key=key).metadata["checksum"]
+                        == read_header(value, key=key).metadata["checksum"]
+                    ):
                         present += 1
                         continue
                     batch.append((key, value))

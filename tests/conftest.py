@@ -26,8 +26,10 @@ from tests.data import corpus as corpus_builder
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # CI clones the project with ../shared beside it; tests may read its data, users never need it.
 SHARED_DATA = Path(os.environ.get("SPCACHE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
-SHARED_SKIP = ("../shared/data not present: the extra real-mesh corpus is skipped; "
-               "set SPCACHE_SHARED_DATA to run it")
+SHARED_SKIP = (
+    "../shared/data not present: the extra real-mesh corpus is skipped; "
+    "set SPCACHE_SHARED_DATA to run it"
+)
 # Mark a test (or a parameter) that reads ../shared/data with this.
 shared_corpus = pytest.mark.shared_corpus
 _SHARED_ITEMS = pytest.StashKey[int]()
@@ -39,8 +41,10 @@ def shared_data_present() -> bool:
 
 # Run in a child interpreter: creating a CUDA context in the pytest process would break the
 # tests that assert it never initialises CUDA (a DataLoader forked from it could not use CUDA).
-_CUDA_PROBE = ("import torch; ok = torch.cuda.is_available() and "
-               "torch.zeros(1, device='cuda').item() == 0; print('cuda-ok' if ok else 'no-cuda')")
+_CUDA_PROBE = (
+    "import torch; ok = torch.cuda.is_available() and "
+    "torch.zeros(1, device='cuda').item() == 0; print('cuda-ok' if ok else 'no-cuda')"
+)
 
 
 def cuda_works(timeout: float = 120.0) -> bool:
@@ -50,8 +54,13 @@ def cuda_works(timeout: float = 120.0) -> bool:
     import sys
 
     try:
-        proc = subprocess.run([sys.executable, "-c", _CUDA_PROBE], capture_output=True,
-                              text=True, timeout=timeout, cwd=REPO_ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CUDA_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO_ROOT,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return proc.returncode == 0 and proc.stdout.split()[-1:] == ["cuda-ok"]
@@ -59,8 +68,10 @@ def cuda_works(timeout: float = 120.0) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "shared_corpus: reads the real-mesh corpus in ../shared/data "
-                   "(SPCACHE_SHARED_DATA); skipped where it is absent")
+        "markers",
+        "shared_corpus: reads the real-mesh corpus in ../shared/data "
+        "(SPCACHE_SHARED_DATA); skipped where it is absent",
+    )
 
 
 _SHARED_FIXTURES = frozenset({"shared_data", "shared_meshes", "shared_bad_inputs"})
@@ -86,7 +97,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After -k/-m deselection: the tests that will really be asked to use ../shared/data.
     session.config.stash[_SHARED_ITEMS] = sum(
-        1 for item in session.items if item.get_closest_marker("shared_corpus"))
+        1 for item in session.items if item.get_closest_marker("shared_corpus")
+    )
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -105,7 +117,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def _sources_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in corpus_builder.SOURCE_SUFFIXES)
+    return sorted(
+        p
+        for p in folder.iterdir()
+        if p.is_file() and p.suffix.lower() in corpus_builder.SOURCE_SUFFIXES
+    )
 
 
 @pytest.fixture(scope="session")

@@ -72,5 +72,5 @@ def test_dockerfile_runs_spcache_and_installs_kaolin_before_the_project() -> Non
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert re.search(r'^ENTRYPOINT \["spcache"\]', dockerfile, re.M)
     kaolin = dockerfile.index("kaolin==")
-    project = dockerfile.index("pip install \"torch==${TORCH_VERSION}\" .")
+    project = dockerfile.index('pip install "torch==${TORCH_VERSION}" .')
     assert kaolin < project

@@ -18,10 +18,15 @@ def _map_section() -> str:
 
 def test_the_module_map_matches_the_tree() -> None:
     listed = re.findall(r"^\| `([\w/]+\.py)` \| .+ \|$", _map_section(), flags=re.M)
-    on_disk = {str(p.relative_to(REPO_ROOT)) for package in PACKAGES
-               for p in (REPO_ROOT / package).rglob("*.py")}
+    on_disk = {
+        str(p.relative_to(REPO_ROOT))
+        for package in PACKAGES
+        for p in (REPO_ROOT / package).rglob("*.py")
+    }
     assert len(listed) == len(set(listed)), "a module is listed twice"
-    assert not on_disk - set(listed), f"modules missing from the map: {sorted(on_disk - set(listed))}"
+    assert not on_disk - set(listed), (
+        f"modules missing from the map: {sorted(on_disk - set(listed))}"
+    )
     assert not set(listed) - on_disk, f"listed but not in the tree: {sorted(set(listed) - on_disk)}"
 
 
@@ -38,6 +43,7 @@ def test_a_long_module_says_why_in_its_head() -> None:
                 continue
             doc = ast.get_docstring(ast.parse(text)) or ""
             if "Why one module:" not in doc:
-                long_and_silent.append(f"{path.relative_to(REPO_ROOT)} "
-                                       f"({text.count(chr(10))} lines)")
+                long_and_silent.append(
+                    f"{path.relative_to(REPO_ROOT)} ({text.count(chr(10))} lines)"
+                )
     assert not long_and_silent, long_and_silent

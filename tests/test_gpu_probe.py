@@ -33,8 +33,12 @@ def test_the_probe_never_touches_cuda_in_this_process(monkeypatch) -> None:
 
 def test_the_real_probe_agrees_with_a_fresh_interpreter() -> None:
     code = "import torch; print(torch.cuda.is_available())"
-    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=120).stdout.strip() == "True"
+    here = (
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+        ).stdout.strip()
+        == "True"
+    )
     if not here:
         assert conftest.cuda_works() is False
     else:  # a CUDA machine: the probe runs a kernel in the child
@@ -52,18 +56,42 @@ def test_collecting_gpu_tests_leaves_cuda_uninitialised(tmp_path) -> None:
         "        raise RuntimeError(f'torch.cuda.{name} called in the pytest process')\n"
         "    return tripped\n\n\n"
         "for _name in ('is_available', '_lazy_init', 'init', 'device_count'):\n"
-        "    setattr(torch.cuda, _name, _trip(_name))\n")
+        "    setattr(torch.cuda, _name, _trip(_name))\n"
+    )
     check = tmp_path / "test_after_probe.py"
-    check.write_text("import pytest, torch\nimport cuda_tripwire\n\n\n@pytest.mark.gpu\n"
-                     "def test_gpu():\n    pass\n\n\n"
-                     "def test_no_cuda_in_this_process():\n"
-                     "    assert cuda_tripwire.CALLS == []\n"
-                     "    assert not torch.cuda.is_initialized()\n")
+    check.write_text(
+        "import pytest, torch\nimport cuda_tripwire\n\n\n@pytest.mark.gpu\n"
+        "def test_gpu():\n    pass\n\n\n"
+        "def test_no_cuda_in_this_process():\n"
+        "    assert cuda_tripwire.CALLS == []\n"
+        "    assert not torch.cuda.is_initialized()\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                           "-p", "cuda_tripwire", "-p", "tests.conftest", "--rootdir",
-                           str(REPO_ROOT), "-c", str(REPO_ROOT / "pyproject.toml"), str(check)],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "cuda_tripwire",
+            "-p",
+            "tests.conftest",
+            "--rootdir",
+            str(REPO_ROOT),
+            "-c",
+            str(REPO_ROOT / "pyproject.toml"),
+            str(check),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "PASSED" in out and "test_no_cuda_in_this_process" in out

@@ -39,7 +39,7 @@ def import_graph(package: str, root: Path = REPO_ROOT) -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:  # relative: resolve against this module's package
                     here = name.split(".") if is_package else name.split(".")[:-1]
-                    here = here[:len(here) - (node.level - 1)]
+                    here = here[: len(here) - (node.level - 1)]
                     base = ".".join(here + ([base] if base else []))
                 # ``from pkg import mod`` needs pkg.mod; ``from pkg import name`` needs
                 # pkg itself (a module's parent packages load first, without counting)
@@ -61,7 +61,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         path.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                found.append(path[path.index(dep):] + [dep])
+                found.append(path[path.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep)
         path.pop()
@@ -90,8 +90,12 @@ def test_routes_do_not_import_each_other() -> None:
     graph = import_graph("service")
     routes = [name for name in graph if _is_route_module(name)]
     assert {"service.routes_caches", "service.routes_page", "service.fastpath"} <= set(routes)
-    offenders = [f"{name} imports {dep}" for name in routes for dep in sorted(graph[name])
-                 if _is_route_module(dep)]
+    offenders = [
+        f"{name} imports {dep}"
+        for name in routes
+        for dep in sorted(graph[name])
+        if _is_route_module(dep)
+    ]
     assert not offenders, offenders
 
 
@@ -101,8 +105,9 @@ def test_the_checks_see_cycles_and_route_imports(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\n"
-                              "if TYPE_CHECKING:\n    from . import a\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+    )
     (pkg / "routes_x.py").write_text("from pkg import routes_y\nfrom pkg import NAME\n")
     (pkg / "routes_y.py").write_text("import pkg.c\n")
     (pkg / "c.py").write_text("")

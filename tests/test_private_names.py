@@ -54,8 +54,10 @@ def offenders_in(path: Path) -> list[str]:
             for alias in node.names:
                 if alias.asname:
                     modules[alias.asname] = alias.name
-                if (any(_private(part) for part in alias.name.split("."))
-                        and alias.name.rpartition(".")[0] != own_package):
+                if (
+                    any(_private(part) for part in alias.name.split("."))
+                    and alias.name.rpartition(".")[0] != own_package
+                ):
                     found.append(f"{where}:{node.lineno}: import {alias.name}")
         elif isinstance(node, ast.ImportFrom):
             source = _resolve(path, node)
@@ -70,11 +72,16 @@ def offenders_in(path: Path) -> list[str]:
                 elif _private(alias.name) and source != here:
                     found.append(f"{where}:{node.lineno}: from {source} import {alias.name}")
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and _private(node.attr)
-                and isinstance(node.value, ast.Name) and node.value.id in modules
-                and modules[node.value.id] != here):
-            found.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr} "
-                         f"({modules[node.value.id]})")
+        if (
+            isinstance(node, ast.Attribute)
+            and _private(node.attr)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and modules[node.value.id] != here
+        ):
+            found.append(
+                f"{where}:{node.lineno}: {node.value.id}.{node.attr} ({modules[node.value.id]})"
+            )
     return found
 
 
@@ -101,7 +108,8 @@ def test_the_check_catches_each_kind_of_reach(tmp_path: Path, monkeypatch) -> No
         "import pkg.mod as m\n"
         "from pkg import mod\n"
         "from . import _inner\n"  # a private module of its own package: allowed
-        "y = m._hidden + mod._hidden\n")
+        "y = m._hidden + mod._hidden\n"
+    )
     monkeypatch.setattr(me, "REPO_ROOT", tmp_path)
     found = offenders_in(pkg / "user.py")
     assert len(found) == 3, found

@@ -18,7 +18,7 @@ from tests.conftest import REPO_ROOT
 # Runs the snippet as the main script (runpy puts it in sys.modules["__main__"], so spawn and
 # forkserver workers re-import the snippet file itself, as they would `python train.py`),
 # with the start method set first and the batches the parent receives counted.
-RUNNER = '''
+RUNNER = """
 import json, multiprocessing, runpy, sys
 from torch.utils.data import dataloader
 
@@ -39,20 +39,21 @@ def main():
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
 
 def readme_training_snippet() -> str:
     text = (REPO_ROOT / "README.md").read_text()
-    section = text[text.index("## Using the cache in training"):]
+    section = text[text.index("## Using the cache in training") :]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, "no python block under 'Using the cache in training'"
     return match.group(1)
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory: pytest.TempPathFactory, corpus_meshes: list[Path],
-             corpus_points: list[Path]) -> tuple[Path, int]:
+def demo_dir(
+    tmp_path_factory: pytest.TempPathFactory, corpus_meshes: list[Path], corpus_points: list[Path]
+) -> tuple[Path, int]:
     """A directory holding ``spcache-demo/cache`` as `spcache demo` leaves it (level 7)."""
     from workers.engine import Engine
 
@@ -63,8 +64,9 @@ def demo_dir(tmp_path_factory: pytest.TempPathFactory, corpus_meshes: list[Path]
     for path in sources:
         (folder / path.name).symlink_to(path)
     with open_store(root / "spcache-demo" / "cache", readonly=False) as store:
-        summary = Engine(store, "spc_query", {"level": 7}, device="cpu", backend="torch",
-                         loaders=0).run([(p.stem, str(folder / p.name)) for p in sources])
+        summary = Engine(
+            store, "spc_query", {"level": 7}, device="cpu", backend="torch", loaders=0
+        ).run([(p.stem, str(folder / p.name)) for p in sources])
     assert summary.done == len(sources) and summary.failed == 0, summary.errors
     return root, len(sources)
 
@@ -79,13 +81,24 @@ def test_the_snippet_has_what_spawn_needs() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_the_readme_training_snippet_runs_as_pasted(demo_dir: tuple[Path, int], method: str) -> None:
+def test_the_readme_training_snippet_runs_as_pasted(
+    demo_dir: tuple[Path, int], method: str
+) -> None:
     root, count = demo_dir
     (root / "train.py").write_text(readme_training_snippet())
     (root / "run_snippet.py").write_text(RUNNER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "run_snippet.py", method, "train.py"], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "run_snippet.py", method, "train.py"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"0 computed, {count} cached, 0 failed" in out.stdout  # precompute found them all
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -96,27 +109,33 @@ def test_the_readme_training_snippet_runs_as_pasted(demo_dir: tuple[Path, int], 
 
 # -- every other python snippet of the README, each where it is meant to run --------------
 
+
 def readme_python_snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
 
 
 def snippet_kind(code: str) -> str:
     """Which set-up a snippet needs; every snippet of the README must have one."""
-    kinds = [kind for kind, marker in (("training", "spcache.precompute("),
-                                       ("read_through", 'sources="meshes/"'),
-                                       ("plugin_reader", '"point_count", level=6)'),
-                                       ("ddp", "init_process_group"),
-                                       ("sdf", '"spc_sdf"'),
-                                       # run as a plugin package by tests/test_readme_recipe.py
-                                       ("recipe", "from spcache.recipes import")) if marker in code]
+    kinds = [
+        kind
+        for kind, marker in (
+            ("training", "spcache.precompute("),
+            ("read_through", 'sources="meshes/"'),
+            ("plugin_reader", '"point_count", level=6)'),
+            ("ddp", "init_process_group"),
+            ("sdf", '"spc_sdf"'),
+            # run as a plugin package by tests/test_readme_recipe.py
+            ("recipe", "from spcache.recipes import"),
+        )
+        if marker in code
+    ]
     assert len(kinds) == 1, f"a README snippet this test does not know how to run:\n{code}"
     return kinds[0]
 
 
 def test_every_python_snippet_is_run_by_a_test() -> None:
     kinds = [snippet_kind(code) for code in readme_python_snippets()]
-    assert sorted(kinds) == ["ddp", "plugin_reader", "read_through", "recipe", "sdf",
-                             "training"]
+    assert sorted(kinds) == ["ddp", "plugin_reader", "read_through", "recipe", "sdf", "training"]
     for code in readme_python_snippets():
         compile(code, "README.md", "exec")
 
@@ -126,14 +145,18 @@ def _snippet(kind: str) -> str:
 
 
 def _run(root: Path, argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow
-def test_the_read_through_snippet_runs_as_pasted(tmp_path: Path, corpus_meshes: list[Path],
-                                                 corpus_bad_inputs: list[Path]) -> None:
+def test_the_read_through_snippet_runs_as_pasted(
+    tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path]
+) -> None:
     from tests.helpers.read_through import start_worker, stop_worker
 
     meshes = tmp_path / "meshes"
@@ -163,8 +186,18 @@ def test_the_plugin_reader_snippet_runs_as_pasted(tmp_path: Path) -> None:
 def test_the_ddp_snippet_runs_under_torchrun(demo_dir: tuple[Path, int]) -> None:
     root, _ = demo_dir
     (root / "train_ddp.py").write_text(_snippet("ddp"))
-    out = _run(root, [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                      "--nproc_per_node", "2", "train_ddp.py"])
+    out = _run(
+        root,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train_ddp.py",
+        ],
+    )
     assert out.returncode == 0, out.stderr[-4000:]
 
 
@@ -174,8 +207,9 @@ def test_the_sdf_snippet_runs_as_pasted(tmp_path: Path, corpus_meshes: list[Path
 
     closed = [p for p in corpus_meshes if p.name in ("icosphere.obj", "box_quads.obj")]
     with open_store(tmp_path / "cache", readonly=False) as store:
-        summary = Engine(store, "spc_sdf", {"level": 7}, device="cpu", backend="torch",
-                         loaders=0).run([(p.stem, str(p)) for p in closed])
+        summary = Engine(
+            store, "spc_sdf", {"level": 7}, device="cpu", backend="torch", loaders=0
+        ).run([(p.stem, str(p)) for p in closed])
     assert summary.done == 2, summary.errors
     (tmp_path / "sdf.py").write_text(_snippet("sdf"))
     out = _run(tmp_path, [sys.executable, "sdf.py"])

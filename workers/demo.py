@@ -39,12 +39,21 @@ RECIPE = "spc_query"
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", type=Path, default=Path("spcache-demo"),
-                        help="working directory for sources and cache (default: ./spcache-demo)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("spcache-demo"),
+        help="working directory for sources and cache (default: ./spcache-demo)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="service port on 127.0.0.1")
     parser.add_argument("--level", type=int, default=7, help="octree level (default 7)")
-    parser.add_argument("--exit-after", type=float, default=None, metavar="SECONDS",
-                        help="stop the service after this many seconds (default: run until Ctrl-C)")
+    parser.add_argument(
+        "--exit-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop the service after this many seconds (default: run until Ctrl-C)",
+    )
 
 
 def log_level(args: argparse.Namespace) -> str:
@@ -83,23 +92,33 @@ def _precompute(sources: list[Path], cache: Path, level: int) -> str:
     from workers.engine import Engine
 
     on_terminal = sys.stderr.isatty()
-    print(f"precomputing recipe {RECIPE} (level {level}) for {len(sources)} example shapes "
-          f"into {cache} ...", flush=True)
+    print(
+        f"precomputing recipe {RECIPE} (level {level}) for {len(sources)} example shapes "
+        f"into {cache} ...",
+        flush=True,
+    )
     store = open_store(cache, readonly=False)
     try:
-        engine = Engine(store, RECIPE, {"level": level}, device="auto", backend="auto",
-                        progress=on_terminal)
+        engine = Engine(
+            store, RECIPE, {"level": level}, device="auto", backend="auto", progress=on_terminal
+        )
         items = [(path.stem, str(path)) for path in sources]
 
         def report(result) -> None:  # without a terminal, one log line a sample
-            log.info("precompute: %s %s%s", result.sample_id, result.status,
-                        f" ({result.reason})" if getattr(result, "reason", None) else "")
+            log.info(
+                "precompute: %s %s%s",
+                result.sample_id,
+                result.status,
+                f" ({result.reason})" if getattr(result, "reason", None) else "",
+            )
 
         summary = engine.run(items, on_result=None if on_terminal else report)
     finally:
         store.close()
-    print(f"precomputed {summary.done} records ({summary.skipped} already cached, "
-          f"{summary.failed} failed) into {cache}; fingerprint {summary.fingerprint}")
+    print(
+        f"precomputed {summary.done} records ({summary.skipped} already cached, "
+        f"{summary.failed} failed) into {cache}; fingerprint {summary.fingerprint}"
+    )
     return summary.fingerprint
 
 
@@ -118,13 +137,18 @@ def _wait_healthy(client, base: str, service: subprocess.Popen, timeout: float =
 
 
 def _warm_up_one(client, base: str, source: Path, level: int, timeout: float = 300.0) -> dict:
-    body = {"recipe": RECIPE, "params": {"level": level},
-            "items": [{"id": source.stem, "path": str(source)}]}
+    body = {
+        "recipe": RECIPE,
+        "params": {"level": level},
+        "items": [{"id": source.stem, "path": str(source)}],
+    }
     response = client.post(f"{base}/v1/warmup", json=body)
     response.raise_for_status()
     job = response.json()
-    print(f"warm-up job {job['job_id']} queued for {source.name} (recipe {RECIPE}, "
-          f"level {level})", flush=True)
+    print(
+        f"warm-up job {job['job_id']} queued for {source.name} (recipe {RECIPE}, level {level})",
+        flush=True,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status = client.get(f"{base}/v1/jobs/{job['job_id']}").json()
@@ -142,8 +166,10 @@ def _port_problem(port: int) -> str | None:
             sock.bind(("127.0.0.1", port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                return (f"port {port} on 127.0.0.1 is already in use; pick a free one with "
-                        f"--port (e.g. --port {port + 1})")
+                return (
+                    f"port {port} on 127.0.0.1 is already in use; pick a free one with "
+                    f"--port (e.g. --port {port + 1})"
+                )
             return f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"
     return None
 
@@ -182,12 +208,26 @@ def _run(args: argparse.Namespace) -> int:
     trimesh.creation.annulus(r_min=0.4, r_max=1.0, height=0.3).export(extra)
 
     base = f"http://127.0.0.1:{args.port}"
-    command = [sys.executable, "-m", "spcache", "serve", "--cache", str(cache),
-               "--host", "127.0.0.1", "--port", str(args.port), "--source-root", str(root),
-               "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "spcache",
+        "serve",
+        "--cache",
+        str(cache),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--source-root",
+        str(root),
+        "--log-level",
+        "warning",
+    ]
     print(f"starting the service on {base} (with one worker) ...", flush=True)
-    service = subprocess.Popen(command, start_new_session=True,
-                               env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())})
+    service = subprocess.Popen(
+        command, start_new_session=True, env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())}
+    )
     try:
         with httpx.Client(timeout=10.0) as client:
             _wait_healthy(client, base, service)
@@ -196,21 +236,26 @@ def _run(args: argparse.Namespace) -> int:
             response = client.get(record_url)
             response.raise_for_status()
             tensors = load_safetensors(response.content)
-            shapes = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(tensors.items()))
+            shapes = ", ".join(
+                f"{k} {tuple(v.shape)} {v.dtype}" for k, v in sorted(tensors.items())
+            )
             print(f"\nread {len(response.content)} bytes over HTTP: {shapes}")
-        print(f"""
+        print(
+            f"""
 spcache is serving {cache}
   status page:  {base}/
   health:       {base}/healthz
   caches:       {base}/v1/caches
   one record:   {record_url}
-  warm-up job:  {base}/v1/jobs/{job['job_id']}
+  warm-up job:  {base}/v1/jobs/{job["job_id"]}
   API docs:     {base}/docs
 In Python (any number of forked DataLoader workers, no CUDA):
   from cache_store import CachedDataset
   ds = CachedDataset({str(cache)!r}, {RECIPE!r}, level={args.level})
   ds = CachedDataset({base!r}, {fingerprint!r})   # the same records over HTTP
-""", flush=True)
+""",
+            flush=True,
+        )
         _serve_until_stopped(service, args.exit_after)
     finally:
         _stop(service)

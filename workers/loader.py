@@ -56,9 +56,16 @@ class LoadOutcome(NamedTuple):
     source_stat: str = ""
 
 
-def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, sample_id: str,
-                path: str, stored_hash: str | None, failed_hash: str | None = None,
-                limits: SourceLimits | None = None) -> LoadOutcome:
+def load_sample(
+    recipe_name: str,
+    params: dict[str, Any],
+    fingerprint: str,
+    sample_id: str,
+    path: str,
+    stored_hash: str | None,
+    failed_hash: str | None = None,
+    limits: SourceLimits | None = None,
+) -> LoadOutcome:
     """Read, hash and (unless the stored record is current) prepare one sample.
 
     Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
@@ -80,42 +87,70 @@ def load_sample(recipe_name: str, params: dict[str, Any], fingerprint: str, samp
         source = load_source(path, data)
         recipe = get_recipe(recipe_name)
     except SourceError as exc:
-        return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
-                           source_hash=digest)
+        return LoadOutcome(
+            "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
+        )
     except MemoryError:
-        return LoadOutcome("failed", time.perf_counter() - start,
-                           reason="out of memory while loading", source_hash=digest)
+        return LoadOutcome(
+            "failed",
+            time.perf_counter() - start,
+            reason="out of memory while loading",
+            source_hash=digest,
+        )
     except Exception as exc:  # reported as this sample's failure, never swallowed
         logger.exception("loading %s failed", path)
-        return LoadOutcome("failed", time.perf_counter() - start,
-                           reason=f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
+        return LoadOutcome(
+            "failed",
+            time.perf_counter() - start,
+            reason=f"{type(exc).__name__}: {one_line(exc)}",
+            source_hash=digest,
+        )
     try:
         prepared = recipe.prepare(source, params, make_generator(fingerprint, sample_id))
         if not isinstance(prepared, dict):
-            return LoadOutcome("failed", time.perf_counter() - start, source_hash=digest,
-                               reason=f"recipe {recipe_name!r}: prepare() returned "
-                                      f"{type(prepared).__name__}, expected a dict of arrays")
-        return LoadOutcome("prepared", time.perf_counter() - start, prepared=prepared,
-                           source_hash=digest, source_stat=signature)
+            return LoadOutcome(
+                "failed",
+                time.perf_counter() - start,
+                source_hash=digest,
+                reason=f"recipe {recipe_name!r}: prepare() returned "
+                f"{type(prepared).__name__}, expected a dict of arrays",
+            )
+        return LoadOutcome(
+            "prepared",
+            time.perf_counter() - start,
+            prepared=prepared,
+            source_hash=digest,
+            source_stat=signature,
+        )
     except SourceError as exc:
-        return LoadOutcome("failed", time.perf_counter() - start, reason=exc.reason,
-                           source_hash=digest)
+        return LoadOutcome(
+            "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
+        )
     except MemoryError:
-        return LoadOutcome("failed", time.perf_counter() - start,
-                           reason="out of memory while loading", source_hash=digest)
+        return LoadOutcome(
+            "failed",
+            time.perf_counter() - start,
+            reason="out of memory while loading",
+            source_hash=digest,
+        )
     except Exception as exc:  # reported as this sample's failure, never swallowed
         logger.exception("recipe %r: prepare() failed on %s", recipe_name, path)
-        return LoadOutcome("failed", time.perf_counter() - start,
-                           reason=f"recipe {recipe_name!r}: prepare() raised "
-                                  f"{type(exc).__name__}: {one_line(exc)}", source_hash=digest)
+        return LoadOutcome(
+            "failed",
+            time.perf_counter() - start,
+            reason=f"recipe {recipe_name!r}: prepare() raised "
+            f"{type(exc).__name__}: {one_line(exc)}",
+            source_hash=digest,
+        )
 
 
 def _init_loader_process(engine_pid: int) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
     report_problems_here(False)  # the engine's process named any unusable recipe already
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
-    threading.Thread(target=_exit_when_orphaned, args=(engine_pid,), daemon=True,
-                     name="spcache-orphan-watch").start()
+    threading.Thread(
+        target=_exit_when_orphaned, args=(engine_pid,), daemon=True, name="spcache-orphan-watch"
+    ).start()
 
 
 def _exit_when_orphaned(engine_pid: int) -> None:
@@ -158,9 +193,16 @@ class LoaderPool:
         limits: how sources may be opened and read.
     """
 
-    def __init__(self, recipe_name: str, params: dict[str, Any], fingerprint: str, *,
-                 loaders: int, count: int | None = None,
-                 limits: SourceLimits | None = None) -> None:
+    def __init__(
+        self,
+        recipe_name: str,
+        params: dict[str, Any],
+        fingerprint: str,
+        *,
+        loaders: int,
+        count: int | None = None,
+        limits: SourceLimits | None = None,
+    ) -> None:
         self.recipe_name = recipe_name
         self.limits = limits or SourceLimits()
         self.params = dict(params)
@@ -183,13 +225,24 @@ class LoaderPool:
             context.set_forkserver_preload(["workers.loader_preload", "workers.loader", "trimesh"])
         else:
             context = multiprocessing.get_context("spawn")
-        return cf.ProcessPoolExecutor(max_workers=min(self.loaders, self.count),
-                                      mp_context=context, initializer=_init_loader_process,
-                                      initargs=(os.getpid(),))
+        return cf.ProcessPoolExecutor(
+            max_workers=min(self.loaders, self.count),
+            mp_context=context,
+            initializer=_init_loader_process,
+            initargs=(os.getpid(),),
+        )
 
     def _args(self, item: WorkItem) -> tuple:
-        return (self.recipe_name, self.params, self.fingerprint, item.sample_id, item.path,
-                item.stored_hash, item.failed_hash, self.limits)
+        return (
+            self.recipe_name,
+            self.params,
+            self.fingerprint,
+            item.sample_id,
+            item.path,
+            item.stored_hash,
+            item.failed_hash,
+            self.limits,
+        )
 
     def submit(self, item: WorkItem) -> cf.Future:
         if self.pool is None:
@@ -202,8 +255,9 @@ class LoaderPool:
             self._restart()
             return self.pool.submit(load_sample, *self._args(item))
 
-    def result(self, item: WorkItem, future: cf.Future,
-               pending: deque[tuple[WorkItem, cf.Future]]) -> LoadOutcome:
+    def result(
+        self, item: WorkItem, future: cf.Future, pending: deque[tuple[WorkItem, cf.Future]]
+    ) -> LoadOutcome:
         """``item``'s outcome; if the pool broke, retry it alone and resubmit ``pending``."""
         try:
             return future.result()
@@ -215,8 +269,11 @@ class LoaderPool:
             outcome = pool.submit(load_sample, *self._args(item)).result()
         except BrokenProcessPool:
             self._restart()
-            outcome = LoadOutcome("failed", 0.0, reason="the loader process died while reading "
-                                                        "this file (crash or out of memory)")
+            outcome = LoadOutcome(
+                "failed",
+                0.0,
+                reason="the loader process died while reading this file (crash or out of memory)",
+            )
         for i, (other, earlier) in enumerate(pending):
             if earlier.done() and not earlier.cancelled() and earlier.exception() is None:
                 continue  # finished before the pool broke: its result stands

@@ -24,8 +24,14 @@ from cache_store.errors import SpcacheError
 from cache_store.location import cache_dir_problem, parse_location
 from cache_store.sources.discover import discover_sources
 
-__all__ = ["DEFAULT_QUERY_CHUNK", "DEFAULT_WRITE_BATCH", "ENGINES", "UsageError",
-           "default_loaders", "run_precompute"]
+__all__ = [
+    "DEFAULT_QUERY_CHUNK",
+    "DEFAULT_WRITE_BATCH",
+    "ENGINES",
+    "UsageError",
+    "default_loaders",
+    "run_precompute",
+]
 
 #: The engines a run may use: this process and its loaders, or Ray actors.
 ENGINES = ("local", "ray")
@@ -44,15 +50,24 @@ def default_loaders() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
-def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-                   recipe: str, cache: str | os.PathLike[str], *,
-                   params: Mapping[str, Any] | None = None, device: str = "auto",
-                   backend: str = "auto", loaders: int | None = None,
-                   skip_failed: bool = False, progress: bool = False, engine: str = "local",
-                   address: str | None = None, actors: int | None = None,
-                   query_chunk: int = DEFAULT_QUERY_CHUNK,
-                   write_batch: int = DEFAULT_WRITE_BATCH,
-                   id_template: str | None = None) -> Any:
+def run_precompute(
+    sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    recipe: str,
+    cache: str | os.PathLike[str],
+    *,
+    params: Mapping[str, Any] | None = None,
+    device: str = "auto",
+    backend: str = "auto",
+    loaders: int | None = None,
+    skip_failed: bool = False,
+    progress: bool = False,
+    engine: str = "local",
+    address: str | None = None,
+    actors: int | None = None,
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+    write_batch: int = DEFAULT_WRITE_BATCH,
+    id_template: str | None = None,
+) -> Any:
     """Compute ``recipe`` with ``params`` over ``sources`` into the cache directory ``cache``.
 
     ``sources``: files, directories (searched recursively) and manifests, as
@@ -95,8 +110,10 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
     except SpcacheError as exc:
         raise UsageError(f"cache {cache}: {exc}") from exc
     if location.kind == "http":
-        raise UsageError(f"cache {cache}: precompute writes into a cache directory or a "
-                         f"snapshot (*.zarr, local or s3://...), not a service URL")
+        raise UsageError(
+            f"cache {cache}: precompute writes into a cache directory or a "
+            f"snapshot (*.zarr, local or s3://...), not a service URL"
+        )
     problem = cache_dir_problem(location.target, write=True) if location.is_local else None
     if problem:
         raise UsageError(problem)
@@ -113,10 +130,21 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
         raise UsageError(f"cannot open cache {cache}: {exc}") from exc
     try:
         try:
-            runner = _make_engine(store, recipe, resolved, engine=engine, device=device,
-                                  backend=backend, loaders=loaders, skip_failed=skip_failed,
-                                  progress=progress, address=address, actors=actors,
-                                  query_chunk=query_chunk, write_batch=write_batch)
+            runner = _make_engine(
+                store,
+                recipe,
+                resolved,
+                engine=engine,
+                device=device,
+                backend=backend,
+                loaders=loaders,
+                skip_failed=skip_failed,
+                progress=progress,
+                address=address,
+                actors=actors,
+                query_chunk=query_chunk,
+                write_batch=write_batch,
+            )
         except (SpcacheError, OSError) as exc:
             raise UsageError(f"cannot open cache {cache}: {exc}") from exc
         with _sigterm_as_interrupt(), _progress_logging(progress):
@@ -125,8 +153,15 @@ def run_precompute(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[
         store.close()
 
 
-def _make_engine(store: Any, recipe: str, params: dict[str, Any], *, engine: str,
-                 loaders: int | None, **options: Any) -> Any:
+def _make_engine(
+    store: Any,
+    recipe: str,
+    params: dict[str, Any],
+    *,
+    engine: str,
+    loaders: int | None,
+    **options: Any,
+) -> Any:
     if engine == "ray":  # Ray is imported only on this path
         from workers.ray_engine import RayEngine
 
@@ -134,8 +169,9 @@ def _make_engine(store: Any, recipe: str, params: dict[str, Any], *, engine: str
     from workers.engine import Engine
 
     options.pop("address"), options.pop("actors")
-    return Engine(store, recipe, params, loaders=default_loaders() if loaders is None else loaders,
-                  **options)
+    return Engine(
+        store, recipe, params, loaders=default_loaders() if loaders is None else loaders, **options
+    )
 
 
 @contextlib.contextmanager
@@ -171,4 +207,3 @@ def _progress_logging(progress: bool) -> Iterator[None]:
 
     with logging_redirect_tqdm(tqdm_class=progress_bar_class()):
         yield
-

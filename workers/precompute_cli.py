@@ -57,49 +57,92 @@ def parse_params(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = ("recipes and their parameters (--param NAME=VALUE; type, default, "
-                     "bounds):\n" + recipe_table())
-    parser.add_argument("sources", nargs="+", metavar="SOURCE",
-                        help="a file, a directory (searched recursively) or a manifest "
-                             "(.txt: one path a line; .jsonl: {\"id\": ..., \"path\": ...})")
+    parser.epilog = (
+        "recipes and their parameters (--param NAME=VALUE; type, default, "
+        "bounds):\n" + recipe_table()
+    )
+    parser.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a file, a directory (searched recursively) or a manifest "
+        '(.txt: one path a line; .jsonl: {"id": ..., "path": ...})',
+    )
     ids = parser.add_mutually_exclusive_group()
-    ids.add_argument("--id-template", default=None, metavar="TEMPLATE",
-                     help="sample ids from each file's path relative to its directory or "
-                          ".txt manifest: a format string over {path} (with extension), "
-                          "{id} (without: the default), {parts[N]} (its components), "
-                          "{parent}, {name}, {stem}, {ext}; e.g. \"{parts[0]}/{parts[1]}\" "
-                          "for ShapeNet's SYNSET/MODEL/models/model_normalized.obj. .jsonl "
-                          "manifests keep their ids")
-    ids.add_argument("--id-keep-ext", action="store_true",
-                     help="keep the extension in sample ids (link_0.stl and link_0.obj "
-                          "become two samples); the same as --id-template \"{path}\"")
+    ids.add_argument(
+        "--id-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="sample ids from each file's path relative to its directory or "
+        ".txt manifest: a format string over {path} (with extension), "
+        "{id} (without: the default), {parts[N]} (its components), "
+        '{parent}, {name}, {stem}, {ext}; e.g. "{parts[0]}/{parts[1]}" '
+        "for ShapeNet's SYNSET/MODEL/models/model_normalized.obj. .jsonl "
+        "manifests keep their ids",
+    )
+    ids.add_argument(
+        "--id-keep-ext",
+        action="store_true",
+        help="keep the extension in sample ids (link_0.stl and link_0.obj "
+        'become two samples); the same as --id-template "{path}"',
+    )
     parser.add_argument("--recipe", required=True, help="recipe name (see below; spcache recipes)")
-    parser.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
-                        help="recipe parameter (repeatable; see below)")
+    parser.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe parameter (repeatable; see below)",
+    )
     parser.add_argument("--cache", required=True, type=Path, help="cache directory")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "kaolin"],
-                        help="SPC ops: kaolin (needs Kaolin and CUDA), torch (pure PyTorch, "
-                             "any device), auto (kaolin where it works, else torch)")
-    parser.add_argument("--loaders", type=int, default=None,
-                        help="loader processes (0: load in this process; default: one per "
-                             "core but one, at most 8; with --engine ray, per actor, "
-                             "default chosen by each actor from its node)")
-    parser.add_argument("--skip-failed", action="store_true",
-                        help="do not retry samples that failed in an earlier run of this "
-                             "recipe on this cache")
-    parser.add_argument("--query-chunk", type=int, default=1 << 18,
-                        help="queries per device call before any out-of-memory back-off")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "torch", "kaolin"],
+        help="SPC ops: kaolin (needs Kaolin and CUDA), torch (pure PyTorch, "
+        "any device), auto (kaolin where it works, else torch)",
+    )
+    parser.add_argument(
+        "--loaders",
+        type=int,
+        default=None,
+        help="loader processes (0: load in this process; default: one per "
+        "core but one, at most 8; with --engine ray, per actor, "
+        "default chosen by each actor from its node)",
+    )
+    parser.add_argument(
+        "--skip-failed",
+        action="store_true",
+        help="do not retry samples that failed in an earlier run of this recipe on this cache",
+    )
+    parser.add_argument(
+        "--query-chunk",
+        type=int,
+        default=1 << 18,
+        help="queries per device call before any out-of-memory back-off",
+    )
     parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
-    parser.add_argument("--engine", choices=["local", "ray"], default="local",
-                        help="local: this process and its loaders; ray: Ray actors, one per "
-                             "GPU (or CPU), needs spcache[ray]")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster to join (--engine ray; default: start a local one)")
-    parser.add_argument("--actors", type=int, default=None,
-                        help="Ray actors (--engine ray; default: one per GPU of the cluster, "
-                             "or one per CPU without GPUs); --loaders is then per actor")
+    parser.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        default="local",
+        help="local: this process and its loaders; ray: Ray actors, one per "
+        "GPU (or CPU), needs spcache[ray]",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to join (--engine ray; default: start a local one)",
+    )
+    parser.add_argument(
+        "--actors",
+        type=int,
+        default=None,
+        help="Ray actors (--engine ray; default: one per GPU of the cluster, "
+        "or one per CPU without GPUs); --loaders is then per actor",
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
 
 
@@ -112,16 +155,29 @@ def run(args: argparse.Namespace) -> int:
         # with --json, stdout carries the summary alone (Ray prints actor deaths there)
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             summary = run_precompute(
-                args.sources, args.recipe, args.cache, params=params, device=args.device,
-                backend=args.backend, loaders=args.loaders, skip_failed=args.skip_failed,
-                progress=sys.stderr.isatty(), engine=args.engine, address=args.address,
-                actors=args.actors, query_chunk=args.query_chunk, write_batch=args.write_batch,
-                id_template=KEEP_EXTENSION if args.id_keep_ext else args.id_template)
+                args.sources,
+                args.recipe,
+                args.cache,
+                params=params,
+                device=args.device,
+                backend=args.backend,
+                loaders=args.loaders,
+                skip_failed=args.skip_failed,
+                progress=sys.stderr.isatty(),
+                engine=args.engine,
+                address=args.address,
+                actors=args.actors,
+                query_chunk=args.query_chunk,
+                write_batch=args.write_batch,
+                id_template=KEEP_EXTENSION if args.id_keep_ext else args.id_template,
+            )
     except StoreFull as exc:
-        print(f"spcache precompute: stopped: {exc}. The records committed before it are "
-              f"kept (spcache stats {args.cache}); free space (or raise the cache's size "
-              f"bound) and run the same command again: stored samples are skipped.",
-              file=sys.stderr)
+        print(
+            f"spcache precompute: stopped: {exc}. The records committed before it are "
+            f"kept (spcache stats {args.cache}); free space (or raise the cache's size "
+            f"bound) and run the same command again: stored samples are skipped.",
+            file=sys.stderr,
+        )
         return 1
     except SpcacheError as exc:  # a bad option, recipe, parameter, backend or cache
         print(f"spcache precompute: {exc}", file=sys.stderr)
@@ -136,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
     # with --skip-failed, a failure known from an earlier run (not retried, or one found
     # before its source could be hashed, failing again the same way) is no news: exit 1
     # only when something failed anew
-    known = len(summary.repeats("skipped")) + len(summary.repeats("again")) if args.skip_failed else 0
+    known = (
+        len(summary.repeats("skipped")) + len(summary.repeats("again")) if args.skip_failed else 0
+    )
     return 1 if summary.failed > known else 0
 
 
@@ -149,18 +207,25 @@ def _say_when_stopping() -> Any:
 
     def stopping(signum: int, frame: object) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: as usual
-        print("spcache precompute: stopping: committing and indexing what was computed ...",
-              file=sys.stderr, flush=True)
+        print(
+            "spcache precompute: stopping: committing and indexing what was computed ...",
+            file=sys.stderr,
+            flush=True,
+        )
         raise KeyboardInterrupt
 
     return signal.signal(signal.SIGINT, stopping)
 
 
 def _print_summary(summary: Any) -> None:
-    print(f"recipe {summary.recipe} v{summary.recipe_version} "
-          f"{json.dumps(summary.params, sort_keys=True)} on {summary.device} ({summary.backend})")
-    print(f"done {summary.done}, skipped {summary.skipped}, failed {summary.failed} "
-          f"in {summary.wall_s:.1f}s")
+    print(
+        f"recipe {summary.recipe} v{summary.recipe_version} "
+        f"{json.dumps(summary.params, sort_keys=True)} on {summary.device} ({summary.backend})"
+    )
+    print(
+        f"done {summary.done}, skipped {summary.skipped}, failed {summary.failed} "
+        f"in {summary.wall_s:.1f}s"
+    )
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
     for line in summary.detail_lines() if hasattr(summary, "detail_lines") else ():

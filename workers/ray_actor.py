@@ -104,10 +104,15 @@ class ShardWorker:
             make it end the actor's process).
     """
 
-    def __init__(self, recipe: str, params: Mapping[str, Any], options: Mapping[str, Any],
-                 log_level: int = logging.WARNING,
-                 actor_fault: Callable[[str], None] | None = None,
-                 sink: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        recipe: str,
+        params: Mapping[str, Any],
+        options: Mapping[str, Any],
+        log_level: int = logging.WARNING,
+        actor_fault: Callable[[str], None] | None = None,
+        sink: Mapping[str, Any] | None = None,
+    ) -> None:
         self.recipe = recipe
         self.params = dict(params)
         self.options = dict(options)
@@ -121,8 +126,9 @@ class ShardWorker:
     def _configure(self) -> Engine:
         if self._engine is not None:
             return self._engine
-        logging.basicConfig(level=self.log_level,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=self.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         # The driver reports every failed sample; the actor's copy of that warning would
         # print each one twice. Errors (with tracebacks) still come through.
         if self.log_level > logging.DEBUG:
@@ -136,8 +142,11 @@ class ShardWorker:
             # only results travel back to the driver.
             from cache_store.snapshot.sharded import ShardedSnapshot
 
-            self._parts = ShardedSnapshot(self.sink["location"], readonly=False,
-                                          storage_options=self.sink.get("storage_options"))
+            self._parts = ShardedSnapshot(
+                self.sink["location"],
+                readonly=False,
+                storage_options=self.sink.get("storage_options"),
+            )
             target = self._parts
         engine = Engine(target, self.recipe, self.params, progress=False, **self.options)
         self._engine = engine.open()  # the loader pool starts now, once
@@ -163,13 +172,19 @@ class ShardWorker:
 
         device = resolve_device(self.options.get("device", "auto"))
         ops = get_backend(self.options.get("backend", "auto"), device)
-        return {"node": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "device": str(device), "backend": str(ops.name),
-                "gpus": [str(g) for g in ray.get_gpu_ids()], "loaders": self.options["loaders"],
-                "threads": torch.get_num_threads()}
+        return {
+            "node": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "device": str(device),
+            "backend": str(ops.name),
+            "gpus": [str(g) for g in ray.get_gpu_ids()],
+            "loaders": self.options["loaders"],
+            "threads": torch.get_num_threads(),
+        }
 
-    def run_shard(self, items: Sequence[Sequence[str]],
-                  label: str | None = None) -> Iterator[dict[str, Any]]:
+    def run_shard(
+        self, items: Sequence[Sequence[str]], label: str | None = None
+    ) -> Iterator[dict[str, Any]]:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
 
         Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
@@ -194,8 +209,9 @@ class ShardWorker:
         def on_result(result: ItemResult) -> None:
             if self.actor_fault is not None:
                 self.actor_fault(result.sample_id)
-            record = (buffer.pop(result.key) if result.status == "done" and self._parts is None
-                      else None)
+            record = (
+                buffer.pop(result.key) if result.status == "done" and self._parts is None else None
+            )
             events.put(("result", (result, record)))
 
         def work() -> None:
@@ -225,15 +241,23 @@ class ShardWorker:
 
 
 def _batch_message(pending: list[tuple[ItemResult, bytes | None]]) -> dict[str, Any]:
-    return {"results": [[r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash]
-                        for r, _ in pending],
-            "records": [[r.key, record] for r, record in pending if record is not None]}
+    return {
+        "results": [
+            [r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash] for r, _ in pending
+        ],
+        "records": [[r.key, record] for r, record in pending if record is not None],
+    }
 
 
 def _summary_message(summary: Summary) -> dict[str, Any]:
-    return {"device": summary.device, "backend": summary.backend, "load_s": summary.load_s,
-            "compute_s": summary.compute_s, "encode_s": summary.write_s,
-            "oom_backoffs": summary.oom_backoffs}
+    return {
+        "device": summary.device,
+        "backend": summary.backend,
+        "load_s": summary.load_s,
+        "compute_s": summary.compute_s,
+        "encode_s": summary.write_s,
+        "oom_backoffs": summary.oom_backoffs,
+    }
 
 
 def _auto_loaders(device: str) -> int:
@@ -250,4 +274,3 @@ def _auto_loaders(device: str) -> int:
             gpus = max(1.0, float(node["Resources"].get("GPU", 1)))
             return int(max(1, min(8, cpus // gpus - 1)))
     return 1
-

@@ -13,8 +13,16 @@ from typing import Any
 from cache_store.errors import BackendUnavailable, SpcacheError
 from workers.run_ledger import Summary
 
-__all__ = ["RayUnavailable", "RemoteError", "local_error", "ActorStats", "RaySummary",
-           "import_ray", "ray_get", "raise_local"]
+__all__ = [
+    "RayUnavailable",
+    "RemoteError",
+    "local_error",
+    "ActorStats",
+    "RaySummary",
+    "import_ray",
+    "ray_get",
+    "raise_local",
+]
 
 
 class RayUnavailable(BackendUnavailable):
@@ -37,8 +45,11 @@ class RemoteError(Exception):
 
     @classmethod
     def of(cls, exc: SpcacheError) -> RemoteError:
-        attrs = {k: v for k, v in vars(exc).items()
-                 if isinstance(v, str | int | float | bool | list | tuple | type(None))}
+        attrs = {
+            k: v
+            for k, v in vars(exc).items()
+            if isinstance(v, str | int | float | bool | list | tuple | type(None))
+        }
         return cls(type(exc).__module__, type(exc).__qualname__, str(exc), attrs)
 
 
@@ -86,10 +97,19 @@ class ActorStats:
         return self.done / self.busy_s if self.busy_s > 0 else 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"actor": self.actor, "node": self.node, "device": self.device,
-                "backend": self.backend, "gpus": list(self.gpus), "shards": self.shards,
-                "done": self.done, "failed": self.failed, "deaths": self.deaths,
-                "busy_s": round(self.busy_s, 4), "samples_per_s": round(self.samples_per_s, 3)}
+        return {
+            "actor": self.actor,
+            "node": self.node,
+            "device": self.device,
+            "backend": self.backend,
+            "gpus": list(self.gpus),
+            "shards": self.shards,
+            "done": self.done,
+            "failed": self.failed,
+            "deaths": self.deaths,
+            "busy_s": round(self.busy_s, 4),
+            "samples_per_s": round(self.samples_per_s, 3),
+        }
 
 
 @dataclass
@@ -121,13 +141,14 @@ class RaySummary(Summary):
         lines = []
         for a in self.actors:
             where = f"{a.node} {a.device}" + (f" gpu {','.join(a.gpus)}" if a.gpus else "")
-            lines.append(f"  actor {a.actor} ({where}): {a.done} done, {a.failed} failed, "
-                         f"{a.samples_per_s:.2f} samples/s over {a.busy_s:.1f}s busy"
-                         + (f", died {a.deaths}x" if a.deaths else ""))
+            lines.append(
+                f"  actor {a.actor} ({where}): {a.done} done, {a.failed} failed, "
+                f"{a.samples_per_s:.2f} samples/s over {a.busy_s:.1f}s busy"
+                + (f", died {a.deaths}x" if a.deaths else "")
+            )
         if self.shard_retries:
             lines.append(f"  {self.shard_retries} shard(s) retried after an actor died")
         return lines
-
 
 
 # --- talking to Ray ------------------------------------------------------------------------
@@ -137,8 +158,9 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise RayUnavailable("the ray engine needs Ray: pip install 'spcache[ray]' "
-                             f"({exc})") from exc
+        raise RayUnavailable(
+            f"the ray engine needs Ray: pip install 'spcache[ray]' ({exc})"
+        ) from exc
     return ray
 
 

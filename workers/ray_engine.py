@@ -45,7 +45,6 @@ The one writer is the ceiling of this design: every record passes through the dr
 ``docs/SCALE_OUT.md`` says where that bites and the way past it.
 """
 
-
 from __future__ import annotations
 
 import os
@@ -102,29 +101,57 @@ class RayEngine(Engine):
             :class:`workers.ray_actor.ShardWorker`; the tests' ``CrashOnce``).
     """
 
-    def __init__(self, store: Store, recipe: str | Recipe, params: Mapping[str, Any] | None = None,
-                 *, device: str = "auto", backend: str = "auto", loaders: int | None = None,
-                 query_chunk: int = 1 << 18, min_query_chunk: int = 256, write_batch: int = 32,
-                 prefetch: int | None = None, progress: bool = False,
-                 address: str | None = None, actors: int | None = None,
-                 shard_size: int | None = None, max_attempts: int = 3, actor_restarts: int = 2,
-                 placement_timeout_s: float = 600.0,
-                 ray_init: Mapping[str, Any] | None = None,
-                 actor_runtime_env: Mapping[str, Any] | None = None,
-                 actor_fault: Callable[[str], None] | None = None,
-                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
-                 max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-                 skip_failed: bool = False, failure_log: FailureLog | None = None) -> None:
-        super().__init__(store, recipe, params, device=device, backend=backend,
-                         loaders=0 if loaders is None else loaders, query_chunk=query_chunk,
-                         min_query_chunk=min_query_chunk, write_batch=write_batch,
-                         prefetch=prefetch, progress=progress, source_roots=source_roots,
-                         max_source_bytes=max_source_bytes, skip_failed=skip_failed,
-                         failure_log=failure_log)
+    def __init__(
+        self,
+        store: Store,
+        recipe: str | Recipe,
+        params: Mapping[str, Any] | None = None,
+        *,
+        device: str = "auto",
+        backend: str = "auto",
+        loaders: int | None = None,
+        query_chunk: int = 1 << 18,
+        min_query_chunk: int = 256,
+        write_batch: int = 32,
+        prefetch: int | None = None,
+        progress: bool = False,
+        address: str | None = None,
+        actors: int | None = None,
+        shard_size: int | None = None,
+        max_attempts: int = 3,
+        actor_restarts: int = 2,
+        placement_timeout_s: float = 600.0,
+        ray_init: Mapping[str, Any] | None = None,
+        actor_runtime_env: Mapping[str, Any] | None = None,
+        actor_fault: Callable[[str], None] | None = None,
+        source_roots: Sequence[str | os.PathLike[str]] | None = None,
+        max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
+        skip_failed: bool = False,
+        failure_log: FailureLog | None = None,
+    ) -> None:
+        super().__init__(
+            store,
+            recipe,
+            params,
+            device=device,
+            backend=backend,
+            loaders=0 if loaders is None else loaders,
+            query_chunk=query_chunk,
+            min_query_chunk=min_query_chunk,
+            write_batch=write_batch,
+            prefetch=prefetch,
+            progress=progress,
+            source_roots=source_roots,
+            max_source_bytes=max_source_bytes,
+            skip_failed=skip_failed,
+            failure_log=failure_log,
+        )
         problems = []
         if str(device) not in ("auto", "cpu", "cuda"):
-            problems.append(f"device: {device!r}: on Ray each actor owns the GPU Ray gives it; "
-                            f"use auto, cpu or cuda")
+            problems.append(
+                f"device: {device!r}: on Ray each actor owns the GPU Ray gives it; "
+                f"use auto, cpu or cuda"
+            )
         if actors is not None and actors < 1:
             problems.append(f"actors: {actors} must be at least 1")
         if shard_size is not None and shard_size < 1:
@@ -156,23 +183,40 @@ class RayEngine(Engine):
     def close(self) -> None:
         """Nothing to stop here: a run's actors end with the run."""
 
-    def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
-            on_result: Callable[[ItemResult], None] | None = None) -> RaySummary:
+    def run(
+        self,
+        items: Iterable[tuple[str, str | os.PathLike[str]]],
+        on_result: Callable[[ItemResult], None] | None = None,
+    ) -> RaySummary:
         """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`."""
         return RayRun(self.run_options(), list(items), on_result).execute()
 
     def run_options(self) -> RayRunOptions:
         """What a run needs from this engine, frozen: the driver reads nothing else."""
         return RayRunOptions(
-            store=self.store, fingerprint=self.fingerprint, recipe=self.recipe_spec.name,
-            recipe_version=self.recipe_spec.version, params=dict(self.params), device=self.device,
-            backend=self.backend, actor_options=self.actor_options(),
-            source_limits=self.source_limits, address=self.address, ray_init=dict(self.ray_init),
-            actors=self.actors, shard_size=self.shard_size, max_attempts=self.max_attempts,
-            actor_restarts=self.actor_restarts, placement_timeout_s=self.placement_timeout_s,
-            actor_fault=self.actor_fault, actor_runtime_env=self.actor_runtime_env,
-            progress=self.progress, skip_failed=self.skip_failed,
-            failure_log=self.failure_log, sink=self.sink())
+            store=self.store,
+            fingerprint=self.fingerprint,
+            recipe=self.recipe_spec.name,
+            recipe_version=self.recipe_spec.version,
+            params=dict(self.params),
+            device=self.device,
+            backend=self.backend,
+            actor_options=self.actor_options(),
+            source_limits=self.source_limits,
+            address=self.address,
+            ray_init=dict(self.ray_init),
+            actors=self.actors,
+            shard_size=self.shard_size,
+            max_attempts=self.max_attempts,
+            actor_restarts=self.actor_restarts,
+            placement_timeout_s=self.placement_timeout_s,
+            actor_fault=self.actor_fault,
+            actor_runtime_env=self.actor_runtime_env,
+            progress=self.progress,
+            skip_failed=self.skip_failed,
+            failure_log=self.failure_log,
+            sink=self.sink(),
+        )
 
     def sink(self) -> dict[str, Any] | None:
         """Where the actors write their records themselves: the sharded snapshot this
@@ -181,16 +225,24 @@ class RayEngine(Engine):
 
         if not isinstance(self.store, ShardedSnapshot):
             return None
-        return {"location": self.store.location,
-                "storage_options": dict(self.store.storage_options)}
+        return {
+            "location": self.store.location,
+            "storage_options": dict(self.store.storage_options),
+        }
 
     def actor_options(self) -> dict[str, Any]:
         """The keyword arguments each actor's local :class:`Engine` is built with."""
-        return {"device": self.device, "backend": self.backend, "loaders": self.actor_loaders,
-                "query_chunk": self.query_chunk, "min_query_chunk": self.min_query_chunk,
-                "write_batch": self.write_batch, "prefetch": self.prefetch_given,
-                "source_roots": list(self.source_limits.roots),
-                "max_source_bytes": self.source_limits.max_bytes}
+        return {
+            "device": self.device,
+            "backend": self.backend,
+            "loaders": self.actor_loaders,
+            "query_chunk": self.query_chunk,
+            "min_query_chunk": self.min_query_chunk,
+            "write_batch": self.write_batch,
+            "prefetch": self.prefetch_given,
+            "source_roots": list(self.source_limits.roots),
+            "max_source_bytes": self.source_limits.max_bytes,
+        }
 
 
 def actor_runtime_env_with_recipes(runtime_env: Mapping[str, Any] | None) -> dict[str, Any]:

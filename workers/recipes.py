@@ -82,13 +82,21 @@ def get_recipe(name: str) -> Recipe:
     return get_entry(name).new()
 
 
-def run_recipe(recipe: Recipe, source: LoadedSource, params: Mapping[str, Any], *,
-               generator: torch.Generator, device: torch.device | str, ops: Any,
-               query_chunk: int | ChunkBudget | None = None) -> dict[str, torch.Tensor]:
+def run_recipe(
+    recipe: Recipe,
+    source: LoadedSource,
+    params: Mapping[str, Any],
+    *,
+    generator: torch.Generator,
+    device: torch.device | str,
+    ops: Any,
+    query_chunk: int | ChunkBudget | None = None,
+) -> dict[str, torch.Tensor]:
     """Both halves of ``recipe`` on one loaded source, in this process."""
     if query_chunk is not None:
-        recipe.chunks = (query_chunk if isinstance(query_chunk, ChunkBudget)
-                         else ChunkBudget(query_chunk))
+        recipe.chunks = (
+            query_chunk if isinstance(query_chunk, ChunkBudget) else ChunkBudget(query_chunk)
+        )
     prepared = recipe.prepare(source, params, generator)
     return recipe.compute(prepared, params, torch.device(device), ops)
 
@@ -118,8 +126,13 @@ RECIPES: Mapping[str, Recipe] = _Instances()
 # --- spc and spc_query ---------------------------------------------------------------------
 
 
-def prepare_spc(source: LoadedSource, params: Mapping[str, Any], generator: torch.Generator,
-                *, with_queries: bool) -> dict[str, np.ndarray]:
+def prepare_spc(
+    source: LoadedSource,
+    params: Mapping[str, Any],
+    generator: torch.Generator,
+    *,
+    with_queries: bool,
+) -> dict[str, np.ndarray]:
     """Normalise and draw all random numbers, on the CPU. Raises SourceError.
 
     ``points`` float32 ``[P, 3]`` in ``[-1, 1]``; ``center`` float32 ``[3]``, ``scale``
@@ -128,17 +141,25 @@ def prepare_spc(source: LoadedSource, params: Mapping[str, Any], generator: torc
     """
     norm = compute_normalization(source.path, source.used_points())
     points = shape_points(source, norm, int(params["surface_samples"]), generator)
-    out = {"points": points.to(torch.float32).numpy(),
-           "center": norm.center.astype(np.float32),
-           "scale": np.array(norm.scale, dtype=np.float32)}
+    out = {
+        "points": points.to(torch.float32).numpy(),
+        "center": norm.center.astype(np.float32),
+        "scale": np.array(norm.scale, dtype=np.float32),
+    }
     if with_queries:
         out["queries"] = _draw_queries(points, params, generator).numpy()
     return out
 
 
-def compute_spc(prepared: Mapping[str, np.ndarray], params: Mapping[str, Any],
-                device: torch.device | str, ops: Any, budget: ChunkBudget, *,
-                with_queries: bool) -> dict[str, torch.Tensor]:
+def compute_spc(
+    prepared: Mapping[str, np.ndarray],
+    params: Mapping[str, Any],
+    device: torch.device | str,
+    ops: Any,
+    budget: ChunkBudget,
+    *,
+    with_queries: bool,
+) -> dict[str, torch.Tensor]:
     """The record's tensors, on the CPU, exactly of the declared dtypes and shapes."""
     device = torch.device(device)
     level = int(params["level"])
@@ -154,8 +175,10 @@ def compute_spc(prepared: Mapping[str, np.ndarray], params: Mapping[str, Any],
         out["occupancy"] = (pidx[:, level] >= 0).to(torch.uint8)
     return out
 
-def _draw_queries(points: torch.Tensor, params: Mapping[str, Any],
-                  generator: torch.Generator) -> torch.Tensor:
+
+def _draw_queries(
+    points: torch.Tensor, params: Mapping[str, Any], generator: torch.Generator
+) -> torch.Tensor:
     """float32 ``[uniform + surface, 3]``: uniform in the cube, then jittered shape points."""
     n_uniform, n_surface = int(params["uniform_queries"]), int(params["surface_queries"])
     sigma = float(params["surface_sigma"])
@@ -184,8 +207,15 @@ def _build_spc(ops: Any, points: torch.Tensor, level: int) -> dict[str, torch.Te
     }
 
 
-def _query(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.Tensor,
-           level: int, budget: ChunkBudget, device: torch.device) -> torch.Tensor:
+def _query(
+    ops: Any,
+    octree: torch.Tensor,
+    exsum: torch.Tensor,
+    queries: torch.Tensor,
+    level: int,
+    budget: ChunkBudget,
+    device: torch.device,
+) -> torch.Tensor:
     """int32 ``[M, level + 1]``: ``unbatched_query(..., with_parents=True)`` in chunks."""
     if len(queries) == 0:
         return torch.empty(0, level + 1, dtype=torch.int32)
@@ -216,33 +246,50 @@ def _query(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.T
 # rounding; :mod:`workers.sdf` says what ``sdf_face`` promises.
 
 
-def prepare_sdf(source: LoadedSource, params: Mapping[str, Any],
-                generator: torch.Generator) -> dict[str, np.ndarray]:
+def prepare_sdf(
+    source: LoadedSource, params: Mapping[str, Any], generator: torch.Generator
+) -> dict[str, np.ndarray]:
     """Normalise, sample the surface and draw the SDF points. Raises SourceError for a
     point cloud (a signed distance needs a mesh's inside)."""
     if source.faces is None:
-        raise SourceError(source.path, "recipe 'spc_sdf' needs a triangle mesh, and this "
-                                       "file is a point cloud (no faces: no inside to sign "
-                                       "distances by)")
+        raise SourceError(
+            source.path,
+            "recipe 'spc_sdf' needs a triangle mesh, and this "
+            "file is a point cloud (no faces: no inside to sign "
+            "distances by)",
+        )
     norm = compute_normalization(source.path, source.used_points())
     points = shape_points(source, norm, int(params["surface_samples"]), generator)
-    queries = _draw_queries(points, {
-        "uniform_queries": params["uniform_samples"], "surface_queries": params["near_samples"],
-        "surface_sigma": params["near_sigma"]}, generator).numpy()
+    queries = _draw_queries(
+        points,
+        {
+            "uniform_queries": params["uniform_samples"],
+            "surface_queries": params["near_samples"],
+            "surface_sigma": params["near_sigma"],
+        },
+        generator,
+    ).numpy()
     vertices = normalize_points(source.vertices, norm)
     faces = np.ascontiguousarray(source.faces, dtype=np.int64)
-    return {"points": points.to(torch.float32).numpy(),
-            "center": norm.center.astype(np.float32),
-            "scale": np.array(norm.scale, dtype=np.float32),
-            "queries": queries,
-            "mesh_vertices": vertices,
-            "mesh_faces": faces,
-            # the sign of every SDF point, here on the CPU for every device and backend
-            "sdf_inside": sdf_ops.winding_inside(queries, vertices, faces)}
+    return {
+        "points": points.to(torch.float32).numpy(),
+        "center": norm.center.astype(np.float32),
+        "scale": np.array(norm.scale, dtype=np.float32),
+        "queries": queries,
+        "mesh_vertices": vertices,
+        "mesh_faces": faces,
+        # the sign of every SDF point, here on the CPU for every device and backend
+        "sdf_inside": sdf_ops.winding_inside(queries, vertices, faces),
+    }
 
 
-def compute_sdf(prepared: Mapping[str, np.ndarray], params: Mapping[str, Any],
-                device: torch.device | str, ops: Any, budget: ChunkBudget) -> dict[str, torch.Tensor]:
+def compute_sdf(
+    prepared: Mapping[str, np.ndarray],
+    params: Mapping[str, Any],
+    device: torch.device | str,
+    ops: Any,
+    budget: ChunkBudget,
+) -> dict[str, torch.Tensor]:
     device = torch.device(device)
     level = int(params["level"])
     out = _build_spc(ops, torch.from_numpy(prepared["points"]).to(device), level)
@@ -266,8 +313,15 @@ def compute_sdf(prepared: Mapping[str, np.ndarray], params: Mapping[str, Any],
     return out
 
 
-def _query_leaf(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: torch.Tensor,
-                level: int, budget: ChunkBudget, device: torch.device) -> torch.Tensor:
+def _query_leaf(
+    ops: Any,
+    octree: torch.Tensor,
+    exsum: torch.Tensor,
+    queries: torch.Tensor,
+    level: int,
+    budget: ChunkBudget,
+    device: torch.device,
+) -> torch.Tensor:
     """int32 ``[M]``: ``unbatched_query(octree, exsum, queries, level)`` in chunks."""
     if len(queries) == 0:
         return torch.empty(0, dtype=torch.int32)
@@ -279,22 +333,29 @@ def _query_leaf(ops: Any, octree: torch.Tensor, exsum: torch.Tensor, queries: to
     return torch.cat(budget.run(len(queries), step, device))
 
 
-def _signed_distance(prepared: Mapping[str, np.ndarray], queries: torch.Tensor, ops: Any,
-                     budget: ChunkBudget, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _signed_distance(
+    prepared: Mapping[str, np.ndarray],
+    queries: torch.Tensor,
+    ops: Any,
+    budget: ChunkBudget,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 ``[M]`` signed distances and int64 ``[M]`` closest faces, on the CPU; the
     signs are ``prepared["sdf_inside"]`` on every path."""
     inside = prepared["sdf_inside"]
     if getattr(ops, "name", "") != "kaolin" or device.type != "cuda" or len(queries) == 0:
-        sdf, face = sdf_ops.signed_distance(prepared["queries"], prepared["mesh_vertices"],
-                                            prepared["mesh_faces"], inside)
+        sdf, face = sdf_ops.signed_distance(
+            prepared["queries"], prepared["mesh_vertices"], prepared["mesh_faces"], inside
+        )
         return torch.from_numpy(sdf), torch.from_numpy(face)
     vertices = torch.from_numpy(prepared["mesh_vertices"]).to(device)
     faces = torch.from_numpy(prepared["mesh_faces"]).to(device)
     signs = torch.from_numpy(inside)
 
     def step(start: int, stop: int) -> torch.Tensor:
-        sdf, face = sdf_ops.signed_distance_kaolin(queries[start:stop].to(device), vertices, faces,
-                                                   signs[start:stop])
+        sdf, face = sdf_ops.signed_distance_kaolin(
+            queries[start:stop].to(device), vertices, faces, signs[start:stop]
+        )
         return torch.stack([sdf.cpu(), face.cpu().to(torch.float64)], dim=1)
 
     both = torch.cat(budget.run(len(queries), step, device))

@@ -48,8 +48,9 @@ class RecordWriter(threading.Thread):
 
     _STOP = object()
 
-    def __init__(self, store: Store, batch: int,
-                 committed: queue.SimpleQueue[tuple[ItemResult, float]]) -> None:
+    def __init__(
+        self, store: Store, batch: int, committed: queue.SimpleQueue[tuple[ItemResult, float]]
+    ) -> None:
         super().__init__(name="spcache-writer", daemon=True)
         self.store = store
         self.batch = batch
@@ -85,8 +86,9 @@ class RecordWriter(threading.Thread):
     def _commit(self, batch: list[PendingRecord]) -> None:
         if self.full is not None:
             for pending in batch:
-                self._report(pending, "failed", f"not written: {one_line(self.full)}",
-                             transient=True)
+                self._report(
+                    pending, "failed", f"not written: {one_line(self.full)}", transient=True
+                )
             return
         start = time.perf_counter()
         encoded: list[tuple[str, bytes]] = []
@@ -107,28 +109,43 @@ class RecordWriter(threading.Thread):
                     logger.info("not writing %d records: %s", len(encoded), exc)
                 elif isinstance(exc, StoreFull):
                     self.full = exc
-                    logger.error("writing %d records failed, the cache is full: %s",
-                                 len(encoded), exc)
+                    logger.error(
+                        "writing %d records failed, the cache is full: %s", len(encoded), exc
+                    )
                 else:
                     logger.exception("writing %d records failed", len(encoded))
                 # a removed fingerprint (spcache rm) is final: retrying would bring it back
                 transient = not isinstance(exc, FingerprintRemoved)
                 for pending in ok:
-                    self._report(pending, "failed", f"store write failed: {one_line(exc)}",
-                                 transient=transient)
+                    self._report(
+                        pending,
+                        "failed",
+                        f"store write failed: {one_line(exc)}",
+                        transient=transient,
+                    )
                 ok = []
         self.busy_s += time.perf_counter() - start
         for pending in ok:
             self.stored.add(pending.item.sample_id)
             self._report(pending, "done", "")
 
-    def _report(self, pending: PendingRecord, status: str, reason: str,
-                transient: bool = False) -> None:
+    def _report(
+        self, pending: PendingRecord, status: str, reason: str, transient: bool = False
+    ) -> None:
         # The source hash goes with every result: the Ray driver matches a committed,
         # unreported record against it when a SIGTERM lands between commit and report.
         item = pending.item
-        self.committed.put((ItemResult(item.sample_id, item.path, status,
-                                       key=item.key if status == "done" else "",
-                                       reason=reason, transient=transient,
-                                       source_hash=pending.metadata.get("source_hash", "")),
-                            time.perf_counter()))
+        self.committed.put(
+            (
+                ItemResult(
+                    item.sample_id,
+                    item.path,
+                    status,
+                    key=item.key if status == "done" else "",
+                    reason=reason,
+                    transient=transient,
+                    source_hash=pending.metadata.get("source_hash", ""),
+                ),
+                time.perf_counter(),
+            )
+        )

@@ -43,8 +43,17 @@ from cache_store.jobs.freshness import stored_source_hash
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 
-__all__ = ["REPEATS", "SampleError", "ItemResult", "Summary", "WorkItem", "RunLedger", "one_line",
-           "progress_bar_class", "run_all"]
+__all__ = [
+    "REPEATS",
+    "SampleError",
+    "ItemResult",
+    "Summary",
+    "WorkItem",
+    "RunLedger",
+    "one_line",
+    "progress_bar_class",
+    "run_all",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +145,12 @@ class Summary:
             "errors": [e.as_json() for e in self.errors],
             "failed_again": self.repeats("again"),
             "skipped_failed": self.repeats("skipped"),
-            "timings": {"load_s": round(self.load_s, 4), "compute_s": round(self.compute_s, 4),
-                        "write_s": round(self.write_s, 4), "wall_s": round(self.wall_s, 4)},
+            "timings": {
+                "load_s": round(self.load_s, 4),
+                "compute_s": round(self.compute_s, 4),
+                "write_s": round(self.write_s, 4),
+                "wall_s": round(self.wall_s, 4),
+            },
             "oom_backoffs": self.oom_backoffs,
         }
 
@@ -168,10 +181,17 @@ class RunLedger:
             engine can skip an unchanged source that failed before.
     """
 
-    def __init__(self, store: Store, summary: Summary,
-                 on_result: Callable[[ItemResult], None] | None, *, progress: bool = False,
-                 failures: FailureLog | None = None, skip_failed: bool = False,
-                 requested_at: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        summary: Summary,
+        on_result: Callable[[ItemResult], None] | None,
+        *,
+        progress: bool = False,
+        failures: FailureLog | None = None,
+        skip_failed: bool = False,
+        requested_at: float | None = None,
+    ) -> None:
         self.store = store
         # when the work was asked for: a removal of the fingerprint (spcache rm) after it
         # keeps refusing this run's writes; one before it is lifted (see admit)
@@ -209,8 +229,14 @@ class RunLedger:
                 self.finish(ItemResult(str(sample_id), path, "failed", reason=str(exc)))
                 continue
             if sample_id in seen:
-                self.finish(ItemResult(sample_id, path, "failed",
-                                       reason=f"duplicate sample id (first given for {seen[sample_id]})"))
+                self.finish(
+                    ItemResult(
+                        sample_id,
+                        path,
+                        "failed",
+                        reason=f"duplicate sample id (first given for {seen[sample_id]})",
+                    )
+                )
                 continue
             seen[sample_id] = path
             self.admitted.append(sample_id)
@@ -218,11 +244,14 @@ class RunLedger:
             work.append(WorkItem(sample_id, path, key, self.stored_source_hash(key)))
         if self.failures is not None and work:
             try:
-                self.known_failures = self.failures.get_many(self.summary.fingerprint,
-                                                             [item.sample_id for item in work])
+                self.known_failures = self.failures.get_many(
+                    self.summary.fingerprint, [item.sample_id for item in work]
+                )
             except Exception:  # the log is advice: without it, retry everything
-                logger.exception("cannot read the failure log %s; every sample is tried",
-                                 getattr(self.failures, "path", ""))
+                logger.exception(
+                    "cannot read the failure log %s; every sample is tried",
+                    getattr(self.failures, "path", ""),
+                )
             if self.skip_failed:
                 for item in work:
                     known = self.known_failures.get(item.sample_id)
@@ -232,8 +261,14 @@ class RunLedger:
     def skipped_failure(self, item: WorkItem, source_hash: str) -> ItemResult:
         """The result of an item not retried: its source is unchanged since it failed."""
         known = self.known_failures[item.sample_id]
-        return ItemResult(item.sample_id, item.path, "failed", reason=known.reason,
-                          source_hash=source_hash, repeat="skipped")
+        return ItemResult(
+            item.sample_id,
+            item.path,
+            "failed",
+            reason=known.reason,
+            source_hash=source_hash,
+            repeat="skipped",
+        )
 
     def add_committed(self, sample_ids: Iterable[str]) -> None:
         """Sample ids whose records are known to be committed, reported or not (the local
@@ -264,8 +299,9 @@ class RunLedger:
         else:
             result = self._remember(result)
             summary.failed += 1
-            summary.errors.append(SampleError(result.sample_id, result.path, result.reason,
-                                              result.repeat))
+            summary.errors.append(
+                SampleError(result.sample_id, result.path, result.reason, result.repeat)
+            )
             logger.warning("%s (%s): %s", result.sample_id, result.path, result.reason)
         if self.bar is not None:
             self.bar.update(1)
@@ -279,27 +315,43 @@ class RunLedger:
         source was hashed (an empty or missing file, a duplicate id) is recorded with an
         empty hash, which no source matches: listed, never skipped."""
         if result.repeat == "skipped":
-            return dataclasses.replace(result, reason="not retried: failed before on this "
-                                                      "unchanged source (skip_failed): "
-                                                      + result.reason)
+            return dataclasses.replace(
+                result,
+                reason="not retried: failed before on this "
+                "unchanged source (skip_failed): " + result.reason,
+            )
         known = self.known_failures.get(result.sample_id)
-        if (known is not None and known.source_hash == (result.source_hash or "")
-                and known.reason == result.reason):
-            result = dataclasses.replace(result, repeat="again",
-                                         reason="failed again, same reason: " + result.reason)
+        if (
+            known is not None
+            and known.source_hash == (result.source_hash or "")
+            and known.reason == result.reason
+        ):
+            result = dataclasses.replace(
+                result, repeat="again", reason="failed again, same reason: " + result.reason
+            )
         if self.failures is not None and not result.transient:
             raw = known.reason if result.repeat == "again" and known is not None else result.reason
             try:
-                self.failures.record(self.summary.fingerprint, result.sample_id, result.path,
-                                     result.source_hash or "", raw)
+                self.failures.record(
+                    self.summary.fingerprint,
+                    result.sample_id,
+                    result.path,
+                    result.source_hash or "",
+                    raw,
+                )
             except Exception:  # the log is advice; the failure is still reported
                 logger.exception("cannot remember the failure of %s", result.sample_id)
         return result
 
     def open_progress(self, total: int) -> None:
         if self.progress:
-            self.bar = progress_bar_class()(total=total, unit="sample", file=sys.stderr, dynamic_ncols=True,
-                            initial=self.summary.total)
+            self.bar = progress_bar_class()(
+                total=total,
+                unit="sample",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                initial=self.summary.total,
+            )
 
     def close_progress(self) -> None:
         if self.bar is not None:
@@ -317,15 +369,20 @@ class RunLedger:
         except FingerprintRemoved as exc:  # removed while this run was under way: stay removed
             logger.info("the index of %s was not written: %s", self.summary.fingerprint, exc)
         except StoreFull as exc:
-            logger.error("the index of %s was not written (%s): its records stored in this "
-                         "run are found again by the next run over the same sources",
-                         self.summary.fingerprint, exc)
+            logger.error(
+                "the index of %s was not written (%s): its records stored in this "
+                "run are found again by the next run over the same sources",
+                self.summary.fingerprint,
+                exc,
+            )
             self.index_unwritten = exc
 
     def _write_index(self) -> None:
         for sample_id, source_hash in self.committing.items():  # an interrupted commit
-            if (sample_id not in self.stored_ids
-                    and self.stored_source_hash(self.key(sample_id)) == source_hash):
+            if (
+                sample_id not in self.stored_ids
+                and self.stored_source_hash(self.key(sample_id)) == source_hash
+            ):
                 self.stored_ids.add(sample_id)
         self.committing = {}
         store, summary = self.store, self.summary
@@ -339,13 +396,20 @@ class RunLedger:
             # Rebuild from what is stored: this run's ids first, then the others sorted.
             logger.warning("index of %s is unreadable (%s); rebuilding it", fingerprint, exc)
             prefix = fingerprint + "/"
-            old = ran + sorted({key[len(prefix):] for key in store.keys(prefix)} - set(ran))
+            old = ran + sorted({key[len(prefix) :] for key in store.keys(prefix)} - set(ran))
         known = set(old)
         new = [sid for sid in ran if sid not in known]
         if (old and not new) or not (old or new):
             return
-        store.put_index(DatasetIndex(fingerprint, summary.recipe, summary.recipe_version,
-                                     dict(summary.params), np.array(old + new, dtype=str)))
+        store.put_index(
+            DatasetIndex(
+                fingerprint,
+                summary.recipe,
+                summary.recipe_version,
+                dict(summary.params),
+                np.array(old + new, dtype=str),
+            )
+        )
 
 
 @functools.cache

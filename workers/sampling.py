@@ -21,8 +21,14 @@ import torch
 from cache_store.errors import SourceError
 from workers.source_load import LoadedSource
 
-__all__ = ["Normalization", "compute_normalization", "normalize_points", "face_areas",
-           "sample_surface", "shape_points"]
+__all__ = [
+    "Normalization",
+    "compute_normalization",
+    "normalize_points",
+    "face_areas",
+    "sample_surface",
+    "shape_points",
+]
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,6 @@ class Normalization:
 
     center: np.ndarray  # float64 [3], values exactly representable as float32
     scale: float  # > 0, exactly representable as float32
-
 
 
 def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization:
@@ -47,26 +52,37 @@ def compute_normalization(path: str | Path, points: np.ndarray) -> Normalization
         low, high = points.min(axis=0), points.max(axis=0)
         center = (low * 0.5 + high * 0.5).astype(np.float32)
         if not np.isfinite(center).all():
-            raise SourceError(path, "coordinates are beyond float32 range; cannot store the "
-                                    "normalisation")
+            raise SourceError(
+                path, "coordinates are beyond float32 range; cannot store the normalisation"
+            )
         center64 = center.astype(np.float64)
         reach = float(np.max(np.maximum(high - center64, center64 - low)))
     if not np.isfinite(reach) or reach > float(np.finfo(np.float32).max):
-        raise SourceError(path, "shape extent is beyond float32 range; cannot store the "
-                                "normalisation")
+        raise SourceError(
+            path, "shape extent is beyond float32 range; cannot store the normalisation"
+        )
     half_extent = float(np.max(high - low)) * 0.5  # finite: reach passed the check above
     if half_extent == 0.0:
-        raise SourceError(path, f"all {len(points)} points coincide; a shape with no extent "
-                                "cannot be normalised into [-1, 1]")
+        raise SourceError(
+            path,
+            f"all {len(points)} points coincide; a shape with no extent "
+            "cannot be normalised into [-1, 1]",
+        )
     if reach < float(np.finfo(np.float32).tiny):
-        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is below float32 range; "
-                                "cannot store the normalisation scale")
+        raise SourceError(
+            path,
+            f"shape extent {2 * half_extent:.3g} is below float32 range; "
+            "cannot store the normalisation scale",
+        )
     if half_extent < 0.5 * reach:
         # The float32 center is off by more than the shape is wide: the record would squash
         # the shape into a corner of the cube. Refuse rather than store a useless record.
-        raise SourceError(path, f"shape extent {2 * half_extent:.3g} is too small for its distance "
-                                f"from the origin ({float(np.abs(center64).max()):.3g}) to store "
-                                "its center as float32; translate it closer to the origin")
+        raise SourceError(
+            path,
+            f"shape extent {2 * half_extent:.3g} is too small for its distance "
+            f"from the origin ({float(np.abs(center64).max()):.3g}) to store "
+            "its center as float32; translate it closer to the origin",
+        )
     scale = np.float32(reach)
     if float(scale) < reach:
         scale = np.nextafter(scale, np.float32(np.inf))
@@ -98,8 +114,9 @@ def face_areas(vertices: torch.Tensor, faces: torch.Tensor) -> torch.Tensor:
     return 0.5 * torch.linalg.vector_norm(torch.linalg.cross(b - a, c - a), dim=1)
 
 
-def sample_surface(vertices: torch.Tensor, faces: torch.Tensor, count: int,
-                   generator: torch.Generator) -> torch.Tensor:
+def sample_surface(
+    vertices: torch.Tensor, faces: torch.Tensor, count: int, generator: torch.Generator
+) -> torch.Tensor:
     """Seeded, area-weighted uniform samples of a triangle mesh's surface, on the CPU.
 
     Faces are chosen with probability proportional to their area (inverse CDF over the
@@ -131,8 +148,9 @@ def sample_surface(vertices: torch.Tensor, faces: torch.Tensor, count: int,
     return a + uv[:, :1] * (b - a) + uv[:, 1:] * (c - a)
 
 
-def shape_points(source: LoadedSource, norm: Normalization, count: int,
-                 generator: torch.Generator) -> torch.Tensor:
+def shape_points(
+    source: LoadedSource, norm: Normalization, count: int, generator: torch.Generator
+) -> torch.Tensor:
     """The points a shape is represented by, in the normalised space, on the CPU.
 
     A point cloud gives its own points (no random draws); a mesh gives ``count`` seeded,
@@ -148,6 +166,7 @@ def shape_points(source: LoadedSource, norm: Normalization, count: int,
     vertices = torch.from_numpy(normalize_points(source.vertices, norm))
     faces = torch.from_numpy(source.faces)
     if not bool(face_areas(vertices, faces).sum() > 0):
-        raise SourceError(source.path, f"mesh has zero surface area (all {len(faces)} faces "
-                                       "are degenerate)")
+        raise SourceError(
+            source.path, f"mesh has zero surface area (all {len(faces)} faces are degenerate)"
+        )
     return sample_surface(vertices, faces, count, generator)

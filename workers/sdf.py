@@ -72,21 +72,27 @@ def _segment_sq_distance(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> t
     return (d * d).sum(-1)
 
 
-def _triangle_sq_distance(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                          c: torch.Tensor) -> torch.Tensor:
+def _triangle_sq_distance(
+    p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor
+) -> torch.Tensor:
     """Exact squared distance of points [M, 1, 3] to triangles [1, F, 3] -> [M, F].
 
     The projection onto the plane when it falls inside the triangle, else the nearest of
     the three edges (which also covers degenerate triangles)."""
-    edges = torch.minimum(torch.minimum(_segment_sq_distance(p, a, b), _segment_sq_distance(p, b, c)),
-                          _segment_sq_distance(p, c, a))
+    edges = torch.minimum(
+        torch.minimum(_segment_sq_distance(p, a, b), _segment_sq_distance(p, b, c)),
+        _segment_sq_distance(p, c, a),
+    )
     n = torch.linalg.cross(b - a, c - a)
     n2 = (n * n).sum(-1)
     ap, bp, cp = p - a, p - b, p - c
     # inside when p's projection is on the inner side of all three edges
-    inside = ((torch.linalg.cross(b - a, ap) * n).sum(-1) >= 0) \
-        & ((torch.linalg.cross(c - b, bp) * n).sum(-1) >= 0) \
-        & ((torch.linalg.cross(a - c, cp) * n).sum(-1) >= 0) & (n2 > 0)
+    inside = (
+        ((torch.linalg.cross(b - a, ap) * n).sum(-1) >= 0)
+        & ((torch.linalg.cross(c - b, bp) * n).sum(-1) >= 0)
+        & ((torch.linalg.cross(a - c, cp) * n).sum(-1) >= 0)
+        & (n2 > 0)
+    )
     plane = (ap * n).sum(-1) ** 2 / torch.where(n2 > 0, n2, torch.ones_like(n2))
     return torch.where(inside, torch.minimum(plane, edges), edges)
 
@@ -96,8 +102,9 @@ def _triangles(vertices: torch.Tensor, faces: torch.Tensor) -> tuple[torch.Tenso
     return tuple(v[faces[:, k]].unsqueeze(0) for k in range(3))
 
 
-def brute_force_distance(points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor,
-                         chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def brute_force_distance(
+    points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact distance from each point to the nearest triangle, by trying every triangle.
 
     Args:
@@ -113,19 +120,22 @@ def brute_force_distance(points: torch.Tensor, vertices: torch.Tensor, faces: to
     a, b, c = _triangles(vertices.to(points.device), faces.to(points.device))
     dist, face = [], []
     for start in range(0, len(points), chunk):
-        p = points[start: start + chunk].to(torch.float64).unsqueeze(1)
+        p = points[start : start + chunk].to(torch.float64).unsqueeze(1)
         d2 = _triangle_sq_distance(p, a, b, c)
         best, which = d2.min(dim=1)
         dist.append(best.sqrt())
         face.append(which)
     if not dist:
-        return (torch.empty(0, dtype=torch.float64, device=points.device),
-                torch.empty(0, dtype=torch.int64, device=points.device))
+        return (
+            torch.empty(0, dtype=torch.float64, device=points.device),
+            torch.empty(0, dtype=torch.int64, device=points.device),
+        )
     return torch.cat(dist), torch.cat(face)
 
 
-def brute_force_winding_number(points: torch.Tensor, vertices: torch.Tensor,
-                               faces: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+def brute_force_winding_number(
+    points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor, chunk: int = 256
+) -> torch.Tensor:
     """The generalised winding number of the mesh around each point (float64 ``[M]``).
 
     Sum over triangles of their signed solid angle seen from the point (Van Oosterom and
@@ -134,21 +144,20 @@ def brute_force_winding_number(points: torch.Tensor, vertices: torch.Tensor,
     a, b, c = _triangles(vertices.to(points.device), faces.to(points.device))
     out = []
     for start in range(0, len(points), chunk):
-        p = points[start: start + chunk].to(torch.float64).unsqueeze(1)
+        p = points[start : start + chunk].to(torch.float64).unsqueeze(1)
         x, y, z = a - p, b - p, c - p
         lx, ly, lz = x.norm(dim=-1), y.norm(dim=-1), z.norm(dim=-1)
         det = (x * torch.linalg.cross(y, z)).sum(-1)
-        den = (lx * ly * lz + (x * y).sum(-1) * lz + (y * z).sum(-1) * lx
-               + (z * x).sum(-1) * ly)
+        den = lx * ly * lz + (x * y).sum(-1) * lz + (y * z).sum(-1) * lx + (z * x).sum(-1) * ly
         out.append((2.0 * torch.atan2(det, den)).sum(dim=1) / (4.0 * math.pi))
     if not out:
         return torch.empty(0, dtype=torch.float64, device=points.device)
     return torch.cat(out)
 
 
-def brute_force_signed_distance(points: torch.Tensor, vertices: torch.Tensor,
-                                faces: torch.Tensor,
-                                chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+def brute_force_signed_distance(
+    points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor, chunk: int = 256
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`brute_force_distance` signed by the winding-number rule (float64, int64)."""
     dist, face = brute_force_distance(points, vertices, faces, chunk)
     inside = brute_force_winding_number(points, vertices, faces, chunk).abs() > 0.5
@@ -159,7 +168,9 @@ def _igl() -> Any:
     try:
         import igl
     except ImportError as exc:
-        raise BackendUnavailable("libigl", f"cannot import igl ({exc}); pip install libigl") from exc
+        raise BackendUnavailable(
+            "libigl", f"cannot import igl ({exc}); pip install libigl"
+        ) from exc
     return igl
 
 
@@ -194,8 +205,9 @@ def winding_inside(points: np.ndarray, vertices: np.ndarray, faces: np.ndarray) 
     return winding > 0.5
 
 
-def unsigned_distance(points: np.ndarray, vertices: np.ndarray,
-                      faces: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def unsigned_distance(
+    points: np.ndarray, vertices: np.ndarray, faces: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """float64 ``[M]`` distances to a triangle mesh and int64 ``[M]`` closest faces, on the
     CPU: libigl's AABB tree (``signed_distance`` with ``SIGNED_DISTANCE_TYPE_UNSIGNED``:
     exact point-to-triangle distances; its winding-number modes cut the search short and
@@ -210,8 +222,9 @@ def unsigned_distance(points: np.ndarray, vertices: np.ndarray,
     return np.abs(np.asarray(dist, dtype=np.float64)), np.asarray(face, dtype=np.int64)
 
 
-def signed_distance(points: np.ndarray, vertices: np.ndarray, faces: np.ndarray,
-                    inside: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def signed_distance(
+    points: np.ndarray, vertices: np.ndarray, faces: np.ndarray, inside: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Signed distance of each point to a triangle mesh, on the CPU (libigl):
     :func:`unsigned_distance` signed by :func:`winding_inside` (or by ``inside``, that
     rule's answer computed earlier).
@@ -237,12 +250,14 @@ def _kaolin_point_to_mesh_distance() -> Any:
     try:
         return guarded_import("kaolin.metrics.trianglemesh").point_to_mesh_distance
     except (Exception, SystemExit) as exc:  # any broken install: unavailable
-        raise BackendUnavailable("kaolin", f"cannot import Kaolin's mesh distance "
-                                           f"({type(exc).__name__}: {exc})") from exc
+        raise BackendUnavailable(
+            "kaolin", f"cannot import Kaolin's mesh distance ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
-def signed_distance_kaolin(points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor,
-                           inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def signed_distance_kaolin(
+    points: torch.Tensor, vertices: torch.Tensor, faces: torch.Tensor, inside: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed distance of each point to a triangle mesh with Kaolin's CUDA kernel.
 
     Distances and closest faces come from ``kaolin.metrics.trianglemesh.

@@ -35,7 +35,11 @@ import numpy as np
 
 from cache_store.errors import SourceError
 from cache_store.sources.hashing import hash_bytes
-from cache_store.sources.discover import MESH_EXTENSIONS, POINT_CLOUD_EXTENSIONS, SUPPORTED_EXTENSIONS
+from cache_store.sources.discover import (
+    MESH_EXTENSIONS,
+    POINT_CLOUD_EXTENSIONS,
+    SUPPORTED_EXTENSIONS,
+)
 from cache_store.sources.files import SourceLimits, read_source_file
 
 __all__ = [
@@ -100,16 +104,20 @@ def read_source_bytes(path: str | Path, limits: SourceLimits | None = None) -> b
     """
     path = Path(path)
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
-        raise SourceError(path, f"unsupported file type {path.suffix or '(none)'!r}; "
-                                f"supported: {', '.join(sorted(SUPPORTED_EXTENSIONS))}")
+        raise SourceError(
+            path,
+            f"unsupported file type {path.suffix or '(none)'!r}; "
+            f"supported: {', '.join(sorted(SUPPORTED_EXTENSIONS))}",
+        )
     data = read_source_file(path, limits)
     if not data:
         raise SourceError(path, "file is empty")
     return data
 
 
-def load_source(path: str | Path, data: bytes | None = None, *,
-                max_decoded_bytes: int = MAX_DECODED_BYTES) -> LoadedSource:
+def load_source(
+    path: str | Path, data: bytes | None = None, *, max_decoded_bytes: int = MAX_DECODED_BYTES
+) -> LoadedSource:
     """Read (unless ``data`` is given: the file's bytes), hash, parse and validate a source.
 
     The file is read by :func:`read_source_bytes` (regular file, size limit);
@@ -155,8 +163,9 @@ def load_source(path: str | Path, data: bytes | None = None, *,
 # --- size checks (before any array is allocated) -----------------------------------------
 
 
-def _check_npy_header(path: Path, fh: IO[bytes], limit: int, available: int | None,
-                      what: str) -> int:
+def _check_npy_header(
+    path: Path, fh: IO[bytes], limit: int, available: int | None, what: str
+) -> int:
     """The data bytes an ``.npy`` header declares; SourceError when over ``limit``, or
     more than the ``available`` bytes that follow the header (a truncated file)."""
     fmt = np.lib.format
@@ -172,11 +181,17 @@ def _check_npy_header(path: Path, fh: IO[bytes], limit: int, available: int | No
         return 0  # refused when loaded: it needs pickle, which is never loaded
     declared = int(np.prod(shape, dtype=object)) * dtype.itemsize
     if declared > limit:
-        raise SourceError(path, f"{what} declares shape {tuple(shape)} of {dtype} = {declared} "
-                                f"bytes, over the decoded size limit of {limit} bytes")
+        raise SourceError(
+            path,
+            f"{what} declares shape {tuple(shape)} of {dtype} = {declared} "
+            f"bytes, over the decoded size limit of {limit} bytes",
+        )
     if available is not None and declared > available - fh.tell():
-        raise SourceError(path, f"truncated .npy {what}: header declares {declared} bytes of "
-                                f"data, the file holds {max(available - fh.tell(), 0)}")
+        raise SourceError(
+            path,
+            f"truncated .npy {what}: header declares {declared} bytes of "
+            f"data, the file holds {max(available - fh.tell(), 0)}",
+        )
     return declared
 
 
@@ -187,12 +202,16 @@ def _check_npz_sizes(path: Path, data: bytes, limit: int) -> None:
             members = archive.infolist()
             declared = sum(m.file_size for m in members)
             if declared > limit:
-                raise SourceError(path, f".npz members declare {declared} bytes uncompressed, "
-                                        f"over the decoded size limit of {limit} bytes")
+                raise SourceError(
+                    path,
+                    f".npz members declare {declared} bytes uncompressed, "
+                    f"over the decoded size limit of {limit} bytes",
+                )
             for member in members:
                 with archive.open(member) as fh:
-                    _check_npy_header(path, fh, limit, member.file_size,
-                                      f"member {member.filename!r}")
+                    _check_npy_header(
+                        path, fh, limit, member.file_size, f"member {member.filename!r}"
+                    )
     except SourceError:
         raise
     except zipfile.BadZipFile:
@@ -206,8 +225,11 @@ def _load_npy(path: Path, data: bytes) -> np.ndarray:
         return np.load(io.BytesIO(data), allow_pickle=False)
     except ValueError as exc:
         if "allow_pickle" in str(exc):
-            raise SourceError(path, "array holds Python objects (needs pickle, which is "
-                                    "never loaded); store a numeric [N, 3] array") from exc
+            raise SourceError(
+                path,
+                "array holds Python objects (needs pickle, which is "
+                "never loaded); store a numeric [N, 3] array",
+            ) from exc
         raise SourceError(path, f"not a valid .npy array: {exc}") from exc
     except (OSError, EOFError) as exc:
         raise SourceError(path, f"not a valid .npy array: {exc}") from exc
@@ -230,9 +252,12 @@ def _load_npz(path: Path, data: bytes) -> tuple[np.ndarray, np.ndarray | None]:
             if chosen is None and len(names) == 1:
                 chosen = names[0]
             if chosen is None:
-                raise SourceError(path, f"no point array found; expected one named "
-                                        f"{', '.join(_NPZ_POINT_NAMES)} (or vertices + faces), "
-                                        f"found: {', '.join(names) or '(none)'}")
+                raise SourceError(
+                    path,
+                    f"no point array found; expected one named "
+                    f"{', '.join(_NPZ_POINT_NAMES)} (or vertices + faces), "
+                    f"found: {', '.join(names) or '(none)'}",
+                )
             return _points_from_array(path, archive[chosen], what=f"array {chosen!r}"), None
         except ValueError as exc:
             if isinstance(exc, SourceError):
@@ -296,8 +321,9 @@ def _load_with_trimesh(path: Path, data: bytes, ext: str) -> tuple[np.ndarray, n
     except (MemoryError, RecursionError):
         raise
     except Exception as exc:  # trimesh raises anything; each becomes a SourceError
-        raise SourceError(path, f"cannot parse as {ext[1:].upper()}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        raise SourceError(
+            path, f"cannot parse as {ext[1:].upper()}: {type(exc).__name__}: {exc}"
+        ) from exc
     vertices, faces = _geometry_of(path, loaded, trimesh)
     if ext == ".ply":
         _check_ply_counts(path, declared, vertices, faces)
@@ -362,18 +388,23 @@ def _ply_declared_counts(path: Path, data: bytes) -> dict[str, int]:
     return counts
 
 
-def _check_ply_counts(path: Path, declared: dict[str, int], vertices: np.ndarray,
-                      faces: np.ndarray | None) -> None:
+def _check_ply_counts(
+    path: Path, declared: dict[str, int], vertices: np.ndarray, faces: np.ndarray | None
+) -> None:
     want_v = declared.get("vertex")
     if want_v is not None and want_v != len(vertices):
-        raise SourceError(path, f"truncated or malformed PLY: header declares {want_v} "
-                                f"vertices, {len(vertices)} were read")
+        raise SourceError(
+            path,
+            f"truncated or malformed PLY: header declares {want_v} "
+            f"vertices, {len(vertices)} were read",
+        )
     want_f = declared.get("face", 0)
     got_f = 0 if faces is None else len(faces)
     # trimesh triangulates polygons, so a face count can only grow; fewer means data is missing.
     if got_f < want_f:
-        raise SourceError(path, f"truncated or malformed PLY: header declares {want_f} "
-                                f"faces, {got_f} were read")
+        raise SourceError(
+            path, f"truncated or malformed PLY: header declares {want_f} faces, {got_f} were read"
+        )
 
 
 # --- validation and normalisation ------------------------------------------------------------
@@ -385,13 +416,18 @@ def _validate(path: Path, vertices: np.ndarray, faces: np.ndarray | None) -> Non
     finite = np.isfinite(vertices).all(axis=1)
     if not finite.all():
         bad = int((~finite).sum())
-        raise SourceError(path, f"{bad} of {len(vertices)} points have non-finite coordinates "
-                                f"(NaN or inf), first at index {int(np.argmin(finite))}")
+        raise SourceError(
+            path,
+            f"{bad} of {len(vertices)} points have non-finite coordinates "
+            f"(NaN or inf), first at index {int(np.argmin(finite))}",
+        )
     if faces is None:
         return
     if len(faces) == 0:
         raise SourceError(path, "mesh has no faces")
     low, high = int(faces.min()), int(faces.max())
     if low < 0 or high >= len(vertices):
-        raise SourceError(path, f"face indices out of range: found [{low}, {high}], "
-                                f"mesh has {len(vertices)} vertices")
+        raise SourceError(
+            path,
+            f"face indices out of range: found [{low}, {high}], mesh has {len(vertices)} vertices",
+        )

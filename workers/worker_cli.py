@@ -37,33 +37,36 @@ def run(args: argparse.Namespace) -> int:
     # empty queue there and wait forever for jobs nobody sends.
     problem: str | None
     if not Path(args.cache).exists():
-        problem = (f"{args.cache}: no such cache directory (a worker drains an existing "
-                   f"cache: check the path, or create it first)")
+        problem = (
+            f"{args.cache}: no such cache directory (a worker drains an existing "
+            f"cache: check the path, or create it first)"
+        )
     else:
         problem = cache_dir_problem(args.cache, write=True)
     if problem:
         print(f"spcache worker: {problem}", file=sys.stderr)
         return 2
     try:  # a backend that cannot run here: refused before any item is claimed
-        worker_loop.WorkerLoop(args.cache, device=args.device,
-                               backend=args.backend).choose_backend()
+        worker_loop.WorkerLoop(
+            args.cache, device=args.device, backend=args.backend
+        ).choose_backend()
     except (BackendUnavailable, UnknownName) as exc:
         print(f"spcache worker: {exc}", file=sys.stderr)
         return 2
     except (RuntimeError, ValueError) as exc:  # torch.device refuses the name
-        print(f"spcache worker: --device {args.device!r}: {' '.join(str(exc).split())}",
-              file=sys.stderr)
+        print(
+            f"spcache worker: --device {args.device!r}: {' '.join(str(exc).split())}",
+            file=sys.stderr,
+        )
         return 2
     lock = WorkerLock(args.cache)
     try:
         lock.acquire(worker_id=args.worker_id, device=args.device)
     except CacheOwned as exc:
-        print(f"spcache worker: {exc}; stop it first, or point --cache elsewhere",
-              file=sys.stderr)
+        print(f"spcache worker: {exc}; stop it first, or point --cache elsewhere", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"spcache worker: {args.cache}: cannot take the worker lock: {exc}",
-              file=sys.stderr)
+        print(f"spcache worker: {args.cache}: cannot take the worker lock: {exc}", file=sys.stderr)
         return 2
     try:
         return int(worker_loop.run(args))

@@ -69,12 +69,23 @@ class WorkerLoop:
             :class:`cache_store.housekeeping.SizeLimit`.
     """
 
-    def __init__(self, cache: str | os.PathLike[str], *, device: str = "auto",
-                 backend: str = "auto", batch: int = 8, lease_s: float = 120.0,
-                 poll_s: float = 1.0, loaders: int = 2, drain: bool = False,
-                 max_attempts: int = 3, worker_id: str | None = None,
-                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
-                 max_source_bytes: int = 1 << 30, max_size: int | None = None) -> None:
+    def __init__(
+        self,
+        cache: str | os.PathLike[str],
+        *,
+        device: str = "auto",
+        backend: str = "auto",
+        batch: int = 8,
+        lease_s: float = 120.0,
+        poll_s: float = 1.0,
+        loaders: int = 2,
+        drain: bool = False,
+        max_attempts: int = 3,
+        worker_id: str | None = None,
+        source_roots: Sequence[str | os.PathLike[str]] | None = None,
+        max_source_bytes: int = 1 << 30,
+        max_size: int | None = None,
+    ) -> None:
         if batch < 1 or lease_s <= 0 or poll_s <= 0 or loaders < 0:
             raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loaders >= 0 needed")
         self.cache = Path(cache)
@@ -111,8 +122,11 @@ class WorkerLoop:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1
         if self._signals == 1:
-            log.info("worker %s: %s received; finishing the current items, then stopping",
-                     self.worker_id, signal.Signals(signum).name)
+            log.info(
+                "worker %s: %s received; finishing the current items, then stopping",
+                self.worker_id,
+                signal.Signals(signum).name,
+            )
             self.stop_requested.set()
             return
         log.warning("worker %s: second signal; interrupting", self.worker_id)
@@ -139,9 +153,17 @@ class WorkerLoop:
         from workers.ops import device_type
 
         name, why = self.choose_backend()
-        fell_back = self.backend == "auto" and name == "torch" and device_type(self.device) == "cuda"
-        log.log(logging.WARNING if fell_back else logging.INFO,
-                "worker %s: backend: %s (%s); device %s", self.worker_id, name, why, self.device)
+        fell_back = (
+            self.backend == "auto" and name == "torch" and device_type(self.device) == "cuda"
+        )
+        log.log(
+            logging.WARNING if fell_back else logging.INFO,
+            "worker %s: backend: %s (%s); device %s",
+            self.worker_id,
+            name,
+            why,
+            self.device,
+        )
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -149,11 +171,17 @@ class WorkerLoop:
         self.log_backend()  # raises, before anything is claimed, for a backend that cannot run
         queue = JobQueue(self.cache, max_attempts=self.max_attempts)
         store = open_store(self.cache, readonly=False)
-        keeper = threading.Thread(target=self._keep_leases, args=(queue,), daemon=True,
-                                  name="spcache-lease-keeper")
+        keeper = threading.Thread(
+            target=self._keep_leases, args=(queue,), daemon=True, name="spcache-lease-keeper"
+        )
         keeper.start()
-        log.info("worker %s: draining %s on device %s (backend %s)", self.worker_id,
-                 self.cache, self.device, self.backend)
+        log.info(
+            "worker %s: draining %s on device %s (backend %s)",
+            self.worker_id,
+            self.cache,
+            self.device,
+            self.backend,
+        )
         try:
             queue.heartbeat(self.worker_id, self._info())
             if self.size_limit is not None:
@@ -205,13 +233,18 @@ class WorkerLoop:
         suspects = [i for i, c in enumerate(claimed) if c.attempts > 1]
         if not suspects or len(claimed) == 1:
             return claimed
-        keep = claimed[:suspects[0]] or claimed[:1]
-        rest = claimed[len(keep):]
+        keep = claimed[: suspects[0]] or claimed[:1]
+        rest = claimed[len(keep) :]
         queue.release(self.worker_id, [c.item_id for c in rest])
         suspect = claimed[suspects[0]]
-        log.warning("worker %s: sample %s is on attempt %d (an earlier claim did not finish "
-                    "it); it runs in a batch of its own%s", self.worker_id, suspect.sample_id,
-                    suspect.attempts, "" if suspects[0] == 0 else ", after the items before it")
+        log.warning(
+            "worker %s: sample %s is on attempt %d (an earlier claim did not finish "
+            "it); it runs in a batch of its own%s",
+            self.worker_id,
+            suspect.sample_id,
+            suspect.attempts,
+            "" if suspects[0] == 0 else ", after the items before it",
+        )
         return keep
 
     def _keep_under_limit(self, writing: str) -> None:
@@ -223,8 +256,13 @@ class WorkerLoop:
         except Exception:  # eviction is housekeeping: the work goes on
             log.exception("worker %s: keeping the cache under --max-size failed", self.worker_id)
 
-    def _process(self, queue: JobQueue, store: Store, claimed: list[ClaimedItem],
-                 claimed_at: float | None = None) -> None:
+    def _process(
+        self,
+        queue: JobQueue,
+        store: Store,
+        claimed: list[ClaimedItem],
+        claimed_at: float | None = None,
+    ) -> None:
         first = claimed[0]
         by_id = {c.sample_id: c for c in claimed}
         reported: set[int] = set()
@@ -242,8 +280,12 @@ class WorkerLoop:
                 finished.append(item)
                 return
             # the sample's own failure is final; a failed write (a full disk) is retried
-            queue.fail(self.worker_id, item.item_id, result.reason or "failed",
-                       permanent=not result.transient)
+            queue.fail(
+                self.worker_id,
+                item.item_id,
+                result.reason or "failed",
+                permanent=not result.transient,
+            )
             with self._held_lock:
                 self._held.pop(item.item_id, None)
             self.processed += 1
@@ -259,9 +301,11 @@ class WorkerLoop:
         start = time.perf_counter()
         roots = narrow_roots(first.roots, self._own_roots)
         if roots is None:
-            reason = (f"the job's source roots ({', '.join(first.roots)}) and this worker's "
-                      f"--source-root ({', '.join(self._own_roots)}) share no directory; "
-                      f"nothing of this job may be read here")
+            reason = (
+                f"the job's source roots ({', '.join(first.roots)}) and this worker's "
+                f"--source-root ({', '.join(self._own_roots)}) share no directory; "
+                f"nothing of this job may be read here"
+            )
             log.error("worker %s: job %s: %s", self.worker_id, first.job_id, reason)
             for c in claimed:
                 queue.fail(self.worker_id, c.item_id, reason, permanent=True)
@@ -296,10 +340,18 @@ class WorkerLoop:
             log.exception("worker %s: job %s: cannot read its progress", self.worker_id, job_id)
             return
         finished = info.counts.get("done", 0) + info.counts.get("failed", 0)
-        log.info("worker %s: job %s: %d/%d items finished (%d failed); this batch: %d item(s) "
-                 "in %.1fs, %.2f samples/s", self.worker_id, job_id, finished, info.total,
-                 info.counts.get("failed", 0), count, seconds,
-                 count / seconds if seconds > 0 else 0.0)
+        log.info(
+            "worker %s: job %s: %d/%d items finished (%d failed); this batch: %d item(s) "
+            "in %.1fs, %.2f samples/s",
+            self.worker_id,
+            job_id,
+            finished,
+            info.total,
+            info.counts.get("failed", 0),
+            count,
+            seconds,
+            count / seconds if seconds > 0 else 0.0,
+        )
 
     def _engine(self, store: Store, item: ClaimedItem, roots: tuple[str, ...]) -> Any:
         """The engine for the item's fingerprint, reading sources only inside ``roots``
@@ -308,14 +360,22 @@ class WorkerLoop:
         if engine is None:
             from workers.engine import Engine  # late: imports torch and the ops
 
-            engine = Engine(store, item.recipe, item.params, device=self.device,
-                            backend=self.backend, loaders=self.loaders,
-                            source_roots=list(roots) or None,
-                            max_source_bytes=self.max_source_bytes)
+            engine = Engine(
+                store,
+                item.recipe,
+                item.params,
+                device=self.device,
+                backend=self.backend,
+                loaders=self.loaders,
+                source_roots=list(roots) or None,
+                max_source_bytes=self.max_source_bytes,
+            )
             if engine.fingerprint != item.fingerprint:
-                raise RuntimeError(f"job {item.job_id}: fingerprint {item.fingerprint} was "
-                                   f"queued, this worker computes {engine.fingerprint} for the "
-                                   f"same recipe and parameters (different recipe version?)")
+                raise RuntimeError(
+                    f"job {item.job_id}: fingerprint {item.fingerprint} was "
+                    f"queued, this worker computes {engine.fingerprint} for the "
+                    f"same recipe and parameters (different recipe version?)"
+                )
             # One loader pool for this worker's life instead of one per claim. Engines of
             # other fingerprints are closed first: their pools would sit idle.
             self._close_engines()
@@ -353,9 +413,14 @@ class WorkerLoop:
         queue.close()
 
     def _info(self) -> dict[str, Any]:
-        return {"device": self.device, "backend": self.backend, "processed": self.processed,
-                "held": len(self._held), "cache": str(self.cache),
-                "heartbeat_s": max(self.lease_s / 3.0, 0.05)}
+        return {
+            "device": self.device,
+            "backend": self.backend,
+            "processed": self.processed,
+            "held": len(self._held),
+            "cache": str(self.cache),
+            "heartbeat_s": max(self.lease_s / 3.0, 0.05),
+        }
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -366,26 +431,41 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
     parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
     parser.add_argument("--loaders", type=int, default=2, help="loader processes (default 2)")
-    parser.add_argument("--max-attempts", type=int, default=3,
-                        help="claims per item before it fails (default 3)")
-    parser.add_argument("--drain", action="store_true",
-                        help="exit when nothing is left to claim instead of polling")
+    parser.add_argument(
+        "--max-attempts", type=int, default=3, help="claims per item before it fails (default 3)"
+    )
+    parser.add_argument(
+        "--drain", action="store_true", help="exit when nothing is left to claim instead of polling"
+    )
     parser.add_argument("--worker-id", help="name in leases and heartbeats (default host:pid)")
-    parser.add_argument("--source-root", action="append", dest="source_roots", default=None,
-                        metavar="DIR", help="only read sources that resolve into DIR "
-                                            "(repeatable; default: any path)")
-    parser.add_argument("--max-source-bytes", type=int, default=1 << 30,
-                        help="largest source file read (default 1 GiB)")
-    parser.add_argument("--max-size", metavar="SIZE",
-                        help="keep the cache's records under SIZE (bytes, or 500M, 2G): "
-                             "least recently used fingerprints are removed after each batch")
+    parser.add_argument(
+        "--source-root",
+        action="append",
+        dest="source_roots",
+        default=None,
+        metavar="DIR",
+        help="only read sources that resolve into DIR (repeatable; default: any path)",
+    )
+    parser.add_argument(
+        "--max-source-bytes",
+        type=int,
+        default=1 << 30,
+        help="largest source file read (default 1 GiB)",
+    )
+    parser.add_argument(
+        "--max-size",
+        metavar="SIZE",
+        help="keep the cache's records under SIZE (bytes, or 500M, 2G): "
+        "least recently used fingerprints are removed after each batch",
+    )
     parser.add_argument("--log-level", default="info")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     max_size = None
     if args.max_size is not None:
         from cache_store.housekeeping import LimitTooSmall, SizeLimit, parse_size
@@ -404,18 +484,29 @@ def run(args: argparse.Namespace) -> int:
             # serve's child: serve checked the limit when it started; a fingerprint
             # written since may have outgrown it, and refusing would only restart-loop
             log.warning("%s; evicting what can be evicted", exc)
-    loop = WorkerLoop(args.cache, device=args.device, backend=args.backend, batch=args.batch,
-                      lease_s=args.lease, poll_s=args.poll, loaders=args.loaders,
-                      drain=args.drain, max_attempts=args.max_attempts, worker_id=args.worker_id,
-                      source_roots=args.source_roots, max_source_bytes=args.max_source_bytes,
-                      max_size=max_size)
+    loop = WorkerLoop(
+        args.cache,
+        device=args.device,
+        backend=args.backend,
+        batch=args.batch,
+        lease_s=args.lease,
+        poll_s=args.poll,
+        loaders=args.loaders,
+        drain=args.drain,
+        max_attempts=args.max_attempts,
+        worker_id=args.worker_id,
+        source_roots=args.source_roots,
+        max_source_bytes=args.max_source_bytes,
+        max_size=max_size,
+    )
     loop.install_signal_handlers()
     return loop.run()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = configure_parser(argparse.ArgumentParser(
-        prog="spcache worker", description=__doc__.splitlines()[0]))
+    parser = configure_parser(
+        argparse.ArgumentParser(prog="spcache worker", description=__doc__.splitlines()[0])
+    )
     return run(parser.parse_args(argv))
 
 

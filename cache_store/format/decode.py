@@ -67,15 +67,16 @@ def selected_fields(header: RecordHeader, fields: Iterable[str] | None, key: str
     names = list(dict.fromkeys(fields))
     missing = [n for n in names if n not in header.tensors]
     if missing:
-        raise UnknownName(f"field of record {key!r}" if key else "field", missing[0],
-                          header.tensors)
+        raise UnknownName(
+            f"field of record {key!r}" if key else "field", missing[0], header.tensors
+        )
     return names
 
 
 def verified_field(view: memoryview, header: RecordHeader, name: str, key: str) -> memoryview:
     """Field ``name``'s bytes in ``view``, checked as a decode checks its copy."""
     info = header.tensors[name]
-    part = view[info.begin:info.end]
+    part = view[info.begin : info.end]
     if xxhash.xxh3_64_hexdigest(part) != header.field_checksums[name]:
         raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
     if info.dtype == "BOOL":
@@ -139,14 +140,15 @@ class _ViewFill:
         self.views = views
 
     def __call__(self, j: int, name: str, info: TensorInfo, out: memoryview) -> None:
-        out[:] = self.views[j][info.begin:info.end]  # the one copy out of LMDB's map / the bytes
+        out[:] = self.views[j][info.begin : info.end]  # the one copy out of LMDB's map / the bytes
 
     def span(self, j: int, begin: int, end: int, out: memoryview) -> None:
         out[:] = self.views[j][begin:end]
 
 
-def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
-                    key: str) -> dict[str, torch.Tensor]:
+def _record_tensors(
+    fill: Fill, header: RecordHeader, names: list[str], key: str
+) -> dict[str, torch.Tensor]:
     """One record read in this (non-worker) process: its fields copied into one fresh
     buffer, each verified against its checksum and viewed as a tensor on its own storage.
     Nothing will share or collate this record's storage, and a NumPy view +
@@ -164,7 +166,9 @@ def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
     infos, checksums = header.tensors, header.field_checksums
     span = getattr(fill, "span", None)
     slots = []  # (name, info, offset in the buffer)
-    runs: list[tuple[int, int, int]] = []  # (begin, end, offset): source ranges copied whole (``span``)
+    runs: list[
+        tuple[int, int, int]
+    ] = []  # (begin, end, offset): source ranges copied whole (``span``)
     size = 0
     run_end = -1
     for name in names:
@@ -182,13 +186,13 @@ def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
     buf = np.empty(size, dtype=np.uint8)  # uninitialised: every byte is written below
     out = buf.data
     for begin, end, offset in runs:
-        span(0, begin, end, out[offset:offset + end - begin])  # type: ignore[misc]
+        span(0, begin, end, out[offset : offset + end - begin])  # type: ignore[misc]
     tensors = {}
     from_numpy, hexdigest = torch.from_numpy, xxhash.xxh3_64_hexdigest
     for name, info, offset in slots:
         dtype, shape, begin, end = info
         nbytes = end - begin
-        copy = out[offset:offset + nbytes]
+        copy = out[offset : offset + nbytes]
         if span is None:
             fill(0, name, info, copy)
         if hexdigest(copy) != checksums[name]:
@@ -201,14 +205,15 @@ def _record_tensors(fill: Fill, header: RecordHeader, names: list[str],
         elif np_dtype is not None:  # a NumPy view costs a fraction of torch.frombuffer
             tensors[name] = from_numpy(np.ndarray(shape, np_dtype, buf, offset))
         else:  # bfloat16: no NumPy dtype
-            tensors[name] = torch.frombuffer(buf, dtype=TORCH_DTYPES[dtype],
-                                             count=nbytes // ITEMSIZE[dtype],
-                                             offset=offset).view(shape)
+            tensors[name] = torch.frombuffer(
+                buf, dtype=TORCH_DTYPES[dtype], count=nbytes // ITEMSIZE[dtype], offset=offset
+            ).view(shape)
     return tensors
 
 
-def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
-                   names: Sequence[list[str]], keys: Sequence[str]) -> list[dict[str, torch.Tensor]]:
+def _batch_tensors(
+    fill: Fill, headers: Sequence[RecordHeader], names: Sequence[list[str]], keys: Sequence[str]
+) -> list[dict[str, torch.Tensor]]:
     """Copy the named fields of every record into ONE fresh buffer, verify each copy
     against its checksum, and view each as a tensor of that ONE storage (batches, and
     any read inside a DataLoader worker; one record in the trainer's process goes
@@ -246,7 +251,7 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
     for j, name, info, offset in slots:
         dtype, shape, begin, end = info
         nbytes = end - begin
-        copy = out[offset:offset + nbytes]
+        copy = out[offset : offset + nbytes]
         fill(j, name, info, copy)
         if xxhash.xxh3_64_hexdigest(copy) != headers[j].field_checksums[name]:
             raise CorruptRecord(keys[j], f"checksum mismatch in tensor {name!r}")
@@ -257,7 +262,10 @@ def _batch_tensors(fill: Fill, headers: Sequence[RecordHeader],
             whole = flat[dtype] = base.view(TORCH_DTYPES[dtype])
         tensors[j][name] = whole.as_strided(shape, _strides(shape), offset // ITEMSIZE[dtype])
     # a record's own field order, as a dict of its header gives it
-    return [{name: found[name] for name in selected} for found, selected in zip(tensors, names, strict=True)]
+    return [
+        {name: found[name] for name in selected}
+        for found, selected in zip(tensors, names, strict=True)
+    ]
 
 
 def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = None) -> Record:
@@ -285,13 +293,15 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
     header = parse_view(view, key)
     names = selected_fields(header, fields, key)
     if in_dataloader_worker():
-        return Record(_batch_tensors(_ViewFill([view]), [header], [names], [key])[0],
-                      header.metadata)
+        return Record(
+            _batch_tensors(_ViewFill([view]), [header], [names], [key])[0], header.metadata
+        )
     return Record(_record_tensors(_ViewFill([view]), header, names, key), header.metadata)
 
 
-def decode_records(items: Iterable[tuple[str, Any]], *,
-                   fields: Iterable[str] | None = None) -> list[Record]:
+def decode_records(
+    items: Iterable[tuple[str, Any]], *, fields: Iterable[str] | None = None
+) -> list[Record]:
     """Decode several records (``(key, value)`` pairs) at once, as :func:`decode_record`
     does each, into ONE fresh storage laid out field by field (see ``collate_spc``, which
     then batches them without copying). Every header and checksum is verified as by
@@ -311,8 +321,13 @@ def decode_records(items: Iterable[tuple[str, Any]], *,
     return [Record(t, h.metadata) for t, h in zip(tensors, headers, strict=True)]
 
 
-def decode_filled(headers: Sequence[RecordHeader], keys: Sequence[str], fill: Fill, *,
-                  fields: Iterable[str] | None = None) -> list[Record]:
+def decode_filled(
+    headers: Sequence[RecordHeader],
+    keys: Sequence[str],
+    fill: Fill,
+    *,
+    fields: Iterable[str] | None = None,
+) -> list[Record]:
     """Decode records whose bytes are not one value: a snapshot's record is its header
     (:func:`parse_stored_header`) and its fields' rows in separate arrays. ``fill``
     writes each selected field's bytes straight into the returned tensors' storage
@@ -324,14 +339,14 @@ def decode_filled(headers: Sequence[RecordHeader], keys: Sequence[str], fill: Fi
         fields = [fields] if isinstance(fields, str) else list(fields)
     names = [selected_fields(h, fields, k) for h, k in zip(headers, keys, strict=True)]
     if len(headers) == 1 and not in_dataloader_worker():
-        return [Record(_record_tensors(fill, headers[0], names[0], keys[0]),
-                       headers[0].metadata)]
+        return [Record(_record_tensors(fill, headers[0], names[0], keys[0]), headers[0].metadata)]
     tensors = _batch_tensors(fill, headers, names, keys)
     return [Record(t, h.metadata) for t, h in zip(tensors, headers, strict=True)]
 
 
-def decode_arrays(value: Any, *, key: str = "",
-                  fields: Iterable[str] | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def decode_arrays(
+    value: Any, *, key: str = "", fields: Iterable[str] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Like :func:`decode_record` but to NumPy arrays, without torch.
 
     Returns ``(arrays, metadata)``; each array owns its memory. ``BF16`` fields (NumPy
@@ -344,7 +359,7 @@ def decode_arrays(value: Any, *, key: str = "",
         info = header.tensors[name]
         if info.dtype == "BF16":
             raise ParameterError([f"{name}: bfloat16 has no NumPy dtype; use decode_record"])
-        flat = np.frombuffer(view[info.begin:info.end], dtype=np.uint8).copy()
+        flat = np.frombuffer(view[info.begin : info.end], dtype=np.uint8).copy()
         if xxhash.xxh3_64_hexdigest(flat.data) != header.field_checksums[name]:  # the copy, cached
             raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
         array = flat.view(NUMPY_DTYPES[info.dtype]).reshape(info.shape)
@@ -352,4 +367,3 @@ def decode_arrays(value: Any, *, key: str = "",
             _check_bools(flat, name, key)
         arrays[name] = array
     return arrays, dict(header.metadata)
-

@@ -61,8 +61,11 @@ def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memory
     if dtype is None:
         if tensor.is_complex() or tensor.is_quantized:
             raise _bad(name, "only dense real tensors can be stored")
-        raise _bad(name, f"dtype {tensor.dtype} has no safetensors name here "
-                         f"(known: {', '.join(DTYPES.values())})")
+        raise _bad(
+            name,
+            f"dtype {tensor.dtype} has no safetensors name here "
+            f"(known: {', '.join(DTYPES.values())})",
+        )
     if tensor.requires_grad:
         tensor = tensor.detach()
     if not tensor.is_contiguous():
@@ -73,19 +76,27 @@ def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memory
     return dtype, array.shape, memoryview(array.reshape(-1).view(np.uint8))
 
 
-def assemble_record(layout: list[tuple[str, str, tuple[int, ...], Any]],
-              field_checksums: Mapping[str, str], metadata: Mapping[str, str]) -> bytes:
+def assemble_record(
+    layout: list[tuple[str, str, tuple[int, ...], Any]],
+    field_checksums: Mapping[str, str],
+    metadata: Mapping[str, str],
+) -> bytes:
     """``layout``: (name, dtype, shape, bytes-like) in the order to write them."""
     meta = dict(metadata)
     meta["format_version"] = FORMAT_VERSION
-    meta["field_checksums"] = json.dumps({n: field_checksums[n] for n, *_ in layout},
-                                         sort_keys=True, separators=(",", ":"))
+    meta["field_checksums"] = json.dumps(
+        {n: field_checksums[n] for n, *_ in layout}, sort_keys=True, separators=(",", ":")
+    )
     meta["checksum"] = BLANK_CHECKSUM
     header: dict[str, Any] = {"__metadata__": meta}
     offset = 0
     for name, dtype, shape, buf in layout:
         size = len(buf)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + HEADER_LENGTH.size) % 8)
@@ -94,10 +105,16 @@ def assemble_record(layout: list[tuple[str, str, tuple[int, ...], Any]],
 
 
 def _check_metadata(metadata: Mapping[str, str], required: Iterable[str]) -> dict[str, str]:
-    problems = [f"metadata {k!r}: keys and values must be str, got {type(v).__name__}"
-                for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
-    problems += [f"metadata {k!r}: set by the record format, not by callers"
-                 for k in metadata if k in MANAGED_METADATA]
+    problems = [
+        f"metadata {k!r}: keys and values must be str, got {type(v).__name__}"
+        for k, v in metadata.items()
+        if not isinstance(k, str) or not isinstance(v, str)
+    ]
+    problems += [
+        f"metadata {k!r}: set by the record format, not by callers"
+        for k in metadata
+        if k in MANAGED_METADATA
+    ]
     problems += [f"metadata {k!r}: required" for k in required if k not in metadata]
     if problems:
         raise ParameterError(problems, what="record metadata")
@@ -113,8 +130,10 @@ def encode_tensors(tensors: Mapping[str, Any], metadata: Mapping[str, str] | Non
     prepared = []
     for name, tensor in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
-            raise ParameterError([(f"tensor name {name!r}: must be a non-empty str other than "
-                                  f"'__metadata__'")], what="record tensors")
+            raise ParameterError(
+                [(f"tensor name {name!r}: must be a non-empty str other than '__metadata__'")],
+                what="record tensors",
+            )
         prepared.append((name, *_as_bytes_view(name, tensor)))
     # Largest item size first, then by name: every buffer starts aligned for its dtype.
     prepared.sort(key=lambda item: (-ITEMSIZE[item[1]], item[0]))
@@ -167,4 +186,3 @@ def select_fields(value: Any, fields: Iterable[str], *, key: str = "") -> bytes:
     layout.sort(key=lambda item: (-ITEMSIZE[item[1]], item[0]))
     meta = {k: v for k, v in header.metadata.items() if k not in MANAGED_METADATA}
     return assemble_record(layout, header.field_checksums, meta)
-

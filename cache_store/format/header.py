@@ -75,8 +75,17 @@ __all__ = [
 FORMAT_VERSION = "1"
 #: Metadata a record must describe itself with (``created`` and ``spcache_version`` are
 #: filled in by :func:`~cache_store.format.encode.encode_record` when absent).
-REQUIRED_METADATA = ("recipe", "recipe_version", "fingerprint", "sample_id", "source_hash",
-                     "backend", "device", "created", "spcache_version")
+REQUIRED_METADATA = (
+    "recipe",
+    "recipe_version",
+    "fingerprint",
+    "sample_id",
+    "source_hash",
+    "backend",
+    "device",
+    "created",
+    "spcache_version",
+)
 #: Metadata the format itself writes (callers may not set it).
 MANAGED_METADATA = ("format_version", "checksum", "field_checksums")
 #: Largest header accepted (the safetensors reference reader uses the same bound).
@@ -86,13 +95,36 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: that both sides know). torch is imported only to build tensors, so reading headers,
 #: checksums and re-encoding subsets (what the service does) needs no torch.
 DTYPES: dict[str, str] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
-    "I32": "int32", "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16",
-    "BF16": "bfloat16", "F32": "float32", "F64": "float64",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
 }
 #: safetensors dtype name -> bytes per item.
-ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8,
-            "U64": 8, "F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "U16": 2,
+    "I32": 4,
+    "U32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F16": 2,
+    "BF16": 2,
+    "F32": 4,
+    "F64": 8,
+}
 NUMPY_DTYPES = {k: np.dtype(v) for k, v in DTYPES.items() if k != "BF16"}
 
 
@@ -120,8 +152,9 @@ TORCH_DTYPES = _TorchDtypes()
 HEADER_LENGTH = struct.Struct("<Q")
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
-    raise ImportError("cache_store.format.header reads little-endian buffers in place; "
-                      "this host is big-endian")
+    raise ImportError(
+        "cache_store.format.header reads little-endian buffers in place; this host is big-endian"
+    )
 
 
 class TensorInfo(NamedTuple):
@@ -165,20 +198,20 @@ def _checksum_slot(text: bytes) -> int:
     if first < 0 or text.find(_CHECKSUM_TAG, first + 1) >= 0:
         raise ValueError("header must hold exactly one checksum entry")
     at = first + len(_CHECKSUM_TAG)
-    if text[at + _CHECKSUM_HEX:at + _CHECKSUM_HEX + 1] != b'"':
+    if text[at + _CHECKSUM_HEX : at + _CHECKSUM_HEX + 1] != b'"':
         raise ValueError("checksum entry is not 32 characters")
     return at
 
 
 def _header_digest(text: bytes, at: int) -> str:
-    blank = b"".join([text[:at], BLANK_CHECKSUM.encode(), text[at + _CHECKSUM_HEX:]])
+    blank = b"".join([text[:at], BLANK_CHECKSUM.encode(), text[at + _CHECKSUM_HEX :]])
     return xxhash.xxh3_128_hexdigest(blank)
 
 
 def sign_header(text: bytes) -> bytes:
     """Fill in the record checksum: xxh3_128 of the header text with its slot zeroed."""
     at = _checksum_slot(text)
-    return b"".join([text[:at], _header_digest(text, at).encode(), text[at + _CHECKSUM_HEX:]])
+    return b"".join([text[:at], _header_digest(text, at).encode(), text[at + _CHECKSUM_HEX :]])
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -229,18 +262,21 @@ def _loads(text: bytes) -> Any:
     return STRICT_DECODER.decode(text.decode("utf-8"))
 
 
-def _parse_tensor_info(key: str, name: str, entry: object, data_len: int,
-                       data_start: int) -> TensorInfo:
+def _parse_tensor_info(
+    key: str, name: str, entry: object, data_len: int, data_start: int
+) -> TensorInfo:
     # ``type(x) is int`` on purpose: JSON gives int, and it refuses bool. Written as
     # plain loops: this runs for every field of every record read.
     if type(entry) is not dict or len(entry) != 3:
-        raise CorruptRecord(key, f"tensor {name!r}: header entry must have exactly dtype, shape, "
-                                 f"data_offsets")
+        raise CorruptRecord(
+            key, f"tensor {name!r}: header entry must have exactly dtype, shape, data_offsets"
+        )
     try:
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     except KeyError:
-        raise CorruptRecord(key, f"tensor {name!r}: header entry must have exactly dtype, shape, "
-                                 f"data_offsets") from None
+        raise CorruptRecord(
+            key, f"tensor {name!r}: header entry must have exactly dtype, shape, data_offsets"
+        ) from None
     itemsize = ITEMSIZE.get(dtype) if type(dtype) is str else None
     if itemsize is None:
         raise CorruptRecord(key, f"tensor {name!r}: unknown dtype {dtype!r}")
@@ -257,11 +293,15 @@ def _parse_tensor_info(key: str, name: str, entry: object, data_len: int,
     if type(begin) is not int or type(end) is not int:
         raise CorruptRecord(key, f"tensor {name!r}: data_offsets must be two ints")
     if not 0 <= begin <= end <= data_len:
-        raise CorruptRecord(key, f"tensor {name!r}: data_offsets {offsets} outside the "
-                                 f"{data_len}-byte data section")
+        raise CorruptRecord(
+            key, f"tensor {name!r}: data_offsets {offsets} outside the {data_len}-byte data section"
+        )
     if numel * itemsize != end - begin:
-        raise CorruptRecord(key, f"tensor {name!r}: {dtype} x {shape} needs {numel * itemsize} "
-                                 f"bytes, offsets give {end - begin}")
+        raise CorruptRecord(
+            key,
+            f"tensor {name!r}: {dtype} x {shape} needs {numel * itemsize} "
+            f"bytes, offsets give {end - begin}",
+        )
     return TensorInfo(dtype, tuple(shape), data_start + begin, data_start + end)
 
 
@@ -271,8 +311,9 @@ def byte_view(value: Any, key: str) -> memoryview:
         view = memoryview(value)
         return view if view.format == "B" and view.ndim == 1 else view.cast("B")
     except TypeError:
-        raise CorruptRecord(key, f"expected a contiguous bytes-like value, got "
-                                 f"{type(value).__name__}") from None
+        raise CorruptRecord(
+            key, f"expected a contiguous bytes-like value, got {type(value).__name__}"
+        ) from None
 
 
 def parse_view(view: memoryview, key: str) -> RecordHeader:
@@ -283,7 +324,7 @@ def parse_view(view: memoryview, key: str) -> RecordHeader:
     (n,) = HEADER_LENGTH.unpack_from(view, 0)
     if n < 2 or n > MAX_HEADER_BYTES or n > total - HEADER_LENGTH.size:
         raise CorruptRecord(key, f"header length {n} does not fit a {total}-byte value")
-    return parse_text(bytes(view[HEADER_LENGTH.size:HEADER_LENGTH.size + n]), total, key)
+    return parse_text(bytes(view[HEADER_LENGTH.size : HEADER_LENGTH.size + n]), total, key)
 
 
 def parse_stored_header(text: bytes, data_len: int, *, key: str = "") -> RecordHeader:
@@ -312,13 +353,15 @@ def parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
         raise CorruptRecord(key, "header has no '__metadata__' map of str -> str")
     version = meta.get("format_version")
     if version != FORMAT_VERSION:
-        raise UnsupportedFormat(key, f"format_version {version!r} is not supported "
-                                     f"(this reader knows {FORMAT_VERSION!r})")
+        raise UnsupportedFormat(
+            key,
+            f"format_version {version!r} is not supported (this reader knows {FORMAT_VERSION!r})",
+        )
     try:
         at = _checksum_slot(raw)
     except ValueError as exc:
         raise CorruptRecord(key, str(exc)) from None
-    stored = raw[at:at + _CHECKSUM_HEX].decode("ascii", "replace")
+    stored = raw[at : at + _CHECKSUM_HEX].decode("ascii", "replace")
     if meta.get("checksum") != stored or _header_digest(raw, at) != stored:
         raise CorruptRecord(key, "header checksum mismatch (metadata or layout altered)")
     data_start = HEADER_LENGTH.size + n
@@ -327,8 +370,9 @@ def parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
     return RecordHeader(meta, tensors, checksums, data_start)
 
 
-def _tensor_infos(key: str, header: Mapping[str, Any], data_len: int,
-                  data_start: int) -> dict[str, TensorInfo]:
+def _tensor_infos(
+    key: str, header: Mapping[str, Any], data_len: int, data_start: int
+) -> dict[str, TensorInfo]:
     """Every tensor entry of a parsed header, checked as :func:`_parse_tensor_info` and
     :func:`_check_layout` check them, in one loop with no call per field: this runs for
     every record read. An entry that fails any check goes to ``_parse_tensor_info``,
@@ -336,11 +380,15 @@ def _tensor_infos(key: str, header: Mapping[str, Any], data_len: int,
     than this package's) go to ``_check_layout``."""
     tensors = {}
     itemsizes = ITEMSIZE
-    position = 0      # where the next field must begin for the fields to be in order
+    position = 0  # where the next field must begin for the fields to be in order
     in_order = True
     for name, entry in header.items():
         if type(entry) is dict and len(entry) == 3:
-            dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+            dtype, shape, offsets = (
+                entry.get("dtype"),
+                entry.get("shape"),
+                entry.get("data_offsets"),
+            )
             itemsize = itemsizes.get(dtype) if type(dtype) is str else None
             if itemsize and type(shape) is list and type(offsets) is list and len(offsets) == 2:
                 begin, end = offsets
@@ -352,9 +400,9 @@ def _tensor_infos(key: str, header: Mapping[str, Any], data_len: int,
                         numel *= d
                     else:
                         if numel * itemsize == end - begin:
-                            tensors[name] = TensorInfo(cast(str, dtype), tuple(shape),
-                                                       data_start + begin,
-                                                       data_start + end)
+                            tensors[name] = TensorInfo(
+                                cast(str, dtype), tuple(shape), data_start + begin, data_start + end
+                            )
                             in_order = in_order and begin == position
                             position = end
                             continue
@@ -369,8 +417,7 @@ def _begin_of(item: tuple[str, TensorInfo]) -> tuple[int, int]:
     return item[1][2], item[1][3]
 
 
-def _check_layout(key: str, tensors: Mapping[str, TensorInfo], data_start: int,
-                  total: int) -> None:
+def _check_layout(key: str, tensors: Mapping[str, TensorInfo], data_start: int, total: int) -> None:
     position = data_start
     for name, (_, _, begin, end) in sorted(tensors.items(), key=_begin_of):
         if begin != position:
@@ -378,20 +425,27 @@ def _check_layout(key: str, tensors: Mapping[str, TensorInfo], data_start: int,
             raise CorruptRecord(key, f"tensor {name!r} {what} (data must be contiguous)")
         position = end
     if position != total:
-        raise CorruptRecord(key, f"data section is {total - data_start} bytes, tensors cover "
-                                 f"{position - data_start}")
+        raise CorruptRecord(
+            key,
+            f"data section is {total - data_start} bytes, tensors cover {position - data_start}",
+        )
 
 
-def _parse_field_checksums(key: str, meta: Mapping[str, str],
-                           tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
+def _parse_field_checksums(
+    key: str, meta: Mapping[str, str], tensors: Mapping[str, TensorInfo]
+) -> dict[str, str]:
     try:
         checksums = _loads(meta.get("field_checksums", "").encode("utf-8"))
     except (ValueError, RecursionError) as exc:
         raise CorruptRecord(key, f"metadata 'field_checksums' is not valid JSON: {exc}") from None
-    if (type(checksums) is not dict or checksums.keys() != tensors.keys()
-            or not set(map(type, checksums.values())) <= _STR_ONLY):
-        raise CorruptRecord(key, "metadata 'field_checksums' does not list exactly the "
-                                 "record's tensors")
+    if (
+        type(checksums) is not dict
+        or checksums.keys() != tensors.keys()
+        or not set(map(type, checksums.values())) <= _STR_ONLY
+    ):
+        raise CorruptRecord(
+            key, "metadata 'field_checksums' does not list exactly the record's tensors"
+        )
     return checksums
 
 

@@ -23,5 +23,5 @@ def pack_ids(sample_ids: Iterable[str]) -> tuple[np.ndarray, np.ndarray]:
 def unpack_ids(blob: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Inverse of :func:`pack_ids`: the ids as a NumPy str array [n] (``<U1`` when empty)."""
     raw = blob.tobytes()
-    ids = [raw[offsets[i]:offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
+    ids = [raw[offsets[i] : offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
     return np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")

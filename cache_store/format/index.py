@@ -49,35 +49,56 @@ class DatasetIndex:
         validate_fingerprint(self.fingerprint)
         expected = compute_fingerprint(self.recipe, self.recipe_version, self.params)
         if expected != self.fingerprint:
-            raise ParameterError([(f"fingerprint {self.fingerprint} is not that of recipe "
-                                  f"{self.recipe!r} v{self.recipe_version} with params "
-                                  f"{canonical_json(dict(self.params))} ({expected})")],
-                                 what="dataset index")
+            raise ParameterError(
+                [
+                    (
+                        f"fingerprint {self.fingerprint} is not that of recipe "
+                        f"{self.recipe!r} v{self.recipe_version} with params "
+                        f"{canonical_json(dict(self.params))} ({expected})"
+                    )
+                ],
+                what="dataset index",
+            )
         given = self.sample_ids
         raw = given.ravel().tolist() if isinstance(given, np.ndarray) else list(given)
         ids = [validate_sample_id(s) for s in raw]  # refuses non-str ids (no str() coercion)
         seen: set[str] = set()
         for sample_id in ids:
             if sample_id in seen:
-                raise ParameterError([f"sample id {sample_id!r} appears more than once"],
-                                     what="dataset index")
+                raise ParameterError(
+                    [f"sample id {sample_id!r} appears more than once"], what="dataset index"
+                )
             seen.add(sample_id)
         object.__setattr__(self, "params", dict(self.params))
-        object.__setattr__(self, "sample_ids",
-                           np.array(ids, dtype=str) if ids else np.array([], dtype="<U1"))
+        object.__setattr__(
+            self, "sample_ids", np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
+        )
         if not self.created:
-            object.__setattr__(self, "created",
-                               _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))
+            object.__setattr__(
+                self, "created", _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+            )
 
     @classmethod
-    def from_trusted(cls, fingerprint: str, recipe: str, recipe_version: int,
-                 params: dict[str, Any], sample_ids: np.ndarray, created: str) -> DatasetIndex:
+    def from_trusted(
+        cls,
+        fingerprint: str,
+        recipe: str,
+        recipe_version: int,
+        params: dict[str, Any],
+        sample_ids: np.ndarray,
+        created: str,
+    ) -> DatasetIndex:
         """Build without re-validating: for indexes read back from checksummed storage,
         which were validated when written."""
         obj = object.__new__(cls)
-        for name, value in (("fingerprint", fingerprint), ("recipe", recipe),
-                            ("recipe_version", recipe_version), ("params", params),
-                            ("sample_ids", sample_ids), ("created", created)):
+        for name, value in (
+            ("fingerprint", fingerprint),
+            ("recipe", recipe),
+            ("recipe_version", recipe_version),
+            ("params", params),
+            ("sample_ids", sample_ids),
+            ("created", created),
+        ):
             object.__setattr__(obj, name, value)
         validate_fingerprint(fingerprint)
         if compute_fingerprint(recipe, recipe_version, params) != fingerprint:
@@ -93,17 +114,27 @@ class DatasetIndex:
 
     def describe(self) -> dict[str, Any]:
         """JSON-able summary (no ids)."""
-        return {"fingerprint": self.fingerprint, "recipe": self.recipe,
-                "recipe_version": self.recipe_version, "params": dict(self.params),
-                "samples": len(self), "created": self.created}
+        return {
+            "fingerprint": self.fingerprint,
+            "recipe": self.recipe,
+            "recipe_version": self.recipe_version,
+            "params": dict(self.params),
+            "samples": len(self),
+            "created": self.created,
+        }
 
 
 def encode_index(index: DatasetIndex) -> bytes:
     """A dataset index as a checksummed safetensors value (ids packed as UTF-8 + offsets)."""
     blob, offsets = index.packed_ids()
-    meta = {"kind": INDEX_KIND, "fingerprint": index.fingerprint, "recipe": index.recipe,
-            "recipe_version": str(index.recipe_version),
-            "params": canonical_json(dict(index.params)), "created": index.created}
+    meta = {
+        "kind": INDEX_KIND,
+        "fingerprint": index.fingerprint,
+        "recipe": index.recipe,
+        "recipe_version": str(index.recipe_version),
+        "params": canonical_json(dict(index.params)),
+        "created": index.created,
+    }
     return encode_tensors({"sample_ids_utf8": blob, "sample_id_offsets": offsets}, meta)
 
 
@@ -116,15 +147,24 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
         blob, offsets = arrays["sample_ids_utf8"], arrays["sample_id_offsets"]
         if blob.dtype != np.uint8 or offsets.dtype != np.int64 or offsets.size == 0:
             raise ValueError("unexpected dtypes for sample ids")
-        if (offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != blob.size
-                or np.any(np.diff(offsets) < 0)):
+        if (
+            offsets.ndim != 1
+            or offsets[0] != 0
+            or offsets[-1] != blob.size
+            or np.any(np.diff(offsets) < 0)
+        ):
             raise ValueError("sample id offsets do not cover the id bytes")
         params = json.loads(meta["params"])
         if not isinstance(params, dict):
             raise ValueError("params is not a JSON object")
-        return DatasetIndex.from_trusted(meta["fingerprint"], meta["recipe"],
-                                     int(meta["recipe_version"]), params,
-                                     unpack_ids(blob, offsets), meta.get("created", ""))
+        return DatasetIndex.from_trusted(
+            meta["fingerprint"],
+            meta["recipe"],
+            int(meta["recipe_version"]),
+            params,
+            unpack_ids(blob, offsets),
+            meta.get("created", ""),
+        )
     except (KeyError, ValueError, TypeError, SpcacheError) as exc:
         if isinstance(exc, CorruptRecord):
             raise

@@ -10,10 +10,25 @@ clients (:mod:`cache_store.readers.queue_read_through` over the queue,
 
 from __future__ import annotations
 
-__all__ = ["ERROR_HEADER", "STATE_HEADER", "TAG_HEADER", "RETRY_AFTER_HEADER",
-           "NO_WORKER_ERROR", "QUEUED", "FAILED", "MISSING", "SAMPLE_STATES", "sample_state",
-           "WORKER_STALE_S", "STATES_EVERY_S", "LIVENESS_EVERY_S", "POLL_FIRST_S",
-           "POLL_GROWTH", "WAIT_CHUNK_S", "no_worker_message"]
+__all__ = [
+    "ERROR_HEADER",
+    "STATE_HEADER",
+    "TAG_HEADER",
+    "RETRY_AFTER_HEADER",
+    "NO_WORKER_ERROR",
+    "QUEUED",
+    "FAILED",
+    "MISSING",
+    "SAMPLE_STATES",
+    "sample_state",
+    "WORKER_STALE_S",
+    "STATES_EVERY_S",
+    "LIVENESS_EVERY_S",
+    "POLL_FIRST_S",
+    "POLL_GROWTH",
+    "WAIT_CHUNK_S",
+    "no_worker_message",
+]
 
 #: Every error answer: the error's class name (``NoWorkerAlive``, ``RecordNotFound``...).
 ERROR_HEADER = "X-Spcache-Error"
@@ -31,8 +46,13 @@ SAMPLE_STATES = (QUEUED, FAILED, MISSING)
 #: Queue item status -> state of a sample whose record is not stored. ``done`` without
 #: a record means it was deleted since (or lands this instant: callers look at the
 #: store again): queue it anew, as a ``cancelled`` one.
-_BY_ITEM_STATUS = {"pending": QUEUED, "running": QUEUED, "failed": FAILED,
-                   "done": MISSING, "cancelled": MISSING}
+_BY_ITEM_STATUS = {
+    "pending": QUEUED,
+    "running": QUEUED,
+    "failed": FAILED,
+    "done": MISSING,
+    "cancelled": MISSING,
+}
 
 
 def sample_state(item_status: str | None) -> str:
@@ -57,8 +77,10 @@ WAIT_CHUNK_S = 30.0
 def no_worker_message(what: str, cache: str, stale_s: float = WORKER_STALE_S) -> str:
     """``NoWorkerAlive``'s text: what cannot be computed, and the commands that start a
     worker for ``cache``."""
-    return (f"{what}: no spcache worker is alive for cache {cache} (no heartbeat within "
-            f"{stale_s:g} s). Start one on the cache's machine: `spcache worker --cache "
-            f"{cache}` (or `python -m workers worker --cache {cache}`), or run `spcache "
-            f"serve` without --no-worker, which starts one; or precompute with "
-            f"`spcache precompute`.")
+    return (
+        f"{what}: no spcache worker is alive for cache {cache} (no heartbeat within "
+        f"{stale_s:g} s). Start one on the cache's machine: `spcache worker --cache "
+        f"{cache}` (or `python -m workers worker --cache {cache}`), or run `spcache "
+        f"serve` without --no-worker, which starts one; or precompute with "
+        f"`spcache precompute`."
+    )

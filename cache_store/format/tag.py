@@ -25,9 +25,15 @@ from cache_store.errors import CorruptRecord, SpcacheError
 from cache_store.format.header import record_checksum
 from cache_store.format.protocol import TAG_HEADER
 
-__all__ = ["TAG_HEADER", "record_tag", "tag_for_checksum", "check_record_tag", "as_secret",
-           "sign_checksums", "check_signed_checksums"]
-
+__all__ = [
+    "TAG_HEADER",
+    "record_tag",
+    "tag_for_checksum",
+    "check_record_tag",
+    "as_secret",
+    "sign_checksums",
+    "check_signed_checksums",
+]
 
 
 def as_secret(key: str | bytes) -> bytes:
@@ -50,37 +56,51 @@ def record_tag(secret: bytes, key: str, value: Any) -> str:
 def check_record_tag(secret: bytes, key: str, value: Any, tag: str | None) -> None:
     """Raise :class:`CorruptRecord` naming ``key`` unless ``tag`` is the record's tag."""
     if not tag:
-        raise CorruptRecord(key, "no record tag in the answer, and this reader requires one "
-                                 "(record_key is set)")
+        raise CorruptRecord(
+            key, "no record tag in the answer, and this reader requires one (record_key is set)"
+        )
     if not hmac.compare_digest(record_tag(secret, key, value), tag.strip()):
-        raise CorruptRecord(key, "record tag does not match: the record was altered or "
-                                 "swapped in transit (or the keys differ)")
+        raise CorruptRecord(
+            key,
+            "record tag does not match: the record was altered or "
+            "swapped in transit (or the keys differ)",
+        )
 
 
 def _checksums_message(fingerprint: str, nonce: str, checksums: dict[str, str | None]) -> bytes:
     body = {"fingerprint": fingerprint, "nonce": nonce, "checksums": checksums}
-    return json.dumps(body, sort_keys=True, separators=(",", ":"),
-                      ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"
+    )
 
 
-def sign_checksums(secret: bytes, fingerprint: str, nonce: str,
-                   checksums: dict[str, str | None]) -> str:
+def sign_checksums(
+    secret: bytes, fingerprint: str, nonce: str, checksums: dict[str, str | None]
+) -> str:
     """The service's signature over the checksums of the records it holds now for some
     ids of ``fingerprint`` (None: no record), bound to the reader's ``nonce``."""
-    return hmac.new(secret, _checksums_message(fingerprint, nonce, checksums),
-                    hashlib.sha256).hexdigest()
+    return hmac.new(
+        secret, _checksums_message(fingerprint, nonce, checksums), hashlib.sha256
+    ).hexdigest()
 
 
-def check_signed_checksums(secret: bytes, fingerprint: str, nonce: str,
-                           answer: dict[str, Any], where: str) -> dict[str, str | None]:
+def check_signed_checksums(
+    secret: bytes, fingerprint: str, nonce: str, answer: dict[str, Any], where: str
+) -> dict[str, str | None]:
     """The checksums of a signed answer, once its signature and nonce check out;
     SpcacheError naming ``where`` otherwise (an answer replayed, altered or unsigned)."""
     checksums = answer.get("checksums")
-    if (not isinstance(checksums, dict) or answer.get("fingerprint") != fingerprint
-            or answer.get("nonce") != nonce or not isinstance(answer.get("signature"), str)
-            or not hmac.compare_digest(sign_checksums(secret, fingerprint, nonce, checksums),
-                                       answer["signature"])):
-        raise SpcacheError(f"{where}: the signed list of record checksums does not check "
-                           f"out (altered, replayed, or the record keys differ)")
+    if (
+        not isinstance(checksums, dict)
+        or answer.get("fingerprint") != fingerprint
+        or answer.get("nonce") != nonce
+        or not isinstance(answer.get("signature"), str)
+        or not hmac.compare_digest(
+            sign_checksums(secret, fingerprint, nonce, checksums), answer["signature"]
+        )
+    ):
+        raise SpcacheError(
+            f"{where}: the signed list of record checksums does not check "
+            f"out (altered, replayed, or the record keys differ)"
+        )
     return checksums
-

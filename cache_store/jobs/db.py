@@ -21,8 +21,18 @@ from typing import Any
 
 from cache_store.process_local import ProcessLocal
 
-__all__ = ["SCHEMA", "SCHEMA_VERSION", "MIGRATIONS", "Connections", "ThreadConnections",
-           "column_json", "chunks", "connect", "schema_statements", "write_txn"]
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "MIGRATIONS",
+    "Connections",
+    "ThreadConnections",
+    "column_json",
+    "chunks",
+    "connect",
+    "schema_statements",
+    "write_txn",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +119,9 @@ def connect(path: str | Path, *, busy_timeout_s: float) -> sqlite3.Connection:
     autocommit (transactions are explicit, :class:`write_txn`), rows as ``sqlite3.Row``,
     ``busy_timeout``, WAL journal (a warning when the filesystem refuses it),
     ``synchronous = NORMAL`` and foreign keys on. Usable by the thread that made it."""
-    conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None,
-                           check_same_thread=True)
+    conn = sqlite3.connect(
+        path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=True
+    )
     conn.row_factory = sqlite3.Row
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
@@ -172,4 +183,4 @@ def column_json(obj: Any) -> str:
 
 def chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
     for i in range(0, len(seq), n):
-        yield seq[i:i + n]
+        yield seq[i : i + n]

@@ -35,8 +35,14 @@ from pathlib import Path
 from cache_store.jobs.db import ThreadConnections, connect, write_txn
 from typing import Any
 
-__all__ = ["FAILURES_FILENAME", "Failure", "FailureLog", "failures_of", "failure_counts",
-           "MAX_FAILURES_LISTED"]
+__all__ = [
+    "FAILURES_FILENAME",
+    "Failure",
+    "FailureLog",
+    "failures_of",
+    "failure_counts",
+    "MAX_FAILURES_LISTED",
+]
 
 #: failures listed per fingerprint at most by :func:`failures_of` (the count is exact)
 MAX_FAILURES_LISTED = 50
@@ -102,29 +108,50 @@ class FailureLog:
         found: dict[str, Failure] = {}
         conn = self._conn()
         for i in range(0, len(ids), _BATCH):
-            part = ids[i:i + _BATCH]
+            part = ids[i : i + _BATCH]
             marks = ",".join("?" * len(part))
-            for row in conn.execute(f"SELECT * FROM failures WHERE fingerprint = ? "
-                                    f"AND sample_id IN ({marks})", (fingerprint, *part)):
+            for row in conn.execute(
+                f"SELECT * FROM failures WHERE fingerprint = ? AND sample_id IN ({marks})",
+                (fingerprint, *part),
+            ):
                 found[row["sample_id"]] = Failure(**dict(row))
         return found
 
-    def record(self, fingerprint: str, sample_id: str, path: str, source_hash: str,
-               reason: str) -> Failure:
+    def record(
+        self, fingerprint: str, sample_id: str, path: str, source_hash: str, reason: str
+    ) -> Failure:
         """Remember a failure; ``times`` grows when source and reason are those of the
         failure remembered before, else starts again at 1."""
         now = time.time()
         with write_txn(self._conn()) as conn:
-            row = conn.execute("SELECT * FROM failures WHERE fingerprint = ? AND sample_id = ?",
-                               (fingerprint, sample_id)).fetchone()
+            row = conn.execute(
+                "SELECT * FROM failures WHERE fingerprint = ? AND sample_id = ?",
+                (fingerprint, sample_id),
+            ).fetchone()
             same = row is not None and row["source_hash"] == source_hash and row["reason"] == reason
-            failure = Failure(fingerprint, sample_id, source_hash, reason, path,
-                              row["times"] + 1 if same else 1,
-                              row["first_failed"] if same else now, now)
-            conn.execute("INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                         (failure.fingerprint, failure.sample_id, failure.source_hash,
-                          failure.reason, failure.path, failure.times, failure.first_failed,
-                          failure.last_failed))
+            failure = Failure(
+                fingerprint,
+                sample_id,
+                source_hash,
+                reason,
+                path,
+                row["times"] + 1 if same else 1,
+                row["first_failed"] if same else now,
+                now,
+            )
+            conn.execute(
+                "INSERT OR REPLACE INTO failures VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    failure.fingerprint,
+                    failure.sample_id,
+                    failure.source_hash,
+                    failure.reason,
+                    failure.path,
+                    failure.times,
+                    failure.first_failed,
+                    failure.last_failed,
+                ),
+            )
         return failure
 
     def entries(self, fingerprint: str | None = None) -> list[Failure]:
@@ -132,8 +159,11 @@ class FailureLog:
         if not self.path.exists():
             return []
         where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
-        rows = self._conn().execute(f"SELECT * FROM failures {where}ORDER BY last_failed DESC, "
-                                    f"sample_id", args).fetchall()
+        rows = (
+            self._conn()
+            .execute(f"SELECT * FROM failures {where}ORDER BY last_failed DESC, sample_id", args)
+            .fetchall()
+        )
         return [Failure(**dict(row)) for row in rows]
 
     def forget(self, fingerprint: str, sample_ids: Iterable[str]) -> None:
@@ -143,16 +173,22 @@ class FailureLog:
             return
         conn = self._conn()
         for i in range(0, len(ids), _BATCH):
-            part = ids[i:i + _BATCH]
-            conn.execute(f"DELETE FROM failures WHERE fingerprint = ? AND sample_id IN "
-                         f"({','.join('?' * len(part))})", (fingerprint, *part))
+            part = ids[i : i + _BATCH]
+            conn.execute(
+                f"DELETE FROM failures WHERE fingerprint = ? AND sample_id IN "
+                f"({','.join('?' * len(part))})",
+                (fingerprint, *part),
+            )
 
     def forget_fingerprint(self, fingerprint: str) -> int:
         """Drop every remembered failure of ``fingerprint``; returns how many."""
         if not self.path.exists():
             return 0
-        return self._conn().execute("DELETE FROM failures WHERE fingerprint = ?",
-                                    (fingerprint,)).rowcount
+        return (
+            self._conn()
+            .execute("DELETE FROM failures WHERE fingerprint = ?", (fingerprint,))
+            .rowcount
+        )
 
     def close(self) -> None:
         """Close this process's connections (the next call opens a new one)."""
@@ -172,26 +208,40 @@ def _merged(cache_dir: Path, fingerprint: str | None) -> list[dict[str, Any]]:
     try:
         for f in log.entries(fingerprint):
             entries[(f.fingerprint, f.sample_id)] = {
-                "fingerprint": f.fingerprint, "id": f.sample_id, "path": f.path,
-                "reason": f.reason, "times": f.times, "when": _when(f.last_failed),
-                "at": f.last_failed}
+                "fingerprint": f.fingerprint,
+                "id": f.sample_id,
+                "path": f.path,
+                "reason": f.reason,
+                "times": f.times,
+                "when": _when(f.last_failed),
+                "at": f.last_failed,
+            }
     finally:
         log.close()
     if (cache_dir / JOBS_FILENAME).is_file():
         queue = JobQueue(cache_dir)
         try:
             for row in queue.failed_samples(fingerprint):
-                entries.setdefault((row["fingerprint"], row["sample_id"]), {
-                    "fingerprint": row["fingerprint"], "id": row["sample_id"],
-                    "path": row["path"], "reason": row["reason"], "times": 1,
-                    "when": _when(row["updated"]), "at": row["updated"]})
+                entries.setdefault(
+                    (row["fingerprint"], row["sample_id"]),
+                    {
+                        "fingerprint": row["fingerprint"],
+                        "id": row["sample_id"],
+                        "path": row["path"],
+                        "reason": row["reason"],
+                        "times": 1,
+                        "when": _when(row["updated"]),
+                        "at": row["updated"],
+                    },
+                )
         finally:
             queue.close()
     return sorted(entries.values(), key=lambda e: (-e["at"], e["fingerprint"], e["id"]))
 
 
-def failures_of(cache_dir: str | os.PathLike[str], fingerprint: str, *,
-                limit: int = MAX_FAILURES_LISTED) -> dict[str, Any]:
+def failures_of(
+    cache_dir: str | os.PathLike[str], fingerprint: str, *, limit: int = MAX_FAILURES_LISTED
+) -> dict[str, Any]:
     """The remembered failures of one fingerprint of a cache directory, newest first:
     ``{"count": N, "items": [{"id", "path", "reason", "when", "times"}, ...]}`` with at
     most ``limit`` items (``when``: ISO 8601 UTC of the last failure; ``times``: failures
@@ -203,9 +253,13 @@ def failures_of(cache_dir: str | os.PathLike[str], fingerprint: str, *,
     except one that failed only in the queue and was then computed by ``precompute``.
     """
     found = _merged(Path(cache_dir), fingerprint)
-    return {"count": len(found),
-            "items": [{k: e[k] for k in ("id", "path", "reason", "when", "times")}
-                      for e in found[:max(0, int(limit))]]}
+    return {
+        "count": len(found),
+        "items": [
+            {k: e[k] for k in ("id", "path", "reason", "when", "times")}
+            for e in found[: max(0, int(limit))]
+        ],
+    }
 
 
 def failure_counts(cache_dir: str | os.PathLike[str]) -> dict[str, int]:

@@ -33,8 +33,18 @@ from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
 from cache_store.format.header import read_metadata
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 
-__all__ = ["STAT_FIELD", "RACY_S", "HashBudget", "SourceComparison", "compare_source",
-           "trusted_signature", "is_current", "stored_metadata", "record_is_current", "stored_source_hash"]
+__all__ = [
+    "STAT_FIELD",
+    "RACY_S",
+    "HashBudget",
+    "SourceComparison",
+    "compare_source",
+    "trusted_signature",
+    "is_current",
+    "stored_metadata",
+    "record_is_current",
+    "stored_source_hash",
+]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +70,7 @@ class HashBudget:
 
     def __init__(self, max_bytes: int) -> None:
         self.left = int(max_bytes)
-        self.hashed = 0   # bytes actually hashed
+        self.hashed = 0  # bytes actually hashed
         self.refused = 0  # comparisons left undecided for want of budget
 
     def take(self, size: int) -> bool:
@@ -83,9 +93,13 @@ class SourceComparison:
     hashed: int = 0
 
 
-def compare_source(meta: Mapping[str, Any], path: str | os.PathLike[str],
-                   limits: SourceLimits | None = None, *,
-                   budget: HashBudget | None = None) -> SourceComparison:
+def compare_source(
+    meta: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    limits: SourceLimits | None = None,
+    *,
+    budget: HashBudget | None = None,
+) -> SourceComparison:
     """Compare a record's metadata with the source at ``path`` as it is now: its stat
     signature first, the bounded hash only when the signature differs (and ``budget``,
     if given, still covers the file). Raises :class:`SourceError` when the gate refuses
@@ -132,9 +146,14 @@ def stored_source_hash(store: Any, key: str) -> str | None:
     return None if meta is None else meta.get("source_hash")
 
 
-def record_is_current(store: Any, key: str, path: str | os.PathLike[str],
-                      limits: SourceLimits | None = None, *,
-                      budget: HashBudget | None = None) -> bool:
+def record_is_current(
+    store: Any,
+    key: str,
+    path: str | os.PathLike[str],
+    limits: SourceLimits | None = None,
+    *,
+    budget: HashBudget | None = None,
+) -> bool:
     """True when ``store`` holds a readable record under ``key`` computed from the
     source at ``path`` as it is now (an unreadable source, or one left undecided by
     ``budget``, is never current)."""

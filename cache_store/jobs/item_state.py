@@ -46,36 +46,48 @@ class ItemState:
     code: dict[str, Any] | None = None
 
     def as_json(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "sample_id": self.sample_id,
-                "state": self.state, "reason": self.reason, "job_id": self.job_id,
-                "code": self.code}
+        return {
+            "fingerprint": self.fingerprint,
+            "sample_id": self.sample_id,
+            "state": self.state,
+            "reason": self.reason,
+            "job_id": self.job_id,
+            "code": self.code,
+        }
 
 
 class _Unchecked(Exception):
     """The source could not be compared within the request's hashing budget."""
 
 
-def _stale_reasons(meta: dict[str, str], path: str | None, limits: SourceLimits | None,
-                   budget: HashBudget | None) -> list[str]:
+def _stale_reasons(
+    meta: dict[str, str], path: str | None, limits: SourceLimits | None, budget: HashBudget | None
+) -> list[str]:
     """Why a stored record is not current: recipe version moved on, source changed.
     The source is compared by stat signature, hashed only when that differs and
     ``budget`` allows (else the answer says it was not checked)."""
     spec = RECIPE_SPECS.get(meta.get("recipe", ""))
     problems = []
     if spec is not None and meta.get("recipe_version") != str(spec.version):
-        problems.append(f"recipe {spec.name} is now version {spec.version}, the record "
-                        f"has version {meta.get('recipe_version')}")
+        problems.append(
+            f"recipe {spec.name} is now version {spec.version}, the record "
+            f"has version {meta.get('recipe_version')}"
+        )
     if path is not None:
         try:
             seen = compare_source(meta, path, limits, budget=budget)
             if seen.current is None:
-                raise _Unchecked(f"record present; source {path} changed on disk since the "
-                                 f"record was computed (size, mtime, inode or device) and was "
-                                 f"not hashed: this request's hashing budget is spent; ask "
-                                 f"for this item alone")
+                raise _Unchecked(
+                    f"record present; source {path} changed on disk since the "
+                    f"record was computed (size, mtime, inode or device) and was "
+                    f"not hashed: this request's hashing budget is spent; ask "
+                    f"for this item alone"
+                )
             if not seen.current:
-                problems.append(f"source {path} changed (hash {seen.source_hash}, record has "
-                                f"{meta.get('source_hash')})")
+                problems.append(
+                    f"source {path} changed (hash {seen.source_hash}, record has "
+                    f"{meta.get('source_hash')})"
+                )
         except SourceError as exc:
             problems.append(f"source cannot be checked: {exc}")
     return problems
@@ -88,13 +100,23 @@ def code_comparison(meta: dict[str, str]) -> dict[str, Any] | None:
     if entry is None:
         return None
     recorded = meta.get("code_digest")
-    return {"record": recorded, "installed": entry.code_digest,
-            "changed": None if recorded is None else recorded != entry.code_digest}
+    return {
+        "record": recorded,
+        "installed": entry.code_digest,
+        "changed": None if recorded is None else recorded != entry.code_digest,
+    }
 
 
-def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
-               path: str | None = None, limits: SourceLimits | None = None,
-               budget: HashBudget | None = None) -> ItemState:
+def item_state(
+    store: Any,
+    queue: JobQueue,
+    fingerprint: str,
+    sample_id: str,
+    *,
+    path: str | None = None,
+    limits: SourceLimits | None = None,
+    budget: HashBudget | None = None,
+) -> ItemState:
     """Explain one sample's state from its record (if any) and its latest queue item.
 
     Args:
@@ -129,14 +151,22 @@ def item_state(store: Any, queue: JobQueue, fingerprint: str, sample_id: str, *,
         except _Unchecked as exc:
             return ItemState(fingerprint, sample_id, "unchecked", str(exc), job_id, code)
         if problems:
-            return ItemState(fingerprint, sample_id, "stale", "; ".join(problems)
-                             + ("; recomputation queued" if queued else ""), job_id, code)
+            return ItemState(
+                fingerprint,
+                sample_id,
+                "stale",
+                "; ".join(problems) + ("; recomputation queued" if queued else ""),
+                job_id,
+                code,
+            )
         checked = f" against {path}" if path else " (no source known to compare)"
         reason = f"record present, source hash and recipe version match{checked}"
         if code is not None and code["changed"]:
-            reason += (f"; but it was computed by different recipe code (digest "
-                       f"{code['record']}, installed {code['installed']}) under the same "
-                       "version: bump the recipe's version if its output changed")
+            reason += (
+                f"; but it was computed by different recipe code (digest "
+                f"{code['record']}, installed {code['installed']}) under the same "
+                "version: bump the recipe's version if its output changed"
+            )
         return ItemState(fingerprint, sample_id, "ready", reason, job_id, code)
     if latest is None:
         return say(MISSING, "no record and no queue item for this sample")

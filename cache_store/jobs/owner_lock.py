@@ -40,8 +40,9 @@ def describe_holder(holder: dict[str, Any]) -> str:
     if holder.get("worker_id"):
         details.append(f"id {holder['worker_id']}")
     if isinstance(holder.get("started"), int | float):
-        details.append("since " + time.strftime("%Y-%m-%d %H:%M:%S",
-                                                time.localtime(holder["started"])))
+        details.append(
+            "since " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder["started"]))
+        )
     return text + (f" ({', '.join(details)})" if details else "")
 
 

@@ -106,8 +106,14 @@ class JobQueue:
     Nothing is opened until the first call; the schema is created then if missing.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike[str], *, max_attempts: int = 3,
-                 busy_timeout_s: float = 30.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        *,
+        max_attempts: int = 3,
+        busy_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if busy_timeout_s <= 0:
@@ -143,20 +149,24 @@ class JobQueue:
                 conn.execute(statement)
             row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is None:
-                conn.execute("INSERT INTO meta VALUES ('schema_version', ?)",
-                             (str(SCHEMA_VERSION),))
+                conn.execute(
+                    "INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
             else:
                 version = int(row[0])
                 while version in MIGRATIONS and version < SCHEMA_VERSION:
                     for statement in MIGRATIONS[version]:
                         conn.execute(statement)
                     version += 1
-                    conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'",
-                                 (str(version),))
+                    conn.execute(
+                        "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),)
+                    )
                     log.info("%s: job queue schema migrated to version %d", self.path, version)
                 if version != SCHEMA_VERSION:
-                    raise SpcacheError(f"{self.path}: job queue schema version {row[0]} is not "
-                                       f"the supported {SCHEMA_VERSION}")
+                    raise SpcacheError(
+                        f"{self.path}: job queue schema version {row[0]} is not "
+                        f"the supported {SCHEMA_VERSION}"
+                    )
         return conn
 
     def close(self) -> None:
@@ -173,24 +183,36 @@ class JobQueue:
         except FileNotFoundError:
             raise self._damaged("the file was deleted") from None
         if (st.st_dev, st.st_ino) != self._identity:
-            raise self._damaged("the file was replaced by another one "
-                                f"(device/inode {self._identity} -> {(st.st_dev, st.st_ino)})")
+            raise self._damaged(
+                "the file was replaced by another one "
+                f"(device/inode {self._identity} -> {(st.st_dev, st.st_ino)})"
+            )
         if st.st_size < self._seen_size or st.st_size < _SQLITE_HEADER_BYTES:
-            raise self._damaged(f"the file was truncated ({self._seen_size} -> "
-                                f"{st.st_size} bytes)")
+            raise self._damaged(f"the file was truncated ({self._seen_size} -> {st.st_size} bytes)")
         self._seen_size = st.st_size
 
     def _damaged(self, reason: str) -> QueueDamaged:
-        log.error("job queue damaged: %s: %s; refusing to submit or claim until it is "
-                  "restored and the process restarted", self.path, reason)
+        log.error(
+            "job queue damaged: %s: %s; refusing to submit or claim until it is "
+            "restored and the process restarted",
+            self.path,
+            reason,
+        )
         return QueueDamaged(self.path, reason)
 
     # -- submitting (service side) -----------------------------------------------------
 
-    def submit(self, recipe: str, params: dict[str, Any], fingerprint: str,
-               items: Iterable[NewItem | tuple[str, str]], *, priority: int = 0,
-               ready: Iterable[NewItem | tuple[str, str]] = (),
-               roots: Sequence[str | os.PathLike[str]] = ()) -> str:
+    def submit(
+        self,
+        recipe: str,
+        params: dict[str, Any],
+        fingerprint: str,
+        items: Iterable[NewItem | tuple[str, str]],
+        *,
+        priority: int = 0,
+        ready: Iterable[NewItem | tuple[str, str]] = (),
+        roots: Sequence[str | os.PathLike[str]] = (),
+    ) -> str:
         """Create a job; returns its id.
 
         ``items`` are queued ``pending``. ``ready`` are samples the caller found already
@@ -209,16 +231,35 @@ class JobQueue:
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                 "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, recipe, column_json(params), fingerprint, int(priority), now,
-                 len(done), _roots_json(roots)))
+                (
+                    job_id,
+                    recipe,
+                    column_json(params),
+                    fingerprint,
+                    int(priority),
+                    now,
+                    len(done),
+                    _roots_json(roots),
+                ),
+            )
             conn.executemany(
                 "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, updated) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(job_id, seq, fingerprint, it.sample_id, str(it.path), status, now)
-                 for seq, (it, status) in enumerate(
-                     [(d, "done") for d in done] + [(t, "pending") for t in todo])])
-        log.info("job %s: %s %s, %d items queued, %d already ready",
-                 job_id, recipe, fingerprint[:12], len(todo), len(done))
+                [
+                    (job_id, seq, fingerprint, it.sample_id, str(it.path), status, now)
+                    for seq, (it, status) in enumerate(
+                        [(d, "done") for d in done] + [(t, "pending") for t in todo]
+                    )
+                ],
+            )
+        log.info(
+            "job %s: %s %s, %d items queued, %d already ready",
+            job_id,
+            recipe,
+            fingerprint[:12],
+            len(todo),
+            len(done),
+        )
         return job_id
 
     def cancel(self, job_id: str) -> JobInfo:
@@ -228,14 +269,24 @@ class JobQueue:
             if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
                 raise JobNotFound(job_id)
             conn.execute("UPDATE jobs SET cancelled = 1 WHERE id = ?", (job_id,))
-            conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
-                         "WHERE job_id = ? AND status = 'pending'", (self.clock(), job_id))
+            conn.execute(
+                "UPDATE items SET status = 'cancelled', updated = ? "
+                "WHERE job_id = ? AND status = 'pending'",
+                (self.clock(), job_id),
+            )
         return self.job(job_id)
 
-    def enqueue_once(self, recipe: str, params: dict[str, Any], fingerprint: str,
-                     items: Iterable[NewItem | tuple[str, str]], *,
-                     priority: int = 100, stale: Iterable[str] = (),
-                     roots: Sequence[str | os.PathLike[str]] = ()) -> list[QueuedItem]:
+    def enqueue_once(
+        self,
+        recipe: str,
+        params: dict[str, Any],
+        fingerprint: str,
+        items: Iterable[NewItem | tuple[str, str]],
+        *,
+        priority: int = 100,
+        stale: Iterable[str] = (),
+        roots: Sequence[str | os.PathLike[str]] = (),
+    ) -> list[QueuedItem]:
         """Queue each sample unless the queue already has it in hand; one transaction.
 
         The read-through path: many loader processes missing the same sample call this
@@ -270,12 +321,22 @@ class JobQueue:
                     "SELECT id, job_id, path, status, last_error, updated FROM items "
                     "WHERE fingerprint = ? AND sample_id = ? AND status != 'cancelled' "
                     "ORDER BY updated DESC, id DESC LIMIT 1",
-                    (fingerprint, it.sample_id)).fetchone()
-                if row is not None and not (row["status"] == "done" and it.sample_id in again) \
-                        and (row["status"] != "failed" or row["updated"] >= _mtime(it.path)):
-                    out[it.sample_id] = QueuedItem(row["id"], row["job_id"], it.sample_id,
-                                                   row["path"], row["status"],
-                                                   row["last_error"], True)
+                    (fingerprint, it.sample_id),
+                ).fetchone()
+                if (
+                    row is not None
+                    and not (row["status"] == "done" and it.sample_id in again)
+                    and (row["status"] != "failed" or row["updated"] >= _mtime(it.path))
+                ):
+                    out[it.sample_id] = QueuedItem(
+                        row["id"],
+                        row["job_id"],
+                        it.sample_id,
+                        row["path"],
+                        row["status"],
+                        row["last_error"],
+                        True,
+                    )
                 else:
                     todo.append(it)
                     todo_ids.add(it.sample_id)
@@ -284,19 +345,35 @@ class JobQueue:
                 conn.execute(
                     "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
                     "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
-                    (job_id, recipe, column_json(params), fingerprint, int(priority), now,
-                     _roots_json(roots)))
+                    (
+                        job_id,
+                        recipe,
+                        column_json(params),
+                        fingerprint,
+                        int(priority),
+                        now,
+                        _roots_json(roots),
+                    ),
+                )
                 for seq, it in enumerate(todo):
                     cur = conn.execute(
                         "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
                         "updated) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
-                        (job_id, seq, fingerprint, it.sample_id, str(it.path), now))
+                        (job_id, seq, fingerprint, it.sample_id, str(it.path), now),
+                    )
                     assert cur.lastrowid is not None  # set by every INSERT
-                    out[it.sample_id] = QueuedItem(cur.lastrowid, job_id, it.sample_id,
-                                                   str(it.path), "pending", None, False)
+                    out[it.sample_id] = QueuedItem(
+                        cur.lastrowid, job_id, it.sample_id, str(it.path), "pending", None, False
+                    )
         if todo:
-            log.info("read-through job %s: %s %s, %d item(s) queued, %d reused", job_id, recipe,
-                     fingerprint[:12], len(todo), len(out) - len(todo))
+            log.info(
+                "read-through job %s: %s %s, %d item(s) queued, %d reused",
+                job_id,
+                recipe,
+                fingerprint[:12],
+                len(todo),
+                len(out) - len(todo),
+            )
         return [out[it.sample_id] for it in wanted if it.sample_id in out]
 
     def item_statuses(self, item_ids: Iterable[int]) -> dict[int, tuple[str, str | None]]:
@@ -306,8 +383,9 @@ class JobQueue:
         conn = self._conn()
         for chunk in chunks(ids, 500):
             marks = ",".join("?" * len(chunk))
-            for row in conn.execute(f"SELECT id, status, last_error FROM items "
-                                    f"WHERE id IN ({marks})", tuple(chunk)):
+            for row in conn.execute(
+                f"SELECT id, status, last_error FROM items WHERE id IN ({marks})", tuple(chunk)
+            ):
                 out[row[0]] = (row[1], row[2])
         return out
 
@@ -336,9 +414,12 @@ class JobQueue:
         now = self.clock()
         for beat in self._beats():
             info = beat["info"]
-            if (info.get("supervisor") and not info.get("stopped")
-                    and now - beat["seen"] <= float(info.get("restart_within_s") or 0.0)
-                    and _process_alive(beat)):
+            if (
+                info.get("supervisor")
+                and not info.get("stopped")
+                and now - beat["seen"] <= float(info.get("restart_within_s") or 0.0)
+                and _process_alive(beat)
+            ):
                 return True
         return False
 
@@ -366,15 +447,23 @@ class JobQueue:
         errors = self._errors(conn, job_id, errors_offset, errors_limit)
         return job_info_from_row(row, counts[job_id], errors, settled.get(job_id))
 
-    def jobs(self, *, limit: int = 100, offset: int = 0, fingerprint: str | None = None,
-             errors_limit: int = 0) -> list[JobInfo]:
+    def jobs(
+        self,
+        *,
+        limit: int = 100,
+        offset: int = 0,
+        fingerprint: str | None = None,
+        errors_limit: int = 0,
+    ) -> list[JobInfo]:
         """Jobs, newest first, with counts and, for a job with failed items, the first
         ``errors_limit`` of their errors (ask :meth:`job` for more)."""
         conn = self._conn()
         self.check()
         where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
-        rows = conn.execute(f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
-                            (*args, max(0, int(limit)), max(0, int(offset)))).fetchall()
+        rows = conn.execute(
+            f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
+            (*args, max(0, int(limit)), max(0, int(offset))),
+        ).fetchall()
         counts, settled = self._job_counts(conn, [r["id"] for r in rows])
         out = []
         for r in rows:
@@ -389,9 +478,19 @@ class JobQueue:
         errs = conn.execute(
             "SELECT id, sample_id, path, status, attempts, last_error FROM items "
             "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
-            (job_id, max(0, int(limit)), max(0, int(offset)))).fetchall()
-        return [ItemError(e["id"], e["sample_id"], e["path"], e["status"], e["attempts"],
-                          e["last_error"] or "") for e in errs]
+            (job_id, max(0, int(limit)), max(0, int(offset))),
+        ).fetchall()
+        return [
+            ItemError(
+                e["id"],
+                e["sample_id"],
+                e["path"],
+                e["status"],
+                e["attempts"],
+                e["last_error"] or "",
+            )
+            for e in errs
+        ]
 
     def counts(self) -> dict[str, int]:
         """Items in the whole queue by status."""
@@ -414,34 +513,58 @@ class JobQueue:
 
     def latest_item(self, fingerprint: str, sample_id: str) -> dict[str, Any] | None:
         """The most recently updated queue item for this key, or None."""
-        row = self._conn().execute(
-            "SELECT * FROM items WHERE fingerprint = ? AND sample_id = ? "
-            "ORDER BY updated DESC, id DESC LIMIT 1", (fingerprint, sample_id)).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT * FROM items WHERE fingerprint = ? AND sample_id = ? "
+                "ORDER BY updated DESC, id DESC LIMIT 1",
+                (fingerprint, sample_id),
+            )
+            .fetchone()
+        )
         return dict(row) if row is not None else None
 
     def failed_samples(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
         """Samples whose newest (non-cancelled) item failed: ``{"fingerprint",
         "sample_id", "path", "reason", "updated"}`` dicts, newest first."""
         where, args = ("AND i.fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
-        rows = self._conn().execute(
-            "SELECT i.fingerprint, i.sample_id, i.path, i.last_error, i.updated FROM items i "
-            "WHERE i.status = 'failed' " + where +
-            "AND NOT EXISTS (SELECT 1 FROM items n WHERE n.fingerprint = i.fingerprint "
-            "AND n.sample_id = i.sample_id AND n.status != 'cancelled' "
-            "AND (n.updated > i.updated OR (n.updated = i.updated AND n.id > i.id))) "
-            "ORDER BY i.updated DESC, i.id DESC", args).fetchall()
-        return [{"fingerprint": r["fingerprint"], "sample_id": r["sample_id"], "path": r["path"],
-                 "reason": r["last_error"] or "failed", "updated": r["updated"]} for r in rows]
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT i.fingerprint, i.sample_id, i.path, i.last_error, i.updated FROM items i "
+                "WHERE i.status = 'failed' "
+                + where
+                + "AND NOT EXISTS (SELECT 1 FROM items n WHERE n.fingerprint = i.fingerprint "
+                "AND n.sample_id = i.sample_id AND n.status != 'cancelled' "
+                "AND (n.updated > i.updated OR (n.updated = i.updated AND n.id > i.id))) "
+                "ORDER BY i.updated DESC, i.id DESC",
+                args,
+            )
+            .fetchall()
+        )
+        return [
+            {
+                "fingerprint": r["fingerprint"],
+                "sample_id": r["sample_id"],
+                "path": r["path"],
+                "reason": r["last_error"] or "failed",
+                "updated": r["updated"],
+            }
+            for r in rows
+        ]
 
-    def sample_ids(self, fingerprint: str, *, prefix: str = "", after: str = "",
-                   limit: int = 100) -> list[str]:
+    def sample_ids(
+        self, fingerprint: str, *, prefix: str = "", after: str = "", limit: int = 100
+    ) -> list[str]:
         """Distinct sample ids queued under ``fingerprint`` (any status) that start with
         ``prefix`` and sort after ``after``, in UTF-8 byte order (as record keys sort),
         at most ``limit``: a page of a cache's sample list for the status page."""
         start = max(prefix, after)
         rows = self._conn().execute(
             "SELECT DISTINCT sample_id FROM items WHERE fingerprint = ? AND sample_id >= ? "
-            "ORDER BY sample_id LIMIT ?", (fingerprint, start, limit + 1))
+            "ORDER BY sample_id LIMIT ?",
+            (fingerprint, start, limit + 1),
+        )
         out = []
         for (sample_id,) in rows:
             if not sample_id.startswith(prefix):
@@ -456,7 +579,8 @@ class JobQueue:
         """Fingerprints with items pending or running -> how many (never pruned)."""
         rows = self._conn().execute(
             "SELECT fingerprint, COUNT(*) FROM items WHERE status IN ('pending', 'running') "
-            "GROUP BY fingerprint")
+            "GROUP BY fingerprint"
+        )
         return dict(rows)
 
     def cancel_fingerprint(self, fingerprint: str) -> int:
@@ -465,12 +589,17 @@ class JobQueue:
         Returns the items cancelled."""
         conn = self._conn()
         with write_txn(conn):
-            cur = conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
-                               "WHERE fingerprint = ? AND status = 'pending'",
-                               (self.clock(), fingerprint))
-            conn.execute("UPDATE jobs SET cancelled = 1 WHERE fingerprint = ? AND id IN "
-                         "(SELECT job_id FROM items WHERE fingerprint = ? AND status = "
-                         "'cancelled')", (fingerprint, fingerprint))
+            cur = conn.execute(
+                "UPDATE items SET status = 'cancelled', updated = ? "
+                "WHERE fingerprint = ? AND status = 'pending'",
+                (self.clock(), fingerprint),
+            )
+            conn.execute(
+                "UPDATE jobs SET cancelled = 1 WHERE fingerprint = ? AND id IN "
+                "(SELECT job_id FROM items WHERE fingerprint = ? AND status = "
+                "'cancelled')",
+                (fingerprint, fingerprint),
+            )
             return cur.rowcount
 
     def forget_failed(self, fingerprint: str) -> int:
@@ -479,21 +608,27 @@ class JobQueue:
         how many."""
         conn = self._conn()
         with write_txn(conn):
-            return conn.execute("UPDATE items SET status = 'cancelled', updated = ? "
-                                "WHERE fingerprint = ? AND status = 'failed'",
-                                (self.clock(), fingerprint)).rowcount
+            return conn.execute(
+                "UPDATE items SET status = 'cancelled', updated = ? "
+                "WHERE fingerprint = ? AND status = 'failed'",
+                (self.clock(), fingerprint),
+            ).rowcount
 
     @staticmethod
-    def _job_counts(conn: sqlite3.Connection, job_ids: Sequence[str],
-                    ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+    def _job_counts(
+        conn: sqlite3.Connection,
+        job_ids: Sequence[str],
+    ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
         """Per job: items by status, and the latest ``updated`` of a done or failed item."""
         out = {j: dict.fromkeys(ITEM_STATUSES, 0) for j in job_ids}
         settled: dict[str, float] = {}
         if not job_ids:
             return out, settled
         marks = ",".join("?" * len(job_ids))
-        sql = (f"SELECT job_id, status, COUNT(*), MAX(updated) FROM items "
-               f"WHERE job_id IN ({marks}) GROUP BY job_id, status")
+        sql = (
+            f"SELECT job_id, status, COUNT(*), MAX(updated) FROM items "
+            f"WHERE job_id IN ({marks}) GROUP BY job_id, status"
+        )
         for job_id, status, count, latest in conn.execute(sql, tuple(job_ids)):
             out[job_id][status] = count
             if status in ("done", "failed"):
@@ -518,25 +653,43 @@ class JobQueue:
             self._sweep_expired(conn, now)
             first = conn.execute(
                 "SELECT i.job_id FROM items i JOIN jobs j ON j.id = i.job_id "
-                "WHERE j.cancelled = 0 AND " + _CLAIMABLE
+                "WHERE j.cancelled = 0 AND "
+                + _CLAIMABLE
                 + " ORDER BY j.priority DESC, j.created, i.seq LIMIT 1",
-                (now, now)).fetchone()
+                (now, now),
+            ).fetchone()
             if first is None:
                 return []
             job = conn.execute("SELECT * FROM jobs WHERE id = ?", (first[0],)).fetchone()
             rows = conn.execute(
-                "SELECT i.* FROM items i WHERE i.job_id = ? AND " + _CLAIMABLE
-                + " ORDER BY i.seq LIMIT ?", (job["id"], now, now, int(limit))).fetchall()
+                "SELECT i.* FROM items i WHERE i.job_id = ? AND "
+                + _CLAIMABLE
+                + " ORDER BY i.seq LIMIT ?",
+                (job["id"], now, now, int(limit)),
+            ).fetchall()
             expires = now + lease_s
             conn.executemany(
                 "UPDATE items SET status = 'running', attempts = attempts + 1, lease_owner = ?, "
                 "lease_expires = ?, updated = ? WHERE id = ?",
-                [(worker_id, expires, now, r["id"]) for r in rows])
+                [(worker_id, expires, now, r["id"]) for r in rows],
+            )
         params = json.loads(job["params"])
         roots = tuple(json.loads(job["roots"]))
-        return [ClaimedItem(r["id"], job["id"], job["recipe"], params, job["fingerprint"],
-                            r["sample_id"], r["path"], r["attempts"] + 1, expires, roots)
-                for r in rows]
+        return [
+            ClaimedItem(
+                r["id"],
+                job["id"],
+                job["recipe"],
+                params,
+                job["fingerprint"],
+                r["sample_id"],
+                r["path"],
+                r["attempts"] + 1,
+                expires,
+                roots,
+            )
+            for r in rows
+        ]
 
     def renew(self, worker_id: str, item_ids: Iterable[int], *, lease_s: float = 60.0) -> set[int]:
         """Extend the leases ``worker_id`` still holds; returns the ids it still holds."""
@@ -552,14 +705,24 @@ class JobQueue:
                 conn.execute(
                     f"UPDATE items SET lease_expires = ?, updated = ? WHERE id IN ({marks}) "
                     "AND status = 'running' AND lease_owner = ?",
-                    (now + lease_s, now, *chunk, worker_id))
-                held.update(r[0] for r in conn.execute(
-                    f"SELECT id FROM items WHERE id IN ({marks}) AND status = 'running' "
-                    "AND lease_owner = ?", (*chunk, worker_id)))
+                    (now + lease_s, now, *chunk, worker_id),
+                )
+                held.update(
+                    r[0]
+                    for r in conn.execute(
+                        f"SELECT id FROM items WHERE id IN ({marks}) AND status = 'running' "
+                        "AND lease_owner = ?",
+                        (*chunk, worker_id),
+                    )
+                )
         lost = set(ids) - held
         if lost:
-            log.warning("worker %s lost the lease on %d item(s): %s", worker_id, len(lost),
-                        sorted(lost)[:10])
+            log.warning(
+                "worker %s lost the lease on %d item(s): %s",
+                worker_id,
+                len(lost),
+                sorted(lost)[:10],
+            )
         return held
 
     def complete(self, worker_id: str, item_id: int) -> bool:
@@ -573,7 +736,8 @@ class JobQueue:
             cur = conn.execute(
                 "UPDATE items SET status = 'done', last_error = NULL, lease_owner = ?, "
                 "lease_expires = NULL, updated = ? WHERE id = ? AND status != 'done'",
-                (worker_id, self.clock(), item_id))
+                (worker_id, self.clock(), item_id),
+            )
         return cur.rowcount == 1
 
     def fail(self, worker_id: str, item_id: int, error: str, *, permanent: bool = False) -> str:
@@ -589,16 +753,20 @@ class JobQueue:
         with write_txn(conn):
             row = conn.execute(
                 "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
-                "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?", (item_id,)).fetchone()
+                "JOIN jobs j ON j.id = i.job_id WHERE i.id = ?",
+                (item_id,),
+            ).fetchone()
             if row is None or row["status"] != "running" or row["lease_owner"] != worker_id:
                 return row["status"] if row is not None else "missing"
             if permanent or row["attempts"] >= self.max_attempts:
                 status = "failed"
             else:  # a retry, unless the job was cancelled meanwhile
                 status = "cancelled" if row["cancelled"] else "pending"
-            conn.execute("UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
-                         "lease_expires = NULL, updated = ? WHERE id = ?",
-                         (status, error[:4000], self.clock(), item_id))
+            conn.execute(
+                "UPDATE items SET status = ?, last_error = ?, lease_owner = NULL, "
+                "lease_expires = NULL, updated = ? WHERE id = ?",
+                (status, error[:4000], self.clock(), item_id),
+            )
         return status
 
     def release(self, worker_id: str, item_ids: Iterable[int]) -> int:
@@ -614,7 +782,8 @@ class JobQueue:
                     f"WHERE jobs.id = items.job_id) THEN 'cancelled' ELSE 'pending' END, "
                     f"attempts = MAX(attempts - 1, 0), lease_owner = NULL, lease_expires = NULL, "
                     f"updated = ? WHERE id IN ({marks}) AND status = 'running' AND lease_owner = ?",
-                    (self.clock(), *chunk, worker_id))
+                    (self.clock(), *chunk, worker_id),
+                )
                 n += cur.rowcount
         return n
 
@@ -622,13 +791,20 @@ class JobQueue:
         """Say this worker is alive (the service reports the age of the newest)."""
         conn = self._conn()
         with write_txn(conn):
-            conn.execute("INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
-                         "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
-                         "seen = excluded.seen, info = excluded.info",
-                         (worker_id, os.getpid(), self.clock(),
-                          column_json({**(info or {}), "host": socket.gethostname()})))
-            conn.execute("DELETE FROM heartbeats WHERE seen < ?",
-                         (self.clock() - _HEARTBEAT_KEEP_S,))
+            conn.execute(
+                "INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
+                "seen = excluded.seen, info = excluded.info",
+                (
+                    worker_id,
+                    os.getpid(),
+                    self.clock(),
+                    column_json({**(info or {}), "host": socket.gethostname()}),
+                ),
+            )
+            conn.execute(
+                "DELETE FROM heartbeats WHERE seen < ?", (self.clock() - _HEARTBEAT_KEEP_S,)
+            )
 
     def heartbeats(self) -> list[dict[str, Any]]:
         """The workers' heartbeats, newest first (a supervisor's announcements left out)."""
@@ -636,22 +812,31 @@ class JobQueue:
 
     def _beats(self) -> list[dict[str, Any]]:
         rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
-        return [{"worker_id": r["worker_id"], "pid": r["pid"], "seen": r["seen"],
-                 "info": json.loads(r["info"])} for r in rows]
+        return [
+            {
+                "worker_id": r["worker_id"],
+                "pid": r["pid"],
+                "seen": r["seen"],
+                "info": json.loads(r["info"]),
+            }
+            for r in rows
+        ]
 
     def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
         """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""
         conn.execute(
             "UPDATE items SET status = 'cancelled', lease_owner = NULL, lease_expires = NULL, "
             "updated = ? WHERE status = 'running' AND lease_expires < ? AND job_id IN "
-            "(SELECT id FROM jobs WHERE cancelled = 1)", (now, now))
+            "(SELECT id FROM jobs WHERE cancelled = 1)",
+            (now, now),
+        )
         conn.execute(
             "UPDATE items SET status = 'failed', lease_owner = NULL, lease_expires = NULL, "
             "updated = ?, last_error = COALESCE(last_error || '; ', '') || "
             "'lease expired after the last attempt (worker died or hung)' "
             "WHERE status = 'running' AND lease_expires < ? AND attempts >= ?",
-            (now, now, self.max_attempts))
-
+            (now, now, self.max_attempts),
+        )
 
 
 # An item is claimable when pending, or running under an expired lease, and no other
@@ -662,7 +847,6 @@ _CLAIMABLE = (
     "AND o.sample_id = i.sample_id AND o.id != i.id AND o.status = 'running' "
     "AND o.lease_expires >= ?)"
 )
-
 
 
 def _roots_json(roots: Sequence[str | os.PathLike[str]]) -> str:
@@ -700,5 +884,5 @@ def _pid_running(pid: int) -> bool:
             stat = f.read()
     except OSError:  # no /proc (not Linux), or it ended just now
         return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-    state = stat[stat.rfind(b")") + 2:][:1]  # the field after "(command name)"
+    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(command name)"
     return state not in (b"Z", b"X")

@@ -151,17 +151,45 @@ class JobInfo:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "id": self.id, "status": self.status, "recipe": self.recipe, "params": self.params,
-            "fingerprint": self.fingerprint, "priority": self.priority, "created": self.created,
-            "already_ready": self.already_ready, "total": self.total, "counts": dict(self.counts),
-            "percent": self.percent, "samples_per_s": self.samples_per_s, "eta_s": self.eta_s,
-            "errors": [{"sample_id": e.sample_id, "path": e.path, "status": e.status,
-                        "attempts": e.attempts, "error": e.error} for e in self.errors],
+            "id": self.id,
+            "status": self.status,
+            "recipe": self.recipe,
+            "params": self.params,
+            "fingerprint": self.fingerprint,
+            "priority": self.priority,
+            "created": self.created,
+            "already_ready": self.already_ready,
+            "total": self.total,
+            "counts": dict(self.counts),
+            "percent": self.percent,
+            "samples_per_s": self.samples_per_s,
+            "eta_s": self.eta_s,
+            "errors": [
+                {
+                    "sample_id": e.sample_id,
+                    "path": e.path,
+                    "status": e.status,
+                    "attempts": e.attempts,
+                    "error": e.error,
+                }
+                for e in self.errors
+            ],
         }
 
 
-def job_info_from_row(row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError],
-                       last_settled: float | None) -> JobInfo:
-    return JobInfo(row["id"], row["recipe"], json.loads(row["params"]), row["fingerprint"],
-                   row["priority"], row["created"], bool(row["cancelled"]), row["already_ready"],
-                   counts, errors, last_settled)
+def job_info_from_row(
+    row: sqlite3.Row, counts: dict[str, int], errors: list[ItemError], last_settled: float | None
+) -> JobInfo:
+    return JobInfo(
+        row["id"],
+        row["recipe"],
+        json.loads(row["params"]),
+        row["fingerprint"],
+        row["priority"],
+        row["created"],
+        bool(row["cancelled"]),
+        row["already_ready"],
+        counts,
+        errors,
+        last_settled,
+    )

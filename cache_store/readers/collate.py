@@ -15,8 +15,14 @@ __all__ = ["collate_spc", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
 
 #: Fields whose first dimension varies per octree: concatenated, never stacked (even when
 #: every sample happens to have the same size, so a batch's layout never depends on luck).
-CONCATENATED_FIELDS = ("octree", "exsum", "point_hierarchy", "point_hierarchy_dual",
-                       "trinkets", "trinket_parents")
+CONCATENATED_FIELDS = (
+    "octree",
+    "exsum",
+    "point_hierarchy",
+    "point_hierarchy_dual",
+    "trinkets",
+    "trinket_parents",
+)
 
 #: Per-octree pyramids: stacked, and every sample must have the same level.
 PYRAMID_FIELDS = ("pyramid", "pyramid_dual")
@@ -34,8 +40,7 @@ def _numpy_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
     # NumPy's concatenate/stack are plain memcpy loops; torch's CPU cat is several times
     # slower for small integer dtypes (int16 point hierarchies especially). Views only:
     # CPU tensors without autograd of a dtype NumPy has.
-    if any(t.device.type != "cpu" or t.requires_grad or t.dtype == torch.bfloat16
-           for t in tensors):
+    if any(t.device.type != "cpu" or t.requires_grad or t.dtype == torch.bfloat16 for t in tensors):
         return None
     return [t.numpy() for t in tensors]
 
@@ -49,8 +54,13 @@ def _end_to_end(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     storage = first.untyped_storage()
     ptr, dtype, at = storage.data_ptr(), first.dtype, first.data_ptr()
     for t in tensors:
-        if (t.data_ptr() != at or t.dtype is not dtype or t.requires_grad
-                or not t.is_contiguous() or t.untyped_storage().data_ptr() != ptr):
+        if (
+            t.data_ptr() != at
+            or t.dtype is not dtype
+            or t.requires_grad
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != ptr
+        ):
             return None
         at += t.nbytes
     offset = (first.data_ptr() - ptr) // first.element_size()
@@ -142,17 +152,25 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
         elif name in PYRAMID_FIELDS:
             shapes = sorted({tuple(v.shape) for v in values})
             if len(shapes) > 1:
-                raise _problem(f"{name} shapes {shapes} differ: octrees of different levels "
-                               f"cannot share one Kaolin batch (read one fingerprint per loader)")
+                raise _problem(
+                    f"{name} shapes {shapes} differ: octrees of different levels "
+                    f"cannot share one Kaolin batch (read one fingerprint per loader)"
+                )
             out[name] = _stack(values)
         elif len({v.shape for v in values}) == 1:
             out[name] = _stack(values)
         else:
             out[name] = _cat(name, values)
             out[f"{name}_lengths"] = _lengths(values)
-    if ("octree" in out and "exsum" in out and isinstance(out["exsum"], torch.Tensor)
-            and out["exsum"].shape[0] != out["octree"].shape[0]):
-        raise _problem(f"exsum has {out['exsum'].shape[0]} entries for "
-                       f"{out['octree'].shape[0]} octree bytes (expected Kaolin 0.18's "
-                       f"inclusive layout, one per byte)")
+    if (
+        "octree" in out
+        and "exsum" in out
+        and isinstance(out["exsum"], torch.Tensor)
+        and out["exsum"].shape[0] != out["octree"].shape[0]
+    ):
+        raise _problem(
+            f"exsum has {out['exsum'].shape[0]} entries for "
+            f"{out['octree'].shape[0]} octree bytes (expected Kaolin 0.18's "
+            f"inclusive layout, one per byte)"
+        )
     return out

@@ -67,8 +67,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _describe(index: DatasetIndex) -> str:
-    return (f"{index.fingerprint} ({index.recipe} v{index.recipe_version}, "
-            f"{canonical_json(dict(index.params))}, {len(index)} samples)")
+    return (
+        f"{index.fingerprint} ({index.recipe} v{index.recipe_version}, "
+        f"{canonical_json(dict(index.params))}, {len(index)} samples)"
+    )
 
 
 def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
@@ -81,8 +83,13 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
     """
     if is_fingerprint(fingerprint_or_recipe):
         if params:
-            raise ParameterError([f"{name}: parameters select a fingerprint by recipe name; "
-                                  f"{fingerprint_or_recipe} is already one" for name in params])
+            raise ParameterError(
+                [
+                    f"{name}: parameters select a fingerprint by recipe name; "
+                    f"{fingerprint_or_recipe} is already one"
+                    for name in params
+                ]
+            )
         return store.get_index(fingerprint_or_recipe)
     recipe = fingerprint_or_recipe
     if recipe not in RECIPE_SPECS:
@@ -96,13 +103,15 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
         raise FingerprintLookupError(
             f"{wanted} matches {len(current)} datasets in {store.location}; give more "
             f"parameters or a fingerprint: " + "; ".join(_describe(i) for i in current),
-            [i.fingerprint for i in current])
+            [i.fingerprint for i in current],
+        )
     others = matches or store.find_fingerprints(recipe)
     listed = "; ".join(_describe(i) for i in others) or "none"
     raise FingerprintLookupError(
         f"{wanted} (version {RECIPE_SPECS[recipe].version}) matches no dataset in "
         f"{store.location}; datasets of this recipe there: {listed}",
-        [i.fingerprint for i in others])
+        [i.fingerprint for i in others],
+    )
 
 
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
@@ -169,18 +178,32 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     this sample: id, path and reason; other samples are unaffected), ``MissTimeout``.
     """
 
-    def __init__(self, cache: str | os.PathLike[str] | Store, fingerprint_or_recipe: str,
-                 fields: Iterable[str] | None = None,
-                 transform: Callable[[Sample], Any] | None = None, *,
-                 store_options: Mapping[str, Any] | None = None,
-                 sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
-                 on_miss: str | None = None, warm_ahead: int = 16,
-                 miss_timeout: float = 120.0, on_error: str = "raise",
-                 id_template: str | None = None, on_stale: str | None = None,
-                 **params: Any) -> None:
+    def __init__(
+        self,
+        cache: str | os.PathLike[str] | Store,
+        fingerprint_or_recipe: str,
+        fields: Iterable[str] | None = None,
+        transform: Callable[[Sample], Any] | None = None,
+        *,
+        store_options: Mapping[str, Any] | None = None,
+        sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        on_miss: str | None = None,
+        warm_ahead: int = 16,
+        miss_timeout: float = 120.0,
+        on_error: str = "raise",
+        id_template: str | None = None,
+        on_stale: str | None = None,
+        **params: Any,
+    ) -> None:
         if not isinstance(fingerprint_or_recipe, str):
-            raise ParameterError([(f"fingerprint_or_recipe: expected a str, got "
-                                  f"{type(fingerprint_or_recipe).__name__}")])
+            raise ParameterError(
+                [
+                    (
+                        f"fingerprint_or_recipe: expected a str, got "
+                        f"{type(fingerprint_or_recipe).__name__}"
+                    )
+                ]
+            )
         on_miss = on_miss or ("compute" if sources is not None else "error")
         problems = []
         if on_miss not in ("error", "compute"):
@@ -189,16 +212,21 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append("on_miss='compute' needs sources= (the paths to compute from)")
         if id_template is not None and sources is None:
             problems.append("id_template= needs sources= (it names the samples found there)")
-        on_stale = on_stale or ("serve" if sources is None else
-                                "compute" if on_miss == "compute" else "error")
+        on_stale = on_stale or (
+            "serve" if sources is None else "compute" if on_miss == "compute" else "error"
+        )
         if on_stale not in ("compute", "error", "serve"):
             problems.append(f"on_stale: expected 'compute', 'error' or 'serve', got {on_stale!r}")
         elif on_stale != "serve" and sources is None:
-            problems.append(f"on_stale={on_stale!r} needs sources= (the files to compare "
-                            f"records with); without them what is stored is served")
+            problems.append(
+                f"on_stale={on_stale!r} needs sources= (the files to compare "
+                f"records with); without them what is stored is served"
+            )
         elif on_stale == "compute" and on_miss != "compute":
-            problems.append("on_stale='compute' needs on_miss='compute' (a stale record is "
-                            "recomputed as a miss is)")
+            problems.append(
+                "on_stale='compute' needs on_miss='compute' (a stale record is "
+                "recomputed as a miss is)"
+            )
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
         where = os.fspath(cache.location if isinstance(cache, Store) else cache)
@@ -208,8 +236,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         except UnknownName:  # a scheme no store opens: named by open_store, or here
             kind = "unknown"
         if on_miss == "compute" and kind not in ("lmdb", "http"):
-            problems.append(f"on_miss='compute' needs a cache directory or the service's "
-                            f"http(s):// URL; {where} is neither")
+            problems.append(
+                f"on_miss='compute' needs a cache directory or the service's "
+                f"http(s):// URL; {where} is neither"
+            )
         if on_error not in ON_ERROR_CHOICES:
             problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if warm_ahead < 0 or miss_timeout <= 0:
@@ -233,16 +263,17 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self.on_stale = on_stale
         # index -> (signature, record checksum) this process hashed and found current
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
-        self._path_bytes: np.ndarray | None = None    # uint8, with sources only
+        self._path_bytes: np.ndarray | None = None  # uint8, with sources only
         self._path_offsets: np.ndarray | None = None  # int64 [n + 1]
         self._miss_handler: ProcessLocal[Any] | None = None  # made on the first miss
         self._fingerprint: str | None = None
         self._recipe: tuple[str, int, dict[str, Any]] | None = None
-        self._id_bytes: np.ndarray | None = None     # uint8 [total id bytes]
-        self._id_offsets: np.ndarray | None = None   # int64 [n + 1]
+        self._id_bytes: np.ndarray | None = None  # uint8 [total id bytes]
+        self._id_offsets: np.ndarray | None = None  # int64 [n + 1]
         self._store: ProcessLocal[Store] = ProcessLocal(
             functools.partial(open_store, self.cache, readonly=True, **self.store_options),
-            operator.methodcaller("close"))  # not Store.close: that skips overrides
+            operator.methodcaller("close"),
+        )  # not Store.close: that skips overrides
 
     def __repr__(self) -> str:
         cache = self.cache.location if isinstance(self.cache, Store) else self.cache
@@ -283,12 +314,16 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         first: dict[str, str] = {}
         for sid, path in items:
             if first.setdefault(sid, path) != path:
-                raise SourceError(path, f"sample id {sid!r} is also that of {first[sid]}; "
-                                        f"choose ids with id_template= (e.g. "
-                                        f"cache_store.sources.discover.KEEP_EXTENSION)")
+                raise SourceError(
+                    path,
+                    f"sample id {sid!r} is also that of {first[sid]}; "
+                    f"choose ids with id_template= (e.g. "
+                    f"cache_store.sources.discover.KEEP_EXTENSION)",
+                )
         # absolute: the worker (or the service) that computes a miss has its own cwd
-        self._path_bytes, self._path_offsets = pack_ids([os.path.abspath(path)
-                                                         for _, path in items])
+        self._path_bytes, self._path_offsets = pack_ids(
+            [os.path.abspath(path) for _, path in items]
+        )
         self._id_bytes, self._id_offsets = pack_ids([sid for sid, _ in items])
         self._recipe = (spec.name, spec.version, resolved)
         self._fingerprint = compute_fingerprint(spec.name, spec.version, resolved)
@@ -385,8 +420,13 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         path = self.source_path(i) if self._path_offsets is not None else self.key(i)
         reason = _one_line(exc)
         if self._skipped is not None and self._skipped.add(sample_id, path, reason):
-            log.warning("CachedDataset %s: skipping sample %r (%s): %s",
-                        self._fingerprint, sample_id, path, reason)
+            log.warning(
+                "CachedDataset %s: skipping sample %r (%s): %s",
+                self._fingerprint,
+                sample_id,
+                path,
+                reason,
+            )
 
     def _read_one(self, i: int) -> Any:
         key = self.key(i)
@@ -454,8 +494,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             i, record, path, digest = next(iter(stale.values()))
             raise StaleRecord(self.key(i), path, record.metadata.get("source_hash"), digest)
         out = list(records)
-        for n, record in zip(stale, self._recompute([i for i, *_ in stale.values()]),
-                             strict=True):
+        for n, record in zip(stale, self._recompute([i for i, *_ in stale.values()]), strict=True):
             out[n] = record
         return out
 
@@ -481,9 +520,11 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             if all(current(key) for key in position):
                 break
             if time.monotonic() >= deadline:
-                raise MissTimeout(f"{len(wanted)} stale record(s) of {self.fingerprint} were "
-                                  f"not recomputed within {self.miss_timeout:g} s "
-                                  f"({', '.join(repr(s) for s, _ in wanted[:3])})")
+                raise MissTimeout(
+                    f"{len(wanted)} stale record(s) of {self.fingerprint} were "
+                    f"not recomputed within {self.miss_timeout:g} s "
+                    f"({', '.join(repr(s) for s, _ in wanted[:3])})"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         return [self._store_here().get_record(self.key(i), fields=self.fields) for i in indices]
@@ -494,15 +535,26 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         each; an inherited one is parked). Opened by a module function over plain
         values, not a bound method: that would be a reference cycle keeping a dropped
         dataset's store open until the cyclic collector runs."""
-        location = parse_location(self.cache.location if isinstance(self.cache, Store)
-                                  else self.cache)
+        location = parse_location(
+            self.cache.location if isinstance(self.cache, Store) else self.cache
+        )
         name, _, params = self.recipe
         token = getattr(self.cache, "token", None) or self.store_options.get("token")
         ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
-        return ProcessLocal(functools.partial(_open_read_through, location.kind,
-                                              location.target, name, params, self.fingerprint,
-                                              self.miss_timeout, token, ca_file),
-                            operator.methodcaller("close"))
+        return ProcessLocal(
+            functools.partial(
+                _open_read_through,
+                location.kind,
+                location.target,
+                name,
+                params,
+                self.fingerprint,
+                self.miss_timeout,
+                token,
+                ca_file,
+            ),
+            operator.methodcaller("close"),
+        )
 
     def _has(self, key: str) -> bool:
         try:
@@ -513,8 +565,11 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _on_miss(self, indices: Sequence[int]) -> None:
         """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
         then wait for the batch's records (see :mod:`cache_store.readers.queue_read_through`)."""
-        wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)
-                  if not self._has(self.key(i))]
+        wanted = [
+            (self.sample_id(i), self.source_path(i))
+            for i in dict.fromkeys(indices)
+            if not self._has(self.key(i))
+        ]
         ahead: list[tuple[str, str]] = []
         j = max(int(i) for i in indices) + 1
         while len(ahead) < self.warm_ahead and j < len(self):
@@ -540,15 +595,29 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             self._miss_handler.close()
 
 
-def _open_read_through(kind: str, cache: str, recipe: str, params: dict[str, Any],
-                       fingerprint: str, miss_timeout: float, token: str | None,
-                       ca_file: str | None) -> Any:
+def _open_read_through(
+    kind: str,
+    cache: str,
+    recipe: str,
+    params: dict[str, Any],
+    fingerprint: str,
+    miss_timeout: float,
+    token: str | None,
+    ca_file: str | None,
+) -> Any:
     """A read-through client for the cache at ``cache`` (``kind``: its location's)."""
     if kind == "http":
         from cache_store.readers.http_read_through import HTTPReadThrough
 
-        return HTTPReadThrough(cache, recipe, params, fingerprint, token=token,
-                               miss_timeout=miss_timeout, ca_file=ca_file)
+        return HTTPReadThrough(
+            cache,
+            recipe,
+            params,
+            fingerprint,
+            token=token,
+            miss_timeout=miss_timeout,
+            ca_file=ca_file,
+        )
     from cache_store.readers.queue_read_through import QueueReadThrough
 
     return QueueReadThrough(cache, recipe, params, fingerprint, miss_timeout=miss_timeout)

@@ -48,6 +48,7 @@ __all__ = ["HTTPReadThrough"]
 
 log = logging.getLogger(__name__)
 
+
 class HTTPReadThrough:
     """Misses of one fingerprint, queued on and waited for through the service at ``url``.
 
@@ -60,9 +61,18 @@ class HTTPReadThrough:
         ca_file: the PEM file to trust for an ``https://`` service (see ``HTTPStore``).
     """
 
-    def __init__(self, url: str, recipe: str, params: dict[str, Any], fingerprint: str, *,
-                 token: str | None = None, priority: int = 100,
-                 miss_timeout: float = 120.0, ca_file: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        recipe: str,
+        params: dict[str, Any],
+        fingerprint: str,
+        *,
+        token: str | None = None,
+        priority: int = 100,
+        miss_timeout: float = 120.0,
+        ca_file: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.recipe = recipe
         self.params = dict(params)
@@ -77,8 +87,9 @@ class HTTPReadThrough:
 
     def _http(self) -> httpx.Client:
         if self._client is None:
-            self._client = new_client(self.url, timeout_s=30.0, token=self.token,
-                                      ca_file=self.ca_file)
+            self._client = new_client(
+                self.url, timeout_s=30.0, token=self.token, ca_file=self.ca_file
+            )
         return self._client
 
     def close(self) -> None:
@@ -92,26 +103,42 @@ class HTTPReadThrough:
         return send(self._http, method, path, where=self.url, deadline=deadline, **kwargs)
 
     def _warmup(self, items: Sequence[tuple[str, str]], deadline: float) -> list[dict[str, Any]]:
-        body = {"recipe": self.recipe, "params": self.params, "priority": self.priority,
-                "dedupe": True, "require_worker": True,
-                "items": [{"id": sid, "path": os.path.abspath(path)} for sid, path in items]}
+        body = {
+            "recipe": self.recipe,
+            "params": self.params,
+            "priority": self.priority,
+            "dedupe": True,
+            "require_worker": True,
+            "items": [{"id": sid, "path": os.path.abspath(path)} for sid, path in items],
+        }
         response = self._request("POST", "/v1/warmup", deadline, json=body)
         answer = json_body(response)
         if response.status_code == 422 and answer.get("problems"):
-            raise ParameterError([f"{self.url}: {p}" for p in answer["problems"]],
-                                 what="read-through warm-up")
+            raise ParameterError(
+                [f"{self.url}: {p}" for p in answer["problems"]], what="read-through warm-up"
+            )
         if response.status_code >= 400:
-            raise SpcacheError(f"{self.url}/v1/warmup: HTTP {response.status_code} "
-                               f"{answer.get('error', '')}: {answer.get('detail', '')}")
+            raise SpcacheError(
+                f"{self.url}/v1/warmup: HTTP {response.status_code} "
+                f"{answer.get('error', '')}: {answer.get('detail', '')}"
+            )
         if answer.get("fingerprint") != self.fingerprint:
-            raise SpcacheError(f"{self.url}: the service computes {self.recipe} "
-                               f"{self.params} as fingerprint {answer.get('fingerprint')}, "
-                               f"this client as {self.fingerprint} (different versions?)")
+            raise SpcacheError(
+                f"{self.url}: the service computes {self.recipe} "
+                f"{self.params} as fingerprint {answer.get('fingerprint')}, "
+                f"this client as {self.fingerprint} (different versions?)"
+            )
         self.queued += int(answer.get("queued", 0))
         return list(answer.get("items") or [])
 
-    def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
-              ahead: Sequence[tuple[str, str]] = (), *, stale: Sequence[str] = ()) -> None:
+    def fetch(
+        self,
+        has: Callable[[str], bool],
+        wanted: Sequence[tuple[str, str]],
+        ahead: Sequence[tuple[str, str]] = (),
+        *,
+        stale: Sequence[str] = (),
+    ) -> None:
         """Return once every ``(sample id, path)`` of ``wanted`` has a record.
 
         ``stale`` is accepted for the same call as the queue's: the service compares
@@ -127,8 +154,11 @@ class HTTPReadThrough:
         paths = dict(wanted)
         for row in rows:
             sid = row.get("id")
-            if (sid in paths and row.get("status") == "failed"
-                    and not has(record_key(self.fingerprint, sid))):
+            if (
+                sid in paths
+                and row.get("status") == "failed"
+                and not has(record_key(self.fingerprint, sid))
+            ):
                 raise SampleFailed(sid, paths[sid], row.get("error") or "failed")
         for sid, path in wanted:
             self._wait(sid, path, deadline)
@@ -139,13 +169,16 @@ class HTTPReadThrough:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise MissTimeout(f"record {record_key(self.fingerprint, sample_id)!r} "
-                                  f"({path}) did not land on {self.url} within "
-                                  f"{self.miss_timeout:g} s; the worker may be busy with a "
-                                  f"long queue: raise miss_timeout or warm up first")
+                raise MissTimeout(
+                    f"record {record_key(self.fingerprint, sample_id)!r} "
+                    f"({path}) did not land on {self.url} within "
+                    f"{self.miss_timeout:g} s; the worker may be busy with a "
+                    f"long queue: raise miss_timeout or warm up first"
+                )
             chunk = min(remaining, WAIT_CHUNK_S)
-            response = self._request("HEAD", record, deadline, params={"wait": f"{chunk:.3f}"},
-                                     timeout=chunk + 30.0)
+            response = self._request(
+                "HEAD", record, deadline, params={"wait": f"{chunk:.3f}"}, timeout=chunk + 30.0
+            )
             if response.status_code == 200:
                 return
             state = response.headers.get(STATE_HEADER)
@@ -162,13 +195,17 @@ class HTTPReadThrough:
                 continue
             if response.status_code == 503:  # still past the waiting bound at the deadline
                 continue
-            raise SpcacheError(f"{self.url}{record}?wait=: HTTP {response.status_code} "
-                               f"{response.headers.get(ERROR_HEADER, '')}")
+            raise SpcacheError(
+                f"{self.url}{record}?wait=: HTTP {response.status_code} "
+                f"{response.headers.get(ERROR_HEADER, '')}"
+            )
 
     def _reason(self, sample_id: str, deadline: float) -> str:
         response = self._request(
-            "GET", f"/v1/caches/{self.fingerprint}/items/{quote(sample_id, safe='/')}",
-            max(deadline, time.monotonic() + 5.0))
+            "GET",
+            f"/v1/caches/{self.fingerprint}/items/{quote(sample_id, safe='/')}",
+            max(deadline, time.monotonic() + 5.0),
+        )
         if response.status_code != 200:
             return "failed (the service gave no reason)"
         return str(json_body(response).get("reason") or "failed")

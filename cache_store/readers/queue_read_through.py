@@ -65,9 +65,18 @@ class QueueReadThrough:
         poll_max_s: the longest sleep between two looks at the store.
     """
 
-    def __init__(self, cache_dir: str | os.PathLike[str], recipe: str, params: dict[str, Any],
-                 fingerprint: str, *, priority: int = 100, miss_timeout: float = 120.0,
-                 worker_stale_s: float = WORKER_STALE_S, poll_max_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        recipe: str,
+        params: dict[str, Any],
+        fingerprint: str,
+        *,
+        priority: int = 100,
+        miss_timeout: float = 120.0,
+        worker_stale_s: float = WORKER_STALE_S,
+        poll_max_s: float = 0.05,
+    ) -> None:
         self.cache_dir = Path(cache_dir)
         self.recipe = recipe
         self.params = dict(params)
@@ -86,11 +95,22 @@ class QueueReadThrough:
     def _require_worker(self, missing: Sequence[str]) -> None:
         if not self.queue.worker_expected(stale_s=self.worker_stale_s):
             first = ", ".join(repr(m) for m in missing[:3]) + (" ..." if len(missing) > 3 else "")
-            raise NoWorkerAlive(no_worker_message(f"{len(missing)} sample(s) missing ({first})",
-                                                  str(self.cache_dir), self.worker_stale_s))
+            raise NoWorkerAlive(
+                no_worker_message(
+                    f"{len(missing)} sample(s) missing ({first})",
+                    str(self.cache_dir),
+                    self.worker_stale_s,
+                )
+            )
 
-    def fetch(self, has: Callable[[str], bool], wanted: Sequence[tuple[str, str]],
-              ahead: Sequence[tuple[str, str]] = (), *, stale: Sequence[str] = ()) -> None:
+    def fetch(
+        self,
+        has: Callable[[str], bool],
+        wanted: Sequence[tuple[str, str]],
+        ahead: Sequence[tuple[str, str]] = (),
+        *,
+        stale: Sequence[str] = (),
+    ) -> None:
         """Return once every ``(sample id, path)`` of ``wanted`` has a record.
 
         ``has(key)`` says whether the store holds a (current) record. ``ahead`` are
@@ -102,8 +122,14 @@ class QueueReadThrough:
         if not wanted:
             return
         self._require_worker([sid for sid, _ in wanted])
-        rows = self.queue.enqueue_once(self.recipe, self.params, self.fingerprint,
-                                       [*wanted, *ahead], priority=self.priority, stale=stale)
+        rows = self.queue.enqueue_once(
+            self.recipe,
+            self.params,
+            self.fingerprint,
+            [*wanted, *ahead],
+            priority=self.priority,
+            stale=stale,
+        )
         self.queued += sum(1 for r in rows if not r.reused)
         wanted_ids = {sid for sid, _ in wanted}
         waiting = {r.sample_id: r for r in rows if r.sample_id in wanted_ids}
@@ -132,12 +158,16 @@ class QueueReadThrough:
                 self._require_worker(sorted(waiting))
             if now >= deadline:
                 states = self.queue.item_statuses(r.item_id for r in waiting.values())
-                listed = "; ".join(f"{sid}: {states.get(r.item_id, ('gone', None))[0]}"
-                                   for sid, r in list(waiting.items())[:5])
-                raise MissTimeout(f"{len(waiting)} record(s) of {self.fingerprint} in "
-                                  f"{self.cache_dir} did not land within "
-                                  f"{self.miss_timeout:g} s ({listed}); the worker may be "
-                                  f"busy with a long queue: raise miss_timeout or warm up first")
+                listed = "; ".join(
+                    f"{sid}: {states.get(r.item_id, ('gone', None))[0]}"
+                    for sid, r in list(waiting.items())[:5]
+                )
+                raise MissTimeout(
+                    f"{len(waiting)} record(s) of {self.fingerprint} in "
+                    f"{self.cache_dir} did not land within "
+                    f"{self.miss_timeout:g} s ({listed}); the worker may be "
+                    f"busy with a long queue: raise miss_timeout or warm up first"
+                )
             time.sleep(min(delay, max(deadline - now, 0.0)))
             delay = min(delay * POLL_GROWTH, self.poll_max_s)
 
@@ -153,9 +183,18 @@ class QueueReadThrough:
             elif state == FAILED:
                 raise SampleFailed(sid, row.path, error or "failed")
             else:  # cancelled, gone, or done and deleted since: queue it again
-                log.info("read-through: item %s of %r was %s; queueing it again",
-                         row.item_id, sid, status)
-                again = self.queue.enqueue_once(self.recipe, self.params, self.fingerprint,
-                                                [(sid, row.path)], priority=self.priority)
+                log.info(
+                    "read-through: item %s of %r was %s; queueing it again",
+                    row.item_id,
+                    sid,
+                    status,
+                )
+                again = self.queue.enqueue_once(
+                    self.recipe,
+                    self.params,
+                    self.fingerprint,
+                    [(sid, row.path)],
+                    priority=self.priority,
+                )
                 self.queued += sum(1 for r in again if not r.reused)
                 waiting[sid] = again[0]

@@ -72,8 +72,9 @@ class SkippedSamples:
         fd, temp = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".part")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump({"sample_id": sample_id, "path": path, "reason": reason,
-                           "when": time.time()}, f)
+                json.dump(
+                    {"sample_id": sample_id, "path": path, "reason": reason, "when": time.time()}, f
+                )
             try:
                 os.link(temp, final)  # atomic, and refuses an existing name
             except FileExistsError:
@@ -100,6 +101,7 @@ class SkippedSamples:
                     data = json.load(f)
             except (OSError, ValueError):
                 continue
-            out[data["sample_id"]] = SkippedSample(data["sample_id"], data["path"],
-                                                   data["reason"], float(data["when"]))
+            out[data["sample_id"]] = SkippedSample(
+                data["sample_id"], data["path"], data["reason"], float(data["when"])
+            )
         return dict(sorted(out.items()))

@@ -38,8 +38,12 @@ def _problem(message: str) -> ParameterError:
     return ParameterError([message], what="SPC batch for Kaolin")
 
 
-def spc_fields(batch: Mapping[str, Any], *, device: str | torch.device | None = None,
-               exsum_layout: str = "current") -> dict[str, Any]:
+def spc_fields(
+    batch: Mapping[str, Any],
+    *,
+    device: str | torch.device | None = None,
+    exsum_layout: str = "current",
+) -> dict[str, Any]:
     """The keyword arguments of ``kaolin.rep.Spc`` for a :func:`collate_spc` batch:
     ``octrees`` (uint8 ``[num_bytes]``), ``lengths`` (int32 ``[B]``, CPU), ``max_level``
     (int), ``pyramids`` (int32 ``[B, 2, max_level + 2]``, CPU, as Kaolin keeps them),
@@ -53,25 +57,31 @@ def spc_fields(batch: Mapping[str, Any], *, device: str | torch.device | None = 
     """
     if exsum_layout not in EXSUM_LAYOUTS:
         raise _problem(f"exsum_layout: expected one of {EXSUM_LAYOUTS}, got {exsum_layout!r}")
-    missing = [k for k in ("octree", "lengths", "pyramid", "exsum", "point_hierarchy")
-               if k not in batch]
+    missing = [
+        k for k in ("octree", "lengths", "pyramid", "exsum", "point_hierarchy") if k not in batch
+    ]
     if missing:
-        raise _problem(f"the batch lacks {missing} (read every SPC field, and batch with "
-                       f"collate_spc)")
+        raise _problem(
+            f"the batch lacks {missing} (read every SPC field, and batch with collate_spc)"
+        )
     octrees, lengths = batch["octree"], batch["lengths"].to("cpu", torch.int32)
     pyramids = batch["pyramid"].to("cpu", torch.int32).contiguous()
     exsum, points = batch["exsum"], batch["point_hierarchy"]
     if pyramids.dim() != 3 or pyramids.shape[0] != lengths.shape[0] or pyramids.shape[1] != 2:
-        raise _problem(f"pyramid: shape {tuple(pyramids.shape)} is not [{lengths.shape[0]}, 2, "
-                       f"level + 2]")
+        raise _problem(
+            f"pyramid: shape {tuple(pyramids.shape)} is not [{lengths.shape[0]}, 2, level + 2]"
+        )
     num_bytes = int(lengths.sum())
     if octrees.shape != (num_bytes,) or exsum.shape != (num_bytes,):
-        raise _problem(f"octree {tuple(octrees.shape)} and exsum {tuple(exsum.shape)} must "
-                       f"both hold the {num_bytes} bytes lengths add up to")
+        raise _problem(
+            f"octree {tuple(octrees.shape)} and exsum {tuple(exsum.shape)} must "
+            f"both hold the {num_bytes} bytes lengths add up to"
+        )
     num_points = int(pyramids[:, 1, -1].sum())
     if points.shape != (num_points, 3):
-        raise _problem(f"point_hierarchy: shape {tuple(points.shape)}, the pyramids give "
-                       f"{num_points} points")
+        raise _problem(
+            f"point_hierarchy: shape {tuple(points.shape)}, the pyramids give {num_points} points"
+        )
     device = octrees.device if device is None else torch.device(device)
     octrees = octrees.to(device, torch.uint8).contiguous()
     exsum = exsum.to(device, torch.int32)
@@ -82,9 +92,14 @@ def spc_fields(batch: Mapping[str, Any], *, device: str | torch.device | None = 
         keep[ends - lengths.to(torch.int64) - 1] = False
         legacy[keep.to(device)] = exsum
         exsum = legacy
-    return {"octrees": octrees, "lengths": lengths, "max_level": int(pyramids.shape[2] - 2),
-            "pyramids": pyramids, "exsum": exsum.contiguous(),
-            "point_hierarchies": points.to(device, torch.int16).contiguous()}
+    return {
+        "octrees": octrees,
+        "lengths": lengths,
+        "max_level": int(pyramids.shape[2] - 2),
+        "pyramids": pyramids,
+        "exsum": exsum.contiguous(),
+        "point_hierarchies": points.to(device, torch.int16).contiguous(),
+    }
 
 
 def kaolin_exsum_layout() -> str:

@@ -31,8 +31,17 @@ if TYPE_CHECKING:  # pragma: no cover - for annotations only
     import numpy as np
     import torch
 
-__all__ = ["Recipe", "Param", "Field", "ChunkBudget", "check_outputs", "code_digest",
-           "contract_problems", "FIELD_DTYPES", "is_out_of_memory"]
+__all__ = [
+    "Recipe",
+    "Param",
+    "Field",
+    "ChunkBudget",
+    "check_outputs",
+    "code_digest",
+    "contract_problems",
+    "FIELD_DTYPES",
+    "is_out_of_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +51,18 @@ Param = ParamSpec
 Field = FieldSpec
 
 #: The dtypes a field may declare (torch's names; records store exactly these).
-FIELD_DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16",
-                "float32", "float64")
+FIELD_DTYPES = (
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+)
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _SHAPE = re.compile(r"^\[\s*([^\[\],]+(\s*,\s*[^\[\],]+)*)?\s*\]$")
 
@@ -85,16 +104,22 @@ class Recipe:
         #: the schema (:meth:`schema`)
         self.spec: RecipeSpec = type(self).schema()
 
-    def prepare(self, source: Any, params: Mapping[str, Any],
-                generator: torch.Generator) -> dict[str, np.ndarray]:
+    def prepare(
+        self, source: Any, params: Mapping[str, Any], generator: torch.Generator
+    ) -> dict[str, np.ndarray]:
         """CPU only. ``source.path``, ``source.vertices`` (float64 ``[V, 3]``, the file's
         coordinates), ``source.faces`` (int64 ``[F, 3]``, None for a point cloud). Draw
         every random number from ``generator``. Raise
         :class:`cache_store.errors.SourceError` for a source this recipe cannot use."""
         raise NotImplementedError
 
-    def compute(self, prepared: dict[str, np.ndarray], params: Mapping[str, Any],
-                device: torch.device, ops: Any) -> dict[str, torch.Tensor]:
+    def compute(
+        self,
+        prepared: dict[str, np.ndarray],
+        params: Mapping[str, Any],
+        device: torch.device,
+        ops: Any,
+    ) -> dict[str, torch.Tensor]:
         """On ``device``; ``ops`` is the SPC backend in use (``quantize_points``,
         ``unbatched_points_to_octree``, ``scan_octrees``, ...). Return CPU tensors."""
         raise NotImplementedError
@@ -106,8 +131,15 @@ class Recipe:
         if cached is None:
             doc = cls.doc or (inspect.getdoc(cls) or "").split("\n\n")[0].replace("\n", " ")
             bound = getattr(cls, "record_bytes", None)
-            cached = RecipeSpec(cls.name, int(cls.version), dict(cls.params), dict(cls.fields),
-                                doc, bound, cls.record_bytes_doc)
+            cached = RecipeSpec(
+                cls.name,
+                int(cls.version),
+                dict(cls.params),
+                dict(cls.fields),
+                doc,
+                bound,
+                cls.record_bytes_doc,
+            )
             cls._spec_cache = cached  # type: ignore[attr-defined]
         return cached
 
@@ -121,8 +153,9 @@ def contract_problems(cls: Any) -> list[str]:
         return [f"{cls!r} is not a subclass of spcache.recipes.Recipe"]
     problems = []
     if not isinstance(cls.name, str) or not _NAME.match(cls.name):
-        problems.append(f"name {cls.name!r} is not lowercase letters, digits and '_' "
-                        "(starting with a letter)")
+        problems.append(
+            f"name {cls.name!r} is not lowercase letters, digits and '_' (starting with a letter)"
+        )
     if isinstance(cls.version, bool) or not isinstance(cls.version, int) or cls.version < 1:
         problems.append(f"version {cls.version!r} is not an integer >= 1")
     if not isinstance(cls.params, Mapping):
@@ -132,8 +165,9 @@ def contract_problems(cls: Any) -> list[str]:
             if not isinstance(key, str) or not isinstance(param, ParamSpec):
                 problems.append(f"params[{key!r}] is not a Param")
             elif param.type not in (int, float, str, bool):
-                problems.append(f"params[{key!r}]: type {param.type!r} is not int, float, "
-                                "str or bool")
+                problems.append(
+                    f"params[{key!r}]: type {param.type!r} is not int, float, str or bool"
+                )
             else:
                 _, problem = param.check(key, param.default)
                 if problem:
@@ -145,11 +179,14 @@ def contract_problems(cls: Any) -> list[str]:
             if not isinstance(key, str) or not isinstance(field, FieldSpec):
                 problems.append(f"fields[{key!r}] is not a Field")
             elif field.dtype not in FIELD_DTYPES:
-                problems.append(f"fields[{key!r}]: dtype {field.dtype!r} is not one of "
-                                f"{', '.join(FIELD_DTYPES)}")
+                problems.append(
+                    f"fields[{key!r}]: dtype {field.dtype!r} is not one of "
+                    f"{', '.join(FIELD_DTYPES)}"
+                )
             elif not isinstance(field.shape, str) or not _SHAPE.match(field.shape):
-                problems.append(f"fields[{key!r}]: shape {field.shape!r} is not like "
-                                "'[N, 3]' or '[]'")
+                problems.append(
+                    f"fields[{key!r}]: shape {field.shape!r} is not like '[N, 3]' or '[]'"
+                )
     for method in ("prepare", "compute"):
         if getattr(cls, method, None) is getattr(Recipe, method):
             problems.append(f"{method}() is not implemented")
@@ -195,8 +232,13 @@ class ChunkBudget:
             it raise an out-of-memory error to prove the back-off without a GPU.
     """
 
-    def __init__(self, size: int, *, minimum: int = 256,
-                 before_query_chunk: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        minimum: int = 256,
+        before_query_chunk: Callable[[int], None] | None = None,
+    ) -> None:
         if size < 1 or minimum < 1:
             raise ValueError(f"chunk size and minimum must be positive, got {size}, {minimum}")
         self.size = int(size)
@@ -222,8 +264,11 @@ class ChunkBudget:
                     raise
                 self.size //= 2
                 self.backoffs += 1
-                logger.warning("out of device memory on a %d-item chunk; retrying with %d",
-                               stop - start, self.size)
+                logger.warning(
+                    "out of device memory on a %d-item chunk; retrying with %d",
+                    stop - start,
+                    self.size,
+                )
                 continue
             start = stop
         return parts
@@ -255,8 +300,9 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
     from cache_store.errors import SpcacheError
 
     def fail(problems: list[str]) -> None:
-        raise SpcacheError(f"recipe {spec.name!r} produced the wrong outputs: "
-                           + "; ".join(problems))
+        raise SpcacheError(
+            f"recipe {spec.name!r} produced the wrong outputs: " + "; ".join(problems)
+        )
 
     if not isinstance(tensors, Mapping):
         fail([f"compute() returned {type(tensors).__name__}, expected a dict of tensors"])
@@ -283,13 +329,18 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
             problems.append(f"{name}: dtype {tensor.dtype}, declared {field.dtype}")
         if tensor.device.type != "cpu":
             problems.append(f"{name}: left on {tensor.device}, expected cpu")
-        if getattr(field, "finite", False) and tensor.is_floating_point() \
-                and tensor.device.type == "cpu" and not bool(torch.isfinite(tensor).all()):
+        if (
+            getattr(field, "finite", False)
+            and tensor.is_floating_point()
+            and tensor.device.type == "cpu"
+            and not bool(torch.isfinite(tensor).all())
+        ):
             problems.append(f"{name}: holds NaN or infinite values, declared finite")
         dims = [d.strip() for d in field.shape.strip("[]").split(",") if d.strip()]
         if len(dims) != tensor.dim():
-            problems.append(f"{name}: shape {tuple(tensor.shape)} (rank {tensor.dim()}), "
-                            f"declared {field.shape}")
+            problems.append(
+                f"{name}: shape {tuple(tensor.shape)} (rank {tensor.dim()}), declared {field.shape}"
+            )
             continue
         for dim, size in zip(dims, tensor.shape, strict=True):
             if _dim_value(dim, params, symbols, size) != size:

@@ -22,69 +22,135 @@ _HEADER_BYTES = 64 << 10
 
 _SPC_PARAMS = {
     "level": Param(int, 8, 1, 15, "octree depth; points are quantised to 2^level cells per axis"),
-    "surface_samples": Param(int, 100_000, 1, 50_000_000,
-                                 "points sampled (area-weighted, seeded) from a mesh surface; "
-                                 "point-cloud sources use their own points"),
+    "surface_samples": Param(
+        int,
+        100_000,
+        1,
+        50_000_000,
+        "points sampled (area-weighted, seeded) from a mesh surface; "
+        "point-cloud sources use their own points",
+    ),
 }
 _SPC_FIELDS = {
-    "octree": Field("uint8", "[num_bytes]", "Kaolin SPC octree: one byte per non-leaf node, "
-                        "breadth first, Morton order within a level"),
-    "pyramid": Field("int32", "[2, level+2]", "row 0: points per level; row 1: first index "
-                         "of each level in point_hierarchy (scan_octrees, batch dim squeezed)"),
+    "octree": Field(
+        "uint8",
+        "[num_bytes]",
+        "Kaolin SPC octree: one byte per non-leaf node, breadth first, Morton order within a level",
+    ),
+    "pyramid": Field(
+        "int32",
+        "[2, level+2]",
+        "row 0: points per level; row 1: first index "
+        "of each level in point_hierarchy (scan_octrees, batch dim squeezed)",
+    ),
     "exsum": Field("int32", "[num_bytes]", "inclusive running sum of set bits per byte"),
-    "point_hierarchy": Field("int16", "[num_points, 3]", "all levels' voxel coordinates, "
-                                 "root first (generate_points)"),
+    "point_hierarchy": Field(
+        "int16", "[num_points, 3]", "all levels' voxel coordinates, root first (generate_points)"
+    ),
     "center": Field("float32", "[3]", "normalisation: normalised = (source - center) / scale"),
     "scale": Field("float32", "[]", "normalisation scale (see center)"),
 }
 _QUERY_PARAMS = {
-    "uniform_queries": Param(int, 16_384, 0, 10_000_000,
-                                 "query points drawn uniformly in [-1, 1]^3"),
-    "surface_queries": Param(int, 16_384, 0, 10_000_000,
-                                 "query points jittered around surface samples"),
-    "surface_sigma": Param(float, 0.01, 0.0, 1.0,
-                               "std-dev of the Gaussian jitter of surface queries, in normalised units"),
+    "uniform_queries": Param(
+        int, 16_384, 0, 10_000_000, "query points drawn uniformly in [-1, 1]^3"
+    ),
+    "surface_queries": Param(
+        int, 16_384, 0, 10_000_000, "query points jittered around surface samples"
+    ),
+    "surface_sigma": Param(
+        float,
+        0.01,
+        0.0,
+        1.0,
+        "std-dev of the Gaussian jitter of surface queries, in normalised units",
+    ),
 }
 _QUERY_FIELDS = {
     "query_points": Field("float32", "[M, 3]", "query coordinates in the normalised [-1, 1] space"),
-    "query_pidx": Field("int32", "[M, level+1]", "unbatched_query(..., with_parents=True): "
-                            "point_hierarchy index at each level 0..level, -1 where absent"),
+    "query_pidx": Field(
+        "int32",
+        "[M, level+1]",
+        "unbatched_query(..., with_parents=True): "
+        "point_hierarchy index at each level 0..level, -1 where absent",
+    ),
     "occupancy": Field("uint8", "[M]", "1 where the query's leaf voxel exists, else 0"),
 }
 
 _SDF_PARAMS = {
-    "level": Param(int, 8, 1, 12, "octree depth; points are quantised to 2^level cells per "
-                       "axis (at most 12 here: the dual octree and trinkets grow with it)"),
-    "surface_samples": Param(int, 100_000, 1, 500_000,
-                                 "points sampled (area-weighted, seeded) from the mesh surface to "
-                                 "build the octree; the near samples jitter these"),
-    "near_samples": Param(int, 50_000, 0, 1_000_000,
-                              "SDF points: surface samples jittered by a Gaussian of std-dev near_sigma"),
-    "near_sigma": Param(float, 0.01, 0.0, 1.0,
-                            "std-dev of the near samples' jitter, in normalised units"),
-    "uniform_samples": Param(int, 50_000, 0, 1_000_000,
-                                 "SDF points drawn uniformly in the normalisation cube [-1, 1]^3"),
+    "level": Param(
+        int,
+        8,
+        1,
+        12,
+        "octree depth; points are quantised to 2^level cells per "
+        "axis (at most 12 here: the dual octree and trinkets grow with it)",
+    ),
+    "surface_samples": Param(
+        int,
+        100_000,
+        1,
+        500_000,
+        "points sampled (area-weighted, seeded) from the mesh surface to "
+        "build the octree; the near samples jitter these",
+    ),
+    "near_samples": Param(
+        int,
+        50_000,
+        0,
+        1_000_000,
+        "SDF points: surface samples jittered by a Gaussian of std-dev near_sigma",
+    ),
+    "near_sigma": Param(
+        float, 0.01, 0.0, 1.0, "std-dev of the near samples' jitter, in normalised units"
+    ),
+    "uniform_samples": Param(
+        int, 50_000, 0, 1_000_000, "SDF points drawn uniformly in the normalisation cube [-1, 1]^3"
+    ),
 }
 _DUAL_FIELDS = {
-    "point_hierarchy_dual": Field("int16", "[num_dual_points, 3]", "unbatched_make_dual: the "
-                                      "distinct corners of each level's voxels, level by level, "
-                                      "Morton order within a level"),
-    "pyramid_dual": Field("int32", "[2, level+2]", "row 0: dual points per level; row 1: first "
-                              "index of each level in point_hierarchy_dual"),
-    "trinkets": Field("int32", "[num_points, 8]", "unbatched_make_trinkets: each voxel's 8 "
-                          "corners as indices into its level of the dual (add pyramid_dual[1, level])"),
-    "trinket_parents": Field("int32", "[num_points]", "index in point_hierarchy of each voxel's "
-                                 "parent, -1 for the root"),
+    "point_hierarchy_dual": Field(
+        "int16",
+        "[num_dual_points, 3]",
+        "unbatched_make_dual: the "
+        "distinct corners of each level's voxels, level by level, "
+        "Morton order within a level",
+    ),
+    "pyramid_dual": Field(
+        "int32",
+        "[2, level+2]",
+        "row 0: dual points per level; row 1: first index of each level in point_hierarchy_dual",
+    ),
+    "trinkets": Field(
+        "int32",
+        "[num_points, 8]",
+        "unbatched_make_trinkets: each voxel's 8 "
+        "corners as indices into its level of the dual (add pyramid_dual[1, level])",
+    ),
+    "trinket_parents": Field(
+        "int32", "[num_points]", "index in point_hierarchy of each voxel's parent, -1 for the root"
+    ),
 }
 _SDF_FIELDS = {
-    "sdf_points": Field("float32", "[M, 3]", "SDF sample points in the normalised frame: "
-                            "uniform_samples uniform in [-1, 1]^3, then near_samples jittered "
-                            "surface samples (may lie slightly outside the cube)"),
-    "sdf": Field("float32", "[M]", "signed distance from each sdf_point to the normalised mesh, "
-                     "negative inside (generalised winding number |w| > 1/2)"),
+    "sdf_points": Field(
+        "float32",
+        "[M, 3]",
+        "SDF sample points in the normalised frame: "
+        "uniform_samples uniform in [-1, 1]^3, then near_samples jittered "
+        "surface samples (may lie slightly outside the cube)",
+    ),
+    "sdf": Field(
+        "float32",
+        "[M]",
+        "signed distance from each sdf_point to the normalised mesh, "
+        "negative inside (generalised winding number |w| > 1/2)",
+    ),
     "sdf_face": Field("int32", "[M]", "index of the closest mesh face"),
-    "sdf_pidx": Field("int32", "[M]", "unbatched_query(octree, exsum, sdf_points, level): the "
-                          "point_hierarchy index of each point's leaf voxel, -1 outside the octree"),
+    "sdf_pidx": Field(
+        "int32",
+        "[M]",
+        "unbatched_query(octree, exsum, sdf_points, level): the "
+        "point_hierarchy index of each point's leaf voxel, -1 outside the octree",
+    ),
 }
 _SDF_DOC = (
     "spc plus the dual octree, trinkets and seeded signed-distance samples of a triangle mesh "
@@ -97,20 +163,20 @@ _SDF_DOC = (
     "min(8^l, surface_samples), num_dual_points <= 8 num_points (about 3.5 num_points on "
     "surfaces); a record is about 47 B per point, 6 B per dual point and 24 B per SDF sample: "
     "a few MB at the defaults (10.8 MB for the bunny); parameters whose worst case is "
-    "over the record size limit are refused.")
+    "over the record size limit are refused."
+)
 
 
 def _level_points(level: int, samples: int) -> list[int]:
     """Upper bound of the occupied voxels at each level 0..level: at most one per sampled
     point, and at most 8^l."""
-    return [min(samples, 8 ** lv) for lv in range(level + 1)]
+    return [min(samples, 8**lv) for lv in range(level + 1)]
 
 
 def _spc_bytes(p: Mapping[str, Any]) -> int:
     points = _level_points(int(p["level"]), int(p["surface_samples"]))
     nodes = sum(points[:-1])  # octree: one byte per non-leaf node; exsum: int32 per byte
-    return (nodes + 4 * nodes + 6 * sum(points) + 8 * (int(p["level"]) + 2) + 16
-            + _HEADER_BYTES)
+    return nodes + 4 * nodes + 6 * sum(points) + 8 * (int(p["level"]) + 2) + 16 + _HEADER_BYTES
 
 
 def _query_bytes(p: Mapping[str, Any]) -> int:
@@ -118,27 +184,29 @@ def _query_bytes(p: Mapping[str, Any]) -> int:
     return _spc_bytes(p) + queries * (12 + 4 * (int(p["level"]) + 1) + 1)
 
 
-_SPC_BOUND = ("octree + exsum: 5 x sum over levels l < L of min(S, 8^l); point_hierarchy: "
-              "6 x sum over l <= L of min(S, 8^l); S = surface_samples, or a point cloud's "
-              "own point count")
+_SPC_BOUND = (
+    "octree + exsum: 5 x sum over levels l < L of min(S, 8^l); point_hierarchy: "
+    "6 x sum over l <= L of min(S, 8^l); S = surface_samples, or a point cloud's "
+    "own point count"
+)
 _QUERY_BOUND = _SPC_BOUND + "; plus (uniform_queries + surface_queries) x (13 + 4 (L + 1))"
 
 
 def _sdf_bytes(p: Mapping[str, Any]) -> int:
     level = int(p["level"])
     points = _level_points(level, int(p["surface_samples"]))
-    dual = [min(8 * n, (2 ** lv + 1) ** 3) for lv, n in enumerate(points)]
+    dual = [min(8 * n, (2**lv + 1) ** 3) for lv, n in enumerate(points)]
     samples = int(p["near_samples"]) + int(p["uniform_samples"])
     # trinkets int32 [P, 8] + trinket_parents int32 [P]; dual int16 [D, 3]; pyramid_dual;
     # sdf_points float32 [M, 3] + sdf float32 + sdf_face int32 + sdf_pidx int32
-    return (_spc_bytes(p) + 36 * sum(points) + 6 * sum(dual) + 8 * (level + 2)
-            + 24 * samples)
+    return _spc_bytes(p) + 36 * sum(points) + 6 * sum(dual) + 8 * (level + 2) + 24 * samples
 
 
-_SDF_BOUND = (_SPC_BOUND + "; plus 36 x (points of all levels) for trinkets and parents, "
-              "6 x sum over l <= L of min(8 x points at l, (2^l + 1)^3) dual points, and "
-              "24 x (near_samples + uniform_samples)")
-
+_SDF_BOUND = (
+    _SPC_BOUND + "; plus 36 x (points of all levels) for trinkets and parents, "
+    "6 x sum over l <= L of min(8 x points at l, (2^l + 1)^3) dual points, and "
+    "24 x (near_samples + uniform_samples)"
+)
 
 
 class Spc(Recipe):
@@ -159,12 +227,14 @@ class Spc(Recipe):
 
         return prepare_spc(source, params, generator, with_queries=self.with_queries)
 
-    def compute(self, prepared: dict[str, Any], params: Mapping[str, Any], device: Any,
-                ops: Any) -> dict[str, Any]:
+    def compute(
+        self, prepared: dict[str, Any], params: Mapping[str, Any], device: Any, ops: Any
+    ) -> dict[str, Any]:
         from workers.recipes import compute_spc
 
-        return compute_spc(prepared, params, device, ops, self.chunks,
-                           with_queries=self.with_queries)
+        return compute_spc(
+            prepared, params, device, ops, self.chunks, with_queries=self.with_queries
+        )
 
 
 class SpcQuery(Spc):
@@ -196,8 +266,9 @@ class SpcSdf(Recipe):
 
         return prepare_sdf(source, params, generator)
 
-    def compute(self, prepared: dict[str, Any], params: Mapping[str, Any], device: Any,
-                ops: Any) -> dict[str, Any]:
+    def compute(
+        self, prepared: dict[str, Any], params: Mapping[str, Any], device: Any, ops: Any
+    ) -> dict[str, Any]:
         from workers.recipes import compute_sdf
 
         return compute_sdf(prepared, params, device, ops, self.chunks)

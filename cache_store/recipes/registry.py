@@ -40,8 +40,16 @@ from cache_store.errors import UnknownName
 from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
 
-__all__ = ["ENTRY_POINT_GROUP", "ENV_VAR", "RecipeEntry", "Registry", "installed_recipes",
-           "load_registry", "get_entry", "report_problems_here"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ENV_VAR",
+    "RecipeEntry",
+    "Registry",
+    "installed_recipes",
+    "load_registry",
+    "get_entry",
+    "report_problems_here",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +85,7 @@ class RecipeEntry:
         return recipe
 
     def as_json(self) -> dict[str, Any]:
-        return {**self.spec.as_json(), "origin": dict(self.origin),
-                "code_digest": self.code_digest}
+        return {**self.spec.as_json(), "origin": dict(self.origin), "code_digest": self.code_digest}
 
 
 @dataclass
@@ -126,22 +133,33 @@ def _candidates() -> list[tuple[str, str, dict[str, Any], Any]]:
     try:
         points = list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
     except Exception as exc:  # noqa: BLE001 - broken metadata must not stop the program
-        logger.error("recipe entry points of group %r could not be listed: %s",
-                     ENTRY_POINT_GROUP, exc)
+        logger.error(
+            "recipe entry points of group %r could not be listed: %s", ENTRY_POINT_GROUP, exc
+        )
         points = []
     points.sort(key=lambda ep: (_distribution_of(ep)[0] or "", ep.name))
     for ep in points:
         package, version = _distribution_of(ep)
         where = f" (package {package} {version})" if package else ""
         label = f"recipe entry point '{ep.name} = {ep.value}'{where}"
-        origin = {"kind": "entry point", "entry": f"{ep.name} = {ep.value}",
-                  "package": package, "package_version": version}
+        origin = {
+            "kind": "entry point",
+            "entry": f"{ep.name} = {ep.value}",
+            "package": package,
+            "package_version": version,
+        }
         out.append((label, ep.name, origin, ep.load))
     for value in (v.strip() for v in os.environ.get(ENV_VAR, "").split(",")):
         if value:
             origin = {"kind": ENV_VAR, "entry": value, "package": None, "package_version": None}
-            out.append((f"recipe {value!r} from {ENV_VAR}", "", origin,
-                        lambda value=value: _import_class(value)))
+            out.append(
+                (
+                    f"recipe {value!r} from {ENV_VAR}",
+                    "",
+                    origin,
+                    lambda value=value: _import_class(value),
+                )
+            )
     return out
 
 
@@ -159,8 +177,7 @@ def load_registry() -> Registry:
         try:
             cls = load()
         except Exception as exc:  # noqa: BLE001 - any import failure is this entry's alone
-            problems.append(f"{label}: failed to import: {type(exc).__name__}: "
-                            f"{_one_line(exc)}")
+            problems.append(f"{label}: failed to import: {type(exc).__name__}: {_one_line(exc)}")
             continue
         if cls in builtin:
             if origin["kind"] == "entry point" and origin["package"] == "spcache":
@@ -168,35 +185,41 @@ def load_registry() -> Registry:
             continue
         bad = contract_problems(cls)
         if not bad and expected and expected != cls.name:
-            bad = [(f"the class's name is {cls.name!r}; the entry point must be named after "
-                    "the recipe")]
+            bad = [
+                (
+                    f"the class's name is {cls.name!r}; the entry point must be named after "
+                    "the recipe"
+                )
+            ]
         if bad:
             problems.append(f"{label}: not a usable recipe: {'; '.join(bad)}")
             continue
         name = cls.name
         if name in refused:
-            problems.append(f"{label}: recipe name {name!r} is also claimed by "
-                            f"{refused[name]}; neither is used")
+            problems.append(
+                f"{label}: recipe name {name!r} is also claimed by {refused[name]}; neither is used"
+            )
             continue
         current = recipes.get(name)
         if current is not None and current.cls is cls:
             continue  # the same class named twice (an entry point and SPCACHE_RECIPES)
         if current is not None and current.cls in builtin:
-            problems.append(f"{label}: recipe name {name!r} is a built-in recipe; this "
-                            "one is not used")
+            problems.append(
+                f"{label}: recipe name {name!r} is a built-in recipe; this one is not used"
+            )
             continue
         if current is not None:
             first = recipes.pop(name)
             first_label = first.origin.get("label", repr(first.origin.get("entry")))
             refused[name] = first_label
-            problems.append(f"{label}: recipe name {name!r} is also claimed by "
-                            f"{first_label}; neither is used")
+            problems.append(
+                f"{label}: recipe name {name!r} is also claimed by {first_label}; neither is used"
+            )
             continue
         try:
             spec = cls.schema()
         except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
-            problems.append(f"{label}: not a usable recipe: {type(exc).__name__}: "
-                            f"{_one_line(exc)}")
+            problems.append(f"{label}: not a usable recipe: {type(exc).__name__}: {_one_line(exc)}")
             continue
         recipes[name] = RecipeEntry(name, cls, spec, {**origin, "label": label})
     for entry in recipes.values():

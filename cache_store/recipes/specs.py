@@ -17,8 +17,14 @@ from typing import Any
 
 from cache_store.errors import ParameterError, UnknownName
 
-__all__ = ["ParamSpec", "FieldSpec", "RecipeSpec", "RECIPE_SPECS", "get_recipe_spec",
-           "MAX_RECORD_BYTES"]
+__all__ = [
+    "ParamSpec",
+    "FieldSpec",
+    "RecipeSpec",
+    "RECIPE_SPECS",
+    "get_recipe_spec",
+    "MAX_RECORD_BYTES",
+]
 
 #: Largest record a recipe's parameters may call for (worst case, from the parameters):
 #: a request above it is refused, so one record always fits one response of the service.
@@ -56,8 +62,13 @@ class ParamSpec:
         return value, None
 
     def as_json(self) -> dict[str, Any]:
-        return {"type": self.type.__name__, "default": self.default,
-                "minimum": self.minimum, "maximum": self.maximum, "doc": self.doc}
+        return {
+            "type": self.type.__name__,
+            "default": self.default,
+            "minimum": self.minimum,
+            "maximum": self.maximum,
+            "doc": self.doc,
+        }
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,11 @@ class RecipeSpec:
     def resolve(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Validate ``params`` and fill defaults; raises :class:`ParameterError`."""
         params = dict(params or {})
-        problems = [f"{name}: unknown parameter (known: {', '.join(sorted(self.params))})"
-                    for name in sorted(params) if name not in self.params]
+        problems = [
+            f"{name}: unknown parameter (known: {', '.join(sorted(self.params))})"
+            for name in sorted(params)
+            if name not in self.params
+        ]
         resolved: dict[str, Any] = {}
         for name, spec in self.params.items():
             value, problem = spec.check(name, params.get(name, spec.default))
@@ -105,7 +119,8 @@ class RecipeSpec:
                 problems.append(
                     f"these parameters allow records of up to {worst} bytes, over the "
                     f"{MAX_RECORD_BYTES}-byte record limit ({self.record_bytes_doc}); "
-                    "lower them")
+                    "lower them"
+                )
         if problems:
             raise ParameterError(problems, what=f"parameters for recipe {self.name!r}")
         return resolved
@@ -119,12 +134,16 @@ class RecipeSpec:
         return self.record_bytes(full)
 
     def as_json(self) -> dict[str, Any]:
-        return {"name": self.name, "version": self.version, "doc": self.doc,
-                "params": {k: v.as_json() for k, v in self.params.items()},
-                "fields": {k: v.as_json() for k, v in self.fields.items()},
-                "max_record_bytes": MAX_RECORD_BYTES,
-                "record_bytes_bound": self.record_bytes_doc,
-                "default_worst_case_record_bytes": self.worst_case_record_bytes()}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "doc": self.doc,
+            "params": {k: v.as_json() for k, v in self.params.items()},
+            "fields": {k: v.as_json() for k, v in self.fields.items()},
+            "max_record_bytes": MAX_RECORD_BYTES,
+            "record_bytes_bound": self.record_bytes_doc,
+            "default_worst_case_record_bytes": self.worst_case_record_bytes(),
+        }
 
 
 class _InstalledSpecs(Mapping[str, RecipeSpec]):

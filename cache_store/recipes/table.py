@@ -35,8 +35,10 @@ def recipe_table(specs: Iterable[RecipeSpec] | None = None, *, indent: str = "  
     blocks = []
     for spec in RECIPE_SPECS.values() if specs is None else specs:
         lines = [f"{spec.name} (version {spec.version}): {spec.doc}"]
-        rows = [(name, p.type.__name__, repr(p.default), param_bounds(p), p.doc)
-                for name, p in spec.params.items()]
+        rows = [
+            (name, p.type.__name__, repr(p.default), param_bounds(p), p.doc)
+            for name, p in spec.params.items()
+        ]
         widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else []
         for row in rows:
             cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]

@@ -32,11 +32,17 @@ def supports_direct(array: Any) -> bool:
         return False
     little = ({"name": "bytes"}, {"name": "bytes", "configuration": {"endian": "little"}})
     blosc = len(codecs) == 3 and codecs[1].get("name") == "blosc"
-    return (len(codecs) in (2, 3) and codecs[0] in little and (blosc or len(codecs) == 2)
-            and codecs[-1] == {"name": "crc32c"}
-            and name == "default" and separator == "/"
-            and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
-            and not isinstance(getattr(array, "shards", None), tuple))
+    return (
+        len(codecs) in (2, 3)
+        and codecs[0] in little
+        and (blosc or len(codecs) == 2)
+        and codecs[-1] == {"name": "crc32c"}
+        and name == "default"
+        and separator == "/"
+        and all(c >= s for c, s in zip(array.chunks[1:], array.shape[1:], strict=True))
+        and not isinstance(getattr(array, "shards", None), tuple)
+    )
+
 
 def _chunk_key(index: int, ndim: int) -> str:
     """Chunk ``index`` (axis 0) of an ``ndim``-d array: its file under the array's
@@ -81,8 +87,14 @@ class LocalChunkReader:
     anyway, by the per-field xxh3 of the record it belongs to (every read verifies it).
     """
 
-    def __init__(self, directory: str, array: Any, cache_bytes: int = 16 << 20,
-                 min_chunks: int = 2, keep_files: int = 16) -> None:
+    def __init__(
+        self,
+        directory: str,
+        array: Any,
+        cache_bytes: int = 16 << 20,
+        min_chunks: int = 2,
+        keep_files: int = 16,
+    ) -> None:
         self.directory = directory
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
@@ -92,8 +104,9 @@ class LocalChunkReader:
         self._cache: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # the service reads from several threads
         # rows read in place: no compressor, and a chunk's rows as wide as the array's
-        self.raw = (len(array.metadata.codecs) == 2
-                    and tuple(self.chunk_shape[1:]) == tuple(self.shape[1:]))
+        self.raw = len(array.metadata.codecs) == 2 and tuple(self.chunk_shape[1:]) == tuple(
+            self.shape[1:]
+        )
         self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
         self.chunk_file_bytes = chunk_bytes + 4
         self.keep_files = keep_files
@@ -123,8 +136,7 @@ class LocalChunkReader:
         else:
             body = raw[:-4]
             if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
-                raise ValueError(f"chunk {key}: stored and computed CRC-32C "
-                                 f"do not match")
+                raise ValueError(f"chunk {key}: stored and computed CRC-32C do not match")
             if "blosc" in self.codec_names:
                 try:
                     decoded = numcodecs.Blosc().decode(body)
@@ -134,8 +146,10 @@ class LocalChunkReader:
                 decoded = body
             chunk = np.frombuffer(decoded, dtype=self.dtype)
             if chunk.size != math.prod(self.chunk_shape):
-                raise ValueError(f"chunk {key}: decodes to {chunk.size} items, "
-                                 f"expected {math.prod(self.chunk_shape)}")
+                raise ValueError(
+                    f"chunk {key}: decodes to {chunk.size} items, "
+                    f"expected {math.prod(self.chunk_shape)}"
+                )
             chunk = chunk.reshape(self.chunk_shape)
         with self._lock:
             while len(self._cache) >= self.cache_chunks:
@@ -159,8 +173,9 @@ class LocalChunkReader:
         size = os.fstat(f.fileno()).st_size
         if size != self.chunk_file_bytes:
             f.close()
-            raise ValueError(f"chunk {key}: {size} bytes, expected "
-                             f"{self.chunk_file_bytes} (rows and a CRC-32C)")
+            raise ValueError(
+                f"chunk {key}: {size} bytes, expected {self.chunk_file_bytes} (rows and a CRC-32C)"
+            )
         with self._lock:
             self._files[index] = f
             while len(self._files) > self.keep_files:
@@ -182,8 +197,9 @@ class LocalChunkReader:
         chunk's rows straight from its file (``preadv``), others from the decoded chunk."""
         row_bytes = self.row_bytes
         if (stop - start) * row_bytes != out.nbytes:
-            raise ValueError(f"rows {start}:{stop} are {(stop - start) * row_bytes} "
-                             f"bytes, not {out.nbytes}")
+            raise ValueError(
+                f"rows {start}:{stop} are {(stop - start) * row_bytes} bytes, not {out.nbytes}"
+            )
         if not self.raw:
             out[:] = np.ascontiguousarray(self.rows(start, stop)).view(np.uint8).reshape(-1).data
             return
@@ -192,7 +208,7 @@ class LocalChunkReader:
         for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
             lo = max(start, index * step) - index * step
             hi = min(stop, (index + 1) * step) - index * step
-            part = out[at:at + (hi - lo) * row_bytes]
+            part = out[at : at + (hi - lo) * row_bytes]
             f = self._file(index)
             if f is None:
                 part[:] = bytes(part.nbytes)
@@ -211,7 +227,10 @@ class LocalChunkReader:
         step = self.chunk_shape[0]
         pieces = []
         for index in range(start // step, (stop - 1) // step + 1 if stop > start else 0):
-            lo, hi = max(start, index * step) - index * step, min(stop, (index + 1) * step) - index * step
+            lo, hi = (
+                max(start, index * step) - index * step,
+                min(stop, (index + 1) * step) - index * step,
+            )
             if self.raw:
                 pieces.append(self._read_rows(index, lo, hi))
                 continue
@@ -285,13 +304,20 @@ class LocalChunkWriter:
             raise ValueError(f"{directory}: uncompressed chunks are written by RawChunkAppender")
         blosc = codecs[1]["configuration"]
         self.codec = numcodecs.Blosc(
-            cname=blosc["cname"], clevel=int(blosc["clevel"]),
-            shuffle={"noshuffle": numcodecs.Blosc.NOSHUFFLE, "shuffle": numcodecs.Blosc.SHUFFLE,
-                     "bitshuffle": numcodecs.Blosc.BITSHUFFLE}[blosc["shuffle"]],
-            blocksize=int(blosc.get("blocksize", 0)))
+            cname=blosc["cname"],
+            clevel=int(blosc["clevel"]),
+            shuffle={
+                "noshuffle": numcodecs.Blosc.NOSHUFFLE,
+                "shuffle": numcodecs.Blosc.SHUFFLE,
+                "bitshuffle": numcodecs.Blosc.BITSHUFFLE,
+            }[blosc["shuffle"]],
+            blocksize=int(blosc.get("blocksize", 0)),
+        )
         if int(blosc.get("typesize", self.dtype.itemsize)) != self.dtype.itemsize:
-            raise ValueError(f"{directory}: blosc typesize {blosc['typesize']} is not the "
-                             f"dtype's itemsize {self.dtype.itemsize}")
+            raise ValueError(
+                f"{directory}: blosc typesize {blosc['typesize']} is not the "
+                f"dtype's itemsize {self.dtype.itemsize}"
+            )
 
     def write(self, start: int, rows: np.ndarray) -> None:
         """Write ``rows`` from row ``start`` (a chunk boundary) on, one file per chunk;
@@ -300,7 +326,7 @@ class LocalChunkWriter:
         if start % step:
             raise ValueError(f"{self.directory}: write at row {start}, not a chunk boundary")
         for lo in range(0, rows.shape[0], step):
-            part = rows[lo:lo + step]
+            part = rows[lo : lo + step]
             chunk = np.zeros(self.chunk_shape, dtype=self.dtype)
             chunk[(slice(0, part.shape[0]), *(slice(0, d) for d in part.shape[1:]))] = part
             self.pool.submit(self._write_chunk, (start + lo) // step, chunk)
@@ -309,8 +335,9 @@ class LocalChunkWriter:
         import google_crc32c
 
         body = self.codec.encode(chunk)
-        with open(_new_chunk_path(self.directory, _chunk_key(index, len(self.chunk_shape))),
-                  "wb") as f:
+        with open(
+            _new_chunk_path(self.directory, _chunk_key(index, len(self.chunk_shape))), "wb"
+        ) as f:
             f.write(body)
             f.write(np.uint32(google_crc32c.value(body)).astype("<u4").tobytes())
 
@@ -348,19 +375,22 @@ class RawChunkAppender:
                 key = _chunk_key(self._index, len(self.chunk_shape))
                 self._file = open(_new_chunk_path(self.directory, key), "wb")  # noqa: SIM115
                 self._crc, self._filled = 0, 0
-            part = data[:self.chunk_bytes - self._filled]
+            part = data[: self.chunk_bytes - self._filled]
             self._file.write(part)
             self._crc = google_crc32c.extend(self._crc, part)
             self._filled += part.nbytes
-            data = data[part.nbytes:]
+            data = data[part.nbytes :]
             if self._filled == self.chunk_bytes:
                 self._end_chunk()
 
     def flush(self, final: bool = True) -> None:
         """Pad and close the last chunk (``final``; rows are never held back)."""
         if final and self._file is not None:
-            self.add(np.zeros((self.chunk_bytes - self._filled) // self.dtype.itemsize,
-                              dtype=self.dtype).reshape(-1, *self.chunk_shape[1:]))
+            self.add(
+                np.zeros(
+                    (self.chunk_bytes - self._filled) // self.dtype.itemsize, dtype=self.dtype
+                ).reshape(-1, *self.chunk_shape[1:])
+            )
 
     def _end_chunk(self) -> None:
         self._file.write(np.uint32(self._crc).astype("<u4").tobytes())

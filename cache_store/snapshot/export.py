@@ -82,10 +82,21 @@ from cache_store.snapshot.format import (
     validate_field_name,
 )
 
-__all__ = ["ExportSummary", "export_snapshot", "sweep_leftovers",
-           "CODECS", "DEFAULT_LOCAL_CODEC", "DEFAULT_REMOTE_CODEC", "default_codec",
-           "DEFAULT_CHUNK_BYTES", "RAW_CHUNK_BYTES",
-           "DEFAULT_CLEVEL", "FieldWriter", "compressors_for", "export_lock"]
+__all__ = [
+    "ExportSummary",
+    "export_snapshot",
+    "sweep_leftovers",
+    "CODECS",
+    "DEFAULT_LOCAL_CODEC",
+    "DEFAULT_REMOTE_CODEC",
+    "default_codec",
+    "DEFAULT_CHUNK_BYTES",
+    "RAW_CHUNK_BYTES",
+    "DEFAULT_CLEVEL",
+    "FieldWriter",
+    "compressors_for",
+    "export_lock",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +129,21 @@ class ExportSummary:
     seconds: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"fingerprint": self.fingerprint, "destination": self.destination,
-                "samples": self.samples, "skipped": dict(self.skipped),
-                "record_bytes": self.record_bytes, "seconds": round(self.seconds, 3)}
+        return {
+            "fingerprint": self.fingerprint,
+            "destination": self.destination,
+            "samples": self.samples,
+            "skipped": dict(self.skipped),
+            "record_bytes": self.record_bytes,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 @dataclass
 class _FieldLayout:
-    dtype: str                 # safetensors name (F32 ...)
+    dtype: str  # safetensors name (F32 ...)
     trailing: tuple[int, ...]  # shape after the first axis
-    scalar: bool               # 0-d tensors: one row per record
+    scalar: bool  # 0-d tensors: one row per record
     rows: list[int] = field(default_factory=list)
 
     @property
@@ -138,8 +154,12 @@ class _FieldLayout:
         return 1 if self.scalar else shape[0]
 
     def describe(self, meaning: str) -> dict[str, Any]:
-        return {"dtype": self.dtype, "zarr_dtype": str(self.numpy_dtype),
-                "shape": [] if self.scalar else [None, *self.trailing], "meaning": meaning}
+        return {
+            "dtype": self.dtype,
+            "zarr_dtype": str(self.numpy_dtype),
+            "shape": [] if self.scalar else [None, *self.trailing],
+            "meaning": meaning,
+        }
 
 
 @dataclass
@@ -162,14 +182,18 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 def _layout_problem(layouts: Mapping[str, _FieldLayout], header: RecordHeader) -> str | None:
     if set(header.tensors) != set(layouts):
-        return (f"fields {sorted(header.tensors)} differ from the first record's "
-                f"{sorted(layouts)}")
+        return f"fields {sorted(header.tensors)} differ from the first record's {sorted(layouts)}"
     for name, info in header.tensors.items():
         lay = layouts[name]
-        if info.dtype != lay.dtype or (len(info.shape) == 0) != lay.scalar \
-                or (not lay.scalar and tuple(info.shape[1:]) != lay.trailing):
-            return (f"field {name!r} is {info.dtype} {list(info.shape)}, unlike the first "
-                    f"record's {lay.dtype} {'[]' if lay.scalar else ['*', *lay.trailing]}")
+        if (
+            info.dtype != lay.dtype
+            or (len(info.shape) == 0) != lay.scalar
+            or (not lay.scalar and tuple(info.shape[1:]) != lay.trailing)
+        ):
+            return (
+                f"field {name!r} is {info.dtype} {list(info.shape)}, unlike the first "
+                f"record's {lay.dtype} {'[]' if lay.scalar else ['*', *lay.trailing]}"
+            )
     return None
 
 
@@ -182,16 +206,18 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
             try:
                 with store.read_view(key) as value:  # checked in place, not copied
                     header = check_record(value, key=key)
-                    header_bytes = bytes(memoryview(value)[8:header.data_start])
+                    header_bytes = bytes(memoryview(value)[8 : header.data_start])
                     size = len(value)
             except (RecordNotFound, CorruptRecord) as exc:
                 survey.bad[key] = exc.reason if isinstance(exc, CorruptRecord) else "no record"
                 continue
             if not survey.fields:
                 survey.fields = {
-                    validate_field_name(name): _FieldLayout(info.dtype, tuple(info.shape[1:]),
-                                                            len(info.shape) == 0)
-                    for name, info in sorted(header.tensors.items())}
+                    validate_field_name(name): _FieldLayout(
+                        info.dtype, tuple(info.shape[1:]), len(info.shape) == 0
+                    )
+                    for name, info in sorted(header.tensors.items())
+                }
             problem = _layout_problem(survey.fields, header)
             if problem:
                 survey.bad[key] = problem
@@ -240,11 +266,17 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return offsets
 
 
-def _write_small(group: Any, name: str, data: np.ndarray, clevel: int, codec: str,
-                 chunk: int = _INDEX_CHUNK) -> None:
-    arr = group.create_array(name, shape=data.shape, dtype=data.dtype,
-                             chunks=(max(1, min(chunk, data.shape[0])),),
-                             compressors=compressors_for(data.dtype, clevel, codec), fill_value=0)
+def _write_small(
+    group: Any, name: str, data: np.ndarray, clevel: int, codec: str, chunk: int = _INDEX_CHUNK
+) -> None:
+    arr = group.create_array(
+        name,
+        shape=data.shape,
+        dtype=data.dtype,
+        chunks=(max(1, min(chunk, data.shape[0])),),
+        compressors=compressors_for(data.dtype, clevel, codec),
+        fill_value=0,
+    )
     if data.size:
         arr[:] = data
 
@@ -302,13 +334,23 @@ def _chunk_rows(lay: _FieldLayout, n: int, chunk_bytes: int) -> int:
 
 def _zarr_write(array: Any) -> Any:
     def write(start: int, rows: np.ndarray) -> None:
-        array[start:start + rows.shape[0]] = rows
+        array[start : start + rows.shape[0]] = rows
+
     return write
 
 
-def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
-                 attrs: dict[str, Any], chunk_bytes: int, clevel: int, codec: str,
-                 progress: bool, local_dir: Path | None = None) -> None:
+def _write_group(
+    group: Any,
+    store: Store,
+    index: DatasetIndex,
+    survey: _Survey,
+    attrs: dict[str, Any],
+    chunk_bytes: int,
+    clevel: int,
+    codec: str,
+    progress: bool,
+    local_dir: Path | None = None,
+) -> None:
     """Write every array of a fingerprint group, then its attributes (still incomplete).
 
     ``local_dir``: the group's directory when it is local; its data chunks are then
@@ -326,12 +368,19 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
     for name, data in small.items():
         _write_small(group, name, data, clevel, codec)
     headers = np.frombuffer(b"".join(survey.headers), dtype=np.uint8)
-    _write_small(group, "headers", headers, clevel, codec,
-                 chunk=max(_HEADER_CHUNK_BYTES, math.ceil(headers.size / max(n, 1))))
+    _write_small(
+        group,
+        "headers",
+        headers,
+        clevel,
+        codec,
+        chunk=max(_HEADER_CHUNK_BYTES, math.ceil(headers.size / max(n, 1))),
+    )
     pool = ChunkWriterPool() if local_dir is not None and codec != "none" else None
     try:
-        _write_fields(group, store, index, survey, chunk_bytes, clevel, codec, progress,
-                      local_dir, pool)
+        _write_fields(
+            group, store, index, survey, chunk_bytes, clevel, codec, progress, local_dir, pool
+        )
     finally:
         if pool is not None:
             pool.close()
@@ -339,17 +388,31 @@ def _write_group(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
     group.update_attributes({ATTRS_KEY: attrs})
 
 
-def _write_fields(group: Any, store: Store, index: DatasetIndex, survey: _Survey,
-                  chunk_bytes: int, clevel: int, codec: str, progress: bool,
-                  local_dir: Path | None, pool: ChunkWriterPool | None) -> None:
+def _write_fields(
+    group: Any,
+    store: Store,
+    index: DatasetIndex,
+    survey: _Survey,
+    chunk_bytes: int,
+    clevel: int,
+    codec: str,
+    progress: bool,
+    local_dir: Path | None,
+    pool: ChunkWriterPool | None,
+) -> None:
     n = len(survey.sample_ids)
     writers: dict[str, Any] = {}
     for name, lay in survey.fields.items():
         dtype, rows = lay.numpy_dtype, sum(lay.rows)
         chunk = _chunk_rows(lay, n, chunk_bytes)
-        arr = group.create_array(f"data/{name}", shape=(rows, *lay.trailing), dtype=dtype,
-                                 chunks=(chunk, *(max(1, d) for d in lay.trailing)),
-                                 compressors=compressors_for(dtype, clevel, codec), fill_value=0)
+        arr = group.create_array(
+            f"data/{name}",
+            shape=(rows, *lay.trailing),
+            dtype=dtype,
+            chunks=(chunk, *(max(1, d) for d in lay.trailing)),
+            compressors=compressors_for(dtype, clevel, codec),
+            fill_value=0,
+        )
         where = None if local_dir is None else str(local_dir / "data" / name)
         if where is not None and codec == "none" and all(d > 0 for d in lay.trailing):
             writers[name] = RawChunkAppender(where, arr)
@@ -382,43 +445,56 @@ def _write_fields(group: Any, store: Store, index: DatasetIndex, survey: _Survey
                 writer.close()
 
 
-def _send(writers: Mapping[str, Any], survey: _Survey, key: str, value: Any,
-          checked_header: bytes) -> None:
+def _send(
+    writers: Mapping[str, Any], survey: _Survey, key: str, value: Any, checked_header: bytes
+) -> None:
     """One record's rows to every field's writer, after checking it is the record the
     first pass checked."""
     header = check_record(value, key=key)
     view = memoryview(value)
-    if bytes(view[8:header.data_start]) != checked_header:
-        raise SpcacheError(f"{key}: record changed during the export (is a worker "
-                           f"still writing this fingerprint?); export again")
+    if bytes(view[8 : header.data_start]) != checked_header:
+        raise SpcacheError(
+            f"{key}: record changed during the export (is a worker "
+            f"still writing this fingerprint?); export again"
+        )
     for name, lay in survey.fields.items():
         info = header.tensors[name]
-        rows = np.frombuffer(view[info.begin:info.end], dtype=lay.numpy_dtype)
+        rows = np.frombuffer(view[info.begin : info.end], dtype=lay.numpy_dtype)
         writers[name].add(rows.reshape(lay.rows_of(info.shape), *lay.trailing))
 
 
-def _snapshot_attrs(index: DatasetIndex, survey: _Survey, source: str, token: str) -> dict[str, Any]:
+def _snapshot_attrs(
+    index: DatasetIndex, survey: _Survey, source: str, token: str
+) -> dict[str, Any]:
     spec = RECIPE_SPECS.get(index.recipe)
     meanings = {name: f.meaning for name, f in spec.fields.items()} if spec else {}
     from cache_store import __version__
 
     return {
-        "kind": SNAPSHOT_KIND, "format_version": SNAPSHOT_FORMAT_VERSION, "complete": False,
-        "writer": token, "fingerprint": index.fingerprint, "recipe": index.recipe,
-        "recipe_version": index.recipe_version, "params": dict(index.params),
+        "kind": SNAPSHOT_KIND,
+        "format_version": SNAPSHOT_FORMAT_VERSION,
+        "complete": False,
+        "writer": token,
+        "fingerprint": index.fingerprint,
+        "recipe": index.recipe,
+        "recipe_version": index.recipe_version,
+        "params": dict(index.params),
         "index_created": index.created,
         "exported": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "spcache_version": __version__, "source": source,
-        "samples": len(survey.sample_ids), "record_format_version": FORMAT_VERSION,
+        "spcache_version": __version__,
+        "source": source,
+        "samples": len(survey.sample_ids),
+        "record_format_version": FORMAT_VERSION,
         "record_bytes": survey.record_bytes,
-        "fields": {name: lay.describe(meanings.get(name, ""))
-                   for name, lay in survey.fields.items()},
+        "fields": {
+            name: lay.describe(meanings.get(name, "")) for name, lay in survey.fields.items()
+        },
         "records_digest": records_digest(survey.checksums),
         "skipped": len(survey.bad),
         "layout": "sample_ids (UTF-8) + sample_id_offsets; headers (each record's "
-                  "safetensors header: metadata, per-field xxh3 checksums, record checksum) "
-                  "+ header_offsets; data/<field> concatenated along axis 0 + "
-                  "offsets/<field> (rows of record i: offsets[i]:offsets[i+1])",
+        "safetensors header: metadata, per-field xxh3 checksums, record checksum) "
+        "+ header_offsets; data/<field> concatenated along axis 0 + "
+        "offsets/<field> (rows of record i: offsets[i]:offsets[i+1])",
     }
 
 
@@ -435,8 +511,9 @@ def _ensure_root(zstore: Any, where: str) -> Any:
         return zarr.create_group(zstore, attributes=_root_attrs())
     attrs = root.attrs.get(ATTRS_KEY)
     if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
-        raise SpcacheError(f"{where}: a Zarr group that is not an spcache snapshot; "
-                           f"refusing to write into it")
+        raise SpcacheError(
+            f"{where}: a Zarr group that is not an spcache snapshot; refusing to write into it"
+        )
     return root
 
 
@@ -522,9 +599,17 @@ def _existing_complete(path: Path) -> bool | None:
     return bool(isinstance(attrs, dict) and attrs.get("complete"))
 
 
-def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey,
-                  overwrite: bool, chunk_bytes: int, clevel: int, codec: str,
-                  progress: bool) -> None:
+def _export_local(
+    dest: Path,
+    store: Store,
+    index: DatasetIndex,
+    survey: _Survey,
+    overwrite: bool,
+    chunk_bytes: int,
+    clevel: int,
+    codec: str,
+    progress: bool,
+) -> None:
     import zarr
     from zarr.storage import LocalStore
 
@@ -538,15 +623,27 @@ def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey
         _ensure_root(LocalStore(dest), str(dest))
         target = dest / index.fingerprint
         if _existing_complete(target) and not overwrite:
-            raise SpcacheError(f"{target}: fingerprint already exported; pass overwrite "
-                               f"(--overwrite) to replace it")
+            raise SpcacheError(
+                f"{target}: fingerprint already exported; pass overwrite "
+                f"(--overwrite) to replace it"
+            )
         token = uuid.uuid4().hex
         staging = dest.parent / f".{dest.name}.{index.fingerprint}.{token}.staging"
         try:
             group = zarr.create_group(LocalStore(staging))
             attrs = _snapshot_attrs(index, survey, store.location, token)
-            _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress,
-                         local_dir=staging)
+            _write_group(
+                group,
+                store,
+                index,
+                survey,
+                attrs,
+                chunk_bytes,
+                clevel,
+                codec,
+                progress,
+                local_dir=staging,
+            )
             attrs["complete"] = True
             group.update_attributes({ATTRS_KEY: attrs})
             _fsync_tree(staging)
@@ -566,21 +663,33 @@ def _export_local(dest: Path, store: Store, index: DatasetIndex, survey: _Survey
 # --------------------------------------------------------------------------- remote
 
 
-def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
-                   overwrite: bool, chunk_bytes: int, clevel: int, codec: str,
-                   progress: bool, storage_options: Mapping[str, Any] | None) -> None:
+def _export_remote(
+    url: str,
+    store: Store,
+    index: DatasetIndex,
+    survey: _Survey,
+    overwrite: bool,
+    chunk_bytes: int,
+    clevel: int,
+    codec: str,
+    progress: bool,
+    storage_options: Mapping[str, Any] | None,
+) -> None:
     import zarr
     from zarr.storage import FsspecStore
 
-    zstore = FsspecStore.from_url(url, read_only=False,
-                                  storage_options=dict(storage_options or {}) or None)
+    zstore = FsspecStore.from_url(
+        url, read_only=False, storage_options=dict(storage_options or {}) or None
+    )
     root = _ensure_root(zstore, url)
     fp = index.fingerprint
     if fp in root:
         existing = root[fp].attrs.get(ATTRS_KEY, {})
         if isinstance(existing, dict) and existing.get("complete") and not overwrite:
-            raise SpcacheError(f"{url}/{fp}: fingerprint already exported; pass overwrite "
-                               f"(--overwrite) to replace it")
+            raise SpcacheError(
+                f"{url}/{fp}: fingerprint already exported; pass overwrite "
+                f"(--overwrite) to replace it"
+            )
         del root[fp]
     token = uuid.uuid4().hex
     attrs = _snapshot_attrs(index, survey, store.location, token)
@@ -588,8 +697,10 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
     _write_group(group, store, index, survey, attrs, chunk_bytes, clevel, codec, progress)
     now = zarr.open_group(zstore, mode="r", path=fp).attrs.get(ATTRS_KEY, {})
     if not isinstance(now, dict) or now.get("writer") != token:
-        raise SpcacheError(f"{url}/{fp}: another export wrote this fingerprint meanwhile; "
-                           f"run one export per destination and export again")
+        raise SpcacheError(
+            f"{url}/{fp}: another export wrote this fingerprint meanwhile; "
+            f"run one export per destination and export again"
+        )
     attrs["complete"] = True
     group.update_attributes({ATTRS_KEY: attrs})
 
@@ -597,12 +708,19 @@ def _export_remote(url: str, store: Store, index: DatasetIndex, survey: _Survey,
 # --------------------------------------------------------------------------- entry
 
 
-def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
-                    dest: str | os.PathLike[str], *, overwrite: bool = False,
-                    skip_bad: bool = False, chunk_bytes: int | None = None,
-                    clevel: int = DEFAULT_CLEVEL, codec: str | None = None,
-                    storage_options: Mapping[str, Any] | None = None,
-                    progress: bool = False) -> ExportSummary:
+def export_snapshot(
+    source: Store | str | os.PathLike[str],
+    fingerprint: str,
+    dest: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    skip_bad: bool = False,
+    chunk_bytes: int | None = None,
+    clevel: int = DEFAULT_CLEVEL,
+    codec: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool = False,
+) -> ExportSummary:
     """Export the records of ``fingerprint`` in ``source`` to the snapshot ``dest``.
 
     Args:
@@ -654,20 +772,51 @@ def export_snapshot(source: Store | str | os.PathLike[str], fingerprint: str,
                 log.warning("export: %s: %s", key, reason)
             if not skip_bad:
                 listed = "; ".join(f"{k}: {r}" for k, r in list(survey.bad.items())[:20])
-                raise SpcacheError(f"{len(survey.bad)} record(s) of {fingerprint} cannot be "
-                                   f"exported (skip_bad / --skip-bad leaves them out): {listed}")
+                raise SpcacheError(
+                    f"{len(survey.bad)} record(s) of {fingerprint} cannot be "
+                    f"exported (skip_bad / --skip-bad leaves them out): {listed}"
+                )
         if parse_location(dest).is_local:
-            _export_local(Path(local_path(dest)).absolute(), store, index, survey, overwrite,
-                          int(chunk_bytes), int(clevel), codec, progress)
+            _export_local(
+                Path(local_path(dest)).absolute(),
+                store,
+                index,
+                survey,
+                overwrite,
+                int(chunk_bytes),
+                int(clevel),
+                codec,
+                progress,
+            )
         else:
-            _export_remote(os.fspath(dest), store, index, survey, overwrite, int(chunk_bytes),
-                           int(clevel), codec, progress, storage_options)
+            _export_remote(
+                os.fspath(dest),
+                store,
+                index,
+                survey,
+                overwrite,
+                int(chunk_bytes),
+                int(clevel),
+                codec,
+                progress,
+                storage_options,
+            )
     finally:
         if owned:
             store.close()
-    summary = ExportSummary(fingerprint, os.fspath(dest), len(survey.sample_ids),
-                            dict(survey.bad), survey.record_bytes,
-                            time.perf_counter() - started)
-    log.info("exported %d records of %s to %s in %.1f s", summary.samples, fingerprint,
-             summary.destination, summary.seconds)
+    summary = ExportSummary(
+        fingerprint,
+        os.fspath(dest),
+        len(survey.sample_ids),
+        dict(survey.bad),
+        survey.record_bytes,
+        time.perf_counter() - started,
+    )
+    log.info(
+        "exported %d records of %s to %s in %.1f s",
+        summary.samples,
+        fingerprint,
+        summary.destination,
+        summary.seconds,
+    )
     return summary

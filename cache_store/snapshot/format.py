@@ -55,16 +55,16 @@ FIELD_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_\-]{0,127}")
 def validate_field_name(name: str) -> str:
     """``name`` if it may become a Zarr node name, else ``ParameterError``."""
     if not isinstance(name, str) or not FIELD_NAME_PATTERN.fullmatch(name):
-        raise ParameterError([(f"field {name!r}: snapshot field names must match "
-                              f"{FIELD_NAME_PATTERN.pattern}")], what="snapshot fields")
+        raise ParameterError(
+            [(f"field {name!r}: snapshot field names must match {FIELD_NAME_PATTERN.pattern}")],
+            what="snapshot fields",
+        )
     return name
 
 
 def array_digest(array: np.ndarray) -> str:
     """xxh3_64 hex of an array's bytes (C order), as kept in a snapshot's attributes."""
     return xxhash.xxh3_64_hexdigest(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
-
-
 
 
 def records_digest(checksums: Iterable[str]) -> str:

@@ -85,8 +85,6 @@ async def _gather(calls: Sequence[Any]) -> list[Any]:
     return await asyncio.gather(*calls, return_exceptions=True)
 
 
-
-
 @dataclass
 class _Snapshot:
     """One fingerprint group, opened in this process: small index arrays in memory,
@@ -94,14 +92,14 @@ class _Snapshot:
 
     fingerprint: str
     attrs: dict[str, Any]
-    sample_ids: np.ndarray          # <U, index order
-    sorted_ids: np.ndarray          # <U, code point (= UTF-8 byte) order
-    order: np.ndarray               # int64: sorted position -> row
-    header_offsets: np.ndarray      # int64 [n + 1]
-    headers: Any                    # AsyncArray uint8
+    sample_ids: np.ndarray  # <U, index order
+    sorted_ids: np.ndarray  # <U, code point (= UTF-8 byte) order
+    order: np.ndarray  # int64: sorted position -> row
+    header_offsets: np.ndarray  # int64 [n + 1]
+    headers: Any  # AsyncArray uint8
     field_offsets: dict[str, np.ndarray]
-    data: dict[str, Any]            # field -> AsyncArray
-    row_bytes: dict[str, int]       # field -> bytes of one row of its data array
+    data: dict[str, Any]  # field -> AsyncArray
+    row_bytes: dict[str, int]  # field -> bytes of one row of its data array
     local: dict[str, LocalChunkReader] | None = None  # "headers" and fields, when local
 
     def row(self, sample_id: str) -> int | None:
@@ -116,8 +114,10 @@ class _Snapshot:
 
     def data_len(self, row: int) -> int:
         """Bytes of record ``row``'s fields: the data section its header must tile."""
-        return sum((int(o[row + 1]) - int(o[row])) * self.row_bytes[name]
-                   for name, o in self.field_offsets.items())
+        return sum(
+            (int(o[row + 1]) - int(o[row])) * self.row_bytes[name]
+            for name, o in self.field_offsets.items()
+        )
 
 
 @dataclass
@@ -136,8 +136,9 @@ def _zarr_store(location: str, storage_options: Mapping[str, Any]) -> Any:
         if not os.path.isdir(path):
             raise CacheNotFound(path, "no Zarr snapshot here (not a directory)")
         return LocalStore(path, read_only=True)
-    return FsspecStore.from_url(location, read_only=True,
-                                storage_options=dict(storage_options) or None)
+    return FsspecStore.from_url(
+        location, read_only=True, storage_options=dict(storage_options) or None
+    )
 
 
 def _open_root(location: str, storage_options: Mapping[str, Any]) -> _Opened:
@@ -151,12 +152,16 @@ def _open_root(location: str, storage_options: Mapping[str, Any]) -> _Opened:
         raise CacheNotFound(location, f"no Zarr group here ({exc})") from None
     attrs = root.attrs.get(ATTRS_KEY)
     if not isinstance(attrs, dict) or attrs.get("kind") != SNAPSHOT_ROOT_KIND:
-        raise CacheNotFound(location, "a Zarr group, but not an spcache snapshot "
-                                      f"(no {ATTRS_KEY!r} root attributes)")
+        raise CacheNotFound(
+            location,
+            f"a Zarr group, but not an spcache snapshot (no {ATTRS_KEY!r} root attributes)",
+        )
     if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
-        raise UnsupportedFormat(f"snapshot:{location}",
-                                f"format_version {attrs.get('format_version')!r} is not "
-                                f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})")
+        raise UnsupportedFormat(
+            f"snapshot:{location}",
+            f"format_version {attrs.get('format_version')!r} is not "
+            f"supported (this reader knows {SNAPSHOT_FORMAT_VERSION})",
+        )
     return _Opened(root)
 
 
@@ -178,17 +183,24 @@ class ZarrStore(Store):
 
     supports_writes = False
 
-    def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True,
-                 storage_options: Mapping[str, Any] | None = None,
-                 direct_reads: bool = True) -> None:
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        readonly: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        direct_reads: bool = True,
+    ) -> None:
         super().__init__(location, readonly=True)
         if not readonly:
-            raise ReadOnlyStoreError(f"{self.location}: Zarr snapshots are read-only; "
-                                     f"write them with 'spcache export'")
+            raise ReadOnlyStoreError(
+                f"{self.location}: Zarr snapshots are read-only; write them with 'spcache export'"
+            )
         self.storage_options = dict(storage_options or {})
         self.direct_reads = bool(direct_reads)
         self._opened: ProcessLocal[_Opened] = ProcessLocal(
-            functools.partial(_open_root, self.location, self.storage_options))
+            functools.partial(_open_root, self.location, self.storage_options)
+        )
 
     # -- opening -----------------------------------------------------------------------
     def _group(self) -> Any:
@@ -247,24 +259,28 @@ class ZarrStore(Store):
         if attrs.get("kind") != SNAPSHOT_KIND or attrs.get("fingerprint") != fingerprint:
             raise CorruptRecord(where, "group attributes do not describe this fingerprint")
         if attrs.get("format_version") != SNAPSHOT_FORMAT_VERSION:
-            raise UnsupportedFormat(where, f"format_version {attrs.get('format_version')!r} "
-                                           f"is not supported (this reader knows "
-                                           f"{SNAPSHOT_FORMAT_VERSION})")
+            raise UnsupportedFormat(
+                where,
+                f"format_version {attrs.get('format_version')!r} "
+                f"is not supported (this reader knows "
+                f"{SNAPSHOT_FORMAT_VERSION})",
+            )
         try:
             fields = [validate_field_name(f) for f in attrs["fields"]]
             n = int(attrs["samples"])
             digests = dict(attrs["digests"])
-            small = {"sample_ids": group["sample_ids"],
-                     "sample_id_offsets": group["sample_id_offsets"],
-                     "header_offsets": group["header_offsets"]}
+            small = {
+                "sample_ids": group["sample_ids"],
+                "sample_id_offsets": group["sample_id_offsets"],
+                "header_offsets": group["header_offsets"],
+            }
             small |= {f"offsets/{f}": group[f"offsets/{f}"] for f in fields}
             data = {f: group[f"data/{f}"] for f in fields}
             headers = group["headers"]
         except (KeyError, TypeError, ValueError, SpcacheError) as exc:
             raise CorruptRecord(where, f"snapshot layout incomplete: {exc}") from None
         names = list(small)
-        results = _run(_gather([small[name].async_array.getitem(slice(None))
-                                for name in names]))
+        results = _run(_gather([small[name].async_array.getitem(slice(None)) for name in names]))
         arrays: dict[str, np.ndarray] = {}
         for name, result in zip(names, results, strict=True):
             if isinstance(result, BaseException):
@@ -274,25 +290,41 @@ class ZarrStore(Store):
             arrays[name] = np.asarray(result)
             if digests.get(name) != array_digest(arrays[name]):
                 raise CorruptRecord(where, f"array {name!r} does not match its digest")
-        self._check_offsets(where, "header_offsets", arrays["header_offsets"], n,
-                            headers.shape[0])
-        self._check_offsets(where, "sample_id_offsets", arrays["sample_id_offsets"], n,
-                            arrays["sample_ids"].shape[0])
+        self._check_offsets(where, "header_offsets", arrays["header_offsets"], n, headers.shape[0])
+        self._check_offsets(
+            where,
+            "sample_id_offsets",
+            arrays["sample_id_offsets"],
+            n,
+            arrays["sample_ids"].shape[0],
+        )
         for f in fields:
-            self._check_offsets(where, f"offsets/{f}", arrays[f"offsets/{f}"], n,
-                                data[f].shape[0] if data[f].ndim else 0)
+            self._check_offsets(
+                where,
+                f"offsets/{f}",
+                arrays[f"offsets/{f}"],
+                n,
+                data[f].shape[0] if data[f].ndim else 0,
+            )
         ids = unpack_ids(arrays["sample_ids"], arrays["sample_id_offsets"])
         order = np.argsort(ids, kind="stable")
-        return _Snapshot(fingerprint, attrs, ids, ids[order], order.astype(np.int64),
-                         arrays["header_offsets"], headers.async_array,
-                         {f: arrays[f"offsets/{f}"] for f in fields},
-                         {f: data[f].async_array for f in fields},
-                         {f: math.prod(data[f].shape[1:]) * np.dtype(data[f].dtype).itemsize
-                          for f in fields},
-                         self._local_readers(fingerprint, headers, data))
+        return _Snapshot(
+            fingerprint,
+            attrs,
+            ids,
+            ids[order],
+            order.astype(np.int64),
+            arrays["header_offsets"],
+            headers.async_array,
+            {f: arrays[f"offsets/{f}"] for f in fields},
+            {f: data[f].async_array for f in fields},
+            {f: math.prod(data[f].shape[1:]) * np.dtype(data[f].dtype).itemsize for f in fields},
+            self._local_readers(fingerprint, headers, data),
+        )
 
-    def _local_readers(self, fingerprint: str, headers: Any,
-                       data: dict[str, Any]) -> dict[str, LocalChunkReader] | None:
+    def _local_readers(
+        self, fingerprint: str, headers: Any, data: dict[str, Any]
+    ) -> dict[str, LocalChunkReader] | None:
         if not (self.direct_reads and parse_location(self.location).is_local):
             return None
         arrays = {"headers": (headers, "headers")}
@@ -300,22 +332,33 @@ class ZarrStore(Store):
         if not all(LocalChunkReader.supports(a) for a, _ in arrays.values()):
             return None
         base = os.path.join(local_path(self.location), fingerprint)
-        return {name: LocalChunkReader(os.path.join(base, *path.split("/")), array)
-                for name, (array, path) in arrays.items()}
+        return {
+            name: LocalChunkReader(os.path.join(base, *path.split("/")), array)
+            for name, (array, path) in arrays.items()
+        }
 
     @staticmethod
     def _check_offsets(where: str, name: str, offsets: np.ndarray, n: int, total: int) -> None:
-        if (offsets.dtype != np.int64 or offsets.shape != (n + 1,) or offsets[0] != 0
-                or offsets[-1] != total or np.any(np.diff(offsets) < 0)):
-            raise CorruptRecord(where, f"array {name!r} does not index {n} records "
-                                       f"over {total} rows")
+        if (
+            offsets.dtype != np.int64
+            or offsets.shape != (n + 1,)
+            or offsets[0] != 0
+            or offsets[-1] != total
+            or np.any(np.diff(offsets) < 0)
+        ):
+            raise CorruptRecord(
+                where, f"array {name!r} does not index {n} records over {total} rows"
+            )
 
     # -- reading records ---------------------------------------------------------------
     def _locate(self, key: str) -> tuple[_Snapshot, int] | None:
-        if not isinstance(key, str) or len(key) <= FINGERPRINT_HEX_CHARS + 1 \
-                or key[FINGERPRINT_HEX_CHARS] != "/":
+        if (
+            not isinstance(key, str)
+            or len(key) <= FINGERPRINT_HEX_CHARS + 1
+            or key[FINGERPRINT_HEX_CHARS] != "/"
+        ):
             return None
-        fingerprint, sample_id = key[:FINGERPRINT_HEX_CHARS], key[FINGERPRINT_HEX_CHARS + 1:]
+        fingerprint, sample_id = key[:FINGERPRINT_HEX_CHARS], key[FINGERPRINT_HEX_CHARS + 1 :]
         if not is_fingerprint(fingerprint):
             return None
         snap = self._snapshot(fingerprint)
@@ -324,21 +367,26 @@ class ZarrStore(Store):
         row = snap.row(sample_id)
         return None if row is None else (snap, row)
 
-    def _read_values(self, located: Sequence[tuple[str, _Snapshot, int]],
-                     fields: Iterable[str] | None) -> list[bytearray | CorruptRecord]:
+    def _read_values(
+        self, located: Sequence[tuple[str, _Snapshot, int]], fields: Iterable[str] | None
+    ) -> list[bytearray | CorruptRecord]:
         """Record values of ``(key, snapshot, row)``, rebuilt from the arrays (local
         snapshots: from the chunk files directly; others: one batch of concurrent reads
         on zarr's IO loop). Fields not in ``fields`` are left zero (not read); each entry
         is the value or the ``CorruptRecord`` that stopped it."""
         wanted = None if fields is None else set(fields)
-        plan = [(key, snap, row, [f for f in snap.fields if wanted is None or f in wanted])
-                for key, snap, row in located]
+        plan = [
+            (key, snap, row, [f for f in snap.fields if wanted is None or f in wanted])
+            for key, snap, row in located
+        ]
         if all(snap.local is not None for _, snap, _, _ in plan):
             results = iter(self._read_local(plan))
         else:
             results = iter(_run(_gather(self._read_calls(plan))) if plan else [])
-        return [self._join_record(key, snap, row, names, [next(results) for _ in range(len(names) + 1)])
-                for key, snap, row, names in plan]
+        return [
+            self._join_record(key, snap, row, names, [next(results) for _ in range(len(names) + 1)])
+            for key, snap, row, names in plan
+        ]
 
     @staticmethod
     def _read_calls(plan: list[tuple[str, _Snapshot, int, list[str]]]) -> list[Any]:
@@ -366,8 +414,9 @@ class ZarrStore(Store):
         return out
 
     @staticmethod
-    def _join_record(key: str, snap: _Snapshot, row: int, names: list[str],
-                  parts: list[Any]) -> bytearray | CorruptRecord:
+    def _join_record(
+        key: str, snap: _Snapshot, row: int, names: list[str], parts: list[Any]
+    ) -> bytearray | CorruptRecord:
         for what, part in zip(["headers", *(f"data/{n}" for n in names)], parts, strict=True):
             if isinstance(part, BaseException):
                 if isinstance(part, _READ_ERRORS):
@@ -379,19 +428,20 @@ class ZarrStore(Store):
         except CorruptRecord as exc:
             return exc
         value = bytearray(header.data_start + snap.data_len(row))  # unread fields stay zero
-        value[:HEADER_LENGTH.size] = HEADER_LENGTH.pack(len(text))
-        value[HEADER_LENGTH.size:header.data_start] = text
+        value[: HEADER_LENGTH.size] = HEADER_LENGTH.pack(len(text))
+        value[HEADER_LENGTH.size : header.data_start] = text
         target = np.frombuffer(value, dtype=np.uint8)  # writable view of value
         for name, part in zip(names, parts[1:], strict=True):
             raw = np.ascontiguousarray(part).view(np.uint8).reshape(-1)
             info = header.tensors.get(name)
             if info is None or info.end - info.begin != raw.size:
                 return CorruptRecord(key, f"field {name!r} does not fit the stored header")
-            target[info.begin:info.end] = raw
+            target[info.begin : info.end] = raw
         return value
 
-    def _values(self, located: Sequence[tuple[str, _Snapshot, int]],
-                fields: Iterable[str] | None) -> list[bytearray]:
+    def _values(
+        self, located: Sequence[tuple[str, _Snapshot, int]], fields: Iterable[str] | None
+    ) -> list[bytearray]:
         out = []
         for value in self._read_values(located, fields):
             if isinstance(value, CorruptRecord):
@@ -408,8 +458,9 @@ class ZarrStore(Store):
             if found is None or found[1].get("writer") != snap.attrs.get("writer"):
                 stale.append(fingerprint)
         for fingerprint in stale:
-            log.info("%s: fingerprint %s was exported again; re-opening it",
-                     self.location, fingerprint)
+            log.info(
+                "%s: fingerprint %s was exported again; re-opening it", self.location, fingerprint
+            )
             self._snapshots.pop(fingerprint, None)
         return bool(stale)
 
@@ -428,20 +479,24 @@ class ZarrStore(Store):
             value = self._values(self._located([key]), None)[0]
             check_record(value, key=key)
             return bytes(value)
+
         return self._read_checked(read)
 
-    def supply(self, keys: list[str], fields: list[str] | None,
-               decoder: RecordDecoder) -> list[Record]:
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
         def read() -> list[Record]:
             located = self._located(keys)
             if located and all(snap.local is not None for _, snap, _ in located):
                 return self._decode_local(located, decoder)
             return decoder.values(self._values(located, fields))
+
         return self._read_checked(read)
 
     @staticmethod
-    def _decode_local(located: Sequence[tuple[str, _Snapshot, int]],
-                      decoder: RecordDecoder) -> list[Record]:
+    def _decode_local(
+        located: Sequence[tuple[str, _Snapshot, int]], decoder: RecordDecoder
+    ) -> list[Record]:
         """Records of a local snapshot decoded straight from its chunk files: each field's
         rows are read into the tensors' own storage (no record value is assembled), then
         verified against the stored header's checksums like any read."""
@@ -465,8 +520,10 @@ class ZarrStore(Store):
             try:
                 reader.read_into(int(o[row]), int(o[row + 1]), out)
             except _READ_ERRORS as exc:
-                raise CorruptRecord(key, f"cannot read {snap.fingerprint}/data/{name}: "
-                                         f"{exc}") from None
+                raise CorruptRecord(
+                    key, f"cannot read {snap.fingerprint}/data/{name}: {exc}"
+                ) from None
+
         return decoder.filled(headers, fill)
 
     def _located(self, keys: Sequence[str]) -> list[tuple[str, _Snapshot, int]]:
@@ -489,7 +546,7 @@ class ZarrStore(Store):
             snap = self._snapshot(fingerprint)
             if snap is None:
                 continue
-            id_prefix = prefix[len(head):] if prefix.startswith(head) else ""
+            id_prefix = prefix[len(head) :] if prefix.startswith(head) else ""
             start = int(np.searchsorted(snap.sorted_ids, id_prefix)) if id_prefix else 0
             for sample_id in snap.sorted_ids[start:].tolist():
                 if not sample_id.startswith(id_prefix):
@@ -523,9 +580,14 @@ class ZarrStore(Store):
         attrs = snap.attrs
         try:
             # The ids were checked against their digest when the snapshot was opened.
-            return DatasetIndex.from_trusted(fingerprint, attrs["recipe"],
-                                         int(attrs["recipe_version"]), dict(attrs["params"]),
-                                         snap.sample_ids, str(attrs.get("index_created", "")))
+            return DatasetIndex.from_trusted(
+                fingerprint,
+                attrs["recipe"],
+                int(attrs["recipe_version"]),
+                dict(attrs["params"]),
+                snap.sample_ids,
+                str(attrs.get("index_created", "")),
+            )
         except (KeyError, TypeError, ValueError, SpcacheError) as exc:
             raise CorruptRecord(f"index:{fingerprint}", f"bad snapshot attributes: {exc}") from None
 
@@ -536,9 +598,11 @@ class ZarrStore(Store):
         for fingerprint in self.fingerprints():
             entry = self._open_group(fingerprint)
             attrs = entry[1] if entry else {}
-            per_fp[fingerprint] = {"records": int(attrs.get("samples", 0)),
-                                   "bytes": int(attrs.get("record_bytes", 0)),
-                                   "exported": attrs.get("exported", "")}
+            per_fp[fingerprint] = {
+                "records": int(attrs.get("samples", 0)),
+                "bytes": int(attrs.get("record_bytes", 0)),
+                "exported": attrs.get("exported", ""),
+            }
         out = self._finish_stats(per_fp)
         out["zarr"] = {"incomplete": self.incomplete_fingerprints()}
         return out
@@ -572,7 +636,9 @@ class ZarrStore(Store):
         for start in range(0, n, VERIFY_BATCH):
             rows = range(start, min(n, start + VERIFY_BATCH))
             keys = [f"{fp}/{snap.sample_ids[r]}" for r in rows]
-            values = self._read_values([(k, snap, r) for k, r in zip(keys, rows, strict=True)], None)
+            values = self._read_values(
+                [(k, snap, r) for k, r in zip(keys, rows, strict=True)], None
+            )
             for key, value in zip(keys, values, strict=True):
                 report.checked += 1
                 try:

@@ -132,8 +132,9 @@ def _open_fs(location: str, storage_options: Mapping[str, Any]) -> tuple[Any, st
     parsed = parse_location(location)
     if parsed.is_local:
         return fsspec.filesystem("file"), os.path.abspath(parsed.target)
-    fs, root = fsspec.core.url_to_fs(parsed.target, skip_instance_cache=True,
-                                     **dict(storage_options))
+    fs, root = fsspec.core.url_to_fs(
+        parsed.target, skip_instance_cache=True, **dict(storage_options)
+    )
     return fs, root.rstrip("/")
 
 
@@ -151,7 +152,7 @@ def _write_local_exclusive(path: str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -177,7 +178,7 @@ def _write_local(path: str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -194,14 +195,18 @@ def _loads(raw: bytes, what: str) -> dict[str, Any]:
     return value
 
 
-def _parse_manifest(raw: bytes, fingerprint: str, part: str) -> tuple[dict[str, Any], list[tuple[str, Entry]]]:
+def _parse_manifest(
+    raw: bytes, fingerprint: str, part: str
+) -> tuple[dict[str, Any], list[tuple[str, Entry]]]:
     what = f"{fingerprint}/commits/{part}.json"
     doc = _loads(raw, what)
     if doc.get("kind") != COMMIT_KIND:
         raise CorruptRecord(what, f"kind {doc.get('kind')!r} is not {COMMIT_KIND!r}")
     if doc.get("format_version") != FORMAT_VERSION:
-        raise UnsupportedFormat(what, f"format_version {doc.get('format_version')!r}; this "
-                                      f"spcache reads {FORMAT_VERSION}")
+        raise UnsupportedFormat(
+            what,
+            f"format_version {doc.get('format_version')!r}; this spcache reads {FORMAT_VERSION}",
+        )
     if doc.get("fingerprint") != fingerprint or doc.get("part") != part:
         raise CorruptRecord(what, "names another fingerprint or part")
     size = doc.get("data_size")
@@ -210,17 +215,26 @@ def _parse_manifest(raw: bytes, fingerprint: str, part: str) -> tuple[dict[str, 
         raise CorruptRecord(what, "data_size or records missing")
     entries = []
     for row in records:
-        if (not isinstance(row, list) or len(row) != 5
-                or not isinstance(row[0], str) or not isinstance(row[1], int)
-                or not isinstance(row[2], int) or not isinstance(row[3], str)
-                or not isinstance(row[4], str)):
+        if (
+            not isinstance(row, list)
+            or len(row) != 5
+            or not isinstance(row[0], str)
+            or not isinstance(row[1], int)
+            or not isinstance(row[2], int)
+            or not isinstance(row[3], str)
+            or not isinstance(row[4], str)
+        ):
             raise CorruptRecord(what, f"malformed record entry {row!r:.80}")
         sample_id, offset, length, checksum, source_hash = row
         if offset < 0 or length <= 0 or offset + length > size:
-            raise CorruptRecord(what, f"{sample_id}: bytes [{offset}, {offset + length}) lie "
-                                      f"outside the part's {size} bytes")
-        entries.append((validate_sample_id(sample_id),
-                        Entry(part, offset, length, checksum, source_hash)))
+            raise CorruptRecord(
+                what,
+                f"{sample_id}: bytes [{offset}, {offset + length}) lie "
+                f"outside the part's {size} bytes",
+            )
+        entries.append(
+            (validate_sample_id(sample_id), Entry(part, offset, length, checksum, source_hash))
+        )
     return doc, entries
 
 
@@ -234,8 +248,11 @@ def _describe_from_metadata(meta: Mapping[str, str]) -> dict[str, Any] | None:
     if "params" not in meta:
         return None
     try:
-        return {"recipe": meta["recipe"], "recipe_version": int(meta["recipe_version"]),
-                "params": json.loads(meta["params"])}
+        return {
+            "recipe": meta["recipe"],
+            "recipe_version": int(meta["recipe_version"]),
+            "params": json.loads(meta["params"]),
+        }
     except (KeyError, ValueError):
         return None
 
@@ -260,9 +277,15 @@ class ShardedSnapshot(Store):
 
     supports_writes = True
 
-    def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True,
-                 storage_options: Mapping[str, Any] | None = None,
-                 writer: str | None = None, **_ignored: Any) -> None:
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        readonly: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        writer: str | None = None,
+        **_ignored: Any,
+    ) -> None:
         super().__init__(location, readonly=readonly)
         self.storage_options = dict(storage_options or {})
         self.writer = writer or f"w{uuid.uuid4().hex[:8]}"
@@ -350,23 +373,36 @@ class ShardedSnapshot(Store):
         rows, offset, chunks = [], 0, []
         for key, value in group:
             meta = read_header(value, key=key).metadata
-            rows.append([split_key(key)[1], offset, len(value), meta["checksum"],
-                         meta.get("source_hash", "")])
+            rows.append(
+                [
+                    split_key(key)[1],
+                    offset,
+                    len(value),
+                    meta["checksum"],
+                    meta.get("source_hash", ""),
+                ]
+            )
             chunks.append(value)
             offset += len(value)
         data = b"".join(chunks)
         self._write(self._path(fingerprint, "parts", f"{part}.bin"), data)
         first = read_header(group[0][1], key=group[0][0]).metadata
         manifest = {
-            "kind": COMMIT_KIND, "format_version": FORMAT_VERSION, "fingerprint": fingerprint,
-            "part": part, "data_size": len(data), "data_xxh3": xxhash.xxh3_64_hexdigest(data),
+            "kind": COMMIT_KIND,
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint,
+            "part": part,
+            "data_size": len(data),
+            "data_xxh3": xxhash.xxh3_64_hexdigest(data),
             "committed_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"),
             "writer": {"host": socket.gethostname(), "pid": os.getpid(), "label": self.writer},
             "dataset": _describe_from_metadata(first),
             "records": rows,
         }
-        self._write_once(self._path(fingerprint, "commits", f"{part}.json"),
-                         json.dumps(manifest, separators=(",", ":")).encode())
+        self._write_once(
+            self._path(fingerprint, "commits", f"{part}.json"),
+            json.dumps(manifest, separators=(",", ":")).encode(),
+        )
         return part
 
     def put_index(self, index: DatasetIndex) -> None:
@@ -374,9 +410,16 @@ class ShardedSnapshot(Store):
         committed), then every other committed id in commit order."""
         self.check_writable()
         self._ensure_root()
-        merge_into(self, index.fingerprint, order=index.sample_ids.tolist(),
-                   describe={"recipe": index.recipe, "recipe_version": index.recipe_version,
-                             "params": dict(index.params)})
+        merge_into(
+            self,
+            index.fingerprint,
+            order=index.sample_ids.tolist(),
+            describe={
+                "recipe": index.recipe,
+                "recipe_version": index.recipe_version,
+                "params": dict(index.params),
+            },
+        )
 
     # -- reading ----------------------------------------------------------------------
     def _commit_names(self, fingerprint: str) -> list[str]:
@@ -389,11 +432,12 @@ class ShardedSnapshot(Store):
         for name in names:
             base = str(name).rstrip("/").rsplit("/", 1)[-1]
             if base.endswith(".json") and not base.startswith("."):
-                parts.append(base[:-len(".json")])
+                parts.append(base[: -len(".json")])
         return sorted(parts)
 
-    def _load(self, fingerprint: str, *, refresh: bool = False,
-              describe: Mapping[str, Any] | None = None) -> _Dataset | None:
+    def _load(
+        self, fingerprint: str, *, refresh: bool = False, describe: Mapping[str, Any] | None = None
+    ) -> _Dataset | None:
         with self._lock:
             known = self._datasets.get(fingerprint)
             if known is not None and not refresh:
@@ -402,14 +446,18 @@ class ShardedSnapshot(Store):
         index_doc = None
         if dataset is None:
             try:
-                index_doc = _loads(self._read(self._path(fingerprint, "index.json")),
-                                   f"{fingerprint}/index.json")
+                index_doc = _loads(
+                    self._read(self._path(fingerprint, "index.json")), f"{fingerprint}/index.json"
+                )
             except FileNotFoundError:
                 index_doc = None
         if dataset is None and index_doc is not None:
             dataset = _dataset_from_index(fingerprint, index_doc)
-        new = [p for p in self._commit_names(fingerprint)
-               if dataset is None or p not in dataset.parts_seen]
+        new = [
+            p
+            for p in self._commit_names(fingerprint)
+            if dataset is None or p not in dataset.parts_seen
+        ]
         docs = []
         for part in new:
             try:
@@ -431,11 +479,11 @@ class ShardedSnapshot(Store):
             if not described:
                 described = [{"recipe": None}]  # records readable, index not yet
             try:
-                dataset = _Dataset(**described[0],
-                                   created=str(docs[0][0].get("committed_at", "")))
+                dataset = _Dataset(**described[0], created=str(docs[0][0].get("committed_at", "")))
             except TypeError as exc:
-                raise CorruptRecord(f"{fingerprint}/commits",
-                                    f"malformed dataset description ({exc})") from None
+                raise CorruptRecord(
+                    f"{fingerprint}/commits", f"malformed dataset description ({exc})"
+                ) from None
         for doc, entries, part in docs:
             described_here = doc.get("dataset")
             if dataset.recipe is None and isinstance(described_here, dict):
@@ -444,8 +492,9 @@ class ShardedSnapshot(Store):
                     dataset.recipe_version = int(described_here["recipe_version"])
                     dataset.params = dict(described_here["params"])
                 except (KeyError, TypeError, ValueError):
-                    log.warning("%s: commit %s has a malformed dataset description",
-                                self.location, part)
+                    log.warning(
+                        "%s: commit %s has a malformed dataset description", self.location, part
+                    )
             dataset.parts_seen.add(part)
             for sample_id, entry in entries:
                 if sample_id not in dataset.entries:  # first commit wins
@@ -465,8 +514,7 @@ class ShardedSnapshot(Store):
     def _entry(self, key: str) -> Entry | None:
         fingerprint, sample_id = split_key(key)
         listed = self._listed_at.get(fingerprint, 0.0)
-        if (fingerprint not in self._datasets
-                and time.monotonic() - listed <= MISS_RELIST_S):
+        if fingerprint not in self._datasets and time.monotonic() - listed <= MISS_RELIST_S:
             return None  # listed a moment ago, and nothing was committed
         dataset = self._load(fingerprint)
         entry = dataset.entries.get(sample_id) if dataset else None
@@ -509,8 +557,9 @@ class ShardedSnapshot(Store):
             out.append(_checked(bytes(value), key, entry))
         return out
 
-    def supply(self, keys: list[str], fields: list[str] | None,
-               decoder: RecordDecoder) -> list[Record]:
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
         # the values, range reads grouped; the base's decoder decodes and key-checks them
         return decoder.values(self.get_many(keys))
 
@@ -530,8 +579,11 @@ class ShardedSnapshot(Store):
             dataset = self._load(fingerprint, refresh=True)
             if dataset is None:
                 continue
-            found += [k for k in (f"{fingerprint}/{sid}" for sid in dataset.entries)
-                      if k.startswith(prefix)]
+            found += [
+                k
+                for k in (f"{fingerprint}/{sid}" for sid in dataset.entries)
+                if k.startswith(prefix)
+            ]
         return iter(sorted(found, key=lambda k: k.encode("utf-8")))
 
     def _fingerprint_dirs(self) -> list[str]:
@@ -539,8 +591,9 @@ class ShardedSnapshot(Store):
             names = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
             return []
-        return sorted(n for n in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in names)
-                      if is_fingerprint(n))
+        return sorted(
+            n for n in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in names) if is_fingerprint(n)
+        )
 
     def fingerprints(self) -> list[str]:
         """Fingerprints with committed records that say what computed them."""
@@ -556,18 +609,25 @@ class ShardedSnapshot(Store):
         dataset = self._load(fingerprint, refresh=True)
         if dataset is None or dataset.recipe is None:
             raise self.index_missing(fingerprint)
-        return DatasetIndex(fingerprint, dataset.recipe, dataset.recipe_version,
-                            dataset.params, np.array(dataset.order, dtype=str),
-                            created=dataset.created)
+        return DatasetIndex(
+            fingerprint,
+            dataset.recipe,
+            dataset.recipe_version,
+            dataset.params,
+            np.array(dataset.order, dtype=str),
+            created=dataset.created,
+        )
 
     def stats(self) -> dict[str, Any]:
         per_fp = {}
         for fingerprint in self.fingerprints():
             dataset = self._load(fingerprint, refresh=True)
             assert dataset is not None
-            per_fp[fingerprint] = {"records": len(dataset.entries),
-                                   "bytes": sum(e.length for e in dataset.entries.values()),
-                                   "parts": len(dataset.parts_seen)}
+            per_fp[fingerprint] = {
+                "records": len(dataset.entries),
+                "bytes": sum(e.length for e in dataset.entries.values()),
+                "parts": len(dataset.parts_seen),
+            }
         return self._finish_stats(per_fp)
 
     def _verify_into(self, report: VerifyReport, fingerprint: str | None) -> None:
@@ -603,11 +663,16 @@ def _dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> _Dataset:
     if doc.get("format_version") != FORMAT_VERSION:
         raise UnsupportedFormat(what, f"format_version {doc.get('format_version')!r}")
     try:
-        dataset = _Dataset(doc["recipe"], int(doc["recipe_version"]), dict(doc["params"]),
-                           created=str(doc.get("created", "")))
+        dataset = _Dataset(
+            doc["recipe"],
+            int(doc["recipe_version"]),
+            dict(doc["params"]),
+            created=str(doc.get("created", "")),
+        )
         for sample_id, part, offset, length, checksum, source_hash in doc["records"]:
-            dataset.entries[validate_sample_id(sample_id)] = Entry(part, int(offset), int(length),
-                                                                   checksum, source_hash)
+            dataset.entries[validate_sample_id(sample_id)] = Entry(
+                part, int(offset), int(length), checksum, source_hash
+            )
             dataset.order.append(sample_id)
         dataset.parts_seen = set(doc["parts"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -616,8 +681,9 @@ def _dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> _Dataset:
 
 
 # -- merge and housekeeping ---------------------------------------------------------------
-def snapshot_kind(location: str | os.PathLike[str],
-                  storage_options: Mapping[str, Any] | None = None) -> str | None:
+def snapshot_kind(
+    location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> str | None:
     """What a ``*.zarr`` location holds: ``"sharded"`` (its root marker exists),
     ``"exported"`` (a Zarr hierarchy that ``spcache export`` wrote: read-only), or None
     (nothing yet)."""
@@ -627,14 +693,20 @@ def snapshot_kind(location: str | os.PathLike[str],
     return "exported" if fs.exists(f"{root}/zarr.json") else None
 
 
-def is_sharded(location: str | os.PathLike[str],
-               storage_options: Mapping[str, Any] | None = None) -> bool:
+def is_sharded(
+    location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> bool:
     """Whether ``location`` holds a sharded snapshot (its root marker exists)."""
     return snapshot_kind(location, storage_options) == "sharded"
 
 
-def merge_into(store: ShardedSnapshot, fingerprint: str, *, order: Sequence[str] = (),
-               describe: Mapping[str, Any] | None = None) -> int:
+def merge_into(
+    store: ShardedSnapshot,
+    fingerprint: str,
+    *,
+    order: Sequence[str] = (),
+    describe: Mapping[str, Any] | None = None,
+) -> int:
     """Write ``index.json`` for ``fingerprint`` from every committed manifest (``order``'s
     ids first); returns the records indexed. Idempotent: merging again with nothing new
     writes the same index."""
@@ -643,53 +715,79 @@ def merge_into(store: ShardedSnapshot, fingerprint: str, *, order: Sequence[str]
     dataset = store._load(fingerprint, describe=describe)
     if dataset is None:
         if describe is None:
-            raise FingerprintLookupError(f"no committed part of {fingerprint} in "
-                                         f"{store.location}", store.fingerprints())
+            raise FingerprintLookupError(
+                f"no committed part of {fingerprint} in {store.location}", store.fingerprints()
+            )
         return 0
     if dataset.recipe is None and describe is None:
-        raise FingerprintLookupError(f"the committed parts of {fingerprint} in {store.location} "
-                                     f"do not say what computed them; merge with the run's "
-                                     f"recipe and parameters", store.fingerprints())
+        raise FingerprintLookupError(
+            f"the committed parts of {fingerprint} in {store.location} "
+            f"do not say what computed them; merge with the run's "
+            f"recipe and parameters",
+            store.fingerprints(),
+        )
     first = [sid for sid in order if sid in dataset.entries]
     seen = set(first)
     ids = first + [sid for sid in dataset.order if sid not in seen]
-    info = dict(describe) if describe is not None else {
-        "recipe": dataset.recipe, "recipe_version": dataset.recipe_version,
-        "params": dataset.params}
+    info = (
+        dict(describe)
+        if describe is not None
+        else {
+            "recipe": dataset.recipe,
+            "recipe_version": dataset.recipe_version,
+            "params": dataset.params,
+        }
+    )
     doc = {
-        "kind": INDEX_KIND, "format_version": FORMAT_VERSION, "fingerprint": fingerprint,
-        **info, "created": dataset.created,
+        "kind": INDEX_KIND,
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        **info,
+        "created": dataset.created,
         "merged_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "parts": sorted(dataset.parts_seen),
-        "records": [[sid, e.part, e.offset, e.length, e.checksum, e.source_hash]
-                    for sid in ids for e in (dataset.entries[sid],)],
+        "records": [
+            [sid, e.part, e.offset, e.length, e.checksum, e.source_hash]
+            for sid in ids
+            for e in (dataset.entries[sid],)
+        ],
     }
     # The index lists fewer parts than exist only if parts were committed meanwhile:
     # readers read those manifests themselves, so a stale index is never wrong.
-    store._write(store._path(fingerprint, "index.json"),
-                 json.dumps(doc, separators=(",", ":")).encode())
+    store._write(
+        store._path(fingerprint, "index.json"), json.dumps(doc, separators=(",", ":")).encode()
+    )
     store.refresh()
     return len(ids)
 
 
-def merge(location: str | os.PathLike[str], *, fingerprint: str | None = None,
-          storage_options: Mapping[str, Any] | None = None) -> dict[str, int]:
+def merge(
+    location: str | os.PathLike[str],
+    *,
+    fingerprint: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, int]:
     """Merge the manifests of every fingerprint (or one) into its ``index.json``;
     returns ``{fingerprint: records indexed}``."""
     store = ShardedSnapshot(location, readonly=False, storage_options=storage_options)
     try:
         if not store.fs.exists(store._path(ROOT_MARKER)):
-            raise ParameterError([f"{store.location}: not a sharded snapshot (no {ROOT_MARKER})"],
-                                 what="merge")
+            raise ParameterError(
+                [f"{store.location}: not a sharded snapshot (no {ROOT_MARKER})"], what="merge"
+            )
         fingerprints = [validate_fingerprint(fingerprint)] if fingerprint else store.fingerprints()
         return {fp: merge_into(store, fp) for fp in fingerprints}
     finally:
         store.close()
 
 
-def orphan_parts(location: str | os.PathLike[str], *, older_than_s: float = DEFAULT_ORPHAN_GRACE_S,
-                 storage_options: Mapping[str, Any] | None = None,
-                 remove: bool = False) -> list[str]:
+def orphan_parts(
+    location: str | os.PathLike[str],
+    *,
+    older_than_s: float = DEFAULT_ORPHAN_GRACE_S,
+    storage_options: Mapping[str, Any] | None = None,
+    remove: bool = False,
+) -> list[str]:
     """Parts with no manifest, last modified more than ``older_than_s`` ago (a writer
     that died mid-part left them); with ``remove``, delete them. Returns their paths."""
     store = ShardedSnapshot(location, readonly=not remove, storage_options=storage_options)

@@ -16,8 +16,15 @@ from pathlib import Path, PurePosixPath
 
 from cache_store.errors import SourceError
 
-__all__ = ["POINT_CLOUD_EXTENSIONS", "MESH_EXTENSIONS", "SUPPORTED_EXTENSIONS",
-           "MANIFEST_EXTENSIONS", "KEEP_EXTENSION", "discover_sources", "sample_id_for"]
+__all__ = [
+    "POINT_CLOUD_EXTENSIONS",
+    "MESH_EXTENSIONS",
+    "SUPPORTED_EXTENSIONS",
+    "MANIFEST_EXTENSIONS",
+    "KEEP_EXTENSION",
+    "discover_sources",
+    "sample_id_for",
+]
 
 #: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ)
 KEEP_EXTENSION = "{path}"
@@ -46,23 +53,34 @@ def sample_id_for(relative: str, template: str | None = None) -> str:
     default = path.with_suffix("").as_posix() if path.suffix else path.as_posix()
     if template is None:
         return default
-    fields = {"path": path.as_posix(), "id": default, "parts": PurePosixPath(default).parts,
-              "parent": path.parent.as_posix() if path.parent != PurePosixPath(".") else "",
-              "name": path.name, "stem": path.stem, "ext": path.suffix.lstrip(".")}
+    fields = {
+        "path": path.as_posix(),
+        "id": default,
+        "parts": PurePosixPath(default).parts,
+        "parent": path.parent.as_posix() if path.parent != PurePosixPath(".") else "",
+        "name": path.name,
+        "stem": path.stem,
+        "ext": path.suffix.lstrip("."),
+    }
     try:
         sample_id = template.format(**fields)
     except (KeyError, IndexError, AttributeError, ValueError) as exc:
         known = ", ".join(fields)
-        raise ValueError(f"id template {template!r} does not fit {relative!r} "
-                         f"({type(exc).__name__}: {exc}; fields: {known})") from None
+        raise ValueError(
+            f"id template {template!r} does not fit {relative!r} "
+            f"({type(exc).__name__}: {exc}; fields: {known})"
+        ) from None
     if not sample_id.strip("/"):
         raise ValueError(f"id template {template!r} gives an empty id for {relative!r}")
     return sample_id
 
 
-def discover_sources(sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], *,
-                     limit: int | None = None,
-                     id_template: str | None = None) -> list[tuple[str, str]]:
+def discover_sources(
+    sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    limit: int | None = None,
+    id_template: str | None = None,
+) -> list[tuple[str, str]]:
     """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
 
     ``sources`` is one source or an iterable of them:
@@ -129,8 +147,7 @@ def _walk(root: Path, template: str | None = None) -> list[tuple[str, str]]:
                 continue
             file = Path(dirpath) / filename
             if file.suffix.lower() in SUPPORTED_EXTENSIONS:
-                found.append((_id(file, file.relative_to(root).as_posix(), template),
-                              str(file)))
+                found.append((_id(file, file.relative_to(root).as_posix(), template), str(file)))
     found.sort()
     return found
 
@@ -140,8 +157,11 @@ def _manifest_lines(manifest: Path) -> list[tuple[int, str]]:
         text = manifest.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SourceError(manifest, f"cannot read manifest: {exc}") from exc
-    return [(n, line.strip()) for n, line in enumerate(text.splitlines(), start=1)
-            if line.strip() and not line.strip().startswith("#")]
+    return [
+        (n, line.strip())
+        for n, line in enumerate(text.splitlines(), start=1)
+        if line.strip() and not line.strip().startswith("#")
+    ]
 
 
 def _read_txt_manifest(manifest: Path, template: str | None = None) -> list[tuple[str, str]]:
@@ -178,9 +198,13 @@ def _read_jsonl_manifest(manifest: Path) -> list[tuple[str, str]]:
             entry = json.loads(line)
         except json.JSONDecodeError as exc:
             raise SourceError(manifest, f"line {lineno}: not JSON ({exc.msg})") from exc
-        if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) \
-                or not isinstance(entry.get("id"), str):
-            raise SourceError(manifest, f"line {lineno}: expected an object with string "
-                                        f"'id' and 'path'")
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("path"), str)
+            or not isinstance(entry.get("id"), str)
+        ):
+            raise SourceError(
+                manifest, f"line {lineno}: expected an object with string 'id' and 'path'"
+            )
         items.append((entry["id"], str(manifest.parent / entry["path"])))
     return items

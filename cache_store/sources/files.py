@@ -38,9 +38,23 @@ import xxhash
 from cache_store.errors import SourceError
 from cache_store.sources.hashing import HASH_PREFIX
 
-__all__ = ["DEFAULT_MAX_SOURCE_BYTES", "DEFAULT_MAX_READ_S", "SourceLimits", "SourceCheck",
-           "check_source", "source_signature", "signature_of", "inside_roots", "narrow_roots", "read_source_file",
-           "read_source", "hash_source_file", "hash_source", "resolve_source", "open_resolved"]
+__all__ = [
+    "DEFAULT_MAX_SOURCE_BYTES",
+    "DEFAULT_MAX_READ_S",
+    "SourceLimits",
+    "SourceCheck",
+    "check_source",
+    "source_signature",
+    "signature_of",
+    "inside_roots",
+    "narrow_roots",
+    "read_source_file",
+    "read_source",
+    "hash_source_file",
+    "hash_source",
+    "resolve_source",
+    "open_resolved",
+]
 
 #: The default per-source size limit: 1 GiB.
 DEFAULT_MAX_SOURCE_BYTES = 1 << 30
@@ -65,12 +79,16 @@ class SourceLimits:
     max_read_s: float = DEFAULT_MAX_READ_S
 
     @classmethod
-    def of(cls, roots: Sequence[str | os.PathLike[str]] | None = None,
-           max_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-           max_read_s: float = DEFAULT_MAX_READ_S) -> SourceLimits:
+    def of(
+        cls,
+        roots: Sequence[str | os.PathLike[str]] | None = None,
+        max_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
+        max_read_s: float = DEFAULT_MAX_READ_S,
+    ) -> SourceLimits:
         """Limits with ``roots`` resolved (a root that is a link counts as its target)."""
-        return cls(tuple(os.path.realpath(r) for r in roots or ()), int(max_bytes),
-                   float(max_read_s))
+        return cls(
+            tuple(os.path.realpath(r) for r in roots or ()), int(max_bytes), float(max_read_s)
+        )
 
 
 @dataclass(frozen=True)
@@ -88,8 +106,9 @@ def signature_of(st: os.stat_result) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
 
 
-def check_source(path: str | os.PathLike[str], limits: SourceLimits | None = None, *,
-                 name_target: bool = True) -> SourceCheck:
+def check_source(
+    path: str | os.PathLike[str], limits: SourceLimits | None = None, *, name_target: bool = True
+) -> SourceCheck:
     """Open ``path`` as the gate opens it (inside the roots, no link at the end, a regular
     file within the size limit) and close it again without reading; SourceError otherwise.
 
@@ -104,8 +123,10 @@ def check_source(path: str | os.PathLike[str], limits: SourceLimits | None = Non
     finally:
         os.close(fd)
     if st.st_size > limits.max_bytes:
-        raise SourceError(path, f"file is {st.st_size} bytes, over the per-source limit of "
-                                f"{limits.max_bytes} bytes")
+        raise SourceError(
+            path,
+            f"file is {st.st_size} bytes, over the per-source limit of {limits.max_bytes} bytes",
+        )
     return SourceCheck(resolved, st.st_size, signature_of(st))
 
 
@@ -120,8 +141,9 @@ def read_source_file(path: str | os.PathLike[str], limits: SourceLimits | None =
     return read_source(path, limits)[0]
 
 
-def read_source(path: str | os.PathLike[str],
-                limits: SourceLimits | None = None) -> tuple[bytes, str]:
+def read_source(
+    path: str | os.PathLike[str], limits: SourceLimits | None = None
+) -> tuple[bytes, str]:
     """The bytes of the file at ``path`` and the stat signature of the file read (taken
     when it was opened, so an edit during the read makes the signature stale, never the
     stored hash)."""
@@ -137,8 +159,9 @@ def hash_source_file(path: str | os.PathLike[str], limits: SourceLimits | None =
     return hash_source(path, limits)[0]
 
 
-def hash_source(path: str | os.PathLike[str],
-                limits: SourceLimits | None = None) -> tuple[str, str, int]:
+def hash_source(
+    path: str | os.PathLike[str], limits: SourceLimits | None = None
+) -> tuple[str, str, int]:
     """``(content hash, stat signature, bytes read)`` of the file at ``path``."""
     digest = xxhash.xxh3_128()
     seen: list[str] = []
@@ -149,8 +172,9 @@ def hash_source(path: str | os.PathLike[str],
     return HASH_PREFIX + digest.hexdigest(), seen[0], total
 
 
-def _blocks(path: str | os.PathLike[str], limits: SourceLimits,
-            seen: list[str] | None = None) -> Iterator[bytes]:
+def _blocks(
+    path: str | os.PathLike[str], limits: SourceLimits, seen: list[str] | None = None
+) -> Iterator[bytes]:
     resolved = resolve_source(path, limits)
     fd = open_resolved(path, resolved, limits)
     try:
@@ -159,8 +183,9 @@ def _blocks(path: str | os.PathLike[str], limits: SourceLimits,
             seen.append(signature_of(st))
         size = st.st_size
         if size > limits.max_bytes:
-            raise SourceError(path, f"file is {size} bytes, over the per-source limit of "
-                                    f"{limits.max_bytes} bytes")
+            raise SourceError(
+                path, f"file is {size} bytes, over the per-source limit of {limits.max_bytes} bytes"
+            )
         os.set_blocking(fd, True)
         deadline = time.monotonic() + limits.max_read_s
         total = 0
@@ -173,8 +198,11 @@ def _blocks(path: str | os.PathLike[str], limits: SourceLimits,
                 return
             total += len(block)
             if total > limits.max_bytes:  # it grew while being read
-                raise SourceError(path, f"file grew past the per-source limit of "
-                                        f"{limits.max_bytes} bytes while being read")
+                raise SourceError(
+                    path,
+                    f"file grew past the per-source limit of "
+                    f"{limits.max_bytes} bytes while being read",
+                )
             if time.monotonic() > deadline:
                 raise SourceError(path, f"reading took longer than {limits.max_read_s:g}s")
             yield block
@@ -182,8 +210,9 @@ def _blocks(path: str | os.PathLike[str], limits: SourceLimits,
         os.close(fd)
 
 
-def resolve_source(path: str | os.PathLike[str], limits: SourceLimits, *,
-                   name_target: bool = True) -> str:
+def resolve_source(
+    path: str | os.PathLike[str], limits: SourceLimits, *, name_target: bool = True
+) -> str:
     """``path`` with every link followed; SourceError when it lies outside the roots
     (naming where it leads unless ``name_target`` is False). Without roots ``path`` as
     given: any path is allowed, and opening it follows its links."""
@@ -197,8 +226,9 @@ def resolve_source(path: str | os.PathLike[str], limits: SourceLimits, *,
         raise SourceError(path, f"cannot be resolved: {exc}") from None
     if limits.roots and not inside_roots(resolved, limits.roots):
         if not name_target:
-            raise SourceError(path, "resolves outside the allowed source roots "
-                                    f"({', '.join(limits.roots)})")
+            raise SourceError(
+                path, f"resolves outside the allowed source roots ({', '.join(limits.roots)})"
+            )
         raise SourceError(path, f"resolves to {resolved}, outside the allowed source roots")
     return resolved
 
@@ -213,8 +243,9 @@ def open_resolved(path: str | os.PathLike[str], resolved: str, limits: SourceLim
         fd = os.open(resolved, flags)
     except OSError as exc:
         if os.path.islink(resolved):
-            raise SourceError(path, "became a symbolic link after it was checked; "
-                                    "refusing to follow it") from exc
+            raise SourceError(
+                path, "became a symbolic link after it was checked; refusing to follow it"
+            ) from exc
         if isinstance(exc, FileNotFoundError):
             raise SourceError(path, "cannot read file: it does not exist") from exc
         raise SourceError(path, f"cannot read file: {exc.strerror or exc}") from exc
@@ -225,8 +256,11 @@ def open_resolved(path: str | os.PathLike[str], resolved: str, limits: SourceLim
         if limits.roots:
             opened = _opened_path(fd)
             if opened is not None and not inside_roots(opened, limits.roots):
-                raise SourceError(path, f"opened {opened}, outside the allowed source roots "
-                                        f"(a directory on its path changed after the check)")
+                raise SourceError(
+                    path,
+                    f"opened {opened}, outside the allowed source roots "
+                    f"(a directory on its path changed after the check)",
+                )
     except BaseException:
         os.close(fd)
         raise
@@ -244,8 +278,12 @@ def narrow_roots(first: Sequence[str], second: Sequence[str]) -> tuple[str, ...]
     both are given and share no directory (nothing may be read)."""
     if not first or not second:
         return tuple(first or second)
-    both = {b if inside_roots(b, [a]) else a for a in first for b in second
-            if inside_roots(b, [a]) or inside_roots(a, [b])}
+    both = {
+        b if inside_roots(b, [a]) else a
+        for a in first
+        for b in second
+        if inside_roots(b, [a]) or inside_roots(a, [b])
+    }
     return tuple(sorted(both)) or None
 
 
@@ -257,9 +295,13 @@ def _opened_path(fd: int) -> str | None:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
-                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
-                       (stat.S_ISSOCK, "socket")):
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
         if test(mode):
             return name
     return "special file"

@@ -101,8 +101,13 @@ class VerifyReport:
         return not self.corrupt and not self.missing and self.damaged is None
 
     def as_json(self) -> dict[str, Any]:
-        return {"checked": self.checked, "ok": self.ok, "corrupt": dict(self.corrupt),
-                "missing": list(self.missing), "damaged": self.damaged}
+        return {
+            "checked": self.checked,
+            "ok": self.ok,
+            "corrupt": dict(self.corrupt),
+            "missing": list(self.missing),
+            "damaged": self.damaged,
+        }
 
 
 # --------------------------------------------------------------------------- decoding
@@ -234,8 +239,9 @@ class Store(abc.ABC):
 
     # -- helpers for implementations -------------------------------------------------
     def _cannot_write(self) -> ReadOnlyStoreError:
-        return ReadOnlyStoreError(f"{self.location}: a {type(self).__name__} is read-only "
-                                  f"(this backend cannot write)")
+        return ReadOnlyStoreError(
+            f"{self.location}: a {type(self).__name__} is read-only (this backend cannot write)"
+        )
 
     def check_writable(self) -> None:
         if self.readonly:
@@ -252,9 +258,16 @@ class Store(abc.ABC):
             split_key(key)  # validates both parts
             meta = read_header(value, key=key).metadata
             if metadata_key(meta) != key:
-                raise ParameterError([(f"{key}: record metadata names fingerprint "
-                                      f"{meta.get('fingerprint')!r} and sample id "
-                                      f"{meta.get('sample_id')!r}")], what="record key")
+                raise ParameterError(
+                    [
+                        (
+                            f"{key}: record metadata names fingerprint "
+                            f"{meta.get('fingerprint')!r} and sample id "
+                            f"{meta.get('sample_id')!r}"
+                        )
+                    ],
+                    what="record key",
+                )
             checked.append((key, value if isinstance(value, bytes) else bytes(value)))
         return checked
 
@@ -262,7 +275,9 @@ class Store(abc.ABC):
         known = self.fingerprints()
         return FingerprintLookupError(
             f"no dataset index for fingerprint {fingerprint!r} in {self.location} "
-            f"(indexed: {', '.join(known) or 'none'})", known)
+            f"(indexed: {', '.join(known) or 'none'})",
+            known,
+        )
 
     # -- conveniences built on the primitives ----------------------------------------
     def put(self, key: str, value: bytes) -> None:
@@ -274,8 +289,7 @@ class Store(abc.ABC):
         fields = _field_list(fields)
         return self.supply([key], fields, RecordDecoder([key], fields, False))[0]
 
-    def get_records(self, keys: Iterable[str],
-                    fields: Iterable[str] | None = None) -> list[Record]:
+    def get_records(self, keys: Iterable[str], fields: Iterable[str] | None = None) -> list[Record]:
         """Decoded records in ``keys`` order, in one storage laid out field by field (see
         ``decode_records``); checked as :meth:`get_record` checks one. A missing one
         raises :class:`RecordNotFound` naming its key."""
@@ -283,8 +297,9 @@ class Store(abc.ABC):
         fields = _field_list(fields)
         return self.supply(keys, fields, RecordDecoder(keys, fields, True))
 
-    def supply(self, keys: list[str], fields: list[str] | None,
-               decoder: RecordDecoder) -> list[Record]:
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
         """Backend hook behind :meth:`get_record`/:meth:`get_records`: hand the records of
         ``keys`` to ``decoder`` (``decoder.values(values)`` or ``decoder.filled(headers,
         fill)``) and return what it returns. Raise :class:`RecordNotFound` for a missing
@@ -324,20 +339,24 @@ class Store(abc.ABC):
         for entry in per_fp.values():
             digests = [d for d in entry.get("code_digests", {}) if d != "none"]
             if len(digests) > 1:
-                entry["mixed_code"] = (f"records of this fingerprint were computed by "
-                                       f"{len(digests)} different versions of the recipe's "
-                                       "code under one recipe version: bump the recipe's "
-                                       "version if its output changed")
+                entry["mixed_code"] = (
+                    f"records of this fingerprint were computed by "
+                    f"{len(digests)} different versions of the recipe's "
+                    "code under one recipe version: bump the recipe's "
+                    "version if its output changed"
+                )
         for fingerprint in self.fingerprints():
             entry = per_fp.setdefault(fingerprint, {"records": 0, "bytes": 0})
             try:
                 entry.update(self.get_index(fingerprint).describe())
             except CorruptRecord as exc:
                 entry["index_error"] = str(exc)
-        return {"location": self.location,
-                "records": sum(e["records"] for e in per_fp.values()),
-                "bytes": sum(e["bytes"] for e in per_fp.values()),
-                "fingerprints": dict(sorted(per_fp.items()))}
+        return {
+            "location": self.location,
+            "records": sum(e["records"] for e in per_fp.values()),
+            "bytes": sum(e["bytes"] for e in per_fp.values()),
+            "fingerprints": dict(sorted(per_fp.items())),
+        }
 
     def verify(self, fingerprint: str | None = None) -> VerifyReport:
         """Check every record (of ``fingerprint``, or all) as a decode would, building no
@@ -378,8 +397,9 @@ class Store(abc.ABC):
             except CorruptRecord as exc:
                 report.corrupt[f"index:{fp}"] = exc.reason
                 continue
-            report.missing += [f"{fp}/{sid}" for sid in index.sample_ids.tolist()
-                               if not self.has(f"{fp}/{sid}")]
+            report.missing += [
+                f"{fp}/{sid}" for sid in index.sample_ids.tolist() if not self.has(f"{fp}/{sid}")
+            ]
 
     def find_fingerprints(self, recipe: str, **params: Any) -> list[DatasetIndex]:
         """Indexes of ``recipe`` whose parameters agree with every given one.
@@ -393,8 +413,9 @@ class Store(abc.ABC):
             problems, wanted = [], {}
             for name, value in params.items():
                 if name not in spec.params:
-                    problems.append(f"{name}: unknown parameter (known: "
-                                    f"{', '.join(sorted(spec.params))})")
+                    problems.append(
+                        f"{name}: unknown parameter (known: {', '.join(sorted(spec.params))})"
+                    )
                     continue
                 wanted[name], problem = spec.params[name].check(name, value)
                 if problem:
@@ -407,8 +428,9 @@ class Store(abc.ABC):
         for fp in self.fingerprints():
             index = self.get_index(fp)
             if index.recipe == recipe and all(
-                    name in index.params and index.params[name] == value
-                    for name, value in wanted.items()):
+                name in index.params and index.params[name] == value
+                for name, value in wanted.items()
+            ):
                 found.append(index)
         return found
 
@@ -425,8 +447,9 @@ STORE_BACKENDS: dict[str, str] = {
 }
 
 
-def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
-               **options: Any) -> Store:
+def open_store(
+    cache: str | os.PathLike[str] | Store, readonly: bool = True, **options: Any
+) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
     ``ZarrStore`` (an exported snapshot) or ``ShardedSnapshot`` (one written by many
     writers, and any ``*.zarr`` opened for writing); ``http(s)://host:port`` ->
@@ -445,14 +468,15 @@ def open_store(cache: str | os.PathLike[str] | Store, readonly: bool = True,
         if kind == "sharded" or (kind is None and not readonly):
             name = "sharded"
         elif not readonly:  # an exported snapshot is immutable: writers start a new one
-            raise ReadOnlyStoreError(f"{parsed.text}: an exported Zarr snapshot is read-only; "
-                                     f"write into a new location (a sharded snapshot)")
+            raise ReadOnlyStoreError(
+                f"{parsed.text}: an exported Zarr snapshot is read-only; "
+                f"write into a new location (a sharded snapshot)"
+            )
     module_name, _, class_name = STORE_BACKENDS[name].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
-        raise UnknownName("store backend", name,
-                          [n for n in STORE_BACKENDS if n != name]) from exc
+        raise UnknownName("store backend", name, [n for n in STORE_BACKENDS if n != name]) from exc
     return getattr(module, class_name)(parsed.target, readonly=readonly, **options)

@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 _INDEX_PAGE = 100_000
 
 
-
 class HTTPStore(Store):
     """A read-only :class:`Store` over the spcache service at ``url``.
 
@@ -84,11 +83,20 @@ class HTTPStore(Store):
     supports_writes = False
     supports_listing = False
 
-    def __init__(self, url: str, *, readonly: bool = True, timeout_s: float = 30.0,
-                 retries: int = 5, backoff_s: float = 0.1, max_connections: int = 16,
-                 batch_size: int = 64, token: str | None = None,
-                 record_key: str | bytes | None = None,
-                 ca_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        readonly: bool = True,
+        timeout_s: float = 30.0,
+        retries: int = 5,
+        backoff_s: float = 0.1,
+        max_connections: int = 16,
+        batch_size: int = 64,
+        token: str | None = None,
+        record_key: str | bytes | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"HTTPStore needs an http(s):// URL, got {url!r}")
         if not readonly:
@@ -110,11 +118,21 @@ class HTTPStore(Store):
             try:
                 tls_verify(self.ca_file)
             except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"ca_file {self.ca_file}: cannot load it as PEM "
-                                 f"certificates: {getattr(exc, 'strerror', None) or exc}") from None
-        self._client = ProcessLocal(functools.partial(
-            new_client, self.url, timeout_s=timeout_s, token=token, ca_file=self.ca_file,
-            max_connections=max_connections), httpx.Client.close)
+                raise ValueError(
+                    f"ca_file {self.ca_file}: cannot load it as PEM "
+                    f"certificates: {getattr(exc, 'strerror', None) or exc}"
+                ) from None
+        self._client = ProcessLocal(
+            functools.partial(
+                new_client,
+                self.url,
+                timeout_s=timeout_s,
+                token=token,
+                ca_file=self.ca_file,
+                max_connections=max_connections,
+            ),
+            httpx.Client.close,
+        )
 
     def __repr__(self) -> str:
         return f"HTTPStore({self.url!r})"
@@ -128,8 +146,15 @@ class HTTPStore(Store):
         self._client.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        return send(self._http, method, path, where=self.url, retries=self.retries,
-                    backoff_s=self.backoff_s, **kwargs)
+        return send(
+            self._http,
+            method,
+            path,
+            where=self.url,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            **kwargs,
+        )
 
     def _check(self, response: httpx.Response, key: str = "") -> httpx.Response:
         if response.status_code < 400:
@@ -157,8 +182,9 @@ class HTTPStore(Store):
         its tag checked and, whole, checked current when this reader holds the key."""
         fingerprint, sample_id = split_key(key)
         params = None if fields is None else {"fields": ",".join(fields)}
-        response = self._check(self._request("GET", _record_path(fingerprint, sample_id),
-                                             params=params), key)
+        response = self._check(
+            self._request("GET", _record_path(fingerprint, sample_id), params=params), key
+        )
         value = self._tagged(key, response.content, response.headers.get(TAG_HEADER))
         if fields is None:  # a subset's checksum is the subset's: not signed
             self._check_current({key: value})
@@ -170,10 +196,13 @@ class HTTPStore(Store):
             check_record_tag(self.record_key, key, value, tag)
         elif tag and not self._told_signed:
             self._told_signed = True
-            log.warning("%s signs its records (%s), but this reader has no record_key: "
-                        "nothing binds what it reads to what the service holds. Pass "
-                        "record_key= (the service's SPCACHE_RECORD_KEY) to check them",
-                        self.url, TAG_HEADER)
+            log.warning(
+                "%s signs its records (%s), but this reader has no record_key: "
+                "nothing binds what it reads to what the service holds. Pass "
+                "record_key= (the service's SPCACHE_RECORD_KEY) to check them",
+                self.url,
+                TAG_HEADER,
+            )
         return value
 
     def _check_current(self, values: dict[str, Any]) -> None:
@@ -190,22 +219,30 @@ class HTTPStore(Store):
         for key, value in values.items():
             fingerprint, sample_id = split_key(key)
             by_fp.setdefault(fingerprint, []).append(
-                (sample_id, key, record_checksum(value, key=key)))
+                (sample_id, key, record_checksum(value, key=key))
+            )
         for fingerprint, wanted in by_fp.items():
             for start in range(0, len(wanted), self.batch_size):
-                chunk = wanted[start:start + self.batch_size]
+                chunk = wanted[start : start + self.batch_size]
                 nonce = secrets.token_hex(16)
                 path = f"/v1/caches/{fingerprint}/checksums"
-                answer = self._check(self._request(
-                    "POST", path, json={"ids": [sid for sid, _, _ in chunk], "nonce": nonce}))
-                signed = check_signed_checksums(self.record_key, fingerprint, nonce,
-                                                answer.json(), self.url + path)
+                answer = self._check(
+                    self._request(
+                        "POST", path, json={"ids": [sid for sid, _, _ in chunk], "nonce": nonce}
+                    )
+                )
+                signed = check_signed_checksums(
+                    self.record_key, fingerprint, nonce, answer.json(), self.url + path
+                )
                 for sample_id, key, checksum in chunk:
                     if signed.get(sample_id) != checksum:
-                        raise CorruptRecord(key, f"{self.url}: record with checksum "
-                                                 f"{checksum} is not the one the service holds "
-                                                 f"now ({signed.get(sample_id)}): a replayed "
-                                                 f"or stale record")
+                        raise CorruptRecord(
+                            key,
+                            f"{self.url}: record with checksum "
+                            f"{checksum} is not the one the service holds "
+                            f"now ({signed.get(sample_id)}): a replayed "
+                            f"or stale record",
+                        )
 
     def has(self, key: str) -> bool:
         fingerprint, sample_id = split_key(key)
@@ -215,8 +252,11 @@ class HTTPStore(Store):
         self._check(response, key)
         return True
 
-    def get_many(self, keys: Iterable[str], fields: Iterable[str] | None = None,
-                 ) -> tuple[dict[str, memoryview], dict[str, str]]:
+    def get_many(
+        self,
+        keys: Iterable[str],
+        fields: Iterable[str] | None = None,
+    ) -> tuple[dict[str, memoryview], dict[str, str]]:
         """Records for ``keys`` through the batch route, ``batch_size`` ids a request.
 
         Returns ``({key: record bytes}, {key: why it is missing})``; with ``fields`` the
@@ -228,8 +268,11 @@ class HTTPStore(Store):
             check_names_key(read_metadata(value, key=key), key)
         return found, missing
 
-    def _fetch_many(self, keys: Iterable[str], fields: list[str] | None,
-                    ) -> tuple[dict[str, memoryview], dict[str, str]]:
+    def _fetch_many(
+        self,
+        keys: Iterable[str],
+        fields: list[str] | None,
+    ) -> tuple[dict[str, memoryview], dict[str, str]]:
         body_fields = fields
         by_fp: dict[str, list[str]] = {}
         for key in keys:
@@ -239,24 +282,28 @@ class HTTPStore(Store):
         missing_all: dict[str, str] = {}
         for fingerprint, ids in by_fp.items():
             for start in range(0, len(ids), self.batch_size):
-                chunk = ids[start:start + self.batch_size]
+                chunk = ids[start : start + self.batch_size]
                 path = f"/v1/caches/{fingerprint}/batch"
-                response = self._check(self._request(
-                    "POST", path, json={"ids": chunk, "fields": body_fields}))
+                response = self._check(
+                    self._request("POST", path, json={"ids": chunk, "fields": body_fields})
+                )
                 tags: dict[str, str] = {}
-                found, missing = decode_batch(response.content, where=self.url + path,
-                                              tags=tags)
-                bound = {f"{fingerprint}/{sid}": self._tagged(f"{fingerprint}/{sid}", value,
-                                                             tags.get(sid))
-                         for sid, value in found.items()}
+                found, missing = decode_batch(response.content, where=self.url + path, tags=tags)
+                bound = {
+                    f"{fingerprint}/{sid}": self._tagged(
+                        f"{fingerprint}/{sid}", value, tags.get(sid)
+                    )
+                    for sid, value in found.items()
+                }
                 if fields is None:  # a subset's checksum is the subset's: not signed
                     self._check_current(bound)
                 found_all.update(bound)
                 missing_all.update({f"{fingerprint}/{sid}": why for sid, why in missing.items()})
         return found_all, missing_all
 
-    def supply(self, keys: list[str], fields: list[str] | None,
-               decoder: RecordDecoder) -> list[Record]:
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
         """One record by its route, several through the batch route; with ``fields``
         only those tensors cross the wire (the service re-encodes the subset)."""
         if not decoder.batch:
@@ -275,27 +322,34 @@ class HTTPStore(Store):
         ids: list[str] = []
         offset = 0
         while True:
-            response = self._request("GET", f"/v1/caches/{fingerprint}",
-                                     params={"offset": offset, "limit": _INDEX_PAGE})
+            response = self._request(
+                "GET", f"/v1/caches/{fingerprint}", params={"offset": offset, "limit": _INDEX_PAGE}
+            )
             if response.status_code == 404 and not ids:  # like every backend: list the known
                 raise self.index_missing(fingerprint)
             body = self._check(response).json()
             if body.get("index") is None:
-                raise FingerprintLookupError(f"{self.url}: fingerprint {fingerprint} has no "
-                                             f"index yet (its warm-up is still running?)")
+                raise FingerprintLookupError(
+                    f"{self.url}: fingerprint {fingerprint} has no "
+                    f"index yet (its warm-up is still running?)"
+                )
             page = body["index"]["sample_ids"]
             ids.extend(page)
             offset += len(page)
             if not page or offset >= body["index"]["total"]:
                 break
-        return DatasetIndex(fingerprint=fingerprint, recipe=body["recipe"],
-                            recipe_version=int(body["recipe_version"]), params=body["params"],
-                            sample_ids=np.array(ids, dtype=np.str_))
+        return DatasetIndex(
+            fingerprint=fingerprint,
+            recipe=body["recipe"],
+            recipe_version=int(body["recipe_version"]),
+            params=body["params"],
+            sample_ids=np.array(ids, dtype=np.str_),
+        )
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         """Keys of indexed records (``supports_listing`` is False), in UTF-8 byte order."""
         for fingerprint in sorted(self.fingerprints()):
-            if not (fingerprint.startswith(prefix[:len(fingerprint)])):
+            if not (fingerprint.startswith(prefix[: len(fingerprint)])):
                 continue
             for sample_id in sorted(self.get_index(fingerprint).sample_ids.tolist()):
                 key = f"{fingerprint}/{sample_id}"
@@ -305,4 +359,3 @@ class HTTPStore(Store):
 
 def _record_path(fingerprint: str, sample_id: str) -> str:
     return f"/v1/caches/{fingerprint}/records/{quote(sample_id, safe='/')}"
-

@@ -54,8 +54,9 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def run_walk(op: str, path: str | os.PathLike[str], *args: str,
-             timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+def run_walk(
+    op: str, path: str | os.PathLike[str], *args: str, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> dict[str, Any]:
     """Run walk ``op`` over the cache at ``path`` in a child; its JSON result.
 
     Raises:
@@ -68,27 +69,26 @@ def run_walk(op: str, path: str | os.PathLike[str], *args: str,
         raise ValueError(f"unknown walk {op!r}; known: {', '.join(_OPS)}")
     path = os.fspath(path)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH"))
-                                        if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "cache_store.stores.isolated", op, path, *args]
     try:
-        done = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s,
-                              check=False)
+        done = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise SpcacheError(f"{path}: {op} walk took longer than {timeout_s} s; "
-                           f"stopped") from exc
+        raise SpcacheError(f"{path}: {op} walk took longer than {timeout_s} s; stopped") from exc
     if done.returncode < 0:
         reason = f"walk aborted ({_signal_name(done.returncode)})"
-        log.error("cache damaged: %s: %s; the walk's last words: %s", path, reason,
-                  _tail(done.stderr))
+        log.error(
+            "cache damaged: %s: %s; the walk's last words: %s", path, reason, _tail(done.stderr)
+        )
         raise CacheDamaged(path, reason)
     try:
         answer = json.loads(done.stdout)
     except ValueError:
         answer = None
     if not isinstance(answer, dict) or done.returncode != 0:
-        raise SpcacheError(f"{path}: {op} walk failed (exit {done.returncode}): "
-                           f"{_tail(done.stderr)}")
+        raise SpcacheError(
+            f"{path}: {op} walk failed (exit {done.returncode}): {_tail(done.stderr)}"
+        )
     error = answer.get("error")
     if error == "CacheDamaged":
         raise CacheDamaged(path, answer.get("reason", "unreadable"))
@@ -109,8 +109,12 @@ def _tail(stderr: bytes, lines: int = 3) -> str:
     return " | ".join(text[-lines:]) or "(nothing on stderr)"
 
 
-def verify_cache(path: str | os.PathLike[str], fingerprint: str | None = None, *,
-                 timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+def verify_cache(
+    path: str | os.PathLike[str],
+    fingerprint: str | None = None,
+    *,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any]:
     """``Store.verify`` of the cache at ``path``, walked in a child process.
 
     Returns the report's JSON (``checked``, ``ok``, ``corrupt``, ``missing``) plus
@@ -120,14 +124,14 @@ def verify_cache(path: str | os.PathLike[str], fingerprint: str | None = None, *
     try:
         report = run_walk("verify", path, *args, timeout_s=timeout_s)
     except CacheDamaged as exc:
-        return {"checked": 0, "ok": False, "corrupt": {}, "missing": [],
-                "damaged": str(exc)}
+        return {"checked": 0, "ok": False, "corrupt": {}, "missing": [], "damaged": str(exc)}
     report.setdefault("damaged", None)
     return report
 
 
-def stats_cache(path: str | os.PathLike[str], *,
-                timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+def stats_cache(
+    path: str | os.PathLike[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> dict[str, Any]:
     """``Store.stats`` of the cache at ``path``, walked in a child process.
 
     Raises :class:`CacheDamaged` (naming the cache) when the walk cannot finish.
@@ -162,8 +166,10 @@ def _child(op: str, path: str, args: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in _OPS:
-        print(f"usage: python -m cache_store.stores.isolated {{{'|'.join(_OPS)}}} PATH [FINGERPRINT]",
-              file=sys.stderr)
+        print(
+            f"usage: python -m cache_store.stores.isolated {{{'|'.join(_OPS)}}} PATH [FINGERPRINT]",
+            file=sys.stderr,
+        )
         return 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     answer = _child(argv[0], argv[1], argv[2:])

@@ -87,8 +87,16 @@ from cache_store.format.decode import Record
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest
 
-__all__ = ["LMDBStore", "DEFAULT_MAP_SIZE", "DEFAULT_MAX_READERS", "RECORDS_DIR", "has_cache",
-           "compact_environment", "WRITE_LOCK_FILENAME", "COMPACT_DIR"]
+__all__ = [
+    "LMDBStore",
+    "DEFAULT_MAP_SIZE",
+    "DEFAULT_MAX_READERS",
+    "RECORDS_DIR",
+    "has_cache",
+    "compact_environment",
+    "WRITE_LOCK_FILENAME",
+    "COMPACT_DIR",
+]
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +249,18 @@ class LMDBStore(Store):
     Environment options are those of the first store that opens the path in a process.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, readonly: bool = True,
-                 map_size: int = DEFAULT_MAP_SIZE, max_map_size: int | None = None,
-                 max_readers: int = DEFAULT_MAX_READERS, lock: bool = True,
-                 readahead: bool = False, sync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        readonly: bool = True,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_map_size: int | None = None,
+        max_readers: int = DEFAULT_MAX_READERS,
+        lock: bool = True,
+        readahead: bool = False,
+        sync: bool = True,
+    ) -> None:
         super().__init__(path, readonly=readonly)
         if map_size <= 0 or (max_map_size is not None and max_map_size < map_size):
             raise ValueError(f"map_size {map_size} / max_map_size {max_map_size} out of range")
@@ -292,20 +308,30 @@ class LMDBStore(Store):
         joined = self._joined
         if joined is not None:
             pid, shared = joined
-            if shared.env is not None and pid == os.getpid() and shared.pid == pid and (
-                    self.readonly or shared.writable):
+            if (
+                shared.env is not None
+                and pid == os.getpid()
+                and shared.pid == pid
+                and (self.readonly or shared.writable)
+            ):
                 if time.monotonic() - shared.swap_checked < SWAP_CHECK_INTERVAL_S:
                     return shared.env, shared.dbs
                 return self._adopt_swap(shared)
         known = shared_envs.get(self._env_key)
-        if (known is not None and known.env is not None and known.pid == os.getpid()
-                and (self.readonly or known.writable) and self in known.users):
+        if (
+            known is not None
+            and known.env is not None
+            and known.pid == os.getpid()
+            and (self.readonly or known.writable)
+            and self in known.users
+        ):
             self._joined = (os.getpid(), known)
             return known.env, known.dbs
         with _shared_lock:
             shared = shared_envs.setdefault(self._env_key, _SharedEnv())
-            if shared.env is not None and (shared.pid != os.getpid()
-                                           or (not self.readonly and not shared.writable)):
+            if shared.env is not None and (
+                shared.pid != os.getpid() or (not self.readonly and not shared.writable)
+            ):
                 shared.close()  # forked without the hook, or a writer upgrading a reader
             if shared.env is None:
                 shared.env, shared.dbs, shared.dir_ino = self._open_env()
@@ -326,8 +352,10 @@ class LMDBStore(Store):
                 shared.close_retired(now)
                 current = _dir_inode(self.env_path)
                 if current is not None and current != shared.dir_ino:
-                    log.info("%s: the environment was compacted (swapped); opening the new "
-                             "generation", self.env_path)
+                    log.info(
+                        "%s: the environment was compacted (swapped); opening the new generation",
+                        self.env_path,
+                    )
                     env, dbs, ino = self._open_env(readonly=not shared.writable)
                     shared.retired.append((shared.env, now))
                     shared.env, shared.dbs, shared.dir_ino = env, dbs, ino
@@ -350,14 +378,22 @@ class LMDBStore(Store):
         raise StoreBusy(f"{self.env_path}: the environment keeps being swapped while opening")
 
     def _open_env_once(self, readonly: bool) -> tuple[Any, dict[bytes, Any]]:
-        options: dict[str, Any] = dict(subdir=True, max_dbs=4, max_readers=self.max_readers,
-                                       lock=self.lock, readahead=self.readahead)
+        options: dict[str, Any] = dict(
+            subdir=True,
+            max_dbs=4,
+            max_readers=self.max_readers,
+            lock=self.lock,
+            readahead=self.readahead,
+        )
         env = None
         try:
             if readonly:
                 if not (self.env_path / "data.mdb").is_file():
-                    reason = ("not a directory" if self.path.exists() and not self.path.is_dir()
-                              else f"no cache here ({RECORDS_DIR}/data.mdb missing)")
+                    reason = (
+                        "not a directory"
+                        if self.path.exists() and not self.path.is_dir()
+                        else f"no cache here ({RECORDS_DIR}/data.mdb missing)"
+                    )
                     raise CacheNotFound(self.path, reason)
                 env = lmdb.open(str(self.env_path), readonly=True, create=False, **options)
                 dbs: dict[bytes, Any] = {}
@@ -368,12 +404,20 @@ class LMDBStore(Store):
                         dbs[name] = None  # no writer has created it yet: empty
                 return env, dbs
             self.env_path.mkdir(parents=True, exist_ok=True)
-            env = lmdb.open(str(self.env_path), map_size=self.map_size, sync=self.sync,
-                            metasync=self.sync, **options)
+            env = lmdb.open(
+                str(self.env_path),
+                map_size=self.map_size,
+                sync=self.sync,
+                metasync=self.sync,
+                **options,
+            )
             stale = env.reader_check()
             if stale:
-                log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                            self.env_path, stale)
+                log.warning(
+                    "%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                    self.env_path,
+                    stale,
+                )
             dbs = {name: env.open_db(name, create=True) for name in _DB_NAMES}
             return env, dbs
         except lmdb.Error as exc:
@@ -381,8 +425,10 @@ class LMDBStore(Store):
                 env.close()
             if isinstance(exc, lmdb.ReadersFullError):  # opening reads, so it needs a slot
                 raise self._readers_full() from exc
-            if isinstance(exc, (lmdb.CorruptedError, lmdb.InvalidError,
-                                lmdb.PageNotFoundError, lmdb.BadTxnError)):
+            if isinstance(
+                exc,
+                (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.BadTxnError),
+            ):
                 raise self._damaged(exc) from exc
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
@@ -408,8 +454,11 @@ class LMDBStore(Store):
             freed = env.reader_check()
             if not freed:
                 raise self._readers_full(env) from exc
-            log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                        self.env_path, freed)
+            log.warning(
+                "%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                self.env_path,
+                freed,
+            )
             try:
                 txn = self._begin_read(env)
             except lmdb.ReadersFullError as again:
@@ -435,12 +484,17 @@ class LMDBStore(Store):
         try:
             return bytes(raw).decode("utf-8")
         except UnicodeDecodeError:
-            raise self._damaged(ValueError(f"a stored key is not UTF-8: {bytes(raw)[:80]!r}")
-                                ) from None
+            raise self._damaged(
+                ValueError(f"a stored key is not UTF-8: {bytes(raw)[:80]!r}")
+            ) from None
 
     def _damaged(self, exc: BaseException) -> CacheDamaged:
-        log.error("%s: LMDB read failed, the cache is damaged: %s: %s", self.env_path,
-                  type(exc).__name__, exc)
+        log.error(
+            "%s: LMDB read failed, the cache is damaged: %s: %s",
+            self.env_path,
+            type(exc).__name__,
+            exc,
+        )
         return CacheDamaged(self.path, f"LMDB {type(exc).__name__}: {exc}")
 
     @contextmanager
@@ -466,7 +520,8 @@ class LMDBStore(Store):
             f"{self.env_path}: LMDB reader table full (max_readers={size}; the "
             f"table is as large as the largest max_readers asked for since its lock file "
             f"was created); open every store with a larger max_readers (workers x threads "
-            f"x processes)")
+            f"x processes)"
+        )
 
     def _write(self, action: Any, size_hint: int = 0) -> Any:
         """Run ``action(txn, dbs)`` in one write transaction, growing the map when full;
@@ -475,7 +530,9 @@ class LMDBStore(Store):
         with self._write_lock():
             env, dbs = self._environment()
             joined = self._joined
-            if joined is not None:  # a compaction may have swapped the file: never write the old one
+            if (
+                joined is not None
+            ):  # a compaction may have swapped the file: never write the old one
                 env, dbs = self._adopt_swap(joined[1])
             return self._write_txn(env, dbs, action, size_hint)
 
@@ -493,8 +550,10 @@ class LMDBStore(Store):
                     break
                 except BlockingIOError:
                     if time.monotonic() >= deadline:
-                        raise StoreBusy(f"{self.path}: the cache is being compacted (spcache "
-                                        f"compact); writes waited {COMPACT_WAIT_S:.0f}s") from None
+                        raise StoreBusy(
+                            f"{self.path}: the cache is being compacted (spcache "
+                            f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
+                        ) from None
                     if not told:
                         log.info("%s: the cache is being compacted; writes wait for it", self.path)
                         told = True
@@ -530,16 +589,20 @@ class LMDBStore(Store):
         shared.reader_checked = now
         stale = env.reader_check()
         if stale:
-            log.warning("%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                        self.env_path, stale)
+            log.warning(
+                "%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                self.env_path,
+                stale,
+            )
 
     def _grow(self, env: Any, size_hint: int) -> None:
         current = env.info()["map_size"]
         wanted = max(2 * current, current + 2 * size_hint)
         if self.max_map_size is not None:
             if current >= self.max_map_size:
-                raise StoreFull(self.env_path, f"LMDB map full at max_map_size "
-                                               f"{self.max_map_size} bytes")
+                raise StoreFull(
+                    self.env_path, f"LMDB map full at max_map_size {self.max_map_size} bytes"
+                )
             wanted = min(wanted, self.max_map_size)
         log.info("%s: growing LMDB map from %d to %d bytes", self.env_path, current, wanted)
         env.set_mapsize(wanted)
@@ -569,8 +632,9 @@ class LMDBStore(Store):
                 raise self._missing(txn, dbs, key)
             yield value
 
-    def supply(self, keys: list[str], fields: list[str] | None,
-               decoder: RecordDecoder) -> list[Record]:
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
         # The map's own bytes, decoded inside one read transaction: one copy per tensor.
         # The hot path of every read: no context-manager generator around the transaction.
         txn, dbs = self._begin()
@@ -620,7 +684,9 @@ class LMDBStore(Store):
         checked = [(key.encode(), value) for key, value in self.check_items(items)]
 
         def put(txn: Any, dbs: dict[bytes, Any]) -> int:
-            self._refuse_removed(txn, dbs, {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked})
+            self._refuse_removed(
+                txn, dbs, {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}
+            )
             for key, value in checked:
                 txn.put(key, value, db=dbs[_RECORDS_DB])
             return len(checked)
@@ -732,8 +798,11 @@ class LMDBStore(Store):
         def mark(txn: Any, dbs: dict[bytes, Any]) -> float:
             earlier = _removed_at(txn, dbs, fingerprint)
             if earlier is None:
-                txn.put(fingerprint.encode(), json.dumps({"removed_at": stamp}).encode(),
-                        db=dbs[_REMOVED_DB])
+                txn.put(
+                    fingerprint.encode(),
+                    json.dumps({"removed_at": stamp}).encode(),
+                    db=dbs[_REMOVED_DB],
+                )
             txn.delete(fingerprint.encode(), db=dbs[_INDEXES_DB])
             return stamp if earlier is None else earlier
 
@@ -826,17 +895,21 @@ class LMDBStore(Store):
         with self._read() as (txn, dbs):
             if dbs[_RECORDS_DB] is not None:
                 for key, value in txn.cursor(db=dbs[_RECORDS_DB]):
-                    entry = per_fp.setdefault(self._key_text(key[:FINGERPRINT_HEX_CHARS]),
-                                              {"records": 0, "bytes": 0})
+                    entry = per_fp.setdefault(
+                        self._key_text(key[:FINGERPRINT_HEX_CHARS]), {"records": 0, "bytes": 0}
+                    )
                     entry["records"] += 1
                     entry["bytes"] += len(value)
                     count_code_digest(entry, value)
             env, _ = self._environment()
             info, stat = env.info(), env.stat()
         out = self._finish_stats(per_fp)
-        out["lmdb"] = {"map_size": info["map_size"],
-                       "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
-                       "max_readers": info["max_readers"], "readers_in_use": info["num_readers"]}
+        out["lmdb"] = {
+            "map_size": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+            "max_readers": info["max_readers"],
+            "readers_in_use": info["num_readers"],
+        }
         return out
 
 
@@ -849,13 +922,16 @@ def _exchange(a: Path, b: Path) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         renameat2 = libc.renameat2
     except (OSError, AttributeError):
-        raise SpcacheError("compaction needs renameat2(RENAME_EXCHANGE) (Linux, glibc >= "
-                           "2.28); not available here") from None
+        raise SpcacheError(
+            "compaction needs renameat2(RENAME_EXCHANGE) (Linux, glibc >= 2.28); not available here"
+        ) from None
     at_fdcwd = -100
     if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
         err = ctypes.get_errno()
-        raise SpcacheError(f"cannot swap {a} and {b}: {os.strerror(err)} (compaction needs a "
-                           f"file system with renameat2 RENAME_EXCHANGE)")
+        raise SpcacheError(
+            f"cannot swap {a} and {b}: {os.strerror(err)} (compaction needs a "
+            f"file system with renameat2 RENAME_EXCHANGE)"
+        )
 
 
 def _fsync_path(path: Path) -> None:
@@ -889,9 +965,11 @@ def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) 
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise StoreBusy(f"{root}: a writer kept the cache busy for {wait_s:.0f}s; "
-                                    f"compaction not started (try again, or stop the "
-                                    f"worker)") from None
+                    raise StoreBusy(
+                        f"{root}: a writer kept the cache busy for {wait_s:.0f}s; "
+                        f"compaction not started (try again, or stop the "
+                        f"worker)"
+                    ) from None
                 time.sleep(0.05)
         spare = root / COMPACT_DIR
         if spare.exists():

@@ -45,16 +45,26 @@ def tls_verify(ca_file: str | os.PathLike[str] | None) -> ssl.SSLContext | bool:
     return ssl.create_default_context(cafile=os.fspath(ca_file))
 
 
-def new_client(url: str, *, timeout_s: float, token: str | None,
-               ca_file: str | os.PathLike[str] | None,
-               max_connections: int | None = None) -> httpx.Client:
+def new_client(
+    url: str,
+    *,
+    timeout_s: float,
+    token: str | None,
+    ca_file: str | os.PathLike[str] | None,
+    max_connections: int | None = None,
+) -> httpx.Client:
     """An httpx client for the service at ``url`` (bearer ``token`` sent when given)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    limits = (httpx.Limits() if max_connections is None else
-              httpx.Limits(max_connections=max_connections,
-                           max_keepalive_connections=max_connections))
-    return httpx.Client(base_url=url, timeout=timeout_s, headers=headers,
-                        verify=tls_verify(ca_file), limits=limits)
+    limits = (
+        httpx.Limits()
+        if max_connections is None
+        else httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+    )
+    return httpx.Client(
+        base_url=url, timeout=timeout_s, headers=headers, verify=tls_verify(ca_file), limits=limits
+    )
 
 
 def json_body(response: httpx.Response) -> dict[str, Any]:
@@ -82,9 +92,17 @@ def retry_after(response: httpx.Response, default: float) -> float:
     return min(max(wait, 0.0), MAX_RETRY_AFTER_S)
 
 
-def send(http: Callable[[], httpx.Client], method: str, path: str, *, where: str,
-         retries: int | None = None, deadline: float | None = None, backoff_s: float = 0.1,
-         **kwargs: Any) -> httpx.Response:
+def send(
+    http: Callable[[], httpx.Client],
+    method: str,
+    path: str,
+    *,
+    where: str,
+    retries: int | None = None,
+    deadline: float | None = None,
+    backoff_s: float = 0.1,
+    **kwargs: Any,
+) -> httpx.Response:
     """One request, retried on connection errors and 503 answers.
 
     Back-off doubles from ``backoff_s`` (jittered, at most 10 s; a ``Retry-After``
@@ -109,16 +127,18 @@ def send(http: Callable[[], httpx.Client], method: str, path: str, *, where: str
                 return answer
             error, detail = error_of(answer)
             if error == NO_WORKER_ERROR:
-                raise NoWorkerAlive(detail or no_worker_message(f"{where}{path}",
-                                                                "<the service's cache>"))
+                raise NoWorkerAlive(
+                    detail or no_worker_message(f"{where}{path}", "<the service's cache>")
+                )
             wait = retry_after(answer, delay)
         out_of_tries = retries is not None and attempt >= retries
         out_of_time = deadline is not None and time.monotonic() + wait >= deadline
         if out_of_tries or out_of_time:
             if response is not None:
                 return response
-            raise SpcacheError(f"{where}{path}: {type(failure).__name__}: {failure} "
-                               f"(after {attempt + 1} attempts)") from failure
+            raise SpcacheError(
+                f"{where}{path}: {type(failure).__name__}: {failure} (after {attempt + 1} attempts)"
+            ) from failure
         wait *= 0.5 + random.random()
         if deadline is not None:
             wait = min(wait, max(deadline - time.monotonic(), 0.0))

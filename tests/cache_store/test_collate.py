@@ -13,9 +13,14 @@ def _kaolin_example() -> list[dict[str, torch.Tensor]]:
     octrees = [[0b00010001, 0b11, 1, 2, 4, 8], [1, 0b111, 16, 0xFF, 0x0F]]
     pyramids = [[[1, 2, 3, 3, 0], [0, 1, 3, 6, 9]], [[1, 1, 3, 13, 0], [0, 1, 2, 5, 18]]]
     exsums = [[2, 4, 5, 6, 7, 8], [1, 4, 5, 13, 17]]
-    return [{"octree": torch.tensor(o, dtype=torch.uint8),
-             "pyramid": torch.tensor(p, dtype=torch.int32),
-             "exsum": torch.tensor(e, dtype=torch.int32)} for o, p, e in zip(octrees, pyramids, exsums, strict=True)]
+    return [
+        {
+            "octree": torch.tensor(o, dtype=torch.uint8),
+            "pyramid": torch.tensor(p, dtype=torch.int32),
+            "exsum": torch.tensor(e, dtype=torch.int32),
+        }
+        for o, p, e in zip(octrees, pyramids, exsums, strict=True)
+    ]
 
 
 def test_matches_kaolins_packed_layout() -> None:
@@ -23,8 +28,10 @@ def test_matches_kaolins_packed_layout() -> None:
     assert batch["lengths"].tolist() == [6, 5] and batch["lengths"].dtype == torch.int32
     assert batch["octree"].shape == (11,) and batch["octree"][0].item() == 0b00010001
     assert batch["pyramid"].shape == (2, 2, 5)
-    assert batch["pyramid"].tolist() == [[[1, 2, 3, 3, 0], [0, 1, 3, 6, 9]],
-                                         [[1, 1, 3, 13, 0], [0, 1, 2, 5, 18]]]
+    assert batch["pyramid"].tolist() == [
+        [[1, 2, 3, 3, 0], [0, 1, 3, 6, 9]],
+        [[1, 1, 3, 13, 0], [0, 1, 2, 5, 18]],
+    ]
     assert batch["exsum"].tolist() == [2, 4, 5, 6, 7, 8, 1, 4, 5, 13, 17]
 
 
@@ -73,8 +80,15 @@ def test_clear_errors() -> None:
 
 
 def test_dtypes_survive_and_autograd_or_bfloat16_fall_back_to_torch() -> None:
-    samples = [{"a": torch.arange(3, dtype=torch.int16), "b": torch.ones(2, dtype=torch.bfloat16),
-                "c": torch.ones(2, requires_grad=True), "d": torch.tensor(True)} for _ in range(2)]
+    samples = [
+        {
+            "a": torch.arange(3, dtype=torch.int16),
+            "b": torch.ones(2, dtype=torch.bfloat16),
+            "c": torch.ones(2, requires_grad=True),
+            "d": torch.tensor(True),
+        }
+        for _ in range(2)
+    ]
     batch = collate_spc(samples)
     assert batch["a"].dtype == torch.int16 and batch["a"].shape == (2, 3)
     assert batch["b"].dtype == torch.bfloat16 and batch["c"].requires_grad
@@ -88,8 +102,10 @@ def test_fields_already_end_to_end_are_viewed_not_copied() -> None:
 
     fp = "0123456789abcdef" * 2
     samples = [spc_query_fields(seed, num_points=30 + 10 * seed) for seed in range(3)]
-    values = [(f"{fp}/s{i}", encode_record(s, record_metadata(fp, f"s{i}", "spc_query")))
-              for i, s in enumerate(samples)]
+    values = [
+        (f"{fp}/s{i}", encode_record(s, record_metadata(fp, f"s{i}", "spc_query")))
+        for i, s in enumerate(samples)
+    ]
     decoded = [r.tensors for r in decode_records(values)]
     viewed = collate_spc(decoded)
     copied = collate_spc(samples)  # separate tensors: copied as before

@@ -24,8 +24,13 @@ from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import fingerprint_of, make_record
 
-QUERY_PARAMS = {"level": 4, "surface_samples": 100_000, "uniform_queries": 16_384,
-                "surface_queries": 16_384, "surface_sigma": 0.01}
+QUERY_PARAMS = {
+    "level": 4,
+    "surface_samples": 100_000,
+    "uniform_queries": 16_384,
+    "surface_queries": 16_384,
+    "surface_sigma": 0.01,
+}
 FP_Q4 = fingerprint_of("spc_query", level=4)
 FP_Q5 = fingerprint_of("spc_query", level=5)
 FP_S4 = fingerprint_of("spc", level=4)
@@ -40,14 +45,24 @@ def _ids(n: int) -> list[str]:
 def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("cache")
     store = LMDBStore(path, readonly=False)
-    for fp, level, recipe, n in ((FP_Q4, 4, "spc_query", N), (FP_Q5, 5, "spc_query", 3),
-                                 (FP_S4, 4, "spc", 2)):
+    for fp, level, recipe, n in (
+        (FP_Q4, 4, "spc_query", N),
+        (FP_Q5, 5, "spc_query", 3),
+        (FP_S4, 4, "spc", 2),
+    ):
         ids = _ids(n)
-        store.put_many((f"{fp}/{sid}", make_record(fp, sid, seed=i, recipe=recipe, level=level,
-                                                   num_points=20 + 5 * i))
-                       for i, sid in enumerate(ids))
-        params = dict(QUERY_PARAMS, level=level) if recipe == "spc_query" else \
-            {"level": level, "surface_samples": 100_000}
+        store.put_many(
+            (
+                f"{fp}/{sid}",
+                make_record(fp, sid, seed=i, recipe=recipe, level=level, num_points=20 + 5 * i),
+            )
+            for i, sid in enumerate(ids)
+        )
+        params = (
+            dict(QUERY_PARAMS, level=level)
+            if recipe == "spc_query"
+            else {"level": level, "surface_samples": 100_000}
+        )
         store.put_index(DatasetIndex(fp, recipe, 1, params, np.array(ids)))
     # an older version of spc at level 4: never selected by name
     old = compute_fingerprint("spc", 0, {"level": 4, "surface_samples": 100_000})
@@ -81,14 +96,20 @@ def test_reads_every_record_in_index_order(cache: Path) -> None:
 
 
 def test_fields_and_transform(cache: Path) -> None:
-    ds = CachedDataset(cache, FP_Q4, fields=["octree", "pyramid"],
-                       transform=lambda s: {**s, "n": s["octree"].numel()})
+    ds = CachedDataset(
+        cache,
+        FP_Q4,
+        fields=["octree", "pyramid"],
+        transform=lambda s: {**s, "n": s["octree"].numel()},
+    )
     sample = ds[3]
     assert set(sample) == {"octree", "pyramid", "n"}
     assert sample["n"] == sample["octree"].numel()
 
 
-def test_constructor_opens_nothing_and_index_leaves_nothing_open(cache: Path, tmp_path: Path) -> None:
+def test_constructor_opens_nothing_and_index_leaves_nothing_open(
+    cache: Path, tmp_path: Path
+) -> None:
     missing = CachedDataset(tmp_path / "none", FP_Q4)  # no error yet: nothing is opened
     with pytest.raises(CacheNotFound, match=str(tmp_path / "none")):
         len(missing)
@@ -128,8 +149,11 @@ def test_missing_and_corrupt_records(tmp_path: Path) -> None:
     bad = bytearray(make_record(fp, "bad", 2))
     bad[read_header(bytes(bad)).tensors["exsum"].begin] ^= 1
     store.put_many([(f"{fp}/good", good), (f"{fp}/bad", bytes(bad))])
-    store.put_index(DatasetIndex(fp, "spc", 1, {"level": 4, "surface_samples": 100_000},
-                                 ["good", "bad", "gone"]))
+    store.put_index(
+        DatasetIndex(
+            fp, "spc", 1, {"level": 4, "surface_samples": 100_000}, ["good", "bad", "gone"]
+        )
+    )
     store.close()
     ds = CachedDataset(tmp_path, fp)
     assert ds[0]["octree"].dtype == torch.uint8
@@ -145,8 +169,10 @@ def test_missing_and_corrupt_records(tmp_path: Path) -> None:
 
 def forbid_cuda(worker_id: int) -> None:
     """worker_init_fn: any CUDA initialisation in this worker raises."""
+
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError(f"CUDA initialised in DataLoader worker {worker_id}")
+
     torch.cuda._lazy_init = refuse
     torch.cuda.init = refuse
 
@@ -163,14 +189,24 @@ def touch_cuda(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return sample
 
 
-def _load_all(cache: Path, context: str, workers: int, **kw: object) -> list[dict[str, torch.Tensor]]:
+def _load_all(
+    cache: Path, context: str, workers: int, **kw: object
+) -> list[dict[str, torch.Tensor]]:
     ds = CachedDataset(cache, FP_Q4, transform=probe)
-    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context=context,
-                        worker_init_fn=forbid_cuda, **kw)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context=context,
+        worker_init_fn=forbid_cuda,
+        **kw,
+    )
     return list(loader)
 
 
-def _check_against_single_process(cache: Path, got: list[dict[str, torch.Tensor]], workers: int) -> None:
+def _check_against_single_process(
+    cache: Path, got: list[dict[str, torch.Tensor]], workers: int
+) -> None:
     expected = _expected(cache, FP_Q4)
     assert len(got) == len(expected)
     for sample, want in zip(got, expected, strict=True):
@@ -192,16 +228,26 @@ def test_four_forked_workers_read_exactly_what_one_process_reads(cache: Path) ->
 def test_parent_that_read_before_forking(cache: Path) -> None:
     ds = CachedDataset(cache, FP_Q4, transform=probe)
     ds[0]  # the parent's store is open now; forking must still work
-    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork",
-                        worker_init_fn=forbid_cuda)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=forbid_cuda,
+    )
     _check_against_single_process(cache, list(loader), 2)
     assert not ds[1]["cuda_initialized"].item()
 
 
 def test_a_worker_that_touches_cuda_fails(cache: Path) -> None:
     ds = CachedDataset(cache, FP_Q4, transform=touch_cuda)
-    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork",
-                        worker_init_fn=forbid_cuda)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+        worker_init_fn=forbid_cuda,
+    )
     batches = iter(loader)
     with pytest.raises(RuntimeError, match="CUDA initialised in DataLoader worker"):
         next(batches)
@@ -210,8 +256,15 @@ def test_a_worker_that_touches_cuda_fails(cache: Path) -> None:
 
 def test_persistent_workers_over_two_epochs_with_collate(cache: Path) -> None:
     ds = CachedDataset(cache, FP_Q4)
-    loader = DataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context="fork",
-                        persistent_workers=True, collate_fn=collate_spc, worker_init_fn=forbid_cuda)
+    loader = DataLoader(
+        ds,
+        batch_size=5,
+        num_workers=2,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+        collate_fn=collate_spc,
+        worker_init_fn=forbid_cuda,
+    )
     expected = _expected(cache, FP_Q4)
     for _ in range(2):
         batches = list(loader)
@@ -227,12 +280,19 @@ def keep_list(batch: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tens
 
 
 @pytest.mark.parametrize("collate", [keep_list, collate_spc], ids=["list", "collate_spc"])
-@pytest.mark.parametrize("fields", [None, ("point_hierarchy", "octree", "query_points")],
-                         ids=["all", "subset"])
+@pytest.mark.parametrize(
+    "fields", [None, ("point_hierarchy", "octree", "query_points")], ids=["all", "subset"]
+)
 def test_worker_batches_arrive_as_one_shared_storage(cache: Path, collate, fields) -> None:
     ds = CachedDataset(cache, FP_Q4, fields=fields)
-    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="fork",
-                        collate_fn=collate, worker_init_fn=forbid_cuda)
+    loader = DataLoader(
+        ds,
+        batch_size=4,
+        num_workers=1,
+        multiprocessing_context="fork",
+        collate_fn=collate,
+        worker_init_fn=forbid_cuda,
+    )
     expected = _expected(cache, FP_Q4)
     names = fields or tuple(expected[0])
     got = []
@@ -255,8 +315,13 @@ def test_worker_batches_arrive_as_one_shared_storage(cache: Path, collate, field
 
 def test_a_worker_sample_arrives_as_one_shared_storage(cache: Path) -> None:
     ds = CachedDataset(cache, FP_Q4)
-    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork",
-                        worker_init_fn=forbid_cuda)
+    loader = DataLoader(
+        ds,
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+        worker_init_fn=forbid_cuda,
+    )
     got = list(loader)
     for sample, want in zip(got, _expected(cache, FP_Q4), strict=True):
         assert len({t.untyped_storage().data_ptr() for t in sample.values()}) == 1
@@ -269,12 +334,21 @@ def test_pin_memory_keeps_working(cache: Path) -> None:
     # Without an accelerator pinning is a no-op that warns; with CUDA it copies into
     # pinned memory. Either way the batch must come through intact.
     ds = CachedDataset(cache, FP_Q4)
-    loader = DataLoader(ds, batch_size=6, num_workers=1, multiprocessing_context="fork",
-                        collate_fn=collate_spc, pin_memory=True, worker_init_fn=forbid_cuda)
+    loader = DataLoader(
+        ds,
+        batch_size=6,
+        num_workers=1,
+        multiprocessing_context="fork",
+        collate_fn=collate_spc,
+        pin_memory=True,
+        worker_init_fn=forbid_cuda,
+    )
     batches = list(loader)
     expected = _expected(cache, FP_Q4)
-    assert torch.equal(torch.cat([b["point_hierarchy"] for b in batches]),
-                       torch.cat([e["point_hierarchy"] for e in expected]))
+    assert torch.equal(
+        torch.cat([b["point_hierarchy"] for b in batches]),
+        torch.cat([e["point_hierarchy"] for e in expected]),
+    )
     if torch.cuda.is_available():
         assert all(b["octree"].is_pinned() for b in batches)
 

@@ -91,9 +91,12 @@ def cache(tmp_path: Path) -> Path:
     path = tmp_path / "cache"
     store = LMDBStore(path, readonly=False)
     ids = [f"s{i:03d}" for i in range(N)]
-    store.put_many((f"{FP}/{sid}", make_record(FP, sid, seed=i, level=4)) for i, sid in enumerate(ids))
-    store.put_index(DatasetIndex(FP, "spc", 1, {"level": 4, "surface_samples": 100_000},
-                                 np.array(ids)))
+    store.put_many(
+        (f"{FP}/{sid}", make_record(FP, sid, seed=i, level=4)) for i, sid in enumerate(ids)
+    )
+    store.put_index(
+        DatasetIndex(FP, "spc", 1, {"level": 4, "surface_samples": 100_000}, np.array(ids))
+    )
     store.close()
     return path
 
@@ -102,11 +105,30 @@ def cache(tmp_path: Path) -> Path:
 def test_two_gloo_ranks_read_every_sample_once_per_epoch(cache: Path, tmp_path: Path) -> None:
     script, out = tmp_path / "rank.py", tmp_path / "out.json"
     script.write_text(RANK_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node", "2", str(script), str(cache), FP, str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(cache),
+            FP,
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["world"] == 2

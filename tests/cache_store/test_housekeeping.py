@@ -22,8 +22,7 @@ from spcache.cli import main
 from tests.helpers.synthetic import fingerprint_of, make_record
 
 
-def fill(cache: Path, level: int, n: int = 20, *, points: int = 400,
-         index: bool = True) -> str:
+def fill(cache: Path, level: int, n: int = 20, *, points: int = 400, index: bool = True) -> str:
     """``n`` records (and the index) of the ``spc`` recipe at ``level``; its fingerprint."""
     spec = get_recipe_spec("spc")
     params = spec.resolve({"level": level})
@@ -31,9 +30,12 @@ def fill(cache: Path, level: int, n: int = 20, *, points: int = 400,
     ids = [f"s{i:03d}" for i in range(n)]
     store = LMDBStore(cache, readonly=False)
     try:
-        store.put_many([(f"{fp}/{sid}", make_record(fp, sid, seed=i, level=level,
-                                                    num_points=points))
-                        for i, sid in enumerate(ids)])
+        store.put_many(
+            [
+                (f"{fp}/{sid}", make_record(fp, sid, seed=i, level=level, num_points=points))
+                for i, sid in enumerate(ids)
+            ]
+        )
         if index:
             store.put_index(DatasetIndex(fp, "spc", spec.version, params, np.array(ids)))
     finally:
@@ -49,9 +51,17 @@ def set_used(cache: Path, fp: str, when: float) -> None:
         os.utime(path, (when, when))
 
 
-@pytest.mark.parametrize("text,expected", [("123", 123), ("500M", 500 << 20), ("2G", 2 << 30),
-                                           ("1.5T", int(1.5 * (1 << 40))), ("4KiB", 4096),
-                                           ("10kb", 10240)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("123", 123),
+        ("500M", 500 << 20),
+        ("2G", 2 << 30),
+        ("1.5T", int(1.5 * (1 << 40))),
+        ("4KiB", 4096),
+        ("10kb", 10240),
+    ],
+)
 def test_parse_size(text: str, expected: int) -> None:
     assert hk.parse_size(text) == expected
 
@@ -89,7 +99,9 @@ def test_ls_rows_exact_bytes_state_and_usage(tmp_path: Path, capsys: pytest.Capt
     listed = json.loads(capsys.readouterr().out)
     assert {r["fingerprint"] for r in listed} == {a, b}
     for row in listed:
-        assert {"fingerprint", "recipe", "records", "bytes", "last_read", "last_written"} <= set(row)
+        assert {"fingerprint", "recipe", "records", "bytes", "last_read", "last_written"} <= set(
+            row
+        )
     assert main(["ls", "--cache", str(tmp_path)]) == 0
     assert a in capsys.readouterr().out
 
@@ -206,10 +218,13 @@ def test_prune_least_recently_used_first(tmp_path: Path, capsys: pytest.CaptureF
     plan = hk.prune(tmp_path, max_size=limit, dry_run=True)
     assert [r["fingerprint"] for r in plan["removed"]] == fps[:2]
     assert len(hk.ls(tmp_path)) == 4  # a dry run removes nothing
-    assert [r["fingerprint"] for r in hk.prune(tmp_path, unused_for="250h", dry_run=True)
-            ["removed"]] == fps[:2]
-    assert hk.prune(tmp_path, unused_for="250h", keep=3, dry_run=True)["removed"][0][
-        "fingerprint"] == fps[0]
+    assert [
+        r["fingerprint"] for r in hk.prune(tmp_path, unused_for="250h", dry_run=True)["removed"]
+    ] == fps[:2]
+    assert (
+        hk.prune(tmp_path, unused_for="250h", keep=3, dry_run=True)["removed"][0]["fingerprint"]
+        == fps[0]
+    )
     assert main(["prune", "--cache", str(tmp_path), "--max-size", str(limit)]) == 0
     out = capsys.readouterr().out
     assert f"removed {fps[0]}" in out and f"removed {fps[1]}" in out
@@ -217,8 +232,9 @@ def test_prune_least_recently_used_first(tmp_path: Path, capsys: pytest.CaptureF
     assert LMDBStore(tmp_path).verify().ok
 
 
-def test_prune_never_removes_queued_work_and_refuses_a_limit_below_it(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture) -> None:
+def test_prune_never_removes_queued_work_and_refuses_a_limit_below_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     small, big = fill(tmp_path, 3), fill(tmp_path, 6)
     set_used(tmp_path, big, time.time() - 10 * 86400)  # the least recently used...
     queue = JobQueue(tmp_path)
@@ -289,9 +305,9 @@ def test_snapshots_are_listed_and_never_removed(tmp_path: Path) -> None:
         hk.rm(snap, [a])
 
 
-def test_worker_refuses_a_limit_below_a_stored_fingerprint(tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_refuses_a_limit_below_a_stored_fingerprint(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("SPCACHE_PARENT_PID", raising=False)
     fp = fill(tmp_path, 4)
     assert main(["worker", "--cache", str(tmp_path), "--max-size", "1K", "--drain"]) == 2
@@ -301,8 +317,9 @@ def test_worker_refuses_a_limit_below_a_stored_fingerprint(tmp_path: Path,
     assert "size 'lots'" in capsys.readouterr().err
 
 
-def test_ls_while_a_fingerprint_is_removed_under_it(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ls_while_a_fingerprint_is_removed_under_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     a, b = fill(tmp_path, 3), fill(tmp_path, 4)
     real_keys = LMDBStore.keys
 

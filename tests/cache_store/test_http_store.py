@@ -91,10 +91,12 @@ def test_index_keys_and_batch(served: tuple[Cache, InProcessServer]) -> None:
     assert store.fingerprints() == [cache.fingerprint]
     index = store.get_index(cache.fingerprint)
     assert index.sample_ids.tolist() == cache.ids and index.params == cache.params
-    assert list(store.keys()) == [record_key(cache.fingerprint, s)
-                                  for s in sorted(cache.ids, key=str.encode)]
+    assert list(store.keys()) == [
+        record_key(cache.fingerprint, s) for s in sorted(cache.ids, key=str.encode)
+    ]
     wanted = [record_key(cache.fingerprint, s) for s in cache.ids] + [
-        record_key(cache.fingerprint, "gone")]
+        record_key(cache.fingerprint, "gone")
+    ]
     got, missing = store.get_many(wanted)
     assert list(got) == wanted[:-1] and "RecordNotFound" in missing[wanted[-1]]
     assert all(bytes(got[k]) == cache.values[k.split("/", 1)[1]] for k in got)
@@ -167,7 +169,12 @@ def test_batch_frame_round_trip_and_corruption() -> None:
     found, missing = decode_batch(frame)
     assert {k: bytes(v) for k, v in found.items()} == {"a": b"xyz", "b/c": b""}
     assert missing == {"d": "RecordNotFound: gone"}
-    for bad in (frame[:5], frame[:-1], b"\xff" * 8 + frame[8:], frame.replace(b'"version":1', b'"version":9')):
+    for bad in (
+        frame[:5],
+        frame[:-1],
+        b"\xff" * 8 + frame[8:],
+        frame.replace(b'"version":1', b'"version":9'),
+    ):
         with pytest.raises(CorruptRecord):
             decode_batch(bad)
 
@@ -178,7 +185,8 @@ def test_constructor_opens_no_pool() -> None:
 
 
 def test_cached_dataset_reads_over_http_in_forked_loader_workers(
-        served: tuple[Cache, InProcessServer]) -> None:
+    served: tuple[Cache, InProcessServer],
+) -> None:
     import torch
     from torch.utils.data import DataLoader
 
@@ -187,8 +195,9 @@ def test_cached_dataset_reads_over_http_in_forked_loader_workers(
     cache, server = served
     dataset = CachedDataset(server.url, cache.fingerprint, fields=["octree", "scale"])
     assert len(dataset) == len(cache.ids)
-    loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=list,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        dataset, batch_size=2, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
     seen = [sample for batch in loader for sample in batch]
     assert len(seen) == len(cache.ids)
     for sample, sid in zip(seen, cache.ids, strict=True):
@@ -205,13 +214,18 @@ def test_503_is_retried_honouring_retry_after() -> None:
 
     calls = []
     from tests.helpers.service import make_record
+
     value = make_record("a" * 32, "x/y", "xxh3_128:0")  # get() checks it names its key
 
     async def busy_then_ok(request):  # the service's answer when LMDB's reader table is full
         calls.append(request.url.path)
         if len(calls) < 3:
-            return Response(b'{"error": "SpcacheError", "detail": "busy"}', status_code=503,
-                            headers={"Retry-After": "0.05"}, media_type="application/json")
+            return Response(
+                b'{"error": "SpcacheError", "detail": "busy"}',
+                status_code=503,
+                headers={"Retry-After": "0.05"},
+                media_type="application/json",
+            )
         return Response(value, media_type="application/octet-stream")
 
     app = Starlette(routes=[Route("/v1/caches/{fp}/records/{sid:path}", busy_then_ok)])

@@ -44,8 +44,10 @@ def test_template_fields() -> None:
     assert sample_id_for(rel) == "02691156/1a2b3c/models/model_normalized"
     assert sample_id_for(rel, "{parts[0]}/{parts[1]}") == "02691156/1a2b3c"
     assert sample_id_for(rel, KEEP_EXTENSION) == rel
-    assert sample_id_for(rel, "{parent}|{stem}|{ext}|{name}") == \
-        "02691156/1a2b3c/models|model_normalized|obj|model_normalized.obj"
+    assert (
+        sample_id_for(rel, "{parent}|{stem}|{ext}|{name}")
+        == "02691156/1a2b3c/models|model_normalized|obj|model_normalized.obj"
+    )
     with pytest.raises(ValueError, match="parts"):
         sample_id_for("flat.obj", "{parts[1]}")
     with pytest.raises(ValueError, match="fields: path, id, parts"):
@@ -58,12 +60,15 @@ def test_shapenet_ids_from_a_template(shapenet: Path) -> None:
     assert all(path.endswith("models/model_normalized.obj") for _, path in items)
     # the same rule over a .txt manifest; a .jsonl manifest keeps its own ids
     (shapenet / "list.txt").write_text("02691156/1a2b3c/models/model_normalized.obj\n")
-    assert discover_sources(shapenet / "list.txt", id_template="{parts[0]}/{parts[1]}") == \
-        [("02691156/1a2b3c", str(shapenet / "02691156/1a2b3c/models/model_normalized.obj"))]
-    (shapenet / "list.jsonl").write_text(json.dumps(
-        {"id": "plane", "path": "02691156/1a2b3c/models/model_normalized.obj"}) + "\n")
-    assert [sid for sid, _ in discover_sources(shapenet / "list.jsonl", id_template="{stem}")] \
-        == ["plane"]
+    assert discover_sources(shapenet / "list.txt", id_template="{parts[0]}/{parts[1]}") == [
+        ("02691156/1a2b3c", str(shapenet / "02691156/1a2b3c/models/model_normalized.obj"))
+    ]
+    (shapenet / "list.jsonl").write_text(
+        json.dumps({"id": "plane", "path": "02691156/1a2b3c/models/model_normalized.obj"}) + "\n"
+    )
+    assert [sid for sid, _ in discover_sources(shapenet / "list.jsonl", id_template="{stem}")] == [
+        "plane"
+    ]
     with pytest.raises(SourceError, match="model_normalized.obj"):
         discover_sources(shapenet, id_template="{parts[9]}")
 
@@ -78,10 +83,34 @@ def test_dataset_names_both_paths_of_a_collision_and_keeps_ext_on_request(twins:
 
 def _precompute(source: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "spcache", "precompute", str(source), "--recipe", "spc",
-         "--param", "level=3", "--param", "surface_samples=300", "--cache", str(cache),
-         "--device", "cpu", "--backend", "torch", "--loaders", "0", "--json", *extra],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "precompute",
+            str(source),
+            "--recipe",
+            "spc",
+            "--param",
+            "level=3",
+            "--param",
+            "surface_samples=300",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--json",
+            *extra,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_precompute_keep_ext_and_template(twins: Path, shapenet: Path, tmp_path: Path) -> None:
@@ -89,15 +118,21 @@ def test_precompute_keep_ext_and_template(twins: Path, shapenet: Path, tmp_path:
     assert default.returncode == 1
     summary = json.loads(default.stdout)
     (error,) = summary["errors"]  # the collision names both paths
-    assert error["id"] == "link_0" and "link_0.obj" in error["reason"] \
+    assert (
+        error["id"] == "link_0"
+        and "link_0.obj" in error["reason"]
         and error["path"].endswith("link_0.stl")
+    )
     kept = _precompute(twins, tmp_path / "b", "--id-keep-ext")
     assert kept.returncode == 0, kept.stderr[-2000:]
     assert json.loads(kept.stdout)["done"] == 2
     shaped = _precompute(shapenet, tmp_path / "c", "--id-template", "{parts[0]}/{parts[1]}")
     assert shaped.returncode == 0, shaped.stderr[-2000:]
     ds = CachedDataset(tmp_path / "c", "spc", level=3, surface_samples=300)
-    assert sorted(ds.sample_id(i) for i in range(len(ds))) == \
-        ["02691156/1a2b3c", "02691156/4d5e6f", "03001627/1a2b3c"]
+    assert sorted(ds.sample_id(i) for i in range(len(ds))) == [
+        "02691156/1a2b3c",
+        "02691156/4d5e6f",
+        "03001627/1a2b3c",
+    ]
     bad = _precompute(shapenet, tmp_path / "d", "--id-template", "{parts[7]}")
     assert bad.returncode == 2 and "id template" in bad.stderr and len(bad.stderr.splitlines()) == 1

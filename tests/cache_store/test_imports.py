@@ -9,15 +9,22 @@ from tests.conftest import REPO_ROOT
 
 
 def _modules_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
-                         cwd=REPO_ROOT, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print('\\n'.join(sys.modules))"],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return set(out.split())
 
 
 def test_store_and_record_headers_need_no_torch() -> None:
-    mods = _modules_after("import cache_store, cache_store.stores.base, cache_store.stores.lmdb, "
-                          "cache_store.format.header, cache_store.format.decode, "
-                          "cache_store.format.encode, cache_store.format.index, cache_store.keys")
+    mods = _modules_after(
+        "import cache_store, cache_store.stores.base, cache_store.stores.lmdb, "
+        "cache_store.format.header, cache_store.format.decode, "
+        "cache_store.format.encode, cache_store.format.index, cache_store.keys"
+    )
     assert "torch" not in mods
 
 

@@ -85,8 +85,9 @@ def test_priority_then_age_orders_jobs(queue: JobQueue) -> None:
     assert {c.job_id for c in second} == {low}
 
 
-def test_expired_lease_is_claimed_again_then_fails_when_out_of_attempts(queue: JobQueue,
-                                                                      clock: FakeClock) -> None:
+def test_expired_lease_is_claimed_again_then_fails_when_out_of_attempts(
+    queue: JobQueue, clock: FakeClock
+) -> None:
     job_id = queue.submit("spc", {}, "f" * 16, _items(1))
     first = queue.claim("dead", lease_s=0.05)
     assert queue.claim("other") == []  # lease still live
@@ -117,8 +118,9 @@ def test_permanent_failure_is_not_retried(queue: JobQueue) -> None:
     assert queue.job(job_id).counts["failed"] == 1
 
 
-def test_fail_by_a_worker_that_lost_the_lease_changes_nothing(queue: JobQueue,
-                                                              clock: FakeClock) -> None:
+def test_fail_by_a_worker_that_lost_the_lease_changes_nothing(
+    queue: JobQueue, clock: FakeClock
+) -> None:
     queue.submit("spc", {}, "f" * 16, _items(1))
     (c,) = queue.claim("old", lease_s=0.01)
     clock.advance(0.05)
@@ -227,8 +229,13 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
     assert child.exitcode == 0
     assert child_result == (True, 1)  # a different connection object, and it worked
     assert q._conn() is parent_conn  # the parent's own connection is untouched and usable
-    assert q.job(job_id).counts == {"pending": 1, "running": 0, "done": 1, "failed": 0,
-                                    "cancelled": 0}
+    assert q.job(job_id).counts == {
+        "pending": 1,
+        "running": 0,
+        "done": 1,
+        "failed": 0,
+        "cancelled": 0,
+    }
     q.close()
 
 
@@ -247,9 +254,9 @@ def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:
     assert {c.sample_id for c in queue.claim("w", limit=10)} == {"s000", "s001"}
 
 
-
-def test_an_expired_lease_of_a_cancelled_job_is_not_claimed_again(queue: JobQueue,
-                                                                  clock: FakeClock) -> None:
+def test_an_expired_lease_of_a_cancelled_job_is_not_claimed_again(
+    queue: JobQueue, clock: FakeClock
+) -> None:
     job_id = queue.submit("spc", {}, "f" * 16, _items(1))
     queue.claim("dead", lease_s=0.01)
     queue.cancel(job_id)
@@ -273,7 +280,11 @@ def test_progress_from_queue_timestamps(queue: JobQueue, clock: FakeClock) -> No
     assert info.eta_s == 10.0  # 3 left at 0.3/s
     listed = queue.jobs()[0].as_json()
     assert {k: listed[k] for k in ("total", "percent", "samples_per_s", "eta_s")} == {
-        "total": 8, "percent": 62.5, "samples_per_s": 0.3, "eta_s": 10.0}
+        "total": 8,
+        "percent": 62.5,
+        "samples_per_s": 0.3,
+        "eta_s": 10.0,
+    }
     clock.advance(5.0)
     for c in queue.claim("w", limit=3):
         queue.complete("w", c.item_id)
@@ -312,10 +323,16 @@ def test_a_version_1_queue_is_migrated_and_its_jobs_claim_with_no_roots(tmp_path
     conn = sqlite3.connect(tmp_path / "jobs.sqlite")
     conn.executescript(old)
     conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
-    conn.execute("INSERT INTO jobs (id, recipe, params, fingerprint, priority, created) "
-                 "VALUES ('j1', 'spc', '{}', ?, 0, 1.0)", ("f" * 32,))
-    conn.execute("INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
-                 "updated) VALUES ('j1', 0, ?, 's', '/x/s.obj', 'pending', 1.0)", ("f" * 32,))
+    conn.execute(
+        "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created) "
+        "VALUES ('j1', 'spc', '{}', ?, 0, 1.0)",
+        ("f" * 32,),
+    )
+    conn.execute(
+        "INSERT INTO items (job_id, seq, fingerprint, sample_id, path, status, "
+        "updated) VALUES ('j1', 0, ?, 's', '/x/s.obj', 'pending', 1.0)",
+        ("f" * 32,),
+    )
     conn.commit()
     conn.close()
     queue = JobQueue(tmp_path)

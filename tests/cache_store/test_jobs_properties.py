@@ -37,18 +37,23 @@ class QueueMachine(RuleBasedStateMachine):
             self.queue.close()
             self.tmp.cleanup()
 
-    @rule(fp=st.sampled_from(FPS), ids=st.lists(st.integers(0, 3), min_size=0, max_size=3,
-                                                unique=True),
-          ready=st.integers(0, 2), priority=st.integers(-1, 1))
+    @rule(
+        fp=st.sampled_from(FPS),
+        ids=st.lists(st.integers(0, 3), min_size=0, max_size=3, unique=True),
+        ready=st.integers(0, 2),
+        priority=st.integers(-1, 1),
+    )
     def submit(self, fp: str, ids: list[int], ready: int, priority: int) -> None:
         items = [NewItem(f"s{i}", f"/src/s{i}.obj") for i in ids]
         ready_items = [NewItem(f"r{i}", f"/src/r{i}.obj") for i in range(ready)]
-        self.jobs.append(self.queue.submit("spc", {}, fp, items, priority=priority,
-                                           ready=ready_items))
+        self.jobs.append(
+            self.queue.submit("spc", {}, fp, items, priority=priority, ready=ready_items)
+        )
         self.submitted += len(items) + ready
 
-    @rule(worker=st.sampled_from(WORKERS), limit=st.integers(1, 4),
-          lease=st.sampled_from([1.0, 5.0]))
+    @rule(
+        worker=st.sampled_from(WORKERS), limit=st.integers(1, 4), lease=st.sampled_from([1.0, 5.0])
+    )
     def claim(self, worker: str, limit: int, lease: float) -> None:
         rows = {r["id"]: r for j in self.jobs for r in self.queue.items(j)}
         got = self.queue.claim(worker, limit=limit, lease_s=lease)
@@ -125,7 +130,12 @@ class QueueMachine(RuleBasedStateMachine):
 # Derandomized so that a run is repeatable; at this size it finds a claim that ignores a
 # live lease on the same key, or one that takes over an unexpired lease (both checked by
 # breaking the queue on purpose).
-QueueMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40,
-                                          derandomize=True, deadline=None, database=None,
-                                          suppress_health_check=list(HealthCheck))
+QueueMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 TestQueueMachine = QueueMachine.TestCase

@@ -76,12 +76,21 @@ def test_writer_frees_stale_reader_slots(tmp_path: Path, caplog: pytest.LogCaptu
     next opener reset the whole table.)
     """
     items = _fill(tmp_path)
-    hold = ("import sys, time; from cache_store.stores.lmdb import LMDBStore\n"
-            "s = LMDBStore(sys.argv[1]); s.fingerprints()\n"
-            "if sys.argv[2] == 'txn': ctx = s._read(); ctx.__enter__()\n"
-            "print('holding', flush=True); time.sleep(120)\n")
-    procs = [subprocess.Popen([sys.executable, "-c", hold, str(tmp_path), mode], cwd=REPO_ROOT,
-                              stdout=subprocess.PIPE, text=True) for mode in ("open", "txn")]
+    hold = (
+        "import sys, time; from cache_store.stores.lmdb import LMDBStore\n"
+        "s = LMDBStore(sys.argv[1]); s.fingerprints()\n"
+        "if sys.argv[2] == 'txn': ctx = s._read(); ctx.__enter__()\n"
+        "print('holding', flush=True); time.sleep(120)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", hold, str(tmp_path), mode],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for mode in ("open", "txn")
+    ]
     try:
         for proc in procs:
             assert proc.stdout.readline().strip() == "holding"
@@ -115,9 +124,15 @@ def _writer(path: str, stop: mp.Event, queue: mp.Queue) -> None:
         while not stop.is_set():
             generation += 1
             # every generation rewrites every key with records of another size
-            batch = [(f"{FP_A}/k{i}", make_record(FP_A, f"k{i}", generation * 100 + i,
-                                                   num_points=50 + generation % 300))
-                     for i in range(6)]
+            batch = [
+                (
+                    f"{FP_A}/k{i}",
+                    make_record(
+                        FP_A, f"k{i}", generation * 100 + i, num_points=50 + generation % 300
+                    ),
+                )
+                for i in range(6)
+            ]
             store.put_many(batch)
         queue.put(("writer", generation))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails

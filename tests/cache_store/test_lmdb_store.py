@@ -21,6 +21,7 @@ class TestLMDBStoreContract(WritableStoreContract):
             store = LMDBStore(tmp_path / f"cache{len(stores)}", readonly=False, map_size=1 << 20)
             stores.append(store)
             return store
+
         yield make
         for store in stores:
             store.close()
@@ -47,7 +48,7 @@ def test_map_grows_past_its_initial_size(tmp_path: Path) -> None:
     payload = sum(len(v) for _, v in items)
     assert payload > 4 * 64 * 1024
     for start in range(0, 40, 8):
-        store.put_many(items[start:start + 8])
+        store.put_many(items[start : start + 8])
     assert store.stats()["lmdb"]["map_size"] > 64 * 1024
     assert all(store.get(k) == v for k, v in items)
     store.close()
@@ -59,8 +60,8 @@ def test_a_map_at_its_bound_is_store_full_and_keeps_what_was_committed(tmp_path:
     committed = []
     with pytest.raises(StoreFull, match="no space left on .*max_map_size 524288") as err:
         for start in range(0, 40, 4):
-            store.put_many(items[start:start + 4])
-            committed.extend(items[start:start + 4])
+            store.put_many(items[start : start + 4])
+            committed.extend(items[start : start + 4])
     assert isinstance(err.value, OSError) and str(tmp_path) in str(err.value)
     assert 0 < len(committed) < 40  # some batches landed before the bound
     assert store.stats()["records"] == len(committed)
@@ -95,8 +96,9 @@ def test_keys_lmdb_cannot_hold_are_just_absent(tmp_path: Path) -> None:
     store.close()
 
 
-def test_keys_are_listed_across_transaction_chunks(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_keys_are_listed_across_transaction_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import cache_store.stores.lmdb as lmdb_store
 
     monkeypatch.setattr(lmdb_store, "_KEYS_PER_TXN", 3)
@@ -121,8 +123,10 @@ def test_threads_share_one_store(tmp_path: Path) -> None:
     reader = LMDBStore(tmp_path)  # same path, same process: shares the environment
 
     def read(key: str) -> bool:
-        return reader.get(key) == items[key] and reader.get_record(key).metadata["sample_id"] \
-            == key.split("/", 1)[1]
+        return (
+            reader.get(key) == items[key]
+            and reader.get_record(key).metadata["sample_id"] == key.split("/", 1)[1]
+        )
 
     with ThreadPoolExecutor(8) as pool:
         assert all(pool.map(read, list(items) * 8))

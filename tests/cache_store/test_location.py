@@ -25,8 +25,9 @@ def test_a_file_url_in_any_case_is_the_local_path(tmp_path: Path, prefix: str) -
     assert Path(store.location) == tmp_path
 
 
-def test_open_store_never_takes_a_file_url_for_a_relative_path(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_open_store_never_takes_a_file_url_for_a_relative_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "cache"
     store = open_store(f"FILE://{target}", readonly=False)
@@ -36,16 +37,19 @@ def test_open_store_never_takes_a_file_url_for_a_relative_path(tmp_path: Path,
     assert not (tmp_path / "FILE:").exists()
 
 
-@pytest.mark.parametrize("text, kind, local", [
-    ("cache", "lmdb", True),
-    ("/abs/cache", "lmdb", True),
-    ("snap.zarr", "zarr", True),
-    ("file:///data/snap.zarr/", "zarr", True),
-    ("s3://bucket/prefix/snap.zarr", "zarr", False),
-    ("S3://bucket/snap.ZARR", "zarr", False),
-    ("http://127.0.0.1:8000", "http", False),
-    ("HTTPS://host:8443", "http", False),
-])
+@pytest.mark.parametrize(
+    "text, kind, local",
+    [
+        ("cache", "lmdb", True),
+        ("/abs/cache", "lmdb", True),
+        ("snap.zarr", "zarr", True),
+        ("file:///data/snap.zarr/", "zarr", True),
+        ("s3://bucket/prefix/snap.zarr", "zarr", False),
+        ("S3://bucket/snap.ZARR", "zarr", False),
+        ("http://127.0.0.1:8000", "http", False),
+        ("HTTPS://host:8443", "http", False),
+    ],
+)
 def test_kind_and_locality_agree_everywhere(text: str, kind: str, local: bool) -> None:
     parsed = parse_location(text)
     assert parsed.kind == kind
@@ -62,7 +66,9 @@ def test_a_location_no_store_can_open_is_refused_by_name(text: str) -> None:
 
 
 def test_a_remote_location_is_not_a_cache_directory() -> None:
-    assert cache_dir_problem("http://127.0.0.1:8000", write=True) == \
-        "http://127.0.0.1:8000: not a local cache directory"
+    assert (
+        cache_dir_problem("http://127.0.0.1:8000", write=True)
+        == "http://127.0.0.1:8000: not a local cache directory"
+    )
     with pytest.raises(ValueError, match="not a local path"):
         local_path("s3://bucket/snap.zarr")

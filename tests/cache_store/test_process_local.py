@@ -23,8 +23,15 @@ def _in_child(local: ProcessLocal[_Handle], out: mp.Queue) -> None:
     inherited = local._value
     mine = local.get()
     local.close()
-    out.put((mine is not inherited, mine.pid == os.getpid(), mine.closed_in == [os.getpid()],
-             inherited.closed_in == [], process_local.is_parked(inherited)))
+    out.put(
+        (
+            mine is not inherited,
+            mine.pid == os.getpid(),
+            mine.closed_in == [os.getpid()],
+            inherited.closed_in == [],
+            process_local.is_parked(inherited),
+        )
+    )
 
 
 def test_opens_once_per_process_and_parks_the_inherited_handle() -> None:

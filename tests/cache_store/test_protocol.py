@@ -26,8 +26,12 @@ from tests.helpers.service import InProcessServer
 
 def test_every_queue_status_maps_to_a_sample_state() -> None:
     assert {s: sample_state(s) for s in ITEM_STATUSES} == {
-        "pending": QUEUED, "running": QUEUED, "failed": FAILED, "done": MISSING,
-        "cancelled": MISSING}
+        "pending": QUEUED,
+        "running": QUEUED,
+        "failed": FAILED,
+        "done": MISSING,
+        "cancelled": MISSING,
+    }
     assert sample_state(None) == MISSING and sample_state("gone") == MISSING
     assert set(map(sample_state, ITEM_STATUSES)) == set(SAMPLE_STATES)
 
@@ -82,14 +86,18 @@ def test_no_worker_alive_is_raised_at_once_even_from_a_bodiless_head() -> None:
 
 
 def test_503_is_retried_until_the_deadline_then_answered() -> None:
-    busy = (503, {"Retry-After": "0.2", "content-type": "application/json"},
-            b'{"error": "WaitingFull", "detail": "all slots taken"}')
+    busy = (
+        503,
+        {"Retry-After": "0.2", "content-type": "application/json"},
+        b'{"error": "WaitingFull", "detail": "all slots taken"}',
+    )
     app, calls = _service([busy])
     with InProcessServer(None, app=app) as server:
         client = new_client(server.url, timeout_s=10, token=None, ca_file=None)
         start = time.monotonic()
-        response = send(lambda: client, "GET", "/x", where=server.url,
-                        deadline=time.monotonic() + 1.0)
+        response = send(
+            lambda: client, "GET", "/x", where=server.url, deadline=time.monotonic() + 1.0
+        )
         took = time.monotonic() - start
         client.close()
     assert response.status_code == 503 and error_of(response) == ("WaitingFull", "all slots taken")

@@ -30,17 +30,24 @@ from tests.helpers.read_through import (
     two_epochs,
 )
 
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 on 2 cores
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_epoch_over_empty_cache_equals_precompute(tmp_path: Path, meshes: list[Path],
-                                                  context: str) -> None:
+def test_epoch_over_empty_cache_equals_precompute(
+    tmp_path: Path, meshes: list[Path], context: str
+) -> None:
     cache, reference = tmp_path / "rt", tmp_path / "pre"
     precompute_reference(reference, meshes)
     parent_had_ops = any(m.startswith("workers.ops") for m in sys.modules)
     proc = start_worker(cache)
     try:
-        ds = CachedDataset(cache, "spc_query", sources=meshes,
-                           transform=functools.partial(loader_check, parent_had_ops), **PARAMS)
+        ds = CachedDataset(
+            cache,
+            "spc_query",
+            sources=meshes,
+            transform=functools.partial(loader_check, parent_had_ops),
+            **PARAMS,
+        )
         first, rows, second = two_epochs(ds, context, cache, len(meshes))
     finally:
         stop_worker(proc)
@@ -62,16 +69,18 @@ def test_no_worker_fails_fast_naming_the_command(tmp_path: Path, corpus_meshes: 
     assert JobQueue(cache).counts()["pending"] == 0  # nothing queued for nobody
 
 
-def test_bad_mesh_fails_alone_and_the_epoch_goes_on(tmp_path: Path, corpus_meshes: list[Path],
-                                                    corpus_bad_inputs: list[Path]) -> None:
+def test_bad_mesh_fails_alone_and_the_epoch_goes_on(
+    tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path]
+) -> None:
     cache = tmp_path / "rt"
     bad = next(p for p in corpus_bad_inputs if p.name == "nan_vertices.obj")
     sources = [*corpus_meshes[:3], bad]
     proc = start_worker(cache)
     try:
         ds = CachedDataset(cache, "spc_query", sources=sources, **PARAMS)
-        loader = DataLoader(ds, batch_size=1, num_workers=2, multiprocessing_context="fork",
-                            collate_fn=as_list)
+        loader = DataLoader(
+            ds, batch_size=1, num_workers=2, multiprocessing_context="fork", collate_fn=as_list
+        )
         got, failures = [], []
         it = iter(loader)
         while True:  # the documented way: catch SampleFailed, go on with the next batch
@@ -93,15 +102,19 @@ def test_bad_mesh_fails_alone_and_the_epoch_goes_on(tmp_path: Path, corpus_meshe
     assert sorted(s for _, s, _ in rows) == sorted(p.stem for p in sources)  # once each
 
 
-def test_enqueue_once_reuses_live_and_failed_items(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+def test_enqueue_once_reuses_live_and_failed_items(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     queue = JobQueue(tmp_path)
     a, b = (str(p) for p in corpus_meshes[:2])
     first = queue.enqueue_once("spc", {"level": 4}, "f" * 32, [("a", a), ("b", b)])
     assert [r.reused for r in first] == [False, False]
     again = queue.enqueue_once("spc", {"level": 4}, "f" * 32, [("b", b), ("a", a), ("a", a)])
     assert [(r.sample_id, r.item_id, r.reused) for r in again] == [
-        ("b", first[1].item_id, True), ("a", first[0].item_id, True),
-        ("a", first[0].item_id, True)]
+        ("b", first[1].item_id, True),
+        ("a", first[0].item_id, True),
+        ("a", first[0].item_id, True),
+    ]
     claimed = queue.claim("w", limit=2)
     queue.fail("w", claimed[0].item_id, "broken", permanent=True)
     failed = queue.enqueue_once("spc", {"level": 4}, "f" * 32, [("a", a)])[0]

@@ -54,8 +54,13 @@ def test_round_trip_of_recipe_fields_and_metadata() -> None:
 @pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 0, 2), (5, 3)], ids=str)
 def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(1)
-    raw = torch.randint(0, 256, (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
-                        dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0,
+        256,
+        (int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=g,
+    )
     t = raw.view(dtype).reshape(shape) if dtype != torch.bool else (raw % 2).bool().reshape(shape)
     rec = decode_record(encode_tensors({"t": t, "pad": torch.ones(3, dtype=torch.uint8)}))
     out = rec.tensors["t"]
@@ -67,14 +72,19 @@ def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, 
 def test_numpy_round_trip_without_torch_dtypes() -> None:
     from cache_store.format.decode import decode_arrays
 
-    arrays = {"be": np.arange(6, dtype=">i4").reshape(2, 3), "b": np.array([True, False]),
-              "f": np.linspace(0, 1, 5, dtype=np.float16)}
+    arrays = {
+        "be": np.arange(6, dtype=">i4").reshape(2, 3),
+        "b": np.array([True, False]),
+        "f": np.linspace(0, 1, 5, dtype=np.float16),
+    }
     value = encode_tensors(arrays, {"m": "x"})
     out, meta = decode_arrays(value, fields=["be", "b", "f"])
     assert meta["m"] == "x"
     for name, array in arrays.items():
         assert np.array_equal(out[name], array) and out[name].dtype.isnative
-    assert torch.equal(decode_record(value).tensors["be"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
+    assert torch.equal(
+        decode_record(value).tensors["be"], torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    )
 
 
 def test_numpy_inputs_and_non_contiguous_tensors() -> None:
@@ -168,11 +178,11 @@ def _rewrite_header(value: bytes, edit, sign: bool = False) -> bytes:
     from cache_store.format.header import sign_header
 
     n = struct.unpack("<Q", value[:8])[0]
-    header = json.loads(value[8:8 + n])
+    header = json.loads(value[8 : 8 + n])
     edit(header)
     text = json.dumps(header, separators=(",", ":")).encode()
     text = sign_header(text) if sign else text
-    return struct.pack("<Q", len(text)) + text + value[8 + n:]
+    return struct.pack("<Q", len(text)) + text + value[8 + n :]
 
 
 def test_unknown_format_version_is_unsupported() -> None:
@@ -195,7 +205,8 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
 
     cases = {
         "overlap": lambda h: h["octree"].update(
-            data_offsets=[0, h["octree"]["data_offsets"][1] - h["octree"]["data_offsets"][0]]),
+            data_offsets=[0, h["octree"]["data_offsets"][1] - h["octree"]["data_offsets"][0]]
+        ),
         "shape": lambda h: h["octree"].update(shape=[h["octree"]["shape"][0] + 1]),
         "dtype": lambda h: h["octree"].update(dtype="Q9"),
         "bool-shape": lambda h: h["octree"].update(shape=[True]),
@@ -204,7 +215,7 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         "entry-keys": lambda h: h["octree"].update(extra=1),
         "negative": lambda h: h["octree"].update(data_offsets=[-1, 3]),
         "nested": lambda h: h["__metadata__"].update(field_checksums="[" * 100_000),
-        "huge-dim": lambda h: h["octree"].update(shape=[10 ** 30]),
+        "huge-dim": lambda h: h["octree"].update(shape=[10**30]),
     }
     for name, edit in cases.items():
         with pytest.raises(CorruptRecord) as err:
@@ -216,13 +227,20 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
     bad[8 + n] = 2
     import xxhash
 
-    hacked = _rewrite_header(bytes(bad), lambda h: h["__metadata__"].update(
-        field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n:]))})), sign=True)
+    hacked = _rewrite_header(
+        bytes(bad),
+        lambda h: h["__metadata__"].update(
+            field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n :]))})
+        ),
+        sign=True,
+    )
     with pytest.raises(CorruptRecord, match="BOOL"):
         decode_record(hacked)
-    for check in (lambda value: check_record(value, key="k"),
-                  lambda value: select_fields(value, ["b"]),
-                  lambda value: decode_arrays(value)):  # every reader refuses it alike
+    for check in (
+        lambda value: check_record(value, key="k"),
+        lambda value: select_fields(value, ["b"]),
+        lambda value: decode_arrays(value),
+    ):  # every reader refuses it alike
         with pytest.raises(CorruptRecord, match="BOOL"):
             check(hacked)
     for name, edit in cases.items():  # and check_record (verify) refuses what decode does
@@ -243,20 +261,20 @@ def test_header_checksum_covers_every_header_byte() -> None:
 def test_duplicate_header_keys_are_refused() -> None:
     _, value = _record()
     n = struct.unpack("<Q", value[:8])[0]
-    text = value[8:8 + n].rstrip()
+    text = value[8 : 8 + n].rstrip()
     dup = text[:-1] + b',"__metadata__":{}}'
     with pytest.raises(CorruptRecord, match="duplicate"):
-        decode_record(struct.pack("<Q", len(dup)) + dup + value[8 + n:])
+        decode_record(struct.pack("<Q", len(dup)) + dup + value[8 + n :])
 
 
 def _signed_with_text_edit(value: bytes, old: bytes, new: bytes) -> bytes:
     from cache_store.format.header import sign_header
 
     n = struct.unpack("<Q", value[:8])[0]
-    text = value[8:8 + n].rstrip()
+    text = value[8 : 8 + n].rstrip()
     assert text.count(old) == 1
     text = sign_header(text.replace(old, new))
-    return struct.pack("<Q", len(text)) + text + value[8 + n:]
+    return struct.pack("<Q", len(text)) + text + value[8 + n :]
 
 
 @pytest.mark.parametrize("where", ["tensor-entry", "metadata", "field-checksums", "top-level"])
@@ -271,8 +289,14 @@ def test_duplicate_keys_are_refused_at_every_level_even_when_signed(where: str) 
         "tensor-entry": (b'"octree":{"dtype":"U8"', b'"octree":{"dtype":"I8","dtype":"U8"'),
         "metadata": (b'"recipe":', b'"recipe":"other","recipe":'),
         "field-checksums": (b'{\\"', b'{\\"octree\\":\\"0\\",\\"'),
-        "top-level": (b'"octree":{', b'"octree":{"dtype":"U8","shape":[0],"data_offsets":['
-                      + str(begin).encode() + b',' + str(begin).encode() + b']},"octree":{'),
+        "top-level": (
+            b'"octree":{',
+            b'"octree":{"dtype":"U8","shape":[0],"data_offsets":['
+            + str(begin).encode()
+            + b","
+            + str(begin).encode()
+            + b']},"octree":{',
+        ),
     }
     hacked = _signed_with_text_edit(value, *edits[where])
     with pytest.raises(CorruptRecord, match="duplicate") as err:
@@ -297,9 +321,21 @@ def test_decoded_bytes_are_the_verified_bytes() -> None:
         assert info.end - info.begin == tensors[name].numel() * tensors[name].element_size()
 
 
-@pytest.mark.parametrize("value", [b"", b"\x00" * 8, b"\xff" * 16, b"{}", 12, None, "text",
-                                   struct.pack("<Q", 2) + b"[]", struct.pack("<Q", 2) + b"{}",
-                                   struct.pack("<Q", 4) + b"\xff\xfe{}"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"",
+        b"\x00" * 8,
+        b"\xff" * 16,
+        b"{}",
+        12,
+        None,
+        "text",
+        struct.pack("<Q", 2) + b"[]",
+        struct.pack("<Q", 2) + b"{}",
+        struct.pack("<Q", 4) + b"\xff\xfe{}",
+    ],
+)
 def test_garbage_is_corrupt(value: object) -> None:
     with pytest.raises(CorruptRecord):
         decode_record(value, key="k")
@@ -320,12 +356,12 @@ def test_fuzz_mutations_raise_only_corrupt_record(data: st.DataObject) -> None:
             i = data.draw(st.integers(0, len(buf) - 1))
             buf[i] = data.draw(st.integers(0, 255))
         elif kind == "cut":
-            buf = buf[:data.draw(st.integers(0, len(buf)))]
+            buf = buf[: data.draw(st.integers(0, len(buf)))]
         elif kind == "insert":
             i = data.draw(st.integers(0, len(buf)))
             buf[i:i] = data.draw(st.binary(max_size=16))
         else:
-            buf[:8] = struct.pack("<Q", data.draw(st.integers(0, 2 ** 64 - 1)))
+            buf[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1)))
     try:
         rec = decode_record(bytes(buf), key="fuzz")
     except CorruptRecord as err:
@@ -388,8 +424,10 @@ def test_fields_in_any_order_and_subsets_with_gaps_decode_exactly() -> None:
     fields, value = _record(5)
     stored = list(read_header(value).tensors)
     for chosen in (stored[::-1], stored[::2], stored[1::3] + stored[:1], [stored[-1]]):
-        for rec in (decode_record(value, key=KEY, fields=chosen),
-                    decode_records([(KEY, value)], fields=chosen)[0]):
+        for rec in (
+            decode_record(value, key=KEY, fields=chosen),
+            decode_records([(KEY, value)], fields=chosen)[0],
+        ):
             assert list(rec.tensors) == chosen
             _assert_same(rec.tensors, {n: fields[n] for n in chosen})
             for name, t in rec.tensors.items():
@@ -407,23 +445,39 @@ def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
     wide = np.array([1.5, -2.25, 3.0], dtype=np.float32)
     half = np.array([7, -8], dtype=np.int16)
     data = small.tobytes() + wide.tobytes() + half.tobytes()
-    meta = dict(record_metadata(FP, "chairs/a1", "spc_query"), format_version="1",
-                field_checksums=json.dumps({"half": xxhash.xxh3_64_hexdigest(half.tobytes()),
-                                            "small": xxhash.xxh3_64_hexdigest(small.tobytes()),
-                                            "wide": xxhash.xxh3_64_hexdigest(wide.tobytes())},
-                                           sort_keys=True, separators=(",", ":")),
-                checksum="0" * 32)
-    header = {"__metadata__": meta,
-              "wide": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]},
-              "half": {"dtype": "I16", "shape": [2], "data_offsets": [15, 19]},
-              "small": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]}}
+    meta = dict(
+        record_metadata(FP, "chairs/a1", "spc_query"),
+        format_version="1",
+        field_checksums=json.dumps(
+            {
+                "half": xxhash.xxh3_64_hexdigest(half.tobytes()),
+                "small": xxhash.xxh3_64_hexdigest(small.tobytes()),
+                "wide": xxhash.xxh3_64_hexdigest(wide.tobytes()),
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+        ),
+        checksum="0" * 32,
+    )
+    header = {
+        "__metadata__": meta,
+        "wide": {"dtype": "F32", "shape": [3], "data_offsets": [3, 15]},
+        "half": {"dtype": "I16", "shape": [2], "data_offsets": [15, 19]},
+        "small": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+    }
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-(len(text) + 8) % 8)
     value = struct.pack("<Q", len(text)) + sign_header(text) + data
-    want = {"wide": torch.from_numpy(wide), "half": torch.from_numpy(half),
-            "small": torch.from_numpy(small)}
-    for rec in (decode_record(value, key=KEY), decode_records([(KEY, value)] * 2)[1],
-                decode_record(value, key=KEY, fields=["small", "wide"])):
+    want = {
+        "wide": torch.from_numpy(wide),
+        "half": torch.from_numpy(half),
+        "small": torch.from_numpy(small),
+    }
+    for rec in (
+        decode_record(value, key=KEY),
+        decode_records([(KEY, value)] * 2)[1],
+        decode_record(value, key=KEY, fields=["small", "wide"]),
+    ):
         _assert_same(rec.tensors, {n: want[n] for n in rec.tensors})
         for name, t in rec.tensors.items():
             assert t.data_ptr() % t.element_size() == 0, name
@@ -436,7 +490,9 @@ def test_a_foreign_layout_with_unaligned_and_unordered_fields_decodes() -> None:
 def test_a_batch_is_one_storage_laid_out_field_by_field() -> None:
     made = [_record(seed) for seed in range(4)]
     keys = [f"{FP}/k{seed}" for seed in range(4)]
-    records = decode_records(zip(keys, [v for _, v in made], strict=True), fields=["octree", "exsum", "scale"])
+    records = decode_records(
+        zip(keys, [v for _, v in made], strict=True), fields=["octree", "exsum", "scale"]
+    )
     assert len(_storages(t for r in records for t in r.tensors.values())) == 1
     for (fields, value), rec in zip(made, records, strict=True):
         _assert_same(rec.tensors, {n: fields[n] for n in ("octree", "exsum", "scale")})
@@ -453,8 +509,9 @@ def test_a_bad_record_in_a_batch_is_named() -> None:
     bad = bytearray(good[1])
     bad[-1] ^= 0xFF
     with pytest.raises(CorruptRecord, match=f"{FP}/second") as info:
-        decode_records([(f"{FP}/first", good[0]), (f"{FP}/second", bytes(bad)),
-                        (f"{FP}/third", good[2])])
+        decode_records(
+            [(f"{FP}/first", good[0]), (f"{FP}/second", bytes(bad)), (f"{FP}/third", good[2])]
+        )
     assert "checksum mismatch" in str(info.value)
     with pytest.raises(UnknownName):
         decode_records([(f"{FP}/first", good[0])], fields=["nope"])
@@ -496,17 +553,23 @@ def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
         pytest.fail("orjson is a listed dependency; its fast path is what is under test")
     strict = []
     real = record.STRICT_DECODER.decode
-    monkeypatch.setattr(record, "STRICT_DECODER", type("Spy", (), {
-        "decode": staticmethod(lambda text: strict.append(text) or real(text))})())
+    monkeypatch.setattr(
+        record,
+        "STRICT_DECODER",
+        type("Spy", (), {"decode": staticmethod(lambda text: strict.append(text) or real(text))})(),
+    )
     tensors, value = _record()
     _assert_same(decode_record(value, key=KEY).tensors, tensors)
     assert strict == []
 
 
-@pytest.mark.parametrize("edit", [
-    (b'"recipe":', b'"recipe" :'),                 # not compact: same meaning
-    (b'"recipe":"', b'"recipe":"\\u0041'),         # an escape orjson writes otherwise
-])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        (b'"recipe":', b'"recipe" :'),  # not compact: same meaning
+        (b'"recipe":"', b'"recipe":"\\u0041'),  # an escape orjson writes otherwise
+    ],
+)
 def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> None:
     from cache_store.format import header as record
 

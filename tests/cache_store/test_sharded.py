@@ -47,8 +47,10 @@ def dest(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str,
     if request.param == "local":
         return str(tmp_path / "snap.zarr"), {}
     server = request.getfixturevalue("s3")
-    return (f"s3://{server.new_bucket()}/x/snap.zarr",
-            {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"})
+    return (
+        f"s3://{server.new_bucket()}/x/snap.zarr",
+        {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"},
+    )
 
 
 def test_only_committed_parts_are_read_and_the_first_commit_wins(dest) -> None:
@@ -69,7 +71,8 @@ def test_only_committed_parts_are_read_and_the_first_commit_wins(dest) -> None:
         assert sorted(reader.keys()) == [f"{FP}/a", f"{FP}/b"]
         assert reader.verify().ok
     assert orphan_parts(location, storage_options=options, older_than_s=0) == [
-        f"{first.root}/{FP}/parts/dead-p0001-0000.bin"]
+        f"{first.root}/{FP}/parts/dead-p0001-0000.bin"
+    ]
     assert orphan_parts(location, storage_options=options) == []  # too young to be dead
     orphan_parts(location, storage_options=options, older_than_s=0, remove=True)
     assert not first.fs.exists(f"{first.root}/{FP}/parts/dead-p0001-0000.bin")
@@ -98,8 +101,9 @@ def test_merge_is_idempotent_and_an_index_never_hides_later_commits(tmp_path: Pa
     before = json.loads(index_file.read_text())
     assert merge(location) == {FP: 1}
     after = json.loads(index_file.read_text())
-    assert {k: v for k, v in after.items() if k != "merged_at"} == \
-        {k: v for k, v in before.items() if k != "merged_at"}
+    assert {k: v for k, v in after.items() if k != "merged_at"} == {
+        k: v for k, v in before.items() if k != "merged_at"
+    }
     store.put_many([(f"{FP}/b", make_record(FP, "b", seed=2))])  # after the merge
     with ShardedSnapshot(location) as reader:
         assert reader.get_index(FP).sample_ids.tolist() == ["a", "b"]
@@ -166,14 +170,17 @@ def test_a_reader_sees_a_growing_always_valid_dataset(tmp_path: Path) -> None:
 
 
 def test_a_large_part_goes_up_in_multipart_and_reads_by_range(
-        s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from cache_store.snapshot import sharded
 
     monkeypatch.setattr(sharded, "MULTIPART_CHUNK", 5 * 1024 * 1024)  # S3's smallest part
     location = f"s3://{s3.new_bucket()}/big.zarr"
     options = {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing"}
-    records = [(f"{FP}/r{i}", make_record(FP, f"r{i}", seed=i, level=10, num_points=200_000))
-               for i in range(8)]
+    records = [
+        (f"{FP}/r{i}", make_record(FP, f"r{i}", seed=i, level=10, num_points=200_000))
+        for i in range(8)
+    ]
     total = sum(len(v) for _, v in records)
     assert total > 2 * sharded.MULTIPART_CHUNK
     with ShardedSnapshot(location, readonly=False, storage_options=options) as store:
@@ -215,22 +222,42 @@ def test_export_and_stats_read_a_sharded_snapshot(tmp_path: Path) -> None:
     with ShardedSnapshot(location, readonly=False) as store:
         store.put_many([(f"{FP}/{sid}", value) for sid, value in values.items()])
         store.put_index(_index(sorted(values)))
-    exported = subprocess.run([sys.executable, "-m", "spcache", "export", FP, "--cache", location,
-                               "--to", str(tmp_path / "out.zarr")], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=300)
+    exported = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "export",
+            FP,
+            "--cache",
+            location,
+            "--to",
+            str(tmp_path / "out.zarr"),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert exported.returncode == 0, exported.stderr
     with open_store(tmp_path / "out.zarr") as snapshot:
         assert not isinstance(snapshot, ShardedSnapshot)
         assert snapshot.get_index(FP).sample_ids.tolist() == sorted(values)
         assert all(snapshot.get(f"{FP}/{sid}") == value for sid, value in values.items())
-    stats = subprocess.run([sys.executable, "-m", "spcache", "stats", "--cache", location,
-                            "--json"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    stats = subprocess.run(
+        [sys.executable, "-m", "spcache", "stats", "--cache", location, "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["fingerprints"][FP]["records"] == 4
 
 
-def test_lookups_of_unknown_keys_list_at_most_once_a_second(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lookups_of_unknown_keys_list_at_most_once_a_second(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A run's admission asks about every sample of an empty snapshot: that must not be
     one listing per sample (on S3, one LIST request each)."""
     store = ShardedSnapshot(str(tmp_path / "snap.zarr"), readonly=False)

@@ -34,24 +34,30 @@ def holey_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("holey")
     store = LMDBStore(path, readonly=False)
     ids = [_sid(i) for i in range(N)]
-    store.put_many((f"{FP}/{sid}", make_record(FP, sid, seed=i, level=4, num_points=20 + i))
-                   for i, sid in enumerate(ids) if i not in MISSING)
-    store.put_index(DatasetIndex(FP, "spc", 1, {"level": 4, "surface_samples": 100_000},
-                                 np.array(ids)))
+    store.put_many(
+        (f"{FP}/{sid}", make_record(FP, sid, seed=i, level=4, num_points=20 + i))
+        for i, sid in enumerate(ids)
+        if i not in MISSING
+    )
+    store.put_index(
+        DatasetIndex(FP, "spc", 1, {"level": 4, "surface_samples": 100_000}, np.array(ids))
+    )
     store.close()
     return path
 
 
-def test_skip_leaves_missing_samples_out_across_forked_workers(holey_cache: Path,
-                                                               tmp_path: Path) -> None:
+def test_skip_leaves_missing_samples_out_across_forked_workers(
+    holey_cache: Path, tmp_path: Path
+) -> None:
     log_file = tmp_path / "warnings.log"
     handler = logging.FileHandler(log_file)  # forked workers inherit it and append
     logger = logging.getLogger("cache_store.readers.dataset")
     logger.addHandler(handler)
     try:
         ds = CachedDataset(holey_cache, FP, on_error="skip")
-        loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork",
-                            collate_fn=collate_spc)
+        loader = DataLoader(
+            ds, batch_size=8, num_workers=2, multiprocessing_context="fork", collate_fn=collate_spc
+        )
         epochs = []
         for _ in range(2):
             seen, sizes, empty = [], [], 0
@@ -76,8 +82,9 @@ def test_skip_leaves_missing_samples_out_across_forked_workers(holey_cache: Path
     # one warning per id over two epochs and two worker processes
     lines = [line for line in log_file.read_text().splitlines() if "skipping sample" in line]
     assert len(lines) == len(MISSING)
-    assert sorted(line.split("skipping sample ")[1].split()[0].strip("'") for line in lines) \
-        == sorted(_sid(i) for i in MISSING)
+    assert sorted(
+        line.split("skipping sample ")[1].split()[0].strip("'") for line in lines
+    ) == sorted(_sid(i) for i in MISSING)
 
 
 def test_raise_stays_the_default(holey_cache: Path) -> None:

@@ -33,10 +33,13 @@ def batch(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("kaolin")
     ids = [f"s{i}" for i in range(6)]
     with LMDBStore(path, readonly=False) as store:
-        store.put_many((f"{FP}/{sid}", make_record(FP, sid, seed=i, level=5, num_points=30 + 9 * i))
-                       for i, sid in enumerate(ids))
-        store.put_index(DatasetIndex(FP, "spc", 1, {"level": 5, "surface_samples": 100_000},
-                                     np.array(ids)))
+        store.put_many(
+            (f"{FP}/{sid}", make_record(FP, sid, seed=i, level=5, num_points=30 + 9 * i))
+            for i, sid in enumerate(ids)
+        )
+        store.put_index(
+            DatasetIndex(FP, "spc", 1, {"level": 5, "surface_samples": 100_000}, np.array(ids))
+        )
     loader = DataLoader(CachedDataset(path, FP), batch_size=6, collate_fn=collate_spc)
     return next(iter(loader))
 
@@ -47,15 +50,17 @@ def test_fields_equal_what_kaolin_would_compute_from_the_octrees(batch: dict) ->
     assert fields["max_level"] == max_level == 5
     assert torch.equal(fields["pyramids"], pyramids) and fields["pyramids"].device.type == "cpu"
     assert torch.equal(fields["exsum"], exsum)
-    assert torch.equal(fields["point_hierarchies"],
-                       torch_spc.generate_points(fields["octrees"], pyramids, exsum))
+    assert torch.equal(
+        fields["point_hierarchies"], torch_spc.generate_points(fields["octrees"], pyramids, exsum)
+    )
     assert fields["octrees"].dtype == torch.uint8 and fields["lengths"].dtype == torch.int32
     assert fields["point_hierarchies"].dtype == torch.int16
     # the layout the released Kaolin 0.18.0 Spc asserts: num_bytes + batch_size
     legacy = spc_fields(batch, exsum_layout="legacy")["exsum"]
     with pytest.warns(DeprecationWarning):
-        _, _, expected = torch_spc.scan_octrees(fields["octrees"], fields["lengths"],
-                                                legacy_exsum=True)
+        _, _, expected = torch_spc.scan_octrees(
+            fields["octrees"], fields["lengths"], legacy_exsum=True
+        )
     assert legacy.shape == (fields["octrees"].shape[0] + 6,) and torch.equal(legacy, expected)
 
 
@@ -65,8 +70,14 @@ def test_kaolins_published_two_octrees() -> None:
     for octree in torch.split(octrees, lengths.tolist()):
         one = torch.tensor([octree.shape[0]], dtype=torch.int32)
         _, pyramid, exsum = torch_spc.scan_octrees(octree, one)
-        samples.append({"octree": octree, "pyramid": pyramid[0], "exsum": exsum,
-                        "point_hierarchy": torch_spc.generate_points(octree, pyramid, exsum)})
+        samples.append(
+            {
+                "octree": octree,
+                "pyramid": pyramid[0],
+                "exsum": exsum,
+                "point_hierarchy": torch_spc.generate_points(octree, pyramid, exsum),
+            }
+        )
     fields = spc_fields(collate_spc(samples))
     assert fields["pyramids"].tolist() == TWO_OCTREES_PYRAMIDS
     assert fields["exsum"].tolist() == TWO_OCTREES_EXSUM

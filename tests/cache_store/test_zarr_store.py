@@ -93,7 +93,7 @@ def swapped_snapshot(tmp_path_factory, contract_content) -> Path:
     spans = [(int(offsets[i]), int(offsets[i + 1])) for i in rows]
     first, second = (blob[a:b].copy() for a, b in spans)
     assert first.size == second.size
-    blob[spans[0][0]:spans[0][1]], blob[spans[1][0]:spans[1][1]] = second, first
+    blob[spans[0][0] : spans[0][1]], blob[spans[1][0] : spans[1][1]] = second, first
     group["sample_ids"][:] = blob
     attrs = dict(group.attrs[ATTRS_KEY])
     attrs["digests"] = {**attrs["digests"], "sample_ids": array_digest(blob)}
@@ -119,6 +119,7 @@ class TestZarrStoreContract(StoreContract):
         def make(records, indexes):
             assert records is contract_content[0]
             return ZarrStore(contract_snapshot)
+
         return make
 
 
@@ -236,8 +237,16 @@ def test_snapshot_records_equal_lmdb_records(exported) -> None:
 def test_keys_that_look_like_paths_are_never_paths(exported) -> None:
     *_, snap = exported
     store = ZarrStore(snap)
-    for key in [f"{FP_A}/../{FP_B}/chairs/a1", f"{FP_A}/chairs/../zeta", "../../etc/passwd",
-                f"{FP_A}", f"{FP_A}/", "x" * 40, f"{FP_A.upper()}/zeta", f"{FP_A}/data/octree"]:
+    for key in [
+        f"{FP_A}/../{FP_B}/chairs/a1",
+        f"{FP_A}/chairs/../zeta",
+        "../../etc/passwd",
+        f"{FP_A}",
+        f"{FP_A}/",
+        "x" * 40,
+        f"{FP_A.upper()}/zeta",
+        f"{FP_A}/data/octree",
+    ]:
         assert not store.has(key)
         with pytest.raises(RecordNotFound):
             store.get(key)
@@ -257,14 +266,14 @@ def test_plain_zarr_client_reads_arrays_and_attributes(exported) -> None:
     # Rebuild sample 1 ("lamps/l1") from offsets, as a client that is not ours would.
     ids = bytes(group["sample_ids"][:])
     id_off = group["sample_id_offsets"][:]
-    assert ids[id_off[1]:id_off[2]].decode() == "lamps/l1"
+    assert ids[id_off[1] : id_off[2]].decode() == "lamps/l1"
     off = group["offsets/query_pidx"][:]
-    pidx = group["data/query_pidx"][off[1]:off[2]]
+    pidx = group["data/query_pidx"][off[1] : off[2]]
     expected = decode_record(records[f"{FP_B}/lamps/l1"]).tensors
     assert np.array_equal(pidx, expected["query_pidx"].numpy())
     assert np.float32(group["data/scale"][1]) == expected["scale"].item()
     hdr_off = group["header_offsets"][:]
-    header = json.loads(bytes(group["headers"][hdr_off[1]:hdr_off[2]]))
+    header = json.loads(bytes(group["headers"][hdr_off[1] : hdr_off[2]]))
     assert header["__metadata__"]["checksum"] == read_header(records[f"{FP_B}/lamps/l1"]).checksum
 
 
@@ -285,8 +294,7 @@ def test_all_dtypes_and_shapes_round_trip(tmp_path: Path, codec: str) -> None:
         }
         meta = record_metadata(fp, sid) | {"recipe": "custom", "recipe_version": "2"}
         records[f"{fp}/{sid}"] = encode_record(tensors, meta)
-    cache = fill_lmdb(tmp_path / "cache", records,
-                      [DatasetIndex(fp, "custom", 2, params, ids)])
+    cache = fill_lmdb(tmp_path / "cache", records, [DatasetIndex(fp, "custom", 2, params, ids)])
     export_snapshot(cache, fp, tmp_path / "s.zarr", codec=codec, chunk_bytes=16)
     store = ZarrStore(tmp_path / "s.zarr")
     assert zarr.open_group(str(tmp_path / "s.zarr"), mode="r")[f"{fp}/data/vary"].chunks[0] > 1
@@ -415,7 +423,7 @@ def test_uncompressed_chunks_damaged_fail_only_their_records(tmp_path: Path) -> 
     chunk.write_bytes(bytes(raw))
     ids = group["sample_ids"][:].tobytes().decode()
     id_offsets = group["sample_id_offsets"][:]
-    victim_key = f"{FP_A}/{ids[id_offsets[victim]:id_offsets[victim + 1]]}"
+    victim_key = f"{FP_A}/{ids[id_offsets[victim] : id_offsets[victim + 1]]}"
     fresh = ZarrStore(tmp_path / "s.zarr")
     with pytest.raises(CorruptRecord, match="point_hierarchy"):
         fresh.get(victim_key)
@@ -443,7 +451,9 @@ def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported)
     report = store.verify()
     assert f"index:{FP_A}" in report.corrupt  # ids unreadable: no record can be located
     assert sorted(k for k in report.corrupt if k.startswith(FP_B)) == [
-        f"{FP_B}/chairs/a1", f"{FP_B}/lamps/l1"]
+        f"{FP_B}/chairs/a1",
+        f"{FP_B}/lamps/l1",
+    ]
     with pytest.raises(CorruptRecord):
         store.get_index(FP_A)
 
@@ -468,8 +478,12 @@ def test_killed_local_export_is_never_visible_and_is_swept(tmp_path: Path, expor
     records, _, cache_dir, _ = exported
     dest = tmp_path / "s.zarr"
     export_snapshot(cache_dir, FP_B, dest)
-    proc = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, str(cache_dir), FP_A, str(dest)],
-                          cwd=REPO, capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_EXPORT, str(cache_dir), FP_A, str(dest)],
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     leftovers = list(tmp_path.glob(".s.zarr.*.staging"))
     assert len(leftovers) == 1
@@ -498,6 +512,7 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
 
     def broken(self, final):
         raise RuntimeError("connection lost")
+
     monkeypatch.setattr(export.FieldWriter, "flush", broken)
     with pytest.raises(RuntimeError, match="connection lost"):
         export_snapshot(cache_dir, FP_A, url)
@@ -518,8 +533,11 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
 
 def _same_sample(got: dict, want: dict) -> bool:
     return set(got) == set(want) and all(
-        got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
-        and torch.equal(got[k], want[k]) for k in want)
+        got[k].dtype == want[k].dtype
+        and got[k].shape == want[k].shape
+        and torch.equal(got[k], want[k])
+        for k in want
+    )
 
 
 def test_cached_dataset_on_the_snapshot_yields_what_lmdb_yields(exported) -> None:
@@ -533,8 +551,10 @@ def test_cached_dataset_on_the_snapshot_yields_what_lmdb_yields(exported) -> Non
             assert on_zarr.sample_id(i) == on_lmdb.sample_id(i)
             assert _same_sample(on_zarr[i], on_lmdb[i])
         both = list(range(len(index)))[::-1]
-        assert all(_same_sample(a, b) for a, b in
-                   zip(on_zarr.__getitems__(both), on_lmdb.__getitems__(both), strict=True))
+        assert all(
+            _same_sample(a, b)
+            for a, b in zip(on_zarr.__getitems__(both), on_lmdb.__getitems__(both), strict=True)
+        )
         on_lmdb.close()
         on_zarr.close()
     subset = CachedDataset(str(snap), "spc", fields=["octree", "scale"], level=5)
@@ -546,6 +566,7 @@ def test_cached_dataset_on_the_snapshot_yields_what_lmdb_yields(exported) -> Non
 def _forbid_cuda(worker_id: int) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError(f"CUDA initialised in DataLoader worker {worker_id}")
+
     torch.cuda._lazy_init = refuse
     torch.cuda.init = refuse
 
@@ -558,12 +579,17 @@ def _tag_pid(sample: dict) -> dict:
 @pytest.mark.parametrize("direct_reads", [True, False])
 def test_forked_dataloader_workers_read_identical_samples(exported, direct_reads) -> None:
     _, _, cache_dir, snap = exported
-    dataset = CachedDataset(str(snap), FP_A, transform=_tag_pid,
-                            store_options={"direct_reads": direct_reads})
+    dataset = CachedDataset(
+        str(snap), FP_A, transform=_tag_pid, store_options={"direct_reads": direct_reads}
+    )
     dataset[0]  # the parent read first: its store and zarr's IO loop and thread are up
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2,
-                                         multiprocessing_context="fork",
-                                         worker_init_fn=_forbid_cuda)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context="fork",
+        worker_init_fn=_forbid_cuda,
+    )
     reference = CachedDataset(cache_dir, FP_A)
     got = list(loader)
     assert len(got) == len(IDS_A)
@@ -575,8 +601,13 @@ def test_forked_dataloader_workers_read_identical_samples(exported, direct_reads
 
 def test_batched_forked_workers_with_collate(exported) -> None:
     _, _, cache_dir, snap = exported
-    loader_args = dict(batch_size=2, num_workers=2, multiprocessing_context="fork",
-                       collate_fn=collate_spc, worker_init_fn=_forbid_cuda)
+    loader_args = dict(
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        collate_fn=collate_spc,
+        worker_init_fn=_forbid_cuda,
+    )
     on_zarr = list(torch.utils.data.DataLoader(CachedDataset(str(snap), FP_A), **loader_args))
     on_lmdb = list(torch.utils.data.DataLoader(CachedDataset(cache_dir, FP_A), **loader_args))
     assert len(on_zarr) == len(on_lmdb) == 3
@@ -615,8 +646,9 @@ def test_field_names_never_become_paths(tmp_path: Path) -> None:
     fp = compute_fingerprint("custom", 1, params)
     meta = record_metadata(fp, "a") | {"recipe": "custom", "recipe_version": "1"}
     value = encode_record({"../../escaped": torch.zeros(3)}, meta)
-    cache = fill_lmdb(tmp_path / "cache", {f"{fp}/a": value},
-                      [DatasetIndex(fp, "custom", 1, params, ["a"])])
+    cache = fill_lmdb(
+        tmp_path / "cache", {f"{fp}/a": value}, [DatasetIndex(fp, "custom", 1, params, ["a"])]
+    )
     with pytest.raises(SpcacheError, match="escaped"):
         export_snapshot(cache, fp, tmp_path / "deep" / "s.zarr")
     assert not list(tmp_path.rglob("escaped*"))
@@ -625,8 +657,9 @@ def test_field_names_never_become_paths(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("codec", ["zstd", "none"])
-def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported,
-                                                        codec: str) -> None:
+def test_a_record_rewritten_during_the_export_aborts_it(
+    tmp_path: Path, exported, codec: str
+) -> None:
     records, _, cache_dir, _ = exported
     source = LMDBStore(cache_dir)
     key, real_view = f"{FP_A}/tables/t1", source.read_view
@@ -645,6 +678,7 @@ def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported
     def get(k: str) -> bytes:  # a compressed second pass copies: t1 recomputed by now
         assert k in seen, "the second pass read a record the first did not check"
         return rewritten if k == key else records[k]
+
     source.read_view, source.get = read_view, get
     with pytest.raises(SpcacheError, match="changed during the export"):
         export_snapshot(source, FP_A, tmp_path / "s.zarr", codec=codec)
@@ -653,19 +687,26 @@ def test_a_record_rewritten_during_the_export_aborts_it(tmp_path: Path, exported
 
 
 @pytest.mark.slow
-@settings(max_examples=8, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.lists(st.integers(0, 40), min_size=1, max_size=6),
-       width=st.integers(1, 4), chunk_bytes=st.integers(1, 600))
-def test_any_row_counts_and_chunk_sizes_round_trip(tmp_path_factory, rows, width,
-                                                   chunk_bytes) -> None:
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    width=st.integers(1, 4),
+    chunk_bytes=st.integers(1, 600),
+)
+def test_any_row_counts_and_chunk_sizes_round_trip(
+    tmp_path_factory, rows, width, chunk_bytes
+) -> None:
     root = tmp_path_factory.mktemp("prop")
     fp = compute_fingerprint("custom", 1, {"w": width})
     ids = [f"s{i}" for i in range(len(rows))]
     records = {}
     for i, (sid, r) in enumerate(zip(ids, rows, strict=True)):
-        tensors = {"points": torch.arange(r * width, dtype=torch.float32).reshape(r, width) + i,
-                   "fixed": torch.full((3,), i, dtype=torch.int64)}
+        tensors = {
+            "points": torch.arange(r * width, dtype=torch.float32).reshape(r, width) + i,
+            "fixed": torch.full((3,), i, dtype=torch.int64),
+        }
         meta = record_metadata(fp, sid) | {"recipe": "custom", "recipe_version": "1"}
         records[f"{fp}/{sid}"] = encode_record(tensors, meta)
     cache = fill_lmdb(root / "cache", records, [DatasetIndex(fp, "custom", 1, {"w": width}, ids)])
@@ -684,14 +725,18 @@ def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch
     fp = compute_fingerprint("spc", 1, {"level": 3})
     ids = [f"s{i:03d}" for i in range(40)]
     records = {f"{fp}/{sid}": make_record(fp, sid, seed=i) for i, sid in enumerate(ids)}
-    cache = fill_lmdb(tmp_path / "cache", records,
-                      [DatasetIndex(fp, "spc", 1, {"level": 3}, np.array(ids))])
+    cache = fill_lmdb(
+        tmp_path / "cache", records, [DatasetIndex(fp, "spc", 1, {"level": 3}, np.array(ids))]
+    )
     export_snapshot(cache, fp, tmp_path / "s.zarr", chunk_bytes=64, codec="lz4")
     cache.close()
     decodes = []
     real = numcodecs.Blosc.decode
-    monkeypatch.setattr(numcodecs.Blosc, "decode",
-                        lambda self, buf, out=None: decodes.append(1) or real(self, buf, out))
+    monkeypatch.setattr(
+        numcodecs.Blosc,
+        "decode",
+        lambda self, buf, out=None: decodes.append(1) or real(self, buf, out),
+    )
     store = ZarrStore(tmp_path / "s.zarr")
     try:
         order = np.random.default_rng(0).permutation(len(ids))
@@ -700,8 +745,10 @@ def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch
             decodes.clear()
             for i in order:
                 key = f"{fp}/{ids[i]}"
-                assert torch.equal(store.get_record(key, fields=["center", "scale"])["center"],
-                                   decode_record(records[key])["center"])
+                assert torch.equal(
+                    store.get_record(key, fields=["center", "scale"])["center"],
+                    decode_record(records[key])["center"],
+                )
             per_pass.append(len(decodes))
         assert per_pass[0] > 0 and per_pass[1] == 0  # the second pass decodes nothing
     finally:
@@ -710,8 +757,9 @@ def test_shuffled_reads_decode_each_small_chunk_once(tmp_path: Path, monkeypatch
 
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", ["int32", "uint8", "float64", "int16"])
-def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: str,
-                                                       dtype: str) -> None:
+def test_direct_chunk_writes_are_the_bytes_zarr_writes(
+    tmp_path: Path, codec: str, dtype: str
+) -> None:
     # the export's own chunk writer must write exactly what zarr's pipeline writes, so
     # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
     from cache_store.snapshot.export import compressors_for
@@ -721,8 +769,14 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
     files = {}
     for how in ("zarr", "direct"):
         group = zarr.create_group(zarr.storage.LocalStore(tmp_path / how))
-        arr = group.create_array("a", shape=data.shape, dtype=data.dtype, chunks=(8, 3),
-                                 compressors=compressors_for(data.dtype, 3, codec), fill_value=0)
+        arr = group.create_array(
+            "a",
+            shape=data.shape,
+            dtype=data.dtype,
+            chunks=(8, 3),
+            compressors=compressors_for(data.dtype, 3, codec),
+            fill_value=0,
+        )
         if how == "zarr":
             arr[:] = data
         elif codec == "none":
@@ -738,8 +792,11 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(tmp_path: Path, codec: st
             pool.finish()
             pool.close()
         chunk_dir = tmp_path / how / "a" / "c"
-        files[how] = {p.relative_to(chunk_dir): p.read_bytes()
-                      for p in sorted(chunk_dir.rglob("*")) if p.is_file()}
+        files[how] = {
+            p.relative_to(chunk_dir): p.read_bytes()
+            for p in sorted(chunk_dir.rglob("*"))
+            if p.is_file()
+        }
         assert np.array_equal(zarr.open_array(tmp_path / how / "a", mode="r")[:], data)
     assert len(files["direct"]) == 5
     assert files["direct"] == files["zarr"]
@@ -750,8 +807,14 @@ def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path
     from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter
 
     group = zarr.create_group(zarr.storage.LocalStore(tmp_path))
-    arr = group.create_array("a", shape=(20,), dtype="int32", chunks=(8,),
-                             compressors=compressors_for(np.dtype("int32"), 3, "lz4"), fill_value=0)
+    arr = group.create_array(
+        "a",
+        shape=(20,),
+        dtype="int32",
+        chunks=(8,),
+        compressors=compressors_for(np.dtype("int32"), 3, "lz4"),
+        fill_value=0,
+    )
     pool = ChunkWriterPool(threads=1)
     with pytest.raises(ValueError, match="not a chunk boundary"):
         LocalChunkWriter(str(tmp_path / "a"), arr, pool).write(3, np.zeros(4, np.int32))
@@ -760,12 +823,16 @@ def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path
 
 @pytest.mark.parametrize("codec", ["zstd", "none"])
 def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
-        tmp_path: Path, exported, monkeypatch, codec: str) -> None:
+    tmp_path: Path, exported, monkeypatch, codec: str
+) -> None:
     from cache_store.snapshot import chunks as zarr_chunks
 
     _, _, cache_dir, _ = exported
-    writer, method = ((zarr_chunks.LocalChunkWriter, "_write_chunk") if codec != "none"
-                      else (zarr_chunks.RawChunkAppender, "add"))
+    writer, method = (
+        (zarr_chunks.LocalChunkWriter, "_write_chunk")
+        if codec != "none"
+        else (zarr_chunks.RawChunkAppender, "add")
+    )
     real, calls = getattr(writer, method), []
 
     def failing(self, *args):  # the disk fills up after a few chunks
@@ -773,6 +840,7 @@ def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
         if len(calls) > 3:
             raise OSError(28, "No space left on device")
         return real(self, *args)
+
     monkeypatch.setattr(writer, method, failing)
     with pytest.raises(OSError, match="No space left"):
         export_snapshot(cache_dir, FP_A, tmp_path / "s.zarr", codec=codec)
@@ -802,13 +870,16 @@ def test_threads_reading_uncompressed_chunks_while_files_are_dropped(tmp_path: P
         key = keys[i % len(keys)]
         got = store.get_record(key).tensors
         assert all(torch.equal(got[n], want[key][n]) for n in want[key])
+
     with cf.ThreadPoolExecutor(8) as pool:
         list(pool.map(read, range(400)))
 
 
 def _bool_record(fingerprint: str, sample_id: str, flags: list[bool]) -> bytes:
-    return encode_record({"flags": torch.tensor(flags), "points": torch.arange(6.0)},
-                         record_metadata(fingerprint, sample_id))
+    return encode_record(
+        {"flags": torch.tensor(flags), "points": torch.arange(6.0)},
+        record_metadata(fingerprint, sample_id),
+    )
 
 
 def _with_bool_byte_two(value: bytes) -> bytes:
@@ -821,15 +892,15 @@ def _with_bool_byte_two(value: bytes) -> bytes:
     info = header.tensors["flags"]
     out = bytearray(value)
     out[info.begin] = 2
-    text = bytes(out[8:header.data_start])
+    text = bytes(out[8 : header.data_start])
     old = header.field_checksums["flags"].encode()
-    new = xxhash.xxh3_64_hexdigest(bytes(out[info.begin:info.end])).encode()
+    new = xxhash.xxh3_64_hexdigest(bytes(out[info.begin : info.end])).encode()
     assert text.count(old) == 1
     text = text.replace(old, new)
     at = text.index(b'"checksum":"') + len(b'"checksum":"')
-    blank = text[:at] + b"0" * 32 + text[at + 32:]
-    text = text[:at] + xxhash.xxh3_128_hexdigest(blank).encode() + text[at + 32:]
-    out[8:header.data_start] = text
+    blank = text[:at] + b"0" * 32 + text[at + 32 :]
+    text = text[:at] + xxhash.xxh3_128_hexdigest(blank).encode() + text[at + 32 :]
+    out[8 : header.data_start] = text
     return bytes(out)
 
 
@@ -863,8 +934,8 @@ def test_a_bool_byte_of_two_is_refused_by_export_and_zarr_verify(tmp_path: Path)
     (headers_chunk,) = _chunk_files(dest / fp, "headers")
     raw = bytearray(headers_chunk.read_bytes())
     n = len(read_header(clean[bad_key]).metadata) and read_header(clean[bad_key]).data_start - 8
-    old_text = clean[bad_key][8:8 + n]
-    new_text = bad[8:8 + n]
+    old_text = clean[bad_key][8 : 8 + n]
+    new_text = bad[8 : 8 + n]
     assert raw.count(old_text) == 1
     headers_chunk.write_bytes(bytes(raw).replace(old_text, new_text))
     store = ZarrStore(dest)

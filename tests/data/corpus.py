@@ -43,7 +43,9 @@ VERSION = 1
 DEFAULT_ROOT = Path(__file__).resolve().parent / ".generated"
 # The file types workers.source_load reads (kept here so conftest need not import torch);
 # tests/test_corpus.py checks the two agree.
-SOURCE_SUFFIXES = frozenset({".obj", ".ply", ".stl", ".off", ".glb", ".npy", ".npz", ".xyz", ".pts"})
+SOURCE_SUFFIXES = frozenset(
+    {".obj", ".ply", ".stl", ".off", ".glb", ".npy", ".npz", ".xyz", ".pts"}
+)
 
 # --- writers (own formatting, so the bytes depend on this file only) -------------------------
 
@@ -52,8 +54,14 @@ def _fmt(values: np.ndarray) -> str:
     return " ".join(f"{float(x):.9g}" for x in values)
 
 
-def write_obj(path: Path, vertices: np.ndarray, faces: list[list[int]] | np.ndarray, *,
-              header: str = "", groups: list[tuple[str, int]] | None = None) -> None:
+def write_obj(
+    path: Path,
+    vertices: np.ndarray,
+    faces: list[list[int]] | np.ndarray,
+    *,
+    header: str = "",
+    groups: list[tuple[str, int]] | None = None,
+) -> None:
     """OBJ with 1-based faces of any arity; ``groups``: (material, first face index) pairs."""
     starts = {start: name for name, start in (groups or [])}
     lines = [header] if header else []
@@ -65,8 +73,9 @@ def write_obj(path: Path, vertices: np.ndarray, faces: list[list[int]] | np.ndar
     path.write_text("\n".join(lines) + "\n")
 
 
-def write_off(path: Path, vertices: np.ndarray, faces: np.ndarray,
-              counts: tuple[int, int] | None = None) -> None:
+def write_off(
+    path: Path, vertices: np.ndarray, faces: np.ndarray, counts: tuple[int, int] | None = None
+) -> None:
     nv, nf = counts if counts else (len(vertices), len(faces))
     lines = ["OFF", "# written by tests/data/corpus.py", f"{nv} {nf} 0"]
     lines += [_fmt(v) for v in vertices]
@@ -74,14 +83,30 @@ def write_off(path: Path, vertices: np.ndarray, faces: np.ndarray,
     path.write_text("\n".join(lines) + "\n")
 
 
-def ply_bytes(vertices: np.ndarray, faces: np.ndarray | None, *, binary: str | None = None,
-              extra_uchar: np.ndarray | None = None, declare: tuple[int, int] | None = None) -> bytes:
+def ply_bytes(
+    vertices: np.ndarray,
+    faces: np.ndarray | None,
+    *,
+    binary: str | None = None,
+    extra_uchar: np.ndarray | None = None,
+    declare: tuple[int, int] | None = None,
+) -> bytes:
     """PLY: ASCII, or ``binary`` "<" / ">" endianness; ``extra_uchar`` [N, 3] vertex colours."""
     nv = len(vertices) if declare is None else declare[0]
-    fmt = "ascii" if binary is None else ("binary_little_endian" if binary == "<"
-                                          else "binary_big_endian")
-    head = ["ply", f"format {fmt} 1.0", "comment tests/data/corpus.py", f"element vertex {nv}",
-            "property float x", "property float y", "property float z"]
+    fmt = (
+        "ascii"
+        if binary is None
+        else ("binary_little_endian" if binary == "<" else "binary_big_endian")
+    )
+    head = [
+        "ply",
+        f"format {fmt} 1.0",
+        "comment tests/data/corpus.py",
+        f"element vertex {nv}",
+        "property float x",
+        "property float y",
+        "property float z",
+    ]
     if extra_uchar is not None:
         head += ["property uchar red", "property uchar green", "property uchar blue"]
     if faces is not None:
@@ -96,7 +121,10 @@ def ply_bytes(vertices: np.ndarray, faces: np.ndarray | None, *, binary: str | N
             if extra_uchar is not None:
                 row += " " + " ".join(str(int(c)) for c in extra_uchar[i])
             rows.append(row)
-        rows += [f"{len(f)} " + " ".join(str(int(k)) for k in f) for f in (faces if faces is not None else [])]
+        rows += [
+            f"{len(f)} " + " ".join(str(int(k)) for k in f)
+            for f in (faces if faces is not None else [])
+        ]
         return out + ("\n".join(rows) + "\n").encode("ascii")
     fields = [("xyz", f"{binary}f4", (3,))]
     if extra_uchar is not None:
@@ -120,8 +148,9 @@ def npz_bytes(**arrays: np.ndarray) -> bytes:
         for name, array in arrays.items():
             member = io.BytesIO()
             np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
-            archive.writestr(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)),
-                             member.getvalue())
+            archive.writestr(
+                zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), member.getvalue()
+            )
     return buffer.getvalue()
 
 
@@ -183,20 +212,31 @@ def _good_meshes(out: Path) -> None:
     # A torus in two materials, with its .mtl beside it (geometry loaders skip materials).
     torus = creation.torus(major_radius=1.0, minor_radius=0.3)
     (out / "torus_materials.mtl").write_text(
-        "newmtl red\nKd 1 0 0\nmap_Kd missing_texture.png\n\nnewmtl blue\nKd 0 0 1\n")
-    write_obj(out / "torus_materials.obj", torus.vertices, torus.faces,
-              header="mtllib torus_materials.mtl", groups=[("red", 0), ("blue", len(torus.faces) // 2)])
+        "newmtl red\nKd 1 0 0\nmap_Kd missing_texture.png\n\nnewmtl blue\nKd 0 0 1\n"
+    )
+    write_obj(
+        out / "torus_materials.obj",
+        torus.vertices,
+        torus.faces,
+        header="mtllib torus_materials.mtl",
+        groups=[("red", 0), ("blue", len(torus.faces) // 2)],
+    )
 
     # An open mesh: the upper half of a UV sphere (faces with all vertices at z >= 0).
     sphere = creation.uv_sphere(count=[16, 16])
     keep = (sphere.vertices[sphere.faces][:, :, 2] >= -1e-9).all(axis=1)
-    write_obj(out / "hemisphere_open.obj", sphere.vertices, sphere.faces[keep],
-              header="# open: no bottom")
+    write_obj(
+        out / "hemisphere_open.obj", sphere.vertices, sphere.faces[keep], header="# open: no bottom"
+    )
 
     # A triangle soup: 200 disconnected triangles (a multi-part mesh with nothing shared).
     soup = rng.uniform(-1, 1, size=(200, 1, 3)) + rng.normal(scale=0.1, size=(200, 3, 3))
-    write_obj(out / "triangle_soup.obj", soup.reshape(-1, 3), np.arange(600).reshape(-1, 3),
-              header="# 200 loose triangles")
+    write_obj(
+        out / "triangle_soup.obj",
+        soup.reshape(-1, 3),
+        np.arange(600).reshape(-1, 3),
+        header="# 200 loose triangles",
+    )
 
     capsule = creation.capsule(height=1.5, radius=0.4, count=[16, 16])
     (out / "capsule_ascii.ply").write_bytes(ply_bytes(capsule.vertices, capsule.faces))
@@ -204,7 +244,8 @@ def _good_meshes(out: Path) -> None:
     cylinder = creation.cylinder(radius=0.5, height=2.0, sections=24)
     colours = (np.arange(len(cylinder.vertices) * 3).reshape(-1, 3) % 256).astype(np.uint8)
     (out / "cylinder_binary.ply").write_bytes(
-        ply_bytes(cylinder.vertices, cylinder.faces, binary="<", extra_uchar=colours))
+        ply_bytes(cylinder.vertices, cylinder.faces, binary="<", extra_uchar=colours)
+    )
 
     # Two spheres in one mesh (two components), big-endian binary PLY.
     a = creation.icosphere(subdivisions=2)
@@ -238,20 +279,28 @@ def _good_meshes(out: Path) -> None:
     far = creation.box(extents=[3.0, 1.0, 2.0])
     (out / "far_box.ply").write_bytes(ply_bytes(far.vertices + [1.0e4, -2.5e3, 7.0e2], far.faces))
 
-    (out / "icosphere_single.glb").write_bytes(_scene_glb([(creation.icosphere(subdivisions=2),
-                                                           np.eye(4))]))
+    (out / "icosphere_single.glb").write_bytes(
+        _scene_glb([(creation.icosphere(subdivisions=2), np.eye(4))])
+    )
     # A multi-part scene whose node transforms place the parts.
-    (out / "scene_parts.glb").write_bytes(_scene_glb([
-        (creation.box(extents=[1, 1, 1]), tf.translation_matrix([-2, 0, 0])),
-        (creation.icosphere(subdivisions=2), np.eye(4)),
-        (creation.torus(major_radius=0.8, minor_radius=0.2),
-         tf.translation_matrix([2, 0, 0]) @ tf.rotation_matrix(np.pi / 2, [1, 0, 0])),
-    ]))
+    (out / "scene_parts.glb").write_bytes(
+        _scene_glb(
+            [
+                (creation.box(extents=[1, 1, 1]), tf.translation_matrix([-2, 0, 0])),
+                (creation.icosphere(subdivisions=2), np.eye(4)),
+                (
+                    creation.torus(major_radius=0.8, minor_radius=0.2),
+                    tf.translation_matrix([2, 0, 0]) @ tf.rotation_matrix(np.pi / 2, [1, 0, 0]),
+                ),
+            ]
+        )
+    )
 
     # A mesh as NumPy arrays (vertices + faces): an anisotropically stretched icosahedron.
     icosa = creation.icosahedron()
-    (out / "icosahedron_mesh.npz").write_bytes(npz_bytes(
-        vertices=icosa.vertices * [1.0, 0.5, 2.0], faces=icosa.faces.astype(np.int32)))
+    (out / "icosahedron_mesh.npz").write_bytes(
+        npz_bytes(vertices=icosa.vertices * [1.0, 0.5, 2.0], faces=icosa.faces.astype(np.int32))
+    )
 
 
 def _good_points(out: Path) -> None:
@@ -261,16 +310,25 @@ def _good_points(out: Path) -> None:
     (out / "sphere_points.npy").write_bytes(npy_bytes(on_sphere.astype(np.float32)))
     grid = np.stack(np.meshgrid(*[np.arange(-5, 6)] * 3, indexing="ij"), axis=-1).reshape(-1, 3)
     (out / "grid_points_int.npy").write_bytes(npy_bytes(grid.astype(np.int32)))
-    (out / "cube_points.npz").write_bytes(npz_bytes(points=rng.uniform(-1, 1, size=(1500, 3)),
-                                                    colours=rng.integers(0, 255, size=(1500, 3))))
-    (out / "only_array.npz").write_bytes(npz_bytes(arr_0=rng.normal(size=(800, 3)) * [2.0, 1.0, 0.5]))
+    (out / "cube_points.npz").write_bytes(
+        npz_bytes(
+            points=rng.uniform(-1, 1, size=(1500, 3)), colours=rng.integers(0, 255, size=(1500, 3))
+        )
+    )
+    (out / "only_array.npz").write_bytes(
+        npz_bytes(arr_0=rng.normal(size=(800, 3)) * [2.0, 1.0, 0.5])
+    )
     t = np.linspace(0, 6 * np.pi, 600)
     helix = np.stack([np.cos(t), np.sin(t), t / (6 * np.pi)], axis=1)
-    (out / "helix.xyz").write_text("# helix: x y z intensity\n" + "\n".join(
-        f"{_fmt(p)} {i % 7}" for i, p in enumerate(helix)) + "\n")
+    (out / "helix.xyz").write_text(
+        "# helix: x y z intensity\n"
+        + "\n".join(f"{_fmt(p)} {i % 7}" for i, p in enumerate(helix))
+        + "\n"
+    )
     scan = rng.uniform(0, 10, size=(500, 3))
-    (out / "scan_count_header.pts").write_text(f"{len(scan)}\n" + "\n".join(
-        ",".join(f"{float(x):.6f}" for x in p) for p in scan) + "\n")
+    (out / "scan_count_header.pts").write_text(
+        f"{len(scan)}\n" + "\n".join(",".join(f"{float(x):.6f}" for x in p) for p in scan) + "\n"
+    )
     (out / "vertex_only.ply").write_bytes(ply_bytes(rng.normal(size=(700, 3)), None, binary="<"))
 
 
@@ -292,8 +350,22 @@ def _first_third_of_ply(binary: str | None) -> bytes:
 def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
     rng = np.random.default_rng(29)
     cube = np.array([[x, y, z] for x in (0, 1) for y in (0, 1) for z in (0, 1)], dtype=float)
-    cube_faces = np.array([[0, 1, 3], [0, 3, 2], [4, 6, 7], [4, 7, 5], [0, 4, 5], [0, 5, 1],
-                           [2, 3, 7], [2, 7, 6], [0, 2, 6], [0, 6, 4], [1, 5, 7], [1, 7, 3]])
+    cube_faces = np.array(
+        [
+            [0, 1, 3],
+            [0, 3, 2],
+            [4, 6, 7],
+            [4, 7, 5],
+            [0, 4, 5],
+            [0, 5, 1],
+            [2, 3, 7],
+            [2, 7, 6],
+            [0, 2, 6],
+            [0, 6, 4],
+            [1, 5, 7],
+            [1, 7, 3],
+        ]
+    )
 
     npy = npy_bytes
 
@@ -320,22 +392,37 @@ def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
         # header promises 50 vertices and 12 faces; the body holds 8 and 12
         "lying_header.ply": (lambda: ply_bytes(cube, cube_faces, declare=(50, 12)), "truncated"),
         # binary STL whose count field says 1000 triangles where 12 follow: nothing is read
-        "lying_count.stl": (lambda: stl_binary_bytes(cube, cube_faces, declare=1000), "no geometry"),
+        "lying_count.stl": (
+            lambda: stl_binary_bytes(cube, cube_faces, declare=1000),
+            "no geometry",
+        ),
         # NaN and inf coordinates
-        "nan_vertices.obj": (lambda: b"v 0 0 0\nv nan 1 0\nv 0 1 0\nv 1 0 inf\nf 1 2 3\nf 1 3 4\n",
-                             "non-finite"),
+        "nan_vertices.obj": (
+            lambda: b"v 0 0 0\nv nan 1 0\nv 0 1 0\nv 1 0 inf\nf 1 2 3\nf 1 3 4\n",
+            "non-finite",
+        ),
         # a face names vertex 9 of 3 (OBJ, then OFF)
-        "faces_out_of_range.obj": (lambda: b"v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\nf 1 2 9\n",
-                                   "out of bounds"),
-        "faces_out_of_range_off.off": (lambda: b"OFF\n3 1 0\n0 0 0\n1 0 0\n0 1 0\n3 0 1 7\n",
-                                   "cannot parse as OFF"),
+        "faces_out_of_range.obj": (
+            lambda: b"v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\nf 1 2 9\n",
+            "out of bounds",
+        ),
+        "faces_out_of_range_off.off": (
+            lambda: b"OFF\n3 1 0\n0 0 0\n1 0 0\n0 1 0\n3 0 1 7\n",
+            "cannot parse as OFF",
+        ),
         # one vertex, no faces: a one-point cloud that cannot be normalised
         "single_vertex.obj": (lambda: b"v 0.5 0.5 0.5\n", "coincide"),
         # prose with a .ply name
         "text_not_mesh.ply": (lambda: b"this is not a ply file\n" * 20, "not a PLY"),
         # seeded random bytes with mesh names
-        "garbage.stl": (lambda: rng.integers(0, 256, size=4096, dtype=np.uint8).tobytes(), "no geometry"),
-        "garbage_scene.glb": (lambda: rng.integers(0, 256, size=2048, dtype=np.uint8).tobytes(), "cannot parse"),
+        "garbage.stl": (
+            lambda: rng.integers(0, 256, size=4096, dtype=np.uint8).tobytes(),
+            "no geometry",
+        ),
+        "garbage_scene.glb": (
+            lambda: rng.integers(0, 256, size=2048, dtype=np.uint8).tobytes(),
+            "cannot parse",
+        ),
         # 1000 identical points
         "degenerate_points.npy": (lambda: npy(np.full((1000, 3), 0.25)), "coincide"),
         # coordinates near 1e30: still finite in float32, so a valid record
@@ -347,8 +434,10 @@ def _hostile() -> dict[str, tuple[Callable[[], bytes], str | None]]:
         # an archive of two arrays, neither named as points
         "no_point_array.npz": (no_point_array, "no point array"),
         # vertices and an empty face list: a point cloud, so a valid record
-        "points_emptyface.ply": (lambda: ply_bytes(rng.normal(size=(1024, 3)) * 40.0,
-                                                   np.zeros((0, 3), dtype=np.int64)), None),
+        "points_emptyface.ply": (
+            lambda: ply_bytes(rng.normal(size=(1024, 3)) * 40.0, np.zeros((0, 3), dtype=np.int64)),
+            None,
+        ),
     }
 
 
@@ -415,8 +504,9 @@ def ensure(root: str | os.PathLike[str] | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.data.corpus",
-                                     description="Write the generated test corpus into DEST.")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.data.corpus", description="Write the generated test corpus into DEST."
+    )
     parser.add_argument("dest", type=Path, help="an empty or missing directory")
     args = parser.parse_args(argv)
     try:

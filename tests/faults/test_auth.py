@@ -48,8 +48,11 @@ def _variants() -> list[tuple[str, list[tuple[str, str]], dict[str, str]]]:
         ("token in query", [], {"token": TOKEN, "access_token": TOKEN}),
         ("token in cookie", [("Cookie", f"token={TOKEN}; access_token={TOKEN}")], {}),
         ("other header", [("X-Api-Key", TOKEN), ("X-Token", TOKEN)], {}),
-        ("wrong first of two", [("Authorization", "Bearer wrong"),
-                                ("Authorization", f"Bearer {TOKEN}")], {}),
+        (
+            "wrong first of two",
+            [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {TOKEN}")],
+            {},
+        ),
     ]
 
 
@@ -60,11 +63,16 @@ class _Answer:
     body: bytes
 
 
-def _raw(port: int, method: str, target: str, headers: list[tuple[str, str]],
-         body: bytes) -> _Answer:
+def _raw(
+    port: int, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+) -> _Answer:
     """One request written byte for byte (duplicate and odd headers included)."""
-    lines = [f"{method} {target} HTTP/1.1", "Host: 127.0.0.1", "Connection: close",
-             f"Content-Length: {len(body)}"]
+    lines = [
+        f"{method} {target} HTTP/1.1",
+        "Host: 127.0.0.1",
+        "Connection: close",
+        f"Content-Length: {len(body)}",
+    ]
     if body:
         lines.append("Content-Type: application/json")
     lines += [f"{k}: {v}" for k, v in headers]
@@ -85,21 +93,27 @@ def _raw(port: int, method: str, target: str, headers: list[tuple[str, str]],
 @pytest.mark.slow
 def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
     cache = build_cache(tmp_path, n=2)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
-    valid_warmup = {"recipe": "spc", "params": {"level": 4},
-                    "items": [{"id": "shapes/new", "path": "shapes/s0.obj"}]}
-    with served(settings) as server, httpx.Client(base_url=server.url,
-                                                           timeout=20) as client:
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
+    valid_warmup = {
+        "recipe": "spc",
+        "params": {"level": 4},
+        "items": [{"id": "shapes/new", "path": "shapes/s0.obj"}],
+    }
+    with served(settings) as server, httpx.Client(base_url=server.url, timeout=20) as client:
         app, ctx = server.app, server.app.state.ctx
         job_id = ctx.queue.submit("spc", cache.params, cache.fingerprint, [("shapes/x", "/x.obj")])
-        mutating = sorted((method.upper(), path) for path, ops in app.openapi()["paths"].items()
-                          for method in ops if method in {"post", "put", "patch", "delete"}
-                          and path not in READ_ONLY_POSTS)
+        mutating = sorted(
+            (method.upper(), path)
+            for path, ops in app.openapi()["paths"].items()
+            for method in ops
+            if method in {"post", "put", "patch", "delete"} and path not in READ_ONLY_POSTS
+        )
         assert ("POST", "/v1/warmup") in mutating and ("DELETE", "/v1/jobs/{job_id}") in mutating
-        targets = {("POST", "/v1/warmup"): [valid_warmup, {"recipe": 5, "nonsense": True}],
-                   ("DELETE", "/v1/jobs/{job_id}"): [None],
-                   ("DELETE", "/v1/caches/{fingerprint}"): [None]}
+        targets = {
+            ("POST", "/v1/warmup"): [valid_warmup, {"recipe": 5, "nonsense": True}],
+            ("DELETE", "/v1/jobs/{job_id}"): [None],
+            ("DELETE", "/v1/caches/{fingerprint}"): [None],
+        }
         unknown = set(mutating) - set(targets)
         assert not unknown, f"mutating routes this test does not know how to call: {unknown}"
         counts_before = ctx.queue.counts()
@@ -110,28 +124,44 @@ def test_every_mutating_route_needs_the_token(tmp_path: Path) -> None:
             for body in bodies:
                 for name, headers, params in _variants():
                     query = "&".join(f"{k}={v}" for k, v in params.items())
-                    response = _raw(server.port, method, url + ("?" + query if query else ""),
-                                    headers, b"" if body is None else json.dumps(body).encode())
+                    response = _raw(
+                        server.port,
+                        method,
+                        url + ("?" + query if query else ""),
+                        headers,
+                        b"" if body is None else json.dumps(body).encode(),
+                    )
                     statuses[response.status_code] += 1
                     if response.status_code not in (401, 403):
-                        leaks.append(f"{method} {url} {name} body={body}: "
-                                     f"{response.status_code} {response.body[:200]!r}")
+                        leaks.append(
+                            f"{method} {url} {name} body={body}: "
+                            f"{response.status_code} {response.body[:200]!r}"
+                        )
                     elif response.status_code == 401:
                         assert response.headers.get("www-authenticate") == "Bearer"
         counts_after = ctx.queue.counts()
         still_there = client.get(f"/v1/caches/{cache.fingerprint}").status_code
         cancelled = ctx.queue.job(job_id).cancelled
-        ok_warmup = client.post("/v1/warmup", json=valid_warmup,
-                                headers={"Authorization": f"Bearer {TOKEN}"}).status_code
-        ok_cancel = client.delete(f"/v1/jobs/{job_id}",
-                                  headers={"Authorization": f"bearer {TOKEN}"}).status_code
+        ok_warmup = client.post(
+            "/v1/warmup", json=valid_warmup, headers={"Authorization": f"Bearer {TOKEN}"}
+        ).status_code
+        ok_cancel = client.delete(
+            f"/v1/jobs/{job_id}", headers={"Authorization": f"bearer {TOKEN}"}
+        ).status_code
     attempts = sum(statuses.values())
-    report("9 auth", {"mutating_routes": [" ".join(r) for r in mutating],
-                      "variants": len(_variants()), "attempts": attempts,
-                      "statuses": dict(statuses), "refused": statuses[401] + statuses[403],
-                      "queue_changed": counts_after != counts_before,
-                      "job_cancelled": cancelled,
-                      "with_token": {"warmup": ok_warmup, "cancel": ok_cancel}})
+    report(
+        "9 auth",
+        {
+            "mutating_routes": [" ".join(r) for r in mutating],
+            "variants": len(_variants()),
+            "attempts": attempts,
+            "statuses": dict(statuses),
+            "refused": statuses[401] + statuses[403],
+            "queue_changed": counts_after != counts_before,
+            "job_cancelled": cancelled,
+            "with_token": {"warmup": ok_warmup, "cancel": ok_cancel},
+        },
+    )
     assert not leaks, "\n".join(leaks)
     assert counts_after == counts_before and not cancelled and still_there == 200
     assert ok_warmup == 202 and ok_cancel == 200

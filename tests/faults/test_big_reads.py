@@ -52,11 +52,21 @@ def _big_record(fp: str, sample_id: str) -> bytes:
 
     pyramid = torch.tensor([[1, 1, 0], [0, 1, 2]], dtype=torch.int32)  # level 1, one voxel
     return encode_record(
-        {"point_hierarchy": torch.tensor([[0, 0, 0], [1, 1, 1]], dtype=torch.int16),
-         "pyramid": pyramid,
-         "features": torch.zeros(RECORD_MIB * MIB, dtype=torch.uint8)},
-        {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sample_id,
-         "source_hash": "xxh3_128:" + "0" * 32, "backend": "torch", "device": "cpu"})
+        {
+            "point_hierarchy": torch.tensor([[0, 0, 0], [1, 1, 1]], dtype=torch.int16),
+            "pyramid": pyramid,
+            "features": torch.zeros(RECORD_MIB * MIB, dtype=torch.uint8),
+        },
+        {
+            "recipe": "spc",
+            "recipe_version": "1",
+            "fingerprint": fp,
+            "sample_id": sample_id,
+            "source_hash": "xxh3_128:" + "0" * 32,
+            "backend": "torch",
+            "device": "cpu",
+        },
+    )
 
 
 class _PeakAnonRSS:
@@ -95,8 +105,12 @@ def test_big_reads_and_previews_stay_within_the_read_budget(tmp_path: Path) -> N
     size = len(value)
     del value
     budget = 2 * size + 16 * MIB  # two records, and room for the pictures' fields
-    server = start_server(tmp_path / "cache", tmp_path / "sources", "--no-worker", env={
-        "SPCACHE_MAX_READ_BYTES_IN_FLIGHT": str(budget)})
+    server = start_server(
+        tmp_path / "cache",
+        tmp_path / "sources",
+        "--no-worker",
+        env={"SPCACHE_MAX_READ_BYTES_IN_FLIGHT": str(budget)},
+    )
     record = f"{server.url}/v1/caches/{fp}/records/big"
     preview = f"{server.url}/v1/caches/{fp}/previews/big"
     try:
@@ -107,17 +121,31 @@ def test_big_reads_and_previews_stay_within_the_read_budget(tmp_path: Path) -> N
         def poll_health() -> None:
             # from another process (curl): this one's GIL is busy with 24 clients
             while not stop.is_set():
-                took = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{time_total}",
-                                       "--max-time", "30", f"{server.url}/healthz"],
-                                      capture_output=True, text=True, check=False).stdout
+                took = subprocess.run(
+                    [
+                        "curl",
+                        "-s",
+                        "-o",
+                        "/dev/null",
+                        "-w",
+                        "%{time_total}",
+                        "--max-time",
+                        "30",
+                        f"{server.url}/healthz",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout
                 health.append(float(took or 30))
                 time.sleep(0.05)
 
         def read(_: int) -> str:
             with httpx.stream("GET", record, timeout=120) as r:
                 got = sum(len(c) for c in r.iter_bytes())
-            return f"GET {r.status_code}" + ("" if r.status_code != 200 or got == size
-                                              else f" short ({got})")
+            return f"GET {r.status_code}" + (
+                "" if r.status_code != 200 or got == size else f" short ({got})"
+            )
 
         def picture(i: int) -> str:
             r = httpx.get(preview, params={"size": 72 + 8 * i}, timeout=120)
@@ -138,7 +166,14 @@ def test_big_reads_and_previews_stay_within_the_read_budget(tmp_path: Path) -> N
     assert answers["GET 200"] >= 1 and answers["preview 200"] >= 1, answers
     assert growth_mib <= budget / MIB + SLACK_MIB, (growth_mib, answers)
     assert max(health) < 5.0, max(health)  # a loaded shared VM; before: a 10.5 s stall
-    report("big_reads", {"record_mib": round(size / MIB, 1), "clients": CLIENTS,
-                         "budget_mib": budget // MIB, "answers": dict(answers),
-                         "peak_rss_growth_mib": round(growth_mib, 1),
-                         "healthz_max_s": round(max(health), 2)})
+    report(
+        "big_reads",
+        {
+            "record_mib": round(size / MIB, 1),
+            "clients": CLIENTS,
+            "budget_mib": budget // MIB,
+            "answers": dict(answers),
+            "peak_rss_growth_mib": round(growth_mib, 1),
+            "healthz_max_s": round(max(health), 2),
+        },
+    )

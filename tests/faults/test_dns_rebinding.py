@@ -18,8 +18,15 @@ from service.settings import Settings
 from tests.helpers.faults import report, served
 from tests.helpers.service import build_cache
 
-FOREIGN = ["attacker.example", "attacker.example:8000", "127.0.0.1.attacker.example",
-           "localhost.attacker.example", "[::2]", "evil", ""]
+FOREIGN = [
+    "attacker.example",
+    "attacker.example:8000",
+    "127.0.0.1.attacker.example",
+    "localhost.attacker.example",
+    "[::2]",
+    "evil",
+    "",
+]
 
 
 def _raw_get(port: int, host: str | None, path: str = "/v1/jobs") -> tuple[int, bytes]:
@@ -36,16 +43,17 @@ def _raw_get(port: int, host: str | None, path: str = "/v1/jobs") -> tuple[int, 
 
 def test_foreign_host_is_refused_without_a_token(tmp_path: Path) -> None:
     cache = build_cache(tmp_path)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=None,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=None, worker=False)
     answers: dict[str, int] = {}
     with served(settings) as server:
         port = server.port
-        warm = {"recipe": "spc", "items": [{"id": "shapes/s0", "path": "shapes/s0.obj"}],
-                "params": {"level": 5}}
+        warm = {
+            "recipe": "spc",
+            "items": [{"id": "shapes/s0", "path": "shapes/s0.obj"}],
+            "params": {"level": 5},
+        }
         for host in FOREIGN:
-            r = httpx.post(f"{server.url}/v1/warmup", json=warm, headers={"Host": host},
-                           timeout=10)
+            r = httpx.post(f"{server.url}/v1/warmup", json=warm, headers={"Host": host}, timeout=10)
             answers[f"warmup {host!r}"] = r.status_code
             assert r.status_code == 400, (host, r.status_code, r.text)
             assert r.json()["error"] == "BadHost"
@@ -54,8 +62,13 @@ def test_foreign_host_is_refused_without_a_token(tmp_path: Path) -> None:
             assert status == 400 and b"BadHost" in body
         jobs = httpx.get(f"{server.url}/v1/jobs", timeout=10).json()["jobs"]
         assert jobs == [], "a refused warm-up queued a job"
-        for host in ("127.0.0.1", f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST",
-                     f"[::1]:{port}"):
+        for host in (
+            "127.0.0.1",
+            f"127.0.0.1:{port}",
+            f"localhost:{port}",
+            "LOCALHOST",
+            f"[::1]:{port}",
+        ):
             status, _ = _raw_get(port, host)
             answers[f"jobs {host!r}"] = status
             assert status == 200, host
@@ -64,8 +77,7 @@ def test_foreign_host_is_refused_without_a_token(tmp_path: Path) -> None:
     report("dns_rebinding", {"answers": answers})
 
 
-def test_allowed_hosts_setting_replaces_the_default(tmp_path: Path,
-                                                    monkeypatch) -> None:
+def test_allowed_hosts_setting_replaces_the_default(tmp_path: Path, monkeypatch) -> None:
     cache = build_cache(tmp_path)
     monkeypatch.setenv("SPCACHE_ALLOWED_HOSTS", "cache.internal, 127.0.0.1")
     settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False)

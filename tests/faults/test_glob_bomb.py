@@ -54,8 +54,12 @@ def _tree(root: Path, depth: int, fanout: int = 3) -> int:
 
 def _warm(url: str, glob: str, root: str = "tree", timeout: float = ANSWER_S) -> int | str:
     try:
-        r = httpx.post(url + "/v1/warmup", headers=AUTH, timeout=timeout,
-                       json={"recipe": "spc", "root": root, "glob": glob})
+        r = httpx.post(
+            url + "/v1/warmup",
+            headers=AUTH,
+            timeout=timeout,
+            json={"recipe": "spc", "root": root, "glob": glob},
+        )
     except httpx.TimeoutException:
         return "timeout"
     return r.status_code
@@ -64,16 +68,23 @@ def _warm(url: str, glob: str, root: str = "tree", timeout: float = ANSWER_S) ->
 def test_glob_flood_leaves_every_route_answering_and_sigterm_stops(tmp_path: Path) -> None:
     cache = build_cache(tmp_path)
     files = _tree(cache.sources / "tree", 4)
-    server = start_server(cache.root, cache.sources, "--no-worker",
-                          env={"SPCACHE_GLOB_MAX_ENTRIES": "100000"})
+    server = start_server(
+        cache.root, cache.sources, "--no-worker", env={"SPCACHE_GLOB_MAX_ENTRIES": "100000"}
+    )
     try:
         with cf.ThreadPoolExecutor(16) as pool:
             answers = Counter(pool.map(lambda _: _warm(server.url, BOMB), range(HOSTILE)))
         slowest = 0.0
         statuses = {}
-        for path in ("/healthz", "/readyz", "/v1/recipes", "/v1/caches", "/v1/jobs",
-                     f"/v1/caches/{cache.fingerprint}",
-                     f"/v1/caches/{cache.fingerprint}/items/{cache.ids[0]}"):
+        for path in (
+            "/healthz",
+            "/readyz",
+            "/v1/recipes",
+            "/v1/caches",
+            "/v1/jobs",
+            f"/v1/caches/{cache.fingerprint}",
+            f"/v1/caches/{cache.fingerprint}/items/{cache.ids[0]}",
+        ):
             t0 = time.monotonic()
             try:
                 statuses[path] = httpx.get(server.url + path, timeout=ANSWER_S).status_code
@@ -92,9 +103,17 @@ def test_glob_flood_leaves_every_route_answering_and_sigterm_stops(tmp_path: Pat
             server.proc.kill()
             server.proc.wait()
             stopped = None
-    report("glob_bomb", {"hostile": HOSTILE, "tree_files": files, "answers": dict(answers),
-                         "route_statuses": statuses, "slowest_route_s": round(slowest, 3),
-                         "stop_s": stopped})
+    report(
+        "glob_bomb",
+        {
+            "hostile": HOSTILE,
+            "tree_files": files,
+            "answers": dict(answers),
+            "route_statuses": statuses,
+            "slowest_route_s": round(slowest, 3),
+            "stop_s": stopped,
+        },
+    )
     assert answers == Counter({422: HOSTILE}), answers
     assert all(s == 200 for s in statuses.values()), statuses
     assert slowest < ANSWER_S
@@ -110,21 +129,28 @@ def test_glob_bounds_and_symlinks_outside_the_root(tmp_path: Path) -> None:
     (outside / "private-name.obj").write_text("v 0 0 0\n")
     (cache.sources / "linked").mkdir()
     (cache.sources / "linked" / "out").symlink_to(outside, target_is_directory=True)
-    (cache.sources / "linked" / "loop").symlink_to(cache.sources / "linked",
-                                                   target_is_directory=True)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False, glob_max_entries=500)
-    with served(settings) as server, httpx.Client(base_url=server.url, headers=AUTH,
-                                                  timeout=30) as c:
+    (cache.sources / "linked" / "loop").symlink_to(
+        cache.sources / "linked", target_is_directory=True
+    )
+    settings = Settings(
+        cache=cache.root,
+        source_roots=[cache.sources],
+        token=TOKEN,
+        worker=False,
+        glob_max_entries=500,
+    )
+    with (
+        served(settings) as server,
+        httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as c,
+    ):
         big = c.post("/v1/warmup", json={"recipe": "spc", "root": "tree", "glob": "**/*.obj"})
         two = c.post("/v1/warmup", json={"recipe": "spc", "root": "tree", "glob": "**/d0/**/*"})
         glued = c.post("/v1/warmup", json={"recipe": "spc", "root": "tree", "glob": "d**/*.obj"})
-        linked = c.post("/v1/warmup", json={"recipe": "spc", "root": "linked",
-                                            "glob": "**/*.obj"})
-        direct = c.post("/v1/warmup", json={"recipe": "spc", "root": "linked",
-                                            "glob": "out/*.obj"})
-        small = c.post("/v1/warmup", json={"recipe": "spc", "root": "tree/d0/d0/d0",
-                                           "glob": "**/*.obj"})
+        linked = c.post("/v1/warmup", json={"recipe": "spc", "root": "linked", "glob": "**/*.obj"})
+        direct = c.post("/v1/warmup", json={"recipe": "spc", "root": "linked", "glob": "out/*.obj"})
+        small = c.post(
+            "/v1/warmup", json={"recipe": "spc", "root": "tree/d0/d0/d0", "glob": "**/*.obj"}
+        )
     assert big.status_code == 422 and "more than 500 entries" in big.text, big.text
     assert two.status_code == 422 and "at most one '**'" in two.text, two.text
     assert glued.status_code == 422, glued.text
@@ -135,8 +161,7 @@ def test_glob_bounds_and_symlinks_outside_the_root(tmp_path: Path) -> None:
     assert small.json()["queued"] == 1 + 3 + 9  # its own x.obj and two levels below
 
 
-def test_healthz_reports_a_starved_pool(tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_healthz_reports_a_starved_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import service.routes_jobs as routes_jobs
 
     release = threading.Event()
@@ -149,8 +174,9 @@ def test_healthz_reports_a_starved_pool(tmp_path: Path,
 
     monkeypatch.setattr(routes_jobs, "expand_glob", blocking_glob)
     cache = build_cache(tmp_path)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False, pool_check_s=1.0)
+    settings = Settings(
+        cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False, pool_check_s=1.0
+    )
     with served(settings) as server, cf.ThreadPoolExecutor(HOSTILE) as pool:
         healthy = httpx.get(server.url + "/healthz", timeout=10).status_code
         futures = [pool.submit(_warm, server.url, "*.obj", "tree", 60) for _ in range(HOSTILE)]
@@ -162,8 +188,15 @@ def test_healthz_reports_a_starved_pool(tmp_path: Path,
         release.set()
         cf.wait(futures, timeout=60)
         recovered = httpx.get(server.url + "/healthz", timeout=10).status_code
-    report("starved_pool_healthz", {"before": healthy, "starved": starved.status_code,
-                                    "starved_answer_s": round(took, 3), "after": recovered})
+    report(
+        "starved_pool_healthz",
+        {
+            "before": healthy,
+            "starved": starved.status_code,
+            "starved_answer_s": round(took, 3),
+            "after": recovered,
+        },
+    )
     assert healthy == 200
     assert starved.status_code == 503 and "starved" in starved.text, starved.text
     assert took < 5.0

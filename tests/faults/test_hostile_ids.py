@@ -38,10 +38,32 @@ from tests.helpers.faults import report, served
 from tests.helpers.service import AUTH, TOKEN, build_cache
 
 HOSTILE_IDS = [
-    "../x", "a/../../x", "..", ".", "/etc/passwd", "..\\x", "a\\..\\..\\x", "x\x00y", "\x00",
-    "a" * 600, "a/" * 300 + "b", "\u2024\u2024/x", "\u2025/x", "\uff0e\uff0e/x", "a\uff0fb/../x",
-    "x/\u2024\u2024", "\u2024\u2025", "a/\u202eevil", "a\u200bb/../c", "x\n/../y", " ../x",
-    "a//b", "a/", "", "\ud800", "a/\u0085b",
+    "../x",
+    "a/../../x",
+    "..",
+    ".",
+    "/etc/passwd",
+    "..\\x",
+    "a\\..\\..\\x",
+    "x\x00y",
+    "\x00",
+    "a" * 600,
+    "a/" * 300 + "b",
+    "\u2024\u2024/x",
+    "\u2025/x",
+    "\uff0e\uff0e/x",
+    "a\uff0fb/../x",
+    "x/\u2024\u2024",
+    "\u2024\u2025",
+    "a/\u202eevil",
+    "a\u200bb/../c",
+    "x\n/../y",
+    " ../x",
+    "a//b",
+    "a/",
+    "",
+    "\ud800",
+    "a/\u0085b",
 ]
 
 
@@ -51,16 +73,21 @@ def _encodings(sample_id: str) -> list[tuple[str, bytes]]:
     dots = sample_id.replace(".", "%2e").replace("/", "%2f").replace("\\", "%5c")
     out.append(("%2e%2f", quote(dots, safe="%", errors="surrogatepass").encode()))
     raw = sample_id.encode("utf-8", "surrogatepass")
-    if all(0x21 <= b < 0x7f for b in raw):  # bytes HTTP allows in a request target
+    if all(0x21 <= b < 0x7F for b in raw):  # bytes HTTP allows in a request target
         out.append(("raw", raw))
     return out
 
 
-def _raw_request(port: int, method: str, target: bytes, body: bytes = b"",
-                 headers: dict[str, str] | None = None) -> int:
+def _raw_request(
+    port: int, method: str, target: bytes, body: bytes = b"", headers: dict[str, str] | None = None
+) -> int:
     """Send the request line exactly as given (clients would normalise ``..``)."""
-    lines = [method.encode() + b" " + target + b" HTTP/1.1", b"Host: 127.0.0.1",
-             b"Connection: close", f"Content-Length: {len(body)}".encode()]
+    lines = [
+        method.encode() + b" " + target + b" HTTP/1.1",
+        b"Host: 127.0.0.1",
+        b"Connection: close",
+        f"Content-Length: {len(body)}".encode(),
+    ]
     lines += [f"{k}: {v}".encode() for k, v in (headers or {}).items()]
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
         sock.sendall(b"\r\n".join(lines) + b"\r\n\r\n" + body)
@@ -126,12 +153,10 @@ def test_hostile_ids_are_refused_before_any_store_call(tmp_path: Path) -> None:
     fp = cache.fingerprint
     before = _files(tmp_path, cache.root)
     repo_before = set(REPO_ROOT.iterdir())
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
     outcomes: Counter[str] = Counter()
     bad: list[str] = []
-    with served(settings) as server, httpx.Client(base_url=server.url,
-                                                           timeout=20) as client:
+    with served(settings) as server, httpx.Client(base_url=server.url, timeout=20) as client:
         ctx = server.app.state.ctx
         spy = SpyStore(ctx.store())
         ctx._store = spy
@@ -154,32 +179,55 @@ def test_hostile_ids_are_refused_before_any_store_call(tmp_path: Path) -> None:
         for sid in HOSTILE_IDS:
             for how, segment in _encodings(sid):
                 for method, target in (
-                        ("GET", b"/v1/caches/%s/records/%s" % (fp.encode(), segment)),
-                        ("HEAD", b"/v1/caches/%s/records/%s" % (fp.encode(), segment)),
-                        ("GET", b"/v1/caches/%s/records/%s?fields=octree" % (fp.encode(), segment)),
-                        ("GET", b"/v1/caches/%s/items/%s" % (fp.encode(), segment)),
-                        ("GET", b"/v1/caches/%s/records/%s" % (segment, cache.ids[0].encode())),
-                        ("GET", b"/v1/caches/%s" % segment)):
-                    check(f"{method} {target[:90]!r} ({how})",
-                          _raw_request(server.port, method, target))
+                    ("GET", b"/v1/caches/%s/records/%s" % (fp.encode(), segment)),
+                    ("HEAD", b"/v1/caches/%s/records/%s" % (fp.encode(), segment)),
+                    ("GET", b"/v1/caches/%s/records/%s?fields=octree" % (fp.encode(), segment)),
+                    ("GET", b"/v1/caches/%s/items/%s" % (fp.encode(), segment)),
+                    ("GET", b"/v1/caches/%s/records/%s" % (segment, cache.ids[0].encode())),
+                    ("GET", b"/v1/caches/%s" % segment),
+                ):
+                    check(
+                        f"{method} {target[:90]!r} ({how})",
+                        _raw_request(server.port, method, target),
+                    )
             # JSON bodies carry the id itself (as the decoded path would); json.dumps
             # escapes a lone surrogate as \ud800, which JSON allows.
             json_headers = {**AUTH, "Content-Type": "application/json"}
-            response = client.post("/v1/warmup", headers=json_headers, content=json.dumps({
-                "recipe": "spc", "params": {"level": 4},
-                "items": [{"id": sid, "path": "shapes/s0.obj"}]}))
+            response = client.post(
+                "/v1/warmup",
+                headers=json_headers,
+                content=json.dumps(
+                    {
+                        "recipe": "spc",
+                        "params": {"level": 4},
+                        "items": [{"id": sid, "path": "shapes/s0.obj"}],
+                    }
+                ),
+            )
             check(f"warmup {sid[:40]!r}", response.status_code)
-            response = client.post(f"/v1/caches/{fp}/batch", headers=json_headers,
-                                   content=json.dumps({"ids": [sid, cache.ids[0]]}))
-            found, missing = decode_batch(response.content) if response.status_code == 200 \
-                else ({}, {})
-            looked_up = [c for c in spy.calls if c[0] in ("get", "has")
-                         and c[1][0] != f"{fp}/{cache.ids[0]}"]
-            listed = [why for got, why in missing.items()
-                      if got.encode("utf-8", "surrogatepass") == sid.encode("utf-8", "surrogatepass")]
-            ok = (response.status_code == 200 and listed and "InvalidSampleId" in listed[0]
-                  and list(found) == [cache.ids[0]]
-                  and not looked_up) or (400 <= response.status_code < 500 and not looked_up)
+            response = client.post(
+                f"/v1/caches/{fp}/batch",
+                headers=json_headers,
+                content=json.dumps({"ids": [sid, cache.ids[0]]}),
+            )
+            found, missing = (
+                decode_batch(response.content) if response.status_code == 200 else ({}, {})
+            )
+            looked_up = [
+                c for c in spy.calls if c[0] in ("get", "has") and c[1][0] != f"{fp}/{cache.ids[0]}"
+            ]
+            listed = [
+                why
+                for got, why in missing.items()
+                if got.encode("utf-8", "surrogatepass") == sid.encode("utf-8", "surrogatepass")
+            ]
+            ok = (
+                response.status_code == 200
+                and listed
+                and "InvalidSampleId" in listed[0]
+                and list(found) == [cache.ids[0]]
+                and not looked_up
+            ) or (400 <= response.status_code < 500 and not looked_up)
             outcomes["batch: refused per sample, no store call" if ok else "batch FAILED"] += 1
             if not ok:
                 bad.append(f"batch {sid[:40]!r}: {response.status_code} {missing}")
@@ -188,9 +236,15 @@ def test_hostile_ids_are_refused_before_any_store_call(tmp_path: Path) -> None:
         ctx._store = spy.inner
 
     after = _files(tmp_path, cache.root)
-    report("8 hostile ids (service)", {"ids": len(HOSTILE_IDS), "requests": sum(outcomes.values()),
-                                       "outcomes": dict(outcomes),
-                                       "files_created_outside_cache": len(after - before)})
+    report(
+        "8 hostile ids (service)",
+        {
+            "ids": len(HOSTILE_IDS),
+            "requests": sum(outcomes.values()),
+            "outcomes": dict(outcomes),
+            "files_created_outside_cache": len(after - before),
+        },
+    )
     assert not bad, "\n".join(bad)
     assert jobs_after == jobs_before  # nothing was queued
     assert after == before and set(REPO_ROOT.iterdir()) == repo_before
@@ -204,9 +258,11 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
     good.write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\nv 0 0 1\nf 1 2 3\nf 1 2 4\nf 1 3 4\nf 2 3 4\n")
     usable = [s for s in HOSTILE_IDS if s and "\ud800" not in s]
     manifest = tmp_path / "items.jsonl"
-    manifest.write_text("".join(json.dumps({"id": s, "path": "sources/good.obj"}) + "\n"
-                                for s in usable)
-                        + json.dumps({"id": "fine/good", "path": "sources/good.obj"}) + "\n")
+    manifest.write_text(
+        "".join(json.dumps({"id": s, "path": "sources/good.obj"}) + "\n" for s in usable)
+        + json.dumps({"id": "fine/good", "path": "sources/good.obj"})
+        + "\n"
+    )
     looks = tmp_path / "looks"  # file names that are themselves look-alike ids
     looks.mkdir()
     for name in ("\u2024\u2024", "\uff0e\uff0e", "\u2025", "a\u200bb"):
@@ -216,11 +272,35 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
     workdir.mkdir()
     before = _files(tmp_path, cache)
     result = subprocess.run(
-        [sys.executable, "-m", "spcache", "precompute", str(manifest), str(looks),
-         "--recipe", "spc", "--param", "level=3", "--param", "surface_samples=100",
-         "--cache", str(cache), "--device", "cpu", "--backend", "torch", "--loaders", "0",
-         "--json"], cwd=workdir, capture_output=True, text=True, timeout=300,
-        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "precompute",
+            str(manifest),
+            str(looks),
+            "--recipe",
+            "spc",
+            "--param",
+            "level=3",
+            "--param",
+            "surface_samples=100",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--json",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+    )
     summary = json.loads(result.stdout)
     from cache_store.stores.lmdb import LMDBStore
 
@@ -228,11 +308,18 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
         keys = list(store.keys())
     after = _files(tmp_path, cache)
     reasons = Counter("invalid sample id" in e["reason"] for e in summary["errors"])
-    report("8 hostile ids (CLI)", {"manifest_ids": len(usable) + 1, "look_alike_files": 4,
-                                   "failed": summary["failed"], "done": summary["done"],
-                                   "failed_as_invalid_sample_id": reasons[True],
-                                   "records": len(keys),
-                                   "files_created_outside_cache": len(after - before)})
+    report(
+        "8 hostile ids (CLI)",
+        {
+            "manifest_ids": len(usable) + 1,
+            "look_alike_files": 4,
+            "failed": summary["failed"],
+            "done": summary["done"],
+            "failed_as_invalid_sample_id": reasons[True],
+            "records": len(keys),
+            "files_created_outside_cache": len(after - before),
+        },
+    )
     assert result.returncode == 1, result.stderr[-2000:]
     assert summary["done"] == 1 and [k.split("/", 1)[1] for k in keys] == ["fine/good"]
     assert summary["failed"] == len(usable) + 4 == reasons[True]

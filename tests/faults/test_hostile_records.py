@@ -53,7 +53,7 @@ _SLOT = b'"checksum":"'
 
 def _split(value: bytes) -> tuple[dict, bytes]:
     (n,) = _LEN.unpack_from(value, 0)
-    return json.loads(value[8:8 + n]), value[8 + n:]
+    return json.loads(value[8 : 8 + n]), value[8 + n :]
 
 
 def _signed(header_text: bytes, data: bytes) -> bytes:
@@ -62,8 +62,8 @@ def _signed(header_text: bytes, data: bytes) -> bytes:
     at = text.find(_SLOT)
     if at >= 0:
         at += len(_SLOT)
-        blank = text[:at] + b"0" * 32 + text[at + 32:]
-        text = text[:at] + xxhash.xxh3_128_hexdigest(blank).encode() + text[at + 32:]
+        blank = text[:at] + b"0" * 32 + text[at + 32 :]
+        text = text[:at] + xxhash.xxh3_128_hexdigest(blank).encode() + text[at + 32 :]
     return _LEN.pack(len(text)) + text + data
 
 
@@ -93,6 +93,7 @@ def _edit(fn: Callable[[dict, random.Random], None]) -> Mutator:
         header, data = _split(value)
         fn(header, rng)
         return _resign(header, data)
+
     return mutate
 
 
@@ -112,12 +113,13 @@ def _flip_data(value: bytes, rng: random.Random) -> bytes:
 
 
 def _truncate(value: bytes, rng: random.Random) -> bytes:
-    return value[:rng.randrange(len(value))]
+    return value[: rng.randrange(len(value))]
 
 
 def _length(n: int | None) -> Mutator:
     def mutate(value: bytes, rng: random.Random) -> bytes:
         return _LEN.pack(len(value) - 7 if n is None else n) + value[8:]
+
     return mutate
 
 
@@ -129,8 +131,14 @@ def _shape(header: dict, rng: random.Random) -> None:
 
 def _dtype(header: dict, rng: random.Random) -> None:
     name = rng.choice(_tensor_names(header))
-    header[name]["dtype"] = {"U8": "I16", "I16": "I32", "I32": "F64", "F32": "I64",
-                             "F64": "F32", "I64": "U8"}.get(header[name]["dtype"], "F64")
+    header[name]["dtype"] = {
+        "U8": "I16",
+        "I16": "I32",
+        "I32": "F64",
+        "F32": "I64",
+        "F64": "F32",
+        "I64": "U8",
+    }.get(header[name]["dtype"], "F64")
 
 
 def _overlap(header: dict, rng: random.Random) -> None:
@@ -150,8 +158,9 @@ def _same_offsets(header: dict, rng: random.Random) -> None:
 def _out_of_range(header: dict, rng: random.Random) -> None:
     name = rng.choice(_tensor_names(header))
     begin, end = header[name]["data_offsets"]
-    header[name]["data_offsets"] = rng.choice([[begin, end + 2 ** 40], [-8, end], [end, begin],
-                                               [begin, 2 ** 63]])
+    header[name]["data_offsets"] = rng.choice(
+        [[begin, end + 2**40], [-8, end], [end, begin], [begin, 2**63]]
+    )
 
 
 def _bad_value(header: dict, rng: random.Random) -> None:
@@ -199,6 +208,7 @@ def _raw_header(kind: str) -> Mutator:
         elif kind == "not_object":
             text = "[" + text + "]"
         return _signed(text.encode(), data)
+
     return mutate
 
 
@@ -211,8 +221,9 @@ def _bool_two(value: bytes, rng: random.Random) -> bytes:
     header["flags"] = {"dtype": "BOOL", "shape": [3], "data_offsets": [begin, begin + 3]}
     sums = json.loads(header["__metadata__"]["field_checksums"])
     sums["flags"] = xxhash.xxh3_64_hexdigest(b"\x00\x02\x01")
-    header["__metadata__"]["field_checksums"] = json.dumps(sums, sort_keys=True,
-                                                           separators=(",", ":"))
+    header["__metadata__"]["field_checksums"] = json.dumps(
+        sums, sort_keys=True, separators=(",", ":")
+    )
     return _resign(header, data)
 
 
@@ -232,24 +243,38 @@ def _families(canary_dir: Path) -> dict[str, Mutator]:
                 return value + payload
             header, data = _split(value)  # "in_data": over a tensor's bytes
             info = header["octree"]["data_offsets"]
-            body = payload.ljust(info[1] - info[0], b".")[:info[1] - info[0]]
-            return _resign(header, data[:info[0]] + body + data[info[1]:])
+            body = payload.ljust(info[1] - info[0], b".")[: info[1] - info[0]]
+            return _resign(header, data[: info[0]] + body + data[info[1] :])
+
         return mutate
 
     return {
-        "flip_any_bit": _flip, "flip_data_bit": _flip_data, "truncate": _truncate,
-        "header_len_2^63": _length(2 ** 63), "header_len_2^64-1": _length(2 ** 64 - 1),
-        "header_len_past_end": _length(None), "header_len_200MiB": _length(200 << 20),
-        "shape_x_dtype_mismatch": _edit(_shape), "dtype_mismatch": _edit(_dtype),
-        "overlapping_offsets": _edit(_overlap), "same_offsets": _edit(_same_offsets),
-        "offsets_out_of_range": _edit(_out_of_range), "bad_header_values": _edit(_bad_value),
-        "format_version": _edit(_version), "metadata_not_str": _edit(_metadata_type),
-        "duplicate_keys": _raw_header("duplicate"), "nan_in_header": _raw_header("nan"),
-        "deep_nesting": _raw_header("deep"), "non_utf8_header": _raw_header("utf8"),
-        "header_not_object": _raw_header("not_object"), "bool_byte_2": _bool_two,
+        "flip_any_bit": _flip,
+        "flip_data_bit": _flip_data,
+        "truncate": _truncate,
+        "header_len_2^63": _length(2**63),
+        "header_len_2^64-1": _length(2**64 - 1),
+        "header_len_past_end": _length(None),
+        "header_len_200MiB": _length(200 << 20),
+        "shape_x_dtype_mismatch": _edit(_shape),
+        "dtype_mismatch": _edit(_dtype),
+        "overlapping_offsets": _edit(_overlap),
+        "same_offsets": _edit(_same_offsets),
+        "offsets_out_of_range": _edit(_out_of_range),
+        "bad_header_values": _edit(_bad_value),
+        "format_version": _edit(_version),
+        "metadata_not_str": _edit(_metadata_type),
+        "duplicate_keys": _raw_header("duplicate"),
+        "nan_in_header": _raw_header("nan"),
+        "deep_nesting": _raw_header("deep"),
+        "non_utf8_header": _raw_header("utf8"),
+        "header_not_object": _raw_header("not_object"),
+        "bool_byte_2": _bool_two,
         "trailing_bytes": _trailing,
-        "pickle_whole": pickled("open", "whole"), "pickle_as_header": pickled("system", "as_header"),
-        "pickle_appended": pickled("open", "appended"), "pickle_in_data": pickled("system", "in_data"),
+        "pickle_whole": pickled("open", "whole"),
+        "pickle_as_header": pickled("system", "as_header"),
+        "pickle_appended": pickled("open", "appended"),
+        "pickle_in_data": pickled("system", "in_data"),
     }
 
 
@@ -263,8 +288,13 @@ def _huge_header(value: bytes) -> bytes:
 # --------------------------------------------------------------------------- the test
 
 
-def _rejects(fn: Callable[[], object], key: str, outcomes: Counter, surface: str,
-             intact: Callable[[object], bool] | None = None) -> None:
+def _rejects(
+    fn: Callable[[], object],
+    key: str,
+    outcomes: Counter,
+    surface: str,
+    intact: Callable[[object], bool] | None = None,
+) -> None:
     """Count how ``fn`` treated the mutant under ``key``. Subset reads (``intact``) only
     verify the bytes they return: one that returns them unaltered is counted as such."""
     try:
@@ -310,8 +340,13 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
         # each callable runs at once, inside _rejects; the defaults bind this iteration's values
         _rejects(lambda v=value, k=key: decode_record(v, key=k), key, outcomes, "decode_record")
         _rejects(lambda v=value, k=key: decode_arrays(v, key=k), key, outcomes, "decode_arrays")
-        _rejects(lambda v=value, k=key: select_fields(v, ["octree"], key=k), key, outcomes,
-                 "select_fields", lambda out, want=octree: _octree_of(out) == want)
+        _rejects(
+            lambda v=value, k=key: select_fields(v, ["octree"], key=k),
+            key,
+            outcomes,
+            "select_fields",
+            lambda out, want=octree: _octree_of(out) == want,
+        )
     huge_key = f"{fp}/huge"
     huge = _huge_header(make_record(fp, "huge", seed=1))
     _rejects(lambda v=huge: decode_record(v, key=huge_key), huge_key, outcomes, "decode_record")
@@ -333,22 +368,28 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
 
     settings = Settings(cache=cache, source_roots=[tmp_path], token=TOKEN, worker=False)
     server_errors: Counter[str] = Counter()
-    with served(settings) as server, httpx.Client(base_url=server.url,
-                                                           timeout=30) as raw:
+    with served(settings) as server, httpx.Client(base_url=server.url, timeout=30) as raw:
         client = HTTPStore(server.url, retries=0)
         for key in mutants:
             _rejects(lambda k=key: client.get_record(k), key, outcomes, "HTTP GET")
-            _rejects(lambda k=key: client.get_record(k, fields=["octree"]), key, outcomes,
-                     "HTTP GET fields",
-                     lambda rec, base=bases[key]: (
-                         rec.tensors["octree"].numpy().tobytes() == _octree_of(base)))
+            _rejects(
+                lambda k=key: client.get_record(k, fields=["octree"]),
+                key,
+                outcomes,
+                "HTTP GET fields",
+                lambda rec, base=bases[key]: (
+                    rec.tensors["octree"].numpy().tobytes() == _octree_of(base)
+                ),
+            )
             _rejects(lambda k=key: client.get_records([k]), key, outcomes, "HTTP batch")
             sid = key.split("/", 1)[1]
             response = raw.get(f"/v1/caches/{fp}/records/{sid}", params={"fields": "octree"})
             if response.status_code >= 500:
                 body = response.json()
-                ok = (body.get("error") in ("CorruptRecord", "UnsupportedFormat")
-                      and key in body.get("detail", ""))
+                ok = body.get("error") in (
+                    "CorruptRecord",
+                    "UnsupportedFormat",
+                ) and key in body.get("detail", "")
                 server_errors["corrupt record named" if ok else f"other {body}"] += 1
         client.close()
         alive = raw.get("/healthz").status_code
@@ -357,12 +398,18 @@ def test_mutated_records_are_all_rejected_with_their_key(tmp_path: Path) -> None
     rejected = sum(n for k, n in outcomes.items() if k.endswith(_FINE[0]))
     subset_ok = sum(n for k, n in outcomes.items() if k.endswith(_FINE[1]))
     failures = {k: n for k, n in outcomes.items() if not k.endswith(_FINE)}
-    figures = {"mutants": MUTANTS + 1, "families": len(names),
-               "surface_checks": sum(outcomes.values()), "rejected_with_key": rejected,
-               "subset_reads_returning_unaltered_fields": subset_ok,
-               "not_rejected_or_crashed": failures, "verify_corrupt": len(verified.corrupt),
-               "server_5xx_answers": dict(server_errors), "canary_files": canary_files,
-               "service_alive_after": alive == 200}
+    figures = {
+        "mutants": MUTANTS + 1,
+        "families": len(names),
+        "surface_checks": sum(outcomes.values()),
+        "rejected_with_key": rejected,
+        "subset_reads_returning_unaltered_fields": subset_ok,
+        "not_rejected_or_crashed": failures,
+        "verify_corrupt": len(verified.corrupt),
+        "server_5xx_answers": dict(server_errors),
+        "canary_files": canary_files,
+        "service_alive_after": alive == 200,
+    }
     report("7 hostile records", figures)
     assert not failures, failures
     full_reads = MUTANTS * 5 + 1  # decode_record, decode_arrays, get_record, GET, batch

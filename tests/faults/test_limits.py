@@ -37,8 +37,9 @@ FLOOD = env_int("SPCACHE_FAULT_BIG_BODIES", 200)
 RSS_BUDGET_MIB = 64
 
 
-def _send(port: int, head: str, chunks: list[bytes], pause_s: float = 0.0,
-          timeout: float = 30.0) -> int:
+def _send(
+    port: int, head: str, chunks: list[bytes], pause_s: float = 0.0, timeout: float = 30.0
+) -> int:
     """Write a request head and body pieces (pausing between them); return the status."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
         sock.sendall(head.encode())
@@ -70,8 +71,10 @@ def _send(port: int, head: str, chunks: list[bytes], pause_s: float = 0.0,
 
 
 def _head(method: str, path: str, extra: str) -> str:
-    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
-            f"Content-Type: application/json\r\n{extra}\r\n")
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Type: application/json\r\n{extra}\r\n"
+    )
 
 
 def _chunked(total: int) -> list[bytes]:
@@ -86,9 +89,17 @@ def _chunked(total: int) -> list[bytes]:
 @pytest.mark.slow
 def test_big_chunked_and_slow_bodies_are_refused_within_a_memory_budget(tmp_path: Path) -> None:
     cache = build_cache(tmp_path, n=3)
-    server = start_server(cache.root, cache.sources, "--max-body-bytes", str(LIMIT),
-                          "--device", "cpu", "--backend", "torch",
-                          env={"SPCACHE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)})
+    server = start_server(
+        cache.root,
+        cache.sources,
+        "--max-body-bytes",
+        str(LIMIT),
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        env={"SPCACHE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)},
+    )
     try:
         port = int(server.url.rsplit(":", 1)[1])
         service = psutil.Process(server.proc.pid)
@@ -108,12 +119,23 @@ def test_big_chunked_and_slow_bodies_are_refused_within_a_memory_budget(tmp_path
 
         big = b"[" + b"0," * LIMIT + b"0]"
         for method, path in routes:
-            expect("declared 2x limit", _send(port, _head(method, path,
-                   f"Content-Length: {len(big)}\r\n"), [big]), {413})
-            expect("chunked 2x limit", _send(port, _head(method, path,
-                   "Transfer-Encoding: chunked\r\n"), _chunked(2 * LIMIT)), {413})
-            expect("bad Content-Length", _send(port, _head(method, path,
-                   "Content-Length: lots\r\n"), [b"{}"]), {400})
+            expect(
+                "declared 2x limit",
+                _send(port, _head(method, path, f"Content-Length: {len(big)}\r\n"), [big]),
+                {413},
+            )
+            expect(
+                "chunked 2x limit",
+                _send(
+                    port, _head(method, path, "Transfer-Encoding: chunked\r\n"), _chunked(2 * LIMIT)
+                ),
+                {413},
+            )
+            expect(
+                "bad Content-Length",
+                _send(port, _head(method, path, "Content-Length: lots\r\n"), [b"{}"]),
+                {400},
+            )
 
         def flood(i: int) -> int:
             method, path = routes[i % 2]
@@ -126,8 +148,12 @@ def test_big_chunked_and_slow_bodies_are_refused_within_a_memory_budget(tmp_path
         def slow(i: int) -> int:
             method, path = routes[i % 2]
             body = b'{"ids": ["shapes/s0"]}'
-            return _send(port, _head(method, path, f"Content-Length: {len(body) + 100}\r\n"),
-                         [body[j:j + 1] for j in range(len(body))], pause_s=1.0)
+            return _send(
+                port,
+                _head(method, path, f"Content-Length: {len(body) + 100}\r\n"),
+                [body[j : j + 1] for j in range(len(body))],
+                pause_s=1.0,
+            )
 
         with cf.ThreadPoolExecutor(SLOW_CLIENTS + 1) as pool:
             started = time.monotonic()
@@ -146,15 +172,25 @@ def test_big_chunked_and_slow_bodies_are_refused_within_a_memory_budget(tmp_path
         healthy = httpx.get(server.url + "/healthz", timeout=10).status_code
     finally:
         stop_server(server)
-    growth_mib = (rss_after - rss_before) / 2 ** 20
-    report("10 limits", {"body_limit_bytes": LIMIT, "body_timeout_s": BODY_TIMEOUT_S,
-                         "answers": dict(answers), "slow_clients": SLOW_CLIENTS,
-                         "slow_clients_answered_after_s": round(slow_s, 1),
-                         "other_request_during_slow_clients_s": round(meanwhile_s, 3),
-                         "service_rss_mib_before_after": [round(rss_before / 2 ** 20, 1),
-                                                          round(rss_after / 2 ** 20, 1)],
-                         "rss_budget_mib": RSS_BUDGET_MIB, "worker_child_same": worker_pids
-                         == children_after and bool(worker_pids), "service_alive": alive})
+    growth_mib = (rss_after - rss_before) / 2**20
+    report(
+        "10 limits",
+        {
+            "body_limit_bytes": LIMIT,
+            "body_timeout_s": BODY_TIMEOUT_S,
+            "answers": dict(answers),
+            "slow_clients": SLOW_CLIENTS,
+            "slow_clients_answered_after_s": round(slow_s, 1),
+            "other_request_during_slow_clients_s": round(meanwhile_s, 3),
+            "service_rss_mib_before_after": [
+                round(rss_before / 2**20, 1),
+                round(rss_after / 2**20, 1),
+            ],
+            "rss_budget_mib": RSS_BUDGET_MIB,
+            "worker_child_same": worker_pids == children_after and bool(worker_pids),
+            "service_alive": alive,
+        },
+    )
     assert not wrong, wrong
     assert meanwhile.status_code == 200 and meanwhile_s < 2.0
     assert slow_s < BODY_TIMEOUT_S + 10  # each answered at its deadline, not left hanging

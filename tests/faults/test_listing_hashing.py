@@ -56,9 +56,17 @@ def _record(fp: str, sid: str, path: Path) -> bytes:
 
     return encode_record(
         {"octree": torch.zeros(64, dtype=torch.uint8)},
-        {"recipe": "spc", "recipe_version": "1", "fingerprint": fp, "sample_id": sid,
-         "source_hash": hash_source_file(path), "source_stat": _signature(path),
-         "backend": "torch", "device": "cpu"})
+        {
+            "recipe": "spc",
+            "recipe_version": "1",
+            "fingerprint": fp,
+            "sample_id": sid,
+            "source_hash": hash_source_file(path),
+            "source_stat": _signature(path),
+            "backend": "torch",
+            "device": "cpu",
+        },
+    )
 
 
 def _read_chars(pid: int) -> int:
@@ -88,8 +96,9 @@ def test_listing_compares_signatures_and_hashes_within_a_budget(tmp_path: Path) 
     queue.close()
 
     budget = 2 * SOURCE_MIB * MIB
-    server = start_server(cache, sources, "--no-worker",
-                          env={"SPCACHE_MAX_LISTING_HASH_BYTES": str(budget)})
+    server = start_server(
+        cache, sources, "--no-worker", env={"SPCACHE_MAX_LISTING_HASH_BYTES": str(budget)}
+    )
     try:
         url = f"{server.url}/v1/caches/{fp}/samples"
 
@@ -99,8 +108,11 @@ def test_listing_compares_signatures_and_hashes_within_a_budget(tmp_path: Path) 
             r = httpx.get(url, params={"limit": 500}, timeout=120)
             took = time.perf_counter() - start
             assert r.status_code == 200, r.text
-            return ({s["sample_id"]: s["state"] for s in r.json()["samples"]},
-                    _read_chars(server.proc.pid) - before, took)
+            return (
+                {s["sample_id"]: s["state"] for s in r.json()["samples"]},
+                _read_chars(server.proc.pid) - before,
+                took,
+            )
 
         listing()  # the first request warms up imports and connections
         states, unchanged_read, unchanged_s = listing()
@@ -117,9 +129,17 @@ def test_listing_compares_signatures_and_hashes_within_a_budget(tmp_path: Path) 
         assert changed_read <= budget + MIB, f"a listing read {changed_read} bytes"
     finally:
         stop_server(server)
-    report("listing_hashing", {
-        "samples": SAMPLES, "source_mib": SOURCE_MIB,
-        "unchanged_bytes_read": unchanged_read, "unchanged_s": round(unchanged_s, 3),
-        "changed": CHANGED, "budget_bytes": budget, "changed_bytes_read": changed_read,
-        "changed_s": round(changed_s, 3),
-        "before_fix_bytes_per_listing": SAMPLES * SOURCE_MIB * MIB})
+    report(
+        "listing_hashing",
+        {
+            "samples": SAMPLES,
+            "source_mib": SOURCE_MIB,
+            "unchanged_bytes_read": unchanged_read,
+            "unchanged_s": round(unchanged_s, 3),
+            "changed": CHANGED,
+            "budget_bytes": budget,
+            "changed_bytes_read": changed_read,
+            "changed_s": round(changed_s, 3),
+            "before_fix_bytes_per_listing": SAMPLES * SOURCE_MIB * MIB,
+        },
+    )

@@ -40,12 +40,19 @@ PAGE = 4096
 def _build(root: Path, n: int) -> list[str]:
     store = LMDBStore(root, readonly=False)
     ids = [f"s{i:05d}" for i in range(n)]
-    items = [(f"{FAULT_FINGERPRINT}/{sid}",
-              make_small_record(f"{FAULT_FINGERPRINT}/{sid}", 600 + 37 * (i % 50), i))
-             for i, sid in enumerate(ids)]
+    items = [
+        (
+            f"{FAULT_FINGERPRINT}/{sid}",
+            make_small_record(f"{FAULT_FINGERPRINT}/{sid}", 600 + 37 * (i % 50), i),
+        )
+        for i, sid in enumerate(ids)
+    ]
     store.put_many(items)
-    store.put_index(DatasetIndex(FAULT_FINGERPRINT, "spc", SPEC.version,
-                                 SPEC.resolve({"level": 3}), np.array(ids)))
+    store.put_index(
+        DatasetIndex(
+            FAULT_FINGERPRINT, "spc", SPEC.version, SPEC.resolve({"level": 3}), np.array(ids)
+        )
+    )
     store.close()
     return ids
 
@@ -80,8 +87,14 @@ def _restore(path: Path, saved: list[tuple[int, int]]) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
@@ -120,12 +133,15 @@ def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
                     done = _cli(command, "--cache", cache, "--json")
                     if done.returncode < 0:
                         aborts += 1
-                        failures.append(f"trial {trial}: CLI {command} killed by "
-                                        f"signal {-done.returncode}")
+                        failures.append(
+                            f"trial {trial}: CLI {command} killed by signal {-done.returncode}"
+                        )
                         continue
                     if "Traceback" in done.stderr or done.returncode not in (0, 1):
-                        failures.append(f"trial {trial}: CLI {command} exit "
-                                        f"{done.returncode}: {done.stderr[-400:]}")
+                        failures.append(
+                            f"trial {trial}: CLI {command} exit "
+                            f"{done.returncode}: {done.stderr[-400:]}"
+                        )
                     if done.returncode == 1:
                         said = done.stdout + done.stderr
                         if "cache damaged" in said:
@@ -136,15 +152,18 @@ def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
                             seen.add("corrupt")
                 # the service, one request per read route
                 sid = ids[int(rng.integers(0, len(ids)))]
-                requests = [("GET", "/readyz", None), ("GET", "/v1/caches", None),
-                            ("GET", f"/v1/caches/{FAULT_FINGERPRINT}", None),
-                            ("GET", f"/v1/caches/{FAULT_FINGERPRINT}/records/{sid}", None),
-                            ("POST", f"/v1/caches/{FAULT_FINGERPRINT}/batch",
-                             {"ids": [sid, ids[0]]})]
+                requests = [
+                    ("GET", "/readyz", None),
+                    ("GET", "/v1/caches", None),
+                    ("GET", f"/v1/caches/{FAULT_FINGERPRINT}", None),
+                    ("GET", f"/v1/caches/{FAULT_FINGERPRINT}/records/{sid}", None),
+                    ("POST", f"/v1/caches/{FAULT_FINGERPRINT}/batch", {"ids": [sid, ids[0]]}),
+                ]
                 for method, route, body in requests:
                     try:
-                        answer = httpx.request(method, server.url + route, json=body,
-                                               headers=AUTH, timeout=120)
+                        answer = httpx.request(
+                            method, server.url + route, json=body, headers=AUTH, timeout=120
+                        )
                     except httpx.TransportError as exc:
                         failures.append(f"trial {trial}: {method} {route}: {exc}")
                         break
@@ -153,24 +172,39 @@ def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
                         assert "cache damaged" in detail and cache in detail, detail
                         seen.add("damaged")
                     elif answer.status_code >= 500 or answer.status_code == 404:
-                        failures.append(f"trial {trial}: {method} {route}: "
-                                        f"{answer.status_code} {answer.text[:300]}")
+                        failures.append(
+                            f"trial {trial}: {method} {route}: "
+                            f"{answer.status_code} {answer.text[:300]}"
+                        )
             finally:
                 _restore(data, saved)
             if server.proc.poll() is not None:
                 server_deaths += 1
                 failures.append(f"trial {trial}: service died ({server.proc.returncode})")
                 server = start_server(root, sources, "--no-worker", env=env)
-            outcome = ("cache_damaged" if "damaged" in seen else
-                       "record_corrupt" if "corrupt" in seen else "harmless")
+            outcome = (
+                "cache_damaged"
+                if "damaged" in seen
+                else "record_corrupt"
+                if "corrupt" in seen
+                else "harmless"
+            )
             outcomes[outcome] += 1
         # put back, the cache verifies clean again, and the service says ready
         assert verify_cache(cache)["ok"]
         assert httpx.get(server.url + "/readyz", timeout=60).status_code == 200
     finally:
         stop_server(server)
-    report("lmdb_damage", {"trials": trials, "records": len(ids), **outcomes,
-                           "caller_aborts": aborts, "service_deaths": server_deaths,
-                           "failures": len(failures)})
+    report(
+        "lmdb_damage",
+        {
+            "trials": trials,
+            "records": len(ids),
+            **outcomes,
+            "caller_aborts": aborts,
+            "service_deaths": server_deaths,
+            "failures": len(failures),
+        },
+    )
     assert not failures, "\n".join(failures)
     assert aborts == 0 and server_deaths == 0

@@ -28,18 +28,21 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def _probes(fp: str) -> list[tuple[str, str]]:
-    return [("GET", f"/v1/caches/{fp}/records/no/such/sample"),
-            ("GET", f"/v1/caches/{fp}/items/shapes/s0?path=/etc/hostname"),
-            ("GET", f"/v1/caches/{fp}/items/shapes/s0?path=../../outside.obj"),
-            ("GET", "/metrics")]
+    return [
+        ("GET", f"/v1/caches/{fp}/records/no/such/sample"),
+        ("GET", f"/v1/caches/{fp}/items/shapes/s0?path=/etc/hostname"),
+        ("GET", f"/v1/caches/{fp}/items/shapes/s0?path=../../outside.obj"),
+        ("GET", "/metrics"),
+    ]
 
 
 def _leaks(text: str, secrets: list[str]) -> list[str]:
     return [s for s in secrets if s in text]
 
 
-async def _ask(app: object, client: tuple[str, int], headers: dict[str, str],
-               fp: str) -> dict[str, str]:
+async def _ask(
+    app: object, client: tuple[str, int], headers: dict[str, str], fp: str
+) -> dict[str, str]:
     transport = httpx.ASGITransport(app=app, client=client)  # type: ignore[arg-type]
     out = {}
     async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
@@ -53,18 +56,22 @@ def test_remote_callers_get_redacted_answers(tmp_path: Path) -> None:
     cache = build_cache(tmp_path)
     worker = f"{socket.gethostname()}:424242"
     JobQueue(cache.root).heartbeat(worker)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
     app = create_app(settings)
     secrets = [str(cache.root), str(cache.sources), worker]
     remote = asyncio.run(_ask(app, ("203.0.113.9", 40000), {}, cache.fingerprint))
-    wrong = asyncio.run(_ask(app, ("203.0.113.9", 40000), {"Authorization": "Bearer x"},
-                             cache.fingerprint))
+    wrong = asyncio.run(
+        _ask(app, ("203.0.113.9", 40000), {"Authorization": "Bearer x"}, cache.fingerprint)
+    )
     authed = asyncio.run(_ask(app, ("203.0.113.9", 40000), AUTH, cache.fingerprint))
     local = asyncio.run(_ask(app, ("127.0.0.1", 40000), {}, cache.fingerprint))
-    report("local_details", {
-        "remote_leaks": {p: _leaks(t, secrets) for p, t in remote.items()},
-        "trusted_mentions": {p: _leaks(t, secrets) for p, t in local.items()}})
+    report(
+        "local_details",
+        {
+            "remote_leaks": {p: _leaks(t, secrets) for p, t in remote.items()},
+            "trusted_mentions": {p: _leaks(t, secrets) for p, t in local.items()},
+        },
+    )
     for answers in (remote, wrong):
         for path, text in answers.items():
             assert not _leaks(text, secrets), (path, text)

@@ -24,14 +24,24 @@ START_MAP = 1 << 20
 
 @pytest.mark.slow
 def test_writes_succeed_after_the_map_grows_and_readers_never_fail(
-        tmp_path: Path, children: list[Child]) -> None:
+    tmp_path: Path, children: list[Child]
+) -> None:
     cache = tmp_path / "cache"
-    writer_args = ("writer", str(cache), "--size", "400", "--record-bytes", "4096",
-                   "--map-size", str(START_MAP))
+    writer_args = (
+        "writer",
+        str(cache),
+        "--size",
+        "400",
+        "--record-bytes",
+        "4096",
+        "--map-size",
+        str(START_MAP),
+    )
     first = Child(*writer_args, "--batches", "1")
     assert first.wait(120) == 0
-    readers = [Child("read-loop", str(cache), str(READ_SECONDS), str(seed))
-               for seed in range(READERS)]
+    readers = [
+        Child("read-loop", str(cache), str(READ_SECONDS), str(seed)) for seed in range(READERS)
+    ]
     children.extend(readers)
     for reader in readers:
         reader.expect("ready", timeout=120)
@@ -44,13 +54,18 @@ def test_writes_succeed_after_the_map_grows_and_readers_never_fail(
         stats = store.stats()
         verified = store.verify()
     seen_sizes = sorted({size for r in results for size in r["map_sizes"]})
-    figures = {"readers": READERS, "read_seconds": READ_SECONDS,
-               "reads": sum(r["reads"] for r in results),
-               "read_errors": sum(r["error_count"] for r in results),
-               "map_bytes_start": START_MAP, "map_bytes_end": stats["lmdb"]["map_size"],
-               "map_sizes_seen_by_readers": seen_sizes,
-               "batches_committed_while_reading": sum(x.startswith("committed") for x in written),
-               "records": stats["records"], "verify_ok": verified.ok}
+    figures = {
+        "readers": READERS,
+        "read_seconds": READ_SECONDS,
+        "reads": sum(r["reads"] for r in results),
+        "read_errors": sum(r["error_count"] for r in results),
+        "map_bytes_start": START_MAP,
+        "map_bytes_end": stats["lmdb"]["map_size"],
+        "map_sizes_seen_by_readers": seen_sizes,
+        "batches_committed_while_reading": sum(x.startswith("committed") for x in written),
+        "records": stats["records"],
+        "verify_ok": verified.ok,
+    }
     report("4 map full under 16 readers", figures)
     assert figures["read_errors"] == 0, [r["errors"] for r in results if r["errors"]]
     assert all(r["reads"] > 0 for r in results)

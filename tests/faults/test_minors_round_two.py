@@ -29,8 +29,14 @@ from cache_store.jobs.queue import JOBS_FILENAME
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
 from tests.helpers.faults import report
-from tests.helpers.service import AUTH, TOKEN, InProcessServer, build_cache, start_server, \
-    stop_server
+from tests.helpers.service import (
+    AUTH,
+    TOKEN,
+    InProcessServer,
+    build_cache,
+    start_server,
+    stop_server,
+)
 
 ITEMS = 24_000
 
@@ -42,11 +48,29 @@ def test_a_fifo_as_the_tls_certificate_is_refused_at_once(tmp_path: Path) -> Non
     start = time.monotonic()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "spcache", "serve", "--cache", str(tmp_path / "cache"),
-             "--port", "0", "--no-worker", "--source-root", str(tmp_path),
-             "--tls-certfile", str(fifo), "--tls-keyfile", str(fifo)],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
-            env={**os.environ, "SPCACHE_TOKEN": TOKEN})
+            [
+                sys.executable,
+                "-m",
+                "spcache",
+                "serve",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--port",
+                "0",
+                "--no-worker",
+                "--source-root",
+                str(tmp_path),
+                "--tls-certfile",
+                str(fifo),
+                "--tls-keyfile",
+                str(fifo),
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**os.environ, "SPCACHE_TOKEN": TOKEN},
+        )
     except subprocess.TimeoutExpired:
         raise AssertionError("spcache serve hung on a FIFO as --tls-certfile") from None
     seconds = time.monotonic() - start
@@ -61,13 +85,18 @@ def test_a_dedupe_warm_up_costs_about_what_a_plain_one_does(tmp_path: Path) -> N
     for i in range(ITEMS):
         (sources / f"s{i:05d}.xyz").write_bytes(b"0 0 0\n1 1 1\n")
     items = [{"id": f"s{i:05d}", "path": str(sources / f"s{i:05d}.xyz")} for i in range(ITEMS)]
-    server = start_server(tmp_path / "cache", sources, "--no-worker",
-                          env={"SPCACHE_MAX_BODY_BYTES": str(16 << 20)})
+    server = start_server(
+        tmp_path / "cache", sources, "--no-worker", env={"SPCACHE_MAX_BODY_BYTES": str(16 << 20)}
+    )
     try:
         seconds = {}
         for name, level in (("plain", 4), ("dedupe", 5)):  # two fingerprints: no reuse
-            body = {"recipe": "spc", "params": {"level": level}, "items": items,
-                    "dedupe": name == "dedupe"}
+            body = {
+                "recipe": "spc",
+                "params": {"level": level},
+                "items": items,
+                "dedupe": name == "dedupe",
+            }
             start = time.perf_counter()
             r = httpx.post(f"{server.url}/v1/warmup", headers=AUTH, json=body, timeout=300)
             seconds[name] = time.perf_counter() - start
@@ -76,14 +105,12 @@ def test_a_dedupe_warm_up_costs_about_what_a_plain_one_does(tmp_path: Path) -> N
     finally:
         stop_server(server)
     assert seconds["dedupe"] < max(2 * seconds["plain"], 5.0), seconds
-    report("dedupe_warmup", {"items": ITEMS, **{f"{k}_s": round(v, 2)
-                                                 for k, v in seconds.items()}})
+    report("dedupe_warmup", {"items": ITEMS, **{f"{k}_s": round(v, 2) for k, v in seconds.items()}})
 
 
 def test_no_inline_script_on_the_docs_and_nosniff_on_every_answer(tmp_path: Path) -> None:
     cache = build_cache(tmp_path)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
     with InProcessServer(settings) as server, httpx.Client(base_url=server.url) as client:
         docs = client.get("/docs")
         redoc = client.get("/redoc")
@@ -97,27 +124,40 @@ def test_no_inline_script_on_the_docs_and_nosniff_on_every_answer(tmp_path: Path
         assert all(client.get(src).status_code == 200 for src in init), init
         fp = cache.fingerprint
         answers = {
-            "page": client.get("/"), "docs": docs, "redoc": redoc, "script": client.get("/ui/page.js"),
-            "health": client.get("/healthz"), "json": client.get("/v1/caches"),
+            "page": client.get("/"),
+            "docs": docs,
+            "redoc": redoc,
+            "script": client.get("/ui/page.js"),
+            "health": client.get("/healthz"),
+            "json": client.get("/v1/caches"),
             "record": client.get(f"/v1/caches/{fp}/records/{cache.ids[0]}"),
             "missing": client.get(f"/v1/caches/{fp}/records/nope"),
             "bad host": client.get("/healthz", headers={"Host": "evil.example"}),
         }
-    without = {name: r.status_code for name, r in answers.items()
-               if r.headers.get("x-content-type-options") != "nosniff"}
+    without = {
+        name: r.status_code
+        for name, r in answers.items()
+        if r.headers.get("x-content-type-options") != "nosniff"
+    }
     assert without == {}, f"answers without nosniff: {without}"
     report("docs_csp_nosniff", {"answers_checked": len(answers), "without_nosniff": 0})
 
 
 def test_a_job_is_not_answered_from_a_deleted_queue_file(tmp_path: Path) -> None:
     cache = build_cache(tmp_path)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
     with InProcessServer(settings) as server, httpx.Client(base_url=server.url) as client:
         source = cache.sources / "shapes" / "new.obj"
         source.write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n")
-        r = client.post("/v1/warmup", headers=AUTH, json={
-            "recipe": "spc", "params": {"level": 5}, "items": [{"id": "new", "path": str(source)}]})
+        r = client.post(
+            "/v1/warmup",
+            headers=AUTH,
+            json={
+                "recipe": "spc",
+                "params": {"level": 5},
+                "items": [{"id": "new", "path": str(source)}],
+            },
+        )
         assert r.status_code == 202, r.text
         job_id = r.json()["job_id"]
         assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "pending"

@@ -37,13 +37,18 @@ def _lose(path: Path, how: str) -> None:
 
 @pytest.mark.parametrize("how", ["deleted", "truncated", "replaced"])
 def test_a_lost_queue_file_is_reported_and_refuses_work(
-        tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
     cache = build_cache(tmp_path, n=2)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
-    warmup = {"recipe": "spc", "params": {"level": 4},
-              "items": [{"id": sid, "path": str(cache.sources / "shapes" / f"s{i}.obj")}
-                        for i, sid in enumerate(cache.ids)]}
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
+    warmup = {
+        "recipe": "spc",
+        "params": {"level": 4},
+        "items": [
+            {"id": sid, "path": str(cache.sources / "shapes" / f"s{i}.obj")}
+            for i, sid in enumerate(cache.ids)
+        ],
+    }
     worker_queue = JobQueue(cache.root)
     with InProcessServer(settings) as server, httpx.Client(base_url=server.url) as client:
         assert client.get("/readyz").status_code == 200
@@ -65,5 +70,12 @@ def test_a_lost_queue_file_is_reported_and_refuses_work(
         if how == "deleted":  # nothing recreated it behind our back
             assert not (cache.root / JOBS_FILENAME).exists()
     worker_queue.close()
-    report("queue_file_lost", {"how": how, "readyz": ready.status_code,
-                               "warmup": refused.status_code, "claim": "QueueDamaged"})
+    report(
+        "queue_file_lost",
+        {
+            "how": how,
+            "readyz": ready.status_code,
+            "warmup": refused.status_code,
+            "claim": "QueueDamaged",
+        },
+    )

@@ -29,7 +29,8 @@ SECONDS = env_float("SPCACHE_FAULT_QUEUE_SECONDS", 5.0)
 
 @pytest.mark.slow
 def test_enqueue_storm_while_claiming_never_surfaces_database_locked(
-        tmp_path: Path, children: list[Child]) -> None:
+    tmp_path: Path, children: list[Child]
+) -> None:
     cache = tmp_path / "cache"
     queue = JobQueue(cache)
     queue.counts()  # creates the schema before the storm
@@ -46,8 +47,9 @@ def test_enqueue_storm_while_claiming_never_surfaces_database_locked(
     sampler = threading.Thread(target=sample_wal, daemon=True)
     sampler.start()
     claimer = Child("queue-claim", str(cache), str(SECONDS))
-    submitters = [Child("queue-submit", str(cache), str(SECONDS), str(RATE), "100")
-                  for _ in range(2)]
+    submitters = [
+        Child("queue-submit", str(cache), str(SECONDS), str(RATE), "100") for _ in range(2)
+    ]
     children.extend([claimer, *submitters])
     subs = [json.loads(s.expect("{", timeout=SECONDS + 120)) for s in submitters]
     claim = json.loads(claimer.expect("{", timeout=SECONDS + 300))
@@ -56,15 +58,20 @@ def test_enqueue_storm_while_claiming_never_surfaces_database_locked(
     counts = queue.counts()
     queue.close()
     submitted = sum(s["submitted"] for s in subs)
-    figures = {"submitters": 2, "items_submitted": submitted,
-               "submit_rate_items_per_s": round(sum(s["rate"] for s in subs)),
-               "p99_submit_s": round(max(s["p99_submit_s"] for s in subs), 4),
-               "claims": claim["claims"], "completed": claim["completed"],
-               "database_locked_surfaced": sum(s["locked"] for s in subs) + claim["locked"],
-               "p50_claim_s": round(claim["p50_claim_s"], 4),
-               "p99_claim_s": round(claim["p99_claim_s"], 4),
-               "max_claim_s": round(claim["max_claim_s"], 4), "largest_wal_bytes": largest[0],
-               "done": counts["done"]}
+    figures = {
+        "submitters": 2,
+        "items_submitted": submitted,
+        "submit_rate_items_per_s": round(sum(s["rate"] for s in subs)),
+        "p99_submit_s": round(max(s["p99_submit_s"] for s in subs), 4),
+        "claims": claim["claims"],
+        "completed": claim["completed"],
+        "database_locked_surfaced": sum(s["locked"] for s in subs) + claim["locked"],
+        "p50_claim_s": round(claim["p50_claim_s"], 4),
+        "p99_claim_s": round(claim["p99_claim_s"], 4),
+        "max_claim_s": round(claim["max_claim_s"], 4),
+        "largest_wal_bytes": largest[0],
+        "done": counts["done"],
+    }
     report("6 queue load", figures)
     assert figures["database_locked_surfaced"] == 0
     assert figures["submit_rate_items_per_s"] >= 1000  # thousands per second, really

@@ -82,14 +82,19 @@ def test_read_routes_stay_within_their_byte_budgets(tmp_path: Path) -> None:
         store.put_many([(record_key(fp, sid), make_record(fp, sid, "xxh3_128:0", nbytes, i))])
     store.close()
     (cache.sources / "huge.obj").write_bytes(b"v 0 0 0\n" * (2 * MIB // 8 + 1))
-    server = start_server(cache.root, cache.sources, "--no-worker", env={
-        "SPCACHE_MAX_RESPONSE_BYTES": str(16 * MIB),
-        "SPCACHE_MAX_READ_BYTES_IN_FLIGHT": str(48 * MIB),
-        "SPCACHE_MAX_HASH_BYTES": str(MIB)})
+    server = start_server(
+        cache.root,
+        cache.sources,
+        "--no-worker",
+        env={
+            "SPCACHE_MAX_RESPONSE_BYTES": str(16 * MIB),
+            "SPCACHE_MAX_READ_BYTES_IN_FLIGHT": str(48 * MIB),
+            "SPCACHE_MAX_HASH_BYTES": str(MIB),
+        },
+    )
     answers: dict[str, object] = {}
     try:
-        with _PeakRSS(server.proc.pid) as rss, httpx.Client(base_url=server.url,
-                                                              timeout=60) as c:
+        with _PeakRSS(server.proc.pid) as rss, httpx.Client(base_url=server.url, timeout=60) as c:
             too_big = c.get(f"/v1/caches/{fp}/records/big/b0")
             answers["big record"] = too_big.status_code
             repeated = c.post(f"/v1/caches/{fp}/batch", json={"ids": ["mid/m0"] * 256})
@@ -111,8 +116,10 @@ def test_read_routes_stay_within_their_byte_budgets(tmp_path: Path) -> None:
         growth = rss.growth_mib
     finally:
         stop_server(server)
-    report("read_amplification", {"answers": answers, "peak_rss_growth_mib": growth,
-                                  "rss_budget_mib": RSS_BUDGET_MIB})
+    report(
+        "read_amplification",
+        {"answers": answers, "peak_rss_growth_mib": growth, "rss_budget_mib": RSS_BUDGET_MIB},
+    )
     assert too_big.status_code == 413, too_big.text
     assert "over the 16777216-byte response limit" in too_big.json()["detail"]
     assert repeated.status_code == 200 and list(found) == ["mid/m0"] and not missing
@@ -128,8 +135,9 @@ def test_reads_past_the_process_budget_are_answered_503(tmp_path: Path) -> None:
     from tests.helpers.faults import served
 
     cache = build_cache(tmp_path)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], worker=False,
-                        max_read_bytes_in_flight=MIB)
+    settings = Settings(
+        cache=cache.root, source_roots=[cache.sources], worker=False, max_read_bytes_in_flight=MIB
+    )
     with served(settings) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         budget = server.app.state.ctx.read_budget
         record = f"/v1/caches/{cache.fingerprint}/records/{cache.ids[0]}"

@@ -43,31 +43,42 @@ STORM_REQUESTS = env_int("SPCACHE_FAULT_READER_STORM_REQUESTS", 400)
 
 def _reads(cache: Cache) -> list[tuple[str, str, dict | None]]:
     fp, sid = cache.fingerprint, cache.ids[0]
-    return [("GET", f"/v1/caches/{fp}/records/{sid}", None),
-            ("HEAD", f"/v1/caches/{fp}/records/{sid}", None),
-            ("GET", f"/v1/caches/{fp}/records/{sid}?fields=octree", None),
-            ("POST", f"/v1/caches/{fp}/batch", {"ids": cache.ids}),
-            ("GET", f"/v1/caches/{fp}", None),
-            ("GET", "/v1/caches", None),
-            ("GET", f"/v1/caches/{fp}/items/{sid}", None),
-            ("GET", "/metrics", None)]
+    return [
+        ("GET", f"/v1/caches/{fp}/records/{sid}", None),
+        ("HEAD", f"/v1/caches/{fp}/records/{sid}", None),
+        ("GET", f"/v1/caches/{fp}/records/{sid}?fields=octree", None),
+        ("POST", f"/v1/caches/{fp}/batch", {"ids": cache.ids}),
+        ("GET", f"/v1/caches/{fp}", None),
+        ("GET", "/v1/caches", None),
+        ("GET", f"/v1/caches/{fp}/items/{sid}", None),
+        ("GET", "/metrics", None),
+    ]
 
 
 def _server(cache: Cache) -> Any:
-    return served(Settings(cache=cache.root, source_roots=[cache.sources],
-                                    token=TOKEN, worker=False, stats_ttl_s=0))
+    return served(
+        Settings(
+            cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False, stats_ttl_s=0
+        )
+    )
 
 
 def _load_all(dataset: CachedDataset) -> int:
-    loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=2,
-                                         multiprocessing_context="fork", timeout=60,
-                                         collate_fn=lambda batch: batch)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        multiprocessing_context="fork",
+        timeout=60,
+        collate_fn=lambda batch: batch,
+    )
     return sum(len(batch) for batch in loader)
 
 
 @pytest.mark.slow
 def test_a_full_reader_table_is_a_503_or_a_clear_error_never_a_500_or_a_hang(
-        tmp_path: Path, children: list[Child]) -> None:
+    tmp_path: Path, children: list[Child]
+) -> None:
     cache = build_cache(tmp_path, n=6)
     (cache.root / "records" / "lock.mdb").unlink()  # nobody has it open: a fresh table
     small = {"max_readers": SLOTS}
@@ -106,18 +117,26 @@ def test_a_full_reader_table_is_a_503_or_a_clear_error_never_a_500_or_a_hang(
     with LMDBStore(cache.root, readonly=False, **small).open():  # a writer opening checks
         pass
     loaded = _load_all(dataset)
-    report("3a reader table full", {
-        "slots": SLOTS, "routes": len(full), "statuses_while_full": dict(Counter(full.values())),
-        "statuses_after_holder_killed": dict(Counter(after.values())),
-        "dataloader_error": str(excinfo.value).splitlines()[-1][:200],
-        "dataloader_failed_after_s": round(failed_after_s, 2), "loaded_after": loaded})
+    report(
+        "3a reader table full",
+        {
+            "slots": SLOTS,
+            "routes": len(full),
+            "statuses_while_full": dict(Counter(full.values())),
+            "statuses_after_holder_killed": dict(Counter(after.values())),
+            "dataloader_error": str(excinfo.value).splitlines()[-1][:200],
+            "dataloader_failed_after_s": round(failed_after_s, 2),
+            "loaded_after": loaded,
+        },
+    )
     assert set(after.values()) == {200}, after
     assert loaded == len(cache.ids)
 
 
 @pytest.mark.slow
-def test_more_concurrent_readers_than_slots_get_back_pressure(tmp_path: Path,
-                                                              children: list[Child]) -> None:
+def test_more_concurrent_readers_than_slots_get_back_pressure(
+    tmp_path: Path, children: list[Child]
+) -> None:
     cache = build_cache(tmp_path, n=8)
     (cache.root / "records" / "lock.mdb").unlink()
     # Three slots, two of them held: concurrent reads contend for the last one.
@@ -149,9 +168,16 @@ def test_more_concurrent_readers_than_slots_get_back_pressure(tmp_path: Path,
             records = list(pool.map(lambda k: client.get_record(k), keys * 8))
         client.close()
     pin.close()
-    report("3b reader storm", {"slots": 3, "client_threads": STORM_THREADS,
-                               "requests": STORM_REQUESTS, "statuses": dict(statuses),
-                               "retrying_client_records_ok": len(records)})
+    report(
+        "3b reader storm",
+        {
+            "slots": 3,
+            "client_threads": STORM_THREADS,
+            "requests": STORM_REQUESTS,
+            "statuses": dict(statuses),
+            "retrying_client_records_ok": len(records),
+        },
+    )
     assert set(statuses) <= {200, 503} and statuses[200], statuses
     for key, record in zip(keys * 8, records, strict=True):
         sid = key.split("/", 1)[1]

@@ -35,37 +35,53 @@ def test_params_past_the_record_bound_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ParameterError, match="record limit"):
         spec.resolve({"level": 15, "surface_samples": 50_000_000})
     with pytest.raises(ParameterError, match="record limit"):
-        get_recipe_spec("spc_query").resolve({"uniform_queries": 10_000_000,
-                                              "surface_queries": 10_000_000, "level": 15})
+        get_recipe_spec("spc_query").resolve(
+            {"uniform_queries": 10_000_000, "surface_queries": 10_000_000, "level": 15}
+        )
     for name in BUILTINS:  # a plugin recipe may declare no size bound (the example does not)
         spec = RECIPE_SPECS[name]
         spec.resolve({})  # the defaults pass
         worst = spec.worst_case_record_bytes()
         assert worst is not None and worst <= MAX_RECORD_BYTES, name
     cache = build_cache(tmp_path)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
     with served(settings) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         recipes = {r["name"]: r for r in c.get("/v1/recipes").json()["recipes"]}
-        refused = c.post("/v1/warmup", headers={"Authorization": f"Bearer {TOKEN}"},
-                         json={"recipe": "spc", "params": {"level": 15,
-                                                           "surface_samples": 50_000_000},
-                               "items": [{"id": "shapes/s0", "path": "shapes/s0.obj"}]})
+        refused = c.post(
+            "/v1/warmup",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            json={
+                "recipe": "spc",
+                "params": {"level": 15, "surface_samples": 50_000_000},
+                "items": [{"id": "shapes/s0", "path": "shapes/s0.obj"}],
+            },
+        )
     assert refused.status_code == 422 and "record limit" in refused.text, refused.text
     for name in BUILTINS:
         assert recipes[name]["max_record_bytes"] == MAX_RECORD_BYTES
         assert "8^l" in recipes[name]["record_bytes_bound"]
-    report("record_bound", {"max_record_bytes": MAX_RECORD_BYTES,
-                            "default_worst_case": {n: r["default_worst_case_record_bytes"]
-                                                   for n, r in recipes.items()}})
+    report(
+        "record_bound",
+        {
+            "max_record_bytes": MAX_RECORD_BYTES,
+            "default_worst_case": {
+                n: r["default_worst_case_record_bytes"] for n, r in recipes.items()
+            },
+        },
+    )
 
 
-@pytest.mark.parametrize("name,params", [
-    ("spc", {"level": 3, "surface_samples": 4000}),
-    ("spc", {"level": 6, "surface_samples": 20_000}),
-    ("spc_query", {"level": 5, "surface_samples": 3000, "uniform_queries": 500,
-                   "surface_queries": 700}),
-])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("spc", {"level": 3, "surface_samples": 4000}),
+        ("spc", {"level": 6, "surface_samples": 20_000}),
+        (
+            "spc_query",
+            {"level": 5, "surface_samples": 3000, "uniform_queries": 500, "surface_queries": 700},
+        ),
+    ],
+)
 def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
@@ -77,15 +93,36 @@ def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
     rng = np.random.default_rng(0)
     cloud = rng.uniform(-1, 1, size=(resolved["surface_samples"], 3))  # fills every level
     source = LoadedSource("dense.npy", "xxh3_128:0", cloud, None)
-    tensors = run_recipe(get_recipe(name), source, resolved,
-                         generator=torch.Generator().manual_seed(0),
-                         device="cpu", ops=get_backend("torch", "cpu"))
-    record = encode_record(tensors, {"recipe": name, "recipe_version": str(spec.version),
-                                     "fingerprint": "0" * 32, "sample_id": "dense",
-                                     "source_hash": "xxh3_128:0", "backend": "torch",
-                                     "device": "cpu"})
+    tensors = run_recipe(
+        get_recipe(name),
+        source,
+        resolved,
+        generator=torch.Generator().manual_seed(0),
+        device="cpu",
+        ops=get_backend("torch", "cpu"),
+    )
+    record = encode_record(
+        tensors,
+        {
+            "recipe": name,
+            "recipe_version": str(spec.version),
+            "fingerprint": "0" * 32,
+            "sample_id": "dense",
+            "source_hash": "xxh3_128:0",
+            "backend": "torch",
+            "device": "cpu",
+        },
+    )
     bound = spec.worst_case_record_bytes(resolved)
     assert bound is not None
-    report("record_bound_real", {"recipe": name, "params": params, "record_bytes": len(record),
-                                 "bound": bound, "ratio": round(len(record) / bound, 3)})
+    report(
+        "record_bound_real",
+        {
+            "recipe": name,
+            "params": params,
+            "record_bytes": len(record),
+            "bound": bound,
+            "ratio": round(len(record) / bound, 3),
+        },
+    )
     assert len(record) <= bound

@@ -60,17 +60,29 @@ class _ReplayingProxy:
                     return
                 length = int(self.headers.get("content-length") or 0)
                 data = self.rfile.read(length) if length else None
-                r = httpx.request(method, proxy.upstream + self.path, content=data,
-                                  headers={k: v for k, v in self.headers.items()
-                                           if k.lower() not in ("host", "content-length")},
-                                  timeout=30)
+                r = httpx.request(
+                    method,
+                    proxy.upstream + self.path,
+                    content=data,
+                    headers={
+                        k: v
+                        for k, v in self.headers.items()
+                        if k.lower() not in ("host", "content-length")
+                    },
+                    timeout=30,
+                )
                 self._answer(r.status_code, r.content, dict(r.headers))
 
             def _answer(self, status: int, body: bytes, headers: dict[str, str]) -> None:
                 self.send_response(status)
                 for name, value in headers.items():
-                    if name.lower() not in ("content-length", "transfer-encoding",
-                                            "connection", "date", "server"):
+                    if name.lower() not in (
+                        "content-length",
+                        "transfer-encoding",
+                        "connection",
+                        "date",
+                        "server",
+                    ):
                         self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -99,21 +111,25 @@ class _ReplayingProxy:
 
 
 def test_a_replayed_record_with_its_valid_tag_is_refused(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cache = build_cache(tmp_path)
     fp, target = cache.fingerprint, cache.ids[0]
     key = record_key(fp, target)
     path = f"/v1/caches/{fp}/records/{target}"
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False, record_key=SECRET)
+    settings = Settings(
+        cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False, record_key=SECRET
+    )
     with InProcessServer(settings) as server, _ReplayingProxy(server.url) as proxy:
         old = httpx.get(server.url + path, timeout=30)
         assert old.status_code == 200 and old.headers.get(TAG_HEADER)
         source = cache.sources / "shapes" / "s0.obj"
         with LMDBStore(cache.root, readonly=False) as store:  # recomputed: a new record
             store.put_many([(key, make_record(fp, target, hash_source_file(source), seed=99))])
-        proxy.replay[path] = (old.content, {"content-type": old.headers["content-type"],
-                                            TAG_HEADER: old.headers[TAG_HEADER]})
+        proxy.replay[path] = (
+            old.content,
+            {"content-type": old.headers["content-type"], TAG_HEADER: old.headers[TAG_HEADER]},
+        )
 
         keyed = HTTPStore(proxy.url, record_key=SECRET)
         with pytest.raises(CorruptRecord, match="replayed or stale") as info:
@@ -131,5 +147,12 @@ def test_a_replayed_record_with_its_valid_tag_is_refused(
             keyless.get(key)
             keyless.close()
         assert any("signs its records" in r.getMessage() for r in caplog.records)
-    report("record_replay", {"replayed": proxy.replayed, "refused": 1,
-                             "others_read": len(others), "keyless_told": True})
+    report(
+        "record_replay",
+        {
+            "replayed": proxy.replayed,
+            "refused": 1,
+            "others_read": len(others),
+            "keyless_told": True,
+        },
+    )

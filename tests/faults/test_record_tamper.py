@@ -66,13 +66,19 @@ class TamperProxy:
         path = scope["path"]
         prefix = f"/v1/caches/{self.fingerprint}/records/"
         if path.startswith(prefix) and self.mode == "swap":
-            path = prefix + self._other(path[len(prefix):])
+            path = prefix + self._other(path[len(prefix) :])
         query = scope["query_string"].decode()
         async with httpx.AsyncClient(base_url=self.upstream) as client:
             answer = await client.request(
-                scope["method"], path + (f"?{query}" if query else ""), content=body,
-                headers={k.decode(): v.decode() for k, v in scope["headers"]
-                         if k not in (b"host", b"content-length")})
+                scope["method"],
+                path + (f"?{query}" if query else ""),
+                content=body,
+                headers={
+                    k.decode(): v.decode()
+                    for k, v in scope["headers"]
+                    if k not in (b"host", b"content-length")
+                },
+            )
         content, headers = answer.content, dict(answer.headers)
         if answer.status_code == 200 and path.startswith(prefix) and self.mode == "alter":
             content = _alter(content)
@@ -81,26 +87,36 @@ class TamperProxy:
             found, missing = decode_batch(content, tags=tags)
             order = list(found)
             if self.mode == "swap":  # each id gets the next one's record and tag
-                pairs = [(sid, bytes(found[order[(i + 1) % len(order)]]))
-                         for i, sid in enumerate(order)]
+                pairs = [
+                    (sid, bytes(found[order[(i + 1) % len(order)]])) for i, sid in enumerate(order)
+                ]
                 new_tags = [tags.get(order[(i + 1) % len(order)], "") for i in range(len(order))]
             else:
                 pairs = [(sid, _alter(bytes(found[sid]))) for sid in order]
                 new_tags = [tags.get(sid, "") for sid in order]
-            content = encode_batch(pairs, [(k, *v.split(": ", 1)) for k, v in missing.items()],
-                                   new_tags if tags else None)
+            content = encode_batch(
+                pairs,
+                [(k, *v.split(": ", 1)) for k, v in missing.items()],
+                new_tags if tags else None,
+            )
         headers.pop("content-length", None)
         headers.pop("content-encoding", None)
-        await send({"type": "http.response.start", "status": answer.status_code,
-                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": answer.status_code,
+                "headers": [(k.encode(), v.encode()) for k, v in headers.items()],
+            }
+        )
         await send({"type": "http.response.body", "body": content})
 
 
 @pytest.fixture
 def tampered(tmp_path: Path) -> Iterator[tuple[Cache, TamperProxy, str]]:
     cache = build_cache(tmp_path, n=8)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False, record_key=SECRET)
+    settings = Settings(
+        cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False, record_key=SECRET
+    )
     with InProcessServer(settings) as service:
         proxy = TamperProxy(service.url, cache.ids, cache.fingerprint)
         with InProcessServer(None, app=proxy) as front:
@@ -127,8 +143,10 @@ def test_a_tampering_proxy_is_always_detected(tampered: tuple[Cache, TamperProxy
         attempt()
     first = f"{cache.fingerprint}/{cache.ids[0]}"
     assert keyed.get(first) == cache.values[cache.ids[0]]
-    for mode, readers in (("swap", (("plain", plain), ("keyed", keyed))),
-                          ("alter", (("keyed", keyed),))):
+    for mode, readers in (
+        ("swap", (("plain", plain), ("keyed", keyed))),
+        ("alter", (("keyed", keyed),)),
+    ):
         proxy.mode = mode
         for name, store in readers:
             tried = undetected = 0
@@ -160,8 +178,7 @@ def test_a_tampering_proxy_is_always_detected(tampered: tuple[Cache, TamperProxy
 
 def test_a_keyed_reader_refuses_an_untagged_record(tmp_path: Path) -> None:
     cache = build_cache(tmp_path, n=2)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
     with InProcessServer(settings) as service:
         keyed = HTTPStore(service.url, record_key=SECRET, retries=0)
         with pytest.raises(CorruptRecord, match="no record tag"):

@@ -43,18 +43,43 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404",
 @pytest.mark.timeout(900)
 def test_schemathesis_every_check_finds_nothing(tmp_path: Path) -> None:
     cache = build_cache(tmp_path / "data", n=4)
-    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN,
-                        worker=False, max_body_bytes=64 * 1024)
+    settings = Settings(
+        cache=cache.root,
+        source_roots=[cache.sources],
+        token=TOKEN,
+        worker=False,
+        max_body_bytes=64 * 1024,
+    )
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     with served(settings) as server:
         result = subprocess.run(
-            [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run",
-             f"{server.url}/openapi.json", "--checks", "all",
-             "--exclude-checks", "allow_header_conformance", "--max-examples", str(EXAMPLES),
-             "--generation-deterministic", "--workers", "1", "--no-color",
-             "-H", f"Authorization: Bearer {TOKEN}"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=840)
+            [
+                sys.executable,
+                "-m",
+                "schemathesis.cli",
+                "--config-file",
+                str(config),
+                "run",
+                f"{server.url}/openapi.json",
+                "--checks",
+                "all",
+                "--exclude-checks",
+                "allow_header_conformance",
+                "--max-examples",
+                str(EXAMPLES),
+                "--generation-deterministic",
+                "--workers",
+                "1",
+                "--no-color",
+                "-H",
+                f"Authorization: Bearer {TOKEN}",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=840,
+        )
         requests, _, _ = server.app.state.ctx.metrics.snapshot()
     out = result.stdout + result.stderr
     generated = re.search(r"(\d+) generated", out)
@@ -62,12 +87,17 @@ def test_schemathesis_every_check_finds_nothing(tmp_path: Path) -> None:
     statuses = {}
     for (_, _, status), n in requests.items():
         statuses[status] = statuses.get(status, 0) + n
-    report("11 schemathesis", {"examples_per_operation": EXAMPLES,
-                               "operations": int(operations.group(1)) if operations else None,
-                               "test_cases_generated": int(generated.group(1)) if generated else None,
-                               "requests_answered": sum(requests.values()),
-                               "statuses": dict(sorted(statuses.items())),
-                               "exit_code": result.returncode})
+    report(
+        "11 schemathesis",
+        {
+            "examples_per_operation": EXAMPLES,
+            "operations": int(operations.group(1)) if operations else None,
+            "test_cases_generated": int(generated.group(1)) if generated else None,
+            "requests_answered": sum(requests.values()),
+            "statuses": dict(sorted(statuses.items())),
+            "exit_code": result.returncode,
+        },
+    )
     assert result.returncode == 0, out[-6000:]
     assert operations and int(operations.group(1)) >= 10
     assert not any(str(s).startswith("5") for s in statuses), statuses

@@ -45,17 +45,26 @@ def test_sigkill_of_the_service_leaves_no_worker(tmp_path: Path) -> None:
     orphans = 0
     for round_ in range(ROUNDS + 1):
         port, log = free_port(), tmp_path / f"serve{round_}.log"
-        proc = spcache("serve", "--cache", str(cache), "--port", str(port), "--device", "cpu",
-                       log=log)
+        proc = spcache(
+            "serve", "--cache", str(cache), "--port", str(port), "--device", "cpu", log=log
+        )
         procs = []
         try:
             # wait_for calls each lambda at once; the defaults bind this round's values
             wait_for(lambda port=port: not port_is_free(port), 60, "serve to listen")
-            wait_for(lambda proc=proc: has_descendant(proc.pid, "spcache", "worker"), 60,
-                     "the worker child")
+            wait_for(
+                lambda proc=proc: has_descendant(proc.pid, "spcache", "worker"),
+                60,
+                "the worker child",
+            )
             # a new service gets a worker of its own: the last round's is gone
-            wait_for(lambda proc=proc: (lock_holder(cache) or {}).get("pid") in
-                     {p.pid for p in tree(proc.pid)[1:]}, 60, "the worker to own the cache")
+            wait_for(
+                lambda proc=proc: (
+                    (lock_holder(cache) or {}).get("pid") in {p.pid for p in tree(proc.pid)[1:]}
+                ),
+                60,
+                "the worker to own the cache",
+            )
             if round_ == ROUNDS:
                 break
             procs = tree(proc.pid)
@@ -68,16 +77,24 @@ def test_sigkill_of_the_service_leaves_no_worker(tmp_path: Path) -> None:
                 orphans += 1
             exits.append(time.monotonic() - killed)
             # the kernel drops the flock with the worker's last descriptor
-            wait_for(lambda: lock_holder(cache) is None, WORKER_EXIT_S,
-                     f"the lock to be free (holder {lock_holder(cache)}, left {left})")
+            wait_for(
+                lambda: lock_holder(cache) is None,
+                WORKER_EXIT_S,
+                f"the lock to be free (holder {lock_holder(cache)}, left {left})",
+            )
         finally:
             if round_ == ROUNDS:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
             kill_all(procs or tree(proc.pid))
-    report("13 service SIGKILL", {
-        "rounds": ROUNDS, "orphaned_workers": orphans,
-        "worker_exit_s_median": round(statistics.median(exits), 2),
-        "worker_exit_s_max": round(max(exits), 2)})
+    report(
+        "13 service SIGKILL",
+        {
+            "rounds": ROUNDS,
+            "orphaned_workers": orphans,
+            "worker_exit_s_median": round(statistics.median(exits), 2),
+            "worker_exit_s_max": round(max(exits), 2),
+        },
+    )
     assert orphans == 0
     assert max(exits) < WORKER_EXIT_S, exits

@@ -40,21 +40,39 @@ def _committed(dest: Path) -> int:
 
 @pytest.mark.slow
 def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     sources = tmp_path / "sources"
     sources.mkdir()
     for i in range(16):
         trimesh.creation.icosphere(subdivisions=2, radius=1 + i / 10).export(
-            sources / f"s{i:02d}.obj")
+            sources / f"s{i:02d}.obj"
+        )
     (sources / "broken.obj").write_text("v 0 0 0\nf 1 2 3\n")  # fails alone, every run
     dest = tmp_path / "snap.zarr"
-    args = ("precompute", str(sources), "--recipe", "spc", *PARAMS, "--cache", str(dest),
-            "--engine", "ray", "--actors", "2", "--device", "cpu", "--loaders", "0",
-            "--json")
+    args = (
+        "precompute",
+        str(sources),
+        "--recipe",
+        "spc",
+        *PARAMS,
+        "--cache",
+        str(dest),
+        "--engine",
+        "ray",
+        "--actors",
+        "2",
+        "--device",
+        "cpu",
+        "--loaders",
+        "0",
+        "--json",
+    )
     proc = spcache(*args, log=tmp_path / "first.log")
     try:
-        wait_for(lambda: _committed(dest) >= 3 or proc.poll() is not None, 240,
-                 "three committed parts")
+        wait_for(
+            lambda: _committed(dest) >= 3 or proc.poll() is not None, 240, "three committed parts"
+        )
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
         procs = tree(proc.pid)
         for p in procs:  # the driver and everything it started, at once
@@ -71,8 +89,13 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
         assert snap.verify().ok
     assert 1 <= len(before) < 16
 
-    second = subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                            capture_output=True, text=True, timeout=600)
+    second = subprocess.run(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert second.returncode == 1, second.stderr[-3000:]  # broken.obj failed, as it must
     summary = json.loads(second.stdout)
     assert summary["skipped"] == len(before)
@@ -83,26 +106,47 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
         keys = list(snap.keys(f"{fp}/"))
         assert len(keys) == len(set(keys)) == 16
         assert sorted(snap.get_index(fp).sample_ids.tolist()) == sorted(
-            k.split("/", 1)[1] for k in keys)
+            k.split("/", 1)[1] for k in keys
+        )
         report_ = snap.verify()
         assert report_.ok and report_.checked == 16
-    merged = subprocess.run([sys.executable, "-m", "spcache", "merge", str(dest), "--json"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    merged = subprocess.run(
+        [sys.executable, "-m", "spcache", "merge", str(dest), "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert merged.returncode == 0 and json.loads(merged.stdout)["merged"] == {fp: 16}
-    verified = subprocess.run([sys.executable, "-m", "spcache", "verify", "--cache", str(dest)],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    verified = subprocess.run(
+        [sys.executable, "-m", "spcache", "verify", "--cache", str(dest)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
     cache = tmp_path / "cache"
-    imported = subprocess.run([sys.executable, "-m", "spcache", "import", str(dest), "--cache",
-                               str(cache), "--json"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=300)
+    imported = subprocess.run(
+        [sys.executable, "-m", "spcache", "import", str(dest), "--cache", str(cache), "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert imported.returncode == 0, imported.stderr
     assert json.loads(imported.stdout) == {fp: {"copied": 16, "present": 0}}
     with open_store(cache) as lmdb_cache, ShardedSnapshot(dest) as snap:
-        assert lmdb_cache.get_index(fp).sample_ids.tolist() == \
-            snap.get_index(fp).sample_ids.tolist()
+        assert (
+            lmdb_cache.get_index(fp).sample_ids.tolist() == snap.get_index(fp).sample_ids.tolist()
+        )
         assert all(lmdb_cache.get(k) == snap.get(k) for k in keys)
-    report("sharded_driver_kill", {"committed_before_kill": len(before),
-                                   "recomputed_after": summary["done"],
-                                   "present_once": len(keys)})
+    report(
+        "sharded_driver_kill",
+        {
+            "committed_before_kill": len(before),
+            "recomputed_after": summary["done"],
+            "present_once": len(keys),
+        },
+    )

@@ -39,14 +39,22 @@ RSS_TOLERANCE = 0.10
 
 def _mesh(path: Path, rng: np.random.Generator) -> None:
     v = rng.uniform(-1, 1, (4, 3))
-    path.write_text("".join(f"v {x:.6f} {y:.6f} {z:.6f}\n" for x, y, z in v)
-                    + "f 1 2 3\nf 1 2 4\nf 1 3 4\nf 2 3 4\n")
+    path.write_text(
+        "".join(f"v {x:.6f} {y:.6f} {z:.6f}\n" for x, y, z in v)
+        + "f 1 2 3\nf 1 2 4\nf 1 3 4\nf 2 3 4\n"
+    )
 
 
 def _warmup(client: httpx.Client, ids: list[str]) -> str:
-    response = client.post("/v1/warmup", headers=AUTH, json={
-        "recipe": "spc", "params": {"level": 4, "surface_samples": 1000},
-        "items": [{"id": sid, "path": f"{sid}.obj"} for sid in ids]})
+    response = client.post(
+        "/v1/warmup",
+        headers=AUTH,
+        json={
+            "recipe": "spc",
+            "params": {"level": 4, "surface_samples": 1000},
+            "items": [{"id": sid, "path": f"{sid}.obj"} for sid in ids],
+        },
+    )
     assert response.status_code == 202, response.text
     return response.json()["job_id"]
 
@@ -66,8 +74,10 @@ def _flat(series: list[tuple[float, int]], start: float, end: float) -> tuple[fl
     span = end - start
     second = [r for t, r in series if start + span / 4 <= t < start + span / 2]
     last = [r for t, r in series if t >= start + 3 * span / 4]
-    return (float(np.mean(second)) / 2 ** 20 if second else 0.0,
-            float(np.mean(last)) / 2 ** 20 if last else 0.0)
+    return (
+        float(np.mean(second)) / 2**20 if second else 0.0,
+        float(np.mean(last)) / 2**20 if last else 0.0,
+    )
 
 
 @pytest.mark.slow
@@ -118,8 +128,14 @@ def test_soak_serves_loader_workers_while_the_worker_writes(tmp_path: Path) -> N
                 body = check.get(f"/v1/caches/{fingerprint}/records/{sid}").content
                 expected[sid] = decode_record(body, key=record_key(fingerprint, sid)).tensors
         loader = torch.utils.data.DataLoader(
-            dataset, batch_size=8, num_workers=LOADER_WORKERS, multiprocessing_context="fork",
-            persistent_workers=True, timeout=120, collate_fn=list)
+            dataset,
+            batch_size=8,
+            num_workers=LOADER_WORKERS,
+            multiprocessing_context="fork",
+            persistent_workers=True,
+            timeout=120,
+            collate_fn=list,
+        )
         rss: dict[str, list[tuple[float, int]]] = {}
         me = psutil.Process()
 
@@ -165,13 +181,22 @@ def test_soak_serves_loader_workers_while_the_worker_writes(tmp_path: Path) -> N
         stop_server(server)
     flat = {role: _flat(series, start, end) for role, series in rss.items()}
     ratios = {role: (b / a if a else 0.0) for role, (a, b) in flat.items()}
-    figures = {"seconds": round(end - start), "loader_workers": LOADER_WORKERS,
-               "samples_read": read, "epochs": epochs, "read_errors": mismatched,
-               "warmups_submitted_meanwhile": fed["jobs"], "feed_errors": fed["errors"],
-               "records_at_end": written, "records_written_meanwhile": written - FIRST,
-               "rss_mib_second_vs_last_quarter": {
-                   role: [round(a, 1), round(b, 1)] for role, (a, b) in flat.items()},
-               "worst_rss_ratio": round(max(ratios.values()), 3), "processes_alive": alive}
+    figures = {
+        "seconds": round(end - start),
+        "loader_workers": LOADER_WORKERS,
+        "samples_read": read,
+        "epochs": epochs,
+        "read_errors": mismatched,
+        "warmups_submitted_meanwhile": fed["jobs"],
+        "feed_errors": fed["errors"],
+        "records_at_end": written,
+        "records_written_meanwhile": written - FIRST,
+        "rss_mib_second_vs_last_quarter": {
+            role: [round(a, 1), round(b, 1)] for role, (a, b) in flat.items()
+        },
+        "worst_rss_ratio": round(max(ratios.values()), 3),
+        "processes_alive": alive,
+    }
     report("12 soak", figures)
     assert mismatched == 0 and read > 0 and fed["errors"] == 0
     assert written > FIRST  # the worker really wrote while the loaders read

@@ -42,8 +42,13 @@ print(json.dumps(out))
 
 
 def _load_in_child(path: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(path)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -53,7 +58,8 @@ def _npy_header(shape: tuple[int, ...], dtype: str = "<f8") -> bytes:
 
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
-        buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+        buf, {"descr": dtype, "fortran_order": False, "shape": shape}
+    )
     return buf.getvalue()
 
 
@@ -72,7 +78,7 @@ def _npz_bomb(path: Path, member_bytes: int) -> None:
             fh.write(_npy_header((rows, 3)))
             left = rows * 24
             while left > 0:
-                fh.write(zero[:min(left, len(zero))])
+                fh.write(zero[: min(left, len(zero))])
                 left -= len(zero)
 
 
@@ -94,8 +100,12 @@ def test_oversized_sources_fail_alone_with_small_rss(tmp_path: Path) -> None:
     _lying_npz(lying)
     good = tmp_path / "good.npy"
     np.save(good, np.random.default_rng(0).normal(size=(1000, 3)))
-    expect = {sparse: "over the per-source limit", bomb: "over the decoded size limit",
-              header_only: "over the decoded size limit", lying: "over the decoded size limit"}
+    expect = {
+        sparse: "over the per-source limit",
+        bomb: "over the decoded size limit",
+        header_only: "over the decoded size limit",
+        lying: "over the decoded size limit",
+    }
     for path, phrase in expect.items():
         got = _load_in_child(path)
         cases[path.name] = {"disk_bytes": path.stat().st_size, **got}

@@ -63,11 +63,13 @@ def test_the_worker_refuses_a_fifo_and_a_link_swapped_out_of_its_roots(tree) -> 
     fp = compute_fingerprint("spc", spec.version, resolved)
     queue = JobQueue(cache)
     names = ["good0", "fifo", "good1", "swapped", "good2"]
-    job_id = queue.submit("spc", resolved, fp, [NewItem(n, str(sources / f"{n}.npy"))
-                                                for n in names])
+    job_id = queue.submit(
+        "spc", resolved, fp, [NewItem(n, str(sources / f"{n}.npy")) for n in names]
+    )
     _swap(sources, outside)
-    loop = WorkerLoop(cache, device="cpu", backend="torch", loaders=1, drain=True,
-                      source_roots=[sources])
+    loop = WorkerLoop(
+        cache, device="cpu", backend="torch", loaders=1, drain=True, source_roots=[sources]
+    )
     finished = threading.Event()
     start = time.monotonic()
     worker = threading.Thread(target=lambda: (loop.run(), finished.set()), daemon=True)
@@ -96,11 +98,11 @@ def test_the_engine_refuses_a_fifo_and_an_oversized_source_alone(tree) -> None:
     items = [(p.stem, str(p)) for p in sorted(sources.glob("*.npy"))]
     with LMDBStore(sources.parent / "cache", readonly=False) as store:
         # 300 float64 points are 7,328 bytes with the .npy header: 4 KiB is too small
-        summary = Engine(store, "spc", PARAMS, device="cpu", backend="torch", loaders=0,
-                         max_source_bytes=4096).run(items)
+        summary = Engine(
+            store, "spc", PARAMS, device="cpu", backend="torch", loaders=0, max_source_bytes=4096
+        ).run(items)
     reasons = {e.id: e.reason for e in summary.errors}
     assert "not a regular file (it is a FIFO)" in reasons["fifo"]
-    assert all("over the per-source limit of 4096 bytes" in reasons[f"good{i}"]
-               for i in range(3))
+    assert all("over the per-source limit of 4096 bytes" in reasons[f"good{i}"] for i in range(3))
     # no roots given: the link is followed, and its small target is read
     assert summary.done == 1 and "swapped" not in reasons

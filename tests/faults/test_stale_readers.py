@@ -30,9 +30,12 @@ ROUNDS = 5
 
 
 def _overwrite(store: LMDBStore, round_: int) -> None:
-    store.put_many([(batch_key(0, i), make_small_record(batch_key(0, i), 16 * 1024,
-                                                        round_ * 1000 + i))
-                    for i in range(RECORDS)])
+    store.put_many(
+        [
+            (batch_key(0, i), make_small_record(batch_key(0, i), 16 * 1024, round_ * 1000 + i))
+            for i in range(RECORDS)
+        ]
+    )
 
 
 def _used(store: LMDBStore) -> int:
@@ -45,8 +48,11 @@ def _file(cache: Path) -> int:
 
 @pytest.mark.slow
 def test_killed_readers_stop_pinning_pages_once_the_writer_checks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
-        children: list[Child]) -> None:
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    children: list[Child],
+) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setattr(lmdb_store, "READER_CHECK_INTERVAL_S", 1e9)
     writer = LMDBStore(cache, readonly=False)
@@ -78,12 +84,20 @@ def test_killed_readers_stop_pinning_pages_once_the_writer_checks(
     file_bytes = _file(cache)
     writer.close()
 
-    report("2 stale readers", {
-        "readers_killed": READERS, "reader_slots_held_before_kill": slots_held,
-        "used_bytes_steady": steady, "used_bytes_after_rounds_with_dead_readers": pinned,
-        "used_bytes_after_check": after_check,
-        "used_bytes_after_further_rounds": final, "rounds": ROUNDS,
-        "record_bytes_per_round": RECORDS * 16 * 1024, "data_mdb_file_bytes": file_bytes})
+    report(
+        "2 stale readers",
+        {
+            "readers_killed": READERS,
+            "reader_slots_held_before_kill": slots_held,
+            "used_bytes_steady": steady,
+            "used_bytes_after_rounds_with_dead_readers": pinned,
+            "used_bytes_after_check": after_check,
+            "used_bytes_after_further_rounds": final,
+            "rounds": ROUNDS,
+            "record_bytes_per_round": RECORDS * 16 * 1024,
+            "data_mdb_file_bytes": file_bytes,
+        },
+    )
     assert slots_held >= READERS
     assert pinned > steady + (ROUNDS - 1) * RECORDS * 16 * 1024  # the hazard is real
     assert freed and "freed" in freed[0].getMessage()
@@ -91,9 +105,9 @@ def test_killed_readers_stop_pinning_pages_once_the_writer_checks(
     assert final - after_check < RECORDS * 16 * 1024
 
 
-def test_a_writer_opening_the_cache_frees_dead_readers(tmp_path: Path,
-                                                      caplog: pytest.LogCaptureFixture,
-                                                      children: list[Child]) -> None:
+def test_a_writer_opening_the_cache_frees_dead_readers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, children: list[Child]
+) -> None:
     cache = tmp_path / "cache"
     with LMDBStore(cache, readonly=False) as writer:
         _overwrite(writer, 0)

@@ -57,9 +57,26 @@ def _cloud(path: Path, seed: int) -> None:
 
 def _worker(cache: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--loaders", "0", "--poll", "0.05", "--log-level", "warning"],
-        cwd=REPO_ROOT)
+        [
+            sys.executable,
+            "-m",
+            "workers",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--poll",
+            "0.05",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO_ROOT,
+    )
     queue = JobQueue(cache)
     deadline = time.monotonic() + 60
     while not queue.live_workers():
@@ -79,8 +96,9 @@ def _epoch(loader: DataLoader) -> list[dict[str, torch.Tensor]]:
 
 
 def _stored_hash(cache: Path, sample_id: str) -> str:
-    fp = compute_fingerprint("spc", get_recipe_spec("spc").version,
-                             get_recipe_spec("spc").resolve(PARAMS))
+    fp = compute_fingerprint(
+        "spc", get_recipe_spec("spc").version, get_recipe_spec("spc").resolve(PARAMS)
+    )
     store = LMDBStore(cache, readonly=True)
     try:
         key = record_key(fp, sample_id)
@@ -103,43 +121,59 @@ def test_an_edited_or_colliding_source_is_recomputed_never_served_stale(tmp_path
     worker = _worker(cache)
     try:
         ds = CachedDataset(cache, "spc", sources=first, miss_timeout=120, **PARAMS)
-        loader = DataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True,
-                            multiprocessing_context="fork", collate_fn=_as_list)
+        loader = DataLoader(
+            ds,
+            batch_size=3,
+            num_workers=2,
+            persistent_workers=True,
+            multiprocessing_context="fork",
+            collate_fn=_as_list,
+        )
         epoch1 = _epoch(loader)
         _cloud(first / "b.npy", 7)  # edited between epochs
         start = time.perf_counter()
         epoch2 = _epoch(loader)
         recompute_s = time.perf_counter() - start
         del loader
-        assert _stored_hash(cache, "b") == hash_source_file(first / "b.npy"), \
+        assert _stored_hash(cache, "b") == hash_source_file(first / "b.npy"), (
             "epoch 2 did not recompute the edited source"
+        )
         assert not _same(epoch1[1], epoch2[1]), "epoch 2 trained on the old octree"
         assert _same(epoch1[0], epoch2[0]) and _same(epoch1[2], epoch2[2])
 
         other = CachedDataset(cache, "spc", sources=second, miss_timeout=120, **PARAMS)
         from_second = [other[i] for i in range(len(IDS))]
         for sid in IDS:
-            assert _stored_hash(cache, sid) == hash_source_file(second / f"{sid}.npy"), \
+            assert _stored_hash(cache, sid) == hash_source_file(second / f"{sid}.npy"), (
                 f"{sid}: the second directory read the first directory's record"
+            )
         again = CachedDataset(cache, "spc", sources=first, miss_timeout=120, **PARAMS)
         assert _same(again[1], epoch2[1]) and not _same(again[1], from_second[1])
 
-        strict = CachedDataset(cache, "spc", sources=second, on_miss="error",
-                               on_stale="error", **PARAMS)
+        strict = CachedDataset(
+            cache, "spc", sources=second, on_miss="error", on_stale="error", **PARAMS
+        )
         with pytest.raises(SpcacheError, match="is stale") as info:
             strict[1]  # "b" holds the first directory's record again
         assert str(second / "b.npy") in str(info.value)
-        lax = CachedDataset(cache, "spc", sources=second, on_miss="error", on_stale="serve",
-                            **PARAMS)
+        lax = CachedDataset(
+            cache, "spc", sources=second, on_miss="error", on_stale="serve", **PARAMS
+        )
         assert _same(lax[1], again[1])  # served as stored, unchecked
 
         assert [_same(again[i], epoch2[i]) for i in range(len(IDS))] == [True] * len(IDS)
         checked = CachedDataset(cache, "spc", sources=first, on_miss="error", **PARAMS)
         reads = 1000
         timings = {}
-        for name, ds_ in (("serve", again.__class__(cache, "spc", sources=first,
-                                                    on_miss="error", on_stale="serve",
-                                                    **PARAMS)), ("checked", checked)):
+        for name, ds_ in (
+            (
+                "serve",
+                again.__class__(
+                    cache, "spc", sources=first, on_miss="error", on_stale="serve", **PARAMS
+                ),
+            ),
+            ("checked", checked),
+        ):
             ds_[0]
             start = time.perf_counter()
             for n in range(reads):
@@ -148,6 +182,11 @@ def test_an_edited_or_colliding_source_is_recomputed_never_served_stale(tmp_path
     finally:
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0
-    report("stale_records", {"recompute_epoch_s": round(recompute_s, 2),
-                             "read_us_serve": round(timings["serve"], 1),
-                             "read_us_checked": round(timings["checked"], 1)})
+    report(
+        "stale_records",
+        {
+            "recompute_epoch_s": round(recompute_s, 2),
+            "read_us_serve": round(timings["serve"], 1),
+            "read_us_checked": round(timings["checked"], 1),
+        },
+    )

@@ -39,7 +39,9 @@ from tests.conftest import REPO_ROOT
 from tests.helpers.faults import Child, env_int, report
 
 KILLS = env_int("SPCACHE_FAULT_WORKER_KILLS", 50)
-ITEMS = env_int("SPCACHE_FAULT_WORKER_ITEMS", 400)  # ample: on a quiet machine 160 ran out before 50 kills
+ITEMS = env_int(
+    "SPCACHE_FAULT_WORKER_ITEMS", 400
+)  # ample: on a quiet machine 160 ran out before 50 kills
 LEASE_S = 1.0
 BATCH = 4
 RECLAIM_SLACK_S = 10.0
@@ -51,8 +53,10 @@ def _write_sources(root: Path, n: int) -> list[NewItem]:
     for i in range(n):
         path = root / f"m{i:04d}.obj"
         v = rng.uniform(-1, 1, (4, 3))
-        path.write_text("".join(f"v {x:.6f} {y:.6f} {z:.6f}\n" for x, y, z in v)
-                        + "f 1 2 3\nf 1 2 4\nf 1 3 4\nf 2 3 4\n")
+        path.write_text(
+            "".join(f"v {x:.6f} {y:.6f} {z:.6f}\n" for x, y, z in v)
+            + "f 1 2 3\nf 1 2 4\nf 1 3 4\nf 2 3 4\n"
+        )
         items.append(NewItem(f"m{i:04d}", str(path)))
     return items
 
@@ -72,7 +76,8 @@ class _Watcher(threading.Thread):
             while not self.stop.is_set():
                 now = time.time()
                 for item_id, status, owner in conn.execute(
-                        "SELECT id, status, lease_owner FROM items"):
+                    "SELECT id, status, lease_owner FROM items"
+                ):
                     seen = self.owners.setdefault(item_id, [])
                     tag = owner if status == "running" else status
                     if tag and (not seen or seen[-1][0] != tag):
@@ -84,8 +89,10 @@ class _Watcher(threading.Thread):
 
 def _held_by(db: Path, worker: str) -> list[tuple[int, float]]:
     with sqlite3.connect(db, timeout=30) as conn:
-        rows = conn.execute("SELECT id, lease_expires FROM items WHERE status = 'running' "
-                            "AND lease_owner = ?", (worker,)).fetchall()
+        rows = conn.execute(
+            "SELECT id, lease_expires FROM items WHERE status = 'running' AND lease_owner = ?",
+            (worker,),
+        ).fetchall()
     conn.close()
     return rows
 
@@ -99,7 +106,8 @@ def _checksums(cache: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_worker_sigkill_loses_nothing_and_computes_nothing_twice(
-        tmp_path: Path, children: list[Child]) -> None:
+    tmp_path: Path, children: list[Child]
+) -> None:
     cache = tmp_path / "cache"
     sources = tmp_path / "sources"
     sources.mkdir()
@@ -111,8 +119,9 @@ def test_worker_sigkill_loses_nothing_and_computes_nothing_twice(
     db = cache / "jobs.sqlite"
     watcher = _Watcher(db)
     watcher.start()
-    zygote = Child("worker-zygote", str(cache), str(LEASE_S), str(BATCH),
-                   "--max-attempts", "1000", stdin=True)
+    zygote = Child(
+        "worker-zygote", str(cache), str(LEASE_S), str(BATCH), "--max-attempts", "1000", stdin=True
+    )
     children.append(zygote)
     zygote.expect("ready", timeout=120)
 
@@ -150,10 +159,32 @@ def test_worker_sigkill_loses_nothing_and_computes_nothing_twice(
     assert zygote.wait(60) == 0
 
     drain = subprocess.run(
-        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--loaders", "0", "--poll", "0.05", "--lease", str(LEASE_S),
-         "--max-attempts", "1000", "--drain", "--log-level", "warning"],
-        cwd=REPO_ROOT, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--poll",
+            "0.05",
+            "--lease",
+            str(LEASE_S),
+            "--max-attempts",
+            "1000",
+            "--drain",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO_ROOT,
+        timeout=300,
+    )
     time.sleep(0.1)
     watcher.stop.set()
     watcher.join(10)
@@ -182,13 +213,21 @@ def test_worker_sigkill_loses_nothing_and_computes_nothing_twice(
         integrity = conn.execute("PRAGMA integrity_check").fetchone()[0]
     conn.close()
     queue.close()
-    figures = {"kills": kills, "items": ITEMS, "lease_s": LEASE_S,
-               "items_held_at_kills": len(held_at_kill), "lost": len(lost) + len(missing),
-               "computed_twice": len(changed), "records_verified": verified.checked,
-               "reclaim_after_lease_expiry_s_p50_p90_max": [
-                   round(float(np.percentile(reclaim_after_expiry, q)), 3) for q in (50, 90, 100)],
-               "reclaims_seen": len(reclaim_after_expiry), "job_status": info.status,
-               "sqlite_integrity_check": integrity}
+    figures = {
+        "kills": kills,
+        "items": ITEMS,
+        "lease_s": LEASE_S,
+        "items_held_at_kills": len(held_at_kill),
+        "lost": len(lost) + len(missing),
+        "computed_twice": len(changed),
+        "records_verified": verified.checked,
+        "reclaim_after_lease_expiry_s_p50_p90_max": [
+            round(float(np.percentile(reclaim_after_expiry, q)), 3) for q in (50, 90, 100)
+        ],
+        "reclaims_seen": len(reclaim_after_expiry),
+        "job_status": info.status,
+        "sqlite_integrity_check": integrity,
+    }
     report("5 worker SIGKILL", figures)
     assert kills == KILLS  # the job outlived every kill: each one hit a working worker
     assert not lost and not missing and not changed, (lost[:5], missing[:5], sorted(changed)[:5])

@@ -48,14 +48,17 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.slow
-def test_loaders_wait_while_the_service_restarts_its_worker(tmp_path: Path,
-                                                           corpus_meshes: list[Path]) -> None:
+def test_loaders_wait_while_the_service_restarts_its_worker(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     queue = JobQueue(cache)
     supervisor = WorkerSupervisor(
         worker_command(str(cache), device="cpu", backend="torch", extra=WORKER_ARGS),
-        cache=cache, first_backoff_s=1.0)
+        cache=cache,
+        first_backoff_s=1.0,
+    )
     supervisor.start()
     try:
         _wait_for(lambda: queue.live_workers(), 90, "the first worker's heartbeat")
@@ -63,8 +66,9 @@ def test_loaders_wait_while_the_service_restarts_its_worker(tmp_path: Path,
         assert first is not None
         # Frozen, it claims nothing: the loader's miss waits until the worker is killed.
         os.kill(first, signal.SIGSTOP)
-        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes[:2], miss_timeout=120,
-                           **PARAMS)
+        ds = CachedDataset(
+            cache, "spc_query", sources=corpus_meshes[:2], miss_timeout=120, **PARAMS
+        )
         got: dict[str, Any] = {}
 
         def load() -> None:
@@ -85,8 +89,10 @@ def test_loaders_wait_while_the_service_restarts_its_worker(tmp_path: Path,
         assert "error" not in got, f"the loader failed while the worker restarted: {got['error']!r}"
         assert "octree" in got["sample"]
         assert supervisor.restarts == 1 and supervisor.pid not in (None, first)
-        report("26.m worker restart", {"kill_to_record_s": round(got["at"] - killed, 2),
-                                       "loader_errors": 0})
+        report(
+            "26.m worker restart",
+            {"kill_to_record_s": round(got["at"] - killed, 2), "loader_errors": 0},
+        )
         ds.close()
     finally:
         supervisor.stop()
@@ -95,20 +101,33 @@ def test_loaders_wait_while_the_service_restarts_its_worker(tmp_path: Path,
 
 
 @pytest.mark.slow
-def test_a_loader_does_not_wait_on_a_zombie_worker(tmp_path: Path,
-                                                   corpus_meshes: list[Path]) -> None:
+def test_a_loader_does_not_wait_on_a_zombie_worker(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     cache = tmp_path / "cache"
     cache.mkdir()
     queue = JobQueue(cache)
-    proc = subprocess.Popen([sys.executable, "-m", "spcache", "worker", "--cache", str(cache),
-                             "--device", "cpu", "--backend", "torch", *WORKER_ARGS],
-                            cwd=REPO_ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            *WORKER_ARGS,
+        ],
+        cwd=REPO_ROOT,
+    )
     try:
         _wait_for(lambda: queue.live_workers(), 90, "the worker's heartbeat")
         os.kill(proc.pid, signal.SIGKILL)  # and not reaped: this process never waits yet
         _wait_for(lambda: _state(proc.pid) == "Z", 10, "the worker to be a zombie")
-        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes[:1], miss_timeout=20,
-                           **PARAMS)
+        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes[:1], miss_timeout=20, **PARAMS)
         start = time.monotonic()
         with pytest.raises(NoWorkerAlive, match=f"spcache worker --cache {cache}"):
             ds[0]

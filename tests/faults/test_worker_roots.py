@@ -35,8 +35,9 @@ def _cloud(path: Path, seed: int) -> None:
 
 
 def _drain(cache: Path, roots: list[Path] | None) -> float:
-    loop = WorkerLoop(cache, device="cpu", backend="torch", loaders=0, drain=True,
-                      source_roots=roots)
+    loop = WorkerLoop(
+        cache, device="cpu", backend="torch", loaders=0, drain=True, source_roots=roots
+    )
     finished = threading.Event()
     start = time.monotonic()
     threading.Thread(target=lambda: (loop.run(), finished.set()), daemon=True).start()
@@ -45,15 +46,23 @@ def _drain(cache: Path, roots: list[Path] | None) -> float:
 
 
 def _warmup(url: str, sources: Path, names: list[str]) -> tuple[str, str]:
-    r = httpx.post(f"{url}/v1/warmup", headers=AUTH, timeout=30, json={
-        "recipe": "spc", "params": PARAMS,
-        "items": [{"id": n, "path": str(sources / f"{n}.npy")} for n in names]})
+    r = httpx.post(
+        f"{url}/v1/warmup",
+        headers=AUTH,
+        timeout=30,
+        json={
+            "recipe": "spc",
+            "params": PARAMS,
+            "items": [{"id": n, "path": str(sources / f"{n}.npy")} for n in names],
+        },
+    )
     assert r.status_code == 202, r.text
     return r.json()["job_id"], r.json()["fingerprint"]
 
 
 def test_a_worker_without_roots_enforces_the_roots_the_job_was_accepted_under(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     sources, outside, other = tmp_path / "sources", tmp_path / "outside", tmp_path / "other"
     cache = tmp_path / "cache"
     for d in (sources, outside, other):

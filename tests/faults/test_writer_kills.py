@@ -43,8 +43,16 @@ def test_writer_sigkill_loses_nothing_and_resumes(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     rng = random.Random(1)
     batches = KILLS + 4  # about twice what the killed runs commit: the resume has work
-    args = ("writer", str(cache), "--batches", str(batches), "--size", str(SIZE),
-            "--record-bytes", "1024")
+    args = (
+        "writer",
+        str(cache),
+        "--batches",
+        str(batches),
+        "--size",
+        str(SIZE),
+        "--record-bytes",
+        "1024",
+    )
     announced: set[int] = set()
     checked: set[int] = set()
     kills_inside = 0
@@ -92,11 +100,17 @@ def test_writer_sigkill_loses_nothing_and_resumes(tmp_path: Path) -> None:
     counts = _batch_counts(store)
     result = store.verify()
     store.close()
-    figures = {"kills": KILLS, "batch_size": SIZE, "kills_inside_a_batch": kills_inside,
-               "batches_committed_before_resume": len(checked),
-               "batches_written_by_resume": resumed_batches,
-               "records_verified": result.checked, "corrupt": len(corrupt) + len(result.corrupt),
-               "partial_batches": len(partial), "lost_committed_batches": len(lost)}
+    figures = {
+        "kills": KILLS,
+        "batch_size": SIZE,
+        "kills_inside_a_batch": kills_inside,
+        "batches_committed_before_resume": len(checked),
+        "batches_written_by_resume": resumed_batches,
+        "records_verified": result.checked,
+        "corrupt": len(corrupt) + len(result.corrupt),
+        "partial_batches": len(partial),
+        "lost_committed_batches": len(lost),
+    }
     report("1 writer SIGKILL", figures)
     assert not corrupt and not partial and not lost, (list(corrupt.items())[:3], partial, lost)
     assert kills_inside >= KILLS // 2  # the kills really landed inside batches

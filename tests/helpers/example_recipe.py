@@ -33,12 +33,27 @@ def ensure_installed(target: Path) -> str | None:
         return None
     except importlib.metadata.PackageNotFoundError:
         pass
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(SOURCE)],
-                   check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(SOURCE),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     sys.path.insert(0, str(target))
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p
+    )
     importlib.invalidate_caches()
     installed_recipes(reload=True)
     return str(target)

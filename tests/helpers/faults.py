@@ -47,9 +47,13 @@ class Child:
 
     def __init__(self, *args: str, stdin: bool = False) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.procs", *args], cwd=REPO_ROOT,
-            stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            text=True, bufsize=1)
+            [sys.executable, "-m", "tests.helpers.procs", *args],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._pump, daemon=True)
         self._reader.start()
@@ -76,8 +80,9 @@ class Child:
             except queue.Empty:
                 continue
             if line is None:
-                raise AssertionError(f"child {self.pid} exited ({self.proc.wait()}) "
-                                     f"before printing {prefix!r}")
+                raise AssertionError(
+                    f"child {self.pid} exited ({self.proc.wait()}) before printing {prefix!r}"
+                )
             if line.startswith(prefix):
                 return line
 

@@ -26,10 +26,15 @@ def add_fingerprint(cache: Path, level: int, n: int, nbytes: int, *, batch: int 
     store = LMDBStore(cache, readonly=False)
     try:
         for start in range(0, n, batch):
-            store.put_many([(f"{fp}/{sid}", make_small_record(f"{fp}/{sid}", nbytes, level * 10**6 + i))
-                            for i, sid in enumerate(ids[start:start + batch], start)])
-        store.put_index(DatasetIndex(fp, "spc", spec.version, spec.resolve({"level": level}),
-                                     np.array(ids)))
+            store.put_many(
+                [
+                    (f"{fp}/{sid}", make_small_record(f"{fp}/{sid}", nbytes, level * 10**6 + i))
+                    for i, sid in enumerate(ids[start : start + batch], start)
+                ]
+            )
+        store.put_index(
+            DatasetIndex(fp, "spc", spec.version, spec.resolve({"level": level}), np.array(ids))
+        )
     finally:
         store.close()
     return fp
@@ -45,10 +50,21 @@ def record_counts(cache: Path) -> dict[str, int]:
 
 def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``python -m spcache ARGS`` from the repository root; its result."""
-    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def spcache_popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )

@@ -54,8 +54,11 @@ def octree(points: list[Point], level: int) -> list[int]:
         for node in per_level[lvl]:
             byte = 0
             for c in range(8):
-                child = (2 * node[0] + (c >> 2 & 1), 2 * node[1] + (c >> 1 & 1),
-                         2 * node[2] + (c & 1))
+                child = (
+                    2 * node[0] + (c >> 2 & 1),
+                    2 * node[1] + (c >> 1 & 1),
+                    2 * node[2] + (c & 1),
+                )
                 if child in below:
                     byte |= 1 << c
             out.append(byte)
@@ -83,18 +86,24 @@ def exsum(octree_bytes: list[int]) -> list[int]:
 def voxel(coord: float, level: int, dtype: type, with_parents: bool) -> int | None:
     """Kaolin's voxel of one normalized coordinate, or None when undefined (NaN, inf)."""
     if with_parents:
-        value = (float(coord) * 0.5 + 0.5) * 2 ** level
+        value = (float(coord) * 0.5 + 0.5) * 2**level
         return math.trunc(value) if math.isfinite(value) else None
     if dtype is np.float64:
-        value = 2.0 ** level * 0.5 * (float(coord) + 1.0)
+        value = 2.0**level * 0.5 * (float(coord) + 1.0)
         return math.floor(value) if math.isfinite(value) else None
     c = np.float32(coord)
-    value = np.floor(np.float32(0.5 * 2 ** level) * (c + np.float32(1.0)))
+    value = np.floor(np.float32(0.5 * 2**level) * (c + np.float32(1.0)))
     return int(value) if np.isfinite(value) else None
 
 
-def query(points: list[Point], depth: int, coords: list[tuple[float, float, float]],
-          level: int, dtype: type = np.float32, with_parents: bool = False) -> list:
+def query(
+    points: list[Point],
+    depth: int,
+    coords: list[tuple[float, float, float]],
+    level: int,
+    dtype: type = np.float32,
+    with_parents: bool = False,
+) -> list:
     """Indices in the point hierarchy of the octree of ``points`` (depth ``depth``)."""
     per_level = levels(points, depth)
     starts = [sum(len(lvl) for lvl in per_level[:i]) for i in range(depth + 1)]
@@ -102,7 +111,7 @@ def query(points: list[Point], depth: int, coords: list[tuple[float, float, floa
     results = []
     for coord in coords:
         vox = [voxel(c, level, dtype, with_parents) for c in coord]
-        inside = all(v is not None and 0 <= v < 2 ** level for v in vox)
+        inside = all(v is not None and 0 <= v < 2**level for v in vox)
         row = []
         for lvl in range(level + 1):
             node = tuple(v >> (level - lvl) for v in vox) if inside else None

@@ -67,12 +67,24 @@ def make_small_record(key: str, nbytes: int, seed: int) -> bytes:
     rng = np.random.default_rng(seed)
     n = max(nbytes // 2, 8)
     return encode_record(
-        {"octree": rng.integers(0, 255, n, dtype=np.uint8),
-         "point_hierarchy": rng.integers(-8, 8, (max(n // 6, 1), 3), dtype=np.int16),
-         "center": np.zeros(3, dtype=np.float32), "scale": np.ones((), dtype=np.float32)},
-        {"recipe": "spc", "recipe_version": str(SPEC.version), "fingerprint": fingerprint,
-         "sample_id": sample_id, "source_hash": f"xxh3_128:{seed:032x}", "backend": "torch",
-         "device": "cpu", "created": "2026-01-01T00:00:00+00:00", "spcache_version": "0"})
+        {
+            "octree": rng.integers(0, 255, n, dtype=np.uint8),
+            "point_hierarchy": rng.integers(-8, 8, (max(n // 6, 1), 3), dtype=np.int16),
+            "center": np.zeros(3, dtype=np.float32),
+            "scale": np.ones((), dtype=np.float32),
+        },
+        {
+            "recipe": "spc",
+            "recipe_version": str(SPEC.version),
+            "fingerprint": fingerprint,
+            "sample_id": sample_id,
+            "source_hash": f"xxh3_128:{seed:032x}",
+            "backend": "torch",
+            "device": "cpu",
+            "created": "2026-01-01T00:00:00+00:00",
+            "spcache_version": "0",
+        },
+    )
 
 
 def _say(line: str) -> None:
@@ -90,9 +102,13 @@ def _writer(args: argparse.Namespace) -> int:
     for b in range(args.batches):
         if store.has(batch_key(b, 0)) and store.has(batch_key(b, args.size - 1)):
             continue  # committed by an earlier run: resume after it
-        items = [(batch_key(b, i), make_small_record(batch_key(b, i), args.record_bytes,
-                                                     b * 100_000 + i))
-                 for i in range(args.size)]
+        items = [
+            (
+                batch_key(b, i),
+                make_small_record(batch_key(b, i), args.record_bytes, b * 100_000 + i),
+            )
+            for i in range(args.size)
+        ]
         _say(f"begin {b}")
         store.put_many(items)
         _say(f"committed {b}")
@@ -143,8 +159,16 @@ def _read_loop(args: argparse.Namespace) -> int:
             errors.append(f"{type(exc).__name__}: {exc}")
         except Exception as exc:  # noqa: BLE001 - every failure is counted and reported
             errors.append(f"{type(exc).__name__}: {exc}")
-    _say(json.dumps({"reads": reads, "errors": errors[:20], "error_count": len(errors),
-                     "map_sizes": sorted(sizes)}))
+    _say(
+        json.dumps(
+            {
+                "reads": reads,
+                "errors": errors[:20],
+                "error_count": len(errors),
+                "map_sizes": sorted(sizes),
+            }
+        )
+    )
     return 0
 
 
@@ -174,9 +198,17 @@ def _worker_zygote(args: argparse.Namespace) -> int:
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 sys.stdin.close()
-                loop = WorkerLoop(args.cache, device="cpu", backend="torch", batch=args.batch,
-                                  lease_s=args.lease, poll_s=0.05, loaders=0,
-                                  max_attempts=args.max_attempts, worker_id=worker_id)
+                loop = WorkerLoop(
+                    args.cache,
+                    device="cpu",
+                    backend="torch",
+                    batch=args.batch,
+                    lease_s=args.lease,
+                    poll_s=0.05,
+                    loaders=0,
+                    max_attempts=args.max_attempts,
+                    worker_id=worker_id,
+                )
                 code = loop.run()
             finally:
                 os._exit(code)
@@ -206,8 +238,10 @@ def _queue_submit(args: argparse.Namespace) -> int:
         if submitted >= due:
             time.sleep(0.002)
             continue
-        items = [NewItem(f"j{jobs:05d}/s{i:04d}", f"/nonexistent/{jobs}/{i}.obj")
-                 for i in range(args.per_job)]
+        items = [
+            NewItem(f"j{jobs:05d}/s{i:04d}", f"/nonexistent/{jobs}/{i}.obj")
+            for i in range(args.per_job)
+        ]
         t0 = time.perf_counter()
         try:
             queue.submit("spc", params, FAULT_FINGERPRINT, items)
@@ -220,9 +254,18 @@ def _queue_submit(args: argparse.Namespace) -> int:
         submitted += args.per_job
         jobs += 1
     elapsed = time.monotonic() - start
-    _say(json.dumps({"submitted": submitted, "jobs": jobs, "locked": locked,
-                     "seconds": elapsed, "rate": submitted / elapsed,
-                     "p99_submit_s": float(np.percentile(latencies, 99)) if latencies else 0.0}))
+    _say(
+        json.dumps(
+            {
+                "submitted": submitted,
+                "jobs": jobs,
+                "locked": locked,
+                "seconds": elapsed,
+                "rate": submitted / elapsed,
+                "p99_submit_s": float(np.percentile(latencies, 99)) if latencies else 0.0,
+            }
+        )
+    )
     return 0
 
 
@@ -255,10 +298,18 @@ def _queue_claim(args: argparse.Namespace) -> int:
             time.sleep(0.001)
         else:
             empty_after = None
-    _say(json.dumps({"claims": len(latencies), "completed": completed, "locked": locked,
-                     "p50_claim_s": float(np.percentile(latencies, 50)),
-                     "p99_claim_s": float(np.percentile(latencies, 99)),
-                     "max_claim_s": float(max(latencies))}))
+    _say(
+        json.dumps(
+            {
+                "claims": len(latencies),
+                "completed": completed,
+                "locked": locked,
+                "p50_claim_s": float(np.percentile(latencies, 50)),
+                "p99_claim_s": float(np.percentile(latencies, 99)),
+                "max_claim_s": float(max(latencies)),
+            }
+        )
+    )
     return 0
 
 
@@ -302,8 +353,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = _parser().parse_args(argv)
     return args.func(args)
 

@@ -34,8 +34,13 @@ def spcache(*args: str, log: Path) -> subprocess.Popen[bytes]:
     """``python -m spcache ARGS`` with stdout and stderr into ``log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPCACHE_")}
     with open(log, "wb") as out:  # the child has its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "spcache", *args],
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -16,8 +16,11 @@ def ray_processes(parent: int) -> list[psutil.Process]:
     """The Ray daemons started by process ``parent`` (not those of other Ray users on
     this machine, e.g. another test run at the same time)."""
     names = ("raylet", "gcs_server")
-    return [p for p in psutil.process_iter(["name", "ppid"])
-            if p.info["name"] in names and p.info["ppid"] == parent]
+    return [
+        p
+        for p in psutil.process_iter(["name", "ppid"])
+        if p.info["name"] in names and p.info["ppid"] == parent
+    ]
 
 
 @contextlib.contextmanager
@@ -27,8 +30,12 @@ def local_ray(num_cpus: int = 2) -> Iterator[Any]:
     from tests.helpers.ray_faults import register_with_ray
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
     register_with_ray()  # actors unpickle CrashOnce without importing tests/
     started = ray_processes(os.getpid())
     assert started, "ray.init started no raylet/gcs_server of its own"

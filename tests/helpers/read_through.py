@@ -30,9 +30,28 @@ CLI_PARAMS = [arg for k, v in PARAMS.items() for arg in ("--param", f"{k}={v}")]
 def start_worker(cache: Path) -> subprocess.Popen:
     cache.mkdir(parents=True, exist_ok=True)  # a worker drains an existing cache only
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--loaders", "0", "--poll", "0.05", "--batch", "4",
-         "--log-level", "warning"], cwd=REPO_ROOT)
+        [
+            sys.executable,
+            "-m",
+            "workers",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--poll",
+            "0.05",
+            "--batch",
+            "4",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO_ROOT,
+    )
     queue = JobQueue(cache)
     deadline = time.monotonic() + 60
     while not queue.live_workers():
@@ -49,10 +68,29 @@ def stop_worker(proc: subprocess.Popen) -> None:
 
 
 def precompute_reference(cache: Path, sources: list[Path]) -> None:
-    subprocess.run([sys.executable, "-m", "workers", "precompute", *map(str, sources),
-                    "--recipe", "spc_query", *CLI_PARAMS, "--cache", str(cache),
-                    "--device", "cpu", "--backend", "torch", "--loaders", "0"],
-                   cwd=REPO_ROOT, check=False, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "workers",
+            "precompute",
+            *map(str, sources),
+            "--recipe",
+            "spc_query",
+            *CLI_PARAMS,
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+        ],
+        cwd=REPO_ROOT,
+        check=False,
+        capture_output=True,
+    )
 
 
 def as_list(batch: list[Any]) -> list[Any]:
@@ -74,20 +112,25 @@ def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 
 def queue_rows(cache: Path) -> list[tuple[str, str, str]]:
     queue = JobQueue(cache)
-    rows = [(r["fingerprint"], r["sample_id"], r["status"])
-            for j in queue.jobs(limit=10_000) for r in queue.items(j.id)]
+    rows = [
+        (r["fingerprint"], r["sample_id"], r["status"])
+        for j in queue.jobs(limit=10_000)
+        for r in queue.items(j.id)
+    ]
     queue.close()
     return rows
 
 
 def epoch(ds: CachedDataset, context: str) -> list[Any]:
-    loader = DataLoader(ds, batch_size=2, num_workers=4, multiprocessing_context=context,
-                        collate_fn=as_list)
+    loader = DataLoader(
+        ds, batch_size=2, num_workers=4, multiprocessing_context=context, collate_fn=as_list
+    )
     return [sample for batch in loader for sample in batch]
 
 
-def two_epochs(ds: CachedDataset, context: str, cache: Path,
-               count: int) -> tuple[list[Any], list[tuple[str, str, str]], list[Any]]:
+def two_epochs(
+    ds: CachedDataset, context: str, cache: Path, count: int
+) -> tuple[list[Any], list[tuple[str, str, str]], list[Any]]:
     """Two DataLoader epochs over a read-through dataset of ``count`` sources: the samples
     of each, and the queue rows after the first (the second must queue nothing)."""
     assert ds.on_miss == "compute" and len(ds) == count
@@ -98,9 +141,15 @@ def two_epochs(ds: CachedDataset, context: str, cache: Path,
     return first, rows, second
 
 
-def check_epochs_equal_precompute(ds: CachedDataset, meshes: list[Path], cache: Path,
-                                  reference: Path, rows: list[tuple[str, str, str]],
-                                  first: list[Any], second: list[Any]) -> None:
+def check_epochs_equal_precompute(
+    ds: CachedDataset,
+    meshes: list[Path],
+    cache: Path,
+    reference: Path,
+    rows: list[tuple[str, str, str]],
+    first: list[Any],
+    second: list[Any],
+) -> None:
     """Read-through's promise: the samples are the sources as precompute discovers them,
     each queued exactly once and done, one record each, and both epochs equal (torch.equal,
     every field) to the records ``spcache precompute`` wrote into ``reference``."""

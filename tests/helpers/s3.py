@@ -13,8 +13,11 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @dataclass(frozen=True)
@@ -26,9 +29,13 @@ class S3Server:
         import boto3
 
         name = f"spcache-{uuid.uuid4().hex[:12]}"
-        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                     aws_access_key_id="testing",
-                     aws_secret_access_key="testing").create_bucket(Bucket=name)
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket=name)
         return name
 
 

@@ -41,17 +41,28 @@ class Cache:
     values: dict[str, bytes]  # sample id -> stored record bytes
 
 
-def make_record(fingerprint: str, sample_id: str, source_hash: str, nbytes: int = 4096,
-                seed: int = 0) -> bytes:
+def make_record(
+    fingerprint: str, sample_id: str, source_hash: str, nbytes: int = 4096, seed: int = 0
+) -> bytes:
     gen = torch.Generator().manual_seed(seed)
     n = max(nbytes // 4, 1)
     return encode_record(
-        {"octree": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen),
-         "point_hierarchy": torch.randint(-5, 5, (n // 2, 3), dtype=torch.int16, generator=gen),
-         "center": torch.zeros(3), "scale": torch.tensor(1.0)},
-        {"recipe": "spc", "recipe_version": "1", "fingerprint": fingerprint,
-         "sample_id": sample_id, "source_hash": source_hash, "backend": "torch",
-         "device": "cpu"})
+        {
+            "octree": torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen),
+            "point_hierarchy": torch.randint(-5, 5, (n // 2, 3), dtype=torch.int16, generator=gen),
+            "center": torch.zeros(3),
+            "scale": torch.tensor(1.0),
+        },
+        {
+            "recipe": "spc",
+            "recipe_version": "1",
+            "fingerprint": fingerprint,
+            "sample_id": sample_id,
+            "source_hash": source_hash,
+            "backend": "torch",
+            "device": "cpu",
+        },
+    )
 
 
 def build_cache(tmp: Path, n: int = 5) -> Cache:
@@ -86,8 +97,14 @@ class InProcessServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(settings) if app is None else app
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
-                                log_level="warning", lifespan="on")
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_config=None,
+            log_level="warning",
+            lifespan="on",
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -124,9 +141,23 @@ def start_server(cache: Path, sources: Path, *extra: str, env: dict | None = Non
     port = free_port()
     full_env = {**os.environ, "SPCACHE_TOKEN": TOKEN, **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "--cache", str(cache), "--port", str(port),
-         "--source-root", str(sources), "--log-level", "warning", *extra],
-        cwd=REPO_ROOT, env=full_env)
+        [
+            sys.executable,
+            "-m",
+            "service.cli",
+            "--cache",
+            str(cache),
+            "--port",
+            str(port),
+            "--source-root",
+            str(sources),
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        cwd=REPO_ROOT,
+        env=full_env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -148,5 +179,3 @@ def stop_server(server: LiveServer) -> None:
     except subprocess.TimeoutExpired:
         server.proc.kill()
         server.proc.wait()
-
-

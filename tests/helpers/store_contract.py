@@ -69,14 +69,26 @@ def plant_lmdb_value(cache_dir: str | Path, key: str, value: bytes) -> None:
 
 def sample_content() -> tuple[dict[str, bytes], list[DatasetIndex]]:
     records = {f"{FP_A}/{sid}": make_record(FP_A, sid, seed=i) for i, sid in enumerate(IDS_A)}
-    records |= {f"{FP_B}/{sid}": make_record(FP_B, sid, seed=10 + i, recipe="spc_query")
-                for i, sid in enumerate(IDS_B)}
+    records |= {
+        f"{FP_B}/{sid}": make_record(FP_B, sid, seed=10 + i, recipe="spc_query")
+        for i, sid in enumerate(IDS_B)
+    }
     records[f"{FP_C}/only"] = make_record(FP_C, "only", seed=99, level=5)
     indexes = [
         DatasetIndex(FP_A, "spc", 1, {"level": 4, "surface_samples": 100_000}, np.array(IDS_A)),
-        DatasetIndex(FP_B, "spc_query", 1,
-                     {"level": 4, "surface_samples": 100_000, "uniform_queries": 16_384,
-                      "surface_queries": 16_384, "surface_sigma": 0.01}, IDS_B),
+        DatasetIndex(
+            FP_B,
+            "spc_query",
+            1,
+            {
+                "level": 4,
+                "surface_samples": 100_000,
+                "uniform_queries": 16_384,
+                "surface_queries": 16_384,
+                "surface_sigma": 0.01,
+            },
+            IDS_B,
+        ),
         DatasetIndex(FP_C, "spc", 1, {"level": 5, "surface_samples": 100_000}, ["only"]),
     ]
     return records, indexes
@@ -170,7 +182,8 @@ class StoreContract:
         assert stats["fingerprints"][FP_A]["records"] == len(IDS_A)
         assert stats["fingerprints"][FP_A]["recipe"] == "spc"
         assert stats["fingerprints"][FP_B]["bytes"] == sum(
-            len(v) for k, v in records.items() if k.startswith(FP_B))
+            len(v) for k, v in records.items() if k.startswith(FP_B)
+        )
 
     def test_verify_clean_store(self, store: Store, content) -> None:
         report = store.verify()
@@ -220,10 +233,12 @@ class StoreContract:
     def test_a_record_under_another_key_is_refused(self, swapped_store: Store) -> None:
         store = swapped_store
         named = SWAPPED_FOR.split("/", 1)[1]
-        reads = {"get_record": lambda: store.get_record(SWAPPED_KEY),
-                 "get_record(fields)": lambda: store.get_record(SWAPPED_KEY, fields=["octree"]),
-                 "get_records": lambda: store.get_records([f"{FP_A}/zeta", SWAPPED_KEY]),
-                 "get_records(fields)": lambda: store.get_records([SWAPPED_KEY], ["octree"])}
+        reads = {
+            "get_record": lambda: store.get_record(SWAPPED_KEY),
+            "get_record(fields)": lambda: store.get_record(SWAPPED_KEY, fields=["octree"]),
+            "get_records": lambda: store.get_records([f"{FP_A}/zeta", SWAPPED_KEY]),
+            "get_records(fields)": lambda: store.get_records([SWAPPED_KEY], ["octree"]),
+        }
         for what, read in reads.items():
             with pytest.raises(CorruptRecord) as err:
                 read()
@@ -258,6 +273,7 @@ class WritableStoreContract(StoreContract):
             for index in indexes:
                 store.put_index(index)
             return store
+
         return make
 
     def reopen(self, store: Store, readonly: bool) -> Store:  # pragma: no cover - overridden
@@ -271,10 +287,12 @@ class WritableStoreContract(StoreContract):
 
     def test_put_many_is_all_or_nothing(self, store: Store) -> None:
         good = (f"{FP_A}/new1", make_record(FP_A, "new1", 1))
-        for bad in [(f"{FP_A}/../x", good[1]),
-                    (f"{FP_A}/new2", b"garbage"),
-                    (f"{FP_A}/new3", make_record(FP_A, "other", 1)),  # metadata names another id
-                    (f"{FP_B}/new4", make_record(FP_A, "new4", 1))]:  # ... another fingerprint
+        for bad in [
+            (f"{FP_A}/../x", good[1]),
+            (f"{FP_A}/new2", b"garbage"),
+            (f"{FP_A}/new3", make_record(FP_A, "other", 1)),  # metadata names another id
+            (f"{FP_B}/new4", make_record(FP_A, "new4", 1)),
+        ]:  # ... another fingerprint
             with pytest.raises(SpcacheError):
                 store.put_many([good, bad])
             assert not store.has(good[0])
@@ -296,8 +314,9 @@ class WritableStoreContract(StoreContract):
         store.put_many([(f"{FP_A}/gen1", make_record(FP_A, "gen1", 1))])
         after_put = store.generation()
         assert after_put != before
-        store.put_index(DatasetIndex(FP_A, "spc", 1, {"level": 4, "surface_samples": 100_000},
-                                     ["gen1"]))
+        store.put_index(
+            DatasetIndex(FP_A, "spc", 1, {"level": 4, "surface_samples": 100_000}, ["gen1"])
+        )
         assert store.generation() not in (before, after_put)
         reader = self.reopen(store, readonly=True)
         try:  # another handle on the same store sees the same counter, and its changes
@@ -331,8 +350,9 @@ class WritableStoreContract(StoreContract):
         store.put_many([(key, bytes(value))])  # the header is intact, so the write passes
         with pytest.raises(CorruptRecord, match="octree"):
             store.get_record(key)
-        index = DatasetIndex(FP_C, "spc", 1, {"level": 5, "surface_samples": 100_000},
-                             ["only", "ghost"])
+        index = DatasetIndex(
+            FP_C, "spc", 1, {"level": 5, "surface_samples": 100_000}, ["only", "ghost"]
+        )
         store.put_index(index)
         report = store.verify()
         assert not report.ok

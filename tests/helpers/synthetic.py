@@ -34,7 +34,7 @@ def _unmorton(code: np.ndarray, level: int) -> np.ndarray:
 
 def spc_fields(seed: int, level: int = 4, num_points: int = 40) -> dict[str, torch.Tensor]:
     rng = np.random.default_rng(seed)
-    pts = rng.integers(0, 2 ** level, size=(num_points, 3))
+    pts = rng.integers(0, 2**level, size=(num_points, 3))
     leaf = np.unique(_morton(pts, level))
     per_level = [np.unique(leaf >> (3 * (level - l))) for l in range(level + 1)]
     octree = []
@@ -59,11 +59,14 @@ def spc_fields(seed: int, level: int = 4, num_points: int = 40) -> dict[str, tor
     }
 
 
-def spc_query_fields(seed: int, level: int = 4, num_points: int = 40,
-                     num_queries: int = 64) -> dict[str, torch.Tensor]:
+def spc_query_fields(
+    seed: int, level: int = 4, num_points: int = 40, num_queries: int = 64
+) -> dict[str, torch.Tensor]:
     fields = spc_fields(seed, level, num_points)
     rng = np.random.default_rng(seed + 1)
-    fields["query_points"] = torch.from_numpy(rng.uniform(-1, 1, (num_queries, 3)).astype(np.float32))
+    fields["query_points"] = torch.from_numpy(
+        rng.uniform(-1, 1, (num_queries, 3)).astype(np.float32)
+    )
     pidx = rng.integers(-1, 100, (num_queries, level + 1)).astype(np.int32)
     fields["query_pidx"] = torch.from_numpy(pidx)
     fields["occupancy"] = torch.from_numpy((pidx[:, -1] >= 0).astype(np.uint8))
@@ -76,12 +79,19 @@ def fingerprint_of(recipe: str = "spc", **params: object) -> str:
 
 
 def record_metadata(fingerprint: str, sample_id: str, recipe: str = "spc") -> dict[str, str]:
-    return {"recipe": recipe, "recipe_version": str(get_recipe_spec(recipe).version),
-            "fingerprint": fingerprint, "sample_id": sample_id, "source_hash": "0" * 16,
-            "backend": "torch", "device": "cpu"}
+    return {
+        "recipe": recipe,
+        "recipe_version": str(get_recipe_spec(recipe).version),
+        "fingerprint": fingerprint,
+        "sample_id": sample_id,
+        "source_hash": "0" * 16,
+        "backend": "torch",
+        "device": "cpu",
+    }
 
 
-def make_record(fingerprint: str, sample_id: str, seed: int, recipe: str = "spc",
-                **shape: int) -> bytes:
+def make_record(
+    fingerprint: str, sample_id: str, seed: int, recipe: str = "spc", **shape: int
+) -> bytes:
     maker = spc_query_fields if recipe == "spc_query" else spc_fields
     return encode_record(maker(seed, **shape), record_metadata(fingerprint, sample_id, recipe))

@@ -28,8 +28,13 @@ def cache(tmp_path: Path) -> Cache:
 
 @pytest.fixture
 def settings(cache: Cache) -> Settings:
-    return Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False,
-                    max_body_bytes=64 * 1024)
+    return Settings(
+        cache=cache.root,
+        source_roots=[cache.sources],
+        token=TOKEN,
+        worker=False,
+        max_body_bytes=64 * 1024,
+    )
 
 
 @pytest.fixture

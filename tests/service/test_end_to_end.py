@@ -27,13 +27,19 @@ def test_warmup_of_meshes_served_byte_identical(tmp_path: Path, meshes: list[Pat
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
             items = [{"id": p.stem, "path": str(p)} for p in meshes]
-            body = {"recipe": "spc", "params": {"level": 5, "surface_samples": 4000},
-                    "items": items}
+            body = {
+                "recipe": "spc",
+                "params": {"level": 5, "surface_samples": 4000},
+                "items": items,
+            }
             r = http.post("/v1/warmup", json=body, headers=AUTH)
             assert r.status_code == 202, r.text
             job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
             deadline = time.monotonic() + 300
-            while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] in ("pending", "running"):
+            while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] in (
+                "pending",
+                "running",
+            ):
                 assert time.monotonic() < deadline, job
                 time.sleep(0.2)
             assert job["status"] == "done" and job["counts"]["done"] == len(items), job

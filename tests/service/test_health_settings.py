@@ -22,13 +22,20 @@ def test_health_and_readiness(client: httpx.Client) -> None:
     assert ready.status_code == 200 and ready.json()["store"] == "open"
 
 
-def test_metrics_report_requests_bytes_queue_heartbeat_and_cache(client: httpx.Client,
-                                                                cache: Cache) -> None:
+def test_metrics_report_requests_bytes_queue_heartbeat_and_cache(
+    client: httpx.Client, cache: Cache
+) -> None:
     for sid in cache.ids:
         client.get(f"/v1/caches/{cache.fingerprint}/records/{sid}")
-    client.post("/v1/warmup", headers=AUTH, json={
-        "recipe": "spc", "params": {"level": 7},
-        "items": [{"id": "a", "path": str(cache.sources / "shapes/s0.obj")}]})
+    client.post(
+        "/v1/warmup",
+        headers=AUTH,
+        json={
+            "recipe": "spc",
+            "params": {"level": 7},
+            "items": [{"id": "a", "path": str(cache.sources / "shapes/s0.obj")}],
+        },
+    )
     JobQueue(cache.root).heartbeat("gpu0", {"device": "cuda:0"})
     text = client.get("/metrics").text
     route = "/v1/caches/{fingerprint}/records/{sample_id:path}"
@@ -41,7 +48,6 @@ def test_metrics_report_requests_bytes_queue_heartbeat_and_cache(client: httpx.C
     assert f'spcache_cache_records{{fingerprint="{cache.fingerprint}"}} 5.0' in text
     assert f'spcache_cache_bytes{{fingerprint="{cache.fingerprint}"}} {float(served)}' in text
     assert "# TYPE spcache_http_requests_total counter" in text
-
 
 
 def test_unknown_route_is_json_404(client: httpx.Client) -> None:
@@ -66,13 +72,28 @@ def test_source_roots_from_the_environment(tmp_path: Path, monkeypatch: pytest.M
     assert "secret" not in repr(s)
 
 
-@pytest.mark.parametrize("entry", [["service.cli"], ["spcache", "serve"]],
-                         ids=["service.cli", "spcache serve"])
+@pytest.mark.parametrize(
+    "entry", [["service.cli"], ["spcache", "serve"]], ids=["service.cli", "spcache serve"]
+)
 def test_serve_refuses_an_open_bind_at_start_up(tmp_path: Path, entry: list[str]) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", *entry, "--cache", str(tmp_path),
-                        "--host", "0.0.0.0", "--no-worker"], cwd=REPO_ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            *entry,
+            "--cache",
+            str(tmp_path),
+            "--host",
+            "0.0.0.0",
+            "--no-worker",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "without a token" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -103,9 +124,22 @@ print(codes, heavy)
 def test_serving_imports_neither_torch_nor_workers(cache: Cache) -> None:
     from tests.helpers.service import free_port
 
-    out = subprocess.run([sys.executable, "-c", _SERVE_ONE, str(cache.root), cache.fingerprint,
-                          cache.ids[0], str(free_port())], cwd=REPO_ROOT, capture_output=True,
-                         text=True, check=True, timeout=60).stdout.strip()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SERVE_ONE,
+            str(cache.root),
+            cache.fingerprint,
+            cache.ids[0],
+            str(free_port()),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()
     assert out == "[200, 200, 200, 200, 200] []"
 
 
@@ -131,8 +165,10 @@ def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Se
     with server, httpx.Client(base_url=server.url) as http:
         r = http.get("/test/readers-full")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
-        assert r.json() == {"error": "StoreBusy",
-                            "detail": "too many concurrent readers of the cache; retry shortly"}
+        assert r.json() == {
+            "error": "StoreBusy",
+            "detail": "too many concurrent readers of the cache; retry shortly",
+        }
         r = http.get("/test/bug")
         assert r.status_code == 500 and r.json()["error"] == "InternalError"
         assert "secret" not in r.text and "Traceback" not in r.text
@@ -145,6 +181,5 @@ def test_metrics_snapshot_reads_the_counters() -> None:
     for status, size in ((200, 10), (200, 5), (404, 1)):
         metrics.observe("GET", "/r", status, size)
     metrics.add_records(3)
-    assert metrics.snapshot() == ({("GET", "/r", "200"): 2, ("GET", "/r", "404"): 1},
-                                  {"/r": 16}, 3)
+    assert metrics.snapshot() == ({("GET", "/r", "200"): 2, ("GET", "/r", "404"): 1}, {"/r": 16}, 3)
     assert Metrics().snapshot() == ({}, {}, 0)  # each app has its own registry

@@ -20,13 +20,15 @@ QUERIES = (1000, 1001, 1002, 1003)
 
 
 def _params(queries: int) -> dict[str, int]:
-    return {"level": 5, "surface_samples": 4000, "uniform_queries": queries,
-            "surface_queries": 500}
+    return {"level": 5, "surface_samples": 4000, "uniform_queries": queries, "surface_queries": 500}
 
 
 def _warm(http: httpx.Client, items: list[dict[str, str]], queries: int) -> str:
-    r = http.post("/v1/warmup", headers=AUTH,
-                  json={"recipe": "spc_query", "params": _params(queries), "items": items})
+    r = http.post(
+        "/v1/warmup",
+        headers=AUTH,
+        json={"recipe": "spc_query", "params": _params(queries), "items": items},
+    )
     assert r.status_code == 202, r.text
     job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
     deadline = time.monotonic() + 300
@@ -38,8 +40,9 @@ def _warm(http: httpx.Client, items: list[dict[str, str]], queries: int) -> str:
 
 
 @pytest.mark.slow
-def test_max_size_keeps_a_running_service_under_its_limit(tmp_path: Path,
-                                                          corpus_meshes: list[Path]) -> None:
+def test_max_size_keeps_a_running_service_under_its_limit(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     meshes = corpus_meshes[:6]
     root = meshes[0].parent
     items = [{"id": p.stem, "path": str(p)} for p in meshes]
@@ -56,8 +59,9 @@ def test_max_size_keeps_a_running_service_under_its_limit(tmp_path: Path,
     limit = int(2.5 * one)  # room for two fingerprints and a half
 
     cache = tmp_path / "cache"
-    server = start_server(cache, root, "--device", "cpu", "--backend", "torch",
-                          "--max-size", str(limit))
+    server = start_server(
+        cache, root, "--device", "cpu", "--backend", "torch", "--max-size", str(limit)
+    )
     seen: list[list[str]] = []
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -87,9 +91,24 @@ def test_max_size_keeps_a_running_service_under_its_limit(tmp_path: Path,
 
     # a limit smaller than a fingerprint already stored is refused at start
     refused = subprocess.run(
-        [sys.executable, "-m", "spcache", "serve", "--cache", str(cache), "--port", "0",
-         "--max-size", str(one // 2)], cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "serve",
+            "--cache",
+            str(cache),
+            "--port",
+            "0",
+            "--max-size",
+            str(one // 2),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert refused.returncode == 2
     assert "--max-size" in refused.stderr and "is smaller than fingerprint" in refused.stderr
 
@@ -118,20 +137,28 @@ def test_delete_route_removes_a_fingerprint(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_rm_while_the_worker_computes_it_stops_its_writes(tmp_path: Path,
-                                                           corpus_meshes: list[Path]) -> None:
+def test_rm_while_the_worker_computes_it_stops_its_writes(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     """DELETE while the worker is in the middle of the fingerprint's job: its queued items
     are cancelled, the batch in flight is not written, and nothing brings it back."""
     root = corpus_meshes[0].parent
-    items = [{"id": f"m{i:03d}", "path": str(corpus_meshes[i % len(corpus_meshes)])}
-             for i in range(60)]
+    items = [
+        {"id": f"m{i:03d}", "path": str(corpus_meshes[i % len(corpus_meshes)])} for i in range(60)
+    ]
     cache = tmp_path / "cache"
     server = start_server(cache, root, "--device", "cpu", "--backend", "torch")
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
-            r = http.post("/v1/warmup", headers=AUTH,
-                          json={"recipe": "spc", "params": {"level": 5, "surface_samples": 4000},
-                                "items": items})
+            r = http.post(
+                "/v1/warmup",
+                headers=AUTH,
+                json={
+                    "recipe": "spc",
+                    "params": {"level": 5, "surface_samples": 4000},
+                    "items": items,
+                },
+            )
             assert r.status_code == 202, r.text
             job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
             deadline = time.monotonic() + 300
@@ -150,9 +177,15 @@ def test_rm_while_the_worker_computes_it_stops_its_writes(tmp_path: Path,
             assert r.status_code == 404 and "FingerprintRemoved" in r.text
             assert fp not in {row["fingerprint"] for row in hk.ls(cache)}  # no record, no index
             # asked for again: computed again
-            r = http.post("/v1/warmup", headers=AUTH,
-                          json={"recipe": "spc", "params": {"level": 5, "surface_samples": 4000},
-                                "items": items[:4]})
+            r = http.post(
+                "/v1/warmup",
+                headers=AUTH,
+                json={
+                    "recipe": "spc",
+                    "params": {"level": 5, "surface_samples": 4000},
+                    "items": items[:4],
+                },
+            )
             assert r.status_code == 202 and r.json()["fingerprint"] == fp, r.text
             again = r.json()["job_id"]
             while (job := http.get(f"/v1/jobs/{again}").json())["status"] in ("pending", "running"):

@@ -30,12 +30,12 @@ from tests.helpers.service import AUTH, LiveServer, start_server, stop_server
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: "
-                                                "apt-get install -y chromium"),
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"
+    ),
 ]
 SHARED_PICKS = ("bunny.ply", "capsule.obj", "fandisk.obj")
-PARAMS = {"level": 7, "surface_samples": 20_000, "uniform_queries": 1500,
-          "surface_queries": 1500}
+PARAMS = {"level": 7, "surface_samples": 20_000, "uniform_queries": 1500, "surface_queries": 1500}
 
 
 def _sources(root: Path) -> tuple[list[Path], Path, str]:
@@ -48,9 +48,11 @@ def _sources(root: Path) -> tuple[list[Path], Path, str]:
     else:
         import trimesh
 
-        shapes = {"sphere": trimesh.creation.icosphere(subdivisions=3),
-                  "box": trimesh.creation.box(extents=(1.0, 0.6, 0.3)),
-                  "capsule": trimesh.creation.capsule(height=1.0, radius=0.3)}
+        shapes = {
+            "sphere": trimesh.creation.icosphere(subdivisions=3),
+            "box": trimesh.creation.box(extents=(1.0, 0.6, 0.3)),
+            "capsule": trimesh.creation.capsule(height=1.0, radius=0.3),
+        }
         good = []
         for name, mesh in shapes.items():
             mesh.export(root / f"{name}.obj")
@@ -63,11 +65,11 @@ def _sources(root: Path) -> tuple[list[Path], Path, str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="needs Playwright for Python: pip install playwright")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
+    )
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         yield browser
         browser.close()
 
@@ -75,8 +77,9 @@ def browser() -> Iterator[object]:
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[tuple[LiveServer, list[Path], Path, str]]:
     good, bad, subject = _sources(tmp_path / "sources")
-    server = start_server(tmp_path / "cache", tmp_path / "sources", "--device", "cpu",
-                          "--backend", "torch")
+    server = start_server(
+        tmp_path / "cache", tmp_path / "sources", "--device", "cpu", "--backend", "torch"
+    )
     try:
         yield server, good, bad, subject
     finally:
@@ -116,8 +119,12 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     page.goto(server.url + "/")
     assert page.title() == "spcache status"
     items = [{"id": p.stem, "path": str(p)} for p in [*good, bad]]
-    r = httpx.post(server.url + "/v1/warmup", headers=AUTH, timeout=30,
-                   json={"recipe": "spc_query", "params": PARAMS, "items": items})
+    r = httpx.post(
+        server.url + "/v1/warmup",
+        headers=AUTH,
+        timeout=30,
+        json={"recipe": "spc_query", "params": PARAMS, "items": items},
+    )
     assert r.status_code == 202, r.text
     job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
 
@@ -128,7 +135,10 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     # progress text says every item is through.
     page.wait_for_function(
         "id => ['done', 'done_with_errors', 'failed'].includes(document.querySelector(`tr[data-job='${id}']`)"
-        "?.dataset.status)", arg=job_id, timeout=300_000)
+        "?.dataset.status)",
+        arg=job_id,
+        timeout=300_000,
+    )
     total = len(items)
     progress = row.locator(".progress-text").inner_text()
     assert progress.startswith(f"{total} / {total} (100%)"), progress
@@ -145,7 +155,10 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     # stats_ttl_s (10 s): wait for a refresh after the last record committed.
     page.wait_for_function(
         "([fp, n]) => document.querySelector(`tr[data-fingerprint='${fp}']`)"
-        "?.cells[3].textContent === String(n)", arg=[fp, total - 1], timeout=45_000)
+        "?.cells[3].textContent === String(n)",
+        arg=[fp, total - 1],
+        timeout=45_000,
+    )
     cache_row = page.locator(f"tr[data-fingerprint='{fp}']")
     cells = cache_row.locator("td").all_inner_texts()
     assert cells[1].startswith("spc_query") and int(cells[3]) == total - 1
@@ -163,12 +176,17 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     page.wait_for_function(
         "id => { const rows = [...document.querySelectorAll('#samples tbody tr')];"
         " return rows.length === 1 && rows[0].dataset.sample === id; }",
-        arg=subject, timeout=10_000)
+        arg=subject,
+        timeout=10_000,
+    )
     sample_row = page.locator(f"tr[data-sample='{subject}']")
     assert "ready" in sample_row.inner_text()
     sample_row.get_by_role("button", name="Show").click()
-    page.wait_for_function("() => { const i = document.getElementById('preview');"
-                           " return i.complete && i.naturalWidth > 0; }", timeout=30_000)
+    page.wait_for_function(
+        "() => { const i = document.getElementById('preview');"
+        " return i.complete && i.naturalWidth > 0; }",
+        timeout=30_000,
+    )
     alt = page.get_attribute("#preview", "alt")
     assert subject in alt and "level" in alt
     if _shots():
@@ -180,8 +198,10 @@ def test_page_follows_a_warmup_to_the_end(browser: object, served: tuple) -> Non
     # The preview route's pictures: valid PNGs, a sane share of the frame, levels differ.
     pictures = {}
     for level in (3, 5, 6):
-        resp = page.request.get(f"{server.url}/v1/caches/{fp}/previews/{subject}",
-                                params={"level": level, "size": 256, "queries": "false"})
+        resp = page.request.get(
+            f"{server.url}/v1/caches/{fp}/previews/{subject}",
+            params={"level": level, "size": 256, "queries": "false"},
+        )
         assert resp.status == 200 and resp.headers["content-type"] == "image/png"
         pictures[level] = resp.body()
     covered = _foreground(pictures[5])
@@ -210,8 +230,14 @@ def test_api_docs_render_offline(browser: object, tmp_path: Path) -> None:
         # what the pages' CSP blocked, but ReDoc's CDN logo (img-src; see routes_page):
         # an inline script or style refused would break the page
         refused: list[str] = []
-        page.on("console", lambda m: refused.append(m.text)
-                if "Content Security Policy" in m.text and "img-src" not in m.text else None)
+        page.on(
+            "console",
+            lambda m: (
+                refused.append(m.text)
+                if "Content Security Policy" in m.text and "img-src" not in m.text
+                else None
+            ),
+        )
         page.goto(server.url + "/")
         page.get_by_role("link", name="API docs (Swagger UI)").click()
         page.wait_for_url("**/docs")
@@ -219,8 +245,9 @@ def test_api_docs_render_offline(browser: object, tmp_path: Path) -> None:
         assert page.locator(".swagger-ui .opblock").count() >= 10
         assert page.get_by_text("/v1/caches/{fingerprint}/previews/{sample_id}").count() >= 1
         page.goto(server.url + "/redoc")
-        page.wait_for_function("() => document.body.innerText.includes('Get Preview')",
-                               timeout=30_000)
+        page.wait_for_function(
+            "() => document.body.innerText.includes('Get Preview')", timeout=30_000
+        )
         assert page.locator("h1").first.inner_text().startswith("spcache")
         time.sleep(0.5)  # late requests (fonts, validators) would show up here
         assert attempted == [], attempted
@@ -229,19 +256,26 @@ def test_api_docs_render_offline(browser: object, tmp_path: Path) -> None:
         stop_server(server)
 
 
-def test_cancel_asks_for_the_token_and_sends_it_as_a_header(browser: object,
-                                                             tmp_path: Path) -> None:
+def test_cancel_asks_for_the_token_and_sends_it_as_a_header(
+    browser: object, tmp_path: Path
+) -> None:
     good, bad, _ = _sources(tmp_path / "sources")
     server = start_server(tmp_path / "cache", tmp_path / "sources", "--no-worker")
     try:
         items = [{"id": p.stem, "path": str(p)} for p in [*good, bad]]
-        r = httpx.post(server.url + "/v1/warmup", headers=AUTH, timeout=30,
-                       json={"recipe": "spc", "params": {"level": 4}, "items": items})
+        r = httpx.post(
+            server.url + "/v1/warmup",
+            headers=AUTH,
+            timeout=30,
+            json={"recipe": "spc", "params": {"level": 4}, "items": items},
+        )
         job_id = r.json()["job_id"]  # no worker: it stays pending
         page, attempted = _offline_page(browser, 1280, 800)
         deletes: list[tuple[str, dict]] = []
-        page.on("request", lambda req: deletes.append((req.url, req.headers))
-                if req.method == "DELETE" else None)
+        page.on(
+            "request",
+            lambda req: deletes.append((req.url, req.headers)) if req.method == "DELETE" else None,
+        )
         dialogs: list[str] = []
         page.on("dialog", lambda d: (dialogs.append(d.message), d.accept()))
         page.goto(server.url + "/")
@@ -269,8 +303,10 @@ def test_cancel_asks_for_the_token_and_sends_it_as_a_header(browser: object,
         page.fill("#token", AUTH["Authorization"].removeprefix("Bearer "))
         page.click("#token-ok")
         page.wait_for_function(
-            "id => document.querySelector(`tr[data-job='${id}']`)?.dataset.status"
-            " === 'cancelled'", arg=job_id, timeout=15_000)
+            "id => document.querySelector(`tr[data-job='${id}']`)?.dataset.status === 'cancelled'",
+            arg=job_id,
+            timeout=15_000,
+        )
         assert len(deletes) == 2
         token = AUTH["Authorization"].removeprefix("Bearer ")
         for url, headers in deletes:
@@ -282,8 +318,9 @@ def test_cancel_asks_for_the_token_and_sends_it_as_a_header(browser: object,
         stop_server(server)
 
 
-def test_a_record_without_an_octree_shows_its_fields(browser: object, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_record_without_an_octree_shows_its_fields(
+    browser: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A plugin recipe's record with no octree: the preview route answers 422 and the
     page lists the recipe's fields instead of a picture."""
     from cache_store.recipes.registry import ENV_VAR, installed_recipes
@@ -302,8 +339,12 @@ def test_a_record_without_an_octree_shows_its_fields(browser: object, tmp_path: 
         assert engine.run([("tri", str(sources / "tri.obj"))]).done == 1
     monkeypatch.delenv(ENV_VAR)
     installed_recipes(reload=True)
-    server = start_server(tmp_path / "cache", sources, "--no-worker",
-                          env={ENV_VAR: plugin, "PYTHONPATH": str(REPO_ROOT)})
+    server = start_server(
+        tmp_path / "cache",
+        sources,
+        "--no-worker",
+        env={ENV_VAR: plugin, "PYTHONPATH": str(REPO_ROOT)},
+    )
     try:
         fp = engine.fingerprint
         r = httpx.get(f"{server.url}/v1/caches/{fp}/previews/tri", timeout=30)

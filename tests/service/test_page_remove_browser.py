@@ -22,18 +22,19 @@ from tests.helpers.service import TOKEN, start_server, stop_server
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium: "
-                                                "apt-get install -y chromium"),
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip("playwright.sync_api",
-                                   reason="needs Playwright for Python: pip install playwright")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
+    )
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                     args=["--no-sandbox"])
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         yield browser
         browser.close()
 
@@ -63,11 +64,15 @@ def test_remove_button_removes_one_fingerprint(browser: object, tmp_path: Path) 
         page.click("#token-ok")
         page.wait_for_function(
             "fp => document.getElementById('caches-message').textContent.includes(fp)",
-            arg=gone, timeout=30_000)
+            arg=gone,
+            timeout=30_000,
+        )
         assert "25 records" in page.inner_text("#caches-message")
         page.wait_for_function(
-            "fp => !document.querySelector(`tr[data-fingerprint='${fp}']`)", arg=gone,
-            timeout=30_000)
+            "fp => !document.querySelector(`tr[data-fingerprint='${fp}']`)",
+            arg=gone,
+            timeout=30_000,
+        )
         assert page.locator(f"tr[data-fingerprint='{keep}']").count() == 1
         if shots:
             page.screenshot(path=str(Path(shots) / "page-removed.png"))
@@ -93,7 +98,8 @@ def test_remove_with_a_wrong_token_removes_nothing(browser: object, tmp_path: Pa
         page.click("#token-ok")
         page.wait_for_function(
             "() => document.getElementById('caches-message').textContent.includes('not accepted')",
-            timeout=30_000)
+            timeout=30_000,
+        )
         page.close()
         assert record_counts(cache) == {fp: 5}
     finally:

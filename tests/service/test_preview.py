@@ -17,8 +17,16 @@ from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex
-from service.preview import (BACKGROUND, MAX_SIZE, PreviewRequest, decode_png_rgb, encode_png,
-                             level_voxels, render_record, render_voxels)
+from service.preview import (
+    BACKGROUND,
+    MAX_SIZE,
+    PreviewRequest,
+    decode_png_rgb,
+    encode_png,
+    level_voxels,
+    render_record,
+    render_voxels,
+)
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
 from tests.helpers.service import InProcessServer, build_cache
@@ -26,22 +34,32 @@ from tests.helpers.service import InProcessServer, build_cache
 LEVEL = 7
 
 
-def sphere_spc(level: int, radius: float = 0.8, n: int = 60_000, seed: int = 0,
-               queries: int = 0) -> dict[str, np.ndarray]:
+def sphere_spc(
+    level: int, radius: float = 0.8, n: int = 60_000, seed: int = 0, queries: int = 0
+) -> dict[str, np.ndarray]:
     """An SPC-shaped record of a sphere surface built with NumPy: every level's distinct
     voxels (root first) and the pyramid; with ``queries``, spc_query's query fields."""
     rng = np.random.default_rng(seed)
     points = rng.normal(size=(n, 3))
     points *= radius / np.linalg.norm(points, axis=1, keepdims=True)
-    per_level = [np.unique(np.clip(((points + 1) / 2 * (1 << lv)).astype(np.int64), 0,
-                                   (1 << lv) - 1), axis=0) for lv in range(level + 1)]
+    per_level = [
+        np.unique(
+            np.clip(((points + 1) / 2 * (1 << lv)).astype(np.int64), 0, (1 << lv) - 1), axis=0
+        )
+        for lv in range(level + 1)
+    ]
     counts = [len(v) for v in per_level]
     pyramid = np.zeros((2, level + 2), np.int32)
-    pyramid[0, :level + 1] = counts
+    pyramid[0, : level + 1] = counts
     pyramid[1, 1:] = np.cumsum(counts)
-    out = {"point_hierarchy": np.concatenate(per_level).astype(np.int16), "pyramid": pyramid,
-           "octree": np.zeros(1, np.uint8), "exsum": np.zeros(1, np.int32),
-           "center": np.zeros(3, np.float32), "scale": np.ones((), np.float32)}
+    out = {
+        "point_hierarchy": np.concatenate(per_level).astype(np.int16),
+        "pyramid": pyramid,
+        "octree": np.zeros(1, np.uint8),
+        "exsum": np.zeros(1, np.int32),
+        "center": np.zeros(3, np.float32),
+        "scale": np.ones((), np.float32),
+    }
     if queries:
         q = rng.uniform(-1, 1, size=(queries, 3)).astype(np.float32)
         pidx = np.full((queries, level + 1), -1, np.int32)
@@ -92,20 +110,22 @@ def test_query_points_are_drawn_by_hit_or_miss() -> None:
     spc = sphere_spc(5, queries=3000)
     value = _encode(spc, "spc_query", "q/one")
     with_q = decode_png_rgb(render_record(value, PreviewRequest(level=5, size=256)))
-    without = decode_png_rgb(render_record(value, PreviewRequest(level=5, size=256,
-                                                                 queries=False)))
+    without = decode_png_rgb(render_record(value, PreviewRequest(level=5, size=256, queries=False)))
     red = (with_q == [215, 50, 40]).all(axis=2).sum()
     green = (with_q == [30, 160, 60]).all(axis=2).sum()
     assert red > 100 and green > 10
     assert not (without == [215, 50, 40]).all(axis=2).any()
 
 
-@pytest.mark.parametrize(("request_", "problem"), [
-    (PreviewRequest(level=9), "outside this record's levels 0..7"),
-    (PreviewRequest(level=3, view="diagonal"), "unknown view"),
-    (PreviewRequest(level=3, size=MAX_SIZE + 1), "outside 16..1024"),
-    (PreviewRequest(level=-1), "negative"),
-])
+@pytest.mark.parametrize(
+    ("request_", "problem"),
+    [
+        (PreviewRequest(level=9), "outside this record's levels 0..7"),
+        (PreviewRequest(level=3, view="diagonal"), "unknown view"),
+        (PreviewRequest(level=3, size=MAX_SIZE + 1), "outside 16..1024"),
+        (PreviewRequest(level=-1), "negative"),
+    ],
+)
 def test_bad_requests_are_parameter_errors(request_: PreviewRequest, problem: str) -> None:
     from cache_store.errors import ParameterError
 
@@ -136,9 +156,18 @@ def _fingerprint(recipe: str, level: int) -> tuple[str, dict]:
 def _encode(arrays: dict[str, np.ndarray], recipe: str, sample_id: str) -> bytes:
     level = arrays["pyramid"].shape[1] - 2
     fp, _ = _fingerprint(recipe, level)
-    return encode_record(arrays, {"recipe": recipe, "recipe_version": "1", "fingerprint": fp,
-                                  "sample_id": sample_id, "source_hash": "xxh3_128:0",
-                                  "backend": "numpy", "device": "cpu"})
+    return encode_record(
+        arrays,
+        {
+            "recipe": recipe,
+            "recipe_version": "1",
+            "fingerprint": fp,
+            "sample_id": sample_id,
+            "source_hash": "xxh3_128:0",
+            "backend": "numpy",
+            "device": "cpu",
+        },
+    )
 
 
 @pytest.fixture
@@ -148,8 +177,9 @@ def sphere_cache(tmp_path: Path) -> tuple[Path, str, list[str]]:
     ids = ["balls/a", "balls/b", "cubes/c", "ü/é"]
     store = LMDBStore(cache, readonly=False)
     for i, sid in enumerate(ids):
-        store.put_many([(record_key(fp, sid), _encode(sphere_spc(LEVEL, n=5000, seed=i),
-                                                       "spc", sid))])
+        store.put_many(
+            [(record_key(fp, sid), _encode(sphere_spc(LEVEL, n=5000, seed=i), "spc", sid))]
+        )
     flipped = bytearray(_encode(sphere_spc(LEVEL, n=500), "spc", "bad/flipped"))
     flipped[-3] ^= 0x40  # a data byte: the header stays valid, a field checksum does not
     store.put_many([(record_key(fp, "bad/flipped"), bytes(flipped))])
@@ -169,8 +199,9 @@ def sphere_client(sphere_cache: tuple[Path, str, list[str]], tmp_path: Path):
         yield client
 
 
-def test_preview_route_png_etag_and_304(sphere_client: httpx.Client,
-                                        sphere_cache: tuple[Path, str, list[str]]) -> None:
+def test_preview_route_png_etag_and_304(
+    sphere_client: httpx.Client, sphere_cache: tuple[Path, str, list[str]]
+) -> None:
     _, fp, _ = sphere_cache
     url = f"/v1/caches/{fp}/previews/balls/a"
     r = sphere_client.get(url, params={"level": 5, "view": "front", "size": 200})
@@ -178,8 +209,9 @@ def test_preview_route_png_etag_and_304(sphere_client: httpx.Client,
     image = decode_png_rgb(r.content)
     assert image.shape == (200, 200, 3) and foreground(image) > 1000
     etag = r.headers["etag"]
-    again = sphere_client.get(url, params={"level": 5, "view": "front", "size": 200},
-                              headers={"If-None-Match": etag})
+    again = sphere_client.get(
+        url, params={"level": 5, "view": "front", "size": 200}, headers={"If-None-Match": etag}
+    )
     assert again.status_code == 304 and again.headers["etag"] == etag
     other = sphere_client.get(url, params={"level": 6, "view": "front", "size": 200})
     assert other.headers["etag"] != etag and other.content != r.content
@@ -189,17 +221,25 @@ def test_preview_route_png_etag_and_304(sphere_client: httpx.Client,
     assert unicode.status_code == 200
 
 
-@pytest.mark.parametrize(("path", "params", "status", "error"), [
-    ("balls/a", {"level": 9}, 422, "ParameterError"),
-    ("balls/a", {"level": 99}, 422, "RequestValidationError"),
-    ("balls/a", {"view": "diagonal"}, 422, "RequestValidationError"),
-    ("balls/a", {"size": 100_000}, 422, "RequestValidationError"),
-    ("balls/nope", {}, 404, "RecordNotFound"),
-    ("bad%5Cid", {}, 422, "InvalidSampleId"),  # a backslash
-])
-def test_preview_route_hostile_input(sphere_client: httpx.Client,
-                                     sphere_cache: tuple[Path, str, list[str]], path: str,
-                                     params: dict, status: int, error: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "params", "status", "error"),
+    [
+        ("balls/a", {"level": 9}, 422, "ParameterError"),
+        ("balls/a", {"level": 99}, 422, "RequestValidationError"),
+        ("balls/a", {"view": "diagonal"}, 422, "RequestValidationError"),
+        ("balls/a", {"size": 100_000}, 422, "RequestValidationError"),
+        ("balls/nope", {}, 404, "RecordNotFound"),
+        ("bad%5Cid", {}, 422, "InvalidSampleId"),  # a backslash
+    ],
+)
+def test_preview_route_hostile_input(
+    sphere_client: httpx.Client,
+    sphere_cache: tuple[Path, str, list[str]],
+    path: str,
+    params: dict,
+    status: int,
+    error: str,
+) -> None:
     _, fp, _ = sphere_cache
     r = sphere_client.get(f"/v1/caches/{fp}/previews/{path}", params=params)
     assert r.status_code == status, r.text
@@ -208,7 +248,8 @@ def test_preview_route_hostile_input(sphere_client: httpx.Client,
 
 
 def test_preview_of_a_damaged_record_is_a_json_corrupt_record(
-        sphere_client: httpx.Client, sphere_cache: tuple[Path, str, list[str]]) -> None:
+    sphere_client: httpx.Client, sphere_cache: tuple[Path, str, list[str]]
+) -> None:
     _, fp, _ = sphere_cache
     r = sphere_client.get(f"/v1/caches/{fp}/previews/bad/flipped", params={"size": 32})
     assert r.status_code == 500 and r.json()["error"] == "CorruptRecord"
@@ -225,7 +266,8 @@ def test_preview_of_a_record_without_levels_is_422(tmp_path: Path) -> None:
 
 
 def test_sample_search_by_prefix_with_states_and_cursor(
-        sphere_client: httpx.Client, sphere_cache: tuple[Path, str, list[str]]) -> None:
+    sphere_client: httpx.Client, sphere_cache: tuple[Path, str, list[str]]
+) -> None:
     _, fp, _ = sphere_cache
     page = sphere_client.get(f"/v1/caches/{fp}/samples", params={"prefix": "balls/"}).json()
     assert [s["sample_id"] for s in page["samples"]] == ["balls/a", "balls/b", "balls/queued"]
@@ -233,16 +275,19 @@ def test_sample_search_by_prefix_with_states_and_cursor(
     assert page["next"] is None
     pages, after = [], ""
     while True:  # pages of 2 by cursor, in key (UTF-8 byte) order, records and queue merged
-        got = sphere_client.get(f"/v1/caches/{fp}/samples",
-                                params={"limit": 2, "after": after}).json()
+        got = sphere_client.get(
+            f"/v1/caches/{fp}/samples", params={"limit": 2, "after": after}
+        ).json()
         pages.append([(x["sample_id"], x["state"]) for x in got["samples"]])
         if got["next"] is None:
             break
         assert got["next"] == pages[-1][-1][0]
         after = got["next"]
-    assert pages == [[("bad/flipped", "ready"), ("balls/a", "ready")],  # header intact
-                     [("balls/b", "ready"), ("balls/queued", "queued")],
-                     [("cubes/c", "ready"), ("ü/é", "ready")]]
+    assert pages == [
+        [("bad/flipped", "ready"), ("balls/a", "ready")],  # header intact
+        [("balls/b", "ready"), ("balls/queued", "queued")],
+        [("cubes/c", "ready"), ("ü/é", "ready")],
+    ]
     none = sphere_client.get(f"/v1/caches/{fp}/samples", params={"prefix": "zzz"}).json()
     assert none["samples"] == [] and none["next"] is None
 
@@ -250,8 +295,12 @@ def test_sample_search_by_prefix_with_states_and_cursor(
 def test_page_and_offline_docs_are_served_locally(sphere_client: httpx.Client) -> None:
     page = sphere_client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    for asset in ("/ui/page.js", "/ui/page.css", "/docs-assets/swagger-ui-bundle.js",
-                  "/docs-assets/redoc.standalone.js"):
+    for asset in (
+        "/ui/page.js",
+        "/ui/page.css",
+        "/docs-assets/swagger-ui-bundle.js",
+        "/docs-assets/redoc.standalone.js",
+    ):
         assert sphere_client.get(asset).status_code == 200, asset
     for docs in ("/docs", "/redoc"):
         html = sphere_client.get(docs).text
@@ -263,10 +312,13 @@ def test_page_and_offline_docs_are_served_locally(sphere_client: httpx.Client) -
 
 
 def test_serving_pages_and_previews_imports_neither_torch_nor_workers() -> None:
-    code = ("import sys, service.app, service.routes_page, service.preview; "
-            "print('\\n'.join(sorted(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
+    code = (
+        "import sys, service.app, service.routes_page, service.preview; "
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
     assert "torch" not in out
     assert not [m for m in out if m.split(".")[0] == "workers"]
 
@@ -277,10 +329,13 @@ def test_every_page_asset_is_package_data() -> None:
     import fnmatch
     import tomllib
 
-    patterns = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())[
-        "tool"]["setuptools"]["package-data"]["service"]
-    assets = [p.relative_to(REPO_ROOT / "service").as_posix()
-              for p in (REPO_ROOT / "service" / "static").iterdir()]
+    patterns = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["service"]
+    assets = [
+        p.relative_to(REPO_ROOT / "service").as_posix()
+        for p in (REPO_ROOT / "service" / "static").iterdir()
+    ]
     assert {"static/index.html", "static/page.js", "static/page.css"} <= set(assets)
     for asset in assets:
         assert any(fnmatch.fnmatch(asset, pattern) for pattern in patterns), asset

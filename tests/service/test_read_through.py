@@ -43,8 +43,9 @@ def _root(paths: list[Path]) -> Path:
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 4 on 2 cores
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_meshes: list[Path],
-                                                       context: str) -> None:
+def test_http_epoch_over_empty_cache_equals_precompute(
+    tmp_path: Path, corpus_meshes: list[Path], context: str
+) -> None:
     meshes = corpus_meshes[:4]
     cache, reference = tmp_path / "rt", tmp_path / "pre"
     precompute_reference(reference, meshes)
@@ -52,9 +53,14 @@ def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_me
     server = start_server(cache, _root(meshes), "--no-worker")
     proc = start_worker(cache)
     try:
-        ds = CachedDataset(server.url, "spc_query", sources=meshes,
-                           store_options={"token": TOKEN},
-                           transform=functools.partial(loader_check, parent_had_ops), **PARAMS)
+        ds = CachedDataset(
+            server.url,
+            "spc_query",
+            sources=meshes,
+            store_options={"token": TOKEN},
+            transform=functools.partial(loader_check, parent_had_ops),
+            **PARAMS,
+        )
         first, rows, second = two_epochs(ds, context, cache, len(meshes))
     finally:
         ds.close()
@@ -64,14 +70,21 @@ def test_http_epoch_over_empty_cache_equals_precompute(tmp_path: Path, corpus_me
 
 
 def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
-        tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path]) -> None:
+    tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path]
+) -> None:
     cache = tmp_path / "rt"
     bad = next(p for p in corpus_bad_inputs if p.name == "nan_vertices.obj")
     sources = [corpus_meshes[0], bad]
     server = start_server(cache, _root(sources), "--no-worker")
     try:
-        ds = CachedDataset(server.url, "spc_query", sources=sources,
-                           store_options={"token": TOKEN}, warm_ahead=0, **PARAMS)
+        ds = CachedDataset(
+            server.url,
+            "spc_query",
+            sources=sources,
+            store_options={"token": TOKEN},
+            warm_ahead=0,
+            **PARAMS,
+        )
         start = time.monotonic()
         with pytest.raises(NoWorkerAlive, match=f"spcache worker --cache {cache}"):
             ds[0]
@@ -100,15 +113,20 @@ def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
 def test_waiting_bound_dedupe_and_batch_wait(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     mesh = corpus_meshes[0]
     cache = tmp_path / "cache"
-    settings = Settings(cache=cache, source_roots=[mesh.parent], token=TOKEN, worker=False,
-                        max_waiting_requests=2)
+    settings = Settings(
+        cache=cache, source_roots=[mesh.parent], token=TOKEN, worker=False, max_waiting_requests=2
+    )
     spec = get_recipe_spec("spc")
     fp = compute_fingerprint("spc", spec.version, spec.resolve({"level": 4}))
-    with InProcessServer(settings) as server, httpx.Client(base_url=server.url,
-                                                           timeout=30) as http:
-        warm = {"recipe": "spc", "params": {"level": 4}, "dedupe": True,
-                "require_worker": True, "priority": 100,
-                "items": [{"id": "m", "path": str(mesh)}]}
+    with InProcessServer(settings) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        warm = {
+            "recipe": "spc",
+            "params": {"level": 4},
+            "dedupe": True,
+            "require_worker": True,
+            "priority": 100,
+            "items": [{"id": "m", "path": str(mesh)}],
+        }
         refused = http.post("/v1/warmup", json=warm, headers=AUTH)
         assert refused.status_code == 503 and refused.json()["error"] == "NoWorkerAlive"
         assert "spcache worker --cache" in refused.json()["detail"]
@@ -118,8 +136,7 @@ def test_waiting_bound_dedupe_and_batch_wait(tmp_path: Path, corpus_meshes: list
         again = http.post("/v1/warmup", json=warm, headers=AUTH).json()
         assert (first["queued"], first["reused"]) == (1, 0)
         assert (again["queued"], again["reused"], again["job_id"]) == (0, 1, None)
-        assert again["items"] == [{"id": "m", "status": "pending", "error": None,
-                                   "reused": True}]
+        assert again["items"] == [{"id": "m", "status": "pending", "error": None, "reused": True}]
         assert JobQueue(cache).counts()["pending"] == 1
 
         ctx = server.app.state.ctx
@@ -147,16 +164,18 @@ def test_waiting_bound_dedupe_and_batch_wait(tmp_path: Path, corpus_meshes: list
         assert all(a.headers["x-spcache-item-state"] == "queued" for a in answers)
         assert ctx.waits.taken == 0
 
-        batch = http.post(f"/v1/caches/{fp}/batch", params={"wait": 0.3},
-                          json={"ids": ["m", "never-queued"]})
+        batch = http.post(
+            f"/v1/caches/{fp}/batch", params={"wait": 0.3}, json={"ids": ["m", "never-queued"]}
+        )
         found, missing = decode_batch(batch.content)
         assert not found and set(missing) == {"m", "never-queued"}
         assert "queued" in missing["m"] and "missing" in missing["never-queued"]
         # the item fails: a waiting read answers its state and the worker's reason
         queue = JobQueue(cache)
         item = queue.claim("fake-worker", limit=1)[0]
-        queue.fail("fake-worker", item.item_id, "degenerate mesh: all faces zero-area",
-                   permanent=True)
+        queue.fail(
+            "fake-worker", item.item_id, "degenerate mesh: all faces zero-area", permanent=True
+        )
         failed = http.get(f"/v1/caches/{fp}/records/m", params={"wait": 5})
         assert failed.status_code == 404 and failed.headers["x-spcache-item-state"] == "failed"
         assert failed.json()["error"] == "SampleFailed"

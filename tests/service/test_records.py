@@ -15,8 +15,9 @@ def _url(cache: Cache, sid: str) -> str:
     return f"/v1/caches/{cache.fingerprint}/records/{sid}"
 
 
-def test_live_records_are_byte_identical_and_parse_with_safetensors(live: LiveServer,
-                                                                    cache: Cache) -> None:
+def test_live_records_are_byte_identical_and_parse_with_safetensors(
+    live: LiveServer, cache: Cache
+) -> None:
     with httpx.Client(base_url=live.url) as http:
         for sid, stored in cache.values.items():
             r = http.get(_url(cache, sid))
@@ -49,8 +50,9 @@ def test_fields_subset(client: httpx.Client, cache: Cache) -> None:
     assert bad.status_code == 422 and "nope" in bad.json()["detail"]
 
 
-def test_unknown_sample_and_fingerprint_are_404_with_a_reason(client: httpx.Client,
-                                                              cache: Cache) -> None:
+def test_unknown_sample_and_fingerprint_are_404_with_a_reason(
+    client: httpx.Client, cache: Cache
+) -> None:
     r = client.get(_url(cache, "shapes/absent"))
     assert r.status_code == 404
     assert r.json()["error"] == "RecordNotFound" and "shapes/absent" in r.json()["detail"]
@@ -66,8 +68,9 @@ def test_malformed_fingerprint_and_sample_id_are_422(client: httpx.Client, cache
     assert client.get(f"/v1/caches/{cache.fingerprint}/records/a%00b").status_code == 422
 
 
-def test_batch_returns_records_in_order_and_lists_misses(client: httpx.Client,
-                                                         cache: Cache) -> None:
+def test_batch_returns_records_in_order_and_lists_misses(
+    client: httpx.Client, cache: Cache
+) -> None:
     ids = [cache.ids[2], "shapes/absent", cache.ids[0]]
     r = client.post(f"/v1/caches/{cache.fingerprint}/batch", json={"ids": ids})
     assert r.status_code == 200 and r.headers["content-type"] == BATCH_MEDIA_TYPE

@@ -21,8 +21,13 @@ def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessS
     from tests.helpers.service import build_cache
 
     cache = build_cache(tmp_path_factory.mktemp("fuzz"))
-    s = Settings(cache=cache.root, source_roots=[cache.sources], token=AUTH["Authorization"][7:],
-                 worker=False, max_body_bytes=64 * 1024)
+    s = Settings(
+        cache=cache.root,
+        source_roots=[cache.sources],
+        token=AUTH["Authorization"][7:],
+        worker=False,
+        max_body_bytes=64 * 1024,
+    )
     with InProcessServer(s) as server:
         yield server
 
@@ -35,8 +40,13 @@ def test_no_server_errors(fuzz_server: InProcessServer) -> None:
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=6, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=6,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         def check(case: schemathesis.Case) -> None:
             for headers in (None, AUTH):
                 response = case.call(base_url=fuzz_server.url, headers=headers)

@@ -32,15 +32,16 @@ def test_worker_command_passes_the_source_roots_to_the_worker_parser(tmp_path: P
 
     cmd = worker_command("/c", source_roots=[tmp_path / "a", tmp_path / "b"])
     parser = cli.subcommand_parser("worker", cli.resolve("worker"))
-    args = parser.parse_args(cmd[cmd.index("worker") + 1:])
+    args = parser.parse_args(cmd[cmd.index("worker") + 1 :])
     assert [str(r) for r in args.source_roots] == [str(tmp_path / "a"), str(tmp_path / "b")]
 
 
 def test_a_dead_worker_is_restarted_with_backoff_and_stopped_cleanly(tmp_path: Path) -> None:
     marker = tmp_path / "starts"
-    script = (f"import time; open({str(marker)!r}, 'a').write('x'); time.sleep(60)")
-    sup = WorkerSupervisor([sys.executable, "-c", script], first_backoff_s=0.05,
-                           max_backoff_s=0.2, stop_grace_s=5)
+    script = f"import time; open({str(marker)!r}, 'a').write('x'); time.sleep(60)"
+    sup = WorkerSupervisor(
+        [sys.executable, "-c", script], first_backoff_s=0.05, max_backoff_s=0.2, stop_grace_s=5
+    )
     sup.start()
     try:
         assert _wait(lambda: sup.pid is not None and marker.exists())
@@ -56,16 +57,17 @@ def test_a_dead_worker_is_restarted_with_backoff_and_stopped_cleanly(tmp_path: P
 
 def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    script = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-              f"open({str(ready)!r}, 'w').close(); time.sleep(60)")
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
+    )
     sup = WorkerSupervisor([sys.executable, "-c", script], stop_grace_s=0.5)
     sup.start()
     assert _wait(ready.exists)
     assert sup.stop() == -signal.SIGKILL
 
 
-def test_no_second_worker_while_another_live_process_owns_the_cache(
-        tmp_path: Path, caplog) -> None:
+def test_no_second_worker_while_another_live_process_owns_the_cache(tmp_path: Path, caplog) -> None:
     import subprocess
 
     from tests.conftest import REPO_ROOT
@@ -74,13 +76,28 @@ def test_no_second_worker_while_another_live_process_owns_the_cache(
     script = f"import time; open({str(marker)!r}, 'a').write('x'); time.sleep(60)"
     # another process owns the cache, as a worker started by hand would
     owner = subprocess.Popen(
-        [sys.executable, "-c", ("import sys, time; from cache_store.jobs.owner_lock import WorkerLock; "
-         f"WorkerLock({str(tmp_path)!r}).acquire(worker_id='other'); print('held', flush=True); "
-         "time.sleep(60)")], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from cache_store.jobs.owner_lock import WorkerLock; "
+                f"WorkerLock({str(tmp_path)!r}).acquire(worker_id='other'); print('held', flush=True); "
+                "time.sleep(60)"
+            ),
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert owner.stdout is not None and owner.stdout.readline() == "held\n"
     holder = owner.pid
-    sup = WorkerSupervisor([sys.executable, "-c", script], first_backoff_s=0.1,
-                           max_backoff_s=0.2, stop_grace_s=5, cache=tmp_path)
+    sup = WorkerSupervisor(
+        [sys.executable, "-c", script],
+        first_backoff_s=0.1,
+        max_backoff_s=0.2,
+        stop_grace_s=5,
+        cache=tmp_path,
+    )
     with caplog.at_level("WARNING", logger="service.supervisor"):
         sup.start()
         try:

@@ -35,7 +35,12 @@ def test_ready_items_are_counted_not_queued(client: httpx.Client, cache: Cache) 
     assert job["counts"] == {"pending": 2, "running": 0, "done": 4, "failed": 0, "cancelled": 0}
     assert job["status"] == "running" and job["priority"] == 3
     # progress: 4 of 6 settled; no worker has finished one, so no rate yet
-    assert (job["total"], job["percent"], job["samples_per_s"], job["eta_s"]) == (6, 66.67, None, None)
+    assert (job["total"], job["percent"], job["samples_per_s"], job["eta_s"]) == (
+        6,
+        66.67,
+        None,
+        None,
+    )
     state = client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s1").json()
     assert state["state"] == "stale" and "changed" in state["reason"]
     assert client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s0").json()["state"] == "ready"
@@ -43,8 +48,10 @@ def test_ready_items_are_counted_not_queued(client: httpx.Client, cache: Cache) 
 
 
 def test_glob_warmup_uses_relative_paths_as_ids(client: httpx.Client, cache: Cache) -> None:
-    r = _warm(client, {"recipe": "spc", "params": {"level": 5}, "root": str(cache.sources),
-                       "glob": "**/*.obj"})
+    r = _warm(
+        client,
+        {"recipe": "spc", "params": {"level": 5}, "root": str(cache.sources), "glob": "**/*.obj"},
+    )
     assert r.status_code == 202, r.text
     job = client.get(f"/v1/jobs/{r.json()['job_id']}").json()
     assert job["counts"]["pending"] == len(cache.ids)  # another level: nothing ready
@@ -63,8 +70,9 @@ def test_mutating_routes_need_the_token(client: httpx.Client, cache: Cache) -> N
     assert client.get(f"/v1/jobs/{job_id}").status_code == 200  # reads need no token
 
 
-def test_path_traversal_is_rejected_naming_the_path(client: httpx.Client, cache: Cache,
-                                                   tmp_path: Path) -> None:
+def test_path_traversal_is_rejected_naming_the_path(
+    client: httpx.Client, cache: Cache, tmp_path: Path
+) -> None:
     outside = tmp_path / "secret.obj"
     outside.write_text("v 0 0 0\n")
     sneaky = f"{cache.sources}/shapes/../../secret.obj"
@@ -88,10 +96,12 @@ def test_symlink_escape_is_rejected(client: httpx.Client, cache: Cache, tmp_path
 
 
 def test_missing_source_and_bad_ids_are_listed(client: httpx.Client, cache: Cache) -> None:
-    items = [{"id": "../up", "path": str(cache.sources / "shapes/s0.obj")},
-             {"id": "ok", "path": str(cache.sources / "absent.obj")},
-             {"id": "shapes/s0", "path": str(cache.sources / "shapes/s0.obj")},
-             {"id": "shapes/s0", "path": str(cache.sources / "shapes/s1.obj")}]
+    items = [
+        {"id": "../up", "path": str(cache.sources / "shapes/s0.obj")},
+        {"id": "ok", "path": str(cache.sources / "absent.obj")},
+        {"id": "shapes/s0", "path": str(cache.sources / "shapes/s0.obj")},
+        {"id": "shapes/s0", "path": str(cache.sources / "shapes/s1.obj")},
+    ]
     r = _warm(client, {"recipe": "spc", "items": items})
     assert r.status_code == 422
     problems = r.json()["problems"]
@@ -101,8 +111,10 @@ def test_missing_source_and_bad_ids_are_listed(client: httpx.Client, cache: Cach
 
 
 def test_bad_recipe_parameters_are_422_listing_each(client: httpx.Client, cache: Cache) -> None:
-    r = _warm(client, {"recipe": "spc", "params": {"level": 99, "colour": "red"},
-                       "items": _items(cache, 1)})
+    r = _warm(
+        client,
+        {"recipe": "spc", "params": {"level": 99, "colour": "red"}, "items": _items(cache, 1)},
+    )
     assert r.status_code == 422
     body = r.json()
     assert body["error"] == "ParameterError"
@@ -112,14 +124,21 @@ def test_bad_recipe_parameters_are_422_listing_each(client: httpx.Client, cache:
     assert r.status_code == 422 and "known: spc, spc_query" in r.json()["detail"]
 
 
-@pytest.mark.parametrize("body", [
-    b"{not json", b"[]", b'{"recipe": "spc"}', b'{"recipe": "spc", "items": []}',
-    b'{"recipe": "spc", "items": [{"id": "a", "path": "b"}], "root": "x", "glob": "*"}',
-    b'{"recipe": "spc", "items": [{"id": "a", "path": "b"}], "surprise": 1}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[]",
+        b'{"recipe": "spc"}',
+        b'{"recipe": "spc", "items": []}',
+        b'{"recipe": "spc", "items": [{"id": "a", "path": "b"}], "root": "x", "glob": "*"}',
+        b'{"recipe": "spc", "items": [{"id": "a", "path": "b"}], "surprise": 1}',
+    ],
+)
 def test_malformed_requests_are_4xx_json(client: httpx.Client, body: bytes) -> None:
-    r = client.post("/v1/warmup", content=body,
-                    headers={**AUTH, "Content-Type": "application/json"})
+    r = client.post(
+        "/v1/warmup", content=body, headers={**AUTH, "Content-Type": "application/json"}
+    )
     assert 400 <= r.status_code < 500
     assert set(r.json()) >= {"error", "detail"} and "Traceback" not in r.text
 
@@ -133,17 +152,23 @@ def test_oversize_bodies_are_413(client: httpx.Client) -> None:
         for _ in range(200):
             yield b" " * 1024
 
-    r = client.post("/v1/warmup", content=chunks(),
-                    headers={**AUTH, "Content-Type": "application/json"})
+    r = client.post(
+        "/v1/warmup", content=chunks(), headers={**AUTH, "Content-Type": "application/json"}
+    )
     assert r.status_code == 413
 
 
 def test_jobs_list_get_cancel_and_404(client: httpx.Client, cache: Cache) -> None:
-    job_id = _warm(client, {"recipe": "spc", "params": {"level": 6},
-                            "items": _items(cache)}).json()["job_id"]
+    job_id = _warm(
+        client, {"recipe": "spc", "params": {"level": 6}, "items": _items(cache)}
+    ).json()["job_id"]
     listed = client.get("/v1/jobs").json()["jobs"]
     assert [j["id"] for j in listed] == [job_id]
-    assert (listed[0]["total"], listed[0]["percent"], listed[0]["eta_s"]) == (len(cache.ids), 0.0, None)
+    assert (listed[0]["total"], listed[0]["percent"], listed[0]["eta_s"]) == (
+        len(cache.ids),
+        0.0,
+        None,
+    )
     r = client.delete(f"/v1/jobs/{job_id}", headers=AUTH)
     assert r.json()["counts"]["cancelled"] == len(cache.ids) and r.json()["status"] == "cancelled"
     # nothing was computed: a cancelled job is not "100 %" done
@@ -153,14 +178,14 @@ def test_jobs_list_get_cancel_and_404(client: httpx.Client, cache: Cache) -> Non
     assert client.delete("/v1/jobs/nope", headers=AUTH).status_code == 404
 
 
-def test_cache_lists_every_remembered_failure_and_its_created_time(client: httpx.Client,
-                                                                   cache: Cache) -> None:
+def test_cache_lists_every_remembered_failure_and_its_created_time(
+    client: httpx.Client, cache: Cache
+) -> None:
     from cache_store.jobs.failures import FailureLog
     from cache_store.jobs.queue import JobQueue, NewItem
 
     # a precompute failure (the failure log) and a worker failure (the queue) alike
-    FailureLog(cache.root).record(cache.fingerprint, "broken", "/data/broken.obj", "h",
-                                  "no faces")
+    FailureLog(cache.root).record(cache.fingerprint, "broken", "/data/broken.obj", "h", "no faces")
     queue = JobQueue(cache.root)
     queue.submit("spc", cache.params, cache.fingerprint, [NewItem("empty", "/data/empty.ply")])
     (claimed,) = queue.claim("w")
@@ -171,9 +196,12 @@ def test_cache_lists_every_remembered_failure_and_its_created_time(client: httpx
     failed = body["failed"]
     assert failed["count"] == 2 == body["counts"]["failed"]
     assert sorted((f["id"], f["path"], f["reason"]) for f in failed["items"]) == [
-        ("broken", "/data/broken.obj", "no faces"), ("empty", "/data/empty.ply", "file is empty")]
+        ("broken", "/data/broken.obj", "no faces"),
+        ("empty", "/data/empty.ply", "file is empty"),
+    ]
     listed = client.get("/v1/caches").json()["caches"]
-    assert [(c["failed"], bool(c["created"])) for c in listed
-            if c["fingerprint"] == cache.fingerprint] == [(2, True)]
+    assert [
+        (c["failed"], bool(c["created"])) for c in listed if c["fingerprint"] == cache.fingerprint
+    ] == [(2, True)]
     jobs = client.get("/v1/jobs").json()["jobs"]
     assert jobs[0]["status"] == "failed" and jobs[0]["errors"][0]["error"] == "file is empty"

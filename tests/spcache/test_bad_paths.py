@@ -73,16 +73,29 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("command", "arguments", "named", "unprivileged"), CASES,
-                         ids=[f"{c[0]}:{c[1].split()[-1] if c[0] != 'precompute' else c[1].split()[0]}"
-                              f"{':nobody' if c[3] else ''}" for c in CASES])
-def test_a_bad_path_is_one_line_naming_it_with_exit_2(scratch: Path, command: str, arguments: str,
-                                                     named: str, unprivileged: bool) -> None:
+@pytest.mark.parametrize(
+    ("command", "arguments", "named", "unprivileged"),
+    CASES,
+    ids=[
+        f"{c[0]}:{c[1].split()[-1] if c[0] != 'precompute' else c[1].split()[0]}"
+        f"{':nobody' if c[3] else ''}"
+        for c in CASES
+    ],
+)
+def test_a_bad_path_is_one_line_naming_it_with_exit_2(
+    scratch: Path, command: str, arguments: str, named: str, unprivileged: bool
+) -> None:
     argv = [sys.executable, "-m", "spcache", command, *arguments.format(s=scratch).split()]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     env.pop("SPCACHE_CACHE", None)
-    proc = subprocess.run((_as_nobody() if unprivileged else []) + argv, cwd=scratch, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        (_as_nobody() if unprivileged else []) + argv,
+        cwd=scratch,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

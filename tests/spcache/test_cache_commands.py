@@ -17,21 +17,34 @@ from tests.conftest import REPO_ROOT
 
 
 def _spcache(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _cache_with_failures(root: Path) -> str:
     fp = fingerprint_of("spc", level=4)
     with LMDBStore(root, readonly=False) as store:
         store.put_many([(f"{fp}/s{i}", make_record(fp, f"s{i}", i)) for i in range(2)])
-        store.put_index(DatasetIndex(fp, "spc", 1, {"level": 4, "surface_samples": 100000},
-                                     ["s0", "s1"]))
+        store.put_index(
+            DatasetIndex(fp, "spc", 1, {"level": 4, "surface_samples": 100000}, ["s0", "s1"])
+        )
     queue = JobQueue(root, max_attempts=1)
     try:
-        queue.submit("spc", {"level": 4, "surface_samples": 100000}, fp,
-                     [NewItem("bad1", "/data/bad1.obj"), NewItem("bad2", "/data/bad2.ply"),
-                      NewItem("good", "/data/good.obj")])
+        queue.submit(
+            "spc",
+            {"level": 4, "surface_samples": 100000},
+            fp,
+            [
+                NewItem("bad1", "/data/bad1.obj"),
+                NewItem("bad2", "/data/bad2.ply"),
+                NewItem("good", "/data/good.obj"),
+            ],
+        )
         claimed = {c.sample_id: c for c in queue.claim("w", limit=3)}
         queue.fail("w", claimed["bad1"].item_id, "bad1.obj: file is empty", permanent=True)
         queue.fail("w", claimed["bad2"].item_id, "bad2.ply: no vertices", permanent=True)
@@ -53,7 +66,8 @@ def test_stats_lists_failed_samples_with_their_reasons(tmp_path: Path) -> None:
     assert sorted((f["id"], f["path"], f["reason"]) for f in failed["items"]) == [
         ("bad1", "/data/bad1.obj", "bad1.obj: file is empty"),
         ("bad2", "/data/bad2.ply", "bad2.ply: no vertices"),
-        ("bad3", "/data/bad3.stl", "bad3.stl: not a mesh")]
+        ("bad3", "/data/bad3.stl", "bad3.stl: not a mesh"),
+    ]
     assert all(f["when"].endswith("Z") for f in failed["items"])
     (job,) = data["fingerprints"][fp]["jobs"]
     assert job["status"] == "done_with_errors" and job["counts"] == {"done": 1, "failed": 2}

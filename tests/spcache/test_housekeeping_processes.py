@@ -24,13 +24,20 @@ from tests.helpers.housekeeping import (
 
 
 def _loader(ds: CachedDataset) -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
-                                       multiprocessing_context="fork", persistent_workers=True,
-                                       collate_fn=lambda batch: batch)
+    return torch.utils.data.DataLoader(
+        ds,
+        batch_size=16,
+        shuffle=True,
+        num_workers=2,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+        collate_fn=lambda batch: batch,
+    )
 
 
-def _read_while(loader: torch.utils.data.DataLoader, proc: subprocess.Popen[str],
-                timeout: float = 240) -> tuple[int, list[str]]:
+def _read_while(
+    loader: torch.utils.data.DataLoader, proc: subprocess.Popen[str], timeout: float = 240
+) -> tuple[int, list[str]]:
     """Iterate epochs until ``proc`` exited and one more epoch ran. Returns (samples
     read, errors)."""
     read, errors = 0, []
@@ -113,9 +120,24 @@ def test_compact_while_a_writer_process_writes_loses_no_commit(tmp_path: Path) -
     gone = add_fingerprint(cache, 5, n=3000, nbytes=3000)
     assert spcache("rm", gone, "--cache", str(cache)).returncode == 0
     writer = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.procs", "writer", str(cache), "--batches", "400",
-         "--size", "50", "--record-bytes", "1000"],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "tests.helpers.procs",
+            "writer",
+            str(cache),
+            "--batches",
+            "400",
+            "--size",
+            "50",
+            "--record-bytes",
+            "1000",
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert writer.stdout is not None
     for line in writer.stdout:  # start compacting once the writer is under way
         if line.strip() == "committed 2":

@@ -38,22 +38,43 @@ def _open_paths_under(folder: Path) -> list[str]:
 
 
 def test_import_spcache_is_light_and_lists_its_surface() -> None:
-    code = ("import sys, spcache\n"
-            "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
-            "{'torch', 'workers', 'service', 'cache_store', 'numpy', 'lmdb'})\n"
-            "before = list(heavy)\n"
-            "spcache.precompute; spcache.PrecomputeResult; spcache.SpcacheError\n"
-            "spcache.recipes.Recipe; spcache.ls\n"
-            "after = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'workers'})\n"
-            "print(before, after)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    code = (
+        "import sys, spcache\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'torch', 'workers', 'service', 'cache_store', 'numpy', 'lmdb'})\n"
+        "before = list(heavy)\n"
+        "spcache.precompute; spcache.PrecomputeResult; spcache.SpcacheError\n"
+        "spcache.recipes.Recipe; spcache.ls\n"
+        "after = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'workers'})\n"
+        "print(before, after)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     # nothing at import; the precompute function and the errors still need no torch
     assert out.split() == ["[]", "[]"], out
     public = set(spcache.__all__) - {"__version__"}
-    assert {"CachedDataset", "collate_spc", "precompute", "PrecomputeResult", "SpcacheError",
-            "ls", "rm", "prune", "compact", "recipes",
-            "ParameterError", "UsageError", "StoreFull", "SampleFailed"} <= public
+    assert {
+        "CachedDataset",
+        "collate_spc",
+        "precompute",
+        "PrecomputeResult",
+        "SpcacheError",
+        "ls",
+        "rm",
+        "prune",
+        "compact",
+        "recipes",
+        "ParameterError",
+        "UsageError",
+        "StoreFull",
+        "SampleFailed",
+    } <= public
     namespace: dict[str, object] = {}
     exec("from spcache import *", namespace)  # every listed name resolves
     assert public <= set(namespace)
@@ -61,26 +82,38 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
         spcache.Engine  # noqa: B018 - internal names are not reachable from the front door
     # every lazily loaded name of both front doors is listed (an unlisted one is internal)
     import cache_store
+
     for package in (spcache, cache_store):
         assert set(vars(package)["_LAZY"]) <= set(package.__all__), package.__name__
     from spcache.recipes import Recipe
+
     assert spcache.recipes.Recipe is Recipe  # the submodule itself, loaded on first use
     # the older import paths name the same objects
     from cache_store.errors import SpcacheError
+
     assert spcache.CachedDataset is cache_store.CachedDataset
     assert spcache.collate_spc is cache_store.collate_spc
     assert spcache.SpcacheError is SpcacheError
-    assert issubclass(spcache.UsageError, SpcacheError) and issubclass(spcache.UsageError, ValueError)
+    assert issubclass(spcache.UsageError, SpcacheError) and issubclass(
+        spcache.UsageError, ValueError
+    )
     import cache_store.errors
-    defined = {name for name, value in vars(cache_store.errors).items()
-               if isinstance(value, type) and issubclass(value, SpcacheError)}
+
+    defined = {
+        name
+        for name, value in vars(cache_store.errors).items()
+        if isinstance(value, type) and issubclass(value, SpcacheError)
+    }
     assert defined <= public, defined - public  # every error class is on the front door
 
 
 @pytest.mark.slow
-def test_precompute_twice_then_fork_dataloader_workers(tmp_path: Path, corpus_meshes: list[Path],
-                                                       corpus_points: list[Path],
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_precompute_twice_then_fork_dataloader_workers(
+    tmp_path: Path,
+    corpus_meshes: list[Path],
+    corpus_points: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import torch
     from torch.utils.data import DataLoader
 
@@ -94,8 +127,9 @@ def test_precompute_twice_then_fork_dataloader_workers(tmp_path: Path, corpus_me
     sigterm_before = signal.getsignal(signal.SIGTERM)
     threads_before = set(threading.enumerate())
 
-    first = spcache.precompute(folder, "spc_query", cache, device="cpu", backend="torch",
-                               loaders=1, **PARAMS)
+    first = spcache.precompute(
+        folder, "spc_query", cache, device="cpu", backend="torch", loaders=1, **PARAMS
+    )
     assert isinstance(first, spcache.PrecomputeResult)
     assert (first.done, first.skipped, first.failed) == (len(chosen), 0, 1), first.errors
     [error] = first.errors
@@ -107,17 +141,43 @@ def test_precompute_twice_then_fork_dataloader_workers(tmp_path: Path, corpus_me
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.done = 0  # type: ignore[misc]
 
-    second = spcache.precompute([folder], "spc_query", cache, device="cpu", backend="torch",
-                                loaders=1, progress=False, **PARAMS)
+    second = spcache.precompute(
+        [folder],
+        "spc_query",
+        cache,
+        device="cpu",
+        backend="torch",
+        loaders=1,
+        progress=False,
+        **PARAMS,
+    )
     assert (second.done, second.skipped, second.failed) == (0, len(chosen), 1)
     assert second.fingerprint == first.fingerprint
     assert second.failed_again == ("broken",)
 
     # the CLI is the same run: its --json object is the result's as_json()
     capsys.readouterr()
-    assert main(["precompute", str(folder), "--recipe", "spc_query", *SMALL, "--cache",
-                 str(cache), "--device", "cpu", "--backend", "torch", "--loaders", "0",
-                 "--json"]) == 1
+    assert (
+        main(
+            [
+                "precompute",
+                str(folder),
+                "--recipe",
+                "spc_query",
+                *SMALL,
+                "--cache",
+                str(cache),
+                "--device",
+                "cpu",
+                "--backend",
+                "torch",
+                "--loaders",
+                "0",
+                "--json",
+            ]
+        )
+        == 1
+    )
     printed = json.loads(capsys.readouterr().out)
     third = spcache.PrecomputeResult.from_json(printed, cache=cache)
     assert printed == third.as_json()
@@ -133,8 +193,13 @@ def test_precompute_twice_then_fork_dataloader_workers(tmp_path: Path, corpus_me
     assert signal.getsignal(signal.SIGTERM) is sigterm_before
 
     dataset = first.dataset()
-    loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=spcache.collate_spc,
-                        multiprocessing_context="fork")
+    loader = DataLoader(
+        dataset,
+        batch_size=2,
+        num_workers=2,
+        collate_fn=spcache.collate_spc,
+        multiprocessing_context="fork",
+    )
     sizes, octrees = [], []
     for batch in loader:
         sizes.append(len(batch["lengths"]))
@@ -165,21 +230,28 @@ def test_precompute_reports_bad_calls_as_errors(tmp_path: Path, corpus_meshes: l
 
 NOTEBOOK_CELLS = [
     "import sys\nsys.path.insert(0, {repo!r})\nimport signal, spcache",
-    ("handler = signal.getsignal(signal.SIGTERM)\n"
-    "first = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
-    "                           backend='torch', loaders=1, **{params!r})\n"
-    "first"),
-    ("second = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
-    "                            backend='torch', loaders=1, **{params!r})"),
-    ("import json\n"
-    "print(json.dumps({{'type': type(first).__name__, 'first': first.as_json(),\n"
-    "                  'second': second.as_json(), 'handler_kept': signal.getsignal(signal.SIGTERM) is handler}}))"),
+    (
+        "handler = signal.getsignal(signal.SIGTERM)\n"
+        "first = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
+        "                           backend='torch', loaders=1, **{params!r})\n"
+        "first"
+    ),
+    (
+        "second = spcache.precompute({sources!r}, 'spc_query', {cache!r}, device='cpu',\n"
+        "                            backend='torch', loaders=1, **{params!r})"
+    ),
+    (
+        "import json\n"
+        "print(json.dumps({{'type': type(first).__name__, 'first': first.as_json(),\n"
+        "                  'second': second.as_json(), 'handler_kept': signal.getsignal(signal.SIGTERM) is handler}}))"
+    ),
 ]
 
 
 @pytest.mark.slow
-def test_precompute_in_a_jupyter_kernel(tmp_path: Path, corpus_meshes: list[Path],
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precompute_in_a_jupyter_kernel(
+    tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the kernel's connection file goes here, not into the user's Jupyter runtime folder
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # the kernel's profile, too
@@ -191,8 +263,12 @@ def test_precompute_in_a_jupyter_kernel(tmp_path: Path, corpus_meshes: list[Path
     values = {"repo": str(REPO_ROOT), "sources": sources, "cache": cache, "params": PARAMS}
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(cell.format(**values)) for cell in NOTEBOOK_CELLS]
-    client = nbclient.NotebookClient(notebook, timeout=240, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=240,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
     client.execute()
 
     shown = notebook.cells[1].outputs  # the result's repr as the cell's value

@@ -28,10 +28,24 @@ def _serve_log(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -
     """Start ``python -m spcache serve --no-worker``, wait for uvicorn to listen, stop it,
     return its stderr."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "spcache", "serve", "--cache",
-                             str(tmp_path / "cache"), "--port", str(port), "--no-worker", *flags],
-                            cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "serve",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--port",
+            str(port),
+            "--no-worker",
+            *flags,
+        ],
+        cwd=REPO_ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         _wait_listening(port, proc)
     finally:
@@ -76,10 +90,27 @@ def test_serve_takes_its_level_from_the_environment_and_warning_hides_info(tmp_p
 @pytest.mark.parametrize("level", ["debug", "info", "warning"])
 def test_worker_logs_at_its_log_level(tmp_path: Path, level: str) -> None:
     (tmp_path / "cache").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "spcache", "worker", "--cache",
-                           str(tmp_path / "cache"), "--device", "cpu", "--drain", "--loaders", "0",
-                           "--log-level", level], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "worker",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--device",
+            "cpu",
+            "--drain",
+            "--loaders",
+            "0",
+            "--log-level",
+            level,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = " INFO workers.worker_loop: worker " in proc.stderr
     assert info == (level in ("debug", "info")), proc.stderr[-3000:]
@@ -87,10 +118,19 @@ def test_worker_logs_at_its_log_level(tmp_path: Path, level: str) -> None:
 
 
 def test_verbose_flags_set_the_level_of_commands_without_log_level(tmp_path: Path) -> None:
-    quiet = subprocess.run([sys.executable, "-m", "spcache", "stats", "--cache", str(tmp_path)],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    loud = subprocess.run([sys.executable, "-m", "spcache", "-vv", "stats", "--cache",
-                           str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=60)
+    quiet = subprocess.run(
+        [sys.executable, "-m", "spcache", "stats", "--cache", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    loud = subprocess.run(
+        [sys.executable, "-m", "spcache", "-vv", "stats", "--cache", str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert " DEBUG " not in quiet.stderr
     assert " DEBUG spcache.cli: spcache stats: pid " in loud.stderr, loud.stderr

@@ -35,12 +35,14 @@ def _log(path: Path) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
-                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"]
+)
 def test_a_signal_to_serve_stops_it_and_its_worker(tmp_path: Path, signum: int) -> None:
     port, log = free_port(), tmp_path / "serve.log"
-    proc = spcache("serve", "--cache", str(tmp_path / "cache"), "--port", str(port),
-                   "--device", "cpu", log=log)
+    proc = spcache(
+        "serve", "--cache", str(tmp_path / "cache"), "--port", str(port), "--device", "cpu", log=log
+    )
     procs = []
     try:
         wait_for(lambda: not port_is_free(port), 60, "serve to listen")
@@ -60,8 +62,9 @@ def test_a_signal_to_serve_stops_it_and_its_worker(tmp_path: Path, signum: int) 
 def test_sigterm_to_a_worker_stops_it(tmp_path: Path) -> None:
     log = tmp_path / "worker.log"
     (tmp_path / "cache").mkdir()
-    proc = spcache("worker", "--cache", str(tmp_path / "cache"), "--device", "cpu",
-                   "--poll", "0.2", log=log)
+    proc = spcache(
+        "worker", "--cache", str(tmp_path / "cache"), "--device", "cpu", "--poll", "0.2", log=log
+    )
     try:
         wait_for(lambda: "draining" in _log(log), 60, "the worker to start")
         procs = tree(proc.pid)
@@ -82,9 +85,24 @@ def test_sigterm_to_precompute_stops_it_and_its_loaders(tmp_path: Path) -> None:
     for i in range(24):
         mesh.export(sources / f"s{i:02d}.obj")
     log = tmp_path / "precompute.log"
-    proc = spcache("precompute", str(sources), "--recipe", "spc", "--param", "level=6",
-                   "--param", "surface_samples=4000000", "--cache", str(tmp_path / "cache"),
-                   "--device", "cpu", "--loaders", "2", "--json", log=log)
+    proc = spcache(
+        "precompute",
+        str(sources),
+        "--recipe",
+        "spc",
+        "--param",
+        "level=6",
+        "--param",
+        "surface_samples=4000000",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--device",
+        "cpu",
+        "--loaders",
+        "2",
+        "--json",
+        log=log,
+    )
     try:
         wait_for(lambda: len(tree(proc.pid)) >= 3, 60, "the loader processes")
         procs = tree(proc.pid)
@@ -106,9 +124,23 @@ def test_ctrl_c_on_precompute_says_so_at_once_and_stops_within_seconds(tmp_path:
         mesh.export(sources / f"s{i:02d}.obj")
     log = tmp_path / "precompute.log"
     # loads that take seconds each (4 M surface samples): the loaders are busy when it lands
-    proc = spcache("precompute", str(sources), "--recipe", "spc", "--param", "level=6",
-                   "--param", "surface_samples=4000000", "--cache", str(tmp_path / "cache"),
-                   "--device", "cpu", "--loaders", "2", log=log)
+    proc = spcache(
+        "precompute",
+        str(sources),
+        "--recipe",
+        "spc",
+        "--param",
+        "level=6",
+        "--param",
+        "surface_samples=4000000",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--device",
+        "cpu",
+        "--loaders",
+        "2",
+        log=log,
+    )
     try:
         # main, resource tracker, forkserver and its 2 loaders, busy with their loads
         wait_for(lambda: len(tree(proc.pid)) >= 5, 60, "the loader processes")
@@ -132,12 +164,16 @@ def test_ctrl_c_on_precompute_says_so_at_once_and_stops_within_seconds(tmp_path:
 @pytest.mark.slow
 def test_sigterm_to_demo_stops_it_the_service_and_the_worker(tmp_path: Path) -> None:
     port, log = free_port(), tmp_path / "demo.log"
-    proc = spcache("demo", "--dir", str(tmp_path / "demo"), "--port", str(port),
-                   "--level", "4", log=log)
+    proc = spcache(
+        "demo", "--dir", str(tmp_path / "demo"), "--port", str(port), "--level", "4", log=log
+    )
     procs = []
     try:
-        wait_for(lambda: "Ctrl-C stops the service." in _log(log) or proc.poll() is not None,
-                 300, "the demo to serve")
+        wait_for(
+            lambda: "Ctrl-C stops the service." in _log(log) or proc.poll() is not None,
+            300,
+            "the demo to serve",
+        )
         assert proc.poll() is None, _log(log)[-3000:]
         procs = tree(proc.pid)
         assert has_descendant(proc.pid, "spcache", "serve")
@@ -157,9 +193,22 @@ def test_demo_on_a_busy_port_says_to_use_port(tmp_path: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "spcache", "demo", "--dir",
-                              str(tmp_path / "d"), "--port", str(port)], cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spcache",
+                "demo",
+                "--dir",
+                str(tmp_path / "d"),
+                "--port",
+                str(port),
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert out.returncode == 2
     assert f"port {port}" in out.stderr and "--port" in out.stderr
     assert not (tmp_path / "d").exists()  # refused before doing anything
@@ -172,9 +221,23 @@ def test_a_second_worker_on_an_owned_cache_is_refused_naming_the_holder(tmp_path
     first = spcache("worker", "--cache", str(cache), "--device", "cpu", log=log)
     try:
         wait_for(lambda: "draining" in _log(log), 60, "the first worker")
-        second = subprocess.run([sys.executable, "-m", "spcache", "worker", "--cache", str(cache),
-                                 "--device", "cpu", "--drain"], cwd=REPO_ROOT,
-                                capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "spcache",
+                "worker",
+                "--cache",
+                str(cache),
+                "--device",
+                "cpu",
+                "--drain",
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 2
         assert f"already owned by worker pid {first.pid} on " in second.stderr
         holder = json.loads((cache / "worker.lock").read_text())
@@ -183,7 +246,21 @@ def test_a_second_worker_on_an_owned_cache_is_refused_naming_the_holder(tmp_path
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=30)
     # once the holder is gone, the cache is free again
-    again = subprocess.run([sys.executable, "-m", "spcache", "worker", "--cache", str(cache),
-                            "--device", "cpu", "--drain"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--drain",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0, again.stderr[-2000:]

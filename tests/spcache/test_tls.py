@@ -34,9 +34,23 @@ FP = compute_fingerprint("spc", 1, {})
 
 
 def _serve(cache: Path, port: int, *flags: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "spcache", "serve", "--cache", str(cache),
-                             "--port", str(port), "--no-worker", *flags],
-                            cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "serve",
+            "--cache",
+            str(cache),
+            "--port",
+            str(port),
+            "--no-worker",
+            *flags,
+        ],
+        cwd=REPO_ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_https(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
@@ -54,7 +68,8 @@ def _wait_https(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) ->
 
 
 def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     cache = tmp_path / "cache"
     store = LMDBStore(cache, readonly=False)
     value = make_record(FP, "a1", 0)
@@ -83,14 +98,20 @@ def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
     assert f"spcache serve: listening on {url}" in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--tls-certfile", str(CERT)], "tls_certfile and tls_keyfile go together"),
-    (["--tls-certfile", str(KEY), "--tls-keyfile", str(KEY)], "cannot load TLS certificate"),
-    (["--tls-certfile", str(CERT), "--tls-keyfile", "/nowhere/key.pem"],
-     "TLS file /nowhere/key.pem: cannot read file: it does not exist"),
-])
-def test_bad_tls_files_are_one_line_at_start(tmp_path: Path, flags: list[str],
-                                             message: str) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tls-certfile", str(CERT)], "tls_certfile and tls_keyfile go together"),
+        (["--tls-certfile", str(KEY), "--tls-keyfile", str(KEY)], "cannot load TLS certificate"),
+        (
+            ["--tls-certfile", str(CERT), "--tls-keyfile", "/nowhere/key.pem"],
+            "TLS file /nowhere/key.pem: cannot read file: it does not exist",
+        ),
+    ],
+)
+def test_bad_tls_files_are_one_line_at_start(
+    tmp_path: Path, flags: list[str], message: str
+) -> None:
     proc = _serve(tmp_path / "cache", free_port(), *flags)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err

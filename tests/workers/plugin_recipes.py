@@ -12,8 +12,19 @@ import numpy as np
 
 from spcache.recipes import Field, Param, Recipe
 
-MODES = ("ok", "dtype", "missing", "extra", "rank", "nan", "meta", "prepare", "compute",
-         "not_a_dict", "oom")
+MODES = (
+    "ok",
+    "dtype",
+    "missing",
+    "extra",
+    "rank",
+    "nan",
+    "meta",
+    "prepare",
+    "compute",
+    "not_a_dict",
+    "oom",
+)
 
 
 class Probe(Recipe):
@@ -21,11 +32,14 @@ class Probe(Recipe):
 
     name = "probe"
     version = 1
-    params = {"level": Param(int, 3, minimum=1, maximum=8, doc="voxel grid depth"),
-              "mode": Param(str, "ok", doc="how to misbehave on meshes: " + ", ".join(MODES))}
-    fields = {"voxels": Field("int16", "[N, 3]", "occupied voxels at level, sorted"),
-              "extent": Field("float32", "[3]", "bounding-box size in source units",
-                              finite=True)}
+    params = {
+        "level": Param(int, 3, minimum=1, maximum=8, doc="voxel grid depth"),
+        "mode": Param(str, "ok", doc="how to misbehave on meshes: " + ", ".join(MODES)),
+    }
+    fields = {
+        "voxels": Field("int16", "[N, 3]", "occupied voxels at level, sorted"),
+        "extent": Field("float32", "[3]", "bounding-box size in source units", finite=True),
+    }
 
     def prepare(self, source, params, generator):
         if params["mode"] not in MODES:
@@ -38,16 +52,21 @@ class Probe(Recipe):
         v = source.vertices
         lo, hi = v.min(axis=0), v.max(axis=0)
         half = max(float((hi - lo).max()) / 2, 1e-12)
-        return {"points": ((v - (lo + hi) / 2) / half).astype(np.float32),
-                "extent": (hi - lo).astype(np.float32), "mesh": np.array(mesh)}
+        return {
+            "points": ((v - (lo + hi) / 2) / half).astype(np.float32),
+            "extent": (hi - lo).astype(np.float32),
+            "mesh": np.array(mesh),
+        }
 
     def compute(self, prepared, params, device, ops):
         import torch
 
         points = torch.from_numpy(prepared["points"]).to(device)
         voxels = torch.unique(ops.quantize_points(points, params["level"]), dim=0)
-        out = {"voxels": voxels.to("cpu", torch.int16),
-               "extent": torch.from_numpy(prepared["extent"])}
+        out = {
+            "voxels": voxels.to("cpu", torch.int16),
+            "extent": torch.from_numpy(prepared["extent"]),
+        }
         if not bool(prepared["mesh"]):
             return out
         mode = params["mode"]

@@ -32,9 +32,11 @@ def test_directory_discovery_is_recursive_sorted_and_ids_are_relative(tmp_path: 
     _touch(root / ".hidden" / "y.obj")
     _touch(root / ".z.obj")
     items = discover_sources([root])
-    assert items == [("b", str(root / "b.xyz")),
-                     ("chairs/a1", str(root / "chairs" / "a1.OBJ")),
-                     ("chairs/deep/x", str(root / "chairs" / "deep" / "x.ply"))]
+    assert items == [
+        ("b", str(root / "b.xyz")),
+        ("chairs/a1", str(root / "chairs" / "a1.OBJ")),
+        ("chairs/deep/x", str(root / "chairs" / "deep" / "x.ply")),
+    ]
 
 
 def test_manifests_and_single_files(tmp_path: Path) -> None:
@@ -43,20 +45,29 @@ def test_manifests_and_single_files(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "list.txt").write_text(f"# comment\n../meshes/a.obj\n\n{elsewhere}\n")
     assert discover_sources([tmp_path / "m" / "list.txt"]) == [
-        ("a", str(tmp_path / "m" / "../meshes/a.obj")), ("b", str(elsewhere))]
+        ("a", str(tmp_path / "m" / "../meshes/a.obj")),
+        ("b", str(elsewhere)),
+    ]
     (tmp_path / "list.txt").write_text("# comment\nmeshes/a.obj\n\n" + str(a) + "\n")
     (tmp_path / "list.jsonl").write_text(json.dumps({"id": "first", "path": "meshes/a.obj"}) + "\n")
     assert discover_sources([tmp_path / "list.txt"]) == [
-        ("meshes/a", str(tmp_path / "meshes/a.obj")), ("meshes/a", str(a))]
-    assert discover_sources([tmp_path / "list.jsonl"]) == [("first", str(tmp_path / "meshes/a.obj"))]
+        ("meshes/a", str(tmp_path / "meshes/a.obj")),
+        ("meshes/a", str(a)),
+    ]
+    assert discover_sources([tmp_path / "list.jsonl"]) == [
+        ("first", str(tmp_path / "meshes/a.obj"))
+    ]
     assert discover_sources([a]) == [("a", str(a))]
 
 
-@pytest.mark.parametrize("content,reason", [
-    ("{not json\n", "line 1: not JSON"),
-    ('{"id": "x"}\n', "line 1: expected an object"),
-    ('["x", "y"]\n', "expected an object"),
-])
+@pytest.mark.parametrize(
+    "content,reason",
+    [
+        ("{not json\n", "line 1: not JSON"),
+        ('{"id": "x"}\n', "line 1: expected an object"),
+        ('["x", "y"]\n', "expected an object"),
+    ],
+)
 def test_bad_jsonl_manifest(tmp_path: Path, content: str, reason: str) -> None:
     (tmp_path / "m.jsonl").write_text(content)
     with pytest.raises(SourceError, match=reason):
@@ -70,7 +81,11 @@ def test_missing_source_is_an_error(tmp_path: Path) -> None:
 
 def test_parse_params() -> None:
     assert parse_params(["level=8", "surface_sigma=0.02", "uniform_queries=1e3", "x=abc"]) == {
-        "level": 8, "surface_sigma": 0.02, "uniform_queries": 1000.0, "x": "abc"}
+        "level": 8,
+        "surface_sigma": 0.02,
+        "uniform_queries": 1000.0,
+        "x": "abc",
+    }
     with pytest.raises(ParameterError, match="KEY=VALUE"):
         parse_params(["level"])
     with pytest.raises(ParameterError, match="more than once"):
@@ -85,27 +100,75 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["precompute", str(src), "--cache", str(cache)]) == 2  # no --recipe
     assert main(["precompute", str(src), "--recipe", "nope", "--cache", str(cache)]) == 2
     assert "unknown recipe 'nope'; known: spc, spc_query" in capsys.readouterr().err
-    assert main(["precompute", str(src), "--recipe", "spc", "--param", "level=99",
-                 "--cache", str(cache)]) == 2
+    assert (
+        main(
+            [
+                "precompute",
+                str(src),
+                "--recipe",
+                "spc",
+                "--param",
+                "level=99",
+                "--cache",
+                str(cache),
+            ]
+        )
+        == 2
+    )
     assert "level: 99 is above the maximum" in capsys.readouterr().err
-    assert main(["precompute", str(src), "--recipe", "spc", "--param", "colour=1",
-                 "--cache", str(cache)]) == 2
+    assert (
+        main(
+            [
+                "precompute",
+                str(src),
+                "--recipe",
+                "spc",
+                "--param",
+                "colour=1",
+                "--cache",
+                str(cache),
+            ]
+        )
+        == 2
+    )
     assert "colour: unknown parameter" in capsys.readouterr().err
-    assert main(["precompute", str(tmp_path / "missing"), "--recipe", "spc",
-                 "--cache", str(cache)]) == 2
+    assert (
+        main(["precompute", str(tmp_path / "missing"), "--recipe", "spc", "--cache", str(cache)])
+        == 2
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["precompute", str(empty), "--recipe", "spc", "--cache", str(cache)]) == 2
     assert "no supported source files" in capsys.readouterr().err
-    assert main(["precompute", str(src), "--recipe", "spc", "--device", "tpu",
-                 "--cache", str(cache)]) == 2
+    assert (
+        main(["precompute", str(src), "--recipe", "spc", "--device", "tpu", "--cache", str(cache)])
+        == 2
+    )
     capsys.readouterr()
     # kaolin on the CPU cannot run: one line, before the cache or any sample is touched
-    assert main(["precompute", str(src), "--recipe", "spc", "--device", "cpu",
-                 "--backend", "kaolin", "--cache", str(cache)]) == 2
-    assert capsys.readouterr().err.splitlines() == [(
-        "spcache precompute: backend 'kaolin' is unavailable: device cpu is not a CUDA device "
-        "(Kaolin's SPC ops are CUDA-only); use --backend torch or auto there")]
+    assert (
+        main(
+            [
+                "precompute",
+                str(src),
+                "--recipe",
+                "spc",
+                "--device",
+                "cpu",
+                "--backend",
+                "kaolin",
+                "--cache",
+                str(cache),
+            ]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.splitlines() == [
+        (
+            "spcache precompute: backend 'kaolin' is unavailable: device cpu is not a CUDA device "
+            "(Kaolin's SPC ops are CUDA-only); use --backend torch or auto there"
+        )
+    ]
     assert not cache.exists()
     assert main(["--help"]) == 0
     assert "precompute" in capsys.readouterr().out
@@ -116,12 +179,14 @@ def test_dispatch_table_is_a_plain_dict_of_import_targets() -> None:
     assert COMMANDS["worker"][0] == "workers.worker_cli"
     assert COMMANDS["serve"][0] == "service.cli"
     assert COMMANDS["precompute"][0].startswith("workers.")
-    assert {c: COMMANDS[c][0].split(".")[0] for c in ("verify", "stats", "export", "recipes")} \
-        == dict.fromkeys(("verify", "stats", "export", "recipes"), "spcache")
+    assert {
+        c: COMMANDS[c][0].split(".")[0] for c in ("verify", "stats", "export", "recipes")
+    } == dict.fromkeys(("verify", "stats", "export", "recipes"), "spcache")
 
 
-def test_missing_command_module_fails_clearly(monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_command_module_fails_clearly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(cli.COMMANDS, "export", ("workers.no_such_module", "export a snapshot"))
     assert main(["export", "--anything"]) == 2
     err = capsys.readouterr().err
@@ -130,8 +195,10 @@ def test_missing_command_module_fails_clearly(monkeypatch: pytest.MonkeyPatch,
 
 def test_dispatch_reaches_a_module_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pkg = tmp_path / "fakecmd.py"
-    pkg.write_text("def configure_parser(p):\n    p.add_argument('--n', type=int)\n"
-                   "def run(args):\n    return args.n\n")
+    pkg.write_text(
+        "def configure_parser(p):\n    p.add_argument('--n', type=int)\n"
+        "def run(args):\n    return args.n\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(cli.COMMANDS, "fake", ("fakecmd", "a fake command"))
     assert main(["fake", "--n", "7"]) == 7
@@ -140,14 +207,20 @@ def test_dispatch_reaches_a_module_by_name(tmp_path: Path, monkeypatch: pytest.M
 
 @pytest.mark.parametrize("package", ["spcache", "workers"])
 def test_python_dash_m_runs_the_cli(package: str) -> None:
-    out = subprocess.run([sys.executable, "-m", package, "--help"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", package, "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and "precompute" in out.stdout
 
 
 def test_no_arguments_shows_usage_without_internal_names() -> None:
-    out = subprocess.run([sys.executable, "-m", "spcache"], cwd=REPO_ROOT,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "spcache"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2
     assert "usage: spcache" in out.stderr and "COMMAND" in out.stderr
     assert "rest" not in out.stderr.replace("interest", "")
@@ -157,13 +230,16 @@ def test_no_arguments_shows_usage_without_internal_names() -> None:
 
 @pytest.mark.parametrize("command", ["serve", "verify", "stats", "export", "recipes"])
 def test_cpu_side_commands_import_neither_torch_nor_workers(command: str) -> None:
-    code = ("import sys; from spcache.cli import resolve, subcommand_parser; "
-            f"target = resolve({command!r}); assert not isinstance(target, str), target; "
-            f"subcommand_parser({command!r}, target); "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'workers'}); "
-            "assert not bad, bad")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=60)
+    code = (
+        "import sys; from spcache.cli import resolve, subcommand_parser; "
+        f"target = resolve({command!r}); assert not isinstance(target, str), target; "
+        f"subcommand_parser({command!r}, target); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'workers'}); "
+        "assert not bad, bad"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr[-2000:]
 
 
@@ -171,27 +247,47 @@ def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema()
     from cache_store.recipes.table import param_bounds
     from cache_store.recipes.specs import RECIPE_SPECS
 
-    table = subprocess.run([sys.executable, "-m", "spcache", "recipes"], cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=60).stdout
-    helptext = subprocess.run([sys.executable, "-m", "spcache", "precompute", "--help"],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "spcache", "recipes"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    helptext = subprocess.run(
+        [sys.executable, "-m", "spcache", "precompute", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     for spec in RECIPE_SPECS.values():
         heading = f"{spec.name} (version {spec.version})"
         assert heading in table
         # this recipe's block: from its heading to the next blank-free heading line
         block = table.split(heading, 1)[1].split("\n")[1:]
-        block = block[:next((i for i, line in enumerate(block) if line and not line.startswith(" ")),
-                            len(block))]
+        block = block[
+            : next(
+                (i for i, line in enumerate(block) if line and not line.startswith(" ")), len(block)
+            )
+        ]
         for name, param in spec.params.items():
             line = next(line for line in block if line.split() and line.split()[0] == name)
             assert repr(param.default) in line.split() and param_bounds(param) in line
             assert line in helptext
-    as_json = json.loads(subprocess.run([sys.executable, "-m", "spcache", "recipes", "--json"],
-                                        cwd=REPO_ROOT, capture_output=True, text=True,
-                                        timeout=60).stdout)
-    assert {name: {k: v for k, v in entry.items() if k not in ("origin", "code_digest")}
-            for name, entry in as_json.items()} \
-        == {name: spec.as_json() for name, spec in RECIPE_SPECS.items()}
+    as_json = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "spcache", "recipes", "--json"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )
+    assert {
+        name: {k: v for k, v in entry.items() if k not in ("origin", "code_digest")}
+        for name, entry in as_json.items()
+    } == {name: spec.as_json() for name, spec in RECIPE_SPECS.items()}
     assert as_json["spc"]["origin"]["kind"] == "builtin"
     assert as_json["spc"]["origin"]["package"] == "spcache"
     assert "--loaders" in helptext and "--skip-failed" in helptext
@@ -199,9 +295,21 @@ def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema()
 
 
 def test_the_recipe_is_validated_before_sources_are_searched(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["precompute", str(tmp_path / "missing"), "--recipe", "nope",
-                 "--cache", str(tmp_path / "c")]) == 2
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "precompute",
+                str(tmp_path / "missing"),
+                "--recipe",
+                "nope",
+                "--cache",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "unknown recipe 'nope'" in err and "missing" not in err
 

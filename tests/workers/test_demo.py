@@ -22,9 +22,25 @@ def _free_port() -> int:
 def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     port = _free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "spcache", "demo", "--dir", str(tmp_path / "demo"),
-         "--port", str(port), "--level", "5", "--exit-after", "0"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "demo",
+            "--dir",
+            str(tmp_path / "demo"),
+            "--port",
+            str(port),
+            "--level",
+            "5",
+            "--exit-after",
+            "0",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "precomputed 6 records (0 already cached, 0 failed)" in out

@@ -26,7 +26,7 @@ def _items(paths: list[Path]) -> list[tuple[str, str]]:
 
 
 def _data_section(value: bytes) -> bytes:
-    return bytes(value[read_header(value).data_start:])
+    return bytes(value[read_header(value).data_start :])
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +41,9 @@ def mesh_cache(tmp_path_factory: pytest.TempPathFactory, meshes: list[Path]):
         if result.status == "done":
             committed_when_reported.append(store.has(result.key))
 
-    engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=2,
-                    write_batch=4)
+    engine = Engine(
+        store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=2, write_batch=4
+    )
     summary = engine.run(_items(meshes), on_result=on_result)
     yield store, engine, summary, seen, committed_when_reported
     store.close()
@@ -81,11 +82,14 @@ def test_records_agree_with_the_ops_called_directly(mesh_cache, meshes: list[Pat
         record = store.get_record(engine.key(path.stem))
         t = record.tensors
         # redo the CPU half with the same seed, then every op by hand
-        prepared = recipe.prepare(load_source(path), engine.params,
-                                  make_generator(engine.fingerprint, path.stem))
+        prepared = recipe.prepare(
+            load_source(path), engine.params, make_generator(engine.fingerprint, path.stem)
+        )
         points = torch.from_numpy(prepared["points"])
         octree = ops.unbatched_points_to_octree(ops.quantize_points(points, level), level)
-        max_level, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)], dtype=torch.int32))
+        max_level, pyramids, exsum = ops.scan_octrees(
+            octree, torch.tensor([len(octree)], dtype=torch.int32)
+        )
         assert max_level == level
         assert torch.equal(t["octree"], octree)
         assert torch.equal(t["pyramid"], pyramids[0])
@@ -103,7 +107,9 @@ def test_records_agree_with_the_ops_called_directly(mesh_cache, meshes: list[Pat
 
 
 @pytest.mark.slow
-def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, meshes: list[Path]) -> None:
+def test_leaf_voxels_are_exactly_where_the_surface_samples_are(
+    mesh_cache, meshes: list[Path]
+) -> None:
     store, engine, _, _, _ = mesh_cache
     level = PARAMS["level"]
     for path in meshes:
@@ -112,8 +118,9 @@ def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, meshe
         leaves = t["point_hierarchy"][start:end].long()
         assert len(leaves) == t["pyramid"][0, level].item()
         # recompute the surface samples the record was built from (same seed, CPU only)
-        prepared = RECIPES["spc"].prepare(load_source(path), engine.params,
-                                          make_generator(engine.fingerprint, path.stem))
+        prepared = RECIPES["spc"].prepare(
+            load_source(path), engine.params, make_generator(engine.fingerprint, path.stem)
+        )
         samples = torch.from_numpy(prepared["points"]).double()
         assert samples.abs().max() <= 1.0
         cells = torch.floor(((samples + 1) / 2 * 2**level).clamp(0, 2**level - 1)).long()
@@ -127,7 +134,9 @@ def test_leaf_voxels_are_exactly_where_the_surface_samples_are(mesh_cache, meshe
         assert as_set(qcells) <= as_set(leaves)
 
 
-def test_determinism_across_runs_and_loader_modes(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+def test_determinism_across_runs_and_loader_modes(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     paths = corpus_meshes[:3]
     values = []
     for name, jobs in (("a", 0), ("b", 2)):
@@ -156,16 +165,18 @@ def _kaolin_or_skip() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_cpu_and_cuda_records_are_identical(tmp_path: Path, corpus_meshes: list[Path],
-                                            backend: str) -> None:
+def test_cpu_and_cuda_records_are_identical(
+    tmp_path: Path, corpus_meshes: list[Path], backend: str
+) -> None:
     """torch on CUDA (explicitly), and whatever auto picks there (Kaolin where it runs),
     against the CPU: the same record bytes."""
     paths = corpus_meshes[:4]
     values = []
     for device, name in (("cpu", "torch"), ("cuda", backend)):
         with open_store(tmp_path / device, readonly=False) as store:
-            summary = Engine(store, "spc_query", PARAMS, device=device, backend=name,
-                             loaders=0).run(_items(paths))
+            summary = Engine(
+                store, "spc_query", PARAMS, device=device, backend=name, loaders=0
+            ).run(_items(paths))
             assert summary.done == len(paths)
             if name == "torch":
                 assert summary.backend == "torch"
@@ -180,13 +191,16 @@ def test_torch_and_kaolin_backends_agree_on_cuda(tmp_path: Path, corpus_meshes: 
     values = []
     for backend in ("torch", "kaolin"):
         with open_store(tmp_path / backend, readonly=False) as store:
-            Engine(store, "spc_query", PARAMS, device="cuda", backend=backend, loaders=0).run(_items(paths))
+            Engine(store, "spc_query", PARAMS, device="cuda", backend=backend, loaders=0).run(
+                _items(paths)
+            )
             values.append({k: _data_section(store.get(k)) for k in store.keys()})
     assert values[0] == values[1]
 
 
-def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
-                                                                corpus_meshes: list[Path]) -> None:
+def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     paths = corpus_meshes[:2]
     attempts: list[int] = []
 
@@ -198,8 +212,17 @@ def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
     values = []
     for name, hook in (("plain", None), ("oom", inject)):
         with open_store(tmp_path / name, readonly=False) as store:
-            engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0,
-                            query_chunk=1024, min_query_chunk=64, before_query_chunk=hook)
+            engine = Engine(
+                store,
+                "spc_query",
+                PARAMS,
+                device="cpu",
+                backend="torch",
+                loaders=0,
+                query_chunk=1024,
+                min_query_chunk=64,
+                before_query_chunk=hook,
+            )
             summary = engine.run(_items(paths))
             assert summary.done == 2 and summary.failed == 0
             values.append({k: _data_section(store.get(k)) for k in store.keys()})
@@ -208,10 +231,14 @@ def test_oom_backoff_halves_the_chunk_and_gives_the_same_record(tmp_path: Path,
     assert values[0] == values[1]
 
 
-@pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError, RuntimeError],
-                         ids=["OutOfMemoryError", "kaolin-plain-RuntimeError"])
-def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, corpus_meshes: list[Path],
-                                                   error: type[Exception]) -> None:
+@pytest.mark.parametrize(
+    "error",
+    [torch.cuda.OutOfMemoryError, RuntimeError],
+    ids=["OutOfMemoryError", "kaolin-plain-RuntimeError"],
+)
+def test_oom_that_persists_fails_that_sample_alone(
+    tmp_path: Path, corpus_meshes: list[Path], error: type[Exception]
+) -> None:
     """Also when the out-of-memory error is the plain RuntimeError an allocation inside
     Kaolin's C++ raises: the sample fails as out of memory, not as a crash."""
     calls = []
@@ -222,23 +249,38 @@ def test_oom_that_persists_fails_that_sample_alone(tmp_path: Path, corpus_meshes
             raise error("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
 
     with open_store(tmp_path / "c", readonly=False) as store:
-        engine = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0,
-                        query_chunk=2000, min_query_chunk=2000, before_query_chunk=inject)
+        engine = Engine(
+            store,
+            "spc_query",
+            PARAMS,
+            device="cpu",
+            backend="torch",
+            loaders=0,
+            query_chunk=2000,
+            min_query_chunk=2000,
+            before_query_chunk=inject,
+        )
         summary = engine.run(_items(corpus_meshes[:3]))
         assert (summary.done, summary.failed) == (2, 1)
         assert summary.errors[0].id == corpus_meshes[0].stem
         assert "out of device memory" in summary.errors[0].reason
-        assert store.get_index(engine.fingerprint).sample_ids.tolist() == [p.stem for p in corpus_meshes[1:3]]
+        assert store.get_index(engine.fingerprint).sample_ids.tolist() == [
+            p.stem for p in corpus_meshes[1:3]
+        ]
 
 
-def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+def test_resume_skips_stored_and_recomputes_changed(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     src = tmp_path / "src"
     src.mkdir()
     for p in corpus_meshes[:3]:
         shutil.copy(p, src / p.name)
     files = sorted(src.iterdir())
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = Engine(store, "spc", {"level": 5, "surface_samples": 2000}, device="cpu", loaders=0)
+        engine = Engine(
+            store, "spc", {"level": 5, "surface_samples": 2000}, device="cpu", loaders=0
+        )
         first = engine.run(_items(files[:2]))
         assert first.done == 2
         before = {k: store.get(k) for k in store.keys()}
@@ -248,7 +290,9 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshe
             assert store.get(key) == value  # untouched, created time included
         assert store.get_index(engine.fingerprint).sample_ids.tolist() == [f.stem for f in files]
         # change a source: a fresh computation, never a stale hit
-        other = next(p for p in corpus_meshes if p.suffix == files[0].suffix and p.name != files[0].name)
+        other = next(
+            p for p in corpus_meshes if p.suffix == files[0].suffix and p.name != files[0].name
+        )
         shutil.copy(other, files[0])  # same format, other content
         third = engine.run(_items(files))
         assert (third.done, third.skipped) == (1, 2)
@@ -262,7 +306,8 @@ def test_resume_skips_stored_and_recomputes_changed(tmp_path: Path, corpus_meshe
 
 
 def test_a_full_cache_stops_the_run_and_keeps_what_was_committed(
-        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     """The LMDB map at its bound (what a full disk is to a writer): the run stops with
     StoreFull naming the cache instead of failing every later sample one by one; the
     records committed before stay readable; the same run on room to spare finishes."""
@@ -287,15 +332,24 @@ def test_a_full_cache_stops_the_run_and_keeps_what_was_committed(
     store.close()
     with open_store(cache, readonly=False) as roomy:
         again = Engine(roomy, "spc", params, device="cpu", loaders=0).run(items)
-        assert (again.done, again.skipped, again.failed) == (len(items) - len(stored), len(stored), 0)
+        assert (again.done, again.skipped, again.failed) == (
+            len(items) - len(stored),
+            len(stored),
+            0,
+        )
         assert roomy.get_index(again.fingerprint).sample_ids.tolist() == [i for i, _ in items]
         assert roomy.verify().ok
 
 
-def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], corpus_meshes: list[Path]) -> None:
-    items = _items(bad_inputs) + [("good", str(corpus_meshes[0])), ("good", str(corpus_meshes[1])),
-                                  ("../escape", str(corpus_meshes[1])),
-                                  ("missing", str(tmp_path / "missing.obj"))]
+def test_bad_samples_fail_alone(
+    tmp_path: Path, bad_inputs: list[Path], corpus_meshes: list[Path]
+) -> None:
+    items = _items(bad_inputs) + [
+        ("good", str(corpus_meshes[0])),
+        ("good", str(corpus_meshes[1])),
+        ("../escape", str(corpus_meshes[1])),
+        ("missing", str(tmp_path / "missing.obj")),
+    ]
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = Engine(store, "spc_query", PARAMS, device="cpu", loaders=2)
         summary = engine.run(items)
@@ -308,8 +362,11 @@ def test_bad_samples_fail_alone(tmp_path: Path, bad_inputs: list[Path], corpus_m
             if path.stem in errors:
                 assert errors[path.stem].path == str(path) and errors[path.stem].reason
             else:
-                check_outputs(RECIPES["spc_query"].spec,
-                              store.get_record(engine.key(path.stem)).tensors, engine.params)
+                check_outputs(
+                    RECIPES["spc_query"].spec,
+                    store.get_record(engine.key(path.stem)).tensors,
+                    engine.params,
+                )
         assert store.has(engine.key("good"))
         assert store.verify().ok
 
@@ -330,15 +387,19 @@ def test_engine_validates_options_without_touching_the_store(tmp_path: Path) -> 
 
 
 def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
-        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     import os
     import signal
 
     paths = corpus_meshes[:6]
     killed: list[int] = []
-    with open_store(tmp_path / "c", readonly=False) as store, \
-            Engine(store, "spc", {"level": 5, "surface_samples": 1000}, device="cpu",
-                   loaders=2, prefetch=4) as engine:
+    with (
+        open_store(tmp_path / "c", readonly=False) as store,
+        Engine(
+            store, "spc", {"level": 5, "surface_samples": 1000}, device="cpu", loaders=2, prefetch=4
+        ) as engine,
+    ):
         pool = engine._loader_pool.pool
 
         def kill_loaders(result: ItemResult) -> None:
@@ -373,17 +434,27 @@ def test_a_failed_write_is_not_remembered_as_the_sources_failure(tmp_path: Path)
     with open_store(tmp_path / "cache", readonly=False) as store:
         ledger = RunLedger(store, Summary(fp, "spc", 1, {}), None, failures=log)
         ledger.admit([("written", "a.ply"), ("broken", "b.ply")])
-        ledger.finish(ItemResult("written", "a.ply", "failed", reason="store write failed: "
-                                 "no space left", source_hash="1" * 16, transient=True))
-        ledger.finish(ItemResult("broken", "b.ply", "failed", reason="not a mesh",
-                                 source_hash="2" * 16))
+        ledger.finish(
+            ItemResult(
+                "written",
+                "a.ply",
+                "failed",
+                reason="store write failed: no space left",
+                source_hash="1" * 16,
+                transient=True,
+            )
+        )
+        ledger.finish(
+            ItemResult("broken", "b.ply", "failed", reason="not a mesh", source_hash="2" * 16)
+        )
     remembered = log.get_many(fp, ["written", "broken"])
     assert set(remembered) == {"broken"}
     log.close()
 
 
 def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_fixed(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     from cache_store.jobs.failures import FailureLog
 
     sources = tmp_path / "src"
@@ -396,8 +467,9 @@ def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_
 
     def run(**options):
         with open_store(cache, readonly=False) as store:
-            return Engine(store, "spc", params, device="cpu", backend="torch", loaders=0,
-                          **options).run(items)
+            return Engine(
+                store, "spc", params, device="cpu", backend="torch", loaders=0, **options
+            ).run(items)
 
     first = run()
     (error,) = first.errors
@@ -408,15 +480,18 @@ def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_
 
     again = run()
     (error,) = again.errors
-    assert error.repeat == "again" and error.reason == "failed again, same reason: " + \
-        remembered.reason
+    assert (
+        error.repeat == "again"
+        and error.reason == "failed again, same reason: " + remembered.reason
+    )
     assert again.as_json()["failed_again"] == ["bad"] and again.skipped == 1
     assert log.get_many(first.fingerprint, ["bad"])["bad"].times == 2
 
     reported: list[ItemResult] = []
     with open_store(cache, readonly=False) as store:
-        skipping = Engine(store, "spc", params, device="cpu", backend="torch", loaders=0,
-                          skip_failed=True)
+        skipping = Engine(
+            store, "spc", params, device="cpu", backend="torch", loaders=0, skip_failed=True
+        )
         skipped = skipping.run(items, on_result=reported.append)
     (error,) = skipped.errors
     assert error.repeat == "skipped" and remembered.reason in error.reason
@@ -447,7 +522,8 @@ def test_skip_failed_needs_a_store_with_a_failure_log() -> None:
 
 
 def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
-        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SIGTERM reaches the engine's thread as KeyboardInterrupt (the CLI's handler), at any
     bytecode: here just after the second committed result is taken off the writer's
     queue, before it is counted. Its record is stored, so it must be in the index too."""
@@ -464,8 +540,9 @@ def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
 
     monkeypatch.setattr(RunLedger, "finish", finish_or_interrupt)
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = Engine(store, "spc", {"level": 4}, device="cpu", backend="torch", loaders=0,
-                        write_batch=1)
+        engine = Engine(
+            store, "spc", {"level": 4}, device="cpu", backend="torch", loaders=0, write_batch=1
+        )
         with pytest.raises(KeyboardInterrupt):
             engine.run(_items(corpus_meshes[:5]))
         stored = sorted(key.split("/", 1)[1] for key in store.keys())
@@ -474,7 +551,8 @@ def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
 
 
 def test_an_interrupt_during_the_runs_cleanup_still_writes_the_index(
-        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A SIGTERM that lands as the run ends, while the loader pool shuts down, still
     stops the run (KeyboardInterrupt), but only after the rest of the cleanup: every
     record computed is committed and indexed."""
@@ -492,5 +570,6 @@ def test_an_interrupt_during_the_runs_cleanup_still_writes_the_index(
         engine = Engine(store, "spc", {"level": 4}, device="cpu", backend="torch", loaders=0)
         with pytest.raises(KeyboardInterrupt):
             engine.run(items)
-        assert sorted(store.get_index(engine.fingerprint).sample_ids.tolist()) == \
-            sorted(sample_id for sample_id, _ in items)
+        assert sorted(store.get_index(engine.fingerprint).sample_ids.tolist()) == sorted(
+            sample_id for sample_id, _ in items
+        )

@@ -53,24 +53,50 @@ def test_an_installed_recipe_package_through_every_path(example_recipe, tmp_path
     import spcache
 
     src = _sources(tmp_path / "src")
-    listed = json.loads(subprocess.run(
-        [sys.executable, "-m", "spcache", "recipes", "--json"], cwd=REPO_ROOT, check=True,
-        capture_output=True, text=True, timeout=120).stdout)
+    listed = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "spcache", "recipes", "--json"],
+            cwd=REPO_ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    )
     assert listed[NAME]["origin"]["package"] == DISTRIBUTION
     assert listed[NAME]["origin"]["kind"] == "entry point"
 
     for loaders in ("0", "2"):
-        assert main(["precompute", str(src), "--recipe", NAME, *ARGS, "--cache",
-                     str(tmp_path / f"cache{loaders}"), "--device", "cpu", "--backend", "torch",
-                     "--loaders", loaders]) == 0
+        assert (
+            main(
+                [
+                    "precompute",
+                    str(src),
+                    "--recipe",
+                    NAME,
+                    *ARGS,
+                    "--cache",
+                    str(tmp_path / f"cache{loaders}"),
+                    "--device",
+                    "cpu",
+                    "--backend",
+                    "torch",
+                    "--loaders",
+                    loaders,
+                ]
+            )
+            == 0
+        )
     want = _tensors(spcache.CachedDataset(tmp_path / "cache0", NAME, **PARAMS))
     assert sorted(want) == ["ball", "slab"] and want["ball"]["normals"].shape[1] == 3
     fingerprint = spcache.CachedDataset(tmp_path / "cache0", NAME, **PARAMS).fingerprint
     _same(_tensors(spcache.CachedDataset(tmp_path / "cache2", fingerprint)), want, "--loaders 2")
 
     snapshot = tmp_path / "snap.zarr"
-    assert main(["export", fingerprint, "--cache", str(tmp_path / "cache0"),
-                 "--to", str(snapshot)]) == 0
+    assert (
+        main(["export", fingerprint, "--cache", str(tmp_path / "cache0"), "--to", str(snapshot)])
+        == 0
+    )
     _same(_tensors(spcache.CachedDataset(snapshot, fingerprint)), want, "zarr snapshot")
 
     server = start_server(tmp_path / "served", src, "--device", "cpu", "--backend", "torch")
@@ -79,22 +105,28 @@ def test_an_installed_recipe_package_through_every_path(example_recipe, tmp_path
             recipes = {r["name"]: r for r in http.get("/v1/recipes").json()["recipes"]}
             assert recipes[NAME]["origin"]["package"] == DISTRIBUTION
             assert recipes[NAME]["fields"]["normals"]["finite"] is True
-            body = {"recipe": NAME, "params": PARAMS,
-                    "items": [{"id": "ball", "path": str(src / "ball.obj")}]}
+            body = {
+                "recipe": NAME,
+                "params": PARAMS,
+                "items": [{"id": "ball", "path": str(src / "ball.obj")}],
+            }
             r = http.post("/v1/warmup", json=body, headers=AUTH)
             assert r.status_code == 202, r.text
             assert r.json()["fingerprint"] == fingerprint
             job_id, deadline = r.json()["job_id"], time.monotonic() + 180
-            while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] in ("pending",
-                                                                               "running"):
+            while (job := http.get(f"/v1/jobs/{job_id}").json())["status"] in (
+                "pending",
+                "running",
+            ):
                 assert time.monotonic() < deadline, job
                 time.sleep(0.2)
             assert job["counts"]["done"] == 1, job
             preview = http.get(f"/v1/caches/{fingerprint}/previews/ball", params={"size": 32})
             assert preview.status_code == 200  # octree + pyramid: drawn like a built-in
         # "slab" is not cached yet: read-through over the URL has the worker compute it
-        through = spcache.CachedDataset(server.url, NAME, sources=src,
-                                        store_options={"token": TOKEN}, **PARAMS)
+        through = spcache.CachedDataset(
+            server.url, NAME, sources=src, store_options={"token": TOKEN}, **PARAMS
+        )
         served = spcache.CachedDataset(server.url, fingerprint)
         try:
             _same(_tensors(through), want, "warm-up + read-through over the service URL")

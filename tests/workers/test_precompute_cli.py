@@ -18,21 +18,47 @@ from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main
 
-SMALL = ["--param", "level=5", "--param", "surface_samples=2000",
-         "--param", "uniform_queries=500", "--param", "surface_queries=500"]
+SMALL = [
+    "--param",
+    "level=5",
+    "--param",
+    "surface_samples=2000",
+    "--param",
+    "uniform_queries=500",
+    "--param",
+    "surface_queries=500",
+]
 
 
 def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs: list[Path],
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_inputs_each_end_in_an_error_or_a_record(
+    tmp_path: Path, bad_inputs: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     cache = tmp_path / "cache"
     folder = bad_inputs[0].parent
-    out = spcache("precompute", str(folder), "--recipe", "spc_query", *SMALL,
-                  "--cache", str(cache), "--device", "cpu", "--loaders", "2", "--json")
+    out = spcache(
+        "precompute",
+        str(folder),
+        "--recipe",
+        "spc_query",
+        *SMALL,
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--loaders",
+        "2",
+        "--json",
+    )
     assert out.returncode == 1, out.stderr
     summary = json.loads(out.stdout)
     assert {"fingerprint", "done", "skipped", "failed", "errors"} <= set(summary)
@@ -51,8 +77,24 @@ def test_bad_inputs_each_end_in_an_error_or_a_record(tmp_path: Path, bad_inputs:
                 assert record.metadata["sample_id"] == path.stem
         assert store.verify().ok
     # without --json: a readable summary with the reasons and the fingerprint
-    assert main(["precompute", str(folder), "--recipe", "spc_query", *SMALL,
-                 "--cache", str(cache), "--device", "cpu", "--loaders", "0"]) == 1
+    assert (
+        main(
+            [
+                "precompute",
+                str(folder),
+                "--recipe",
+                "spc_query",
+                *SMALL,
+                "--cache",
+                str(cache),
+                "--device",
+                "cpu",
+                "--loaders",
+                "0",
+            ]
+        )
+        == 1
+    )
     text = capsys.readouterr().out
     assert f"fingerprint {summary['fingerprint']}" in text
     assert f"skipped {summary['done']}" in text
@@ -77,10 +119,28 @@ def test_killed_run_resumes_without_recomputing(tmp_path: Path, corpus_meshes: l
             os.symlink(mesh, src / f"set{copy}" / mesh.name)
     total = 2 * len(corpus_meshes)
     cache = tmp_path / "cache"
-    args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
-            "--device", "cpu", "--loaders", "1", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "precompute",
+        str(src),
+        "--recipe",
+        "spc_query",
+        *SMALL,
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--loaders",
+        "1",
+        "--write-batch",
+        "1",
+        "--json",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(_stored_values(cache)) < 3 and time.monotonic() < deadline:
@@ -123,13 +183,27 @@ def _json_run(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
     return summary
 
 
-def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, corpus_meshes: list[Path],
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_changed_parameter_or_source_is_never_a_stale_hit(
+    tmp_path: Path, corpus_meshes: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     src = tmp_path / "a.obj"
     src.write_bytes(next(m for m in corpus_meshes if m.suffix == ".obj").read_bytes())
     cache = tmp_path / "cache"
-    base = ["precompute", str(src), "--recipe", "spc", "--param", "surface_samples=1000",
-            "--cache", str(cache), "--device", "cpu", "--loaders", "0", "--json"]
+    base = [
+        "precompute",
+        str(src),
+        "--recipe",
+        "spc",
+        "--param",
+        "surface_samples=1000",
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--loaders",
+        "0",
+        "--json",
+    ]
     first = _json_run(capsys, *base, "--param", "level=5")
     again = _json_run(capsys, *base, "--param", "level=5")
     assert (first["done"], again["skipped"], again["done"]) == (1, 1, 0)
@@ -140,13 +214,28 @@ def test_changed_parameter_or_source_is_never_a_stale_hit(tmp_path: Path, corpus
     assert changed["fingerprint"] == first["fingerprint"] and changed["done"] == 1
 
 
-def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, corpus_meshes: list[Path],
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_and_stats_of_a_fresh_cache(
+    tmp_path: Path, corpus_meshes: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     cache = tmp_path / "cache"
-    fingerprint = _json_run(capsys, "precompute", str(corpus_meshes[0]), "--recipe", "spc",
-                            "--param", "level=4", "--param", "surface_samples=500",
-                            "--cache", str(cache), "--device", "cpu", "--loaders", "0",
-                            "--json")["fingerprint"]
+    fingerprint = _json_run(
+        capsys,
+        "precompute",
+        str(corpus_meshes[0]),
+        "--recipe",
+        "spc",
+        "--param",
+        "level=4",
+        "--param",
+        "surface_samples=500",
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--loaders",
+        "0",
+        "--json",
+    )["fingerprint"]
     assert main(["verify", "--cache", str(cache)]) == 0
     assert "verifies clean" in capsys.readouterr().out
     assert main(["stats", "--cache", str(cache)]) == 0
@@ -155,18 +244,39 @@ def test_verify_and_stats_of_a_fresh_cache(tmp_path: Path, corpus_meshes: list[P
 
 
 def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
-        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path,
+    corpus_meshes: list[Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     import cache_store.stores.base
     from cache_store.stores.lmdb import LMDBStore
 
     cache = tmp_path / "cache"
-    args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc", "--param", "level=6",
-            "--param", "surface_samples=4000", "--cache", str(cache), "--device", "cpu",
-            "--loaders", "0"]
+    args = [
+        "precompute",
+        *map(str, corpus_meshes),
+        "--recipe",
+        "spc",
+        "--param",
+        "level=6",
+        "--param",
+        "surface_samples=4000",
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--loaders",
+        "0",
+    ]
     # the cache's disk, as small as an LMDB map bound makes it
-    monkeypatch.setattr(cache_store.stores.base, "open_store", lambda path, readonly: LMDBStore(
-        path, readonly=readonly, map_size=128 * 1024, max_map_size=512 * 1024))
+    monkeypatch.setattr(
+        cache_store.stores.base,
+        "open_store",
+        lambda path, readonly: LMDBStore(
+            path, readonly=readonly, map_size=128 * 1024, max_map_size=512 * 1024
+        ),
+    )
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "stopped: no space left on" in err and "run the same command again" in err
@@ -180,13 +290,33 @@ def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
         assert len(list(store.keys())) == len(corpus_meshes) and store.verify().ok
 
 
-def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
-                                                               corpus_meshes: list[Path]) -> None:
+def test_sigterm_commits_what_was_computed_and_writes_the_index(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     cache = tmp_path / "cache"
-    args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
-            "--cache", str(cache), "--device", "cpu", "--loaders", "1", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = [
+        "precompute",
+        *map(str, corpus_meshes),
+        "--recipe",
+        "spc_query",
+        *SMALL,
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--loaders",
+        "1",
+        "--write-batch",
+        "1",
+        "--json",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(_stored_values(cache)) < 2 and time.monotonic() < deadline:
@@ -200,6 +330,7 @@ def test_sigterm_commits_what_was_computed_and_writes_the_index(tmp_path: Path,
     assert 2 <= len(stored) < len(corpus_meshes)
     fingerprint = next(iter(stored)).split("/", 1)[0]
     with open_store(cache) as store:
-        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
-            sorted(k.split("/", 1)[1] for k in stored)
+        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == sorted(
+            k.split("/", 1)[1] for k in stored
+        )
         assert store.verify().ok

@@ -41,7 +41,7 @@ def _items(paths: list[Path]) -> list[tuple[str, str]]:
 
 def _split(value: bytes) -> tuple[dict[str, str], bytes]:
     header = read_header(value)
-    return dict(header.metadata), bytes(value[header.data_start:])
+    return dict(header.metadata), bytes(value[header.data_start :])
 
 
 def _all_records(cache: Path) -> dict[str, bytes]:
@@ -53,16 +53,20 @@ def _ray_processes(parent: int) -> list[psutil.Process]:
     """The Ray daemons started by process ``parent`` (not those of other Ray users on
     this machine, e.g. another test run at the same time)."""
     names = ("raylet", "gcs_server")
-    return [p for p in psutil.process_iter(["name", "ppid"])
-            if p.info["name"] in names and p.info["ppid"] == parent]
+    return [
+        p
+        for p in psutil.process_iter(["name", "ppid"])
+        if p.info["name"] in names and p.info["ppid"] == parent
+    ]
 
 
 @pytest.fixture(scope="module")
 def ray_local():
     """One local Ray instance with two CPUs for the module; stopped after it."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
+    )
     register_with_ray()  # actors unpickle CrashOnce without importing tests/
     started = _ray_processes(os.getpid())
     assert started, "ray.init started no raylet/gcs_server of its own"
@@ -84,8 +88,9 @@ def sources(corpus_meshes: list[Path], corpus_bad_inputs: list[Path]) -> list[Pa
 def local_cache(tmp_path_factory: pytest.TempPathFactory, sources: list[Path]):
     cache = tmp_path_factory.mktemp("local") / "cache"
     with open_store(cache, readonly=False) as store:
-        summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch",
-                         loaders=0).run(_items(sources))
+        summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0).run(
+            _items(sources)
+        )
     return cache, summary
 
 
@@ -117,15 +122,17 @@ def test_records_are_byte_identical_to_the_local_engine(local_cache, ray_cache) 
         assert ray_meta == local_meta, key
     with open_store(local_cache[0]) as a, open_store(ray_cache[0]) as b:
         fingerprint = local_cache[1].fingerprint
-        assert b.get_index(fingerprint).sample_ids.tolist() == \
-            a.get_index(fingerprint).sample_ids.tolist()
+        assert (
+            b.get_index(fingerprint).sample_ids.tolist()
+            == a.get_index(fingerprint).sample_ids.tolist()
+        )
         assert b.verify().ok
 
 
 @pytest.mark.slow
-def test_an_installed_recipe_package_runs_on_ray_as_locally(ray_local, example_recipe,
-                                                          tmp_path: Path,
-                                                          corpus_meshes: list[Path]) -> None:
+def test_an_installed_recipe_package_runs_on_ray_as_locally(
+    ray_local, example_recipe, tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     """The example recipe package (an entry point, not spcache's code) on the actors: found
     there as in the driver, records identical to the local engine's."""
     params = {"level": 4, "samples": 2000}
@@ -134,11 +141,16 @@ def test_an_installed_recipe_package_runs_on_ray_as_locally(ray_local, example_r
     # developer's older venv) travels in the actors' runtime env instead.
     runtime_env = {"env_vars": {"PYTHONPATH": example_recipe}} if example_recipe else None
     with open_store(tmp_path / "local", readonly=False) as store:
-        assert Engine(store, "voxel_normals", params, device="cpu", backend="torch",
-                      loaders=0).run(items).done == 3
+        assert (
+            Engine(store, "voxel_normals", params, device="cpu", backend="torch", loaders=0)
+            .run(items)
+            .done
+            == 3
+        )
     with open_store(tmp_path / "ray", readonly=False) as store:
-        summary = RayEngine(store, "voxel_normals", params, actor_runtime_env=runtime_env,
-                            **RAY_OPTIONS).run(items)
+        summary = RayEngine(
+            store, "voxel_normals", params, actor_runtime_env=runtime_env, **RAY_OPTIONS
+        ).run(items)
         assert summary.done == 3, summary.errors
     local, ray_ = _all_records(tmp_path / "local"), _all_records(tmp_path / "ray")
     assert local.keys() == ray_.keys()
@@ -151,8 +163,11 @@ def test_an_installed_recipe_package_runs_on_ray_as_locally(ray_local, example_r
 def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, corpus_bad_inputs) -> None:
     local, ray_summary = local_cache[1], ray_cache[1]
     assert isinstance(ray_summary, RaySummary)
-    assert (ray_summary.done, ray_summary.skipped, ray_summary.failed) == \
-        (local.done, local.skipped, local.failed)
+    assert (ray_summary.done, ray_summary.skipped, ray_summary.failed) == (
+        local.done,
+        local.skipped,
+        local.failed,
+    )
     assert ray_summary.failed >= 10
     by_id = lambda errors: {(e.id, e.path, e.reason) for e in errors}  # noqa: E731
     assert by_id(ray_summary.errors) == by_id(local.errors)
@@ -160,8 +175,7 @@ def test_bad_inputs_fail_as_in_the_local_engine(local_cache, ray_cache, corpus_b
 
 
 @pytest.mark.slow
-def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cache,
-                                                                         sources) -> None:
+def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cache, sources) -> None:
     cache, first, _ = ray_cache
     failed = {e.id for e in first.errors}
     with open_store(cache, readonly=False) as store:
@@ -171,8 +185,11 @@ def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cach
     # failures read from the file (an unreadable one has no hash) are remembered
     remembered = {e.id for e in again.errors if e.repeat == "again"}
     assert remembered and remembered <= failed and again.skipped == first.done
-    assert all(e.reason.startswith("failed again, same reason: ") for e in again.errors
-               if e.id in remembered)
+    assert all(
+        e.reason.startswith("failed again, same reason: ")
+        for e in again.errors
+        if e.id in remembered
+    )
     # a failure found before its file could be hashed (unreadable, empty) is remembered
     # and reported "again", but without a hash it can never be skipped as unchanged
     not_retried = set(skipped.as_json()["skipped_failed"])
@@ -204,14 +221,22 @@ def test_summary_reports_every_item_once_and_each_actor(ray_cache, sources) -> N
 
 
 @pytest.mark.slow
-def test_spcache_precompute_runs_on_ray(ray_local, tmp_path: Path, local_cache,
-                                        corpus_meshes: list[Path]) -> None:
+def test_spcache_precompute_runs_on_ray(
+    ray_local, tmp_path: Path, local_cache, corpus_meshes: list[Path]
+) -> None:
     """The library call with engine="ray": the same records, a Ray result object."""
     import spcache
 
     sources = corpus_meshes[:3]
-    result = spcache.precompute(sources, "spc_query", tmp_path / "cache", engine="ray",
-                                progress=False, **RAY_OPTIONS, **PARAMS)
+    result = spcache.precompute(
+        sources,
+        "spc_query",
+        tmp_path / "cache",
+        engine="ray",
+        progress=False,
+        **RAY_OPTIONS,
+        **PARAMS,
+    )
     assert result.engine == "ray" and (result.done, result.failed) == (3, 0), result.errors
     assert result.fingerprint == local_cache[1].fingerprint
     assert len(result.extra["actors"]) == 2 and result.timings.actor_start_s is not None
@@ -224,8 +249,12 @@ def test_spcache_precompute_runs_on_ray(ray_local, tmp_path: Path, local_cache,
 
 @pytest.mark.slow
 def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
-        ray_local, tmp_path: Path, local_cache, corpus_meshes: list[Path],
-        capsys: pytest.CaptureFixture[str]) -> None:
+    ray_local,
+    tmp_path: Path,
+    local_cache,
+    corpus_meshes: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(local_cache[0], cache)
     src = tmp_path / "src"
@@ -236,8 +265,23 @@ def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
     changed = src / corpus_meshes[0].name  # annulus.off: text, so a trailing newline keeps it valid
     changed.write_bytes(changed.read_bytes() + b"\n")
     before = _all_records(cache)
-    args = ["precompute", str(src), "--recipe", "spc_query", *SMALL, "--cache", str(cache),
-            "--engine", "ray", "--actors", "2", "--device", "cpu", "--backend", "torch"]
+    args = [
+        "precompute",
+        str(src),
+        "--recipe",
+        "spc_query",
+        *SMALL,
+        "--cache",
+        str(cache),
+        "--engine",
+        "ray",
+        "--actors",
+        "2",
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+    ]
     # the module's Ray is running in this process: the CLI uses it rather than start one
     assert main(args) == 0
     out = capsys.readouterr().out
@@ -257,14 +301,21 @@ def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
 
 
 @pytest.mark.slow
-def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, local_cache,
-                                                   corpus_meshes: list[Path]) -> None:
+def test_an_actor_crashing_mid_shard_loses_nothing(
+    ray_local, tmp_path: Path, local_cache, corpus_meshes: list[Path]
+) -> None:
     paths = corpus_meshes[:6]
     reported: list[ItemResult] = []
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1,
-                           actor_fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
-                           **RAY_OPTIONS)
+        engine = RayEngine(
+            store,
+            "spc_query",
+            PARAMS,
+            shard_size=3,
+            write_batch=1,
+            actor_fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed")),
+            **RAY_OPTIONS,
+        )
         summary = engine.run(_items(paths), on_result=reported.append)
         keys = list(store.keys())
     assert (tmp_path / "crashed").exists()  # the fault fired
@@ -278,8 +329,9 @@ def test_an_actor_crashing_mid_shard_loses_nothing(ray_local, tmp_path: Path, lo
 
 
 @pytest.mark.slow
-def test_an_actor_killed_for_good_mid_run_loses_nothing(ray_local, tmp_path: Path,
-                                                        corpus_meshes: list[Path]) -> None:
+def test_an_actor_killed_for_good_mid_run_loses_nothing(
+    ray_local, tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     paths = corpus_meshes[:8]
     reported: list[ItemResult] = []
     killed: list[str] = []
@@ -306,16 +358,23 @@ def test_an_actor_killed_for_good_mid_run_loses_nothing(ray_local, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
-                                                     corpus_meshes: list[Path]) -> None:
+def test_a_sample_that_kills_every_actor_fails_alone(
+    ray_local, tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     # (how a shard is halved down to the poison is tested without Ray, in test_ray_scheduling)
     paths = corpus_meshes[:3]
     poison = paths[1].stem
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = RayEngine(store, "spc_query", PARAMS, shard_size=1, write_batch=1,
-                           max_attempts=2,
-                           actor_fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
-                           **RAY_OPTIONS)
+        engine = RayEngine(
+            store,
+            "spc_query",
+            PARAMS,
+            shard_size=1,
+            write_batch=1,
+            max_attempts=2,
+            actor_fault=CrashOnce(poison, str(tmp_path / "marker"), always=True),
+            **RAY_OPTIONS,
+        )
         summary = engine.run(_items(paths))
         stored = {key.rsplit("/", 1)[1] for key in store.keys()}
     assert summary.done == 2 and summary.failed == 1
@@ -328,22 +387,40 @@ def test_a_sample_that_kills_every_actor_fails_alone(ray_local, tmp_path: Path,
 # --- the command line -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--actors", "2"], "need the ray engine"),
-    (["--engine", "ray", "--actors", "0"], "actors 0: must be 1 or more"),
-    (["--engine", "ray", "--device", "cuda:1"], "use auto, cpu or cuda"),
-])
-def test_cli_ray_usage_errors(tmp_path: Path, corpus_meshes: list[Path], extra: list[str],
-                              message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["precompute", str(corpus_meshes[0]), "--recipe", "spc", "--cache",
-                 str(tmp_path / "cache"), *extra])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--actors", "2"], "need the ray engine"),
+        (["--engine", "ray", "--actors", "0"], "actors 0: must be 1 or more"),
+        (["--engine", "ray", "--device", "cuda:1"], "use auto, cpu or cuda"),
+    ],
+)
+def test_cli_ray_usage_errors(
+    tmp_path: Path,
+    corpus_meshes: list[Path],
+    extra: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(
+        [
+            "precompute",
+            str(corpus_meshes[0]),
+            "--recipe",
+            "spc",
+            "--cache",
+            str(tmp_path / "cache"),
+            *extra,
+        ]
+    )
     assert code == 2
     assert message in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
-        ray_local, tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    ray_local, tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     """SIGTERM reaches the driver as KeyboardInterrupt (the CLI's handler) at any bytecode:
     here right after the second batch is committed, before its results are reported. The
     record is stored, so it must be in the index too (a CI run once caught it left out)."""
@@ -359,8 +436,9 @@ def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
             return stored
 
         store.put_many = commit_then_interrupt  # type: ignore[method-assign]
-        engine = RayEngine(store, "spc_query", PARAMS,
-                           **{**RAY_OPTIONS, "actors": 1, "write_batch": 1})
+        engine = RayEngine(
+            store, "spc_query", PARAMS, **{**RAY_OPTIONS, "actors": 1, "write_batch": 1}
+        )
         with pytest.raises(KeyboardInterrupt):
             engine.run(_items(corpus_meshes[:4]))
         stored = sorted(key.split("/", 1)[1] for key in store.keys())
@@ -370,17 +448,41 @@ def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
 
 @pytest.mark.slow
 def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
-        ray_local, tmp_path: Path, corpus_meshes: list[Path],
-        capsys: pytest.CaptureFixture[str]) -> None:
+    ray_local, tmp_path: Path, corpus_meshes: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     """A run that starts its own local Ray, stopped by SIGTERM (``docker stop``) after
     its first records: exit 130, records and index kept, no Ray process left; the same
     command then finishes the rest and recomputes nothing."""
     cache = tmp_path / "cache"
-    args = ["precompute", *map(str, corpus_meshes), "--recipe", "spc_query", *SMALL,
-            "--cache", str(cache), "--engine", "ray", "--actors", "1", "--device", "cpu",
-            "--backend", "torch", "--loaders", "0", "--write-batch", "1", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "spcache", *args], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    args = [
+        "precompute",
+        *map(str, corpus_meshes),
+        "--recipe",
+        "spc_query",
+        *SMALL,
+        "--cache",
+        str(cache),
+        "--engine",
+        "ray",
+        "--actors",
+        "1",
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--write-batch",
+        "1",
+        "--json",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while len(_stored_keys(cache)) < 2 and time.monotonic() < deadline:
@@ -399,8 +501,9 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
     assert 2 <= len(stored) < len(corpus_meshes)
     fingerprint = stored[0].split("/", 1)[0]
     with open_store(cache) as store:
-        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == \
-            sorted(k.split("/", 1)[1] for k in stored), err
+        assert sorted(store.get_index(fingerprint).sample_ids.tolist()) == sorted(
+            k.split("/", 1)[1] for k in stored
+        ), err
     # resume in this process (its Ray is the module's): only the rest is computed
     capsys.readouterr()
     assert main(args) == 0
@@ -421,17 +524,21 @@ def _stored_keys(cache: Path) -> list[str]:
 
 
 def test_the_local_path_never_imports_ray() -> None:
-    code = ("import sys, spcache.cli, workers.engine, workers.ray_engine; "
-            "from spcache.cli import main; "
-            "assert 'ray' not in sys.modules, 'ray imported'")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=120)
+    code = (
+        "import sys, spcache.cli, workers.engine, workers.ray_engine; "
+        "from spcache.cli import main; "
+        "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
 
 
 @pytest.mark.slow
 def test_an_error_that_is_not_one_samples_stops_the_run_with_its_own_type(
-        ray_local, tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    ray_local, tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     options = {**RAY_OPTIONS, "backend": "kaolin"}  # Kaolin needs CUDA: no actor can run it
     with open_store(tmp_path / "cache", readonly=False) as store:
         engine = RayEngine(store, "spc", {"level": 4}, **options)

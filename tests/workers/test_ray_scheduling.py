@@ -66,14 +66,17 @@ def test_shard_buffer_drops_the_index_the_driver_writes_anyway() -> None:
 # --- options -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("options, problem", [
-    ({"device": "cuda:1"}, "use auto, cpu or cuda"),
-    ({"actors": 0}, "actors: 0"),
-    ({"shard_size": 0}, "shard_size: 0"),
-    ({"max_attempts": 0}, "max_attempts: 0"),
-    ({"actor_restarts": -1}, "actor_restarts: -1"),
-    ({"loaders": -1}, "loaders: -1"),
-])
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        ({"device": "cuda:1"}, "use auto, cpu or cuda"),
+        ({"actors": 0}, "actors: 0"),
+        ({"shard_size": 0}, "shard_size: 0"),
+        ({"max_attempts": 0}, "max_attempts: 0"),
+        ({"actor_restarts": -1}, "actor_restarts: -1"),
+        ({"loaders": -1}, "loaders: -1"),
+    ],
+)
 def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) -> None:
     options = {"device": "cpu", **options}
     with pytest.raises(ParameterError, match=problem):
@@ -81,20 +84,32 @@ def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) 
 
 
 def test_the_actor_engine_options_are_the_local_engine_options() -> None:
-    engine = _engine(loaders=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch",
-                     write_batch=7)
-    assert engine.actor_options() == {"device": "cpu", "backend": "torch", "loaders": 3,
-                                      "query_chunk": 4096, "min_query_chunk": 64,
-                                      "write_batch": 7, "prefetch": 5, "source_roots": [],
-                                      "max_source_bytes": 1 << 30}
+    engine = _engine(
+        loaders=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch", write_batch=7
+    )
+    assert engine.actor_options() == {
+        "device": "cpu",
+        "backend": "torch",
+        "loaders": 3,
+        "query_chunk": 4096,
+        "min_query_chunk": 64,
+        "write_batch": 7,
+        "prefetch": 5,
+        "source_roots": [],
+        "max_source_bytes": 1 << 30,
+    }
     assert _engine().actor_options()["loaders"] is None  # each actor chooses
 
 
 def test_the_driver_gets_a_frozen_copy_of_the_engine_options() -> None:
     engine = _engine(actors=2, shard_size=5, max_attempts=4, address="auto", loaders=1)
     options = engine.run_options()
-    assert (options.actors, options.shard_size, options.max_attempts, options.address) == \
-        (2, 5, 4, "auto")
+    assert (options.actors, options.shard_size, options.max_attempts, options.address) == (
+        2,
+        5,
+        4,
+        "auto",
+    )
     assert options.fingerprint == engine.fingerprint and options.recipe == "spc"
     assert options.actor_options == engine.actor_options()
     with pytest.raises(AttributeError):
@@ -164,8 +179,7 @@ def test_next_shard_prefers_one_this_actor_did_not_kill() -> None:
 # --- fault injection and summary ---------------------------------------------------------
 
 
-def test_crash_once_ignores_other_samples_and_fires_only_without_its_marker(
-        tmp_path: Path) -> None:
+def test_crash_once_ignores_other_samples_and_fires_only_without_its_marker(tmp_path: Path) -> None:
     marker = tmp_path / "fired"
     fault = CrashOnce("victim", str(marker))
     fault("someone-else")  # returns: not the chosen sample
@@ -175,10 +189,21 @@ def test_crash_once_ignores_other_samples_and_fires_only_without_its_marker(
 
 
 def test_summary_json_and_lines_carry_each_actor() -> None:
-    summary = RaySummary("f" * 32, "spc", 1, {"level": 8}, device="cpu", backend="torch",
-                         done=5, actor_start_s=1.5, shard_retries=1)
-    summary.actors = [ActorStats(0, "10.0.0.1", "cuda:0", "kaolin", ["3"], 2, 3, 0, 1, 1.5),
-                      ActorStats(1, "10.0.0.2", "cuda:0", "kaolin", ["0"], 1, 2, 0, 0, 0.0)]
+    summary = RaySummary(
+        "f" * 32,
+        "spc",
+        1,
+        {"level": 8},
+        device="cpu",
+        backend="torch",
+        done=5,
+        actor_start_s=1.5,
+        shard_retries=1,
+    )
+    summary.actors = [
+        ActorStats(0, "10.0.0.1", "cuda:0", "kaolin", ["3"], 2, 3, 0, 1, 1.5),
+        ActorStats(1, "10.0.0.2", "cuda:0", "kaolin", ["0"], 1, 2, 0, 0, 0.0),
+    ]
     data = summary.as_json()
     assert data["engine"] == "ray" and data["shard_retries"] == 1
     assert data["timings"]["actor_start_s"] == 1.5 and data["done"] == 5

@@ -55,8 +55,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory, sources: list[Path]):
     """The same sources through the local engine into an LMDB cache."""
     cache = tmp_path_factory.mktemp("local") / "cache"
     with open_store(cache, readonly=False) as store:
-        summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch",
-                         loaders=0).run(_items(sources))
+        summary = Engine(store, "spc_query", PARAMS, device="cpu", backend="torch", loaders=0).run(
+            _items(sources)
+        )
     return cache, summary
 
 
@@ -71,8 +72,11 @@ def _dest(kind: str, tmp_path: Path, s3: S3Server) -> tuple[str, dict[str, Any]]
 
 
 def _samples(location: str, fingerprint: str, storage_options: dict[str, Any]) -> dict[str, Any]:
-    ds = CachedDataset(location, fingerprint, store_options={"storage_options": storage_options}
-                       if storage_options else None)
+    ds = CachedDataset(
+        location,
+        fingerprint,
+        store_options={"storage_options": storage_options} if storage_options else None,
+    )
     return {ds.sample_id(i): ds[i] for i in range(len(ds))}
 
 
@@ -92,7 +96,8 @@ def _manifest_counts(store: ShardedSnapshot, fingerprint: str) -> Counter[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_two_actors_write_their_own_parts_and_readers_get_the_local_engines_tensors(
-        ray_local, s3: S3Server, tmp_path: Path, sources: list[Path], reference, kind: str) -> None:
+    ray_local, s3: S3Server, tmp_path: Path, sources: list[Path], reference, kind: str
+) -> None:
     location, storage_options = _dest(kind, tmp_path, s3)
     with ShardedSnapshot(location, readonly=False, storage_options=storage_options) as store:
         engine = RayEngine(store, "spc_query", PARAMS, shard_size=2, write_batch=2, **RAY_OPTIONS)
@@ -118,13 +123,15 @@ def test_two_actors_write_their_own_parts_and_readers_get_the_local_engines_tens
     # Resumable: the same run again computes nothing (source hashes from the manifests).
     with ShardedSnapshot(location, readonly=False, storage_options=storage_options) as store:
         again = RayEngine(store, "spc_query", PARAMS, shard_size=2, **RAY_OPTIONS).run(
-            _items(sources))
+            _items(sources)
+        )
     assert (again.done, again.skipped) == (0, ref_summary.done)
 
 
 @pytest.mark.slow
 def test_a_dead_actors_committed_parts_are_neither_lost_nor_computed_again(
-        ray_local, tmp_path: Path, sources: list[Path]) -> None:
+    ray_local, tmp_path: Path, sources: list[Path]
+) -> None:
     """The actor dies right after committing the part that holds ``victim`` and before
     reporting it. Its shard goes to the other actor, whose engine finds the committed
     records in the snapshot (source hashes from the manifests) and skips them: each
@@ -133,8 +140,15 @@ def test_a_dead_actors_committed_parts_are_neither_lost_nor_computed_again(
     victim = sources[1].stem
     crash = CrashOnce(victim, str(tmp_path / "crashed"))
     with ShardedSnapshot(location, readonly=False) as store:
-        summary = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1,
-                            actor_fault=crash, **RAY_OPTIONS).run(_items(sources))
+        summary = RayEngine(
+            store,
+            "spc_query",
+            PARAMS,
+            shard_size=3,
+            write_batch=1,
+            actor_fault=crash,
+            **RAY_OPTIONS,
+        ).run(_items(sources))
     assert (tmp_path / "crashed").exists()
     assert summary.shard_retries >= 1 and summary.skipped >= 1
     with ShardedSnapshot(location) as snap:

@@ -17,12 +17,12 @@ CASES = json.loads((GOLDEN / "golden.json").read_text())
 
 
 @pytest.mark.parametrize("recipe", sorted(CASES))
-def test_builtin_recipe_matches_the_records_made_before_the_api(recipe: str,
-                                                                tmp_path: Path) -> None:
+def test_builtin_recipe_matches_the_records_made_before_the_api(
+    recipe: str, tmp_path: Path
+) -> None:
     case = CASES[recipe]
     with LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 26) as store:
-        engine = Engine(store, recipe, case["params"], device="cpu", backend="torch",
-                        loaders=0)
+        engine = Engine(store, recipe, case["params"], device="cpu", backend="torch", loaders=0)
         assert engine.fingerprint == case["fingerprint"]
         summary = engine.run([(sid, str(GOLDEN / name)) for sid, name in case["samples"].items()])
         assert summary.failed == 0 and summary.done == len(case["samples"])

@@ -36,15 +36,26 @@ def probe(monkeypatch: pytest.MonkeyPatch):
 
 def _run(tmp_path: Path, params: dict, **options):
     store = LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 24)
-    engine = Engine(store, "probe", params, device="cpu", backend="torch",
-                    loaders=options.pop("loaders", 0), **options)
+    engine = Engine(
+        store,
+        "probe",
+        params,
+        device="cpu",
+        backend="torch",
+        loaders=options.pop("loaders", 0),
+        **options,
+    )
     summary = engine.run([("mesh", str(MESH)), ("cloud", str(CLOUD))])
     return store, engine, summary
 
 
 def test_a_plugin_recipe_is_listed_with_its_origin_and_computed(probe, tmp_path: Path) -> None:
-    assert probe.origin == {"kind": ENV_VAR, "entry": f"{PLUGINS}:Probe", "package": None,
-                            "package_version": None}
+    assert probe.origin == {
+        "kind": ENV_VAR,
+        "entry": f"{PLUGINS}:Probe",
+        "package": None,
+        "package_version": None,
+    }
     assert probe.as_json()["fields"]["extent"]["finite"] is True
     store, engine, summary = _run(tmp_path, {"level": 4})
     with store:
@@ -55,21 +66,30 @@ def test_a_plugin_recipe_is_listed_with_its_origin_and_computed(probe, tmp_path:
         assert record.metadata["recipe"] == "probe"
 
 
-@pytest.mark.parametrize(("mode", "says"), [
-    ("dtype", "extent: dtype torch.float64, declared float32"),
-    ("missing", "field(s) extent missing"),
-    ("extra", "field(s) bonus not declared"),
-    ("rank", "voxels: shape"),
-    ("nan", "extent: holds NaN or infinite values, declared finite"),
-    ("meta", "extent: left on meta, expected cpu"),
-    ("compute", "compute() raised RuntimeError: probe's compute failed on purpose"),
-    ("prepare", "prepare() raised RuntimeError: probe's prepare refuses meshes"),
-    ("not_a_dict", "prepare() returned list, expected a dict of arrays"),
-    ("oom", ("out of device memory (outside any chunked step: nothing to back off): CUDA "
-             "out of memory (injected)")),
-])
-def test_a_misbehaving_recipe_fails_that_sample_alone(probe, tmp_path: Path, mode: str,
-                                                      says: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("dtype", "extent: dtype torch.float64, declared float32"),
+        ("missing", "field(s) extent missing"),
+        ("extra", "field(s) bonus not declared"),
+        ("rank", "voxels: shape"),
+        ("nan", "extent: holds NaN or infinite values, declared finite"),
+        ("meta", "extent: left on meta, expected cpu"),
+        ("compute", "compute() raised RuntimeError: probe's compute failed on purpose"),
+        ("prepare", "prepare() raised RuntimeError: probe's prepare refuses meshes"),
+        ("not_a_dict", "prepare() returned list, expected a dict of arrays"),
+        (
+            "oom",
+            (
+                "out of device memory (outside any chunked step: nothing to back off): CUDA "
+                "out of memory (injected)"
+            ),
+        ),
+    ],
+)
+def test_a_misbehaving_recipe_fails_that_sample_alone(
+    probe, tmp_path: Path, mode: str, says: str
+) -> None:
     store, engine, summary = _run(tmp_path, {"mode": mode})
     with store:
         assert (summary.done, summary.failed) == (1, 1), summary.errors
@@ -88,23 +108,29 @@ def test_version_bump_is_a_new_fingerprint(monkeypatch: pytest.MonkeyPatch) -> N
 
     params = first.resolve({})
     assert bumped.version == 2
-    assert compute_fingerprint("probe", first.version, params) \
-        != compute_fingerprint("probe", bumped.version, bumped.resolve({}))
+    assert compute_fingerprint("probe", first.version, params) != compute_fingerprint(
+        "probe", bumped.version, bumped.resolve({})
+    )
 
 
-@pytest.mark.parametrize(("entries", "says"), [
-    (f"{PLUGINS}:Probe,{PLUGINS}:OtherProbe",
-     "recipe name 'probe' is also claimed by"),
-    ("no_such_module_anywhere:Thing",
-     "failed to import: ModuleNotFoundError: No module named 'no_such_module_anywhere'"),
-    (f"{PLUGINS}:Missing", "failed to import: AttributeError"),
-    (f"{PLUGINS}:NoCompute", "not a usable recipe: compute() is not implemented"),
-    (f"{PLUGINS}:BadField", "dtype 'complex64' is not one of"),
-    (f"{PLUGINS}:Shadow", "recipe name 'spc' is a built-in recipe; this one is not used"),
-    ("nonsense", "is not 'module:Class'"),
-])
+@pytest.mark.parametrize(
+    ("entries", "says"),
+    [
+        (f"{PLUGINS}:Probe,{PLUGINS}:OtherProbe", "recipe name 'probe' is also claimed by"),
+        (
+            "no_such_module_anywhere:Thing",
+            "failed to import: ModuleNotFoundError: No module named 'no_such_module_anywhere'",
+        ),
+        (f"{PLUGINS}:Missing", "failed to import: AttributeError"),
+        (f"{PLUGINS}:NoCompute", "not a usable recipe: compute() is not implemented"),
+        (f"{PLUGINS}:BadField", "dtype 'complex64' is not one of"),
+        (f"{PLUGINS}:Shadow", "recipe name 'spc' is a built-in recipe; this one is not used"),
+        ("nonsense", "is not 'module:Class'"),
+    ],
+)
 def test_an_unusable_recipe_is_named_with_its_reason_and_the_others_work(
-        monkeypatch: pytest.MonkeyPatch, entries: str, says: str) -> None:
+    monkeypatch: pytest.MonkeyPatch, entries: str, says: str
+) -> None:
     monkeypatch.setenv(ENV_VAR, entries)
     registry = load_registry()
     assert len(registry.problems) == 1 and says in registry.problems[0], registry.problems
@@ -121,7 +147,8 @@ def _fake_distribution(root: Path, name: str, entry_points: dict[str, str]) -> N
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.2.3\n")
     (info / "entry_points.txt").write_text(
-        "[spcache.recipes]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items()))
+        "[spcache.recipes]\n" + "".join(f"{k} = {v}\n" for k, v in entry_points.items())
+    )
 
 
 def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
@@ -133,24 +160,36 @@ def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
     _fake_distribution(tmp_path, "twin_recipes", {"spc": f"{PLUGINS}:Shadow"})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
     env.pop(ENV_VAR, None)
-    proc = subprocess.run([sys.executable, "-m", "spcache", "recipes", "--json"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "spcache", "recipes", "--json"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     listed = json.loads(proc.stdout)
-    assert listed["probe"]["origin"] == {"kind": "entry point",
-                                         "entry": f"probe = {PLUGINS}:Probe",
-                                         "package": "good_recipes", "package_version": "1.2.3"}
+    assert listed["probe"]["origin"] == {
+        "kind": "entry point",
+        "entry": f"probe = {PLUGINS}:Probe",
+        "package": "good_recipes",
+        "package_version": "1.2.3",
+    }
     assert listed["spc"]["origin"]["package"] == "spcache"
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 2, proc.stderr
-    assert ("recipe entry point 'broken = broken_recipes_mod:Thing' (package broken_recipes "
-            "1.2.3): failed to import: ModuleNotFoundError") in errors[0]
+    assert (
+        "recipe entry point 'broken = broken_recipes_mod:Thing' (package broken_recipes "
+        "1.2.3): failed to import: ModuleNotFoundError"
+    ) in errors[0]
     assert "'spc = tests.workers.plugin_recipes:Shadow' (package twin_recipes 1.2.3)" in errors[1]
     assert "is a built-in recipe" in errors[1]
     assert proc.returncode == 1  # `spcache recipes` says a plugin could not be used
 
 
 def test_code_changed_without_a_version_bump_is_reported(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Edit a recipe's module and forget to bump its version: the fingerprint stays, the
     records carry two code digests, and `stats` and the item route say so."""
     from service.settings import Settings
@@ -158,8 +197,9 @@ def test_code_changed_without_a_version_bump_is_reported(
 
     module = tmp_path / "mods" / "edited_recipe.py"
     module.parent.mkdir()
-    module.write_text(f"from {PLUGINS} import Probe\n\n\nclass Edited(Probe):\n"
-                      "    name = 'edited'\n")
+    module.write_text(
+        f"from {PLUGINS} import Probe\n\n\nclass Edited(Probe):\n    name = 'edited'\n"
+    )
     monkeypatch.syspath_prepend(str(module.parent))
     monkeypatch.setenv(ENV_VAR, "edited_recipe:Edited")
     try:
@@ -182,8 +222,11 @@ def test_code_changed_without_a_version_bump_is_reported(
 
             old = httpx.get(f"{server.url}/v1/caches/{first.fingerprint}/items/mesh").json()
             new = httpx.get(f"{server.url}/v1/caches/{first.fingerprint}/items/cloud").json()
-        assert old["code"] == {"record": first.code_digest, "installed": second.code_digest,
-                               "changed": True}
+        assert old["code"] == {
+            "record": first.code_digest,
+            "installed": second.code_digest,
+            "changed": True,
+        }
         assert "computed by different recipe code" in old["reason"]
         assert new["code"]["changed"] is False and new["state"] == "ready"
     finally:
@@ -194,13 +237,37 @@ def test_code_changed_without_a_version_bump_is_reported(
 def test_a_run_with_loader_processes_names_a_broken_recipe_once(tmp_path: Path) -> None:
     """`spcache precompute --loaders 2`: the plugin computes in the loader processes, and a
     broken entry beside it is one ERROR line (the loaders do not repeat it)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT),
-           ENV_VAR: f"{PLUGINS}:Probe,no_such_module_anywhere:Thing"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        ENV_VAR: f"{PLUGINS}:Probe,no_such_module_anywhere:Thing",
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "spcache", "precompute", str(MESH), str(CLOUD), "--recipe",
-         "probe", "--cache", str(tmp_path / "cache"), "--device", "cpu", "--backend", "torch",
-         "--loaders", "2", "--json"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "precompute",
+            str(MESH),
+            str(CLOUD),
+            "--recipe",
+            "probe",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "2",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["done"] == 2
     errors = [line for line in proc.stderr.splitlines() if "no_such_module_anywhere" in line]

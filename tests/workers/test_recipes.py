@@ -29,8 +29,13 @@ def test_registry_computes_every_declared_recipe() -> None:
 def test_public_parameter_and_field_names() -> None:
     spc, query = RECIPES["spc"].spec, RECIPES["spc_query"].spec
     assert set(spc.params) == {"level", "surface_samples"}
-    assert set(query.params) == {"level", "surface_samples", "uniform_queries",
-                                 "surface_queries", "surface_sigma"}
+    assert set(query.params) == {
+        "level",
+        "surface_samples",
+        "uniform_queries",
+        "surface_queries",
+        "surface_sigma",
+    }
     assert set(spc.fields) == {"octree", "pyramid", "exsum", "point_hierarchy", "center", "scale"}
     assert set(query.fields) == set(spc.fields) | {"query_points", "query_pidx", "occupancy"}
 
@@ -59,14 +64,18 @@ def test_chunk_budget_halves_on_oom_and_keeps_order() -> None:
     assert torch.equal(torch.cat(parts), torch.arange(100))
     assert attempts[:3] == [64, 32, 16] and budget.size == 16 and budget.backoffs == 2
     # the reduced size carries over to the next sample
-    assert [len(p) for p in budget.run(20, lambda a, b: torch.arange(a, b), torch.device("cpu"))] == [16, 4]
+    assert [
+        len(p) for p in budget.run(20, lambda a, b: torch.arange(a, b), torch.device("cpu"))
+    ] == [16, 4]
 
 
 # The message c10's CUDA caching allocator raises; from inside Kaolin's C++ (no exception
 # translator in its bindings) it arrives as a plain RuntimeError, not OutOfMemoryError.
-KAOLIN_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
-              "79.11 GiB of which 1.06 GiB is free. Of the allocated memory 75.2 GiB is "
-              "allocated by PyTorch, and 1.3 GiB is reserved by PyTorch but unallocated.")
+KAOLIN_OOM = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+    "79.11 GiB of which 1.06 GiB is free. Of the allocated memory 75.2 GiB is "
+    "allocated by PyTorch, and 1.3 GiB is reserved by PyTorch but unallocated."
+)
 
 
 def test_chunk_budget_backs_off_on_kaolins_plain_runtime_error(monkeypatch) -> None:
@@ -91,8 +100,11 @@ def test_chunk_budget_backs_off_on_kaolins_plain_runtime_error(monkeypatch) -> N
 def test_out_of_memory_is_recognised_by_type_or_by_cudas_message() -> None:
     assert is_out_of_memory(torch.cuda.OutOfMemoryError("anything"))
     assert is_out_of_memory(RuntimeError(KAOLIN_OOM))
-    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might "
-                                         "be asynchronously reported"))
+    assert is_out_of_memory(
+        RuntimeError(
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"
+        )
+    )
     assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access"))
     assert not is_out_of_memory(ValueError(KAOLIN_OOM))
     assert not is_out_of_memory(MemoryError())
@@ -130,8 +142,11 @@ def _spc_like(level: int, m: int | None = None) -> dict[str, torch.Tensor]:
         "scale": torch.tensor(1.0),
     }
     if m is not None:
-        out.update(query_points=torch.zeros(m, 3), occupancy=torch.zeros(m, dtype=torch.uint8),
-                   query_pidx=torch.zeros(m, level + 1, dtype=torch.int32))
+        out.update(
+            query_points=torch.zeros(m, 3),
+            occupancy=torch.zeros(m, dtype=torch.uint8),
+            query_pidx=torch.zeros(m, level + 1, dtype=torch.int32),
+        )
     return out
 
 

@@ -18,8 +18,9 @@ from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 
 RECIPE = RECIPES["spc_sdf"]
-PARAMS = RECIPE.spec.resolve({"level": 5, "surface_samples": 3000, "near_samples": 1500,
-                              "uniform_samples": 1500})
+PARAMS = RECIPE.spec.resolve(
+    {"level": 5, "surface_samples": 3000, "near_samples": 1500, "uniform_samples": 1500}
+)
 
 
 def _open_box() -> trimesh.Trimesh:
@@ -30,8 +31,9 @@ def _open_box() -> trimesh.Trimesh:
 
 def _inverted_torus() -> trimesh.Trimesh:
     torus = trimesh.creation.torus(major_radius=0.7, minor_radius=0.25)
-    return trimesh.Trimesh(torus.vertices, np.ascontiguousarray(torus.faces[:, ::-1]),
-                           process=False)
+    return trimesh.Trimesh(
+        torus.vertices, np.ascontiguousarray(torus.faces[:, ::-1]), process=False
+    )
 
 
 SHAPES = {
@@ -45,7 +47,9 @@ SHAPES = {
 
 def _points(count: int, mesh: trimesh.Trimesh, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    near = mesh.vertices[rng.integers(0, len(mesh.vertices), count)] + rng.normal(0, 0.02, (count, 3))
+    near = mesh.vertices[rng.integers(0, len(mesh.vertices), count)] + rng.normal(
+        0, 0.02, (count, 3)
+    )
     return np.concatenate([rng.uniform(-1.3, 1.3, (count, 3)), near, mesh.vertices[:50]])
 
 
@@ -55,18 +59,24 @@ def test_libigl_path_equals_brute_force(name: str) -> None:
     points = _points(600, mesh, 1)
     got, face = sdf.signed_distance(points, mesh.vertices, mesh.faces)
     assert got.dtype == np.float64 and face.dtype == np.int64 and got.shape == face.shape
-    want, _ = sdf.brute_force_signed_distance(torch.from_numpy(points),
-                                              torch.from_numpy(mesh.vertices),
-                                              torch.from_numpy(mesh.faces))
+    want, _ = sdf.brute_force_signed_distance(
+        torch.from_numpy(points), torch.from_numpy(mesh.vertices), torch.from_numpy(mesh.faces)
+    )
     want = want.numpy()
     np.testing.assert_allclose(np.abs(got), np.abs(want), rtol=0, atol=1e-12)
     far = np.abs(want) > 1e-4
     assert far.sum() > 1000 and np.array_equal(np.sign(got[far]), np.sign(want[far]))
     # the reported face is a closest one: each point's distance to that face alone
-    own = np.array([sdf.brute_force_distance(torch.from_numpy(points[i:i + 1]),
-                                             torch.from_numpy(mesh.vertices),
-                                             torch.from_numpy(mesh.faces[face[i]: face[i] + 1]))[0].item()
-                    for i in range(0, len(points), 7)])
+    own = np.array(
+        [
+            sdf.brute_force_distance(
+                torch.from_numpy(points[i : i + 1]),
+                torch.from_numpy(mesh.vertices),
+                torch.from_numpy(mesh.faces[face[i] : face[i] + 1]),
+            )[0].item()
+            for i in range(0, len(points), 7)
+        ]
+    )
     np.testing.assert_allclose(own, np.abs(got[::7]), rtol=0, atol=1e-12)
 
 
@@ -85,25 +95,29 @@ def _mesh_arrays(mesh: trimesh.Trimesh) -> tuple[np.ndarray, np.ndarray]:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrays(np.float64, (6, 3), elements=st.floats(-1, 1)),
-       arrays(np.float64, (30, 3), elements=st.floats(-2, 2)),
-       st.booleans())
+@given(
+    arrays(np.float64, (6, 3), elements=st.floats(-1, 1)),
+    arrays(np.float64, (30, 3), elements=st.floats(-2, 2)),
+    st.booleans(),
+)
 def test_distances_to_random_triangles_equal_brute_force(vertices, points, degenerate):
     faces = np.array([[0, 1, 2], [3, 4, 5], [0, 2, 4], [1, 3, 5]], dtype=np.int64)
     if degenerate:  # a sliver and a point-like triangle
         vertices[5] = vertices[3] + 0.5 * (vertices[4] - vertices[3])
         faces = np.concatenate([faces, [[0, 0, 0]]])
     got, _ = sdf.signed_distance(points, vertices, faces)
-    want, _ = sdf.brute_force_distance(torch.from_numpy(points), torch.from_numpy(vertices),
-                                       torch.from_numpy(faces))
+    want, _ = sdf.brute_force_distance(
+        torch.from_numpy(points), torch.from_numpy(vertices), torch.from_numpy(faces)
+    )
     np.testing.assert_allclose(np.abs(got), want.numpy(), rtol=0, atol=1e-9)
 
 
 def test_brute_force_winding_number_of_a_closed_mesh() -> None:
     mesh = trimesh.creation.icosphere(subdivisions=1)
     points = torch.tensor([[0.0, 0.0, 0.0], [0.2, -0.3, 0.1], [2.0, 0.0, 0.0], [0.0, -1.5, 1.0]])
-    w = sdf.brute_force_winding_number(points, torch.from_numpy(mesh.vertices),
-                                       torch.from_numpy(mesh.faces))
+    w = sdf.brute_force_winding_number(
+        points, torch.from_numpy(mesh.vertices), torch.from_numpy(mesh.faces)
+    )
     np.testing.assert_allclose(w.numpy(), [1.0, 1.0, 0.0, 0.0], atol=1e-12)
 
 
@@ -111,15 +125,22 @@ def _record(tmp_path, mesh: trimesh.Trimesh, params=PARAMS, name: str = "shape.p
     path = tmp_path / name
     mesh.export(path)
     source = load_source(path)
-    out = run_recipe(RECIPE, source, params, generator=make_generator("f" * 32, name),
-                     device="cpu", ops=get_backend("torch", "cpu"))
+    out = run_recipe(
+        RECIPE,
+        source,
+        params,
+        generator=make_generator("f" * 32, name),
+        device="cpu",
+        ops=get_backend("torch", "cpu"),
+    )
     check_outputs(RECIPE.spec, out, params)
     return source, out
 
 
 def test_icosphere_distances_are_radial(tmp_path) -> None:
-    params = RECIPE.spec.resolve({"level": 6, "surface_samples": 20_000, "near_samples": 5000,
-                                  "uniform_samples": 5000})
+    params = RECIPE.spec.resolve(
+        {"level": 6, "surface_samples": 20_000, "near_samples": 5000, "uniform_samples": 5000}
+    )
     source, out = _record(tmp_path, trimesh.creation.icosphere(subdivisions=5), params)
     norm = compute_normalization(source.path, source.used_points())
     mesh = trimesh.Trimesh(normalize_points(source.vertices, norm), source.faces, process=False)
@@ -153,14 +174,16 @@ def test_record_fields_are_consistent(tmp_path) -> None:
     _, out = _record(tmp_path, trimesh.creation.capsule(height=1.0, radius=0.4))
     ops = get_backend("torch", "cpu")
     dual, pyramid_dual = ops.unbatched_make_dual(out["point_hierarchy"], out["pyramid"])
-    assert torch.equal(dual, out["point_hierarchy_dual"]) and torch.equal(pyramid_dual, out["pyramid_dual"])
+    assert torch.equal(dual, out["point_hierarchy_dual"]) and torch.equal(
+        pyramid_dual, out["pyramid_dual"]
+    )
     level = PARAMS["level"]
     pidx = ops.unbatched_query(out["octree"], out["exsum"], out["sdf_points"], level)
     assert torch.equal(pidx.to(torch.int32), out["sdf_pidx"])
     inside = out["sdf_pidx"] >= 0
     assert bool(inside.any()) and bool((~inside).any())
     # points in a leaf voxel are within a voxel diagonal of the surface samples' voxels
-    assert float(out["sdf"][inside].abs().max()) <= 2 * 3 ** 0.5 / 2 ** level + 0.05
+    assert float(out["sdf"][inside].abs().max()) <= 2 * 3**0.5 / 2**level + 0.05
     assert out["sdf_face"].min() >= 0
     assert len(out["sdf"]) == PARAMS["near_samples"] + PARAMS["uniform_samples"]
 
@@ -193,9 +216,15 @@ def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
 
     budget = ChunkBudget(2048, minimum=256, before_query_chunk=fault)
     source = load_source(tmp_path / "shape.ply")
-    out = run_recipe(RECIPE, source, PARAMS,
-                     generator=make_generator("f" * 32, "shape.ply"), device="cpu",
-                     ops=get_backend("torch", "cpu"), query_chunk=budget)
+    out = run_recipe(
+        RECIPE,
+        source,
+        PARAMS,
+        generator=make_generator("f" * 32, "shape.ply"),
+        device="cpu",
+        ops=get_backend("torch", "cpu"),
+        query_chunk=budget,
+    )
     assert budget.backoffs == 1 and calls[0] == 2048 and calls[1] == 1024
     assert all(torch.equal(out[k], plain[k]) for k in plain)
 
@@ -254,7 +283,7 @@ def test_the_kaolin_path_takes_its_signs_from_the_rule(monkeypatch) -> None:
 
     def fake_point_to_mesh_distance(p, face_vertices):  # Kaolin's signature and outputs
         dist, face = sdf.brute_force_distance(p[0], vertices, faces)
-        return (dist ** 2).unsqueeze(0), face.unsqueeze(0), torch.zeros_like(face).unsqueeze(0)
+        return (dist**2).unsqueeze(0), face.unsqueeze(0), torch.zeros_like(face).unsqueeze(0)
 
     monkeypatch.setattr(sdf, "_kaolin_point_to_mesh_distance", lambda: fake_point_to_mesh_distance)
     inside = torch.from_numpy(sdf.winding_inside(points.numpy(), mesh.vertices, mesh.faces))
@@ -278,17 +307,21 @@ def _kaolin_or_skip() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["box", "icosphere", "capsule", "inverted_torus", "open_box",
-                                  "sheet", "holed_sphere"])
+@pytest.mark.parametrize(
+    "name", ["box", "icosphere", "capsule", "inverted_torus", "open_box", "sheet", "holed_sphere"]
+)
 def test_kaolin_path_agrees_with_the_cpu_path(name: str) -> None:
     _kaolin_or_skip()
     mesh = {**SHAPES, **OPEN_SHAPES}[name]()
     points = _points(3000, mesh, 2)
     cpu, cpu_face = sdf.signed_distance(points, mesh.vertices, mesh.faces)
     inside = torch.from_numpy(sdf.winding_inside(points, mesh.vertices, mesh.faces))
-    gpu, gpu_face = sdf.signed_distance_kaolin(torch.from_numpy(points).cuda(),
-                                               torch.from_numpy(mesh.vertices).cuda(),
-                                               torch.from_numpy(mesh.faces).cuda(), inside)
+    gpu, gpu_face = sdf.signed_distance_kaolin(
+        torch.from_numpy(points).cuda(),
+        torch.from_numpy(mesh.vertices).cuda(),
+        torch.from_numpy(mesh.faces).cuda(),
+        inside,
+    )
     gpu = gpu.cpu().numpy()
     # Kaolin computes squared distances in float32
     np.testing.assert_allclose(np.abs(gpu), np.abs(cpu), rtol=1e-5, atol=1e-6)
@@ -296,9 +329,11 @@ def test_kaolin_path_agrees_with_the_cpu_path(name: str) -> None:
     assert gpu_face.dtype == torch.int64 and gpu_face.shape == cpu_face.shape
     # Kaolin's face is a nearest one (ties: the lowest index)
     for i, f in list(enumerate(gpu_face.cpu().numpy()))[::97]:
-        d, _ = sdf.brute_force_distance(torch.from_numpy(points[i:i + 1]),
-                                        torch.from_numpy(mesh.vertices),
-                                        torch.from_numpy(mesh.faces[f:f + 1]))
+        d, _ = sdf.brute_force_distance(
+            torch.from_numpy(points[i : i + 1]),
+            torch.from_numpy(mesh.vertices),
+            torch.from_numpy(mesh.faces[f : f + 1]),
+        )
         assert abs(float(d) - abs(cpu[i])) <= 1e-5
 
 
@@ -310,10 +345,16 @@ def test_kaolin_records_agree_with_cpu_records(tmp_path, name: str) -> None:
     path = tmp_path / f"{name}.ply"
     {**SHAPES, **OPEN_SHAPES}[name]().export(path)
     source = load_source(path)
-    records = [run_recipe(RECIPE, source, PARAMS, generator=make_generator("f" * 32, "c"),
-                          device=device, ops=ops)
-               for device, ops in (("cpu", get_backend("torch", "cpu")), ("cuda", kaolin_ops),
-                                   ("cuda", get_backend("torch", "cuda")))]
+    records = [
+        run_recipe(
+            RECIPE, source, PARAMS, generator=make_generator("f" * 32, "c"), device=device, ops=ops
+        )
+        for device, ops in (
+            ("cpu", get_backend("torch", "cpu")),
+            ("cuda", kaolin_ops),
+            ("cuda", get_backend("torch", "cuda")),
+        )
+    ]
     cpu, gpu, torch_cuda = records
     for name_ in cpu:
         if name_ not in ("sdf", "sdf_face"):
@@ -332,16 +373,25 @@ def test_the_stated_size_bound_holds_at_the_parameter_bounds() -> None:
     level = int(params["level"].maximum)
     samples = int(params["surface_samples"].maximum)
     m = int(params["near_samples"].maximum) + int(params["uniform_samples"].maximum)
-    points = sum(min(8 ** lvl, samples) for lvl in range(level + 1))
-    per_sample = sum(np.dtype(f.dtype).itemsize * (3 if f.shape.endswith(", 3]") else 1)
-                     for name, f in RECIPE.spec.fields.items() if name.startswith("sdf"))
+    points = sum(min(8**lvl, samples) for lvl in range(level + 1))
+    per_sample = sum(
+        np.dtype(f.dtype).itemsize * (3 if f.shape.endswith(", 3]") else 1)
+        for name, f in RECIPE.spec.fields.items()
+        if name.startswith("sdf")
+    )
     assert per_sample == 24
     assert points * 47 + 8 * points * 6 + m * per_sample < 400e6
     # the schema's own worst case covers that estimate and is enforced at the record limit
     from cache_store.recipes.specs import MAX_RECORD_BYTES
 
-    worst = RECIPE.spec.worst_case_record_bytes({"level": level, "surface_samples": samples,
-                                                 "near_samples": m // 2, "uniform_samples": m // 2})
+    worst = RECIPE.spec.worst_case_record_bytes(
+        {
+            "level": level,
+            "surface_samples": samples,
+            "near_samples": m // 2,
+            "uniform_samples": m // 2,
+        }
+    )
     assert worst >= points * 47 + m * per_sample
     if worst > MAX_RECORD_BYTES:
         with pytest.raises(ParameterError, match="record limit"):

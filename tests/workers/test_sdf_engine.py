@@ -31,7 +31,7 @@ def _items(paths: list[Path]) -> list[tuple[str, str]]:
 
 
 def _data_section(value: bytes) -> bytes:
-    return bytes(value[read_header(value).data_start:])
+    return bytes(value[read_header(value).data_start :])
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,9 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         "capsule": trimesh.creation.capsule(height=1.0, radius=0.3),
         "torus": trimesh.creation.torus(major_radius=0.7, minor_radius=0.2),
         "cylinder": trimesh.creation.cylinder(radius=0.5, height=1.5),
-        "open_box": trimesh.Trimesh(box.vertices, box.faces[box.triangles_center[:, 2] < 0.19],
-                                    process=False),
+        "open_box": trimesh.Trimesh(
+            box.vertices, box.faces[box.triangles_center[:, 2] < 0.19], process=False
+        ),
     }
     paths = []
     for name, mesh in shapes.items():
@@ -58,8 +59,10 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 @pytest.fixture(scope="module")
 def shared_or_skip() -> Path:
     if not (SHARED_DATA / "meshes").is_dir():
-        pytest.skip(f"shared meshes not found at {SHARED_DATA} (set SPCACHE_SHARED_DATA); the "
-                    "generated-shape tests cover the same code")
+        pytest.skip(
+            f"shared meshes not found at {SHARED_DATA} (set SPCACHE_SHARED_DATA); the "
+            "generated-shape tests cover the same code"
+        )
     return SHARED_DATA
 
 
@@ -102,8 +105,10 @@ def test_a_record_for_every_shared_mesh(tmp_path: Path, shared_or_skip: Path) ->
         norm = compute_normalization(path, source.used_points())
         pick = torch.cat([torch.arange(0, 60), torch.arange(1000, 1060)])
         want, _ = sdf.brute_force_signed_distance(
-            tensors["sdf_points"][pick], torch.from_numpy(normalize_points(source.vertices, norm)),
-            torch.from_numpy(source.faces))
+            tensors["sdf_points"][pick],
+            torch.from_numpy(normalize_points(source.vertices, norm)),
+            torch.from_numpy(source.faces),
+        )
         got = tensors["sdf"][pick].double()
         assert float((got.abs() - want.abs()).abs().max()) <= 1e-6, path.stem
         clear = want.abs() > 1e-4
@@ -133,16 +138,18 @@ def test_bad_inputs_and_point_clouds_fail_alone(tmp_path: Path, generated: list[
         assert store.verify().ok
 
 
-def test_records_are_identical_across_runs_and_loader_modes(tmp_path: Path,
-                                                           generated: list[Path]) -> None:
-    runs = [_run(tmp_path / name, generated[:3], jobs)[2]
-            for name, jobs in (("a", 0), ("b", 2), ("c", 2))]
+def test_records_are_identical_across_runs_and_loader_modes(
+    tmp_path: Path, generated: list[Path]
+) -> None:
+    runs = [
+        _run(tmp_path / name, generated[:3], jobs)[2]
+        for name, jobs in (("a", 0), ("b", 2), ("c", 2))
+    ]
     assert len(runs[0]) == 3
     for other in runs[1:]:
         assert other.keys() == runs[0].keys()
         for key in runs[0]:
             assert _data_section(other[key]) == _data_section(runs[0][key])
-
 
 
 def test_lmdb_to_zarr_to_dataloader(tmp_path: Path, generated: list[Path]) -> None:
@@ -156,16 +163,17 @@ def test_lmdb_to_zarr_to_dataloader(tmp_path: Path, generated: list[Path]) -> No
         a, b = lmdb_ds[i], zarr_ds[i]
         assert a.keys() == b.keys() and set(SPEC.fields) <= set(a)
         assert all(torch.equal(a[k], b[k]) for k in a)
-    loader = torch.utils.data.DataLoader(zarr_ds, batch_size=2, num_workers=2,
-                                         collate_fn=collate_spc,
-                                         multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        zarr_ds, batch_size=2, num_workers=2, collate_fn=collate_spc, multiprocessing_context="fork"
+    )
     batches = list(loader)
     assert len(batches) == 2
     batch = batches[0]
     samples = [zarr_ds[0], zarr_ds[1]]
     assert batch["pyramid_dual"].shape == (2, 2, PARAMS["level"] + 2)
-    assert torch.equal(batch["point_hierarchy_dual"],
-                       torch.cat([s["point_hierarchy_dual"] for s in samples]))
+    assert torch.equal(
+        batch["point_hierarchy_dual"], torch.cat([s["point_hierarchy_dual"] for s in samples])
+    )
     assert batch["trinkets"].shape == (sum(len(s["trinkets"]) for s in samples), 8)
     assert batch["sdf"].shape == (2, PARAMS["near_samples"] + PARAMS["uniform_samples"])
     assert batch["sdf_points"].shape == (2, PARAMS["near_samples"] + PARAMS["uniform_samples"], 3)
@@ -175,8 +183,9 @@ def test_lmdb_to_zarr_to_dataloader(tmp_path: Path, generated: list[Path]) -> No
     assert "point_hierarchy_dual_lengths" not in batch and "trinkets_lengths" not in batch
 
 
-def test_collate_concatenates_dual_fields_even_when_sizes_agree(tmp_path: Path,
-                                                               generated: list[Path]) -> None:
+def test_collate_concatenates_dual_fields_even_when_sizes_agree(
+    tmp_path: Path, generated: list[Path]
+) -> None:
     engine, _, _ = _run(tmp_path / "cache", generated[:1], loaders=0)
     sample = CachedDataset(tmp_path / "cache", engine.fingerprint)[0]
     batch = collate_spc([sample, sample])  # same sizes: still Kaolin's packed layout
@@ -195,12 +204,21 @@ def test_ray_engine_writes_the_same_records(tmp_path: Path, generated: list[Path
 
     _, _, local = _run(tmp_path / "local", generated[:2], loaders=0)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING,
-             log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
+    )
     try:
         with open_store(tmp_path / "ray", readonly=False) as store:
-            summary = RayEngine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", loaders=0,
-                                actors=2, shard_size=1).run(_items(generated[:2]))
+            summary = RayEngine(
+                store,
+                "spc_sdf",
+                PARAMS,
+                device="cpu",
+                backend="torch",
+                loaders=0,
+                actors=2,
+                shard_size=1,
+            ).run(_items(generated[:2]))
             remote = {k: store.get(k) for k in store.keys()}
     finally:
         ray.shutdown()
@@ -211,8 +229,9 @@ def test_ray_engine_writes_the_same_records(tmp_path: Path, generated: list[Path
         assert _data_section(remote[key]) == _data_section(local[key])
 
 
-def test_the_readme_indexing_finds_each_points_voxel_corners(tmp_path: Path,
-                                                            generated: list[Path]) -> None:
+def test_the_readme_indexing_finds_each_points_voxel_corners(
+    tmp_path: Path, generated: list[Path]
+) -> None:
     from workers.ops import torch_spc
 
     engine, _, _ = _run(tmp_path / "cache", generated[:3], loaders=0)
@@ -224,14 +243,15 @@ def test_the_readme_indexing_finds_each_points_voxel_corners(tmp_path: Path,
     for b in range(len(points)):
         pyramid, pyramid_dual = batch["pyramid"][b], batch["pyramid_dual"][b]
         n_points = int(pyramid[1, -1])
-        hierarchy = batch["point_hierarchy"][point_offset: point_offset + n_points]
-        trinkets = batch["trinkets"][point_offset: point_offset + n_points]
+        hierarchy = batch["point_hierarchy"][point_offset : point_offset + n_points]
+        trinkets = batch["trinkets"][point_offset : point_offset + n_points]
         hit = pidx[b] >= 0
         corners = dual_offset + pyramid_dual[1, level] + trinkets[pidx[b][hit].long()]
         voxels = hierarchy[pidx[b][hit].long()]
         assert bool(hit.any())
-        assert torch.equal(batch["point_hierarchy_dual"][corners.long()],
-                           torch_spc.points_to_corners(voxels))
+        assert torch.equal(
+            batch["point_hierarchy_dual"][corners.long()], torch_spc.points_to_corners(voxels)
+        )
         # and the voxel really holds the point
         cell = torch.floor((points[b][hit].double() + 1) * 2 ** (level - 1)).to(torch.int16)
         assert torch.equal(cell, voxels)
@@ -248,8 +268,9 @@ def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]
 
     engine, summary, values = _run(tmp_path / "cache", generated[:2], loaders=0)
     assert summary.done == 2
-    settings = Settings(cache=tmp_path / "cache", source_roots=[tmp_path], token="t" * 32,
-                        worker=False)
+    settings = Settings(
+        cache=tmp_path / "cache", source_roots=[tmp_path], token="t" * 32, worker=False
+    )
     local = CachedDataset(tmp_path / "cache", engine.fingerprint)
     with InProcessServer(settings) as server:
         remote = CachedDataset(server.url, "spc_sdf", **PARAMS)
@@ -263,8 +284,10 @@ def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]
             local.close()
         sample_id = generated[0].stem
         with httpx.Client(base_url=server.url) as client:
-            reply = client.get(f"/v1/caches/{engine.fingerprint}/records/{sample_id}",
-                               params={"fields": "sdf,trinkets"})
+            reply = client.get(
+                f"/v1/caches/{engine.fingerprint}/records/{sample_id}",
+                params={"fields": "sdf,trinkets"},
+            )
         assert reply.status_code == 200
         subset = decode(reply.content)
         full = decode(values[engine.key(sample_id)])

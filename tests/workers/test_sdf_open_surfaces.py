@@ -19,7 +19,9 @@ def test_open_surfaces_sign_as_the_readme_says(tmp_path: Path, corpus_meshes: li
     grid = np.stack(np.meshgrid(np.linspace(-1, 1, 9), np.linspace(-1, 1, 9)), -1).reshape(-1, 2)
     vertices = np.column_stack([grid, np.zeros(len(grid))])
     faces = [[r * 9 + c, r * 9 + c + 1, (r + 1) * 9 + c] for r in range(8) for c in range(8)]
-    faces += [[r * 9 + c + 1, (r + 1) * 9 + c + 1, (r + 1) * 9 + c] for r in range(8) for c in range(8)]
+    faces += [
+        [r * 9 + c + 1, (r + 1) * 9 + c + 1, (r + 1) * 9 + c] for r in range(8) for c in range(8)
+    ]
     trimesh.Trimesh(vertices, faces, process=False).export(flat)
     bowl = next(p for p in corpus_meshes if p.name == "hemisphere_open.obj")
     with open_store(tmp_path / "cache", readonly=False) as store:

@@ -67,8 +67,7 @@ def test_a_final_component_swapped_for_a_link_after_resolving_is_refused(roots) 
         open_resolved(path, resolved, limits)
 
 
-def test_a_parent_directory_swapped_after_resolving_is_caught_by_the_opened_path(
-        roots) -> None:
+def test_a_parent_directory_swapped_after_resolving_is_caught_by_the_opened_path(roots) -> None:
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc/self/fd (Linux) to see the opened file's path")
     inside, outside = roots
@@ -84,10 +83,13 @@ def test_a_parent_directory_swapped_after_resolving_is_caught_by_the_opened_path
         open_resolved(inside / "sub" / "a.xyz", resolved, limits)
 
 
-@pytest.mark.parametrize("make, kind", [
-    (lambda p: os.mkfifo(p), "FIFO"),
-    (lambda p: p.mkdir(), "directory"),
-])
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (lambda p: os.mkfifo(p), "FIFO"),
+        (lambda p: p.mkdir(), "directory"),
+    ],
+)
 def test_special_files_are_refused_without_blocking(tmp_path: Path, make, kind: str) -> None:
     path = tmp_path / "shape.xyz"
     make(path)

@@ -81,8 +81,9 @@ def test_bad_inputs_fail_with_file_and_reason_or_load(bad_inputs: list[Path]) ->
             expected = EXPECTED_BAD.get(path.name) or CORPUS_EXPECTED.get(path.name)
             if expected:
                 assert expected in exc.reason, (path.name, exc.reason)
-            assert path.name not in CORPUS_EXPECTED or CORPUS_EXPECTED[path.name], \
+            assert path.name not in CORPUS_EXPECTED or CORPUS_EXPECTED[path.name], (
                 f"{path.name} should have loaded, failed with {exc.reason}"
+            )
             continue
         assert path.name not in EXPECTED_BAD, f"{path.name} should have failed"
         assert CORPUS_EXPECTED.get(path.name) is None, f"{path.name} should have failed"
@@ -136,12 +137,16 @@ def test_point_cloud_formats(tmp_path: Path) -> None:
     np.savez(tmp_path / "b.npz", points=pts)
     np.savez(tmp_path / "c.npz", whatever=pts.astype(np.int32))
     np.savez(tmp_path / "m.npz", vertices=TETRA_V, faces=TETRA_F)
-    (tmp_path / "d.xyz").write_text("# comment\n" + "\n".join(f"{x} {y} {z} 0.5" for x, y, z in pts))
+    (tmp_path / "d.xyz").write_text(
+        "# comment\n" + "\n".join(f"{x} {y} {z} 0.5" for x, y, z in pts)
+    )
     (tmp_path / "e.pts").write_text(f"{len(pts)}\n" + "\n".join(f"{x},{y},{z}" for x, y, z in pts))
     for name, exact in [("a.npy", False), ("b.npz", True), ("d.xyz", True), ("e.pts", True)]:
         src = load_source(tmp_path / name)
         assert src.kind == "points" and src.vertices.shape == (50, 3)
-        np.testing.assert_allclose(src.vertices, pts, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+        np.testing.assert_allclose(
+            src.vertices, pts, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6
+        )
     assert load_source(tmp_path / "c.npz").kind == "points"
     mesh = load_source(tmp_path / "m.npz")
     assert mesh.kind == "mesh" and mesh.faces.shape == (4, 3)
@@ -167,8 +172,10 @@ def test_scene_transforms_are_applied(tmp_path: Path) -> None:
     import trimesh
 
     scene = trimesh.Scene()
-    scene.add_geometry(trimesh.Trimesh(TETRA_V, TETRA_F, process=False),
-                       transform=trimesh.transformations.translation_matrix([10, 0, 0]))
+    scene.add_geometry(
+        trimesh.Trimesh(TETRA_V, TETRA_F, process=False),
+        transform=trimesh.transformations.translation_matrix([10, 0, 0]),
+    )
     scene.add_geometry(trimesh.Trimesh(TETRA_V, TETRA_F, process=False))
     scene.export(tmp_path / "s.glb")
     src = load_source(tmp_path / "s.glb")
@@ -177,15 +184,18 @@ def test_scene_transforms_are_applied(tmp_path: Path) -> None:
     assert src.vertices[:, 0].min() == pytest.approx(0.0)
 
 
-@pytest.mark.parametrize("name,content,reason", [
-    ("x.foo", b"1 2 3", "unsupported file type"),
-    ("x.xyz", b"1 2\n", "expected at least 3 numbers"),
-    ("x.xyz", b"1 2 a\n", "not a number"),
-    ("x.xyz", b"\xff\xfe\x00", "not a text point file"),
-    ("x.npz", b"PK-not-really", "not a valid .npz"),
-    ("x.npy", b"\x93NUMPY garbage", "not a valid .npy"),
-    ("x.obj", b"v 0 0 0\nv 1 0 0\nv 2 0 0\nf 1 2 3\n", "zero surface area"),
-])
+@pytest.mark.parametrize(
+    "name,content,reason",
+    [
+        ("x.foo", b"1 2 3", "unsupported file type"),
+        ("x.xyz", b"1 2\n", "expected at least 3 numbers"),
+        ("x.xyz", b"1 2 a\n", "not a number"),
+        ("x.xyz", b"\xff\xfe\x00", "not a text point file"),
+        ("x.npz", b"PK-not-really", "not a valid .npz"),
+        ("x.npy", b"\x93NUMPY garbage", "not a valid .npy"),
+        ("x.obj", b"v 0 0 0\nv 1 0 0\nv 2 0 0\nf 1 2 3\n", "zero surface area"),
+    ],
+)
 def test_hostile_small_files(tmp_path: Path, name: str, content: bytes, reason: str) -> None:
     path = tmp_path / name
     path.write_bytes(content)
@@ -212,13 +222,25 @@ def test_hash_is_of_the_bytes(tmp_path: Path) -> None:
 
 
 def test_supported_extensions_are_the_issue_list() -> None:
-    assert {".npy", ".npz", ".ply", ".xyz", ".pts", ".obj", ".stl", ".off", ".glb"} == SUPPORTED_EXTENSIONS
+    assert {
+        ".npy",
+        ".npz",
+        ".ply",
+        ".xyz",
+        ".pts",
+        ".obj",
+        ".stl",
+        ".off",
+        ".glb",
+    } == SUPPORTED_EXTENSIONS
 
 
 def test_sampling_is_seeded_on_surface_and_area_weighted() -> None:
     # two triangles in the z=0 plane, the second with 3x the area of the first
-    v = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 1, 0], [2, 0, 0], [5, 0, 0], [2, 2, 0],
-                      [9, 9, 9]], dtype=torch.float64)  # last vertex unused
+    v = torch.tensor(
+        [[0, 0, 0], [1, 0, 0], [0, 1, 0], [2, 0, 0], [5, 0, 0], [2, 2, 0], [9, 9, 9]],
+        dtype=torch.float64,
+    )  # last vertex unused
     f = torch.tensor([[0, 1, 2], [3, 4, 5]])
     a = sample_surface(v, f, 20_000, torch.Generator().manual_seed(7))
     b = sample_surface(v, f, 20_000, torch.Generator().manual_seed(7))
@@ -248,6 +270,7 @@ def test_shape_points_of_clouds_and_meshes(tmp_path: Path) -> None:
     unit = (surf + 1) / 2  # back to the unit tetrahedron
     on_face = ((unit.abs() < 1e-9).any(dim=1)) | ((unit.sum(dim=1) - 1).abs() < 1e-9)
     assert bool(on_face.all())
+
 
 _coords = st.floats(min_value=-1e30, max_value=1e30, allow_nan=False, allow_infinity=False)
 

@@ -33,9 +33,27 @@ def _submit(cache: Path, paths: list[Path], **params: int) -> tuple[JobQueue, st
 
 def _worker(cache: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "torch", "--loaders", "0", "--poll", "0.1", "--log-level", "warning", *extra],
-        cwd=REPO_ROOT)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--poll",
+            "0.1",
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        cwd=REPO_ROOT,
+    )
 
 
 def _wait_done(queue: JobQueue, job_id: str, at_least: int, timeout: float = 120) -> None:
@@ -47,8 +65,11 @@ def _wait_done(queue: JobQueue, job_id: str, at_least: int, timeout: float = 120
 
 
 def test_drain_computes_each_item_and_a_bad_sample_fails_alone(
-        tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Path],
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path,
+    corpus_meshes: list[Path],
+    corpus_bad_inputs: list[Path],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     cache = tmp_path / "cache"
     bad = next(p for p in corpus_bad_inputs if p.name == "nan_vertices.obj")
     queue, job_id, fp = _submit(cache, corpus_meshes[:3] + [bad], level=4, surface_samples=500)
@@ -59,7 +80,11 @@ def test_drain_computes_each_item_and_a_bad_sample_fails_alone(
     assert batches and f"job {job_id}: 4/4 items finished (1 failed)" in batches[-1], batches
     assert "samples/s" in batches[-1]
     info = queue.job(job_id)
-    assert info.counts["done"] == 3 and info.counts["failed"] == 1 and info.status == "done_with_errors"
+    assert (
+        info.counts["done"] == 3
+        and info.counts["failed"] == 1
+        and info.status == "done_with_errors"
+    )
     assert info.errors[0].sample_id == "nan_vertices" and info.errors[0].error
     store = LMDBStore(cache)
     for mesh in corpus_meshes[:3]:
@@ -73,7 +98,8 @@ def test_drain_computes_each_item_and_a_bad_sample_fails_alone(
 
 
 def test_a_full_cache_fails_a_job_item_only_after_its_retries(
-        tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A write that fails for lack of space is the store's failure, not the sample's: the
     item goes back to pending and is tried again (a sample's own failure is final at
     once), and what was committed before stays readable."""
@@ -81,8 +107,13 @@ def test_a_full_cache_fails_a_job_item_only_after_its_retries(
 
     cache = tmp_path / "cache"
     queue, job_id, fp = _submit(cache, corpus_meshes, level=6, surface_samples=4000)
-    monkeypatch.setattr(workers.worker_loop, "open_store", lambda path, readonly: LMDBStore(
-        path, readonly=readonly, map_size=64 * 1024, max_map_size=192 * 1024))
+    monkeypatch.setattr(
+        workers.worker_loop,
+        "open_store",
+        lambda path, readonly: LMDBStore(
+            path, readonly=readonly, map_size=64 * 1024, max_map_size=192 * 1024
+        ),
+    )
     loop = WorkerLoop(cache, device="cpu", backend="torch", loaders=0, drain=True)
     loop.run()
     rows = queue.items(job_id)
@@ -93,13 +124,15 @@ def test_a_full_cache_fails_a_job_item_only_after_its_retries(
     store = LMDBStore(cache)
     assert store.verify().ok
     assert {r["sample_id"] for r in rows if r["status"] == "done"} == {
-        k.split("/", 1)[1] for k in store.keys(fp + "/")}
+        k.split("/", 1)[1] for k in store.keys(fp + "/")
+    }
     store.close()
 
 
 @pytest.mark.slow
 def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
-        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     cache = tmp_path / "cache"
     meshes = corpus_meshes[:8]
     queue, job_id, fp = _submit(cache, meshes, level=6, surface_samples=20_000)
@@ -127,8 +160,9 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
 
 
 @pytest.mark.slow
-def test_sigterm_stops_cleanly_and_leaves_nothing_running(tmp_path: Path,
-                                                          corpus_meshes: list[Path]) -> None:
+def test_sigterm_stops_cleanly_and_leaves_nothing_running(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     cache = tmp_path / "cache"
     queue, job_id, _ = _submit(cache, corpus_meshes[:10], level=6, surface_samples=20_000)
     worker = _worker(cache, "--batch", "1")
@@ -157,19 +191,41 @@ def test_service_and_workers_hash_sources_the_same_way(corpus_meshes: list[Path]
 
 
 def test_kaolin_on_a_cpu_device_is_refused_before_anything_is_claimed(
-        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     """--device cpu --backend kaolin cannot work (Kaolin's SPC ops are CUDA-only): one line,
     exit 2, and the queue never hears of it (no attempt spent, no failure remembered)."""
     cache = tmp_path / "cache"
     queue, job_id, _ = _submit(cache, corpus_meshes[:2], level=4, surface_samples=500)
     proc = subprocess.run(
-        [sys.executable, "-m", "spcache", "worker", "--cache", str(cache), "--device", "cpu",
-         "--backend", "kaolin", "--drain", "--loaders", "0"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "spcache",
+            "worker",
+            "--cache",
+            str(cache),
+            "--device",
+            "cpu",
+            "--backend",
+            "kaolin",
+            "--drain",
+            "--loaders",
+            "0",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert lines == [("spcache worker: backend 'kaolin' is unavailable: device cpu is not a CUDA "
-                      "device (Kaolin's SPC ops are CUDA-only); use --backend torch or auto there")]
+    assert lines == [
+        (
+            "spcache worker: backend 'kaolin' is unavailable: device cpu is not a CUDA "
+            "device (Kaolin's SPC ops are CUDA-only); use --backend torch or auto there"
+        )
+    ]
     rows = queue.items(job_id)
     assert [(r["status"], r["attempts"]) for r in rows] == [("pending", 0), ("pending", 0)]
     assert queue.heartbeats() == []
@@ -182,30 +238,36 @@ def test_kaolin_on_a_cpu_device_is_refused_before_anything_is_claimed(
 
 
 def test_the_worker_says_which_backend_runs_and_why(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "cache"
     JobQueue(cache).close()
     with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
         assert WorkerLoop(cache, device="cpu", backend="auto", loaders=0, drain=True).run() == 0
     lines = [r.getMessage() for r in caplog.records if "backend: " in r.getMessage()]
     assert len(lines) == 1 and lines[0].endswith(
-        "backend: torch (device cpu: Kaolin's SPC ops are CUDA-only); device cpu"), lines
+        "backend: torch (device cpu: Kaolin's SPC ops are CUDA-only); device cpu"
+    ), lines
     # a CUDA machine whose Kaolin does not import: the fall-back is a WARNING with the reason
     import torch
 
     from workers.ops import kaolin_spc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    reason = ("kaolin not importable (ImportError: undefined symbol); torch 2.13.0 is outside "
-              "Kaolin 0.18's 2.3.0-2.8.0")
+    reason = (
+        "kaolin not importable (ImportError: undefined symbol); torch 2.13.0 is outside "
+        "Kaolin 0.18's 2.3.0-2.8.0"
+    )
     monkeypatch.setattr(kaolin_spc, "import_spc", lambda: (None, reason))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
         WorkerLoop(cache, device="cuda:0", backend="auto").log_backend()
     (record,) = [r for r in caplog.records if "backend: " in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert ("backend: torch (kaolin not importable (ImportError: undefined symbol); torch 2.13.0 "
-            "is outside Kaolin 0.18's 2.3.0-2.8.0; install kaolin==0.18.x") in record.getMessage()
+    assert (
+        "backend: torch (kaolin not importable (ImportError: undefined symbol); torch 2.13.0 "
+        "is outside Kaolin 0.18's 2.3.0-2.8.0; install kaolin==0.18.x"
+    ) in record.getMessage()
 
 
 # A worker whose process dies on one sample the way Kaolin's CubDebugExit kills it (exit(1)
@@ -226,7 +288,8 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 def test_a_sample_that_kills_the_worker_fails_alone_after_its_attempts(
-        tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
     """The supervisor restarts the dead worker; the poison sample is claimed again only
     while it has attempts, and the samples claimed with it are finished, not dragged down."""
     from service.supervisor import WorkerSupervisor
@@ -237,13 +300,36 @@ def test_a_sample_that_kills_the_worker_fails_alone_after_its_attempts(
     fp = compute_fingerprint("spc", spec.version, params)
     queue = JobQueue(cache)
     names = ["first", "poison", "second", "third"]
-    job_id = queue.submit("spc", params, fp, [NewItem(n, str(p))
-                                              for n, p in zip(names, corpus_meshes, strict=False)])
-    command = [sys.executable, "-c", _DIES_ON_POISON, "worker", "--cache", str(cache),
-               "--device", "cpu", "--backend", "torch", "--loaders", "0", "--poll", "0.1",
-               "--lease", "1", "--batch", "4", "--max-attempts", "3", "--log-level", "warning"]
-    supervisor = WorkerSupervisor(command, first_backoff_s=0.1, max_backoff_s=0.2,
-                                  stop_grace_s=10, cache=cache)
+    job_id = queue.submit(
+        "spc", params, fp, [NewItem(n, str(p)) for n, p in zip(names, corpus_meshes, strict=False)]
+    )
+    command = [
+        sys.executable,
+        "-c",
+        _DIES_ON_POISON,
+        "worker",
+        "--cache",
+        str(cache),
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--poll",
+        "0.1",
+        "--lease",
+        "1",
+        "--batch",
+        "4",
+        "--max-attempts",
+        "3",
+        "--log-level",
+        "warning",
+    ]
+    supervisor = WorkerSupervisor(
+        command, first_backoff_s=0.1, max_backoff_s=0.2, stop_grace_s=10, cache=cache
+    )
     supervisor.start()
     try:
         deadline = time.monotonic() + 240

@@ -21,8 +21,15 @@ from cache_store.errors import BackendUnavailable, UnknownName
 
 from . import kaolin_spc, torch_spc
 
-__all__ = ["BACKENDS", "OP_NAMES", "device_type", "get_backend", "select_backend", "kaolin_spc",
-           "torch_spc"]
+__all__ = [
+    "BACKENDS",
+    "OP_NAMES",
+    "device_type",
+    "get_backend",
+    "select_backend",
+    "kaolin_spc",
+    "torch_spc",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +60,9 @@ def device_type(device: torch.device | str | None) -> str:
     return torch.device(device).type
 
 
-def select_backend(name: str = "auto",
-                   device: torch.device | str | None = None) -> tuple[ModuleType, str]:
+def select_backend(
+    name: str = "auto", device: torch.device | str | None = None
+) -> tuple[ModuleType, str]:
     """The backend called ``name`` for ``device``, and why it is that one (for a log line).
 
     Same rules and errors as :func:`get_backend`; nothing is logged here.
@@ -68,9 +76,12 @@ def select_backend(name: str = "auto",
         return torch_spc, "asked for"
     if name == "kaolin":
         if not any_device and not is_cuda:
-            raise BackendUnavailable("kaolin", f"device {where} is not a CUDA device (Kaolin's "
-                                               "SPC ops are CUDA-only); use --backend torch or "
-                                               "auto there")
+            raise BackendUnavailable(
+                "kaolin",
+                f"device {where} is not a CUDA device (Kaolin's "
+                "SPC ops are CUDA-only); use --backend torch or "
+                "auto there",
+            )
         kaolin_spc.ensure_available()
         return kaolin_spc, f"asked for; kaolin {kaolin_spc.kaolin_version()} on {where}"
     if not is_cuda:

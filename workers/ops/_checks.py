@@ -49,8 +49,9 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
-def check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...] | None = None,
-                 expected: str = "") -> torch.Tensor:
+def check_tensor(
+    name: str, value: object, dtypes: tuple[torch.dtype, ...] | None = None, expected: str = ""
+) -> torch.Tensor:
     """``value`` must be a tensor (of one of ``dtypes`` when given)."""
     if not isinstance(value, torch.Tensor):
         raise TensorTypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
@@ -60,8 +61,7 @@ def check_tensor(name: str, value: object, dtypes: tuple[torch.dtype, ...] | Non
     return value
 
 
-def check_level(level: object, name: str = "level", low: int = 0,
-                high: int = MAX_LEVEL) -> int:
+def check_level(level: object, name: str = "level", low: int = 0, high: int = MAX_LEVEL) -> int:
     """``level`` must be a Python (or 0-d tensor) integer in ``[low, high]``."""
     if isinstance(level, bool) or (isinstance(level, torch.Tensor) and level.dim() != 0):
         raise TensorTypeError(f"{name}: expected an int, got {type(level).__name__}")
@@ -70,8 +70,10 @@ def check_level(level: object, name: str = "level", low: int = 0,
     except TypeError:
         raise TensorTypeError(f"{name}: expected an int, got {type(level).__name__}") from None
     if not low <= level <= high:
-        raise InvalidTensor(f"{name}: expected an integer in [{low}, {high}] "
-                            f"(int16 coordinates allow at most {MAX_LEVEL}), got {level}")
+        raise InvalidTensor(
+            f"{name}: expected an integer in [{low}, {high}] "
+            f"(int16 coordinates allow at most {MAX_LEVEL}), got {level}"
+        )
     return level
 
 
@@ -81,8 +83,9 @@ def _first_bad_row(points: torch.Tensor, bad: torch.Tensor) -> str:
     return f"row {row}: {tuple(int(v) for v in points[row].tolist())}"
 
 
-def check_points(points: object, level: int | None = None, name: str = "points",
-                 allow_empty: bool = False) -> torch.Tensor:
+def check_points(
+    points: object, level: int | None = None, name: str = "points", allow_empty: bool = False
+) -> torch.Tensor:
     """Quantized points: int16 of shape (num_points, 3), coordinates in [0, 2**level).
 
     Without ``level`` only negative coordinates are refused (any non-negative int16 fits
@@ -101,8 +104,10 @@ def check_points(points: object, level: int | None = None, name: str = "points",
     if bool(bad.any()):
         lo, hi = int(points.min()), int(points.max())
         where = f"for level {level}" if level is not None else "for int16 Morton codes"
-        raise InvalidTensor(f"{name}: coordinates must lie in [0, {high}) {where}; got values "
-                            f"in [{lo}, {hi}] (first offending {_first_bad_row(points, bad)})")
+        raise InvalidTensor(
+            f"{name}: coordinates must lie in [0, {high}) {where}; got values "
+            f"in [{lo}, {hi}] (first offending {_first_bad_row(points, bad)})"
+        )
     return points
 
 
@@ -123,9 +128,10 @@ def check_morton_points(points: object, name: str = "points") -> torch.Tensor:
     to ``points.shape[:-1]``, which for (3,) is ``reshape()`` with no size, a TypeError."""
     points = check_tensor(name, points, (torch.int16,), "torch.int16")
     if points.dim() < 2 or points.shape[-1] != 3:
-        raise InvalidTensor(f"{name}: expected shape (..., num_points, 3), got {_shape(points)}"
-                            + (" (one point is [[x, y, z]], shape (1, 3))"
-                               if points.dim() == 1 else ""))
+        raise InvalidTensor(
+            f"{name}: expected shape (..., num_points, 3), got {_shape(points)}"
+            + (" (one point is [[x, y, z]], shape (1, 3))" if points.dim() == 1 else "")
+        )
     return points
 
 
@@ -133,8 +139,10 @@ def check_morton(morton: object, name: str = "morton") -> torch.Tensor:
     """Morton codes: int64 of any shape, each in [0, 2**45) (15 levels of 3 bits)."""
     morton = check_tensor(name, morton, (torch.int64,), "torch.int64")
     if morton.numel() and bool(((morton < 0) | (morton >= (1 << (3 * MAX_LEVEL)))).any()):
-        raise InvalidTensor(f"{name}: Morton codes must lie in [0, 2**{3 * MAX_LEVEL}); got values "
-                            f"in [{int(morton.min())}, {int(morton.max())}]")
+        raise InvalidTensor(
+            f"{name}: Morton codes must lie in [0, 2**{3 * MAX_LEVEL}); got values "
+            f"in [{int(morton.min())}, {int(morton.max())}]"
+        )
     return morton
 
 
@@ -158,15 +166,17 @@ def check_lengths(lengths: object, num_bytes: int, name: str = "lengths") -> tor
     """
     lengths = check_tensor(name, lengths, _INT_DTYPES, "an integer dtype (torch.int32)")
     if lengths.dim() != 1 or lengths.shape[0] == 0:
-        raise InvalidTensor(f"{name}: expected shape (batch_size,) with batch_size >= 1, "
-                            f"got {_shape(lengths)}")
+        raise InvalidTensor(
+            f"{name}: expected shape (batch_size,) with batch_size >= 1, got {_shape(lengths)}"
+        )
     lengths = lengths.to(device="cpu", dtype=torch.int64)
     if bool((lengths < 1).any()):
         raise InvalidTensor(f"{name}: every octree needs at least one byte; got {lengths.tolist()}")
     total = int(lengths.sum())
     if total != num_bytes:
-        raise InvalidTensor(f"{name}: octree lengths sum to {total} but octrees holds "
-                            f"{num_bytes} bytes")
+        raise InvalidTensor(
+            f"{name}: octree lengths sum to {total} but octrees holds {num_bytes} bytes"
+        )
     return lengths
 
 
@@ -184,8 +194,9 @@ def check_pyramids(pyramids: object, name: str = "pyramids") -> torch.Tensor:
     """Pyramids: int32 of shape (batch_size, 2, max_level + 2); returned on the CPU."""
     pyramids = check_tensor(name, pyramids, (torch.int32,), "torch.int32")
     if pyramids.dim() != 3 or pyramids.shape[1] != 2 or pyramids.shape[2] < 2:
-        raise InvalidTensor(f"{name}: expected shape (batch_size, 2, max_level + 2), "
-                            f"got {_shape(pyramids)}")
+        raise InvalidTensor(
+            f"{name}: expected shape (batch_size, 2, max_level + 2), got {_shape(pyramids)}"
+        )
     return pyramids.cpu()
 
 
@@ -206,26 +217,33 @@ def inclusive_exsum(octrees: torch.Tensor, lengths: torch.Tensor) -> torch.Tenso
     if lengths.shape[0] > 1:
         ends = torch.cumsum(lengths, 0)[:-1].to(octrees.device)
         bases = torch.cat([exsum.new_zeros(1), exsum[ends - 1]])
-        exsum -= torch.repeat_interleave(bases, lengths.to(octrees.device),
-                                         output_size=octrees.shape[0])
+        exsum -= torch.repeat_interleave(
+            bases, lengths.to(octrees.device), output_size=octrees.shape[0]
+        )
     return exsum
 
 
-def current_exsum(exsum: object, lengths: torch.Tensor, caller: str,
-                  name: str = "exsum") -> torch.Tensor:
+def current_exsum(
+    exsum: object, lengths: torch.Tensor, caller: str, name: str = "exsum"
+) -> torch.Tensor:
     """``exsum`` int32 in the current layout (num_bytes,); the legacy layout
     (num_bytes + batch_size, a leading 0 per octree) is converted with a DeprecationWarning,
     as Kaolin 0.18 does."""
     exsum = check_tensor(name, exsum, (torch.int32,), "torch.int32")
     num_bytes, batch = int(lengths.sum()), lengths.shape[0]
     if exsum.dim() != 1 or exsum.shape[0] not in (num_bytes, num_bytes + batch):
-        raise InvalidTensor(f"{name}: expected shape ({num_bytes},) for {num_bytes} octree bytes "
-                            f"(or the legacy ({num_bytes + batch},)), got {_shape(exsum)}")
+        raise InvalidTensor(
+            f"{name}: expected shape ({num_bytes},) for {num_bytes} octree bytes "
+            f"(or the legacy ({num_bytes + batch},)), got {_shape(exsum)}"
+        )
     if exsum.shape[0] == num_bytes:
         return exsum
-    warnings.warn(f"{caller} received a legacy exsum of length num_bytes + batch_size; the "
-                  "current layout (inclusive sums, length num_bytes) is expected",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"{caller} received a legacy exsum of length num_bytes + batch_size; the "
+        "current layout (inclusive sums, length num_bytes) is expected",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return from_legacy_exsum(exsum, lengths)
 
 
@@ -252,8 +270,9 @@ def to_legacy_exsum(exsum: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def octree_structure(exsum: torch.Tensor, lengths: torch.Tensor,
-                     name: str = "octrees") -> tuple[int, torch.Tensor]:
+def octree_structure(
+    exsum: torch.Tensor, lengths: torch.Tensor, name: str = "octrees"
+) -> tuple[int, torch.Tensor]:
     """Walk the levels of each packed octree; return ``(max_level, pyramids)``.
 
     ``exsum``: int32 (num_bytes,), the per-octree inclusive sums of a *correct* bit count
@@ -282,22 +301,28 @@ def octree_structure(exsum: torch.Tensor, lengths: torch.Tensor,
             raise InvalidTensor(
                 f"{name}: octree {b}'s bytes do not add up to its length {int(lengths[b])}: "
                 f"its level {level - 1} holds points {int(starts[level - 1][b])} to "
-                f"{int(start[b]) - 1}, so some but not all of them own a byte")
+                f"{int(start[b]) - 1}, so some but not all of them own a byte"
+            )
         at_end = start == lengths
         if level > MAX_LEVEL:
-            raise InvalidTensor(f"{name}: an octree deeper than {MAX_LEVEL} levels (the most "
-                                f"int16 points allow); its bytes may not add up to its length")
+            raise InvalidTensor(
+                f"{name}: an octree deeper than {MAX_LEVEL} levels (the most "
+                f"int16 points allow); its bytes may not add up to its length"
+            )
         if bool(at_end.any()) and not bool(at_end.all()):
             b, c = int(at_end.nonzero()[0, 0]), int((~at_end).nonzero()[0, 0])
             raise InvalidTensor(
                 f"{name}: octrees in one batch must share one depth (Kaolin 0.18 sizes pyramids "
-                f"by the last one): octree {b} has depth {level}, octree {c} is deeper")
+                f"by the last one): octree {b} has depth {level}, octree {c} is deeper"
+            )
         cur_sum = ex[offsets + start - 1]
         count = cur_sum - prev_sum
         if bool((count < 1).any()):
             b = int((count < 1).nonzero()[0, 0])
-            raise InvalidTensor(f"{name}: octree {b} has no points at level {level}: the bytes "
-                                f"of level {level - 1} have no bits set")
+            raise InvalidTensor(
+                f"{name}: octree {b} has no points at level {level}: the bytes "
+                f"of level {level - 1} have no bits set"
+            )
         counts.append(count)
         if bool(at_end.all()):
             break

@@ -9,16 +9,25 @@ from __future__ import annotations
 import torch
 
 # Magic masks that spread the bits of a 16-bit integer three apart (and gather them back).
-SPREAD = ((16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F),
-           (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249))
+SPREAD = (
+    (16, 0x1F0000FF0000FF),
+    (8, 0x100F00F00F00F00F),
+    (4, 0x10C30C30C30C30C3),
+    (2, 0x1249249249249249),
+)
 SPREAD32 = ((16, 0x030000FF), (8, 0x0300F00F), (4, 0x030C30C3), (2, 0x09249249))
-GATHER = ((2, 0x10C30C30C30C30C3), (4, 0x100F00F00F00F00F),
-           (8, 0x1F0000FF0000FF), (16, 0x1F00000000FFFF), (32, 0x1FFFFF))
+GATHER = (
+    (2, 0x10C30C30C30C30C3),
+    (4, 0x100F00F00F00F00F),
+    (8, 0x1F0000FF0000FF),
+    (16, 0x1F00000000FFFF),
+    (32, 0x1FFFFF),
+)
 
 
 def spread_bits(v: torch.Tensor) -> torch.Tensor:
     """Spread bit i of ``v`` to bit 3*i. ``v``: int32 (< 2**10) or int64 (< 2**16)."""
-    for shift, mask in (SPREAD32 if v.dtype == torch.int32 else SPREAD):
+    for shift, mask in SPREAD32 if v.dtype == torch.int32 else SPREAD:
         v = (v | (v << shift)) & mask
     return v
 

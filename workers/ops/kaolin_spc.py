@@ -113,8 +113,9 @@ def guarded_import(module: str) -> ModuleType:
         warnings.simplefilter("always")
         imported = importlib.import_module(module)
     if caught:
-        logger.debug("importing %s warned %d time(s); first: %s", module, len(caught),
-                     caught[0].message)
+        logger.debug(
+            "importing %s warned %d time(s); first: %s", module, len(caught), caught[0].message
+        )
     return imported
 
 
@@ -131,8 +132,10 @@ def import_spc() -> tuple[ModuleType | None, str]:
         note = torch_version_note()
         return None, f"{reason}; {note}" if note else reason
     if version.split(".")[:2] != SUPPORTED_VERSION.split("."):
-        return None, (f"found kaolin {version}, but records must match Kaolin "
-                      f"{SUPPORTED_VERSION} bit for bit (earlier releases use another exsum layout)")
+        return None, (
+            f"found kaolin {version}, but records must match Kaolin "
+            f"{SUPPORTED_VERSION} bit for bit (earlier releases use another exsum layout)"
+        )
     return spc, ""
 
 
@@ -145,8 +148,9 @@ def ensure_available() -> ModuleType:
     """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
     spc, reason = import_spc()
     if spc is None:
-        raise BackendUnavailable(name, reason + f"; install kaolin=={SUPPORTED_VERSION}.x for "
-                                                "this torch/CUDA")
+        raise BackendUnavailable(
+            name, reason + f"; install kaolin=={SUPPORTED_VERSION}.x for this torch/CUDA"
+        )
     if not torch.cuda.is_available():
         raise BackendUnavailable(name, "CUDA is not available (Kaolin's SPC ops are CUDA-only)")
     return spc
@@ -170,8 +174,10 @@ def _on(arg: str, tensor: torch.Tensor) -> Iterator[ModuleType]:
     """Kaolin's spc module, with ``tensor``'s GPU current (some kernels allocate on it)."""
     spc = ensure_available()
     if tensor.device.type != "cuda":
-        raise InvalidTensor(f"{arg}: the kaolin backend needs CUDA tensors, got one on "
-                            f"{tensor.device}; use the torch backend on the CPU")
+        raise InvalidTensor(
+            f"{arg}: the kaolin backend needs CUDA tensors, got one on "
+            f"{tensor.device}; use the torch backend on the CPU"
+        )
     with torch.cuda.device(tensor.device):
         yield spc
 
@@ -202,8 +208,9 @@ def morton_to_points(morton: torch.Tensor) -> torch.Tensor:
         return spc.morton_to_points(morton.contiguous())
 
 
-def unbatched_points_to_octree(points: torch.Tensor, level: int,
-                               sorted: bool = False) -> torch.Tensor:  # `sorted` is Kaolin's name
+def unbatched_points_to_octree(
+    points: torch.Tensor, level: int, sorted: bool = False
+) -> torch.Tensor:  # `sorted` is Kaolin's name
     """See :func:`workers.ops.torch_spc.unbatched_points_to_octree`."""
     level = _checks.check_level(level, low=1)
     points = _checks.check_points(points, level)
@@ -213,8 +220,9 @@ def unbatched_points_to_octree(points: torch.Tensor, level: int,
         return spc.unbatched_points_to_octree(points.contiguous(), level, sorted=bool(sorted))
 
 
-def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
-                 legacy_exsum: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
+def scan_octrees(
+    octrees: torch.Tensor, lengths: torch.Tensor, legacy_exsum: bool = False
+) -> tuple[int, torch.Tensor, torch.Tensor]:
     """See :func:`workers.ops.torch_spc.scan_octrees`."""
     octrees = _checks.check_octree(octrees, "octrees")
     cpu_lengths = _checks.check_lengths(lengths, octrees.shape[0])
@@ -222,31 +230,43 @@ def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
         # Kaolin loops forever on some malformed octrees: walk them on our side first.
         _checks.octree_structure(_checks.inclusive_exsum(octrees, cpu_lengths), cpu_lengths)
         if exsum_layout(spc) == "inclusive":
-            return spc.scan_octrees(octrees.contiguous(), cpu_lengths.to(torch.int32),
-                                    legacy_exsum=legacy_exsum)
-        max_level, pyramids, legacy = spc.scan_octrees(octrees.contiguous(),
-                                                       cpu_lengths.to(torch.int32))
+            return spc.scan_octrees(
+                octrees.contiguous(), cpu_lengths.to(torch.int32), legacy_exsum=legacy_exsum
+            )
+        max_level, pyramids, legacy = spc.scan_octrees(
+            octrees.contiguous(), cpu_lengths.to(torch.int32)
+        )
         if legacy_exsum:
-            warnings.warn("scan_octrees(legacy_exsum=True) returns the deprecated exsum layout "
-                          "of size num_bytes + batch_size", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "scan_octrees(legacy_exsum=True) returns the deprecated exsum layout "
+                "of size num_bytes + batch_size",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return max_level, pyramids, legacy
         return max_level, pyramids, _checks.from_legacy_exsum(legacy, cpu_lengths)
 
 
-def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
-                    exsum: torch.Tensor) -> torch.Tensor:
+def generate_points(
+    octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor
+) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.generate_points`."""
     with _on("octrees", _checks.check_octree(octrees, "octrees")) as spc:
-        _, lengths, exsum = torch_spc.checked_structure(octrees, pyramids, exsum,
-                                                        "generate_points")
+        _, lengths, exsum = torch_spc.checked_structure(octrees, pyramids, exsum, "generate_points")
         if exsum_layout(spc) == "legacy":
             exsum = _checks.to_legacy_exsum(exsum, lengths)
-        return spc.generate_points(octrees.contiguous(), pyramids.cpu().contiguous(),
-                                   exsum.contiguous())
+        return spc.generate_points(
+            octrees.contiguous(), pyramids.cpu().contiguous(), exsum.contiguous()
+        )
 
 
-def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
-                    level: int, with_parents: bool = False) -> torch.Tensor:
+def unbatched_query(
+    octree: torch.Tensor,
+    exsum: torch.Tensor,
+    query_coords: torch.Tensor,
+    level: int,
+    with_parents: bool = False,
+) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.unbatched_query` (same -1 for undefined queries)."""
     with _on("octree", _checks.check_octree(octree)) as spc:
         exsum, query_coords, level = torch_spc.check_query(octree, exsum, query_coords, level)
@@ -254,16 +274,22 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
             return torch_spc.unbatched_query(octree, exsum, query_coords, level, with_parents)
         if exsum_layout(spc) == "legacy":
             exsum = _checks.to_legacy_exsum(exsum, torch.tensor([octree.shape[0]]))
-        result = spc.unbatched_query(octree.contiguous(), exsum.contiguous(),
-                                     query_coords.contiguous(), level, with_parents=with_parents)
+        result = spc.unbatched_query(
+            octree.contiguous(),
+            exsum.contiguous(),
+            query_coords.contiguous(),
+            level,
+            with_parents=with_parents,
+        )
         _, inside = torch_spc.query_voxels(query_coords, level, bool(with_parents))
         if with_parents:
             return result.masked_fill(~inside.unsqueeze(1), -1)
         return result.masked_fill(~inside, -1)
 
 
-def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
-                               level: int) -> torch.Tensor:
+def unbatched_get_level_points(
+    point_hierarchy: torch.Tensor, pyramid: torch.Tensor, level: int
+) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.unbatched_get_level_points` (plain slicing in both)."""
     return torch_spc.unbatched_get_level_points(point_hierarchy, pyramid, level)
 
@@ -272,19 +298,20 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
     """See :func:`workers.ops.torch_spc.points_to_corners`."""
     points = _checks.check_tensor("points", points, (torch.int16,), "torch.int16")
     if points.dim() != 2 or points.shape[1] != 3:
-        raise InvalidTensor(f"points: expected shape (num_points, 3), got "
-                                    f"{tuple(points.shape)}")
+        raise InvalidTensor(f"points: expected shape (num_points, 3), got {tuple(points.shape)}")
     with _on("points", points) as spc:
         if points.shape[0] == 0:  # Kaolin launches an empty grid, which CUDA refuses
             return torch.empty((0, 8, 3), dtype=torch.int16, device=points.device)
         return spc.points_to_corners(points.contiguous())
 
 
-def unbatched_make_dual(point_hierarchy: torch.Tensor,
-                        pyramid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unbatched_make_dual(
+    point_hierarchy: torch.Tensor, pyramid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`workers.ops.torch_spc.unbatched_make_dual` (Kaolin's own, after our checks)."""
     point_hierarchy, pyramid, max_level = torch_dual.check_hierarchy(
-        point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
+        point_hierarchy, pyramid, ("point_hierarchy", "pyramid")
+    )
     with _on("point_hierarchy", point_hierarchy) as spc:
         if max_level == _checks.MAX_LEVEL:  # refuse corners beyond int16, as the torch backend
             _refuse_far_corners(point_hierarchy, pyramid)
@@ -295,13 +322,17 @@ def unbatched_make_dual(point_hierarchy: torch.Tensor,
 def _refuse_far_corners(point_hierarchy: torch.Tensor, pyramid: torch.Tensor) -> None:
     leaves = point_hierarchy[torch_dual.level_slice(pyramid, pyramid.shape[1] - 2)]
     if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
-        raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
-                            "corners at 2**15, beyond int16")
+        raise InvalidTensor(
+            "point_hierarchy: level-15 voxels on the far border have corners at 2**15, beyond int16"
+        )
 
 
-def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
-                            point_hierarchy_dual: torch.Tensor,
-                            pyramid_dual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unbatched_make_trinkets(
+    point_hierarchy: torch.Tensor,
+    pyramid: torch.Tensor,
+    point_hierarchy_dual: torch.Tensor,
+    pyramid_dual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """See :func:`workers.ops.torch_spc.unbatched_make_trinkets`: that implementation, on the
     CUDA device.
 
@@ -310,5 +341,6 @@ def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor
     torch one gives the same trinkets and parents (the gpu tests compare them) and
     ``InvalidTensor`` for such input."""
     with _on("point_hierarchy", _checks.check_tensor("point_hierarchy", point_hierarchy)):
-        return torch_spc.unbatched_make_trinkets(point_hierarchy, pyramid, point_hierarchy_dual,
-                                                 pyramid_dual)
+        return torch_spc.unbatched_make_trinkets(
+            point_hierarchy, pyramid, point_hierarchy_dual, pyramid_dual
+        )

@@ -19,37 +19,49 @@ from . import _checks, _morton
 __all__ = ["unbatched_make_dual", "unbatched_make_trinkets"]
 
 
-def check_hierarchy(point_hierarchy: object, pyramid: object, names: tuple[str, str],
-                    corners: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+def check_hierarchy(
+    point_hierarchy: object, pyramid: object, names: tuple[str, str], corners: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A point hierarchy and its pyramid; returns ``(point_hierarchy, pyramid on the CPU,
     max_level)``. Level ``l``'s points must lie in ``[0, 2**l]`` when they are ``corners``
     (a dual octree), else in ``[0, 2**l)``."""
     ph_name, pyr_name = names
     point_hierarchy = _checks.check_tensor(ph_name, point_hierarchy, (torch.int16,), "torch.int16")
     if point_hierarchy.dim() != 2 or point_hierarchy.shape[1] != 3:
-        raise InvalidTensor(f"{ph_name}: expected shape (num_points, 3), got "
-                            f"{tuple(point_hierarchy.shape)}")
+        raise InvalidTensor(
+            f"{ph_name}: expected shape (num_points, 3), got {tuple(point_hierarchy.shape)}"
+        )
     pyramid = _checks.check_tensor(pyr_name, pyramid, (torch.int32,), "torch.int32")
     if pyramid.dim() != 2 or pyramid.shape[0] != 2 or not 2 <= pyramid.shape[1] <= 17:
-        raise InvalidTensor(f"{pyr_name}: expected shape (2, max_level + 2) with max_level in "
-                            f"[0, 15], got {tuple(pyramid.shape)}")
+        raise InvalidTensor(
+            f"{pyr_name}: expected shape (2, max_level + 2) with max_level in "
+            f"[0, 15], got {tuple(pyramid.shape)}"
+        )
     pyramid = pyramid.cpu()
     max_level = pyramid.shape[1] - 2
     counts = pyramid[0, : max_level + 1].to(torch.int64)
     starts = torch.cumsum(counts, 0) - counts
-    if (bool((counts < 0).any()) or not torch.equal(pyramid[1, : max_level + 1].to(torch.int64), starts)
-            or int(pyramid[1, max_level + 1]) != point_hierarchy.shape[0]):
-        raise InvalidTensor(f"{pyr_name}: not a pyramid of {ph_name} (counts per level "
-                            f"{pyramid[0].tolist()}, starts {pyramid[1].tolist()}, "
-                            f"{point_hierarchy.shape[0]} points)")
-    level_of = torch.repeat_interleave(torch.arange(max_level + 1), counts).to(point_hierarchy.device)
+    if (
+        bool((counts < 0).any())
+        or not torch.equal(pyramid[1, : max_level + 1].to(torch.int64), starts)
+        or int(pyramid[1, max_level + 1]) != point_hierarchy.shape[0]
+    ):
+        raise InvalidTensor(
+            f"{pyr_name}: not a pyramid of {ph_name} (counts per level "
+            f"{pyramid[0].tolist()}, starts {pyramid[1].tolist()}, "
+            f"{point_hierarchy.shape[0]} points)"
+        )
+    level_of = torch.repeat_interleave(torch.arange(max_level + 1), counts).to(
+        point_hierarchy.device
+    )
     high = (1 << level_of).unsqueeze(1) + (1 if corners else 0)
     bad = (point_hierarchy < 0) | (point_hierarchy.to(torch.int64) >= high)
     if bool(bad.any()):
         row = int(bad.any(dim=1).nonzero()[0, 0])
         raise InvalidTensor(
             f"{ph_name}: point {row} {tuple(point_hierarchy[row].tolist())} lies outside its "
-            f"level {int(level_of[row])} grid")
+            f"level {int(level_of[row])} grid"
+        )
     return point_hierarchy, pyramid, max_level
 
 
@@ -77,12 +89,15 @@ def _corner_morton(points: torch.Tensor) -> torch.Tensor:
         low = code & mask
         step = mask & -mask  # the axis's lowest bit
         plus_one = ((low | ~mask) + step) & mask
-        parts.append(torch.stack([low, plus_one], dim=1)[:, _CORNER_BITS[:, axis].to(points.device)])
+        parts.append(
+            torch.stack([low, plus_one], dim=1)[:, _CORNER_BITS[:, axis].to(points.device)]
+        )
     return parts[0] | parts[1] | parts[2]
 
 
-def unbatched_make_dual(point_hierarchy: torch.Tensor,
-                        pyramid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unbatched_make_dual(
+    point_hierarchy: torch.Tensor, pyramid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The dual octree: the corners of every level's voxels, as a point hierarchy.
 
     Level ``l`` of the dual holds the distinct corners of level ``l``'s voxels (corner
@@ -104,12 +119,15 @@ def unbatched_make_dual(point_hierarchy: torch.Tensor,
     which int16 cannot hold: it raises :class:`~cache_store.errors.InvalidTensor`.
     """
     point_hierarchy, pyramid, max_level = check_hierarchy(
-        point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
+        point_hierarchy, pyramid, ("point_hierarchy", "pyramid")
+    )
     if max_level == _checks.MAX_LEVEL:
         leaves = point_hierarchy[level_slice(pyramid, max_level)]
         if bool((leaves == (1 << _checks.MAX_LEVEL) - 1).any()):
-            raise InvalidTensor("point_hierarchy: level-15 voxels on the far border have "
-                                "corners at 2**15, beyond int16")
+            raise InvalidTensor(
+                "point_hierarchy: level-15 voxels on the far border have "
+                "corners at 2**15, beyond int16"
+            )
     levels = []
     for level in range(max_level + 1):
         codes = _corner_morton(point_hierarchy[level_slice(pyramid, level)])
@@ -136,9 +154,12 @@ def _lookup(table: torch.Tensor, codes: torch.Tensor, what: str) -> torch.Tensor
     return order.index_select(0, pos)
 
 
-def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
-                            point_hierarchy_dual: torch.Tensor,
-                            pyramid_dual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unbatched_make_trinkets(
+    point_hierarchy: torch.Tensor,
+    pyramid: torch.Tensor,
+    point_hierarchy_dual: torch.Tensor,
+    pyramid_dual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Trinkets (each voxel's 8 corners in the dual octree) and each voxel's parent.
 
     Args:
@@ -161,12 +182,15 @@ def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor
     :class:`~cache_store.errors.InvalidTensor` (Kaolin raises a ``KeyError``).
     """
     point_hierarchy, pyramid, max_level = check_hierarchy(
-        point_hierarchy, pyramid, ("point_hierarchy", "pyramid"))
+        point_hierarchy, pyramid, ("point_hierarchy", "pyramid")
+    )
     dual, pyramid_dual, dual_level = check_hierarchy(
-        point_hierarchy_dual, pyramid_dual, ("point_hierarchy_dual", "pyramid_dual"), corners=True)
+        point_hierarchy_dual, pyramid_dual, ("point_hierarchy_dual", "pyramid_dual"), corners=True
+    )
     if dual_level != max_level:
-        raise InvalidTensor(f"pyramid_dual: {dual_level + 1} levels, but pyramid has "
-                            f"{max_level + 1}")
+        raise InvalidTensor(
+            f"pyramid_dual: {dual_level + 1} levels, but pyramid has {max_level + 1}"
+        )
     device = point_hierarchy.device
     dual = dual.to(device)
     trinkets, parents = [], []
@@ -174,14 +198,26 @@ def unbatched_make_trinkets(point_hierarchy: torch.Tensor, pyramid: torch.Tensor
         points = point_hierarchy[level_slice(pyramid, level)]
         corners = _corner_morton(points).reshape(-1)
         dual_codes = _morton.encode(dual[level_slice(pyramid_dual, level)], torch.int64)
-        trinkets.append(_lookup(dual_codes, corners, f"point_hierarchy_dual: level {level} "
-                                "lacks corners of point_hierarchy's voxels; build it with "
-                                "unbatched_make_dual").view(-1, 8))
+        trinkets.append(
+            _lookup(
+                dual_codes,
+                corners,
+                f"point_hierarchy_dual: level {level} "
+                "lacks corners of point_hierarchy's voxels; build it with "
+                "unbatched_make_dual",
+            ).view(-1, 8)
+        )
         if level == 0:
             parents.append(torch.full((len(points),), -1, dtype=torch.int64, device=device))
             continue
         above = _morton.encode(point_hierarchy[level_slice(pyramid, level - 1)], torch.int64)
         mine = _morton.encode(points, torch.int64) >> 3
-        parents.append(_lookup(above, mine, f"point_hierarchy: a level-{level} voxel has no "
-                               f"parent at level {level - 1}") + int(pyramid[1, level - 1]))
+        parents.append(
+            _lookup(
+                above,
+                mine,
+                f"point_hierarchy: a level-{level} voxel has no parent at level {level - 1}",
+            )
+            + int(pyramid[1, level - 1])
+        )
     return torch.cat(trinkets).to(torch.int32), torch.cat(parents).to(torch.int32)

@@ -62,7 +62,7 @@ def quantize_points(x: torch.Tensor, level: int) -> torch.Tensor:
     """
     x = _checks.check_float_coords(x)
     level = _checks.check_level(level)
-    res = 2 ** level
+    res = 2**level
     return torch.floor(torch.clamp(res * (x + 1.0) / 2.0, 0, res - 1.0)).short()
 
 
@@ -122,14 +122,16 @@ def sorted_unique_morton(points: torch.Tensor, level: int, is_sorted: bool) -> t
             row = int((step < 0).nonzero()[0, 0]) + 1
             raise InvalidTensor(
                 f"points: sorted=True but the points are not in Morton order (row {row} comes "
-                f"before row {row - 1}); pass sorted=False to sort them")
+                f"before row {row - 1}); pass sorted=False to sort them"
+            )
         if bool((step == 0).any()):  # duplicates add nothing to an octree; drop them
             morton = torch.unique_consecutive(morton)
     return morton
 
 
-def unbatched_points_to_octree(points: torch.Tensor, level: int,
-                               sorted: bool = False) -> torch.Tensor:  # `sorted` is Kaolin's name
+def unbatched_points_to_octree(
+    points: torch.Tensor, level: int, sorted: bool = False
+) -> torch.Tensor:  # `sorted` is Kaolin's name
     r"""Build the octree of a set of quantized points.
 
     Points are deduplicated and ordered by Morton code; the octree holds one byte per
@@ -166,8 +168,9 @@ def unbatched_points_to_octree(points: torch.Tensor, level: int,
     return torch.cat(levels[::-1])
 
 
-def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
-                 legacy_exsum: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
+def scan_octrees(
+    octrees: torch.Tensor, lengths: torch.Tensor, legacy_exsum: bool = False
+) -> tuple[int, torch.Tensor, torch.Tensor]:
     r"""Scan packed octrees: their depth, pyramids and per-octree inclusive bit sums.
 
     Args:
@@ -192,14 +195,19 @@ def scan_octrees(octrees: torch.Tensor, lengths: torch.Tensor,
     exsum = _checks.inclusive_exsum(octrees, lengths)
     max_level, pyramids = _checks.octree_structure(exsum, lengths)
     if legacy_exsum:
-        warnings.warn("scan_octrees(legacy_exsum=True) returns the deprecated exsum layout of "
-                      "size num_bytes + batch_size", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "scan_octrees(legacy_exsum=True) returns the deprecated exsum layout of "
+            "size num_bytes + batch_size",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         exsum = _checks.to_legacy_exsum(exsum, lengths)
     return max_level, pyramids, exsum
 
 
-def checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor,
-                      caller: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+def checked_structure(
+    octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor, caller: str
+) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Check that ``pyramids`` and ``exsum`` are those of ``octrees``; return
     ``(max_level, byte lengths (int64 CPU), exsum in the current layout)``."""
     octrees = _checks.check_octree(octrees, "octrees")
@@ -209,30 +217,34 @@ def checked_structure(octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torc
     if bool((lengths < 1).any()) or int(lengths.sum()) != octrees.shape[0]:
         raise InvalidTensor(
             f"pyramids: they describe octrees of {lengths.tolist()} bytes, but octrees holds "
-            f"{octrees.shape[0]} bytes")
+            f"{octrees.shape[0]} bytes"
+        )
     exsum = _checks.current_exsum(exsum, lengths, caller)
     expected = _checks.inclusive_exsum(octrees, lengths)
     if exsum.device != octrees.device or not torch.equal(exsum, expected):
-        raise InvalidTensor("exsum: not the inclusive bit sums of octrees (on their device); "
-                            "compute it with scan_octrees")
+        raise InvalidTensor(
+            "exsum: not the inclusive bit sums of octrees (on their device); "
+            "compute it with scan_octrees"
+        )
     level, expected_pyramids = _checks.octree_structure(expected, lengths)
     if level != max_level or not torch.equal(pyramids, expected_pyramids):
-        raise InvalidTensor("pyramids: not the pyramids of octrees; compute them with "
-                            "scan_octrees")
+        raise InvalidTensor("pyramids: not the pyramids of octrees; compute them with scan_octrees")
     return max_level, lengths, exsum
 
 
-_CHILD_OFFSETS = torch.tensor([[(c >> 2) & 1, (c >> 1) & 1, c & 1] for c in range(8)],
-                              dtype=torch.int16)
+_CHILD_OFFSETS = torch.tensor(
+    [[(c >> 2) & 1, (c >> 1) & 1, c & 1] for c in range(8)], dtype=torch.int16
+)
 
 
-def _level_bytes(octrees: torch.Tensor, byte_offsets: torch.Tensor, pyramids: torch.Tensor,
-                 level: int) -> torch.Tensor:
+def _level_bytes(
+    octrees: torch.Tensor, byte_offsets: torch.Tensor, pyramids: torch.Tensor, level: int
+) -> torch.Tensor:
     """The bytes of every octree's level ``level``, octree after octree."""
     starts = byte_offsets + pyramids[:, 1, level].to(torch.int64)
     counts = pyramids[:, 0, level].to(torch.int64)
     if starts.shape[0] == 1:
-        return octrees[int(starts[0]): int(starts[0]) + int(counts[0])]
+        return octrees[int(starts[0]) : int(starts[0]) + int(counts[0])]
     return octrees.index_select(0, _ranges(starts, counts).to(octrees.device))
 
 
@@ -243,8 +255,9 @@ def _ranges(starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(total) + torch.repeat_interleave(shift, counts, output_size=total)
 
 
-def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
-                    exsum: torch.Tensor) -> torch.Tensor:
+def generate_points(
+    octrees: torch.Tensor, pyramids: torch.Tensor, exsum: torch.Tensor
+) -> torch.Tensor:
     r"""Decode packed octrees into their point hierarchies.
 
     Args:
@@ -289,8 +302,9 @@ def generate_points(octrees: torch.Tensor, pyramids: torch.Tensor,
     return out
 
 
-def query_voxels(query_coords: torch.Tensor, level: int,
-                 with_parents: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def query_voxels(
+    query_coords: torch.Tensor, level: int, with_parents: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-``level`` voxel of each query the way Kaolin 0.18 computes it.
 
     ``query_coords`` (num_query, 3), checked; returns ``(voxels, inside)``: int16
@@ -305,21 +319,22 @@ def query_voxels(query_coords: torch.Tensor, level: int,
     """
     q = query_coords
     if not q.is_floating_point():
-        q = (q.float() / (2 ** level)) * 2.0 - 1.0
+        q = (q.float() / (2**level)) * 2.0 - 1.0
     if with_parents:
-        v = q.to(torch.float64, copy=True).add_(1.0).mul_(0.5 * 2 ** level).trunc_()
+        v = q.to(torch.float64, copy=True).add_(1.0).mul_(0.5 * 2**level).trunc_()
     else:
         v = q.to(torch.float64 if q.dtype == torch.float64 else torch.float32, copy=True)
-        v.add_(1.0).mul_(0.5 * 2 ** level).floor_()
-    half = (2 ** level - 1) / 2
+        v.add_(1.0).mul_(0.5 * 2**level).floor_()
+    half = (2**level - 1) / 2
     ok = v.sub(half).abs_() <= half  # 0 <= v <= 2**level - 1, false for NaN
     inside = ok[:, 0] & ok[:, 1] & ok[:, 2]
     voxels = v.masked_fill_(~inside.unsqueeze(1), 0).to(torch.int16)
     return voxels, inside
 
 
-def check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
-                level: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def check_query(
+    octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor, level: int
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Shared input checks of :func:`unbatched_query`; returns (exsum, query_coords, level)."""
     octree = _checks.check_octree(octree)
     query_coords = _checks.check_query_coords(query_coords)
@@ -328,11 +343,15 @@ def check_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.T
     exsum = _checks.current_exsum(exsum, lengths, "unbatched_query")
     expected = _checks.inclusive_exsum(octree, lengths)
     if exsum.device != octree.device or not torch.equal(exsum, expected):
-        raise InvalidTensor("exsum: not the inclusive bit sums of octree (on its device); "
-                            "compute it with scan_octrees")
+        raise InvalidTensor(
+            "exsum: not the inclusive bit sums of octree (on its device); "
+            "compute it with scan_octrees"
+        )
     if query_coords.device != octree.device:
-        raise InvalidTensor(f"query_coords: expected device {octree.device} (the "
-                                    f"octree's), got {query_coords.device}")
+        raise InvalidTensor(
+            f"query_coords: expected device {octree.device} (the "
+            f"octree's), got {query_coords.device}"
+        )
     depth, _ = _checks.octree_structure(expected, lengths, "octree")
     if level > depth:
         raise InvalidTensor(f"level: the octree has depth {depth}, got level {level}")
@@ -344,8 +363,9 @@ def _rank_table(device: torch.device) -> torch.Tensor:
     is set (the child's rank among its siblings, from 1), else a large negative number."""
     byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
     bits = (byte >> torch.arange(8, dtype=torch.int32)) & 1
-    return torch.where(bits == 1, torch.cumsum(bits, dim=1, dtype=torch.int32),
-                       -(1 << 30)).to(device)
+    return torch.where(bits == 1, torch.cumsum(bits, dim=1, dtype=torch.int32), -(1 << 30)).to(
+        device
+    )
 
 
 def _child_table(octree: torch.Tensor, exsum: torch.Tensor) -> torch.Tensor:
@@ -362,8 +382,13 @@ def _child_table(octree: torch.Tensor, exsum: torch.Tensor) -> torch.Tensor:
     return table.clamp_min_(-1)
 
 
-def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: torch.Tensor,
-                    level: int, with_parents: bool = False) -> torch.Tensor:
+def unbatched_query(
+    octree: torch.Tensor,
+    exsum: torch.Tensor,
+    query_coords: torch.Tensor,
+    level: int,
+    with_parents: bool = False,
+) -> torch.Tensor:
     r"""Index in the point hierarchy of the level-``level`` voxel holding each query, or -1.
 
     Args:
@@ -398,16 +423,26 @@ def unbatched_query(octree: torch.Tensor, exsum: torch.Tensor, query_coords: tor
     # at 1M queries); on a GPU one block is best. Every block is itself fully vectorised.
     block = _QUERY_BLOCK if octree.device.type == "cpu" else max(num_query, 1)
     for start in range(0, num_query, block):
-        _descend(table, query_coords[start: start + block], level, with_parents,
-                 out[start: start + block])
+        _descend(
+            table,
+            query_coords[start : start + block],
+            level,
+            with_parents,
+            out[start : start + block],
+        )
     return out
 
 
 _QUERY_BLOCK = 1 << 17
 
 
-def _descend(table: torch.Tensor | None, query_coords: torch.Tensor, level: int,
-             with_parents: bool, out: torch.Tensor) -> None:
+def _descend(
+    table: torch.Tensor | None,
+    query_coords: torch.Tensor,
+    level: int,
+    with_parents: bool,
+    out: torch.Tensor,
+) -> None:
     """Write the query results of one block of queries into ``out`` (int64, (n,) or
     (n, level + 1)): the root is node 0 of the table; each level follows one child."""
     voxels, inside = query_voxels(query_coords, level, with_parents)
@@ -425,8 +460,9 @@ def _descend(table: torch.Tensor | None, query_coords: torch.Tensor, level: int,
         out.copy_(node)
 
 
-def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Tensor,
-                               level: int) -> torch.Tensor:
+def unbatched_get_level_points(
+    point_hierarchy: torch.Tensor, pyramid: torch.Tensor, level: int
+) -> torch.Tensor:
     r"""The points of one level of a point hierarchy (a view, no copy).
 
     Args:
@@ -441,16 +477,18 @@ def unbatched_get_level_points(point_hierarchy: torch.Tensor, pyramid: torch.Ten
     _checks.check_tensor("point_hierarchy", point_hierarchy)
     pyramid = _checks.check_tensor("pyramid", pyramid, (torch.int32,), "torch.int32")
     if pyramid.dim() != 2 or pyramid.shape[0] != 2 or pyramid.shape[1] < 2:
-        raise InvalidTensor(f"pyramid: expected shape (2, max_level + 2), got "
-                                    f"{tuple(pyramid.shape)}")
+        raise InvalidTensor(
+            f"pyramid: expected shape (2, max_level + 2), got {tuple(pyramid.shape)}"
+        )
     level = _checks.check_level(level, high=pyramid.shape[1] - 2)
     if point_hierarchy.dim() < 1:
         raise InvalidTensor("point_hierarchy: expected shape (num_points, ...), got ()")
-    start, stop = (int(v) for v in pyramid[1, level: level + 2].tolist())
+    start, stop = (int(v) for v in pyramid[1, level : level + 2].tolist())
     if not 0 <= start <= stop <= point_hierarchy.shape[0]:
         raise InvalidTensor(
             f"pyramid: level {level} spans points [{start}, {stop}) but point_hierarchy has "
-            f"{point_hierarchy.shape[0]}")
+            f"{point_hierarchy.shape[0]}"
+        )
     return point_hierarchy[start:stop]
 
 
@@ -468,6 +506,5 @@ def points_to_corners(points: torch.Tensor) -> torch.Tensor:
     """
     points = _checks.check_tensor("points", points, (torch.int16,), "torch.int16")
     if points.dim() != 2 or points.shape[1] != 3:
-        raise InvalidTensor(f"points: expected shape (num_points, 3), got "
-                                    f"{tuple(points.shape)}")
+        raise InvalidTensor(f"points: expected shape (num_points, 3), got {tuple(points.shape)}")
     return points.unsqueeze(1) + _CHILD_OFFSETS.to(points.device)

@@ -28,16 +28,25 @@ class VoxelNormals(Recipe):
     version = 1
     params = {
         "level": Param(int, 6, minimum=1, maximum=10, doc="octree depth"),
-        "samples": Param(int, 50_000, minimum=1, maximum=5_000_000,
-                         doc="surface points sampled (area-weighted) to find voxels and normals"),
+        "samples": Param(
+            int,
+            50_000,
+            minimum=1,
+            maximum=5_000_000,
+            doc="surface points sampled (area-weighted) to find voxels and normals",
+        ),
     }
     fields = {
         "octree": Field("uint8", "[num_bytes]", "Kaolin SPC octree of the normalised mesh"),
         "pyramid": Field("int32", "[2, level+2]", "points per level; first index of each level"),
         "exsum": Field("int32", "[num_bytes]", "inclusive running sum of set bits per byte"),
         "point_hierarchy": Field("int16", "[num_points, 3]", "voxel coordinates of all levels"),
-        "normals": Field("float32", "[num_leaves, 3]",
-                         "unit mean face normal of each leaf voxel, in Morton order", finite=True),
+        "normals": Field(
+            "float32",
+            "[num_leaves, 3]",
+            "unit mean face normal of each leaf voxel, in Morton order",
+            finite=True,
+        ),
         "counts": Field("int32", "[num_leaves]", "surface samples that fell in each leaf"),
         "center": Field("float32", "[3]", "normalised = (source - center) / scale", finite=True),
         "scale": Field("float32", "[]", "normalisation scale", finite=True),
@@ -48,8 +57,11 @@ class VoxelNormals(Recipe):
         import torch
 
         if source.faces is None or len(source.faces) == 0:
-            raise SourceError(source.path, "voxel_normals needs a triangle mesh (this file "
-                                           "has no faces: no normals to average)")
+            raise SourceError(
+                source.path,
+                "voxel_normals needs a triangle mesh (this file "
+                "has no faces: no normals to average)",
+            )
         vertices = np.asarray(source.vertices, dtype=np.float64)
         faces = np.asarray(source.faces, dtype=np.int64)
         used = vertices[np.unique(faces)]
@@ -64,15 +76,19 @@ class VoxelNormals(Recipe):
             raise SourceError(source.path, "the mesh has no surface area")
         unit = cross / np.where(area > 0, area, 1.0)[:, None]
         count = int(params["samples"])
-        face = torch.multinomial(torch.from_numpy(area), count, replacement=True,
-                                 generator=generator).numpy()
+        face = torch.multinomial(
+            torch.from_numpy(area), count, replacement=True, generator=generator
+        ).numpy()
         uv = torch.rand(count, 2, dtype=torch.float64, generator=generator).numpy()
         flip = uv.sum(axis=1) > 1
         uv[flip] = 1 - uv[flip]
         points = a[face] + uv[:, :1] * (b[face] - a[face]) + uv[:, 1:] * (c[face] - a[face])
-        return {"points": np.clip(points, -1, 1).astype(np.float32),
-                "normals": unit[face].astype(np.float64),
-                "center": center.astype(np.float32), "scale": np.array(scale, np.float32)}
+        return {
+            "points": np.clip(points, -1, 1).astype(np.float32),
+            "normals": unit[face].astype(np.float64),
+            "center": center.astype(np.float32),
+            "scale": np.array(scale, np.float32),
+        }
 
     def compute(self, prepared, params, device, ops):
         """Octree with the SPC ops on ``device``; per-leaf means on the CPU (exact and
@@ -93,8 +109,13 @@ class VoxelNormals(Recipe):
         counts = torch.bincount(index, minlength=leaves)
         length = sums.norm(dim=1, keepdim=True)
         normals = torch.where(length > 1e-12, sums / length.clamp_min(1e-12), 0.0)
-        return {"octree": octree.cpu(), "pyramid": pyramid, "exsum": exsum.to("cpu", torch.int32),
-                "point_hierarchy": hierarchy.to("cpu", torch.int16),
-                "normals": normals.to(torch.float32), "counts": counts.to(torch.int32),
-                "center": torch.from_numpy(prepared["center"]),
-                "scale": torch.from_numpy(prepared["scale"])}
+        return {
+            "octree": octree.cpu(),
+            "pyramid": pyramid,
+            "exsum": exsum.to("cpu", torch.int32),
+            "point_hierarchy": hierarchy.to("cpu", torch.int16),
+            "normals": normals.to(torch.float32),
+            "counts": counts.to(torch.int32),
+            "center": torch.from_numpy(prepared["center"]),
+            "scale": torch.from_numpy(prepared["scale"]),
+        }

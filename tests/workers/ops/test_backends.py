@@ -29,7 +29,9 @@ def test_torch_backend_by_name_and_auto_on_cpu():
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(UnknownName, match="unknown SPC backend 'numpy'; known: auto, kaolin, torch"):
+    with pytest.raises(
+        UnknownName, match="unknown SPC backend 'numpy'; known: auto, kaolin, torch"
+    ):
         get_backend("numpy")
     with pytest.raises(KeyError):
         get_backend("numpy")
@@ -54,10 +56,13 @@ def test_kaolin_backend_fails_clearly_where_it_cannot_run():
 
 
 def test_importing_the_ops_imports_neither_kaolin_nor_cuda_state():
-    code = ("import sys, workers.ops, torch; "
-            "print('kaolin' in sys.modules, torch.cuda.is_initialized())")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
+    code = (
+        "import sys, workers.ops, torch; "
+        "print('kaolin' in sys.modules, torch.cuda.is_initialized())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
     assert out == ["False", "False"]
 
 
@@ -80,8 +85,9 @@ def clean_kaolin_cache():
 
 def test_other_kaolin_releases_are_refused(monkeypatch, clean_kaolin_cache):
     _fake_kaolin(monkeypatch, "0.17.0")
-    with pytest.raises(BackendUnavailable, match="found kaolin 0.17.0, but records must match "
-                                                 "Kaolin 0.18"):
+    with pytest.raises(
+        BackendUnavailable, match="found kaolin 0.17.0, but records must match Kaolin 0.18"
+    ):
         kaolin_spc.ensure_available()
 
 
@@ -123,7 +129,8 @@ def test_the_torch_range_note():
     assert kaolin_spc.torch_version_note("2.5.1+cu121") == ""
     assert kaolin_spc.torch_version_note("2.8.0") == ""
     assert kaolin_spc.torch_version_note("2.13.0") == (
-        "torch 2.13.0 is outside Kaolin 0.18's 2.3.0-2.8.0")
+        "torch 2.13.0 is outside Kaolin 0.18's 2.3.0-2.8.0"
+    )
     assert "outside" in kaolin_spc.torch_version_note("2.2.2")
 
 
@@ -140,24 +147,40 @@ print("GOT", get_backend("auto", "cuda:0").name)
 """
 
 
-def _run_with_fake_kaolin(tmp_path, init_body: str, spc_body: str = "") -> subprocess.CompletedProcess:
+def _run_with_fake_kaolin(
+    tmp_path, init_body: str, spc_body: str = ""
+) -> subprocess.CompletedProcess:
     package = tmp_path / "kaolin"
     (package / "ops").mkdir(parents=True)
     (package / "__init__.py").write_text(init_body)
     (package / "ops" / "__init__.py").write_text("")
     (package / "ops" / "spc.py").write_text(spc_body)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO_ROOT)])}
-    return subprocess.run([sys.executable, "-W", "error", "-c", _PROBE], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-c", _PROBE],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("init_body, shown", [
-    ("raise RuntimeError('libcudart.so.12: cannot open shared object file')",
-     "RuntimeError: libcudart.so.12: cannot open shared object file"),
-    ("raise SystemExit(1)", "SystemExit: 1"),
-    ("import warp_missing_module", "ModuleNotFoundError: No module named 'warp_missing_module'"),
-    ("raise AttributeError('partially initialized module')", "AttributeError"),
-])
+@pytest.mark.parametrize(
+    "init_body, shown",
+    [
+        (
+            "raise RuntimeError('libcudart.so.12: cannot open shared object file')",
+            "RuntimeError: libcudart.so.12: cannot open shared object file",
+        ),
+        ("raise SystemExit(1)", "SystemExit: 1"),
+        (
+            "import warp_missing_module",
+            "ModuleNotFoundError: No module named 'warp_missing_module'",
+        ),
+        ("raise AttributeError('partially initialized module')", "AttributeError"),
+    ],
+)
 def test_a_broken_kaolin_import_falls_back_to_torch_with_one_line(tmp_path, init_body, shown):
     proc = _run_with_fake_kaolin(tmp_path, init_body)
     assert proc.returncode == 0, proc.stderr
@@ -169,10 +192,14 @@ def test_a_broken_kaolin_import_falls_back_to_torch_with_one_line(tmp_path, init
 
 
 def test_a_noisy_but_working_kaolin_import_is_used_under_warnings_as_errors(tmp_path):
-    init = ("import warnings\n__version__ = '0.18.0'\n"
-            "warnings.warn('warp: CUDA driver is old', UserWarning)\n"
-            "warnings.warn('pxr is deprecated', DeprecationWarning)\n")
-    proc = _run_with_fake_kaolin(tmp_path, init, "import warnings\nwarnings.warn('spc', FutureWarning)\n")
+    init = (
+        "import warnings\n__version__ = '0.18.0'\n"
+        "warnings.warn('warp: CUDA driver is old', UserWarning)\n"
+        "warnings.warn('pxr is deprecated', DeprecationWarning)\n"
+    )
+    proc = _run_with_fake_kaolin(
+        tmp_path, init, "import warnings\nwarnings.warn('spc', FutureWarning)\n"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "SELECTED kaolin | kaolin 0.18.0 imports and cuda:0 is CUDA" in proc.stdout
     assert "GOT kaolin" in proc.stdout
@@ -183,8 +210,11 @@ def test_a_lone_point_is_refused_by_points_to_morton():
     backends refuse it with the same InvalidTensor; (1, 3) is the way to pass one point."""
     from cache_store.errors import InvalidTensor
 
-    with pytest.raises(InvalidTensor, match=r"expected shape \(\.\.\., num_points, 3\), got "
-                                            r"\(3\) \(one point is \[\[x, y, z\]\]"):
+    with pytest.raises(
+        InvalidTensor,
+        match=r"expected shape \(\.\.\., num_points, 3\), got "
+        r"\(3\) \(one point is \[\[x, y, z\]\]",
+    ):
         torch_spc.points_to_morton(torch.tensor([1, 2, 3], dtype=torch.int16))
     with pytest.raises(InvalidTensor, match="num_points, 3"):
         kaolin_spc.points_to_morton(torch.tensor([1, 2, 3], dtype=torch.int16))

@@ -12,13 +12,13 @@ from tests.helpers import ops_reference as ref
 from tests.helpers.strategies import point_sets
 from workers.ops import torch_spc as ops
 
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _hierarchy(points, level):
-    octree = ops.unbatched_points_to_octree(torch.tensor(points, dtype=torch.int16).reshape(-1, 3),
-                                            level)
+    octree = ops.unbatched_points_to_octree(
+        torch.tensor(points, dtype=torch.int16).reshape(-1, 3), level
+    )
     _, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)], dtype=torch.int32))
     return ops.generate_points(octree, pyramids, exsum), pyramids[0]
 
@@ -30,7 +30,15 @@ def test_make_dual_of_kaolins_docstring_example():
     unit = [[(c >> 2) & 1, (c >> 1) & 1, c & 1] for c in range(8)]
     assert ops.unbatched_get_level_points(dual, pyramid_dual, 0).tolist() == unit
     assert ops.unbatched_get_level_points(dual, pyramid_dual, 1).tolist() == unit + [
-        [0, 0, 2], [0, 1, 2], [1, 0, 2], [1, 1, 2], [0, 2, 0], [0, 2, 1], [1, 2, 0], [1, 2, 1]]
+        [0, 0, 2],
+        [0, 1, 2],
+        [1, 0, 2],
+        [1, 1, 2],
+        [0, 2, 0],
+        [0, 2, 1],
+        [1, 2, 0],
+        [1, 2, 1],
+    ]
     assert pyramid_dual.tolist() == [[8, 16, 0], [0, 8, 24]]
 
 
@@ -45,9 +53,11 @@ def _check_trinkets(hierarchy, pyramid, dual, pyramid_dual, trinkets, parents):
     assert parents[0] == -1
     for level in range(1, max_level + 1):
         parent = hierarchy.index_select(
-            0, ops.unbatched_get_level_points(parents, pyramid, level).long())
-        expected = torch.div(ops.unbatched_get_level_points(hierarchy, pyramid, level), 2,
-                             rounding_mode="trunc")
+            0, ops.unbatched_get_level_points(parents, pyramid, level).long()
+        )
+        expected = torch.div(
+            ops.unbatched_get_level_points(hierarchy, pyramid, level), 2, rounding_mode="trunc"
+        )
         assert torch.equal(parent, expected)
 
 
@@ -67,8 +77,11 @@ def _reference_dual(points, level):
     """Per level, the corners of its voxels as a Morton-sorted list without duplicates."""
     out = []
     for voxels in ref.levels(points, level):
-        corners = {(x + (c >> 2 & 1), y + (c >> 1 & 1), z + (c & 1))
-                   for x, y, z in voxels for c in range(8)}
+        corners = {
+            (x + (c >> 2 & 1), y + (c >> 1 & 1), z + (c & 1))
+            for x, y, z in voxels
+            for c in range(8)
+        }
         out.append(sorted(corners, key=ref.morton))
     return out
 
@@ -89,11 +102,15 @@ def test_dual_and_trinkets_of_random_octrees_match_the_reference(case):
     want_trinkets, want_parents = [], []
     for lvl, level_voxels in enumerate(voxels):
         where = {p: i for i, p in enumerate(expected[lvl])}
-        above = {p: i + sum(len(v) for v in voxels[:lvl - 1]) for i, p in
-                 enumerate(voxels[lvl - 1])} if lvl else {}
+        above = (
+            {p: i + sum(len(v) for v in voxels[: lvl - 1]) for i, p in enumerate(voxels[lvl - 1])}
+            if lvl
+            else {}
+        )
         for x, y, z in level_voxels:
-            want_trinkets.append([where[(x + (c >> 2 & 1), y + (c >> 1 & 1), z + (c & 1))]
-                                  for c in range(8)])
+            want_trinkets.append(
+                [where[(x + (c >> 2 & 1), y + (c >> 1 & 1), z + (c & 1))] for c in range(8)]
+            )
             want_parents.append(above[(x >> 1, y >> 1, z >> 1)] if lvl else -1)
     assert trinkets.tolist() == want_trinkets
     assert parents.tolist() == want_parents
@@ -120,9 +137,9 @@ def test_bad_input_is_refused_with_the_argument_named():
 
 
 def test_level_15_corners_beyond_int16_are_refused():
-    hierarchy, pyramid = _hierarchy([[2 ** 15 - 1, 0, 0]], 15)
+    hierarchy, pyramid = _hierarchy([[2**15 - 1, 0, 0]], 15)
     with pytest.raises(InvalidTensor, match="2\\*\\*15"):
         ops.unbatched_make_dual(hierarchy, pyramid)
-    inner, pyramid = _hierarchy([[2 ** 15 - 2, 5, 7]], 15)
+    inner, pyramid = _hierarchy([[2**15 - 2, 5, 7]], 15)
     dual, pyramid_dual = ops.unbatched_make_dual(inner, pyramid)
-    assert dual[-1].tolist() == [2 ** 15 - 1, 6, 8]
+    assert dual[-1].tolist() == [2**15 - 1, 6, 8]

@@ -17,10 +17,21 @@ def _random_case(seed: int, level: int, n: int = 20_000):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, generator=gen)
     x = 0.95 * x / x.norm(dim=1, keepdim=True)  # a sphere: a sparse surface-like octree
-    queries = torch.cat([torch.rand(n, 3, generator=gen) * 2.2 - 1.1,
-                         x + 0.01 * torch.randn(n, 3, generator=gen),
-                         torch.tensor([[-1.0 - 2.0 ** -(level + 1)] * 3, [1.0] * 3, [-1.0] * 3,
-                                       [float("nan"), 0.0, 0.0], [40.0, 0.0, 0.0]])])
+    queries = torch.cat(
+        [
+            torch.rand(n, 3, generator=gen) * 2.2 - 1.1,
+            x + 0.01 * torch.randn(n, 3, generator=gen),
+            torch.tensor(
+                [
+                    [-1.0 - 2.0 ** -(level + 1)] * 3,
+                    [1.0] * 3,
+                    [-1.0] * 3,
+                    [float("nan"), 0.0, 0.0],
+                    [40.0, 0.0, 0.0],
+                ]
+            ),
+        ]
+    )
     return x, queries
 
 
@@ -38,25 +49,29 @@ def _everything(ops, x: torch.Tensor, queries: torch.Tensor, level: int) -> dict
     out["leaves"] = ops.unbatched_get_level_points(out["hierarchy"], out["pyramids"][0], level)
     out["dual"], out["pyramid_dual"] = ops.unbatched_make_dual(out["hierarchy"], out["pyramids"][0])
     out["trinkets"], out["parents"] = ops.unbatched_make_trinkets(
-        out["hierarchy"], out["pyramids"][0], out["dual"], out["pyramid_dual"])
+        out["hierarchy"], out["pyramids"][0], out["dual"], out["pyramid_dual"]
+    )
     for dtype in (torch.float16, torch.float32, torch.float64):
         q = queries.to(dtype)
         for lvl in sorted({0, level // 2, level}):
             out[f"q{dtype}{lvl}"] = ops.unbatched_query(out["octree"], out["exsum"], q, lvl)
-            out[f"p{dtype}{lvl}"] = ops.unbatched_query(out["octree"], out["exsum"], q, lvl,
-                                                        with_parents=True)
+            out[f"p{dtype}{lvl}"] = ops.unbatched_query(
+                out["octree"], out["exsum"], q, lvl, with_parents=True
+            )
     ints = ops.quantize_points(queries.nan_to_num().clamp(-1, 1), level)
     out["qint"] = ops.unbatched_query(out["octree"], out["exsum"], ints, level)
     out["pint"] = ops.unbatched_query(out["octree"], out["exsum"], ints, level, with_parents=True)
     out["empty_morton"] = ops.points_to_morton(points[:0])
     out["empty_points"] = ops.morton_to_points(out["morton"][:0])
     out["empty_corners"] = ops.points_to_corners(points[:0])
-    out["empty_query"] = ops.unbatched_query(out["octree"], out["exsum"], queries[:0], level,
-                                             with_parents=True)
+    out["empty_query"] = ops.unbatched_query(
+        out["octree"], out["exsum"], queries[:0], level, with_parents=True
+    )
     octrees, lengths = two_octrees()
     octrees = octrees.to(x.device)
     out["batch_max_level"], out["batch_pyramids"], out["batch_exsum"] = ops.scan_octrees(
-        octrees, lengths)
+        octrees, lengths
+    )
     out["batch_points"] = ops.generate_points(octrees, out["batch_pyramids"], out["batch_exsum"])
     return out
 

@@ -48,7 +48,9 @@ def test_empty_point_set(ops):
 @pytest.mark.parametrize("bad", [[8, 0, 0], [0, -1, 0], [0, 0, 100]])
 def test_coordinates_outside_the_grid(ops, bad):
     points = torch.tensor([[0, 0, 0], bad], dtype=torch.int16)
-    with pytest.raises(ValueError, match=r"points: coordinates must lie in \[0, 8\) for level 3.*row 1"):
+    with pytest.raises(
+        ValueError, match=r"points: coordinates must lie in \[0, 8\) for level 3.*row 1"
+    ):
         ops.unbatched_points_to_octree(points, 3)
 
 
@@ -67,7 +69,9 @@ def test_level_must_be_an_int(ops, level):
 def test_quantize_refuses_nan_integers_and_bad_levels(ops):
     with pytest.raises(ValueError, match="x: contains NaN"):
         ops.quantize_points(torch.tensor([[0.0, float("nan"), 0.0]]), 3)
-    with pytest.raises(TypeError, match="x: expected dtype float16, float32 or float64, got torch.int64"):
+    with pytest.raises(
+        TypeError, match="x: expected dtype float16, float32 or float64, got torch.int64"
+    ):
         ops.quantize_points(torch.zeros(2, 3, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="level"):
         ops.quantize_points(torch.zeros(2, 3), 16)
@@ -134,7 +138,9 @@ def test_zero_byte_levels_and_over_deep_octrees(ops):
 def test_mixed_depth_batches_are_refused(ops):
     shallow = torch.tensor([1], dtype=torch.uint8)
     deep = torch.tensor([1, 1], dtype=torch.uint8)
-    with pytest.raises(ValueError, match="share one depth.*octree 0 has depth 1, octree 1 is deeper"):
+    with pytest.raises(
+        ValueError, match="share one depth.*octree 0 has depth 1, octree 1 is deeper"
+    ):
         ops.scan_octrees(torch.cat([shallow, deep]), torch.tensor([1, 2]))
 
 

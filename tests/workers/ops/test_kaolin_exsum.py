@@ -19,15 +19,21 @@ def _batch(seed: int, count: int, level: int) -> tuple[torch.Tensor, torch.Tenso
     gen = torch.Generator().manual_seed(seed)
     octrees = []
     for _ in range(count):
-        points = torch.randint(0, 2 ** level, (int(torch.randint(1, 60, (1,), generator=gen)), 3),
-                               generator=gen, dtype=torch.int16)
+        points = torch.randint(
+            0,
+            2**level,
+            (int(torch.randint(1, 60, (1,), generator=gen)), 3),
+            generator=gen,
+            dtype=torch.int16,
+        )
         octrees.append(ops.unbatched_points_to_octree(points, level))
     return torch.cat(octrees), torch.tensor([len(o) for o in octrees], dtype=torch.int32)
 
 
 @pytest.mark.parametrize("seed, count, level", [(0, 1, 3), (1, 3, 5), (2, 5, 7)])
-def test_the_conversions_are_the_torch_backends_two_layouts(seed: int, count: int,
-                                                            level: int) -> None:
+def test_the_conversions_are_the_torch_backends_two_layouts(
+    seed: int, count: int, level: int
+) -> None:
     octrees, lengths = _batch(seed, count, level)
     _, _, inclusive = ops.scan_octrees(octrees, lengths)
     with warnings.catch_warnings():
@@ -37,8 +43,9 @@ def test_the_conversions_are_the_torch_backends_two_layouts(seed: int, count: in
     assert torch.equal(kaolin_spc.to_legacy_exsum(inclusive, lengths), legacy)
     assert torch.equal(kaolin_spc.from_legacy_exsum(legacy, lengths), inclusive)
     single = inclusive[: int(lengths[0])]  # one octree, as unbatched_query takes it
-    assert torch.equal(kaolin_spc.to_legacy_exsum(single, lengths[:1]),
-                       torch.cat([single.new_zeros(1), single]))
+    assert torch.equal(
+        kaolin_spc.to_legacy_exsum(single, lengths[:1]), torch.cat([single.new_zeros(1), single])
+    )
 
 
 def test_the_layout_is_read_from_scan_octrees_signature() -> None:

@@ -12,10 +12,7 @@ from tests.helpers import ops_reference as ref
 from tests.helpers.strategies import point_sets
 from workers.ops import torch_spc as ops
 
-SETTINGS = settings(max_examples=60, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
-
-
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _tensor(points) -> torch.Tensor:
@@ -29,7 +26,7 @@ def _build(points, level):
 
 
 @SETTINGS
-@given(st.lists(st.tuples(*[st.integers(0, 2 ** 15 - 1)] * 3), min_size=1, max_size=50))
+@given(st.lists(st.tuples(*[st.integers(0, 2**15 - 1)] * 3), min_size=1, max_size=50))
 def test_morton_round_trip(points):
     codes = ops.points_to_morton(_tensor(points))
     assert codes.tolist() == [ref.morton(p) for p in points]
@@ -37,7 +34,7 @@ def test_morton_round_trip(points):
 
 
 @SETTINGS
-@given(st.lists(st.integers(0, 2 ** 45 - 1), min_size=1, max_size=50))
+@given(st.lists(st.integers(0, 2**45 - 1), min_size=1, max_size=50))
 def test_points_of_morton_codes(codes):
     points = ops.morton_to_points(torch.tensor(codes, dtype=torch.int64))
     assert points.tolist() == [list(ref.unmorton(c)) for c in codes]
@@ -54,8 +51,9 @@ def test_octree_scan_and_points_match_the_reference(case, presort):
     octree = ops.unbatched_points_to_octree(tensor, level, sorted=presort)
     assert octree.dtype == torch.uint8
     assert octree.tolist() == ref.octree(points, level)
-    max_level, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)],
-                                                                       dtype=torch.int32))
+    max_level, pyramids, exsum = ops.scan_octrees(
+        octree, torch.tensor([len(octree)], dtype=torch.int32)
+    )
     assert max_level == level
     assert pyramids.tolist() == [ref.pyramid(points, level)]
     assert exsum.tolist() == ref.exsum(octree.tolist())
@@ -68,9 +66,16 @@ def test_octree_scan_and_points_match_the_reference(case, presort):
 
 
 @SETTINGS
-@given(st.integers(1, 6).flatmap(
-    lambda level: st.tuples(st.just(level), st.lists(point_sets(level, level, 40).map(
-        lambda case: case[1]), min_size=1, max_size=4))))
+@given(
+    st.integers(1, 6).flatmap(
+        lambda level: st.tuples(
+            st.just(level),
+            st.lists(
+                point_sets(level, level, 40).map(lambda case: case[1]), min_size=1, max_size=4
+            ),
+        )
+    )
+)
 def test_batched_octrees_of_several_shapes(case):
     level, point_lists = case
     octrees = [ops.unbatched_points_to_octree(_tensor(p), level) for p in point_lists]
@@ -100,7 +105,7 @@ def test_query_every_input_point_and_absent_voxels(case, data):
     assert torch.equal(parents[:, -1], idx)
     for lvl in range(level + 1):  # every ancestor is the point's voxel at that level
         assert torch.equal(hierarchy[parents[:, lvl]], present >> (level - lvl))
-    coord = st.integers(0, 2 ** level - 1)
+    coord = st.integers(0, 2**level - 1)
     others = data.draw(st.lists(st.tuples(coord, coord, coord), min_size=1, max_size=30))
     absent = [p for p in others if p not in set(points)]
     if absent:
@@ -108,14 +113,20 @@ def test_query_every_input_point_and_absent_voxels(case, data):
 
 
 @SETTINGS
-@given(point_sets(max_level=8, max_points=40), st.data(), st.booleans(),
-       st.sampled_from([np.float16, np.float32, np.float64]))
+@given(
+    point_sets(max_level=8, max_points=40),
+    st.data(),
+    st.booleans(),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+)
 def test_float_queries_match_the_reference(case, data, with_parents, dtype):
     depth, points = case
     level = data.draw(st.integers(0, depth))
-    edge = [-1.0, 1.0, -1.0 - 2.0 ** -level, 1.0 - 2.0 ** -20, -1.0 + 2.0 ** -20]
-    value = st.one_of(st.floats(-1.5, 1.5, width=16 if dtype is np.float16 else 32),
-                      st.sampled_from(edge + [float("nan"), float("inf"), -float("inf")]))
+    edge = [-1.0, 1.0, -1.0 - 2.0**-level, 1.0 - 2.0**-20, -1.0 + 2.0**-20]
+    value = st.one_of(
+        st.floats(-1.5, 1.5, width=16 if dtype is np.float16 else 32),
+        st.sampled_from(edge + [float("nan"), float("inf"), -float("inf")]),
+    )
     coords = data.draw(st.lists(st.tuples(value, value, value), min_size=1, max_size=30))
     tensor = torch.from_numpy(np.array(coords, dtype=dtype))
     octree, _, _, exsum = _build(points, depth)
@@ -130,27 +141,32 @@ def test_float_queries_match_the_reference(case, data, with_parents, dtype):
 def test_integer_queries_match_their_float_form(case, data):
     depth, points = case
     level = data.draw(st.integers(0, depth))
-    coord = st.integers(-3, 2 ** level + 2)
+    coord = st.integers(-3, 2**level + 2)
     coords = data.draw(st.lists(st.tuples(coord, coord, coord), min_size=1, max_size=30))
     octree, _, _, exsum = _build(points, depth)
     for dtype in (torch.int16, torch.int32, torch.int64):
         ints = torch.tensor(coords, dtype=dtype)
-        as_float = (ints.float() / 2 ** level) * 2.0 - 1.0
+        as_float = (ints.float() / 2**level) * 2.0 - 1.0
         for parents in (False, True):
-            assert torch.equal(ops.unbatched_query(octree, exsum, ints, level, parents),
-                               ops.unbatched_query(octree, exsum, as_float, level, parents))
+            assert torch.equal(
+                ops.unbatched_query(octree, exsum, ints, level, parents),
+                ops.unbatched_query(octree, exsum, as_float, level, parents),
+            )
     expected = [ref.levels(points, depth)[level].count(c) for c in coords]
     hits = ops.unbatched_query(octree, exsum, torch.tensor(coords, dtype=torch.int16), level)
     assert (hits >= 0).long().tolist() == expected
 
 
 @SETTINGS
-@given(st.lists(st.tuples(*[st.floats(-2, 2, width=32)] * 3), min_size=1, max_size=50),
-       st.integers(0, 15), st.sampled_from([torch.float16, torch.float32, torch.float64]))
+@given(
+    st.lists(st.tuples(*[st.floats(-2, 2, width=32)] * 3), min_size=1, max_size=50),
+    st.integers(0, 15),
+    st.sampled_from([torch.float16, torch.float32, torch.float64]),
+)
 def test_quantize_points_formula(coords, level, dtype):
     x = torch.tensor(coords, dtype=torch.float32).to(dtype)
     q = ops.quantize_points(x, level)
-    res = 2 ** level
+    res = 2**level
     expected = torch.floor(torch.clamp(res * (x + 1.0) / 2.0, 0, res - 1.0)).short()
     assert torch.equal(q, expected)
     if dtype != torch.float16:  # float16 cannot hold 2**15 - 1: Kaolin's wrap, kept
@@ -158,11 +174,12 @@ def test_quantize_points_formula(coords, level, dtype):
 
 
 @SETTINGS
-@given(st.lists(st.tuples(*[st.integers(0, 2 ** 15 - 2)] * 3), min_size=0, max_size=30))
+@given(st.lists(st.tuples(*[st.integers(0, 2**15 - 2)] * 3), min_size=0, max_size=30))
 def test_corners(points):
     corners = ops.points_to_corners(_tensor(points))
-    expected = [[[x + (c >> 2 & 1), y + (c >> 1 & 1), z + (c & 1)] for c in range(8)]
-                for x, y, z in points]
+    expected = [
+        [[x + (c >> 2 & 1), y + (c >> 1 & 1), z + (c & 1)] for c in range(8)] for x, y, z in points
+    ]
     assert corners.shape == (len(points), 8, 3)
     assert corners.tolist() == expected
 
@@ -170,7 +187,7 @@ def test_corners(points):
 @pytest.mark.parametrize("level", [1, 5, 10, 11, 15])
 def test_int32_and_int64_morton_paths_agree_at_the_switch(level):
     gen = torch.Generator().manual_seed(level)
-    points = torch.randint(0, 2 ** level, (500, 3), generator=gen, dtype=torch.int16)
+    points = torch.randint(0, 2**level, (500, 3), generator=gen, dtype=torch.int16)
     octree = ops.unbatched_points_to_octree(points, level)
     plist = [tuple(p) for p in points.tolist()]
     assert octree.tolist() == ref.octree(plist, level)
@@ -187,6 +204,7 @@ def test_query_blocks_do_not_change_results(monkeypatch, with_parents):
     blocked = ops.unbatched_query(octree, exsum, queries, 6, with_parents)
     assert torch.equal(blocked, whole)
     assert (whole >= 0).any() and (whole < 0).any()
-    expected = ref.query([tuple(p) for p in points.tolist()], 6, queries.tolist(), 6,
-                         np.float32, with_parents)
+    expected = ref.query(
+        [tuple(p) for p in points.tolist()], 6, queries.tolist(), 6, np.float32, with_parents
+    )
     assert blocked.tolist() == expected

@@ -19,14 +19,16 @@ QUERY_POINTS = [[3, 2, 0], [3, 1, 1], [0, 0, 0], [3, 3, 3]]
 
 def _spc(ops, points, level):
     octree = ops.unbatched_points_to_octree(torch.tensor(points, dtype=torch.int16), level)
-    max_level, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)],
-                                                                       dtype=torch.int32))
+    max_level, pyramids, exsum = ops.scan_octrees(
+        octree, torch.tensor([len(octree)], dtype=torch.int32)
+    )
     return octree, pyramids, exsum
 
 
 def test_morton_codes_of_the_documented_points(ops):
-    points = torch.tensor([[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 1, 0]],
-                          dtype=torch.int16)
+    points = torch.tensor(
+        [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 1, 0]], dtype=torch.int16
+    )
     morton = ops.points_to_morton(points)
     assert morton.dtype == torch.int64
     assert morton.tolist() == [0, 1, 8, 9, 2]
@@ -80,9 +82,10 @@ def test_docstring_example_with_and_without_parents(ops):
 def test_with_parents_columns_are_the_single_level_queries(ops):
     level = 3
     octree, _, exsum = _spc(ops, QUERY_POINTS, level)
-    queries = torch.tensor(QUERY_POINTS + [[0, 4, 4], [2, 2, 2], [1, 1, 1], [16, 16, 16]],
-                           dtype=torch.int16)
-    as_float = 2.0 * (queries.float() / 2 ** level) - 1.0
+    queries = torch.tensor(
+        QUERY_POINTS + [[0, 4, 4], [2, 2, 2], [1, 1, 1], [16, 16, 16]], dtype=torch.int16
+    )
+    as_float = 2.0 * (queries.float() / 2**level) - 1.0
     every = ops.unbatched_query(octree, exsum, as_float, level, with_parents=True)
     shallower = ops.unbatched_query(octree, exsum, as_float, level - 1, with_parents=True)
     assert every.shape == (8, level + 1) and every.dtype == torch.int64
@@ -91,8 +94,10 @@ def test_with_parents_columns_are_the_single_level_queries(ops):
         assert torch.equal(every[:, lvl], single)
         if lvl < level:
             assert torch.equal(shallower[:, lvl], single)
-    assert torch.equal(ops.unbatched_query(octree, exsum, queries, level, with_parents=True)[:, 3],
-                       ops.unbatched_query(octree, exsum, queries, level))
+    assert torch.equal(
+        ops.unbatched_query(octree, exsum, queries, level, with_parents=True)[:, 3],
+        ops.unbatched_query(octree, exsum, queries, level),
+    )
     assert every[-1].tolist() == [-1] * (level + 1)  # (16,16,16) lies outside the grid
     found = every[:, -1] >= 0
     assert (every[found] >= 0).all()  # present leaves have every ancestor
@@ -104,13 +109,23 @@ def test_with_parents_truncates_where_the_single_query_floors(ops):
     assert ops.unbatched_query(octree, exsum, below, 1).tolist() == [-1]
     assert ops.unbatched_query(octree, exsum, below, 1, with_parents=True).tolist() == [[0, 1]]
     far_below = torch.full((1, 3), -2.5)
-    assert ops.unbatched_query(octree, exsum, far_below, 1, with_parents=True).tolist() == [[-1, -1]]
+    assert ops.unbatched_query(octree, exsum, far_below, 1, with_parents=True).tolist() == [
+        [-1, -1]
+    ]
 
 
 def test_undefined_queries_give_minus_one(ops):
     octree, _, exsum = _spc(ops, [[0, 0, 0], [32767, 32767, 32767]], 15)
-    coords = torch.tensor([[float("nan"), 0.0, 0.0], [5.0, 5.0, 5.0], [-5.0, -5.0, -5.0],
-                           [float("inf"), 1.0, 1.0], [-1.0, -1.0, -1.0], [0.99999, 0.99999, 0.99999]])
+    coords = torch.tensor(
+        [
+            [float("nan"), 0.0, 0.0],
+            [5.0, 5.0, 5.0],
+            [-5.0, -5.0, -5.0],
+            [float("inf"), 1.0, 1.0],
+            [-1.0, -1.0, -1.0],
+            [0.99999, 0.99999, 0.99999],
+        ]
+    )
     expected_leaf = [-1, -1, -1, -1, 29, 30]  # two points per level
     assert ops.unbatched_query(octree, exsum, coords, 15).tolist() == expected_leaf
     parents = ops.unbatched_query(octree, exsum, coords, 15, with_parents=True)
@@ -119,10 +134,28 @@ def test_undefined_queries_give_minus_one(ops):
 
 
 def test_quantize_points(ops):
-    x = torch.tensor([[-1.1] * 3, [-1.0] * 3, [0.0] * 3, [0.1, 0.3, 0.6], [0.1, -1.1, 1.1],
-                      [0.1, -1.0, 1.0], [1.0] * 3, [1.1] * 3])
-    expected = [[0, 0, 0], [0, 0, 0], [4, 4, 4], [4, 5, 6], [4, 0, 7], [4, 0, 7], [7, 7, 7],
-                [7, 7, 7]]
+    x = torch.tensor(
+        [
+            [-1.1] * 3,
+            [-1.0] * 3,
+            [0.0] * 3,
+            [0.1, 0.3, 0.6],
+            [0.1, -1.1, 1.1],
+            [0.1, -1.0, 1.0],
+            [1.0] * 3,
+            [1.1] * 3,
+        ]
+    )
+    expected = [
+        [0, 0, 0],
+        [0, 0, 0],
+        [4, 4, 4],
+        [4, 5, 6],
+        [4, 0, 7],
+        [4, 0, 7],
+        [7, 7, 7],
+        [7, 7, 7],
+    ]
     for dtype in (torch.float16, torch.float32, torch.float64):
         q = ops.quantize_points(x.to(dtype), 3)
         assert q.dtype == torch.int16 and q.tolist() == expected
@@ -131,8 +164,16 @@ def test_quantize_points(ops):
 def test_points_to_corners(ops):
     corners = ops.points_to_corners(torch.tensor([[0, 0, 0], [0, 2, 0]], dtype=torch.int16))
     assert corners.dtype == torch.int16 and corners.shape == (2, 8, 3)
-    assert corners[1].tolist() == [[0, 2, 0], [0, 2, 1], [0, 3, 0], [0, 3, 1], [1, 2, 0],
-                                   [1, 2, 1], [1, 3, 0], [1, 3, 1]]
+    assert corners[1].tolist() == [
+        [0, 2, 0],
+        [0, 2, 1],
+        [0, 3, 0],
+        [0, 3, 1],
+        [1, 2, 0],
+        [1, 2, 1],
+        [1, 3, 0],
+        [1, 3, 1],
+    ]
     assert torch.equal(corners[0], corners[1] - torch.tensor([0, 2, 0], dtype=torch.int16))
 
 
@@ -149,11 +190,13 @@ def test_get_level_points(ops):
 def test_octree_bytes_of_a_small_point_set(ops):
     # (0,0,0) and (3,3,3) at level 2: root has children 0 and 7; each has one child.
     octree = ops.unbatched_points_to_octree(
-        torch.tensor([[3, 3, 3], [0, 0, 0], [3, 3, 3]], dtype=torch.int16), 2)
+        torch.tensor([[3, 3, 3], [0, 0, 0], [3, 3, 3]], dtype=torch.int16), 2
+    )
     assert octree.dtype == torch.uint8
     assert octree.tolist() == [0b10000001, 0b1, 0b10000000]
     sorted_octree = ops.unbatched_points_to_octree(
-        torch.tensor([[0, 0, 0], [0, 0, 0], [3, 3, 3]], dtype=torch.int16), 2, sorted=True)
+        torch.tensor([[0, 0, 0], [0, 0, 0], [3, 3, 3]], dtype=torch.int16), 2, sorted=True
+    )
     assert torch.equal(sorted_octree, octree)
 
 
@@ -167,8 +210,12 @@ def test_legacy_exsum_is_accepted_with_a_warning(ops):
     assert points.tolist() == TWO_OCTREES_POINTS
     octree, _, exsum = _spc(ops, QUERY_POINTS, 2)
     with pytest.warns(DeprecationWarning):
-        result = ops.unbatched_query(octree, torch.cat([exsum.new_zeros(1), exsum]),
-                                     torch.tensor(QUERY_POINTS, dtype=torch.int16), 2)
+        result = ops.unbatched_query(
+            octree,
+            torch.cat([exsum.new_zeros(1), exsum]),
+            torch.tensor(QUERY_POINTS, dtype=torch.int16),
+            2,
+        )
     assert result.tolist() == [7, 6, 5, 8]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -15,10 +15,14 @@ from tests.helpers import ops_reference as ref
 from workers.ops import torch_spc as ops
 
 LEVEL = 7
-MESHES = [("corpus", name) for name in ("torus_materials.obj", "two_spheres.ply",
-                                         "wavy_sheet_open.stl", "scene_parts.glb")]
-MESHES += [pytest.param("shared", name, marks=shared_corpus)
-           for name in ("bunny.ply", "fandisk.obj", "teapot.stl", "torus.STL")]
+MESHES = [
+    ("corpus", name)
+    for name in ("torus_materials.obj", "two_spheres.ply", "wavy_sheet_open.stl", "scene_parts.glb")
+]
+MESHES += [
+    pytest.param("shared", name, marks=shared_corpus)
+    for name in ("bunny.ply", "fandisk.obj", "teapot.stl", "torus.STL")
+]
 
 
 def _surface_points(path: Path, n: int = 4000) -> torch.Tensor:
@@ -37,8 +41,9 @@ def test_octree_and_queries_of_a_real_surface(request, corpus, mesh):
     plist = [tuple(p) for p in points.tolist()]
     octree = ops.unbatched_points_to_octree(points, LEVEL)
     assert octree.tolist() == ref.octree(plist, LEVEL)
-    max_level, pyramids, exsum = ops.scan_octrees(octree, torch.tensor([len(octree)],
-                                                                       dtype=torch.int32))
+    max_level, pyramids, exsum = ops.scan_octrees(
+        octree, torch.tensor([len(octree)], dtype=torch.int32)
+    )
     assert max_level == LEVEL and pyramids.tolist() == [ref.pyramid(plist, LEVEL)]
     hierarchy = ops.generate_points(octree, pyramids, exsum)
     assert hierarchy.tolist() == [list(p) for p in ref.point_hierarchy(plist, LEVEL)]
@@ -48,9 +53,14 @@ def test_octree_and_queries_of_a_real_surface(request, corpus, mesh):
     assert (parents >= 0).all()
     assert torch.equal(hierarchy[parents[:, -1]], points)
     gen = torch.Generator().manual_seed(1)
-    queries = torch.cat([torch.rand(2000, 3, generator=gen) * 2.2 - 1.1,
-                         x[:2000] + 0.02 * torch.randn(2000, 3, generator=gen)])
+    queries = torch.cat(
+        [
+            torch.rand(2000, 3, generator=gen) * 2.2 - 1.1,
+            x[:2000] + 0.02 * torch.randn(2000, 3, generator=gen),
+        ]
+    )
     for with_parents in (False, True):
         got = ops.unbatched_query(octree, exsum, queries, LEVEL, with_parents)
-        assert got.tolist() == ref.query(plist, LEVEL, queries.tolist(), LEVEL, np.float32,
-                                         with_parents)
+        assert got.tolist() == ref.query(
+            plist, LEVEL, queries.tolist(), LEVEL, np.float32, with_parents
+        )
