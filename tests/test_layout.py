@@ -13,8 +13,9 @@ from tests.conftest import REPO_ROOT
 
 def _imported_after(module: str) -> set[str]:
     code = f"import sys, {module}; print('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    ).stdout
     return set(out.split())
 
 
@@ -46,22 +47,30 @@ def test_every_module_is_found() -> None:
     for package in PACKAGES:
         mods = submodules(package)
         assert package in mods and len(mods) > 3
-    assert {"cache_store.jobs.queue", "cache_store.snapshot.export", "cache_store.snapshot.reader",
-            "cache_store.snapshot.format", "cache_store.format.wire"} <= set(submodules("cache_store"))
+    assert {
+        "cache_store.jobs.queue",
+        "cache_store.snapshot.export",
+        "cache_store.snapshot.reader",
+        "cache_store.snapshot.format",
+        "cache_store.format.wire",
+    } <= set(submodules("cache_store"))
 
 
 def test_every_module_of_each_package_imports_and_the_arrows_hold() -> None:
     """Import every module of one package in a fresh interpreter, then check sys.modules
     (a broken import anywhere fails here, not only in the modules the tests use)."""
     for package in PACKAGES:
-        code = (f"import importlib, sys\n"
-                f"for name in {submodules(package)!r}:\n"
-                f"    importlib.import_module(name)\n"
-                f"cuda = 'torch' in sys.modules and sys.modules['torch'].cuda.is_initialized()\n"
-                f"print('CUDA' if cuda else 'no-cuda')\n"
-                f"print('\\n'.join(sorted(sys.modules)))")
-        proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=300)
+        code = (
+            f"import importlib, sys\n"
+            f"for name in {submodules(package)!r}:\n"
+            f"    importlib.import_module(name)\n"
+            f"cuda = 'torch' in sys.modules and sys.modules['torch'].cuda.is_initialized()\n"
+            f"print('CUDA' if cuda else 'no-cuda')\n"
+            f"print('\\n'.join(sorted(sys.modules)))"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, f"{package}: a module failed to import:\n{proc.stderr}"
         first, *mods = proc.stdout.split()
         assert first == "no-cuda", f"importing {package} initialised CUDA"
@@ -88,8 +97,11 @@ def test_the_distribution_ships_each_package() -> None:
 
 def test_the_front_door_imports_no_package_until_a_command_runs() -> None:
     mods = _imported_after("spcache.cli")
-    assert not {m for m in mods if m.split(".")[0] in {"cache_store", "service", "workers",
-                                                       "torch", "fastapi"}}
+    assert not {
+        m
+        for m in mods
+        if m.split(".")[0] in {"cache_store", "service", "workers", "torch", "fastapi"}
+    }
 
 
 def test_no_package_imports_the_front_door() -> None:
@@ -107,8 +119,10 @@ def test_no_package_imports_the_front_door() -> None:
 
 
 def test_cache_store_helpers_of_the_cli_need_no_torch() -> None:
-    mods = _imported_after("cache_store.sources.discover, cache_store.jobs.owner_lock, "
-                           "cache_store.location, cache_store.recipes.table")
+    mods = _imported_after(
+        "cache_store.sources.discover, cache_store.jobs.owner_lock, "
+        "cache_store.location, cache_store.recipes.table"
+    )
     assert "torch" not in mods and "trimesh" not in mods
 
 
@@ -116,7 +130,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (REPO_ROOT / "README.md").read_text()
     lines = readme.splitlines()
     marker = next(i for i, line in enumerate(lines) if "ci:test-command" in line)
-    command = next(line for line in lines[marker + 1:] if line and not line.startswith("```"))
+    command = next(line for line in lines[marker + 1 :] if line and not line.startswith("```"))
     assert "torch==2.13.0" in command
     assert command.index("torch==2.13.0") < command.index("-e '.[dev]'")
     assert "pytest" in command
@@ -141,24 +155,35 @@ def _fake_ci_checkout(tmp_path, ruff_rc: int, mypy_rc: int, tests_rc: int):
     (path_dir / "chromium").chmod(0o755)
     (root / "README.md").write_text(
         "<!-- ci:test-command: .ci/run runs the next line exactly -->\n```\n"
-        f"echo install >> calls && echo pytest >> calls; exit {tests_rc}\n```\n")
+        f"echo install >> calls && echo pytest >> calls; exit {tests_rc}\n```\n"
+    )
     return root, {**os.environ, "PATH": f"{path_dir}:{os.environ['PATH']}"}
 
 
-@pytest.mark.parametrize("ruff_rc, mypy_rc, tests_rc, expected", [
-    (0, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 1), (0, 0, 3, 3), (1, 1, 5, 5)])
+@pytest.mark.parametrize(
+    "ruff_rc, mypy_rc, tests_rc, expected",
+    [(0, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 1), (0, 0, 3, 3), (1, 1, 5, 5)],
+)
 def test_ci_runs_ruff_and_mypy_between_install_and_tests_and_fails_on_a_finding(
-        tmp_path, ruff_rc: int, mypy_rc: int, tests_rc: int, expected: int) -> None:
+    tmp_path, ruff_rc: int, mypy_rc: int, tests_rc: int, expected: int
+) -> None:
     root, env = _fake_ci_checkout(tmp_path, ruff_rc, mypy_rc, tests_rc)
-    proc = subprocess.run(["bash", ".ci/run"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", ".ci/run"], cwd=root, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == expected, proc.stdout + proc.stderr
-    assert (root / "calls").read_text().split() == ["install", "ruff", "mypy", "pytest"]
-    assert ("ruff or mypy reported findings" in proc.stderr) == bool(ruff_rc or mypy_rc)
+    # ruff runs twice: the lint, then the format check
+    assert (root / "calls").read_text().split() == ["install", "ruff", "ruff", "mypy", "pytest"]
+    assert ("or mypy reported findings" in proc.stderr) == bool(ruff_rc or mypy_rc)
 
 
 def test_the_code_passes_ruff() -> None:
     """The lint CI runs (pyproject.toml [tool.ruff]), here too so a finding fails pytest."""
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

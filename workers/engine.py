@@ -23,6 +23,10 @@ a computed item only after its record has committed. When the run ends (or is
 interrupted) the fingerprint's index is written: the ids it held before, in their
 order, followed by this run's newly stored ids, in input order (the bookkeeping shared
 with the Ray engine: :mod:`workers.run_ledger`).
+
+Why one module: the local run's pipeline (loaders ahead, the device step, the writer
+behind) shares one set of queues and one ledger; the loader pool, the writer thread and
+the bookkeeping are their own modules (loader.py, record_writer.py, run_ledger.py).
 """
 
 from __future__ import annotations
@@ -63,8 +67,15 @@ from workers.run_ledger import (
 )
 from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES, SourceLimits
 
-__all__ = ["DEVICE_PATTERN", "Engine", "LocalRun", "Summary", "SampleError", "ItemResult",
-           "resolve_device"]
+__all__ = [
+    "DEVICE_PATTERN",
+    "Engine",
+    "LocalRun",
+    "Summary",
+    "SampleError",
+    "ItemResult",
+    "resolve_device",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +89,28 @@ def resolve_device(device: str) -> torch.device:
     Raises ParameterError for a CUDA device that is not available.
     """
     if device == "auto":
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
             else torch.device("cpu")
+        )
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ParameterError([f"device: {device!r} requested but CUDA is not available"],
-                                 what="engine options")
+            raise ParameterError(
+                [f"device: {device!r} requested but CUDA is not available"], what="engine options"
+            )
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise ParameterError([(f"device: {device!r} requested but only "
-                                  f"{torch.cuda.device_count()} CUDA device(s) exist")],
-                                 what="engine options")
+            raise ParameterError(
+                [
+                    (
+                        f"device: {device!r} requested but only "
+                        f"{torch.cuda.device_count()} CUDA device(s) exist"
+                    )
+                ],
+                what="engine options",
+            )
         dev = torch.device("cuda", index)
     return dev
 
@@ -124,15 +145,26 @@ class Engine:
             for a local LMDB cache (:mod:`cache_store.jobs.failures`), none for other stores.
     """
 
-    def __init__(self, store: Store, recipe: str | Recipe, params: Mapping[str, Any] | None = None,
-                 *, device: str = "auto", backend: str = "auto", loaders: int | None = None,
-                 query_chunk: int = 1 << 18, min_query_chunk: int = 256, write_batch: int = 32,
-                 prefetch: int | None = None,
-                 before_query_chunk: Callable[[int], None] | None = None,
-                 progress: bool = False,
-                 source_roots: Sequence[str | os.PathLike[str]] | None = None,
-                 max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-                 skip_failed: bool = False, failure_log: FailureLog | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        recipe: str | Recipe,
+        params: Mapping[str, Any] | None = None,
+        *,
+        device: str = "auto",
+        backend: str = "auto",
+        loaders: int | None = None,
+        query_chunk: int = 1 << 18,
+        min_query_chunk: int = 256,
+        write_batch: int = 32,
+        prefetch: int | None = None,
+        before_query_chunk: Callable[[int], None] | None = None,
+        progress: bool = False,
+        source_roots: Sequence[str | os.PathLike[str]] | None = None,
+        max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
+        skip_failed: bool = False,
+        failure_log: FailureLog | None = None,
+    ) -> None:
         entry = get_entry(recipe.name if isinstance(recipe, Recipe) else recipe)
         self.recipe = recipe if isinstance(recipe, Recipe) else entry.new()
         self.recipe_spec = entry.spec
@@ -172,8 +204,9 @@ class Engine:
         self.source_limits = SourceLimits.of(source_roots, max_source_bytes)
         self.skip_failed = bool(skip_failed)
         self.failure_log = failure_log
-        self.fingerprint = compute_fingerprint(self.recipe_spec.name, self.recipe_spec.version,
-                                               self.params)
+        self.fingerprint = compute_fingerprint(
+            self.recipe_spec.name, self.recipe_spec.version, self.params
+        )
         self._loader_pool: LoaderPool | None = None
 
     def key(self, sample_id: str) -> str:
@@ -182,8 +215,14 @@ class Engine:
     def loader_pool(self, count: int | None = None) -> LoaderPool:
         """A new, unopened loader pool for this engine's recipe (``count``: items it will
         see, when known)."""
-        return LoaderPool(self.recipe_spec.name, dict(self.params), self.fingerprint,
-                          loaders=self.loaders, count=count, limits=self.source_limits)
+        return LoaderPool(
+            self.recipe_spec.name,
+            dict(self.params),
+            self.fingerprint,
+            loaders=self.loaders,
+            count=count,
+            limits=self.source_limits,
+        )
 
     def open(self) -> Engine:
         """Start the loader pool now and keep it for every later :meth:`run` (a long-lived
@@ -210,8 +249,11 @@ class Engine:
     #: removal of the fingerprint after it refuses the run's writes; see RunLedger.
     requested_at: float | None = None
 
-    def run(self, items: Iterable[tuple[str, str | os.PathLike[str]]],
-            on_result: Callable[[ItemResult], None] | None = None) -> Summary:
+    def run(
+        self,
+        items: Iterable[tuple[str, str | os.PathLike[str]]],
+        on_result: Callable[[ItemResult], None] | None = None,
+    ) -> Summary:
         """Compute every ``(sample_id, path)`` item; return the :class:`Summary`."""
         return LocalRun(self, list(items), on_result).execute()
 
@@ -232,16 +274,28 @@ class LocalRun:
     The bookkeeping (admission, per-item results, the index) is its :class:`RunLedger`.
     """
 
-    def __init__(self, engine: Engine, items: list[tuple[str, Any]],
-                 on_result: Callable[[ItemResult], None] | None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        items: list[tuple[str, Any]],
+        on_result: Callable[[ItemResult], None] | None,
+    ) -> None:
         self.engine = engine
         self.items = items
-        self.ledger = RunLedger(engine.store, Summary(engine.fingerprint, engine.recipe_spec.name,
-                                                      engine.recipe_spec.version,
-                                                      dict(engine.params)),
-                                on_result, progress=engine.progress,
-                                failures=engine.failure_log, skip_failed=engine.skip_failed,
-                                requested_at=engine.requested_at)
+        self.ledger = RunLedger(
+            engine.store,
+            Summary(
+                engine.fingerprint,
+                engine.recipe_spec.name,
+                engine.recipe_spec.version,
+                dict(engine.params),
+            ),
+            on_result,
+            progress=engine.progress,
+            failures=engine.failure_log,
+            skip_failed=engine.skip_failed,
+            requested_at=engine.requested_at,
+        )
         self.summary = self.ledger.summary
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
 
@@ -288,8 +342,11 @@ class LocalRun:
 
             ops = get_backend(self.engine.backend, device)
             self.summary.device, self.summary.backend = str(device), str(ops.name)
-            budget = ChunkBudget(self.engine.query_chunk, minimum=self.engine.min_query_chunk,
-                                 before_query_chunk=self.engine.before_query_chunk)
+            budget = ChunkBudget(
+                self.engine.query_chunk,
+                minimum=self.engine.min_query_chunk,
+                before_query_chunk=self.engine.before_query_chunk,
+            )
             self.engine.recipe.chunks = budget
             writer = RecordWriter(self.engine.store, self.engine.write_batch, self.committed)
             writer.start()
@@ -303,18 +360,36 @@ class LocalRun:
             interrupted = True
             raise
         finally:
-            run_all(close_pool, finish_writer, self.ledger.write_index,
-                    self.ledger.close_progress, close_failure_log, stop_clock)
+            run_all(
+                close_pool,
+                finish_writer,
+                self.ledger.write_index,
+                self.ledger.close_progress,
+                close_failure_log,
+                stop_clock,
+            )
         self.summary.write_s = writer.busy_s if writer is not None else 0.0
         if self.ledger.index_unwritten is not None:
             raise self.ledger.index_unwritten
-        logger.info("fingerprint %s: %d done, %d skipped, %d failed in %.1fs",
-                    self.summary.fingerprint, self.summary.done, self.summary.skipped,
-                    self.summary.failed, self.summary.wall_s)
+        logger.info(
+            "fingerprint %s: %d done, %d skipped, %d failed in %.1fs",
+            self.summary.fingerprint,
+            self.summary.done,
+            self.summary.skipped,
+            self.summary.failed,
+            self.summary.wall_s,
+        )
         return self.summary
 
-    def _pipeline(self, work: list[WorkItem], pool: LoaderPool, writer: RecordWriter,
-                  device: torch.device, ops: Any, budget: ChunkBudget) -> None:
+    def _pipeline(
+        self,
+        work: list[WorkItem],
+        pool: LoaderPool,
+        writer: RecordWriter,
+        device: torch.device,
+        ops: Any,
+        budget: ChunkBudget,
+    ) -> None:
         """Keep ``prefetch`` loads in flight; compute each loaded sample in input order."""
         pending: deque[tuple[WorkItem, cf.Future]] = deque()
         upcoming = iter(work)
@@ -331,18 +406,39 @@ class LocalRun:
                 outcome = pool.result(item, future, pending)
                 self.summary.load_s += outcome.seconds
                 if outcome.status == "skipped":
-                    self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key,
-                                                  source_hash=outcome.source_hash))
+                    self.ledger.finish(
+                        ItemResult(
+                            item.sample_id,
+                            item.path,
+                            "skipped",
+                            key=item.key,
+                            source_hash=outcome.source_hash,
+                        )
+                    )
                 elif outcome.status == "skipped-failed":
                     self.ledger.finish(self.ledger.skipped_failure(item, outcome.source_hash))
                 elif outcome.status == "failed":
-                    self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                                  reason=outcome.reason,
-                                                  source_hash=outcome.source_hash))
+                    self.ledger.finish(
+                        ItemResult(
+                            item.sample_id,
+                            item.path,
+                            "failed",
+                            reason=outcome.reason,
+                            source_hash=outcome.source_hash,
+                        )
+                    )
                 else:
                     assert outcome.prepared is not None
-                    self._compute(item, outcome.prepared, outcome.source_hash, writer, device,
-                                  ops, budget, outcome.source_stat)
+                    self._compute(
+                        item,
+                        outcome.prepared,
+                        outcome.source_hash,
+                        writer,
+                        device,
+                        ops,
+                        budget,
+                        outcome.source_stat,
+                    )
                 self._report_committed()
                 self._stop_if_full(writer)
         finally:
@@ -356,9 +452,17 @@ class LocalRun:
         if writer.full is not None:
             raise StoreFull(writer.full.path, writer.full.reason) from writer.full
 
-    def _compute(self, item: WorkItem, prepared: dict[str, Any], source_hash: str,
-                 writer: RecordWriter, device: torch.device, ops: Any,
-                 budget: ChunkBudget, source_stat: str = "") -> None:
+    def _compute(
+        self,
+        item: WorkItem,
+        prepared: dict[str, Any],
+        source_hash: str,
+        writer: RecordWriter,
+        device: torch.device,
+        ops: Any,
+        budget: ChunkBudget,
+        source_stat: str = "",
+    ) -> None:
         start = time.perf_counter()
         spec = self.engine.recipe_spec
         stage = "compute() raised"
@@ -370,8 +474,11 @@ class LocalRun:
             if is_out_of_memory(exc):
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                how = (f"after backing off to {budget.size}-item chunks" if budget.backoffs
-                       else "outside any chunked step: nothing to back off")
+                how = (
+                    f"after backing off to {budget.size}-item chunks"
+                    if budget.backoffs
+                    else "outside any chunked step: nothing to back off"
+                )
                 reason = f"recipe {spec.name!r}: out of device memory ({how}): {one_line(exc)}"
             elif isinstance(exc, SourceError):
                 reason = exc.reason
@@ -380,8 +487,11 @@ class LocalRun:
             else:
                 logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
                 reason = f"recipe {spec.name!r}: {stage} {type(exc).__name__}: {one_line(exc)}"
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=reason,
-                                          source_hash=source_hash))
+            self.ledger.finish(
+                ItemResult(
+                    item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash
+                )
+            )
             return
         finally:
             self.summary.compute_s += time.perf_counter() - start
@@ -390,8 +500,9 @@ class LocalRun:
             metadata[STAT_FIELD] = source_stat
         writer.put(PendingRecord(item, tensors, metadata))
 
-    def _metadata(self, item: WorkItem, source_hash: str, device: torch.device,
-                  ops: Any) -> dict[str, str]:
+    def _metadata(
+        self, item: WorkItem, source_hash: str, device: torch.device, ops: Any
+    ) -> dict[str, str]:
         spec = self.engine.recipe_spec
         return {
             "recipe": spec.name,
@@ -403,8 +514,11 @@ class LocalRun:
             "device": str(device),
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "spcache_version": SPCACHE_VERSION,
-            "schema": json.dumps({k: f.as_json() for k, f in spec.fields.items()},
-                                 sort_keys=True, separators=(",", ":")),
+            "schema": json.dumps(
+                {k: f.as_json() for k, f in spec.fields.items()},
+                sort_keys=True,
+                separators=(",", ":"),
+            ),
             "params": canonical_json(dict(self.engine.params)),
             "code_digest": self.engine.code_digest,
         }

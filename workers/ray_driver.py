@@ -120,14 +120,25 @@ class RayRun:
     """One :meth:`RayEngine.run`: the local run's admission, reporting and index (its
     :class:`RunLedger`), with the compute loop replaced by the actors."""
 
-    def __init__(self, options: RayRunOptions, items: list[tuple[str, Any]],
-                 on_result: Callable[[ItemResult], None] | None) -> None:
+    def __init__(
+        self,
+        options: RayRunOptions,
+        items: list[tuple[str, Any]],
+        on_result: Callable[[ItemResult], None] | None,
+    ) -> None:
         self.options = options
         self.items = items
-        self.summary = RaySummary(options.fingerprint, options.recipe, options.recipe_version,
-                                  dict(options.params))
-        self.ledger = RunLedger(options.store, self.summary, on_result, progress=options.progress,
-                                failures=options.failure_log, skip_failed=options.skip_failed)
+        self.summary = RaySummary(
+            options.fingerprint, options.recipe, options.recipe_version, dict(options.params)
+        )
+        self.ledger = RunLedger(
+            options.store,
+            self.summary,
+            on_result,
+            progress=options.progress,
+            failures=options.failure_log,
+            skip_failed=options.skip_failed,
+        )
         self.slots: list[ActorSlot] = []
         self.shards: deque[Shard] = deque()
         self.run_token = ""  # names this run's actors (set when they start)
@@ -151,15 +162,30 @@ class RayRun:
             if todo:
                 self._run_on_ray(todo)
             else:
-                self.summary.device, self.summary.backend = self.options.device, self.options.backend
+                self.summary.device, self.summary.backend = (
+                    self.options.device,
+                    self.options.backend,
+                )
         finally:
-            run_all(self.ledger.write_index, self._merge_final, self.ledger.close_progress,
-                    close_failure_log, stop_clock)
+            run_all(
+                self.ledger.write_index,
+                self._merge_final,
+                self.ledger.close_progress,
+                close_failure_log,
+                stop_clock,
+            )
         if self.ledger.index_unwritten is not None:
             raise self.ledger.index_unwritten
         s = self.summary
-        logger.info("fingerprint %s on %d Ray actor(s): %d done, %d skipped, %d failed in %.1fs",
-                    s.fingerprint, len(s.actors), s.done, s.skipped, s.failed, s.wall_s)
+        logger.info(
+            "fingerprint %s on %d Ray actor(s): %d done, %d skipped, %d failed in %.1fs",
+            s.fingerprint,
+            len(s.actors),
+            s.done,
+            s.skipped,
+            s.failed,
+            s.wall_s,
+        )
         return s
 
     # -- resume -----------------------------------------------------------------------
@@ -170,13 +196,17 @@ class RayRun:
         Only files that have a stored record or a remembered failure are hashed (in
         threads: it is reading).
         """
-        stored = [item for item in work
-                  if item.stored_hash is not None or item.failed_hash is not None]
+        stored = [
+            item for item in work if item.stored_hash is not None or item.failed_hash is not None
+        ]
         hashes: dict[str, str | SourceError] = {}
         if stored:
             with cf.ThreadPoolExecutor(min(_HASH_THREADS, len(stored))) as pool:
-                digests = pool.map(_hash_or_error, [i.path for i in stored],
-                                   [self.options.source_limits] * len(stored))
+                digests = pool.map(
+                    _hash_or_error,
+                    [i.path for i in stored],
+                    [self.options.source_limits] * len(stored),
+                )
                 for item, digest in zip(stored, digests, strict=True):
                     hashes[item.sample_id] = digest
         todo = []
@@ -185,10 +215,15 @@ class RayRun:
             if found is None:
                 todo.append(item)
             elif isinstance(found, SourceError):
-                self.ledger.finish(ItemResult(item.sample_id, item.path, "failed", reason=found.reason))
+                self.ledger.finish(
+                    ItemResult(item.sample_id, item.path, "failed", reason=found.reason)
+                )
             elif is_current(item.stored_hash, found):
-                self.ledger.finish(ItemResult(item.sample_id, item.path, "skipped", key=item.key,
-                                              source_hash=found))
+                self.ledger.finish(
+                    ItemResult(
+                        item.sample_id, item.path, "skipped", key=item.key, source_hash=found
+                    )
+                )
             elif found == item.failed_hash:
                 self.ledger.finish(self.ledger.skipped_failure(item, found))
             else:
@@ -203,16 +238,17 @@ class RayRun:
             start = time.perf_counter()
             self._start_actors(ray, len(todo))
             self.summary.actor_start_s = time.perf_counter() - start
-            self.shards.extend(Shard(part, number=n) for n, part in
-                               enumerate(_cut(todo, self._shard_size(len(todo))), start=1))
+            self.shards.extend(
+                Shard(part, number=n)
+                for n, part in enumerate(_cut(todo, self._shard_size(len(todo))), start=1)
+            )
             self._schedule(ray)
         finally:
             for slot in self.slots:
                 if slot.state == "busy":
                     slot.stats.busy_s += time.perf_counter() - slot.since
             self.summary.actors = [slot.stats for slot in self.slots]
-            run_all(lambda: self._release_actors(ray),
-                    lambda: ray.shutdown() if started else None)
+            run_all(lambda: self._release_actors(ray), lambda: ray.shutdown() if started else None)
 
     def _release_actors(self, ray: Any) -> None:
         """Kill this run's actors and wait (boundedly) until Ray no longer lists them.
@@ -239,8 +275,12 @@ class RayRun:
             if not left:
                 return
             if time.monotonic() > deadline:
-                logger.warning("%d Ray actor(s) still listed %.0fs after ray.kill: %s",
-                               len(left), _RELEASE_TIMEOUT_S, ", ".join(sorted(left)))
+                logger.warning(
+                    "%d Ray actor(s) still listed %.0fs after ray.kill: %s",
+                    len(left),
+                    _RELEASE_TIMEOUT_S,
+                    ", ".join(sorted(left)),
+                )
                 return
             time.sleep(0.05)
 
@@ -248,8 +288,10 @@ class RayRun:
         """Initialise Ray unless it already is; True when this run started it."""
         if ray.is_initialized():
             if self.options.address is not None:
-                logger.warning("Ray is already initialised in this process; using it, not %s",
-                               self.options.address)
+                logger.warning(
+                    "Ray is already initialised in this process; using it, not %s",
+                    self.options.address,
+                )
             return False
         options: dict[str, Any] = {"logging_level": logging.WARNING}
         if self.options.address is None:
@@ -262,7 +304,9 @@ class RayRun:
         try:
             ray.init(**options)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise RayUnavailable(f"cannot start or join Ray at {options['address']}: {exc}") from exc
+            raise RayUnavailable(
+                f"cannot start or join Ray at {options['address']}: {exc}"
+            ) from exc
         finally:
             # ray.init installs its own SIGTERM handler, which ends the process on the
             # spot; the caller's (the CLI's: stop like Ctrl-C, committing and indexing
@@ -277,14 +321,18 @@ class RayRun:
         cluster_gpus, cluster_cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
         use_gpu = opts.device == "cuda" or (opts.device == "auto" and cluster_gpus > 0)
         if opts.device == "cuda" and cluster_gpus == 0:
-            raise ParameterError(["device: 'cuda' requested but the Ray cluster has no GPU"],
-                                 what="ray engine options")
+            raise ParameterError(
+                ["device: 'cuda' requested but the Ray cluster has no GPU"],
+                what="ray engine options",
+            )
         capacity = cluster_gpus if use_gpu else cluster_cpus
         wanted = opts.actors if opts.actors is not None else capacity
         if capacity < 1 or wanted > capacity:
             unit = "GPU" if use_gpu else "CPU"
-            raise RayUnavailable(f"{wanted} actor(s) of one {unit} each asked for, but the Ray "
-                                 f"cluster has {capacity} {unit}(s)")
+            raise RayUnavailable(
+                f"{wanted} actor(s) of one {unit} each asked for, but the Ray "
+                f"cluster has {capacity} {unit}(s)"
+            )
         wanted = max(1, min(wanted, count))
         options = dict(opts.actor_options)
         options["device"] = "cuda" if use_gpu else "cpu"
@@ -294,12 +342,20 @@ class RayRun:
         for index in range(wanted):
             # Named, so that `ray list actors` (and a test) can tell them apart.
             handle = remote.options(
-                name=f"spcache-shard-{self.run_token}-{index}", num_cpus=1,
-                num_gpus=1 if use_gpu else 0, max_restarts=opts.actor_restarts,
-                max_task_retries=0, **({"runtime_env": dict(opts.actor_runtime_env)}
-                                       if opts.actor_runtime_env else {}),
-            ).remote(opts.recipe, dict(opts.params), options, level, opts.actor_fault,
-                     None if opts.sink is None else dict(opts.sink))
+                name=f"spcache-shard-{self.run_token}-{index}",
+                num_cpus=1,
+                num_gpus=1 if use_gpu else 0,
+                max_restarts=opts.actor_restarts,
+                max_task_retries=0,
+                **({"runtime_env": dict(opts.actor_runtime_env)} if opts.actor_runtime_env else {}),
+            ).remote(
+                opts.recipe,
+                dict(opts.params),
+                options,
+                level,
+                opts.actor_fault,
+                None if opts.sink is None else dict(opts.sink),
+            )
             self.slots.append(ActorSlot(ActorStats(index), handle))
         self._describe_actors(ray)
 
@@ -315,13 +371,21 @@ class RayRun:
                 info = ray_get(ray, ref)
                 slot.stats.node, slot.stats.device = info["node"], info["device"]
                 slot.stats.backend, slot.stats.gpus = info["backend"], info["gpus"]
-                logger.info("actor %d on %s: %s (%s), %d loader process(es), %d torch "
-                            "thread(s)", slot.stats.actor, info["node"], info["device"],
-                            info["backend"], info["loaders"], info["threads"])
+                logger.info(
+                    "actor %d on %s: %s (%s), %d loader process(es), %d torch thread(s)",
+                    slot.stats.actor,
+                    info["node"],
+                    info["device"],
+                    info["backend"],
+                    info["loaders"],
+                    info["threads"],
+                )
             now = time.monotonic()
             if pending and now > deadline:
-                raise RayUnavailable(f"{len(pending)} of {len(self.slots)} Ray actor(s) were not "
-                                     f"placed within {self.options.placement_timeout_s:.0f}s")
+                raise RayUnavailable(
+                    f"{len(pending)} of {len(self.slots)} Ray actor(s) were not "
+                    f"placed within {self.options.placement_timeout_s:.0f}s"
+                )
             if pending and now - last_log > _PLACEMENT_LOG_EVERY_S:
                 logger.warning("waiting for the Ray cluster to place %d actor(s)", len(pending))
                 last_log = now
@@ -337,14 +401,17 @@ class RayRun:
         last_merge = time.monotonic()
         while True:
             self._dispatch()
-            if (self.options.sink is not None
-                    and time.monotonic() - last_merge > self.options.merge_every_s):
+            if (
+                self.options.sink is not None
+                and time.monotonic() - last_merge > self.options.merge_every_s
+            ):
                 self._merge_sink()
                 last_merge = time.monotonic()
             waiting = {slot.stream: slot for slot in self.slots if slot.state == "busy"}
             if self.shards:
-                waiting.update({slot.probe: slot for slot in self.slots
-                                if slot.state == "restarting"})
+                waiting.update(
+                    {slot.probe: slot for slot in self.slots if slot.state == "restarting"}
+                )
             if not waiting:
                 break
             ready, _ = ray.wait(list(waiting), num_returns=1, timeout=_WAIT_TICK_S)
@@ -358,23 +425,37 @@ class RayRun:
         if self.shards:  # every actor is gone for good
             for shard in self.shards:
                 for item in shard.items:
-                    self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                            reason="no Ray actor left to compute it (every "
-                                                   "actor died and was not restarted)"))
+                    self.ledger.finish(
+                        ItemResult(
+                            item.sample_id,
+                            item.path,
+                            "failed",
+                            reason="no Ray actor left to compute it (every "
+                            "actor died and was not restarted)",
+                        )
+                    )
             self.shards.clear()
 
     def _merge_sink(self) -> None:
         """Merge the manifests committed so far into the snapshot's index, so readers
         (and a driver that dies now) start from a recent one. Advice: a failure is
         logged and the run goes on; the final index is written at the end."""
-        from cache_store.snapshot.sharded import merge_into
+        from cache_store.snapshot.sharded import ShardedSnapshot, merge_into
 
+        store = self.options.store
+        if not isinstance(store, ShardedSnapshot):  # a sink is only set for one
+            return
         try:
-            merge_into(self.options.store, self.options.fingerprint,  # type: ignore[arg-type]
-                       order=self.ledger.admitted,
-                       describe={"recipe": self.options.recipe,
-                                 "recipe_version": self.options.recipe_version,
-                                 "params": dict(self.options.params)})
+            merge_into(
+                store,
+                self.options.fingerprint,
+                order=self.ledger.admitted,
+                describe={
+                    "recipe": self.options.recipe,
+                    "recipe_version": self.options.recipe_version,
+                    "params": dict(self.options.params),
+                },
+            )
         except Exception:  # see the docstring: advice, logged
             logger.exception("merging the manifests of %s failed", self.options.fingerprint)
 
@@ -396,9 +477,12 @@ class RayRun:
             # Backpressure: an actor that is _STREAM_AHEAD batches ahead of the writer
             # pauses (its engine blocks in on_result), so a slow writer bounds memory.
             slot.stream = slot.handle.run_shard.options(
-                num_returns="streaming", _generator_backpressure_num_objects=_STREAM_AHEAD,
-            ).remote([[item.sample_id, item.path] for item in shard.items],
-                     f"s{shard.number:05d}-a{shard.deaths + 1}")
+                num_returns="streaming",
+                _generator_backpressure_num_objects=_STREAM_AHEAD,
+            ).remote(
+                [[item.sample_id, item.path] for item in shard.items],
+                f"s{shard.number:05d}-a{shard.deaths + 1}",
+            )
 
     def _next_shard(self, actor: int, live: set[int]) -> Shard | None:
         """The first shard that does not avoid this actor, else one every live actor
@@ -414,8 +498,9 @@ class RayRun:
         try:
             info = ray_get(ray, slot.probe)
         except RayUnavailable as exc:
-            logger.warning("Ray actor %d did not come back (%s); going on without it",
-                           slot.stats.actor, exc)
+            logger.warning(
+                "Ray actor %d did not come back (%s); going on without it", slot.stats.actor, exc
+            )
             slot.state, slot.probe = "gone", None
             return
         slot.stats.node, slot.stats.gpus = info["node"], info["gpus"]  # maybe another node
@@ -426,8 +511,11 @@ class RayRun:
         now = time.perf_counter()
         for slot in self.slots:
             if slot.state == "restarting" and now - slot.since > self.options.placement_timeout_s:
-                logger.warning("Ray actor %d was not restarted within %.0fs; going on without it",
-                               slot.stats.actor, self.options.placement_timeout_s)
+                logger.warning(
+                    "Ray actor %d was not restarted within %.0fs; going on without it",
+                    slot.stats.actor,
+                    self.options.placement_timeout_s,
+                )
                 slot.state, slot.probe = "gone", None
 
     def _receive(self, ray: Any, slot: ActorSlot) -> None:
@@ -455,8 +543,11 @@ class RayRun:
         full: StoreFull | None = None
         # SIGTERM may land between the commit and the reports below: the ledger then
         # finds these records in the store when it writes the index
-        self.ledger.committing = {sample_id: source_hash for sample_id, _, status, _, _,
-                                  source_hash in message["results"] if status == "done"}
+        self.ledger.committing = {
+            sample_id: source_hash
+            for sample_id, _, status, _, _, source_hash in message["results"]
+            if status == "done"
+        }
         if records:
             start = time.perf_counter()
             try:
@@ -468,8 +559,11 @@ class RayRun:
             self.summary.write_s += time.perf_counter() - start
         for sample_id, path, status, key, reason, source_hash in message["results"]:
             if slot.outstanding.pop(sample_id, None) is None:
-                logger.warning("actor %d reported %s, which it was not given; ignored",
-                               slot.stats.actor, sample_id)
+                logger.warning(
+                    "actor %d reported %s, which it was not given; ignored",
+                    slot.stats.actor,
+                    sample_id,
+                )
                 continue
             transient = False
             if status == "done" and write_error:
@@ -478,8 +572,17 @@ class RayRun:
                 slot.stats.done += 1
             elif status == "failed":
                 slot.stats.failed += 1
-            self.ledger.finish(ItemResult(sample_id, path, status, key=key, reason=reason,
-                                          source_hash=source_hash, transient=transient))
+            self.ledger.finish(
+                ItemResult(
+                    sample_id,
+                    path,
+                    status,
+                    key=key,
+                    reason=reason,
+                    source_hash=source_hash,
+                    transient=transient,
+                )
+            )
         self.ledger.committing = {}
         if full is not None:  # every later write would fail the same way: the run ends
             raise StoreFull(full.path, full.reason) from full
@@ -493,9 +596,14 @@ class RayRun:
     def _shard_finished(self, slot: ActorSlot) -> None:
         slot.stats.busy_s += time.perf_counter() - slot.since
         for item in slot.outstanding.values():  # the engine reports every item; defensive
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                    reason="the Ray actor finished its shard without a result "
-                                           "for this sample"))
+            self.ledger.finish(
+                ItemResult(
+                    item.sample_id,
+                    item.path,
+                    "failed",
+                    reason="the Ray actor finished its shard without a result for this sample",
+                )
+            )
         slot.state, slot.shard, slot.stream, slot.outstanding = "ready", None, None, {}
 
     def _actor_died(self, ray: Any, slot: ActorSlot, exc: BaseException) -> None:
@@ -515,12 +623,18 @@ class RayRun:
             # probe (retried by Ray until the actor is back) before the next shard.
             slot.state, slot.since = "restarting", time.perf_counter()
             slot.probe = slot.handle.describe.options(max_task_retries=-1).remote()
-        logger.warning("Ray actor %d died (%s) with %d of its shard's %d item(s) not back; %s",
-                       slot.stats.actor, type(exc).__name__, len(left), len(shard.items),
-                       "it will not be restarted" if gone else "Ray restarts it")
+        logger.warning(
+            "Ray actor %d died (%s) with %d of its shard's %d item(s) not back; %s",
+            slot.stats.actor,
+            type(exc).__name__,
+            len(left),
+            len(shard.items),
+            "it will not be restarted" if gone else "Ray restarts it",
+        )
         if left:
-            self._requeue(Shard(left, shard.deaths + 1, shard.avoid | {slot.stats.actor},
-                                shard.number))
+            self._requeue(
+                Shard(left, shard.deaths + 1, shard.avoid | {slot.stats.actor}, shard.number)
+            )
 
     def _requeue(self, shard: Shard) -> None:
         """Queue a shard whose actor died, first in line. A shard that killed an actor a
@@ -529,10 +643,16 @@ class RayRun:
         items = shard.items
         if len(items) == 1 and shard.deaths >= self.options.max_attempts:
             item = items[0]
-            self.ledger.finish(ItemResult(item.sample_id, item.path, "failed",
-                                    reason=f"the Ray actor computing this sample died "
-                                           f"{shard.deaths} times (a crash, the OOM killer or "
-                                           f"a lost node)"))
+            self.ledger.finish(
+                ItemResult(
+                    item.sample_id,
+                    item.path,
+                    "failed",
+                    reason=f"the Ray actor computing this sample died "
+                    f"{shard.deaths} times (a crash, the OOM killer or "
+                    f"a lost node)",
+                )
+            )
             return
         self.summary.shard_retries += 1
         if len(items) == 1 or shard.deaths == 1:
@@ -551,4 +671,4 @@ def _hash_or_error(path: str, limits: SourceLimits) -> str | SourceError:
 
 
 def _cut(items: list[WorkItem], size: int) -> list[list[WorkItem]]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
