@@ -143,9 +143,8 @@ def _is_local(fs: Any) -> bool:
     return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
 
 
-def _write_local_exclusive(path: str, data: bytes) -> None:
-    """Create ``path`` with ``data`` durably, failing if it exists (never overwriting)."""
-    directory = os.path.dirname(path)
+def _write_temporary(directory: str, data: bytes) -> str:
+    """``data`` in a new temporary file of ``directory``, on disk (fsynced); its path."""
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -156,33 +155,35 @@ def _write_local_exclusive(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    return tmp
+
+
+def _fsync_directory(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_local_exclusive(path: str, data: bytes) -> None:
+    """Create ``path`` with ``data`` durably, failing if it exists (never overwriting)."""
+    directory = os.path.dirname(path)
+    tmp = _write_temporary(directory, data)
     try:
         os.link(tmp, path)  # atomic, and refuses an existing name
     except FileExistsError:
         raise CommitConflict(f"{path}: already committed") from None
     finally:
         os.unlink(tmp)
-    dfd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    _fsync_directory(directory)
 
 
 def _write_local(path: str, data: bytes) -> None:
     """Write ``path`` durably (a temporary name, fsync, rename)."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    os.replace(_write_temporary(directory, data), path)
+    _fsync_directory(directory)
 
 
 def _loads(raw: bytes, what: str) -> dict[str, Any]:
