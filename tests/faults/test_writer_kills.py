@@ -56,6 +56,7 @@ def test_writer_sigkill_loses_nothing_and_resumes(tmp_path: Path) -> None:
     announced: set[int] = set()
     checked: set[int] = set()
     kills_inside = 0
+    commit_s = 0.15  # the longest kill delay until a commit has been timed
     corrupt: dict[str, str] = {}
     partial: dict[int, int] = {}
     lost: set[int] = set()
@@ -64,12 +65,16 @@ def test_writer_sigkill_loses_nothing_and_resumes(tmp_path: Path) -> None:
         skip = int(rng.random() < 0.5)  # let 0 or 1 batch commit, then kill inside the next
         line = child.expect(("begin", "finished"))
         for _ in range(skip):
+            began = time.monotonic()
             child.expect("committed")
+            commit_s = min(commit_s, time.monotonic() - began)
             line = child.expect(("begin", "finished"))
         if line == "finished":  # everything is stored already: nothing left to interrupt
             child.kill()
             break
-        time.sleep(rng.uniform(0.0, 0.15))
+        # inside the batch: within the shortest commit seen so far (a machine that commits
+        # a batch faster gets earlier kills, so they still land inside the transaction)
+        time.sleep(rng.uniform(0.0, 0.8 * commit_s))
         child.kill()
         rest = child.drain()
         announced |= {int(x.split()[1]) for x in rest if x.startswith("committed")}

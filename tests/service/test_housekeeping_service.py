@@ -144,7 +144,7 @@ def test_rm_while_the_worker_computes_it_stops_its_writes(
     are cancelled, the batch in flight is not written, and nothing brings it back."""
     root = corpus_meshes[0].parent
     items = [
-        {"id": f"m{i:03d}", "path": str(corpus_meshes[i % len(corpus_meshes)])} for i in range(60)
+        {"id": f"m{i:03d}", "path": str(corpus_meshes[i % len(corpus_meshes)])} for i in range(400)
     ]
     cache = tmp_path / "cache"
     server = start_server(cache, root, "--device", "cpu", "--backend", "torch")
