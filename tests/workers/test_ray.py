@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,7 +28,7 @@ from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main
 from workers.engine import Engine, ItemResult
-from tests.helpers.ray_faults import CrashOnce, register_with_ray
+from tests.helpers.ray_faults import CrashOnce, HoldOnce, register_with_ray
 from workers.ray_engine import RayEngine, RaySummary
 
 PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}
@@ -332,29 +333,44 @@ def test_an_actor_crashing_mid_shard_loses_nothing(
 def test_an_actor_killed_for_good_mid_run_loses_nothing(
     ray_local, tmp_path: Path, corpus_meshes: list[Path]
 ) -> None:
+    # The actor computing paths[1] stalls with it unsent and is killed there, so the
+    # kill lands mid-shard however the two actors' timings fall on a loaded machine
     paths = corpus_meshes[:8]
-    reported: list[ItemResult] = []
+    marker = tmp_path / "holding"
     killed: list[str] = []
-    earlier = set(ray.util.list_named_actors())  # other runs' actors may still be listed
 
-    def kill_one_actor(result: ItemResult) -> None:
-        reported.append(result)
-        if not killed:
-            ours = set(ray.util.list_named_actors()) - earlier
-            name = min(n for n in ours if n.startswith("spcache-shard") and n.endswith("-0"))
-            ray.kill(ray.get_actor(name))  # no restart: the actor is gone for the run
-            killed.append(name)
+    def kill_the_holder() -> None:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        name = marker.read_text()
+        ray.kill(
+            ray.get_actor(name)
+        )  # no restart: the actor is gone for the run  # no restart: the actor is gone for the run
+        killed.append(name)
 
+    killer = threading.Thread(target=kill_the_holder, daemon=True)
+    killer.start()
+    reported: list[ItemResult] = []
     with open_store(tmp_path / "cache", readonly=False) as store:
-        engine = RayEngine(store, "spc_query", PARAMS, shard_size=3, write_batch=1, **RAY_OPTIONS)
-        summary = engine.run(_items(paths), on_result=kill_one_actor)
+        engine = RayEngine(
+            store,
+            "spc_query",
+            PARAMS,
+            shard_size=3,
+            write_batch=1,
+            actor_fault=HoldOnce(paths[1].stem, str(marker)),
+            **RAY_OPTIONS,
+        )
+        summary = engine.run(_items(paths), on_result=reported.append)
         keys = list(store.keys())
         index = store.get_index(summary.fingerprint).sample_ids.tolist()
-    assert killed
+    killer.join(timeout=5)
+    assert killed and killed[0].startswith("spcache-shard")
     assert summary.failed == 0 and summary.done == len(paths), summary.errors
     assert Counter(r.sample_id for r in reported) == Counter(p.stem for p in paths)
     assert len(keys) == len(paths) and index == [p.stem for p in paths]
-    assert sum(a.deaths for a in summary.actors) == 1
+    assert sum(a.deaths for a in summary.actors) == 1 and summary.shard_retries == 1
 
 
 @pytest.mark.slow
