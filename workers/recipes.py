@@ -243,7 +243,8 @@ def _query(
 # faces: with the Kaolin ops backend (CUDA), Kaolin's ``point_to_mesh_distance`` in chunks
 # of the query budget (float32 arithmetic, lowest index among equally near faces);
 # otherwise libigl on the CPU (float64). Both are stored as float32 and agree to float32
-# rounding; :mod:`workers.sdf` says what ``sdf_face`` promises.
+# rounding; :mod:`workers.sdf` says what ``sdf_face`` promises. ``closed`` (recipe
+# version 2) records whether that sign is exact: :func:`workers.sdf.mesh_is_closed`.
 
 
 def prepare_sdf(
@@ -280,6 +281,8 @@ def prepare_sdf(
         "mesh_faces": faces,
         # the sign of every SDF point, here on the CPU for every device and backend
         "sdf_inside": sdf_ops.winding_inside(queries, vertices, faces),
+        # welded on the source's own coordinates: normalising could merge or split them
+        "closed": np.array(sdf_ops.mesh_is_closed(source.vertices, faces)),
     }
 
 
@@ -310,6 +313,7 @@ def compute_sdf(
     sdf, face = _signed_distance(prepared, queries, ops, budget, device)
     out["sdf"] = sdf.to(torch.float32)
     out["sdf_face"] = face.to(torch.int32)
+    out["closed"] = torch.tensor(bool(prepared["closed"]))
     return out
 
 

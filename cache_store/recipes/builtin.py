@@ -151,12 +151,21 @@ _SDF_FIELDS = {
         "unbatched_query(octree, exsum, sdf_points, level): the "
         "point_hierarchy index of each point's leaf voxel, -1 outside the octree",
     ),
+    "closed": Field(
+        "bool",
+        "[]",
+        "True when the mesh is closed and consistently oriented (welded by position, every "
+        "edge matched by its reverse): the sign of sdf is then exactly inside/outside; "
+        "False for open sheets, holes or flipped faces, where it is the winding-number "
+        "estimate and abs(sdf) is the safe reading",
+    ),
 }
 _SDF_DOC = (
     "spc plus the dual octree, trinkets and seeded signed-distance samples of a triangle mesh "
     "(point clouds are refused: they have no inside). Sign: the generalised winding number "
-    "(|w| > 1/2 is inside): exact on closed meshes, robust to small holes; on open sheets the "
-    "sign says which side of the sheet a point lies on near it and is positive far from it. "
+    "(|w| > 1/2 is inside): exact on closed meshes (the record's closed field says whether "
+    "this one was), robust to small holes; an open sheet has no inside: a flat one is "
+    "positive everywhere, a curved one negative only in its hollow. "
     "The sign is computed on the CPU for every device and backend, so it never depends on the "
     "machine; with the Kaolin backend |sdf| is Kaolin's float32 distance (equal to float32 "
     "rounding) and sdf_face is a nearest face (ties may name another). Size: num_points <= sum over levels of "
@@ -198,8 +207,8 @@ def _sdf_bytes(p: Mapping[str, Any]) -> int:
     dual = [min(8 * n, (2**lv + 1) ** 3) for lv, n in enumerate(points)]
     samples = int(p["near_samples"]) + int(p["uniform_samples"])
     # trinkets int32 [P, 8] + trinket_parents int32 [P]; dual int16 [D, 3]; pyramid_dual;
-    # sdf_points float32 [M, 3] + sdf float32 + sdf_face int32 + sdf_pidx int32
-    return _spc_bytes(p) + 36 * sum(points) + 6 * sum(dual) + 8 * (level + 2) + 24 * samples
+    # sdf_points float32 [M, 3] + sdf float32 + sdf_face int32 + sdf_pidx int32; closed
+    return _spc_bytes(p) + 36 * sum(points) + 6 * sum(dual) + 8 * (level + 2) + 24 * samples + 1
 
 
 _SDF_BOUND = (
@@ -253,7 +262,7 @@ class SpcSdf(Recipe):
     """spc plus the dual octree, trinkets and seeded signed-distance samples of a mesh."""
 
     name = "spc_sdf"
-    version = 1
+    version = 2  # 2: the closed field
     params: ClassVar[Mapping[str, ParamSpec]] = _SDF_PARAMS
     fields: ClassVar[Mapping[str, FieldSpec]] = {**_SPC_FIELDS, **_DUAL_FIELDS, **_SDF_FIELDS}
     doc = _SDF_DOC
