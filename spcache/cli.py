@@ -87,7 +87,14 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # also while the command's modules import (torch: ~1 s)
+        print("spcache: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     top = _top_parser()
     split = next((i for i, a in enumerate(argv) if not a.startswith("-")), len(argv))
     try:
@@ -126,9 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous_hangup = signal.signal(signal.SIGHUP, _hangup_as_terminate)
     try:
         return int(target.run(args))
-    except KeyboardInterrupt:
-        print("spcache: interrupted", file=sys.stderr)
-        return 130
     finally:
         signal.signal(signal.SIGHUP, previous_hangup)
 

@@ -10,6 +10,7 @@ so no process that holds CUDA is ever forked.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.context
@@ -18,6 +19,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, NamedTuple
 
@@ -31,7 +33,7 @@ from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
 
-__all__ = ["LoadOutcome", "LoaderPool", "load_sample", "stop_executor"]
+__all__ = ["LoadOutcome", "LoaderPool", "interrupts_held", "load_sample", "stop_executor"]
 
 logger = logging.getLogger(__name__)
 
@@ -249,11 +251,12 @@ class LoaderPool:
             future: cf.Future = cf.Future()
             future.set_result(load_sample(*self._args(item)))
             return future
-        try:
-            return self.pool.submit(load_sample, *self._args(item))
-        except BrokenProcessPool:  # a process died since the last submit
-            self._restart()
-            return self.pool.submit(load_sample, *self._args(item))
+        with interrupts_held():  # a submit may start a loader process
+            try:
+                return self.pool.submit(load_sample, *self._args(item))
+            except BrokenProcessPool:  # a process died since the last submit
+                self._restart()
+                return self.pool.submit(load_sample, *self._args(item))
 
     def result(
         self, item: WorkItem, future: cf.Future, pending: deque[tuple[WorkItem, cf.Future]]
@@ -266,7 +269,9 @@ class LoaderPool:
         logger.warning("a loader process died; retrying %s alone", item.path)
         pool = self._restart()
         try:
-            outcome = pool.submit(load_sample, *self._args(item)).result()
+            with interrupts_held():
+                future = pool.submit(load_sample, *self._args(item))
+            outcome = future.result()
         except BrokenProcessPool:
             self._restart()
             outcome = LoadOutcome(
@@ -298,6 +303,31 @@ class LoaderPool:
         pool, self.pool = self.pool, None
         if pool is not None:
             stop_executor(pool, timeout_s)
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) for the duration, then deliver it to the handler that was there.
+
+    For the moments the process pool starts a loader: the forkserver forks the child,
+    then the executor records it. A KeyboardInterrupt between the two leaves a loader
+    that :func:`stop_executor` never sees; it outlives the run and prints a traceback on
+    the terminal once the parent has removed the pool's semaphores. Off the main thread
+    (where signal handlers cannot be changed) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            if callable(previous):
+                previous(signal.SIGINT, None)
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:

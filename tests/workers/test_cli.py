@@ -321,3 +321,14 @@ def test_loaders_is_the_one_flag_for_loader_processes() -> None:
         parser.parse_args(base + ["--jobs", "3"])
     assert parser.parse_args(base + ["--loaders", "4"]).loaders == 4
     assert parser.parse_args(base).loaders is None and parser.parse_args(base).skip_failed is False
+
+
+def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted_import(name: str) -> object:
+        raise KeyboardInterrupt  # as Ctrl-C lands while torch imports
+
+    monkeypatch.setattr(cli, "resolve", interrupted_import)
+    assert main(["precompute", "x.obj", "--cache", "c"]) == 130
+    assert capsys.readouterr().err == "spcache: interrupted\n"

@@ -1,0 +1,118 @@
+"""Ctrl-C while the loader pool starts a process: held until the executor has recorded
+the child (``workers.loader.interrupts_held``), so stopping the run stops that child too."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from workers.loader import interrupts_held
+
+
+def _let_python_run_handlers() -> None:
+    for _ in range(20):  # pending handlers run between bytecodes on the main thread
+        time.sleep(0.005)
+
+
+def test_a_ctrl_c_inside_is_delivered_once_on_the_way_out() -> None:
+    seen: list[str] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: seen.append("handler"))
+    try:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            _let_python_run_handlers()
+            seen.append("body done")
+        seen.append("after")
+        _let_python_run_handlers()
+        assert seen == ["body done", "handler", "after"]
+        assert signal.getsignal(signal.SIGINT) is not None and seen.count("handler") == 1
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_with_the_default_handler_the_interrupt_comes_after_the_body() -> None:
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    finished = False
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            _let_python_run_handlers()
+            finished = True
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_off_the_main_thread_it_changes_nothing() -> None:
+    handler = signal.getsignal(signal.SIGINT)
+    errors: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            with interrupts_held():
+                assert signal.getsignal(signal.SIGINT) is handler
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert not errors
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    import multiprocessing.popen_forkserver as popen_forkserver
+    from workers.loader import LoaderPool
+    from workers.run_ledger import WorkItem
+
+    launch = popen_forkserver.Popen._launch
+
+    def launch_then_interrupt(self, process_obj):
+        launch(self, process_obj)  # the child is forked; the executor has not recorded it
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if __name__ == "__main__":  # the loader imports this file as __mp_main__
+        popen_forkserver.Popen._launch = launch_then_interrupt
+        pool = LoaderPool("spc", {"level": 3, "surface_samples": 100}, "f" * 32, loaders=1)
+        pool.open()
+        try:
+            pool.submit(WorkItem("a", sys.argv[1]))
+            print("not interrupted", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        finally:
+            pool.abort()
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver start method is Linux's")
+def test_an_interrupt_while_a_loader_starts_leaves_no_loader_behind(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    script = tmp_path / "interrupt_at_start.py"
+    script.write_text(SCRIPT)
+    # stderr stays open until every process holding it (a leftover loader too) exits
+    proc = subprocess.run(
+        [sys.executable, str(script), str(corpus_meshes[0])],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "interrupted"
+    assert "Traceback" not in proc.stderr, proc.stderr
