@@ -341,6 +341,8 @@ def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:
     broken pool and its thread ends. The stdlib has no public way to do either before
     Python 3.14, so this reaches into the executor's process table and result queue."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
+    # shutdown() drops the executor's reference to the result queue: take it first
+    result_queue = getattr(pool, "_result_queue", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
@@ -351,6 +353,6 @@ def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:
         if process.is_alive():
             process.kill()
             process.join(timeout_s)
-    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    writer = getattr(result_queue, "_writer", None)
     if writer is not None:
         writer.close()

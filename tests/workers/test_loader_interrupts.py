@@ -1,5 +1,7 @@
-"""Ctrl-C while the loader pool starts a process: held until the executor has recorded
-the child (``workers.loader.interrupts_held``), so stopping the run stops that child too."""
+"""Stopping the loader pool at its awkward moments: Ctrl-C while it starts a process
+(held until the executor has recorded the child, ``workers.loader.interrupts_held``, so
+stopping the run stops that child too), and a loader stopped halfway through writing its
+result (``stop_executor`` turns the executor's wait for the rest into end-of-file)."""
 
 from __future__ import annotations
 
@@ -116,3 +118,46 @@ def test_an_interrupt_while_a_loader_starts_leaves_no_loader_behind(
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "interrupted"
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+HALF_WRITTEN = textwrap.dedent(
+    """
+    import concurrent.futures as cf, gc, multiprocessing, os, struct, sys, time
+    from multiprocessing.queues import SimpleQueue
+    from workers.loader import stop_executor
+
+    def half_a_result(marker):
+        # as a loader terminated while it writes a large result: a length header
+        # promising 1 GiB, a few bytes of it, and no more
+        queue = next(o for o in gc.get_objects() if isinstance(o, SimpleQueue))
+        os.write(queue._writer.fileno(), struct.pack("!i", 1 << 30) + b"partial")
+        open(marker, "w").close()
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        marker = sys.argv[1]
+        pool = cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver"))
+        future = pool.submit(half_a_result, marker)
+        while not os.path.exists(marker):
+            time.sleep(0.02)
+        stop_executor(pool)
+        print("stopped", flush=True)
+        # the interpreter now joins the executor's thread: it must see end-of-file
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the forkserver start method is Linux's")
+def test_a_loader_stopped_mid_result_lets_the_interpreter_exit(tmp_path: Path) -> None:
+    script = tmp_path / "half_written.py"
+    script.write_text(HALF_WRITTEN)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "written")],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "stopped"
