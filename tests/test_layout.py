@@ -187,3 +187,22 @@ def test_the_code_passes_ruff() -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_no_large_file_is_tracked_outside_test_data() -> None:
+    if not (REPO_ROOT / ".git").exists():
+        pytest.skip("not a git checkout: nothing is tracked")
+    tracked = (
+        subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
+    large = [
+        name
+        for name in tracked
+        if name
+        and not name.startswith("tests/data/")
+        and (REPO_ROOT / name).is_file()
+        and (REPO_ROOT / name).stat().st_size > 1 << 20
+    ]
+    assert not large, f"files over 1 MiB tracked outside tests/data: {large}"
