@@ -228,6 +228,11 @@ def _print_summary(summary: Any) -> None:
     )
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
+    if getattr(summary, "skipped_other_code", 0):
+        print(
+            f"  {summary.skipped_other_code} skipped record(s) were computed by other recipe "
+            "code than the installed one (kept: bump the recipe's version to recompute)"
+        )
     for line in summary.detail_lines() if hasattr(summary, "detail_lines") else ():
         print(line)
     print(f"fingerprint {summary.fingerprint}")

@@ -8,6 +8,7 @@ distribution on ``sys.path`` in a child interpreter).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -188,10 +189,15 @@ def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
 
 
 def test_code_changed_without_a_version_bump_is_reported(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Edit a recipe's module and forget to bump its version: the fingerprint stays, the
-    records carry two code digests, and `stats` and the item route say so."""
+    records carry two code digests, and a run that skips old records, `stats` (text
+    and JSON) and the item route say so."""
+    from spcache.cli import main
     from service.settings import Settings
     from tests.helpers.service import InProcessServer
 
@@ -216,6 +222,24 @@ def test_code_changed_without_a_version_bump_is_reported(
             stats = store.stats()["fingerprints"][first.fingerprint]
             assert stats["code_digests"] == {first.code_digest: 1, second.code_digest: 1}
             assert "2 different versions of the recipe's code" in stats["mixed_code"]
+            # the run again: the old record is skipped (kept), and the run says so
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="workers.run_ledger"):
+                again = second.run([("mesh", str(MESH)), ("cloud", str(CLOUD))])
+            assert (again.skipped, again.skipped_other_code) == (2, 1)
+            assert again.as_json()["skipped_other_code"] == 1
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warned) == 1, warned
+            assert f"recipe 'edited', fingerprint {first.fingerprint}: 1 skipped" in warned[0]
+            assert "they were kept: bump the recipe's version" in warned[0]
+        capsys.readouterr()
+        assert main(["stats", "--cache", str(tmp_path / "cache")]) == 0
+        text = capsys.readouterr().out
+        assert (
+            f"code     1 of 2 record(s) computed by other code than the installed recipe's "
+            f"({second.code_digest})"
+        ) in text, text
+        assert f"1 by {first.code_digest}" in text and "bump the recipe's version" in text
         settings = Settings(cache=tmp_path / "cache", source_roots=[DATA], worker=False)
         with InProcessServer(settings) as server:
             import httpx
