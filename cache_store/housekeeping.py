@@ -12,7 +12,9 @@ Four plain functions, used by ``spcache ls|rm|prune|compact``, by the service
   chunks. Every step is idempotent and each commit leaves a consistent cache, so a
   killed ``rm`` is finished by running it again.
 * :func:`prune`: least recently used first (last read or written, else created); never
-  a fingerprint with queue items pending or running, nor one named in ``protect``.
+  a fingerprint with queue items pending or running, nor one named in ``protect``;
+  ``keep`` alone keeps the N most recently used and removes the rest; a ``max_size``
+  the kept ones do not fit in is refused before anything is removed.
 * :func:`compact`: give the disk back (LMDB never shrinks its file by itself):
   :func:`cache_store.stores.lmdb.compact_environment`.
 
@@ -174,7 +176,7 @@ class CacheEntry:
         if self.index_error:
             return "index unreadable"
         if self.recipe is None:
-            return "unindexed"
+            return "failed" if not self.records and self.failed else "unindexed"
         return "complete" if self.present == self.indexed else "partial"
 
     @property
@@ -225,8 +227,10 @@ def _lmdb_store(cache: str | os.PathLike[str], *, readonly: bool) -> Any:
     return LMDBStore(root, readonly=readonly)
 
 
-def _entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
-    """Every fingerprint with an index, records or a tombstone, with exact sizes."""
+def _entries(cache: str | os.PathLike[str], *, failure_only: bool = False) -> list[CacheEntry]:
+    """Every fingerprint with an index or records (or a tombstone with records left),
+    with exact sizes; with ``failure_only``, also those known only from remembered
+    failures (every sample failed: no record, no index)."""
     if _is_snapshot(cache):
         return _snapshot_entries(cache)
     store = _lmdb_store(cache, readonly=True)
@@ -263,6 +267,9 @@ def _entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
     finally:
         store.close()
     failed = _failure_counts(Path(cache))
+    if failure_only:
+        listed = {e.fingerprint for e in entries}
+        entries += [CacheEntry(fp) for fp in sorted(failed) if fp not in listed]
     for entry in entries:
         entry.failed = failed.get(entry.fingerprint, 0)
         entry.last_read = usage.last_read(cache, entry.fingerprint)
@@ -302,9 +309,10 @@ def ls(cache: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """One JSON-able row per fingerprint of ``cache`` (a cache directory or a ``.zarr``
     snapshot), least recently used first: ``fingerprint``, ``recipe``,
     ``recipe_version``, ``params``, ``records``, ``bytes`` (exact), ``indexed``,
-    ``state`` (complete / partial / unindexed / removing), ``failed``, ``created``,
+    ``state`` (complete / partial / unindexed / removing, or failed: nothing stored,
+    only remembered failures), ``failed``, ``created``,
     ``last_written``, ``last_read`` (ISO 8601 UTC or None) and ``recipe_changed``."""
-    entries = sorted(_entries(cache), key=lambda e: (e.last_used, e.fingerprint))
+    entries = sorted(_entries(cache, failure_only=True), key=lambda e: (e.last_used, e.fingerprint))
     return [e.as_json() for e in entries]
 
 
@@ -317,18 +325,38 @@ def _queue(cache: Path) -> Any:
     return JobQueue(cache) if (cache / JOBS_FILENAME).is_file() else None
 
 
-def _resolve(store: Any, cache: Path, names: Iterable[str]) -> list[str]:
-    """Fingerprints named by ``names`` (whole, or a unique prefix of MIN_PREFIX+ chars)
-    among those with an index, records or a tombstone. All are checked before anything
-    is removed."""
-    known = set(store.fingerprints()) | set(store.record_fingerprints()) | set(store.removals())
+def _has_bookkeeping(cache: Path) -> bool:
+    """Whether ``cache`` holds a job queue or a failure log (it may have no records yet:
+    a warm-up still queued, or a run whose every sample failed)."""
+    from cache_store.jobs.failures import FAILURES_FILENAME
+    from cache_store.jobs.queue import JOBS_FILENAME
+
+    return (cache / JOBS_FILENAME).is_file() or (cache / FAILURES_FILENAME).is_file()
+
+
+def _resolve(store: Any, cache: Path, names: Iterable[str]) -> tuple[list[str], set[str]]:
+    """``(chosen, stored)``: the fingerprints named by ``names`` (whole, or a unique prefix
+    of MIN_PREFIX+ chars), and which of them the store holds (an index or records).
+
+    Known are those with an index or records (a tombstone with records left is a killed
+    ``rm``), remembered failures, or queue items pending or running. A fingerprint
+    removed completely is not known: naming it says it was already removed. All names
+    are checked before anything is removed."""
+    stored = (
+        set() if store is None else set(store.fingerprints()) | set(store.record_fingerprints())
+    )
+    removals = {} if store is None else store.removals()
+    known = stored | set(_failure_counts(cache)) | _active(cache)
+    gone = {fp: when for fp, when in removals.items() if fp not in known}
     out, problems = [], []
     for name in names:
         text = str(name).strip().lower()
         if is_fingerprint(text):
             matches = [text] if text in known else []
+            removed = [text] if text in gone else []
         elif len(text) >= MIN_PREFIX and re.fullmatch(r"[0-9a-f]+", text):
             matches = sorted(fp for fp in known if fp.startswith(text))
+            removed = sorted(fp for fp in gone if fp.startswith(text))
         else:
             problems.append(
                 f"{name!r}: not a fingerprint (32 hex characters, or a prefix of "
@@ -338,6 +366,11 @@ def _resolve(store: Any, cache: Path, names: Iterable[str]) -> list[str]:
         if len(matches) == 1:
             if matches[0] not in out:
                 out.append(matches[0])
+        elif not matches and len(removed) == 1:
+            problems.append(
+                f"{name!r}: fingerprint {removed[0]} was already removed from {cache}"
+                + (f" at {_iso(gone[removed[0]])}" if gone[removed[0]] else "")
+            )
         elif not matches:
             problems.append(f"{name!r}: no such fingerprint in {cache}")
         else:
@@ -350,7 +383,7 @@ def _resolve(store: Any, cache: Path, names: Iterable[str]) -> list[str]:
         raise FingerprintLookupError(
             "; ".join(problems) + f" (fingerprints here: {listed})", sorted(known)
         )
-    return out
+    return out, stored & set(out)
 
 
 def rm(
@@ -364,19 +397,27 @@ def rm(
     ``fingerprint``, ``records`` and ``bytes`` deleted, ``cancelled`` queue items,
     ``failures`` forgotten.
 
+    A fingerprint known only to the queue or the failure log (nothing stored yet) has
+    its queued items cancelled and its failures forgotten; the store is not touched.
     With ``failed=True`` only the remembered failures (failure log and failed queue
     items) are cleared, so those samples are computed again when next asked for.
     Readers of a removed fingerprint get :class:`~cache_store.errors.FingerprintRemoved`;
     readers of others never notice. ``compact_after`` compacts the file afterwards.
-    Raises :class:`FingerprintLookupError` (nothing removed) for an unknown name.
+    Raises :class:`FingerprintLookupError` (nothing removed) for an unknown name or one
+    already removed.
     """
     from cache_store.jobs.failures import FailureLog
 
     root = Path(cache)
-    store = _lmdb_store(root, readonly=False)
+    try:
+        store = _lmdb_store(root, readonly=False)
+    except CacheNotFound:
+        if not (root.is_dir() and _has_bookkeeping(root)):
+            raise
+        store = None  # no records yet: queued work and failures only
     reports = []
     try:
-        chosen = _resolve(store, root, fingerprints)
+        chosen, stored = _resolve(store, root, fingerprints)
         queue = _queue(root)
         failures = FailureLog(root)
         try:
@@ -393,7 +434,7 @@ def rm(
                 report["failures"] = failures.forget_fingerprint(fp)
                 if queue is not None:
                     report["failures"] = max(report["failures"], queue.forget_failed(fp))
-                if not failed:
+                if not failed and fp in stored:
                     store.mark_removed(fp)
                     report["records"], report["bytes"] = store.delete_records(fp)
                     usage.forget(root, fp)
@@ -410,8 +451,9 @@ def rm(
             if queue is not None:
                 queue.close()
     finally:
-        store.close()
-    if compact_after and not failed:
+        if store is not None:
+            store.close()
+    if compact_after and not failed and store is not None:
         compact(root)
     return reports
 
@@ -427,13 +469,17 @@ def plan_prune(
     keep: int | None = None,
     protect: Iterable[str] = (),
     now: float | None = None,
+    strict: bool = True,
 ) -> tuple[list[CacheEntry], list[CacheEntry]]:
     """``(remove, kept)``: which fingerprints a prune removes, least recently used first.
 
     ``protect`` (queued, running, being written) and the ``keep`` most recently used are
     never removed; ``unused_for`` removes the others unused that long; ``max_size``
-    removes more, oldest first, until the rest fits. Raises :class:`LimitTooSmall` when
-    ``max_size`` is smaller than a fingerprint that must be kept.
+    removes more, oldest first, until the rest fits. ``keep`` alone removes every other
+    fingerprint. Raises :class:`LimitTooSmall`, before anything is chosen, when the
+    fingerprints that must be kept hold more than ``max_size`` together (``strict``, a
+    prune asked for once) or one of them alone does (not ``strict``: a writer's limit,
+    which evicts what it can and warns).
     """
     if max_size is None and unused_for is None and keep is None:
         raise ValueError("prune needs at least one of max_size, unused_for, keep")
@@ -444,21 +490,11 @@ def plan_prune(
     must_keep = [e for e in lru if e.fingerprint in protected or e.fingerprint in kept_recent]
     keep_names = {e.fingerprint for e in must_keep}
     if max_size is not None and must_keep:
-        largest = max(must_keep, key=lambda e: e.bytes)
-        if largest.bytes > max_size:
-            why = (
-                "it has queue items pending or running, or is being written"
-                if largest.fingerprint in protected
-                else f"it is among the {keep} kept"
-            )
-            raise LimitTooSmall(
-                f"size limit {max_size} bytes ({format_size(max_size)}) is smaller than "
-                f"fingerprint {largest.fingerprint} ({largest.bytes} bytes, "
-                f"{format_size(largest.bytes)}), which must be kept: {why}; give a larger "
-                f"limit"
-            )
+        _check_limit(max_size, must_keep, protected, keep, strict=strict)
     candidates = [e for e in lru if e.fingerprint not in keep_names]
     chosen: set[str] = set()
+    if max_size is None and unused_for is None:  # --keep N alone: the rest goes
+        chosen = {e.fingerprint for e in candidates}
     if unused_for is not None:
         chosen = {e.fingerprint for e in candidates if e.last_used < now - unused_for}
     if max_size is not None:
@@ -472,6 +508,42 @@ def plan_prune(
     remove = [e for e in lru if e.fingerprint in chosen]
     kept = [e for e in lru if e.fingerprint not in chosen]
     return remove, kept
+
+
+def _check_limit(
+    max_size: int,
+    must_keep: list[CacheEntry],
+    protected: set[str],
+    keep: int | None,
+    *,
+    strict: bool,
+) -> None:
+    """Raise :class:`LimitTooSmall` naming the kept fingerprints that do not fit."""
+
+    def why(entry: CacheEntry) -> str:
+        if entry.fingerprint in protected:
+            return "it has queue items pending or running, or is being written"
+        return f"it is among the {keep} most recently used kept (--keep)"
+
+    limit = f"size limit {max_size} bytes ({format_size(max_size)})"
+    largest = max(must_keep, key=lambda e: e.bytes)
+    if largest.bytes > max_size:
+        raise LimitTooSmall(
+            f"{limit} is smaller than fingerprint {largest.fingerprint} ({largest.bytes} "
+            f"bytes, {format_size(largest.bytes)}), which must be kept: {why(largest)}; "
+            f"give a larger limit"
+        )
+    together = sum(e.bytes for e in must_keep)
+    if not strict or together <= max_size:
+        return
+    named = "; ".join(
+        f"{e.fingerprint} ({e.bytes} bytes, {format_size(e.bytes)}: {why(e)})" for e in must_keep
+    )
+    raise LimitTooSmall(
+        f"{limit} is smaller than the {len(must_keep)} fingerprints that must be kept, "
+        f"{together} bytes ({format_size(together)}) together: {named}; give a larger "
+        f"limit" + (" or a smaller --keep" if keep else "")
+    )
 
 
 def _active(cache: Path) -> set[str]:
@@ -603,7 +675,7 @@ class SizeLimit:
         protect = _active(self.cache) | ({writing} if writing else set())
         entries = list(self._entries.values())
         try:
-            remove, _ = plan_prune(entries, max_size=self.max_size, protect=protect)
+            remove, _ = plan_prune(entries, max_size=self.max_size, protect=protect, strict=False)
         except LimitTooSmall as exc:
             remove = []
             if writing not in self._warned:

@@ -19,6 +19,7 @@ from cache_store.errors import (
     ParameterError,
     RecordNotFound,
     SpcacheError,
+    StoreBusy,
 )
 from cache_store.keys import record_key, validate_fingerprint
 from cache_store.jobs.freshness import HashBudget
@@ -168,9 +169,12 @@ def remove_in_child(cache: Any, fingerprint: str, *, timeout_s: float = 600.0) -
     if done.returncode == 0:
         return json.loads(done.stdout)[0]
     reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    said = reason.startswith("spcache rm: ")  # its own one-line refusal, not a traceback
     reason = reason.removeprefix("spcache rm: ")
-    if "no such fingerprint" in reason:
+    if any(why in reason for why in ("no such fingerprint", "already removed", "no cache here")):
         raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}: {reason}")
+    if said and done.returncode == 1:  # `spcache rm` says so, exit 1: store busy (compacting)
+        raise StoreBusy(f"removing {fingerprint}: {reason}; retry later")
     raise SpcacheError(f"removing {fingerprint} failed: {reason}")
 
 

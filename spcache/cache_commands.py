@@ -15,7 +15,7 @@ from typing import Any
 from cache_store.errors import SpcacheError
 from cache_store.location import cache_dir_problem, is_remote
 
-__all__ = ["VERIFY", "STATS", "with_failures_and_jobs"]
+__all__ = ["VERIFY", "STATS", "with_failures_and_jobs", "with_installed_code"]
 
 #: failed samples listed per fingerprint by ``stats`` at most (the count is always exact)
 MAX_FAILED_LISTED = 50
@@ -70,6 +70,7 @@ class STATS:
                 stats = with_failures_and_jobs(stats, Path(args.cache))
             except (SpcacheError, OSError, sqlite3.Error) as exc:  # extra: say why absent
                 stats = {**stats, "failures_error": f"failure log or job queue unreadable: {exc}"}
+        stats = with_installed_code(stats)
         if args.json:
             print(json.dumps(stats, sort_keys=True, default=str))
         else:
@@ -117,6 +118,31 @@ def with_failures_and_jobs(
     return {**stats, "failed": total_failed, "fingerprints": dict(sorted(per_fp.items()))}
 
 
+def with_installed_code(stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with, under each fingerprint whose recipe and version are installed,
+    ``installed_code_digest`` and ``other_code``: how many of its records were computed
+    by other recipe code than the installed one (its code changed without a version
+    bump: those records are kept and served, not recomputed)."""
+    from cache_store.recipes.registry import installed_recipes
+
+    recipes = installed_recipes().recipes
+    per_fp: dict[str, Any] = {}
+    for fp, entry in stats.get("fingerprints", {}).items():
+        installed = recipes.get(str(entry.get("recipe", "")))
+        digests = entry.get("code_digests")
+        if (
+            installed is None
+            or installed.spec.version != entry.get("recipe_version")
+            or not digests
+        ):
+            per_fp[fp] = entry
+            continue
+        mine = installed.code_digest
+        other = sum(n for d, n in digests.items() if d not in (mine, "none"))
+        per_fp[fp] = {**entry, "installed_code_digest": mine, "other_code": other}
+    return {**stats, "fingerprints": per_fp}
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -152,6 +178,17 @@ def _print_stats(stats: dict[str, Any]) -> None:
         )
         if entry.get("index_error"):
             print(f"  index    unreadable: {entry['index_error']}")
+        if entry.get("other_code"):
+            print(
+                f"  code     {entry['other_code']} of {entry.get('records', 0)} record(s) "
+                "computed by other code than the installed recipe's "
+                f"({entry['installed_code_digest']}): bump the recipe's version to recompute"
+            )
+        if entry.get("mixed_code"):
+            counts = ", ".join(
+                f"{n} by {d}" for d, n in sorted(entry.get("code_digests", {}).items())
+            )
+            print(f"  code     mixed ({counts}): {entry['mixed_code']}")
         for job in entry.get("jobs", []):
             counted = ", ".join(f"{v} {k}" for k, v in job["counts"].items())
             print(

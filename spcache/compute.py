@@ -75,6 +75,9 @@ class PrecomputeResult:
     skipped_failed: tuple[str, ...] = ()
     timings: Timings = field(default_factory=Timings)
     oom_backoffs: int = 0
+    #: of ``skipped``, records computed by other recipe code than the installed one
+    #: (the recipe's code changed without a version bump; they were kept, not recomputed)
+    skipped_other_code: int = 0
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -109,6 +112,7 @@ class PrecomputeResult:
             "skipped_failed",
             "timings",
             "oom_backoffs",
+            "skipped_other_code",
         }
         timings = dict(data.get("timings", {}))
         return cls(
@@ -135,6 +139,7 @@ class PrecomputeResult:
                 **{k: float(v) for k, v in timings.items() if k in Timings.__dataclass_fields__}
             ),
             oom_backoffs=int(data.get("oom_backoffs", 0)),
+            skipped_other_code=int(data.get("skipped_other_code", 0)),
             extra=MappingProxyType({k: v for k, v in data.items() if k not in known}),
         )
 
@@ -166,6 +171,7 @@ class PrecomputeResult:
             "skipped_failed": list(self.skipped_failed),
             "timings": timings,
             "oom_backoffs": self.oom_backoffs,
+            "skipped_other_code": self.skipped_other_code,
             **self.extra,
         }
         if self.engine != "local":

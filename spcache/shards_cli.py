@@ -2,8 +2,10 @@
 
 ``merge DEST``: merges the committed manifests of every fingerprint into its index
 (idempotent; what the Ray driver does periodically and at the end; run it by hand after
-a driver died). ``--remove-orphans`` then deletes parts that never got a manifest and are
-older than ``--orphan-age`` seconds (a part still being written is younger).
+a driver died, or to write a damaged ``index.json`` again from the manifests). It lists
+what dead writers left (parts that never got a manifest, temporary files of a write cut
+short) older than ``--orphan-age`` seconds (anything still being written is younger);
+``--remove-orphans`` deletes them.
 
 ``import DEST --cache DIR``: copies the committed records of a snapshot (sharded or
 exported) into a local LMDB cache, checked on the way, and writes their index there, so
@@ -35,7 +37,7 @@ class MERGE:
         parser.add_argument(
             "--remove-orphans",
             action="store_true",
-            help="delete parts that have no manifest and are older than "
+            help="delete parts that have no manifest and temporary files older than "
             "--orphan-age (a writer died while writing them)",
         )
         parser.add_argument(
@@ -43,7 +45,7 @@ class MERGE:
             type=float,
             default=3600.0,
             metavar="SECONDS",
-            help="a part younger than this may still be written (default 3600)",
+            help="a file younger than this may still be written (default 3600)",
         )
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -75,7 +77,7 @@ class MERGE:
             print(f"{fingerprint}: {count} record(s) indexed")
         verb = "removed" if args.remove_orphans else "left (use --remove-orphans)"
         for path in orphans:
-            print(f"orphan part {verb}: {path}")
+            print(f"orphan {verb}: {path}")
         return 0
 
 

@@ -295,6 +295,7 @@ class LocalRun:
             failures=engine.failure_log,
             skip_failed=engine.skip_failed,
             requested_at=engine.requested_at,
+            code_digest=engine.code_digest,
         )
         self.summary = self.ledger.summary
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
@@ -365,6 +366,7 @@ class LocalRun:
                 finish_writer,
                 self.ledger.write_index,
                 self.ledger.close_progress,
+                self.ledger.report_other_code,
                 close_failure_log,
                 stop_clock,
             )

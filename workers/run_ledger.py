@@ -39,7 +39,7 @@ from cache_store.errors import (
 )
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
-from cache_store.jobs.freshness import stored_source_hash
+from cache_store.jobs.freshness import stored_metadata, stored_source_hash
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 
@@ -122,6 +122,9 @@ class Summary:
     write_s: float = 0.0
     wall_s: float = 0.0
     oom_backoffs: int = 0
+    #: skipped samples whose stored record was computed by other recipe code than the
+    #: installed one (same fingerprint: the recipe changed without a version bump)
+    skipped_other_code: int = 0
 
     @property
     def total(self) -> int:
@@ -152,6 +155,7 @@ class Summary:
                 "wall_s": round(self.wall_s, 4),
             },
             "oom_backoffs": self.oom_backoffs,
+            "skipped_other_code": self.skipped_other_code,
         }
 
 
@@ -191,8 +195,14 @@ class RunLedger:
         failures: FailureLog | None = None,
         skip_failed: bool = False,
         requested_at: float | None = None,
+        code_digest: str | None = None,
     ) -> None:
         self.store = store
+        # the installed recipe's code digest: a skipped record made by other code is
+        # counted and reported (report_other_code); None checks nothing
+        self.code_digest = code_digest
+        # sample id -> code digest of its stored record, where it differs from code_digest
+        self.other_code: dict[str, str] = {}
         # when the work was asked for: a removal of the fingerprint (spcache rm) after it
         # keeps refusing this run's writes; one before it is lifted (see admit)
         self.requested_at = time.time() if requested_at is None else requested_at
@@ -241,7 +251,7 @@ class RunLedger:
             seen[sample_id] = path
             self.admitted.append(sample_id)
             key = self.key(sample_id)
-            work.append(WorkItem(sample_id, path, key, self.stored_source_hash(key)))
+            work.append(WorkItem(sample_id, path, key, self._stored_hash(sample_id, key)))
         if self.failures is not None and work:
             try:
                 self.known_failures = self.failures.get_many(
@@ -277,6 +287,33 @@ class RunLedger:
         interrupt can cut short, uses ``committing`` and checks the store instead.)"""
         self.stored_ids.update(sample_ids)
 
+    def _stored_hash(self, sample_id: str, key: str) -> str | None:
+        """The stored record's source hash; notes a record made by other recipe code."""
+        if self.code_digest is None or getattr(self.store, "source_hash_of", None) is not None:
+            return self.stored_source_hash(key)
+        meta = stored_metadata(self.store, key)
+        if meta is None:
+            return None
+        digest = meta.get("code_digest")
+        if digest and digest != self.code_digest:
+            self.other_code[sample_id] = digest
+        return meta.get("source_hash")
+
+    def report_other_code(self) -> None:
+        """One WARNING when skipped records were computed by other recipe code than the
+        installed one (the recipe's code changed, its version did not)."""
+        count = self.summary.skipped_other_code
+        if count:
+            logger.warning(
+                "recipe %r, fingerprint %s: %d skipped record(s) were computed by other "
+                "code than the installed recipe's (code digest %s); they were kept: bump "
+                "the recipe's version to recompute them",
+                self.summary.recipe,
+                self.summary.fingerprint,
+                count,
+                self.code_digest,
+            )
+
     def stored_source_hash(self, key: str) -> str | None:
         """The ``source_hash`` of the record stored under ``key``; None when there is no
         readable record."""
@@ -295,6 +332,8 @@ class RunLedger:
                     logger.exception("cannot forget the old failure of %s", result.sample_id)
         elif result.status == "skipped":
             summary.skipped += 1
+            if result.sample_id in self.other_code:
+                summary.skipped_other_code += 1
             self.stored_ids.add(result.sample_id)
         else:
             result = self._remember(result)

@@ -15,9 +15,11 @@ A writer writes ``parts/<part>.bin`` in full (a multipart upload on S3), then cr
 link on a file system): a part without a manifest is never read, so a writer that dies
 mid-part leaves an orphan, never half a dataset. Part names carry the writer's shard and
 attempt and a random suffix (``s00012-a1-p0003-9f2c51d0``), so two attempts of one shard
-never overwrite each other; a sample committed twice (a retry after an unreported
-commit) is read from its first commit (``committed_at``, then part name) and the other
-copy is ignored.
+never overwrite each other. A sample committed twice is read, in commit order
+(``committed_at``, then part name), from its first commit while the source hash is the
+same (a retry after an unreported commit: the other copy is ignored), and from the later
+commit when the source hash differs (the source changed and was recomputed: it takes the
+earlier one's place in the order).
 
 A manifest lists, per record: sample id, offset, length, record checksum and source
 hash. Readers list ``commits/`` (one LIST), read ``index.json`` and the manifests it
@@ -25,11 +27,13 @@ does not already include, and read a record by a range request into its part, ch
 against its manifest (checksum, key) as any record is. The driver of a run merges the
 manifests into ``index.json`` periodically and at the end; ``spcache merge`` does the
 same by hand (idempotent). The dataset's order is the index's, then what was committed
-after it, in commit order.
+after it, in commit order. A damaged ``index.json`` is read around (a warning; the
+manifests rebuild the dataset, in commit order) and ``merge`` writes it again; a damaged
+manifest's records are not read. Both are reported by ``verify`` as corrupt, by name.
 
 Nothing is deleted on a failure path: :func:`orphan_parts` lists parts with no manifest
-(older than a grace period, so a part still being written is never taken), and
-``spcache merge --remove-orphans`` deletes them.
+and the temporary files of a write cut short (older than a grace period, so nothing
+still being written is taken), and ``spcache merge --remove-orphans`` deletes them.
 
 Why one module: the sharded layout's writer, reader, merge and orphan sweep must agree
 on every name and on the commit rule; kept together so they cannot drift apart.
@@ -56,6 +60,7 @@ import xxhash
 from cache_store.errors import (
     CorruptRecord,
     FingerprintLookupError,
+    InvalidSampleId,
     ParameterError,
     RecordNotFound,
     SpcacheError,
@@ -64,6 +69,7 @@ from cache_store.errors import (
 from cache_store.format.decode import Record, check_record
 from cache_store.format.header import check_names_key, read_header
 from cache_store.keys import (
+    compute_fingerprint,
     is_fingerprint,
     split_key,
     validate_fingerprint,
@@ -71,6 +77,7 @@ from cache_store.keys import (
 )
 from cache_store.location import parse_location
 from cache_store.process_local import ProcessLocal
+from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import RecordDecoder, Store, VerifyReport
 
@@ -123,6 +130,26 @@ class _Dataset:
     entries: dict[str, Entry] = field(default_factory=dict)
     parts_seen: set[str] = field(default_factory=set)
     created: str = ""
+
+    def admit(self, sample_id: str, entry: Entry) -> None:
+        """Take a committed entry, given in commit order. A sample id seen before keeps
+        its first entry while the source hash is the same (two attempts of one shard:
+        the first committed wins), and takes the later one, in the same place of the
+        order, when its source hash differs (the source changed and was recomputed)."""
+        known = self.entries.get(sample_id)
+        if known is None:
+            self.entries[sample_id] = entry
+            self.order.append(sample_id)
+        elif known.source_hash != entry.source_hash:
+            self.entries[sample_id] = entry
+
+
+@dataclass
+class _Problems:
+    """What of one fingerprint could not be read at the last listing."""
+
+    index: str | None = None  # why index.json was read around, if it was
+    commits: dict[str, str] = field(default_factory=dict)  # part -> why its manifest was not
 
 
 # -- file-system access ----------------------------------------------------------------
@@ -233,9 +260,11 @@ def _parse_manifest(
                 f"{sample_id}: bytes [{offset}, {offset + length}) lie "
                 f"outside the part's {size} bytes",
             )
-        entries.append(
-            (validate_sample_id(sample_id), Entry(part, offset, length, checksum, source_hash))
-        )
+        try:
+            sample_id = validate_sample_id(sample_id)
+        except InvalidSampleId as exc:
+            raise CorruptRecord(what, str(exc)) from None
+        entries.append((sample_id, Entry(part, offset, length, checksum, source_hash)))
     return doc, entries
 
 
@@ -243,19 +272,25 @@ def _commit_order(doc: Mapping[str, Any], part: str) -> tuple[str, str]:
     return (str(doc.get("committed_at", "")), part)
 
 
-def _describe_from_metadata(meta: Mapping[str, str]) -> dict[str, Any] | None:
+def _describe_from_metadata(meta: Mapping[str, str], fingerprint: str) -> dict[str, Any] | None:
     """recipe, version and parameters as the record names them (records written by the
-    engine carry their parameters; None for one that does not)."""
-    if "params" not in meta:
-        return None
+    engine carry their parameters). A record without parameters is described only when
+    its recipe's defaults give its fingerprint (the fingerprint proves them); else None."""
     try:
-        return {
-            "recipe": meta["recipe"],
-            "recipe_version": int(meta["recipe_version"]),
-            "params": json.loads(meta["params"]),
-        }
-    except (KeyError, ValueError):
-        return None
+        recipe, version = meta["recipe"], int(meta["recipe_version"])
+        if "params" in meta:
+            return {
+                "recipe": recipe,
+                "recipe_version": version,
+                "params": json.loads(meta["params"]),
+            }
+        spec = get_recipe_spec(recipe)
+        params = spec.resolve({})
+        if spec.version == version and compute_fingerprint(recipe, version, params) == fingerprint:
+            return {"recipe": recipe, "recipe_version": version, "params": dict(params)}
+    except (KeyError, ValueError, SpcacheError):
+        pass
+    return None
 
 
 # -- the store --------------------------------------------------------------------------
@@ -294,6 +329,7 @@ class ShardedSnapshot(Store):
         self._fs = ProcessLocal(lambda: _open_fs(self.location, self.storage_options))
         self._datasets: dict[str, _Dataset] = {}
         self._listed_at: dict[str, float] = {}  # fingerprint -> when commits were last listed
+        self._problems: dict[str, _Problems] = {}  # fingerprint -> what could not be read
         self._lock = threading.Lock()
 
     # -- paths ----------------------------------------------------------------------
@@ -397,7 +433,7 @@ class ShardedSnapshot(Store):
             "data_xxh3": xxhash.xxh3_64_hexdigest(data),
             "committed_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"),
             "writer": {"host": socket.gethostname(), "pid": os.getpid(), "label": self.writer},
-            "dataset": _describe_from_metadata(first),
+            "dataset": _describe_from_metadata(first, fingerprint),
             "records": rows,
         }
         self._write_once(
@@ -444,30 +480,29 @@ class ShardedSnapshot(Store):
             if known is not None and not refresh:
                 return known
         dataset = known
-        index_doc = None
+        problems = self._problems.setdefault(fingerprint, _Problems())
         if dataset is None:
-            try:
-                index_doc = _loads(
-                    self._read(self._path(fingerprint, "index.json")), f"{fingerprint}/index.json"
-                )
-            except FileNotFoundError:
-                index_doc = None
-        if dataset is None and index_doc is not None:
-            dataset = _dataset_from_index(fingerprint, index_doc)
+            dataset = self._read_index(fingerprint, problems)
         new = [
             p
             for p in self._commit_names(fingerprint)
             if dataset is None or p not in dataset.parts_seen
         ]
         docs = []
+        unreadable: dict[str, str] = {}
         for part in new:
             try:
                 raw = self._read(self._path(fingerprint, "commits", f"{part}.json"))
                 docs.append(_parse_manifest(raw, fingerprint, part) + (part,))
             except FileNotFoundError:
                 continue
-            except (CorruptRecord, UnsupportedFormat) as exc:
-                log.warning("%s: commit %s ignored: %s", self.location, part, exc)
+            except CorruptRecord as exc:  # UnsupportedFormat too
+                unreadable[part] = exc.reason
+                if problems.commits.get(part) != exc.reason:  # once, not at every listing
+                    log.warning("%s: commit %s ignored: %s", self.location, part, exc)
+        # A part not read again was read before (it is in the dataset): only the parts
+        # listed as new can still be unreadable.
+        problems.commits = unreadable
         docs.sort(key=lambda d: _commit_order(d[0], d[2]))
         if dataset is None:
             described = [d[0]["dataset"] for d in docs if isinstance(d[0].get("dataset"), dict)]
@@ -498,19 +533,56 @@ class ShardedSnapshot(Store):
                     )
             dataset.parts_seen.add(part)
             for sample_id, entry in entries:
-                if sample_id not in dataset.entries:  # first commit wins
-                    dataset.entries[sample_id] = entry
-                    dataset.order.append(sample_id)
+                dataset.admit(sample_id, entry)
         with self._lock:
             self._datasets[fingerprint] = dataset
             self._listed_at[fingerprint] = time.monotonic()
         return dataset
+
+    def _read_index(self, fingerprint: str, problems: _Problems) -> _Dataset | None:
+        """The dataset ``index.json`` holds, or None: none yet, or one that cannot be
+        read (noted in ``problems``; the manifests then rebuild it, and ``merge``
+        writes it again)."""
+        what = f"{fingerprint}/index.json"
+        try:
+            raw = self._read(self._path(fingerprint, "index.json"))
+        except FileNotFoundError:
+            problems.index = None
+            return None
+        try:
+            dataset = _dataset_from_index(fingerprint, _loads(raw, what))
+        except CorruptRecord as exc:  # UnsupportedFormat too
+            if problems.index != exc.reason:
+                log.warning(
+                    "%s: %s; its committed manifests are read instead (spcache merge "
+                    "writes it again)",
+                    self.location,
+                    exc,
+                )
+            problems.index = exc.reason
+            return None
+        problems.index = None
+        return dataset
+
+    def unreadable(self, fingerprint: str) -> dict[str, str]:
+        """What of ``fingerprint`` could not be read at the last listing: ``{file: reason}``
+        for a damaged ``index.json`` (read around: the manifests rebuild it) and for
+        damaged manifests (their records are not read). Files are named as
+        ``<fingerprint>/index.json`` and ``<fingerprint>/commits/<part>.json``."""
+        problems = self._problems.get(fingerprint)
+        if problems is None:
+            return {}
+        found = {f"{fingerprint}/commits/{p}.json": r for p, r in problems.commits.items()}
+        if problems.index is not None:
+            found[f"{fingerprint}/index.json"] = problems.index
+        return dict(sorted(found.items()))
 
     def refresh(self) -> None:
         """Forget what was read: the next access lists the commits again."""
         with self._lock:
             self._datasets.clear()
             self._listed_at.clear()
+            self._problems.clear()
 
     def _entry(self, key: str) -> Entry | None:
         fingerprint, sample_id = split_key(key)
@@ -636,13 +708,19 @@ class ShardedSnapshot(Store):
         whole-record check); a part that cannot be read is a corrupt record, never a
         stopped walk."""
         prefix = "" if fingerprint is None else validate_fingerprint(fingerprint) + "/"
-        for key in self.keys(prefix):
+        for key in self.keys(prefix):  # lists every fingerprint's commits afresh
             report.checked += 1
             try:
                 check_record(self.get(key), key=key)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)
+        # Damaged manifests (their records go unread: a silent loss otherwise) and a
+        # damaged index (read around, but ``spcache merge`` should write it again).
+        for fp in [fingerprint] if fingerprint is not None else self._fingerprint_dirs():
+            for name, reason in self.unreadable(fp).items():
+                report.corrupt[name] = f"cannot be read ({reason})"
+                log.warning("verify: %s: %s", name, reason)
 
     def close(self) -> None:
         self.refresh()
@@ -671,12 +749,12 @@ def _dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> _Dataset:
             created=str(doc.get("created", "")),
         )
         for sample_id, part, offset, length, checksum, source_hash in doc["records"]:
-            dataset.entries[validate_sample_id(sample_id)] = Entry(
-                part, int(offset), int(length), checksum, source_hash
+            dataset.admit(
+                validate_sample_id(sample_id),
+                Entry(str(part), int(offset), int(length), str(checksum), str(source_hash)),
             )
-            dataset.order.append(sample_id)
         dataset.parts_seen = set(doc["parts"])
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # InvalidSampleId is a ValueError
         raise CorruptRecord(what, f"malformed ({exc})") from None
     return dataset
 
@@ -776,7 +854,17 @@ def merge(
             raise ParameterError(
                 [f"{store.location}: not a sharded snapshot (no {ROOT_MARKER})"], what="merge"
             )
-        fingerprints = [validate_fingerprint(fingerprint)] if fingerprint else store.fingerprints()
+        if fingerprint:
+            fingerprints = [validate_fingerprint(fingerprint)]
+        else:
+            fingerprints = store.fingerprints()
+            # a damaged index whose manifests do not say what computed them: an error
+            # (from merge_into) rather than an index silently left damaged
+            fingerprints += [
+                fp
+                for fp in store._fingerprint_dirs()
+                if fp not in fingerprints and f"{fp}/index.json" in store.unreadable(fp)
+            ]
         return {fp: merge_into(store, fp) for fp in fingerprints}
     finally:
         store.close()
@@ -789,32 +877,40 @@ def orphan_parts(
     storage_options: Mapping[str, Any] | None = None,
     remove: bool = False,
 ) -> list[str]:
-    """Parts with no manifest, last modified more than ``older_than_s`` ago (a writer
-    that died mid-part left them); with ``remove``, delete them. Returns their paths."""
+    """What writers that died left behind, last modified more than ``older_than_s`` ago
+    (so nothing still being written is taken): parts with no manifest, and the
+    temporary files (``parts/.tmp-*``, ``commits/.tmp-*``) of a writer killed while
+    writing one. With ``remove``, delete them. Returns their full locations (with the
+    URL's scheme: ``s3://bucket/...``), sorted."""
     store = ShardedSnapshot(location, readonly=not remove, storage_options=storage_options)
-    found = []
     try:
+        found: list[str] = []
         fs, now = store.fs, time.time()
         for fingerprint in store._fingerprint_dirs():
             committed = set(store._commit_names(fingerprint))
-            try:
-                listing = fs.ls(store._path(fingerprint, "parts"), detail=True, refresh=True)
-            except FileNotFoundError:
-                continue
-            for info in listing:
-                name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-                if not name.endswith(".bin") or name[:-4] in committed:
+            for folder in ("parts", "commits"):
+                try:
+                    listing = fs.ls(store._path(fingerprint, folder), detail=True, refresh=True)
+                except FileNotFoundError:
                     continue
-                modified = _mtime(info)
-                if modified is not None and now - modified < older_than_s:
-                    continue
-                found.append(str(info["name"]))
+                for info in listing:
+                    name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+                    leftover = name.startswith(".tmp-") or (
+                        folder == "parts" and name.endswith(".bin") and name[:-4] not in committed
+                    )
+                    if not leftover or info.get("type") == "directory":
+                        continue
+                    modified = _mtime(info)
+                    if modified is not None and now - modified < older_than_s:
+                        continue
+                    found.append(str(info["name"]))
+        found.sort()
         if remove:
             for path in found:
                 fs.rm_file(path)
+        return [path if _is_local(fs) else fs.unstrip_protocol(path) for path in found]
     finally:
         store.close()
-    return found
 
 
 def _mtime(info: Mapping[str, Any]) -> float | None:

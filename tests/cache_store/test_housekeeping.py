@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -332,3 +333,125 @@ def test_ls_while_a_fingerprint_is_removed_under_it(
     rows = {r["fingerprint"]: r for r in hk.ls(tmp_path)}
     assert rows[a]["state"] == "complete"
     assert b not in rows or rows[b]["state"] == "removing"
+
+
+def test_rm_failed_clears_a_fingerprint_whose_every_sample_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The run writes no index and no record when its only sample fails: the failure log
+    is all that knows the fingerprint, and ``rm --failed`` must still find it."""
+    from cache_store.stores.base import open_store
+    from workers.engine import Engine
+
+    bad = tmp_path / "bad.npy"
+    np.save(bad, np.zeros((100, 4)))  # not [N, 3]: a SourceError
+    cache = tmp_path / "cache"
+
+    def run() -> Any:
+        with open_store(cache, readonly=False) as store:
+            return Engine(
+                store,
+                "spc",
+                {"level": 4, "surface_samples": 200},
+                device="cpu",
+                backend="torch",
+                loaders=0,
+                skip_failed=True,
+            ).run([("bad", str(bad))])
+
+    first = run()
+    fp = first.fingerprint
+    assert first.failed == 1 and LMDBStore(cache).fingerprints() == []
+    (row,) = hk.ls(cache)  # listed: no record, one failure
+    assert row["fingerprint"] == fp and row["records"] == 0 and row["failed"] == 1
+    assert row["state"] == "failed"
+    assert run().errors[0].repeat == "skipped"  # remembered: not retried
+    assert main(["rm", "--failed", fp[:8], "--cache", str(cache)]) == 0
+    assert f"{fp}: forgot 1 failure(s)" in capsys.readouterr().out
+    assert FailureLog(cache).get_many(fp, ["bad"]) == {}
+    (error,) = run().errors
+    assert error.repeat == ""  # forgotten: tried again
+    # plain rm of a failure-only fingerprint forgets its failures, writes no tombstone
+    (report,) = hk.rm(cache, [fp])
+    assert report["failures"] == 1 and report["records"] == 0
+    assert LMDBStore(cache).removals() == {} and hk.ls(cache) == []
+
+
+def test_rm_cancels_a_fingerprint_known_only_to_the_queue(tmp_path: Path) -> None:
+    a = fill(tmp_path, 3)
+    queued = fingerprint_of("spc", level=6)
+    queue = JobQueue(tmp_path)
+    job = queue.submit("spc", {"level": 6}, queued, [("n1", "/x/n1.obj"), ("n2", "/x/n2.obj")])
+    (report,) = hk.rm(tmp_path, [queued[:10]])
+    assert report["fingerprint"] == queued and report["cancelled"] == 2
+    assert queue.job(job).counts["pending"] == 0
+    queue.close()
+    store = LMDBStore(tmp_path)
+    assert store.removals() == {} and store.fingerprints() == [a]  # store untouched
+    store.close()
+
+
+def test_a_fully_removed_fingerprint_is_no_longer_known(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    a, b = fill(tmp_path, 3), fill(tmp_path, 4)
+    hk.rm(tmp_path, [a])
+    with pytest.raises(FingerprintLookupError, match=f"{a} was already removed") as caught:
+        hk.rm(tmp_path, [a])
+    assert a not in str(caught.value).split("fingerprints here:")[1]
+    assert caught.value.candidates == [b]
+    assert main(["rm", a, "--cache", str(tmp_path)]) == 2
+    assert "already removed" in capsys.readouterr().err
+    # a prefix shared with a removed fingerprint names the survivor alone
+    twins = ["abcdef" + "0" * 26, "abcdef" + "1" * 26]
+    store = LMDBStore(tmp_path, readonly=False)
+    store.put_many([(f"{fp}/s0", make_record(fp, "s0", seed=1, level=3)) for fp in twins])
+    store.close()
+    hk.rm(tmp_path, [twins[0]])
+    assert hk.rm(tmp_path, ["abcdef"])[0]["fingerprint"] == twins[1]
+    # a killed rm (tombstone, records left) is still known, and finished by a re-run
+    store = LMDBStore(tmp_path, readonly=False)
+    store.mark_removed(b)
+    store.close()
+    (report,) = hk.rm(tmp_path, [b])
+    assert report["records"] == 20
+
+
+def test_prune_keep_alone_keeps_the_most_recently_used_and_removes_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    fps = [fill(tmp_path, level) for level in (3, 4, 5)]
+    now = time.time()
+    for age, fp in zip((300, 100, 200), fps, strict=True):  # fps[1] most recently used
+        set_used(tmp_path, fp, now - age * 3600)
+    assert main(["prune", "--cache", str(tmp_path), "--keep", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would remove {fps[0]}" in out and f"would remove {fps[2]}" in out
+    assert fps[1] not in out and "2 fingerprint(s) would remove" in out
+    assert len(hk.ls(tmp_path)) == 3
+    assert main(["prune", "--cache", str(tmp_path), "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(f"removed {fps[0]}") < out.index(f"removed {fps[2]}")  # LRU first
+    assert [r["fingerprint"] for r in hk.ls(tmp_path)] == [fps[1]]
+
+
+def test_prune_refuses_a_max_size_the_kept_fingerprints_exceed_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Each of 3 fits the limit alone; the 2 that --keep keeps do not fit together: the
+    prune used to remove the third and end over the limit with exit 0."""
+    fps = [fill(tmp_path, level) for level in (3, 4, 5)]
+    now = time.time()
+    for age, fp in zip((300, 200, 100), fps, strict=True):
+        set_used(tmp_path, fp, now - age * 3600)
+    sizes = {r["fingerprint"]: r["bytes"] for r in hk.ls(tmp_path)}
+    limit = int(1.45 * max(sizes.values()))
+    assert sizes[fps[1]] + sizes[fps[2]] > limit
+    with pytest.raises(hk.LimitTooSmall, match="2 fingerprints that must be kept"):
+        hk.prune(tmp_path, max_size=limit, keep=2, dry_run=True)
+    args = ["prune", "--cache", str(tmp_path), "--max-size", str(limit), "--keep", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert fps[1] in err and fps[2] in err and f"{sizes[fps[2]]} bytes" in err
+    assert "smaller --keep" in err
+    assert len(hk.ls(tmp_path)) == 3  # nothing removed

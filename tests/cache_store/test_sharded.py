@@ -1,4 +1,5 @@
-"""Sharded snapshots: committed parts only, first commit wins, orphans left alone until
+"""Sharded snapshots: committed parts only, first commit wins (a changed source's later
+one replaces it), damaged index and manifests reported, orphans left alone until
 asked, readers that see a growing and always valid dataset; on a directory and on S3
 (moto's real S3 HTTP API on 127.0.0.1)."""
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from cache_store.errors import CorruptRecord
+from cache_store.format.encode import encode_record
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.snapshot.sharded import (
     CommitConflict,
@@ -26,7 +28,7 @@ from cache_store.snapshot.sharded import (
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import open_store
 from tests.helpers.s3 import S3Server, moto_s3
-from tests.helpers.synthetic import fingerprint_of, make_record
+from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
 
 FP = fingerprint_of("spc")
 SPEC = get_recipe_spec("spc")
@@ -70,8 +72,9 @@ def test_only_committed_parts_are_read_and_the_first_commit_wins(dest) -> None:
         assert reader.get(f"{FP}/a") == original
         assert sorted(reader.keys()) == [f"{FP}/a", f"{FP}/b"]
         assert reader.verify().ok
+    scheme = "s3://" if options else ""
     assert orphan_parts(location, storage_options=options, older_than_s=0) == [
-        f"{first.root}/{FP}/parts/dead-p0001-0000.bin"
+        f"{scheme}{first.root}/{FP}/parts/dead-p0001-0000.bin"
     ]
     assert orphan_parts(location, storage_options=options) == []  # too young to be dead
     orphan_parts(location, storage_options=options, older_than_s=0, remove=True)
@@ -276,3 +279,170 @@ def test_lookups_of_unknown_keys_list_at_most_once_a_second(
         assert store.source_hash_of(f"{FP}/s{i}") is None  # not among the commits
     assert listings.count(other) == 1 and listings.count(FP) == 1
     store.close()
+
+
+def _engine_record(sample_id: str, seed: int, source_hash: str) -> bytes:
+    """A record as the engine writes it: its parameters and its source's hash named."""
+    meta = record_metadata(FP, sample_id)
+    meta["params"] = json.dumps(SPEC.resolve({}), sort_keys=True)
+    meta["source_hash"] = source_hash
+    return encode_record(spc_fields(seed), meta)
+
+
+def test_a_changed_source_replaces_its_record_and_a_retry_does_not(dest) -> None:
+    """Two commits of one sample id: the later one is served when its source hash
+    differs (the source changed), the first one when it is the same (a retry)."""
+    location, options = dest
+    writer = ShardedSnapshot(location, readonly=False, storage_options=options)
+    old = _engine_record("a", 1, "1" * 16)
+    writer.put_many([(f"{FP}/a", old), (f"{FP}/b", _engine_record("b", 2, "1" * 16))])
+    writer.put_many([(f"{FP}/a", _engine_record("a", 3, "1" * 16))])  # a retry's copy
+    writer.put_index(_index(["a", "b"]))  # the index holds the first copy
+    reader = ShardedSnapshot(location, storage_options=options)  # kept open throughout
+    assert reader.get(f"{FP}/a") == old and reader.source_hash_of(f"{FP}/a") == "1" * 16
+    new = _engine_record("a", 4, "2" * 16)
+    writer.put_many([(f"{FP}/a", new)])  # the source changed: recomputed
+    writer.put_many([(f"{FP}/a", _engine_record("a", 5, "2" * 16))])  # and retried
+    reader.refresh()  # the long-lived reader, from its index plus the new manifests
+    with ShardedSnapshot(location, storage_options=options) as fresh:
+        for store in (reader, fresh):
+            assert store.source_hash_of(f"{FP}/a") == "2" * 16
+            assert store.get(f"{FP}/a") == new
+            assert store.get_index(FP).sample_ids.tolist() == ["a", "b"]  # same place
+            assert store.verify().ok
+    assert merge(location, storage_options=options) == {FP: 2}
+    with ShardedSnapshot(location, storage_options=options) as merged:
+        assert merged.get(f"{FP}/a") == new
+        assert merged.get_index(FP).sample_ids.tolist() == ["a", "b"]
+    reader.close()
+    writer.close()
+
+
+def test_a_rerun_after_a_source_changed_serves_the_new_record(tmp_path: Path) -> None:
+    """The local engine into a sharded snapshot: a changed mesh is recomputed once, then
+    served (skipped) with its new tensors."""
+    import torch
+    import trimesh
+
+    from workers.engine import Engine
+
+    params = {"level": 4, "surface_samples": 2000}
+    source = tmp_path / "a.obj"
+
+    def run(dest: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+        with ShardedSnapshot(str(dest), readonly=False) as store:
+            engine = Engine(store, "spc", params, device="cpu", backend="torch", loaders=0)
+            result = engine.run([("a", str(source))])
+        with ShardedSnapshot(str(dest)) as store:
+            return result, store.get_record(f"{result.fingerprint}/a").tensors
+
+    trimesh.creation.icosphere(subdivisions=1, radius=1).export(source)
+    first, old = run(tmp_path / "s.zarr")
+    assert first.done == 1
+    trimesh.creation.icosphere(subdivisions=2, radius=2).export(source)
+    second, _ = run(tmp_path / "s.zarr")
+    assert second.done == 1 and second.skipped == 0
+    third, served = run(tmp_path / "s.zarr")
+    assert third.done == 0 and third.skipped == 1
+    _, expected = run(tmp_path / "fresh.zarr")  # the new mesh alone
+    assert served.keys() == expected.keys()
+    assert all(torch.equal(served[name], expected[name]) for name in expected)
+    assert not all(
+        old[name].shape == served[name].shape and torch.equal(old[name], served[name])
+        for name in expected
+    )
+
+
+def test_a_damaged_index_is_read_around_and_merge_writes_it_again(dest) -> None:
+    location, options = dest
+    with ShardedSnapshot(location, readonly=False, storage_options=options) as writer:
+        writer.put_many([(f"{FP}/a", _engine_record("a", 1, "1" * 16))])
+        writer.put_many([(f"{FP}/b", _engine_record("b", 2, "1" * 16))])
+        writer.put_index(_index(["b", "a"]))
+        path = f"{writer.root}/{FP}/index.json"
+        raw = writer.fs.cat_file(path)
+        writer.fs.pipe_file(path, raw[: len(raw) // 2])  # truncated
+    with ShardedSnapshot(location, storage_options=options) as reader:
+        assert sorted(reader.get_index(FP).sample_ids.tolist()) == ["a", "b"]
+        assert reader.has(f"{FP}/a") and reader.get_record(f"{FP}/b").metadata["sample_id"] == "b"
+        report_ = reader.verify()
+        assert not report_.ok and report_.checked == 2
+        assert list(report_.corrupt) == [f"{FP}/index.json"]
+        assert "not JSON" in report_.corrupt[f"{FP}/index.json"]
+    if options:
+        assert merge(location, storage_options=options) == {FP: 2}
+    else:
+        merged = _cli("merge", location, "--json")
+        assert merged.returncode == 0, merged.stderr
+        assert json.loads(merged.stdout)["merged"] == {FP: 2}
+        verified = _cli("verify", "--cache", location)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    with ShardedSnapshot(location, storage_options=options) as reader:
+        json.loads(reader.fs.cat_file(f"{reader.root}/{FP}/index.json"))  # valid again
+        assert reader.verify().ok
+        assert sorted(reader.get_index(FP).sample_ids.tolist()) == ["a", "b"]
+
+
+def test_a_damaged_manifest_is_reported_by_verify(dest) -> None:
+    location, options = dest
+    with ShardedSnapshot(location, readonly=False, storage_options=options) as writer:
+        writer.put_many([(f"{FP}/a", _engine_record("a", 1, "1" * 16))])
+        writer.put_many([(f"{FP}/b", _engine_record("b", 2, "1" * 16))])
+        commits = sorted(writer.fs.ls(f"{writer.root}/{FP}/commits", detail=False))
+        assert len(commits) == 2
+        writer.fs.pipe_file(commits[1], b"{")
+    name = f"{FP}/commits/{commits[1].rsplit('/', 1)[-1]}"
+    with ShardedSnapshot(location, storage_options=options) as reader:
+        assert list(reader.keys()) == [f"{FP}/a"]  # its records cannot be found
+        report_ = reader.verify()
+        assert not report_.ok and report_.checked == 1
+        assert list(report_.corrupt) == [name] and "not JSON" in report_.corrupt[name]
+        assert reader.verify(FP).corrupt == report_.corrupt  # again, and per fingerprint
+
+
+def test_the_orphan_sweep_finds_the_temporary_files_of_a_killed_writer(dest) -> None:
+    """A writer killed while writing a part or a manifest leaves ``.tmp-*`` files (on a
+    file system); the sweep lists them with full locations and removes them, never a
+    committed file."""
+    location, options = dest
+    store = ShardedSnapshot(location, readonly=False, storage_options=options)
+    store.put_many([(f"{FP}/a", make_record(FP, "a", seed=1))])
+    leftovers = [
+        f"{store.root}/{FP}/parts/.tmp-0123abcd",
+        f"{store.root}/{FP}/commits/.tmp-4567ef01",
+        f"{store.root}/{FP}/parts/dead-p0001-0000.bin",
+    ]
+    for path in leftovers:
+        store.fs.pipe_file(path, b"cut short")
+    scheme = "" if not options else "s3://"
+    expected = sorted(f"{scheme}{path}" for path in leftovers)
+    assert orphan_parts(location, storage_options=options, older_than_s=0) == expected
+    assert orphan_parts(location, storage_options=options) == []  # too young to be dead
+    if options:
+        removed = orphan_parts(location, storage_options=options, older_than_s=0, remove=True)
+        assert removed == expected
+    else:  # the command prints what it removed, as located
+        done = _cli("merge", location, "--remove-orphans", "--orphan-age", "0", "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["orphans"] == expected
+    assert not any(store.fs.exists(path) for path in leftovers)
+    assert orphan_parts(location, storage_options=options, older_than_s=0) == []
+    with ShardedSnapshot(location, storage_options=options) as reader:
+        assert list(reader.keys()) == [f"{FP}/a"]
+        assert reader.verify().ok and reader.verify().checked == 1
+    store.close()
+
+
+def _cli(*args: str) -> Any:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    return subprocess.run(
+        [sys.executable, "-m", "spcache", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -136,6 +136,34 @@ def test_delete_route_removes_a_fingerprint(tmp_path: Path) -> None:
         stop_server(server)
 
 
+def test_delete_cancels_a_fingerprint_that_is_only_queued(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """No worker: the warm-up stays queued, nothing is stored; DELETE still finds the
+    fingerprint and cancels its items. Removed once, a second DELETE is a 404."""
+    root = corpus_meshes[0].parent
+    items = [{"id": p.stem, "path": str(p)} for p in corpus_meshes[:3]]
+    server = start_server(tmp_path / "cache", root, "--no-worker")
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            r = http.post(
+                "/v1/warmup",
+                headers=AUTH,
+                json={"recipe": "spc", "params": {"level": 4}, "items": items},
+            )
+            assert r.status_code == 202, r.text
+            job_id, fp = r.json()["job_id"], r.json()["fingerprint"]
+            r = http.delete(f"/v1/caches/{fp}", headers=AUTH)
+            assert r.status_code == 200, r.text
+            assert r.json()["cancelled"] == 3 and r.json()["records"] == 0
+            job = http.get(f"/v1/jobs/{job_id}").json()
+            assert job["counts"]["pending"] == 0 and job["counts"]["cancelled"] == 3, job
+            r = http.delete(f"/v1/caches/{fp}", headers=AUTH)
+            assert r.status_code == 404 and "no such fingerprint" in r.text, r.text
+    finally:
+        stop_server(server)
+
+
 @pytest.mark.slow
 def test_rm_while_the_worker_computes_it_stops_its_writes(
     tmp_path: Path, corpus_meshes: list[Path]

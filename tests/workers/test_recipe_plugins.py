@@ -8,6 +8,7 @@ distribution on ``sys.path`` in a child interpreter).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -114,6 +115,64 @@ def test_version_bump_is_a_new_fingerprint(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"mode": 5}, "mode: expected a string, got 5"),
+        ({"tag": None}, "tag: expected a string, got None"),
+        ({"flip": "yes"}, "flip: expected a bool (true or false), got 'yes'"),
+        ({"flip": 1}, "flip: expected a bool (true or false), got 1"),
+        ({"flip": "true"}, "flip: expected a bool (true or false), got 'true'"),
+    ],
+)
+def test_str_and_bool_parameters_are_type_checked(
+    monkeypatch: pytest.MonkeyPatch, params: dict, says: str
+) -> None:
+    from cache_store.errors import ParameterError
+
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Tagged")
+    spec = load_registry().get("tagged").spec
+    with pytest.raises(ParameterError, match="recipe 'tagged'") as caught:
+        spec.resolve(params)
+    assert says in str(caught.value)
+    assert spec.resolve({"tag": "123", "flip": True})["tag"] == "123"
+
+
+def test_cli_params_are_read_as_their_declared_type(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--param tag=123`` is the string "123" of a str parameter, ``flip=true`` the bool:
+    the CLI and Python (``tag="123", flip=True``) name one fingerprint."""
+    from cache_store.keys import compute_fingerprint
+    from spcache.cli import main
+    from workers.precompute_cli import parse_params
+
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Tagged")
+    try:
+        spec = installed_recipes(reload=True).get("tagged").spec
+        assert parse_params(["tag=123", "flip=true", "level=4"], spec) == {
+            "tag": "123",
+            "flip": True,
+            "level": 4,
+        }
+        assert parse_params(["flip=False"], spec) == {"flip": False}
+        cache = tmp_path / "cache"
+        argv = ["precompute", str(CLOUD), "--recipe", "tagged", "--cache", str(cache)]
+        argv += ["--device", "cpu", "--backend", "torch", "--loaders", "0", "--json"]
+        argv += ["--param", "tag=123", "--param", "flip=true"]
+        capsys.readouterr()
+        assert main(argv) == 0
+        out = json.loads(capsys.readouterr().out)
+        python = spec.resolve({"tag": "123", "flip": True})
+        assert out["params"] == python
+        assert out["fingerprint"] == compute_fingerprint("tagged", 1, python)
+        assert main([*argv[:-4], "--param", "flip=yes"]) == 2
+        assert "flip: expected a bool (true or false), got 'yes'" in capsys.readouterr().err
+    finally:
+        monkeypatch.delenv(ENV_VAR)
+        installed_recipes(reload=True)
+
+
+@pytest.mark.parametrize(
     ("entries", "says"),
     [
         (f"{PLUGINS}:Probe,{PLUGINS}:OtherProbe", "recipe name 'probe' is also claimed by"),
@@ -188,10 +247,15 @@ def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
 
 
 def test_code_changed_without_a_version_bump_is_reported(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Edit a recipe's module and forget to bump its version: the fingerprint stays, the
-    records carry two code digests, and `stats` and the item route say so."""
+    records carry two code digests, and a run that skips old records, `stats` (text
+    and JSON) and the item route say so."""
+    from spcache.cli import main
     from service.settings import Settings
     from tests.helpers.service import InProcessServer
 
@@ -216,6 +280,24 @@ def test_code_changed_without_a_version_bump_is_reported(
             stats = store.stats()["fingerprints"][first.fingerprint]
             assert stats["code_digests"] == {first.code_digest: 1, second.code_digest: 1}
             assert "2 different versions of the recipe's code" in stats["mixed_code"]
+            # the run again: the old record is skipped (kept), and the run says so
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="workers.run_ledger"):
+                again = second.run([("mesh", str(MESH)), ("cloud", str(CLOUD))])
+            assert (again.skipped, again.skipped_other_code) == (2, 1)
+            assert again.as_json()["skipped_other_code"] == 1
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warned) == 1, warned
+            assert f"recipe 'edited', fingerprint {first.fingerprint}: 1 skipped" in warned[0]
+            assert "they were kept: bump the recipe's version" in warned[0]
+        capsys.readouterr()
+        assert main(["stats", "--cache", str(tmp_path / "cache")]) == 0
+        text = capsys.readouterr().out
+        assert (
+            f"code     1 of 2 record(s) computed by other code than the installed recipe's "
+            f"({second.code_digest})"
+        ) in text, text
+        assert f"1 by {first.code_digest}" in text and "bump the recipe's version" in text
         settings = Settings(cache=tmp_path / "cache", source_roots=[DATA], worker=False)
         with InProcessServer(settings) as server:
             import httpx
