@@ -12,7 +12,9 @@ Four plain functions, used by ``spcache ls|rm|prune|compact``, by the service
   chunks. Every step is idempotent and each commit leaves a consistent cache, so a
   killed ``rm`` is finished by running it again.
 * :func:`prune`: least recently used first (last read or written, else created); never
-  a fingerprint with queue items pending or running, nor one named in ``protect``.
+  a fingerprint with queue items pending or running, nor one named in ``protect``;
+  ``keep`` alone keeps the N most recently used and removes the rest; a ``max_size``
+  the kept ones do not fit in is refused before anything is removed.
 * :func:`compact`: give the disk back (LMDB never shrinks its file by itself):
   :func:`cache_store.stores.lmdb.compact_environment`.
 
@@ -467,13 +469,17 @@ def plan_prune(
     keep: int | None = None,
     protect: Iterable[str] = (),
     now: float | None = None,
+    strict: bool = True,
 ) -> tuple[list[CacheEntry], list[CacheEntry]]:
     """``(remove, kept)``: which fingerprints a prune removes, least recently used first.
 
     ``protect`` (queued, running, being written) and the ``keep`` most recently used are
     never removed; ``unused_for`` removes the others unused that long; ``max_size``
-    removes more, oldest first, until the rest fits. Raises :class:`LimitTooSmall` when
-    ``max_size`` is smaller than a fingerprint that must be kept.
+    removes more, oldest first, until the rest fits. ``keep`` alone removes every other
+    fingerprint. Raises :class:`LimitTooSmall`, before anything is chosen, when the
+    fingerprints that must be kept hold more than ``max_size`` together (``strict``, a
+    prune asked for once) or one of them alone does (not ``strict``: a writer's limit,
+    which evicts what it can and warns).
     """
     if max_size is None and unused_for is None and keep is None:
         raise ValueError("prune needs at least one of max_size, unused_for, keep")
@@ -484,21 +490,11 @@ def plan_prune(
     must_keep = [e for e in lru if e.fingerprint in protected or e.fingerprint in kept_recent]
     keep_names = {e.fingerprint for e in must_keep}
     if max_size is not None and must_keep:
-        largest = max(must_keep, key=lambda e: e.bytes)
-        if largest.bytes > max_size:
-            why = (
-                "it has queue items pending or running, or is being written"
-                if largest.fingerprint in protected
-                else f"it is among the {keep} kept"
-            )
-            raise LimitTooSmall(
-                f"size limit {max_size} bytes ({format_size(max_size)}) is smaller than "
-                f"fingerprint {largest.fingerprint} ({largest.bytes} bytes, "
-                f"{format_size(largest.bytes)}), which must be kept: {why}; give a larger "
-                f"limit"
-            )
+        _check_limit(max_size, must_keep, protected, keep, strict=strict)
     candidates = [e for e in lru if e.fingerprint not in keep_names]
     chosen: set[str] = set()
+    if max_size is None and unused_for is None:  # --keep N alone: the rest goes
+        chosen = {e.fingerprint for e in candidates}
     if unused_for is not None:
         chosen = {e.fingerprint for e in candidates if e.last_used < now - unused_for}
     if max_size is not None:
@@ -512,6 +508,42 @@ def plan_prune(
     remove = [e for e in lru if e.fingerprint in chosen]
     kept = [e for e in lru if e.fingerprint not in chosen]
     return remove, kept
+
+
+def _check_limit(
+    max_size: int,
+    must_keep: list[CacheEntry],
+    protected: set[str],
+    keep: int | None,
+    *,
+    strict: bool,
+) -> None:
+    """Raise :class:`LimitTooSmall` naming the kept fingerprints that do not fit."""
+
+    def why(entry: CacheEntry) -> str:
+        if entry.fingerprint in protected:
+            return "it has queue items pending or running, or is being written"
+        return f"it is among the {keep} most recently used kept (--keep)"
+
+    limit = f"size limit {max_size} bytes ({format_size(max_size)})"
+    largest = max(must_keep, key=lambda e: e.bytes)
+    if largest.bytes > max_size:
+        raise LimitTooSmall(
+            f"{limit} is smaller than fingerprint {largest.fingerprint} ({largest.bytes} "
+            f"bytes, {format_size(largest.bytes)}), which must be kept: {why(largest)}; "
+            f"give a larger limit"
+        )
+    together = sum(e.bytes for e in must_keep)
+    if not strict or together <= max_size:
+        return
+    named = "; ".join(
+        f"{e.fingerprint} ({e.bytes} bytes, {format_size(e.bytes)}: {why(e)})" for e in must_keep
+    )
+    raise LimitTooSmall(
+        f"{limit} is smaller than the {len(must_keep)} fingerprints that must be kept, "
+        f"{together} bytes ({format_size(together)}) together: {named}; give a larger "
+        f"limit" + (" or a smaller --keep" if keep else "")
+    )
 
 
 def _active(cache: Path) -> set[str]:
@@ -643,7 +675,7 @@ class SizeLimit:
         protect = _active(self.cache) | ({writing} if writing else set())
         entries = list(self._entries.values())
         try:
-            remove, _ = plan_prune(entries, max_size=self.max_size, protect=protect)
+            remove, _ = plan_prune(entries, max_size=self.max_size, protect=protect, strict=False)
         except LimitTooSmall as exc:
             remove = []
             if writing not in self._warned:

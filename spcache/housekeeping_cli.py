@@ -162,7 +162,10 @@ class PRUNE:
             help="remove fingerprints not read or written for DURATION (e.g. 12h, 30d, 2w)",
         )
         parser.add_argument(
-            "--keep", type=int, metavar="N", help="never remove the N most recently used"
+            "--keep",
+            type=int,
+            metavar="N",
+            help="never remove the N most recently used; alone: keep them, remove the rest",
         )
         parser.add_argument("--dry-run", action="store_true", help="only say what would go")
         parser.add_argument("--compact", action="store_true", help="compact afterwards")

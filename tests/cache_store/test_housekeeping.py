@@ -415,3 +415,43 @@ def test_a_fully_removed_fingerprint_is_no_longer_known(
     store.close()
     (report,) = hk.rm(tmp_path, [b])
     assert report["records"] == 20
+
+
+def test_prune_keep_alone_keeps_the_most_recently_used_and_removes_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    fps = [fill(tmp_path, level) for level in (3, 4, 5)]
+    now = time.time()
+    for age, fp in zip((300, 100, 200), fps, strict=True):  # fps[1] most recently used
+        set_used(tmp_path, fp, now - age * 3600)
+    assert main(["prune", "--cache", str(tmp_path), "--keep", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"would remove {fps[0]}" in out and f"would remove {fps[2]}" in out
+    assert fps[1] not in out and "2 fingerprint(s) would remove" in out
+    assert len(hk.ls(tmp_path)) == 3
+    assert main(["prune", "--cache", str(tmp_path), "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.index(f"removed {fps[0]}") < out.index(f"removed {fps[2]}")  # LRU first
+    assert [r["fingerprint"] for r in hk.ls(tmp_path)] == [fps[1]]
+
+
+def test_prune_refuses_a_max_size_the_kept_fingerprints_exceed_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Each of 3 fits the limit alone; the 2 that --keep keeps do not fit together: the
+    prune used to remove the third and end over the limit with exit 0."""
+    fps = [fill(tmp_path, level) for level in (3, 4, 5)]
+    now = time.time()
+    for age, fp in zip((300, 200, 100), fps, strict=True):
+        set_used(tmp_path, fp, now - age * 3600)
+    sizes = {r["fingerprint"]: r["bytes"] for r in hk.ls(tmp_path)}
+    limit = int(1.45 * max(sizes.values()))
+    assert sizes[fps[1]] + sizes[fps[2]] > limit
+    with pytest.raises(hk.LimitTooSmall, match="2 fingerprints that must be kept"):
+        hk.prune(tmp_path, max_size=limit, keep=2, dry_run=True)
+    args = ["prune", "--cache", str(tmp_path), "--max-size", str(limit), "--keep", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert fps[1] in err and fps[2] in err and f"{sizes[fps[2]]} bytes" in err
+    assert "smaller --keep" in err
+    assert len(hk.ls(tmp_path)) == 3  # nothing removed
