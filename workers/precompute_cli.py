@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import ParameterError, SpcacheError, StoreFull
+from cache_store.errors import ParameterError, SpcacheError, StoreFull, UnknownName
+from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
 from cache_store.recipes.table import recipe_table
 from cache_store.sources.discover import KEEP_EXTENSION
 from workers.precompute import UsageError
@@ -28,13 +29,17 @@ from workers.precompute import UsageError
 __all__ = ["configure_parser", "run", "parse_params", "UsageError"]
 
 
-def parse_params(pairs: Sequence[str]) -> dict[str, Any]:
+def parse_params(pairs: Sequence[str], spec: RecipeSpec | None = None) -> dict[str, Any]:
     """``["level=8", "surface_sigma=0.02"]`` -> ``{"level": 8, "surface_sigma": 0.02}``.
 
-    Values are read as JSON numbers where they are one, else kept as strings (the recipe
-    schema then reports the type problem). Raises ParameterError on malformed or repeated
-    keys.
+    With the recipe's schema ``spec``, each value is read as its parameter's declared
+    type, so ``--param tag=123`` is the string ``"123"`` for a ``str`` parameter (the
+    fingerprint Python's ``tag="123"`` gives) and a ``bool`` parameter takes ``true`` or
+    ``false``. Other values (and every value without ``spec``) are read as JSON where
+    they are JSON, else kept as strings; the schema then reports any type problem.
+    Raises ParameterError on malformed or repeated keys.
     """
+    declared = {} if spec is None else {k: p.type for k, p in spec.params.items()}
     params: dict[str, Any] = {}
     problems = []
     for pair in pairs:
@@ -46,6 +51,13 @@ def parse_params(pairs: Sequence[str]) -> dict[str, Any]:
         if key in params:
             problems.append(f"{key}: given more than once")
             continue
+        kind = declared.get(key)
+        if kind is str:
+            params[key] = raw
+            continue
+        if kind is bool and raw.strip().lower() in ("true", "false"):
+            params[key] = raw.strip().lower() == "true"
+            continue
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -54,6 +66,14 @@ def parse_params(pairs: Sequence[str]) -> dict[str, Any]:
     if problems:
         raise ParameterError(problems, what="--param values")
     return params
+
+
+def _schema(recipe: str) -> RecipeSpec | None:
+    """The schema of ``recipe``; None when it is not installed (the run names it)."""
+    try:
+        return get_recipe_spec(recipe)
+    except UnknownName:
+        return None
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -151,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
     previous = _say_when_stopping()
     try:
-        params = parse_params(args.param)
+        params = parse_params(args.param, _schema(args.recipe))
         # with --json, stdout carries the summary alone (Ray prints actor deaths there)
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             summary = run_precompute(

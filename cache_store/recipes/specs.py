@@ -55,6 +55,13 @@ class ParamSpec:
             value = float(value)
             if not math.isfinite(value):
                 return None, f"{name}: expected a finite number, got {value!r}"
+        elif self.type is bool:
+            # exactly True or False: 1, "yes" or "true" would each be a second spelling of
+            # one value (and a second fingerprint)
+            if not isinstance(value, bool):
+                return None, f"{name}: expected a bool (true or false), got {value!r}"
+        elif self.type is str and not isinstance(value, str):
+            return None, f"{name}: expected a string, got {value!r}"
         if self.minimum is not None and value < self.minimum:
             return None, f"{name}: {value!r} is below the minimum {self.minimum!r}"
         if self.maximum is not None and value > self.maximum:

@@ -128,3 +128,14 @@ class Shadow(Probe):
     """A plugin claiming a built-in recipe's name."""
 
     name = "spc"
+
+
+class Tagged(Probe):
+    """``probe`` with a string and a bool parameter it only carries (into the fingerprint)."""
+
+    name = "tagged"
+    params = {
+        **Probe.params,
+        "tag": Param(str, "", doc="a label"),
+        "flip": Param(bool, False, doc="a switch"),
+    }

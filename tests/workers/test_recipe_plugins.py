@@ -115,6 +115,64 @@ def test_version_bump_is_a_new_fingerprint(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize(
+    ("params", "says"),
+    [
+        ({"mode": 5}, "mode: expected a string, got 5"),
+        ({"tag": None}, "tag: expected a string, got None"),
+        ({"flip": "yes"}, "flip: expected a bool (true or false), got 'yes'"),
+        ({"flip": 1}, "flip: expected a bool (true or false), got 1"),
+        ({"flip": "true"}, "flip: expected a bool (true or false), got 'true'"),
+    ],
+)
+def test_str_and_bool_parameters_are_type_checked(
+    monkeypatch: pytest.MonkeyPatch, params: dict, says: str
+) -> None:
+    from cache_store.errors import ParameterError
+
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Tagged")
+    spec = load_registry().get("tagged").spec
+    with pytest.raises(ParameterError, match="recipe 'tagged'") as caught:
+        spec.resolve(params)
+    assert says in str(caught.value)
+    assert spec.resolve({"tag": "123", "flip": True})["tag"] == "123"
+
+
+def test_cli_params_are_read_as_their_declared_type(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--param tag=123`` is the string "123" of a str parameter, ``flip=true`` the bool:
+    the CLI and Python (``tag="123", flip=True``) name one fingerprint."""
+    from cache_store.keys import compute_fingerprint
+    from spcache.cli import main
+    from workers.precompute_cli import parse_params
+
+    monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Tagged")
+    try:
+        spec = installed_recipes(reload=True).get("tagged").spec
+        assert parse_params(["tag=123", "flip=true", "level=4"], spec) == {
+            "tag": "123",
+            "flip": True,
+            "level": 4,
+        }
+        assert parse_params(["flip=False"], spec) == {"flip": False}
+        cache = tmp_path / "cache"
+        argv = ["precompute", str(CLOUD), "--recipe", "tagged", "--cache", str(cache)]
+        argv += ["--device", "cpu", "--backend", "torch", "--loaders", "0", "--json"]
+        argv += ["--param", "tag=123", "--param", "flip=true"]
+        capsys.readouterr()
+        assert main(argv) == 0
+        out = json.loads(capsys.readouterr().out)
+        python = spec.resolve({"tag": "123", "flip": True})
+        assert out["params"] == python
+        assert out["fingerprint"] == compute_fingerprint("tagged", 1, python)
+        assert main([*argv[:-4], "--param", "flip=yes"]) == 2
+        assert "flip: expected a bool (true or false), got 'yes'" in capsys.readouterr().err
+    finally:
+        monkeypatch.delenv(ENV_VAR)
+        installed_recipes(reload=True)
+
+
+@pytest.mark.parametrize(
     ("entries", "says"),
     [
         (f"{PLUGINS}:Probe,{PLUGINS}:OtherProbe", "recipe name 'probe' is also claimed by"),
