@@ -18,6 +18,7 @@ RUN pip install "kaolin==${KAOLIN_VERSION}" \
       -f "https://nvidia-kaolin.s3.us-east-2.amazonaws.com/torch-${TORCH_VERSION}_${CUDA_TAG}.html"
 
 COPY pyproject.toml README.md ./
+COPY spcache ./spcache
 COPY cache_store ./cache_store
 COPY workers ./workers
 COPY service ./service

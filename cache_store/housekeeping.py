@@ -161,6 +161,8 @@ class CacheEntry:
     last_read: float | None = None
     removed_at: float | None = None
     index_error: str | None = None
+    #: code digest -> records computed by it (``"none"``: records that carry none)
+    code_digests: dict[str, int] = field(default_factory=dict)
 
     @property
     def last_used(self) -> float:
@@ -188,6 +190,22 @@ class CacheEntry:
         spec = RECIPE_SPECS.get(self.recipe)
         return spec is None or spec.version != self.recipe_version
 
+    @property
+    def code_changed(self) -> bool | None:
+        """Whether some of its records were computed by other recipe code than the
+        installed recipe's (edited without a version bump), by the rule stats and the
+        item route use. None: not indexed, the recipe is not installed here at this
+        version, or no record carries a code digest."""
+        from cache_store.recipes.registry import code_changed, installed_code_digest
+
+        if self.recipe is None:
+            return None
+        installed = installed_code_digest(self.recipe, self.recipe_version)
+        if installed is None:
+            return None
+        seen = {code_changed(installed, digest) for digest in self.code_digests}
+        return True if True in seen else (False if False in seen else None)
+
     def as_json(self) -> dict[str, Any]:
         return {
             "fingerprint": self.fingerprint,
@@ -203,6 +221,7 @@ class CacheEntry:
             "last_written": _iso(self.last_written),
             "last_read": _iso(self.last_read),
             "recipe_changed": self.recipe_changed,
+            "code_changed": self.code_changed,
         }
 
 
@@ -244,6 +263,7 @@ def _entries(cache: str | os.PathLike[str], *, failure_only: bool = False) -> li
                 records=int(info.get("records", 0)),
                 bytes=int(info.get("bytes", 0)),
                 removed_at=removals.get(fp),
+                code_digests=dict(info.get("code_digests", {})),
             )
             if "index_error" in info:
                 entry.index_error = str(info["index_error"])
@@ -285,7 +305,12 @@ def _snapshot_entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
         store.close()
     entries = []
     for fp, info in stats.items():
-        entry = CacheEntry(fp, records=int(info.get("records", 0)), bytes=int(info.get("bytes", 0)))
+        entry = CacheEntry(
+            fp,
+            records=int(info.get("records", 0)),
+            bytes=int(info.get("bytes", 0)),
+            code_digests=dict(info.get("code_digests", {})),
+        )
         if "recipe" in info:
             entry.recipe, entry.recipe_version = info["recipe"], int(info["recipe_version"])
             entry.params, entry.indexed = dict(info["params"]), int(info["samples"])
@@ -311,7 +336,9 @@ def ls(cache: str | os.PathLike[str]) -> list[dict[str, Any]]:
     ``recipe_version``, ``params``, ``records``, ``bytes`` (exact), ``indexed``,
     ``state`` (complete / partial / unindexed / removing, or failed: nothing stored,
     only remembered failures), ``failed``, ``created``,
-    ``last_written``, ``last_read`` (ISO 8601 UTC or None) and ``recipe_changed``."""
+    ``last_written``, ``last_read`` (ISO 8601 UTC or None), ``recipe_changed`` (the
+    installed recipe's version differs) and ``code_changed`` (some records were computed by
+    other code than the installed recipe's, under the same version)."""
     entries = sorted(_entries(cache, failure_only=True), key=lambda e: (e.last_used, e.fingerprint))
     return [e.as_json() for e in entries]
 

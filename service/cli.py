@@ -135,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
             f"directory ({exc.strerror or exc})\n"
         )
         return 2
+    refused = worker_backend_problem(settings)
+    if refused:
+        sys.stderr.write(f"spcache serve: {refused}\n")
+        return 2
     busy = port_problem(settings.host, settings.port)
     if busy:
         sys.stderr.write(f"spcache serve: {busy}\n")
@@ -156,6 +160,22 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"spcache serve: {exc}\n")
             return 2
     return serve(settings, max_size=max_size)
+
+
+def worker_backend_problem(settings: Settings) -> str | None:
+    """Why the worker child could never start with these options, or None: Kaolin's SPC
+    ops are CUDA-only, so ``--backend kaolin`` with a non-CUDA ``--device`` is refused
+    here, in one line, rather than by a worker that the supervisor would restart.
+    Decided from the strings alone: the API process never imports torch."""
+    device = settings.worker_device
+    if not settings.worker or settings.worker_backend != "kaolin" or device in (None, "auto"):
+        return None
+    if str(device).split(":", 1)[0] == "cuda":
+        return None
+    return (
+        f"--backend kaolin needs a CUDA --device (Kaolin's SPC ops are CUDA-only), "
+        f"not {device}; use --backend torch or auto there"
+    )
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 PARENT_PID_ENV = "SPCACHE_PARENT_PID"
 #: How long a starting worker may take to write its first heartbeat (imports torch).
 START_GRACE_S = 60.0
+#: The exit status of an spcache command whose usage, backend or path was refused
+#: (``spcache.cli``): the supervisor does not restart a worker that exits with it.
+REFUSED_EXIT = 2
 #: Deaths in a row, each before ``healthy_after_s``, after which a restart is not
 #: announced to waiters.
 QUICK_DEATHS = 3
@@ -101,6 +104,7 @@ class WorkerSupervisor:
         self.stop_grace_s = stop_grace_s
         self.first_backoff_s = first_backoff_s
         self.restarts = 0
+        self.gave_up = False  # the worker exited REFUSED_EXIT: not restarted
         self.supervisor_id = f"supervisor:{socket.gethostname()}:{os.getpid()}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._stop = threading.Event()
@@ -180,6 +184,19 @@ class WorkerSupervisor:
             if self._stop.is_set():
                 return
             ran = time.monotonic() - started
+            if code == REFUSED_EXIT:
+                # its options, backend or cache were refused: a restart would be refused
+                # the same way, forever
+                self.gave_up = True
+                self._announce(None)
+                log.error(
+                    "worker (pid %d) refused to start (exit %d: its options, backend or "
+                    "cache were refused; its own message is above); not restarting it. "
+                    "The API serves what is cached; fix the worker's options and restart",
+                    self._proc.pid,
+                    code,
+                )
+                return
             if ran >= self.healthy_after_s:
                 backoff = self.first_backoff_s
                 quick_deaths = 0

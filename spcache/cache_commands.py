@@ -123,22 +123,16 @@ def with_installed_code(stats: dict[str, Any]) -> dict[str, Any]:
     ``installed_code_digest`` and ``other_code``: how many of its records were computed
     by other recipe code than the installed one (its code changed without a version
     bump: those records are kept and served, not recomputed)."""
-    from cache_store.recipes.registry import installed_recipes
+    from cache_store.recipes.registry import code_changed, installed_code_digest
 
-    recipes = installed_recipes().recipes
     per_fp: dict[str, Any] = {}
     for fp, entry in stats.get("fingerprints", {}).items():
-        installed = recipes.get(str(entry.get("recipe", "")))
         digests = entry.get("code_digests")
-        if (
-            installed is None
-            or installed.spec.version != entry.get("recipe_version")
-            or not digests
-        ):
+        mine = installed_code_digest(str(entry.get("recipe", "")), entry.get("recipe_version"))
+        if mine is None or "recipe_version" not in entry or not digests:
             per_fp[fp] = entry
             continue
-        mine = installed.code_digest
-        other = sum(n for d, n in digests.items() if d not in (mine, "none"))
+        other = sum(n for d, n in digests.items() if code_changed(mine, d))
         per_fp[fp] = {**entry, "installed_code_digest": mine, "other_code": other}
     return {**stats, "fingerprints": per_fp}
 

@@ -48,7 +48,9 @@ def _table(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         recipe = "-" if row["recipe"] is None else f"{row['recipe']} v{row['recipe_version']}"
         if row.get("recipe_changed"):
-            recipe += " (changed)"
+            recipe += " (version changed)"
+        elif row.get("code_changed"):
+            recipe += " (code changed)"
         lines.append(
             (
                 row["fingerprint"],

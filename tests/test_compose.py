@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import tomllib
 
 import pytest
 import yaml
@@ -74,3 +75,12 @@ def test_dockerfile_runs_spcache_and_installs_kaolin_before_the_project() -> Non
     kaolin = dockerfile.index("kaolin==")
     project = dockerfile.index('pip install "torch==${TORCH_VERSION}" .')
     assert kaolin < project
+
+
+def test_dockerfile_copies_every_package_the_distribution_ships() -> None:
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
+    assert packages  # spcache, cache_store, workers, service
+    missing = [p for p in packages if not re.search(rf"^COPY {p} \./{p}$", dockerfile, re.M)]
+    assert not missing, f"the image would be built without {missing} (pip install . needs them)"

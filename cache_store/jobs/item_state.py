@@ -16,7 +16,7 @@ from cache_store.keys import record_key
 from cache_store.jobs.freshness import HashBudget, compare_source
 from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
-from cache_store.recipes.registry import installed_recipes
+from cache_store.recipes.registry import code_changed, installed_code_digest
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.header import read_metadata
 
@@ -96,14 +96,14 @@ def _stale_reasons(
 def code_comparison(meta: dict[str, str]) -> dict[str, Any] | None:
     """The record's code digest against the installed recipe's, or None when the recipe
     is not installed here. ``changed`` is None for a record that carries no digest."""
-    entry = installed_recipes().recipes.get(meta.get("recipe", ""))
-    if entry is None:
+    installed = installed_code_digest(meta.get("recipe", ""))
+    if installed is None:
         return None
     recorded = meta.get("code_digest")
     return {
         "record": recorded,
-        "installed": entry.code_digest,
-        "changed": None if recorded is None else recorded != entry.code_digest,
+        "installed": installed,
+        "changed": code_changed(installed, recorded),
     }
 
 

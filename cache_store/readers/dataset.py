@@ -55,9 +55,10 @@ log = logging.getLogger(__name__)
 Sample = dict[str, Any]
 
 #: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
-#: damaged one, or the worker could not compute it). A missing cache, no live worker or
-#: a timeout are not the sample's fault and raise whatever the policy.
-SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed)
+#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
+#: is gone or unreadable so the record cannot be checked). A missing cache, no live
+#: worker or a timeout are not the sample's fault and raise whatever the policy.
+SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
 ON_ERROR_CHOICES = ("raise", "skip")
 
 

@@ -182,19 +182,22 @@ class QueueReadThrough:
                 del waiting[sid]
             elif state == FAILED:
                 raise SampleFailed(sid, row.path, error or "failed")
-            else:  # cancelled, gone, or done and deleted since: queue it again
+            else:  # cancelled, gone, or done with no current record: queue it again
                 log.info(
                     "read-through: item %s of %r was %s; queueing it again",
                     row.item_id,
                     sid,
                     status,
                 )
+                # as stale: a done item is not reused (its record was deleted since, or
+                # the source changed while it ran), else the wait would end in MissTimeout
                 again = self.queue.enqueue_once(
                     self.recipe,
                     self.params,
                     self.fingerprint,
                     [(sid, row.path)],
                     priority=self.priority,
+                    stale=[sid],
                 )
                 self.queued += sum(1 for r in again if not r.reused)
                 waiting[sid] = again[0]

@@ -49,6 +49,8 @@ __all__ = [
     "load_registry",
     "get_entry",
     "report_problems_here",
+    "installed_code_digest",
+    "code_changed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -260,6 +262,24 @@ def installed_recipes(*, reload: bool = False) -> Registry:
 def get_entry(name: str) -> RecipeEntry:
     """The installed recipe called ``name`` (raises :class:`UnknownName`)."""
     return installed_recipes().get(name)
+
+
+def installed_code_digest(recipe: str, recipe_version: int | None = None) -> str | None:
+    """The installed ``recipe``'s code digest; None when it is not installed here, or (with
+    ``recipe_version``) installed at another version."""
+    entry = installed_recipes().recipes.get(recipe)
+    if entry is None or (recipe_version is not None and entry.spec.version != recipe_version):
+        return None
+    return entry.code_digest
+
+
+def code_changed(installed: str, recorded: str | None) -> bool | None:
+    """The one rule for a record computed by other recipe code than the installed one:
+    its code digest (metadata ``code_digest``) differs from ``installed``. None for a
+    record that carries no digest (``"none"`` in a stats entry's ``code_digests``)."""
+    if recorded is None or recorded == "none":
+        return None
+    return recorded != installed
 
 
 def schemas() -> Mapping[str, RecipeSpec]:

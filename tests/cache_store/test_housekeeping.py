@@ -455,3 +455,36 @@ def test_prune_refuses_a_max_size_the_kept_fingerprints_exceed_together(
     assert fps[1] in err and fps[2] in err and f"{sizes[fps[2]]} bytes" in err
     assert "smaller --keep" in err
     assert len(hk.ls(tmp_path)) == 3  # nothing removed
+
+
+def test_ls_says_when_records_were_computed_by_other_recipe_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from cache_store.format.encode import encode_record
+    from cache_store.recipes.registry import installed_code_digest
+    from tests.helpers.synthetic import record_metadata, spc_fields
+
+    installed = installed_code_digest("spc")
+    assert installed is not None
+    spec = get_recipe_spec("spc")
+    fps = {}
+    for level, digest in ((3, installed), (4, "0" * 16)):
+        fp = fingerprint_of("spc", level=level)
+        meta = {**record_metadata(fp, "s0"), "code_digest": digest}
+        store = LMDBStore(tmp_path, readonly=False)
+        store.put_many([(f"{fp}/s0", encode_record(spc_fields(1, level=level), meta))])
+        store.put_index(
+            DatasetIndex(fp, "spc", spec.version, spec.resolve({"level": level}), np.array(["s0"]))
+        )
+        store.close()
+        fps[digest] = fp
+    bare = fill(tmp_path, 5, n=2)  # records without a digest: cannot tell
+    rows = {r["fingerprint"]: r for r in hk.ls(tmp_path)}
+    assert rows[fps[installed]]["code_changed"] is False
+    assert rows[fps["0" * 16]]["code_changed"] is True
+    assert rows[bare]["code_changed"] is None
+    assert all(r["recipe_changed"] is False for r in rows.values())  # same version
+    assert main(["ls", "--cache", str(tmp_path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "(code changed)" in lines[fps["0" * 16]]
+    assert "changed" not in lines[fps[installed]] and "changed" not in lines[bare]

@@ -145,3 +145,22 @@ def test_parameters_are_checked(tmp_path: Path) -> None:
         CachedDataset("s3://bucket/cache", "spc_query", sources=tmp_path)
     assert CachedDataset("http://127.0.0.1:1", "spc_query", sources=tmp_path).on_miss == "compute"
     assert CachedDataset(tmp_path, "spc_query").on_miss == "error"
+
+
+def test_a_done_item_without_a_current_record_is_queued_again(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    from cache_store.readers.queue_read_through import QueueReadThrough
+
+    reader = QueueReadThrough(tmp_path, "spc", {"level": 4}, "f" * 32)
+    try:
+        path = str(corpus_meshes[0])
+        first = reader.queue.enqueue_once("spc", {"level": 4}, "f" * 32, [("a", path)])[0]
+        claimed = reader.queue.claim("w", limit=1)
+        assert reader.queue.complete("w", claimed[0].item_id)  # done, yet no current record
+        waiting = {"a": first}
+        reader._check_items(lambda key: False, waiting)
+        assert waiting["a"].item_id != first.item_id and waiting["a"].status == "pending"
+        assert not waiting["a"].reused and reader.queue.counts()["pending"] == 1
+    finally:
+        reader.close()

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from cache_store import CachedDataset, collate_spc
-from cache_store.errors import ParameterError, RecordNotFound
+from cache_store.errors import ParameterError, RecordNotFound, SourceError
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.synthetic import fingerprint_of, make_record
@@ -116,3 +116,35 @@ def test_collate_drops_none_and_an_all_failed_batch_is_empty() -> None:
 def test_on_error_is_checked(holey_cache: Path) -> None:
     with pytest.raises(ParameterError, match="on_error"):
         CachedDataset(holey_cache, FP, on_error="ignore")
+
+
+def test_skip_leaves_out_a_source_deleted_between_epochs(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    import shutil
+
+    from spcache import precompute
+
+    sources = tmp_path / "meshes"
+    sources.mkdir()
+    for path in corpus_meshes[:4]:
+        shutil.copy(path, sources / path.name)
+    params = {"level": 4, "surface_samples": 2000}
+    result = precompute(sources, "spc", tmp_path / "cache", loaders=0, progress=False, **params)
+    assert result.done == 4
+    ds = CachedDataset(
+        tmp_path / "cache", "spc", sources=sources, on_miss="error", on_error="skip", **params
+    )
+    loader = DataLoader(
+        ds, batch_size=2, num_workers=2, multiprocessing_context="fork", collate_fn=collate_spc
+    )
+    assert sum(int(b["lengths"].shape[0]) for b in loader) == 4
+    strict = CachedDataset(tmp_path / "cache", "spc", sources=sources, on_miss="error", **params)
+    gone = sorted(sources.iterdir())[1]
+    position = next(i for i in range(len(strict)) if strict.sample_id(i) == gone.stem)
+    gone.unlink()  # between epochs: the stored record can no longer be checked
+    assert sum(int(b["lengths"].shape[0]) for b in loader if b) == 3
+    failed = ds.failed
+    assert list(failed) == [gone.stem] and str(gone) in failed[gone.stem].path
+    with pytest.raises(SourceError, match=gone.name):  # the default policy still raises
+        strict[position]

@@ -127,3 +127,30 @@ def test_the_worker_child_is_told_its_parents_pid(tmp_path: Path) -> None:
     finally:
         sup.stop()
     assert out.read_text() == str(os.getpid())
+
+
+def test_a_worker_that_refuses_its_options_is_not_restarted(tmp_path: Path, caplog) -> None:
+    marker = tmp_path / "starts"
+    script = f"import sys; open({str(marker)!r}, 'a').write('x'); sys.exit(2)"
+    sup = WorkerSupervisor(
+        [sys.executable, "-c", script], first_backoff_s=0.05, max_backoff_s=0.1, stop_grace_s=5
+    )
+    with caplog.at_level("ERROR", logger="service.supervisor"):
+        sup.start()
+        try:
+            assert _wait(lambda: sup.gave_up)
+            time.sleep(0.5)  # several backoffs: a restart would have happened by now
+            assert marker.read_text() == "x" and sup.restarts == 0
+        finally:
+            sup.stop()
+    assert "refused to start (exit 2" in caplog.text and "not restarting it" in caplog.text
+
+
+def test_serve_refuses_a_kaolin_worker_on_a_non_cuda_device(tmp_path: Path, capsys) -> None:
+    from spcache.cli import main
+
+    args = ["serve", "--cache", str(tmp_path / "c"), "--port", "0", "--backend", "kaolin"]
+    assert main([*args, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--backend kaolin needs a CUDA --device" in err
+    assert "not cpu" in err
