@@ -35,6 +35,7 @@ from __future__ import annotations
 from cache_store.errors import SourceError
 from cache_store.recipes.api import (
     FIELD_DTYPES,
+    RESERVED_PARAM_NAMES,
     ChunkBudget,
     Field,
     Param,
@@ -67,4 +68,5 @@ __all__ = [
     "ENV_VAR",
     "FIELD_DTYPES",
     "MAX_RECORD_BYTES",
+    "RESERVED_PARAM_NAMES",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "code_digest",
     "contract_problems",
     "FIELD_DTYPES",
+    "RESERVED_PARAM_NAMES",
     "is_out_of_memory",
 ]
 
@@ -64,6 +65,42 @@ FIELD_DTYPES = (
     "float64",
 )
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+#: What a field or parameter may be called: a letter, then letters, digits and ``_`` (at
+#: most 64): a record's tensor name, a ``?fields=a,b`` item, a Zarr array name, a
+#: ``<name>_lengths`` batch key and a Python keyword argument, all at once.
+_KEY_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+#: Parameter names a recipe may not declare: ``spcache.precompute`` and
+#: ``CachedDataset`` take these keyword arguments themselves, so a recipe parameter of
+#: that name could never be passed.
+RESERVED_PARAM_NAMES = frozenset(
+    {
+        # spcache.precompute
+        "sources",
+        "recipe",
+        "cache",
+        "device",
+        "backend",
+        "loaders",
+        "skip_failed",
+        "progress",
+        "engine",
+        "address",
+        "actors",
+        "query_chunk",
+        "write_batch",
+        "id_template",
+        # CachedDataset
+        "fingerprint_or_recipe",
+        "fields",
+        "transform",
+        "store_options",
+        "on_miss",
+        "warm_ahead",
+        "miss_timeout",
+        "on_error",
+        "on_stale",
+    }
+)
 _SHAPE = re.compile(r"^\[\s*([^\[\],]+(\s*,\s*[^\[\],]+)*)?\s*\]$")
 
 
@@ -74,8 +111,12 @@ class Recipe:
         name: the recipe's name (lowercase letters, digits, ``_``), as in its entry point.
         version: an integer >= 1; bump it when the output changes, so old records become
             a different fingerprint instead of stale hits.
-        params: ``{name: Param(...)}``; every parameter with its default.
-        fields: ``{name: Field(...)}``; exactly the tensors :meth:`compute` returns.
+        params: ``{name: Param(...)}``; every parameter with its default. A name is a
+            letter, then letters, digits and ``_``, and not one of
+            :data:`RESERVED_PARAM_NAMES` (``device``, ``cache``, ... : arguments of
+            ``spcache.precompute`` and ``CachedDataset`` themselves).
+        fields: ``{name: Field(...)}``; exactly the tensors :meth:`compute` returns,
+            named like parameters.
         doc: one line for ``spcache recipes`` (default: the class docstring's first line).
         record_bytes: optional ``staticmethod(params) -> int``, the worst-case record size
             for resolved parameters; parameters over the record limit are then refused.
@@ -164,6 +205,15 @@ def contract_problems(cls: Any) -> list[str]:
         for key, param in cls.params.items():
             if not isinstance(key, str) or not isinstance(param, ParamSpec):
                 problems.append(f"params[{key!r}] is not a Param")
+            elif not _KEY_NAME.match(key):
+                problems.append(
+                    f"parameter name {key!r} is not a letter then letters, digits and '_'"
+                )
+            elif key in RESERVED_PARAM_NAMES:
+                problems.append(
+                    f"parameter name {key!r} is reserved: spcache.precompute or "
+                    "CachedDataset takes it as its own argument"
+                )
             elif param.type not in (int, float, str, bool):
                 problems.append(
                     f"params[{key!r}]: type {param.type!r} is not int, float, str or bool"
@@ -178,6 +228,8 @@ def contract_problems(cls: Any) -> list[str]:
         for key, field in cls.fields.items():
             if not isinstance(key, str) or not isinstance(field, FieldSpec):
                 problems.append(f"fields[{key!r}] is not a Field")
+            elif not _KEY_NAME.match(key):
+                problems.append(f"field name {key!r} is not a letter then letters, digits and '_'")
             elif field.dtype not in FIELD_DTYPES:
                 problems.append(
                     f"fields[{key!r}]: dtype {field.dtype!r} is not one of "

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -36,6 +37,15 @@ PARAMS = ["--param", "level=6", "--param", "surface_samples=300000"]
 
 def _committed(dest: Path) -> int:
     return sum(1 for _ in dest.glob("*/commits/*.json"))
+
+
+def _commits_per_sample(dest: Path, fingerprint: str) -> Counter[str]:
+    """How many committed manifests list each sample id (a manifest's rows are
+    ``[sample_id, offset, length, checksum, source_hash]``)."""
+    counts: Counter[str] = Counter()
+    for manifest in sorted((dest / fingerprint / "commits").glob("*.json")):
+        counts.update(row[0] for row in json.loads(manifest.read_text())["records"])
+    return counts
 
 
 @pytest.mark.slow
@@ -88,6 +98,8 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
         before = {k.split("/", 1)[1] for k in snap.keys(f"{fp}/")}
         assert snap.verify().ok
     assert 1 <= len(before) < 16
+    # every actor died with the driver: no attempt was retried, so no sample twice
+    assert _commits_per_sample(dest, fp) == Counter(dict.fromkeys(before, 1))
 
     second = subprocess.run(
         [sys.executable, "-m", "spcache", *args],
@@ -102,9 +114,18 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
     assert summary["done"] == 16 - len(before)
     assert [e["id"] for e in summary["errors"]] == ["broken"]
 
+    # Every sample present exactly once over the committed manifests: the re-run
+    # recomputed only what had no commit, and nothing was committed twice (a second
+    # commit of one id, from a retried attempt, would be read from its first one only:
+    # the check below would show it, and get() still gives one record per id).
+    per_sample = _commits_per_sample(dest, fp)
+    good = {f"s{i:02d}" for i in range(16)}
+    assert set(per_sample) == good and set(per_sample.values()) == {1}, per_sample
     with ShardedSnapshot(dest) as snap:
         keys = list(snap.keys(f"{fp}/"))
-        assert len(keys) == len(set(keys)) == 16
+        assert sorted(keys) == sorted(f"{fp}/{sid}" for sid in good)
+        for key in keys:  # one record per id, and the one its id names
+            assert snap.get_record(key).metadata["sample_id"] == key.split("/", 1)[1]
         assert sorted(snap.get_index(fp).sample_ids.tolist()) == sorted(
             k.split("/", 1)[1] for k in keys
         )

@@ -139,3 +139,24 @@ class Tagged(Probe):
         "tag": Param(str, "", doc="a label"),
         "flip": Param(bool, False, doc="a switch"),
     }
+
+
+class EmptyFieldName(Probe):
+    """A field named ``""``: no record could hold it."""
+
+    name = "empty_field_name"
+    fields = {"": Field("float32", "[3]", "unnamed"), **Probe.fields}
+
+
+class PathFieldName(Probe):
+    """A field named like a path, with a space."""
+
+    name = "path_field_name"
+    fields = {"a b/..": Field("float32", "[3]", "oddly named"), **Probe.fields}
+
+
+class ReservedParam(Probe):
+    """A parameter ``spcache.precompute`` takes itself (``device``)."""
+
+    name = "reserved_param"
+    params = {**Probe.params, "device": Param(str, "cpu", doc="shadowed")}

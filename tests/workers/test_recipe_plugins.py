@@ -184,6 +184,12 @@ def test_cli_params_are_read_as_their_declared_type(
         (f"{PLUGINS}:NoCompute", "not a usable recipe: compute() is not implemented"),
         (f"{PLUGINS}:BadField", "dtype 'complex64' is not one of"),
         (f"{PLUGINS}:Shadow", "recipe name 'spc' is a built-in recipe; this one is not used"),
+        (f"{PLUGINS}:EmptyFieldName", "field name '' is not a letter then letters"),
+        (f"{PLUGINS}:PathFieldName", "field name 'a b/..' is not a letter then letters"),
+        (
+            f"{PLUGINS}:ReservedParam",
+            "parameter name 'device' is reserved: spcache.precompute or CachedDataset",
+        ),
         ("nonsense", "is not 'module:Class'"),
     ],
 )
@@ -199,6 +205,24 @@ def test_an_unusable_recipe_is_named_with_its_reason_and_the_others_work(
     assert registry.recipes["spc"].cls.__module__ == "cache_store.recipes.builtin"
     with pytest.raises(UnknownName, match="known: .*spc"):
         registry.get("nothing")
+
+
+def test_reserved_parameter_names_are_the_arguments_of_precompute_and_the_dataset() -> None:
+    """Every keyword argument ``spcache.precompute`` or ``CachedDataset`` takes itself is
+    reserved, so no recipe parameter is shadowed by one."""
+    import inspect
+
+    import spcache
+    from spcache.recipes import RESERVED_PARAM_NAMES
+
+    own: set[str] = set()
+    for function in (spcache.precompute, spcache.CachedDataset.__init__):
+        own |= {
+            name
+            for name, p in inspect.signature(function).parameters.items()
+            if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+        }
+    assert own == set(RESERVED_PARAM_NAMES)
 
 
 def _fake_distribution(root: Path, name: str, entry_points: dict[str, str]) -> None:
