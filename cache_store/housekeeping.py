@@ -287,8 +287,8 @@ def _entries(cache: str | os.PathLike[str], *, failure_only: bool = False) -> li
     finally:
         store.close()
     failed = _failure_counts(Path(cache))
-    if failure_only:
-        listed = {e.fingerprint for e in entries}
+    if failure_only:  # not one removed: its failures are writes the removal refused
+        listed = {e.fingerprint for e in entries} | set(removals)
         entries += [CacheEntry(fp) for fp in sorted(failed) if fp not in listed]
     for entry in entries:
         entry.failed = failed.get(entry.fingerprint, 0)
@@ -373,7 +373,10 @@ def _resolve(store: Any, cache: Path, names: Iterable[str]) -> tuple[list[str], 
         set() if store is None else set(store.fingerprints()) | set(store.record_fingerprints())
     )
     removals = {} if store is None else store.removals()
-    known = stored | set(_failure_counts(cache)) | _active(cache)
+    # failures of a fingerprint removed completely are its in-flight writes refused by
+    # the removal: they do not bring it back (queued work asked for since does)
+    failures = set(_failure_counts(cache)) - set(removals)
+    known = stored | failures | _active(cache)
     gone = {fp: when for fp, when in removals.items() if fp not in known}
     out, problems = [], []
     for name in names:

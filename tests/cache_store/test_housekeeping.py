@@ -396,7 +396,14 @@ def test_a_fully_removed_fingerprint_is_no_longer_known(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     a, b = fill(tmp_path, 3), fill(tmp_path, 4)
+    queue = JobQueue(tmp_path)
+    queue.submit("spc", {"level": 3}, a, [("n1", "/x/n1.obj")])
+    (running,) = queue.claim("w", limit=1)
     hk.rm(tmp_path, [a])
+    # the item in flight: its write is refused by the removal, and it fails
+    queue.fail("w", running.item_id, f"fingerprint {a} was removed", permanent=True)
+    queue.close()
+    assert [r["fingerprint"] for r in hk.ls(tmp_path)] == [b]  # not back as "failed"
     with pytest.raises(FingerprintLookupError, match=f"{a} was already removed") as caught:
         hk.rm(tmp_path, [a])
     assert a not in str(caught.value).split("fingerprints here:")[1]
