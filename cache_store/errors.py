@@ -9,6 +9,7 @@ maps these classes to HTTP status codes in one place (``service/errors.py``).
 from __future__ import annotations
 
 import datetime as _dt
+import re
 from collections.abc import Iterable
 
 __all__ = [
@@ -59,11 +60,18 @@ class RecordNotFound(SpcacheError, KeyError):
 class FingerprintRemoved(RecordNotFound):
     """Every record of ``fingerprint`` was removed from the cache (``spcache rm`` or
     ``prune``) at ``removed_at`` (seconds since the epoch). A ``RecordNotFound``, so code
-    that handles a missing record handles this one too; the message says why."""
+    that handles a missing record handles this one too; the message says why.
+
+    Raised in a DataLoader worker, it is rebuilt in the main process from its message
+    alone (``cls(message)``): then the message is kept as given, and ``fingerprint`` and
+    ``key`` are read back from it. Pickled, it keeps every field."""
 
     def __init__(
         self, fingerprint: str, cache: str = "", removed_at: float | None = None, key: str = ""
     ) -> None:
+        if not _FINGERPRINT.fullmatch(fingerprint) and not (cache or key or removed_at):
+            _rebuild_removed(self, fingerprint)  # rebuilt from its message
+            return
         when = (
             ""
             if removed_at is None
@@ -81,6 +89,27 @@ class FingerprintRemoved(RecordNotFound):
         self.cache = cache
         self.fingerprint = fingerprint
         self.removed_at = removed_at
+
+    def __reduce__(self) -> tuple[type[FingerprintRemoved], tuple[object, ...]]:
+        if not _FINGERPRINT.fullmatch(self.fingerprint):
+            return type(self), (str(self),)
+        key = "" if self.key == self.fingerprint else self.key
+        return type(self), (self.fingerprint, self.cache, self.removed_at, key)
+
+
+_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
+_REMOVED_TEXT = re.compile(r"(?:record '([^'\n]*)': )?fingerprint ([0-9a-f]{32}) was removed")
+
+
+def _rebuild_removed(error: FingerprintRemoved, message: str) -> None:
+    """Fill ``error`` from its own message (the last one in it: a worker's traceback
+    quotes the original at its end)."""
+    Exception.__init__(error, message)
+    found = list(_REMOVED_TEXT.finditer(message))
+    error.fingerprint = found[-1].group(2) if found else ""
+    error.key = (found[-1].group(1) or error.fingerprint) if found else message
+    error.cache = ""
+    error.removed_at = None
 
 
 class CorruptRecord(SpcacheError, ValueError):

@@ -99,17 +99,17 @@ def parse_size(text: str | int) -> int:
 
 
 def parse_duration(text: str | float) -> float:
-    """Seconds from ``"45s"``, ``"90m"``, ``"12h"``, ``"30d"``, ``"2w"`` (or a number of
-    seconds). Raises ``ValueError`` naming the text."""
+    """Seconds from ``"45s"``, ``"90m"``, ``"12h"``, ``"30d"``, ``"2w"`` (any case, as
+    sizes; or a number of seconds). Raises ``ValueError`` naming the text."""
     if isinstance(text, int | float):
         seconds = float(text)
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text), re.IGNORECASE)
         if match is None:
             raise ValueError(
                 f"duration {text!r}: expected a number with a unit s, m, h, d or w (e.g. 12h, 30d)"
             )
-        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2).lower() or "s"]
     if seconds < 0:
         raise ValueError(f"duration {text!r}: must not be negative")
     return seconds

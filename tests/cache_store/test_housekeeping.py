@@ -78,6 +78,7 @@ def test_parse_duration() -> None:
     assert hk.parse_duration("12h") == 12 * 3600
     assert hk.parse_duration("30d") == 30 * 86400
     assert hk.parse_duration("2w") == 14 * 86400
+    assert hk.parse_duration("12H") == 12 * 3600 and hk.parse_duration("30D") == 30 * 86400
     with pytest.raises(ValueError, match="duration '3 years'"):
         hk.parse_duration("3 years")
 
@@ -488,3 +489,48 @@ def test_ls_says_when_records_were_computed_by_other_recipe_code(
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "(code changed)" in lines[fps["0" * 16]]
     assert "changed" not in lines[fps[installed]] and "changed" not in lines[bare]
+
+
+def test_fingerprint_removed_survives_forked_dataloader_workers(tmp_path: Path) -> None:
+    """torch re-raises a worker's error in the main process as ``cls(message)``: the
+    fingerprint and the message must come out whole, not the traceback in their place."""
+    import pickle
+
+    from torch.utils.data import DataLoader
+
+    from cache_store import CachedDataset
+
+    keep, gone = fill(tmp_path, 3, n=8), fill(tmp_path, 4, n=8)
+    dataset = CachedDataset(str(tmp_path), gone)
+    assert len(dataset) == 8  # its index read before the removal: the workers meet it
+    hk.rm(tmp_path, [gone])
+    loader = DataLoader(
+        dataset, batch_size=2, num_workers=2, multiprocessing_context="fork", collate_fn=list
+    )
+    with pytest.raises(FingerprintRemoved) as caught:
+        next(iter(loader))
+    error = caught.value
+    assert error.fingerprint == gone and error.key.startswith(f"{gone}/")
+    assert isinstance(error, RecordNotFound)
+    text = str(error)
+    assert f"fingerprint {gone} was removed" in text
+    assert "fingerprint Caught" not in text and text.count("was removed") == 1
+    # pickled whole (a process pool), every field kept
+    direct = FingerprintRemoved(gone, str(tmp_path), 1.0e9, key=f"{gone}/s001")
+    again = pickle.loads(pickle.dumps(direct))
+    assert (again.fingerprint, again.cache, again.removed_at, again.key) == (
+        gone,
+        str(tmp_path),
+        1.0e9,
+        f"{gone}/s001",
+    )
+    assert str(again) == str(direct)
+    # the other fingerprint reads on through the same kind of loader
+    survivors = DataLoader(
+        CachedDataset(str(tmp_path), keep),
+        batch_size=4,
+        num_workers=2,
+        multiprocessing_context="fork",
+        collate_fn=list,
+    )
+    assert sum(len(batch) for batch in survivors) == 8
