@@ -225,3 +225,34 @@ def test_rm_while_the_worker_computes_it_stops_its_writes(
         stop_server(server)
     (row,) = [r for r in hk.ls(cache) if r["fingerprint"] == fp]
     assert row["records"] == 4 and row["state"] == "complete"
+
+
+@pytest.mark.parametrize(
+    "stderr,code,status",
+    [
+        (
+            "spcache rm: /c: the cache is being compacted (spcache compact); writes waited 600s",
+            1,
+            503,
+        ),
+        ("Traceback (most recent call last):\nRuntimeError: boom", 1, 500),
+        ("spcache rm: 'abc': fingerprint abc was already removed from /c", 2, 404),
+    ],
+)
+def test_delete_maps_what_the_rm_child_said_to_a_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stderr: str, code: int, status: int
+) -> None:
+    """The route runs `spcache rm` in a child: a store busy being compacted is a 503 to
+    retry, a crash a 500, an unknown or removed fingerprint a 404. The child here is a
+    real process that answers as `spcache rm` does in each case."""
+    from service.errors import status_for
+    from service.routes_caches import remove_in_child
+
+    child = tmp_path / "rm-child"
+    (tmp_path / "said.txt").write_text(stderr + "\n")
+    child.write_text(f"#!/bin/sh\ncat {tmp_path / 'said.txt'} >&2\nexit {code}\n")
+    child.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(child))
+    with pytest.raises(Exception) as caught:
+        remove_in_child(tmp_path, "0" * 32)
+    assert status_for(caught.value) == status, caught.value
