@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +11,7 @@ from torch.utils.data import default_collate
 
 from cache_store.errors import ParameterError
 
-__all__ = ["collate_spc", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
+__all__ = ["collate_spc", "SpcSample", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
 
 #: Fields whose first dimension varies per octree: concatenated, never stacked (even when
 #: every sample happens to have the same size, so a batch's layout never depends on luck).
@@ -26,6 +26,19 @@ CONCATENATED_FIELDS = (
 
 #: Per-octree pyramids: stacked, and every sample must have the same level.
 PYRAMID_FIELDS = ("pyramid", "pyramid_dual")
+
+
+class SpcSample(dict[str, Any]):
+    """A sample as ``CachedDataset`` returns it: a dict of CPU tensors by field name
+    that also carries ``variable``, the fields its recipe declares with a first
+    dimension each record sets for itself (``Field("int16", "[N, 3]", ...)``), so
+    :func:`collate_spc` batches them by their declaration, not by the batch's shapes."""
+
+    variable: frozenset[str] = frozenset()
+
+    def __init__(self, tensors: Mapping[str, Any], variable: Iterable[str] = ()) -> None:
+        super().__init__(tensors)
+        self.variable = frozenset(variable)
 
 
 def _problem(message: str) -> ParameterError:
@@ -117,9 +130,17 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
       level of the sample's dual, ``trinket_parents`` and ``sdf_pidx`` to the sample's
       point hierarchy), as Kaolin's ``unbatched_*`` ops expect: add
       ``pyramid[b, 1, -1]`` summed over earlier samples to index the packed hierarchy.
-    - any other tensor: stacked when every sample has the same shape (``center``
-      ``[B, 3]``, ``scale`` ``[B]``, ``query_points`` ``[B, M, 3]``); otherwise
-      concatenated along dim 0 with ``<name>_lengths`` (int32 ``[B]``).
+    - a field the recipe declares with a first dimension each record sets for itself
+      (a plugin's ``voxels`` ``Field("int16", "[N, 3]", ...)``): always concatenated
+      along dim 0, with ``<name>_lengths`` (int32 ``[B]``), also in a batch of one or of
+      equal sizes, so every batch of an epoch has one layout. ``CachedDataset``'s samples
+      (:class:`SpcSample`) carry these names, when the recipe is installed where the
+      dataset reads; a ``transform`` that returns a plain dict keeps them for the
+      fields it leaves under their names.
+    - any other tensor (first dimension fixed by the recipe's parameters, or a sample
+      that carries no declaration): stacked when every sample has the same shape
+      (``center`` ``[B, 3]``, ``scale`` ``[B]``, ``query_points`` ``[B, M, 3]``);
+      otherwise concatenated along dim 0 with ``<name>_lengths`` (int32 ``[B]``).
     - anything else: ``torch.utils.data.default_collate``.
 
     A field whose tensors already lie end to end in one storage (``CachedDataset``'s
@@ -140,6 +161,9 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     for i, sample in enumerate(present):
         if set(sample) != set(names):
             raise _problem(f"sample {i} has fields {sorted(sample)}, sample 0 has {sorted(names)}")
+    variable: set[str] = set()
+    for sample in present:
+        variable.update(getattr(sample, "variable", ()))
     out: dict[str, Any] = {}
     for name in names:
         values = [sample[name] for sample in present]
@@ -157,7 +181,7 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
                     f"cannot share one Kaolin batch (read one fingerprint per loader)"
                 )
             out[name] = _stack(values)
-        elif len({v.shape for v in values}) == 1:
+        elif name not in variable and len({v.shape for v in values}) == 1:
             out[name] = _stack(values)
         else:
             out[name] = _cat(name, values)

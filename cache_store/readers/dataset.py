@@ -45,6 +45,7 @@ from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
 from cache_store.format.index import DatasetIndex
+from cache_store.readers.collate import SpcSample
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import Store, open_store
 
@@ -53,6 +54,16 @@ __all__ = ["CachedDataset", "resolve_index"]
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
+
+
+def _variable_fields(recipe: str, version: int, params: Mapping[str, Any]) -> frozenset[str]:
+    """The fields ``recipe`` declares with a per-record first dimension, when that
+    recipe at that version is installed here (else none: collate then goes by shapes)."""
+    spec = RECIPE_SPECS.get(recipe)
+    if spec is None or spec.version != version:
+        return frozenset()
+    return spec.variable_length_fields(params)
+
 
 #: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
 #: damaged one, the worker could not compute it, or, with ``sources=``, its source file
@@ -269,6 +280,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._miss_handler: ProcessLocal[Any] | None = None  # made on the first miss
         self._fingerprint: str | None = None
         self._recipe: tuple[str, int, dict[str, Any]] | None = None
+        # fields the recipe declares with a per-record first dimension (see SpcSample)
+        self._variable: frozenset[str] = frozenset()
         self._id_bytes: np.ndarray | None = None  # uint8 [total id bytes]
         self._id_offsets: np.ndarray | None = None  # int64 [n + 1]
         self._store: ProcessLocal[Store] = ProcessLocal(
@@ -299,6 +312,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             usage.note_read(store.location, index.fingerprint)  # once per open (spcache ls)
         self._id_bytes, self._id_offsets = index.packed_ids()
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
+        self._variable = _variable_fields(*self._recipe)
         self._fingerprint = index.fingerprint
         log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
 
@@ -327,6 +341,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         )
         self._id_bytes, self._id_offsets = pack_ids([sid for sid, _ in items])
         self._recipe = (spec.name, spec.version, resolved)
+        self._variable = spec.variable_length_fields(resolved)
         self._fingerprint = compute_fingerprint(spec.name, spec.version, resolved)
         log.debug("CachedDataset %s over sources: %d samples", self._fingerprint, len(items))
 
@@ -385,8 +400,13 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return self._store.get()
 
     def _finish(self, record: Any) -> Any:
-        sample: Sample = record.tensors
-        return self.transform(sample) if self.transform is not None else sample
+        sample = SpcSample(record.tensors, self._variable)
+        if self.transform is None:
+            return sample
+        out = self.transform(sample)
+        if type(out) is dict and self._variable:  # keep the declared batch layout
+            return SpcSample(out, self._variable & out.keys())
+        return out
 
     def __getitem__(self, i: int) -> Any:
         if self._skipped is None:

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cache_store.recipes.specs import FieldSpec, ParamSpec, RecipeSpec
+from cache_store.recipes.specs import FieldSpec, ParamSpec, RecipeSpec, fixed_size, param_symbols
 
 if TYPE_CHECKING:  # pragma: no cover - for annotations only
     import numpy as np
@@ -335,8 +335,6 @@ def _free_device_cache(device: Any) -> None:
 
 # --- output checking -------------------------------------------------------------------
 
-_DIM_EXPR = re.compile(r"^([A-Za-z_]\w*)\s*([+-])\s*(\d+)$")
-
 
 def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> None:
     """Raise :class:`cache_store.errors.SpcacheError` unless ``tensors`` are exactly the
@@ -365,11 +363,7 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
         problems.append(f"field(s) {', '.join(missing)} missing")
     if extra:
         problems.append(f"field(s) {', '.join(map(str, extra))} not declared")
-    symbols: dict[str, int] = {}
-    if "uniform_queries" in params and "surface_queries" in params:
-        symbols["M"] = int(params["uniform_queries"]) + int(params["surface_queries"])
-    if "uniform_samples" in params and "near_samples" in params:
-        symbols["M"] = int(params["uniform_samples"]) + int(params["near_samples"])
+    symbols = param_symbols(params)
     for name, field in spec.fields.items():
         tensor = tensors.get(name)
         if tensor is None:
@@ -403,14 +397,9 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
 
 
 def _dim_value(dim: str, params: Mapping[str, Any], symbols: dict[str, int], size: int) -> int:
-    if dim.isdigit():
-        return int(dim)
-    match = _DIM_EXPR.match(dim)
-    if match and match.group(1) in params:
-        base, sign, offset = params[match.group(1)], match.group(2), int(match.group(3))
-        return int(base) + offset if sign == "+" else int(base) - offset
-    if dim in params and isinstance(params[dim], int):
-        return int(params[dim])
+    fixed = fixed_size(dim, params)
+    if fixed is not None:
+        return fixed
     return symbols.setdefault(dim, size)
 
 

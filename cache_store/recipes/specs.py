@@ -11,6 +11,7 @@ torch.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +25,44 @@ __all__ = [
     "RECIPE_SPECS",
     "get_recipe_spec",
     "MAX_RECORD_BYTES",
+    "param_symbols",
+    "fixed_size",
 ]
 
 #: Largest record a recipe's parameters may call for (worst case, from the parameters):
 #: a request above it is refused, so one record always fits one response of the service.
 MAX_RECORD_BYTES = 256 << 20
+
+
+_DIM_EXPR = re.compile(r"^([A-Za-z_]\w*)\s*([+-])\s*(\d+)$")
+
+
+def param_symbols(params: Mapping[str, Any]) -> dict[str, int]:
+    """Symbolic sizes that parameters fix: ``M``, the query (or SDF sample) count of the
+    built-in recipes, is ``uniform_queries + surface_queries`` (``uniform_samples +
+    near_samples``)."""
+    symbols: dict[str, int] = {}
+    if "uniform_queries" in params and "surface_queries" in params:
+        symbols["M"] = int(params["uniform_queries"]) + int(params["surface_queries"])
+    if "uniform_samples" in params and "near_samples" in params:
+        symbols["M"] = int(params["uniform_samples"]) + int(params["near_samples"])
+    return symbols
+
+
+def fixed_size(dim: str, params: Mapping[str, Any]) -> int | None:
+    """The size of one declared dimension when ``params`` fix it for every record (an
+    integer, an integer parameter, ``level+2``, :func:`param_symbols`); None for a symbol
+    each record sets for itself (``N``, ``num_points``)."""
+    dim = dim.strip()
+    if dim.isdigit():
+        return int(dim)
+    match = _DIM_EXPR.match(dim)
+    if match and match.group(1) in params:
+        base, sign, offset = params[match.group(1)], match.group(2), int(match.group(3))
+        return int(base) + offset if sign == "+" else int(base) - offset
+    if dim in params and isinstance(params[dim], int) and not isinstance(params[dim], bool):
+        return int(params[dim])
+    return param_symbols(params).get(dim)
 
 
 @dataclass(frozen=True)
@@ -131,6 +165,17 @@ class RecipeSpec:
         if problems:
             raise ParameterError(problems, what=f"parameters for recipe {self.name!r}")
         return resolved
+
+    def variable_length_fields(self, params: Mapping[str, Any]) -> frozenset[str]:
+        """The fields whose first dimension each record sets for itself (``[N, 3]``),
+        not ``params`` (``[M, 3]`` of the built-ins, ``[level+1]``, ``[3]``): batched,
+        they are concatenated, never stacked (``collate_spc``)."""
+        out = set()
+        for name, field in self.fields.items():
+            dims = [d for d in field.shape.strip().strip("[]").split(",") if d.strip()]
+            if dims and fixed_size(dims[0], params) is None:
+                out.add(name)
+        return frozenset(out)
 
     def worst_case_record_bytes(self, params: Mapping[str, Any] | None = None) -> int | None:
         """The largest record ``params`` (defaults filled in) can produce, or None."""

@@ -67,6 +67,55 @@ def test_a_plugin_recipe_is_listed_with_its_origin_and_computed(probe, tmp_path:
         assert record.metadata["recipe"] == "probe"
 
 
+def test_a_plugins_variable_size_field_has_one_batch_layout(probe, tmp_path: Path) -> None:
+    """``voxels [N, 3]`` is concatenated with ``voxels_lengths`` in every batch: of one
+    sample, of two equal-size samples and of unequal ones (the last batch of an epoch
+    cannot change shape); ``extent [3]`` is stacked."""
+    from torch.utils.data import DataLoader
+
+    from spcache import CachedDataset, collate_spc
+
+    store = LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 24)
+    with store:
+        engine = Engine(store, "probe", {"level": 4}, device="cpu", backend="torch", loaders=0)
+        items = [("a", str(MESH)), ("b", str(MESH)), ("c", str(CLOUD))]
+        assert engine.run(items).done == 3
+    ds = CachedDataset(tmp_path / "cache", engine.fingerprint)
+    at = {ds.sample_id(i): i for i in range(len(ds))}
+    a, b, c = (ds[at[sid]] for sid in "abc")
+    n_mesh, n_cloud = a["voxels"].shape[0], c["voxels"].shape[0]
+    assert n_mesh != n_cloud and b["voxels"].shape[0] == n_mesh
+
+    def layout(batch: dict) -> dict:
+        return {name: tuple(t.shape) for name, t in batch.items()}
+
+    assert layout(collate_spc([a])) == {
+        "voxels": (n_mesh, 3),
+        "voxels_lengths": (1,),
+        "extent": (1, 3),
+    }
+    assert layout(collate_spc([a, b])) == {
+        "voxels": (2 * n_mesh, 3),
+        "voxels_lengths": (2,),
+        "extent": (2, 3),
+    }
+    assert layout(collate_spc([a, c])) == {
+        "voxels": (n_mesh + n_cloud, 3),
+        "voxels_lengths": (2,),
+        "extent": (2, 3),
+    }
+    # a transform returning a new dict keeps the declared layout of the fields it keeps
+    renamed = CachedDataset(
+        tmp_path / "cache", engine.fingerprint, transform=lambda s: {"voxels": s["voxels"]}
+    )
+    assert set(collate_spc([renamed[at["a"]]])) == {"voxels", "voxels_lengths"}
+    # forked DataLoader workers, batches of one: the same layout
+    loader = DataLoader(ds, batch_size=1, num_workers=1, collate_fn=collate_spc)
+    for batch in loader:
+        assert batch["voxels"].dim() == 2 and batch["voxels_lengths"].shape == (1,)
+        assert batch["extent"].shape == (1, 3)
+
+
 @pytest.mark.parametrize(
     ("mode", "says"),
     [
