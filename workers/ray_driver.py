@@ -86,6 +86,8 @@ class RayRunOptions:
     progress: bool = False
     skip_failed: bool = False
     failure_log: FailureLog | None = None
+    #: the installed recipe's code digest: skipped records by other code are reported
+    code_digest: str | None = None
     #: Where the actors write their records themselves (``{"location",
     #: "storage_options"}`` of a sharded snapshot); None: they send them here.
     sink: Mapping[str, Any] | None = None
@@ -138,6 +140,7 @@ class RayRun:
             progress=options.progress,
             failures=options.failure_log,
             skip_failed=options.skip_failed,
+            code_digest=options.code_digest,
         )
         self.slots: list[ActorSlot] = []
         self.shards: deque[Shard] = deque()
@@ -171,6 +174,7 @@ class RayRun:
                 self.ledger.write_index,
                 self._merge_final,
                 self.ledger.close_progress,
+                self.ledger.report_other_code,
                 close_failure_log,
                 stop_clock,
             )

@@ -198,6 +198,7 @@ class RayEngine(Engine):
             fingerprint=self.fingerprint,
             recipe=self.recipe_spec.name,
             recipe_version=self.recipe_spec.version,
+            code_digest=self.code_digest,
             params=dict(self.params),
             device=self.device,
             backend=self.backend,

@@ -201,6 +201,23 @@ def test_a_rerun_says_failed_again_and_skip_failed_sends_nothing_to_ray(ray_cach
 
 
 @pytest.mark.slow
+def test_a_rerun_on_ray_reports_records_made_by_other_recipe_code(
+    ray_cache, sources, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Ray driver skips stored records as the local engine does, and says, once,
+    how many of them other code than the installed recipe's computed."""
+    cache, first, _ = ray_cache
+    with open_store(cache, readonly=False) as store:
+        engine = RayEngine(store, "spc_query", PARAMS, skip_failed=True, **RAY_OPTIONS)
+        engine.code_digest = "0" * 16  # as if the recipe's code had changed since
+        with caplog.at_level(logging.WARNING, logger="workers.run_ledger"):
+            again = engine.run(_items(sources))
+    assert again.skipped == first.done and again.skipped_other_code == first.done
+    warned = [r.getMessage() for r in caplog.records if "computed by other code" in r.getMessage()]
+    assert len(warned) == 1 and f"{first.done} skipped record(s)" in warned[0], warned
+
+
+@pytest.mark.slow
 def test_summary_reports_every_item_once_and_each_actor(ray_cache, sources) -> None:
     _, summary, reported = ray_cache
     counts = Counter(r.sample_id for r in reported)
