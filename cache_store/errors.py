@@ -9,8 +9,10 @@ maps these classes to HTTP status codes in one place (``service/errors.py``).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
 
 __all__ = [
     "SpcacheError",
@@ -40,15 +42,72 @@ __all__ = [
 ]
 
 
+#: How torch's DataLoader re-raises a loader worker's exception in the training process:
+#: ``type(exc)(text)``, the text being "Caught <Name> in DataLoader worker process <n>.",
+#: then the worker's traceback, whose last line is "<module>.<Name>: <its message>".
+_FROM_WORKER = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\n")
+
+
 class SpcacheError(Exception):
-    """Root of every error raised by spcache on purpose."""
+    """Root of every error raised by spcache on purpose.
+
+    Raised in a DataLoader worker, an error reaches the training process as the same
+    class with torch's text as its message (the worker's traceback included): every
+    subclass accepts that text in place of its own arguments, and reads its attributes
+    back from the original message at the end of it (``message_fields``; None where
+    the message does not give one). ``except SampleFailed as exc: exc.sample_id`` works
+    the same with ``num_workers=0`` or 8."""
+
+    #: the message ``__init__`` makes, as a regex whose named groups are attributes
+    message_fields: ClassVar[re.Pattern[str] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            cls.__init__ = _accepting_worker_text(init)  # type: ignore[method-assign]
 
     def __str__(self) -> str:  # KeyError would quote the message; keep it readable.
         return str(self.args[0]) if self.args else self.__class__.__name__
 
+    def _from_worker(self, text: str) -> None:
+        """Become the error torch rebuilt from ``text`` (see the class docstring)."""
+        Exception.__init__(self, text)
+        pattern = type(self).message_fields
+        if pattern is None:
+            return
+        original = _original_message(text, type(self).__name__)
+        found = pattern.fullmatch(original) if original is not None else None
+        for name in pattern.groupindex:
+            setattr(self, name, found.group(name) if found else None)
+
+
+def _accepting_worker_text(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self: SpcacheError, *args: Any, **kwargs: Any) -> None:
+        text = args[0] if len(args) == 1 and not kwargs else None
+        if isinstance(text, str) and _FROM_WORKER.match(text):
+            self._from_worker(text)
+            return
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _original_message(text: str, name: str) -> str | None:
+    """The message of the worker's exception: the last "<module>.<name>: ..." line."""
+    line = re.compile(rf"(?:[\w.]+\.)?{re.escape(name)}: (.*)")
+    for candidate in reversed(text.rstrip("\n").splitlines()):
+        found = line.fullmatch(candidate)
+        if found:
+            return found.group(1)
+    return None
+
 
 class RecordNotFound(SpcacheError, KeyError):
     """No record under ``key`` in the cache at ``cache``."""
+
+    message_fields = re.compile(r"no record ['\"](?P<key>.*?)['\"](?: in cache (?P<cache>.*))?")
 
     def __init__(self, key: str, cache: str = "") -> None:
         where = f" in cache {cache}" if cache else ""
@@ -90,6 +149,9 @@ class FingerprintRemoved(RecordNotFound):
         self.fingerprint = fingerprint
         self.removed_at = removed_at
 
+    def _from_worker(self, text: str) -> None:
+        _rebuild_removed(self, text)
+
     def __reduce__(self) -> tuple[type[FingerprintRemoved], tuple[object, ...]]:
         if not _FINGERPRINT.fullmatch(self.fingerprint):
             return type(self), (str(self),)
@@ -115,6 +177,8 @@ def _rebuild_removed(error: FingerprintRemoved, message: str) -> None:
 class CorruptRecord(SpcacheError, ValueError):
     """The bytes stored under ``key`` are not a valid record (``reason`` says why)."""
 
+    message_fields = re.compile(r"corrupt record ['\"](?P<key>.*?)['\"]: (?P<reason>.*)")
+
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(f"corrupt record {key!r}: {reason}")
         self.key = key
@@ -139,6 +203,9 @@ class InvalidSampleId(SpcacheError, ValueError):
 
 class SourceError(SpcacheError, ValueError):
     """A source file (mesh or point cloud) that cannot become a record."""
+
+    # split at the first ": " (a reason often holds one; a path seldom does)
+    message_fields = re.compile(r"(?P<path>.*?): (?P<reason>.*)")
 
     def __init__(self, path: object, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
@@ -258,6 +325,10 @@ class SampleFailed(SpcacheError):
     """A sample could not be computed (e.g. a bad mesh); the message names its id, its
     source path and the reason the worker recorded. Other samples are unaffected."""
 
+    message_fields = re.compile(
+        r"sample ['\"](?P<sample_id>.*?)['\"] \((?P<path>.*?)\) failed: (?P<reason>.*)"
+    )
+
     def __init__(self, sample_id: object, path: object = None, reason: object = None) -> None:
         if path is None and reason is None:  # rebuilt from its message
             super().__init__(str(sample_id))
@@ -281,6 +352,11 @@ class StaleRecord(SpcacheError):
     """A stored record was computed from other bytes than its source holds now (the
     source was edited, or another file stands under the same sample id), read with
     ``on_stale="error"``. The message names the key, the source and both hashes."""
+
+    message_fields = re.compile(
+        r"record ['\"](?P<key>.*?)['\"] is stale: it was computed from a source with "
+        r"hash \S+, and (?P<path>.*) now hashes to \S+"
+    )
 
     def __init__(
         self, key: object, path: object = None, stored: object = None, current: object = None
