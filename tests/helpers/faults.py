@@ -124,8 +124,7 @@ class Child:
 @contextlib.contextmanager
 def served(settings: Any, attempts: int = 3) -> Iterator[Any]:
     """The app under a real uvicorn on loopback (``InProcessServer``), started again on
-    another port if a start fails (a port picked free can be taken before uvicorn binds
-    it, and a loaded machine can miss the start deadline)."""
+    another port if a start fails (a loaded machine can miss the start deadline)."""
     from tests.helpers.service import InProcessServer
 
     for attempt in range(attempts):
@@ -134,6 +133,7 @@ def served(settings: Any, attempts: int = 3) -> Iterator[Any]:
             server.__enter__()
         except RuntimeError:
             server.server.should_exit = True
+            server.socket.close()
             if attempt == attempts - 1:
                 raise
             continue

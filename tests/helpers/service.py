@@ -94,7 +94,11 @@ class InProcessServer:
     """
 
     def __init__(self, settings: Settings | None, app: object = None) -> None:
-        self.port = free_port()
+        # bound here and handed to uvicorn: a port looked up free and bound later can be
+        # taken in between (another test's client connection, on a busy machine)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(settings) if app is None else app
         config = uvicorn.Config(
@@ -106,20 +110,26 @@ class InProcessServer:
             lifespan="on",
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
+        )
 
     def __enter__(self) -> InProcessServer:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a loaded 2-core machine: seconds, not 10 ms
         while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("in-process uvicorn did not start")
+            if not self.thread.is_alive():
+                self.socket.close()
+                raise RuntimeError("in-process uvicorn ended before it started (see its log)")
+            if time.monotonic() > deadline:
+                raise RuntimeError("in-process uvicorn did not start within 60 s")
             time.sleep(0.01)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.socket.close()
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
