@@ -121,16 +121,12 @@ class FingerprintRemoved(RecordNotFound):
     ``prune``) at ``removed_at`` (seconds since the epoch). A ``RecordNotFound``, so code
     that handles a missing record handles this one too; the message says why.
 
-    Raised in a DataLoader worker, it is rebuilt in the main process from its message
-    alone (``cls(message)``): then the message is kept as given, and ``fingerprint`` and
-    ``key`` are read back from it. Pickled, it keeps every field."""
+    Rebuilt from a DataLoader worker's text (see :class:`SpcacheError`), ``fingerprint``
+    and ``key`` are read back from it. Pickled, it keeps every field."""
 
     def __init__(
         self, fingerprint: str, cache: str = "", removed_at: float | None = None, key: str = ""
     ) -> None:
-        if not _FINGERPRINT.fullmatch(fingerprint) and not (cache or key or removed_at):
-            _rebuild_removed(self, fingerprint)  # rebuilt from its message
-            return
         when = (
             ""
             if removed_at is None
@@ -330,10 +326,7 @@ class SampleFailed(SpcacheError):
     )
 
     def __init__(self, sample_id: object, path: object = None, reason: object = None) -> None:
-        if path is None and reason is None:  # rebuilt from its message
-            super().__init__(str(sample_id))
-        else:
-            super().__init__(f"sample {sample_id!r} ({path}) failed: {reason}")
+        super().__init__(f"sample {sample_id!r} ({path}) failed: {reason}")
         self.sample_id = sample_id
         self.path = path
         self.reason = reason
@@ -361,12 +354,9 @@ class StaleRecord(SpcacheError):
     def __init__(
         self, key: object, path: object = None, stored: object = None, current: object = None
     ) -> None:
-        if path is None:  # rebuilt from its message
-            super().__init__(str(key))
-        else:
-            super().__init__(
-                f"record {key!r} is stale: it was computed from a source with "
-                f"hash {stored}, and {path} now hashes to {current}"
-            )
+        super().__init__(
+            f"record {key!r} is stale: it was computed from a source with "
+            f"hash {stored}, and {path} now hashes to {current}"
+        )
         self.key = key
         self.path = path
