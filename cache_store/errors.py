@@ -312,11 +312,6 @@ class BackendUnavailable(SpcacheError, RuntimeError):
         self.reason = reason
 
 
-# The read-through errors below take their whole message as one argument too: a
-# DataLoader worker's exception is rebuilt in the main process as ``cls(message)``, and
-# must arrive as the same class so ``except SampleFailed`` works there.
-
-
 class SampleFailed(SpcacheError):
     """A sample could not be computed (e.g. a bad mesh); the message names its id, its
     source path and the reason the worker recorded. Other samples are unaffected."""
