@@ -399,13 +399,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _store_here(self) -> Store:
         return self._store.get()
 
-    def _finish(self, record: Any) -> Any:
-        sample = SpcSample(record.tensors, self._variable)
+    def _finish(self, record: Any, i: int) -> Any:
+        sample_id = self.sample_id(i)
+        sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:
             return sample
         out = self.transform(sample)
-        if type(out) is dict and self._variable:  # keep the declared batch layout
-            return SpcSample(out, self._variable & out.keys())
+        if type(out) is dict:  # keep the declared batch layout and the sample's id
+            return SpcSample(out, self._variable & out.keys(), sample_id)
         return out
 
     def __getitem__(self, i: int) -> Any:
@@ -460,7 +461,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             record = self._store_here().get_record(key, fields=self.fields)
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
-        return self._finish(record)
+        return self._finish(record, i)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         keys = [self.key(i) for i in indices]
@@ -473,7 +474,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             records = self._store_here().get_records(keys, fields=self.fields)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
-        return [self._finish(record) for record in records]
+        return [self._finish(record, i) for i, record in zip(indices, records, strict=True)]
 
     # -- stale records (sources=..., on_stale != "serve") -------------------------------
     _LIMITS = SourceLimits()
