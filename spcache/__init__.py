@@ -53,6 +53,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
+    from cache_store.readers.loader import DataLoader
+    from cache_store.readers.sampler import Sampler
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import discover_sources
     from spcache import recipes
@@ -97,6 +99,8 @@ _LAZY: dict[str, str] = {
     "Timings": "spcache.compute",
     "UsageError": "workers.precompute",
     "CachedDataset": "cache_store.readers.dataset",
+    "Sampler": "cache_store.readers.sampler",
+    "DataLoader": "cache_store.readers.loader",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
@@ -126,6 +130,8 @@ __all__ = [
     "compact",
     # reading
     "CachedDataset",
+    "Sampler",
+    "DataLoader",
     "collate_spc",
     "to_kaolin_spc",
     # errors: every one is a SpcacheError

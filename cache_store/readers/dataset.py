@@ -43,11 +43,11 @@ from cache_store.location import parse_location
 from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
-from cache_store.format.ids import pack_ids
+from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.format.index import DatasetIndex
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import BlockLayout, Store, open_store
 
 __all__ = ["CachedDataset", "resolve_index"]
 
@@ -154,7 +154,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             service URL :mod:`cache_store.readers.http_read_through`: the service queues and
             waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
-            order), so the worker keeps busy while loaders wait.
+            order), so the worker keeps busy while loaders wait; a
+            :class:`~cache_store.readers.sampler.Sampler` with ``read_ahead`` sets it
+            to 0 and queues ahead in its own order instead.
         miss_timeout: seconds a miss waits for its record before ``MissTimeout``.
         on_error: ``"raise"`` (the default): a sample without a usable record raises.
             ``"skip"``: such a sample (no record, a damaged one, or one the worker could
@@ -273,6 +275,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         # made here, in the process that builds the dataset, so its workers share it
         self._skipped = SkippedSamples() if on_error == "skip" else None
         self.on_stale = on_stale
+        self.epoch = 0  # set_epoch
         # index -> (signature, record checksum) this process hashed and found current
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None  # uint8, with sources only
@@ -394,6 +397,58 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """``"<fingerprint>/<sample id>"`` of the sample at position ``i``."""
         start, stop = self._id_span(i)
         return f"{self._fingerprint}/{self._id_bytes[start:stop].tobytes().decode('utf-8')}"  # type: ignore[index]
+
+    # -- what a sampler asks (cache_store.readers.sampler) ------------------------------
+    def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The sample ids in index order, packed: ``(blob uint8 [total_bytes], offsets
+        int64 [n + 1])``, id ``i`` at ``blob[offsets[i]:offsets[i + 1]]`` (not copies:
+        do not write to them)."""
+        self._load_index()
+        return self._id_bytes, self._id_offsets  # type: ignore[return-value]
+
+    def blocks(self) -> BlockLayout | None:
+        """How the store reads these records: None where any record costs what any other
+        does (a cache directory, the service), else the block each sample lies in (a
+        sharded snapshot's parts, a Zarr snapshot's chunk ranges; see
+        :meth:`Store.block_layout`), which a shuffle keeps together. Asks a store opened
+        for the question and closed again."""
+        self._load_index()
+        if self.sources is not None:  # read-through: a cache directory or the service
+            return None
+        store = self._new_store()
+        try:
+            return store.block_layout(self._fingerprint, unpack_ids(*self.packed_ids()))  # type: ignore[arg-type]
+        finally:
+            store.close()
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch read next (``self.epoch``), set by
+        :meth:`~cache_store.readers.sampler.Sampler.set_epoch`: the hook for what varies
+        per epoch. A loader worker has the value of when it started (each epoch, unless
+        ``persistent_workers``)."""
+        self.epoch = int(epoch)
+
+    def queue_ahead(self, indices: Sequence[int]) -> int:
+        """Read-through (``on_miss="compute"``): queue the samples at ``indices`` that
+        the cache lacks for its worker, without waiting (a sampler's read-ahead); the
+        number of samples handed to the queue (0 otherwise). Raises ``NoWorkerAlive``."""
+        if self.on_miss != "compute":
+            return 0
+        ahead = [
+            (self.sample_id(i), self.source_path(i)) for i in indices if not self._has(self.key(i))
+        ]
+        if ahead:
+            self._handler().queue_ahead(ahead)
+        return len(ahead)
+
+    def restore_failed(self, entries: Iterable[Sequence[Any]]) -> None:
+        """Put ``[sample id, path, reason, when]`` entries (a sampler state's ``failed``)
+        back into :attr:`failed`, so a resumed job lists what the stopped one skipped
+        (nothing with ``on_error="raise"``)."""
+        if self._skipped is None:
+            return
+        for sample_id, path, reason, when in entries:
+            self._skipped.add(str(sample_id), str(path), str(reason), when=float(when))
 
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:

@@ -62,9 +62,10 @@ class SkippedSamples:
         self.directory = state["directory"]
         self._finalizer = None  # only the creator removes it
 
-    def add(self, sample_id: str, path: str, reason: str) -> bool:
-        """Record a skip; True when no process of this dataset had skipped ``sample_id``
-        before (the caller then warns), False when one had."""
+    def add(self, sample_id: str, path: str, reason: str, *, when: float | None = None) -> bool:
+        """Record a skip (at ``when``, default now); True when no process of this
+        dataset had skipped ``sample_id`` before (the caller then warns), False when one
+        had."""
         name = hashlib.sha256(sample_id.encode("utf-8")).hexdigest()[:40] + ".json"
         final = os.path.join(self.directory, name)
         if os.path.exists(final):
@@ -73,7 +74,13 @@ class SkippedSamples:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(
-                    {"sample_id": sample_id, "path": path, "reason": reason, "when": time.time()}, f
+                    {
+                        "sample_id": sample_id,
+                        "path": path,
+                        "reason": reason,
+                        "when": time.time() if when is None else when,
+                    },
+                    f,
                 )
             try:
                 os.link(temp, final)  # atomic, and refuses an existing name

@@ -75,6 +75,7 @@ from cache_store.recipes.specs import RECIPE_SPECS
 
 __all__ = [
     "STORE_BACKENDS",
+    "BlockLayout",
     "RecordDecoder",
     "Store",
     "VerifyReport",
@@ -108,6 +109,16 @@ class VerifyReport:
             "missing": list(self.missing),
             "damaged": self.damaged,
         }
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a backend reads one dataset's records: block by block. ``names`` (str,
+    stable across processes and runs: a part's name, a chunk range) and ``of_sample``
+    (np.ndarray int64 of shape (n,): the block of each sample, indexing ``names``)."""
+
+    names: tuple[str, ...]
+    of_sample: Any
 
 
 # --------------------------------------------------------------------------- decoding
@@ -316,6 +327,13 @@ class Store(abc.ABC):
         """A change counter: a different value after any write has landed since the last
         call, the same while nothing was written. None: this backend cannot tell (treat
         every call as a change)."""
+        return None
+
+    def block_layout(self, fingerprint: str, sample_ids: Sequence[str]) -> BlockLayout | None:
+        """The blocks this backend reads the records of ``sample_ids`` (of
+        ``fingerprint``) in, or None: any record is read as cheaply as any other (the
+        default). A backend that fetches a block at a time (a part, a chunk) says which
+        block holds each sample, so a sampler can keep a block's samples together."""
         return None
 
     def iter_values(self, prefix: str = "") -> Iterator[tuple[str, bytes]]:
