@@ -345,8 +345,9 @@ class Sampler(torch.utils.data.Sampler[int]):
         of the epoch's order done by all ranks together), ``samples`` (the dataset's
         size), ``seed``, ``shuffle``, ``mode`` and ``window_blocks`` (what rebuilds the
         order), ``digest`` (of the epoch's id sequence: a resume over other samples is
-        refused) and ``failed`` (``on_error="skip"``: each skipped sample as ``[id,
-        path, reason, when]``, restored into the dataset by :meth:`load_state_dict`)."""
+        refused) and ``failed`` (``on_error="skip"``: each sample the dataset skipped so far, as
+        ``[key, id, path, reason, when]`` of ``dataset.failed``, restored into the
+        dataset by :meth:`load_state_dict`)."""
         at = self.position if position is None else position
         hashes, _ = self._ids()
         state: dict[str, Any] = {
@@ -363,7 +364,9 @@ class Sampler(torch.utils.data.Sampler[int]):
         }
         failed = getattr(self.dataset, "failed", None)
         if failed:
-            state["failed"] = [[f.sample_id, f.path, f.reason, f.when] for f in failed.values()]
+            state["failed"] = [
+                [key, f.sample_id, f.path, f.reason, f.when] for key, f in failed.items()
+            ]
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -62,11 +62,20 @@ class SkippedSamples:
         self.directory = state["directory"]
         self._finalizer = None  # only the creator removes it
 
-    def add(self, sample_id: str, path: str, reason: str, *, when: float | None = None) -> bool:
-        """Record a skip (at ``when``, default now); True when no process of this
-        dataset had skipped ``sample_id`` before (the caller then warns), False when one
-        had."""
-        name = hashlib.sha256(sample_id.encode("utf-8")).hexdigest()[:40] + ".json"
+    def add(
+        self,
+        sample_id: str,
+        path: str,
+        reason: str,
+        *,
+        key: str | None = None,
+        when: float | None = None,
+    ) -> bool:
+        """Record a skip under ``key`` (default: ``sample_id``), at ``when`` (default:
+        now); True when no process of this dataset had skipped that key before (the
+        caller then warns), False when one had."""
+        key = sample_id if key is None else key
+        name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json"
         final = os.path.join(self.directory, name)
         if os.path.exists(final):
             return False
@@ -75,6 +84,7 @@ class SkippedSamples:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(
                     {
+                        "key": key,
                         "sample_id": sample_id,
                         "path": path,
                         "reason": reason,
@@ -94,7 +104,8 @@ class SkippedSamples:
                 os.unlink(temp)
 
     def entries(self) -> dict[str, SkippedSample]:
-        """Every sample id skipped so far by any process of the dataset, sorted."""
+        """Every key (sample id, or the path ``add`` was given as key) skipped so far by
+        any process of the dataset, sorted."""
         out: dict[str, SkippedSample] = {}
         try:
             names = os.listdir(self.directory)
@@ -108,7 +119,7 @@ class SkippedSamples:
                     data = json.load(f)
             except (OSError, ValueError):
                 continue
-            out[data["sample_id"]] = SkippedSample(
+            out[data.get("key", data["sample_id"])] = SkippedSample(
                 data["sample_id"], data["path"], data["reason"], float(data["when"])
             )
         return dict(sorted(out.items()))

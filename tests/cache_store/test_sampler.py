@@ -288,7 +288,7 @@ def test_skipped_samples_count_as_consumed_and_stay_failed(tmp_path: Path) -> No
     state = loader.state_dict()
     assert state["consumed"] == 15  # 3 batches of 5: the skipped ones count
     assert len(first) == 13
-    stopped = {entry[0] for entry in state["failed"]}
+    stopped = {entry[1] for entry in state["failed"]}
     assert {order[2], order[9]} <= stopped  # (workers may have met later ones already)
     del it
     resumed_ds = _ds(cache, on_error="skip")
@@ -326,7 +326,7 @@ def test_skips_across_ranks_resumed_with_another_world_size(tmp_path: Path) -> N
     assert_exactly_once(first + rest, kept, padded)
     # the state carries what the saving rank skipped, and every resumed rank lists it;
     # each rank lists its own skips, so the job's are the union over its ranks
-    saved = {entry[0] for entry in state["failed"]}
+    saved = {entry[1] for entry in state["failed"]}
     assert order[1] not in saved and saved <= set(datasets[0].failed)
     assert all(saved <= set(ds.failed) for ds in again)
     listed = set().union(*(ds.failed for ds in datasets + again))
