@@ -1,0 +1,97 @@
+"""Read-ahead: a Sampler over a read-through dataset queues its upcoming samples for the
+worker, in the sampler's order, a window ahead of the loaders; a real worker fills an
+empty cache in that order during the first epoch of spcache.DataLoader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cache_store.jobs.queue import JobQueue
+from spcache import CachedDataset, DataLoader, NoWorkerAlive, Sampler, collate_spc
+from tests.helpers.read_through import PARAMS, start_worker, stop_worker
+
+
+def _queued(cache: Path) -> list[str]:
+    """Sample ids of every queue item, in the order they were queued."""
+    queue = JobQueue(cache)
+    try:
+        items = [item for job in queue.jobs(limit=10_000) for item in queue.items(job.id)]
+    finally:
+        queue.close()
+    return [item["sample_id"] for item in sorted(items, key=lambda item: item["id"])]
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    folder = tmp_path / "meshes"
+    folder.mkdir()
+    for i in range(40):  # queued, never read: their contents do not matter here
+        (folder / f"m{i:02d}.xyz").write_text("0 0 0\n1 1 1\n")
+    return folder
+
+
+def test_the_sampler_queues_its_upcoming_samples_in_its_order(
+    tmp_path: Path, sources: Path
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    JobQueue(cache).heartbeat("w1", {"heartbeat_s": 1.0})  # a worker counts as alive
+    ds = CachedDataset(cache, "spc", sources=sources, level=4)
+    sampler = Sampler(ds, num_replicas=2, rank=1, read_ahead=8)
+    assert ds.warm_ahead == 0  # the sampler queues ahead, not the dataset's index order
+    sampler.set_epoch(2)
+    plain = CachedDataset(cache, "spc", sources=sources, level=4, on_miss="error")
+    same = Sampler(plain, num_replicas=2, rank=1)  # the same order, reading nothing ahead
+    same.set_epoch(2)
+    share = [plain.sample_id(i) for i in same]  # this rank's order
+    assert len(share) == 20 and _queued(cache) == []
+    it = iter(sampler)
+    for taken in range(1, 12):
+        next(it)
+        queued = _queued(cache)
+        assert queued == share[: len(queued)]  # in the sampler's order, each once
+        assert taken + 4 <= len(queued) <= taken + 8  # the window: half to whole
+    assert sorted(share) != share  # and that order is not the index order
+
+
+def test_without_read_through_nothing_is_queued(tmp_path: Path, sources: Path) -> None:
+    ds = CachedDataset(tmp_path / "cache", "spc", sources=sources, level=4, on_miss="error")
+    sampler = Sampler(ds, num_replicas=1, rank=0, read_ahead=8)
+    assert sampler.read_ahead == 0 and ds.warm_ahead == 16
+    assert len(list(sampler)) == 40
+    assert not (tmp_path / "cache" / "jobs.sqlite").exists()
+
+
+def test_no_worker_fails_at_the_first_read_ahead(tmp_path: Path, sources: Path) -> None:
+    ds = CachedDataset(tmp_path / "cache", "spc", sources=sources, level=4)
+    loader = DataLoader(ds, batch_size=4, shuffle=True, collate_fn=collate_spc)
+    with pytest.raises(NoWorkerAlive, match="spcache worker"):
+        next(iter(loader))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_first_epoch_over_an_empty_cache_is_computed_in_the_samplers_order(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    cache = tmp_path / "cache"
+    proc = start_worker(cache)
+    try:
+        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes, **PARAMS)
+        sampler = Sampler(ds, seed=5, read_ahead=4)
+        loader = DataLoader(
+            ds,
+            batch_size=2,
+            sampler=sampler,
+            num_workers=2,
+            collate_fn=collate_spc,
+            multiprocessing_context="fork",
+        )
+        yielded = [sid for batch in loader for sid in batch["sample_ids"]]
+    finally:
+        stop_worker(proc)
+    order = [ds.sample_id(i) for i in Sampler(ds, seed=5, num_replicas=1, rank=0)]
+    assert yielded == order
+    assert _queued(cache) == order  # every sample queued once, ahead, in that order
