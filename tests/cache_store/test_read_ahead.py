@@ -95,3 +95,28 @@ def test_a_first_epoch_over_an_empty_cache_is_computed_in_the_samplers_order(
     order = [ds.sample_id(i) for i in Sampler(ds, seed=5, num_replicas=1, rank=0)]
     assert yielded == order
     assert _queued(cache) == order  # every sample queued once, ahead, in that order
+
+
+def test_over_the_service_the_read_ahead_is_one_warm_up_per_window(
+    tmp_path: Path, sources: Path
+) -> None:
+    from tests.helpers.service import TOKEN, start_server, stop_server
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    server = start_server(cache, sources, "--no-worker")
+    try:
+        JobQueue(cache).heartbeat("w1", {"heartbeat_s": 1.0})  # a worker counts as alive
+        ds = CachedDataset(
+            server.url, "spc", sources=sources, level=4, store_options={"token": TOKEN}
+        )
+        sampler = Sampler(ds, num_replicas=1, rank=0, read_ahead=10)
+        it = iter(sampler)
+        taken = [ds.sample_id(next(it)) for _ in range(7)]
+        queued = _queued(cache)
+        assert queued[:7] == taken and 7 + 5 <= len(queued) <= 7 + 10
+        ds.close()
+    finally:
+        stop_server(server)
+    order = [ds.sample_id(i) for i in Sampler(ds, num_replicas=1, rank=0, read_ahead=0)]
+    assert queued == order[: len(queued)]
