@@ -41,6 +41,7 @@ computes in the order the loaders will ask, and the dataset's own index-order
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -71,10 +72,19 @@ class Position:
 
 
 def _distributed() -> tuple[int, int]:
-    """(world size, rank) of the initialised default process group, else (1, 0)."""
+    """(world size, rank) of the initialised default process group, else (1, 0), with a
+    warning when a launcher (torchrun's ``WORLD_SIZE``) says there are several."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        log.warning(
+            "Sampler: WORLD_SIZE=%s but torch.distributed is not initialised: this process "
+            "takes the whole epoch; call init_process_group() before building the "
+            "Sampler (or DataLoader), or pass num_replicas and rank",
+            launched,
+        )
     return 1, 0
 
 
@@ -176,9 +186,10 @@ class Sampler(torch.utils.data.Sampler[int]):
         window_blocks: int = 4,
         read_ahead: int = 256,
     ) -> None:
-        world, here = _distributed()
-        num_replicas = world if num_replicas is None else num_replicas
-        rank = here if rank is None else rank
+        if num_replicas is None or rank is None:
+            world, here = _distributed()
+            num_replicas = world if num_replicas is None else num_replicas
+            rank = here if rank is None else rank
         problems = [
             p
             for p in (

@@ -98,6 +98,18 @@ def test_set_epoch_reshuffles_and_reaches_the_dataset(cache: Path) -> None:
     assert list(sampler) != first
 
 
+def test_a_launched_rank_without_a_process_group_is_warned(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sampler = Sampler(_ds(cache))
+    assert (sampler.num_replicas, sampler.rank) == (1, 0)
+    assert "torch.distributed is not initialised" in caplog.text
+    caplog.clear()
+    Sampler(_ds(cache), num_replicas=2, rank=1)  # told: nothing to warn about
+    assert caplog.text == ""
+
+
 def test_bad_arguments_are_refused_by_name(cache: Path) -> None:
     ds = _ds(cache)
     with pytest.raises(ParameterError, match="rank: expected < num_replicas"):
