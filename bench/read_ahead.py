@@ -13,8 +13,10 @@ starts), the arms alternated ``--repeat`` times:
 
 Each batch is followed by ``--step-ms`` of sleep, a training step's stand-in. Also timed
 once: ``spcache precompute`` of the same sources (what the worker's throughput allows).
-Prints each arm's epoch time, the ratio no-read-ahead / read-ahead, and each against
-precompute. Nothing here asserts a speed.
+Prints each arm's epoch time, how long the loop waited for data (in all, and after its
+first batch, which waits for the worker's first claim either way), the ratios
+no-read-ahead / read-ahead, and each epoch against precompute. Nothing here asserts a
+speed.
 
     python bench/read_ahead.py [--meshes DIR] [--copies 6] [--level 7] [--read-ahead 64]
 """
@@ -142,12 +144,14 @@ def main() -> int:
                 times[name].append((took, first, waited))
                 print(
                     f"  {name} run {r + 1}: {took:.2f} s, first batch after {first:.2f} s, "
-                    f"waited for data {waited:.2f} s in all",
+                    f"waited for data {waited:.2f} s in all, {waited - first:.2f} s after "
+                    f"the first batch",
                     flush=True,
                 )
         pre = precompute(Path(tmp) / "pre", sources, params)
     ahead, plain = (statistics.median(t[0] for t in times[k]) for k in times)
     wait_ahead, wait_plain = (statistics.median(t[2] for t in times[k]) for k in times)
+    later_ahead, later_plain = (statistics.median(t[2] - t[1] for t in times[k]) for k in times)
     print(
         f"{n} samples, {params}, batch {args.batch}, {args.workers} loader workers, "
         f"step {args.step_ms:g} ms, read_ahead={args.read_ahead}"
@@ -161,6 +165,10 @@ def main() -> int:
     )
     print(
         f"waited for data (median): read-ahead {wait_ahead:.2f} s, no read-ahead {wait_plain:.2f} s"
+    )
+    print(
+        f"waited after the first batch (median): read-ahead {later_ahead:.2f} s, "
+        f"no read-ahead {later_plain:.2f} s"
     )
     print(
         f"ratio no read-ahead / read-ahead: epoch {plain / ahead:.2f}, wait {wait_plain / wait_ahead:.2f}"
