@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from cache_store import CachedDataset
 from cache_store.errors import SourceError
 from cache_store.sources.discover import KEEP_EXTENSION, discover_sources, sample_id_for
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run_spcache
 
 
 @pytest.fixture
@@ -82,34 +81,25 @@ def test_dataset_names_both_paths_of_a_collision_and_keeps_ext_on_request(twins:
 
 
 def _precompute(source: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "precompute",
-            str(source),
-            "--recipe",
-            "spc",
-            "--param",
-            "level=3",
-            "--param",
-            "surface_samples=300",
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "0",
-            "--json",
-            *extra,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_spcache(
+        "precompute",
+        source,
+        "--recipe",
+        "spc",
+        "--param",
+        "level=3",
+        "--param",
+        "surface_samples=300",
+        "--cache",
+        cache,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--json",
+        *extra,
     )
 
 

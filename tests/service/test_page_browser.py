@@ -25,7 +25,8 @@ import pytest
 
 from service.preview import BACKGROUND, decode_png_rgb
 from tests.conftest import SHARED_DATA
-from tests.helpers.service import AUTH, LiveServer, start_server, stop_server
+from tests.helpers.procs import Server
+from tests.helpers.service import AUTH, start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -75,7 +76,7 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[LiveServer, list[Path], Path, str]]:
+def served(tmp_path: Path) -> Iterator[tuple[Server, list[Path], Path, str]]:
     good, bad, subject = _sources(tmp_path / "sources")
     server = start_server(
         tmp_path / "cache", tmp_path / "sources", "--device", "cpu", "--backend", "torch"
