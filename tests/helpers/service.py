@@ -129,11 +129,15 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def start_server(
-    cache: Path, sources: Path, *extra: str, env: dict[str, str | None] | None = None
+    cache: Path,
+    sources: Path,
+    *extra: str,
+    env: dict[str, str | None] | None = None,
+    token: str | None = TOKEN,
 ) -> Server:
-    """``spcache serve`` over ``cache`` with the test token, ``sources`` as its source
-    root, on a socket bound first (``tests.helpers.procs.serve``); ``--host H`` in
-    ``extra`` binds that address."""
+    """``spcache serve`` over ``cache`` with the test token (``token=None``: none),
+    ``sources`` as its source root, on a socket bound first (``tests.helpers.procs.serve``);
+    ``--host H`` in ``extra`` binds that address."""
     args = list(extra)
     host = "127.0.0.1"
     if "--host" in args:
@@ -149,7 +153,7 @@ def start_server(
         "warning",
         *args,
         host=host,
-        env={"SPCACHE_TOKEN": TOKEN, **(env or {})},
+        env={"SPCACHE_TOKEN": token, **(env or {})},
     )
 
 

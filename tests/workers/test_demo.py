@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
 from cache_store import CachedDataset
-from tests.helpers.procs import port_is_free, run_spcache
+from tests.helpers.procs import port_is_free, run, run_spcache
 
 
 @pytest.mark.slow
@@ -36,5 +37,12 @@ def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     assert ids[-1] == "late_arrival" and queried[6]["octree"].numel() > 0
     # without a terminal the precompute says what it does sample by sample
     assert proc.stderr.count("precompute: ") >= 6
+    # The Python it prints is README's one import, and runs as printed from anywhere.
+    printed = out.split("In Python", 1)[1].splitlines()[1:4]
+    assert [line.split()[0] for line in printed] == ["import", "ds", "ds"], printed
+    assert printed[0].strip() == "import spcache" and "cache_store" not in out
+    local = "\n".join(line.strip() for line in printed[:2]) + "\nprint(len(ds))\n"
+    ran = run([sys.executable, "-c", local], cwd=tmp_path, timeout=120)
+    assert ran.returncode == 0 and ran.stdout.strip() == "7", ran.stderr[-2000:]
     # The service was stopped with the demo: the port is free again.
     assert port_is_free(port)
