@@ -384,10 +384,13 @@ class RunLedger:
 
     def open_progress(self, total: int) -> None:
         if self.progress:
-            self.bar = progress_bar_class()(
+            bar_class = progress_bar_class()
+            widget = any(c.__module__ == "tqdm.notebook" for c in bar_class.__mro__)
+            self.bar = bar_class(
                 total=total,
                 unit="sample",
-                file=sys.stderr,
+                # a widget chooses its own output when given sys.stderr itself
+                file=sys.stderr if widget else _BarStream(sys.stderr),
                 dynamic_ncols=True,
                 initial=self.summary.total,
             )
@@ -464,6 +467,34 @@ def progress_bar_class() -> Any:
         from tqdm.auto import tqdm
 
     return type("RunProgressBar", (tqdm,), {"monitor_interval": 0})
+
+
+class _BarStream:
+    """The stream a run's text bar writes to: once a write fails (stderr is a pipe whose
+    reader is gone, or a closed file) the bar writes nothing more, and the run goes on.
+    Everything else is the stream's (tqdm asks for its ``fileno``, ``encoding``)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        if not self.failed:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):  # ValueError: a closed file
+                self.failed = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.failed:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.failed = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
 
 
 def one_line(exc: BaseException) -> str:
