@@ -111,6 +111,12 @@ COMMANDS: dict[str, How] = {
     # -- Using the cache in training
     "spcache precompute spcache-demo/sources --recipe spc_query --param level=7 --cache "
     "spcache-demo/cache": How(RUN, DEMO_TEST),
+    "python -": How(
+        ELSEWHERE,
+        "names a way to start Python; tests/spcache/test_precompute_anywhere.py runs "
+        "spcache.precompute from it",
+    ),
+    "python -c": How(ELSEWHERE, "as `python -`: tests/spcache/test_precompute_anywhere.py"),
     "spcache worker --cache DIR": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     # -- Training an SPC neural field
     "spcache precompute meshes/*.obj --recipe spc_sdf --param level=7 --cache cache": How(
@@ -195,6 +201,12 @@ COMMANDS: dict[str, How] = {
     "spcache prune --cache runs/cache --unused-for 30d": How(RUN, "test_the_housekeeping_block"),
     "spcache compact --cache runs/cache       # give the disk back": How(
         RUN, "test_the_housekeeping_block"
+    ),
+    "spcache ls --json | head -1": How(
+        ELSEWHERE,
+        "a fragment (no --cache) showing a closed pipe: "
+        "tests/spcache/test_interrupt_streams.py::"
+        "test_output_into_a_closed_pipe_ends_the_command_quietly runs one",
     ),
     "spcache serve --max-size SIZE": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache worker --max-size SIZE": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),

@@ -47,6 +47,7 @@ __all__ = [
     "kill_leftovers",
     "kill_tree",
     "live",
+    "popen",
     "port_is_free",
     "refused_port",
     "run",
@@ -396,12 +397,28 @@ def start_spcache(*args: str | os.PathLike[str], **kwargs: Any) -> Proc:
     return Proc(spcache_argv(*args), **kwargs)
 
 
-def live() -> list[Proc]:
-    """The processes started here and not reaped yet."""
-    return list(_LIVE)
+_BARE: list[subprocess.Popen[Any]] = []  # started by popen(): reaped the same way
 
 
-def kill_leftovers(keep: Sequence[Proc] = ()) -> list[str]:
+def popen(
+    argv: Sequence[str | os.PathLike[str]], *, cwd: Path | str = REPO_ROOT, **kwargs: Any
+) -> subprocess.Popen[Any]:
+    """``argv`` as a bare :class:`subprocess.Popen` (keywords passed on), for a test that
+    sets up the child's stdio itself (a terminal, a pipe it closes on purpose). It
+    starts in its own session, and what is left of its tree is killed after the test as
+    for :func:`start`."""
+    kwargs.setdefault("start_new_session", True)
+    proc = subprocess.Popen([str(a) for a in argv], cwd=cwd, **kwargs)
+    _BARE.append(proc)
+    return proc
+
+
+def live() -> list[object]:
+    """The processes started here and not reaped yet (:class:`Proc` and bare ones)."""
+    return [*_LIVE, *_BARE]
+
+
+def kill_leftovers(keep: Sequence[object] = ()) -> list[str]:
     """Kill every process started here and not reaped yet (with its tree), but those in
     ``keep``; returns what was killed, described. ``tests/conftest.py`` calls it after
     each test (keeping what wider-scoped fixtures started) and at the end of the run."""
@@ -412,6 +429,18 @@ def kill_leftovers(keep: Sequence[Proc] = ()) -> list[str]:
         if proc.alive():
             left.append(_show(proc.argv))
         proc.kill()
+    for bare in list(_BARE):
+        if any(bare is kept for kept in keep):
+            continue
+        if bare.poll() is None:
+            left.append(_show(bare.args))
+            _kill_session(bare)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                bare.wait(30)
+        else:  # its tree may outlive it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(bare.pid, signal.SIGKILL)
+        _BARE.remove(bare)
     return left
 
 
