@@ -125,7 +125,7 @@ def snippet_kind(code: str) -> str:
             ("ddp", "# train_ddp.py"),
             ("resume", "# train_resume.py"),
             ("sdf", '"spc_sdf"'),
-            # run as a plugin package by tests/test_readme_recipe.py
+            # built, pip-installed and used by tests/test_readme_commands.py
             ("recipe", "from spcache.recipes import"),
         )
         if marker in code
