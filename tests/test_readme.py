@@ -217,40 +217,24 @@ def test_the_resume_snippet_is_killed_under_torchrun_and_goes_on_alone(
     """As its comment says: started under torchrun with 2 ranks, SIGKILLed (every process
     of the job) once it printed a checkpoint, started again as a single process, it
     resumes from that checkpoint and finishes; started once more, nothing is left."""
-    from tests.helpers.proctree import kill_all, tree, wait_gone
+    from tests.helpers.procs import kill_tree, start, tree, wait_gone
 
     root, count = demo_dir
     (root / "train_resume.py").write_text(_snippet("resume"))
     checkpoint = root / "checkpoint.pt"
     checkpoint.unlink(missing_ok=True)
     env = {
-        **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
-    job = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        + ["--nproc_per_node", "2", "train_resume.py"],
-        cwd=root,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        assert job.stdout is not None
-        seen = []
-        for line in job.stdout:  # ends when the job ends (it may finish before the kill)
-            seen.append(line)
-            if line.startswith("checkpoint: "):
-                procs = tree(job.pid)
-                kill_all(procs)
-                assert wait_gone(procs, 60) == []
-                break
-        assert any(line.startswith("checkpoint: ") for line in seen), "".join(seen)[-4000:]
-    finally:
-        kill_all(tree(job.pid))
-        job.communicate()
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    with start([*argv, "--nproc_per_node", "2", "train_resume.py"], cwd=root, env=env) as job:
+        # killed once it printed a checkpoint (or, finished by then, after it ends)
+        job.wait_line(r"^(checkpoint: |done$)", stream="stdout")
+        procs = tree(job.pid)
+        kill_tree(procs)
+        assert wait_gone(procs) == []
+    assert any(line.startswith("checkpoint: ") for line in job.out_lines), job.describe()
     try:
         alone = _run(root, [sys.executable, "train_resume.py"])
         assert alone.returncode == 0, alone.stderr[-4000:]

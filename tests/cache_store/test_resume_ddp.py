@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.helpers.proctree import kill_all, tree, wait_gone
+from tests.helpers.procs import kill_tree, run, start, tree, wait_file, wait_gone
 from tests.helpers.resume import FP, assert_exactly_once, sample_ids, write_cache
 
 N = 62
@@ -78,50 +76,36 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_cache(tmp_path_factory.mktemp("ddp") / "cache", IDS)
 
 
-def _torchrun(
-    out: Path, cache: Path, phase: str, ranks: int, workers: int, batch: int, at: int = -1
-) -> subprocess.Popen[str]:
+def _argv(
+    out: Path, cache: Path, phase: str, ranks: int, workers: int, batch: int, at: int
+) -> list[str]:
     script = out / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    argv = [str(a) for a in (cache, FP, out, phase, workers, batch, at)]
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        + ["--nproc_per_node", str(ranks), str(script), *argv],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone"] + [
+        str(a)
+        for a in ("--nproc_per_node", ranks, script, cache, FP, out, phase, workers, batch, at)
+    ]
+
+
+ENV = {
+    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    "OMP_NUM_THREADS": "1",
+}
 
 
 def _run(out: Path, cache: Path, phase: str, ranks: int, workers: int, batch: int) -> None:
-    proc = _torchrun(out, cache, phase, ranks, workers, batch)
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, output[-4000:]
+    done = run(_argv(out, cache, phase, ranks, workers, batch, -1), cwd=out, env=ENV)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def _run_and_kill(out: Path, cache: Path, ranks: int, workers: int, batch: int, at: int) -> int:
     """Start the job, wait until rank 0 is two steps past its checkpoint, SIGKILL every
     process of it; the number of processes killed."""
-    proc = _torchrun(out, cache, "killed", ranks, workers, batch, at)
-    deadline = time.monotonic() + 300
-    try:
-        while not (out / "kill-now").exists():
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
-            assert time.monotonic() < deadline, "the job did not reach its checkpoint in 300 s"
-            time.sleep(0.1)
-        procs = tree(proc.pid)  # torchrun, its ranks (own sessions), their loader workers
-        kill_all(procs)
-        assert wait_gone(procs, 60) == []
-    finally:
-        kill_all(tree(proc.pid))
-        proc.communicate()
+    with start(_argv(out, cache, "killed", ranks, workers, batch, at), cwd=out, env=ENV) as job:
+        wait_file(out / "kill-now", proc=job)
+        procs = tree(job.pid)  # torchrun, its ranks (own sessions), their loader workers
+        kill_tree(procs)
+        assert wait_gone(procs) == []
     return len(procs)
 
 
