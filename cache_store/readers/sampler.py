@@ -170,8 +170,9 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     The order's cost, once per sampler and then once per epoch, in the process that
     iterates it (the training process, never a loader worker): a hash of every id
-    (about 1 s per million ids) and a sort of one 64-bit key per sample (about 0.1 s per
-    million); 16 bytes per sample held while the sampler lives.
+    (0.3-0.8 s per million ids on a loaded 2-core machine) and a sort of one 64-bit key
+    per sample (0.2-0.3 s per million; block-local 0.3-1 s); 16 bytes per sample held
+    while the sampler lives (docs/BENCHMARKS.md, ``bench/resume.py``).
     """
 
     def __init__(
