@@ -7,11 +7,14 @@ test_resume_ddp.py."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import BatchSampler
 
 from spcache import CachedDataset, DataLoader, ParameterError, Sampler, collate_spc
@@ -380,3 +383,89 @@ def test_torchdata_stateful_dataloader_resumes_through_the_sampler(
     assert resumed.sampler.epoch == 2
     assert len(first) == 20
     assert_exactly_once(first + rest, IDS)
+
+
+# -- the arithmetic, for any sizes ---------------------------------------------------------
+
+
+class _Ids:
+    """What a Sampler asks of a dataset, without a store: ids, blocks, the epoch hook."""
+
+    def __init__(self, n: int, block: int | None = None) -> None:
+        from cache_store.format.ids import pack_ids
+
+        self.ids = [f"s{i}" for i in range(n)]
+        self.packed = pack_ids(self.ids)
+        self.block = block
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def packed_ids(self) -> Any:
+        return self.packed
+
+    def blocks(self) -> Any:
+        if self.block is None:
+            return None
+        import numpy as np
+
+        from cache_store.stores.base import BlockLayout
+
+        of = np.arange(len(self.ids)) // self.block
+        return BlockLayout(tuple(f"b{b}" for b in range(int(of.max()) + 1)), of)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    before=st.tuples(st.integers(1, 7), st.integers(1, 9)),
+    after=st.tuples(st.integers(1, 7), st.integers(1, 9)),
+    steps=st.integers(0, 20),
+    block=st.one_of(st.none(), st.integers(1, 30)),
+    drop_last=st.booleans(),
+)
+def test_any_stop_and_any_new_world_size_covers_the_epoch_once(
+    n: int,
+    before: tuple[int, int],
+    after: tuple[int, int],
+    steps: int,
+    block: int | None,
+    drop_last: bool,
+) -> None:
+    data = _Ids(n, block)
+    world, batch = before
+    samplers = [
+        Sampler(data, num_replicas=world, rank=r, drop_last=drop_last) for r in range(world)
+    ]
+    taken: list[int] = []
+    per_rank = [list(BatchSampler(s, batch, False)) for s in samplers]
+    done = min(steps, len(per_rank[0]))
+    for k in range(done):
+        taken += [i for rank in per_rank for i in rank[k]]
+    local = min(done * batch, samplers[0].local_count(0))
+    state = samplers[0].state_dict(samplers[0].position_after(0, 0, local))
+    world2, batch2 = after
+    rest: list[int] = []
+    for r in range(world2):
+        again = Sampler(data, num_replicas=world2, rank=r, drop_last=drop_last)
+        again.load_state_dict(state)
+        rest += [i for b in BatchSampler(again, batch2, False) for i in b]
+    order = Sampler(data, num_replicas=1, rank=0).order(0).tolist()
+    counts = Counter(taken + rest)
+    # the tail belongs to the job whose pass reached the end of the epoch
+    complete = local >= samplers[0].local_count(0)
+    remaining, ranks = (n, world) if complete else (n - state["consumed"], world2)
+    assert state["consumed"] == (n if complete else local * world)
+    if complete:
+        assert rest == []
+    uneven = remaining % ranks
+    if drop_last:  # the last `uneven` of the order left out, nothing repeated
+        dropped = set(order[n - uneven :]) if uneven else set()
+        assert set(counts) == set(range(n)) - dropped
+        assert all(c == 1 for c in counts.values())
+    else:  # each sample once, and (-remaining) % ranks repeats from the order's end
+        assert set(counts) == set(range(n))
+        padding = (-remaining) % ranks
+        repeated = {i: c - 1 for i, c in counts.items() if c > 1}
+        assert sum(repeated.values()) == padding
+        assert set(repeated) <= set(order[n - min(padding, n) :])
