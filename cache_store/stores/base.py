@@ -43,6 +43,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -119,6 +121,12 @@ class BlockLayout:
 
     names: tuple[str, ...]
     of_sample: Any
+
+    @classmethod
+    def of_labels(cls, labels: Sequence[str]) -> BlockLayout:
+        """The layout of samples whose blocks are named ``labels`` (one per sample)."""
+        names, of_sample = np.unique(np.array(labels, dtype=str), return_inverse=True)
+        return cls(tuple(str(n) for n in names), of_sample.astype(np.int64))
 
 
 # --------------------------------------------------------------------------- decoding
