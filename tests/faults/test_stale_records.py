@@ -60,7 +60,7 @@ def _worker(cache: Path) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "workers",
+            "spcache",
             "worker",
             "--cache",
             str(cache),

@@ -33,7 +33,7 @@ def start_worker(cache: Path) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "workers",
+            "spcache",
             "worker",
             "--cache",
             str(cache),
@@ -72,7 +72,7 @@ def precompute_reference(cache: Path, sources: list[Path]) -> None:
         [
             sys.executable,
             "-m",
-            "workers",
+            "spcache",
             "precompute",
             *map(str, sources),
             "--recipe",

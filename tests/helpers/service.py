@@ -154,7 +154,8 @@ def start_server(cache: Path, sources: Path, *extra: str, env: dict | None = Non
         [
             sys.executable,
             "-m",
-            "service.cli",
+            "spcache",
+            "serve",
             "--cache",
             str(cache),
             "--port",
