@@ -25,7 +25,7 @@ from cache_store.engine_options import EngineOptions
 from cache_store.errors import ParameterError, StoreFull, UnknownName
 from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
 from cache_store.recipes.table import recipe_table
-from cache_store.sources.discover import KEEP_EXTENSION
+from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
 from spcache.cli.args import add_backend, add_cache, add_device, add_json, add_loaders
 from spcache.cli.exits import FAILED, exit_status
 
@@ -250,6 +250,8 @@ def _print_summary(summary: Any) -> None:
     )
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
+    if summary.left_out:
+        print(f"  {describe_left_out(summary.left_out)}")
     if getattr(summary, "skipped_other_code", 0):
         print(
             f"  {summary.skipped_other_code} skipped record(s) were computed by other recipe "

@@ -123,12 +123,18 @@ def test_constructor_opens_nothing_and_index_leaves_nothing_open(
 
 def test_select_by_recipe_and_parameters(cache: Path) -> None:
     assert CachedDataset(cache, "spc_query", level=4).fingerprint == FP_Q4
-    assert CachedDataset(cache, "spc_query", level=5.0).fingerprint == FP_Q5
+    assert CachedDataset(cache, "spc_query", level=np.int64(5)).fingerprint == FP_Q5
+    with pytest.raises(ParameterError, match=r"level: expected an integer, got 5\.0"):
+        CachedDataset(cache, "spc_query", level=5.0).fingerprint  # noqa: B018
     assert CachedDataset(cache, "spc").fingerprint == FP_S4  # the v0 index is not current
     with pytest.raises(FingerprintLookupError) as err:
         len(CachedDataset(cache, "spc_query"))
     assert set(err.value.candidates) == {FP_Q4, FP_Q5}
     assert FP_Q4 in str(err.value) and FP_Q5 in str(err.value)
+    # the error teaches the rule: what was left out matched any stored value, no default
+    assert "matches 2 datasets" in str(err.value)
+    assert "(a parameter left out matches any stored value)" in str(err.value)
+    assert '"level":4' in str(err.value) and '"level":5' in str(err.value)
     with pytest.raises(FingerprintLookupError) as err:
         len(CachedDataset(cache, "spc_query", level=6))
     assert set(err.value.candidates) == {FP_Q4, FP_Q5}
