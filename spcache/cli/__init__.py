@@ -30,6 +30,7 @@ What every command shares happens here, once, in this order:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -103,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         return status
     except KeyboardInterrupt:  # also while the command's modules import (torch: ~1 s)
-        print("spcache: interrupted", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # stderr may be a closed pipe
+            print("spcache: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         from spcache.cli.exits import stdout_closed
