@@ -5,9 +5,10 @@ with (unless ``worker=False``) one worker child kept alive beside it.
 ``SPCACHE_*`` variables into :class:`~service.settings.Settings`). Before anything starts
 or says "listening" it refuses, with one line naming the problem
 (:class:`~cache_store.errors.UsageError`): a cache path that is a file or cannot be
-created, a worker that could never run (``--backend kaolin`` on a non-CUDA device), a port
-in use or not this machine's, a size limit without a worker or smaller than what is
-stored.
+created, a worker that could never run (``--backend kaolin`` on a non-CUDA device), a size
+limit without a worker or smaller than what is stored, a port in use or not this
+machine's (bound here, before the worker starts, and handed to uvicorn as it is), an
+inherited ``--fd`` that is no listening TCP socket.
 
 SIGTERM and SIGINT (and SIGHUP, which the dispatcher turns into SIGTERM) shut uvicorn down
 and then stop the worker child; the worker also ends by itself if this process is killed
@@ -25,7 +26,13 @@ from collections.abc import Iterator
 from cache_store.errors import UsageError
 from service.settings import Settings
 
-__all__ = ["check_start", "port_problem", "serve", "worker_backend_problem"]
+__all__ = [
+    "bind_listener",
+    "check_start",
+    "inherited_listener",
+    "serve",
+    "worker_backend_problem",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +51,6 @@ def check_start(settings: Settings, *, max_size: int | None = None) -> None:
     refused = worker_backend_problem(settings)
     if refused:
         raise UsageError(refused)
-    busy = port_problem(settings.host, settings.port)
-    if busy:
-        raise UsageError(busy)
     if max_size is not None:
         from cache_store.housekeeping import SizeLimit
 
@@ -74,39 +78,82 @@ def worker_backend_problem(settings: Settings) -> str | None:
     )
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on ``host:port`` (in use, not an address of this
-    machine, not permitted), or None: checked before anything starts or says
-    "listening", so a busy port is one line instead of a worker started for nothing."""
-    if not port:
-        return None
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks),
+    bound before anything starts so a busy port is one line instead of a worker started
+    for nothing, and handed to uvicorn as it is (no probe-then-bind race). Raises
+    :class:`~cache_store.errors.UsageError` saying why it cannot listen there (in use, not
+    an address of this machine, not permitted)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return (
-                    f"cannot listen on {host}:{port}: port {port} is in use (pick another "
-                    f"--port, e.g. --port {port + 1}, or stop what holds it)"
-                )
-            return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
-    return None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise UsageError(
+                f"cannot listen on {host}:{port}: the port is in use (pick another --port, "
+                f"e.g. --port {port + 1} or --port 0 for any free one, or stop what holds "
+                f"port {port})"
+            ) from None
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
-def serve(settings: Settings, *, max_size: int | None = None) -> int:
-    """Check (:func:`check_start`), then serve until SIGTERM/SIGINT; returns 0."""
+def inherited_listener(fd: int, host: str | None, port: int | None) -> socket.socket:
+    """The bound TCP socket inherited as file descriptor ``fd`` (``--fd``), listening.
+    Raises :class:`~cache_store.errors.UsageError` naming the descriptor when it is not
+    one, or when ``--host`` or ``--port`` were given too (the socket's address is the one
+    served)."""
+    if host is not None or port is not None:
+        raise UsageError("--fd serves the inherited socket's address: leave out --host and --port")
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise UsageError(f"--fd {fd}: not a socket ({exc.strerror or exc})") from None
+    try:
+        bound = sock.getsockname()
+        if sock.type != socket.SOCK_STREAM or sock.family not in (
+            socket.AF_INET,
+            socket.AF_INET6,
+        ):
+            raise UsageError(f"--fd {fd}: not a TCP socket")
+        if not bound[1]:
+            raise UsageError(f"--fd {fd}: the socket is not bound to an address")
+        sock.listen(2048)  # already listening (socket activation) or bound only
+    except (OSError, UsageError) as exc:
+        sock.detach()  # the descriptor stays the parent's to close
+        if isinstance(exc, UsageError):
+            raise
+        raise UsageError(f"--fd {fd}: cannot listen on it ({exc.strerror or exc})") from None
+    return sock
+
+
+def serve(
+    settings: Settings,
+    *,
+    listener: socket.socket | None = None,
+    max_size: int | None = None,
+) -> int:
+    """Check (:func:`check_start`), bind ``settings.host:port`` unless a ``listener`` is
+    given (:func:`inherited_listener`), then serve on it until SIGTERM/SIGINT, with one
+    worker child unless ``settings.worker`` is false; returns 0."""
     import uvicorn
 
     from service.app import create_app
     from service.supervisor import WorkerSupervisor, worker_command
 
     check_start(settings, max_size=max_size)
+    if listener is None:
+        listener = bind_listener(settings.host, settings.port)
+        # --port 0: the port the system picked is the one logged and served
+        settings = settings.model_copy(update={"port": listener.getsockname()[1]})
     supervisor = None
     log.info("spcache serve: cache %s", settings.cache.resolve())
     log.info(
@@ -164,8 +211,9 @@ def serve(settings: Settings, *, max_size: int | None = None) -> int:
                         supervisor.stop()
 
     try:
-        Server(config).run()
+        Server(config).run(sockets=[listener])
     finally:
+        listener.close()
         if supervisor is not None:
             supervisor.stop()
     return 0

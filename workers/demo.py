@@ -12,7 +12,7 @@ fresh machine, with no GPU and no data.
 
 SIGTERM, SIGINT and SIGHUP stop the demo and the service (and so its worker) with it;
 the service also ends by itself if the demo is killed outright (``SPCACHE_PARENT_PID``).
-The command checks the port and the directory first; :func:`run_demo` runs the steps.
+The command checks the directory and binds the port first; :func:`run_demo` runs the steps.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -139,17 +140,21 @@ def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_demo(directory: Path, *, port: int, level: int, exit_after: float | None = None) -> int:
+def run_demo(
+    directory: Path, listener: socket.socket, *, level: int, exit_after: float | None = None
+) -> int:
     """The demo's steps in ``directory`` (sources and cache), the service on
-    127.0.0.1:``port``, octree level ``level``; serves until Ctrl-C or SIGTERM (or for
-    ``exit_after`` seconds). Returns 0."""
+    ``listener`` (bound on 127.0.0.1 by the caller and handed to ``spcache serve --fd``,
+    so nothing can take the port in between), octree level ``level``; serves until
+    Ctrl-C or SIGTERM (or for ``exit_after`` seconds). Returns 0."""
     # SIGTERM (kill, docker stop; SIGHUP arrives as SIGTERM) ends the demo like Ctrl-C,
     # so the finally blocks below stop the service and its worker.
     signal.signal(signal.SIGTERM, _terminate)
-    return _run(directory, port, level, exit_after)
+    with listener:
+        return _run(directory, listener, level, exit_after)
 
 
-def _run(directory: Path, port: int, level: int, exit_after: float | None) -> int:
+def _run(directory: Path, listener: socket.socket, level: int, exit_after: float | None) -> int:
     import httpx
     from safetensors.numpy import load as load_safetensors
 
@@ -163,7 +168,7 @@ def _run(directory: Path, port: int, level: int, exit_after: float | None) -> in
 
     trimesh.creation.annulus(r_min=0.4, r_max=1.0, height=0.3).export(extra)
 
-    base = f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
     command = [
         sys.executable,
         "-m",
@@ -171,10 +176,8 @@ def _run(directory: Path, port: int, level: int, exit_after: float | None) -> in
         "serve",
         "--cache",
         str(cache),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
+        "--fd",
+        str(listener.fileno()),
         "--source-root",
         str(root),
         "--log-level",
@@ -182,7 +185,10 @@ def _run(directory: Path, port: int, level: int, exit_after: float | None) -> in
     ]
     print(f"starting the service on {base} (with one worker) ...", flush=True)
     service = subprocess.Popen(
-        command, start_new_session=True, env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())}
+        command,
+        start_new_session=True,
+        env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())},
+        pass_fds=(listener.fileno(),),
     )
     try:
         with httpx.Client(timeout=10.0) as client:

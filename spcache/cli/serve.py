@@ -4,7 +4,8 @@ worker child (``python -m spcache worker``).
 Flags override ``SPCACHE_*`` environment variables, which override defaults
 (:class:`service.settings.Settings`); the service itself is
 :func:`service.launch.serve`, which refuses what would stop it in one line (exit 2)
-before it starts anything. Logging is at INFO unless ``--log-level`` (or
+before it starts anything, binds ``--host:--port`` (0: any free port, logged) or serves
+a socket inherited as ``--fd N``. Logging is at INFO unless ``--log-level`` (or
 ``SPCACHE_LOG_LEVEL``) says otherwise, or ``-v``/``-q`` move it; the worker child logs
 at the same level.
 """
@@ -28,7 +29,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", help="address to bind (default 127.0.0.1; anything but loopback needs a token)"
     )
-    parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--port", type=int, help="port (default 8000; 0: any free port, logged)")
+    parser.add_argument(
+        "--fd",
+        type=int,
+        metavar="N",
+        help="serve on an already bound TCP socket inherited as file descriptor N "
+        "(socket activation, a supervisor or a test that bound it first); its address "
+        "replaces --host/--port",
+    )
     parser.add_argument(
         "--token",
         help="bearer token for mutating routes (env SPCACHE_TOKEN; "
@@ -86,13 +95,16 @@ _FLAG_FIELDS = (
 )
 
 
-def settings_from_args(args: argparse.Namespace) -> Any:
-    """Settings from the environment, overridden by the flags that were given."""
+def settings_from_args(args: argparse.Namespace, listener: Any = None) -> Any:
+    """Settings from the environment, overridden by the flags that were given (and by
+    the address of an inherited ``listener``, which is where the service answers)."""
     from service.settings import Settings
 
     given: dict[str, Any] = {
         name: getattr(args, name) for name in _FLAG_FIELDS if getattr(args, name, None) is not None
     }
+    if listener is not None:
+        given["host"], given["port"] = listener.getsockname()[:2]
     return Settings(**given)
 
 
@@ -114,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
 
     from cache_store.errors import UsageError
     from cache_store.housekeeping import parse_size
-    from service.launch import serve
+    from service.launch import inherited_listener, serve
 
+    listener = None if args.fd is None else inherited_listener(args.fd, args.host, args.port)
     try:
-        settings = settings_from_args(args)
+        settings = settings_from_args(args, listener)
     except ValidationError as exc:
         raise UsageError(_problems(exc)) from None
     # the level the dispatcher set (flag, environment, or INFO moved by -v/-q): uvicorn
@@ -125,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     settings = settings.model_copy(update={"log_level": level})
     max_size = None if args.max_size is None else parse_size(args.max_size)
-    return serve(settings, max_size=max_size)
+    return serve(settings, listener=listener, max_size=max_size)
 
 
 def _problems(exc: Any) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import trimesh
 
-from tests.helpers.proctree import kill_all, tree, wait_for
+from tests.helpers.procs import kill_tree, popen, run_spcache, spcache_argv, tree, wait_for
 
 SHAPES = 48
 # about half a second of loading and computing each on a loaded 2-core machine
@@ -48,14 +48,7 @@ def _env() -> dict[str, str]:
 
 
 def _spcache(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=cwd,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_spcache(*args, cwd=cwd, env=_env(), inherit_env=False, timeout=300)
 
 
 class Stderr:
@@ -123,7 +116,7 @@ def _interrupt_mid_run(proc: subprocess.Popen[bytes], cache: Path) -> None:
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
         proc.wait(timeout=120)
     finally:
-        kill_all(procs or tree(proc.pid))
+        kill_tree(procs or tree(proc.pid))
 
 
 def _check_what_was_committed(cwd: Path) -> int:
@@ -153,8 +146,8 @@ def test_ctrl_c_stops_spcache_precompute_whatever_stderr_is(tmp_path: Path, kind
     fd = stderr.target()
     args = ["precompute", "shapes", "--recipe", "spc", "--cache", "cache", "--device", "cpu"]
     args += ["--loaders", "2"] + [a for k, v in PARAMS.items() for a in ("--param", f"{k}={v}")]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spcache", *args],
+    proc = popen(
+        spcache_argv(*args),
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.DEVNULL,
@@ -186,7 +179,7 @@ def test_ctrl_c_stops_spcache_precompute_in_a_script_whose_stderr_is_closed(
 ) -> None:
     """The library call, with its text progress bar on a stderr whose reader is gone."""
     _sources(tmp_path / "shapes")
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-"],
         cwd=tmp_path,
         env=_env(),
@@ -225,7 +218,7 @@ def test_a_progress_bar_on_a_closed_stderr_fails_nothing(tmp_path: Path) -> None
             tmp_path / "shapes" / f"ball{i}.obj"
         )
     (tmp_path / "run.py").write_text(SMALL_RUN)
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "run.py"],
         cwd=tmp_path,
         env=_env(),
@@ -246,8 +239,8 @@ def test_a_progress_bar_on_a_closed_stderr_fails_nothing(tmp_path: Path) -> None
 def test_output_into_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> None:
     """``spcache recipes --json | head -c 0``: status 141, as for a tool that SIGPIPE
     ended, and no traceback."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spcache", "recipes", "--json"],
+    proc = popen(
+        spcache_argv("recipes", "--json"),
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.PIPE,

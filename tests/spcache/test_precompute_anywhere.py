@@ -20,6 +20,7 @@ import pytest
 import trimesh
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run, run_spcache
 
 SHAPES = 4
 LOADERS_DIED = "loader process died"
@@ -41,15 +42,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _python(args: list[str], cwd: Path, *, stdin: str | None = None, **env: str):
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        input=stdin,
-        env=_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run([sys.executable, *args], cwd=cwd, input=stdin, env=_env(**env), inherit_env=False)
 
 
 def _result(proc: subprocess.CompletedProcess[str]) -> dict:
@@ -59,7 +52,9 @@ def _result(proc: subprocess.CompletedProcess[str]) -> dict:
 
 def _remembered_failures(cwd: Path) -> int:
     """What ``spcache stats`` says the cache remembers as failed."""
-    proc = _python(["-m", "spcache", "stats", "--cache", "cache", "--json"], cwd)
+    proc = run_spcache(
+        "stats", "--cache", "cache", "--json", cwd=cwd, env=_env(), inherit_env=False
+    )
     assert proc.returncode == 0, proc.stderr
     return int(json.loads(proc.stdout)["failed"])
 
