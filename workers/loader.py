@@ -31,13 +31,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cache_store.errors import SourceError
+from cache_store.errors import SourceError, one_line
+from cache_store.processes import pid_alive
 from cache_store.jobs.freshness import is_current, trusted_signature
 from cache_store.recipes.registry import ENV_VAR as RECIPES_ENV_VAR
 from cache_store.recipes.registry import report_problems_here
 from workers.recipes import Recipe, get_recipe, make_generator
 from workers.loader_process import loader_context
-from workers.run_ledger import WorkItem, one_line
+from workers.run_ledger import WorkItem
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
 
@@ -66,7 +67,7 @@ def _recipe_here(recipe_name: str) -> Recipe:
     except Exception as exc:  # noqa: BLE001 - the loader's problem, raised as one
         raise LoaderUnusable(
             f"recipe {recipe_name!r} is not found in a loader process "
-            f"({type(exc).__name__}: {one_line(exc)})"
+            f"({one_line(exc, with_class=True)})"
         ) from None
 
 
@@ -137,7 +138,7 @@ def load_sample(
         return LoadOutcome(
             "failed",
             time.perf_counter() - start,
-            reason=f"{type(exc).__name__}: {one_line(exc)}",
+            reason=f"{one_line(exc, with_class=True)}",
             source_hash=digest,
         )
     try:
@@ -173,8 +174,7 @@ def load_sample(
         return LoadOutcome(
             "failed",
             time.perf_counter() - start,
-            reason=f"recipe {recipe_name!r}: prepare() raised "
-            f"{type(exc).__name__}: {one_line(exc)}",
+            reason=f"recipe {recipe_name!r}: prepare() raised {one_line(exc, with_class=True)}",
             source_hash=digest,
         )
 
@@ -201,23 +201,9 @@ def _exit_when_orphaned(engine_pid: int) -> None:
     leaves no chance to shut the pool down), and with a forkserver its parent is not the
     engine, so the engine's pid is watched directly.
     """
-    while _process_alive(engine_pid):
+    while pid_alive(engine_pid):
         time.sleep(0.5)
     os._exit(1)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until reaped; on Linux, tell the two apart
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 #: The reason of a sample whose file killed its loader twice (see :class:`LoaderPool`).
@@ -403,7 +389,7 @@ def _cannot_start(exc: BaseException) -> str:
 def _described(exc: BaseException) -> str:
     if isinstance(exc, LoaderUnusable):
         return one_line(exc)
-    return f"{type(exc).__name__}: {one_line(exc)}"
+    return one_line(exc, with_class=True)
 
 
 @contextlib.contextmanager
