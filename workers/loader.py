@@ -122,25 +122,8 @@ def load_sample(
         if failed_hash is not None and digest == failed_hash:
             return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
         source = load_source(path, data)
-    except SourceError as exc:
-        return LoadOutcome(
-            "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
-        )
-    except MemoryError:
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason="out of memory while loading",
-            source_hash=digest,
-        )
-    except Exception as exc:  # reported as this sample's failure, never swallowed
-        logger.exception("loading %s failed", path)
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason=f"{one_line(exc, with_class=True)}",
-            source_hash=digest,
-        )
+    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
+        return _failed(exc, start, digest, step=f"loading {path}")
     try:
         prepared = recipe.prepare(source, params, make_generator(fingerprint, sample_id))
         if not isinstance(prepared, dict):
@@ -158,25 +141,27 @@ def load_sample(
             source_hash=digest,
             source_stat=signature,
         )
-    except SourceError as exc:
-        return LoadOutcome(
-            "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
+    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
+        step = f"recipe {recipe_name!r}: prepare() on {path}"
+        return _failed(
+            exc, start, digest, step=step, prefix=f"recipe {recipe_name!r}: prepare() raised "
         )
-    except MemoryError:
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason="out of memory while loading",
-            source_hash=digest,
-        )
-    except Exception as exc:  # reported as this sample's failure, never swallowed
-        logger.exception("recipe %r: prepare() failed on %s", recipe_name, path)
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason=f"recipe {recipe_name!r}: prepare() raised {one_line(exc, with_class=True)}",
-            source_hash=digest,
-        )
+
+
+def _failed(
+    exc: Exception, start: float, digest: str, *, step: str, prefix: str = ""
+) -> LoadOutcome:
+    """The sample's failure for the error one of its steps raised: a :class:`SourceError`
+    gives its own reason, running out of memory says so, anything else is logged with its
+    traceback (naming ``step``) and named by its class after ``prefix``."""
+    if isinstance(exc, SourceError):
+        reason = exc.reason
+    elif isinstance(exc, MemoryError):
+        reason = "out of memory while loading"
+    else:
+        logger.error("%s failed", step, exc_info=exc)
+        reason = prefix + one_line(exc, with_class=True)
+    return LoadOutcome("failed", time.perf_counter() - start, reason=reason, source_hash=digest)
 
 
 def _init_loader_process(engine_pid: int, recipes_env: str | None) -> None:
