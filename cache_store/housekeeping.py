@@ -48,7 +48,7 @@ from cache_store.errors import (
 from cache_store.keys import is_fingerprint
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.location import parse_location
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 
 __all__ = [
     "ls",

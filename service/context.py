@@ -14,7 +14,8 @@ from fastapi import Depends, Request
 from cache_store.errors import CacheDamaged, CacheNotFound
 from cache_store.stores.isolated import stats_cache
 from cache_store.jobs.queue import JobQueue
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 from service.budget import ByteBudget
 from service.limits import WaitSlots
 from service.metrics import Metrics

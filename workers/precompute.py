@@ -122,7 +122,7 @@ def run_precompute(
     if not items:
         raise UsageError("no supported source files found in " + ", ".join(map(str, source_list)))
 
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     try:
         store = open_store(location.target, readonly=False)

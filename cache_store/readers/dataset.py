@@ -47,7 +47,8 @@ from cache_store.format.ids import pack_ids
 from cache_store.format.index import DatasetIndex
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 
 __all__ = ["CachedDataset", "resolve_index"]
 
@@ -85,6 +86,24 @@ def _describe(index: DatasetIndex) -> str:
     )
 
 
+def _schema_values(recipe: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """``params`` coerced by ``recipe``'s schema (``level=8.0`` -> ``8``), so that they
+    compare equal to the resolved values an index records; an unknown parameter or a
+    value the schema refuses raises ``ParameterError`` naming each."""
+    spec = RECIPE_SPECS[recipe]
+    problems, wanted = [], {}
+    for name, value in params.items():
+        if name not in spec.params:
+            problems.append(f"{name}: unknown parameter (known: {', '.join(sorted(spec.params))})")
+            continue
+        wanted[name], problem = spec.params[name].check(name, value)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise ParameterError(problems, what=f"parameters for recipe {recipe!r}")
+    return wanted
+
+
 def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
     """The one index that a fingerprint, or a recipe name plus parameters, selects.
 
@@ -106,7 +125,7 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
     recipe = fingerprint_or_recipe
     if recipe not in RECIPE_SPECS:
         get_recipe_spec(recipe)  # raises UnknownName listing the known recipes
-    matches = store.find_fingerprints(recipe, **params)
+    matches = store.find_fingerprints(recipe, **_schema_values(recipe, params))
     current = [i for i in matches if i.recipe_version == RECIPE_SPECS[recipe].version]
     if len(current) == 1:
         return current[0]
@@ -138,7 +157,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         fields: names of the tensors to read (default: all); the others' bytes are not
             touched.
         transform: called on each sample dict (in the worker) before it is returned.
-        store_options: passed to :func:`~cache_store.stores.base.open_store` (e.g.
+        store_options: passed to :func:`~cache_store.stores.opener.open_store` (e.g.
             ``max_readers`` for LMDB).
         sources: read-through (with a recipe name): a directory, ``.txt``/``.jsonl``
             manifest, file, or a list of them, discovered exactly as ``spcache

@@ -69,7 +69,8 @@ from cache_store.format.header import DTYPES, FORMAT_VERSION, RecordHeader
 from cache_store.format.ids import pack_ids
 from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 from cache_store.location import local_path, parse_location
 from cache_store.snapshot.format import (

@@ -143,7 +143,7 @@ def stats_cache(
 
 
 def _child(op: str, path: str, args: list[str]) -> dict[str, Any]:
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     try:
         store = open_store(path, readonly=True)

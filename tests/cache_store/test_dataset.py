@@ -136,6 +136,8 @@ def test_select_by_recipe_and_parameters(cache: Path) -> None:
         len(CachedDataset(cache, "nope", level=4))
     with pytest.raises(ParameterError, match="levle"):
         len(CachedDataset(cache, "spc_query", levle=4))
+    with pytest.raises(ParameterError, match="level: expected an integer, got 5.5"):
+        len(CachedDataset(cache, "spc_query", level=5.5))  # checked by the schema, not matched
     with pytest.raises(ParameterError):
         len(CachedDataset(cache, FP_Q4, level=4))
     with pytest.raises(FingerprintLookupError):

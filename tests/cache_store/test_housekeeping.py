@@ -341,7 +341,7 @@ def test_rm_failed_clears_a_fingerprint_whose_every_sample_failed(
 ) -> None:
     """The run writes no index and no record when its only sample fails: the failure log
     is all that knows the fingerprint, and ``rm --failed`` must still find it."""
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from workers.engine import Engine
 
     bad = tmp_path / "bad.npy"

@@ -13,7 +13,7 @@ from cache_store.keys import record_key
 from cache_store.stores.http import HTTPStore
 from cache_store.format.wire import decode_batch, encode_batch
 from cache_store.format.decode import decode_record
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from service.settings import Settings
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.store_contract import (

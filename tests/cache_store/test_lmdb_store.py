@@ -7,7 +7,8 @@ import pytest
 from cache_store.errors import CacheNotFound, StoreFull, UnknownName
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.location import parse_location
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 from tests.helpers.store_contract import FP_A, WritableStoreContract
 from tests.helpers.synthetic import make_record
 

@@ -26,7 +26,7 @@ from cache_store.snapshot.sharded import (
     orphan_parts,
 )
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.helpers.s3 import S3Server, moto_s3
 from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
 

@@ -35,7 +35,7 @@ from cache_store.format.decode import decode_record
 from cache_store.format.encode import encode_record
 from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from cache_store.snapshot.reader import ZarrStore
 from cache_store.snapshot.format import ATTRS_KEY, array_digest
 from tests.helpers.store_contract import (

@@ -27,7 +27,7 @@ import pytest
 import trimesh
 
 from cache_store.snapshot.sharded import ShardedSnapshot
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.conftest import REPO_ROOT
 from tests.helpers.faults import report
 from tests.helpers.proctree import kill_all, spcache, tree, wait_for

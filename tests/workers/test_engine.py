@@ -11,7 +11,7 @@ import torch
 
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from workers.engine import Engine, ItemResult
 from workers.ops import get_backend
 from workers.recipes import RECIPES, check_outputs, make_generator

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from cache_store.errors import SpcacheError
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.conftest import REPO_ROOT
 from spcache.cli import main
 

@@ -18,7 +18,7 @@ import torch
 
 from cache_store import CachedDataset
 from cache_store.snapshot.sharded import ShardedSnapshot, merge
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.helpers.ray_cluster import local_ray
 from tests.helpers.ray_faults import CrashOnce
 from tests.helpers.s3 import S3Server, moto_s3

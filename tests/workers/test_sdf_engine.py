@@ -14,7 +14,7 @@ from cache_store import CachedDataset, collate_spc
 from cache_store.snapshot.export import export_snapshot
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.conftest import SHARED_DATA
 from workers import sdf
 from workers.engine import Engine
