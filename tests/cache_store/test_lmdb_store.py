@@ -100,9 +100,9 @@ def test_keys_lmdb_cannot_hold_are_just_absent(tmp_path: Path) -> None:
 def test_keys_are_listed_across_transaction_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cache_store.stores.lmdb as lmdb_store
+    import cache_store.stores.lmdb.store as lmdb_store
 
-    monkeypatch.setattr(lmdb_store, "_KEYS_PER_TXN", 3)
+    monkeypatch.setattr(lmdb_store, "KEYS_PER_TXN", 3)
     store = LMDBStore(tmp_path, readonly=False)
     keys = [f"{FP_A}/k{i:02d}" for i in range(10)]
     store.put_many((k, make_record(FP_A, k.split("/", 1)[1], i)) for i, k in enumerate(keys))
