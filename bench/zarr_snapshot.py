@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store.snapshot.export import CODECS, export_snapshot
+from cache_store.snapshot.zarr.export import CODECS, export_snapshot
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.encode import encode_record

@@ -27,7 +27,7 @@ __all__ = ["STORE_BACKENDS", "open_store"]
 #: backends can land (or be absent) independently.
 STORE_BACKENDS: dict[str, str] = {
     "lmdb": "cache_store.stores.lmdb:LMDBStore",
-    "zarr": "cache_store.snapshot.reader:ZarrStore",
+    "zarr": "cache_store.snapshot.zarr.store:ZarrStore",
     "http": "cache_store.stores.http:HTTPStore",
     "sharded": "cache_store.snapshot.sharded:ShardedSnapshot",
 }

@@ -296,7 +296,7 @@ def test_compact_shrinks_the_file_and_keeps_every_survivor(tmp_path: Path) -> No
 
 
 def test_snapshots_are_listed_and_never_removed(tmp_path: Path) -> None:
-    from cache_store.snapshot.export import export_snapshot
+    from cache_store.snapshot.zarr.export import export_snapshot
 
     a = fill(tmp_path / "cache", 3)
     snap = tmp_path / "a.zarr"

@@ -28,7 +28,8 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.snapshot.export import CODECS, export_lock, export_snapshot, sweep_leftovers
+from cache_store.snapshot.zarr.export import CODECS, export_snapshot
+from cache_store.snapshot.zarr.publish import export_lock, sweep_leftovers
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.decode import decode_record
@@ -36,8 +37,8 @@ from cache_store.format.encode import encode_record
 from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.opener import open_store
-from cache_store.snapshot.reader import ZarrStore
-from cache_store.snapshot.format import ATTRS_KEY, array_digest
+from cache_store.snapshot.zarr.store import ZarrStore
+from cache_store.snapshot.zarr.format import ATTRS_KEY, array_digest
 from tests.helpers.store_contract import (
     FP_A,
     FP_B,
@@ -460,7 +461,8 @@ def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported)
 
 _KILLED_EXPORT = textwrap.dedent("""
     import os, signal, sys
-    import cache_store.snapshot.export as export
+    import cache_store.snapshot.zarr.export as export
+    import cache_store.snapshot.zarr.write as write
     def dying(real):
         def write(self, *args):
             real(self, *args)
@@ -468,8 +470,8 @@ _KILLED_EXPORT = textwrap.dedent("""
         return write
     # compressed chunks go through FieldWriter, uncompressed (the local default) are
     # appended by RawChunkAppender: die in either
-    export.FieldWriter.flush = dying(export.FieldWriter.flush)
-    export.RawChunkAppender.add = dying(export.RawChunkAppender.add)
+    write.FieldWriter.flush = dying(write.FieldWriter.flush)
+    write.RawChunkAppender.add = dying(write.RawChunkAppender.add)
     export.export_snapshot(sys.argv[1], sys.argv[2], sys.argv[3])
 """)
 
@@ -508,12 +510,12 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
     for sid in ("chairs/a1", "lamps/l1"):
         assert store.get(f"{FP_B}/{sid}") == records[f"{FP_B}/{sid}"]
 
-    import cache_store.snapshot.export as export
+    import cache_store.snapshot.zarr.write as write
 
     def broken(self, final):
         raise RuntimeError("connection lost")
 
-    monkeypatch.setattr(export.FieldWriter, "flush", broken)
+    monkeypatch.setattr(write.FieldWriter, "flush", broken)
     with pytest.raises(RuntimeError, match="connection lost"):
         export_snapshot(cache_dir, FP_A, url)
     monkeypatch.undo()
@@ -762,8 +764,12 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(
 ) -> None:
     # the export's own chunk writer must write exactly what zarr's pipeline writes, so
     # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
-    from cache_store.snapshot.export import compressors_for
-    from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
+    from cache_store.snapshot.zarr.write import compressors_for
+    from cache_store.snapshot.zarr.chunks import (
+        ChunkWriterPool,
+        LocalChunkWriter,
+        RawChunkAppender,
+    )
 
     data = (np.arange(37 * 3, dtype=np.int64) * 7919 % 251).astype(dtype).reshape(37, 3)
     files = {}
@@ -803,8 +809,8 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(
 
 
 def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path) -> None:
-    from cache_store.snapshot.export import compressors_for
-    from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter
+    from cache_store.snapshot.zarr.write import compressors_for
+    from cache_store.snapshot.zarr.chunks import ChunkWriterPool, LocalChunkWriter
 
     group = zarr.create_group(zarr.storage.LocalStore(tmp_path))
     arr = group.create_array(
@@ -825,7 +831,7 @@ def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path
 def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
     tmp_path: Path, exported, monkeypatch, codec: str
 ) -> None:
-    from cache_store.snapshot import chunks as zarr_chunks
+    from cache_store.snapshot.zarr import chunks as zarr_chunks
 
     _, _, cache_dir, _ = exported
     writer, method = (

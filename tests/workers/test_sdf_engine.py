@@ -11,7 +11,7 @@ import torch
 import trimesh
 
 from cache_store import CachedDataset, collate_spc
-from cache_store.snapshot.export import export_snapshot
+from cache_store.snapshot.zarr.export import export_snapshot
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
 from cache_store.stores.opener import open_store
