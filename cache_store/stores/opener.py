@@ -29,7 +29,7 @@ STORE_BACKENDS: dict[str, str] = {
     "lmdb": "cache_store.stores.lmdb:LMDBStore",
     "zarr": "cache_store.snapshot.zarr.store:ZarrStore",
     "http": "cache_store.stores.http:HTTPStore",
-    "sharded": "cache_store.snapshot.sharded:ShardedSnapshot",
+    "sharded": "cache_store.snapshot.sharded.store:ShardedSnapshot",
 }
 
 
@@ -48,7 +48,7 @@ def open_store(
     parsed = parse_location(cache)
     name: str = parsed.kind
     if name == "zarr":
-        from cache_store.snapshot.sharded import snapshot_kind
+        from cache_store.snapshot.sharded.maintenance import snapshot_kind
 
         kind = snapshot_kind(parsed.target, options.get("storage_options"))
         if kind == "sharded" or (kind is None and not readonly):

@@ -26,6 +26,7 @@ from cache_store.snapshot.sharded import (
     orphan_parts,
 )
 from cache_store.format.index import DatasetIndex
+from cache_store.snapshot.sharded.storage import write_once
 from cache_store.stores.opener import open_store
 from tests.helpers.s3 import S3Server, moto_s3
 from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
@@ -88,9 +89,9 @@ def test_a_commit_is_never_overwritten(dest) -> None:
     store = ShardedSnapshot(location, readonly=False, storage_options=options)
     path = f"{store.root}/{FP}/commits/x.json"
     store.fs.makedirs(f"{store.root}/{FP}/commits", exist_ok=True)
-    store._write_once(path, b'{"first": true}')
+    write_once(store.fs, path, b'{"first": true}')
     with pytest.raises(CommitConflict):
-        store._write_once(path, b'{"second": true}')
+        write_once(store.fs, path, b'{"second": true}')
     assert json.loads(store.fs.cat_file(path)) == {"first": True}
     store.close()
 
@@ -175,9 +176,9 @@ def test_a_reader_sees_a_growing_always_valid_dataset(tmp_path: Path) -> None:
 def test_a_large_part_goes_up_in_multipart_and_reads_by_range(
     s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cache_store.snapshot import sharded
+    from cache_store.snapshot.sharded import storage
 
-    monkeypatch.setattr(sharded, "MULTIPART_CHUNK", 5 * 1024 * 1024)  # S3's smallest part
+    monkeypatch.setattr(storage, "MULTIPART_CHUNK", 5 * 1024 * 1024)  # S3's smallest part
     location = f"s3://{s3.new_bucket()}/big.zarr"
     options = {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing"}
     records = [
@@ -185,7 +186,7 @@ def test_a_large_part_goes_up_in_multipart_and_reads_by_range(
         for i in range(8)
     ]
     total = sum(len(v) for _, v in records)
-    assert total > 2 * sharded.MULTIPART_CHUNK
+    assert total > 2 * storage.MULTIPART_CHUNK
     with ShardedSnapshot(location, readonly=False, storage_options=options) as store:
         store.put_many(records)  # one part above the multipart threshold
         (part,) = store.fs.ls(f"{store.root}/{FP}/parts", detail=True)
@@ -267,13 +268,13 @@ def test_lookups_of_unknown_keys_list_at_most_once_a_second(
     store.put_many([(f"{FP}/a", make_record(FP, "a", seed=1))])
     other = fingerprint_of("spc", level=5)
     listings = []
-    real = ShardedSnapshot._commit_names
+    real = ShardedSnapshot.commit_names
 
     def counting(self, fingerprint):
         listings.append(fingerprint)
         return real(self, fingerprint)
 
-    monkeypatch.setattr(ShardedSnapshot, "_commit_names", counting)
+    monkeypatch.setattr(ShardedSnapshot, "commit_names", counting)
     for i in range(50):
         assert store.source_hash_of(f"{other}/s{i}") is None  # nothing committed there
         assert store.source_hash_of(f"{FP}/s{i}") is None  # not among the commits
