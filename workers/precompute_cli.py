@@ -17,7 +17,6 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from cache_store.errors import ParameterError, SpcacheError, StoreFull, UnknownName
@@ -114,7 +113,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="recipe parameter (repeatable; see below)",
     )
-    parser.add_argument("--cache", required=True, type=Path, help="cache directory")
+    # a string, parsed once by run_precompute: never a Path, which folds s3://b into s3:/b
+    parser.add_argument(
+        "--cache",
+        required=True,
+        help="cache directory, or a sharded snapshot (DEST.zarr, s3://bucket/x.zarr)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--backend",

@@ -11,6 +11,7 @@ torch.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -76,26 +77,35 @@ class ParamSpec:
     doc: str = ""
 
     def check(self, name: str, value: Any) -> tuple[Any, str | None]:
-        """Return ``(coerced value, None)`` or ``(None, problem)``."""
+        """Return ``(coerced value, None)`` or ``(None, problem)``.
+
+        An ``int`` parameter takes integers (Python's or NumPy's), never ``8.0``, ``True``
+        or ``"8"``; a ``float`` takes finite real numbers (integers and NumPy's too); a
+        ``bool`` exactly ``True`` or ``False``; a ``str`` only strings. The problem names
+        the parameter, the value and its type.
+        """
+
+        def wrong(expected: str) -> tuple[None, str]:
+            return None, f"{name}: expected {expected}, got {value!r} ({type(value).__name__})"
+
         if self.type is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)
-                else:
-                    return None, f"{name}: expected an integer, got {value!r}"
+            # numbers.Integral: int and NumPy's integers (bool is one too: refused here)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                return wrong("an integer")
+            value = int(value)
         elif self.type is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return None, f"{name}: expected a number, got {value!r}"
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                return wrong("a number")
             value = float(value)
             if not math.isfinite(value):
-                return None, f"{name}: expected a finite number, got {value!r}"
+                return wrong("a finite number")
         elif self.type is bool:
             # exactly True or False: 1, "yes" or "true" would each be a second spelling of
             # one value (and a second fingerprint)
             if not isinstance(value, bool):
-                return None, f"{name}: expected a bool (true or false), got {value!r}"
+                return wrong("a bool (true or false)")
         elif self.type is str and not isinstance(value, str):
-            return None, f"{name}: expected a string, got {value!r}"
+            return wrong("a string")
         if self.minimum is not None and value < self.minimum:
             return None, f"{name}: {value!r} is below the minimum {self.minimum!r}"
         if self.maximum is not None and value > self.maximum:

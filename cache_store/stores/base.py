@@ -399,9 +399,9 @@ class Store(abc.ABC):
         """Indexes of ``recipe`` whose parameters equal every given one (others may be
         anything), sorted by fingerprint.
 
-        Values are compared as given: a caller holding a user's values coerces them by
-        the recipe's schema first (``level=8.0`` -> ``8``), as
-        :func:`cache_store.readers.dataset.resolve_index` does.
+        Values are compared as given: a caller holding a user's values checks them by the
+        recipe's schema first (``level=numpy.int64(8)`` -> ``8``; ``level=8.0`` refused),
+        as :func:`cache_store.readers.dataset.resolve_index` does.
         """
         found = []
         for fp in self.fingerprints():

@@ -168,7 +168,7 @@ class StoreContract:
     def test_find_fingerprints(self, store: Store) -> None:
         assert [i.fingerprint for i in store.find_fingerprints("spc")] == sorted([FP_A, FP_C])
         assert [i.fingerprint for i in store.find_fingerprints("spc", level=5)] == [FP_C]
-        assert [i.fingerprint for i in store.find_fingerprints("spc", level=5.0)] == [FP_C]
+        assert [i.fingerprint for i in store.find_fingerprints("spc", level=np.int64(5))] == [FP_C]
         assert [i.fingerprint for i in store.find_fingerprints("spc_query", level=4)] == [FP_B]
         assert store.find_fingerprints("spc", level=6) == []
         # values are compared as given: coercing a user's values by the recipe's schema
