@@ -42,6 +42,7 @@ from cache_store.keys import record_key, validate_sample_id
 from cache_store.jobs.freshness import stored_metadata, stored_source_hash
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
+from cache_store.sources.discover import id_clash_reason
 
 __all__ = [
     "REPEATS",
@@ -244,7 +245,7 @@ class RunLedger:
                         sample_id,
                         path,
                         "failed",
-                        reason=f"duplicate sample id (first given for {seen[sample_id]})",
+                        reason=id_clash_reason(sample_id, seen[sample_id]),
                     )
                 )
                 continue

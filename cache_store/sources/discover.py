@@ -24,9 +24,12 @@ __all__ = [
     "KEEP_EXTENSION",
     "discover_sources",
     "sample_id_for",
+    "id_clash_reason",
+    "id_clashes",
 ]
 
-#: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ)
+#: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ);
+#: public as ``spcache.KEEP_EXTENSION``, and what ``spcache precompute --id-keep-ext`` uses
 KEEP_EXTENSION = "{path}"
 
 #: file extensions a worker can load (``workers.source_load`` loads them)
@@ -96,8 +99,9 @@ def discover_sources(
     ``id_template`` (see :func:`sample_id_for`; :data:`KEEP_EXTENSION` keeps the
     extension) makes the ids of directories, ``.txt`` manifests and files from their
     relative paths instead; a ``.jsonl`` manifest's ids are its own. Two files with one
-    id are not caught here: ``precompute`` fails the second naming the first, and a
-    dataset over sources refuses them (naming both paths).
+    id are not caught here: the first keeps the id and every later one is a sample that
+    fails alone (:func:`id_clashes`, :func:`id_clash_reason`), in ``precompute`` and in
+    a dataset over sources alike.
 
     ``limit`` caps the number of pairs (a request that names more fails as a whole).
 
@@ -127,6 +131,28 @@ def discover_sources(
         if limit is not None and len(items) > limit:
             raise SourceError(path, f"names more than {limit} sources; split the request")
     return items
+
+
+def id_clash_reason(sample_id: str, first_path: str) -> str:
+    """Why a file whose sample id an earlier file already has fails (the one wording
+    of ``spcache precompute``, the worker and ``CachedDataset``)."""
+    return (
+        f"duplicate sample id {sample_id!r} (first given for {first_path}); give each file "
+        f"its own id: spcache precompute --id-keep-ext, or "
+        f"id_template=spcache.KEEP_EXTENSION in Python"
+    )
+
+
+def id_clashes(ids: Iterable[str]) -> dict[int, int]:
+    """``{position: position of the first with that id}`` for every id already seen
+    earlier in ``ids`` (empty when all differ)."""
+    first: dict[str, int] = {}
+    clashes: dict[int, int] = {}
+    for position, sample_id in enumerate(ids):
+        earlier = first.setdefault(sample_id, position)
+        if earlier != position:
+            clashes[position] = earlier
+    return clashes
 
 
 def _id(source: Path, relative: str, template: str | None) -> str:
