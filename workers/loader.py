@@ -26,9 +26,9 @@ from typing import Any, NamedTuple
 import torch
 
 from cache_store.errors import SourceError
-from cache_store.jobs.freshness import is_current, trusted_signature
+from cache_store.sources.freshness import is_current, trusted_signature
 from cache_store.recipes.registry import report_problems_here
-from workers.recipes import get_recipe, make_generator
+from workers.recipe_run import get_recipe, make_generator
 from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes

@@ -86,7 +86,7 @@ def run_precompute(
             computed is committed and indexed first.
     """
     from workers.engine import DEVICE_PATTERN
-    from workers.recipes import get_recipe
+    from workers.recipe_run import get_recipe
 
     resolved = get_recipe(recipe).spec.resolve(dict(params or {}))
     if not isinstance(device, str) or not DEVICE_PATTERN.match(device):

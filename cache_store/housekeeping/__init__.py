@@ -16,6 +16,9 @@ Four plain functions, used by ``spcache ls|rm|prune|compact``, by the service
   least recently used first, never what has work queued or running.
 * :func:`compact` (:mod:`~cache_store.housekeeping.compaction`): give the disk back.
 
+Walks over a whole cache that a damaged LMDB page could abort (``verify``, ``stats``,
+the service's listings) run in a child process: :mod:`~cache_store.housekeeping.isolated`.
+
 Sizes are the bytes of the stored records; ``data.mdb`` is at least that, and does not
 shrink until :func:`compact` (LMDB reuses the freed pages for later writes). Sizes and
 durations are parsed by :mod:`~cache_store.housekeeping.units`.

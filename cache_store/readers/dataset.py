@@ -37,7 +37,7 @@ from cache_store.errors import (
     UnknownName,
 )
 from cache_store.format.header import read_metadata
-from cache_store.jobs.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint

@@ -360,7 +360,7 @@ class Store(abc.ABC):
         indexed sample ids without a record (``missing``). Damage to the store itself
         (``CacheDamaged``: an unreadable LMDB page) ends the walk and is reported in
         ``damaged``. Damage that makes LMDB abort the process cannot be caught here: walk
-        a cache that may be damaged with :func:`cache_store.stores.isolated.verify_cache`.
+        a cache that may be damaged with :func:`cache_store.housekeeping.isolated.verify_cache`.
         """
         report = VerifyReport()
         try:

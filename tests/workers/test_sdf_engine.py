@@ -18,7 +18,8 @@ from cache_store.stores.opener import open_store
 from tests.conftest import SHARED_DATA
 from workers import sdf
 from workers.engine import Engine
-from workers.recipes import RECIPES, check_outputs
+from workers.recipe_run import RECIPES
+from cache_store.recipes.api import check_outputs
 from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 

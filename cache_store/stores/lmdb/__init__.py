@@ -33,7 +33,7 @@ Process and fork rules (py-lmdb 3.0 behaviour this package is built around):
   past the file) becomes :class:`CacheDamaged` naming the cache, never a raw lmdb error.
   Some damage makes LMDB itself ``abort()`` the process inside a cursor walk; walks that
   must survive that (verify, stats, the service's listings) run in a child process
-  (:mod:`cache_store.stores.isolated`). A commit that fails with ENOSPC/EIO raises
+  (:mod:`cache_store.housekeeping.isolated`). A commit that fails with ENOSPC/EIO raises
   :class:`StoreFull` ("no space left on <path>") so a writer can stop early.
 * Removal (``spcache rm``/``prune``): the ``removed`` database holds a tombstone
   (fingerprint -> removal time) written in the same transaction that drops the index;
