@@ -22,7 +22,7 @@ from typing import Any
 from cache_store.errors import ParameterError, SpcacheError, StoreFull, UnknownName
 from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
 from cache_store.recipes.table import recipe_table
-from cache_store.sources.discover import KEEP_EXTENSION
+from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
 from workers.precompute import UsageError
 
 __all__ = ["configure_parser", "run", "parse_params", "UsageError"]
@@ -252,6 +252,8 @@ def _print_summary(summary: Any) -> None:
     )
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
+    if summary.left_out:
+        print(f"  {describe_left_out(summary.left_out)}")
     if getattr(summary, "skipped_other_code", 0):
         print(
             f"  {summary.skipped_other_code} skipped record(s) were computed by other recipe "

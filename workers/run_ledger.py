@@ -126,6 +126,9 @@ class Summary:
     #: skipped samples whose stored record was computed by other recipe code than the
     #: installed one (same fingerprint: the recipe changed without a version bump)
     skipped_other_code: int = 0
+    #: files the directory walks passed over, by unsupported type (extension -> count;
+    #: set by :func:`workers.precompute.run_precompute`, which discovered the sources)
+    left_out: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -157,6 +160,7 @@ class Summary:
             },
             "oom_backoffs": self.oom_backoffs,
             "skipped_other_code": self.skipped_other_code,
+            "left_out": dict(self.left_out),
         }
 
 

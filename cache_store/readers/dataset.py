@@ -345,13 +345,19 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _index_from_sources(self) -> None:
         """Ids and paths from the sources; fingerprint from the recipe (no store opened)."""
         # Late import: discovery is only needed with sources.
-        from cache_store.sources.discover import discover_sources, id_clashes
+        from cache_store.sources.discover import describe_left_out, discover, id_clashes
 
         spec = get_recipe_spec(self.selector)
         resolved = spec.resolve(self.params)
-        items = discover_sources(self.sources, id_template=self.id_template)  # type: ignore[arg-type]
+        found = discover(self.sources, id_template=self.id_template)  # type: ignore[arg-type]
+        items, left_out = found.items, describe_left_out(found.left_out)
         if not items:
-            raise SourceError(self.sources, "no supported source files found")
+            raise SourceError(
+                self.sources,
+                "no supported source files found" + (f" ({left_out})" if left_out else ""),
+            )
+        if left_out:
+            log.info("CachedDataset over %s: %s", self.sources, left_out)
         # a later file with an earlier one's id is a sample that fails alone, as in
         # precompute (the first keeps the id): see _id_clash
         clashes = id_clashes(sid for sid, _ in items)
