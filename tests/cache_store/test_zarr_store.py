@@ -39,7 +39,7 @@ from cache_store.format.index import DatasetIndex
 from cache_store.stores.opener import open_store
 from cache_store.snapshot.zarr.store import ZarrStore
 from cache_store.snapshot.zarr.format import ATTRS_KEY, array_digest
-from tests.helpers.store_contract import (
+from cache_store.testing import (
     FP_A,
     FP_B,
     IDS_A,
@@ -102,44 +102,39 @@ def swapped_snapshot(tmp_path_factory, contract_content) -> Path:
     return root / "snap.zarr"
 
 
-class TestZarrStoreContract(StoreContract):
+class _ExportedSnapshotContract(StoreContract):
+    """The shared read contract on snapshots exported once for the module; subclasses
+    name the snapshot and how it is read."""
+
+    direct_reads = True
+
+    @pytest.fixture(autouse=True)
+    def _snapshots(self, contract_content, contract_snapshot, swapped_snapshot) -> None:
+        self.exported, self.snapshot, self.swapped = (
+            contract_content,
+            contract_snapshot,
+            swapped_snapshot,
+        )
+
+    def content(self):
+        return self.exported
+
+    def make_store(self, records, indexes) -> ZarrStore:
+        assert records is self.exported[0]
+        return ZarrStore(self.snapshot, direct_reads=self.direct_reads)
+
+    def make_swapped_store(self, records, indexes) -> ZarrStore:
+        return ZarrStore(self.swapped, direct_reads=self.direct_reads)
+
+
+class TestZarrStoreContract(_ExportedSnapshotContract):
     """The shared read contract, on a snapshot exported from an LMDB cache (once)."""
 
-    @pytest.fixture
-    def swapped_store(self, swapped_snapshot):
-        store = ZarrStore(swapped_snapshot)
-        yield store
-        store.close()
 
-    @pytest.fixture
-    def content(self, contract_content):
-        return contract_content
-
-    @pytest.fixture
-    def make_store(self, contract_content, contract_snapshot):
-        def make(records, indexes):
-            assert records is contract_content[0]
-            return ZarrStore(contract_snapshot)
-
-        return make
-
-
-class TestZarrStoreContractThroughZarr(StoreContract):
+class TestZarrStoreContractThroughZarr(_ExportedSnapshotContract):
     """The same, reading through zarr's own pipeline (as for URLs), not the chunk files."""
 
-    @pytest.fixture
-    def content(self, contract_content):
-        return contract_content
-
-    @pytest.fixture
-    def make_store(self, contract_content, contract_snapshot):
-        return lambda records, indexes: ZarrStore(contract_snapshot, direct_reads=False)
-
-    @pytest.fixture
-    def swapped_store(self, swapped_snapshot):
-        store = ZarrStore(swapped_snapshot, direct_reads=False)
-        yield store
-        store.close()
+    direct_reads = False
 
 
 @pytest.fixture(scope="module")
@@ -151,23 +146,13 @@ def uncompressed_snapshot(tmp_path_factory, contract_content) -> Path:
     return root / "snap.zarr"
 
 
-class TestZarrStoreContractUncompressed(StoreContract):
+class TestZarrStoreContractUncompressed(_ExportedSnapshotContract):
     """The same, on a ``codec="none"`` snapshot with small chunks: records read in place
     with ``pread``, several records per chunk and records across chunk boundaries."""
 
-    @pytest.fixture
-    def content(self, contract_content):
-        return contract_content
-
-    @pytest.fixture
-    def make_store(self, contract_content, uncompressed_snapshot):
-        return lambda records, indexes: ZarrStore(uncompressed_snapshot)
-
-    @pytest.fixture
-    def swapped_store(self, swapped_snapshot):
-        store = ZarrStore(swapped_snapshot)
-        yield store
-        store.close()
+    @pytest.fixture(autouse=True)
+    def _uncompressed(self, uncompressed_snapshot) -> None:
+        self.snapshot = uncompressed_snapshot
 
 
 @pytest.fixture(scope="module")
