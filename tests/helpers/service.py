@@ -147,9 +147,14 @@ class LiveServer:
     proc: subprocess.Popen
 
 
-def start_server(cache: Path, sources: Path, *extra: str, env: dict | None = None) -> LiveServer:
+def start_server(
+    cache: Path, sources: Path, *extra: str, env: dict | None = None, token: str | None = TOKEN
+) -> LiveServer:
+    """``spcache serve`` on a loopback port, with the test token (``token=None``: none)."""
     port = free_port()
-    full_env = {**os.environ, "SPCACHE_TOKEN": TOKEN, **(env or {})}
+    full_env = {**os.environ, "SPCACHE_TOKEN": token or "", **(env or {})}
+    if token is None:
+        del full_env["SPCACHE_TOKEN"]
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -254,20 +254,41 @@ def test_the_worker_says_which_backend_runs_and_why(
     from workers.ops import kaolin_spc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    reason = (
-        "kaolin not importable (ImportError: undefined symbol); torch 2.13.0 is outside "
-        "Kaolin 0.18's 2.3.0-2.8.0"
-    )
+    reason = "kaolin not importable (ImportError: undefined symbol)"
     monkeypatch.setattr(kaolin_spc, "import_spc", lambda: (None, reason))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
         WorkerLoop(cache, device="cuda:0", backend="auto").log_backend()
     (record,) = [r for r in caplog.records if "backend: " in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert (
-        "backend: torch (kaolin not importable (ImportError: undefined symbol); torch 2.13.0 "
-        "is outside Kaolin 0.18's 2.3.0-2.8.0; install kaolin==0.18.x"
-    ) in record.getMessage()
+    assert record.getMessage().endswith(
+        "backend: torch (kaolin not importable (ImportError: undefined symbol)); device cuda:0"
+    )
+
+
+def test_on_a_cpu_only_machine_the_worker_says_so(tmp_path: Path) -> None:
+    """``spcache worker`` as a user starts it here (a CPU-only torch): the start line says
+    there is no CUDA device, never "device cuda"; ``--backend kaolin`` is refused saying
+    why no Kaolin can run here, not advising an install that does not exist."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: this is the CPU-only machine's message")
+    (tmp_path / "cache").mkdir()
+    JobQueue(tmp_path / "cache").close()
+    run = [sys.executable, "-m", "spcache", "worker", "--cache", "cache", "--drain"]
+    started = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stderr
+    (line,) = [x for x in started.stderr.splitlines() if "backend: " in x]
+    assert "backend: torch (no CUDA device here (torch " in line
+    assert line.endswith("; device auto (cpu here)") and "device cuda" not in line
+    kaolin = subprocess.run(
+        [*run, "--backend", "kaolin"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert kaolin.returncode == 2
+    (said,) = kaolin.stderr.strip().splitlines()
+    assert said.startswith("spcache worker: backend 'kaolin' is unavailable: no CUDA device here")
+    assert "use --backend torch" in said and "install" not in said
 
 
 # A worker whose process dies on one sample the way Kaolin's CubDebugExit kills it (exit(1)
