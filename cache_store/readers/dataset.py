@@ -27,7 +27,6 @@ from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
-    FingerprintLookupError,
     MissTimeout,
     ParameterError,
     RecordNotFound,
@@ -40,17 +39,17 @@ from cache_store.format.header import read_metadata
 from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
-from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
+from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
-from cache_store.format.index import DatasetIndex
 from cache_store.readers.collate import SpcSample
+from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
 
-__all__ = ["CachedDataset", "resolve_index"]
+__all__ = ["CachedDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -79,75 +78,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def _describe(index: DatasetIndex) -> str:
-    return (
-        f"{index.fingerprint} ({index.recipe} v{index.recipe_version}, "
-        f"{canonical_json(dict(index.params))}, {len(index)} samples)"
-    )
-
-
-def _schema_values(recipe: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """``params`` coerced by ``recipe``'s schema (``level=8.0`` -> ``8``), so that they
-    compare equal to the resolved values an index records; an unknown parameter or a
-    value the schema refuses raises ``ParameterError`` naming each."""
-    spec = RECIPE_SPECS[recipe]
-    problems, wanted = [], {}
-    for name, value in params.items():
-        if name not in spec.params:
-            problems.append(f"{name}: unknown parameter (known: {', '.join(sorted(spec.params))})")
-            continue
-        wanted[name], problem = spec.params[name].check(name, value)
-        if problem:
-            problems.append(problem)
-    if problems:
-        raise ParameterError(problems, what=f"parameters for recipe {recipe!r}")
-    return wanted
-
-
-def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
-    """The one index that a fingerprint, or a recipe name plus parameters, selects.
-
-    A recipe (installed here) selects the indexes recorded in the store of its current
-    version whose parameters equal every given one; a parameter not given matches any
-    stored value (its default is not filled in). Exactly one match is the answer; there
-    is no tie-break: several raise :class:`FingerprintLookupError` listing each
-    candidate (fingerprint, version, parameters, samples; ``exc.candidates``), and none
-    raises it listing the datasets of that recipe in the store.
-    """
-    if is_fingerprint(fingerprint_or_recipe):
-        if params:
-            raise ParameterError(
-                [
-                    f"{name}: parameters select a fingerprint by recipe name; "
-                    f"{fingerprint_or_recipe} is already one"
-                    for name in params
-                ]
-            )
-        return store.get_index(fingerprint_or_recipe)
-    recipe = fingerprint_or_recipe
-    if recipe not in RECIPE_SPECS:
-        get_recipe_spec(recipe)  # raises UnknownName listing the known recipes
-    matches = store.find_fingerprints(recipe, **_schema_values(recipe, params))
-    current = [i for i in matches if i.recipe_version == RECIPE_SPECS[recipe].version]
-    if len(current) == 1:
-        return current[0]
-    wanted = f"recipe {recipe!r}" + (f" with {canonical_json(params)}" if params else "")
-    if current:
-        raise FingerprintLookupError(
-            f"{wanted} matches {len(current)} datasets in {store.location} (a parameter "
-            f"left out matches any stored value); give more parameters or a fingerprint: "
-            + "; ".join(_describe(i) for i in current),
-            [i.fingerprint for i in current],
-        )
-    others = matches or store.find_fingerprints(recipe)
-    listed = "; ".join(_describe(i) for i in others) or "none"
-    raise FingerprintLookupError(
-        f"{wanted} (version {RECIPE_SPECS[recipe].version}) matches no dataset in "
-        f"{store.location}; datasets of this recipe there: {listed}",
-        [i.fingerprint for i in others],
-    )
-
-
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     """Records of one fingerprint of a cache, as dicts of CPU tensors, in index order.
 
@@ -159,7 +89,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             the installed recipe version whose parameters equal the given ones, a
             parameter left out matching any stored value (not its default). Several
             matches are no guess: ``FingerprintLookupError`` lists the candidates (see
-            :func:`resolve_index`). With ``sources=``, defaults fill in instead.
+            :func:`~cache_store.readers.selection.resolve_index`). With ``sources=``,
+            defaults fill in instead.
         fields: names of the tensors to read (default: all); the others' bytes are not
             touched.
         transform: called on each sample dict (in the worker) before it is returned.

@@ -401,7 +401,7 @@ class Store(abc.ABC):
 
         Values are compared as given: a caller holding a user's values checks them by the
         recipe's schema first (``level=numpy.int64(8)`` -> ``8``; ``level=8.0`` refused),
-        as :func:`cache_store.readers.dataset.resolve_index` does.
+        as :func:`cache_store.readers.selection.resolve_index` does.
         """
         found = []
         for fp in self.fingerprints():
