@@ -25,10 +25,10 @@ import pytest
 
 from service.preview import BACKGROUND, decode_png_rgb
 from tests.conftest import SHARED_DATA
+from tests.helpers.procs import Server
 from tests.helpers.service import (
     AUTH,
     TOKEN,
-    LiveServer,
     build_cache,
     start_server,
     stop_server,
@@ -82,7 +82,7 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[LiveServer, list[Path], Path, str]]:
+def served(tmp_path: Path) -> Iterator[tuple[Server, list[Path], Path, str]]:
     good, bad, subject = _sources(tmp_path / "sources")
     server = start_server(
         tmp_path / "cache", tmp_path / "sources", "--device", "cpu", "--backend", "torch"
