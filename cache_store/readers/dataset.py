@@ -45,6 +45,7 @@ from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.readers.collate import SpcSample
+from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import BlockLayout, Store
@@ -385,9 +386,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     # -- what a sampler asks (cache_store.readers.sampler) ------------------------------
     def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """The sample ids in index order, packed: ``(blob uint8 [total_bytes], offsets
-        int64 [n + 1])``, id ``i`` at ``blob[offsets[i]:offsets[i + 1]]`` (not copies:
-        do not write to them)."""
+        """The ids in index order: ``(blob uint8 [total_bytes], offsets int64 [n + 1])``,
+        id ``i`` at ``blob[offsets[i]:offsets[i + 1]]`` (the dataset's own arrays)."""
         self._load_index()
         return self._id_bytes, self._id_offsets  # type: ignore[return-value]
 
@@ -407,9 +407,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             store.close()
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch read next (``self.epoch``), set by
-        :meth:`~cache_store.readers.sampler.Sampler.set_epoch`: the hook for what varies
-        per epoch. A loader worker has the value of when it started (each epoch, unless
+        """``self.epoch``, set by ``Sampler.set_epoch``: the hook for what varies per
+        epoch (a loader worker has the value of when it started: each epoch, unless
         ``persistent_workers``)."""
         self.epoch = int(epoch)
 
@@ -429,9 +428,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return len(ahead)
 
     def restore_failed(self, entries: Iterable[Sequence[Any]]) -> None:
-        """Put ``[key, sample id, path, reason, when]`` entries (a sampler state's
-        ``failed``: :attr:`failed`'s items) back into :attr:`failed`, so a resumed job
-        lists what the stopped one skipped (nothing with ``on_error="raise"``)."""
+        """Put a sampler state's ``failed`` (``[key, id, path, reason, when]`` each) back
+        into :attr:`failed`: a resumed job lists what the stopped one skipped."""
         if self._skipped is None:
             return
         for key, sample_id, path, reason, when in entries:
@@ -600,29 +598,15 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> ProcessLocal[Any]:
-        """This dataset's read-through client, one per process (made on first use in
-        each; an inherited one is parked). Opened by a module function over plain
-        values, not a bound method: that would be a reference cycle keeping a dropped
-        dataset's store open until the cyclic collector runs."""
-        location = parse_location(
-            self.cache.location if isinstance(self.cache, Store) else self.cache
-        )
+        """This dataset's read-through client, one per process."""
         name, _, params = self.recipe
-        token = getattr(self.cache, "token", None) or self.store_options.get("token")
-        ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
-        return ProcessLocal(
-            functools.partial(
-                _open_read_through,
-                location.kind,
-                location.target,
-                name,
-                params,
-                self.fingerprint,
-                self.miss_timeout,
-                token,
-                ca_file,
-            ),
-            operator.methodcaller("close"),
+        return read_through_client(
+            self.cache,
+            name,
+            params,
+            self.fingerprint,
+            miss_timeout=self.miss_timeout,
+            store_options=self.store_options,
         )
 
     def _has(self, key: str) -> bool:
@@ -662,31 +646,3 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._store.close()
         if self._miss_handler is not None:
             self._miss_handler.close()
-
-
-def _open_read_through(
-    kind: str,
-    cache: str,
-    recipe: str,
-    params: dict[str, Any],
-    fingerprint: str,
-    miss_timeout: float,
-    token: str | None,
-    ca_file: str | None,
-) -> Any:
-    """A read-through client for the cache at ``cache`` (``kind``: its location's)."""
-    if kind == "http":
-        from cache_store.readers.http_read_through import HTTPReadThrough
-
-        return HTTPReadThrough(
-            cache,
-            recipe,
-            params,
-            fingerprint,
-            token=token,
-            miss_timeout=miss_timeout,
-            ca_file=ca_file,
-        )
-    from cache_store.readers.queue_read_through import QueueReadThrough
-
-    return QueueReadThrough(cache, recipe, params, fingerprint, miss_timeout=miss_timeout)
