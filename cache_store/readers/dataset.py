@@ -26,11 +26,9 @@ import torch.utils.data
 from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
-    CorruptRecord,
     MissTimeout,
     ParameterError,
     RecordNotFound,
-    SampleFailed,
     SourceError,
     StaleRecord,
     UnknownName,
@@ -41,13 +39,19 @@ from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signat
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
+from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.specs import get_recipe_spec, installed_variable_fields
 from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
-from cache_store.readers.skipped import SkippedSample, SkippedSamples
+from cache_store.readers.skipped import (
+    ON_ERROR_CHOICES,
+    SKIPPABLE_ERRORS,
+    SkippedSample,
+    SkippedSamples,
+)
 from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
 
@@ -56,23 +60,6 @@ __all__ = ["CachedDataset"]
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-
-
-def _variable_fields(recipe: str, version: int, params: Mapping[str, Any]) -> frozenset[str]:
-    """The fields ``recipe`` declares with a per-record first dimension, when that
-    recipe at that version is installed here (else none: collate then goes by shapes)."""
-    spec = RECIPE_SPECS.get(recipe)
-    if spec is None or spec.version != version:
-        return frozenset()
-    return spec.variable_length_fields(params)
-
-
-#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
-#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
-#: is gone or unreadable so the record cannot be checked). A missing cache, no live
-#: worker or a timeout are not the sample's fault and raise whatever the policy.
-SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
-ON_ERROR_CHOICES = ("raise", "skip")
 
 
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
@@ -135,6 +122,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
+        local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
+            URL read through a bounded directory on this machine: what a read needs is
+            fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
+            snapshot's chunk files, the service's records), shared by every process
+            of the machine, least recently used out first, never above ``cache_limit``
+            (bytes, or a size: ``"20G"``); see :mod:`cache_store.local_cache`.
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).
@@ -166,6 +159,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_error: str = "raise",
         id_template: str | None = None,
         on_stale: str | None = None,
+        local_cache: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
         **params: Any,
     ) -> None:
         if not isinstance(fingerprint_or_recipe, str):
@@ -219,12 +214,15 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
         if problems:
             raise ParameterError(problems)
+        self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
         self.fields = None if fields is None else tuple(fields)
         self.transform = transform
         self.params = dict(params)
         self.store_options = dict(store_options or {})
+        if self.local_cache is not None:
+            self.store_options["local_cache"] = self.local_cache
         self.sources = sources
         self.on_miss = on_miss
         self.warm_ahead = int(warm_ahead)
@@ -277,7 +275,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             usage.note_read(store.location, index.fingerprint)  # once per open (spcache ls)
         self._id_bytes, self._id_offsets = index.packed_ids()
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
-        self._variable = _variable_fields(*self._recipe)
+        self._variable = installed_variable_fields(*self._recipe)
         self._fingerprint = index.fingerprint
         log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
 
@@ -392,11 +390,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return self._id_bytes, self._id_offsets  # type: ignore[return-value]
 
     def blocks(self) -> BlockLayout | None:
-        """How the store reads these records: None where any record costs what any other
-        does (a cache directory, the service), else the block each sample lies in (a
-        sharded snapshot's parts, a Zarr snapshot's chunk ranges; see
-        :meth:`Store.block_layout`), which a shuffle keeps together. Asks a store opened
-        for the question and closed again."""
+        """The block each sample lies in, which a shuffle keeps together (see
+        :meth:`Store.block_layout`), or None (a cache directory, the service), asked of
+        a store opened for the question and closed again."""
         self._load_index()
         if self.sources is not None:  # read-through: a cache directory or the service
             return None
@@ -407,9 +403,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             store.close()
 
     def set_epoch(self, epoch: int) -> None:
-        """``self.epoch``, set by ``Sampler.set_epoch``: the hook for what varies per
-        epoch (a loader worker has the value of when it started: each epoch, unless
-        ``persistent_workers``)."""
+        """``self.epoch``, set by ``Sampler.set_epoch`` (a loader worker has the value of
+        when it started: each epoch, unless ``persistent_workers``)."""
         self.epoch = int(epoch)
 
     def queue_ahead(self, indices: Sequence[int]) -> int:
@@ -430,10 +425,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def restore_failed(self, entries: Iterable[Sequence[Any]]) -> None:
         """Put a sampler state's ``failed`` (``[key, id, path, reason, when]`` each) back
         into :attr:`failed`: a resumed job lists what the stopped one skipped."""
-        if self._skipped is None:
-            return
-        for key, sample_id, path, reason, when in entries:
-            self._skipped.add(str(sample_id), str(path), str(reason), key=str(key), when=when)
+        if self._skipped is not None:
+            self._skipped.restore(entries)
 
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:
@@ -640,6 +633,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """Samples this process queued for computing (reused queue items not counted)."""
         handler = None if self._miss_handler is None else self._miss_handler.peek()
         return 0 if handler is None else int(handler.queued)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """With ``local_cache``: fetch what the samples at ``indices`` are read from
+        (their parts, chunk files or records) in a thread of this process, in that
+        order, so a loader finds them local; a sampler's read-ahead calls it. Nothing
+        otherwise."""
+        if self.local_cache is not None and len(indices):
+            self._store_here().prefetch([self.key(i) for i in indices])
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""

@@ -26,10 +26,20 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SkippedSample", "SkippedSamples"]
+from cache_store.errors import CorruptRecord, RecordNotFound, SampleFailed, SourceError
+
+__all__ = ["ON_ERROR_CHOICES", "SKIPPABLE_ERRORS", "SkippedSample", "SkippedSamples"]
+
+#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
+#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
+#: is gone or unreadable so the record cannot be checked). A missing cache, no live
+#: worker or a timeout are not the sample's fault and raise whatever the policy.
+SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
+ON_ERROR_CHOICES = ("raise", "skip")
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,12 @@ class SkippedSamples:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
+
+    def restore(self, entries: Iterable[Sequence[Any]]) -> None:
+        """Record again the skips listed as ``[key, id, path, reason, when]`` each (a
+        sampler state's ``failed``), keeping their keys and times."""
+        for key, sample_id, path, reason, when in entries:
+            self.add(str(sample_id), str(path), str(reason), key=str(key), when=when)
 
     def entries(self) -> dict[str, SkippedSample]:
         """Every key (sample id, or the path ``add`` was given as key) skipped so far by

@@ -306,3 +306,14 @@ def get_recipe_spec(name: str) -> RecipeSpec:
         return RECIPE_SPECS[name]
     except KeyError:
         raise UnknownName("recipe", name, RECIPE_SPECS) from None
+
+
+def installed_variable_fields(
+    recipe: str, version: int, params: Mapping[str, Any]
+) -> frozenset[str]:
+    """The fields ``recipe`` declares with a per-record first dimension, when that
+    recipe at that version is installed here (else none: collate then goes by shapes)."""
+    spec = RECIPE_SPECS.get(recipe)
+    if spec is None or spec.version != version:
+        return frozenset()
+    return spec.variable_length_fields(params)
