@@ -35,7 +35,10 @@ counts the batches it yielded to the user instead.
 Read-ahead: over a read-through dataset (``sources=``) the sampler queues this rank's
 next ``read_ahead`` samples for the cache's worker as it deals them, so the worker
 computes in the order the loaders will ask, and the dataset's own index-order
-``warm_ahead`` is turned off (:meth:`CachedDataset.queue_ahead`).
+``warm_ahead`` is turned off (:meth:`CachedDataset.queue_ahead`). Over a remote snapshot
+read through ``local_cache``, the same window's parts are fetched into the local
+directory by a thread of the process that iterates the sampler, in the sampler's order
+(:meth:`CachedDataset.prefetch`), so the loaders find them there.
 """
 
 from __future__ import annotations
@@ -135,13 +138,18 @@ class _Pass(Iterator[int]):
 
     def _read_ahead(self) -> None:
         """Queue this rank's samples up to ``read_ahead`` past the last one handed out
-        (called when less than half of that window is left queued)."""
+        (called when less than half of that window is left queued), and have the
+        window's parts fetched into a local cache (the whole window: a prefetch request
+        replaces the one before)."""
         sampler = self.sampler
         target = min(self.yielded + sampler.read_ahead, self.total)
         begin = max(self._queued_to, self.yielded)
         assert self._order is not None
-        ahead = sampler.global_indices(self._order, self.start, begin, target)
-        sampler.dataset.queue_ahead(ahead.tolist())
+        window = sampler.global_indices(self._order, self.start, self.yielded, target).tolist()
+        if sampler.reads_through:
+            sampler.dataset.queue_ahead(window[begin - self.yielded :])
+        if sampler.fetches:
+            sampler.dataset.prefetch(window)
         self._queued_to = target
 
     def __iter__(self) -> _Pass:
@@ -164,9 +172,11 @@ class Sampler(torch.utils.data.Sampler[int]):
             ranks uneven: False pads with repeats, True leaves them out (module doc).
         window_blocks: block-local order only: blocks whose samples are shuffled
             together (more mixes better; a reader then holds that many blocks at once).
-        read_ahead: read-through datasets only: samples of this rank queued for the
-            cache's worker ahead of the loaders (0: off; then the dataset's own
-            ``warm_ahead`` queues in index order on a miss).
+        read_ahead: samples of this rank read ahead of the loaders (0: off): over
+            read-through, queued for the cache's worker (off: the dataset's own
+            ``warm_ahead`` queues in index order on a miss); over ``local_cache``, their
+            parts fetched into it (set it to a window, ``window_blocks`` parts' samples,
+            for the next window's parts to arrive while this one is read).
 
     The order's cost, once per sampler and then once per epoch, in the process that
     iterates it (the training process, never a loader worker): a hash of every id
@@ -218,9 +228,10 @@ class Sampler(torch.utils.data.Sampler[int]):
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.window_blocks = int(window_blocks)
-        reads_through = getattr(dataset, "on_miss", None) == "compute"
-        self.read_ahead = int(read_ahead) if reads_through else 0
-        if self.read_ahead:
+        self.reads_through = getattr(dataset, "on_miss", None) == "compute"
+        self.fetches = getattr(dataset, "local_cache", None) is not None
+        self.read_ahead = int(read_ahead) if self.reads_through or self.fetches else 0
+        if self.read_ahead and self.reads_through:
             dataset.warm_ahead = 0  # this sampler queues ahead, in its own order
         self.epoch = 0
         self._resume = 0  # where the next pass of self.epoch starts

@@ -1,6 +1,8 @@
 """Read-ahead: a Sampler over a read-through dataset queues its upcoming samples for the
 worker, in the sampler's order, a window ahead of the loaders; a real worker fills an
-empty cache in that order during the first epoch of spcache.DataLoader."""
+empty cache in that order during the first epoch of spcache.DataLoader. Over a remote
+sharded snapshot read through ``local_cache`` (moto's S3 server), the sampler has the
+parts of its window fetched in its order, and forked loaders read them from there."""
 
 from __future__ import annotations
 
@@ -120,3 +122,55 @@ def test_over_the_service_the_read_ahead_is_one_warm_up_per_window(
         stop_server(server)
     order = [ds.sample_id(i) for i in Sampler(ds, num_replicas=1, rank=0, read_ahead=0)]
     assert queued == order[: len(queued)]
+
+
+def test_over_a_local_cache_the_sampler_fetches_its_parts_in_its_order(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from cache_store.snapshot.sharded import ShardedSnapshot
+    from tests.helpers.local_cache import FP, SizeWatch, write_sharded
+    from tests.helpers.s3 import moto_s3
+
+    def parts_fetched(watch: SizeWatch) -> list[tuple[str, str]]:
+        """(pid, part) of each fetch into the local directory, in order."""
+        return [
+            (line.split()[0], line.split(": fetched ")[1].split()[0].rsplit("/", 1)[1])
+            for line in watch.events("fetched")
+        ]
+
+    with moto_s3() as s3:
+        location = f"s3://{s3.new_bucket()}/train/snap.zarr"
+        write_sharded(location, parts=6, per_part=5)
+        with ShardedSnapshot(location) as store:
+            part_of = {key: store.entry_of(key).part for key in store.keys(FP + "/")}  # type: ignore[union-attr]
+        directory = tmp_path / "lc"
+        with SizeWatch.installed(str(directory), tmp_path / "events.txt") as watch:
+            ds = CachedDataset(location, FP, local_cache=directory, cache_limit="50M")
+            plain = Sampler(ds, seed=3, num_replicas=1, rank=0, window_blocks=2, read_ahead=0)
+            plain.set_epoch(1)
+            first_seen = list(dict.fromkeys(part_of[ds.key(i)] + ".bin" for i in plain))
+            assert len(first_seen) == 6 and first_seen != sorted(first_seen)
+            assert parts_fetched(watch) == []  # read_ahead=0: nothing fetched
+
+            sampler = Sampler(ds, seed=3, num_replicas=1, rank=0, window_blocks=2, read_ahead=30)
+            sampler.set_epoch(1)
+            next(iter(sampler))  # one index handed out, no sample read
+            deadline = time.monotonic() + 120
+            while len(parts_fetched(watch)) < 6:
+                assert time.monotonic() < deadline, f"{parts_fetched(watch)} after 120 s"
+                time.sleep(0.05)
+            assert parts_fetched(watch) == [(str(os.getpid()), p) for p in first_seen]
+
+            sampler.set_epoch(1)  # an epoch through forked loaders: read from the copies
+            loader = DataLoader(
+                ds,
+                batch_size=4,
+                sampler=sampler,
+                num_workers=2,
+                multiprocessing_context="fork",
+                collate_fn=collate_spc,
+            )
+            yielded = [sid for batch in loader for sid in batch["sample_ids"]]
+            assert yielded == [ds.sample_id(i) for i in plain]
+            assert len(parts_fetched(watch)) == 6  # no part fetched again
