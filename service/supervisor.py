@@ -7,6 +7,10 @@ doubles on each quick death (capped) and resets once it has stayed up a while. O
 it gets SIGTERM (it finishes or releases what it holds), then SIGKILL after a grace
 period.
 
+When the child dies, the items it held are made claimable at once
+(:meth:`JobQueue.expire_leases_of`, the attempt counted): the next worker takes them
+over instead of waiting out the dead one's leases (120 s by default).
+
 While the child is starting, and after a death while it is restarted, the supervisor
 says so in the cache's job queue (:meth:`JobQueue.announce_restart`): read-through
 waiters then wait for the new worker instead of failing with ``NoWorkerAlive``. A child
@@ -156,6 +160,23 @@ class WorkerSupervisor:
         finally:
             queue.close()
 
+    def _take_back_leases(self, pid: int, code: int) -> None:
+        """The child is gone: the items it held are claimable now, by the worker started
+        next, instead of when their leases run out (up to the whole lease)."""
+        if self.cache is None:
+            return
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
+        queue = JobQueue(self.cache)
+        try:
+            n = queue.expire_leases_of(pid, f"the worker (pid {pid}) died holding it ({how})")
+        except (SpcacheError, OSError) as exc:  # the leases then run out as before
+            log.warning("cannot hand back the items of the dead worker (pid %d): %s", pid, exc)
+            return
+        finally:
+            queue.close()
+        if n:
+            log.warning("worker (pid %d) died holding %d item(s); they are claimable again", pid, n)
+
     def _watch(self) -> None:
         backoff = self.first_backoff_s
         quick_deaths = 0
@@ -184,6 +205,7 @@ class WorkerSupervisor:
             if self._stop.is_set():
                 return
             ran = time.monotonic() - started
+            self._take_back_leases(self._proc.pid, code)
             if code == REFUSED_EXIT:
                 # its options, backend or cache were refused: a restart would be refused
                 # the same way, forever
@@ -234,9 +256,17 @@ class WorkerSupervisor:
                 )
                 proc.kill()
                 code = proc.wait()
+                self._take_back_leases(proc.pid, code)
         elif proc is not None:
             code = proc.returncode
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._announce(None)
         return code
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
