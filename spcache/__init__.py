@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         StoreBusy,
         StoreFull,
         TensorTypeError,
+        RecipeUnusable,
         UnknownName,
         UnsupportedFormat,
     )
@@ -71,6 +72,7 @@ _ERRORS = (
     "InvalidSampleId",
     "SourceError",
     "UnknownName",
+    "RecipeUnusable",
     "ParameterError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
@@ -140,6 +142,7 @@ __all__ = [
     "InvalidSampleId",
     "SourceError",
     "UnknownName",
+    "RecipeUnusable",
     "ParameterError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
