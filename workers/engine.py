@@ -53,7 +53,7 @@ from cache_store.jobs.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool
-from cache_store.recipes.api import is_out_of_memory
+from cache_store.recipes.api import ReadOnlyParams, is_out_of_memory
 from cache_store.recipes.registry import get_entry
 from workers.recipes import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
@@ -171,7 +171,8 @@ class Engine:
         self.recipe_spec = entry.spec
         #: digest of the recipe's code, stored in every record (``code_digest``)
         self.code_digest = entry.code_digest
-        self.params = self.recipe_spec.resolve(params)
+        #: the resolved parameters, read-only: what prepare and compute get
+        self.params = ReadOnlyParams(self.recipe_spec.resolve(params))
         loaders = 2 if loaders is None else loaders
         problems = []
         if not DEVICE_PATTERN.match(str(device)):

@@ -33,6 +33,7 @@ import torch
 
 from cache_store.errors import SourceError
 from cache_store.jobs.freshness import is_current, trusted_signature
+from cache_store.recipes.api import ReadOnlyParams
 from cache_store.recipes.registry import ENV_VAR as RECIPES_ENV_VAR
 from cache_store.recipes.registry import report_problems_here
 from workers.recipes import Recipe, get_recipe, make_generator
@@ -141,7 +142,9 @@ def load_sample(
             source_hash=digest,
         )
     try:
-        prepared = recipe.prepare(source, params, make_generator(fingerprint, sample_id))
+        prepared = recipe.prepare(
+            source, ReadOnlyParams(params), make_generator(fingerprint, sample_id)
+        )
         if not isinstance(prepared, dict):
             return LoadOutcome(
                 "failed",

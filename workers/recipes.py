@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from cache_store.errors import SourceError, SpcacheError
-from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
+from cache_store.recipes.api import ChunkBudget, ReadOnlyParams, Recipe, check_outputs
 from cache_store.recipes.registry import get_entry, installed_recipes
 from workers import sdf as sdf_ops
 from workers.sampling import compute_normalization, normalize_points, shape_points
@@ -97,6 +97,7 @@ def run_recipe(
         recipe.chunks = (
             query_chunk if isinstance(query_chunk, ChunkBudget) else ChunkBudget(query_chunk)
         )
+    params = ReadOnlyParams(params)
     prepared = recipe.prepare(source, params, generator)
     return recipe.compute(prepared, params, torch.device(device), ops)
 

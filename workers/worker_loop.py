@@ -269,8 +269,10 @@ class WorkerLoop:
         first = claimed[0]
         by_id = {c.sample_id: c for c in claimed}
         reported: set[int] = set()
-        # Done items are completed only after the run has written the dataset index, so
-        # a job that reads "done" always has every one of its ids in the index.
+        # Done items are completed only once the run has ended well, its records and the
+        # dataset index committed: a job that reads "done" always has every one of its ids
+        # in the index. A run that raises (the index not written, say) leaves them to the
+        # failed-attempt path below, and the next attempt skips their stored records.
         finished: list[ClaimedItem] = []
 
         def on_result(result: Any) -> None:
@@ -319,20 +321,20 @@ class WorkerLoop:
             engine = self._engine(store, first, roots)
             # asked for when claimed: a removal of the fingerprint after that refuses its writes
             engine.requested_at = claimed_at
-            try:
-                engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
-            finally:  # the run wrote the index, even when interrupted
-                complete_finished()
-        except KeyboardInterrupt:
+            engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+        except KeyboardInterrupt:  # what it finished is released with the rest, not done
             raise
         except Exception as exc:  # a crashed run must not kill the worker
             reason = f"engine run failed: {type(exc).__name__}: {exc}"
             log.exception("worker %s: job %s: %s", self.worker_id, first.job_id, reason)
+            unfinished = {c.item_id for c in finished}
             for c in claimed:
-                if c.item_id not in reported:
+                if c.item_id not in reported or c.item_id in unfinished:
                     queue.fail(self.worker_id, c.item_id, reason)
                     with self._held_lock:
                         self._held.pop(c.item_id, None)
+        else:
+            complete_finished()
         self._log_batch(queue, first.job_id, len(claimed), time.perf_counter() - start)
 
     def _log_batch(self, queue: JobQueue, job_id: str, count: int, seconds: float) -> None:

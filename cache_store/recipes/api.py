@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from cache_store.recipes.specs import (
@@ -44,6 +44,7 @@ __all__ = [
     "Param",
     "Field",
     "ChunkBudget",
+    "ReadOnlyParams",
     "check_outputs",
     "code_digest",
     "contract_problems",
@@ -132,6 +133,9 @@ class Recipe:
         record_bytes_doc: how ``record_bytes`` bounds it, in words.
         code_modules: extra modules (dotted names) whose source counts in the recipe's
             code digest, besides the class's own module.
+
+    ``params`` reach ``prepare`` and ``compute`` read-only (:class:`ReadOnlyParams`): they
+    make the fingerprint, and a change would file records under the wrong one.
 
     Per run, the engine sets ``self.chunks``: a :class:`ChunkBudget` shared by the run's
     samples, for recipes that split device work into chunks. ``self.spec`` (and
@@ -254,6 +258,73 @@ def contract_problems(cls: Any) -> list[str]:
     if cls.record_bytes is not None and not callable(cls.record_bytes):
         problems.append("record_bytes is not callable")
     return problems
+
+
+# --- parameters, read-only ---------------------------------------------------------------
+
+
+class ReadOnlyParams(Mapping[str, Any]):
+    """The resolved parameters as ``prepare`` and ``compute`` see them: a mapping that
+    cannot be changed.
+
+    The parameters make the fingerprint: a recipe that changed one in place (``params
+    ["level"] += 1``) would store records computed with other values under the
+    fingerprint of these, and later runs would skip them as current. Any attempt
+    raises ``TypeError`` naming the parameter, which fails that sample like any error
+    its ``compute`` raises (the reason names the recipe). ``dict(params)`` is a copy a
+    recipe may change for itself. Pickles as itself (loader processes get one too).
+    """
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]) -> None:
+        self._values = dict(values)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"ReadOnlyParams({self._values!r})"
+
+    def __reduce__(self) -> tuple[type[ReadOnlyParams], tuple[dict[str, Any]]]:
+        return (type(self), (self._values,))
+
+    @staticmethod
+    def _refuse(what: str) -> TypeError:
+        return TypeError(
+            f"recipe parameters are read-only: cannot {what} (the parameters make the "
+            "fingerprint; copy them with dict(params) to change a value for yourself)"
+        )
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise self._refuse(f"set {key!r}")
+
+    def __delitem__(self, key: str) -> None:
+        raise self._refuse(f"delete {key!r}")
+
+    def __ior__(self, other: Any) -> ReadOnlyParams:
+        raise self._refuse("update them")
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise self._refuse("update them")
+
+    def pop(self, key: str, *default: Any) -> Any:
+        raise self._refuse(f"pop {key!r}")
+
+    def popitem(self) -> tuple[str, Any]:
+        raise self._refuse("pop an item")
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        raise self._refuse(f"set {key!r}")
+
+    def clear(self) -> None:
+        raise self._refuse("clear them")
 
 
 # --- out-of-memory back-off -------------------------------------------------------------
