@@ -1,20 +1,29 @@
-"""Handles that belong to the process that opened them (LMDB, SQLite, httpx, zarr).
+"""Handles that belong to the process that opened them (LMDB, SQLite, httpx, zarr), and
+signal handlers that belong to the process that installed them.
 
 A handle opened before ``os.fork`` is shared with the child: using it there, or even
 closing it, touches the parent's locks, sockets or WAL. Every reader and writer in
 ``cache_store`` therefore keeps its handles in a :class:`ProcessLocal`: opened on first
 use in a process, opened anew when ``os.getpid()`` changes, and an inherited one is
 *parked* (kept referenced, never used, closed or collected) instead of closed.
+
+A signal handler is inherited by a forked child the same way: a recipe's
+``multiprocessing.Pool`` (fork) inside the worker got the worker's SIGTERM handler,
+which only asks the worker loop to stop, so ``Pool.terminate()`` waited for ever on
+children that would not end. Every handler spcache installs is wrapped by
+:func:`this_process_only`: in another process it does what the signal does by default.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ProcessLocal", "is_parked", "park"]
+__all__ = ["ProcessLocal", "is_parked", "park", "this_process_only"]
 
 T = TypeVar("T")
 
@@ -91,3 +100,28 @@ class ProcessLocal(Generic[T]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["opener"], state["closer"])  # type: ignore[misc]
+
+
+SignalHandler = Callable[[int, FrameType | None], Any]
+
+
+def this_process_only(handler: SignalHandler) -> SignalHandler:
+    """``handler``, acting only in the process that calls this (the one installing it).
+
+    In a child forked after the handler was installed (a recipe's ``multiprocessing.Pool``
+    with the fork context, a plain ``os.fork``), the signal does what it does by
+    default: SIGINT raises ``KeyboardInterrupt``, any other signal ends the process (the
+    default disposition is restored and the signal raised again), so ``Pool.terminate()``
+    ends such children as it expects to."""
+    owner = os.getpid()
+
+    def handle(signum: int, frame: FrameType | None) -> Any:
+        if os.getpid() == owner:
+            return handler(signum, frame)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        signal.raise_signal(signum)
+        return None
+
+    return handle

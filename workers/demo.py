@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cache_store.process_local import this_process_only
+
 __all__ = ["configure_parser", "run", "log_level", "write_example_shapes", "RECIPE"]
 
 log = logging.getLogger(__name__)
@@ -223,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # SIGTERM (kill, docker stop; SIGHUP arrives as SIGTERM) ends the demo like Ctrl-C,
     # so the finally blocks below stop the service and its worker.
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, this_process_only(_terminate))
     with listener:
         return _run(args, listener)
 

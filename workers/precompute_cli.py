@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cache_store.errors import ParameterError, SpcacheError, StoreFull, UnknownName
+from cache_store.process_local import this_process_only
 from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
 from cache_store.recipes.table import recipe_table
 from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
@@ -242,7 +243,7 @@ def _say_when_stopping() -> Any:
             os.write(2, STOPPING)
         raise KeyboardInterrupt
 
-    return signal.signal(signal.SIGINT, stopping)
+    return signal.signal(signal.SIGINT, this_process_only(stopping))
 
 
 def _print_summary(summary: Any) -> None:

@@ -36,6 +36,7 @@ from types import FrameType
 from typing import Any
 
 from cache_store.jobs.queue import ClaimedItem, JobQueue
+from cache_store.process_local import this_process_only
 from cache_store.sources.files import SourceLimits, narrow_roots
 from cache_store.stores.base import Store, open_store
 
@@ -116,8 +117,11 @@ class WorkerLoop:
     # -- signals ---------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        """SIGTERM and SIGINT stop the loop (see the module doc), in this process only: a
+        child a recipe forks (a ``multiprocessing.Pool``) ends on them as by default."""
+        handler = this_process_only(self._on_signal)
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1

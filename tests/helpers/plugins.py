@@ -13,7 +13,7 @@ directory (``SPCACHE_TEST_CONTROL``) so a test decides when:
   for ids starting with ``hang``; ``time_limit_s = 2``;
 - ``mutates``: ``compute`` does ``params["level"] += 1`` and records the level it saw;
 - ``pooled``: ``compute`` maps over a ``multiprocessing.Pool`` (fork) of 2 processes;
-- ``forks``: ``compute`` forks a child that exits at once (``os.fork``);
+- ``forks``: ``compute`` forks children that exit at once (``os.fork``, 10 times);
 - ``broken_init``: its constructor raises.
 """
 
@@ -138,10 +138,11 @@ class Forks(_Counting):
     version = 1
 
     def compute(self, prepared, params, device, ops):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
+        for _ in range(10):  # often enough to land while the writer thread commits
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
         return self.result(prepared, params["level"])
 
 
