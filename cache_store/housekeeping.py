@@ -43,7 +43,7 @@ from cache_store.errors import (
     FingerprintLookupError,
     FingerprintRemoved,
     ReadOnlyStoreError,
-    SpcacheError,
+    UsageError,
 )
 from cache_store.keys import is_fingerprint
 from cache_store.recipes.specs import RECIPE_SPECS
@@ -71,7 +71,7 @@ _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 MIN_PREFIX = 6
 
 
-class LimitTooSmall(SpcacheError, ValueError):
+class LimitTooSmall(UsageError):
     """A size limit smaller than a fingerprint that has to be kept."""
 
 

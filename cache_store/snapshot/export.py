@@ -71,7 +71,7 @@ from cache_store.recipes.specs import RECIPE_SPECS
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store, open_store
 from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
-from cache_store.location import local_path, parse_location
+from cache_store.location import LocationLike, local_path, parse_location
 from cache_store.snapshot.format import (
     ATTRS_KEY,
     SNAPSHOT_FORMAT_VERSION,
@@ -246,7 +246,7 @@ DEFAULT_LOCAL_CODEC = "none"
 DEFAULT_REMOTE_CODEC = "zstd"
 
 
-def default_codec(dest: str | os.PathLike[str]) -> str:
+def default_codec(dest: LocationLike) -> str:
     """The codec an export to ``dest`` uses when none is named."""
     return DEFAULT_LOCAL_CODEC if parse_location(dest).is_local else DEFAULT_REMOTE_CODEC
 
@@ -709,9 +709,9 @@ def _export_remote(
 
 
 def export_snapshot(
-    source: Store | str | os.PathLike[str],
+    source: Store | LocationLike,
     fingerprint: str,
-    dest: str | os.PathLike[str],
+    dest: LocationLike,
     *,
     overwrite: bool = False,
     skip_bad: bool = False,
@@ -790,7 +790,7 @@ def export_snapshot(
             )
         else:
             _export_remote(
-                os.fspath(dest),
+                parse_location(dest).target,
                 store,
                 index,
                 survey,
@@ -806,7 +806,7 @@ def export_snapshot(
             store.close()
     summary = ExportSummary(
         fingerprint,
-        os.fspath(dest),
+        str(dest),
         len(survey.sample_ids),
         dict(survey.bad),
         survey.record_bytes,

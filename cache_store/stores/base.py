@@ -53,7 +53,7 @@ from cache_store.errors import (
     SpcacheError,
     UnknownName,
 )
-from cache_store.location import parse_location
+from cache_store.location import Location, LocationLike, parse_location
 from cache_store.format.decode import (
     Fill,
     Record,
@@ -177,8 +177,9 @@ class Store(abc.ABC):
     #: False when :meth:`keys` may omit stored records (it lists what it can enumerate).
     supports_listing: ClassVar[bool] = True
 
-    def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True) -> None:
-        self.location = os.fspath(location)
+    def __init__(self, location: LocationLike, *, readonly: bool = True) -> None:
+        # a parsed Location is its target (file:// stripped): a URL never becomes a path
+        self.location = location.target if isinstance(location, Location) else os.fspath(location)
         self.readonly = bool(readonly)
 
     def __repr__(self) -> str:
@@ -448,9 +449,7 @@ STORE_BACKENDS: dict[str, str] = {
 }
 
 
-def open_store(
-    cache: str | os.PathLike[str] | Store, readonly: bool = True, **options: Any
-) -> Store:
+def open_store(cache: LocationLike | Store, readonly: bool = True, **options: Any) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
     ``ZarrStore`` (an exported snapshot) or ``ShardedSnapshot`` (one written by many
     writers, and any ``*.zarr`` opened for writing); ``http(s)://host:port`` ->
