@@ -58,3 +58,33 @@ def test_pickles_without_its_handle() -> None:
     copy = pickle.loads(pickle.dumps(local))
     assert copy.peek() is None and copy.opener is _Handle
     assert isinstance(copy.get(), _Handle)
+
+
+def test_a_signal_handler_acts_only_in_the_process_that_installed_it() -> None:
+    """A child forked after the handler was installed ends on SIGTERM as by default
+    (a recipe's ``multiprocessing.Pool`` is terminated that way), the parent's handler
+    still runs in the parent."""
+    import signal
+    import time
+
+    from cache_store.process_local import this_process_only
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, this_process_only(lambda n, f: seen.append(n)))
+    try:
+        ready, told = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(told, b"x")  # a signal before the child's start would be dropped
+            time.sleep(60)  # the parent's handler would only note the signal: still here
+            os._exit(3)
+        os.read(ready, 1)
+        os.close(ready)
+        os.close(told)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        signal.raise_signal(signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
