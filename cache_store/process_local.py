@@ -104,24 +104,67 @@ class ProcessLocal(Generic[T]):
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 
+#: the signals whose handler a forked child must not keep
+_OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
 
 def this_process_only(handler: SignalHandler) -> SignalHandler:
     """``handler``, acting only in the process that calls this (the one installing it).
 
-    In a child forked after the handler was installed (a recipe's ``multiprocessing.Pool``
-    with the fork context, a plain ``os.fork``), the signal does what it does by
-    default: SIGINT raises ``KeyboardInterrupt``, any other signal ends the process (the
-    default disposition is restored and the signal raised again), so ``Pool.terminate()``
-    ends such children as it expects to."""
+    A child forked while it is installed (a recipe's ``multiprocessing.Pool`` with the
+    fork context, a plain ``os.fork``) gets the default instead, as the fork happens:
+    SIGINT raises ``KeyboardInterrupt``, any other signal ends the process, so
+    ``Pool.terminate()`` ends such children as it expects to. (The signal is blocked
+    over the fork and the default installed in the child before it is unblocked: a
+    SIGTERM sent to a child still starting, which a busy machine makes common, would
+    otherwise be dropped by the interpreter's own after-fork clean-up.) Should the
+    handler be called in another process all the same, it does the default there too."""
     owner = os.getpid()
 
     def handle(signum: int, frame: FrameType | None) -> Any:
         if os.getpid() == owner:
             return handler(signum, frame)
+        _default(signum)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        signal.signal(signum, signal.SIG_DFL)
         signal.raise_signal(signum)
         return None
 
+    handle.spcache_owner = owner  # type: ignore[attr-defined]
     return handle
+
+
+def _default(signum: int) -> None:
+    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
+_blocked_over_fork: list[signal.Signals] = []
+
+
+def _block_own_signals() -> None:
+    here = os.getpid()
+    mine = [s for s in _OWN_SIGNALS if getattr(signal.getsignal(s), "spcache_owner", 0) == here]
+    _blocked_over_fork[:] = mine
+    if mine:
+        signal.pthread_sigmask(signal.SIG_BLOCK, mine)
+
+
+def _defaults_in_child() -> None:
+    blocked, _blocked_over_fork[:] = list(_blocked_over_fork), []
+    for signum in blocked:
+        _default(signum)
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+def _unblock_in_parent() -> None:
+    blocked, _blocked_over_fork[:] = list(_blocked_over_fork), []
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+os.register_at_fork(
+    before=_block_own_signals,
+    after_in_child=_defaults_in_child,
+    after_in_parent=_unblock_in_parent,
+)

@@ -3,7 +3,9 @@
 The worker is a separate program (``python -m spcache worker --cache ...``) started with
 ``subprocess`` (fork + exec: spawn semantics), so the service process never imports the
 GPU code nor initialises CUDA. If it dies it is started again after a back-off that
-doubles on each quick death (capped) and resets once it has stayed up a while. On stop
+doubles on each quick death (capped) and resets once it has stayed up a while; one that
+ended itself because a sample ran past its time limit (exit
+:data:`~cache_store.jobs.worker_state.OVERRUN_EXIT`) is started again at once. On stop
 it gets SIGTERM (it finishes or releases what it holds), then SIGKILL after a grace
 period.
 
@@ -39,6 +41,7 @@ from pathlib import Path
 from cache_store.errors import SpcacheError
 from cache_store.jobs.owner_lock import describe_holder, lock_holder
 from cache_store.jobs.queue import JobQueue
+from cache_store.jobs.worker_state import OVERRUN_EXIT
 
 __all__ = ["WorkerSupervisor", "worker_command"]
 
@@ -220,6 +223,18 @@ class WorkerSupervisor:
                     code,
                 )
                 return
+            if code == OVERRUN_EXIT:
+                # it ended itself because a sample ran past its time limit (it failed that
+                # attempt): not a crash, so a fresh worker now, the back-off untouched
+                self._announce(START_GRACE_S)
+                log.warning(
+                    "worker (pid %d) ended itself after %.1fs: a sample ran past its time "
+                    "limit (its log above names it); starting a fresh worker",
+                    self._proc.pid,
+                    ran,
+                )
+                self.restarts += 1
+                continue
             if ran >= self.healthy_after_s:
                 backoff = self.first_backoff_s
                 quick_deaths = 0

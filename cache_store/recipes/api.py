@@ -22,10 +22,16 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cache_store.engine_options import DEFAULT_MIN_QUERY_CHUNK, DEFAULT_QUERY_CHUNK
+from cache_store.engine_options import (
+    DEFAULT_MIN_QUERY_CHUNK,
+    DEFAULT_QUERY_CHUNK,
+    DEFAULT_TIME_LIMIT_S,
+    time_limit_problem,
+)
+from cache_store.recipes.params import ReadOnlyParams
 from cache_store.recipes.specs import (
     FieldSpec,
     ParamSpec,
@@ -99,6 +105,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "query_chunk",
         "write_batch",
         "id_template",
+        "time_limit_s",
         # CachedDataset
         "fingerprint_or_recipe",
         "fields",
@@ -134,6 +141,11 @@ class Recipe:
         record_bytes_doc: how ``record_bytes`` bounds it, in words.
         code_modules: extra modules (dotted names) whose source counts in the recipe's
             code digest, besides the class's own module.
+        time_limit_s: seconds each stage of one sample may take, loading with
+            :meth:`prepare` and :meth:`compute` each (default
+            :data:`~cache_store.engine_options.DEFAULT_TIME_LIMIT_S`, 600); a run's
+            ``time_limit_s`` option replaces it. A sample past it fails naming the limit
+            (:mod:`workers.time_limits` says how each process enforces it).
 
     ``params`` reach ``prepare`` and ``compute`` read-only (:class:`ReadOnlyParams`): they
     make the fingerprint, and a change would file records under the wrong one.
@@ -152,6 +164,7 @@ class Recipe:
     record_bytes: ClassVar[Any] = None
     record_bytes_doc: ClassVar[str] = ""
     code_modules: ClassVar[tuple[str, ...]] = ()
+    time_limit_s: ClassVar[float] = DEFAULT_TIME_LIMIT_S
 
     def __init__(self) -> None:
         #: the run's chunk budget (the engine sets it per run)
@@ -258,74 +271,9 @@ def contract_problems(cls: Any) -> list[str]:
             problems.append(f"{method}() is not implemented")
     if cls.record_bytes is not None and not callable(cls.record_bytes):
         problems.append("record_bytes is not callable")
+    if problem := time_limit_problem(getattr(cls, "time_limit_s", None)):
+        problems.append(f"time_limit_s: {problem}")
     return problems
-
-
-# --- parameters, read-only ---------------------------------------------------------------
-
-
-class ReadOnlyParams(Mapping[str, Any]):
-    """The resolved parameters as ``prepare`` and ``compute`` see them: a mapping that
-    cannot be changed.
-
-    The parameters make the fingerprint: a recipe that changed one in place (``params
-    ["level"] += 1``) would store records computed with other values under the
-    fingerprint of these, and later runs would skip them as current. Any attempt
-    raises ``TypeError`` naming the parameter, which fails that sample like any error
-    its ``compute`` raises (the reason names the recipe). ``dict(params)`` is a copy a
-    recipe may change for itself. Pickles as itself (loader processes get one too).
-    """
-
-    __slots__ = ("_values",)
-
-    def __init__(self, values: Mapping[str, Any]) -> None:
-        self._values = dict(values)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"ReadOnlyParams({self._values!r})"
-
-    def __reduce__(self) -> tuple[type[ReadOnlyParams], tuple[dict[str, Any]]]:
-        return (type(self), (self._values,))
-
-    @staticmethod
-    def _refuse(what: str) -> TypeError:
-        return TypeError(
-            f"recipe parameters are read-only: cannot {what} (the parameters make the "
-            "fingerprint; copy them with dict(params) to change a value for yourself)"
-        )
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        raise self._refuse(f"set {key!r}")
-
-    def __delitem__(self, key: str) -> None:
-        raise self._refuse(f"delete {key!r}")
-
-    def __ior__(self, other: Any) -> ReadOnlyParams:
-        raise self._refuse("update them")
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        raise self._refuse("update them")
-
-    def pop(self, key: str, *default: Any) -> Any:
-        raise self._refuse(f"pop {key!r}")
-
-    def popitem(self) -> tuple[str, Any]:
-        raise self._refuse("pop an item")
-
-    def setdefault(self, key: str, default: Any = None) -> Any:
-        raise self._refuse(f"set {key!r}")
-
-    def clear(self) -> None:
-        raise self._refuse("clear them")
 
 
 # --- out-of-memory back-off -------------------------------------------------------------

@@ -9,8 +9,8 @@ directory (``SPCACHE_TEST_CONTROL``) so a test decides when:
 
 - ``held``: ``compute`` writes ``<control>/entered-<id>`` and waits while ``<control>/hold``
   exists (a worker holding a lease while the test kills it);
-- ``hangs``: ``compute`` (or ``prepare``, for ids starting with ``prep``) never returns
-  for ids starting with ``hang``; ``time_limit_s = 2``;
+- ``hangs``: ``compute`` never returns for ids starting with ``hang``, ``prepare`` for
+  ids starting with ``prep``; ``time_limit_s = 2``; ``stalls`` the same with 20 s;
 - ``mutates``: ``compute`` does ``params["level"] += 1`` and records the level it saw;
 - ``pooled``: ``compute`` maps over a ``multiprocessing.Pool`` (fork) of 2 processes;
 - ``forks``: ``compute`` forks children that exit at once (``os.fork``, 10 times);
@@ -101,11 +101,17 @@ class Hangs(_Counting):
 
     def compute(self, prepared, params, device, ops):
         sid = bytes(prepared["id"]).decode()
-        if sid.startswith("hang"):
+        if sid.startswith(("hang", "stall")):
             _control("entered-" + sid).touch()
             while True:
                 time.sleep(1)
         return self.result(prepared, params["level"])
+
+
+class Stalls(Hangs):
+    name = "stalls"
+    version = 1
+    time_limit_s = 20
 
 
 class Mutates(_Counting):
@@ -164,6 +170,7 @@ def install(directory: Path, *recipes: str, control: Path | None = None) -> dict
     classes = {
         "held": "Held",
         "hangs": "Hangs",
+        "stalls": "Stalls",
         "mutates": "Mutates",
         "pooled": "Pooled",
         "forks": "Forks",
