@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_store.process_local import this_process_only
+from cache_store.processes import child_env, stop_child
 
 __all__ = ["RECIPE", "run_demo", "write_example_shapes"]
 
@@ -67,7 +67,7 @@ def write_example_shapes(directory: Path) -> list[Path]:
 
 
 def _precompute(sources: list[Path], cache: Path, level: int) -> str:
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from workers.engine import Engine
 
     on_terminal = sys.stderr.isatty()
@@ -189,7 +189,7 @@ def _run(directory: Path, listener: socket.socket, level: int, exit_after: float
     service = subprocess.Popen(
         command,
         start_new_session=True,
-        env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())},
+        env=child_env(),
         pass_fds=(listener.fileno(),),
     )
     try:
@@ -222,7 +222,7 @@ In Python (any number of forked DataLoader workers, no CUDA):
         )
         _serve_until_stopped(service, exit_after)
     finally:
-        _stop(service)
+        stop_child(service, 30.0, group=True, what="the service")
     return 0
 
 
@@ -235,14 +235,3 @@ def _serve_until_stopped(service: subprocess.Popen, exit_after: float | None) ->
         pass
     except KeyboardInterrupt:
         print("stopping the service", flush=True)
-
-
-def _stop(service: subprocess.Popen) -> None:
-    if service.poll() is not None:
-        return
-    os.killpg(service.pid, signal.SIGTERM)
-    try:
-        service.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(service.pid, signal.SIGKILL)
-        service.wait()

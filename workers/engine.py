@@ -45,17 +45,17 @@ from typing import Any
 
 import torch
 
-from cache_store import __version__ as SPCACHE_VERSION
+from cache_store.version import __version__ as SPCACHE_VERSION
 from cache_store.engine_options import EngineOptions
-from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError
+from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError, one_line
 from cache_store.jobs.failures import FailureLog
-from cache_store.jobs.freshness import STAT_FIELD
+from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool
 from cache_store.recipes.api import ReadOnlyParams, is_out_of_memory
 from cache_store.recipes.registry import get_entry
-from workers.recipes import ChunkBudget, Recipe, check_outputs
+from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
 from workers.time_limits import Overrun, SampleClock, SampleTimeLimit, limit_for
 from workers.run_ledger import (
@@ -64,7 +64,6 @@ from workers.run_ledger import (
     SampleError,
     Summary,
     WorkItem,
-    one_line,
     run_all,
 )
 
@@ -477,7 +476,7 @@ class LocalRun:
                 reason = one_line(exc)
             else:
                 logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
-                reason = f"recipe {spec.name!r}: {stage} {type(exc).__name__}: {one_line(exc)}"
+                reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True)}"
             self.ledger.finish(
                 ItemResult(
                     item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash
@@ -499,7 +498,7 @@ class LocalRun:
         finally:
             self.summary.compute_s += time.perf_counter() - start
         metadata = self._metadata(item, source_hash, device, ops)
-        if source_stat:  # readers compare it before hashing (cache_store.jobs.freshness)
+        if source_stat:  # readers compare it before hashing (cache_store.sources.freshness)
             metadata[STAT_FIELD] = source_stat
         writer.put(PendingRecord(item, tensors, metadata))
 

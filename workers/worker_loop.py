@@ -54,7 +54,8 @@ from cache_store.jobs.queue import ClaimedItem, JobQueue
 from cache_store.jobs.worker_state import OVERRUN_EXIT
 from cache_store.process_local import this_process_only
 from cache_store.sources.files import narrow_roots
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 from workers.time_limits import Overrun, SampleClock
 
 __all__ = ["WorkerLoop", "run_worker"]
@@ -523,9 +524,10 @@ def run_worker(
 
     Raises :class:`~cache_store.errors.UsageError` (bad path, cache owned, lock not
     taken), :class:`~cache_store.errors.BackendUnavailable`,
-    :class:`~cache_store.housekeeping.LimitTooSmall`.
+    :class:`~cache_store.errors.LimitTooSmall`.
     """
-    from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
+    from cache_store.errors import CacheOwned
+    from cache_store.jobs.owner_lock import WorkerLock
     from cache_store.location import check_cache_dir
 
     if not cache.exists():

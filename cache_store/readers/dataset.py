@@ -27,7 +27,6 @@ from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
-    FingerprintLookupError,
     MissTimeout,
     ParameterError,
     RecordNotFound,
@@ -35,21 +34,24 @@ from cache_store.errors import (
     SourceError,
     StaleRecord,
     UnknownName,
+    one_line,
 )
 from cache_store.format.header import read_metadata
-from cache_store.jobs.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
-from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
+from cache_store.keys import compute_fingerprint, is_fingerprint
+from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
-from cache_store.format.index import DatasetIndex
 from cache_store.readers.collate import SpcSample
+from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 
-__all__ = ["CachedDataset", "resolve_index"]
+__all__ = ["CachedDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -73,62 +75,6 @@ SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
 ON_ERROR_CHOICES = ("raise", "skip")
 
 
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
-def _describe(index: DatasetIndex) -> str:
-    return (
-        f"{index.fingerprint} ({index.recipe} v{index.recipe_version}, "
-        f"{canonical_json(dict(index.params))}, {len(index)} samples)"
-    )
-
-
-def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
-    """The one index that a fingerprint, or a recipe name plus parameters, selects.
-
-    A recipe (installed here) selects the indexes recorded in the store of its current
-    version whose parameters equal every given one; a parameter not given matches any
-    stored value (its default is not filled in). Exactly one match is the answer; there
-    is no tie-break: several raise :class:`FingerprintLookupError` listing each
-    candidate (fingerprint, version, parameters, samples; ``exc.candidates``), and none
-    raises it listing the datasets of that recipe in the store.
-    """
-    if is_fingerprint(fingerprint_or_recipe):
-        if params:
-            raise ParameterError(
-                [
-                    f"{name}: parameters select a fingerprint by recipe name; "
-                    f"{fingerprint_or_recipe} is already one"
-                    for name in params
-                ]
-            )
-        return store.get_index(fingerprint_or_recipe)
-    recipe = fingerprint_or_recipe
-    if recipe not in RECIPE_SPECS:
-        get_recipe_spec(recipe)  # raises UnknownName listing the known recipes
-    matches = store.find_fingerprints(recipe, **params)
-    current = [i for i in matches if i.recipe_version == RECIPE_SPECS[recipe].version]
-    if len(current) == 1:
-        return current[0]
-    wanted = f"recipe {recipe!r}" + (f" with {canonical_json(params)}" if params else "")
-    if current:
-        raise FingerprintLookupError(
-            f"{wanted} matches {len(current)} datasets in {store.location} (a parameter "
-            f"left out matches any stored value); give more parameters or a fingerprint: "
-            + "; ".join(_describe(i) for i in current),
-            [i.fingerprint for i in current],
-        )
-    others = matches or store.find_fingerprints(recipe)
-    listed = "; ".join(_describe(i) for i in others) or "none"
-    raise FingerprintLookupError(
-        f"{wanted} (version {RECIPE_SPECS[recipe].version}) matches no dataset in "
-        f"{store.location}; datasets of this recipe there: {listed}",
-        [i.fingerprint for i in others],
-    )
-
-
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     """Records of one fingerprint of a cache, as dicts of CPU tensors, in index order.
 
@@ -140,11 +86,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             the installed recipe version whose parameters equal the given ones, a
             parameter left out matching any stored value (not its default). Several
             matches are no guess: ``FingerprintLookupError`` lists the candidates (see
-            :func:`resolve_index`). With ``sources=``, defaults fill in instead.
+            :func:`~cache_store.readers.selection.resolve_index`). With ``sources=``,
+            defaults fill in instead.
         fields: names of the tensors to read (default: all); the others' bytes are not
             touched.
         transform: called on each sample dict (in the worker) before it is returned.
-        store_options: passed to :func:`~cache_store.stores.base.open_store` (e.g.
+        store_options: passed to :func:`~cache_store.stores.opener.open_store` (e.g.
             ``max_readers`` for LMDB).
         sources: read-through (with a recipe name): a directory, ``.txt``/``.jsonl``
             manifest, file, or a list of them, discovered exactly as ``spcache
@@ -186,6 +133,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
+        local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
+            URL read through a bounded directory on this machine: what a read needs is
+            fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
+            snapshot's chunk files, the service's records), shared by every process
+            of the machine, least recently used out first, never above ``cache_limit``
+            (bytes, or a size: ``"20G"``); see :mod:`cache_store.local_cache`.
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).
@@ -217,6 +170,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_error: str = "raise",
         id_template: str | None = None,
         on_stale: str | None = None,
+        local_cache: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
         **params: Any,
     ) -> None:
         if not isinstance(fingerprint_or_recipe, str):
@@ -270,12 +225,15 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
         if problems:
             raise ParameterError(problems)
+        self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
         self.fields = None if fields is None else tuple(fields)
         self.transform = transform
         self.params = dict(params)
         self.store_options = dict(store_options or {})
+        if self.local_cache is not None:
+            self.store_options["local_cache"] = self.local_cache
         self.sources = sources
         self.on_miss = on_miss
         self.warm_ahead = int(warm_ahead)
@@ -479,7 +437,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _skip(self, i: int, exc: BaseException) -> None:
         sample_id = self.sample_id(i)
         path = self.source_path(i) if self._path_offsets is not None else self.key(i)
-        reason = _one_line(exc)
+        reason = one_line(exc, with_class=True)
         # a file whose id an earlier one has is listed under its path: the id is taken
         key = path if self._id_clash(i) is not None else sample_id
         if self._skipped is not None and self._skipped.add(sample_id, path, reason, key=key):
@@ -652,6 +610,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """Samples this process queued for computing (reused queue items not counted)."""
         handler = None if self._miss_handler is None else self._miss_handler.peek()
         return 0 if handler is None else int(handler.queued)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """With ``local_cache``: fetch what the samples at ``indices`` are read from
+        (their parts, chunk files or records) in a thread of this process, in that
+        order, so a loader finds them local; a sampler's read-ahead calls it. Nothing
+        otherwise."""
+        if self.local_cache is not None and len(indices):
+            self._store_here().prefetch([self.key(i) for i in indices])
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""

@@ -39,9 +39,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import RecipeUnusable, UnknownName
+from cache_store.errors import RecipeUnusable, UnknownName, one_line
 from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
+from cache_store.version import __version__
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -125,8 +126,6 @@ def _distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str
 
 
 def _builtin_origin() -> dict[str, Any]:
-    from cache_store import __version__
-
     return {"kind": "builtin", "entry": None, "package": "spcache", "package_version": __version__}
 
 
@@ -192,7 +191,7 @@ def load_registry() -> Registry:
         try:
             cls = load()
         except Exception as exc:  # noqa: BLE001 - any import failure is this entry's alone
-            problems.append(f"{label}: failed to import: {type(exc).__name__}: {_one_line(exc)}")
+            problems.append(f"{label}: failed to import: {one_line(exc, with_class=True)}")
             continue
         if cls in builtin:
             if origin["kind"] == "entry point" and origin["package"] == "spcache":
@@ -235,7 +234,7 @@ def load_registry() -> Registry:
         try:
             spec = cls.schema()
         except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
-            problems.append(f"{label}: not a usable recipe: {type(exc).__name__}: {_one_line(exc)}")
+            problems.append(f"{label}: not a usable recipe: {one_line(exc, with_class=True)}")
             _note_unusable(unusable, cls, problems[-1])
             continue
         try:
@@ -251,7 +250,7 @@ def load_registry() -> Registry:
 
 
 def _constructor_problem(exc: BaseException) -> str:
-    return f"its constructor raised {type(exc).__name__}: {_one_line(exc)}"
+    return f"its constructor raised {one_line(exc, with_class=True)}"
 
 
 def _note_unusable(unusable: dict[str, str], cls: Any, problem: str) -> None:
@@ -260,10 +259,6 @@ def _note_unusable(unusable: dict[str, str], cls: Any, problem: str) -> None:
     name = getattr(cls, "name", None)
     if isinstance(name, str) and name:
         unusable.setdefault(name, problem)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 _lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""The stat signature rule (``cache_store.jobs.freshness``): what an equal signature
+"""The stat signature rule (``cache_store.sources.freshness``): what an equal signature
 proves, what a record stored before the change time was part of it gets, and when a
 signature is too fresh to store."""
 
@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from cache_store.jobs.freshness import (
+from cache_store.sources.freshness import (
     RACY_S,
     STAT_FIELD,
     HashBudget,
