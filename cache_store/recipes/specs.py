@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cache_store.errors import ParameterError, UnknownName
+from cache_store.errors import ParameterError
 
 __all__ = [
     "ParamSpec",
@@ -302,10 +302,11 @@ RECIPE_SPECS: Mapping[str, RecipeSpec] = _InstalledSpecs()
 
 
 def get_recipe_spec(name: str) -> RecipeSpec:
-    try:
-        return RECIPE_SPECS[name]
-    except KeyError:
-        raise UnknownName("recipe", name, RECIPE_SPECS) from None
+    """The installed recipe ``name``'s schema; :class:`UnknownName` listing the known ones
+    (:class:`~cache_store.errors.RecipeUnusable`, saying why, for a plugin left out)."""
+    from cache_store.recipes.registry import get_entry
+
+    return get_entry(name).spec
 
 
 def installed_variable_fields(
