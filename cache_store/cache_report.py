@@ -1,6 +1,6 @@
 """What ``spcache stats`` and ``spcache verify`` report about a cache, as data.
 
-Both walk the store in a child process (:mod:`cache_store.stores.isolated`), so a damaged
+Both walk the store in a child process (:mod:`cache_store.housekeeping.isolated`), so a damaged
 LMDB page that makes LMDB abort cannot take the caller down. :func:`cache_stats` adds,
 for a local cache directory, each fingerprint's remembered failures and its jobs' states,
 and for every fingerprint whose recipe is installed, how many records other recipe code
@@ -37,9 +37,9 @@ def _readable(location: LocationLike) -> Location:
 
 
 def verify_location(location: LocationLike) -> dict[str, Any]:
-    """:func:`cache_store.stores.isolated.verify_cache` of a cache directory, a snapshot
+    """:func:`cache_store.housekeeping.isolated.verify_cache` of a cache directory, a snapshot
     or the service: ``checked``, ``ok``, ``corrupt``, ``missing``, ``damaged``."""
-    from cache_store.stores.isolated import verify_cache
+    from cache_store.housekeeping.isolated import verify_cache
 
     return verify_cache(_readable(location).target)
 
@@ -49,7 +49,7 @@ def cache_stats(location: LocationLike, *, limit: int = MAX_FAILED_LISTED) -> di
     its recipe, records and bytes, and (see the module docstring) failures, jobs and
     records of other recipe code. Raises
     :class:`~cache_store.errors.CacheDamaged` when the walk cannot finish."""
-    from cache_store.stores.isolated import stats_cache
+    from cache_store.housekeeping.isolated import stats_cache
 
     parsed = _readable(location)
     stats = stats_cache(parsed.target)

@@ -50,9 +50,9 @@ def test_every_module_is_found() -> None:
         assert package in mods and len(mods) > 3
     assert {
         "cache_store.jobs.queue",
-        "cache_store.snapshot.export",
-        "cache_store.snapshot.reader",
-        "cache_store.snapshot.format",
+        "cache_store.snapshot.zarr.export",
+        "cache_store.snapshot.zarr.store",
+        "cache_store.snapshot.zarr.format",
         "cache_store.format.wire",
     } <= set(submodules("cache_store"))
 
@@ -225,7 +225,7 @@ def test_the_command_line_is_one_layer() -> None:
     """``spcache COMMAND`` is the only way in: no other package has a ``__main__``, a
     parser or a command of its own (back doors skip the dispatcher's recipe loading,
     parent watch, SIGHUP handling and exit statuses), and every command is a module of
-    ``spcache/cli/``. The walk's internal child (``cache_store.stores.isolated``) takes
+    ``spcache/cli/``. The walk's internal child (``cache_store.housekeeping.isolated``) takes
     its two arguments from its parent, not from a user."""
     from spcache.cli import COMMANDS
 
@@ -240,7 +240,7 @@ def test_the_command_line_is_one_layer() -> None:
             if (
                 path.name == "__main__.py"
                 or "import argparse" in text
-                or (runs_itself and relative != "cache_store/stores/isolated.py")
+                or (runs_itself and relative != "cache_store/housekeeping/isolated.py")
             ):
                 offenders.append(relative)
     assert not offenders, f"a command outside spcache/cli: {offenders}"

@@ -487,7 +487,7 @@ def test_the_demo_then_the_precompute_line(tmp_path: Path) -> None:
     """`spcache demo` (the install lines' last step) from an empty directory, then the
     README's precompute line over what it made: everything cached, nothing recomputed."""
     from cache_store import CachedDataset
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     install = next(line for line in COMMANDS if "/whl/cpu && " in line and "demo" in line)
     demo = install.rsplit("&& ", 1)[1].replace(".venv/bin/", "")  # the venv's bin is on PATH
@@ -766,7 +766,7 @@ def test_the_ray_block_into_a_bucket(tmp_path: Path, corpus_meshes: list[Path]) 
     this test's directory; then checked as the user would: the objects in the bucket,
     no local ``s3:`` folder, the hot copy and the snapshot read back."""
     from cache_store import CachedDataset
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from tests.helpers.s3 import moto_s3
 
     shapes = tmp_path / "shared" / "shapes"

@@ -68,7 +68,7 @@ def run_precompute(
         KeyboardInterrupt: Ctrl-C, or SIGTERM while this runs in the main thread; what was
             computed is committed and indexed first.
     """
-    from workers.recipes import get_recipe
+    from workers.recipe_run import get_recipe
 
     options = options or EngineOptions()
     resolved = get_recipe(recipe).spec.resolve(dict(params or {}))
@@ -107,7 +107,7 @@ def run_precompute(
     if left_out:
         log.info("%s", left_out)
 
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     try:
         # a local location is a path from here on; a URL never becomes one

@@ -37,7 +37,8 @@ from cache_store.engine_options import EngineOptions
 from cache_store.errors import UsageError
 from cache_store.jobs.queue import ClaimedItem, JobQueue
 from cache_store.sources.files import narrow_roots
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 
 __all__ = ["WorkerLoop", "run_worker"]
 

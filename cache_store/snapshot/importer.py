@@ -36,7 +36,7 @@ def import_snapshot(
     """
     from cache_store.format.decode import check_record
     from cache_store.format.header import read_header
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     where = parse_location(source)
     if where.kind != "zarr":

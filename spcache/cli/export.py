@@ -2,7 +2,7 @@
 
 Writes the records of one fingerprint of an LMDB cache as a Zarr v3 group under ``DEST``
 (a path or an fsspec URL, ending in ``.zarr``), atomically for readers
-(:func:`cache_store.snapshot.export.export_snapshot`). Exit 0 exported, 1 not exported
+(:func:`cache_store.snapshot.zarr.export.export_snapshot`). Exit 0 exported, 1 not exported
 (bad records, an existing export, another writer), 2 bad usage: an unknown fingerprint,
 a bad cache path, a destination that is a file or does not end in ``.zarr``. CPU only.
 """
@@ -32,7 +32,7 @@ CODEC_HELP = (
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from cache_store.snapshot.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
+    from cache_store.snapshot.zarr.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
 
     parser.add_argument("fingerprint", help="fingerprint of the dataset to export")
     add_cache(parser, "cache directory (LMDB)", local=True)
@@ -81,7 +81,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cache_store.snapshot.export import export_snapshot
+    from cache_store.snapshot.zarr.export import export_snapshot
 
     cache = check_cache_dir(args.cache, write=False)
     dest = args.dest

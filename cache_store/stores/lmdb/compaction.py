@@ -1,0 +1,116 @@
+"""Compaction: give the disk back (LMDB never shrinks its file by itself).
+
+:func:`compact_environment` makes LMDB's compacting copy of ``<cache>/records/`` into
+``<cache>/records.compact/``, then swaps the two directories in one step
+(``renameat2(RENAME_EXCHANGE)``), so a path lookup always finds a whole environment (data
+and lock file of one generation). Writers are held off by the write lock the
+environment's writes share (:mod:`cache_store.stores.lmdb.environment`); open handles
+notice the swap by the directory's inode and move to the new generation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import lmdb
+
+from cache_store.errors import CacheNotFound, SpcacheError, StoreBusy
+from cache_store.stores.lmdb.environment import (
+    COMPACT_DIR,
+    RECORDS_DIR,
+    WRITE_LOCK_FILENAME,
+    EnvironmentHandle,
+)
+
+__all__ = ["compact_environment"]
+
+log = logging.getLogger(__name__)
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two directory entries in one step (``renameat2(RENAME_EXCHANGE)``, Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        raise SpcacheError(
+            "compaction needs renameat2(RENAME_EXCHANGE) (Linux, glibc >= 2.28); not available here"
+        ) from None
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise SpcacheError(
+            f"cannot swap {a} and {b}: {os.strerror(err)} (compaction needs a "
+            f"file system with renameat2 RENAME_EXCHANGE)"
+        )
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) -> dict[str, int]:
+    """Shrink ``<cache>/records/data.mdb`` to what it holds: LMDB's compacting copy into
+    ``<cache>/records.compact/``, then an atomic swap of the two directories.
+
+    Writers are held off for the copy (an exclusive flock on ``records.lock``; a writer
+    in the middle of a transaction is waited for up to ``wait_s``, then
+    :class:`StoreBusy`). Readers keep reading the old file until they notice the swap
+    (see the module doc). A leftover ``records.compact/`` from a killed compaction is
+    removed first. Returns ``{"before": bytes, "after": bytes}`` of ``data.mdb``.
+    """
+    root = Path(cache)
+    live = root / RECORDS_DIR
+    if not (live / "data.mdb").is_file():
+        raise CacheNotFound(root, f"no cache here ({RECORDS_DIR}/data.mdb missing)")
+    fd = os.open(root / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreBusy(
+                        f"{root}: a writer kept the cache busy for {wait_s:.0f}s; "
+                        f"compaction not started (try again, or stop the "
+                        f"worker)"
+                    ) from None
+                time.sleep(0.05)
+        spare = root / COMPACT_DIR
+        if spare.exists():
+            log.warning("%s: removing %s left by an unfinished compaction", root, spare)
+            shutil.rmtree(spare)
+        spare.mkdir()
+        before = (live / "data.mdb").stat().st_size
+        live_env = EnvironmentHandle(root, readonly=True)
+        try:
+            env, _ = live_env.environment()
+            env.copy(str(spare), compact=True)
+        except lmdb.Error as exc:
+            raise live_env.damaged(exc) from exc
+        finally:
+            live_env.close()
+        _fsync_path(spare / "data.mdb")
+        _fsync_path(spare)
+        _exchange(spare, live)  # the one step: records/ is now the compacted copy
+        _fsync_path(root)
+        after = (live / "data.mdb").stat().st_size
+        shutil.rmtree(spare)  # the old generation; processes still mapping it keep reading it
+        log.info("%s: compacted data.mdb from %d to %d bytes", root, before, after)
+        return {"before": before, "after": after}
+    finally:
+        os.close(fd)
