@@ -422,22 +422,23 @@ class WaitingFull(SpcacheError):
     ``Retry-After`` (see :mod:`service.read_through`)."""
 
 
-#: The longest :func:`one_line` makes a message (a failure reason is stored and shown
-#: in tables; a traceback-sized one would drown them).
-ONE_LINE_MAX = 300
+#: The longest a sample's failure reason quotes an error (``one_line(exc,
+#: limit=REASON_MAX)``): reasons are stored and shown in tables, where a traceback-sized
+#: message would drown them.
+REASON_MAX = 300
 
 
-def one_line(exc: BaseException, *, with_class: bool = False) -> str:
-    """``exc``'s message on one line: whitespace runs folded, at most
-    :data:`ONE_LINE_MAX` characters, a ``KeyError``'s quotes taken off, the class name
-    where the message is empty. ``with_class`` puts the class name first
-    (``"ValueError: ..."``), for where the class says what happened (a loader's or a
-    recipe's own error)."""
+def one_line(exc: BaseException, *, with_class: bool = False, limit: int | None = None) -> str:
+    """``exc``'s message on one line: whitespace runs folded, a ``KeyError``'s quotes
+    taken off, the class name where the message is empty. ``with_class`` puts the class
+    name first (``"ValueError: ..."``), for where the class says what happened (a
+    loader's or a recipe's own error); ``limit`` cuts the message to at most that many
+    characters (:data:`REASON_MAX` for a sample's failure reason)."""
     text = " ".join(str(exc).split())
     if isinstance(exc, KeyError) and len(exc.args) == 1 and text.startswith(("'", '"')):
         text = " ".join(str(exc.args[0]).split())  # KeyError quotes its message
-    if len(text) > ONE_LINE_MAX:
-        text = text[: ONE_LINE_MAX - 3] + "..."
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
     name = type(exc).__name__
     if not text:
         return name

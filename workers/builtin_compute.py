@@ -39,10 +39,7 @@ from workers import sdf as sdf_ops
 from workers.sampling import compute_normalization, normalize_points, shape_points
 from workers.source_load import LoadedSource
 
-__all__ = ["OOM_ERRORS", "compute_sdf", "compute_spc", "prepare_sdf", "prepare_spc"]
-
-#: Errors the query loop treats as "out of device memory": back off and retry.
-OOM_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+__all__ = ["compute_sdf", "compute_spc", "prepare_sdf", "prepare_spc"]
 
 
 # --- spc and spc_query ---------------------------------------------------------------------

@@ -14,7 +14,6 @@ from cache_store.errors import RayUnavailable, SpcacheError
 from workers.run_ledger import Summary
 
 __all__ = [
-    "RayUnavailable",
     "RemoteError",
     "local_error",
     "ActorStats",

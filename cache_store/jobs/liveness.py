@@ -18,8 +18,13 @@ import socket
 from typing import Any
 
 from cache_store.jobs.db import QueueAccess, column_json, write_txn
+from cache_store.processes import pid_alive
 
-__all__ = ["WorkerLiveness"]
+__all__ = ["WORKER_STALE_S", "WorkerLiveness"]
+
+#: A worker whose last heartbeat is older is taken for dead (unless its own heartbeat
+#: period is longer: :meth:`WorkerLiveness.live_workers`).
+WORKER_STALE_S = 90.0
 
 _HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 
@@ -27,7 +32,7 @@ _HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 class WorkerLiveness(QueueAccess):
     """The queue's heartbeat methods (a part of :class:`~cache_store.jobs.queue.JobQueue`)."""
 
-    def live_workers(self, *, stale_s: float = 90.0) -> list[dict[str, Any]]:
+    def live_workers(self, *, stale_s: float = WORKER_STALE_S) -> list[dict[str, Any]]:
         """Workers that look alive: a heartbeat within ``stale_s`` (or three of the
         worker's own heartbeat periods, if longer), not marked stopped, and, for a worker
         on this host, a process that still exists and is not a zombie."""
@@ -43,7 +48,7 @@ class WorkerLiveness(QueueAccess):
             alive.append(beat)
         return alive
 
-    def worker_expected(self, *, stale_s: float = 90.0) -> bool:
+    def worker_expected(self, *, stale_s: float = WORKER_STALE_S) -> bool:
         """Whether a read-through miss will be computed: a worker is alive
         (:meth:`live_workers`), or a live supervisor announced, within its restart window,
         that it is starting one again (:meth:`announce_restart`)."""
@@ -112,22 +117,4 @@ def _process_alive(beat: dict[str, Any]) -> bool:
     taken for alive (its heartbeat's age is all there is to go on)."""
     if beat["info"].get("host") != socket.gethostname():
         return True
-    return _pid_running(int(beat["pid"]))
-
-
-def _pid_running(pid: int) -> bool:
-    """The process exists and is not a zombie (dead, waiting for its parent to reap it:
-    ``kill(pid, 0)`` still succeeds for one)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:  # no /proc (not Linux), or it ended just now
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(command name)"
-    return state not in (b"Z", b"X")
+    return pid_alive(int(beat["pid"]))

@@ -67,6 +67,15 @@ def test_parse_size(text: str, expected: int) -> None:
     assert hk.parse_size(text) == expected
 
 
+@pytest.mark.parametrize(
+    "size,shown",
+    [(0, "0 B"), (512, "512 B"), (1536, "1.5 KiB"), (235 << 10, "235.0 KiB"), (3 << 30, "3.0 GiB")],
+)
+def test_format_size_is_one_style_that_parse_size_reads_back(size: int, shown: str) -> None:
+    assert hk.format_size(size) == shown
+    assert hk.parse_size(shown) == size
+
+
 @pytest.mark.parametrize("text", ["", "2X", "-1", "G", "1.2.3M"])
 def test_parse_size_refuses_naming_the_text(text: str) -> None:
     with pytest.raises(ValueError, match="size"):

@@ -243,7 +243,7 @@ def _send(
 def snapshot_attrs(index: DatasetIndex, survey: Survey, source: str, token: str) -> dict[str, Any]:
     spec = RECIPE_SPECS.get(index.recipe)
     meanings = {name: f.meaning for name, f in spec.fields.items()} if spec else {}
-    from cache_store import __version__
+    from cache_store.version import __version__
 
     return {
         "kind": SNAPSHOT_KIND,
