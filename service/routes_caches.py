@@ -27,7 +27,7 @@ from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
 from cache_store.recipes.registry import installed_recipes
 from cache_store.sources.files import SourceLimits
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, sign_checksums

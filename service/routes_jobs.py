@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import ParameterError
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from service.auth import require_token
 from service.context import Context
 from service.read_through import dedupe_warmup, require_worker

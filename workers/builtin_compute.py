@@ -1,6 +1,6 @@
 """The built-in recipes' computation: ``spc``, ``spc_query`` and ``spc_sdf``.
 
-The built-in recipe classes (:mod:`cache_store.recipes.builtin`, on the public API of
+The built-in recipe classes (:mod:`workers.builtin_recipes`, on the public API of
 :mod:`spcache.recipes`) call the functions here from their two halves, so that the engine
 can run the first in a CPU process pool ahead of the device:
 

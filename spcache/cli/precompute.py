@@ -24,7 +24,8 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import ParameterError, StoreFull, UnknownName
-from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
+from cache_store.recipes.specs import RecipeSpec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.recipes.table import recipe_table
 from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
 from spcache.cli.args import add_backend, add_cache, add_device, add_json, add_loaders

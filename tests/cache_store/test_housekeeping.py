@@ -16,7 +16,7 @@ from cache_store import usage
 from cache_store.errors import FingerprintLookupError, FingerprintRemoved, RecordNotFound
 from cache_store.jobs.failures import FailureLog
 from cache_store.jobs.queue import JobQueue
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from spcache.cli import main

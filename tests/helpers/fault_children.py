@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from cache_store.keys import compute_fingerprint
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 
 __all__ = ["FAULT_CHILD", "FAULT_FINGERPRINT", "batch_key", "make_small_record", "main"]
 
