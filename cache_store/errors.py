@@ -9,7 +9,9 @@ classes to HTTP status codes in one place (``service/errors.py``), the command l
 exit statuses in another (``spcache/cli/exits.py``).
 
 :func:`one_line` is the one way an error becomes a line of text (a log line, a failure
-reason, a command's last word).
+reason, a command's last word); :func:`error_values` and :func:`error_from_values` the one
+way an error crosses a process boundary (a housekeeping child's JSON answer, a Ray
+actor's error), coming back as its own class.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 #: every error class, the one list (``spcache`` and ``cache_store`` export exactly these);
-#: :func:`one_line` is imported by name
+#: the functions below are imported by name
 __all__ = [
     "SpcacheError",
     "RecordNotFound",
@@ -443,3 +445,28 @@ def one_line(exc: BaseException, *, with_class: bool = False, limit: int | None 
     if not text:
         return name
     return f"{name}: {text}" if with_class else text
+
+
+_PLAIN = (str, int, float, bool, list, tuple, type(None))
+
+
+def error_values(exc: BaseException) -> dict[str, Any]:
+    """``exc`` as plain values (JSON, or Ray's transport, carries them): its class name,
+    its message and its attributes that are plain values. :func:`error_from_values`
+    makes the error again on the other side."""
+    attrs = {k: v for k, v in vars(exc).items() if isinstance(v, _PLAIN)}
+    return {"error": type(exc).__name__, "message": str(exc), "attrs": attrs}
+
+
+def error_from_values(values: Mapping[str, Any]) -> SpcacheError:
+    """The error :func:`error_values` described, as its own class when it is one of
+    this module's (its message and attributes restored, its constructor not run); any
+    other class comes back as a :class:`SpcacheError` naming it."""
+    name, message = str(values.get("error", "")), str(values.get("message", ""))
+    cls = globals().get(name) if name in __all__ else None
+    if not (isinstance(cls, type) and issubclass(cls, SpcacheError)):
+        return SpcacheError(f"{name}: {message}" if name else message)
+    error = cls.__new__(cls)
+    error.args = (message,)
+    vars(error).update(values.get("attrs") or {})
+    return error
