@@ -329,13 +329,7 @@ class EnvironmentHandle:
                 metasync=self.sync,
                 **options,
             )
-            stale = env.reader_check()
-            if stale:
-                log.warning(
-                    "%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                    self.env_path,
-                    stale,
-                )
+            self._reader_check(env)
             dbs = {name: env.open_db(name, create=True) for name in DB_NAMES}
             return env, dbs
         except lmdb.Error as exc:
@@ -503,6 +497,10 @@ class EnvironmentHandle:
         if shared is None or now - shared.reader_checked < READER_CHECK_INTERVAL_S:
             return
         shared.reader_checked = now
+        self._reader_check(env)
+
+    def _reader_check(self, env: Any) -> None:
+        """Free the reader slots of dead processes, and say so."""
         stale = env.reader_check()
         if stale:
             log.warning(
