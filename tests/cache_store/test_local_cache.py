@@ -11,6 +11,7 @@ its bad record fails alone; a limit that cannot hold one part is refused before 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -100,9 +101,15 @@ def test_the_bound_holds_while_an_epoch_reads_more_than_the_limit(snapshot, tmp_
     peak = [0]
     done = threading.Event()
 
-    def sample() -> None:  # from outside too, between the events
+    def sample() -> None:
+        """From outside too, between the events. The walk holds the directory's lock, as
+        every count, eviction and publish does: a walk without it is not one moment (it
+        can list a download in tmp/ and, after its rename, the same file in data/)."""
         while not done.is_set():
-            peak[0] = max(peak[0], directory_bytes(str(directory)))
+            if os.path.exists(directory / "lock"):
+                with open(directory / "lock", "rb") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    peak[0] = max(peak[0], directory_bytes(str(directory)))
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample)
