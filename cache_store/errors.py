@@ -33,6 +33,7 @@ __all__ = [
     "InvalidSampleId",
     "SourceError",
     "UnknownName",
+    "RecipeUnusable",
     "ParameterError",
     "UsageError",
     "FingerprintLookupError",
@@ -236,6 +237,22 @@ class UnknownName(SpcacheError, KeyError):
         self.kind = kind
         self.name = name
         self.known = known
+
+
+class RecipeUnusable(UnknownName):
+    """A recipe that is installed (a plugin) but cannot be used: its class breaks the
+    contract or its constructor raises. ``reason`` is the registry's line for it (which
+    entry, and why); the recipe is not among the ``known`` ones."""
+
+    def __init__(self, name: object, reason: str, known: Iterable[str]) -> None:
+        SpcacheError.__init__(self, f"recipe {name!r} cannot be used: {reason}")
+        self.kind = "recipe"
+        self.name = name
+        self.known = sorted(known)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[RecipeUnusable], tuple[object, ...]]:
+        return (type(self), (self.name, self.reason, self.known))
 
 
 class ParameterError(SpcacheError, ValueError):

@@ -145,11 +145,11 @@ COMMANDS: dict[str, How] = {
     "parameters, defaults, bounds": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache precompute SOURCE... --recipe spc_query --param level=8 --cache CACHE_DIR "
     "[--device auto|cpu|cuda:N] [--backend auto|torch|kaolin] [--loaders N] [--skip-failed] "
-    "[--id-template T | --id-keep-ext] [--json]": How(
+    "[--time-limit SECONDS] [--id-template T | --id-keep-ext] [--json]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "spcache worker --cache CACHE_DIR [--device cuda:0] [--backend auto] [--loaders N] "
-    "[--source-root DIR]... [--max-source-bytes N] [--max-size SIZE]": How(
+    "[--time-limit SECONDS] [--source-root DIR]... [--max-source-bytes N] [--max-size SIZE]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "python -m spcache COMMAND": How(

@@ -15,10 +15,13 @@ finds recipes the same way, once per process, on first use:
    entries, for a recipe in a script or a source tree that is not installed (the module
    must be importable: on ``sys.path`` / ``PYTHONPATH``).
 
-Finding a recipe imports its module (the class attributes are its schema) and runs none
-of its code. A recipe that cannot be used (its module fails to import, the class breaks
-the contract, its name is taken) is left out with one line naming the entry and the
-reason (:attr:`Registry.problems`, logged at ERROR when found); the others still work.
+Finding a recipe imports its module (the class attributes are its schema) and constructs
+a plugin's class once (a constructor assigns: it must not raise; none of ``prepare`` or
+``compute`` runs). A recipe that cannot be used (its module fails to import, the class
+breaks the contract, its constructor raises, its name is taken) is left out with one
+line naming the entry and the reason (:attr:`Registry.problems`, logged at ERROR when
+found); the others still work, and asking for it by name raises
+:class:`~cache_store.errors.RecipeUnusable` with that line.
 A name taken twice is refused for both plugins (nothing says which one computed a
 record), and a plugin never replaces a built-in.
 
@@ -43,7 +46,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import UnknownName, one_line
+from cache_store.errors import RecipeUnusable, UnknownName, one_line
 from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
 
@@ -93,8 +96,12 @@ class RecipeEntry:
         return self._digest
 
     def new(self) -> Recipe:
-        """A fresh instance of the recipe (what a worker computes with)."""
-        recipe = self.cls()
+        """A fresh instance of the recipe (what a worker computes with); a constructor
+        that raises is :class:`~cache_store.errors.RecipeUnusable`, in one line."""
+        try:
+            recipe = self.cls()
+        except Exception as exc:  # the plugin's problem, said in one line
+            raise RecipeUnusable(self.name, _constructor_problem(exc), ()) from exc
         recipe.spec = self.spec  # also when the class's __init__ skipped Recipe's
         return recipe
 
@@ -108,12 +115,17 @@ class Registry:
 
     recipes: dict[str, RecipeEntry]
     problems: list[str]
+    #: recipe name -> the problem line of a plugin of that name that is left out
+    unusable: dict[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> RecipeEntry:
-        """The recipe called ``name``; raises :class:`UnknownName` listing the known ones."""
+        """The recipe called ``name``; raises :class:`RecipeUnusable` (why) for a plugin
+        that is installed but left out, else :class:`UnknownName` listing the known ones."""
         try:
             return self.recipes[name]
         except KeyError:
+            if name in self.unusable:
+                raise RecipeUnusable(name, self.unusable[name], self.recipes) from None
             raise UnknownName("recipe", name, self.recipes) from None
 
 
@@ -181,6 +193,7 @@ def load_registry() -> Registry:
     recipes: dict[str, RecipeEntry] = {}
     problems: list[str] = []
     refused: dict[str, str] = {}  # name -> label of the first plugin that claimed it
+    unusable: dict[str, str] = {}  # name -> why the plugin of that name is left out
     for label, expected, origin, load in _candidates():
         try:
             cls = load()
@@ -197,6 +210,7 @@ def load_registry() -> Registry:
             ]
         if bad:
             problems.append(f"{label}: not a usable recipe: {'; '.join(bad)}")
+            _note_unusable(unusable, cls, problems[-1])
             continue
         name = cls.name
         if name in refused:
@@ -224,11 +238,30 @@ def load_registry() -> Registry:
             spec = cls.schema()
         except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
             problems.append(f"{label}: not a usable recipe: {one_line(exc, with_class=True)}")
+            _note_unusable(unusable, cls, problems[-1])
+            continue
+        try:
+            cls()  # a constructor that raises would fail every run that asks for it
+        except Exception as exc:  # noqa: BLE001 - this entry's, said in one line
+            problems.append(f"{label}: not a usable recipe: {_constructor_problem(exc)}")
+            _note_unusable(unusable, cls, problems[-1])
             continue
         recipes[name] = RecipeEntry(name, cls, spec, {**origin, "label": label})
     for entry in recipes.values():
         entry.origin.pop("label", None)
-    return Registry(recipes, problems)
+    return Registry(recipes, problems, unusable)
+
+
+def _constructor_problem(exc: BaseException) -> str:
+    return f"its constructor raised {one_line(exc, with_class=True)}"
+
+
+def _note_unusable(unusable: dict[str, str], cls: Any, problem: str) -> None:
+    """Remember why a plugin whose name can be read is left out (asked for by name, the
+    error says so)."""
+    name = getattr(cls, "name", None)
+    if isinstance(name, str) and name:
+        unusable.setdefault(name, problem)
 
 
 _lock = threading.Lock()
@@ -307,6 +340,6 @@ RECIPE_SPECS: Mapping[str, RecipeSpec] = _InstalledSpecs()
 
 
 def get_recipe_spec(name: str) -> RecipeSpec:
-    """The installed recipe ``name``'s schema; raises :class:`UnknownName` listing the
-    known ones."""
+    """The installed recipe ``name``'s schema; :class:`UnknownName` listing the known ones
+    (:class:`~cache_store.errors.RecipeUnusable`, saying why, for a plugin left out)."""
     return get_entry(name).spec

@@ -140,13 +140,43 @@ _shared_lock = threading.Lock()
 # (cache_store.process_local): closing them in the child would touch the parent's locks.
 
 
+#: write transactions under way in this process, by environment key (any thread)
+_writes_under_way: dict[str, int] = {}
+_writes_lock = threading.Lock()
+
+
+@contextmanager
+def _writing(key: str) -> Iterator[None]:
+    """Count a write under way on the environment ``key`` for the fork hook."""
+    with _writes_lock:
+        _writes_under_way[key] = _writes_under_way.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            left = _writes_under_way.pop(key) - 1
+            if left:
+                _writes_under_way[key] = left
+
+
 def _close_all_before_fork() -> None:
-    for shared in list(shared_envs.values()):
+    """Close this process's environments so a forked child can open its own, but never
+    one another thread is writing to (it would fail that write): that one stays open
+    here, and the child, which inherits py-lmdb's note that it is open, cannot open it."""
+    for key, shared in list(shared_envs.items()):
         if shared.env is not None and shared.pid == os.getpid():
+            if _writes_under_way.get(key):
+                continue
             shared.close()
 
 
-os.register_at_fork(before=_close_all_before_fork)
+def _after_fork_in_child() -> None:
+    global _writes_lock
+    _writes_under_way.clear()  # the writing threads stayed in the parent
+    _writes_lock = threading.Lock()  # it may have been held there at the fork
+
+
+os.register_at_fork(before=_close_all_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _dir_inode(path: Path) -> int | None:
@@ -342,6 +372,13 @@ class EnvironmentHandle:
                 (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.BadTxnError),
             ):
                 raise self.damaged(exc) from exc
+            if "already open in this process" in str(exc):  # see _close_all_before_fork
+                raise SpcacheError(
+                    f"{self.env_path}: cannot open the cache in this process: it was forked "
+                    f"while another thread of its parent was writing to it, and LMDB "
+                    f"allows one open per process (open it in a process started with "
+                    f"spawn or forkserver, or fork when no write is under way)"
+                ) from exc
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- reading -----------------------------------------------------------------------
@@ -443,7 +480,7 @@ class EnvironmentHandle:
         """Run ``action(txn, dbs)`` in one write transaction, growing the map when full;
         under a shared lock that compaction takes exclusively (see the package doc). The
         caller has checked that its store is writable."""
-        with self._write_lock():
+        with _writing(self._env_key), self._write_lock():
             env, dbs = self.environment()
             joined = self._joined
             if (
