@@ -41,7 +41,7 @@ from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import get_recipe_spec, installed_variable_fields
+from cache_store.recipes.registry import get_recipe_spec, installed_variable_fields
 from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.read_through import read_through_client
