@@ -47,7 +47,14 @@ import torch
 
 from cache_store.version import __version__ as SPCACHE_VERSION
 from cache_store.engine_options import EngineOptions
-from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError, one_line
+from cache_store.errors import (
+    ParameterError,
+    SourceError,
+    StoreFull,
+    UsageError,
+    REASON_MAX,
+    one_line,
+)
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
@@ -469,14 +476,14 @@ class LocalRun:
                     if budget.backoffs
                     else "outside any chunked step: nothing to back off"
                 )
-                reason = f"recipe {spec.name!r}: out of device memory ({how}): {one_line(exc)}"
+                reason = f"recipe {spec.name!r}: out of device memory ({how}): {one_line(exc, limit=REASON_MAX)}"
             elif isinstance(exc, SourceError):
                 reason = exc.reason
             elif stage == "outputs":
-                reason = one_line(exc)
+                reason = one_line(exc, limit=REASON_MAX)
             else:
                 logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
-                reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True)}"
+                reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True, limit=REASON_MAX)}"
             self.ledger.finish(
                 ItemResult(
                     item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash

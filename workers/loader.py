@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cache_store.errors import SourceError, one_line
+from cache_store.errors import SourceError, REASON_MAX, one_line
 from cache_store.processes import pid_alive
 from cache_store.sources.freshness import is_current, trusted_signature
 from cache_store.recipes.api import ReadOnlyParams, Recipe
@@ -82,7 +82,7 @@ def _recipe_here(recipe_name: str) -> Recipe:
     except Exception as exc:  # noqa: BLE001 - the loader's problem, raised as one
         raise LoaderUnusable(
             f"recipe {recipe_name!r} is not found in a loader process "
-            f"({one_line(exc, with_class=True)})"
+            f"({one_line(exc, with_class=True, limit=REASON_MAX)})"
         ) from None
 
 
@@ -181,7 +181,7 @@ def _failed(
         reason = "out of memory while loading"
     else:
         logger.error("%s failed", step, exc_info=exc)
-        reason = prefix + one_line(exc, with_class=True)
+        reason = prefix + one_line(exc, with_class=True, limit=REASON_MAX)
     return LoadOutcome("failed", time.perf_counter() - start, reason=reason, source_hash=digest)
 
 
@@ -518,8 +518,8 @@ def _cannot_start(exc: BaseException) -> str:
 
 def _described(exc: BaseException) -> str:
     if isinstance(exc, LoaderUnusable):
-        return one_line(exc)
-    return one_line(exc, with_class=True)
+        return one_line(exc, limit=REASON_MAX)
+    return one_line(exc, with_class=True, limit=REASON_MAX)
 
 
 @contextlib.contextmanager

@@ -526,7 +526,7 @@ def run_worker(
     taken), :class:`~cache_store.errors.BackendUnavailable`,
     :class:`~cache_store.errors.LimitTooSmall`.
     """
-    from cache_store.errors import CacheOwned
+    from cache_store.errors import CacheOwned, LimitTooSmall
     from cache_store.jobs.owner_lock import WorkerLock
     from cache_store.location import check_cache_dir
 
@@ -539,8 +539,6 @@ def run_worker(
     loop = WorkerLoop(cache, options=options, **loop_options)
     loop.choose_backend()  # a backend that cannot run here: refused before any claim
     if loop.size_limit is not None:
-        from cache_store.housekeeping import LimitTooSmall
-
         try:
             loop.size_limit.check_start()
         except LimitTooSmall as exc:

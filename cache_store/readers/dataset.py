@@ -43,7 +43,7 @@ from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.selection import resolve_index

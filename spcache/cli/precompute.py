@@ -25,7 +25,8 @@ from typing import Any
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import ParameterError, StoreFull, UnknownName
 from cache_store.process_local import this_process_only
-from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
+from cache_store.recipes.specs import RecipeSpec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.recipes.table import recipe_table
 from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
 from spcache.cli.args import (

@@ -201,7 +201,7 @@ def test_a_fetch_with_every_unit_pinned_waits_then_names_the_sizes(tmp_path: Pat
         with pytest.raises(StoreFull) as caught, impatient.pinned(second):
             pass
         message = str(caught.value)
-        assert "u1 needs 60.0K" in message and "held by readers" in message
+        assert "u1 needs 60.0 KiB" in message and "held by readers" in message
         assert (directory / "data" / impatient.digest("u0")).exists()
     finally:
         release.write_text("go")
@@ -319,7 +319,7 @@ def test_a_limit_below_one_part_is_refused_before_any_read(snapshot, tmp_path: P
     with pytest.raises(LimitTooSmall) as caught:
         len(ds)
     message = str(caught.value)
-    assert "cache_limit 20.0K (20480 bytes)" in message
+    assert "cache_limit 20.0 KiB (20480 bytes)" in message
     assert f"part {largest} of {FP}" in message and f"({sizes[largest]} bytes" in message
     assert os.listdir(tmp_path / "lc" / "data") == []
 

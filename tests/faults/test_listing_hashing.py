@@ -30,7 +30,7 @@ import psutil
 
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.keys import compute_fingerprint, record_key
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.sources.files import hash_source_file, signature_of
 from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex

@@ -30,7 +30,7 @@ from cache_store.errors import FingerprintLookupError
 from cache_store.format.decode import decode_record
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.keys import compute_fingerprint
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.faults import report
 from tests.helpers.plugins import install, use_here

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from cache_store.disk import flock_within
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.process_local import ProcessLocal, park
 
@@ -358,13 +359,7 @@ class EnvironmentHandle:
                 metasync=self.sync,
                 **options,
             )
-            stale = env.reader_check()
-            if stale:
-                log.warning(
-                    "%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                    self.env_path,
-                    stale,
-                )
+            self._reader_check(env)
             dbs = {name: env.open_db(name, create=True) for name in DB_NAMES}
             return env, dbs
         except lmdb.Error as exc:
@@ -501,21 +496,15 @@ class EnvironmentHandle:
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            deadline, told = time.monotonic() + COMPACT_WAIT_S, False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreBusy(
-                            f"{self.path}: the cache is being compacted (spcache "
-                            f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
-                        ) from None
-                    if not told:
-                        log.info("%s: the cache is being compacted; writes wait for it", self.path)
-                        told = True
-                    time.sleep(0.1)
+
+            def say() -> None:
+                log.info("%s: the cache is being compacted; writes wait for it", self.path)
+
+            if not flock_within(fd, fcntl.LOCK_SH, COMPACT_WAIT_S, poll_s=0.1, on_wait=say):
+                raise StoreBusy(
+                    f"{self.path}: the cache is being compacted (spcache "
+                    f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
+                )
             yield
         finally:
             os.close(fd)  # drops the lock
@@ -545,6 +534,10 @@ class EnvironmentHandle:
         if shared is None or now - shared.reader_checked < READER_CHECK_INTERVAL_S:
             return
         shared.reader_checked = now
+        self._reader_check(env)
+
+    def _reader_check(self, env: Any) -> None:
+        """Free the reader slots of dead processes, and say so."""
         stale = env.reader_check()
         if stale:
             log.warning(
