@@ -7,7 +7,7 @@ own store on first read; nothing here touches CUDA.
 
 Why one module: CachedDataset's three read modes (a store, read-through, skip on error)
 share its fork-safe state; each mode's machinery lives elsewhere
-(readers/*_read_through.py, readers/skipped.py).
+(readers/read_through.py and the two it chooses from, readers/skipped.py).
 """
 
 from __future__ import annotations

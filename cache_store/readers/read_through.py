@@ -14,7 +14,7 @@ from cache_store.location import parse_location
 from cache_store.process_local import ProcessLocal
 from cache_store.stores.base import Store
 
-__all__ = ["read_through_client"]
+__all__ = ["open_read_through", "read_through_client"]
 
 
 def read_through_client(
@@ -36,7 +36,7 @@ def read_through_client(
     ca_file = getattr(cache, "ca_file", None) or store_options.get("ca_file")
     return ProcessLocal(
         functools.partial(
-            _open,
+            open_read_through,
             location.kind,
             location.target,
             recipe,
@@ -50,7 +50,7 @@ def read_through_client(
     )
 
 
-def _open(
+def open_read_through(
     kind: str,
     cache: str,
     recipe: str,
