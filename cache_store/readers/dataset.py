@@ -37,13 +37,13 @@ from cache_store.errors import (
     one_line,
 )
 from cache_store.format.header import read_metadata
-from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.selection import resolve_index
@@ -491,7 +491,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ``(path, the source's hash now)``. Raises SourceError for an unusable source."""
         path = self.source_path(i)
         signature = check_source(path, self._LIMITS).signature
-        if meta.get(STAT_FIELD) == signature:
+        if same_signature(meta.get(STAT_FIELD), signature):
             return None
         verified = self._verified_here()
         checksum = meta.get("checksum", "")

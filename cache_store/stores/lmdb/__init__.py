@@ -18,7 +18,10 @@ Process and fork rules (py-lmdb 3.0 behaviour this package is built around):
 * py-lmdb refuses to open a path the process already has open, and that record is
   inherited by ``fork``. So every open environment is closed right before any
   ``os.fork`` (``os.register_at_fork``); parent and child each re-open on next use.
-  Do not fork while another thread of the process is inside a read of the same store.
+  An environment another thread is writing to, or that a lease (below) holds, is the
+  exception: closing it would pull it from under that write or that view (a recipe
+  forking in ``compute`` while the engine's writer thread commits), so it stays open; the
+  child inherits it parked and cannot open that cache itself (it is told why).
 * Every read runs in a :class:`~cache_store.stores.lmdb.maps.MapLease`: a read
   transaction and a count on the generation of the map it reads. A ``buffers=True``
   view (``LMDBStore.read_view``, ``LMDBStore.lease``) is valid until its lease is

@@ -56,6 +56,12 @@ class Generations:
         self.leases = threading.Condition(threading.Lock())
         self.remapping = False
 
+    def forked(self) -> None:
+        """In a child just forked: the lock may have been held by a thread of the parent,
+        and the leases counted are the parent's (the maps are parked at next use)."""
+        self.leases = threading.Condition(threading.Lock())
+        self.remapping = False
+
     def adopt(self, env: Any, dbs: Dbs, dir_ino: int | None, pid: int) -> None:
         """Make a generation ``pid`` opened current, retiring the one before."""
         with self.leases:
