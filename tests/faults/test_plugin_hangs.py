@@ -189,3 +189,32 @@ def test_precompute_ends_with_the_hung_samples_failed(tmp_path: Path, loaders: s
         "prep0" in f and "prepare()) did not finish within its " + LIMIT in f for f in failed
     )
     report("34.2 hung sample under precompute", {"loaders": int(loaders), "seconds": seconds})
+
+
+@pytest.mark.slow
+def test_serve_passes_its_time_limit_to_the_worker(tmp_path: Path) -> None:
+    """``spcache serve --time-limit 3`` replaces a recipe's own 20 s: ``/readyz`` names the
+    stuck sample with the 3 s limit, and the sample fails naming it (before: serve had no
+    such option, so a recipe's own limit was the only one its worker knew)."""
+    sources = tmp_path / "sources"
+    stall = _clouds(sources, "stall0")
+    env = install(tmp_path / "plugins", "stalls")
+    server = start_server(
+        tmp_path / "cache", sources, "--device", "cpu", "--backend", "torch",
+        "--time-limit", "3", env=env,
+    )  # fmt: skip
+    try:
+        job = _warm(server.url, "stalls", stall)
+
+        def stuck() -> dict[str, Any] | None:
+            worker = httpx.get(f"{server.url}/readyz", timeout=30).json().get("worker", {})
+            return worker if worker.get("state") == "stuck" else None
+
+        seen = wait_for(stuck, 120, "/readyz to say the worker is stuck", proc=server.proc)
+        info = wait_for(lambda: _finished(server.url, job), 300, "the job", proc=server.proc)
+    finally:
+        stop_server(server)
+    assert seen["sample_id"] == "stall0" and seen["limit_s"] == 3, seen
+    [error] = info["errors"]
+    assert "compute() did not finish within its time limit of 3 s" in error["error"], error
+    report("34.2 spcache serve --time-limit", {"readyz_limit_s": seen["limit_s"], **info["counts"]})
