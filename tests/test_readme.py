@@ -125,7 +125,7 @@ def snippet_kind(code: str) -> str:
             ("ddp", "# train_ddp.py"),
             ("resume", "# train_resume.py"),
             ("sdf", '"spc_sdf"'),
-            # built, pip-installed and used by tests/test_readme_commands.py
+            # built, pip-installed and used by tests/test_readme_workflows.py
             ("recipe", "from spcache.recipes import"),
         )
         if marker in code
