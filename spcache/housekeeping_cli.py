@@ -223,6 +223,12 @@ class COMPACT:
             metavar="SECONDS",
             help="how long to wait for a writer's transaction (default 60)",
         )
+        parser.add_argument(
+            "--rewrite-records",
+            action="store_true",
+            help="first rewrite records of format 1 (each carrying its recipe's whole "
+            "schema) as format 2 (sharing one descriptor): same tensors, a smaller file",
+        )
         parser.add_argument("--json", action="store_true", help="print the sizes as JSON")
 
     @staticmethod
@@ -230,11 +236,20 @@ class COMPACT:
         from cache_store.housekeeping import compact
 
         try:
-            sizes = compact(args.cache, wait_s=args.wait)
+            sizes = compact(args.cache, wait_s=args.wait, rewrite_records=args.rewrite_records)
         except (SpcacheError, OSError, ValueError) as exc:
             return _fail("compact", exc)
         if args.json:
             print(json.dumps(sizes, sort_keys=True))
-        else:
-            print(f"data.mdb: {format_size(sizes['before'])} -> {format_size(sizes['after'])}")
+            return 0
+        if args.rewrite_records:
+            print(
+                f"records: {sizes['rewritten']} of {sizes['records']} rewritten to format 2"
+                + (
+                    f", {sizes['unreadable']} unreadable left as they were"
+                    if sizes["unreadable"]
+                    else ""
+                )
+            )
+        print(f"data.mdb: {format_size(sizes['before'])} -> {format_size(sizes['after'])}")
         return 0

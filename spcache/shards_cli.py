@@ -148,8 +148,8 @@ def import_snapshot(
                     batch.append((key, value))
                 if batch:
                     for key, value in batch:  # the cache never takes a damaged record
-                        check_record(value, key=key)
-                    dst.put_many(batch)
+                        check_record(value, key=key, lookup=src.descriptor)
+                    dst.put_many(batch, src.descriptors_for(batch))
                     copied += len(batch)
             dst.put_index(index)
             result[fingerprint] = {"copied": copied, "present": present}

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import RecordNotFound, SpcacheError
+from cache_store.format.descriptor import Descriptor
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 from workers.engine import Engine, resolve_device
@@ -30,13 +31,14 @@ class ShardBuffer(Store):
 
     It is empty when a shard starts (so the engine computes every item it is given: the
     driver has already skipped what is cached) and hands each record back once
-    (:meth:`pop`). The index the engine writes at the end of a shard is dropped: the
-    driver writes the real one.
+    (:meth:`pop`), with the descriptors they name (:meth:`descriptor_texts`). The index
+    the engine writes at the end of a shard is dropped: the driver writes the real one.
     """
 
     def __init__(self) -> None:
         super().__init__("memory://shard", readonly=False)
         self._records: dict[str, bytes] = {}
+        self._descriptors: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str) -> bytes:
@@ -46,11 +48,25 @@ class ShardBuffer(Store):
             except KeyError:
                 raise RecordNotFound(key, self.location) from None
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
-        checked = self.check_items(items)
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
+        batch = self.check_items(items, descriptors)
         with self._lock:
-            self._records.update(checked)
-        return len(checked)
+            self._records.update((key, bytes(value)) for key, value in batch.records)
+            for d in batch.descriptors:
+                self._descriptors[(d.fingerprint, d.digest)] = d.text
+        return len(batch.records)
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
+        with self._lock:
+            return self._descriptors.get((fingerprint, digest))
+
+    def descriptor_texts(self) -> list[list[str]]:
+        """``[fingerprint, digest, text]`` of every descriptor written here (a run's one
+        or few): sent with the records, plain values."""
+        with self._lock:
+            return [[fp, digest, text] for (fp, digest), text in self._descriptors.items()]
 
     def has(self, key: str) -> bool:
         with self._lock:
@@ -188,7 +204,8 @@ class ShardWorker:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
 
         Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
-        ...], "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and
+        ...], "records": [[key, bytes], ...], "descriptors": [[fingerprint, digest, text],
+        ...]}`` with at most ``write_batch`` results, and
         the last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
         the engine (not one sample's failure) is raised from here. With a sink the records
         are already committed to it (parts named after ``label``: shard and attempt) and
@@ -228,24 +245,29 @@ class ShardWorker:
             if kind == "result":
                 pending.append(value)
                 if len(pending) >= batch:
-                    yield _batch_message(pending)
+                    yield _batch_message(pending, buffer.descriptor_texts())
                     pending = []
                 continue
             thread.join()
             if pending:
-                yield _batch_message(pending)
+                yield _batch_message(pending, buffer.descriptor_texts())
             if kind == "error":
                 raise RemoteError.of(value) if isinstance(value, SpcacheError) else value
             yield {"summary": _summary_message(value)}
             return
 
 
-def _batch_message(pending: list[tuple[ItemResult, bytes | None]]) -> dict[str, Any]:
+def _batch_message(
+    pending: list[tuple[ItemResult, bytes | None]], descriptors: list[list[str]]
+) -> dict[str, Any]:
+    records = [[r.key, record] for r, record in pending if record is not None]
     return {
         "results": [
             [r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash] for r, _ in pending
         ],
-        "records": [[r.key, record] for r, record in pending if record is not None],
+        "records": records,
+        # the descriptors the records name ([fingerprint, digest, text]; none with a sink)
+        "descriptors": descriptors if records else [],
     }
 
 

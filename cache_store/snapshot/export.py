@@ -65,6 +65,7 @@ from cache_store.errors import (
 )
 from cache_store.keys import validate_fingerprint
 from cache_store.format.decode import check_record
+from cache_store.format.descriptor import Descriptor, descriptor_name
 from cache_store.format.header import DTYPES, FORMAT_VERSION, RecordHeader
 from cache_store.format.ids import pack_ids
 from cache_store.recipes.specs import RECIPE_SPECS
@@ -172,6 +173,7 @@ class _Survey:
     fields: dict[str, _FieldLayout] = field(default_factory=dict)
     bad: dict[str, str] = field(default_factory=dict)
     record_bytes: int = 0
+    descriptors: dict[str, Descriptor] = field(default_factory=dict)  # by digest
 
 
 def _progress(total: int, desc: str, enabled: bool) -> Any:
@@ -205,7 +207,7 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
             bar.update(1)
             try:
                 with store.read_view(key) as value:  # checked in place, not copied
-                    header = check_record(value, key=key)
+                    header = check_record(value, key=key, lookup=store.descriptor)
                     header_bytes = bytes(memoryview(value)[8 : header.data_start])
                     size = len(value)
             except (RecordNotFound, CorruptRecord) as exc:
@@ -224,6 +226,9 @@ def _survey(store: Store, index: DatasetIndex, progress: bool) -> _Survey:
                 continue
             for name, lay in survey.fields.items():
                 lay.rows.append(lay.rows_of(header.tensors[name].shape))
+            digest = header.metadata.get("descriptor")
+            if digest is not None and digest not in survey.descriptors:  # checked just now
+                survey.descriptors[digest] = store.descriptor(index.fingerprint, digest)
             survey.sample_ids.append(sample_id)
             survey.headers.append(header_bytes)
             survey.checksums.append(header.checksum)
@@ -449,8 +454,8 @@ def _send(
     writers: Mapping[str, Any], survey: _Survey, key: str, value: Any, checked_header: bytes
 ) -> None:
     """One record's rows to every field's writer, after checking it is the record the
-    first pass checked."""
-    header = check_record(value, key=key)
+    first pass checked (its header the same bytes: the same descriptor too)."""
+    header = check_record(value, key=key, lookup=lambda fp, digest: _surveyed(survey, fp, digest))
     view = memoryview(value)
     if bytes(view[8 : header.data_start]) != checked_header:
         raise SpcacheError(
@@ -461,6 +466,15 @@ def _send(
         info = header.tensors[name]
         rows = np.frombuffer(view[info.begin : info.end], dtype=lay.numpy_dtype)
         writers[name].add(rows.reshape(lay.rows_of(info.shape), *lay.trailing))
+
+
+def _surveyed(survey: _Survey, fingerprint: str, digest: str) -> Descriptor:
+    found = survey.descriptors.get(digest)
+    if found is None or found.fingerprint != fingerprint:
+        raise CorruptRecord(
+            descriptor_name(fingerprint, digest), "not named by a record the export checked"
+        )
+    return found
 
 
 def _snapshot_attrs(
@@ -491,8 +505,10 @@ def _snapshot_attrs(
         },
         "records_digest": records_digest(survey.checksums),
         "skipped": len(survey.bad),
+        "descriptors": {d: survey.descriptors[d].text for d in sorted(survey.descriptors)},
         "layout": "sample_ids (UTF-8) + sample_id_offsets; headers (each record's "
-        "safetensors header: metadata, per-field xxh3 checksums, record checksum) "
+        "safetensors header: metadata, per-field xxh3 checksums, record checksum, the "
+        "digest of its descriptor in 'descriptors') "
         "+ header_offsets; data/<field> concatenated along axis 0 + "
         "offsets/<field> (rows of record i: offsets[i]:offsets[i+1])",
     }

@@ -22,7 +22,9 @@ commit when the source hash differs (the source changed and was recomputed: it t
 earlier one's place in the order).
 
 A manifest lists, per record: sample id, offset, length, record checksum and source
-hash. Readers list ``commits/`` (one LIST), read ``index.json`` and the manifests it
+hash; and ``descriptors``, the text of every descriptor its records name (by digest:
+:mod:`cache_store.format.descriptor`), committed with them; ``index.json`` keeps those of
+the manifests it merged. Readers list ``commits/`` (one LIST), read ``index.json`` and the manifests it
 does not already include, and read a record by a range request into its part, checked
 against its manifest (checksum, key) as any record is. The driver of a run merges the
 manifests into ``index.json`` periodically and at the end; ``spcache merge`` does the
@@ -67,7 +69,13 @@ from cache_store.errors import (
     UnsupportedFormat,
 )
 from cache_store.format.decode import Record, check_record
-from cache_store.format.header import check_names_key, read_header
+from cache_store.format.descriptor import (
+    Descriptor,
+    DescriptorLookup,
+    bind_metadata,
+    is_digest,
+)
+from cache_store.format.header import read_header
 from cache_store.keys import (
     compute_fingerprint,
     is_fingerprint,
@@ -130,6 +138,7 @@ class _Dataset:
     entries: dict[str, Entry] = field(default_factory=dict)
     parts_seen: set[str] = field(default_factory=set)
     created: str = ""
+    descriptors: dict[str, str] = field(default_factory=dict)  # digest -> text
 
     def admit(self, sample_id: str, entry: Entry) -> None:
         """Take a committed entry, given in commit order. A sample id seen before keeps
@@ -265,7 +274,19 @@ def _parse_manifest(
         except InvalidSampleId as exc:
             raise CorruptRecord(what, str(exc)) from None
         entries.append((sample_id, Entry(part, offset, length, checksum, source_hash)))
+    _descriptor_texts(doc, what)
     return doc, entries
+
+
+def _descriptor_texts(doc: Mapping[str, Any], what: str) -> dict[str, str]:
+    """A manifest's or index's ``descriptors`` (digest -> text; absent before format 2),
+    their shape checked (each text is checked against its digest when it is used)."""
+    found = doc.get("descriptors", {})
+    if not isinstance(found, dict) or not all(
+        is_digest(d) and isinstance(t, str) for d, t in found.items()
+    ):
+        raise CorruptRecord(what, "malformed descriptors")
+    return found
 
 
 def _commit_order(doc: Mapping[str, Any], part: str) -> tuple[str, str]:
@@ -390,10 +411,14 @@ class ShardedSnapshot(Store):
         self.writer = f"{label}-{uuid.uuid4().hex[:4]}"
         self._parts_written = 0
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
-        """Write the records as one committed part per fingerprint; returns the count."""
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
+        """Write the records as one committed part per fingerprint (its manifest holding
+        the descriptors they name); returns the count."""
         self.check_writable()
-        checked = self.check_items(items)
+        batch = self.check_items(items, descriptors)
+        checked = batch.records
         if not checked:
             return 0
         self._ensure_root()
@@ -401,10 +426,13 @@ class ShardedSnapshot(Store):
         for key, value in checked:
             by_fp.setdefault(split_key(key)[0], []).append((key, value))
         for fingerprint, group in by_fp.items():
-            self._commit_part(fingerprint, group)
+            named = {d.digest: d for d in batch.descriptors if d.fingerprint == fingerprint}
+            self._commit_part(fingerprint, group, named)
         return len(checked)
 
-    def _commit_part(self, fingerprint: str, group: list[tuple[str, bytes]]) -> str:
+    def _commit_part(
+        self, fingerprint: str, group: list[tuple[str, bytes]], descriptors: dict[str, Descriptor]
+    ) -> str:
         self._parts_written += 1
         part = f"{self.writer}-p{self._parts_written:04d}-{uuid.uuid4().hex[:8]}"
         rows, offset, chunks = [], 0, []
@@ -423,7 +451,11 @@ class ShardedSnapshot(Store):
             offset += len(value)
         data = b"".join(chunks)
         self._write(self._path(fingerprint, "parts", f"{part}.bin"), data)
-        first = read_header(group[0][1], key=group[0][0]).metadata
+        first = bind_metadata(
+            read_header(group[0][1], key=group[0][0]).metadata,
+            group[0][0],
+            lambda _, digest: descriptors[digest],
+        )
         manifest = {
             "kind": COMMIT_KIND,
             "format_version": FORMAT_VERSION,
@@ -435,6 +467,7 @@ class ShardedSnapshot(Store):
             "writer": {"host": socket.gethostname(), "pid": os.getpid(), "label": self.writer},
             "dataset": _describe_from_metadata(first, fingerprint),
             "records": rows,
+            "descriptors": {d.digest: d.text for d in descriptors.values()},
         }
         self._write_once(
             self._path(fingerprint, "commits", f"{part}.json"),
@@ -532,6 +565,7 @@ class ShardedSnapshot(Store):
                         "%s: commit %s has a malformed dataset description", self.location, part
                     )
             dataset.parts_seen.add(part)
+            dataset.descriptors.update(doc.get("descriptors", {}))  # checked by _parse_manifest
             for sample_id, entry in entries:
                 dataset.admit(sample_id, entry)
         with self._lock:
@@ -609,7 +643,7 @@ class ShardedSnapshot(Store):
             value = self._read(path, entry.offset, entry.offset + entry.length)
         except FileNotFoundError:
             raise CorruptRecord(key, f"its committed part {entry.part}.bin is missing") from None
-        return _checked(value, key, entry)
+        return _checked(value, key, entry, self.descriptor)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """Values of ``keys`` (range reads grouped per request batch)."""
@@ -627,7 +661,7 @@ class ShardedSnapshot(Store):
         for (key, entry), value in zip(located, values, strict=True):
             if isinstance(value, BaseException):
                 raise CorruptRecord(key, f"cannot be read ({value})")
-            out.append(_checked(bytes(value), key, entry))
+            out.append(_checked(bytes(value), key, entry, self.descriptor))
         return out
 
     def supply(
@@ -635,6 +669,13 @@ class ShardedSnapshot(Store):
     ) -> list[Record]:
         # the values, range reads grouped; the base's decoder decodes and key-checks them
         return decoder.values(self.get_many(keys))
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
+        """From the committed manifests (or the merged index) of ``fingerprint``."""
+        dataset = self._load(fingerprint)
+        if dataset is None or digest not in dataset.descriptors:
+            dataset = self._load(fingerprint, refresh=True)  # committed since?
+        return None if dataset is None else dataset.descriptors.get(digest)
 
     def source_hash_of(self, key: str) -> str | None:
         """The source hash a committed record was computed from (from its manifest)."""
@@ -711,7 +752,7 @@ class ShardedSnapshot(Store):
         for key in self.keys(prefix):  # lists every fingerprint's commits afresh
             report.checked += 1
             try:
-                check_record(self.get(key), key=key)
+                check_record(self.get(key), key=key, lookup=self.descriptor)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)
@@ -727,11 +768,11 @@ class ShardedSnapshot(Store):
         self._fs.close()
 
 
-def _checked(value: bytes, key: str, entry: Entry) -> bytes:
+def _checked(value: bytes, key: str, entry: Entry, lookup: DescriptorLookup) -> bytes:
     header = read_header(value, key=key)
     if header.metadata.get("checksum") != entry.checksum:
         raise CorruptRecord(key, "record checksum differs from its manifest's")
-    check_names_key(header.metadata, key)
+    bind_metadata(header.metadata, key, lookup)
     return value
 
 
@@ -754,6 +795,7 @@ def _dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> _Dataset:
                 Entry(str(part), int(offset), int(length), str(checksum), str(source_hash)),
             )
         dataset.parts_seen = set(doc["parts"])
+        dataset.descriptors = dict(_descriptor_texts(doc, what))
     except (KeyError, TypeError, ValueError) as exc:  # InvalidSampleId is a ValueError
         raise CorruptRecord(what, f"malformed ({exc})") from None
     return dataset
@@ -825,6 +867,7 @@ def merge_into(
         "created": dataset.created,
         "merged_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "parts": sorted(dataset.parts_seen),
+        "descriptors": dict(sorted(dataset.descriptors.items())),
         "records": [
             [sid, e.part, e.offset, e.length, e.checksum, e.source_hash]
             for sid in ids

@@ -1,7 +1,9 @@
 """LMDBStore: the embedded default store, one LMDB environment in ``<cache>/records/``.
 
-Two named databases live in the environment: ``records`` (key -> record bytes) and
-``indexes`` (fingerprint -> dataset index bytes).
+Named databases in the environment: ``records`` (key -> record bytes), ``indexes``
+(fingerprint -> dataset index bytes), ``descriptors`` (``<fingerprint>/<digest>`` ->
+the descriptor text the fingerprint's format-2 records name, written in the transaction
+of the first records that name it) and ``removed`` (see removal below).
 
 Process and fork rules (py-lmdb 3.0 behaviour this module is built around):
 
@@ -64,7 +66,7 @@ import shutil
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -84,6 +86,7 @@ from cache_store import usage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, is_fingerprint, validate_fingerprint
 from cache_store.process_local import ProcessLocal, park
 from cache_store.format.decode import Record
+from cache_store.format.descriptor import Descriptor
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest
 
@@ -107,7 +110,8 @@ DEFAULT_MAX_READERS = 1024
 _RECORDS_DB = b"records"
 _INDEXES_DB = b"indexes"
 _REMOVED_DB = b"removed"
-_DB_NAMES = (_RECORDS_DB, _INDEXES_DB, _REMOVED_DB)
+_DESCRIPTORS_DB = b"descriptors"
+_DB_NAMES = (_RECORDS_DB, _INDEXES_DB, _REMOVED_DB, _DESCRIPTORS_DB)
 #: Writers hold a shared flock on ``<cache>/<this>`` per write; compaction an exclusive one.
 WRITE_LOCK_FILENAME = "records.lock"
 #: Where compaction builds the new generation (and leaves the old one, briefly).
@@ -679,22 +683,58 @@ class LMDBStore(Store):
         inode = joined[1].dir_ino if joined is not None else None
         return txnid if inode is None else (inode << 48) | (txnid & ((1 << 48) - 1))
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
         self.check_writable()
-        checked = [(key.encode(), value) for key, value in self.check_items(items)]
+        batch = self.check_items(items, descriptors)
+        # in key order: a record whose key follows every stored one is appended
+        # (MDB_APPEND), which fills pages; any other insert splits a full page in two
+        checked = sorted(((k.encode(), v) for k, v in batch.records), key=lambda kv: kv[0])
+        named = [
+            (f"{d.fingerprint}/{d.digest}".encode(), d.text.encode()) for d in batch.descriptors
+        ]
 
         def put(txn: Any, dbs: dict[bytes, Any]) -> int:
             self._refuse_removed(
                 txn, dbs, {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}
             )
+            for key, text in named:  # with the first records that name it (or over a
+                if txn.get(key, db=dbs[_DESCRIPTORS_DB]) != text:  # damaged copy)
+                    txn.put(key, text, db=dbs[_DESCRIPTORS_DB])
+            records = dbs[_RECORDS_DB]
+            cursor = txn.cursor(db=records)
+            last = bytes(cursor.key()) if cursor.last() else b""
             for key, value in checked:
-                txn.put(key, value, db=dbs[_RECORDS_DB])
+                if key > last:
+                    txn.put(key, value, db=records, append=True)
+                    last = key
+                else:
+                    txn.put(key, value, db=records)
             return len(checked)
 
         count = self._write(put, sum(len(v) for _, v in checked))
         for fingerprint in {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}:
             _note_written(self.path, fingerprint)
         return count
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> bytes | None:
+        # Asked once per descriptor and process. A handle opened before any writer made
+        # the database looks for it again now, not a second later: the record naming it
+        # was read already. Absent from a removed fingerprint: FingerprintRemoved.
+        for again in (False, True):
+            with self._read() as (txn, dbs):
+                db = dbs.get(_DESCRIPTORS_DB)
+                if db is not None or again:
+                    value = _lookup(txn, db, f"{fingerprint}/{digest}")
+                    if value is not None:
+                        return bytes(value)
+                    removed = _removed_at(txn, dbs, fingerprint)
+                    if removed is not None:
+                        raise FingerprintRemoved(fingerprint, self.location, removed)
+                    return None
+            self._removed_retry = 0.0  # the next transaction opens databases made since
+        return None
 
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
@@ -826,11 +866,18 @@ class LMDBStore(Store):
                     break
             return count, size
 
+        def forget_descriptors(txn: Any, dbs: dict[bytes, Any]) -> None:
+            cursor = txn.cursor(db=dbs[_DESCRIPTORS_DB])
+            if cursor.set_range(prefix):
+                while bytes(cursor.key()).startswith(prefix) and cursor.delete():
+                    pass
+
         total = total_bytes = 0
         while True:
             count, size = self._write(delete)
             total, total_bytes = total + count, total_bytes + size
             if count < chunk:
+                self._write(forget_descriptors)  # no record names them any more
                 return total, total_bytes
 
     def record_fingerprints(self) -> list[str]:
@@ -900,7 +947,9 @@ class LMDBStore(Store):
                     )
                     entry["records"] += 1
                     entry["bytes"] += len(value)
-                    count_code_digest(entry, value)
+                    count_code_digest(
+                        entry, value, bytes(key[:FINGERPRINT_HEX_CHARS]).decode(), self.descriptor
+                    )
             env, _ = self._environment()
             info, stat = env.info(), env.stat()
         out = self._finish_stats(per_fp)
@@ -942,9 +991,20 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) -> dict[str, int]:
+def compact_environment(
+    cache: str | os.PathLike[str],
+    *,
+    wait_s: float = 60.0,
+    rewrite: Callable[[str, bytes], Any] | None = None,
+) -> dict[str, int]:
     """Shrink ``<cache>/records/data.mdb`` to what it holds: LMDB's compacting copy into
     ``<cache>/records.compact/``, then an atomic swap of the two directories.
+
+    With ``rewrite``, the copy is made record by record instead (:func:`_repack`): each
+    record is written as ``rewrite(key, value)`` returns it (new bytes with their
+    ``descriptor``, written too; None: as it is), every database in key order with
+    whole pages (LMDB's own copy keeps each page as full as it was). Adds ``records``
+    and ``rewritten`` counts.
 
     Writers are held off for the copy (an exclusive flock on ``records.lock``; a writer
     in the middle of a transaction is waited for up to ``wait_s``, then
@@ -978,9 +1038,13 @@ def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) 
         spare.mkdir()
         before = (live / "data.mdb").stat().st_size
         store = LMDBStore(root, readonly=True)
+        counts: dict[str, int] = {}
         try:
             env, _ = store._environment()
-            env.copy(str(spare), compact=True)
+            if rewrite is None:
+                env.copy(str(spare), compact=True)
+            else:
+                counts = _repack(env, spare, rewrite)
         except lmdb.Error as exc:
             raise store._damaged(exc) from exc
         finally:
@@ -992,6 +1056,75 @@ def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) 
         after = (live / "data.mdb").stat().st_size
         shutil.rmtree(spare)  # the old generation; processes still mapping it keep reading it
         log.info("%s: compacted data.mdb from %d to %d bytes", root, before, after)
-        return {"before": before, "after": after}
+        return {"before": before, "after": after, **counts}
     finally:
         os.close(fd)
+
+
+_REPACK_TXN = 8192  # records per write transaction of a repack (bounds its dirty pages)
+
+
+def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dict[str, int]:
+    """Copy every database of ``env`` into a new environment at ``target`` in key order
+    with MDB_APPEND (pages filled whole), each record as ``rewrite`` returns it."""
+    size = max(env.info()["map_size"], 2 * (env.info()["last_pgno"] + 1) * env.stat()["psize"])
+    out = lmdb.open(str(target), map_size=size, subdir=True, max_dbs=4, sync=False)
+    walked = rewritten = 0
+    try:
+        with env.begin() as txn:  # writers are held off: this snapshot is the cache
+            sources = {name: _open_existing(env, txn, name) for name in _DB_NAMES}
+            descriptors = {
+                bytes(k): bytes(v)
+                for k, v in (
+                    txn.cursor(db=sources[_DESCRIPTORS_DB]) if sources[_DESCRIPTORS_DB] else []
+                )
+            }
+            for name in (_INDEXES_DB, _REMOVED_DB):
+                if sources[name] is not None:
+                    _append_all(
+                        out, name, ((bytes(k), bytes(v)) for k, v in txn.cursor(db=sources[name]))
+                    )
+
+            def records() -> Iterator[tuple[bytes, bytes]]:
+                nonlocal walked, rewritten
+                if sources[_RECORDS_DB] is None:
+                    return
+                for key, value in txn.cursor(db=sources[_RECORDS_DB]):
+                    walked += 1
+                    new = rewrite(bytes(key).decode("utf-8"), value)
+                    if new is None:
+                        yield bytes(key), bytes(value)
+                        continue
+                    d = new.descriptor
+                    descriptors[f"{d.fingerprint}/{d.digest}".encode()] = d.text.encode()
+                    rewritten += 1
+                    yield bytes(key), bytes(new)
+
+            _append_all(out, _RECORDS_DB, records())
+            _append_all(out, _DESCRIPTORS_DB, iter(sorted(descriptors.items())))
+        out.sync(True)
+    finally:
+        out.close()
+    return {"records": walked, "rewritten": rewritten}
+
+
+def _open_existing(env: Any, txn: Any, name: bytes) -> Any:
+    try:
+        return env.open_db(name, txn=txn, create=False)
+    except lmdb.NotFoundError:
+        return None
+
+
+def _append_all(out: Any, name: bytes, items: Iterator[tuple[bytes, bytes]]) -> None:
+    """Write ``items`` (in key order) into database ``name`` of ``out``, appended."""
+    db = out.open_db(name)
+    while True:
+        with out.begin(write=True) as txn:
+            count = 0
+            for key, value in items:
+                txn.put(key, value, db=db, append=True)
+                count += 1
+                if count == _REPACK_TXN:
+                    break
+        if count < _REPACK_TXN:
+            return

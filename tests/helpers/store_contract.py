@@ -10,6 +10,11 @@ store holding exactly those records and indexes (built however the backend is fi
 when the backend can open the same location twice). Its ``make_store`` fills an empty
 store through ``put_many``/``put_index``.
 
+The shared content mixes the record formats: :data:`V1_KEYS` hold records of format 1
+(each carrying its whole metadata), the others format 2 (naming the descriptor their
+fingerprint's records share, which the store keeps and reads add back); a fingerprint
+holds both, another format 1 only. Every backend reads them alike.
+
 The key check (a record whose metadata names another key is refused by every decoded
 read and reported by ``verify``) needs a store that holds such a record, which no
 writer lets in: each subclass provides ``swapped_store``, a store holding the sample
@@ -37,10 +42,11 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.format.decode import decode_record
-from cache_store.format.header import read_header
+from cache_store.format.header import MANAGED_METADATA, read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 from tests.helpers.synthetic import fingerprint_of, make_record
+from tests.helpers.v1_records import encode_record_v1
 
 MakeStore = Callable[[dict[str, bytes], list[DatasetIndex]], Store]
 
@@ -53,6 +59,24 @@ IDS_B = ["chairs/a1", "lamps/l1"]
 #: snapshot's ids can be swapped in place).
 SWAPPED_KEY = f"{FP_A}/chairs/a1"
 SWAPPED_FOR = f"{FP_A}/chairs/a2"
+#: Keys whose record is of format 1 in the shared content (the rest: format 2).
+V1_KEYS = frozenset({f"{FP_A}/tables/t1", f"{FP_A}/unicode/é-ü", f"{FP_C}/only"})
+
+
+def as_format_1(value: bytes) -> bytes:
+    """The record ``encode_record`` returned (``value``), as the format-1 writer wrote
+    it: the same tensors, its descriptor's metadata in its own header."""
+    record = decode_record(value)
+    own = {k: v for k, v in record.metadata.items() if k not in MANAGED_METADATA}
+    return encode_record_v1(record.tensors, {**value.descriptor.metadata, **own})
+
+
+def metadata_read_back(value: bytes) -> dict[str, str]:
+    """What a read returns as the metadata of stored ``value``: a format-1 record's own,
+    a format-2 record's with its descriptor's (which ``encode_record`` gave it)."""
+    own = read_header(value).metadata
+    descriptor = getattr(value, "descriptor", None)
+    return own if descriptor is None else {**descriptor.metadata, **own}
 
 
 def plant_lmdb_value(cache_dir: str | Path, key: str, value: bytes) -> None:
@@ -74,6 +98,7 @@ def sample_content() -> tuple[dict[str, bytes], list[DatasetIndex]]:
         for i, sid in enumerate(IDS_B)
     }
     records[f"{FP_C}/only"] = make_record(FP_C, "only", seed=99, level=5)
+    records = {k: as_format_1(v) if k in V1_KEYS else v for k, v in records.items()}
     indexes = [
         DatasetIndex(FP_A, "spc", 1, {"level": 4, "surface_samples": 100_000}, np.array(IDS_A)),
         DatasetIndex(
@@ -151,6 +176,21 @@ class StoreContract:
         assert sub.metadata["sample_id"] == "lamps/l1"
         many = store.get_records([key, f"{FP_A}/zeta"], fields=["octree"])
         assert [r.metadata["sample_id"] for r in many] == ["lamps/l1", "zeta"]
+
+    def test_records_of_both_formats_read_alike(self, store: Store, content) -> None:
+        records, _ = content
+        keys = list(records)
+        together = store.get_records(keys)
+        for key, batched in zip(keys, together, strict=True):
+            value = records[key]
+            expected = metadata_read_back(value)
+            assert expected["format_version"] == ("1" if key in V1_KEYS else "2")
+            assert expected["fingerprint"] == key[:32] and expected["recipe"]
+            for got in (store.get_record(key), batched):
+                assert got.metadata == expected, key
+                want = decode_record(value).tensors
+                assert set(got.tensors) == set(want)
+                assert all(torch.equal(got.tensors[n], t) for n, t in want.items())
 
     def test_indexes(self, store: Store, content) -> None:
         _, indexes = content
