@@ -131,4 +131,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (``__all__``) and the module's dunders: not the helpers this
+    module imports for itself (``importlib``, ``Any``, ...)."""
+    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
+    return sorted(set(__all__) | dunders)

@@ -48,7 +48,7 @@ from cache_store.errors import (
 )
 from cache_store.keys import is_fingerprint
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.location import parse_location
+from cache_store.location import LocationLike, parse_location
 from cache_store.stores.base import open_store
 
 __all__ = [
@@ -230,16 +230,22 @@ def _is_snapshot(cache: str | os.PathLike[str]) -> bool:
     return parse_location(cache).kind == "zarr"
 
 
-def _lmdb_store(cache: str | os.PathLike[str], *, readonly: bool) -> Any:
-    from cache_store.stores.lmdb import LMDBStore, has_cache
-
+def _cache_root(cache: LocationLike) -> Path:
+    """The directory of a local cache location (``file://`` stripped); a snapshot or a
+    URL is refused by name, never folded by ``Path`` into a local ``s3:/...``."""
     where = parse_location(cache)
     if where.kind != "lmdb" or not where.is_local:
         raise ReadOnlyStoreError(
             f"{cache}: a Zarr snapshot or remote cache is immutable here; "
             f"rm, prune and compact act on a cache directory"
         )
-    root = Path(where.target)
+    return Path(where.target)
+
+
+def _lmdb_store(cache: LocationLike, *, readonly: bool) -> Any:
+    from cache_store.stores.lmdb import LMDBStore, has_cache
+
+    root = _cache_root(cache)
     if not root.is_dir():
         raise CacheNotFound(root, "not a directory" if root.exists() else "no such directory")
     if not has_cache(root):
@@ -287,14 +293,15 @@ def _entries(cache: str | os.PathLike[str], *, failure_only: bool = False) -> li
             entries.append(entry)
     finally:
         store.close()
-    failed = _failure_counts(Path(cache))
+    root = _cache_root(cache)
+    failed = _failure_counts(root)
     if failure_only:  # not one removed: its failures are writes the removal refused
         listed = {e.fingerprint for e in entries} | set(removals)
         entries += [CacheEntry(fp) for fp in sorted(failed) if fp not in listed]
     for entry in entries:
         entry.failed = failed.get(entry.fingerprint, 0)
-        entry.last_read = usage.last_read(cache, entry.fingerprint)
-        entry.last_written = usage.last_written(cache, entry.fingerprint)
+        entry.last_read = usage.last_read(root, entry.fingerprint)
+        entry.last_written = usage.last_written(root, entry.fingerprint)
     return entries
 
 
@@ -439,7 +446,7 @@ def rm(
     """
     from cache_store.jobs.failures import FailureLog
 
-    root = Path(cache)
+    root = _cache_root(cache)
     try:
         store = _lmdb_store(root, readonly=False)
     except CacheNotFound:
@@ -600,7 +607,7 @@ def prune(
     """Remove least recently used fingerprints (see :func:`plan_prune`); never one with
     queue items pending or running. Returns ``{"removed": [rows], "kept": [rows],
     "bytes_before", "bytes_after", "dry_run"}`` (rows as :func:`ls`'s)."""
-    root = Path(cache)
+    root = _cache_root(cache)
     limit = None if max_size is None else parse_size(max_size)
     unused = None if unused_for is None else parse_duration(unused_for)
     if keep is not None and keep < 0:
@@ -641,7 +648,7 @@ def compact(
     ``rewritten`` and ``unreadable`` counts."""
     from cache_store.stores.lmdb import compact_environment
 
-    root = Path(cache)
+    root = _cache_root(cache)
     _lmdb_store(root, readonly=True).close()
     if not rewrite_records:
         return compact_environment(root, wait_s=wait_s)

@@ -11,6 +11,12 @@ Schemes are case-insensitive (``FILE://``, ``HTTP://``). ``file://`` names a loc
 (``file:///tmp/x`` and ``file://localhost/tmp/x`` are ``/tmp/x``); it is stripped once,
 here. Any other scheme is refused unless the location is a ``.zarr`` snapshot.
 
+A :class:`Location` is the parsed value: where a location enters (a command-line option,
+a function argument) it is parsed once, and every function here takes the
+:class:`Location` as well as the string, returning it unchanged (never parsed again).
+A location that may be a URL never goes through :class:`pathlib.Path`, which folds
+``s3://b`` into ``s3:/b``; :meth:`Location.path` gives the local path of a local one.
+
 :func:`cache_dir_problem` answers why a local path cannot be used as a cache directory
 (naming the path and the reason), so a command prints one line instead of a traceback.
 """
@@ -25,7 +31,14 @@ from typing import Literal
 
 from cache_store.errors import UnknownName
 
-__all__ = ["Location", "cache_dir_problem", "is_remote", "local_path", "parse_location"]
+__all__ = [
+    "Location",
+    "LocationLike",
+    "cache_dir_problem",
+    "is_remote",
+    "local_path",
+    "parse_location",
+]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 Kind = Literal["lmdb", "zarr", "http"]
@@ -45,10 +58,26 @@ class Location:
     def is_local(self) -> bool:
         return self.scheme == ""
 
+    def path(self) -> Path:
+        """The local path (``file://`` stripped); ``ValueError`` for a remote location."""
+        if not self.is_local:
+            raise ValueError(f"{self.text}: not a local path")
+        return Path(self.target)
 
-def parse_location(location: str | os.PathLike[str]) -> Location:
+    def __str__(self) -> str:
+        return self.text
+
+
+#: what every function here accepts: a string or path, or one already parsed
+LocationLike = str | os.PathLike[str] | Location
+
+
+def parse_location(location: LocationLike) -> Location:
     """Parse a cache location (see the module docstring); ``UnknownName`` for a URL
-    scheme that is neither http(s), ``file`` nor a ``.zarr`` snapshot."""
+    scheme that is neither http(s), ``file`` nor a ``.zarr`` snapshot. A
+    :class:`Location` is returned as it is."""
+    if isinstance(location, Location):
+        return location
     text = os.fspath(location)
     match = _SCHEME.match(text)
     scheme = match.group(1).lower() if match else ""
@@ -75,13 +104,15 @@ def parse_location(location: str | os.PathLike[str]) -> Location:
     return Location(text=text, scheme=scheme, target=target, kind=kind)
 
 
-def is_remote(location: str | os.PathLike[str]) -> bool:
+def is_remote(location: LocationLike) -> bool:
     """A URL other than ``file://`` (``http://``, ``s3://...zarr``), rather than a path."""
+    if isinstance(location, Location):
+        return not location.is_local
     match = _SCHEME.match(os.fspath(location))
     return match is not None and match.group(1).lower() != "file"
 
 
-def local_path(location: str | os.PathLike[str]) -> str:
+def local_path(location: LocationLike) -> str:
     """The filesystem path of a local location (``file://`` stripped); ``ValueError`` for
     a remote one."""
     parsed = parse_location(location)
@@ -90,7 +121,7 @@ def local_path(location: str | os.PathLike[str]) -> str:
     return parsed.target
 
 
-def cache_dir_problem(cache: str | os.PathLike[str], *, write: bool) -> str | None:
+def cache_dir_problem(cache: LocationLike, *, write: bool) -> str | None:
     """Why ``cache`` cannot be used as a local cache directory, or None.
 
     ``write=False``: it must exist, be a directory (or a ``*.zarr`` snapshot) and be
@@ -100,7 +131,7 @@ def cache_dir_problem(cache: str | os.PathLike[str], *, write: bool) -> str | No
     try:
         path = Path(local_path(cache))
     except (ValueError, UnknownName):
-        return f"{os.fspath(cache)}: not a local cache directory"
+        return f"{cache}: not a local cache directory"
     try:
         exists = path.exists()
         is_dir = path.is_dir()

@@ -113,6 +113,20 @@ class Settings(BaseSettings):
     )
     tls_keyfile: Path | None = Field(None, description="the certificate's private key (PEM)")
 
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _local_cache(cls, value: Any) -> Any:
+        """``file:///x`` is the path ``/x``; a URL (``s3://``, ``http://``) is refused by
+        name rather than folded by ``Path`` into a local ``s3:/...`` directory."""
+        if isinstance(value, str | os.PathLike):
+            from cache_store.location import local_path, parse_location
+
+            try:
+                return local_path(parse_location(value))
+            except (ValueError, SpcacheError) as exc:
+                raise ValueError(f"{os.fspath(value)}: not a local cache directory") from exc
+        return value
+
     @field_validator("source_roots", mode="before")
     @classmethod
     def _split_roots(cls, value: Any) -> Any:

@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
     from cache_store.readers.to_kaolin import to_kaolin_spc
-    from cache_store.sources.discover import discover_sources
+    from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
     from spcache.compute import FailedSample, PrecomputeResult, Timings, precompute
     from workers.precompute import UsageError
@@ -100,6 +100,7 @@ _LAZY: dict[str, str] = {
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
+    "KEEP_EXTENSION": "cache_store.sources.discover",
     **dict.fromkeys(_ERRORS, "cache_store.errors"),
     "ls": "cache_store.housekeeping",
     "rm": "cache_store.housekeeping",
@@ -117,6 +118,7 @@ __all__ = [
     "FailedSample",
     "Timings",
     "discover_sources",
+    "KEEP_EXTENSION",  # id_template= that keeps the extension (--id-keep-ext)
     # your own features: spcache.recipes.Recipe, Param, Field
     "recipes",
     # a cache's fingerprints: list, remove, prune least recently used, give disk back
@@ -169,4 +171,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (``__all__``) and the module's dunders: not the helpers this
+    module imports for itself (``importlib``, ``Any``, ...)."""
+    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
+    return sorted(set(__all__) | dunders)

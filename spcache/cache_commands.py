@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import SpcacheError
-from cache_store.location import cache_dir_problem, is_remote
+from cache_store.location import cache_dir_problem, is_remote, local_path
 
 __all__ = ["VERIFY", "STATS", "with_failures_and_jobs", "with_installed_code"]
 
@@ -65,9 +65,9 @@ class STATS:
             return 1
         if stats is None:
             return 2
-        if not is_remote(args.cache) and Path(args.cache).is_dir():
+        if not is_remote(args.cache) and Path(local_path(args.cache)).is_dir():
             try:
-                stats = with_failures_and_jobs(stats, Path(args.cache))
+                stats = with_failures_and_jobs(stats, Path(local_path(args.cache)))
             except (SpcacheError, OSError, sqlite3.Error) as exc:  # extra: say why absent
                 stats = {**stats, "failures_error": f"failure log or job queue unreadable: {exc}"}
         stats = with_installed_code(stats)

@@ -78,6 +78,10 @@ class PrecomputeResult:
     #: of ``skipped``, records computed by other recipe code than the installed one
     #: (the recipe's code changed without a version bump; they were kept, not recomputed)
     skipped_other_code: int = 0
+    #: files the directories named held but no loader reads, by type (extension ->
+    #: count, ``""`` for none): left out, not samples (``spcache precompute`` says
+    #: "left out 7 files of unsupported types: .dae 3, ...")
+    left_out: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
@@ -113,6 +117,7 @@ class PrecomputeResult:
             "timings",
             "oom_backoffs",
             "skipped_other_code",
+            "left_out",
         }
         timings = dict(data.get("timings", {}))
         return cls(
@@ -140,6 +145,9 @@ class PrecomputeResult:
             ),
             oom_backoffs=int(data.get("oom_backoffs", 0)),
             skipped_other_code=int(data.get("skipped_other_code", 0)),
+            left_out=MappingProxyType(
+                {str(k): int(v) for k, v in dict(data.get("left_out", {})).items()}
+            ),
             extra=MappingProxyType({k: v for k, v in data.items() if k not in known}),
         )
 
@@ -172,6 +180,7 @@ class PrecomputeResult:
             "timings": timings,
             "oom_backoffs": self.oom_backoffs,
             "skipped_other_code": self.skipped_other_code,
+            "left_out": dict(self.left_out),
             **self.extra,
         }
         if self.engine != "local":

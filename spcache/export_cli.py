@@ -35,7 +35,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     from cache_store.snapshot.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
 
     parser.add_argument("fingerprint", help="fingerprint of the dataset to export")
-    parser.add_argument("--cache", required=True, type=Path, help="cache directory (LMDB)")
+    parser.add_argument("--cache", required=True, help="cache directory (LMDB)")
     parser.add_argument(
         "--to",
         required=True,
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"spcache export: {problem}", file=sys.stderr)
         return 2
+    cache = local_path(args.cache)
     if (
         not is_remote(args.dest)
         and Path(local_path(args.dest)).exists()
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     chunk_bytes = None if args.chunk_kib is None else args.chunk_kib * 1024
     try:
         summary = export_snapshot(
-            args.cache,
+            cache,
             args.fingerprint,
             args.dest,
             overwrite=args.overwrite,

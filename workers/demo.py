@@ -250,9 +250,9 @@ spcache is serving {cache}
   warm-up job:  {base}/v1/jobs/{job["job_id"]}
   API docs:     {base}/docs
 In Python (any number of forked DataLoader workers, no CUDA):
-  from cache_store import CachedDataset
-  ds = CachedDataset({str(cache)!r}, {RECIPE!r}, level={args.level})
-  ds = CachedDataset({base!r}, {fingerprint!r})   # the same records over HTTP
+  import spcache
+  ds = spcache.CachedDataset({str(cache)!r}, {RECIPE!r}, level={args.level})
+  ds = spcache.CachedDataset({base!r}, {fingerprint!r})   # the same records over HTTP
 """,
             flush=True,
         )

@@ -14,6 +14,7 @@ it, and a notebook can call it again.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 
 from cache_store.errors import SpcacheError
 from cache_store.location import cache_dir_problem, parse_location
-from cache_store.sources.discover import discover_sources
+from cache_store.sources.discover import describe_left_out, discover
 
 __all__ = [
     "DEFAULT_QUERY_CHUNK",
@@ -32,6 +33,8 @@ __all__ = [
     "default_loaders",
     "run_precompute",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The engines a run may use: this process and its loaders, or Ray actors.
 ENGINES = ("local", "ray")
@@ -118,9 +121,16 @@ def run_precompute(
     if problem:
         raise UsageError(problem)
     source_list = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
-    items = discover_sources(source_list, id_template=id_template)
+    found = discover(source_list, id_template=id_template)
+    items, left_out = found.items, describe_left_out(found.left_out)
     if not items:
-        raise UsageError("no supported source files found in " + ", ".join(map(str, source_list)))
+        raise UsageError(
+            "no supported source files found in "
+            + ", ".join(map(str, source_list))
+            + (f" ({left_out})" if left_out else "")
+        )
+    if left_out:
+        log.info("%s", left_out)
 
     from cache_store.stores.base import open_store
 
@@ -148,7 +158,9 @@ def run_precompute(
         except (SpcacheError, OSError) as exc:
             raise UsageError(f"cannot open cache {cache}: {exc}") from exc
         with _sigterm_as_interrupt(), _progress_logging(progress):
-            return runner.run(items)
+            summary = runner.run(items)
+        summary.left_out = dict(found.left_out)
+        return summary
     finally:
         store.close()
 

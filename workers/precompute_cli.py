@@ -17,13 +17,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from cache_store.errors import ParameterError, SpcacheError, StoreFull, UnknownName
 from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
 from cache_store.recipes.table import recipe_table
-from cache_store.sources.discover import KEEP_EXTENSION
+from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
 from workers.precompute import UsageError
 
 __all__ = ["configure_parser", "run", "parse_params", "UsageError"]
@@ -114,7 +113,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="recipe parameter (repeatable; see below)",
     )
-    parser.add_argument("--cache", required=True, type=Path, help="cache directory")
+    # a string, parsed once by run_precompute: never a Path, which folds s3://b into s3:/b
+    parser.add_argument(
+        "--cache",
+        required=True,
+        help="cache directory, or a sharded snapshot (DEST.zarr, s3://bucket/x.zarr)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--backend",
@@ -248,6 +252,8 @@ def _print_summary(summary: Any) -> None:
     )
     for error in summary.errors:
         print(f"  failed {error.id} ({error.path}): {error.reason}")
+    if summary.left_out:
+        print(f"  {describe_left_out(summary.left_out)}")
     if getattr(summary, "skipped_other_code", 0):
         print(
             f"  {summary.skipped_other_code} skipped record(s) were computed by other recipe "

@@ -42,6 +42,7 @@ from cache_store.keys import record_key, validate_sample_id
 from cache_store.jobs.freshness import stored_metadata, stored_source_hash
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
+from cache_store.sources.discover import id_clash_reason
 
 __all__ = [
     "REPEATS",
@@ -125,6 +126,9 @@ class Summary:
     #: skipped samples whose stored record was computed by other recipe code than the
     #: installed one (same fingerprint: the recipe changed without a version bump)
     skipped_other_code: int = 0
+    #: files the directory walks passed over, by unsupported type (extension -> count;
+    #: set by :func:`workers.precompute.run_precompute`, which discovered the sources)
+    left_out: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -156,6 +160,7 @@ class Summary:
             },
             "oom_backoffs": self.oom_backoffs,
             "skipped_other_code": self.skipped_other_code,
+            "left_out": dict(self.left_out),
         }
 
 
@@ -244,7 +249,7 @@ class RunLedger:
                         sample_id,
                         path,
                         "failed",
-                        reason=f"duplicate sample id (first given for {seen[sample_id]})",
+                        reason=id_clash_reason(sample_id, seen[sample_id]),
                     )
                 )
                 continue

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from cache_store.errors import BackendUnavailable, UnknownName
 from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
-from cache_store.location import cache_dir_problem
+from cache_store.location import cache_dir_problem, local_path
 from workers import worker_loop
 
 __all__ = ["configure_parser", "run", "log_level"]
@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
     # A worker never creates its cache: a mistyped --cache would otherwise make a new,
     # empty queue there and wait forever for jobs nobody sends.
     problem: str | None
+    try:  # file:///x is the path /x; a URL is no cache directory (never through Path)
+        args.cache = local_path(args.cache)
+    except (ValueError, UnknownName):
+        print(f"spcache worker: {args.cache}: not a local cache directory", file=sys.stderr)
+        return 2
     if not Path(args.cache).exists():
         problem = (
             f"{args.cache}: no such cache directory (a worker drains an existing "

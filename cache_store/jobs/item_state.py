@@ -92,6 +92,22 @@ def _stale_reasons(
     return problems
 
 
+def _ready_reason(meta: dict[str, str], path: str | None) -> str:
+    """What was checked of a record found current, and only that: its source when a
+    path is known, its recipe version when the recipe is installed here."""
+    parts = ["record present"]
+    if path is None:
+        parts.append("no source path known to compare it with")
+    else:
+        parts.append(f"source {path} unchanged since it was computed")
+    recipe, version = meta.get("recipe", ""), meta.get("recipe_version")
+    if RECIPE_SPECS.get(recipe) is None:
+        parts.append(f"recipe {recipe!r} is not installed here: version {version} not compared")
+    else:
+        parts.append(f"recipe {recipe} version {version} is the installed one")
+    return "; ".join(parts)
+
+
 def code_comparison(meta: dict[str, str]) -> dict[str, Any] | None:
     """The record's code digest against the installed recipe's, or None when the recipe
     is not installed here. ``changed`` is None for a record that carries no digest."""
@@ -158,8 +174,7 @@ def item_state(
                 job_id,
                 code,
             )
-        checked = f" against {path}" if path else " (no source known to compare)"
-        reason = f"record present, source hash and recipe version match{checked}"
+        reason = _ready_reason(meta, path)
         if code is not None and code["changed"]:
             reason += (
                 f"; but it was computed by different recipe code (digest "

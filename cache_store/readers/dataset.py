@@ -145,8 +145,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             samples are those sources, in that order, whatever the cache holds yet; the
             fingerprint is the recipe's with ``**params`` (defaults filled in).
         id_template: with sources, how sample ids are made from the files' relative
-            paths (:func:`cache_store.sources.discover.sample_id_for`; ``"{path}"``
-            keeps the extension), as ``spcache precompute --id-template`` makes them.
+            paths (:func:`cache_store.sources.discover.sample_id_for`;
+            ``spcache.KEEP_EXTENSION``, ``"{path}"``, keeps the extension), as ``spcache
+            precompute --id-template`` makes them. Two sources with one id (``a.obj``
+            beside ``a.ply``) stay two samples: the first keeps the id; reading a later
+            one raises ``SourceError`` naming both files (with ``on_error="skip"`` it
+            is skipped like any bad sample), as ``spcache precompute`` fails it.
         on_miss: ``"error"`` (raise ``RecordNotFound``; the default without sources) or
             ``"compute"`` (the default with sources): queue the sample for the cache's
             worker and wait for its record (see :mod:`cache_store.readers.queue_read_through`; over the
@@ -276,6 +280,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None  # uint8, with sources only
         self._path_offsets: np.ndarray | None = None  # int64 [n + 1]
+        # with sources: positions whose id an earlier source has, and that source's position
+        self._clash_at: np.ndarray | None = None  # int64 [clashes], ascending
+        self._clash_first: np.ndarray | None = None  # int64 [clashes]
         self._miss_handler: ProcessLocal[Any] | None = None  # made on the first miss
         self._fingerprint: str | None = None
         self._recipe: tuple[str, int, dict[str, Any]] | None = None
@@ -318,22 +325,24 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _index_from_sources(self) -> None:
         """Ids and paths from the sources; fingerprint from the recipe (no store opened)."""
         # Late import: discovery is only needed with sources.
-        from cache_store.sources.discover import discover_sources
+        from cache_store.sources.discover import describe_left_out, discover, id_clashes
 
         spec = get_recipe_spec(self.selector)
         resolved = spec.resolve(self.params)
-        items = discover_sources(self.sources, id_template=self.id_template)  # type: ignore[arg-type]
+        found = discover(self.sources, id_template=self.id_template)  # type: ignore[arg-type]
+        items, left_out = found.items, describe_left_out(found.left_out)
         if not items:
-            raise SourceError(self.sources, "no supported source files found")
-        first: dict[str, str] = {}
-        for sid, path in items:
-            if first.setdefault(sid, path) != path:
-                raise SourceError(
-                    path,
-                    f"sample id {sid!r} is also that of {first[sid]}; "
-                    f"choose ids with id_template= (e.g. "
-                    f"cache_store.sources.discover.KEEP_EXTENSION)",
-                )
+            raise SourceError(
+                self.sources,
+                "no supported source files found" + (f" ({left_out})" if left_out else ""),
+            )
+        if left_out:
+            log.info("CachedDataset over %s: %s", self.sources, left_out)
+        # a later file with an earlier one's id is a sample that fails alone, as in
+        # precompute (the first keeps the id): see _id_clash
+        clashes = id_clashes(sid for sid, _ in items)
+        self._clash_at = np.fromiter(clashes, dtype=np.int64, count=len(clashes))
+        self._clash_first = np.fromiter(clashes.values(), dtype=np.int64, count=len(clashes))
         # absolute: the worker (or the service) that computes a miss has its own cwd
         self._path_bytes, self._path_offsets = pack_ids(
             [os.path.abspath(path) for _, path in items]
@@ -343,6 +352,28 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._variable = spec.variable_length_fields(resolved)
         self._fingerprint = compute_fingerprint(spec.name, spec.version, resolved)
         log.debug("CachedDataset %s over sources: %d samples", self._fingerprint, len(items))
+
+    def _id_clash(self, i: int) -> SourceError | None:
+        """The error of the sample at position ``i`` when an earlier source has its id
+        (it has no record of its own: the id's record is the first file's), else None."""
+        at = self._clash_at
+        if at is None or not len(at):
+            return None
+        j = int(i) + len(self) if int(i) < 0 else int(i)
+        k = int(np.searchsorted(at, j))
+        if k == len(at) or int(at[k]) != j:
+            return None
+        from cache_store.sources.discover import id_clash_reason
+
+        first = self.source_path(int(self._clash_first[k]))  # type: ignore[index]
+        return SourceError(self.source_path(j), id_clash_reason(self.sample_id(j), first))
+
+    def _refuse_id_clashes(self, indices: Sequence[int]) -> None:
+        if self._clash_at is not None and len(self._clash_at):
+            for i in indices:
+                clash = self._id_clash(i)
+                if clash is not None:
+                    raise clash
 
     def source_path(self, i: int) -> str:
         """The source file of the sample at position ``i`` (datasets over sources only)."""
@@ -432,14 +463,17 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """Sample id -> :class:`~cache_store.readers.skipped.SkippedSample` (path,
         reason, when) of every sample any process of this dataset skipped so far
         (``on_error="skip"``; empty otherwise). Read in the parent after an epoch, it
-        includes what the DataLoader's workers skipped."""
+        includes what the DataLoader's workers skipped. A source whose id an earlier
+        source already has is listed under its path (its ``sample_id`` is that id)."""
         return {} if self._skipped is None else self._skipped.entries()
 
     def _skip(self, i: int, exc: BaseException) -> None:
         sample_id = self.sample_id(i)
         path = self.source_path(i) if self._path_offsets is not None else self.key(i)
         reason = _one_line(exc)
-        if self._skipped is not None and self._skipped.add(sample_id, path, reason):
+        # a file whose id an earlier one has is listed under its path: the id is taken
+        key = path if self._id_clash(i) is not None else sample_id
+        if self._skipped is not None and self._skipped.add(sample_id, path, reason, key=key):
             log.warning(
                 "CachedDataset %s: skipping sample %r (%s): %s",
                 self._fingerprint,
@@ -449,6 +483,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             )
 
     def _read_one(self, i: int) -> Any:
+        self._refuse_id_clashes((i,))
         key = self.key(i)
         try:
             record = self._store_here().get_record(key, fields=self.fields)
@@ -462,6 +497,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return self._finish(record)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
+        self._refuse_id_clashes(indices)
         keys = [self.key(i) for i in indices]
         try:
             records = self._store_here().get_records(keys, fields=self.fields)
@@ -593,7 +629,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ahead: list[tuple[str, str]] = []
         j = max(int(i) for i in indices) + 1
         while len(ahead) < self.warm_ahead and j < len(self):
-            if not self._has(self.key(j)):
+            if self._id_clash(j) is None and not self._has(self.key(j)):
                 ahead.append((self.sample_id(j), self.source_path(j)))
             j += 1
         self._handler().fetch(self._has, wanted, ahead)

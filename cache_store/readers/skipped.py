@@ -62,10 +62,12 @@ class SkippedSamples:
         self.directory = state["directory"]
         self._finalizer = None  # only the creator removes it
 
-    def add(self, sample_id: str, path: str, reason: str) -> bool:
-        """Record a skip; True when no process of this dataset had skipped ``sample_id``
-        before (the caller then warns), False when one had."""
-        name = hashlib.sha256(sample_id.encode("utf-8")).hexdigest()[:40] + ".json"
+    def add(self, sample_id: str, path: str, reason: str, *, key: str | None = None) -> bool:
+        """Record a skip under ``key`` (default: ``sample_id``); True when no process of
+        this dataset had skipped that key before (the caller then warns), False when one
+        had."""
+        key = sample_id if key is None else key
+        name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json"
         final = os.path.join(self.directory, name)
         if os.path.exists(final):
             return False
@@ -73,7 +75,14 @@ class SkippedSamples:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(
-                    {"sample_id": sample_id, "path": path, "reason": reason, "when": time.time()}, f
+                    {
+                        "key": key,
+                        "sample_id": sample_id,
+                        "path": path,
+                        "reason": reason,
+                        "when": time.time(),
+                    },
+                    f,
                 )
             try:
                 os.link(temp, final)  # atomic, and refuses an existing name
@@ -87,7 +96,8 @@ class SkippedSamples:
                 os.unlink(temp)
 
     def entries(self) -> dict[str, SkippedSample]:
-        """Every sample id skipped so far by any process of the dataset, sorted."""
+        """Every key (sample id, or the path ``add`` was given as key) skipped so far by
+        any process of the dataset, sorted."""
         out: dict[str, SkippedSample] = {}
         try:
             names = os.listdir(self.directory)
@@ -101,7 +111,7 @@ class SkippedSamples:
                     data = json.load(f)
             except (OSError, ValueError):
                 continue
-            out[data["sample_id"]] = SkippedSample(
+            out[data.get("key", data["sample_id"])] = SkippedSample(
                 data["sample_id"], data["path"], data["reason"], float(data["when"])
             )
         return dict(sorted(out.items()))

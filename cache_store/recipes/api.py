@@ -25,7 +25,15 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cache_store.recipes.specs import FieldSpec, ParamSpec, RecipeSpec, fixed_size, param_symbols
+from cache_store.recipes.specs import (
+    FieldSpec,
+    ParamSpec,
+    RecipeSpec,
+    fixed_size,
+    param_symbols,
+    shape_dims,
+    shape_problem,
+)
 
 if TYPE_CHECKING:  # pragma: no cover - for annotations only
     import numpy as np
@@ -101,7 +109,6 @@ RESERVED_PARAM_NAMES = frozenset(
         "on_stale",
     }
 )
-_SHAPE = re.compile(r"^\[\s*([^\[\],]+(\s*,\s*[^\[\],]+)*)?\s*\]$")
 
 
 class Recipe:
@@ -116,7 +123,9 @@ class Recipe:
             :data:`RESERVED_PARAM_NAMES` (``device``, ``cache``, ... : arguments of
             ``spcache.precompute`` and ``CachedDataset`` themselves).
         fields: ``{name: Field(...)}``; exactly the tensors :meth:`compute` returns,
-            named like parameters.
+            named like parameters. A field's shape lists dimensions fixed by the
+            parameters (``3``, ``level``, ``level+2``) or variable (a name that is not
+            a parameter, ``N``); see :class:`~cache_store.recipes.specs.FieldSpec`.
         doc: one line for ``spcache recipes`` (default: the class docstring's first line).
         record_bytes: optional ``staticmethod(params) -> int``, the worst-case record size
             for resolved parameters; parameters over the record limit are then refused.
@@ -235,10 +244,10 @@ def contract_problems(cls: Any) -> list[str]:
                     f"fields[{key!r}]: dtype {field.dtype!r} is not one of "
                     f"{', '.join(FIELD_DTYPES)}"
                 )
-            elif not isinstance(field.shape, str) or not _SHAPE.match(field.shape):
-                problems.append(
-                    f"fields[{key!r}]: shape {field.shape!r} is not like '[N, 3]' or '[]'"
-                )
+            elif problem := shape_problem(
+                field.shape, cls.params if isinstance(cls.params, Mapping) else {}
+            ):
+                problems.append(f"recipe {cls.name!r}, fields[{key!r}]: {problem}")
     for method in ("prepare", "compute"):
         if getattr(cls, method, None) is getattr(Recipe, method):
             problems.append(f"{method}() is not implemented")
@@ -382,7 +391,7 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
             and not bool(torch.isfinite(tensor).all())
         ):
             problems.append(f"{name}: holds NaN or infinite values, declared finite")
-        dims = [d.strip() for d in field.shape.strip("[]").split(",") if d.strip()]
+        dims = shape_dims(field.shape)
         if len(dims) != tensor.dim():
             problems.append(
                 f"{name}: shape {tuple(tensor.shape)} (rank {tensor.dim()}), declared {field.shape}"

@@ -11,6 +11,7 @@ torch.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "param_symbols",
     "fixed_size",
+    "shape_dims",
+    "shape_problem",
 ]
 
 #: Largest record a recipe's parameters may call for (worst case, from the parameters):
@@ -34,7 +37,56 @@ __all__ = [
 MAX_RECORD_BYTES = 256 << 20
 
 
-_DIM_EXPR = re.compile(r"^([A-Za-z_]\w*)\s*([+-])\s*(\d+)$")
+# The one grammar of a declared shape: "[d, d, ...]" (or "[]"), each dimension
+#   an integer                         fixed:    3
+#   an int parameter                   fixed:    level
+#   an int parameter +- an integer     fixed:    level+2, level - 1
+#   a name that is not a parameter     variable: N, num_points (each record sets it; one
+#                                      name takes one value across a record's fields)
+# and nothing else: "2**grid", "N+1", "level*2" or a float parameter are refused when
+# the recipe registers (shape_problem), never guessed at.
+_SHAPE = re.compile(r"^\[\s*([^\[\],]+(\s*,\s*[^\[\],]+)*)?\s*\]$")
+_DIM = re.compile(
+    r"^(?:(?P<size>\d+)|(?P<name>[A-Za-z_]\w*)(?:\s*(?P<sign>[+-])\s*(?P<offset>\d+))?)$"
+)
+_DIM_RULE = (
+    "a dimension is fixed (an integer, an int parameter, or one +- an integer) or "
+    "variable (a name that is not a parameter, set by each record)"
+)
+
+
+def shape_dims(shape: str) -> list[str]:
+    """The dimensions of a declared shape as written: ``"[N, level+2]"`` ->
+    ``["N", "level+2"]``; ``"[]"`` -> ``[]``."""
+    return [d.strip() for d in shape.strip().strip("[]").split(",") if d.strip()]
+
+
+def shape_problem(shape: object, params: Mapping[str, ParamSpec]) -> str | None:
+    """Why ``shape`` does not follow the shape grammar for a recipe with ``params``
+    (the parameter schemas), or None when it does."""
+    if not isinstance(shape, str) or not _SHAPE.match(shape):
+        return f"shape {shape!r} is not like '[N, 3]' or '[]'"
+    for dim in shape_dims(shape):
+        match = _DIM.match(dim)
+        name = None if match is None else match.group("name")
+        if match is None:
+            return (
+                f"shape {shape!r}: {dim!r} is neither fixed nor a variable dimension ({_DIM_RULE})"
+            )
+        if name is None:
+            continue
+        kind = getattr(getattr(params.get(name), "type", int), "__name__", "?")
+        if name in params and kind != "int":
+            return (
+                f"shape {shape!r}: {dim!r}: parameter {name!r} is a {kind}; only an int "
+                f"parameter sizes a dimension"
+            )
+        if name not in params and match.group("sign"):
+            return (
+                f"shape {shape!r}: {dim!r}: {name!r} is not a parameter, so it is a "
+                f"variable dimension, which takes no offset ({_DIM_RULE})"
+            )
+    return None
 
 
 def param_symbols(params: Mapping[str, Any]) -> dict[str, int]:
@@ -50,19 +102,27 @@ def param_symbols(params: Mapping[str, Any]) -> dict[str, int]:
 
 
 def fixed_size(dim: str, params: Mapping[str, Any]) -> int | None:
-    """The size of one declared dimension when ``params`` fix it for every record (an
-    integer, an integer parameter, ``level+2``, :func:`param_symbols`); None for a symbol
-    each record sets for itself (``N``, ``num_points``)."""
-    dim = dim.strip()
-    if dim.isdigit():
-        return int(dim)
-    match = _DIM_EXPR.match(dim)
-    if match and match.group(1) in params:
-        base, sign, offset = params[match.group(1)], match.group(2), int(match.group(3))
-        return int(base) + offset if sign == "+" else int(base) - offset
-    if dim in params and isinstance(params[dim], int) and not isinstance(params[dim], bool):
-        return int(params[dim])
-    return param_symbols(params).get(dim)
+    """The size of one declared dimension when the resolved ``params`` fix it for every
+    record (an integer, an int parameter, ``level+2``, :func:`param_symbols`); None for
+    a variable dimension each record sets for itself (``N``, ``num_points``).
+
+    Raises:
+        ValueError: ``dim`` follows neither form (:func:`shape_problem` refuses such a
+            shape when its recipe registers, so no registered recipe has one).
+    """
+    match = _DIM.match(dim.strip())
+    if match is None:
+        raise ValueError(f"dimension {dim!r}: {_DIM_RULE}")
+    if match.group("size") is not None:
+        return int(match.group("size"))
+    name, sign = match.group("name"), match.group("sign")
+    value = params.get(name)
+    if isinstance(value, int) and not isinstance(value, bool):
+        offset = int(match.group("offset") or 0)
+        return value - offset if sign == "-" else value + offset
+    if name in params or sign:
+        raise ValueError(f"dimension {dim!r}: {name!r} is not an int parameter; {_DIM_RULE}")
+    return param_symbols(params).get(name)
 
 
 @dataclass(frozen=True)
@@ -76,26 +136,35 @@ class ParamSpec:
     doc: str = ""
 
     def check(self, name: str, value: Any) -> tuple[Any, str | None]:
-        """Return ``(coerced value, None)`` or ``(None, problem)``."""
+        """Return ``(coerced value, None)`` or ``(None, problem)``.
+
+        An ``int`` parameter takes integers (Python's or NumPy's), never ``8.0``, ``True``
+        or ``"8"``; a ``float`` takes finite real numbers (integers and NumPy's too); a
+        ``bool`` exactly ``True`` or ``False``; a ``str`` only strings. The problem names
+        the parameter, the value and its type.
+        """
+
+        def wrong(expected: str) -> tuple[None, str]:
+            return None, f"{name}: expected {expected}, got {value!r} ({type(value).__name__})"
+
         if self.type is int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                if isinstance(value, float) and value.is_integer():
-                    value = int(value)
-                else:
-                    return None, f"{name}: expected an integer, got {value!r}"
+            # numbers.Integral: int and NumPy's integers (bool is one too: refused here)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                return wrong("an integer")
+            value = int(value)
         elif self.type is float:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                return None, f"{name}: expected a number, got {value!r}"
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                return wrong("a number")
             value = float(value)
             if not math.isfinite(value):
-                return None, f"{name}: expected a finite number, got {value!r}"
+                return wrong("a finite number")
         elif self.type is bool:
             # exactly True or False: 1, "yes" or "true" would each be a second spelling of
             # one value (and a second fingerprint)
             if not isinstance(value, bool):
-                return None, f"{name}: expected a bool (true or false), got {value!r}"
+                return wrong("a bool (true or false)")
         elif self.type is str and not isinstance(value, str):
-            return None, f"{name}: expected a string, got {value!r}"
+            return wrong("a string")
         if self.minimum is not None and value < self.minimum:
             return None, f"{name}: {value!r} is below the minimum {self.minimum!r}"
         if self.maximum is not None and value > self.maximum:
@@ -115,7 +184,15 @@ class ParamSpec:
 @dataclass(frozen=True)
 class FieldSpec:
     """One output tensor: dtype name (as in torch), symbolic shape, and meaning; ``finite``
-    says a floating field may hold no NaN or infinity (checked on every record)."""
+    says a floating field may hold no NaN or infinity (checked on every record).
+
+    ``shape`` is ``"[d, ...]"`` (``"[]"``: a scalar); each dimension is fixed by the
+    parameters (``3``, ``level``, ``level+2``, ``level-1``: an int parameter) or a
+    variable dimension, a name that is not a parameter (``N``), set by each record. A
+    field whose first dimension is variable is concatenated in a batch
+    (``collate_spc``), a fixed one stacked. Anything else (``2**grid``, ``N+1``) is
+    refused when the recipe registers.
+    """
 
     dtype: str
     shape: str
@@ -172,7 +249,7 @@ class RecipeSpec:
         they are concatenated, never stacked (``collate_spc``)."""
         out = set()
         for name, field in self.fields.items():
-            dims = [d for d in field.shape.strip().strip("[]").split(",") if d.strip()]
+            dims = shape_dims(field.shape)
             if dims and fixed_size(dims[0], params) is None:
                 out.add(name)
         return frozenset(out)

@@ -1,7 +1,8 @@
 """Source discovery: which files a directory, a manifest or a path names, as ``(id, path)``.
 
-One function, :func:`discover_sources`, shared by ``spcache precompute`` and
-read-through datasets (``CachedDataset(..., sources=...)``), so both name the same samples.
+One rule, :func:`discover` (and :func:`discover_sources`, its pairs alone), shared by
+``spcache precompute`` and read-through datasets (``CachedDataset(..., sources=...)``), so
+both name the same samples and leave out the same files (counted by type, never silently).
 (The service's warm-up glob is a different, bounded walk over untrusted patterns:
 ``service.warmup.expand_glob``.) CPU only: it
 reads directory listings and manifests, never the files themselves (no trimesh, no torch).
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from cache_store.errors import SourceError
@@ -22,11 +25,17 @@ __all__ = [
     "SUPPORTED_EXTENSIONS",
     "MANIFEST_EXTENSIONS",
     "KEEP_EXTENSION",
+    "Discovery",
+    "discover",
     "discover_sources",
+    "describe_left_out",
     "sample_id_for",
+    "id_clash_reason",
+    "id_clashes",
 ]
 
-#: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ)
+#: the id template that keeps the extension (``link_0.stl`` and ``link_0.obj`` differ);
+#: public as ``spcache.KEEP_EXTENSION``, and what ``spcache precompute --id-keep-ext`` uses
 KEEP_EXTENSION = "{path}"
 
 #: file extensions a worker can load (``workers.source_load`` loads them)
@@ -75,18 +84,54 @@ def sample_id_for(relative: str, template: str | None = None) -> str:
     return sample_id
 
 
+@dataclass(frozen=True)
+class Discovery:
+    """What :func:`discover` found: ``items``, the ``(sample id, path)`` pairs, and
+    ``left_out``, how many files of each unsupported type (lowercase extension with its
+    dot, ``""`` for none) the directory walks passed over."""
+
+    items: list[tuple[str, str]]
+    left_out: Mapping[str, int] = field(default_factory=dict)
+
+
+def describe_left_out(left_out: Mapping[str, int]) -> str:
+    """``"left out 7 files of unsupported types: .dae 3, .gltf 2, .bin 2"`` (most first),
+    or ``""`` when nothing was left out."""
+    total = sum(left_out.values())
+    if not total:
+        return ""
+    kinds = sorted(left_out.items(), key=lambda kv: (-kv[1], kv[0]))
+    listed = ", ".join(f"{ext or '(no extension)'} {n}" for ext, n in kinds)
+    files = "file" if total == 1 else "files"
+    return f"left out {total} {files} of unsupported types: {listed}"
+
+
 def discover_sources(
     sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     *,
     limit: int | None = None,
     id_template: str | None = None,
 ) -> list[tuple[str, str]]:
-    """``(sample id, path)`` pairs from files, directories and manifests, in a stable order.
+    """``(sample id, path)`` pairs from files, directories and manifests, in a stable
+    order: :func:`discover`'s ``items``."""
+    return discover(sources, limit=limit, id_template=id_template).items
+
+
+def discover(
+    sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    *,
+    limit: int | None = None,
+    id_template: str | None = None,
+) -> Discovery:
+    """``(sample id, path)`` pairs from files, directories and manifests, in a stable
+    order, and what the directory walks left out.
 
     ``sources`` is one source or an iterable of them:
 
     - a directory: every supported file under it (recursively, hidden entries skipped),
-      sorted; the id is the path relative to the directory, without extension;
+      sorted; the id is the path relative to the directory, without extension; every
+      other file (``.dae``, ``.gltf``, ``.bin``, a ``README``) is counted by its
+      extension in ``left_out`` (:func:`describe_left_out` says it in words);
     - ``.txt``: a manifest, one path a line (``#`` comments), relative to the manifest's
       folder; the id is that relative path without extension, or for a path outside
       the folder its file name without extension;
@@ -96,8 +141,9 @@ def discover_sources(
     ``id_template`` (see :func:`sample_id_for`; :data:`KEEP_EXTENSION` keeps the
     extension) makes the ids of directories, ``.txt`` manifests and files from their
     relative paths instead; a ``.jsonl`` manifest's ids are its own. Two files with one
-    id are not caught here: ``precompute`` fails the second naming the first, and a
-    dataset over sources refuses them (naming both paths).
+    id are not caught here: the first keeps the id and every later one is a sample that
+    fails alone (:func:`id_clashes`, :func:`id_clash_reason`), in ``precompute`` and in
+    a dataset over sources alike.
 
     ``limit`` caps the number of pairs (a request that names more fails as a whole).
 
@@ -108,6 +154,7 @@ def discover_sources(
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
     items: list[tuple[str, str]] = []
+    left_out: Counter[str] = Counter()
     for source in sources:
         path = Path(source)
         try:
@@ -115,7 +162,7 @@ def discover_sources(
         except OSError as exc:
             raise SourceError(path, f"cannot read: {exc.strerror or exc}") from exc
         if is_dir:
-            items.extend(_walk(path, id_template))
+            items.extend(_walk(path, id_template, left_out))
         elif not path.exists():
             raise SourceError(path, "no such file or directory")
         elif path.suffix.lower() == ".txt":
@@ -126,7 +173,29 @@ def discover_sources(
             items.append((_id(path, path.name, id_template), str(path)))
         if limit is not None and len(items) > limit:
             raise SourceError(path, f"names more than {limit} sources; split the request")
-    return items
+    return Discovery(items, dict(left_out))
+
+
+def id_clash_reason(sample_id: str, first_path: str) -> str:
+    """Why a file whose sample id an earlier file already has fails (the one wording
+    of ``spcache precompute``, the worker and ``CachedDataset``)."""
+    return (
+        f"duplicate sample id {sample_id!r} (first given for {first_path}); give each file "
+        f"its own id: spcache precompute --id-keep-ext, or "
+        f"id_template=spcache.KEEP_EXTENSION in Python"
+    )
+
+
+def id_clashes(ids: Iterable[str]) -> dict[int, int]:
+    """``{position: position of the first with that id}`` for every id already seen
+    earlier in ``ids`` (empty when all differ)."""
+    first: dict[str, int] = {}
+    clashes: dict[int, int] = {}
+    for position, sample_id in enumerate(ids):
+        earlier = first.setdefault(sample_id, position)
+        if earlier != position:
+            clashes[position] = earlier
+    return clashes
 
 
 def _id(source: Path, relative: str, template: str | None) -> str:
@@ -136,7 +205,9 @@ def _id(source: Path, relative: str, template: str | None) -> str:
         raise SourceError(source, str(exc)) from None
 
 
-def _walk(root: Path, template: str | None = None) -> list[tuple[str, str]]:
+def _walk(
+    root: Path, template: str | None = None, left_out: Counter[str] | None = None
+) -> list[tuple[str, str]]:
     if not os.access(root, os.R_OK | os.X_OK):
         raise SourceError(root, "directory is not readable")
     found: list[tuple[str, str]] = []
@@ -148,6 +219,8 @@ def _walk(root: Path, template: str | None = None) -> list[tuple[str, str]]:
             file = Path(dirpath) / filename
             if file.suffix.lower() in SUPPORTED_EXTENSIONS:
                 found.append((_id(file, file.relative_to(root).as_posix(), template), str(file)))
+            elif left_out is not None:
+                left_out[file.suffix.lower()] += 1
     found.sort()
     return found
 

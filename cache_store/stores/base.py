@@ -512,7 +512,8 @@ class Store(abc.ABC):
         """Indexes of ``recipe`` whose parameters agree with every given one.
 
         Given values are coerced by the recipe's schema when the recipe is known here
-        (``level=8.0`` matches ``8``; an unknown parameter raises ``ParameterError``).
+        (``level=numpy.int64(8)`` matches ``8``; ``level=8.0`` or an unknown parameter
+        raises ``ParameterError``).
         Sorted by fingerprint.
         """
         spec = RECIPE_SPECS.get(recipe)

@@ -123,7 +123,9 @@ def test_constructor_opens_nothing_and_index_leaves_nothing_open(
 
 def test_select_by_recipe_and_parameters(cache: Path) -> None:
     assert CachedDataset(cache, "spc_query", level=4).fingerprint == FP_Q4
-    assert CachedDataset(cache, "spc_query", level=5.0).fingerprint == FP_Q5
+    assert CachedDataset(cache, "spc_query", level=np.int64(5)).fingerprint == FP_Q5
+    with pytest.raises(ParameterError, match=r"level: expected an integer, got 5\.0"):
+        CachedDataset(cache, "spc_query", level=5.0).fingerprint  # noqa: B018
     assert CachedDataset(cache, "spc").fingerprint == FP_S4  # the v0 index is not current
     with pytest.raises(FingerprintLookupError) as err:
         len(CachedDataset(cache, "spc_query"))

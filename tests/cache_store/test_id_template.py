@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import spcache
 from cache_store import CachedDataset
 from cache_store.errors import SourceError
 from cache_store.sources.discover import KEEP_EXTENSION, discover_sources, sample_id_for
@@ -74,11 +75,74 @@ def test_shapenet_ids_from_a_template(shapenet: Path) -> None:
 
 
 def test_dataset_names_both_paths_of_a_collision_and_keeps_ext_on_request(twins: Path) -> None:
+    ds = CachedDataset(twins / "cache", "spc", sources=twins, on_miss="error", level=3)
+    assert len(ds) == 2  # the clash is a sample that fails alone, not a refused dataset
     with pytest.raises(SourceError) as err:
-        len(CachedDataset(twins / "cache", "spc", sources=twins, level=3))
-    assert "link_0.obj" in str(err.value) and "link_0.stl" in str(err.value)
-    ds = CachedDataset(twins / "cache", "spc", sources=twins, id_template=KEEP_EXTENSION, level=3)
+        ds[1]
+    assert err.value.path == str(twins / "link_0.stl") and str(twins / "link_0.obj") in str(
+        err.value
+    )
+    assert "--id-keep-ext" in err.value.reason and "spcache.KEEP_EXTENSION" in err.value.reason
+    ds = CachedDataset(
+        twins / "cache", "spc", sources=twins, id_template=spcache.KEEP_EXTENSION, level=3
+    )
     assert [ds.sample_id(i) for i in range(len(ds))] == ["link_0.obj", "link_0.stl"]
+    assert spcache.KEEP_EXTENSION == KEEP_EXTENSION and "KEEP_EXTENSION" in spcache.__all__
+
+
+BROKEN_FOLDER_SCRIPT = """
+import json
+import spcache
+from torch.utils.data import DataLoader
+
+
+def main():
+    ds = spcache.CachedDataset(
+        "cache", "spc", sources="broken", on_miss="error", on_error="skip",
+        level=3, surface_samples=300,
+    )
+    n = len(ds)
+    loader = DataLoader(ds, batch_size=2, num_workers=2, collate_fn=spcache.collate_spc)
+    read = sum(len(batch["lengths"]) for batch in loader if batch)
+    failed = {k: [v.sample_id, v.path, v.reason] for k, v in ds.failed.items()}
+    print(json.dumps({"len": n, "read": read, "failed": failed}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_a_folder_with_two_files_of_one_id_skips_the_second_alone(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """The newcomer's folder: ``broken/empty.obj`` and ``broken/empty.ply`` beside a good
+    mesh. Precompute fails both (one empty, one a duplicate id); a dataset over the folder
+    with ``on_error="skip"`` reads the good one and lists both others in ``ds.failed``."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "empty.obj").write_bytes(b"")
+    (broken / "empty.ply").write_bytes(b"")
+    shutil.copy(next(p for p in corpus_meshes if p.suffix == ".obj"), broken / "good.obj")
+    run = _precompute(broken, tmp_path / "cache")
+    assert run.returncode == 1, run.stderr[-2000:]
+    errors = {e["path"]: e["reason"] for e in json.loads(run.stdout)["errors"]}
+    assert "duplicate sample id 'empty'" in errors[str(broken / "empty.ply")]
+    (tmp_path / "train.py").write_text(BROKEN_FOLDER_SCRIPT)
+    user = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert user.returncode == 0, user.stderr[-3000:]
+    got = json.loads(user.stdout)
+    assert got["len"] == 3 and got["read"] == 1
+    clash_path = str(tmp_path.resolve() / "broken" / "empty.ply")
+    assert set(got["failed"]) == {"empty", clash_path}, got["failed"]
+    sample_id, path, reason = got["failed"][clash_path]
+    assert sample_id == "empty" and path == clash_path
+    assert reason.startswith("SourceError: ") and "broken/empty.obj" in reason
+    assert "--id-keep-ext" in reason and "spcache.KEEP_EXTENSION" in reason
+    assert got["failed"]["empty"][1].endswith("broken/empty.obj")
+    assert got["failed"]["empty"][2].startswith("RecordNotFound")
 
 
 def _precompute(source: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -136,3 +200,42 @@ def test_precompute_keep_ext_and_template(twins: Path, shapenet: Path, tmp_path:
     ]
     bad = _precompute(shapenet, tmp_path / "d", "--id-template", "{parts[7]}")
     assert bad.returncode == 2 and "id template" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_read_through_never_queues_the_second_file_of_one_id(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """With a worker computing misses, the clash is skipped without being queued: its id
+    is the first file's, so computing it would write the wrong file's record under it."""
+    from cache_store.jobs.queue import JobQueue
+    from tests.helpers.read_through import start_worker, stop_worker
+
+    mesh = next(p for p in corpus_meshes if p.suffix == ".obj")
+    folder = tmp_path / "meshes"
+    folder.mkdir()
+    shutil.copy(mesh, folder / "a.obj")
+    shutil.copy(next(p for p in corpus_meshes if p.suffix == ".stl"), folder / "a.stl")
+    shutil.copy(mesh, folder / "b.obj")
+    worker = start_worker(tmp_path / "cache")
+    try:
+        ds = CachedDataset(
+            tmp_path / "cache",
+            "spc",
+            sources=folder,
+            on_error="skip",
+            warm_ahead=4,
+            level=3,
+            surface_samples=300,
+        )
+        read = [ds[i] for i in range(len(ds))]
+    finally:
+        stop_worker(worker)
+    assert [sample is None for sample in read] == [False, True, False]
+    assert list(ds.failed) == [str(folder / "a.stl")]
+    queue = JobQueue(tmp_path / "cache")
+    try:
+        paths = [item["path"] for job in queue.jobs() for item in queue.items(job.id)]
+    finally:
+        queue.close()
+    assert sorted(paths) == [str(folder / "a.obj"), str(folder / "b.obj")]

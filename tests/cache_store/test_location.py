@@ -72,3 +72,17 @@ def test_a_remote_location_is_not_a_cache_directory() -> None:
     )
     with pytest.raises(ValueError, match="not a local path"):
         local_path("s3://bucket/snap.zarr")
+
+
+def test_a_parsed_location_passes_through_unparsed_and_a_url_never_becomes_a_path() -> None:
+    parsed = parse_location("s3://Bucket/snap.zarr")
+    assert parse_location(parsed) is parsed
+    assert is_remote(parsed) and str(parsed) == "s3://Bucket/snap.zarr"
+    assert (
+        cache_dir_problem(parsed, write=True)
+        == "s3://Bucket/snap.zarr: not a local cache directory"
+    )
+    with pytest.raises(ValueError, match="not a local path"):
+        parsed.path()
+    local = parse_location("FILE:///data/cache")
+    assert local.path() == Path("/data/cache") and local_path(local) == "/data/cache"

@@ -208,7 +208,9 @@ class StoreContract:
     def test_find_fingerprints(self, store: Store) -> None:
         assert [i.fingerprint for i in store.find_fingerprints("spc")] == sorted([FP_A, FP_C])
         assert [i.fingerprint for i in store.find_fingerprints("spc", level=5)] == [FP_C]
-        assert [i.fingerprint for i in store.find_fingerprints("spc", level=5.0)] == [FP_C]
+        assert [i.fingerprint for i in store.find_fingerprints("spc", level=np.int64(5))] == [FP_C]
+        with pytest.raises(ParameterError, match=r"level: expected an integer, got 5\.0"):
+            store.find_fingerprints("spc", level=5.0)
         assert [i.fingerprint for i in store.find_fingerprints("spc_query", level=4)] == [FP_B]
         assert store.find_fingerprints("spc", level=6) == []
         with pytest.raises(ParameterError):

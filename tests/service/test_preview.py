@@ -273,6 +273,12 @@ def test_sample_search_by_prefix_with_states_and_cursor(
     assert [s["sample_id"] for s in page["samples"]] == ["balls/a", "balls/b", "balls/queued"]
     assert [s["state"] for s in page["samples"]] == ["ready", "ready", "queued"]
     assert page["next"] is None
+    # precomputed, never queued: no source path is known, and the reason says so alone
+    spec = get_recipe_spec("spc")
+    assert page["samples"][0]["reason"] == (
+        "record present; no source path known to compare it with; "
+        f"recipe spc version {spec.version} is the installed one"
+    )
     pages, after = [], ""
     while True:  # pages of 2 by cursor, in key (UTF-8 byte) order, records and queue merged
         got = sphere_client.get(

@@ -43,7 +43,13 @@ def test_ready_items_are_counted_not_queued(client: httpx.Client, cache: Cache) 
     )
     state = client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s1").json()
     assert state["state"] == "stale" and "changed" in state["reason"]
-    assert client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s0").json()["state"] == "ready"
+    ready = client.get(f"/v1/caches/{cache.fingerprint}/items/shapes/s0").json()
+    assert ready["state"] == "ready"
+    source = cache.sources / "shapes" / "s0.obj"
+    assert ready["reason"] == (
+        f"record present; source {source} unchanged since it was computed; "
+        "recipe spc version 1 is the installed one"
+    )
     assert client.get(f"/v1/caches/{cache.fingerprint}/items/new").json()["state"] == "queued"
 
 

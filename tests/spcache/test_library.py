@@ -107,6 +107,31 @@ def test_import_spcache_is_light_and_lists_its_surface() -> None:
     assert defined <= public, defined - public  # every error class is on the front door
 
 
+def test_dir_lists_the_public_names_only(tmp_path: Path) -> None:
+    """``dir(spcache)`` in a fresh interpreter (as a user's tab completion sees it): the
+    public names and the dunders, never the helpers the module imports for itself."""
+    code = (
+        "import json, spcache, cache_store\n"
+        "spcache.CachedDataset; cache_store.CachedDataset\n"  # names loaded stay listed
+        "print(json.dumps([dir(spcache), list(spcache.__all__), "
+        "dir(cache_store), list(cache_store.__all__)]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    listed, public, store_listed, store_public = json.loads(out)
+    for names, exported in ((listed, public), (store_listed, store_public)):
+        plain = {n for n in names if not (n.startswith("__") and n.endswith("__"))}
+        assert plain == set(exported) - {"__version__"}, sorted(plain ^ set(exported))
+        assert not {"Any", "TYPE_CHECKING", "annotations", "importlib"} & set(names)
+        assert {"__version__", "__doc__", "__all__"} <= set(names)
+
+
 @pytest.mark.slow
 def test_precompute_twice_then_fork_dataloader_workers(
     tmp_path: Path,

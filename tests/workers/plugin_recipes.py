@@ -124,6 +124,36 @@ class BadField(Recipe):
         return {}
 
 
+class PowerGrid(Recipe):
+    """Declares a dimension that is an expression spcache does not evaluate."""
+
+    name = "power_grid"
+    version = 1
+    params = {"grid": Param(int, 5, minimum=1, maximum=8)}
+    fields = {"occupancy": Field("uint8", "[2**grid, 2**grid, 2**grid]", "dense grid")}
+
+    def prepare(self, source, params, generator):
+        return {}
+
+    def compute(self, prepared, params, device, ops):
+        return {}
+
+
+class OffsetVariable(PowerGrid):
+    """A variable dimension with an offset: neither fixed nor a variable dimension."""
+
+    name = "offset_variable"
+    fields = {"points": Field("float32", "[N+1, 3]", "points and one more")}
+
+
+class FloatDimension(PowerGrid):
+    """A dimension sized by a float parameter."""
+
+    name = "float_dimension"
+    params = {"grid": Param(int, 5, minimum=1), "spacing": Param(float, 0.5)}
+    fields = {"row": Field("float32", "[spacing]", "a row")}
+
+
 class Shadow(Probe):
     """A plugin claiming a built-in recipe's name."""
 

@@ -57,6 +57,15 @@ def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     assert ids[-1] == "late_arrival" and queried[6]["octree"].numel() > 0
     # without a terminal the precompute says what it does sample by sample
     assert proc.stderr.count("precompute: ") >= 6
+    # The Python it prints is README's one import, and runs as printed from anywhere.
+    printed = out.split("In Python", 1)[1].splitlines()[1:4]
+    assert [line.split()[0] for line in printed] == ["import", "ds", "ds"], printed
+    assert printed[0].strip() == "import spcache" and "cache_store" not in out
+    local = "\n".join(line.strip() for line in printed[:2]) + "\nprint(len(ds))\n"
+    ran = subprocess.run(
+        [sys.executable, "-c", local], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0 and ran.stdout.strip() == "7", ran.stderr[-2000:]
     # The service was stopped with the demo: the port is free again.
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))

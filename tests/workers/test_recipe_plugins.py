@@ -240,6 +240,27 @@ def test_cli_params_are_read_as_their_declared_type(
             "parameter name 'device' is reserved: spcache.precompute or CachedDataset",
         ),
         ("nonsense", "is not 'module:Class'"),
+        (
+            f"{PLUGINS}:PowerGrid",
+            (
+                "recipe 'power_grid', fields['occupancy']: shape '[2**grid, 2**grid, 2**grid]': "
+                "'2**grid' is neither fixed nor a variable dimension"
+            ),
+        ),
+        (
+            f"{PLUGINS}:OffsetVariable",
+            (
+                "recipe 'offset_variable', fields['points']: shape '[N+1, 3]': 'N+1': 'N' is "
+                "not a parameter, so it is a variable dimension, which takes no offset"
+            ),
+        ),
+        (
+            f"{PLUGINS}:FloatDimension",
+            (
+                "recipe 'float_dimension', fields['row']: shape '[spacing]': 'spacing': "
+                "parameter 'spacing' is a float; only an int parameter sizes a dimension"
+            ),
+        ),
     ],
 )
 def test_an_unusable_recipe_is_named_with_its_reason_and_the_others_work(
@@ -254,6 +275,52 @@ def test_an_unusable_recipe_is_named_with_its_reason_and_the_others_work(
     assert registry.recipes["spc"].cls.__module__ == "cache_store.recipes.builtin"
     with pytest.raises(UnknownName, match="known: .*spc"):
         registry.get("nothing")
+
+
+def test_a_shape_spcache_cannot_read_is_refused_at_registration_in_one_line(
+    tmp_path: Path,
+) -> None:
+    """``[2**grid, 2**grid, 2**grid]`` was taken as a variable first dimension and batched
+    as ``(B * 2**grid, 32, 32)`` plus lengths; now ``spcache recipes`` names the recipe,
+    the field and the expression in one line, and the recipe is not offered."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), ENV_VAR: f"{PLUGINS}:PowerGrid"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "spcache", "recipes", "--json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr  # spcache recipes: some recipe is unusable
+    lines = [x for x in proc.stderr.splitlines() if "power_grid" in x]
+    assert lines and all("fields['occupancy']" in x and "'2**grid'" in x for x in lines)
+    assert lines[-1].startswith("spcache recipes: recipe ")  # the one line the command says
+    assert "power_grid" not in json.loads(proc.stdout) and "spc" in json.loads(proc.stdout)
+
+
+def test_declared_dimensions_decide_stack_or_concatenate() -> None:
+    """The one shape grammar: fixed dimensions (integers, int parameters, +- k) stack in
+    a batch, a variable first dimension (a name that is not a parameter) concatenates."""
+    from cache_store.recipes.specs import FieldSpec, ParamSpec, RecipeSpec, fixed_size
+
+    spec = RecipeSpec(
+        "grids",
+        1,
+        {"grid": ParamSpec(int, 4), "level": ParamSpec(int, 3)},
+        {
+            "dense": FieldSpec("uint8", "[grid, grid, grid]", ""),
+            "pyramid": FieldSpec("int32", "[2, level + 2]", ""),
+            "parents": FieldSpec("int32", "[level-1]", ""),
+            "voxels": FieldSpec("int16", "[N, 3]", ""),
+        },
+    )
+    params = spec.resolve({"grid": 32})
+    assert spec.variable_length_fields(params) == {"voxels"}
+    dims = ("grid", "level + 2", "level-1", "7", "N")
+    assert [fixed_size(d, params) for d in dims] == [32, 5, 2, 7, None]
+    with pytest.raises(ValueError, match="2\\*\\*grid"):
+        fixed_size("2**grid", params)
 
 
 def test_reserved_parameter_names_are_the_arguments_of_precompute_and_the_dataset() -> None:
