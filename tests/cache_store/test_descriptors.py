@@ -104,6 +104,14 @@ def test_golden_format_1_records_read_as_a_format_2_recompute_of_their_sources(
     assert index.fingerprint == next(iter(golden)).split("/")[0] and len(index) == 20
 
 
+def test_the_tests_format_1_writer_writes_what_the_engine_wrote() -> None:
+    """(tests/helpers/v1_records.py builds the old caches of these tests.)"""
+    for key, value in golden_v1_records().items():
+        record = decode_record(value, key=key)
+        meta = {k: v for k, v in record.metadata.items() if k not in MANAGED_METADATA}
+        assert encode_record_v1(record.tensors, meta) == value
+
+
 def test_upgrade_keeps_tensors_and_metadata_and_names_its_descriptor() -> None:
     for key, old_value in golden_v1_records().items():
         new_value = upgrade_record(old_value, key=key)
