@@ -867,6 +867,9 @@ class LMDBStore(Store):
             return count, size
 
         def forget_descriptors(txn: Any, dbs: dict[bytes, Any]) -> None:
+            left = txn.cursor(db=dbs[_RECORDS_DB])
+            if left.set_range(prefix) and bytes(left.key()).startswith(prefix):
+                return  # written since (computed again after the removal): still named
             cursor = txn.cursor(db=dbs[_DESCRIPTORS_DB])
             if cursor.set_range(prefix):
                 while bytes(cursor.key()).startswith(prefix) and cursor.delete():

@@ -409,3 +409,19 @@ def test_a_descriptor_is_one_small_canonical_document() -> None:
         parse_descriptor(text + " ", fingerprint=FP, digest=value.descriptor.digest)
     (n,) = struct.unpack("<Q", value[:8])
     assert value.descriptor.digest.encode() in value[8 : 8 + n]
+
+
+def test_rm_takes_a_fingerprints_descriptors_with_its_records(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with LMDBStore(cache, readonly=False) as store:
+        store.put_many([(f"{FP}/a", make_record(FP, "a", 1))])
+        store.put_many([(f"{OTHER_FP}/a", make_record(OTHER_FP, "a", 2))])
+    removed = _spcache(tmp_path, "rm", FP, "--cache", str(cache))
+    assert removed.returncode == 0, removed.stderr
+    env = lmdb.open(str(cache / "records"), max_dbs=4, readonly=True, lock=False)
+    with env.begin() as txn:
+        named = [bytes(k).decode() for k, _ in txn.cursor(db=env.open_db(b"descriptors", txn=txn))]
+    env.close()
+    assert [key.split("/")[0] for key in named] == [OTHER_FP]
+    with LMDBStore(cache) as store:
+        assert store.get_record(f"{OTHER_FP}/a").metadata["recipe"] == "spc"
