@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
@@ -28,7 +28,7 @@ from cache_store.jobs.item_state import item_state
 from cache_store.recipes.registry import installed_recipes
 from cache_store.sources.files import SourceLimits
 from cache_store.recipes.specs import RECIPE_SPECS
-from cache_store.format.descriptor import descriptor_name, is_digest
+from cache_store.format.descriptor import DIGEST_PATTERN, descriptor_name
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, sign_checksums
@@ -236,19 +236,23 @@ async def get_record(
     )
 
 
+#: Route path parameter: a descriptor's digest.
+Digest = Annotated[
+    str, Path(pattern=f"^{DIGEST_PATTERN}$", description="32 lowercase hex characters")
+]
+
+
 @router.get(
     "/caches/{fingerprint}/descriptors/{digest}",
     response_class=Response,
     responses={200: {"content": {"application/json": {}}, "description": "the descriptor"}},
 )
-def get_descriptor(fingerprint: Fingerprint, digest: str, ctx: Context) -> Response:
+def get_descriptor(fingerprint: Fingerprint, digest: Digest, ctx: Context) -> Response:
     """The descriptor ``digest`` that format-2 records of ``fingerprint`` name: what its
     records share (recipe, version, parameters, schema, code digest, backend, device),
     as stored. Named by the digest of its text, so it never changes (cached forever);
     a reader checks the text against the digest its record holds."""
     validate_fingerprint(fingerprint)
-    if not is_digest(digest):
-        raise ParameterError([f"digest: {digest!r} is not 32 lowercase hex digits"])
     store = ctx.store()
     text = None if store is None else store.load_descriptor(fingerprint, digest)
     if text is None:

@@ -41,6 +41,7 @@ __all__ = [
     "DESCRIPTOR_VERSION",
     "DESCRIPTOR_METADATA",
     "DIGEST_HEX_CHARS",
+    "DIGEST_PATTERN",
     "Descriptor",
     "DescriptorLookup",
     "make_descriptor",
@@ -69,6 +70,8 @@ DESCRIPTOR_METADATA = (
 )
 #: A descriptor digest: 128 bits of BLAKE2b as lowercase hex.
 DIGEST_HEX_CHARS = 32
+#: A digest's syntax as a regular expression (for routes).
+DIGEST_PATTERN = rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}"
 _HEX = frozenset("0123456789abcdef")
 
 
