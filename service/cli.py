@@ -25,7 +25,16 @@ from pydantic import ValidationError
 
 from service.settings import Settings
 
-__all__ = ["configure_parser", "run", "main", "settings_from_args", "log_level"]
+__all__ = [
+    "configure_parser",
+    "run",
+    "main",
+    "settings_from_args",
+    "log_level",
+    "bind_listener",
+    "inherited_listener",
+    "serve",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +44,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument(
         "--host", help="address to bind (default 127.0.0.1; anything but loopback needs a token)"
     )
-    parser.add_argument("--port", type=int, help="port (default 8000)")
+    parser.add_argument("--port", type=int, help="port (default 8000; 0: any free port, logged)")
+    parser.add_argument(
+        "--fd",
+        type=int,
+        metavar="N",
+        help="serve on an already bound TCP socket inherited as file descriptor N "
+        "(socket activation, a supervisor or a test that bound it first); its address "
+        "replaces --host/--port",
+    )
     parser.add_argument(
         "--token",
         help="bearer token for mutating routes (env SPCACHE_TOKEN; "
@@ -96,11 +113,14 @@ _FLAG_FIELDS = (
 )
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Settings from the environment, overridden by the flags that were given."""
+def settings_from_args(args: argparse.Namespace, listener: socket.socket | None = None) -> Settings:
+    """Settings from the environment, overridden by the flags that were given (and by
+    the address of an inherited ``listener``, which is where the service answers)."""
     given: dict[str, Any] = {
         name: getattr(args, name) for name in _FLAG_FIELDS if getattr(args, name, None) is not None
     }
+    if listener is not None:
+        given["host"], given["port"] = listener.getsockname()[:2]
     return Settings(**given)
 
 
@@ -114,8 +134,15 @@ def log_level(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    inherited = None
+    if getattr(args, "fd", None) is not None:
+        try:
+            inherited = inherited_listener(args.fd, args.host, args.port)
+        except ValueError as exc:
+            sys.stderr.write(f"spcache serve: {exc}\n")
+            return 2
     try:
-        settings = settings_from_args(args)
+        settings = settings_from_args(args, inherited)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: "
@@ -139,10 +166,6 @@ def run(args: argparse.Namespace) -> int:
     if refused:
         sys.stderr.write(f"spcache serve: {refused}\n")
         return 2
-    busy = port_problem(settings.host, settings.port)
-    if busy:
-        sys.stderr.write(f"spcache serve: {busy}\n")
-        return 2
     max_size = None
     if getattr(args, "max_size", None) is not None:
         from cache_store.housekeeping import LimitTooSmall, SizeLimit, parse_size
@@ -159,7 +182,16 @@ def run(args: argparse.Namespace) -> int:
         except (LimitTooSmall, ValueError) as exc:
             sys.stderr.write(f"spcache serve: {exc}\n")
             return 2
-    return serve(settings, max_size=max_size)
+    listener = inherited
+    if listener is None:
+        try:  # bound now, before the worker starts, and handed to uvicorn as it is
+            listener = bind_listener(settings.host, settings.port)
+        except ValueError as exc:
+            sys.stderr.write(f"spcache serve: {exc}\n")
+            return 2
+        # --port 0: the port the system picked is the one logged and served
+        settings = settings.model_copy(update={"port": listener.getsockname()[1]})
+    return serve(settings, listener, max_size=max_size)
 
 
 def worker_backend_problem(settings: Settings) -> str | None:
@@ -178,36 +210,64 @@ def worker_backend_problem(settings: Settings) -> str | None:
     )
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why uvicorn could not listen on ``host:port`` (in use, not an address of this
-    machine, not permitted), or None: checked before anything starts or says
-    "listening", so a busy port is one line instead of a worker started for nothing."""
-    if not port:
-        return None
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (port 0: one the system picks),
+    bound before anything starts so a busy port is one line instead of a worker started
+    for nothing, and handed to uvicorn as it is (no probe-then-bind race). Raises
+    ValueError saying why it cannot listen there (in use, not an address of this
+    machine, not permitted)."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as exc:
-        return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            reason = (
-                "the port is in use"
-                if exc.errno == errno.EADDRINUSE
-                else (exc.strerror or str(exc))
-            )
-            return f"cannot listen on {host}:{port}: {reason}" + (
-                " (pick another --port, or stop what holds it)"
-                if exc.errno == errno.EADDRINUSE
-                else ""
-            )
-    return None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"cannot listen on {host}:{port}: the port is in use (pick another "
+                "--port, or stop what holds it)"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
 
 
-def serve(settings: Settings, *, max_size: int | None = None) -> int:
+def inherited_listener(fd: int, host: str | None, port: int | None) -> socket.socket:
+    """The bound TCP socket inherited as file descriptor ``fd`` (``--fd``), listening.
+    Raises ValueError naming the descriptor when it is not one, or when ``--host`` or
+    ``--port`` were given too (the socket's address is the one served)."""
+    if host is not None or port is not None:
+        raise ValueError("--fd serves the inherited socket's address: leave out --host and --port")
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ValueError(f"--fd {fd}: not a socket ({exc.strerror or exc})") from None
+    try:
+        bound = sock.getsockname()
+        if sock.type != socket.SOCK_STREAM or sock.family not in (
+            socket.AF_INET,
+            socket.AF_INET6,
+        ):
+            raise ValueError(f"--fd {fd}: not a TCP socket")
+        if not bound[1]:
+            raise ValueError(f"--fd {fd}: the socket is not bound to an address")
+        sock.listen(2048)  # already listening (socket activation) or bound only
+    except (OSError, ValueError) as exc:
+        sock.detach()  # the descriptor stays the parent's to close
+        if isinstance(exc, ValueError):
+            raise
+        raise ValueError(f"--fd {fd}: cannot listen on it ({exc.strerror or exc})") from None
+    return sock
+
+
+def serve(settings: Settings, listener: socket.socket, *, max_size: int | None = None) -> int:
+    """Serve the app on ``listener`` (bound by :func:`bind_listener` or inherited) until
+    SIGTERM/SIGINT, with one worker child unless ``settings.worker`` is false."""
     import uvicorn
 
     from service.app import create_app
@@ -271,8 +331,9 @@ def serve(settings: Settings, *, max_size: int | None = None) -> int:
                         supervisor.stop()
 
     try:
-        Server(config).run()
+        Server(config).run(sockets=[listener])
     finally:
+        listener.close()
         if supervisor is not None:
             supervisor.stop()
     return 0

@@ -50,7 +50,10 @@ async def healthz(request: Request) -> JSONResponse:
 @router.get("/readyz")
 def readyz(ctx: Context) -> JSONResponse:
     """200 when the job queue answers (its file is the one it opened, not replaced or
-    truncated) and the store (if created yet) opens and walks without damage; else 503."""
+    truncated) and the store (if created yet) opens and walks without damage; else 503.
+
+    ``token_required`` (either way) says whether the mutating routes want a bearer
+    token: the status page asks for one only then."""
     problems = []
     try:
         ctx.queue.check()
@@ -70,6 +73,7 @@ def readyz(ctx: Context) -> JSONResponse:
         "queue": queue,
         "store": store_state,
         "worker_heartbeat_age_s": _heartbeat_age(ctx),
+        "token_required": ctx.settings.token is not None,
     }
     if problems:
         body["problems"] = problems

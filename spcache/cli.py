@@ -21,6 +21,7 @@ usage or a bad path, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -90,8 +91,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:  # also while the command's modules import (torch: ~1 s)
-        print("spcache: interrupted", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):  # stderr may be a closed pipe
+            print("spcache: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `spcache ls --json | head -1`: the reader has had enough
+        return _output_closed()
+
+
+def _output_closed() -> int:
+    """End quietly, as a tool killed by SIGPIPE does (a shell reports 128 + 13): what is
+    left in stdout's buffer goes to /dev/null at exit rather than failing once more."""
+    with contextlib.suppress(OSError, ValueError):  # (stdout replaced by a non-file)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    return 128 + signal.SIGPIPE
 
 
 def _main(argv: list[str]) -> int:

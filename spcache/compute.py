@@ -225,7 +225,10 @@ def precompute(
         backend: SPC ops: ``"kaolin"`` (Kaolin on CUDA), ``"torch"`` (pure PyTorch, any
             device) or ``"auto"``.
         loaders: loader processes reading sources (0: in this process; default one per
-            core but one, at most 8; with ``engine="ray"``, per actor).
+            core but one, at most 8; with ``engine="ray"``, per actor). They never import
+            the caller's ``__main__`` (no ``if __name__ == "__main__":`` guard needed);
+            where they cannot work at all, one WARNING says why and the samples are
+            loaded in this process.
         skip_failed: do not retry samples that failed before on an unchanged source.
         progress: show a progress bar (a widget in Jupyter with ipywidgets, else text
             on stderr).

@@ -17,6 +17,7 @@ Test data comes from two corpora:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     session.config.stash[_SHARED_ITEMS] = sum(
         1 for item in session.items if item.get_closest_marker("shared_corpus")
     )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.helpers import procs
+
+    procs.kill_leftovers()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -193,3 +200,18 @@ def example_recipe(tmp_path_factory: pytest.TempPathFactory) -> str | None:
     from tests.helpers.example_recipe import ensure_installed
 
     return ensure_installed(tmp_path_factory.mktemp("example_recipe"))
+
+
+# --- processes: none outlives its test --------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def reap_processes() -> Iterator[None]:
+    """What a test started through ``tests/helpers/procs.py`` and left running is killed,
+    with its process tree, when the test ends (processes of wider-scoped fixtures stay
+    for the tests that share them)."""
+    from tests.helpers import procs
+
+    before = procs.live()
+    yield
+    procs.kill_leftovers(keep=before)

@@ -124,7 +124,7 @@ def snippet_kind(code: str) -> str:
             ("plugin_reader", '"point_count", level=6)'),
             ("ddp", "init_process_group"),
             ("sdf", '"spc_sdf"'),
-            # run as a plugin package by tests/test_readme_recipe.py
+            # built, pip-installed and used by tests/test_readme_commands.py
             ("recipe", "from spcache.recipes import"),
         )
         if marker in code

@@ -45,7 +45,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=Path("spcache-demo"),
         help="working directory for sources and cache (default: ./spcache-demo)",
     )
-    parser.add_argument("--port", type=int, default=8000, help="service port on 127.0.0.1")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="service port on 127.0.0.1 (default: SPCACHE_PORT as for `spcache serve`, "
+        "else 8000; 0: any free one, printed)",
+    )
     parser.add_argument("--level", type=int, default=7, help="octree level (default 7)")
     parser.add_argument(
         "--exit-after",
@@ -159,19 +165,42 @@ def _warm_up_one(client, base: str, source: Path, level: int, timeout: float = 3
     raise SystemExit(f"warm-up job {job['job_id']} did not finish within {timeout:.0f}s")
 
 
-def _port_problem(port: int) -> str | None:
-    """Why the service could not listen on 127.0.0.1:``port``, or None."""
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return (
-                    f"port {port} on 127.0.0.1 is already in use; pick a free one with "
-                    f"--port (e.g. --port {port + 1})"
-                )
-            return f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}"
-    return None
+def _bind(port: int) -> socket.socket:
+    """127.0.0.1:``port`` bound and listening now (port 0: any free one), held until the
+    service inherits it (``spcache serve --fd``), so nothing can take it in between (a
+    connection made meanwhile waits in the backlog). Raises ValueError saying why it
+    cannot be bound."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"port {port} on 127.0.0.1 is already in use; pick a free one with "
+                f"--port (e.g. --port {port + 1}, or --port 0 for any)"
+            ) from None
+        raise ValueError(f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _port(flag: int | None) -> int:
+    """``--port``, else ``SPCACHE_PORT`` (the service's own setting), else 8000. Raises
+    ValueError naming a variable that is not a port."""
+    if flag is not None:
+        return flag
+    text = os.environ.get("SPCACHE_PORT", "").strip()
+    if not text:
+        return 8000
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"SPCACHE_PORT={text!r} is not a port number (0-65535)")
+    return port
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -181,19 +210,25 @@ def _terminate(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     from cache_store.location import cache_dir_problem
 
-    problem = _port_problem(args.port) or cache_dir_problem(args.dir, write=True)
+    problem = cache_dir_problem(args.dir, write=True)
     if problem and args.dir.is_file():
         problem = f"--dir {args.dir}: is a file, not a directory"
+    if not problem:
+        try:
+            listener = _bind(_port(args.port))
+        except ValueError as exc:
+            problem = str(exc)
     if problem:
         print(f"spcache demo: {problem}", file=sys.stderr)
         return 2
     # SIGTERM (kill, docker stop; SIGHUP arrives as SIGTERM) ends the demo like Ctrl-C,
     # so the finally blocks below stop the service and its worker.
     signal.signal(signal.SIGTERM, _terminate)
-    return _run(args)
+    with listener:
+        return _run(args, listener)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, listener: socket.socket) -> int:
     import httpx
     from safetensors.numpy import load as load_safetensors
 
@@ -207,7 +242,7 @@ def _run(args: argparse.Namespace) -> int:
 
     trimesh.creation.annulus(r_min=0.4, r_max=1.0, height=0.3).export(extra)
 
-    base = f"http://127.0.0.1:{args.port}"
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
     command = [
         sys.executable,
         "-m",
@@ -215,10 +250,8 @@ def _run(args: argparse.Namespace) -> int:
         "serve",
         "--cache",
         str(cache),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
+        "--fd",
+        str(listener.fileno()),
         "--source-root",
         str(root),
         "--log-level",
@@ -226,7 +259,10 @@ def _run(args: argparse.Namespace) -> int:
     ]
     print(f"starting the service on {base} (with one worker) ...", flush=True)
     service = subprocess.Popen(
-        command, start_new_session=True, env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())}
+        command,
+        start_new_session=True,
+        env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())},
+        pass_fds=(listener.fileno(),),
     )
     try:
         with httpx.Client(timeout=10.0) as client:

@@ -5,10 +5,11 @@ Three stages overlap:
 1. **Loading** (CPU, in parallel): a process pool reads each source file, hashes its
    bytes, skips it when the store already holds a record with that source hash, else
    parses, validates, normalises and draws the sample's random numbers
-   (the recipe's ``prepare``). The pool uses a ``forkserver`` (or
-   ``spawn``) context and is created before the device is touched, so no process that
-   holds CUDA is ever forked. ``loaders=0`` loads in the calling process instead.
-   (:mod:`workers.loader`)
+   (the recipe's ``prepare``). The pool's processes start from the forkserver without
+   the caller's ``__main__`` (``spawn`` where there is none) and the pool is created
+   before the device is touched, so no process that holds CUDA is ever forked.
+   ``loaders=0`` loads in the calling process instead, and so does a pool whose
+   processes cannot work at all (said once). (:mod:`workers.loader`)
 2. **Device compute** (the calling thread): the recipe's ``compute`` (for the built-ins:
    octree, scan, point hierarchy and chunked queries through the ops backend), its
    outputs checked against the declared fields. Out of device memory on a chunk run

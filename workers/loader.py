@@ -2,9 +2,16 @@
 
 :func:`load_sample` is one sample's CPU work (it runs in a loader process, or in the
 calling process when the engine has no loaders) and returns a :class:`LoadOutcome`.
-:class:`LoaderPool` runs it in a ``forkserver`` (or ``spawn``) process pool and recovers
-when one of its processes dies. The pool is created before the engine touches the device,
-so no process that holds CUDA is ever forked.
+:class:`LoaderPool` runs it in a process pool started from the forkserver without the
+caller's ``__main__`` (:mod:`workers.loader_process`), recovers when one of its processes
+dies, and loads in the calling process when loader processes cannot work at all. The
+pool is created before the engine touches the device, so no process that holds CUDA is
+ever forked.
+
+A sample fails only for a reason of its own. :func:`load_sample` returns every such
+reason as an outcome; whatever it raises is the loader's (the recipe not found in the
+loader process, a result that cannot be sent back), and so is a process that cannot be
+started or ends as it starts: those never fail a sample.
 """
 
 from __future__ import annotations
@@ -12,8 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
-import multiprocessing
-import multiprocessing.context
+import multiprocessing.spawn
 import os
 import signal
 import threading
@@ -27,15 +33,41 @@ import torch
 
 from cache_store.errors import SourceError
 from cache_store.jobs.freshness import is_current, trusted_signature
+from cache_store.recipes.registry import ENV_VAR as RECIPES_ENV_VAR
 from cache_store.recipes.registry import report_problems_here
-from workers.recipes import get_recipe, make_generator
+from workers.recipes import Recipe, get_recipe, make_generator
+from workers.loader_process import loader_context
 from workers.run_ledger import WorkItem, one_line
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
 
-__all__ = ["LoadOutcome", "LoaderPool", "interrupts_held", "load_sample", "stop_executor"]
+__all__ = [
+    "LOADER_DIED",
+    "LoadOutcome",
+    "LoaderPool",
+    "LoaderUnusable",
+    "interrupts_held",
+    "load_sample",
+    "loader_ready",
+    "stop_executor",
+]
 
 logger = logging.getLogger(__name__)
+
+
+class LoaderUnusable(Exception):
+    """A loader process cannot do its work; no sample's failure. Its one argument is the
+    message, so it pickles back to the engine whatever the cause was."""
+
+
+def _recipe_here(recipe_name: str) -> Recipe:
+    try:
+        return get_recipe(recipe_name)
+    except Exception as exc:  # noqa: BLE001 - the loader's problem, raised as one
+        raise LoaderUnusable(
+            f"recipe {recipe_name!r} is not found in a loader process "
+            f"({type(exc).__name__}: {one_line(exc)})"
+        ) from None
 
 
 class LoadOutcome(NamedTuple):
@@ -72,9 +104,11 @@ def load_sample(
 
     Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
     cross the process boundary. ``limits`` bound how the file is opened and read
-    (:mod:`cache_store.sources.files`).
+    (:mod:`cache_store.sources.files`). A recipe this process cannot find raises
+    :class:`LoaderUnusable`: that is the process's problem, not the sample's.
     """
     start = time.perf_counter()
+    recipe = _recipe_here(recipe_name)
     digest = ""
     try:
         # The signature is taken before the read: an edit in between leaves the record
@@ -87,7 +121,6 @@ def load_sample(
         if failed_hash is not None and digest == failed_hash:
             return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
         source = load_source(path, data)
-        recipe = get_recipe(recipe_name)
     except SourceError as exc:
         return LoadOutcome(
             "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
@@ -146,8 +179,14 @@ def load_sample(
         )
 
 
-def _init_loader_process(engine_pid: int) -> None:
+def _init_loader_process(engine_pid: int, recipes_env: str | None) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    # The forkserver's environment is the one it started with: find the recipes the
+    # engine's process finds now (SPCACHE_RECIPES may have been set since).
+    if recipes_env is None:
+        os.environ.pop(RECIPES_ENV_VAR, None)
+    else:
+        os.environ[RECIPES_ENV_VAR] = recipes_env
     report_problems_here(False)  # the engine's process named any unusable recipe already
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
     threading.Thread(
@@ -181,12 +220,30 @@ def _process_alive(pid: int) -> bool:
         return True
 
 
+#: The reason of a sample whose file killed its loader twice (see :class:`LoaderPool`).
+LOADER_DIED = "the loader process died while reading this file (crash or out of memory)"
+
+
+def loader_ready(recipe_name: str) -> int:
+    """Run in a loader process: it started, and it finds the recipe. Returns its pid."""
+    _recipe_here(recipe_name)
+    return os.getpid()
+
+
 class LoaderPool:
-    """The loader processes, and recovery when one of them dies.
+    """The loader processes, recovery when one of them dies, and loading in this process
+    when they cannot work at all.
 
     A pool whose process died (a parser crash, the OOM killer) fails every pending task.
-    The head item is then retried alone in a fresh pool: if it kills that one too it is
-    the culprit and fails with a reason; the other pending items are resubmitted.
+    A fresh pool is then checked (:func:`loader_ready`: a loader starts and finds the
+    recipe); if it works, the head item is retried alone in it: if it kills that one too
+    it is the culprit and fails with :data:`LOADER_DIED`; the other pending items are
+    resubmitted.
+
+    When loaders cannot work at all (no process can be started, they end as they start,
+    or they do not find the recipe), no sample is blamed: one WARNING says why, and from
+    then on this pool loads in the calling process, as with ``loaders=0``
+    (:attr:`loading_here` holds the reason).
 
     Args:
         recipe_name, params, fingerprint: what every sample is prepared for.
@@ -212,26 +269,22 @@ class LoaderPool:
         self.loaders = loaders
         self.count = loaders if count is None else count
         self.pool: cf.ProcessPoolExecutor | None = None
+        #: why this pool loads in the calling process although it has loaders ("": it does not)
+        self.loading_here = ""
 
     def open(self) -> None:
-        if self.loaders > 0 and self.count > 0:
-            self.pool = self._new_pool()
+        if self.loaders > 0 and self.count > 0 and not self.loading_here:
+            try:
+                self.pool = self._new_pool()
+            except Exception as exc:  # noqa: BLE001 - said once; no sample's failure
+                self._load_here(_cannot_start(exc))
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
-        context: multiprocessing.context.BaseContext
-        if "forkserver" in multiprocessing.get_all_start_methods():
-            context = multiprocessing.get_context("forkserver")
-            # Import the heavy modules once in the server (CPU only: it never runs an op),
-            # so each loader forks ready instead of importing torch and trimesh itself.
-            # Takes effect when this process first starts its forkserver.
-            context.set_forkserver_preload(["workers.loader_preload", "workers.loader", "trimesh"])
-        else:
-            context = multiprocessing.get_context("spawn")
         return cf.ProcessPoolExecutor(
             max_workers=min(self.loaders, self.count),
-            mp_context=context,
+            mp_context=loader_context(),
             initializer=_init_loader_process,
-            initargs=(os.getpid(),),
+            initargs=(os.getpid(), os.environ.get(RECIPES_ENV_VAR)),
         )
 
     def _args(self, item: WorkItem) -> tuple:
@@ -247,16 +300,18 @@ class LoaderPool:
         )
 
     def submit(self, item: WorkItem) -> cf.Future:
-        if self.pool is None:
-            future: cf.Future = cf.Future()
-            future.set_result(load_sample(*self._args(item)))
-            return future
-        with interrupts_held():  # a submit may start a loader process
+        if self.pool is not None:
             try:
-                return self.pool.submit(load_sample, *self._args(item))
-            except BrokenProcessPool:  # a process died since the last submit
-                self._restart()
-                return self.pool.submit(load_sample, *self._args(item))
+                with interrupts_held():  # a submit may start a loader process
+                    try:
+                        return self.pool.submit(load_sample, *self._args(item))
+                    except BrokenProcessPool:  # a process died since the last submit
+                        return self._restart().submit(load_sample, *self._args(item))
+            except Exception as exc:  # noqa: BLE001 - a loader process cannot be started
+                self._load_here(_cannot_start(exc))
+        future: cf.Future = cf.Future()
+        future.set_result(load_sample(*self._args(item)))
+        return future
 
     def result(
         self, item: WorkItem, future: cf.Future, pending: deque[tuple[WorkItem, cf.Future]]
@@ -265,25 +320,60 @@ class LoaderPool:
         try:
             return future.result()
         except BrokenProcessPool:
-            pass
-        logger.warning("a loader process died; retrying %s alone", item.path)
-        pool = self._restart()
-        try:
-            with interrupts_held():
-                future = pool.submit(load_sample, *self._args(item))
-            outcome = future.result()
-        except BrokenProcessPool:
-            self._restart()
-            outcome = LoadOutcome(
-                "failed",
-                0.0,
-                reason="the loader process died while reading this file (crash or out of memory)",
-            )
+            problem = self._fresh_pool_problem()
+        except Exception as exc:  # noqa: BLE001 - load_sample returns a sample's failures
+            problem = _described(exc)
+        if problem:
+            self._load_here(problem)
+            outcome = self.submit(item).result()
+        else:
+            logger.warning("a loader process died; retrying %s alone", item.path)
+            outcome = self._alone(item)
         for i, (other, earlier) in enumerate(pending):
             if earlier.done() and not earlier.cancelled() and earlier.exception() is None:
                 continue  # finished before the pool broke: its result stands
             pending[i] = (other, self.submit(other))
         return outcome
+
+    def _alone(self, item: WorkItem) -> LoadOutcome:
+        """``item`` in a pool of its own: a pool it breaks again names it the culprit."""
+        assert self.pool is not None
+        try:
+            with interrupts_held():
+                future = self.pool.submit(load_sample, *self._args(item))
+            return future.result()
+        except BrokenProcessPool:
+            problem = self._fresh_pool_problem()  # for the items after it
+            if problem:
+                self._load_here(problem)
+            return LoadOutcome("failed", 0.0, reason=LOADER_DIED)
+
+    def _fresh_pool_problem(self) -> str:
+        """Replace the pool with a fresh one and check that it works: "" when a loader
+        starts in it and finds the recipe, else why not."""
+        try:
+            pool = self._restart()
+            with interrupts_held():
+                ready = pool.submit(loader_ready, self.recipe_name)
+            ready.result()
+        except BrokenProcessPool:
+            return "loader processes end as they start (their error is on stderr)"
+        except Exception as exc:  # noqa: BLE001 - the reason the caller reports
+            return _described(exc)
+        return ""
+
+    def _load_here(self, reason: str) -> None:
+        """Stop using loader processes: say why, once, and load in this process from now on."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            stop_executor(pool)
+        if not self.loading_here:
+            self.loading_here = reason
+            logger.warning(
+                "loader processes cannot be used (%s); loading the samples in this process "
+                "instead, as with loaders=0",
+                reason,
+            )
 
     def _restart(self) -> cf.ProcessPoolExecutor:
         if self.pool is not None:
@@ -303,6 +393,17 @@ class LoaderPool:
         pool, self.pool = self.pool, None
         if pool is not None:
             stop_executor(pool, timeout_s)
+
+
+def _cannot_start(exc: BaseException) -> str:
+    executable = os.fsdecode(multiprocessing.spawn.get_executable())
+    return f"a loader process cannot be started by {executable}: {_described(exc)}"
+
+
+def _described(exc: BaseException) -> str:
+    if isinstance(exc, LoaderUnusable):
+        return one_line(exc)
+    return f"{type(exc).__name__}: {one_line(exc)}"
 
 
 @contextlib.contextmanager

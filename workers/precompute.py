@@ -215,7 +215,7 @@ def _progress_logging(progress: bool) -> Iterator[None]:
         return
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from workers.run_ledger import progress_bar_class
+    from workers.progress import progress_bar_class
 
     with logging_redirect_tqdm(tqdm_class=progress_bar_class()):
         yield

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -222,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if summary.failed > known else 0
 
 
+STOPPING = b"spcache precompute: stopping: committing and indexing what was computed ...\n"
+
+
 def _say_when_stopping() -> Any:
     """Ctrl-C says at once that the run is stopping (the loaders are stopped and what
     was computed is committed and indexed, which takes a moment, not a silent wait).
@@ -231,11 +235,11 @@ def _say_when_stopping() -> Any:
 
     def stopping(signum: int, frame: object) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: as usual
-        print(
-            "spcache precompute: stopping: committing and indexing what was computed ...",
-            file=sys.stderr,
-            flush=True,
-        )
+        # Straight to the descriptor, so this handler raises nothing but the interrupt: it
+        # may land in the middle of a log line (sys.stderr's buffer would refuse to be
+        # re-entered), and a closed pipe or file costs the line, never the stop.
+        with contextlib.suppress(OSError):
+            os.write(2, STOPPING)
         raise KeyboardInterrupt
 
     return signal.signal(signal.SIGINT, stopping)

@@ -437,6 +437,7 @@ class RayRun:
                             "failed",
                             reason="no Ray actor left to compute it (every "
                             "actor died and was not restarted)",
+                            transient=True,  # the cluster's failure, not the sample's
                         )
                     )
             self.shards.clear()
@@ -611,6 +612,7 @@ class RayRun:
                     item.path,
                     "failed",
                     reason="the Ray actor finished its shard without a result for this sample",
+                    transient=True,  # the engine's failure, not the sample's
                 )
             )
         slot.state, slot.shard, slot.stream, slot.outstanding = "ready", None, None, {}

@@ -19,11 +19,8 @@ Ray driver's run:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +40,7 @@ from cache_store.jobs.freshness import stored_metadata, stored_source_hash
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 from cache_store.sources.discover import id_clash_reason
+from workers.progress import open_bar
 
 __all__ = [
     "REPEATS",
@@ -52,7 +50,6 @@ __all__ = [
     "WorkItem",
     "RunLedger",
     "one_line",
-    "progress_bar_class",
     "run_all",
 ]
 
@@ -389,13 +386,7 @@ class RunLedger:
 
     def open_progress(self, total: int) -> None:
         if self.progress:
-            self.bar = progress_bar_class()(
-                total=total,
-                unit="sample",
-                file=sys.stderr,
-                dynamic_ncols=True,
-                initial=self.summary.total,
-            )
+            self.bar = open_bar(total, initial=self.summary.total)
 
     def close_progress(self) -> None:
         if self.bar is not None:
@@ -454,21 +445,6 @@ class RunLedger:
                 np.array(old + new, dtype=str),
             )
         )
-
-
-@functools.cache
-def progress_bar_class() -> Any:
-    """The tqdm class of a run's bar: a widget in a Jupyter kernel that has ipywidgets,
-    text on stderr everywhere else (a notebook without ipywidgets gets the text bar
-    without tqdm's warning about the missing widgets). Its bars start no monitor thread,
-    so a run leaves no thread behind (a DataLoader may fork right after it)."""
-    from tqdm import TqdmWarning
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
-        from tqdm.auto import tqdm
-
-    return type("RunProgressBar", (tqdm,), {"monitor_interval": 0})
 
 
 def one_line(exc: BaseException) -> str:

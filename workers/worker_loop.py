@@ -156,13 +156,16 @@ class WorkerLoop:
         fell_back = (
             self.backend == "auto" and name == "torch" and device_type(self.device) == "cuda"
         )
+        device = str(self.device)
+        if device == "auto":  # say what auto is on this machine
+            device = f"auto ({device_type(self.device)} here)"
         log.log(
             logging.WARNING if fell_back else logging.INFO,
             "worker %s: backend: %s (%s); device %s",
             self.worker_id,
             name,
             why,
-            self.device,
+            device,
         )
 
     # -- the loop ----------------------------------------------------------------------

@@ -87,10 +87,12 @@ def _describe(index: DatasetIndex) -> str:
 def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
     """The one index that a fingerprint, or a recipe name plus parameters, selects.
 
-    A recipe selects the indexes recorded in the store whose parameters agree with every
-    given one (others may be anything) and, for a recipe this code knows, whose recipe
-    version is the current one. Zero or several raise :class:`FingerprintLookupError`
-    listing the candidates.
+    A recipe (installed here) selects the indexes recorded in the store of its current
+    version whose parameters equal every given one; a parameter not given matches any
+    stored value (its default is not filled in). Exactly one match is the answer; there
+    is no tie-break: several raise :class:`FingerprintLookupError` listing each
+    candidate (fingerprint, version, parameters, samples; ``exc.candidates``), and none
+    raises it listing the datasets of that recipe in the store.
     """
     if is_fingerprint(fingerprint_or_recipe):
         if params:
@@ -112,8 +114,9 @@ def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> Da
     wanted = f"recipe {recipe!r}" + (f" with {canonical_json(params)}" if params else "")
     if current:
         raise FingerprintLookupError(
-            f"{wanted} matches {len(current)} datasets in {store.location}; give more "
-            f"parameters or a fingerprint: " + "; ".join(_describe(i) for i in current),
+            f"{wanted} matches {len(current)} datasets in {store.location} (a parameter "
+            f"left out matches any stored value); give more parameters or a fingerprint: "
+            + "; ".join(_describe(i) for i in current),
             [i.fingerprint for i in current],
         )
     others = matches or store.find_fingerprints(recipe)
@@ -132,8 +135,11 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         cache: a cache directory, a ``.zarr`` path or URL, ``http(s)://host:port`` of the
             service, or an already constructed :class:`~cache_store.stores.base.Store`.
         fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``) that,
-            with ``**params``, selects exactly one dataset recorded in the cache (see
-            :func:`resolve_index`).
+            with ``**params``, selects exactly one dataset recorded in the cache: one of
+            the installed recipe version whose parameters equal the given ones, a
+            parameter left out matching any stored value (not its default). Several
+            matches are no guess: ``FingerprintLookupError`` lists the candidates (see
+            :func:`resolve_index`). With ``sources=``, defaults fill in instead.
         fields: names of the tensors to read (default: all); the others' bytes are not
             touched.
         transform: called on each sample dict (in the worker) before it is returned.
@@ -179,7 +185,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
-        **params: recipe parameters, with a recipe name only.
+        **params: recipe parameters, with a recipe name only: those that select the
+            dataset (left out: any stored value), or with ``sources=`` the run's
+            (left out: the default).
 
     The index is read on first use (``len``, indexing, ``fingerprint``) through a store
     that is closed again at once, so a parent process never holds the cache open at fork

@@ -3,7 +3,7 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const ERRORS_PAGE = 10, SAMPLES_PAGE = 25;
-  const state = { token: null, errorsJob: null, errorsOffset: 0, cache: null,
+  const state = { token: null, tokenRequired: null, errorsJob: null, errorsOffset: 0, cache: null,
                   samplesAfter: [""], samplesTicket: 0, sample: null, maxLevel: 8, rates: new Map() };
 
   function el(tag, attrs, ...children) {
@@ -120,27 +120,44 @@
     $("errors-next").disabled = state.errorsOffset + ERRORS_PAGE >= failed;
   }
 
-  // The token dialog: asks for the bearer token (kept in this tab's memory only), and
-  // doubles as the confirmation of a removal. Resolves true when the user went ahead.
+  // Whether the service wants a bearer token for the routes that change things
+  // (GET /readyz says; until it has, the page assumes it does).
+  async function tokenRequired() {
+    if (state.tokenRequired == null) await refreshService();
+    return state.tokenRequired ?? true;
+  }
+  function authHeaders() {
+    return state.tokenRequired !== false && state.token ? { Authorization: `Bearer ${state.token}` } : {};
+  }
+  function tokenRefused() { state.token = null; state.tokenRequired = true; }
+
+  // The token dialog: asks for the bearer token (kept in this tab's memory only) when
+  // the service has one, and doubles as the confirmation of a removal (then shown
+  // without the token field when the service has none). Resolves true when the user
+  // went ahead.
   async function askToken(title, why, okText, always) {
-    if (state.token && !always) return true;
+    const needed = await tokenRequired();
+    if ((!needed || state.token) && !always) return true;
     const dialog = $("token-dialog");
     $("token-title").textContent = title;
     $("token-why").textContent = why;
     $("token-ok").textContent = okText;
-    $("token").value = state.token ?? "";
+    $("token-field").hidden = !needed;
+    $("token").required = needed;
+    $("token").value = needed ? state.token ?? "" : "";
     dialog.showModal();
     const answer = await new Promise((ok) => dialog.addEventListener("close", () => ok(dialog.returnValue), { once: true }));
-    if (answer !== "ok" || !$("token").value) return false;
+    if (answer !== "ok") return false;
+    if (!needed) return true;
+    if (!$("token").value) return false;
     state.token = $("token").value;
     return true;
   }
 
   async function cancelJob(id) {
     if (!await askToken("Token needed", "Cancelling a job needs the service's bearer token.", "Cancel the job")) return;
-    const r = await fetch(`/v1/jobs/${encodeURIComponent(id)}`,
-      { method: "DELETE", headers: { Authorization: `Bearer ${state.token}` } });
-    if (r.status === 401) { state.token = null; alert("The token was not accepted."); }
+    const r = await fetch(`/v1/jobs/${encodeURIComponent(id)}`, { method: "DELETE", headers: authHeaders() });
+    if (r.status === 401) { tokenRefused(); alert("The token was not accepted."); }
     else if (!r.ok) alert(`Cancel failed: ${r.status} ${await r.text()}`);
     refreshJobs();
   }
@@ -186,9 +203,8 @@
     if (!await askToken("Remove a fingerprint",
       `Remove ${what}? Its records, index and remembered failures are deleted and its queued samples cancelled. Readers of it get FingerprintRemoved.`,
       "Remove", true)) return;
-    const r = await fetch(`/v1/caches/${c.fingerprint}`,
-      { method: "DELETE", headers: { Authorization: `Bearer ${state.token}` } });
-    if (r.status === 401) { state.token = null; $("caches-message").textContent = "The token was not accepted."; return; }
+    const r = await fetch(`/v1/caches/${c.fingerprint}`, { method: "DELETE", headers: authHeaders() });
+    if (r.status === 401) { tokenRefused(); $("caches-message").textContent = "The token was not accepted."; return; }
     if (!r.ok) { $("caches-message").textContent = `Remove failed: ${r.status} ${(await r.text()).slice(0, 200)}`; return; }
     const done = await r.json();
     $("caches-message").textContent = `Removed ${c.fingerprint}: ${done.records} records, ${fmtBytes(done.bytes)}.`;
@@ -278,7 +294,11 @@
 
   async function refreshService() {
     try {
-      const h = await getJSON("/readyz");
+      // read on 503 too: token_required is there either way
+      const r = await fetch("/readyz", { headers: { Accept: "application/json" } });
+      const h = await r.json().catch(() => ({}));
+      if (typeof h.token_required === "boolean") state.tokenRequired = h.token_required;
+      if (!r.ok) throw new Error(`/readyz: ${r.status} ${(h.problems || [h.status]).join("; ")}`.slice(0, 300));
       const beat = h.worker_heartbeat_age_s;
       $("service-line").textContent = `Service ready · worker ${beat == null ? "not seen" : `seen ${beat.toFixed(0)} s ago`}`;
     } catch (e) { $("service-line").textContent = `Service not ready: ${e.message}`; }

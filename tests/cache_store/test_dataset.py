@@ -131,6 +131,10 @@ def test_select_by_recipe_and_parameters(cache: Path) -> None:
         len(CachedDataset(cache, "spc_query"))
     assert set(err.value.candidates) == {FP_Q4, FP_Q5}
     assert FP_Q4 in str(err.value) and FP_Q5 in str(err.value)
+    # the error teaches the rule: what was left out matched any stored value, no default
+    assert "matches 2 datasets" in str(err.value)
+    assert "(a parameter left out matches any stored value)" in str(err.value)
+    assert '"level":4' in str(err.value) and '"level":5' in str(err.value)
     with pytest.raises(FingerprintLookupError) as err:
         len(CachedDataset(cache, "spc_query", level=6))
     assert set(err.value.candidates) == {FP_Q4, FP_Q5}

@@ -118,11 +118,12 @@ def test_read_only(served: tuple[Cache, InProcessServer]) -> None:
 
 
 def test_connection_errors_are_retried_then_reported(tmp_path: Path) -> None:
-    from tests.helpers.service import free_port
+    from tests.helpers.procs import refused_port
 
-    store = HTTPStore(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01)
-    with store, pytest.raises(SpcacheError, match="after 3 attempts"):
-        store.get(record_key("0" * 32, "a"))
+    with refused_port() as port:
+        store = HTTPStore(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.01)
+        with store, pytest.raises(SpcacheError, match="after 3 attempts"):
+            store.get(record_key("0" * 32, "a"))
 
 
 def test_retry_reaches_a_server_that_comes_up_late(tmp_path: Path) -> None:

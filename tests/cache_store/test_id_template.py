@@ -15,7 +15,7 @@ import spcache
 from cache_store import CachedDataset
 from cache_store.errors import SourceError
 from cache_store.sources.discover import KEEP_EXTENSION, discover_sources, sample_id_for
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run, run_spcache
 
 
 @pytest.fixture
@@ -124,14 +124,12 @@ def test_a_folder_with_two_files_of_one_id_skips_the_second_alone(
     (broken / "empty.obj").write_bytes(b"")
     (broken / "empty.ply").write_bytes(b"")
     shutil.copy(next(p for p in corpus_meshes if p.suffix == ".obj"), broken / "good.obj")
-    run = _precompute(broken, tmp_path / "cache")
-    assert run.returncode == 1, run.stderr[-2000:]
-    errors = {e["path"]: e["reason"] for e in json.loads(run.stdout)["errors"]}
+    done = _precompute(broken, tmp_path / "cache")
+    assert done.returncode == 1, done.stderr[-2000:]
+    errors = {e["path"]: e["reason"] for e in json.loads(done.stdout)["errors"]}
     assert "duplicate sample id 'empty'" in errors[str(broken / "empty.ply")]
     (tmp_path / "train.py").write_text(BROKEN_FOLDER_SCRIPT)
-    user = subprocess.run(
-        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    user = run([sys.executable, "train.py"], cwd=tmp_path, timeout=300)
     assert user.returncode == 0, user.stderr[-3000:]
     got = json.loads(user.stdout)
     assert got["len"] == 3 and got["read"] == 1
@@ -146,34 +144,25 @@ def test_a_folder_with_two_files_of_one_id_skips_the_second_alone(
 
 
 def _precompute(source: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "precompute",
-            str(source),
-            "--recipe",
-            "spc",
-            "--param",
-            "level=3",
-            "--param",
-            "surface_samples=300",
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "0",
-            "--json",
-            *extra,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return run_spcache(
+        "precompute",
+        source,
+        "--recipe",
+        "spc",
+        "--param",
+        "level=3",
+        "--param",
+        "surface_samples=300",
+        "--cache",
+        cache,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--json",
+        *extra,
     )
 
 

@@ -6,7 +6,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.decode import decode_record
 from tests.helpers.store_contract import FP_A
 from tests.helpers.synthetic import make_record
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import start
 
 
 def _fill(path: Path, n: int = 8) -> dict[str, bytes]:
@@ -82,30 +81,19 @@ def test_writer_frees_stale_reader_slots(tmp_path: Path, caplog: pytest.LogCaptu
         "if sys.argv[2] == 'txn': ctx = s._read(); ctx.__enter__()\n"
         "print('holding', flush=True); time.sleep(120)\n"
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", hold, str(tmp_path), mode],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for mode in ("open", "txn")
-    ]
-    try:
-        for proc in procs:
-            assert proc.stdout.readline().strip() == "holding"
-        procs[1].send_signal(signal.SIGKILL)
-        procs[1].wait(30)
+    with (
+        start([sys.executable, "-c", hold, tmp_path, "open"]) as keeper,
+        start([sys.executable, "-c", hold, tmp_path, "txn"]) as reader,
+    ):
+        keeper.wait_line("^holding$")
+        reader.wait_line("^holding$")
+        reader.send_signal(signal.SIGKILL)
+        reader.wait(30)
         with caplog.at_level(logging.WARNING, logger="cache_store.stores.lmdb"):
             writer = LMDBStore(tmp_path, readonly=False)
             writer.put_many([(f"{FP_A}/s0", items[f"{FP_A}/s0"])])
         assert "freed 1 stale LMDB reader slot" in caplog.text
         writer.close()
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(30)
-            proc.stdout.close()
 
 
 def test_full_reader_table_is_a_clear_error(tmp_path: Path) -> None:

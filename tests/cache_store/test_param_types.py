@@ -4,8 +4,6 @@ integers"), from Python, from the command line and at the service alike."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 
 import spcache
 from cache_store.recipes.specs import get_recipe_spec
+from tests.helpers.procs import run_spcache
 
 
 @pytest.mark.parametrize(
@@ -51,14 +50,10 @@ def test_precompute_refuses_a_float_level_from_python_and_the_cli(
     with pytest.raises(spcache.ParameterError, match=r"level: expected an integer, got 8\.0"):
         spcache.precompute(mesh, "spc", tmp_path / "py", level=8.0, progress=False)
     assert not (tmp_path / "py").exists()  # refused before the cache is made
-    cli = subprocess.run(
-        [sys.executable, "-m", "spcache", "precompute", str(mesh), "--recipe", "spc"]
-        + ["--param", "level=8.0", "--cache", "cache", "--device", "cpu"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cli = run_spcache(
+        "precompute", mesh, "--recipe", "spc", "--param", "level=8.0", "--cache", "cache",
+        "--device", "cpu", cwd=tmp_path,
+    )  # fmt: skip
     assert cli.returncode == 2, cli.stderr
     assert "level: expected an integer, got 8.0 (float)" in cli.stderr
     assert len(cli.stderr.strip().splitlines()) == 1 and not (tmp_path / "cache").exists()

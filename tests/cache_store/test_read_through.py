@@ -57,10 +57,9 @@ def test_epoch_over_empty_cache_equals_precompute(
 def test_no_worker_fails_fast_naming_the_command(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     cache = tmp_path / "rt"
     ds = CachedDataset(cache, "spc_query", sources=corpus_meshes[:3], **PARAMS)
-    start = time.monotonic()
+    # at once: waiting for the record would end in MissTimeout (after miss_timeout), not this
     with pytest.raises(NoWorkerAlive, match=f"spcache worker --cache {cache}"):
         ds[0]
-    assert time.monotonic() - start < 5
     # a worker that stopped cleanly is not taken for alive
     proc = start_worker(cache)
     stop_worker(proc)

@@ -27,6 +27,7 @@ from cache_store.snapshot.sharded import (
 )
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import open_store
+from tests.helpers.procs import run_spcache
 from tests.helpers.s3 import S3Server, moto_s3
 from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
 
@@ -215,45 +216,19 @@ def test_a_long_lived_reader_sees_later_commits(dest) -> None:
 def test_export_and_stats_read_a_sharded_snapshot(tmp_path: Path) -> None:
     """``spcache export`` turns a sharded snapshot into an exported one (the same records),
     and ``spcache stats`` reads it, through the CLI as a user runs them."""
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
 
     location = str(tmp_path / "s.zarr")
     values = {f"a{i}": make_record(FP, f"a{i}", seed=i) for i in range(4)}
     with ShardedSnapshot(location, readonly=False) as store:
         store.put_many([(f"{FP}/{sid}", value) for sid, value in values.items()])
         store.put_index(_index(sorted(values)))
-    exported = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "export",
-            FP,
-            "--cache",
-            location,
-            "--to",
-            str(tmp_path / "out.zarr"),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    exported = run_spcache("export", FP, "--cache", location, "--to", tmp_path / "out.zarr")
     assert exported.returncode == 0, exported.stderr
     with open_store(tmp_path / "out.zarr") as snapshot:
         assert not isinstance(snapshot, ShardedSnapshot)
         assert snapshot.get_index(FP).sample_ids.tolist() == sorted(values)
         assert all(snapshot.get(f"{FP}/{sid}") == value for sid, value in values.items())
-    stats = subprocess.run(
-        [sys.executable, "-m", "spcache", "stats", "--cache", location, "--json"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    stats = run_spcache("stats", "--cache", location, "--json")
     assert stats.returncode == 0, stats.stderr
     assert json.loads(stats.stdout)["fingerprints"][FP]["records"] == 4
 
@@ -372,10 +347,10 @@ def test_a_damaged_index_is_read_around_and_merge_writes_it_again(dest) -> None:
     if options:
         assert merge(location, storage_options=options) == {FP: 2}
     else:
-        merged = _cli("merge", location, "--json")
+        merged = run_spcache("merge", location, "--json")
         assert merged.returncode == 0, merged.stderr
         assert json.loads(merged.stdout)["merged"] == {FP: 2}
-        verified = _cli("verify", "--cache", location)
+        verified = run_spcache("verify", "--cache", location)
         assert verified.returncode == 0, verified.stdout + verified.stderr
     with ShardedSnapshot(location, storage_options=options) as reader:
         json.loads(reader.fs.cat_file(f"{reader.root}/{FP}/index.json"))  # valid again
@@ -422,7 +397,7 @@ def test_the_orphan_sweep_finds_the_temporary_files_of_a_killed_writer(dest) -> 
         removed = orphan_parts(location, storage_options=options, older_than_s=0, remove=True)
         assert removed == expected
     else:  # the command prints what it removed, as located
-        done = _cli("merge", location, "--remove-orphans", "--orphan-age", "0", "--json")
+        done = run_spcache("merge", location, "--remove-orphans", "--orphan-age", "0", "--json")
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["orphans"] == expected
     assert not any(store.fs.exists(path) for path in leftovers)
@@ -431,18 +406,3 @@ def test_the_orphan_sweep_finds_the_temporary_files_of_a_killed_writer(dest) -> 
         assert list(reader.keys()) == [f"{FP}/a"]
         assert reader.verify().ok and reader.verify().checked == 1
     store.close()
-
-
-def _cli(*args: str) -> Any:
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO_ROOT
-
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )

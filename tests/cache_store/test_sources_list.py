@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from cache_store.sources.discover import (
     discover,
     discover_sources,
 )
+from tests.helpers.procs import run_spcache
 
 
 def _touch(path: Path) -> Path:
@@ -78,15 +78,11 @@ def test_discovery_counts_what_it_leaves_out_by_type(
 
 
 def _precompute(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", "precompute", *args]
-        + ["--recipe", "spc", "--param", "level=3", "--param", "surface_samples=300"]
-        + ["--cache", "cache", "--device", "cpu", "--loaders", "0"],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_spcache(
+        "precompute", *args, "--recipe", "spc", "--param", "level=3",
+        "--param", "surface_samples=300", "--cache", "cache", "--device", "cpu",
+        "--loaders", "0", cwd=cwd,
+    )  # fmt: skip
 
 
 def test_precompute_says_how_many_files_of_which_types_it_left_out(

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from cache_store.stores.base import Store
 from service.settings import Settings
 from tests.conftest import REPO_ROOT
 from tests.helpers.faults import report, served
+from tests.helpers.procs import run_spcache
 from tests.helpers.service import AUTH, TOKEN, build_cache
 
 HOSTILE_IDS = [
@@ -271,35 +270,28 @@ def test_hostile_ids_in_cli_manifests_fail_alone(tmp_path: Path) -> None:
     workdir = tmp_path / "cwd"
     workdir.mkdir()
     before = _files(tmp_path, cache)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "precompute",
-            str(manifest),
-            str(looks),
-            "--recipe",
-            "spc",
-            "--param",
-            "level=3",
-            "--param",
-            "surface_samples=100",
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "0",
-            "--json",
-        ],
+    result = run_spcache(
+        "precompute",
+        manifest,
+        looks,
+        "--recipe",
+        "spc",
+        "--param",
+        "level=3",
+        "--param",
+        "surface_samples=100",
+        "--cache",
+        cache,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--json",
         cwd=workdir,
-        capture_output=True,
-        text=True,
-        timeout=300,
         env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"},
+        inherit_env=False,
     )
     summary = json.loads(result.stdout)
     from cache_store.stores.lmdb import LMDBStore

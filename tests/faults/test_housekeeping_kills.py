@@ -11,29 +11,31 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cache_store.stores.lmdb import COMPACT_DIR, LMDBStore
 from tests.helpers.faults import report
-from tests.helpers.housekeeping import add_fingerprint, record_counts, spcache, spcache_popen
+from tests.helpers.housekeeping import add_fingerprint, record_counts
+from tests.helpers.procs import Proc, run_spcache, start_spcache
 
 
-def _kill_when(proc: object, ready: object, timeout: float = 120) -> bool:
+def _kill_when(proc: Proc, ready: Callable[[], bool], timeout: float = 120) -> bool:
     """SIGKILL ``proc`` as soon as ``ready()``; True if it was killed (not finished)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:  # type: ignore[attr-defined]
-            proc.communicate(timeout=10)  # type: ignore[attr-defined]
+        if not proc.alive():
+            proc.wait(10)
             return False
-        if ready():  # type: ignore[operator]
-            os.kill(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
-            proc.communicate(timeout=10)  # type: ignore[attr-defined]
+        if ready():
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
             return True
         time.sleep(0.001)
     raise AssertionError("the command never reached the point to kill it at")
 
 
-def _deleting(cache: Path, fp: str, n: int) -> object:
+def _deleting(cache: Path, fp: str, n: int) -> Callable[[], bool]:
     """Ready once ``fp`` is tombstoned and some (not all) of its ``n`` records are gone."""
     store = LMDBStore(cache)
 
@@ -44,7 +46,7 @@ def _deleting(cache: Path, fp: str, n: int) -> object:
 
 
 def _check_after(cache: Path, survivors: dict[str, int]) -> None:
-    verify = spcache("verify", "--cache", str(cache))
+    verify = run_spcache("verify", "--cache", str(cache))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     counts = record_counts(cache)
     for fp, n in survivors.items():
@@ -57,14 +59,14 @@ def test_sigkill_during_rm_then_rm_again_finishes(tmp_path: Path) -> None:
     gone = add_fingerprint(cache, 4, n=30000, nbytes=600)
     c = add_fingerprint(cache, 5, n=300, nbytes=2048)
     survivors = {a: 300, c: 300}
-    proc = spcache_popen("rm", gone, "--cache", str(cache))
+    proc = start_spcache("rm", gone, "--cache", str(cache))
     assert _kill_when(proc, _deleting(cache, gone, 30000))
     left = record_counts(cache).get(gone, 0)
     assert 0 < left < 30000, left  # killed in the middle of the deletion
     _check_after(cache, survivors)
-    listed = spcache("ls", "--cache", str(cache))
+    listed = run_spcache("ls", "--cache", str(cache))
     assert "removing" in listed.stdout  # ls says a removal is unfinished
-    again = spcache("rm", gone, "--cache", str(cache))
+    again = run_spcache("rm", gone, "--cache", str(cache))
     assert again.returncode == 0, again.stderr
     assert gone not in record_counts(cache)
     _check_after(cache, survivors)
@@ -84,12 +86,12 @@ def test_sigkill_during_prune_then_prune_again_finishes(tmp_path: Path) -> None:
             path.touch()
             os.utime(path, (now - age, now - age))
     size_new = LMDBStore(cache).fingerprint_size(new)[1]
-    proc = spcache_popen("prune", "--cache", str(cache), "--max-size", str(size_new))
+    proc = start_spcache("prune", "--cache", str(cache), "--max-size", str(size_new))
     assert _kill_when(proc, _deleting(cache, old, 30000))  # older went first, old is under way
     left = record_counts(cache).get(old, 0)
     assert 0 < left < 30000 and older not in record_counts(cache)
     _check_after(cache, {new: 300})
-    again = spcache("prune", "--cache", str(cache), "--max-size", str(size_new))
+    again = run_spcache("prune", "--cache", str(cache), "--max-size", str(size_new))
     assert again.returncode == 0, again.stderr
     assert set(record_counts(cache)) == {new}
     _check_after(cache, {new: 300})
@@ -100,9 +102,9 @@ def test_sigkill_during_compact_then_compact_again_finishes(tmp_path: Path) -> N
     cache = tmp_path / "cache"
     a = add_fingerprint(cache, 3, n=20000, nbytes=3000)
     gone = add_fingerprint(cache, 4, n=5000, nbytes=3000)
-    assert spcache("rm", gone, "--cache", str(cache)).returncode == 0
+    assert run_spcache("rm", gone, "--cache", str(cache)).returncode == 0
     spare = cache / COMPACT_DIR / "data.mdb"
-    proc = spcache_popen("compact", "--cache", str(cache))
+    proc = start_spcache("compact", "--cache", str(cache))
     killed = _kill_when(proc, lambda: spare.exists() and spare.stat().st_size > 0)
     assert killed
     assert spare.exists()  # a half-written copy is left beside the cache
@@ -112,7 +114,7 @@ def test_sigkill_during_compact_then_compact_again_finishes(tmp_path: Path) -> N
     store.put_many([])
     store.close()
     before = (cache / "records" / "data.mdb").stat().st_size
-    again = spcache("compact", "--cache", str(cache))
+    again = run_spcache("compact", "--cache", str(cache))
     assert again.returncode == 0, again.stderr
     assert not (cache / COMPACT_DIR).exists()
     after = (cache / "records" / "data.mdb").stat().st_size

@@ -15,8 +15,6 @@ named as damaged. Zero callers killed by a signal, zero tracebacks, zero raw 500
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -27,10 +25,10 @@ from cache_store.errors import CacheDamaged
 from cache_store.stores.isolated import stats_cache, verify_cache
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.index import DatasetIndex
-from tests.conftest import REPO_ROOT
-from tests.helpers.procs import FAULT_FINGERPRINT, SPEC, make_small_record
+from tests.helpers.fault_children import FAULT_FINGERPRINT, SPEC, make_small_record
 from tests.helpers.faults import env_int, report
-from tests.helpers.service import AUTH, LiveServer, start_server, stop_server
+from tests.helpers.procs import Server, run_spcache
+from tests.helpers.service import AUTH, start_server, stop_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -86,17 +84,6 @@ def _restore(path: Path, saved: list[tuple[int, int]]) -> None:
             fh.write(bytes([old]))
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
 def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
     trials = env_int("SPCACHE_FAULT_DAMAGE_TRIALS", 30)
     root = tmp_path / "cache"
@@ -107,7 +94,7 @@ def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
     cache = str(root)
     rng = np.random.default_rng(1515)
     env = {"SPCACHE_STATS_TTL_S": "0"}
-    server: LiveServer = start_server(root, sources, "--no-worker", env=env)
+    server: Server = start_server(root, sources, "--no-worker", env=env)
     outcomes = {"harmless": 0, "record_corrupt": 0, "cache_damaged": 0}
     aborts = server_deaths = 0
     failures: list[str] = []
@@ -130,7 +117,7 @@ def test_byte_flips_in_data_mdb_never_kill_a_caller(tmp_path: Path) -> None:
                     seen.add("damaged")
                 # the CLI
                 for command in ("verify", "stats"):
-                    done = _cli(command, "--cache", cache, "--json")
+                    done = run_spcache(command, "--cache", cache, "--json")
                     if done.returncode < 0:
                         aborts += 1
                         failures.append(

@@ -16,9 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,9 +25,8 @@ import trimesh
 
 from cache_store.snapshot.sharded import ShardedSnapshot
 from cache_store.stores.base import open_store
-from tests.conftest import REPO_ROOT
 from tests.helpers.faults import report
-from tests.helpers.proctree import kill_all, spcache, tree, wait_for
+from tests.helpers.procs import run_spcache, start_spcache, tree, wait_for, wait_gone
 
 PARAMS = ["--param", "level=6", "--param", "surface_samples=300000"]
 
@@ -78,20 +74,14 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
         "0",
         "--json",
     )
-    proc = spcache(*args, log=tmp_path / "first.log")
-    try:
-        wait_for(
-            lambda: _committed(dest) >= 3 or proc.poll() is not None, 240, "three committed parts"
-        )
-        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+    with start_spcache(*args) as proc:
+        wait_for(lambda: _committed(dest) >= 3, 240, "three committed parts", proc=proc)
         procs = tree(proc.pid)
         for p in procs:  # the driver and everything it started, at once
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        kill_all(tree(proc.pid))
-    time.sleep(1)
+        proc.wait(30)
+        assert wait_gone(procs) == []
     with ShardedSnapshot(dest) as snap:
         fingerprints = [p.name for p in dest.iterdir() if p.is_dir()]
         (fp,) = fingerprints
@@ -101,13 +91,7 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
     # every actor died with the driver: no attempt was retried, so no sample twice
     assert _commits_per_sample(dest, fp) == Counter(dict.fromkeys(before, 1))
 
-    second = subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    second = run_spcache(*args)
     assert second.returncode == 1, second.stderr[-3000:]  # broken.obj failed, as it must
     summary = json.loads(second.stdout)
     assert summary["skipped"] == len(before)
@@ -131,31 +115,13 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
         )
         report_ = snap.verify()
         assert report_.ok and report_.checked == 16
-    merged = subprocess.run(
-        [sys.executable, "-m", "spcache", "merge", str(dest), "--json"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    merged = run_spcache("merge", dest, "--json")
     assert merged.returncode == 0 and json.loads(merged.stdout)["merged"] == {fp: 16}
-    verified = subprocess.run(
-        [sys.executable, "-m", "spcache", "verify", "--cache", str(dest)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    verified = run_spcache("verify", "--cache", dest)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
     cache = tmp_path / "cache"
-    imported = subprocess.run(
-        [sys.executable, "-m", "spcache", "import", str(dest), "--cache", str(cache), "--json"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    imported = run_spcache("import", dest, "--cache", cache, "--json")
     assert imported.returncode == 0, imported.stderr
     assert json.loads(imported.stdout) == {fp: {"copied": 16, "present": 0}}
     with open_store(cache) as lmdb_cache, ShardedSnapshot(dest) as snap:

@@ -21,7 +21,7 @@ import pytest
 
 import cache_store.stores.lmdb as lmdb_store
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.procs import batch_key, make_small_record
+from tests.helpers.fault_children import batch_key, make_small_record
 from tests.helpers.faults import Child, env_int, report
 
 READERS = env_int("SPCACHE_FAULT_STALE_READERS", 8)

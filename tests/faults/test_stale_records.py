@@ -22,9 +22,6 @@ Figures: seconds for the stale sample's recompute, and the per-read cost of the 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -37,13 +34,12 @@ from torch.utils.data import DataLoader
 from cache_store import CachedDataset
 from cache_store.errors import SpcacheError
 from cache_store.format.header import read_metadata
-from cache_store.jobs.queue import JobQueue
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.sources.files import hash_source_file
 from cache_store.stores.lmdb import LMDBStore
-from tests.conftest import REPO_ROOT
 from tests.helpers.faults import report
+from tests.helpers.read_through import start_worker, stop_worker
 
 PARAMS = {"level": 4, "surface_samples": 200}
 IDS = ["a", "b", "c"]
@@ -53,38 +49,6 @@ def _cloud(path: Path, seed: int) -> None:
     np.save(path, np.random.default_rng(seed).uniform(-1, 1, size=(300, 3)))
     past = time.time() - 3600  # old enough for the stat signature to be trusted
     os.utime(path, (past + seed, past + seed))
-
-
-def _worker(cache: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "workers",
-            "worker",
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "0",
-            "--poll",
-            "0.05",
-            "--log-level",
-            "warning",
-        ],
-        cwd=REPO_ROOT,
-    )
-    queue = JobQueue(cache)
-    deadline = time.monotonic() + 60
-    while not queue.live_workers():
-        assert proc.poll() is None, "the worker exited at start"
-        assert time.monotonic() < deadline, "no worker heartbeat within 60 s"
-        time.sleep(0.05)
-    queue.close()
-    return proc
 
 
 def _as_list(batch: list[Any]) -> list[Any]:
@@ -118,7 +82,7 @@ def test_an_edited_or_colliding_source_is_recomputed_never_served_stale(tmp_path
     for n, sid in enumerate(IDS):
         _cloud(first / f"{sid}.npy", n)
         _cloud(second / f"{sid}.npy", 100 + n)  # same ids, other shapes
-    worker = _worker(cache)
+    worker = start_worker(cache)
     try:
         ds = CachedDataset(cache, "spc", sources=first, miss_timeout=120, **PARAMS)
         loader = DataLoader(
@@ -180,8 +144,7 @@ def test_an_edited_or_colliding_source_is_recomputed_never_served_stale(tmp_path
                 ds_[n % len(IDS)]
             timings[name] = (time.perf_counter() - start) / reads * 1e6
     finally:
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=60) == 0
+        stop_worker(worker)
     report(
         "stale_records",
         {

@@ -23,7 +23,7 @@ import pytest
 
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.decode import decode_arrays
-from tests.helpers.procs import FAULT_FINGERPRINT, batch_key
+from tests.helpers.fault_children import FAULT_FINGERPRINT, batch_key
 from tests.helpers.faults import Child, env_int, report
 
 KILLS = env_int("SPCACHE_FAULT_WRITER_KILLS", 20)

@@ -11,17 +11,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-import time
+import re
 from collections.abc import Iterator
 from typing import Any
 
-
-from tests.conftest import REPO_ROOT
+from tests.helpers.fault_children import FAULT_CHILD
+from tests.helpers.procs import Proc
 
 
 def env_int(name: str, default: int) -> int:
@@ -42,83 +37,28 @@ def report(case: str, figures: dict[str, Any]) -> None:
             fh.write(line + "\n")
 
 
-class Child:
-    """A ``python -m tests.helpers.procs`` child whose stdout lines arrive on a queue."""
+class Child(Proc):
+    """A ``python -m tests.helpers.fault_children`` child whose stdout lines are taken
+    in order: :meth:`expect` the next one of a kind, :meth:`drain` the rest."""
 
     def __init__(self, *args: str, stdin: bool = False) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.procs", *args],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._pump, daemon=True)
-        self._reader.start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+        super().__init__([*FAULT_CHILD, *args], stdin=stdin)
+        self._taken = 0  # stdout lines consumed by expect/drain
 
     def expect(self, prefix: str | tuple[str, ...], timeout: float = 60.0) -> str:
-        """The next line starting with ``prefix`` (other lines are returned by ``seen``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"child {self.pid}: no {prefix!r} line in {timeout} s")
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise AssertionError(
-                    f"child {self.pid} exited ({self.proc.wait()}) before printing {prefix!r}"
-                )
-            if line.startswith(prefix):
-                return line
+        """The next stdout line starting with ``prefix`` (the lines before it are passed
+        over); fails if the child exits or ``timeout`` passes first."""
+        prefixes = (prefix,) if isinstance(prefix, str) else prefix
+        pattern = "^(?:" + "|".join(re.escape(p) for p in prefixes) + ")"
+        index, match = self.next_line(pattern, timeout, stream="stdout", start=self._taken)
+        self._taken = index + 1
+        return match.string
 
     def drain(self) -> list[str]:
-        """Every line printed so far (after the process is gone: all of them)."""
-        out = []
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                return out
-            if line is not None:
-                out.append(line)
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-        self._close()
-
-    def wait(self, timeout: float) -> int:
-        code = self.proc.wait(timeout)
-        self._close()
-        return code
-
-    def _close(self) -> None:
-        self._reader.join(10)
-        for pipe in (self.proc.stdout, self.proc.stdin):
-            if pipe is not None and not pipe.closed:
-                with contextlib.suppress(BrokenPipeError):
-                    pipe.close()
+        """Every stdout line not taken yet (after the process is gone: all of them)."""
+        rest = self.out_lines[self._taken :]
+        self._taken += len(rest)
+        return rest
 
 
 @contextlib.contextmanager

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +9,8 @@ import numpy as np
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.procs import make_small_record
+from tests.helpers.fault_children import make_small_record
 from tests.helpers.synthetic import fingerprint_of
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def add_fingerprint(cache: Path, level: int, n: int, nbytes: int, *, batch: int = 2000) -> str:
@@ -46,25 +42,3 @@ def record_counts(cache: Path) -> dict[str, int]:
         return {fp: e["records"] for fp, e in store.stats()["fingerprints"].items()}
     finally:
         store.close()
-
-
-def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """``python -m spcache ARGS`` from the repository root; its result."""
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def spcache_popen(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )

@@ -1,19 +1,13 @@
 """The service under test: a real LMDB cache with records, the app under a real uvicorn
-(in-process or as a live `spcache serve`), free ports and the test token."""
+(in-process or as a live `spcache serve`) and the test token."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import threading
-
-import httpx
 import numpy as np
 import torch
 import uvicorn
@@ -26,7 +20,7 @@ from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex
 from service.app import create_app
 from service.settings import Settings
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import Server, bound_socket, serve
 
 TOKEN = "test-token-0123456789"
 
@@ -96,8 +90,7 @@ class InProcessServer:
     def __init__(self, settings: Settings | None, app: object = None) -> None:
         # bound here and handed to uvicorn: a port looked up free and bound later can be
         # taken in between (another test's client connection, on a busy machine)
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.socket.bind(("127.0.0.1", 0))
+        self.socket = bound_socket()
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(settings) if app is None else app
@@ -135,57 +128,35 @@ class InProcessServer:
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class LiveServer:
-    url: str
-    proc: subprocess.Popen
-
-
-def start_server(cache: Path, sources: Path, *extra: str, env: dict | None = None) -> LiveServer:
-    port = free_port()
-    full_env = {**os.environ, "SPCACHE_TOKEN": TOKEN, **(env or {})}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "service.cli",
-            "--cache",
-            str(cache),
-            "--port",
-            str(port),
-            "--source-root",
-            str(sources),
-            "--log-level",
-            "warning",
-            *extra,
-        ],
-        cwd=REPO_ROOT,
-        env=full_env,
+def start_server(
+    cache: Path,
+    sources: Path,
+    *extra: str,
+    env: dict[str, str | None] | None = None,
+    token: str | None = TOKEN,
+) -> Server:
+    """``spcache serve`` over ``cache`` with the test token (``token=None``: none),
+    ``sources`` as its source root, on a socket bound first (``tests.helpers.procs.serve``);
+    ``--host H`` in ``extra`` binds that address."""
+    args = list(extra)
+    host = "127.0.0.1"
+    if "--host" in args:
+        at = args.index("--host")
+        host = args[at + 1]
+        del args[at : at + 2]
+    return serve(
+        "--cache",
+        cache,
+        "--source-root",
+        sources,
+        "--log-level",
+        "warning",
+        *args,
+        host=host,
+        env={"SPCACHE_TOKEN": token, **(env or {})},
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return LiveServer(url, proc)
-        except httpx.TransportError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("server did not come up in 30 s")
 
 
-def stop_server(server: LiveServer) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+def stop_server(server: Server) -> None:
+    """SIGTERM, as a user stops it; whatever is left after a generous wait is killed."""
+    server.stop()

@@ -10,11 +10,11 @@ import httpx
 import pytest
 
 from service.settings import Settings
+from tests.helpers.procs import Server
 from tests.helpers.service import (
     TOKEN,
     Cache,
     InProcessServer,
-    LiveServer,
     build_cache,
     start_server,
     stop_server,
@@ -44,7 +44,7 @@ def client(settings: Settings) -> Iterator[httpx.Client]:
 
 
 @pytest.fixture
-def live(cache: Cache) -> Iterator[LiveServer]:
+def live(cache: Cache) -> Iterator[Server]:
     server = start_server(cache.root, cache.sources, "--no-worker")
     try:
         yield server

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from pydantic import ValidationError
 
 from cache_store.jobs.queue import JobQueue
 from service.settings import Settings, is_loopback
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run
 from tests.helpers.service import AUTH, Cache
 
 
@@ -77,35 +76,26 @@ def test_source_roots_from_the_environment(tmp_path: Path, monkeypatch: pytest.M
 )
 def test_serve_refuses_an_open_bind_at_start_up(tmp_path: Path, entry: list[str]) -> None:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            *entry,
-            "--cache",
-            str(tmp_path),
-            "--host",
-            "0.0.0.0",
-            "--no-worker",
-        ],
-        cwd=REPO_ROOT,
+    r = run(
+        [sys.executable, "-m", *entry, "--cache", tmp_path, "--host", "0.0.0.0", "--no-worker"],
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
+        inherit_env=False,
     )
     assert r.returncode == 2 and "without a token" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 _SERVE_ONE = """
-import sys, threading, time, httpx, uvicorn
+import socket, sys, threading, time, httpx, uvicorn
 from service.app import create_app
 from service.settings import Settings
-cache, fp, sid, port = sys.argv[1:5]
+cache, fp, sid = sys.argv[1:4]
+sock = socket.socket()
+sock.bind(("127.0.0.1", 0))
+port = sock.getsockname()[1]
 server = uvicorn.Server(uvicorn.Config(create_app(Settings(cache=cache)), host="127.0.0.1",
-                                       port=int(port), log_config=None, log_level="warning"))
-thread = threading.Thread(target=server.run, daemon=True)
+                                       port=port, log_config=None, log_level="warning"))
+thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
 thread.start()
 while not server.started:
     time.sleep(0.01)
@@ -122,25 +112,9 @@ print(codes, heavy)
 
 
 def test_serving_imports_neither_torch_nor_workers(cache: Cache) -> None:
-    from tests.helpers.service import free_port
-
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _SERVE_ONE,
-            str(cache.root),
-            cache.fingerprint,
-            cache.ids[0],
-            str(free_port()),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout.strip()
-    assert out == "[200, 200, 200, 200, 200] []"
+    out = run([sys.executable, "-c", _SERVE_ONE, cache.root, cache.fingerprint, cache.ids[0]])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[200, 200, 200, 200, 200] []"
 
 
 def test_readers_full_is_503_with_retry_after_and_bugs_are_500_json(settings: Settings) -> None:

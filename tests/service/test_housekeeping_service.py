@@ -3,7 +3,6 @@ fingerprint on DELETE /v1/caches/{fingerprint}."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,7 +11,8 @@ import httpx
 import pytest
 
 from cache_store import housekeeping as hk
-from tests.helpers.housekeeping import REPO_ROOT, add_fingerprint
+from tests.helpers.housekeeping import add_fingerprint
+from tests.helpers.procs import run_spcache
 from tests.helpers.service import AUTH, start_server, stop_server
 
 # four fingerprints of about the same size: the same recipe, a different query count
@@ -90,25 +90,7 @@ def test_max_size_keeps_a_running_service_under_its_limit(
     assert len(seen[-1]) == 2
 
     # a limit smaller than a fingerprint already stored is refused at start
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "serve",
-            "--cache",
-            str(cache),
-            "--port",
-            "0",
-            "--max-size",
-            str(one // 2),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    refused = run_spcache("serve", "--cache", cache, "--port", "0", "--max-size", str(one // 2))
     assert refused.returncode == 2
     assert "--max-size" in refused.stderr and "is smaller than fingerprint" in refused.stderr
 

@@ -25,7 +25,14 @@ import pytest
 
 from service.preview import BACKGROUND, decode_png_rgb
 from tests.conftest import SHARED_DATA
-from tests.helpers.service import AUTH, LiveServer, start_server, stop_server
+from tests.helpers.procs import Server
+from tests.helpers.service import (
+    AUTH,
+    TOKEN,
+    build_cache,
+    start_server,
+    stop_server,
+)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
@@ -75,7 +82,7 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[LiveServer, list[Path], Path, str]]:
+def served(tmp_path: Path) -> Iterator[tuple[Server, list[Path], Path, str]]:
     good, bad, subject = _sources(tmp_path / "sources")
     server = start_server(
         tmp_path / "cache", tmp_path / "sources", "--device", "cpu", "--backend", "torch"
@@ -313,6 +320,98 @@ def test_cancel_asks_for_the_token_and_sends_it_as_a_header(
             assert "token" not in url.lower() and token not in url and "not-the-token" not in url
         assert deletes[0][1]["authorization"] == "Bearer not-the-token"
         assert deletes[1][1]["authorization"] == AUTH["Authorization"]
+        assert attempted == []
+    finally:
+        stop_server(server)
+
+
+def _remove_row(page: object, fp: str) -> object:
+    row = page.locator(f"tr[data-fingerprint='{fp}']")
+    row.wait_for(timeout=30_000)
+    row.get_by_role("button", name="Remove").click()
+    page.locator("#token-dialog").wait_for(state="visible")
+    return row
+
+
+def _shoot(page: object, tmp_path: Path, name: str) -> None:
+    where = _shots() or tmp_path
+    where.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(where / name))
+
+
+@pytest.mark.parametrize("token", [TOKEN, None], ids=["with-token", "without-token"])
+def test_the_page_asks_for_a_token_only_when_the_service_has_one(
+    browser: object, tmp_path: Path, token: str | None
+) -> None:
+    """Remove and Cancel: with a token, the dialog asks for it (a wrong one is refused by
+    the service); without one (any string would do), Remove asks only to confirm and
+    Cancel asks nothing, and no Authorization header is sent."""
+    built = build_cache(tmp_path, n=2)
+    server = start_server(built.root, built.sources, "--no-worker", token=token)
+    try:
+        ready = httpx.get(server.url + "/readyz", timeout=30).json()
+        assert ready["token_required"] is (token is not None)
+        items = [{"id": "late", "path": str(built.sources / "shapes" / "s0.obj")}]
+        r = httpx.post(
+            server.url + "/v1/warmup",
+            headers=AUTH if token else {},
+            timeout=30,
+            json={"recipe": "spc", "params": {"level": 6}, "items": items},
+        )
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]  # no worker: it stays pending
+        page, attempted = _offline_page(browser, 1280, 800)
+        deletes: list[dict] = []
+        page.on(
+            "request", lambda req: deletes.append(req.headers) if req.method == "DELETE" else None
+        )
+        page.goto(server.url + "/")
+        row = _remove_row(page, built.fingerprint)
+        field = page.locator("#token-field")
+        if token is None:
+            assert field.is_hidden()
+            assert "Remove spc" in page.locator("#token-why").inner_text()
+            _shoot(page, tmp_path, "page-remove-without-token.png")
+            page.click("#token-ok")
+        else:
+            assert field.is_visible()
+            _shoot(page, tmp_path, "page-remove-with-token.png")
+            page.fill("#token", "not-the-token")
+            page.click("#token-ok")
+            page.wait_for_function(
+                "() => document.getElementById('caches-message').textContent"
+                ".includes('not accepted')",
+                timeout=15_000,
+            )
+            assert row.count() == 1  # refused: still listed
+            _remove_row(page, built.fingerprint)
+            assert field.is_visible()
+            page.fill("#token", token)
+            page.click("#token-ok")
+        page.wait_for_function(
+            "() => document.getElementById('caches-message').textContent.startsWith('Removed')",
+            timeout=15_000,
+        )
+        assert "records" in page.locator("#caches-message").inner_text()
+        assert (
+            httpx.get(f"{server.url}/v1/caches/{built.fingerprint}", timeout=30).status_code == 404
+        )
+
+        jobs = page.locator(f"tr[data-job='{job_id}']")
+        jobs.wait_for(timeout=15_000)
+        jobs.get_by_role("button", name="Cancel").click()
+        # no dialog either way: no token needed, or the accepted one is kept for the tab
+        assert page.locator("#token-dialog").is_hidden()
+        page.wait_for_function(
+            "id => document.querySelector(`tr[data-job='${id}']`)?.dataset.status === 'cancelled'",
+            arg=job_id,
+            timeout=15_000,
+        )
+        sent = [headers.get("authorization") for headers in deletes]
+        if token is None:
+            assert sent == [None, None]
+        else:
+            assert sent == ["Bearer not-the-token", f"Bearer {token}", f"Bearer {token}"]
         assert attempted == []
     finally:
         stop_server(server)

@@ -85,10 +85,9 @@ def test_http_no_worker_fails_fast_and_bad_mesh_fails_alone(
             warm_ahead=0,
             **PARAMS,
         )
-        start = time.monotonic()
+        # at once: a wait for the record would end in MissTimeout, not this
         with pytest.raises(NoWorkerAlive, match=f"spcache worker --cache {cache}"):
             ds[0]
-        assert time.monotonic() - start < 5
         assert JobQueue(cache).counts()["pending"] == 0  # nothing queued for nobody
         proc = start_worker(cache)
         try:
@@ -142,19 +141,18 @@ def test_waiting_bound_dedupe_and_batch_wait(tmp_path: Path, corpus_meshes: list
         ctx = server.app.state.ctx
         answers: list[httpx.Response] = []
 
-        def wait_get() -> None:
-            answers.append(http.get(f"/v1/caches/{fp}/records/m", params={"wait": 2}))
+        def wait_get() -> None:  # held long enough that the extra request finds them waiting
+            answers.append(http.get(f"/v1/caches/{fp}/records/m", params={"wait": 20}))
 
         waiters = [threading.Thread(target=wait_get) for _ in range(2)]
         for t in waiters:
             t.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while ctx.waits.taken < 2:
             assert time.monotonic() < deadline, "the waits did not start"
             time.sleep(0.01)
-        start = time.monotonic()
+        # refused at once: had it waited, it would have answered 404 once its own wait ended
         extra = http.get(f"/v1/caches/{fp}/records/m", params={"wait": 2})
-        assert time.monotonic() - start < 1.5
         assert extra.status_code == 503 and extra.headers["retry-after"]
         assert extra.json()["error"] == "WaitingFull"
         assert http.get("/healthz").status_code == 200  # the loop is not blocked

@@ -8,7 +8,8 @@ import safetensors.numpy
 from cache_store.format.wire import BATCH_MEDIA_TYPE, decode_batch
 from cache_store.format.decode import decode_record
 from cache_store.format.header import record_checksum
-from tests.helpers.service import Cache, LiveServer
+from tests.helpers.procs import Server
+from tests.helpers.service import Cache
 
 
 def _url(cache: Cache, sid: str) -> str:
@@ -16,7 +17,7 @@ def _url(cache: Cache, sid: str) -> str:
 
 
 def test_live_records_are_byte_identical_and_parse_with_safetensors(
-    live: LiveServer, cache: Cache
+    live: Server, cache: Cache
 ) -> None:
     with httpx.Client(base_url=live.url) as http:
         for sid, stored in cache.values.items():

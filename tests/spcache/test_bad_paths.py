@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.procs import run, spcache_argv
 from tests.conftest import REPO_ROOT
 
 NOBODY = 65534
@@ -85,16 +84,11 @@ CASES = [
 def test_a_bad_path_is_one_line_naming_it_with_exit_2(
     scratch: Path, command: str, arguments: str, named: str, unprivileged: bool
 ) -> None:
-    argv = [sys.executable, "-m", "spcache", command, *arguments.format(s=scratch).split()]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("SPCACHE_CACHE", None)
-    proc = subprocess.run(
+    argv = spcache_argv(command, *arguments.format(s=scratch).split())
+    proc = run(
         (_as_nobody() if unprivileged else []) + argv,
         cwd=scratch,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        env={"PYTHONPATH": str(REPO_ROOT), "SPCACHE_CACHE": None},
     )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2, proc.stderr[-2000:]

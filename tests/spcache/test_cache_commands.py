@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from cache_store.jobs.failures import FailureLog
@@ -12,18 +10,8 @@ from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.index import DatasetIndex
 from spcache.cli import resolve, subcommand_parser
+from tests.helpers.procs import run_spcache
 from tests.helpers.synthetic import fingerprint_of, make_record
-from tests.conftest import REPO_ROOT
-
-
-def _spcache(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def _cache_with_failures(root: Path) -> str:
@@ -58,7 +46,7 @@ def test_stats_lists_failed_samples_with_their_reasons(tmp_path: Path) -> None:
     fp = _cache_with_failures(tmp_path)
     # a precompute failure, remembered in the failure log (not the queue)
     FailureLog(tmp_path).record(fp, "bad3", "/data/bad3.stl", "h3", "bad3.stl: not a mesh")
-    out = _spcache("stats", "--cache", str(tmp_path), "--json")
+    out = run_spcache("stats", "--cache", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     failed = data["fingerprints"][fp]["failed"]
@@ -71,7 +59,7 @@ def test_stats_lists_failed_samples_with_their_reasons(tmp_path: Path) -> None:
     assert all(f["when"].endswith("Z") for f in failed["items"])
     (job,) = data["fingerprints"][fp]["jobs"]
     assert job["status"] == "done_with_errors" and job["counts"] == {"done": 1, "failed": 2}
-    text = _spcache("stats", "--cache", str(tmp_path)).stdout
+    text = run_spcache("stats", "--cache", str(tmp_path)).stdout
     # grouped per fingerprint: the block of fp holds its job and its failures
     block = text.split(f"fingerprint {fp}")[1]
     assert "done with errors" in block and "failed   3" in block
@@ -83,7 +71,7 @@ def test_stats_of_a_cache_without_a_queue_creates_none(tmp_path: Path) -> None:
     fp = fingerprint_of("spc", level=4)
     with LMDBStore(tmp_path, readonly=False) as store:
         store.put_many([(f"{fp}/s0", make_record(fp, "s0", 0))])
-    out = _spcache("stats", "--cache", str(tmp_path), "--json")
+    out = run_spcache("stats", "--cache", str(tmp_path), "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["failed"] == 0 and data["fingerprints"][fp]["failed"] == {"count": 0, "items": []}

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,13 +12,8 @@ import torch.utils.data
 from cache_store.errors import FingerprintRemoved
 from cache_store.readers.dataset import CachedDataset
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.housekeeping import (
-    REPO_ROOT,
-    add_fingerprint,
-    record_counts,
-    spcache,
-    spcache_popen,
-)
+from tests.helpers.housekeeping import add_fingerprint, record_counts
+from tests.helpers.procs import Proc, run_spcache, start, start_spcache
 
 
 def _loader(ds: CachedDataset) -> torch.utils.data.DataLoader:
@@ -36,7 +29,7 @@ def _loader(ds: CachedDataset) -> torch.utils.data.DataLoader:
 
 
 def _read_while(
-    loader: torch.utils.data.DataLoader, proc: subprocess.Popen[str], timeout: float = 240
+    loader: torch.utils.data.DataLoader, proc: Proc, timeout: float = 240
 ) -> tuple[int, list[str]]:
     """Iterate epochs until ``proc`` exited and one more epoch ran. Returns (samples
     read, errors)."""
@@ -44,7 +37,7 @@ def _read_while(
     deadline = time.monotonic() + timeout
     finished_epochs_after = 0
     while finished_epochs_after < 1 and time.monotonic() < deadline:
-        done = proc.poll() is not None
+        done = not proc.alive()
         try:
             for batch in loader:
                 for sample in batch:
@@ -71,11 +64,10 @@ def test_rm_and_compact_while_forked_workers_read_another_fingerprint(tmp_path: 
     loader = _loader(ds)
     first = next(iter(loader))  # the workers are up and reading
     assert len(first) == 16
-    rm = spcache_popen("rm", gone, "--cache", str(cache), "--json")
+    rm = start_spcache("rm", gone, "--cache", str(cache), "--json")
     read, errors = _read_while(loader, rm)
-    out, err = rm.communicate(timeout=60)
-    assert rm.returncode == 0, err
-    (report,) = json.loads(out)
+    assert rm.wait(60) == 0, rm.stderr()
+    (report,) = json.loads(rm.stdout())
     assert report["records"] == 6000 and report["fingerprint"] == gone
     assert errors == [] and read >= 400
 
@@ -84,18 +76,17 @@ def test_rm_and_compact_while_forked_workers_read_another_fingerprint(tmp_path: 
         reader_of_gone[5]
     with pytest.raises(FingerprintRemoved, match="was removed"):
         len(CachedDataset(str(cache), gone))
-    verify = spcache("verify", "--cache", str(cache))
+    verify = run_spcache("verify", "--cache", str(cache))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "cache verifies clean" in verify.stdout
     assert record_counts(cache) == {keep: counts[keep], other: counts[other]}
 
     # compact while the workers keep reading the survivors
     size_before = (cache / "records" / "data.mdb").stat().st_size
-    compact = spcache_popen("compact", "--cache", str(cache), "--json")
+    compact = start_spcache("compact", "--cache", str(cache), "--json")
     read, errors = _read_while(loader, compact)
-    out, err = compact.communicate(timeout=60)
-    assert compact.returncode == 0, err
-    sizes = json.loads(out)
+    assert compact.wait(60) == 0, compact.stderr()
+    sizes = json.loads(compact.stdout())
     size_after = (cache / "records" / "data.mdb").stat().st_size
     assert sizes == {"before": size_before, "after": size_after}
     # the removed bytes come back, less LMDB's page overhead (a page header per overflow
@@ -103,7 +94,7 @@ def test_rm_and_compact_while_forked_workers_read_another_fingerprint(tmp_path: 
     assert size_before - size_after >= report["bytes"] - 6000 * 4096 // 4, (sizes, report)
     assert errors == [] and read >= 400
     del loader
-    assert spcache("verify", "--cache", str(cache)).returncode == 0
+    assert run_spcache("verify", "--cache", str(cache)).returncode == 0
     assert record_counts(cache) == {keep: counts[keep], other: counts[other]}
     store = LMDBStore(cache)
     assert store.get_record(f"{other}/s000007").metadata["sample_id"] == "s000007"
@@ -113,17 +104,15 @@ def test_rm_and_compact_while_forked_workers_read_another_fingerprint(tmp_path: 
 def test_compact_while_a_writer_process_writes_loses_no_commit(tmp_path: Path) -> None:
     """A writer that committed before, during and after the swap: every batch it said was
     committed is in the compacted file (none went to the swapped-out one)."""
-    from tests.helpers.procs import FAULT_FINGERPRINT
+    from tests.helpers.fault_children import FAULT_CHILD, FAULT_FINGERPRINT
 
     cache = tmp_path / "cache"
     keep = add_fingerprint(cache, 4, n=6000, nbytes=3000)
     gone = add_fingerprint(cache, 5, n=3000, nbytes=3000)
-    assert spcache("rm", gone, "--cache", str(cache)).returncode == 0
-    writer = subprocess.Popen(
+    assert run_spcache("rm", gone, "--cache", str(cache)).returncode == 0
+    writer = start(
         [
-            sys.executable,
-            "-m",
-            "tests.helpers.procs",
+            *FAULT_CHILD,
             "writer",
             str(cache),
             "--batches",
@@ -132,26 +121,18 @@ def test_compact_while_a_writer_process_writes_loses_no_commit(tmp_path: Path) -
             "50",
             "--record-bytes",
             "1000",
-        ],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+        ]
     )
-    assert writer.stdout is not None
-    for line in writer.stdout:  # start compacting once the writer is under way
-        if line.strip() == "committed 2":
-            break
-    compact = spcache("compact", "--cache", str(cache), "--json")
-    still_writing = writer.poll() is None  # so it also wrote after the swap
-    out, err = writer.communicate(timeout=300)
+    writer.wait_line("^committed 2$")  # start compacting once the writer is under way
+    compact = run_spcache("compact", "--cache", str(cache), "--json")
+    still_writing = writer.alive()  # so it also wrote after the swap
+    assert writer.wait(300) == 0, writer.stderr()
     assert still_writing
-    assert writer.returncode == 0, err
     assert compact.returncode == 0, compact.stderr
     sizes = json.loads(compact.stdout)
     assert sizes["after"] < sizes["before"]
-    assert "finished" in out
+    assert "finished" in writer.stdout()
     counts = record_counts(cache)
     assert counts[FAULT_FINGERPRINT] == 400 * 50  # every committed batch survived the swap
     assert counts[keep] == 6000 and gone not in counts
-    assert spcache("verify", "--cache", str(cache)).returncode == 0
+    assert run_spcache("verify", "--cache", str(cache)).returncode == 0

@@ -11,11 +11,9 @@ for such a folder anywhere under the directory the commands ran in.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import pytest
 
 from cache_store import CachedDataset
 from tests.helpers.s3 import S3Server, moto_s3
+from tests.helpers.procs import run_spcache
 
 #: small enough for a loaded 2-core machine; the README's command has level=8
 SPC = ["--recipe", "spc", "--param", "level=5"]
@@ -38,14 +37,7 @@ def s3() -> Iterator[S3Server]:
 def spcache(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``spcache ARGS`` as typed in a shell in ``cwd`` (this test's environment: the S3
     server's address and credentials)."""
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=os.environ.copy(),
-    )
+    return run_spcache(*args, cwd=cwd, timeout=timeout)
 
 
 def _workdir(tmp_path: Path, meshes: list[Path]) -> Path:

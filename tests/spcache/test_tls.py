@@ -7,11 +7,7 @@ for these tests only (``openssl req -x509 -newkey rsa:2048 -nodes -days 36500
 
 from __future__ import annotations
 
-import signal
 import ssl
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -26,45 +22,11 @@ from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import make_record, spc_fields
 from tests.conftest import REPO_ROOT
-from tests.helpers.proctree import free_port
+from tests.helpers.procs import run_spcache, serve
 
 TLS = REPO_ROOT / "tests" / "data" / "tls"
 CERT, KEY = TLS / "cert.pem", TLS / "key.pem"
 FP = compute_fingerprint("spc", 1, {})
-
-
-def _serve(cache: Path, port: int, *flags: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "serve",
-            "--cache",
-            str(cache),
-            "--port",
-            str(port),
-            "--no-worker",
-            *flags,
-        ],
-        cwd=REPO_ROOT,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_https(url: str, proc: subprocess.Popen[str], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    trust = ssl.create_default_context(cafile=str(CERT))
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            if httpx.get(f"{url}/healthz", verify=trust, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"serve did not answer on {url} within {timeout}s")
 
 
 def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
@@ -76,11 +38,12 @@ def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
     store.put_many([(f"{FP}/a1", value)])
     store.put_index(DatasetIndex(FP, "spc", 1, {}, np.array(["a1"])))
     store.close()
-    port = free_port()
-    url = f"https://127.0.0.1:{port}"
-    proc = _serve(cache, port, "--tls-certfile", str(CERT), "--tls-keyfile", str(KEY))
-    try:
-        _wait_https(url, proc)
+    trust = ssl.create_default_context(cafile=str(CERT))
+    with serve(
+        "--cache", cache, "--no-worker", "--tls-certfile", CERT, "--tls-keyfile", KEY, verify=trust
+    ) as server:
+        url = server.url
+        assert url == f"https://127.0.0.1:{server.port}"
         with HTTPStore(url, ca_file=CERT, retries=0) as reader:
             record = reader.get_record(f"{FP}/a1")
             assert torch.equal(record["octree"], spc_fields(0)["octree"])
@@ -91,11 +54,9 @@ def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"{url}/healthz", timeout=5)  # the system's CAs do not know it
         with pytest.raises(httpx.TransportError):  # and nothing answers in plain HTTP
-            httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert f"spcache serve: listening on {url}" in err
+            httpx.get(f"http://127.0.0.1:{server.port}/healthz", timeout=5)
+        server.stop()
+    assert f"spcache serve: listening on {url}" in server.proc.stderr()
 
 
 @pytest.mark.parametrize(
@@ -112,10 +73,9 @@ def test_serve_speaks_https_and_a_reader_trusting_its_certificate_reads_records(
 def test_bad_tls_files_are_one_line_at_start(
     tmp_path: Path, flags: list[str], message: str
 ) -> None:
-    proc = _serve(tmp_path / "cache", free_port(), *flags)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2, err
-    assert message in err and "Traceback" not in err
+    out = run_spcache("serve", "--cache", tmp_path / "cache", "--port", "0", "--no-worker", *flags)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("ca_file", [KEY, TLS / "missing.pem"])

@@ -8,6 +8,8 @@ them through ``SPCACHE_RECIPES`` (``tests.workers.plugin_recipes:Probe``).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from spcache.recipes import Field, Param, Recipe
@@ -24,6 +26,7 @@ MODES = (
     "compute",
     "not_a_dict",
     "oom",
+    "crash",
 )
 
 
@@ -49,6 +52,8 @@ class Probe(Recipe):
             raise RuntimeError("probe's prepare refuses meshes")
         if mesh and params["mode"] == "not_a_dict":
             return [1, 2, 3]
+        if mesh and params["mode"] == "crash":  # as a parser that segfaults: in a loader only
+            os._exit(70)
         v = source.vertices
         lo, hi = v.min(axis=0), v.max(axis=0)
         half = max(float((hi - lo).max()) / 2, 1e-12)

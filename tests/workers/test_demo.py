@@ -2,47 +2,27 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
+import re
 import sys
 
 import pytest
 
 from cache_store import CachedDataset
-from tests.conftest import REPO_ROOT
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.helpers.procs import port_is_free, run, run_spcache
 
 
 @pytest.mark.slow
 def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
-    port = _free_port()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "demo",
-            "--dir",
-            str(tmp_path / "demo"),
-            "--port",
-            str(port),
-            "--level",
-            "5",
-            "--exit-after",
-            "0",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # --port 0: the demo binds a free port itself and hands it to the service
+    proc = run_spcache(
+        "demo", "--dir", tmp_path / "demo", "--port", "0", "--level", "5", "--exit-after", "0"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    started = re.search(r"starting the service on http://127\.0\.0\.1:(\d+) ", out)
+    assert started, out
+    port = int(started.group(1))
+    assert port != 0
     assert "precomputed 6 records (0 already cached, 0 failed)" in out
     assert ": done " in out  # the warm-up job went through the service's worker
     assert f"http://127.0.0.1:{port}/healthz" in out
@@ -62,10 +42,7 @@ def test_demo_precomputes_serves_and_warms_up(tmp_path) -> None:
     assert [line.split()[0] for line in printed] == ["import", "ds", "ds"], printed
     assert printed[0].strip() == "import spcache" and "cache_store" not in out
     local = "\n".join(line.strip() for line in printed[:2]) + "\nprint(len(ds))\n"
-    ran = subprocess.run(
-        [sys.executable, "-c", local], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
+    ran = run([sys.executable, "-c", local], cwd=tmp_path, timeout=120)
     assert ran.returncode == 0 and ran.stdout.strip() == "7", ran.stderr[-2000:]
     # The service was stopped with the demo: the port is free again.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", port))
+    assert port_is_free(port)

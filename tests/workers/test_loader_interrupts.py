@@ -75,18 +75,18 @@ def test_off_the_main_thread_it_changes_nothing() -> None:
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
-    import multiprocessing.popen_forkserver as popen_forkserver
     from workers.loader import LoaderPool
+    from workers.loader_process import LoaderPopen
     from workers.run_ledger import WorkItem
 
-    launch = popen_forkserver.Popen._launch
+    launch = LoaderPopen._launch
 
     def launch_then_interrupt(self, process_obj):
         launch(self, process_obj)  # the child is forked; the executor has not recorded it
         os.kill(os.getpid(), signal.SIGINT)
 
-    if __name__ == "__main__":  # the loader imports this file as __mp_main__
-        popen_forkserver.Popen._launch = launch_then_interrupt
+    if __name__ == "__main__":
+        LoaderPopen._launch = launch_then_interrupt
         pool = LoaderPool("spc", {"level": 3, "surface_samples": 100}, "f" * 32, loaders=1)
         pool.open()
         try:

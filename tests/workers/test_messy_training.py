@@ -10,7 +10,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,8 @@ from torch.utils.data import DataLoader
 
 from cache_store import CachedDataset, collate_spc
 from service.settings import Settings
-from tests.conftest import REPO_ROOT, shared_data_present
+from tests.conftest import shared_data_present
+from tests.helpers.procs import run_spcache
 from tests.helpers.read_through import start_worker, stop_worker
 from tests.helpers.service import InProcessServer
 
@@ -53,30 +53,21 @@ def messy(tmp_path: Path, corpus_meshes: list[Path], corpus_bad_inputs: list[Pat
 
 def _precompute(sources: Path, cache: Path) -> tuple[int, str, dict[str, str]]:
     args = [arg for k, v in PARAMS.items() for arg in ("--param", f"{k}={v}")]
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "precompute",
-            str(sources),
-            "--recipe",
-            "spc_query",
-            *args,
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "0",
-            "--id-keep-ext",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    out = run_spcache(
+        "precompute",
+        sources,
+        "--recipe",
+        "spc_query",
+        *args,
+        "--cache",
+        cache,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--id-keep-ext",
     )
     printed = dict(re.findall(r"^  failed (\S+) \((.+)\): ", out.stdout, re.M))
     fingerprint = re.search(r"^fingerprint (\w+)", out.stdout, re.M).group(1)
@@ -92,24 +83,12 @@ def test_messy_directory_precomputes_lists_failures_and_trains_with_skip(
     assert code == 1 and len(printed) >= len(BROKEN), printed
     assert all(sid.startswith(("broken/", "shared_bad_inputs/")) for sid in printed), printed
 
-    stats = subprocess.run(
-        [sys.executable, "-m", "spcache", "stats", "--cache", str(cache), "--json"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    stats = run_spcache("stats", "--cache", cache, "--json")
     assert stats.returncode == 0, stats.stderr
     listed = json.loads(stats.stdout)["fingerprints"][fp]["failed"]
     assert {f["id"]: f["path"] for f in listed["items"]} == printed
     assert listed["count"] == len(printed)
-    text = subprocess.run(
-        [sys.executable, "-m", "spcache", "stats", "--cache", str(cache)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+    text = run_spcache("stats", "--cache", cache).stdout
     assert all(f"{sid}  {path}" in text for sid, path in printed.items())
 
     with InProcessServer(
@@ -156,15 +135,7 @@ def test_messy_directory_precomputes_lists_failures_and_trains_with_skip(
     assert set(ds.failed) == set(printed)
     assert all(ds.failed[sid].path == printed[sid] for sid in printed)
     # the worker's failures of the same samples land in the same log: still the same list
-    again = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "spcache", "stats", "--cache", str(cache), "--json"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        ).stdout
-    )
+    again = json.loads(run_spcache("stats", "--cache", cache, "--json").stdout)
     assert {f["id"] for f in again["fingerprints"][fp]["failed"]["items"]} == set(printed)
 
 
@@ -179,34 +150,25 @@ def test_skip_failed_exits_0_when_every_failure_is_a_known_one(
             shutil.copy(p, sources)
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "spcache",
-                "precompute",
-                str(sources),
-                "--recipe",
-                "spc",
-                "--param",
-                "level=3",
-                "--param",
-                "surface_samples=300",
-                "--cache",
-                str(tmp_path / "cache"),
-                "--device",
-                "cpu",
-                "--backend",
-                "torch",
-                "--loaders",
-                "0",
-                "--json",
-                *extra,
-            ],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        return run_spcache(
+            "precompute",
+            sources,
+            "--recipe",
+            "spc",
+            "--param",
+            "level=3",
+            "--param",
+            "surface_samples=300",
+            "--cache",
+            tmp_path / "cache",
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--loaders",
+            "0",
+            "--json",
+            *extra,
         )
 
     first = run()

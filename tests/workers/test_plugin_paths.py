@@ -6,8 +6,6 @@ read-through over the service URL. (Local Ray: tests/workers/test_ray.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,8 +15,8 @@ import pytest
 import trimesh
 
 from spcache.cli import main
-from tests.conftest import REPO_ROOT
 from tests.helpers.example_recipe import DISTRIBUTION, NAME
+from tests.helpers.procs import run_spcache
 from tests.helpers.service import AUTH, TOKEN, start_server, stop_server
 
 PARAMS = {"level": 4, "samples": 3000}
@@ -53,16 +51,9 @@ def test_an_installed_recipe_package_through_every_path(example_recipe, tmp_path
     import spcache
 
     src = _sources(tmp_path / "src")
-    listed = json.loads(
-        subprocess.run(
-            [sys.executable, "-m", "spcache", "recipes", "--json"],
-            cwd=REPO_ROOT,
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        ).stdout
-    )
+    recipes = run_spcache("recipes", "--json")
+    assert recipes.returncode == 0, recipes.stderr
+    listed = json.loads(recipes.stdout)
     assert listed[NAME]["origin"]["package"] == DISTRIBUTION
     assert listed[NAME]["origin"]["kind"] == "entry point"
 

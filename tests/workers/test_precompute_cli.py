@@ -5,9 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -15,7 +12,7 @@ import pytest
 
 from cache_store.errors import SpcacheError
 from cache_store.stores.base import open_store
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run_spcache, start_spcache, wait_for, wait_gone
 from spcache.cli import main
 
 SMALL = [
@@ -30,22 +27,12 @@ SMALL = [
 ]
 
 
-def spcache(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def test_bad_inputs_each_end_in_an_error_or_a_record(
     tmp_path: Path, bad_inputs: list[Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     cache = tmp_path / "cache"
     folder = bad_inputs[0].parent
-    out = spcache(
+    out = run_spcache(
         "precompute",
         str(folder),
         "--recipe",
@@ -135,29 +122,19 @@ def test_killed_run_resumes_without_recomputing(tmp_path: Path, corpus_meshes: l
         "1",
         "--json",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(_stored_values(cache)) < 3 and time.monotonic() < deadline:
-            assert proc.poll() is None, "run ended before it could be interrupted"
-            time.sleep(0.05)
+    with start_spcache(*args) as proc:
+        wait_for(lambda: len(_stored_values(cache)) >= 3, what="three stored records", proc=proc)
         helpers = psutil.Process(proc.pid).children(recursive=True)
         assert helpers, "expected loader processes"
-    finally:
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=60)
-    # the loader processes do not outlive a killed engine
-    _, alive = psutil.wait_procs(helpers, timeout=15)
-    assert not alive, alive
+        proc.wait()
+        # the loader processes do not outlive a killed engine (and are not killed by
+        # the clean-up at the end of this block before this is checked)
+        assert wait_gone(helpers) == []
     before = _stored_values(cache)
     assert 3 <= len(before) < total
 
-    out = spcache(*args)
+    out = run_spcache(*args)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["skipped"] == len(before) and summary["done"] == total - len(before)
@@ -165,13 +142,13 @@ def test_killed_run_resumes_without_recomputing(tmp_path: Path, corpus_meshes: l
     assert len(after) == total
     for key, value in before.items():
         assert after[key] == value  # not recomputed: byte for byte, creation time included
-    verify = spcache("verify", "--cache", str(cache), "--json")
+    verify = run_spcache("verify", "--cache", str(cache), "--json")
     assert verify.returncode == 0, verify.stdout
     assert json.loads(verify.stdout)["ok"] is True
     with open_store(cache) as store:
         ids = store.get_index(summary["fingerprint"]).sample_ids.tolist()
     assert sorted(ids) == sorted(k.split("/", 1)[1] for k in after)
-    stats = spcache("stats", "--cache", str(cache), "--json")
+    stats = run_spcache("stats", "--cache", str(cache), "--json")
     assert stats.returncode == 0
     assert json.loads(stats.stdout)["records"] == total
 
@@ -310,22 +287,9 @@ def test_sigterm_commits_what_was_computed_and_writes_the_index(
         "1",
         "--json",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while len(_stored_values(cache)) < 2 and time.monotonic() < deadline:
-            assert proc.poll() is None, "run ended before it could be interrupted"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    with start_spcache(*args) as proc:
+        wait_for(lambda: len(_stored_values(cache)) >= 2, what="two stored records", proc=proc)
+        assert proc.stop(signal.SIGTERM) == 130, proc.stderr()[-3000:]
     stored = _stored_values(cache)
     assert 2 <= len(stored) < len(corpus_meshes)
     fingerprint = next(iter(stored)).split("/", 1)[0]

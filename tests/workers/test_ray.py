@@ -26,6 +26,7 @@ from cache_store.errors import BackendUnavailable, SpcacheError
 from cache_store.format.header import read_header
 from cache_store.stores.base import open_store
 from tests.conftest import REPO_ROOT
+from tests.helpers.procs import start_spcache, wait_for
 from spcache.cli import main
 from workers.engine import Engine, ItemResult
 from tests.helpers.ray_faults import CrashOnce, HoldOnce, register_with_ray
@@ -512,25 +513,13 @@ def test_cli_sigterm_stops_its_own_ray_keeps_the_records_and_resumes(
         "1",
         "--json",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spcache", *args],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while len(_stored_keys(cache)) < 2 and time.monotonic() < deadline:
-            assert proc.poll() is None, "run ended before it could be interrupted"
-            time.sleep(0.05)
+    with start_spcache(*args) as proc:
+        wait_for(lambda: len(_stored_keys(cache)) >= 2, 180, "two stored records", proc=proc)
         started = _ray_processes(proc.pid)  # records arrived, so its Ray is up
         assert started, "the run started no Ray of its own"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err
-    assert out == ""  # no summary for an interrupted run, and nothing of Ray's
+        assert proc.stop(signal.SIGTERM) == 130, proc.stderr()[-3000:]
+    err = proc.stderr()
+    assert proc.stdout() == ""  # no summary for an interrupted run, and nothing of Ray's
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, f"Ray processes left running: {alive}"
     stored = _stored_keys(cache)

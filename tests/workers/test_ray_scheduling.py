@@ -148,6 +148,25 @@ def test_a_single_sample_fails_after_max_attempts_deaths() -> None:
     assert error.id == "poison" and "died 3 times" in error.reason
 
 
+def test_samples_left_when_every_actor_is_gone_fail_without_being_remembered(
+    tmp_path: Path,
+) -> None:
+    """The cluster's failure is reported, but the failure log keeps only a sample's own
+    (so ``skip_failed`` never skips them, and ``spcache stats`` does not list them)."""
+    from cache_store.jobs.failures import FailureLog
+
+    log = FailureLog(tmp_path)
+    run = RayRun(_engine(failure_log=log).run_options(), [], None)
+    run.shards.append(_shard(["a", "b"]))
+    run._requeue(_shard(["poison"], deaths=3))  # a sample that killed every actor it met
+    run._schedule(ray=None)  # no actor left: nothing to wait for
+    assert run.summary.failed == 3
+    reasons = {e.id: e.reason for e in run.summary.errors}
+    assert reasons["a"].startswith("no Ray actor left") and "died 3 times" in reasons["poison"]
+    assert sorted(log.get_many(FP, ["a", "b", "poison"])) == ["poison"]
+    log.close()
+
+
 def test_bisection_isolates_a_poison_sample_in_a_bounded_number_of_deaths() -> None:
     """Simulate the policy: every shard holding the poison kills its actor."""
     run = RayRun(_engine(max_attempts=3).run_options(), [], None)

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from cache_store.errors import UnknownName
 from cache_store.recipes.registry import ENV_VAR, installed_recipes, load_registry
 from cache_store.stores.lmdb import LMDBStore
 from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run_spcache
 from workers.engine import Engine
 
 DATA = REPO_ROOT / "tests" / "data" / "recipes_golden"
@@ -283,15 +282,8 @@ def test_a_shape_spcache_cannot_read_is_refused_at_registration_in_one_line(
     """``[2**grid, 2**grid, 2**grid]`` was taken as a variable first dimension and batched
     as ``(B * 2**grid, 32, 32)`` plus lengths; now ``spcache recipes`` names the recipe,
     the field and the expression in one line, and the recipe is not offered."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), ENV_VAR: f"{PLUGINS}:PowerGrid"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "spcache", "recipes", "--json"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {"PYTHONPATH": str(REPO_ROOT), ENV_VAR: f"{PLUGINS}:PowerGrid"}
+    proc = run_spcache("recipes", "--json", cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr  # spcache recipes: some recipe is unusable
     lines = [x for x in proc.stderr.splitlines() if "power_grid" in x]
     assert lines and all("fields['occupancy']" in x and "'2**grid'" in x for x in lines)
@@ -357,16 +349,8 @@ def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
     _fake_distribution(tmp_path, "good_recipes", {"probe": f"{PLUGINS}:Probe"})
     _fake_distribution(tmp_path, "broken_recipes", {"broken": "broken_recipes_mod:Thing"})
     _fake_distribution(tmp_path, "twin_recipes", {"spc": f"{PLUGINS}:Shadow"})
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
-    env.pop(ENV_VAR, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "spcache", "recipes", "--json"],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)]), ENV_VAR: None}
+    proc = run_spcache("recipes", "--json", env=env)
     listed = json.loads(proc.stdout)
     assert listed["probe"]["origin"] == {
         "kind": "entry point",
@@ -460,35 +444,25 @@ def test_a_run_with_loader_processes_names_a_broken_recipe_once(tmp_path: Path) 
     """`spcache precompute --loaders 2`: the plugin computes in the loader processes, and a
     broken entry beside it is one ERROR line (the loaders do not repeat it)."""
     env = {
-        **os.environ,
         "PYTHONPATH": str(REPO_ROOT),
         ENV_VAR: f"{PLUGINS}:Probe,no_such_module_anywhere:Thing",
     }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "precompute",
-            str(MESH),
-            str(CLOUD),
-            "--recipe",
-            "probe",
-            "--cache",
-            str(tmp_path / "cache"),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "2",
-            "--json",
-        ],
-        cwd=REPO_ROOT,
+    proc = run_spcache(
+        "precompute",
+        MESH,
+        CLOUD,
+        "--recipe",
+        "probe",
+        "--cache",
+        tmp_path / "cache",
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "2",
+        "--json",
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["done"] == 2

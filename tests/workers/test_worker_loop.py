@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.decode import decode_record
-from tests.conftest import REPO_ROOT
+from tests.helpers.procs import Proc, run_spcache, start_spcache
 from workers.worker_loop import WorkerLoop
 
 
@@ -31,28 +30,22 @@ def _submit(cache: Path, paths: list[Path], **params: int) -> tuple[JobQueue, st
     return queue, job_id, fp
 
 
-def _worker(cache: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "worker",
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "torch",
-            "--loaders",
-            "0",
-            "--poll",
-            "0.1",
-            "--log-level",
-            "warning",
-            *extra,
-        ],
-        cwd=REPO_ROOT,
+def _worker(cache: Path, *extra: str) -> Proc:
+    return start_spcache(
+        "worker",
+        "--cache",
+        cache,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        "--loaders",
+        "0",
+        "--poll",
+        "0.1",
+        "--log-level",
+        "warning",
+        *extra,
     )
 
 
@@ -136,18 +129,16 @@ def test_kill_9_mid_job_then_a_new_worker_finishes_without_recomputing(
     cache = tmp_path / "cache"
     meshes = corpus_meshes[:8]
     queue, job_id, fp = _submit(cache, meshes, level=6, surface_samples=20_000)
-    first = _worker(cache, "--batch", "1", "--lease", "1")
-    try:
+    with _worker(cache, "--batch", "1", "--lease", "1") as first:
         _wait_done(queue, job_id, 2)
-    finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
     store = LMDBStore(cache)
     before = {k: store.get(k) for k in store.keys(prefix=f"{fp}/")}
     store.close()
     assert 2 <= len(before) < len(meshes)
-    second = _worker(cache, "--batch", "2", "--lease", "1", "--drain")
-    assert second.wait(timeout=240) == 0
+    with _worker(cache, "--batch", "2", "--lease", "1", "--drain") as second:
+        assert second.wait(240) == 0, second.output()[-3000:]
     info = queue.job(job_id)
     assert info.counts["done"] == len(meshes), info.counts
     store = LMDBStore(cache)
@@ -165,15 +156,9 @@ def test_sigterm_stops_cleanly_and_leaves_nothing_running(
 ) -> None:
     cache = tmp_path / "cache"
     queue, job_id, _ = _submit(cache, corpus_meshes[:10], level=6, surface_samples=20_000)
-    worker = _worker(cache, "--batch", "1")
-    try:
+    with _worker(cache, "--batch", "1") as worker:
         _wait_done(queue, job_id, 1)
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=60) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+        assert worker.stop(signal.SIGTERM) == 0, worker.output()[-3000:]
     counts = queue.job(job_id).counts
     assert counts["running"] == 0 and counts["failed"] == 0
     assert counts["done"] >= 1 and counts["done"] + counts["pending"] == 10
@@ -197,26 +182,17 @@ def test_kaolin_on_a_cpu_device_is_refused_before_anything_is_claimed(
     exit 2, and the queue never hears of it (no attempt spent, no failure remembered)."""
     cache = tmp_path / "cache"
     queue, job_id, _ = _submit(cache, corpus_meshes[:2], level=4, surface_samples=500)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spcache",
-            "worker",
-            "--cache",
-            str(cache),
-            "--device",
-            "cpu",
-            "--backend",
-            "kaolin",
-            "--drain",
-            "--loaders",
-            "0",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_spcache(
+        "worker",
+        "--cache",
+        cache,
+        "--device",
+        "cpu",
+        "--backend",
+        "kaolin",
+        "--drain",
+        "--loaders",
+        "0",
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -254,20 +230,39 @@ def test_the_worker_says_which_backend_runs_and_why(
     from workers.ops import kaolin_spc
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    reason = (
-        "kaolin not importable (ImportError: undefined symbol); torch 2.13.0 is outside "
-        "Kaolin 0.18's 2.3.0-2.8.0"
-    )
+    reason = "kaolin not importable (ImportError: undefined symbol)"
     monkeypatch.setattr(kaolin_spc, "import_spc", lambda: (None, reason))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="workers.worker_loop"):
         WorkerLoop(cache, device="cuda:0", backend="auto").log_backend()
     (record,) = [r for r in caplog.records if "backend: " in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert (
-        "backend: torch (kaolin not importable (ImportError: undefined symbol); torch 2.13.0 "
-        "is outside Kaolin 0.18's 2.3.0-2.8.0; install kaolin==0.18.x"
-    ) in record.getMessage()
+    assert record.getMessage().endswith(
+        "backend: torch (kaolin not importable (ImportError: undefined symbol)); device cuda:0"
+    )
+
+
+def test_on_a_cpu_only_machine_the_worker_says_so(tmp_path: Path) -> None:
+    """``spcache worker`` as a user starts it here (a CPU-only torch): the start line says
+    there is no CUDA device, never "device cuda"; ``--backend kaolin`` is refused saying
+    why no Kaolin can run here, not advising an install that does not exist."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: this is the CPU-only machine's message")
+    (tmp_path / "cache").mkdir()
+    JobQueue(tmp_path / "cache").close()
+    drain = ["worker", "--cache", "cache", "--drain"]
+    started = run_spcache(*drain, cwd=tmp_path)
+    assert started.returncode == 0, started.stderr
+    (line,) = [x for x in started.stderr.splitlines() if "backend: " in x]
+    assert "backend: torch (no CUDA device here (torch " in line
+    assert line.endswith("; device auto (cpu here)") and "device cuda" not in line
+    kaolin = run_spcache(*drain, "--backend", "kaolin", cwd=tmp_path)
+    assert kaolin.returncode == 2
+    (said,) = kaolin.stderr.strip().splitlines()
+    assert said.startswith("spcache worker: backend 'kaolin' is unavailable: no CUDA device here")
+    assert "use --backend torch" in said and "install" not in said
 
 
 # A worker whose process dies on one sample the way Kaolin's CubDebugExit kills it (exit(1)

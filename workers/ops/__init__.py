@@ -84,12 +84,11 @@ def select_backend(
             )
         kaolin_spc.ensure_available()
         return kaolin_spc, f"asked for; kaolin {kaolin_spc.kaolin_version()} on {where}"
-    if not is_cuda:
+    if not any_device and not is_cuda:
         return torch_spc, f"device {where}: Kaolin's SPC ops are CUDA-only"
-    try:
-        kaolin_spc.ensure_available()
-    except BackendUnavailable as exc:
-        return torch_spc, exc.reason
+    problem = kaolin_spc.unavailable()  # what is true here (no CUDA device, no Kaolin...)
+    if problem is not None:
+        return torch_spc, problem[0]
     return kaolin_spc, f"kaolin {kaolin_spc.kaolin_version()} imports and {where} is CUDA"
 
 

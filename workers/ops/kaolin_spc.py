@@ -45,6 +45,8 @@ __all__ = [
     "SUPPORTED_VERSION",
     "TORCH_RANGE",
     "torch_version_note",
+    "no_cuda_reason",
+    "unavailable",
     "quantize_points",
     "points_to_morton",
     "morton_to_points",
@@ -86,12 +88,57 @@ def _release(version: str) -> tuple[int, ...]:
 
 def torch_version_note(version: str | None = None) -> str:
     """``""`` when ``version`` (default: this torch) is one Kaolin 0.18 ships wheels for,
-    else a short note saying it is not."""
+    else a short note saying there is no Kaolin for it, and for which torch there is."""
     version = torch.__version__ if version is None else version
     low, high = TORCH_RANGE
     if _release(low) <= _release(version) <= _release(high):
         return ""
-    return f"torch {version} is outside Kaolin {SUPPORTED_VERSION}'s {low}-{high}"
+    return (
+        f"there is no Kaolin {SUPPORTED_VERSION} for torch {version} "
+        f"(its wheels are for torch {low} to {high})"
+    )
+
+
+def no_cuda_reason() -> str:
+    """``""`` when CUDA is available to this process, else what this machine lacks (a
+    CPU-only torch build, or a CUDA build that finds no device). Never initialises CUDA."""
+    if torch.cuda.is_available():
+        return ""
+    build = torch.version.cuda
+    if build is None:
+        return f"no CUDA device here (torch {torch.__version__} is a CPU-only build)"
+    return (
+        f"no CUDA device here (torch {torch.__version__} is built for CUDA {build} but "
+        f"finds no device: no GPU, no driver, or CUDA_VISIBLE_DEVICES hides them)"
+    )
+
+
+def unavailable() -> tuple[str, str] | None:
+    """None when the Kaolin backend can run here; else ``(what is true, what to do)``.
+
+    The one place that says why Kaolin cannot run on this machine: no CUDA device
+    (said first: without one no Kaolin helps), a torch no Kaolin 0.18 is built for, a
+    Kaolin that does not import or is another release. The advice is what would help
+    here: ``--backend torch`` where no Kaolin can run, an install only where one exists.
+    """
+    cuda, note = no_cuda_reason(), torch_version_note()
+    use_torch = "use --backend torch (or auto): the same records from the PyTorch ops"
+    if cuda:
+        facts = (f"{cuda}: Kaolin's SPC ops are CUDA-only", note)
+        return "; ".join(filter(None, facts)), use_torch
+    spc, reason = import_spc()
+    if spc is not None:
+        return None
+    if note:
+        low, high = TORCH_RANGE
+        return (
+            reason,
+            f"{use_torch}, or a torch from {low} to {high} with kaolin=={SUPPORTED_VERSION}.x",
+        )
+    return reason, (
+        f"install kaolin=={SUPPORTED_VERSION}.x built for torch {torch.__version__} and "
+        f"CUDA {torch.version.cuda} (README: Running on a GPU with Kaolin)"
+    )
 
 
 def _kaolin_version() -> str:
@@ -145,14 +192,13 @@ def kaolin_version() -> str:
 
 
 def ensure_available() -> ModuleType:
-    """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here."""
-    spc, reason = import_spc()
-    if spc is None:
-        raise BackendUnavailable(
-            name, reason + f"; install kaolin=={SUPPORTED_VERSION}.x for this torch/CUDA"
-        )
-    if not torch.cuda.is_available():
-        raise BackendUnavailable(name, "CUDA is not available (Kaolin's SPC ops are CUDA-only)")
+    """``kaolin.ops.spc``, or :class:`BackendUnavailable` saying why it cannot run here
+    and what would help (:func:`unavailable`)."""
+    problem = unavailable()
+    if problem is not None:
+        raise BackendUnavailable(name, "; ".join(problem))
+    spc, _ = import_spc()
+    assert spc is not None  # unavailable() said it imports
     return spc
 
 

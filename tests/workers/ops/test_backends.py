@@ -85,6 +85,7 @@ def clean_kaolin_cache():
 
 def test_other_kaolin_releases_are_refused(monkeypatch, clean_kaolin_cache):
     _fake_kaolin(monkeypatch, "0.17.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # else: no CUDA, said first
     with pytest.raises(
         BackendUnavailable, match="found kaolin 0.17.0, but records must match Kaolin 0.18"
     ):
@@ -94,7 +95,7 @@ def test_other_kaolin_releases_are_refused(monkeypatch, clean_kaolin_cache):
 def test_kaolin_without_cuda_is_refused(monkeypatch, clean_kaolin_cache):
     _fake_kaolin(monkeypatch, "0.18.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(BackendUnavailable, match="CUDA is not available"):
+    with pytest.raises(BackendUnavailable, match="no CUDA device here"):
         get_backend("kaolin")
     assert get_backend("auto", device="cuda") is torch_spc
 
@@ -129,9 +130,60 @@ def test_the_torch_range_note():
     assert kaolin_spc.torch_version_note("2.5.1+cu121") == ""
     assert kaolin_spc.torch_version_note("2.8.0") == ""
     assert kaolin_spc.torch_version_note("2.13.0") == (
-        "torch 2.13.0 is outside Kaolin 0.18's 2.3.0-2.8.0"
+        "there is no Kaolin 0.18 for torch 2.13.0 (its wheels are for torch 2.3.0 to 2.8.0)"
     )
-    assert "outside" in kaolin_spc.torch_version_note("2.2.2")
+    assert "no Kaolin 0.18 for torch 2.2.2" in kaolin_spc.torch_version_note("2.2.2")
+
+
+def _kaolin_refusal() -> str:
+    with pytest.raises(BackendUnavailable) as caught:
+        get_backend("kaolin")
+    return str(caught.value)
+
+
+def test_what_is_said_is_true_for_the_machine_at_hand(monkeypatch, clean_kaolin_cache):
+    """No CUDA device: said so (a CPU-only build, or a CUDA build that finds none), with
+    --backend torch as the advice; CUDA but a torch no Kaolin is built for: said so, with
+    the torch versions that have one, never "install kaolin"; CUDA and a torch in range
+    without Kaolin: the install that exists."""
+    monkeypatch.setitem(sys.modules, "kaolin", None)  # not importable, wherever this runs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    backend, why = select_backend("auto")  # device auto on a CPU-only machine
+    assert backend is torch_spc and why.startswith(
+        "no CUDA device here (torch 2.13.0+cpu is a CPU-only build): Kaolin's SPC ops are CUDA-only"
+    )
+    assert "device cuda" not in why
+    said = _kaolin_refusal()
+    assert "no CUDA device here (torch 2.13.0+cpu is a CPU-only build)" in said
+    assert "use --backend torch" in said and "install" not in said
+    assert "there is no Kaolin 0.18 for torch 2.13.0+cpu" in said
+
+    monkeypatch.setattr(torch.version, "cuda", "12.1")
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu121")
+    said = _kaolin_refusal()
+    assert "torch 2.5.1+cu121 is built for CUDA 12.1 but finds no device" in said
+    assert "no Kaolin" not in said and "install" not in said
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cu128")
+    said = _kaolin_refusal()
+    assert "kaolin not importable" in said and "CUDA device" not in said
+    assert (
+        "there is no Kaolin 0.18 for torch 2.13.0+cu128 (its wheels are for torch 2.3.0 to "
+        "2.8.0)" in said
+    )
+    assert "install" not in said and "or a torch from 2.3.0 to 2.8.0 with kaolin==0.18.x" in said
+    backend, why = select_backend("auto", "cuda:0")  # the fall-back says the facts alone
+    assert backend is torch_spc and "no Kaolin 0.18 for torch 2.13.0+cu128" in why
+    assert "--backend" not in why
+
+    kaolin_spc.import_spc.cache_clear()
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cu121")
+    said = _kaolin_refusal()
+    assert "no Kaolin" not in said
+    assert "install kaolin==0.18.x built for torch 2.5.1+cu121 and CUDA 12.1" in said
 
 
 # A fake ``kaolin`` package that misbehaves at import, put first on sys.path of a child

@@ -1,0 +1,23 @@
+"""What a test may assume about the recipes installed where it runs.
+
+A user's own recipe plugin may be installed in the same environment (the README's
+``point_count``, say, or ``examples/voxel_normals``): a test names the recipes it relies
+on (the built-ins, or the ones it installed itself) and never assumes they are all
+there is, nor where they sort among the others.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["BUILTINS", "known_names"]
+
+#: the recipes spcache itself ships
+BUILTINS = frozenset({"spc", "spc_query", "spc_sdf"})
+
+
+def known_names(message: str) -> set[str]:
+    """The names an ``UnknownName`` message lists after ``known: ``."""
+    match = re.search(r"known: ([\w, .-]+)", message)
+    assert match, f"no 'known: ...' list in {message!r}"
+    return {name.strip() for name in match.group(1).split(",") if name.strip()}

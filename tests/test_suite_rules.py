@@ -1,0 +1,163 @@
+"""Rules the test suite keeps about itself.
+
+* No test asserts a duration against the clock. The suite runs on a loaded, shared
+  machine, where "it took 16.9 s, more than 11" says nothing about the code: a test waits
+  for an event within a generous bound (``tests.helpers.procs.wait_for``, a timeout on
+  the call), and how fast things are is measured in ``bench/`` and recorded in
+  ``docs/BENCHMARKS.md``. The check reads each test module's syntax tree: an ``assert``
+  may not compare a clock difference (``time.monotonic() - t0``, ``perf_counter``,
+  ``time.time``), directly or through a name that was given one.
+* The suite passes with a user's own recipe plugin installed beside spcache: a test names
+  the recipes it relies on and never assumes they are all there is
+  (``tests/helpers/recipes.py``). The check runs the tests that list or count recipes
+  with a foreign recipe registered (``SPCACHE_RECIPES``, as a plugin that is not
+  installed is registered), one whose name sorts before the built-ins.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run
+
+TESTS = REPO_ROOT / "tests"
+CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
+
+
+def _is_clock_call(node: ast.AST) -> bool:
+    """``time.monotonic()`` and the like (also imported bare: ``monotonic()``)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    if isinstance(func, ast.Attribute) and not (
+        isinstance(func.value, ast.Name) and func.value.id == "time"
+    ):
+        return False
+    return name in CLOCKS
+
+
+def _has_clock_difference(node: ast.AST) -> bool:
+    return any(
+        isinstance(sub, ast.BinOp)
+        and isinstance(sub.op, ast.Sub)
+        and (_is_clock_call(sub.left) or _is_clock_call(sub.right))
+        for sub in ast.walk(node)
+    )
+
+
+def _target_names(target: ast.AST) -> set[str]:
+    """The variable a value lands in: ``x``, ``x[k]``, ``x.attr`` all name ``x``."""
+    while isinstance(target, ast.Subscript | ast.Attribute):
+        target = target.value
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, ast.Tuple | ast.List):
+        return set().union(*(_target_names(t) for t in target.elts))
+    return set()
+
+
+def _duration_names(tree: ast.AST) -> set[str]:
+    """Names given a clock difference: ``x = clock() - t0``, ``x[k] = ...``,
+    ``x.append(clock() - t0)``, ``x = max(x, clock() - t0)``."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign) and node.value:
+            if _has_clock_difference(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    names |= _target_names(target)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "add", "extend")
+            and any(_has_clock_difference(arg) for arg in node.args)
+        ):
+            names |= _target_names(node.func.value)
+    return names
+
+
+def timed_asserts(source: str, filename: str = "<test>") -> list[str]:
+    """``file:line`` of each assert that compares a duration measured by the clock."""
+    tree = ast.parse(source, filename)
+    durations = _duration_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assert):
+            continue
+        for compare in (n for n in ast.walk(node.test) if isinstance(n, ast.Compare)):
+            operands = [compare.left, *compare.comparators]
+            if not any(isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) for op in compare.ops):
+                continue
+            names = {n.id for o in operands for n in ast.walk(o) if isinstance(n, ast.Name)}
+            if any(_has_clock_difference(o) for o in operands) or names & durations:
+                found.append(f"{filename}:{node.lineno}")
+                break
+    return found
+
+
+def test_no_test_asserts_a_duration_against_the_clock() -> None:
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        found += timed_asserts(path.read_text(), str(path.relative_to(REPO_ROOT)))
+    assert not found, (
+        "asserted durations (wait for an event with a generous bound instead; speed "
+        "goes to bench/):\n" + "\n".join(found)
+    )
+
+
+def test_the_duration_check_finds_what_it_must() -> None:
+    timed = """
+import time
+def test_a():
+    start = time.monotonic()
+    work()
+    took = time.monotonic() - start
+    assert took < 1.5
+def test_b():
+    t0 = time.perf_counter()
+    assert time.perf_counter() - t0 < 5
+def test_c(exits):
+    exits.append(time.monotonic() - killed)
+    assert max(exits) < LIMIT
+def test_d(seconds):
+    seconds["x"] = time.perf_counter() - t0
+    assert seconds["x"] < 2 * seconds["y"]
+"""
+    assert timed_asserts(timed) == ["<test>:7", "<test>:10", "<test>:13", "<test>:16"]
+    waits = """
+import time
+def test_e():
+    deadline = time.monotonic() + 60
+    while not done():
+        assert time.monotonic() < deadline, "timed out waiting"
+    took = time.monotonic() - deadline
+    report({"took": took})
+    assert len(items) < 5
+"""
+    assert timed_asserts(waits) == []
+
+
+#: the tests that list, count or name the installed recipes
+RECIPE_LISTING_TESTS = [
+    "tests/workers/test_recipes.py",
+    "tests/workers/test_cli.py",
+    "tests/service/test_warmup.py",
+    "tests/service/test_records.py",
+    "tests/faults/test_record_bound.py",
+]
+
+
+@pytest.mark.slow
+def test_recipe_listing_tests_pass_with_a_foreign_recipe_registered() -> None:
+    out = run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+        + RECIPE_LISTING_TESTS,
+        env={"SPCACHE_RECIPES": "tests.workers.plugin_recipes:Probe"},  # "probe" < "spc"
+    )
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert " passed" in out.stdout.strip().splitlines()[-1]
