@@ -360,8 +360,17 @@ class Store(abc.ABC):
                 found = given.get((fingerprint, digest))
                 if isinstance(carried, Descriptor) and found is None:
                     found = carried if carried.digest == digest else None
+                found = found or named.get((fingerprint, digest))
                 if found is None:
-                    found = named.get((fingerprint, digest)) or self.descriptor(fingerprint, digest)
+                    try:
+                        found = self.descriptor(fingerprint, digest)
+                    except CorruptRecord as exc:
+                        raise CorruptRecord(
+                            exc.key,
+                            f"{exc.reason}; a writer hands it over with the record "
+                            f"(encode_record's value carries it; a copy from another store "
+                            f"passes descriptors=source.descriptors_for(items))",
+                        ) from None
                 named[(fingerprint, digest)] = found
                 return found
 
