@@ -1108,6 +1108,9 @@ def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dic
         out.sync(True)
     finally:
         out.close()
+    # as LMDB's own copy leaves it: the data file only (the first opener makes the lock
+    # file, with its reader table as large as that store asks for)
+    (target / "lock.mdb").unlink(missing_ok=True)
     return {"records": walked, "rewritten": rewritten}
 
 
