@@ -306,7 +306,7 @@ def _engine_records(
     loaders: int = 0,
 ) -> tuple[Any, dict[str, Any]]:
     from cache_store.format.decode import decode_record
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from workers.engine import Engine
 
     with open_store(cache, readonly=False) as store:

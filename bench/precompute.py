@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from cache_store.stores.base import open_store  # noqa: E402
+from cache_store.stores.opener import open_store  # noqa: E402
 from cache_store.sources.discover import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 

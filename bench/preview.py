@@ -38,7 +38,7 @@ def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     from cache_store.recipes.specs import get_recipe_spec
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
-    from workers.recipes import get_recipe, make_generator, run_recipe
+    from workers.recipe_run import get_recipe, make_generator, run_recipe
     from workers.source_load import load_source
 
     if mesh is None:

@@ -58,7 +58,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from cache_store.snapshot.sharded import ShardedSnapshot  # noqa: E402
-from cache_store.stores.base import open_store  # noqa: E402
+from cache_store.stores.opener import open_store  # noqa: E402
 from cache_store.sources.discover import discover_sources  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.ray_engine import RayEngine  # noqa: E402

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import cache_store.stores.lmdb as lmdb_store
+import cache_store.stores.base as store_base
 import cache_store.format.decode as decode
 import cache_store.format.header as header_format
 from peers import SIZES, build_records, one_process, write_lmdb, write_tensordict
@@ -70,10 +70,10 @@ def _set_mode(mode: str, parsed: dict[tuple[bytes, int], Any], real: dict[str, A
     decode.xxhash = real["xxhash"] if hashes else _NoFieldHashes(real["xxhash"])
     if parse:
         header_format.parse_text = real["parse"]
-        lmdb_store.check_names_key = real["names_key"]
+        store_base.check_names_key = real["names_key"]
     else:
         header_format.parse_text = lambda raw, total, key: parsed[(raw, total)]
-        lmdb_store.check_names_key = lambda metadata, key: None
+        store_base.check_names_key = lambda metadata, key: None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     real = {
         "xxhash": decode.xxhash,
         "parse": header_format.parse_text,
-        "names_key": lmdb_store.check_names_key,
+        "names_key": store_base.check_names_key,
     }
     parsed: dict[tuple[bytes, int], Any] = {}
 

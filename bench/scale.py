@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 from cache_store.format.encode import encode_record  # noqa: E402
 from cache_store.format.header import MANAGED_METADATA, read_header  # noqa: E402
 from cache_store.stores.lmdb import LMDBStore  # noqa: E402
-from tests.helpers.v1_records import encode_record_v1  # noqa: E402  (format 1's writer)
+from cache_store.testing.format1 import encode_record_v1  # noqa: E402  (format 1's writer)
 
 #: LMDB's page header (``PAGEHDRSZ``), a leaf node's header (``NODESIZE``) and the
 #: fewest keys a page must hold (``MDB_MINKEYS``): lmdb.h / mdb.c, LMDB 0.9.

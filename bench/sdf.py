@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workers import sdf
 from workers.ops import get_backend
-from workers.recipes import RECIPES, make_generator, run_recipe
+from workers.recipe_run import RECIPES, make_generator, run_recipe
 from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 

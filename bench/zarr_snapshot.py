@@ -42,13 +42,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cache_store.snapshot.export import CODECS, export_snapshot
+from cache_store.snapshot.zarr.export import CODECS, export_snapshot
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.encode import encode_record
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from workers.ops import get_backend
 
 

@@ -49,7 +49,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.readers.dataset import CachedDataset
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import discover_sources
-    from cache_store.stores.base import Store, VerifyReport, open_store
+    from cache_store.stores.base import Store, VerifyReport
+    from cache_store.stores.opener import open_store
     from cache_store.stores.lmdb import LMDBStore
 
 __version__ = "0.1.0"
@@ -70,7 +71,7 @@ _LAZY = {
     "Store": "cache_store.stores.base",
     "DatasetIndex": "cache_store.format.index",
     "VerifyReport": "cache_store.stores.base",
-    "open_store": "cache_store.stores.base",
+    "open_store": "cache_store.stores.opener",
     "LMDBStore": "cache_store.stores.lmdb",
     "CachedDataset": "cache_store.readers.dataset",
     "collate_spc": "cache_store.readers.collate",

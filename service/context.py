@@ -12,9 +12,10 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from cache_store.errors import CacheDamaged, CacheNotFound
-from cache_store.stores.isolated import stats_cache
+from cache_store.housekeeping.isolated import stats_cache
 from cache_store.jobs.queue import JobQueue
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 from service.budget import ByteBudget
 from service.limits import WaitSlots
 from service.metrics import Metrics
@@ -82,7 +83,7 @@ class ServiceContext:
         """Per fingerprint: records, bytes and (when indexed) the index's description.
 
         One ``store.stats()`` walk over the whole cache, run in a child process
-        (:func:`cache_store.stores.isolated.stats_cache`): a damaged LMDB page that makes LMDB
+        (:func:`cache_store.housekeeping.isolated.stats_cache`): a damaged LMDB page that makes LMDB
         abort kills the child, never the service. The result is reused until the store's
         ``generation()`` changes (and at least ``stats_ttl_s``). Raises
         :class:`CacheDamaged` while the last walk found the cache damaged. A fingerprint

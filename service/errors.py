@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cache_store.format.protocol import ERROR_HEADER
+from cache_store.service_api.protocol import ERROR_HEADER
 from service.budget import ReadBudgetBusy, ResponseTooLarge
 from cache_store.errors import (
     CacheDamaged,

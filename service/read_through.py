@@ -19,7 +19,7 @@ On a miss such a read:
    route then answers 404 naming its state (``SampleFailed`` with the worker's reason,
    or ``RecordNotFound``); likewise when ``wait`` runs out (state ``queued``).
 
-The headers, states, intervals and messages are :mod:`cache_store.format.protocol`'s.
+The headers, states, intervals and messages are :mod:`cache_store.service_api.protocol`'s.
 Nothing here blocks the event loop or imports ``workers``.
 """
 
@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import CacheNotFound, NoWorkerAlive
-from cache_store.format.protocol import (
+from cache_store.service_api.protocol import (
     FAILED,
     LIVENESS_EVERY_S,
     MISSING,

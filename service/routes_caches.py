@@ -22,7 +22,7 @@ from cache_store.errors import (
     StoreBusy,
 )
 from cache_store.keys import record_key, validate_fingerprint
-from cache_store.jobs.freshness import HashBudget
+from cache_store.sources.freshness import HashBudget
 from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
 from cache_store.recipes.registry import installed_recipes

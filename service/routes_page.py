@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.keys import record_key, validate_fingerprint
-from cache_store.jobs.freshness import HashBudget
+from cache_store.sources.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
 from cache_store.errors import RecordNotFound

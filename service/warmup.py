@@ -9,7 +9,7 @@ Everything here is plain, synchronous library code (the route runs it in a threa
   symlinks included, inside an allowed source root (checked before the file's existence,
   so the answer reveals nothing outside), a regular file within the size limit;
 * an item whose record exists with the source's current content (same stat signature, or
-  else the same hash; :mod:`cache_store.jobs.freshness`) is *ready*: it is counted, not
+  else the same hash; :mod:`cache_store.sources.freshness`) is *ready*: it is counted, not
   queued.
 
 The job itself, and later the dataset index (written by the worker when the job
@@ -34,7 +34,7 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.keys import compute_fingerprint, record_key, validate_sample_id
-from cache_store.jobs.freshness import compare_source, stored_metadata
+from cache_store.sources.freshness import compare_source, stored_metadata
 from cache_store.sources.files import (
     DEFAULT_MAX_SOURCE_BYTES,
     SourceLimits,

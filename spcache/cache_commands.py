@@ -208,11 +208,11 @@ def _cache_reader_arguments(parser: argparse.ArgumentParser, json_help: str) -> 
 
 
 def _isolated(command: str, cache: str, walk: str) -> Any:
-    """``cache_store.stores.isolated.<walk>(cache)``: the walk runs in a child process, so a damaged
+    """``cache_store.housekeeping.isolated.<walk>(cache)``: the walk runs in a child process, so a damaged
     LMDB page that makes LMDB abort cannot take this process down. A bad path or an
     unreadable cache prints one line and returns None; damage (``CacheDamaged``) is raised
     for the caller to report."""
-    from cache_store.stores import isolated
+    from cache_store.housekeeping import isolated
     from cache_store.errors import CacheDamaged
 
     if not is_remote(cache):

@@ -1,7 +1,7 @@
 """``spcache export FINGERPRINT --cache DIR --to DEST.zarr``: publish a Zarr snapshot.
 
 Writes the records of one fingerprint of an LMDB cache as a Zarr v3 group under ``DEST``
-(a path or an fsspec URL), atomically for readers; see :mod:`cache_store.snapshot.export`.
+(a path or an fsspec URL), atomically for readers; see :mod:`cache_store.snapshot.zarr.export`.
 Exit status: 0 exported, 1 not exported (bad records, existing export, another writer,
 unknown fingerprint), 2 bad usage, a bad cache path or a destination not ending in
 ``.zarr``. CPU only.
@@ -32,7 +32,7 @@ CODEC_HELP = (
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    from cache_store.snapshot.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
+    from cache_store.snapshot.zarr.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
 
     parser.add_argument("fingerprint", help="fingerprint of the dataset to export")
     parser.add_argument("--cache", required=True, help="cache directory (LMDB)")
@@ -80,7 +80,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cache_store.snapshot.export import export_snapshot
+    from cache_store.snapshot.zarr.export import export_snapshot
 
     problem = cache_dir_problem(args.cache, write=False)
     if problem:

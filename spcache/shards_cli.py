@@ -124,7 +124,7 @@ def import_snapshot(
     returns ``{fingerprint: {"copied", "present"}}``."""
     from cache_store.format.decode import check_record
     from cache_store.format.header import read_header
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     if parse_location(source).kind != "zarr":
         raise SpcacheError(f"{source}: import reads a snapshot (*.zarr), not a cache or URL")

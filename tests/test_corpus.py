@@ -187,7 +187,7 @@ def test_a_bare_clone_passes_with_only_the_shared_corpus_skipped(tmp_path: Path)
 def test_hostile_files_end_as_documented_in_the_engine(
     tmp_path: Path, corpus_bad_inputs: list[Path]
 ) -> None:
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from workers.engine import Engine
 
     expected = corpus.hostile_expectations()

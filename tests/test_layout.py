@@ -50,9 +50,9 @@ def test_every_module_is_found() -> None:
         assert package in mods and len(mods) > 3
     assert {
         "cache_store.jobs.queue",
-        "cache_store.snapshot.export",
-        "cache_store.snapshot.reader",
-        "cache_store.snapshot.format",
+        "cache_store.snapshot.zarr.export",
+        "cache_store.snapshot.zarr.store",
+        "cache_store.snapshot.zarr.format",
         "cache_store.format.wire",
     } <= set(submodules("cache_store"))
 

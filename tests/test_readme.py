@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.conftest import REPO_ROOT
 
 # Runs the snippet as the main script (runpy puts it in sys.modules["__main__"], so spawn and

@@ -71,6 +71,7 @@ class How:
 
 
 DEMO_TEST = "test_the_demo_then_the_precompute_line"
+S3_TEST = "test_the_ray_block_into_a_bucket"
 INSTALL = (
     "downloads PyTorch (about 200 MB from PyTorch's CPU index, 2.7 GB of CUDA wheels from "
     "PyPI) into a new venv: not here. The test venv is this line's result; "
@@ -254,14 +255,12 @@ COMMANDS: dict[str, How] = {
     ),
     "spcache precompute /shared/shapes --recipe spc --param level=8 --cache "
     "s3://bucket/l8.zarr --engine ray": How(
-        UNAVAILABLE,
-        "PENDING: `--cache s3://...` on the command line is being fixed (issue 32, its "
-        "command-line layer); until then its options are checked",
+        RUN, f"{S3_TEST} (moto's S3 server; /shared and /fast under the test's directory)"
     ),
     "spcache merge s3://bucket/l8.zarr                     # merge the manifests into the "
-    "index (idempotent)": How(UNAVAILABLE, "PENDING with the line above"),
+    "index (idempotent)": How(RUN, S3_TEST),
     "spcache import s3://bucket/l8.zarr --cache /fast/spcache   # a local LMDB hot copy for "
-    "training": How(UNAVAILABLE, "PENDING with the line above"),
+    "training": How(RUN, S3_TEST),
     # -- More
     "python3 -m venv .venv-bench && .venv-bench/bin/pip install torch==2.13.0 && "
     ".venv-bench/bin/pip install -c bench/constraints.txt -e '.[bench]'": How(
@@ -417,12 +416,6 @@ def test_synopsis_lines_name_real_options() -> None:
             helps[command] = out.stdout
         unknown = [opt for opt in options if not re.search(rf"{opt}\b", helps[command])]
         assert not unknown, f"README: `{line}`: not in `spcache {command} --help`: {unknown}"
-    # the pending S3 lines: until they run, their options exist at least
-    for line, how in COMMANDS.items():
-        if how.where.startswith("PENDING"):
-            command, options = _options_of(line)
-            out = run_spcache(command, "--help").stdout
-            assert all(re.search(rf"{opt}\b", out) for opt in options), line
 
 
 # --------------------------------------------------------------------------- what cannot run
@@ -492,7 +485,7 @@ def test_the_demo_then_the_precompute_line(tmp_path: Path) -> None:
     """`spcache demo` (the install lines' last step) from an empty directory, then the
     README's precompute line over what it made: everything cached, nothing recomputed."""
     from cache_store import CachedDataset
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     install = next(line for line in COMMANDS if "/whl/cpu && " in line and "demo" in line)
     demo = install.rsplit("&& ", 1)[1].replace(".venv/bin/", "")  # the venv's bin is on PATH
@@ -740,3 +733,83 @@ def test_the_gpu_tests_line() -> None:
     assert out.returncode == 0, out.stdout[-3000:]
     tally = out.stdout.strip().splitlines()[-1]
     assert "deselected" in tally and ("passed" if cuda_works() else "skipped") in tally, tally
+
+
+# -- Scale-out on Ray: into a bucket
+
+
+def _bucket_keys(endpoint: str, bucket: str) -> list[str]:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+
+def _url_folders(root: Path) -> list[str]:
+    """Local folders a location that went through ``Path`` would have made."""
+    return [str(p) for p in root.rglob("*") if p.name.lower() in ("s3:", "file:")]
+
+
+@pytest.mark.slow
+def test_the_ray_block_into_a_bucket(tmp_path: Path, corpus_meshes: list[Path]) -> None:
+    """The three lines as written against moto's S3 server (bucket ``bucket`` made
+    first, its address in ``AWS_ENDPOINT_URL``), ``/shared`` and ``/fast`` placed under
+    this test's directory; then checked as the user would: the objects in the bucket,
+    no local ``s3:`` folder, the hot copy and the snapshot read back."""
+    from cache_store import CachedDataset
+    from cache_store.stores.opener import open_store
+    from tests.helpers.s3 import moto_s3
+
+    shapes = tmp_path / "shared" / "shapes"
+    shapes.mkdir(parents=True)
+    meshes = [m for m in corpus_meshes if m.suffix == ".obj"][:3]
+    for mesh in meshes:
+        shutil.copy(mesh, shapes / mesh.name)
+    block = line_of(RUN, S3_TEST)
+    as_here = [
+        line.replace("/shared/", f"{tmp_path}/shared/").replace("/fast/", f"{tmp_path}/fast/")
+        for line in block
+    ]
+    cwd = tmp_path / "work"
+    cwd.mkdir()
+    with moto_s3() as s3:  # its address and credentials reach the commands' environment
+        import boto3
+
+        boto3.client(
+            "s3",
+            endpoint_url=s3.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        ).create_bucket(Bucket="bucket")
+        precompute, merge, import_ = as_here
+
+        out = sh(precompute, cwd)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "done 3, skipped 0, failed 0" in out.stdout, out.stdout
+        fp = re.search(r"^fingerprint ([0-9a-f]{32})$", out.stdout, re.M).group(1)  # type: ignore[union-attr]
+        keys = _bucket_keys(s3.endpoint, "bucket")
+        assert any(k.startswith(f"l8.zarr/{fp}/commits/") for k in keys), keys
+        assert any(k.startswith(f"l8.zarr/{fp}/parts/") for k in keys), keys
+
+        out = sh(merge, cwd)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert f"l8.zarr/{fp}/index.json" in _bucket_keys(s3.endpoint, "bucket")
+        again = sh(merge, cwd)  # idempotent, as the comment says
+        assert again.returncode == 0 and again.stdout == out.stdout, again.stderr[-3000:]
+
+        out = sh(import_, cwd)
+        assert out.returncode == 0, out.stderr[-3000:]
+        with open_store(tmp_path / "fast" / "spcache") as hot:
+            assert sorted(hot.get_index(fp).sample_ids.tolist()) == sorted(m.stem for m in meshes)
+
+        snapshot = CachedDataset("s3://bucket/l8.zarr", fp)  # the README's next line
+        assert len(snapshot) == 3 and snapshot[0]["octree"].numel() > 0
+    assert not _url_folders(tmp_path), _url_folders(tmp_path)

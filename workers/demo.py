@@ -94,7 +94,7 @@ def write_example_shapes(directory: Path) -> list[Path]:
 
 
 def _precompute(sources: list[Path], cache: Path, level: int) -> str:
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from workers.engine import Engine
 
     on_terminal = sys.stderr.isatty()

@@ -49,13 +49,13 @@ import torch
 from cache_store import __version__ as SPCACHE_VERSION
 from cache_store.errors import ParameterError, SourceError, StoreFull
 from cache_store.jobs.failures import FailureLog
-from cache_store.jobs.freshness import STAT_FIELD
+from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool
 from cache_store.recipes.api import is_out_of_memory
 from cache_store.recipes.registry import get_entry
-from workers.recipes import ChunkBudget, Recipe, check_outputs
+from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
 from workers.run_ledger import (
     ItemResult,
@@ -499,7 +499,7 @@ class LocalRun:
         finally:
             self.summary.compute_s += time.perf_counter() - start
         metadata = self._metadata(item, source_hash, device, ops)
-        if source_stat:  # readers compare it before hashing (cache_store.jobs.freshness)
+        if source_stat:  # readers compare it before hashing (cache_store.sources.freshness)
             metadata[STAT_FIELD] = source_stat
         writer.put(PendingRecord(item, tensors, metadata))
 

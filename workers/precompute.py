@@ -89,7 +89,7 @@ def run_precompute(
             computed is committed and indexed first.
     """
     from workers.engine import DEVICE_PATTERN
-    from workers.recipes import get_recipe
+    from workers.recipe_run import get_recipe
 
     resolved = get_recipe(recipe).spec.resolve(dict(params or {}))
     if not isinstance(device, str) or not DEVICE_PATTERN.match(device):
@@ -132,7 +132,7 @@ def run_precompute(
     if left_out:
         log.info("%s", left_out)
 
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     try:
         store = open_store(location.target, readonly=False)

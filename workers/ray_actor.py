@@ -1,6 +1,6 @@
 """The Ray actor side: :class:`ShardWorker` runs the local engine on shards of items and
 streams the encoded records back in batches; :class:`ShardBuffer` is the in-memory store
-its engine writes into.
+(:class:`~cache_store.stores.memory.MemoryStore`) its engine writes into.
 
 Only plain values cross the wire: lists, dicts, strings, numbers and the records'
 safetensors bytes. Ray is imported inside the actor's methods only.
@@ -12,13 +12,13 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import RecordNotFound, SpcacheError
-from cache_store.format.descriptor import Descriptor
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
+from cache_store.stores.memory import MemoryStore
 from workers.engine import Engine, resolve_device
 from workers.ray_common import RemoteError
 from workers.run_ledger import ItemResult, Summary
@@ -26,76 +26,40 @@ from workers.run_ledger import ItemResult, Summary
 __all__ = ["ShardBuffer", "ShardWorker"]
 
 
-class ShardBuffer(Store):
-    """A write-only, in-memory store: the actor's engine writes here.
+class ShardBuffer(MemoryStore):
+    """The in-memory store the actor's engine writes into (a :class:`MemoryStore`).
 
     It is empty when a shard starts (so the engine computes every item it is given: the
     driver has already skipped what is cached) and hands each record back once
     (:meth:`pop`), with the descriptors they name (:meth:`descriptor_texts`). The index
     the engine writes at the end of a shard is dropped: the driver writes the real one.
+    Closing it forgets what it held.
     """
 
     def __init__(self) -> None:
-        super().__init__("memory://shard", readonly=False)
-        self._records: dict[str, bytes] = {}
-        self._descriptors: dict[tuple[str, str], str] = {}
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> bytes:
-        with self._lock:
-            try:
-                return self._records[key]
-            except KeyError:
-                raise RecordNotFound(key, self.location) from None
-
-    def put_many(
-        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
-    ) -> int:
-        batch = self.check_items(items, descriptors)
-        with self._lock:
-            self._records.update((key, bytes(value)) for key, value in batch.records)
-            for d in batch.descriptors:
-                self._descriptors[(d.fingerprint, d.digest)] = d.text
-        return len(batch.records)
-
-    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
-        with self._lock:
-            return self._descriptors.get((fingerprint, digest))
+        super().__init__("memory://shard")
 
     def descriptor_texts(self) -> list[list[str]]:
         """``[fingerprint, digest, text]`` of every descriptor written here (a run's one
         or few): sent with the records, plain values."""
-        with self._lock:
-            return [[fp, digest, text] for (fp, digest), text in self._descriptors.items()]
-
-    def has(self, key: str) -> bool:
-        with self._lock:
-            return key in self._records
-
-    def keys(self, prefix: str = "") -> Iterator[str]:
-        with self._lock:
-            found = sorted(k for k in self._records if k.startswith(prefix))
-        return iter(found)
+        with self.data.lock:
+            return [[fp, digest, text] for (fp, digest), text in self.data.descriptors.items()]
 
     def pop(self, key: str) -> bytes:
-        with self._lock:
-            try:
-                return self._records.pop(key)
-            except KeyError:
-                raise RecordNotFound(key, self.location) from None
+        """The record under ``key``, removed from the buffer."""
+        with self.data.lock:
+            value = self.data.records.pop(key, None)
+        if value is None:
+            raise RecordNotFound(key, self.location)
+        return value
 
     def close(self) -> None:
-        with self._lock:
-            self._records.clear()
+        with self.data.lock:
+            self.data.records.clear()
+            self.data.descriptors.clear()
 
     def put_index(self, index: DatasetIndex) -> None:
         """Dropped (see the class doc)."""
-
-    def get_index(self, fingerprint: str) -> DatasetIndex:
-        raise self.index_missing(fingerprint)
-
-    def fingerprints(self) -> list[str]:
-        return []
 
 
 class ShardWorker:

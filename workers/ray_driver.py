@@ -26,7 +26,7 @@ from typing import Any
 from cache_store.errors import ParameterError, SourceError, StoreFull
 from cache_store.format.descriptor import parse_descriptor
 from cache_store.jobs.failures import FailureLog
-from cache_store.jobs.freshness import is_current
+from cache_store.sources.freshness import is_current
 from cache_store.stores.base import Store
 from workers.ray_actor import ShardWorker
 from workers.ray_common import (

@@ -58,7 +58,7 @@ from workers.engine import Engine
 from workers.ray_actor import ShardBuffer, ShardWorker
 from workers.ray_common import ActorStats, RaySummary, RayUnavailable
 from workers.ray_driver import RayRun, RayRunOptions
-from workers.recipes import Recipe
+from cache_store.recipes.api import Recipe
 from workers.run_ledger import ItemResult
 from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES
 

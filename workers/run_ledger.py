@@ -36,7 +36,7 @@ from cache_store.errors import (
 )
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
-from cache_store.jobs.freshness import stored_metadata, stored_source_hash
+from cache_store.sources.freshness import stored_metadata, stored_source_hash
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 from cache_store.sources.discover import id_clash_reason

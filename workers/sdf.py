@@ -19,10 +19,11 @@ follows which side of the sheet they are on, within the patch's "shadow". Orient
 does not matter (the magnitude is used), so inverted meshes are handled too.
 
 The sign is one computation on every device and backend: :func:`winding_inside`, on the
-CPU. The ``spc_sdf`` recipe runs it in :meth:`~workers.recipes.SdfRecipe.prepare` (the
-loader processes), so a record's signs never depend on the machine that computed it.
-Kaolin's ``check_sign`` (parity of a ray along +x) is not used: on open or non-manifold
-meshes it disagrees with the winding number far from the surface.
+CPU. The ``spc_sdf`` recipe runs it in its ``prepare`` half
+(:func:`workers.builtin_compute.prepare_sdf`, in the loader processes), so a record's
+signs never depend on the machine that computed it. Kaolin's ``check_sign`` (parity of
+a ray along +x) is not used: on open or non-manifold meshes it disagrees with the
+winding number far from the surface.
 
 The Kaolin path (:func:`signed_distance_kaolin`, CUDA) takes distances and closest faces
 from Kaolin's ``point_to_mesh_distance`` and the sign from the caller. What the two paths

@@ -37,7 +37,8 @@ from typing import Any
 
 from cache_store.jobs.queue import ClaimedItem, JobQueue
 from cache_store.sources.files import SourceLimits, narrow_roots
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 
 __all__ = ["WorkerLoop", "configure_parser", "run", "main"]
 

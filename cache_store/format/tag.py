@@ -23,7 +23,7 @@ from typing import Any
 
 from cache_store.errors import CorruptRecord, SpcacheError
 from cache_store.format.header import record_checksum
-from cache_store.format.protocol import TAG_HEADER
+from cache_store.service_api.protocol import TAG_HEADER
 
 __all__ = [
     "TAG_HEADER",

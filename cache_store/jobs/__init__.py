@@ -1,2 +1,2 @@
 """The work queue and what the worker keeps beside it: jobs and items in SQLite, the failure
-log, the worker's owner lock, and whether a record is current."""
+log, the worker's owner lock, and why a sample is (not) ready."""

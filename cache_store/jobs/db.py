@@ -5,12 +5,14 @@ The one way this package opens SQLite (:func:`connect`: autocommit, WAL, the pra
 holds connections (:class:`ThreadConnections`: one per thread, per process through
 :class:`~cache_store.process_local.ProcessLocal`, all closed together) and writes
 (``BEGIN IMMEDIATE`` transactions, :class:`write_txn`); plus the job queue's schema
-(created on first open, versioned in ``meta``) and the small helpers its statements
-share. Nothing about jobs' states.
+(created on first open, versioned in ``meta``), the small helpers its statements
+share, and :class:`QueueAccess`, what the queue's parts reach the database through.
+Nothing about jobs' states.
 """
 
 from __future__ import annotations
 
+import abc
 import json
 import logging
 import sqlite3
@@ -26,6 +28,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "MIGRATIONS",
     "Connections",
+    "QueueAccess",
     "ThreadConnections",
     "column_json",
     "chunks",
@@ -184,3 +187,20 @@ def column_json(obj: Any) -> str:
 def chunks(seq: Sequence[int], n: int) -> Iterable[Sequence[int]]:
     for i in range(0, len(seq), n):
         yield seq[i : i + n]
+
+
+class QueueAccess(abc.ABC):
+    """What each part of the job queue (:mod:`cache_store.jobs.queue`,
+    :mod:`~cache_store.jobs.queries`, :mod:`~cache_store.jobs.liveness`) works through:
+    this thread's connection, the check that the file is still the one opened, and the
+    queue's clock (seconds since the epoch)."""
+
+    clock: Callable[[], float]
+
+    @abc.abstractmethod
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection to the queue's database."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise ``QueueDamaged`` if the file was lost since it was opened."""

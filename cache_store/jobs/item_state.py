@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.format.protocol import FAILED, MISSING, QUEUED, sample_state
+from cache_store.service_api.protocol import FAILED, MISSING, QUEUED, sample_state
 from cache_store.keys import record_key
-from cache_store.jobs.freshness import HashBudget, compare_source
+from cache_store.sources.freshness import HashBudget, compare_source
 from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
 from cache_store.recipes.registry import code_changed, installed_code_digest
@@ -32,7 +32,7 @@ class ItemState:
     running), ``missing`` (no record, nothing queued) or ``unchecked`` (record present,
     its source changed on disk and the request's hashing budget did not cover it).
     ``queued``, ``failed`` and ``missing`` without a record are
-    :func:`cache_store.format.protocol.sample_state` of the latest queue item.
+    :func:`cache_store.service_api.protocol.sample_state` of the latest queue item.
     """
 
     fingerprint: str

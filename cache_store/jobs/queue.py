@@ -30,15 +30,15 @@ Guarantees:
   keep answering from a deleted file, or SQLite would silently start an empty queue.
   A process adopts a restored file only when it starts again.
 
-Reads are single statements in autocommit mode, so no read transaction stays open and
-the WAL can always be checkpointed.
+This module holds the queue's file (open, migrate, check) and every state change of a
+job and its items. Reads are :mod:`cache_store.jobs.queries`', heartbeats and liveness
+:mod:`cache_store.jobs.liveness`' (both mixed into :class:`JobQueue`); the values it
+takes and returns live in :mod:`cache_store.jobs.rows`, its schema and SQLite plumbing
+in :mod:`cache_store.jobs.db`; every public name is importable from here.
 
-The values it takes and returns live in :mod:`cache_store.jobs.rows`, its schema and SQLite
-plumbing in :mod:`cache_store.jobs.db`; every public name is importable from here.
-
-Why one module: every state change of a job and its items is one SQL transaction written
-here; the rules of the state machine are read in one place (the schema and connections
-are in db.py, the values in rows.py).
+Why one module: every state change of a job and its items is one SQL transaction
+written here, so the rules of the state machine (claims, leases, attempts, cancels)
+are read, and changed, in one place.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import sqlite3
 import time
 import uuid
@@ -65,6 +64,8 @@ from cache_store.jobs.db import (
     schema_statements,
     write_txn,
 )
+from cache_store.jobs.liveness import WorkerLiveness
+from cache_store.jobs.queries import QueueQueries
 from cache_store.jobs.rows import (
     ITEM_STATUSES,
     ClaimedItem,
@@ -72,7 +73,6 @@ from cache_store.jobs.rows import (
     JobInfo,
     NewItem,
     QueuedItem,
-    job_info_from_row,
 )
 
 __all__ = [
@@ -89,11 +89,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 JOBS_FILENAME = "jobs.sqlite"
-_HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 _SQLITE_HEADER_BYTES = 100  # a database file is at least its header
 
 
-class JobQueue:
+class JobQueue(QueueQueries, WorkerLiveness):
     """The SQLite job queue of one cache directory.
 
     Args:
@@ -129,7 +128,7 @@ class JobQueue:
 
     # -- connections -------------------------------------------------------------------
 
-    def _conn(self) -> sqlite3.Connection:
+    def connection(self) -> sqlite3.Connection:
         """This thread's connection (per process: an inherited one is parked, never used)."""
         return self._conns.get(self._open_checked)
 
@@ -225,7 +224,7 @@ class JobQueue:
         done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
         job_id = uuid.uuid4().hex
         now = self.clock()
-        conn = self._conn()
+        conn = self.connection()
         self.check()
         with write_txn(conn):
             conn.execute(
@@ -264,7 +263,7 @@ class JobQueue:
 
     def cancel(self, job_id: str) -> JobInfo:
         """Cancel a job: its pending items become ``cancelled``; running ones finish."""
-        conn = self._conn()
+        conn = self.connection()
         with write_txn(conn):
             if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
                 raise JobNotFound(job_id)
@@ -309,7 +308,7 @@ class JobQueue:
         wanted = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
         again = set(stale)
         out: dict[str, QueuedItem] = {}
-        conn = self._conn()
+        conn = self.connection()
         now = self.clock()
         with write_txn(conn):
             todo: list[NewItem] = []
@@ -376,218 +375,11 @@ class JobQueue:
             )
         return [out[it.sample_id] for it in wanted if it.sample_id in out]
 
-    def item_statuses(self, item_ids: Iterable[int]) -> dict[int, tuple[str, str | None]]:
-        """``item id -> (status, last_error)`` in one statement (a waiter's cheap poll)."""
-        ids = list(item_ids)
-        out: dict[int, tuple[str, str | None]] = {}
-        conn = self._conn()
-        for chunk in chunks(ids, 500):
-            marks = ",".join("?" * len(chunk))
-            for row in conn.execute(
-                f"SELECT id, status, last_error FROM items WHERE id IN ({marks})", tuple(chunk)
-            ):
-                out[row[0]] = (row[1], row[2])
-        return out
-
-    def live_workers(self, *, stale_s: float = 90.0) -> list[dict[str, Any]]:
-        """Workers that look alive: a heartbeat within ``stale_s`` (or three of the
-        worker's own heartbeat periods, if longer), not marked stopped, and, for a worker
-        on this host, a process that still exists and is not a zombie."""
-        now = self.clock()
-        alive = []
-        for beat in self.heartbeats():
-            info = beat["info"]
-            window = max(stale_s, 3.0 * float(info.get("heartbeat_s") or 0.0))
-            if info.get("stopped") or beat["seen"] < now - window:
-                continue
-            if not _process_alive(beat):
-                continue
-            alive.append(beat)
-        return alive
-
-    def worker_expected(self, *, stale_s: float = 90.0) -> bool:
-        """Whether a read-through miss will be computed: a worker is alive
-        (:meth:`live_workers`), or a live supervisor announced, within its restart window,
-        that it is starting one again (:meth:`announce_restart`)."""
-        if self.live_workers(stale_s=stale_s):
-            return True
-        now = self.clock()
-        for beat in self._beats():
-            info = beat["info"]
-            if (
-                info.get("supervisor")
-                and not info.get("stopped")
-                and now - beat["seen"] <= float(info.get("restart_within_s") or 0.0)
-                and _process_alive(beat)
-            ):
-                return True
-        return False
-
-    def announce_restart(self, supervisor_id: str, within_s: float) -> None:
-        """Say, from the process that supervises this cache's worker (``spcache serve``),
-        that the worker died and a new one will heartbeat within ``within_s``: waiters
-        wait for it (:meth:`worker_expected`) instead of failing with ``NoWorkerAlive``."""
-        self.heartbeat(supervisor_id, {"supervisor": True, "restart_within_s": float(within_s)})
-
-    def end_restarts(self, supervisor_id: str) -> None:
-        """The supervisor stops: no worker is on its way any more."""
-        self.heartbeat(supervisor_id, {"supervisor": True, "stopped": True})
-
-    # -- reading -----------------------------------------------------------------------
-
-    def job(self, job_id: str, *, errors_offset: int = 0, errors_limit: int = 100) -> JobInfo:
-        """One job with its counts and one page of its failed items' errors (QueueDamaged
-        when the file was lost: a deleted file's open connection would still answer)."""
-        conn = self._conn()
-        self.check()
-        row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if row is None:
-            raise JobNotFound(job_id)
-        counts, settled = self._job_counts(conn, [job_id])
-        errors = self._errors(conn, job_id, errors_offset, errors_limit)
-        return job_info_from_row(row, counts[job_id], errors, settled.get(job_id))
-
-    def jobs(
-        self,
-        *,
-        limit: int = 100,
-        offset: int = 0,
-        fingerprint: str | None = None,
-        errors_limit: int = 0,
-    ) -> list[JobInfo]:
-        """Jobs, newest first, with counts and, for a job with failed items, the first
-        ``errors_limit`` of their errors (ask :meth:`job` for more)."""
-        conn = self._conn()
-        self.check()
-        where, args = ("WHERE fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
-        rows = conn.execute(
-            f"SELECT * FROM jobs {where}ORDER BY created DESC, id LIMIT ? OFFSET ?",
-            (*args, max(0, int(limit)), max(0, int(offset))),
-        ).fetchall()
-        counts, settled = self._job_counts(conn, [r["id"] for r in rows])
-        out = []
-        for r in rows:
-            errors = []
-            if errors_limit > 0 and counts[r["id"]]["failed"]:
-                errors = self._errors(conn, r["id"], 0, errors_limit)
-            out.append(job_info_from_row(r, counts[r["id"]], errors, settled.get(r["id"])))
-        return out
-
-    @staticmethod
-    def _errors(conn: sqlite3.Connection, job_id: str, offset: int, limit: int) -> list[ItemError]:
-        errs = conn.execute(
-            "SELECT id, sample_id, path, status, attempts, last_error FROM items "
-            "WHERE job_id = ? AND status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
-            (job_id, max(0, int(limit)), max(0, int(offset))),
-        ).fetchall()
-        return [
-            ItemError(
-                e["id"],
-                e["sample_id"],
-                e["path"],
-                e["status"],
-                e["attempts"],
-                e["last_error"] or "",
-            )
-            for e in errs
-        ]
-
-    def counts(self) -> dict[str, int]:
-        """Items in the whole queue by status."""
-        out = dict.fromkeys(ITEM_STATUSES, 0)
-        for row in self._conn().execute("SELECT status, COUNT(*) FROM items GROUP BY status"):
-            out[row[0]] = row[1]
-        return out
-
-    def items(self, job_id: str, *, status: str | None = None) -> list[dict[str, Any]]:
-        """Every item of a job (for tests, ``explain`` and debugging)."""
-        conn = self._conn()
-        if conn.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone() is None:
-            raise JobNotFound(job_id)
-        sql = "SELECT * FROM items WHERE job_id = ?"
-        args: tuple[Any, ...] = (job_id,)
-        if status is not None:
-            sql += " AND status = ?"
-            args += (status,)
-        return [dict(r) for r in conn.execute(sql + " ORDER BY seq", args)]
-
-    def latest_item(self, fingerprint: str, sample_id: str) -> dict[str, Any] | None:
-        """The most recently updated queue item for this key, or None."""
-        row = (
-            self._conn()
-            .execute(
-                "SELECT * FROM items WHERE fingerprint = ? AND sample_id = ? "
-                "ORDER BY updated DESC, id DESC LIMIT 1",
-                (fingerprint, sample_id),
-            )
-            .fetchone()
-        )
-        return dict(row) if row is not None else None
-
-    def failed_samples(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
-        """Samples whose newest (non-cancelled) item failed: ``{"fingerprint",
-        "sample_id", "path", "reason", "updated"}`` dicts, newest first."""
-        where, args = ("AND i.fingerprint = ? ", (fingerprint,)) if fingerprint else ("", ())
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT i.fingerprint, i.sample_id, i.path, i.last_error, i.updated FROM items i "
-                "WHERE i.status = 'failed' "
-                + where
-                + "AND NOT EXISTS (SELECT 1 FROM items n WHERE n.fingerprint = i.fingerprint "
-                "AND n.sample_id = i.sample_id AND n.status != 'cancelled' "
-                "AND (n.updated > i.updated OR (n.updated = i.updated AND n.id > i.id))) "
-                "ORDER BY i.updated DESC, i.id DESC",
-                args,
-            )
-            .fetchall()
-        )
-        return [
-            {
-                "fingerprint": r["fingerprint"],
-                "sample_id": r["sample_id"],
-                "path": r["path"],
-                "reason": r["last_error"] or "failed",
-                "updated": r["updated"],
-            }
-            for r in rows
-        ]
-
-    def sample_ids(
-        self, fingerprint: str, *, prefix: str = "", after: str = "", limit: int = 100
-    ) -> list[str]:
-        """Distinct sample ids queued under ``fingerprint`` (any status) that start with
-        ``prefix`` and sort after ``after``, in UTF-8 byte order (as record keys sort),
-        at most ``limit``: a page of a cache's sample list for the status page."""
-        start = max(prefix, after)
-        rows = self._conn().execute(
-            "SELECT DISTINCT sample_id FROM items WHERE fingerprint = ? AND sample_id >= ? "
-            "ORDER BY sample_id LIMIT ?",
-            (fingerprint, start, limit + 1),
-        )
-        out = []
-        for (sample_id,) in rows:
-            if not sample_id.startswith(prefix):
-                break
-            if sample_id != after:
-                out.append(sample_id)
-        return out[:limit]
-
-    # -- housekeeping (spcache rm / prune) ---------------------------------------------
-
-    def active_fingerprints(self) -> dict[str, int]:
-        """Fingerprints with items pending or running -> how many (never pruned)."""
-        rows = self._conn().execute(
-            "SELECT fingerprint, COUNT(*) FROM items WHERE status IN ('pending', 'running') "
-            "GROUP BY fingerprint"
-        )
-        return dict(rows)
-
     def cancel_fingerprint(self, fingerprint: str) -> int:
         """Cancel every pending item of ``fingerprint`` (and mark its jobs cancelled);
         running items finish (their writes are refused once the fingerprint is removed).
         Returns the items cancelled."""
-        conn = self._conn()
+        conn = self.connection()
         with write_txn(conn):
             cur = conn.execute(
                 "UPDATE items SET status = 'cancelled', updated = ? "
@@ -606,34 +398,13 @@ class JobQueue:
         """Failed items of ``fingerprint`` become ``cancelled``, so a later request
         computes those samples again instead of answering with the old failure. Returns
         how many."""
-        conn = self._conn()
+        conn = self.connection()
         with write_txn(conn):
             return conn.execute(
                 "UPDATE items SET status = 'cancelled', updated = ? "
                 "WHERE fingerprint = ? AND status = 'failed'",
                 (self.clock(), fingerprint),
             ).rowcount
-
-    @staticmethod
-    def _job_counts(
-        conn: sqlite3.Connection,
-        job_ids: Sequence[str],
-    ) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
-        """Per job: items by status, and the latest ``updated`` of a done or failed item."""
-        out = {j: dict.fromkeys(ITEM_STATUSES, 0) for j in job_ids}
-        settled: dict[str, float] = {}
-        if not job_ids:
-            return out, settled
-        marks = ",".join("?" * len(job_ids))
-        sql = (
-            f"SELECT job_id, status, COUNT(*), MAX(updated) FROM items "
-            f"WHERE job_id IN ({marks}) GROUP BY job_id, status"
-        )
-        for job_id, status, count, latest in conn.execute(sql, tuple(job_ids)):
-            out[job_id][status] = count
-            if status in ("done", "failed"):
-                settled[job_id] = max(settled.get(job_id, latest), latest)
-        return out, settled
 
     # -- working (worker side) ---------------------------------------------------------
 
@@ -646,7 +417,7 @@ class JobQueue:
         """
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
-        conn = self._conn()
+        conn = self.connection()
         self.check()
         now = self.clock()
         with write_txn(conn):
@@ -696,7 +467,7 @@ class JobQueue:
         ids = list(item_ids)
         if not ids:
             return set()
-        conn = self._conn()
+        conn = self.connection()
         now = self.clock()
         held: set[int] = set()
         with write_txn(conn):
@@ -731,7 +502,7 @@ class JobQueue:
         Done whoever holds the lease now: the record is in the store, and a second
         worker that took over an expired lease would only compute it again.
         """
-        conn = self._conn()
+        conn = self.connection()
         with write_txn(conn):
             cur = conn.execute(
                 "UPDATE items SET status = 'done', last_error = NULL, lease_owner = ?, "
@@ -749,7 +520,7 @@ class JobQueue:
         retried while attempts remain (``cancelled`` instead if its job was cancelled).
         An item this worker no longer holds is left alone.
         """
-        conn = self._conn()
+        conn = self.connection()
         with write_txn(conn):
             row = conn.execute(
                 "SELECT i.status, i.attempts, i.lease_owner, j.cancelled FROM items i "
@@ -772,7 +543,7 @@ class JobQueue:
     def release(self, worker_id: str, item_ids: Iterable[int]) -> int:
         """Hand back items unfinished (clean shutdown): pending again, attempt not counted."""
         ids = list(item_ids)
-        conn = self._conn()
+        conn = self.connection()
         n = 0
         with write_txn(conn):
             for chunk in chunks(ids, 500):
@@ -786,41 +557,6 @@ class JobQueue:
                 )
                 n += cur.rowcount
         return n
-
-    def heartbeat(self, worker_id: str, info: dict[str, Any] | None = None) -> None:
-        """Say this worker is alive (the service reports the age of the newest)."""
-        conn = self._conn()
-        with write_txn(conn):
-            conn.execute(
-                "INSERT INTO heartbeats (worker_id, pid, seen, info) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(worker_id) DO UPDATE SET pid = excluded.pid, "
-                "seen = excluded.seen, info = excluded.info",
-                (
-                    worker_id,
-                    os.getpid(),
-                    self.clock(),
-                    column_json({**(info or {}), "host": socket.gethostname()}),
-                ),
-            )
-            conn.execute(
-                "DELETE FROM heartbeats WHERE seen < ?", (self.clock() - _HEARTBEAT_KEEP_S,)
-            )
-
-    def heartbeats(self) -> list[dict[str, Any]]:
-        """The workers' heartbeats, newest first (a supervisor's announcements left out)."""
-        return [b for b in self._beats() if not b["info"].get("supervisor")]
-
-    def _beats(self) -> list[dict[str, Any]]:
-        rows = self._conn().execute("SELECT * FROM heartbeats ORDER BY seen DESC").fetchall()
-        return [
-            {
-                "worker_id": r["worker_id"],
-                "pid": r["pid"],
-                "seen": r["seen"],
-                "info": json.loads(r["info"]),
-            }
-            for r in rows
-        ]
 
     def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
         """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""
@@ -860,29 +596,3 @@ def _mtime(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return 0.0
-
-
-def _process_alive(beat: dict[str, Any]) -> bool:
-    """Whether the process that wrote a heartbeat still runs; one on another host is
-    taken for alive (its heartbeat's age is all there is to go on)."""
-    if beat["info"].get("host") != socket.gethostname():
-        return True
-    return _pid_running(int(beat["pid"]))
-
-
-def _pid_running(pid: int) -> bool:
-    """The process exists and is not a zombie (dead, waiting for its parent to reap it:
-    ``kill(pid, 0)`` still succeeds for one)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:  # no /proc (not Linux), or it ended just now
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(command name)"
-    return state not in (b"Z", b"X")

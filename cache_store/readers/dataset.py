@@ -27,7 +27,6 @@ from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
     CorruptRecord,
-    FingerprintLookupError,
     MissTimeout,
     ParameterError,
     RecordNotFound,
@@ -36,19 +35,20 @@ from cache_store.errors import (
     StaleRecord,
     UnknownName,
 )
-from cache_store.jobs.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
-from cache_store.keys import canonical_json, compute_fingerprint, is_fingerprint
+from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
-from cache_store.format.index import DatasetIndex
 from cache_store.readers.collate import SpcSample
+from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
-from cache_store.stores.base import Store, open_store
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
 
-__all__ = ["CachedDataset", "resolve_index"]
+__all__ = ["CachedDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -77,57 +77,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def _describe(index: DatasetIndex) -> str:
-    return (
-        f"{index.fingerprint} ({index.recipe} v{index.recipe_version}, "
-        f"{canonical_json(dict(index.params))}, {len(index)} samples)"
-    )
-
-
-def resolve_index(store: Store, fingerprint_or_recipe: str, **params: Any) -> DatasetIndex:
-    """The one index that a fingerprint, or a recipe name plus parameters, selects.
-
-    A recipe (installed here) selects the indexes recorded in the store of its current
-    version whose parameters equal every given one; a parameter not given matches any
-    stored value (its default is not filled in). Exactly one match is the answer; there
-    is no tie-break: several raise :class:`FingerprintLookupError` listing each
-    candidate (fingerprint, version, parameters, samples; ``exc.candidates``), and none
-    raises it listing the datasets of that recipe in the store.
-    """
-    if is_fingerprint(fingerprint_or_recipe):
-        if params:
-            raise ParameterError(
-                [
-                    f"{name}: parameters select a fingerprint by recipe name; "
-                    f"{fingerprint_or_recipe} is already one"
-                    for name in params
-                ]
-            )
-        return store.get_index(fingerprint_or_recipe)
-    recipe = fingerprint_or_recipe
-    if recipe not in RECIPE_SPECS:
-        get_recipe_spec(recipe)  # raises UnknownName listing the known recipes
-    matches = store.find_fingerprints(recipe, **params)
-    current = [i for i in matches if i.recipe_version == RECIPE_SPECS[recipe].version]
-    if len(current) == 1:
-        return current[0]
-    wanted = f"recipe {recipe!r}" + (f" with {canonical_json(params)}" if params else "")
-    if current:
-        raise FingerprintLookupError(
-            f"{wanted} matches {len(current)} datasets in {store.location} (a parameter "
-            f"left out matches any stored value); give more parameters or a fingerprint: "
-            + "; ".join(_describe(i) for i in current),
-            [i.fingerprint for i in current],
-        )
-    others = matches or store.find_fingerprints(recipe)
-    listed = "; ".join(_describe(i) for i in others) or "none"
-    raise FingerprintLookupError(
-        f"{wanted} (version {RECIPE_SPECS[recipe].version}) matches no dataset in "
-        f"{store.location}; datasets of this recipe there: {listed}",
-        [i.fingerprint for i in others],
-    )
-
-
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     """Records of one fingerprint of a cache, as dicts of CPU tensors, in index order.
 
@@ -139,11 +88,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             the installed recipe version whose parameters equal the given ones, a
             parameter left out matching any stored value (not its default). Several
             matches are no guess: ``FingerprintLookupError`` lists the candidates (see
-            :func:`resolve_index`). With ``sources=``, defaults fill in instead.
+            :func:`~cache_store.readers.selection.resolve_index`). With ``sources=``,
+            defaults fill in instead.
         fields: names of the tensors to read (default: all); the others' bytes are not
             touched.
         transform: called on each sample dict (in the worker) before it is returned.
-        store_options: passed to :func:`~cache_store.stores.base.open_store` (e.g.
+        store_options: passed to :func:`~cache_store.stores.opener.open_store` (e.g.
             ``max_readers`` for LMDB).
         sources: read-through (with a recipe name): a directory, ``.txt``/``.jsonl``
             manifest, file, or a list of them, discovered exactly as ``spcache

@@ -33,7 +33,7 @@ from urllib.parse import quote
 import httpx
 
 from cache_store.errors import MissTimeout, ParameterError, SampleFailed, SpcacheError
-from cache_store.format.protocol import (
+from cache_store.service_api.protocol import (
     ERROR_HEADER,
     FAILED,
     MISSING,
@@ -42,7 +42,7 @@ from cache_store.format.protocol import (
     WAIT_CHUNK_S,
 )
 from cache_store.keys import record_key
-from cache_store.stores.service_client import json_body, new_client, send
+from cache_store.service_api.client import json_body, new_client, send
 
 __all__ = ["HTTPReadThrough"]
 

@@ -19,7 +19,7 @@ directory: the SQLite job queue in ``<cache>/jobs.sqlite``). It
 
 Nothing here imports torch's CUDA or ``workers``: loaders read; the worker computes.
 Over HTTP the service does the same for the client (``service/read_through.py``); the
-rules both follow are in :mod:`cache_store.format.protocol`.
+rules both follow are in :mod:`cache_store.service_api.protocol`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_store.errors import MissTimeout, NoWorkerAlive, SampleFailed
-from cache_store.format.protocol import (
+from cache_store.service_api.protocol import (
     FAILED,
     LIVENESS_EVERY_S,
     POLL_FIRST_S,

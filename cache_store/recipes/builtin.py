@@ -2,7 +2,7 @@
 
 They are registered like any user's recipe (entry points in spcache's own
 ``pyproject.toml``, group ``spcache.recipes``). This module is their schema and imports no
-torch: ``prepare`` and ``compute`` import their code (:mod:`workers.recipes`) when they
+torch: ``prepare`` and ``compute`` import their code (:mod:`workers.builtin_compute`) when they
 run, which only a worker or loader process does. That keeps the service, which imports
 every installed recipe class to learn its schema, free of torch.
 """
@@ -228,18 +228,18 @@ class Spc(Recipe):
     doc = "structured point cloud (sparse octree) of the normalised shape"
     record_bytes = staticmethod(_spc_bytes)
     record_bytes_doc = _SPC_BOUND
-    code_modules = ("workers.recipes", "workers.sampling")
+    code_modules = ("workers.builtin_compute", "workers.sampling")
     with_queries = False
 
     def prepare(self, source: Any, params: Mapping[str, Any], generator: Any) -> dict[str, Any]:
-        from workers.recipes import prepare_spc
+        from workers.builtin_compute import prepare_spc
 
         return prepare_spc(source, params, generator, with_queries=self.with_queries)
 
     def compute(
         self, prepared: dict[str, Any], params: Mapping[str, Any], device: Any, ops: Any
     ) -> dict[str, Any]:
-        from workers.recipes import compute_spc
+        from workers.builtin_compute import compute_spc
 
         return compute_spc(
             prepared, params, device, ops, self.chunks, with_queries=self.with_queries
@@ -268,17 +268,17 @@ class SpcSdf(Recipe):
     doc = _SDF_DOC
     record_bytes = staticmethod(_sdf_bytes)
     record_bytes_doc = _SDF_BOUND
-    code_modules = ("workers.recipes", "workers.sampling", "workers.sdf")
+    code_modules = ("workers.builtin_compute", "workers.sampling", "workers.sdf")
 
     def prepare(self, source: Any, params: Mapping[str, Any], generator: Any) -> dict[str, Any]:
-        from workers.recipes import prepare_sdf
+        from workers.builtin_compute import prepare_sdf
 
         return prepare_sdf(source, params, generator)
 
     def compute(
         self, prepared: dict[str, Any], params: Mapping[str, Any], device: Any, ops: Any
     ) -> dict[str, Any]:
-        from workers.recipes import compute_sdf
+        from workers.builtin_compute import compute_sdf
 
         return compute_sdf(prepared, params, device, ops, self.chunks)
 

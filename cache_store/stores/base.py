@@ -26,9 +26,9 @@ backend writes them in the same commit as the records.
 
 ``generation()`` is a change counter: it differs after any write that landed (LMDB: the
 last committed transaction id), so a reader can tell "nothing changed" cheaply; None
-where the backend cannot tell. :func:`open_store` picks a backend
-from a location through a plain-dict registry; backends written in other modules are
-imported by name only when a location needs them.
+where the backend cannot tell. Turning a location into a store (:func:`open_store`, the
+backend registry) is :mod:`cache_store.stores.opener`'s job: this module names no
+backend, so every backend can import it.
 
 Every backend constructor takes ``(location, *, readonly=..., **options)``, only assigns
 (nothing is opened before first use) and raises ``ReadOnlyStoreError`` on writes when
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import importlib
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -65,9 +64,7 @@ from cache_store.errors import (
     ReadOnlyStoreError,
     RecordNotFound,
     SpcacheError,
-    UnknownName,
 )
-from cache_store.location import parse_location
 from cache_store.format.decode import (
     Fill,
     Record,
@@ -86,15 +83,12 @@ from cache_store.format.descriptor import (
 from cache_store.format.header import RecordHeader, read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
-from cache_store.recipes.specs import RECIPE_SPECS
 
 __all__ = [
-    "STORE_BACKENDS",
     "RecordDecoder",
     "Store",
     "VerifyReport",
     "WriteBatch",
-    "open_store",
 ]
 
 log = logging.getLogger(__name__)
@@ -482,7 +476,7 @@ class Store(abc.ABC):
         indexed sample ids without a record (``missing``). Damage to the store itself
         (``CacheDamaged``: an unreadable LMDB page) ends the walk and is reported in
         ``damaged``. Damage that makes LMDB abort the process cannot be caught here: walk
-        a cache that may be damaged with :func:`cache_store.stores.isolated.verify_cache`.
+        a cache that may be damaged with :func:`cache_store.housekeeping.isolated.verify_cache`.
         """
         report = VerifyReport()
         try:
@@ -518,82 +512,19 @@ class Store(abc.ABC):
             ]
 
     def find_fingerprints(self, recipe: str, **params: Any) -> list[DatasetIndex]:
-        """Indexes of ``recipe`` whose parameters agree with every given one.
+        """Indexes of ``recipe`` whose parameters equal every given one (others may be
+        anything), sorted by fingerprint.
 
-        Given values are coerced by the recipe's schema when the recipe is known here
-        (``level=numpy.int64(8)`` matches ``8``; ``level=8.0`` or an unknown parameter
-        raises ``ParameterError``).
-        Sorted by fingerprint.
+        Values are compared as given: a caller holding a user's values checks them by the
+        recipe's schema first (``level=numpy.int64(8)`` -> ``8``; ``level=8.0`` refused),
+        as :func:`cache_store.readers.selection.resolve_index` does.
         """
-        spec = RECIPE_SPECS.get(recipe)
-        if spec is not None:
-            problems, wanted = [], {}
-            for name, value in params.items():
-                if name not in spec.params:
-                    problems.append(
-                        f"{name}: unknown parameter (known: {', '.join(sorted(spec.params))})"
-                    )
-                    continue
-                wanted[name], problem = spec.params[name].check(name, value)
-                if problem:
-                    problems.append(problem)
-            if problems:
-                raise ParameterError(problems, what=f"parameters for recipe {recipe!r}")
-        else:
-            wanted = dict(params)
         found = []
         for fp in self.fingerprints():
             index = self.get_index(fp)
             if index.recipe == recipe and all(
                 name in index.params and index.params[name] == value
-                for name, value in wanted.items()
+                for name, value in params.items()
             ):
                 found.append(index)
         return found
-
-
-# --------------------------------------------------------------------------- registry
-
-#: Backend name -> "module:Class". Modules are imported when a location needs them, so
-#: backends can land (or be absent) independently.
-STORE_BACKENDS: dict[str, str] = {
-    "lmdb": "cache_store.stores.lmdb:LMDBStore",
-    "zarr": "cache_store.snapshot.reader:ZarrStore",
-    "http": "cache_store.stores.http:HTTPStore",
-    "sharded": "cache_store.snapshot.sharded:ShardedSnapshot",
-}
-
-
-def open_store(
-    cache: str | os.PathLike[str] | Store, readonly: bool = True, **options: Any
-) -> Store:
-    """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
-    ``ZarrStore`` (an exported snapshot) or ``ShardedSnapshot`` (one written by many
-    writers, and any ``*.zarr`` opened for writing); ``http(s)://host:port`` ->
-    ``HTTPStore``. A ``Store`` passes through.
-
-    Nothing is opened yet (the first access opens it, in the calling process).
-    """
-    if isinstance(cache, Store):
-        return cache
-    parsed = parse_location(cache)
-    name: str = parsed.kind
-    if name == "zarr":
-        from cache_store.snapshot.sharded import snapshot_kind
-
-        kind = snapshot_kind(parsed.target, options.get("storage_options"))
-        if kind == "sharded" or (kind is None and not readonly):
-            name = "sharded"
-        elif not readonly:  # an exported snapshot is immutable: writers start a new one
-            raise ReadOnlyStoreError(
-                f"{parsed.text}: an exported Zarr snapshot is read-only; "
-                f"write into a new location (a sharded snapshot)"
-            )
-    module_name, _, class_name = STORE_BACKENDS[name].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise UnknownName("store backend", name, [n for n in STORE_BACKENDS if n != name]) from exc
-    return getattr(module, class_name)(parsed.target, readonly=readonly, **options)

@@ -50,7 +50,7 @@ from cache_store.format.tag import (
 )
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import RecordDecoder, Store
-from cache_store.stores.service_client import error_of, new_client, send, tls_verify
+from cache_store.service_api.client import error_of, new_client, send, tls_verify
 from cache_store.format.wire import decode_batch
 
 __all__ = [

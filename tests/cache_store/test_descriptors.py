@@ -3,7 +3,7 @@
 Format-1 records (each carrying its recipe's whole schema) still read, beside format-2
 ones; a record is bound to its descriptor by digest, and a wrong or damaged descriptor
 is a clear error; ``spcache compact --rewrite-records`` rewrites a cache in format 2.
-The store contract (tests/helpers/store_contract.py) reads both formats on every backend.
+The store contract (cache_store.testing) reads both formats on every backend.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from cache_store.snapshot.sharded import ShardedSnapshot
 from cache_store.stores.lmdb import LMDBStore
 from service.settings import Settings
 from tests.helpers.service import TOKEN, InProcessServer, build_cache
-from tests.helpers.store_contract import as_format_1
 from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
-from tests.helpers.v1_records import GOLDEN_V1, encode_record_v1, golden_v1_records
+from cache_store.testing.format1 import as_format_1, encode_record_v1
+from tests.helpers.v1_records import GOLDEN_V1, golden_v1_records
 from workers.engine import Engine
 from workers.ray_actor import ShardBuffer
 
@@ -105,7 +105,7 @@ def test_golden_format_1_records_read_as_a_format_2_recompute_of_their_sources(
 
 
 def test_the_tests_format_1_writer_writes_what_the_engine_wrote() -> None:
-    """(tests/helpers/v1_records.py builds the old caches of these tests.)"""
+    """(cache_store.testing.format1 builds the old caches of the tests.)"""
     for key, value in golden_v1_records().items():
         record = decode_record(value, key=key)
         meta = {k: v for k, v in record.metadata.items() if k not in MANAGED_METADATA}

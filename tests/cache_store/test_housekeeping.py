@@ -296,7 +296,7 @@ def test_compact_shrinks_the_file_and_keeps_every_survivor(tmp_path: Path) -> No
 
 
 def test_snapshots_are_listed_and_never_removed(tmp_path: Path) -> None:
-    from cache_store.snapshot.export import export_snapshot
+    from cache_store.snapshot.zarr.export import export_snapshot
 
     a = fill(tmp_path / "cache", 3)
     snap = tmp_path / "a.zarr"
@@ -341,7 +341,7 @@ def test_rm_failed_clears_a_fingerprint_whose_every_sample_failed(
 ) -> None:
     """The run writes no index and no record when its only sample fails: the failure log
     is all that knows the fingerprint, and ``rm --failed`` must still find it."""
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
     from workers.engine import Engine
 
     bad = tmp_path / "bad.npy"

@@ -13,15 +13,11 @@ from cache_store.keys import record_key
 from cache_store.stores.http import HTTPStore
 from cache_store.format.wire import decode_batch, encode_batch
 from cache_store.format.decode import decode_record
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from service.settings import Settings
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.store_contract import (
-    SWAPPED_FOR,
-    SWAPPED_KEY,
-    StoreContract,
-    plant_lmdb_value,
-)
+from cache_store.testing import SWAPPED_FOR, SWAPPED_KEY, StoreContract
+from tests.helpers.faults import plant_lmdb_value
 from tests.helpers.service import Cache, InProcessServer, build_cache
 
 
@@ -36,39 +32,32 @@ def served(tmp_path: Path):
 class TestHTTPStoreContract(StoreContract):
     """The shared read contract, through a real service over an LMDB cache."""
 
-    @pytest.fixture
-    def make_store(self, tmp_path: Path):
-        servers: list[InProcessServer] = []
-
-        def make(records, indexes) -> HTTPStore:
-            root = tmp_path / f"cache{len(servers)}"
-            writer = LMDBStore(root, readonly=False)
-            writer.put_many(records.items())
-            for index in indexes:
-                writer.put_index(index)
-            writer.close()
-            server = InProcessServer(Settings(cache=root, source_roots=[tmp_path], worker=False))
-            servers.append(server.__enter__())
-            return HTTPStore(server.url)
-
-        yield make
-        for server in servers:
+    @pytest.fixture(autouse=True)
+    def _servers(self, tmp_path: Path):
+        self.root = tmp_path
+        self.servers: list[InProcessServer] = []
+        yield
+        for server in self.servers:
             server.__exit__()
 
-    @pytest.fixture
-    def swapped_store(self, tmp_path: Path, content):
-        records, indexes = content
-        root = tmp_path / "swapped"
+    def _serve(self, records, indexes, plant: tuple[str, bytes] | None = None) -> HTTPStore:
+        root = self.root / f"cache{len(self.servers)}"
         writer = LMDBStore(root, readonly=False)
         writer.put_many(records.items())
         for index in indexes:
             writer.put_index(index)
         writer.close()
-        plant_lmdb_value(root, SWAPPED_KEY, records[SWAPPED_FOR])
-        with InProcessServer(Settings(cache=root, source_roots=[tmp_path], worker=False)) as server:
-            store = HTTPStore(server.url)
-            yield store
-            store.close()
+        if plant is not None:
+            plant_lmdb_value(root, *plant)
+        server = InProcessServer(Settings(cache=root, source_roots=[self.root], worker=False))
+        self.servers.append(server.__enter__())
+        return HTTPStore(server.url)
+
+    def make_store(self, records, indexes) -> HTTPStore:
+        return self._serve(records, indexes)
+
+    def make_swapped_store(self, records, indexes) -> HTTPStore:
+        return self._serve(records, indexes, plant=(SWAPPED_KEY, records[SWAPPED_FOR]))
 
 
 def test_open_store_picks_http_and_reads_records(served: tuple[Cache, InProcessServer]) -> None:

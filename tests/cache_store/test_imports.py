@@ -58,7 +58,7 @@ def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
     with LMDBStore(tmp_path, readonly=False) as store:
         store.put_many([(f"{fp}/s{i}", make_record(fp, f"s{i}", i)) for i in range(3)])
     code = f"""
-from cache_store.stores.isolated import _child
+from cache_store.housekeeping.isolated import _child
 report = _child("verify", {str(tmp_path)!r}, [])["result"]
 assert report["ok"] and report["checked"] == 3, report
 assert _child("stats", {str(tmp_path)!r}, [])["result"]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_store.errors import CorruptRecord
+from cache_store.errors import CorruptRecord, ParameterError, SpcacheError
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from tests.helpers.synthetic import fingerprint_of
 
@@ -26,6 +26,19 @@ def test_round_trip_keeps_order_unicode_and_empty() -> None:
 def test_sample_ids_are_normalised_and_not_coerced() -> None:
     index = DatasetIndex(FP, "spc", 1, PARAMS, ["cafe\u0301"])
     assert index.sample_ids.tolist() == ["caf\u00e9"]
+
+
+def test_an_index_is_checked_when_made() -> None:
+    """Its parameters must give its fingerprint; its ids are valid and distinct."""
+    other = fingerprint_of("spc", level=5)
+    with pytest.raises(ParameterError, match="fingerprint"):
+        DatasetIndex(other, "spc", 1, PARAMS, ["a"])
+    with pytest.raises(ParameterError, match="more than once"):
+        DatasetIndex(FP, "spc", 1, PARAMS, ["a", "b", "a"])
+    with pytest.raises(SpcacheError):
+        DatasetIndex(FP, "spc", 1, PARAMS, ["a", "../b"])
+    with pytest.raises(SpcacheError):
+        DatasetIndex(FP, "spc", 1, PARAMS, ["a", 1])
 
 
 def test_a_record_is_not_an_index() -> None:

@@ -219,7 +219,7 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
         pytest.skip("no fork on this platform")
     q = JobQueue(tmp_path)
     job_id = q.submit("spc", {}, "f" * 16, _items(2))
-    parent_conn = q._conn()
+    parent_conn = q.connection()
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_child_claims, args=(q, out))
@@ -228,7 +228,7 @@ def test_a_forked_child_opens_its_own_connection(tmp_path: Path) -> None:
     child.join(timeout=30)
     assert child.exitcode == 0
     assert child_result == (True, 1)  # a different connection object, and it worked
-    assert q._conn() is parent_conn  # the parent's own connection is untouched and usable
+    assert q.connection() is parent_conn  # the parent's own connection is untouched and usable
     assert q.job(job_id).counts == {
         "pending": 1,
         "running": 0,
@@ -244,7 +244,7 @@ def _child_claims(q: JobQueue, out: mp.Queue[tuple[bool, int]]) -> None:
     got = q.claim("child", limit=1)
     for c in got:
         q.complete("child", c.item_id)
-    out.put((q._conn() is not inherited, len(got)))
+    out.put((q.connection() is not inherited, len(got)))
 
 
 def test_ready_items_are_counted_done_not_queued(queue: JobQueue) -> None:

@@ -15,7 +15,7 @@ import pytest
 from cache_store.errors import SpcacheError
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.decode import decode_record
-from tests.helpers.store_contract import FP_A
+from cache_store.testing import FP_A
 from tests.helpers.synthetic import make_record
 from tests.helpers.procs import start
 

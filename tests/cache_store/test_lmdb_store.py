@@ -7,27 +7,31 @@ import pytest
 from cache_store.errors import CacheNotFound, StoreFull, UnknownName
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.location import parse_location
-from cache_store.stores.base import Store, open_store
-from tests.helpers.store_contract import FP_A, WritableStoreContract
+from cache_store.stores.base import Store
+from cache_store.stores.opener import open_store
+from cache_store.testing import FP_A, WritableStoreContract
+from tests.helpers.faults import plant_lmdb_value
 from tests.helpers.synthetic import make_record
 
 
 class TestLMDBStoreContract(WritableStoreContract):
-    @pytest.fixture
-    def make_empty_store(self, tmp_path: Path):
-        stores = []
+    """The shared contract, reads and writes, on LMDB caches in a temporary directory."""
 
-        def make() -> Store:
-            store = LMDBStore(tmp_path / f"cache{len(stores)}", readonly=False, map_size=1 << 20)
-            stores.append(store)
-            return store
+    @pytest.fixture(autouse=True)
+    def _where(self, tmp_path: Path) -> None:
+        self.root = tmp_path
 
-        yield make
-        for store in stores:
-            store.close()
+    def make_empty_store(self) -> Store:
+        path = self.root / f"cache{len(self.made)}"
+        return self.keep(LMDBStore(path, readonly=False, map_size=1 << 20))
 
     def reopen(self, store: Store, readonly: bool) -> Store:
         return LMDBStore(store.location, readonly=readonly)
+
+    def plant(self, store: Store, key: str, value: bytes) -> Store:
+        store.close()  # the lmdb module opens the path itself
+        plant_lmdb_value(store.location, key, value)
+        return self.reopen(store, readonly=True)
 
 
 def test_readonly_on_a_directory_without_cache_names_the_path(tmp_path: Path) -> None:
@@ -99,9 +103,9 @@ def test_keys_lmdb_cannot_hold_are_just_absent(tmp_path: Path) -> None:
 def test_keys_are_listed_across_transaction_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import cache_store.stores.lmdb as lmdb_store
+    import cache_store.stores.lmdb.store as lmdb_store
 
-    monkeypatch.setattr(lmdb_store, "_KEYS_PER_TXN", 3)
+    monkeypatch.setattr(lmdb_store, "KEYS_PER_TXN", 3)
     store = LMDBStore(tmp_path, readonly=False)
     keys = [f"{FP_A}/k{i:02d}" for i in range(10)]
     store.put_many((k, make_record(FP_A, k.split("/", 1)[1], i)) for i, k in enumerate(keys))

@@ -8,7 +8,7 @@ import pytest
 
 from cache_store.errors import UnknownName
 from cache_store.location import cache_dir_problem, is_remote, local_path, parse_location
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from cache_store.stores.lmdb import LMDBStore
 
 

@@ -1,5 +1,5 @@
-"""The read-through protocol's rules (cache_store.format.protocol) and the one HTTP
-client both HTTP readers use (cache_store.stores.service_client)."""
+"""The read-through protocol's rules (cache_store.service_api.protocol) and the one HTTP
+client both HTTP readers use (cache_store.service_api.client)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from cache_store.errors import NoWorkerAlive
-from cache_store.format.protocol import (
+from cache_store.service_api.protocol import (
     ERROR_HEADER,
     FAILED,
     MISSING,
@@ -22,7 +22,7 @@ from cache_store.format.protocol import (
 )
 from cache_store.jobs.queue import JobQueue
 from cache_store.jobs.rows import ITEM_STATUSES
-from cache_store.stores.service_client import error_of, new_client, send
+from cache_store.service_api.client import error_of, new_client, send
 from tests.helpers.service import InProcessServer
 
 

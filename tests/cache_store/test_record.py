@@ -18,7 +18,7 @@ from cache_store.format.encode import encode_record, encode_tensors, select_fiel
 from cache_store.format.descriptor import DESCRIPTOR_METADATA, bind_metadata
 from cache_store.format.header import DTYPES, read_header, read_metadata, record_checksum
 from tests.helpers.synthetic import record_metadata, spc_query_fields
-from tests.helpers.v1_records import encode_record_v1
+from cache_store.testing.format1 import encode_record_v1
 
 FP = "0123456789abcdef" * 2
 KEY = f"{FP}/chairs/a1"

@@ -1,7 +1,7 @@
 """Sharded snapshots: committed parts only, first commit wins (a changed source's later
 one replaces it), damaged index and manifests reported, orphans left alone until
 asked, readers that see a growing and always valid dataset; on a directory and on S3
-(moto's real S3 HTTP API on 127.0.0.1)."""
+(moto's real S3 HTTP API on 127.0.0.1). The shared store contract runs on both."""
 
 from __future__ import annotations
 
@@ -26,7 +26,12 @@ from cache_store.snapshot.sharded import (
     orphan_parts,
 )
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import open_store
+from cache_store.snapshot.sharded import storage
+from cache_store.snapshot.sharded.format import manifest
+from cache_store.snapshot.sharded.storage import write_once
+from cache_store.stores.base import Store
+from cache_store.testing import WritableStoreContract
+from cache_store.stores.opener import open_store
 from tests.helpers.procs import run_spcache
 from tests.helpers.s3 import S3Server, moto_s3
 from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
@@ -54,6 +59,51 @@ def dest(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str,
         f"s3://{server.new_bucket()}/x/snap.zarr",
         {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"},
     )
+
+
+class TestShardedSnapshotContract(WritableStoreContract):
+    """The shared contract, reads and writes, on a sharded snapshot in a directory."""
+
+    #: its index lists every committed record, the given ids first (see the format)
+    put_index_keeps_given_ids = False
+
+    @pytest.fixture(autouse=True)
+    def _where(self, tmp_path: Path) -> None:
+        self.root, self.options = str(tmp_path), {}
+
+    def location(self) -> str:
+        return f"{self.root}/snap{len(self.made)}.zarr"
+
+    def make_empty_store(self) -> Store:
+        return self.keep(
+            ShardedSnapshot(self.location(), readonly=False, storage_options=self.options)
+        )
+
+    def reopen(self, store: Store, readonly: bool) -> Store:
+        return ShardedSnapshot(store.location, readonly=readonly, storage_options=self.options)
+
+    def plant(self, store: Store, key: str, value: bytes) -> Store:
+        """Commit a part holding ``value`` under ``key`` as if its source had changed
+        (so it takes the place of the committed one), written past every check."""
+        assert isinstance(store, ShardedSnapshot)
+        fingerprint, sample_id = key.split("/", 1)
+        part = "planted-p0001-00000000"
+        doc = json.loads(manifest(fingerprint, part, [(key, value)], value, "planted"))
+        doc["records"] = [[sample_id, 0, len(value), doc["records"][0][3], "f" * 16]]
+        storage.write(store.fs, store.path(fingerprint, "parts", f"{part}.bin"), value)
+        storage.write_once(
+            store.fs, store.path(fingerprint, "commits", f"{part}.json"), json.dumps(doc).encode()
+        )
+        return self.reopen(store, readonly=True)
+
+
+class TestShardedSnapshotContractOnS3(TestShardedSnapshotContract):
+    """The same, in a bucket of moto's S3 server."""
+
+    @pytest.fixture(autouse=True)
+    def _where(self, s3: S3Server) -> None:
+        self.root = f"s3://{s3.new_bucket()}/x"
+        self.options = {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing"}
 
 
 def test_only_committed_parts_are_read_and_the_first_commit_wins(dest) -> None:
@@ -89,9 +139,9 @@ def test_a_commit_is_never_overwritten(dest) -> None:
     store = ShardedSnapshot(location, readonly=False, storage_options=options)
     path = f"{store.root}/{FP}/commits/x.json"
     store.fs.makedirs(f"{store.root}/{FP}/commits", exist_ok=True)
-    store._write_once(path, b'{"first": true}')
+    write_once(store.fs, path, b'{"first": true}')
     with pytest.raises(CommitConflict):
-        store._write_once(path, b'{"second": true}')
+        write_once(store.fs, path, b'{"second": true}')
     assert json.loads(store.fs.cat_file(path)) == {"first": True}
     store.close()
 
@@ -176,9 +226,7 @@ def test_a_reader_sees_a_growing_always_valid_dataset(tmp_path: Path) -> None:
 def test_a_large_part_goes_up_in_multipart_and_reads_by_range(
     s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cache_store.snapshot import sharded
-
-    monkeypatch.setattr(sharded, "MULTIPART_CHUNK", 5 * 1024 * 1024)  # S3's smallest part
+    monkeypatch.setattr(storage, "MULTIPART_CHUNK", 5 * 1024 * 1024)  # S3's smallest part
     location = f"s3://{s3.new_bucket()}/big.zarr"
     options = {"endpoint_url": s3.endpoint, "key": "testing", "secret": "testing"}
     records = [
@@ -186,7 +234,7 @@ def test_a_large_part_goes_up_in_multipart_and_reads_by_range(
         for i in range(8)
     ]
     total = sum(len(v) for _, v in records)
-    assert total > 2 * sharded.MULTIPART_CHUNK
+    assert total > 2 * storage.MULTIPART_CHUNK
     with ShardedSnapshot(location, readonly=False, storage_options=options) as store:
         store.put_many(records)  # one part above the multipart threshold
         (part,) = store.fs.ls(f"{store.root}/{FP}/parts", detail=True)
@@ -242,13 +290,13 @@ def test_lookups_of_unknown_keys_list_at_most_once_a_second(
     store.put_many([(f"{FP}/a", make_record(FP, "a", seed=1))])
     other = fingerprint_of("spc", level=5)
     listings = []
-    real = ShardedSnapshot._commit_names
+    real = ShardedSnapshot.commit_names
 
     def counting(self, fingerprint):
         listings.append(fingerprint)
         return real(self, fingerprint)
 
-    monkeypatch.setattr(ShardedSnapshot, "_commit_names", counting)
+    monkeypatch.setattr(ShardedSnapshot, "commit_names", counting)
     for i in range(50):
         assert store.source_hash_of(f"{other}/s{i}") is None  # nothing committed there
         assert store.source_hash_of(f"{FP}/s{i}") is None  # not among the commits

@@ -28,17 +28,18 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
-from cache_store.snapshot.export import CODECS, export_lock, export_snapshot, sweep_leftovers
+from cache_store.snapshot.zarr.export import CODECS, export_snapshot
+from cache_store.snapshot.zarr.publish import export_lock, sweep_leftovers
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.decode import decode_record
 from cache_store.format.encode import encode_record
 from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
-from cache_store.stores.base import open_store
-from cache_store.snapshot.reader import ZarrStore
-from cache_store.snapshot.format import ATTRS_KEY, array_digest
-from tests.helpers.store_contract import (
+from cache_store.stores.opener import open_store
+from cache_store.snapshot.zarr.store import ZarrStore
+from cache_store.snapshot.zarr.format import ATTRS_KEY, array_digest
+from cache_store.testing import (
     FP_A,
     FP_B,
     IDS_A,
@@ -101,44 +102,39 @@ def swapped_snapshot(tmp_path_factory, contract_content) -> Path:
     return root / "snap.zarr"
 
 
-class TestZarrStoreContract(StoreContract):
+class _ExportedSnapshotContract(StoreContract):
+    """The shared read contract on snapshots exported once for the module; subclasses
+    name the snapshot and how it is read."""
+
+    direct_reads = True
+
+    @pytest.fixture(autouse=True)
+    def _snapshots(self, contract_content, contract_snapshot, swapped_snapshot) -> None:
+        self.exported, self.snapshot, self.swapped = (
+            contract_content,
+            contract_snapshot,
+            swapped_snapshot,
+        )
+
+    def content(self):
+        return self.exported
+
+    def make_store(self, records, indexes) -> ZarrStore:
+        assert records is self.exported[0]
+        return ZarrStore(self.snapshot, direct_reads=self.direct_reads)
+
+    def make_swapped_store(self, records, indexes) -> ZarrStore:
+        return ZarrStore(self.swapped, direct_reads=self.direct_reads)
+
+
+class TestZarrStoreContract(_ExportedSnapshotContract):
     """The shared read contract, on a snapshot exported from an LMDB cache (once)."""
 
-    @pytest.fixture
-    def swapped_store(self, swapped_snapshot):
-        store = ZarrStore(swapped_snapshot)
-        yield store
-        store.close()
 
-    @pytest.fixture
-    def content(self, contract_content):
-        return contract_content
-
-    @pytest.fixture
-    def make_store(self, contract_content, contract_snapshot):
-        def make(records, indexes):
-            assert records is contract_content[0]
-            return ZarrStore(contract_snapshot)
-
-        return make
-
-
-class TestZarrStoreContractThroughZarr(StoreContract):
+class TestZarrStoreContractThroughZarr(_ExportedSnapshotContract):
     """The same, reading through zarr's own pipeline (as for URLs), not the chunk files."""
 
-    @pytest.fixture
-    def content(self, contract_content):
-        return contract_content
-
-    @pytest.fixture
-    def make_store(self, contract_content, contract_snapshot):
-        return lambda records, indexes: ZarrStore(contract_snapshot, direct_reads=False)
-
-    @pytest.fixture
-    def swapped_store(self, swapped_snapshot):
-        store = ZarrStore(swapped_snapshot, direct_reads=False)
-        yield store
-        store.close()
+    direct_reads = False
 
 
 @pytest.fixture(scope="module")
@@ -150,23 +146,13 @@ def uncompressed_snapshot(tmp_path_factory, contract_content) -> Path:
     return root / "snap.zarr"
 
 
-class TestZarrStoreContractUncompressed(StoreContract):
+class TestZarrStoreContractUncompressed(_ExportedSnapshotContract):
     """The same, on a ``codec="none"`` snapshot with small chunks: records read in place
     with ``pread``, several records per chunk and records across chunk boundaries."""
 
-    @pytest.fixture
-    def content(self, contract_content):
-        return contract_content
-
-    @pytest.fixture
-    def make_store(self, contract_content, uncompressed_snapshot):
-        return lambda records, indexes: ZarrStore(uncompressed_snapshot)
-
-    @pytest.fixture
-    def swapped_store(self, swapped_snapshot):
-        store = ZarrStore(swapped_snapshot)
-        yield store
-        store.close()
+    @pytest.fixture(autouse=True)
+    def _uncompressed(self, uncompressed_snapshot) -> None:
+        self.snapshot = uncompressed_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -460,7 +446,8 @@ def test_flipped_bytes_in_headers_and_ids_are_reported(tmp_path: Path, exported)
 
 _KILLED_EXPORT = textwrap.dedent("""
     import os, signal, sys
-    import cache_store.snapshot.export as export
+    import cache_store.snapshot.zarr.export as export
+    import cache_store.snapshot.zarr.write as write
     def dying(real):
         def write(self, *args):
             real(self, *args)
@@ -468,8 +455,8 @@ _KILLED_EXPORT = textwrap.dedent("""
         return write
     # compressed chunks go through FieldWriter, uncompressed (the local default) are
     # appended by RawChunkAppender: die in either
-    export.FieldWriter.flush = dying(export.FieldWriter.flush)
-    export.RawChunkAppender.add = dying(export.RawChunkAppender.add)
+    write.FieldWriter.flush = dying(write.FieldWriter.flush)
+    write.RawChunkAppender.add = dying(write.RawChunkAppender.add)
     export.export_snapshot(sys.argv[1], sys.argv[2], sys.argv[3])
 """)
 
@@ -508,12 +495,12 @@ def test_url_destination_and_unfinished_remote_export(exported, monkeypatch) -> 
     for sid in ("chairs/a1", "lamps/l1"):
         assert store.get(f"{FP_B}/{sid}") == records[f"{FP_B}/{sid}"]
 
-    import cache_store.snapshot.export as export
+    import cache_store.snapshot.zarr.write as write
 
     def broken(self, final):
         raise RuntimeError("connection lost")
 
-    monkeypatch.setattr(export.FieldWriter, "flush", broken)
+    monkeypatch.setattr(write.FieldWriter, "flush", broken)
     with pytest.raises(RuntimeError, match="connection lost"):
         export_snapshot(cache_dir, FP_A, url)
     monkeypatch.undo()
@@ -762,8 +749,12 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(
 ) -> None:
     # the export's own chunk writer must write exactly what zarr's pipeline writes, so
     # any zarr client reads a snapshot; a partial last chunk included (padded with 0)
-    from cache_store.snapshot.export import compressors_for
-    from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
+    from cache_store.snapshot.zarr.write import compressors_for
+    from cache_store.snapshot.zarr.chunks import (
+        ChunkWriterPool,
+        LocalChunkWriter,
+        RawChunkAppender,
+    )
 
     data = (np.arange(37 * 3, dtype=np.int64) * 7919 % 251).astype(dtype).reshape(37, 3)
     files = {}
@@ -803,8 +794,8 @@ def test_direct_chunk_writes_are_the_bytes_zarr_writes(
 
 
 def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path) -> None:
-    from cache_store.snapshot.export import compressors_for
-    from cache_store.snapshot.chunks import ChunkWriterPool, LocalChunkWriter
+    from cache_store.snapshot.zarr.write import compressors_for
+    from cache_store.snapshot.zarr.chunks import ChunkWriterPool, LocalChunkWriter
 
     group = zarr.create_group(zarr.storage.LocalStore(tmp_path))
     arr = group.create_array(
@@ -825,7 +816,7 @@ def test_direct_chunk_writer_refuses_a_write_off_a_chunk_boundary(tmp_path: Path
 def test_a_chunk_write_that_fails_aborts_the_export_and_leaves_nothing(
     tmp_path: Path, exported, monkeypatch, codec: str
 ) -> None:
-    from cache_store.snapshot import chunks as zarr_chunks
+    from cache_store.snapshot.zarr import chunks as zarr_chunks
 
     _, _, cache_dir, _ = exported
     writer, method = (

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from cache_store.errors import CacheDamaged
-from cache_store.stores.isolated import stats_cache, verify_cache
+from cache_store.housekeeping.isolated import stats_cache, verify_cache
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.index import DatasetIndex
 from tests.helpers.fault_children import FAULT_FINGERPRINT, SPEC, make_small_record

@@ -85,7 +85,7 @@ def test_params_past_the_record_bound_are_refused(tmp_path: Path) -> None:
 def test_real_records_stay_under_the_bound(name: str, params: dict) -> None:
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
-    from workers.recipes import get_recipe, run_recipe
+    from workers.recipe_run import get_recipe, run_recipe
     from workers.source_load import LoadedSource
 
     spec = get_recipe_spec(name)

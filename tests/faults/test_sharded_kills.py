@@ -24,7 +24,7 @@ import pytest
 import trimesh
 
 from cache_store.snapshot.sharded import ShardedSnapshot
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.helpers.faults import report
 from tests.helpers.procs import run_spcache, start_spcache, tree, wait_for, wait_gone
 

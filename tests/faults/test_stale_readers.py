@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import cache_store.stores.lmdb as lmdb_store
+import cache_store.stores.lmdb.environment as lmdb_environment
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.fault_children import batch_key, make_small_record
 from tests.helpers.faults import Child, env_int, report
@@ -54,7 +54,7 @@ def test_killed_readers_stop_pinning_pages_once_the_writer_checks(
     children: list[Child],
 ) -> None:
     cache = tmp_path / "cache"
-    monkeypatch.setattr(lmdb_store, "READER_CHECK_INTERVAL_S", 1e9)
+    monkeypatch.setattr(lmdb_environment, "READER_CHECK_INTERVAL_S", 1e9)
     writer = LMDBStore(cache, readonly=False)
     _overwrite(writer, 0)
     for round_ in range(1, 3):  # steady state with no readers: freed pages are reused
@@ -73,7 +73,7 @@ def test_killed_readers_stop_pinning_pages_once_the_writer_checks(
         _overwrite(writer, round_)
     pinned = _used(writer)
 
-    monkeypatch.setattr(lmdb_store, "READER_CHECK_INTERVAL_S", 0.0)
+    monkeypatch.setattr(lmdb_environment, "READER_CHECK_INTERVAL_S", 0.0)
     with caplog.at_level(logging.WARNING, logger="cache_store.stores.lmdb"):
         _overwrite(writer, 100)  # the check runs before this write
     freed = [r for r in caplog.records if "stale LMDB reader slot" in r.getMessage()]

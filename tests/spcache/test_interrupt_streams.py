@@ -98,7 +98,7 @@ def _stored(cache: Path) -> int:
     """Records the run has committed so far (read-only, beside the writer)."""
     if not (cache / "records").exists():
         return 0
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     try:
         with open_store(cache) as store:

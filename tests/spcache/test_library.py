@@ -305,7 +305,7 @@ def test_precompute_in_a_jupyter_kernel(
     assert (first["done"], first["skipped"], first["failed"]) == (2, 0, 0), first["errors"]
     assert (second["done"], second["skipped"], second["failed"]) == (0, 2, 0)
     assert first["fingerprint"] == second["fingerprint"]
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     with open_store(cache) as store:
         index = store.get_index(first["fingerprint"])

@@ -11,10 +11,11 @@ import torch
 
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from workers.engine import Engine, ItemResult
 from workers.ops import get_backend
-from workers.recipes import RECIPES, check_outputs, make_generator
+from workers.recipe_run import RECIPES, make_generator
+from cache_store.recipes.api import check_outputs
 from workers.source_load import load_source
 
 # Small enough for a 2-core CI machine, big enough to exercise every stage.

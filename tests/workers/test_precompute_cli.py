@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from cache_store.errors import SpcacheError
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.helpers.procs import run_spcache, start_spcache, wait_for, wait_gone
 from spcache.cli import main
 

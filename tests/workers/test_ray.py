@@ -24,7 +24,7 @@ import ray
 
 from cache_store.errors import BackendUnavailable, SpcacheError
 from cache_store.format.header import read_header
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.conftest import REPO_ROOT
 from tests.helpers.procs import start_spcache, wait_for
 from spcache.cli import main

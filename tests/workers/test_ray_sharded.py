@@ -18,7 +18,7 @@ import torch
 
 from cache_store import CachedDataset
 from cache_store.snapshot.sharded import ShardedSnapshot, merge
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.helpers.ray_cluster import local_ray
 from tests.helpers.ray_faults import CrashOnce
 from tests.helpers.s3 import S3Server, moto_s3
@@ -87,7 +87,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _manifest_counts(store: ShardedSnapshot, fingerprint: str) -> Counter[str]:
     """How many committed manifests list each sample id (duplicates included)."""
     counts: Counter[str] = Counter()
-    for part in store._commit_names(fingerprint):  # test reads the raw layout
+    for part in store.commit_names(fingerprint):  # test reads the raw layout
         raw = store.fs.cat_file(f"{store.root}/{fingerprint}/commits/{part}.json")
         counts.update(row[0] for row in json.loads(raw)["records"])
     return counts
@@ -111,7 +111,7 @@ def test_two_actors_write_their_own_parts_and_readers_get_the_local_engines_tens
         assert isinstance(snap, ShardedSnapshot)
         report = snap.verify()
         assert report.ok and report.checked == ref_summary.done, report.as_json()
-        labels = {part.split("-p")[0] for part in snap._commit_names(fp)}
+        labels = {part.split("-p")[0] for part in snap.commit_names(fp)}
         assert len(labels) >= 2  # parts of several shards (two actors at work)
         assert snap.fs.exists(f"{snap.root}/{fp}/index.json")  # merged at the end
     got = _samples(location, fp, storage_options)

@@ -14,7 +14,7 @@ import pytest
 from cache_store.stores.lmdb import LMDBStore
 import workers.loader
 from workers.engine import Engine
-from workers.recipes import make_generator
+from workers.recipe_run import make_generator
 
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "recipes_golden"
 CASES = json.loads((GOLDEN / "golden.json").read_text())

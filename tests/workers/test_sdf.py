@@ -13,7 +13,8 @@ from hypothesis.extra.numpy import arrays
 from cache_store.errors import ParameterError, SourceError
 from workers import sdf
 from workers.ops import get_backend
-from workers.recipes import RECIPES, check_outputs, make_generator, run_recipe
+from workers.recipe_run import RECIPES, make_generator, run_recipe
+from cache_store.recipes.api import check_outputs
 from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 
@@ -203,7 +204,7 @@ def test_a_point_cloud_fails_with_its_reason(tmp_path) -> None:
 
 
 def test_out_of_memory_backs_off_to_the_same_record(tmp_path) -> None:
-    from workers.recipes import ChunkBudget
+    from cache_store.recipes.api import ChunkBudget
 
     mesh = trimesh.creation.capsule(height=1.0, radius=0.4)
     _, plain = _record(tmp_path, mesh)

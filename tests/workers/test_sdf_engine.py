@@ -11,14 +11,15 @@ import torch
 import trimesh
 
 from cache_store import CachedDataset, collate_spc
-from cache_store.snapshot.export import export_snapshot
+from cache_store.snapshot.zarr.export import export_snapshot
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from tests.conftest import SHARED_DATA
 from workers import sdf
 from workers.engine import Engine
-from workers.recipes import RECIPES, check_outputs
+from workers.recipe_run import RECIPES
+from cache_store.recipes.api import check_outputs
 from workers.sampling import compute_normalization, normalize_points
 from workers.source_load import load_source
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import trimesh
 
-from cache_store.stores.base import open_store
+from cache_store.stores.opener import open_store
 from workers.engine import Engine
 
 

@@ -17,7 +17,7 @@ Every chunk is blosc-zstd compressed and ends in a CRC-32C (flipped bytes raise 
 read). Sample ids and field names are *data*, never store keys; only fingerprints (32
 hex chars) and validated field names name nodes.
 
-Neither :mod:`cache_store.snapshot.export` nor :mod:`cache_store.snapshot.reader` defines any of these
+Neither :mod:`cache_store.snapshot.zarr.export` nor :mod:`cache_store.snapshot.zarr.store` defines any of these
 names; both import them from here. No zarr import: this module is constants and checks.
 """
 

@@ -1,4 +1,4 @@
-"""The built-in recipes' computation, and the helpers every recipe run uses.
+"""The built-in recipes' computation: ``spc``, ``spc_query`` and ``spc_sdf``.
 
 The built-in recipe classes (:mod:`cache_store.recipes.builtin`, on the public API of
 :mod:`spcache.recipes`) call the functions here from their two halves, so that the engine
@@ -9,11 +9,10 @@ can run the first in a CPU process pool ahead of the device:
 - ``compute_*`` (on the device): quantise, build the octree, scan it, generate the point
   hierarchy and run the chunked queries with the ops backend.
 
-:func:`get_recipe` returns an instance of any installed recipe (built-in or plugin);
-:func:`run_recipe` runs both halves of one in this process. Because every random number
-is drawn on the CPU from a generator seeded by ``(fingerprint, sample id)`` (:func:`make_generator`) and the device
-ops are exact integer work on float32 inputs, a record's tensors are identical on every
-device and backend.
+Every random number is drawn on the CPU from the sample's generator
+(:func:`workers.recipe_run.make_generator`), so a record's tensors are identical on
+every device and backend; running any recipe, built-in or plugin, is
+:mod:`workers.recipe_run`'s.
 
 Random draws, in order: ``surface_samples`` surface points (meshes only; see
 :func:`workers.sampling.sample_surface`), then for ``spc_query`` ``uniform_queries x 3``
@@ -28,99 +27,22 @@ than one voxel out on the low side) counts in the border voxel.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from cache_store.errors import SourceError, SpcacheError
-from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
-from cache_store.recipes.registry import get_entry, installed_recipes
+from cache_store.recipes.api import ChunkBudget
 from workers import sdf as sdf_ops
 from workers.sampling import compute_normalization, normalize_points, shape_points
 from workers.source_load import LoadedSource
 
-__all__ = [
-    "OOM_ERRORS",
-    "ChunkBudget",
-    "Recipe",
-    "RECIPES",
-    "get_recipe",
-    "run_recipe",
-    "sample_seed",
-    "make_generator",
-    "check_outputs",
-    "prepare_spc",
-    "compute_spc",
-    "prepare_sdf",
-    "compute_sdf",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["OOM_ERRORS", "compute_sdf", "compute_spc", "prepare_sdf", "prepare_spc"]
 
 #: Errors the query loop treats as "out of device memory": back off and retry.
 OOM_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
-
-
-def sample_seed(fingerprint: str, sample_id: str) -> int:
-    """The 63-bit seed of one sample's generator: a hash of ``(fingerprint, sample id)``."""
-    key = f"{fingerprint}\x00{sample_id}".encode()
-    return xxhash.xxh3_64_intdigest(key) & ((1 << 63) - 1)
-
-
-def make_generator(fingerprint: str, sample_id: str) -> torch.Generator:
-    """A CPU generator seeded by :func:`sample_seed`; all of a sample's randomness comes from it."""
-    return torch.Generator(device="cpu").manual_seed(sample_seed(fingerprint, sample_id))
-
-
-def get_recipe(name: str) -> Recipe:
-    """A new instance of the installed recipe ``name`` (its ``spec`` set); raises
-    :class:`UnknownName` listing the known ones."""
-    return get_entry(name).new()
-
-
-def run_recipe(
-    recipe: Recipe,
-    source: LoadedSource,
-    params: Mapping[str, Any],
-    *,
-    generator: torch.Generator,
-    device: torch.device | str,
-    ops: Any,
-    query_chunk: int | ChunkBudget | None = None,
-) -> dict[str, torch.Tensor]:
-    """Both halves of ``recipe`` on one loaded source, in this process."""
-    if query_chunk is not None:
-        recipe.chunks = (
-            query_chunk if isinstance(query_chunk, ChunkBudget) else ChunkBudget(query_chunk)
-        )
-    prepared = recipe.prepare(source, params, generator)
-    return recipe.compute(prepared, params, torch.device(device), ops)
-
-
-class _Instances(Mapping[str, Recipe]):
-    """``RECIPES[name]``: an instance of each installed recipe."""
-
-    def __getitem__(self, name: str) -> Recipe:
-        try:
-            return installed_recipes().recipes[name].new()
-        except KeyError:
-            raise KeyError(name) from None
-
-    def __contains__(self, name: object) -> bool:
-        return name in installed_recipes().recipes
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(installed_recipes().recipes)
-
-    def __len__(self) -> int:
-        return len(installed_recipes().recipes)
-
-
-RECIPES: Mapping[str, Recipe] = _Instances()
 
 
 # --- spc and spc_query ---------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from cache_store.errors import NoWorkerAlive, SpcacheError
-from cache_store.format.protocol import (
+from cache_store.service_api.protocol import (
     ERROR_HEADER,
     NO_WORKER_ERROR,
     RETRY_AFTER_HEADER,

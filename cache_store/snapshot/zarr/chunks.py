@@ -1,6 +1,6 @@
 """A local snapshot's chunk files read and written directly, without zarr's codec pipeline.
 
-Only for the exact layout :mod:`cache_store.snapshot.export` writes (regular chunks along axis 0,
+Only for the exact layout :mod:`cache_store.snapshot.zarr.export` writes (regular chunks along axis 0,
 default "/" chunk keys, little-endian bytes -> blosc -> crc32c); anything else is read
 and written through zarr, which also writes every array's metadata. ``bench/zarr_snapshot.py``
 compares the two ways of reading (docs/BENCHMARKS.md); the writer exists because zarr's

@@ -3,7 +3,7 @@
 Some damage to ``records/data.mdb`` does not raise: LMDB's own assertions (e.g.
 ``IS_LEAF(mp)`` in ``mdb_cursor_next``) call ``abort()`` and take the whole process
 down. A walk over every page (verify, stats, the service's listings) therefore runs in
-a child process (``python -m cache_store.stores.isolated OP PATH``) that answers one JSON
+a child process (``python -m cache_store.housekeeping.isolated OP PATH``) that answers one JSON
 object on stdout; a child killed by a signal becomes a report::
 
     cache damaged: <path>: walk aborted (SIGABRT)
@@ -70,7 +70,7 @@ def run_walk(
     path = os.fspath(path)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "cache_store.stores.isolated", op, path, *args]
+    command = [sys.executable, "-m", "cache_store.housekeeping.isolated", op, path, *args]
     try:
         done = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
@@ -143,7 +143,7 @@ def stats_cache(
 
 
 def _child(op: str, path: str, args: list[str]) -> dict[str, Any]:
-    from cache_store.stores.base import open_store
+    from cache_store.stores.opener import open_store
 
     try:
         store = open_store(path, readonly=True)
@@ -167,7 +167,7 @@ def _child(op: str, path: str, args: list[str]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in _OPS:
         print(
-            f"usage: python -m cache_store.stores.isolated {{{'|'.join(_OPS)}}} PATH [FINGERPRINT]",
+            f"usage: python -m cache_store.housekeeping.isolated {{{'|'.join(_OPS)}}} PATH [FINGERPRINT]",
             file=sys.stderr,
         )
         return 2

@@ -1,0 +1,506 @@
+"""ShardedSnapshot: a sharded snapshot on the :class:`Store` contract.
+
+Writes commit one part per call and fingerprint (the part's bytes, then its manifest,
+created only if absent); reads list the commits, read ``index.json`` and the manifests
+it does not include yet, and fetch a record by a range read into its part, checked
+against its manifest. What a process has read is kept per fingerprint and listed again
+when a key is missed (at most once a second), so a reader sees a growing dataset.
+The layout and the documents are :mod:`cache_store.snapshot.sharded.format`'s, the
+bytes' home :mod:`cache_store.snapshot.sharded.storage`'s.
+
+A damaged ``index.json`` is read around (a warning; the manifests rebuild the dataset,
+in commit order) and :meth:`ShardedSnapshot.merge_index` writes it again; a damaged
+manifest's records are not read. Both are reported by ``verify`` as corrupt, by name
+(:meth:`ShardedSnapshot.unreadable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cache_store.errors import CorruptRecord, FingerprintLookupError, RecordNotFound
+from cache_store.format.decode import Record, check_record
+from cache_store.format.descriptor import Descriptor
+from cache_store.format.index import DatasetIndex
+from cache_store.keys import is_fingerprint, split_key, validate_fingerprint
+from cache_store.process_local import ProcessLocal
+from cache_store.snapshot.sharded import storage
+from cache_store.snapshot.sharded.format import (
+    ROOT_MARKER,
+    Dataset,
+    Entry,
+    check_against_manifest,
+    commit_order,
+    dataset_from_index,
+    index_document,
+    load_json,
+    manifest,
+    parse_manifest,
+    root_document,
+)
+from cache_store.stores.base import RecordDecoder, Store, VerifyReport
+
+__all__ = ["MISS_RELIST_S", "ShardedSnapshot"]
+
+log = logging.getLogger(__name__)
+
+#: A key not found is looked for again in a fresh listing at most this often (seconds).
+MISS_RELIST_S = 1.0
+
+
+@dataclass
+class _Problems:
+    """What of one fingerprint could not be read at the last listing."""
+
+    index: str | None = None  # why index.json was read around, if it was
+    commits: dict[str, str] = field(default_factory=dict)  # part -> why its manifest was not
+
+
+class ShardedSnapshot(Store):
+    """A sharded snapshot (see :mod:`cache_store.snapshot.sharded.format`) as a :class:`Store`.
+
+    Writable: :meth:`put_many` writes one part (a ``.bin`` and its manifest) per call and
+    per fingerprint and returns once it is committed; :meth:`put_index` merges the
+    manifests into ``index.json``, with the given order first. Any number of writers may
+    write at once (each of its own parts). Readable by any number of readers, each of
+    which sees committed parts only.
+
+    Args:
+        location: ``DEST.zarr`` path or URL.
+        readonly: refuse writes.
+        storage_options: fsspec options (``s3`` credentials, ``endpoint_url``...).
+        writer: a label naming this writer's parts (``s00012-a1``: shard 12, attempt 1);
+            default ``w<random>``.
+    """
+
+    supports_writes = True
+
+    def __init__(
+        self,
+        location: str | os.PathLike[str],
+        *,
+        readonly: bool = True,
+        storage_options: Mapping[str, Any] | None = None,
+        writer: str | None = None,
+        **_ignored: Any,
+    ) -> None:
+        super().__init__(location, readonly=readonly)
+        self.storage_options = dict(storage_options or {})
+        self.writer = writer or f"w{uuid.uuid4().hex[:8]}"
+        self._parts_written = 0
+        self._fs = ProcessLocal(lambda: storage.open_fs(self.location, self.storage_options))
+        self._datasets: dict[str, Dataset] = {}
+        self._listed_at: dict[str, float] = {}  # fingerprint -> when commits were last listed
+        self._problems: dict[str, _Problems] = {}  # fingerprint -> what could not be read
+        self._lock = threading.Lock()
+
+    # -- paths ----------------------------------------------------------------------
+    @property
+    def fs(self) -> Any:
+        return self._fs.get()[0]
+
+    @property
+    def root(self) -> str:
+        return self._fs.get()[1]
+
+    def path(self, *parts: str) -> str:
+        """The full path of ``parts`` under the snapshot's root."""
+        return "/".join((self.root, *parts))
+
+    def _ensure_root(self) -> None:
+        marker = self.path(ROOT_MARKER)
+        if self.fs.exists(marker):
+            return
+        with contextlib.suppress(storage.CommitConflict):  # another writer made it
+            storage.write_once(self.fs, marker, root_document())
+
+    # -- writing ----------------------------------------------------------------------
+    def start_writer(self, label: str) -> None:
+        """Name the parts written from now on after ``label`` (a shard and its attempt:
+        ``s00012-a2``); each part still gets a random suffix, so no two ever collide."""
+        self.writer = f"{label}-{uuid.uuid4().hex[:4]}"
+        self._parts_written = 0
+
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
+        """Write the records as one committed part per fingerprint (its manifest holding
+        the descriptors they name); returns the count."""
+        self.check_writable()
+        batch = self.check_items(items, descriptors)
+        checked = batch.records
+        if not checked:
+            return 0
+        self._ensure_root()
+        by_fp: dict[str, list[tuple[str, bytes]]] = {}
+        for key, value in checked:
+            by_fp.setdefault(split_key(key)[0], []).append((key, value))
+        for fingerprint, group in by_fp.items():
+            named = {d.digest: d for d in batch.descriptors if d.fingerprint == fingerprint}
+            self._commit_part(fingerprint, group, named)
+        return len(checked)
+
+    def _commit_part(
+        self, fingerprint: str, group: list[tuple[str, bytes]], descriptors: dict[str, Descriptor]
+    ) -> str:
+        self._parts_written += 1
+        part = f"{self.writer}-p{self._parts_written:04d}-{uuid.uuid4().hex[:8]}"
+        data = b"".join(value for _, value in group)
+        storage.write(self.fs, self.path(fingerprint, "parts", f"{part}.bin"), data)
+        storage.write_once(
+            self.fs,
+            self.path(fingerprint, "commits", f"{part}.json"),
+            manifest(fingerprint, part, group, data, self.writer, descriptors),
+        )
+        return part
+
+    def put_index(self, index: DatasetIndex) -> None:
+        """Merge the committed manifests into ``index.json``: ``index``'s ids first (those
+        committed), then every other committed id in commit order."""
+        self.check_writable()
+        self._ensure_root()
+        self.merge_index(
+            index.fingerprint,
+            order=index.sample_ids.tolist(),
+            describe={
+                "recipe": index.recipe,
+                "recipe_version": index.recipe_version,
+                "params": dict(index.params),
+            },
+        )
+
+    # -- reading ----------------------------------------------------------------------
+    def commit_names(self, fingerprint: str) -> list[str]:
+        """The parts of ``fingerprint`` committed now (a fresh listing), sorted."""
+        try:
+            # refresh: s3fs caches listings, and a reader must see commits made since
+            names = self.fs.ls(self.path(fingerprint, "commits"), detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        parts = []
+        for name in names:
+            base = str(name).rstrip("/").rsplit("/", 1)[-1]
+            if base.endswith(".json") and not base.startswith("."):
+                parts.append(base[: -len(".json")])
+        return sorted(parts)
+
+    def _load(
+        self, fingerprint: str, *, refresh: bool = False, describe: Mapping[str, Any] | None = None
+    ) -> Dataset | None:
+        with self._lock:
+            known = self._datasets.get(fingerprint)
+            if known is not None and not refresh:
+                return known
+        dataset = known
+        problems = self._problems.setdefault(fingerprint, _Problems())
+        if dataset is None:
+            dataset = self._read_index(fingerprint, problems)
+        new = [
+            p
+            for p in self.commit_names(fingerprint)
+            if dataset is None or p not in dataset.parts_seen
+        ]
+        docs = []
+        unreadable: dict[str, str] = {}
+        for part in new:
+            try:
+                raw = storage.read(self.fs, self.path(fingerprint, "commits", f"{part}.json"))
+                docs.append(parse_manifest(raw, fingerprint, part) + (part,))
+            except FileNotFoundError:
+                continue
+            except CorruptRecord as exc:  # UnsupportedFormat too
+                unreadable[part] = exc.reason
+                if problems.commits.get(part) != exc.reason:  # once, not at every listing
+                    log.warning("%s: commit %s ignored: %s", self.location, part, exc)
+        # A part not read again was read before (it is in the dataset): only the parts
+        # listed as new can still be unreadable.
+        problems.commits = unreadable
+        docs.sort(key=lambda d: commit_order(d[0], d[2]))
+        if dataset is None:
+            described = [d[0]["dataset"] for d in docs if isinstance(d[0].get("dataset"), dict)]
+            if describe is not None and docs:
+                described.insert(0, dict(describe))
+            if not docs:
+                with self._lock:  # nothing committed yet: a lookup lists again in a second
+                    self._listed_at[fingerprint] = time.monotonic()
+                return None
+            if not described:
+                described = [{"recipe": None}]  # records readable, index not yet
+            try:
+                dataset = Dataset(**described[0], created=str(docs[0][0].get("committed_at", "")))
+            except TypeError as exc:
+                raise CorruptRecord(
+                    f"{fingerprint}/commits", f"malformed dataset description ({exc})"
+                ) from None
+        for doc, entries, part in docs:
+            described_here = doc.get("dataset")
+            if dataset.recipe is None and isinstance(described_here, dict):
+                try:
+                    dataset.recipe = str(described_here["recipe"])
+                    dataset.recipe_version = int(described_here["recipe_version"])
+                    dataset.params = dict(described_here["params"])
+                except (KeyError, TypeError, ValueError):
+                    log.warning(
+                        "%s: commit %s has a malformed dataset description", self.location, part
+                    )
+            dataset.parts_seen.add(part)
+            dataset.descriptors.update(doc.get("descriptors", {}))  # checked by parse_manifest
+            for sample_id, entry in entries:
+                dataset.admit(sample_id, entry)
+        with self._lock:
+            self._datasets[fingerprint] = dataset
+            self._listed_at[fingerprint] = time.monotonic()
+        return dataset
+
+    def _read_index(self, fingerprint: str, problems: _Problems) -> Dataset | None:
+        """The dataset ``index.json`` holds, or None: none yet, or one that cannot be
+        read (noted in ``problems``; the manifests then rebuild it, and ``merge``
+        writes it again)."""
+        what = f"{fingerprint}/index.json"
+        try:
+            raw = storage.read(self.fs, self.path(fingerprint, "index.json"))
+        except FileNotFoundError:
+            problems.index = None
+            return None
+        try:
+            dataset = dataset_from_index(fingerprint, load_json(raw, what))
+        except CorruptRecord as exc:  # UnsupportedFormat too
+            if problems.index != exc.reason:
+                log.warning(
+                    "%s: %s; its committed manifests are read instead (spcache merge "
+                    "writes it again)",
+                    self.location,
+                    exc,
+                )
+            problems.index = exc.reason
+            return None
+        problems.index = None
+        return dataset
+
+    def merge_index(
+        self,
+        fingerprint: str,
+        *,
+        order: Sequence[str] = (),
+        describe: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Write ``index.json`` for ``fingerprint`` from every committed manifest (``order``'s
+        ids first); returns the records indexed. Idempotent: merging again with nothing new
+        writes the same index."""
+        validate_fingerprint(fingerprint)
+        self.refresh()
+        dataset = self._load(fingerprint, describe=describe)
+        if dataset is None:
+            if describe is None:
+                raise FingerprintLookupError(
+                    f"no committed part of {fingerprint} in {self.location}", self.fingerprints()
+                )
+            return 0
+        if dataset.recipe is None and describe is None:
+            raise FingerprintLookupError(
+                f"the committed parts of {fingerprint} in {self.location} "
+                f"do not say what computed them; merge with the run's "
+                f"recipe and parameters",
+                self.fingerprints(),
+            )
+        first = [sid for sid in order if sid in dataset.entries]
+        seen = set(first)
+        ids = first + [sid for sid in dataset.order if sid not in seen]
+        info = (
+            dict(describe)
+            if describe is not None
+            else {
+                "recipe": dataset.recipe,
+                "recipe_version": dataset.recipe_version,
+                "params": dataset.params,
+            }
+        )
+        # The index lists fewer parts than exist only if parts were committed meanwhile:
+        # readers read those manifests themselves, so a stale index is never wrong.
+        storage.write(
+            self.fs,
+            self.path(fingerprint, "index.json"),
+            index_document(fingerprint, dataset, ids, info),
+        )
+        self.refresh()
+        return len(ids)
+
+    def unreadable(self, fingerprint: str) -> dict[str, str]:
+        """What of ``fingerprint`` could not be read at the last listing: ``{file: reason}``
+        for a damaged ``index.json`` (read around: the manifests rebuild it) and for
+        damaged manifests (their records are not read). Files are named as
+        ``<fingerprint>/index.json`` and ``<fingerprint>/commits/<part>.json``."""
+        problems = self._problems.get(fingerprint)
+        if problems is None:
+            return {}
+        found = {f"{fingerprint}/commits/{p}.json": r for p, r in problems.commits.items()}
+        if problems.index is not None:
+            found[f"{fingerprint}/index.json"] = problems.index
+        return dict(sorted(found.items()))
+
+    def refresh(self) -> None:
+        """Forget what was read: the next access lists the commits again."""
+        with self._lock:
+            self._datasets.clear()
+            self._listed_at.clear()
+            self._problems.clear()
+
+    def _entry(self, key: str) -> Entry | None:
+        fingerprint, sample_id = split_key(key)
+        listed = self._listed_at.get(fingerprint, 0.0)
+        if fingerprint not in self._datasets and time.monotonic() - listed <= MISS_RELIST_S:
+            return None  # listed a moment ago, and nothing was committed
+        dataset = self._load(fingerprint)
+        entry = dataset.entries.get(sample_id) if dataset else None
+        listed = self._listed_at.get(fingerprint, 0.0)
+        if entry is None and time.monotonic() - listed > MISS_RELIST_S:
+            # committed since this process looked? (at most one listing a second: a run's
+            # admission asks for every sample it has not computed yet)
+            dataset = self._load(fingerprint, refresh=True)
+            entry = dataset.entries.get(sample_id) if dataset else None
+        return entry
+
+    def get(self, key: str) -> bytes:
+        entry = self._entry(key)
+        if entry is None:
+            raise RecordNotFound(key, self.location)
+        fingerprint = split_key(key)[0]
+        path = self.path(fingerprint, "parts", f"{entry.part}.bin")
+        try:
+            value = storage.read(self.fs, path, entry.offset, entry.offset + entry.length)
+        except FileNotFoundError:
+            raise CorruptRecord(key, f"its committed part {entry.part}.bin is missing") from None
+        return check_against_manifest(value, key, entry, self.descriptor)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of ``keys`` (range reads grouped per request batch)."""
+        located = []
+        for key in keys:
+            entry = self._entry(key)
+            if entry is None:
+                raise RecordNotFound(key, self.location)
+            located.append((key, entry))
+        paths = [self.path(split_key(k)[0], "parts", f"{e.part}.bin") for k, e in located]
+        starts = [e.offset for _, e in located]
+        ends = [e.offset + e.length for _, e in located]
+        values = self.fs.cat_ranges(paths, starts, ends)
+        out = []
+        for (key, entry), value in zip(located, values, strict=True):
+            if isinstance(value, BaseException):
+                raise CorruptRecord(key, f"cannot be read ({value})")
+            out.append(check_against_manifest(bytes(value), key, entry, self.descriptor))
+        return out
+
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
+        # the values, range reads grouped; the base's decoder decodes and key-checks them
+        return decoder.values(self.get_many(keys))
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
+        """From the committed manifests (or the merged index) of ``fingerprint``."""
+        dataset = self._load(fingerprint)
+        if dataset is None or digest not in dataset.descriptors:
+            dataset = self._load(fingerprint, refresh=True)  # committed since?
+        return None if dataset is None else dataset.descriptors.get(digest)
+
+    def source_hash_of(self, key: str) -> str | None:
+        """The source hash a committed record was computed from (from its manifest)."""
+        entry = self._entry(key)
+        return None if entry is None else entry.source_hash
+
+    def has(self, key: str) -> bool:
+        return self._entry(key) is not None
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        found = []
+        for fingerprint in self.fingerprint_dirs():
+            if not (f"{fingerprint}/".startswith(prefix) or prefix.startswith(f"{fingerprint}/")):
+                continue
+            dataset = self._load(fingerprint, refresh=True)
+            if dataset is None:
+                continue
+            found += [
+                k
+                for k in (f"{fingerprint}/{sid}" for sid in dataset.entries)
+                if k.startswith(prefix)
+            ]
+        return iter(sorted(found, key=lambda k: k.encode("utf-8")))
+
+    def fingerprint_dirs(self) -> list[str]:
+        """The fingerprints with a directory here (committed or not), sorted."""
+        try:
+            names = self.fs.ls(self.root, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            n for n in (str(p).rstrip("/").rsplit("/", 1)[-1] for p in names) if is_fingerprint(n)
+        )
+
+    def fingerprints(self) -> list[str]:
+        """Fingerprints with committed records that say what computed them."""
+        found = []
+        for fingerprint in self.fingerprint_dirs():
+            dataset = self._load(fingerprint)
+            if dataset is not None and dataset.recipe is not None:
+                found.append(fingerprint)
+        return found
+
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        validate_fingerprint(fingerprint)
+        dataset = self._load(fingerprint, refresh=True)
+        if dataset is None or dataset.recipe is None:
+            raise self.index_missing(fingerprint)
+        return DatasetIndex(
+            fingerprint,
+            dataset.recipe,
+            dataset.recipe_version,
+            dataset.params,
+            np.array(dataset.order, dtype=str),
+            created=dataset.created,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        per_fp = {}
+        for fingerprint in self.fingerprints():
+            dataset = self._load(fingerprint, refresh=True)
+            assert dataset is not None
+            per_fp[fingerprint] = {
+                "records": len(dataset.entries),
+                "bytes": sum(e.length for e in dataset.entries.values()),
+                "parts": len(dataset.parts_seen),
+            }
+        return self._finish_stats(per_fp)
+
+    def _verify_into(self, report: VerifyReport, fingerprint: str | None) -> None:
+        """Every committed record read as a reader would (against its manifest, then the
+        whole-record check); a part that cannot be read is a corrupt record, never a
+        stopped walk."""
+        prefix = "" if fingerprint is None else validate_fingerprint(fingerprint) + "/"
+        for key in self.keys(prefix):  # lists every fingerprint's commits afresh
+            report.checked += 1
+            try:
+                check_record(self.get(key), key=key, lookup=self.descriptor)
+            except CorruptRecord as exc:
+                report.corrupt[key] = exc.reason
+                log.warning("verify: %s", exc)
+        # Damaged manifests (their records go unread: a silent loss otherwise) and a
+        # damaged index (read around, but ``spcache merge`` should write it again).
+        for fp in [fingerprint] if fingerprint is not None else self.fingerprint_dirs():
+            for name, reason in self.unreadable(fp).items():
+                report.corrupt[name] = f"cannot be read ({reason})"
+                log.warning("verify: %s: %s", name, reason)
+
+    def close(self) -> None:
+        self.refresh()
+        self._fs.close()

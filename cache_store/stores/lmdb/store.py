@@ -1,0 +1,468 @@
+"""LMDBStore: the live cache's records and indexes, on the :class:`Store` contract.
+
+The store's primitives, the removal steps ``rm`` and ``prune`` call, and the
+conveniences LMDB does natively (lengths without copies, stats in one walk). Every
+operation runs in a transaction of the store's :class:`EnvironmentHandle`
+(:mod:`cache_store.stores.lmdb.environment`); tombstones are
+:mod:`cache_store.stores.lmdb.tombstones`. The rules all of it keeps are in
+:mod:`cache_store.stores.lmdb`'s doc.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lmdb
+
+from cache_store import usage
+from cache_store.errors import FingerprintRemoved
+from cache_store.format.decode import Record
+from cache_store.format.descriptor import Descriptor
+from cache_store.format.index import DatasetIndex, decode_index, encode_index
+from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
+from cache_store.stores.base import RecordDecoder, Store, count_code_digest
+from cache_store.stores.lmdb import tombstones
+from cache_store.stores.lmdb.environment import (
+    DEFAULT_MAP_SIZE,
+    DEFAULT_MAX_READERS,
+    DESCRIPTORS_DB,
+    INDEXES_DB,
+    RECORDS_DB,
+    REMOVED_DB,
+    EnvironmentHandle,
+)
+
+__all__ = ["LMDBStore"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: "last written" (spcache ls, prune) is recorded at most once a minute per fingerprint
+_note_written = usage.Throttle(usage.note_written, 60.0)
+#: Keys listed per read transaction (a slow consumer never pins an old snapshot).
+KEYS_PER_TXN = 4096
+_MAX_KEY_BYTES = 511  # LMDB's default build
+
+
+def _lookup(txn: Any, db: Any, key: str) -> Any:
+    """The value under ``key`` or None; keys LMDB cannot hold (empty, over 511 bytes,
+    not encodable) are simply absent."""
+    if db is None or not isinstance(key, str):
+        return None
+    try:
+        raw = key.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    if not 0 < len(raw) <= _MAX_KEY_BYTES:
+        return None
+    return txn.get(raw, db=db)
+
+
+class LMDBStore(Store):
+    """Records in an LMDB environment under ``<path>/records/``.
+
+    Args:
+        path: the cache directory.
+        readonly: readers open read-only (``put_*`` raise ``ReadOnlyStoreError``); a
+            read-only store on a directory without a cache raises ``CacheNotFound``.
+        map_size: initial map size in bytes for a writer (grows by itself).
+        max_map_size: growth stops here (``None``: no bound but the disk).
+        max_readers: size of the reader table (see the package doc).
+        lock: use LMDB's lock file (readers of a read-only medium may pass False, if
+            nothing writes meanwhile).
+        readahead: OS read-ahead on the map; off by default (random access over data
+            larger than memory).
+        sync: fsync on commit (writers).
+
+    Environment options are those of the first store that opens the path in a process.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        readonly: bool = True,
+        map_size: int = DEFAULT_MAP_SIZE,
+        max_map_size: int | None = None,
+        max_readers: int = DEFAULT_MAX_READERS,
+        lock: bool = True,
+        readahead: bool = False,
+        sync: bool = True,
+    ) -> None:
+        super().__init__(path, readonly=readonly)
+        if map_size <= 0 or (max_map_size is not None and max_map_size < map_size):
+            raise ValueError(f"map_size {map_size} / max_map_size {max_map_size} out of range")
+        self.path = Path(path)
+        self.map_size = int(map_size)
+        self.max_map_size = max_map_size
+        self.max_readers = int(max_readers)
+        self.lock = lock
+        self.readahead = readahead
+        self.sync = sync
+        #: this store's way to the environment (nothing opened yet)
+        self.handle = EnvironmentHandle(
+            self.path,
+            readonly=self.readonly,
+            map_size=self.map_size,
+            max_map_size=max_map_size,
+            max_readers=self.max_readers,
+            lock=lock,
+            readahead=readahead,
+            sync=sync,
+        )
+
+    @property
+    def env_path(self) -> Path:
+        return self.handle.env_path
+
+    def open(self) -> LMDBStore:
+        """Open now (otherwise the first access does). Returns self."""
+        self.handle.environment()
+        return self
+
+    def close(self) -> None:
+        """Stop using the environment; it closes when no store of this process uses it."""
+        self.handle.close()
+
+    # -- transactions (the handle's, for this store) ------------------------------------
+    def _environment(self) -> tuple[Any, dict[bytes, Any]]:
+        return self.handle.environment()
+
+    def _read(self) -> AbstractContextManager[tuple[Any, dict[bytes, Any]]]:
+        return self.handle.read()
+
+    def _write(self, action: Callable[[Any, dict[bytes, Any]], T], size_hint: int = 0) -> T:
+        """Run ``action(txn, dbs)`` in one write transaction (refused when read-only)."""
+        self.check_writable()
+        return self.handle.write(action, size_hint)
+
+    # -- primitives ------------------------------------------------------------------
+    def get(self, key: str) -> bytes:
+        with self._read() as (txn, dbs):
+            value = _lookup(txn, dbs[RECORDS_DB], key)
+            if value is None:
+                raise tombstones.missing(txn, dbs, key, self.location)
+            return bytes(value)
+
+    @contextmanager
+    def read_view(self, key: str) -> Iterator[Any]:
+        # The map's own bytes, valid inside one read transaction (held for the block).
+        with self._read() as (txn, dbs):
+            value = _lookup(txn, dbs[RECORDS_DB], key)
+            if value is None:
+                raise tombstones.missing(txn, dbs, key, self.location)
+            yield value
+
+    def supply(
+        self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
+    ) -> list[Record]:
+        # The map's own bytes, decoded inside one read transaction: one copy per tensor.
+        # The hot path of every read: no context-manager generator around the transaction.
+        txn, dbs = self.handle.begin()
+        try:
+            db = dbs[RECORDS_DB]
+            values = []
+            for key in keys:
+                value = _lookup(txn, db, key)
+                if value is None:
+                    raise tombstones.missing(txn, dbs, key, self.location)
+                values.append(value)
+            return decoder.values(values)
+        except lmdb.Error as exc:
+            raise self.handle.damaged(exc) from exc
+        finally:
+            txn.abort()  # read-only: ends it and releases the reader slot
+
+    def value_size(self, key: str) -> int:
+        # the value's length in the map view: no copy
+        txn, dbs = self.handle.begin()
+        try:
+            value = _lookup(txn, dbs[RECORDS_DB], key)
+            if value is None:
+                raise tombstones.missing(txn, dbs, key, self.location)
+            return len(value)
+        except lmdb.Error as exc:
+            raise self.handle.damaged(exc) from exc
+        finally:
+            txn.abort()
+
+    def generation(self) -> int:
+        """The id of the environment's last committed write transaction (read from its
+        meta page, no transaction): any write that landed, in any process, changes it.
+        Tagged with the records directory's inode, so a compacted environment swapped in
+        (whose counter starts again) counts as a change too."""
+        env, _ = self._environment()
+        try:
+            txnid = int(env.info()["last_txnid"])
+        except lmdb.Error as exc:
+            raise self.handle.damaged(exc) from exc
+        inode = self.handle.generation_inode()
+        return txnid if inode is None else (inode << 48) | (txnid & ((1 << 48) - 1))
+
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
+        self.check_writable()
+        batch = self.check_items(items, descriptors)
+        # in key order: a record whose key follows every stored one is appended
+        # (MDB_APPEND), which fills pages; any other insert splits a full page in two
+        checked = sorted(((k.encode(), v) for k, v in batch.records), key=lambda kv: kv[0])
+        named = [
+            (f"{d.fingerprint}/{d.digest}".encode(), d.text.encode()) for d in batch.descriptors
+        ]
+
+        def put(txn: Any, dbs: dict[bytes, Any]) -> int:
+            tombstones.refuse(
+                txn,
+                dbs,
+                {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked},
+                self.location,
+            )
+            for key, text in named:  # with the first records that name it (or over a
+                if txn.get(key, db=dbs[DESCRIPTORS_DB]) != text:  # damaged copy)
+                    txn.put(key, text, db=dbs[DESCRIPTORS_DB])
+            records = dbs[RECORDS_DB]
+            cursor = txn.cursor(db=records)
+            last = bytes(cursor.key()) if cursor.last() else b""
+            for key, value in checked:
+                if key > last:
+                    txn.put(key, value, db=records, append=True)
+                    last = key
+                else:
+                    txn.put(key, value, db=records)
+            return len(checked)
+
+        count = self._write(put, sum(len(v) for _, v in checked))
+        for fingerprint in {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}:
+            _note_written(self.path, fingerprint)
+        return count
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> bytes | None:
+        # Asked once per descriptor and process. A handle opened before any writer made
+        # the database looks for it again now, not a second later: the record naming it
+        # was read already. Absent from a removed fingerprint: FingerprintRemoved.
+        for again in (False, True):
+            with self._read() as (txn, dbs):
+                db = dbs.get(DESCRIPTORS_DB)
+                if db is not None or again:
+                    value = _lookup(txn, db, f"{fingerprint}/{digest}")
+                    if value is not None:
+                        return bytes(value)
+                    removed = tombstones.removed_at(txn, dbs, fingerprint)
+                    if removed is not None:
+                        raise FingerprintRemoved(fingerprint, self.location, removed)
+                    return None
+            self.handle.look_for_new_databases()
+        return None
+
+    def has(self, key: str) -> bool:
+        with self._read() as (txn, dbs):
+            db = dbs[RECORDS_DB]
+            return _lookup(txn, db, key) is not None
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        # Chunks of keys per short transaction: a consumer that stops early, or works
+        # slowly between keys, never pins an old snapshot (or a reader slot).
+        try:
+            raw_prefix = prefix.encode("utf-8")
+        except UnicodeEncodeError:
+            return  # no key can start with it
+        start = raw_prefix
+        skip_start = False
+        while True:
+            chunk = self._key_chunk(start, raw_prefix, skip_start)
+            yield from (self.handle.key_text(k) for k in chunk)
+            if len(chunk) < KEYS_PER_TXN:
+                return
+            start, skip_start = chunk[-1], True
+
+    def _key_chunk(self, start: bytes, prefix: bytes, skip_start: bool) -> list[bytes]:
+        with self._read() as (txn, dbs):
+            if dbs[RECORDS_DB] is None:
+                return []
+            cursor = txn.cursor(db=dbs[RECORDS_DB])
+            found: list[bytes] = []
+            if not cursor.set_range(start):
+                return found
+            for key in cursor.iternext(keys=True, values=False):
+                key = bytes(key)
+                if not key.startswith(prefix):
+                    break
+                if skip_start and key == start:
+                    continue
+                found.append(key)
+                if len(found) == KEYS_PER_TXN:
+                    break
+            return found
+
+    def put_index(self, index: DatasetIndex) -> None:
+        value = encode_index(index)
+
+        def put(txn: Any, dbs: dict[bytes, Any]) -> None:
+            tombstones.refuse(txn, dbs, {index.fingerprint}, self.location)
+            txn.put(index.fingerprint.encode(), value, db=dbs[INDEXES_DB])
+
+        self._write(put, len(value))
+
+    def get_index(self, fingerprint: str) -> DatasetIndex:
+        validate_fingerprint(fingerprint)
+        with self._read() as (txn, dbs):
+            db = dbs[INDEXES_DB]
+            value = None if db is None else txn.get(fingerprint.encode(), db=db)
+            if value is not None:
+                return decode_index(value, key=f"index:{fingerprint}")
+            removed = tombstones.removed_at(txn, dbs, fingerprint)
+        if removed is not None:
+            raise FingerprintRemoved(fingerprint, self.location, removed)
+        raise self.index_missing(fingerprint)
+
+    def fingerprints(self) -> list[str]:
+        with self._read() as (txn, dbs):
+            if dbs[INDEXES_DB] is None:
+                return []
+            cursor = txn.cursor(db=dbs[INDEXES_DB])
+            return [self.handle.key_text(k) for k in cursor.iternext(keys=True, values=False)]
+
+    # -- removal (spcache rm / prune) --------------------------------------------------
+    def removals(self) -> dict[str, float]:
+        """Tombstoned fingerprints -> when they were removed."""
+        with self._read() as (txn, dbs):
+            db = dbs.get(REMOVED_DB)
+            if db is None:
+                return {}
+            out = {}
+            for key in txn.cursor(db=db).iternext(keys=True, values=False):
+                fingerprint = self.handle.key_text(key)
+                out[fingerprint] = tombstones.removed_at(txn, dbs, fingerprint) or 0.0
+            return out
+
+    def removed_at(self, fingerprint: str) -> float | None:
+        """When ``fingerprint`` was removed, or None if it carries no tombstone."""
+        with self._read() as (txn, dbs):
+            return tombstones.removed_at(txn, dbs, fingerprint)
+
+    def mark_removed(self, fingerprint: str, when: float | None = None) -> float:
+        """Step one of removing a fingerprint, in one transaction: write its tombstone
+        (an existing one keeps its time) and drop its index. From then on its readers get
+        :class:`FingerprintRemoved` and its writes are refused. Returns the removal time."""
+        validate_fingerprint(fingerprint)
+        stamp = time.time() if when is None else float(when)
+
+        return self._write(lambda txn, dbs: tombstones.mark(txn, dbs, fingerprint, stamp))
+
+    def delete_records(self, fingerprint: str, *, chunk: int = 1024) -> tuple[int, int]:
+        """Step two: delete every record of ``fingerprint``, ``chunk`` per transaction
+        (each commit is a consistent state; a kill leaves fewer records, never a broken
+        one). Returns ``(records, bytes)`` deleted."""
+        prefix = validate_fingerprint(fingerprint).encode() + b"/"
+
+        def delete(txn: Any, dbs: dict[bytes, Any]) -> tuple[int, int]:
+            cursor = txn.cursor(db=dbs[RECORDS_DB])
+            count = size = 0
+            if not cursor.set_range(prefix):
+                return 0, 0
+            while count < chunk and bytes(cursor.key()).startswith(prefix):
+                size += len(cursor.value())
+                count += 1
+                if not cursor.delete():  # moves to the next item; False at the end
+                    break
+            return count, size
+
+        def forget_descriptors(txn: Any, dbs: dict[bytes, Any]) -> None:
+            left = txn.cursor(db=dbs[RECORDS_DB])
+            if left.set_range(prefix) and bytes(left.key()).startswith(prefix):
+                return  # written since (computed again after the removal): still named
+            cursor = txn.cursor(db=dbs[DESCRIPTORS_DB])
+            if cursor.set_range(prefix):
+                while bytes(cursor.key()).startswith(prefix) and cursor.delete():
+                    pass
+
+        total = total_bytes = 0
+        while True:
+            count, size = self._write(delete)
+            total, total_bytes = total + count, total_bytes + size
+            if count < chunk:
+                self._write(forget_descriptors)  # no record names them any more
+                return total, total_bytes
+
+    def record_fingerprints(self) -> list[str]:
+        """Fingerprints that have at least one record (indexed or not), sorted: one seek
+        per fingerprint, not a walk over every record."""
+        found: list[str] = []
+        with self._read() as (txn, dbs):
+            if dbs[RECORDS_DB] is None:
+                return found
+            cursor = txn.cursor(db=dbs[RECORDS_DB])
+            position = cursor.first()
+            while position:
+                key = bytes(cursor.key())
+                head = key[:FINGERPRINT_HEX_CHARS]
+                found.append(self.handle.key_text(head))
+                position = cursor.set_range(head + b"0")  # "0" sorts right after "/"
+        return found
+
+    def fingerprint_size(self, fingerprint: str) -> tuple[int, int]:
+        """``(records, bytes)`` stored under ``fingerprint`` (record values' lengths; the
+        values themselves are not read)."""
+        prefix = validate_fingerprint(fingerprint).encode() + b"/"
+        count = size = 0
+        with self._read() as (txn, dbs):
+            if dbs[RECORDS_DB] is None:
+                return 0, 0
+            cursor = txn.cursor(db=dbs[RECORDS_DB])
+            if not cursor.set_range(prefix):
+                return 0, 0
+            for key, value in cursor:
+                if not bytes(key).startswith(prefix):
+                    break
+                count += 1
+                size += len(value)
+        return count, size
+
+    def revive(self, fingerprint: str, requested_at: float) -> bool:
+        """Lift the tombstone of ``fingerprint`` if it is older than ``requested_at`` (work
+        on it asked for after the removal); True when one was lifted."""
+        validate_fingerprint(fingerprint)
+        if self.readonly:
+            return False
+        with self._read() as (txn, dbs):
+            if tombstones.removed_at(txn, dbs, fingerprint) is None:
+                return False  # the common case: no write transaction
+
+        lifted = self._write(lambda txn, dbs: tombstones.lift(txn, dbs, fingerprint, requested_at))
+        if lifted:
+            log.info("%s: fingerprint %s computed again after its removal", self.path, fingerprint)
+        return lifted
+
+    # -- conveniences done natively ----------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        per_fp: dict[str, dict[str, Any]] = {}
+        with self._read() as (txn, dbs):
+            if dbs[RECORDS_DB] is not None:
+                for key, value in txn.cursor(db=dbs[RECORDS_DB]):
+                    entry = per_fp.setdefault(
+                        self.handle.key_text(key[:FINGERPRINT_HEX_CHARS]),
+                        {"records": 0, "bytes": 0},
+                    )
+                    entry["records"] += 1
+                    entry["bytes"] += len(value)
+                    count_code_digest(
+                        entry, value, bytes(key[:FINGERPRINT_HEX_CHARS]).decode(), self.descriptor
+                    )
+            env, _ = self._environment()
+            info, stat = env.info(), env.stat()
+        out = self._finish_stats(per_fp)
+        out["lmdb"] = {
+            "map_size": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+            "max_readers": info["max_readers"],
+            "readers_in_use": info["num_readers"],
+        }
+        return out
