@@ -13,6 +13,7 @@ __all__ = ["GOLDEN_V1", "golden_v1_records"]
 #: over 64-point clouds, at commit e541b9c), with their sources.
 GOLDEN_V1 = Path(__file__).resolve().parent.parent / "data" / "records_v1"
 
+
 def golden_v1_records() -> dict[str, bytes]:
     """The golden format-1 records: key -> the bytes the engine wrote."""
     keys = json.loads((GOLDEN_V1 / "keys.json").read_text())["records"]

@@ -275,9 +275,7 @@ def _describe_from_metadata(meta: Mapping[str, str], fingerprint: str) -> dict[s
     return None
 
 
-def check_against_manifest(
-    value: bytes, key: str, entry: Entry, lookup: DescriptorLookup
-) -> bytes:
+def check_against_manifest(value: bytes, key: str, entry: Entry, lookup: DescriptorLookup) -> bytes:
     """``value`` if it is the record ``entry`` committed for ``key`` (its checksum is the
     manifest's, it is bound to ``key``: ``bind_metadata``); else :class:`CorruptRecord`."""
     header = read_header(value, key=key)

@@ -339,9 +339,7 @@ class ZarrStore(Store):
                 try:
                     if isinstance(value, CorruptRecord):
                         raise value
-                    checksums.append(
-                        check_record(value, key=key, lookup=self.descriptor).checksum
-                    )
+                    checksums.append(check_record(value, key=key, lookup=self.descriptor).checksum)
                 except CorruptRecord as exc:
                     report.corrupt[key] = exc.reason
                     log.warning("verify: %s", exc)
