@@ -139,11 +139,10 @@ def manifest(
             [split_key(key)[1], offset, len(value), meta["checksum"], meta.get("source_hash", "")]
         )
         offset += len(value)
-    first = bind_metadata(
-        read_header(group[0][1], key=group[0][0]).metadata,
-        group[0][0],
-        lambda _, digest: descriptors[digest],
-    )
+    first = read_header(group[0][1], key=group[0][0]).metadata  # (checked by put_many)
+    named = descriptors.get(first.get("descriptor", ""))
+    if named is not None:  # what the dataset is, as the records say it
+        first = {**named.metadata, **first}
     doc = {
         "kind": COMMIT_KIND,
         "format_version": FORMAT_VERSION,

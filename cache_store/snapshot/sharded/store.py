@@ -148,6 +148,9 @@ class ShardedSnapshot(Store):
         for fingerprint, group in by_fp.items():
             named = {d.digest: d for d in batch.descriptors if d.fingerprint == fingerprint}
             self._commit_part(fingerprint, group, named)
+            with self._lock:  # this writer reads what it wrote: the next read lists again
+                self._datasets.pop(fingerprint, None)
+                self._listed_at.pop(fingerprint, None)
         return len(checked)
 
     def _commit_part(
