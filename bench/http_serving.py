@@ -2,7 +2,7 @@
 
 Writes ``--records`` records of 1 MiB and of 16 KiB into a fresh LMDB cache, starts
 
-- ``spcache``: the real service (``python -m service.cli --no-worker``), and
+- ``spcache``: the real service (``python -m spcache serve --no-worker``), and
 - ``floor``: a bare Starlette route that returns the same bytes from memory,
 
 each under uvicorn with the same options in its own process, then drives each with
@@ -196,7 +196,8 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "service.cli",
+                "spcache",
+                "serve",
                 "--cache",
                 str(tmp_path / "cache"),
                 "--port",

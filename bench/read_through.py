@@ -58,7 +58,7 @@ def read_through(
         [
             sys.executable,
             "-m",
-            "workers",
+            "spcache",
             "worker",
             "--cache",
             str(cache),
@@ -97,7 +97,7 @@ def precompute_and_read(
         [
             sys.executable,
             "-m",
-            "workers",
+            "spcache",
             "precompute",
             str(sources),
             "--recipe",

@@ -24,6 +24,7 @@ __all__ = [
     "SourceError",
     "UnknownName",
     "ParameterError",
+    "UsageError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
     "StoreBusy",
@@ -230,6 +231,12 @@ class ParameterError(SpcacheError, ValueError):
         problems = list(problems)
         super().__init__(f"invalid {what}: " + "; ".join(problems))
         self.problems = problems
+
+
+class UsageError(SpcacheError, ValueError):
+    """An option, a source list or a location that cannot be used as given (a device
+    name, a negative count, no source found, a cache directory that cannot be made): the
+    command line exits 2 for it, and :func:`spcache.precompute` raises it."""
 
 
 class FingerprintLookupError(SpcacheError, LookupError):

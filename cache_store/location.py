@@ -18,7 +18,8 @@ A location that may be a URL never goes through :class:`pathlib.Path`, which fol
 ``s3://b`` into ``s3:/b``; :meth:`Location.path` gives the local path of a local one.
 
 :func:`cache_dir_problem` answers why a local path cannot be used as a cache directory
-(naming the path and the reason), so a command prints one line instead of a traceback.
+(naming the path and the reason), so a command prints one line instead of a traceback;
+:func:`check_cache_dir` raises it as a :class:`~cache_store.errors.UsageError`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cache_store.errors import UnknownName
+from cache_store.errors import UnknownName, UsageError
 
 __all__ = [
     "Location",
     "LocationLike",
     "cache_dir_problem",
+    "check_cache_dir",
     "is_remote",
     "local_path",
     "parse_location",
@@ -155,3 +157,12 @@ def cache_dir_problem(cache: LocationLike, *, write: bool) -> str | None:
     if write and not os.access(path, os.W_OK):
         return f"{path}: cache directory is read-only"
     return None
+
+
+def check_cache_dir(cache: LocationLike, *, write: bool) -> Path:
+    """The local path of ``cache`` when :func:`cache_dir_problem` finds nothing wrong;
+    else :class:`~cache_store.errors.UsageError` with its one line."""
+    problem = cache_dir_problem(cache, write=write)
+    if problem:
+        raise UsageError(problem)
+    return Path(local_path(cache))

@@ -118,13 +118,30 @@ class Settings(BaseSettings):
     def _local_cache(cls, value: Any) -> Any:
         """``file:///x`` is the path ``/x``; a URL (``s3://``, ``http://``) is refused by
         name rather than folded by ``Path`` into a local ``s3:/...`` directory."""
-        if isinstance(value, str | os.PathLike):
-            from cache_store.location import local_path, parse_location
+        from cache_store.location import Location, local_path
 
+        if isinstance(value, str | os.PathLike | Location):
             try:
-                return local_path(parse_location(value))
+                return local_path(value)
             except (ValueError, SpcacheError) as exc:
-                raise ValueError(f"{os.fspath(value)}: not a local cache directory") from exc
+                raise ValueError(f"{value}: not a local cache directory") from exc
+        return value
+
+    @field_validator("worker_device")
+    @classmethod
+    def _device(cls, value: str | None) -> str | None:
+        """The one device check (``auto``, ``cpu``, ``cuda``, ``cuda:N``), as the worker's."""
+        from cache_store.engine_options import check_device
+
+        return None if value is None else check_device(value)
+
+    @field_validator("worker_backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        from cache_store.engine_options import BACKENDS
+
+        if value not in BACKENDS:
+            raise ValueError(f"{value!r}: expected one of {', '.join(BACKENDS)}")
         return value
 
     @field_validator("source_roots", mode="before")

@@ -46,7 +46,8 @@ PARENT_PID_ENV = "SPCACHE_PARENT_PID"
 #: How long a starting worker may take to write its first heartbeat (imports torch).
 START_GRACE_S = 60.0
 #: The exit status of an spcache command whose usage, backend or path was refused
-#: (``spcache.cli``): the supervisor does not restart a worker that exits with it.
+#: (``spcache.cli.exits.USAGE``): the supervisor does not restart a worker that exits
+#: with it.
 REFUSED_EXIT = 2
 #: Deaths in a row, each before ``healthy_after_s``, after which a restart is not
 #: announced to waiters.

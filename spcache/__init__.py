@@ -12,10 +12,11 @@ The one import for Python code::
 stays light: torch, the engine and the readers load when a name that needs them is first
 used (PEP 562), so the service and the command line start without them.
 
-The command line is ``spcache COMMAND ...`` (:mod:`spcache.cli`): it dispatches to the
-package that does the work: ``cache_store`` for what reads a cache at rest (verify,
-stats, export, recipes), ``service`` for ``serve``, ``workers`` for what may touch a GPU
-(precompute, worker, demo).
+The command line is ``spcache COMMAND ...`` (the package :mod:`spcache.cli`, one module
+per command): each command calls the library function that does the work:
+``cache_store`` for what reads a cache at rest (verify, stats, export, recipes),
+``service`` for ``serve``, ``workers`` for what may touch a GPU (precompute, worker,
+demo).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         TensorTypeError,
         UnknownName,
         UnsupportedFormat,
+        UsageError,
     )
     from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
@@ -57,7 +59,6 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
     from spcache.compute import FailedSample, PrecomputeResult, Timings, precompute
-    from workers.precompute import UsageError
 
 __version__ = "0.1.0"
 
@@ -72,6 +73,7 @@ _ERRORS = (
     "SourceError",
     "UnknownName",
     "ParameterError",
+    "UsageError",
     "FingerprintLookupError",
     "ReadOnlyStoreError",
     "StoreBusy",
@@ -95,7 +97,6 @@ _LAZY: dict[str, str] = {
     "PrecomputeResult": "spcache.compute",
     "FailedSample": "spcache.compute",
     "Timings": "spcache.compute",
-    "UsageError": "workers.precompute",
     "CachedDataset": "cache_store.readers.dataset",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",

@@ -13,10 +13,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from cache_store.engine_options import EngineOptions
+
 if TYPE_CHECKING:
     from cache_store.readers.dataset import CachedDataset
 
 __all__ = ["FailedSample", "PrecomputeResult", "Timings", "precompute"]
+
+#: the engine options' defaults, shown in :func:`precompute`'s signature
+_DEFAULTS = EngineOptions()
 
 
 @dataclass(frozen=True)
@@ -199,16 +204,16 @@ def precompute(
     recipe: str,
     cache: str | os.PathLike[str],
     *,
-    device: str = "auto",
-    backend: str = "auto",
-    loaders: int | None = None,
-    skip_failed: bool = False,
+    device: str = _DEFAULTS.device,
+    backend: str = _DEFAULTS.backend,
+    loaders: int | None = _DEFAULTS.loaders,
+    skip_failed: bool = _DEFAULTS.skip_failed,
     progress: bool = True,
     engine: str = "local",
     address: str | None = None,
     actors: int | None = None,
-    query_chunk: int = 1 << 18,
-    write_batch: int = 32,
+    query_chunk: int = _DEFAULTS.query_chunk,
+    write_batch: int = _DEFAULTS.write_batch,
     id_template: str | None = None,
     **params: Any,
 ) -> PrecomputeResult:
@@ -225,10 +230,11 @@ def precompute(
         backend: SPC ops: ``"kaolin"`` (Kaolin on CUDA), ``"torch"`` (pure PyTorch, any
             device) or ``"auto"``.
         loaders: loader processes reading sources (0: in this process; default one per
-            core but one, at most 8; with ``engine="ray"``, per actor). They never import
-            the caller's ``__main__`` (no ``if __name__ == "__main__":`` guard needed);
-            where they cannot work at all, one WARNING says why and the samples are
-            loaded in this process.
+            core but one, at most 8; with ``engine="ray"``, per actor, chosen from its
+            node). They never import the caller's ``__main__`` (no ``if __name__ ==
+            "__main__":`` guard needed); where they cannot work at all, one WARNING says
+            why and the samples are loaded in this process. These options' defaults and
+            checks are :class:`cache_store.engine_options.EngineOptions`'s.
         skip_failed: do not retry samples that failed before on an unchanged source.
         progress: show a progress bar (a widget in Jupyter with ipywidgets, else text
             on stderr).
@@ -263,21 +269,24 @@ def precompute(
     """
     from workers.precompute import run_precompute
 
+    options = EngineOptions(
+        device=device,
+        backend=backend,
+        loaders=loaders,
+        query_chunk=query_chunk,
+        write_batch=write_batch,
+        skip_failed=skip_failed,
+    )
     summary = run_precompute(
         sources,
         recipe,
         cache,
         params=params,
-        device=device,
-        backend=backend,
-        loaders=loaders,
-        skip_failed=skip_failed,
+        options=options,
         progress=progress,
         engine=engine,
         address=address,
         actors=actors,
-        query_chunk=query_chunk,
-        write_batch=write_batch,
         id_template=id_template,
     )
     from cache_store.location import is_remote

@@ -106,13 +106,10 @@ def test_the_front_door_imports_no_package_until_a_command_runs() -> None:
 
 
 def test_no_package_imports_the_front_door() -> None:
-    """Arrows point one way: spcache -> service, workers -> cache_store. (``python -m
-    workers`` is the one exception, an alias entry point.)"""
+    """Arrows point one way: spcache -> service, workers -> cache_store."""
     offenders = []
     for package in PACKAGES[1:]:
         for path in sorted((REPO_ROOT / package).rglob("*.py")):
-            if path.name == "__main__.py":
-                continue
             # the import statements themselves (a string that prints "import spcache" for
             # the user, as the demo's does, is not one)
             for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -215,3 +212,34 @@ def test_no_large_file_is_tracked_outside_test_data() -> None:
         and (REPO_ROOT / name).stat().st_size > 1 << 20
     ]
     assert not large, f"files over 1 MiB tracked outside tests/data: {large}"
+
+
+def test_the_command_line_is_one_layer() -> None:
+    """``spcache COMMAND`` is the only way in: no other package has a ``__main__``, a
+    parser or a command of its own (back doors skip the dispatcher's recipe loading,
+    parent watch, SIGHUP handling and exit statuses), and every command is a module of
+    ``spcache/cli/``. The walk's internal child (``cache_store.housekeeping.isolated``) takes
+    its two arguments from its parent, not from a user."""
+    from spcache.cli import COMMANDS
+
+    offenders = []
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            relative = str(path.relative_to(REPO_ROOT))
+            if relative.startswith("spcache/cli/") or relative == "spcache/__main__.py":
+                continue
+            text = path.read_text()
+            runs_itself = 'if __name__ == "__main__"' in text
+            if (
+                path.name == "__main__.py"
+                or "import argparse" in text
+                or (runs_itself and relative != "cache_store/housekeeping/isolated.py")
+            ):
+                offenders.append(relative)
+    assert not offenders, f"a command outside spcache/cli: {offenders}"
+    modules = {p.stem for p in (REPO_ROOT / "spcache" / "cli").glob("*.py")}
+    assert {m.rsplit(".", 1)[1] for m, _ in COMMANDS.values()} == modules - {
+        "__init__",
+        "args",
+        "exits",
+    }

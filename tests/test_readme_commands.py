@@ -148,9 +148,19 @@ COMMANDS: dict[str, How] = {
     "[--id-template T | --id-keep-ext] [--json]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
-    "spcache worker --cache CACHE_DIR [--device cuda:0] [--backend auto] [--source-root "
-    "DIR]... [--max-source-bytes N] [--max-size SIZE]": How(
+    "spcache worker --cache CACHE_DIR [--device cuda:0] [--backend auto] [--loaders N] "
+    "[--source-root DIR]... [--max-source-bytes N] [--max-size SIZE]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
+    ),
+    "python -m spcache COMMAND": How(
+        ELSEWHERE,
+        "names the second way in: tests/spcache/test_dispatch.py::"
+        "test_python_dash_m_spcache_is_the_one_way_in_besides_the_script runs it",
+    ),
+    "spcache ls | head -1": How(
+        ELSEWHERE,
+        "a fragment (no --cache) showing a closed pipe: tests/spcache/test_dispatch.py::"
+        "test_output_to_a_closed_pipe_ends_quietly_with_the_sigpipe_status runs `ls` so",
     ),
     "spcache serve  --cache CACHE_DIR [--host 127.0.0.1] [--port 8000 | --fd N] [--no-worker] "
     "[--token T] [--source-root DIR]... [--max-size SIZE]": How(

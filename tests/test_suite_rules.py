@@ -145,7 +145,7 @@ def test_e():
 #: the tests that list, count or name the installed recipes
 RECIPE_LISTING_TESTS = [
     "tests/workers/test_recipes.py",
-    "tests/workers/test_cli.py",
+    "tests/spcache/test_dispatch.py",
     "tests/service/test_warmup.py",
     "tests/service/test_records.py",
     "tests/faults/test_record_bound.py",

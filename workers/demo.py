@@ -1,4 +1,5 @@
-"""`spcache demo`: the whole pipeline on a fresh machine, with no GPU and no data.
+"""The demo's steps (``spcache demo``, :mod:`spcache.cli.demo`): the whole pipeline on a
+fresh machine, with no GPU and no data.
 
 1. Writes a few example shapes (meshes in four formats and a point cloud) that it makes
    itself, so nothing has to be downloaded.
@@ -11,15 +12,14 @@
 
 SIGTERM, SIGINT and SIGHUP stop the demo and the service (and so its worker) with it;
 the service also ends by itself if the demo is killed outright (``SPCACHE_PARENT_PID``).
+The command checks the directory and binds the port first; :func:`run_demo` runs the steps.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
-import errno
 import os
 import signal
 import socket
@@ -30,41 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["configure_parser", "run", "log_level", "write_example_shapes", "RECIPE"]
+__all__ = ["RECIPE", "run_demo", "write_example_shapes"]
 
 log = logging.getLogger(__name__)
 
 #: the one recipe of the demo: precomputed first, then warmed up over HTTP
 RECIPE = "spc_query"
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=Path("spcache-demo"),
-        help="working directory for sources and cache (default: ./spcache-demo)",
-    )
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=None,
-        help="service port on 127.0.0.1 (default: SPCACHE_PORT as for `spcache serve`, "
-        "else 8000; 0: any free one, printed)",
-    )
-    parser.add_argument("--level", type=int, default=7, help="octree level (default 7)")
-    parser.add_argument(
-        "--exit-after",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="stop the service after this many seconds (default: run until Ctrl-C)",
-    )
-
-
-def log_level(args: argparse.Namespace) -> str:
-    """The demo narrates at INFO (its per-sample lines when stderr is not a terminal)."""
-    return "info"
 
 
 def write_example_shapes(directory: Path) -> list[Path]:
@@ -165,77 +136,32 @@ def _warm_up_one(client, base: str, source: Path, level: int, timeout: float = 3
     raise SystemExit(f"warm-up job {job['job_id']} did not finish within {timeout:.0f}s")
 
 
-def _bind(port: int) -> socket.socket:
-    """127.0.0.1:``port`` bound and listening now (port 0: any free one), held until the
-    service inherits it (``spcache serve --fd``), so nothing can take it in between (a
-    connection made meanwhile waits in the backlog). Raises ValueError saying why it
-    cannot be bound."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(("127.0.0.1", port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ValueError(
-                f"port {port} on 127.0.0.1 is already in use; pick a free one with "
-                f"--port (e.g. --port {port + 1}, or --port 0 for any)"
-            ) from None
-        raise ValueError(f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}") from None
-    return sock
-
-
-def _port(flag: int | None) -> int:
-    """``--port``, else ``SPCACHE_PORT`` (the service's own setting), else 8000. Raises
-    ValueError naming a variable that is not a port."""
-    if flag is not None:
-        return flag
-    text = os.environ.get("SPCACHE_PORT", "").strip()
-    if not text:
-        return 8000
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"SPCACHE_PORT={text!r} is not a port number (0-65535)")
-    return port
-
-
 def _terminate(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run(args: argparse.Namespace) -> int:
-    from cache_store.location import cache_dir_problem
-
-    problem = cache_dir_problem(args.dir, write=True)
-    if problem and args.dir.is_file():
-        problem = f"--dir {args.dir}: is a file, not a directory"
-    if not problem:
-        try:
-            listener = _bind(_port(args.port))
-        except ValueError as exc:
-            problem = str(exc)
-    if problem:
-        print(f"spcache demo: {problem}", file=sys.stderr)
-        return 2
+def run_demo(
+    directory: Path, listener: socket.socket, *, level: int, exit_after: float | None = None
+) -> int:
+    """The demo's steps in ``directory`` (sources and cache), the service on
+    ``listener`` (bound on 127.0.0.1 by the caller and handed to ``spcache serve --fd``,
+    so nothing can take the port in between), octree level ``level``; serves until
+    Ctrl-C or SIGTERM (or for ``exit_after`` seconds). Returns 0."""
     # SIGTERM (kill, docker stop; SIGHUP arrives as SIGTERM) ends the demo like Ctrl-C,
     # so the finally blocks below stop the service and its worker.
     signal.signal(signal.SIGTERM, _terminate)
     with listener:
-        return _run(args, listener)
+        return _run(directory, listener, level, exit_after)
 
 
-def _run(args: argparse.Namespace, listener: socket.socket) -> int:
+def _run(directory: Path, listener: socket.socket, level: int, exit_after: float | None) -> int:
     import httpx
     from safetensors.numpy import load as load_safetensors
 
-    root: Path = args.dir.resolve()
+    root: Path = directory.resolve()
     sources = write_example_shapes(root / "sources")
     cache = root / "cache"
-    fingerprint = _precompute(sources, cache, args.level)
+    fingerprint = _precompute(sources, cache, level)
 
     extra = root / "sources" / "late_arrival.stl"
     import trimesh
@@ -267,7 +193,7 @@ def _run(args: argparse.Namespace, listener: socket.socket) -> int:
     try:
         with httpx.Client(timeout=10.0) as client:
             _wait_healthy(client, base, service)
-            job = _warm_up_one(client, base, extra, args.level)
+            job = _warm_up_one(client, base, extra, level)
             record_url = f"{base}/v1/caches/{fingerprint}/records/{sources[0].stem}"
             response = client.get(record_url)
             response.raise_for_status()
@@ -287,12 +213,12 @@ spcache is serving {cache}
   API docs:     {base}/docs
 In Python (any number of forked DataLoader workers, no CUDA):
   import spcache
-  ds = spcache.CachedDataset({str(cache)!r}, {RECIPE!r}, level={args.level})
+  ds = spcache.CachedDataset({str(cache)!r}, {RECIPE!r}, level={level})
   ds = spcache.CachedDataset({base!r}, {fingerprint!r})   # the same records over HTTP
 """,
             flush=True,
         )
-        _serve_until_stopped(service, args.exit_after)
+        _serve_until_stopped(service, exit_after)
     finally:
         _stop(service)
     return 0

@@ -37,17 +37,17 @@ import json
 import logging
 import os
 import queue
-import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
 from cache_store import __version__ as SPCACHE_VERSION
-from cache_store.errors import ParameterError, SourceError, StoreFull
+from cache_store.engine_options import EngineOptions
+from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
@@ -66,10 +66,8 @@ from workers.run_ledger import (
     one_line,
     run_all,
 )
-from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES, SourceLimits
 
 __all__ = [
-    "DEVICE_PATTERN",
     "Engine",
     "LocalRun",
     "Summary",
@@ -79,9 +77,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: What ``device`` may be: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -124,26 +119,19 @@ class Engine:
         recipe: an installed recipe's name (or a :class:`spcache.recipes.Recipe` instance,
             which must be installed too: loader processes find it by name).
         params: recipe parameters; validated and completed with defaults here.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-        backend: ops backend name for :func:`workers.ops.get_backend` (``auto``, ``torch``,
-            ``kaolin``).
-        loaders: loader processes; 0 loads in the calling process.
-        query_chunk: queries per device call before any back-off.
-        min_query_chunk: the back-off gives up below this chunk size.
-        write_batch: records per write transaction.
-        prefetch: samples loaded ahead of the device (default ``2 * loaders + 2``).
+        options: how to run (:class:`cache_store.engine_options.EngineOptions`: device,
+            backend, loaders, query chunk, write batch, prefetch, source roots and size
+            limit, skip-failed; its defaults where not given).
+        progress: show a tqdm progress bar on stderr.
         before_query_chunk: test hook called before every query chunk with its size (may
             raise ``torch.cuda.OutOfMemoryError``).
-        progress: show a tqdm progress bar on stderr.
-        source_roots: directories every source must resolve into (checked again when the
-            file is opened); None allows any path.
-        max_source_bytes: the largest source file read (default 1 GiB); a larger one
-            fails alone.
-        skip_failed: do not retry a sample whose unchanged source failed before with this
-            recipe and these parameters; it is reported failed (``repeat="skipped"``)
-            with the old reason. Needs a failure log.
         failure_log: where failures are remembered; default: ``<cache>/failures.sqlite``
             for a local LMDB cache (:mod:`cache_store.jobs.failures`), none for other stores.
+        **fields: options given one by one (``device="cpu", loaders=0``): the fields of
+            ``options`` they replace.
+
+    Raises :class:`~cache_store.errors.UsageError` for options out of range, and for
+    ``skip_failed`` on a store that keeps no failure log.
     """
 
     def __init__(
@@ -152,58 +140,36 @@ class Engine:
         recipe: str | Recipe,
         params: Mapping[str, Any] | None = None,
         *,
-        device: str = "auto",
-        backend: str = "auto",
-        loaders: int | None = None,
-        query_chunk: int = 1 << 18,
-        min_query_chunk: int = 256,
-        write_batch: int = 32,
-        prefetch: int | None = None,
-        before_query_chunk: Callable[[int], None] | None = None,
+        options: EngineOptions | None = None,
         progress: bool = False,
-        source_roots: Sequence[str | os.PathLike[str]] | None = None,
-        max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-        skip_failed: bool = False,
+        before_query_chunk: Callable[[int], None] | None = None,
         failure_log: FailureLog | None = None,
+        **fields: Any,
     ) -> None:
+        options = EngineOptions.of(options, **fields)
         entry = get_entry(recipe.name if isinstance(recipe, Recipe) else recipe)
         self.recipe = recipe if isinstance(recipe, Recipe) else entry.new()
         self.recipe_spec = entry.spec
         #: digest of the recipe's code, stored in every record (``code_digest``)
         self.code_digest = entry.code_digest
         self.params = self.recipe_spec.resolve(params)
-        loaders = 2 if loaders is None else loaders
-        problems = []
-        if not DEVICE_PATTERN.match(str(device)):
-            problems.append(f"device: {device!r} is not auto, cpu, cuda or cuda:N")
-        if loaders < 0:
-            problems.append(f"loaders: {loaders} is negative")
-        if query_chunk < 1 or min_query_chunk < 1:
-            problems.append("query_chunk and min_query_chunk must be positive")
-        if write_batch < 1:
-            problems.append(f"write_batch: {write_batch} must be positive")
-        if prefetch is not None and prefetch < 1:
-            problems.append(f"prefetch: {prefetch} must be positive")
-        if max_source_bytes < 1:
-            problems.append(f"max_source_bytes: {max_source_bytes} must be positive")
         if failure_log is None:
             failure_log = failure_log_beside(store)
-        if skip_failed and failure_log is None:
-            problems.append(f"skip_failed: {store!r} keeps no failure log to skip by")
-        if problems:
-            raise ParameterError(problems, what="engine options")
+        if options.skip_failed and failure_log is None:
+            raise UsageError(f"skip_failed: {store!r} keeps no failure log to skip by")
+        self.options = options
         self.store = store
-        self.device = str(device)
-        self.backend = backend
-        self.loaders = int(loaders)
-        self.query_chunk = int(query_chunk)
-        self.min_query_chunk = int(min_query_chunk)
-        self.write_batch = int(write_batch)
-        self.prefetch = int(prefetch) if prefetch is not None else 2 * self.loaders + 2
+        self.device = options.device
+        self.backend = options.backend
+        self.loaders = options.loader_count
+        self.query_chunk = options.query_chunk
+        self.min_query_chunk = options.min_query_chunk
+        self.write_batch = options.write_batch
+        self.prefetch = options.prefetch if options.prefetch is not None else 2 * self.loaders + 2
         self.before_query_chunk = before_query_chunk
         self.progress = progress
-        self.source_limits = SourceLimits.of(source_roots, max_source_bytes)
-        self.skip_failed = bool(skip_failed)
+        self.source_limits = options.source_limits()
+        self.skip_failed = options.skip_failed
         self.failure_log = failure_log
         self.fingerprint = compute_fingerprint(
             self.recipe_spec.name, self.recipe_spec.version, self.params

@@ -1,7 +1,7 @@
 """One precompute run from start to end: check the options, find the sources, open the
 cache, run the engine (local or Ray), close everything.
 
-The one code path behind both ``spcache precompute`` (:mod:`workers.precompute_cli`,
+The one code path behind both ``spcache precompute`` (:mod:`spcache.cli.precompute`,
 which adds argument parsing, exit statuses and printing) and the library call
 :func:`spcache.precompute` (which turns the :class:`~workers.run_ledger.Summary` into a
 frozen result). It raises instead of exiting, and leaves nothing open when it returns or
@@ -21,60 +21,40 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from cache_store.errors import SpcacheError
-from cache_store.location import cache_dir_problem, parse_location
+from cache_store.engine_options import EngineOptions
+from cache_store.errors import SpcacheError, UsageError
+from cache_store.location import LocationLike, check_cache_dir, parse_location
 from cache_store.sources.discover import describe_left_out, discover
 
-__all__ = [
-    "DEFAULT_QUERY_CHUNK",
-    "DEFAULT_WRITE_BATCH",
-    "ENGINES",
-    "UsageError",
-    "default_loaders",
-    "run_precompute",
-]
+__all__ = ["ENGINES", "run_precompute"]
 
 log = logging.getLogger(__name__)
 
 #: The engines a run may use: this process and its loaders, or Ray actors.
 ENGINES = ("local", "ray")
-DEFAULT_QUERY_CHUNK = 1 << 18
-DEFAULT_WRITE_BATCH = 32
-
-
-class UsageError(SpcacheError, ValueError):
-    """A precompute option, source list or cache directory that cannot be used (the CLI
-    reports it on stderr with exit status 2)."""
-
-
-def default_loaders() -> int:
-    """Loader processes of a local run when none are asked for: one per core but one, at
-    most 8, at least 1."""
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
 def run_precompute(
     sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
     recipe: str,
-    cache: str | os.PathLike[str],
+    cache: LocationLike,
     *,
     params: Mapping[str, Any] | None = None,
-    device: str = "auto",
-    backend: str = "auto",
-    loaders: int | None = None,
-    skip_failed: bool = False,
+    options: EngineOptions | None = None,
     progress: bool = False,
     engine: str = "local",
     address: str | None = None,
     actors: int | None = None,
-    query_chunk: int = DEFAULT_QUERY_CHUNK,
-    write_batch: int = DEFAULT_WRITE_BATCH,
     id_template: str | None = None,
 ) -> Any:
-    """Compute ``recipe`` with ``params`` over ``sources`` into the cache directory ``cache``.
+    """Compute ``recipe`` with ``params`` over ``sources`` into the cache ``cache``.
 
     ``sources``: files, directories (searched recursively) and manifests, as
-    :func:`cache_store.sources.discover.discover_sources` reads them. Returns the engine's
+    :func:`cache_store.sources.discover.discover_sources` reads them. ``cache``: a cache
+    directory, or a ``*.zarr`` sharded snapshot (a path or a URL), as a string or a parsed
+    :class:`~cache_store.location.Location`. ``options``: how the engine runs
+    (:class:`~cache_store.engine_options.EngineOptions`; its defaults when None; with
+    ``engine="ray"``, ``loaders`` is per actor). Returns the engine's
     :class:`workers.run_ledger.Summary` (a :class:`workers.ray_common.RaySummary` with
     ``engine="ray"``); samples that failed are in it, not raised. ``id_template`` makes
     the sample ids from the files' relative paths
@@ -88,26 +68,22 @@ def run_precompute(
         KeyboardInterrupt: Ctrl-C, or SIGTERM while this runs in the main thread; what was
             computed is committed and indexed first.
     """
-    from workers.engine import DEVICE_PATTERN
     from workers.recipe_run import get_recipe
 
+    options = options or EngineOptions()
     resolved = get_recipe(recipe).spec.resolve(dict(params or {}))
-    if not isinstance(device, str) or not DEVICE_PATTERN.match(device):
-        raise UsageError(f"device {device!r}: expected auto, cpu, cuda or cuda:N")
     if engine not in ENGINES:
         raise UsageError(f"engine {engine!r}: expected one of {', '.join(ENGINES)}")
-    if loaders is not None and loaders < 0:
-        raise UsageError(f"loaders {loaders}: must be 0 or more")
     if engine == "local" and (address is not None or actors is not None):
         raise UsageError("address and actors need the ray engine (--engine ray)")
     if actors is not None and actors < 1:
         raise UsageError(f"actors {actors}: must be 1 or more")
-    if backend == "kaolin" and engine == "local":
+    if options.backend == "kaolin" and engine == "local":
         # kaolin on a CPU device, or without Kaolin or CUDA: refused before the cache or any
         # sample is touched (never one failure per sample); asks CUDA only is_available()
         from workers.ops import select_backend
 
-        select_backend("kaolin", device)
+        select_backend("kaolin", options.device)
     try:
         location = parse_location(cache)
     except SpcacheError as exc:
@@ -117,9 +93,8 @@ def run_precompute(
             f"cache {cache}: precompute writes into a cache directory or a "
             f"snapshot (*.zarr, local or s3://...), not a service URL"
         )
-    problem = cache_dir_problem(location.target, write=True) if location.is_local else None
-    if problem:
-        raise UsageError(problem)
+    if location.is_local:
+        check_cache_dir(location, write=True)
     source_list = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
     found = discover(source_list, id_template=id_template)
     items, left_out = found.items, describe_left_out(found.left_out)
@@ -135,7 +110,8 @@ def run_precompute(
     from cache_store.stores.opener import open_store
 
     try:
-        store = open_store(location.target, readonly=False)
+        # a local location is a path from here on; a URL never becomes one
+        store = open_store(location.path() if location.is_local else location, readonly=False)
     except (SpcacheError, OSError) as exc:
         raise UsageError(f"cannot open cache {cache}: {exc}") from exc
     try:
@@ -144,16 +120,11 @@ def run_precompute(
                 store,
                 recipe,
                 resolved,
+                options,
                 engine=engine,
-                device=device,
-                backend=backend,
-                loaders=loaders,
-                skip_failed=skip_failed,
                 progress=progress,
                 address=address,
                 actors=actors,
-                query_chunk=query_chunk,
-                write_batch=write_batch,
             )
         except (SpcacheError, OSError) as exc:
             raise UsageError(f"cannot open cache {cache}: {exc}") from exc
@@ -169,21 +140,28 @@ def _make_engine(
     store: Any,
     recipe: str,
     params: dict[str, Any],
+    options: EngineOptions,
     *,
     engine: str,
-    loaders: int | None,
-    **options: Any,
+    progress: bool,
+    address: str | None,
+    actors: int | None,
 ) -> Any:
     if engine == "ray":  # Ray is imported only on this path
         from workers.ray_engine import RayEngine
 
-        return RayEngine(store, recipe, params, loaders=loaders, **options)
+        return RayEngine(
+            store,
+            recipe,
+            params,
+            options=options,
+            progress=progress,
+            address=address,
+            actors=actors,
+        )
     from workers.engine import Engine
 
-    options.pop("address"), options.pop("actors")
-    return Engine(
-        store, recipe, params, loaders=default_loaders() if loaders is None else loaders, **options
-    )
+    return Engine(store, recipe, params, options=options, progress=progress)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,13 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from cache_store.engine_options import EngineOptions, auto_loaders
 from cache_store.errors import RecordNotFound, SpcacheError
+from cache_store.log_setup import configure_logging
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
 from cache_store.stores.memory import MemoryStore
@@ -74,11 +77,11 @@ class ShardWorker:
     Args:
         recipe: recipe name.
         params: resolved recipe parameters.
-        options: keyword arguments for :class:`workers.engine.Engine` (device, backend,
-            loaders, query_chunk, min_query_chunk, write_batch, prefetch). ``write_batch``
+        options: the actor engine's options as plain values
+            (:meth:`cache_store.engine_options.EngineOptions.as_json`). ``write_batch``
             is also the number of results per streamed batch. ``loaders=None`` picks loader
-            processes from the node: 0 on a CPU actor, else the node's CPUs per GPU less
-            one (1 to 8).
+            processes from the node: 0 on a CPU actor, else
+            :func:`~cache_store.engine_options.auto_loaders` of the node's CPUs per GPU.
         log_level: level for this process's ``workers`` loggers.
         actor_fault: test hook called with every sample id the engine reports (tests
             make it end the actor's process).
@@ -95,7 +98,7 @@ class ShardWorker:
     ) -> None:
         self.recipe = recipe
         self.params = dict(params)
-        self.options = dict(options)
+        self.options = EngineOptions.from_json(options)
         self.log_level = log_level
         self.actor_fault = actor_fault
         self.sink = dict(sink) if sink is not None else None
@@ -106,15 +109,13 @@ class ShardWorker:
     def _configure(self) -> Engine:
         if self._engine is not None:
             return self._engine
-        logging.basicConfig(
-            level=self.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
+        configure_logging(self.log_level)
         # The driver reports every failed sample; the actor's copy of that warning would
         # print each one twice. Errors (with tracebacks) still come through.
         if self.log_level > logging.DEBUG:
             logging.getLogger("workers.run_ledger").setLevel(max(self.log_level, logging.ERROR))
-        if self.options.get("loaders") is None:
-            self.options["loaders"] = _auto_loaders(self.options.get("device", "cpu"))
+        if self.options.loaders is None:
+            self.options = replace(self.options, loaders=_auto_loaders(self.options.device))
         self._buffer = ShardBuffer()
         target: Store = self._buffer
         if self.sink is not None:
@@ -128,7 +129,7 @@ class ShardWorker:
                 storage_options=self.sink.get("storage_options"),
             )
             target = self._parts
-        engine = Engine(target, self.recipe, self.params, progress=False, **self.options)
+        engine = Engine(target, self.recipe, self.params, options=self.options, progress=False)
         self._engine = engine.open()  # the loader pool starts now, once
         return self._engine
 
@@ -150,15 +151,15 @@ class ShardWorker:
         # here, while the actor starts, rather than by the first sample of the first shard.
         import trimesh  # noqa: F401
 
-        device = resolve_device(self.options.get("device", "auto"))
-        ops = get_backend(self.options.get("backend", "auto"), device)
+        device = resolve_device(self.options.device)
+        ops = get_backend(self.options.backend, device)
         return {
             "node": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "device": str(device),
             "backend": str(ops.name),
             "gpus": [str(g) for g in ray.get_gpu_ids()],
-            "loaders": self.options["loaders"],
+            "loaders": self.options.loaders,
             "threads": torch.get_num_threads(),
         }
 
@@ -247,8 +248,9 @@ def _summary_message(summary: Summary) -> dict[str, Any]:
 
 
 def _auto_loaders(device: str) -> int:
-    """Loader processes for one actor: none on a CPU actor, else this node's CPUs per GPU
-    less one (for the actor itself), between 1 and 8."""
+    """Loader processes for one actor with ``loaders=None``: none on a CPU actor (the
+    node's cores are shared out between its actors), else
+    :func:`~cache_store.engine_options.auto_loaders` of the node's CPUs per GPU."""
     if device == "cpu":
         return 0
     import ray
@@ -258,5 +260,5 @@ def _auto_loaders(device: str) -> int:
         if node.get("NodeID") == node_id:
             cpus = float(node["Resources"].get("CPU", 1))
             gpus = max(1.0, float(node["Resources"].get("GPU", 1)))
-            return int(max(1, min(8, cpus // gpus - 1)))
+            return auto_loaders(cpus // gpus)
     return 1

@@ -6,7 +6,8 @@ shares with the local engine; the scheduling (shards, actor slots, retries after
 actor died) is its own.
 
 Why one module: the scheduler's state (shards, actor slots, retries, commits) is one
-state machine; the actor side and what both share are in ray_actor.py and ray_common.py.
+state machine. Starting, placing and releasing the actors is ray_pool.py's; the actor
+side and what both share are in ray_actor.py and ray_common.py.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import math
-import signal
-import threading
 import time
 import uuid
 from collections import deque
@@ -23,24 +22,31 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import ParameterError, SourceError, StoreFull
+from cache_store.errors import SourceError, StoreFull
 from cache_store.format.descriptor import parse_descriptor
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import is_current
 from cache_store.stores.base import Store
-from workers.ray_actor import ShardWorker
 from workers.ray_common import (
-    ActorStats,
     RaySummary,
     RayUnavailable,
     import_ray,
     raise_local,
     ray_get,
 )
+from workers.ray_pool import (
+    WAIT_TICK_S,
+    ActorSlot,
+    Shard,
+    connect,
+    describe_actors,
+    release_actors,
+    start_actors,
+)
 from workers.run_ledger import ItemResult, RunLedger, WorkItem, one_line, run_all
 from cache_store.sources.files import SourceLimits, hash_source_file
 
-__all__ = ["RayRunOptions", "RayRun", "Shard", "ActorSlot"]
+__all__ = ["RayRunOptions", "RayRun", "Shard"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +56,6 @@ _HASH_THREADS = 8
 _MAX_AUTO_SHARD = 512
 #: Batches an actor may have produced that the driver has not taken yet.
 _STREAM_AHEAD = 4
-#: Seconds between checks for Ctrl-C while waiting on actors, and between "still
-#: waiting for actors" log lines.
-_WAIT_TICK_S = 1.0
-_PLACEMENT_LOG_EVERY_S = 30.0
-#: Longest wait, after ``ray.kill``, for this run's actors to leave Ray's actor table.
-_RELEASE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -94,29 +94,6 @@ class RayRunOptions:
     sink: Mapping[str, Any] | None = None
     #: Seconds between merges of the sink's manifests into its index during a run.
     merge_every_s: float = 30.0
-
-
-@dataclass
-class Shard:
-    items: list[WorkItem]
-    deaths: int = 0
-    avoid: set[int] = field(default_factory=set)
-    number: int = 0  # names its parts in a sink, with the attempt (deaths + 1)
-
-
-@dataclass
-class ActorSlot:
-    """One actor: ``ready`` for a shard, ``busy`` with one, ``restarting`` after a death
-    (``probe`` answers once Ray has it back) or ``gone``."""
-
-    stats: ActorStats
-    handle: Any
-    state: str = "ready"
-    shard: Shard | None = None
-    stream: Any = None
-    outstanding: dict[str, WorkItem] = field(default_factory=dict)
-    since: float = 0.0
-    probe: Any = None
 
 
 class RayRun:
@@ -238,10 +215,29 @@ class RayRun:
     # -- the actors -------------------------------------------------------------------
     def _run_on_ray(self, todo: list[WorkItem]) -> None:
         ray = import_ray()
-        started = self._connect(ray)
+        opts = self.options
+        started = connect(ray, opts.address, opts.ray_init)
         try:
             start = time.perf_counter()
-            self._start_actors(ray, len(todo))
+            self.run_token = uuid.uuid4().hex[:8]
+            start_actors(
+                ray,
+                self.slots,
+                self.run_token,
+                count=len(todo),
+                device=opts.device,
+                actors=opts.actors,
+                recipe=opts.recipe,
+                params=opts.params,
+                actor_options=opts.actor_options,
+                actor_restarts=opts.actor_restarts,
+                actor_runtime_env=opts.actor_runtime_env,
+                actor_fault=opts.actor_fault,
+                sink=opts.sink,
+            )
+            describe_actors(ray, self.slots, opts.placement_timeout_s)
+            self.summary.device = ",".join(sorted({s.stats.device for s in self.slots}))
+            self.summary.backend = ",".join(sorted({s.stats.backend for s in self.slots}))
             self.summary.actor_start_s = time.perf_counter() - start
             self.shards.extend(
                 Shard(part, number=n)
@@ -253,149 +249,10 @@ class RayRun:
                 if slot.state == "busy":
                     slot.stats.busy_s += time.perf_counter() - slot.since
             self.summary.actors = [slot.stats for slot in self.slots]
-            run_all(lambda: self._release_actors(ray), lambda: ray.shutdown() if started else None)
-
-    def _release_actors(self, ray: Any) -> None:
-        """Kill this run's actors and wait (boundedly) until Ray no longer lists them.
-
-        ``ray.kill`` only asks; the actor is torn down asynchronously. A caller that keeps
-        Ray running (a notebook, a test, a driver doing several runs) must get the CPUs
-        and GPUs back when :meth:`RayEngine.run` returns, not some time later.
-        """
-        for slot in self.slots:
-            try:
-                ray.kill(slot.handle)
-            except Exception as exc:  # noqa: BLE001 - already gone; nothing to release
-                logger.debug("ray.kill(actor %d): %s", slot.stats.actor, exc)
-        if not self.run_token or not self.slots:
-            return
-        prefix = f"spcache-shard-{self.run_token}-"
-        deadline = time.monotonic() + _RELEASE_TIMEOUT_S
-        while True:
-            try:
-                left = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
-            except Exception as exc:  # noqa: BLE001 - Ray itself is going; nothing to wait on
-                logger.debug("list_named_actors: %s", exc)
-                return
-            if not left:
-                return
-            if time.monotonic() > deadline:
-                logger.warning(
-                    "%d Ray actor(s) still listed %.0fs after ray.kill: %s",
-                    len(left),
-                    _RELEASE_TIMEOUT_S,
-                    ", ".join(sorted(left)),
-                )
-                return
-            time.sleep(0.05)
-
-    def _connect(self, ray: Any) -> bool:
-        """Initialise Ray unless it already is; True when this run started it."""
-        if ray.is_initialized():
-            if self.options.address is not None:
-                logger.warning(
-                    "Ray is already initialised in this process; using it, not %s",
-                    self.options.address,
-                )
-            return False
-        options: dict[str, Any] = {"logging_level": logging.WARNING}
-        if self.options.address is None:
-            options.update(address="local", include_dashboard=False)
-        else:
-            options["address"] = self.options.address
-        options.update(self.options.ray_init)
-        main_thread = threading.current_thread() is threading.main_thread()
-        sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
-        try:
-            ray.init(**options)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise RayUnavailable(
-                f"cannot start or join Ray at {options['address']}: {exc}"
-            ) from exc
-        finally:
-            # ray.init installs its own SIGTERM handler, which ends the process on the
-            # spot; the caller's (the CLI's: stop like Ctrl-C, committing and indexing
-            # what was computed) must stay in charge.
-            if sigterm is not None:
-                signal.signal(signal.SIGTERM, sigterm)
-        return True
-
-    def _start_actors(self, ray: Any, count: int) -> None:
-        opts = self.options
-        resources = ray.cluster_resources()
-        cluster_gpus, cluster_cpus = int(resources.get("GPU", 0)), int(resources.get("CPU", 0))
-        use_gpu = opts.device == "cuda" or (opts.device == "auto" and cluster_gpus > 0)
-        if opts.device == "cuda" and cluster_gpus == 0:
-            raise ParameterError(
-                ["device: 'cuda' requested but the Ray cluster has no GPU"],
-                what="ray engine options",
+            run_all(
+                lambda: release_actors(ray, self.slots, self.run_token),
+                lambda: ray.shutdown() if started else None,
             )
-        capacity = cluster_gpus if use_gpu else cluster_cpus
-        wanted = opts.actors if opts.actors is not None else capacity
-        if capacity < 1 or wanted > capacity:
-            unit = "GPU" if use_gpu else "CPU"
-            raise RayUnavailable(
-                f"{wanted} actor(s) of one {unit} each asked for, but the Ray "
-                f"cluster has {capacity} {unit}(s)"
-            )
-        wanted = max(1, min(wanted, count))
-        options = dict(opts.actor_options)
-        options["device"] = "cuda" if use_gpu else "cpu"
-        remote = ray.remote(ShardWorker)
-        level = logging.getLogger("workers").getEffectiveLevel()
-        self.run_token = uuid.uuid4().hex[:8]
-        for index in range(wanted):
-            # Named, so that `ray list actors` (and a test) can tell them apart.
-            handle = remote.options(
-                name=f"spcache-shard-{self.run_token}-{index}",
-                num_cpus=1,
-                num_gpus=1 if use_gpu else 0,
-                max_restarts=opts.actor_restarts,
-                max_task_retries=0,
-                **({"runtime_env": dict(opts.actor_runtime_env)} if opts.actor_runtime_env else {}),
-            ).remote(
-                opts.recipe,
-                dict(opts.params),
-                options,
-                level,
-                opts.actor_fault,
-                None if opts.sink is None else dict(opts.sink),
-            )
-            self.slots.append(ActorSlot(ActorStats(index), handle))
-        self._describe_actors(ray)
-
-    def _describe_actors(self, ray: Any) -> None:
-        """Wait until every actor is placed and has resolved its device and backend."""
-        pending = {slot.handle.describe.remote(): slot for slot in self.slots}
-        deadline = time.monotonic() + self.options.placement_timeout_s
-        last_log = time.monotonic()
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_WAIT_TICK_S)
-            for ref in ready:
-                slot = pending.pop(ref)
-                info = ray_get(ray, ref)
-                slot.stats.node, slot.stats.device = info["node"], info["device"]
-                slot.stats.backend, slot.stats.gpus = info["backend"], info["gpus"]
-                logger.info(
-                    "actor %d on %s: %s (%s), %d loader process(es), %d torch thread(s)",
-                    slot.stats.actor,
-                    info["node"],
-                    info["device"],
-                    info["backend"],
-                    info["loaders"],
-                    info["threads"],
-                )
-            now = time.monotonic()
-            if pending and now > deadline:
-                raise RayUnavailable(
-                    f"{len(pending)} of {len(self.slots)} Ray actor(s) were not "
-                    f"placed within {self.options.placement_timeout_s:.0f}s"
-                )
-            if pending and now - last_log > _PLACEMENT_LOG_EVERY_S:
-                logger.warning("waiting for the Ray cluster to place %d actor(s)", len(pending))
-                last_log = now
-        self.summary.device = ",".join(sorted({s.stats.device for s in self.slots}))
-        self.summary.backend = ",".join(sorted({s.stats.backend for s in self.slots}))
 
     def _shard_size(self, count: int) -> int:
         if self.options.shard_size is not None:
@@ -419,7 +276,7 @@ class RayRun:
                 )
             if not waiting:
                 break
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=_WAIT_TICK_S)
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=WAIT_TICK_S)
             for ref in ready:
                 slot = waiting[ref]
                 if slot.state == "busy":

@@ -47,11 +47,13 @@ The one writer is the ceiling of this design: every record passes through the dr
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from cache_store.errors import ParameterError
+from cache_store.engine_options import EngineOptions
+from cache_store.errors import UsageError
 from cache_store.jobs.failures import FailureLog
 from cache_store.stores.base import Store
 from workers.engine import Engine
@@ -60,7 +62,6 @@ from workers.ray_common import ActorStats, RaySummary, RayUnavailable
 from workers.ray_driver import RayRun, RayRunOptions
 from cache_store.recipes.api import Recipe
 from workers.run_ledger import ItemResult
-from cache_store.sources.files import DEFAULT_MAX_SOURCE_BYTES
 
 __all__ = [
     "RayEngine",
@@ -76,9 +77,9 @@ __all__ = [
 class RayEngine(Engine):
     """Run a recipe over many samples on Ray actors, writing into ``store`` from here.
 
-    Takes the :class:`workers.engine.Engine` arguments (``loaders`` is per actor, and
-    ``None`` lets each actor choose; ``device`` is ``auto``, ``cpu`` or ``cuda``, since
-    Ray picks each actor's GPU) plus:
+    Takes the :class:`workers.engine.Engine` arguments (``options.loaders`` is per actor,
+    and None lets each actor choose from its node; ``device`` is ``auto``, ``cpu`` or
+    ``cuda``, since Ray picks each actor's GPU) plus:
 
     Args:
         address: a Ray cluster to join (``"auto"``, ``"ray://host:10001"``,
@@ -107,13 +108,7 @@ class RayEngine(Engine):
         recipe: str | Recipe,
         params: Mapping[str, Any] | None = None,
         *,
-        device: str = "auto",
-        backend: str = "auto",
-        loaders: int | None = None,
-        query_chunk: int = 1 << 18,
-        min_query_chunk: int = 256,
-        write_batch: int = 32,
-        prefetch: int | None = None,
+        options: EngineOptions | None = None,
         progress: bool = False,
         address: str | None = None,
         actors: int | None = None,
@@ -124,32 +119,23 @@ class RayEngine(Engine):
         ray_init: Mapping[str, Any] | None = None,
         actor_runtime_env: Mapping[str, Any] | None = None,
         actor_fault: Callable[[str], None] | None = None,
-        source_roots: Sequence[str | os.PathLike[str]] | None = None,
-        max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES,
-        skip_failed: bool = False,
         failure_log: FailureLog | None = None,
+        **fields: Any,
     ) -> None:
+        options = EngineOptions.of(options, **fields)
         super().__init__(
             store,
             recipe,
             params,
-            device=device,
-            backend=backend,
-            loaders=0 if loaders is None else loaders,
-            query_chunk=query_chunk,
-            min_query_chunk=min_query_chunk,
-            write_batch=write_batch,
-            prefetch=prefetch,
+            # the driver loads nothing: its engine only admits, skips and writes
+            options=dataclasses.replace(options, loaders=0),
             progress=progress,
-            source_roots=source_roots,
-            max_source_bytes=max_source_bytes,
-            skip_failed=skip_failed,
             failure_log=failure_log,
         )
         problems = []
-        if str(device) not in ("auto", "cpu", "cuda"):
+        if options.device not in ("auto", "cpu", "cuda"):
             problems.append(
-                f"device: {device!r}: on Ray each actor owns the GPU Ray gives it; "
+                f"device: {options.device!r}: on Ray each actor owns the GPU Ray gives it; "
                 f"use auto, cpu or cuda"
             )
         if actors is not None and actors < 1:
@@ -163,9 +149,9 @@ class RayEngine(Engine):
         if placement_timeout_s <= 0:
             problems.append("placement_timeout_s must be positive")
         if problems:
-            raise ParameterError(problems, what="ray engine options")
-        self.actor_loaders = loaders
-        self.prefetch_given = prefetch
+            raise UsageError("ray engine options: " + "; ".join(problems))
+        #: what each actor's engine runs with (loaders None: each actor chooses)
+        self.actor_engine_options = options
         self.address = address
         self.actors = actors
         self.shard_size = shard_size
@@ -232,18 +218,10 @@ class RayEngine(Engine):
         }
 
     def actor_options(self) -> dict[str, Any]:
-        """The keyword arguments each actor's local :class:`Engine` is built with."""
-        return {
-            "device": self.device,
-            "backend": self.backend,
-            "loaders": self.actor_loaders,
-            "query_chunk": self.query_chunk,
-            "min_query_chunk": self.min_query_chunk,
-            "write_batch": self.write_batch,
-            "prefetch": self.prefetch_given,
-            "source_roots": list(self.source_limits.roots),
-            "max_source_bytes": self.source_limits.max_bytes,
-        }
+        """The options each actor's local :class:`Engine` is built with, as plain values
+        (:meth:`EngineOptions.as_json`). Failures are the driver's to skip and remember:
+        an actor writes no failure log."""
+        return dataclasses.replace(self.actor_engine_options, skip_failed=False).as_json()
 
 
 def actor_runtime_env_with_recipes(runtime_env: Mapping[str, Any] | None) -> dict[str, Any]:

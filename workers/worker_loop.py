@@ -22,25 +22,25 @@ The fingerprint's dataset index is written by the engine at the end of each run.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
 import socket
-import sys
 import threading
 import time
-from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from cache_store.engine_options import EngineOptions
+from cache_store.errors import UsageError
 from cache_store.jobs.queue import ClaimedItem, JobQueue
-from cache_store.sources.files import SourceLimits, narrow_roots
+from cache_store.sources.files import narrow_roots
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
 
-__all__ = ["WorkerLoop", "configure_parser", "run", "main"]
+__all__ = ["WorkerLoop", "run_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -50,57 +50,52 @@ class WorkerLoop:
 
     Args:
         cache: the cache directory.
-        device, backend: as for :class:`workers.engine.Engine`.
+        options: how its engines run (:class:`cache_store.engine_options.EngineOptions`:
+            device, backend, loaders, ...; its defaults where not given). Its
+            ``source_roots`` are the directories every source must resolve into, checked
+            again when the engine opens the file (the service checked the path earlier);
+            None: any. The roots a job was accepted under travel with it in the queue and
+            are enforced too: a source must lie inside both (a job without roots, e.g. a
+            local read-through's, is bound by these alone).
         batch: items per claim (one engine run).
         lease_s: lease length; renewed every third of it while held.
         poll_s: sleep between claims when the queue is empty.
-        loaders: the engine's loader processes.
         drain: exit (0) once the queue has nothing claimable, instead of polling.
         max_attempts: claims per item before it fails (queue setting).
         worker_id: name in leases and heartbeats (default ``host:pid``).
-        source_roots: directories every source must resolve into, checked again when the
-            engine opens the file (the service checked the path earlier); None: any. The
-            roots a job was accepted under travel with it in the queue and are enforced
-            too: a source must lie inside both (a job without roots, e.g. a local
-            read-through's, is bound by these alone).
-        max_source_bytes: the largest source file the engine reads (default 1 GiB).
         max_size: keep the records under this many bytes: after each claimed batch, the
             least recently used fingerprints are removed (never the one being written,
             nor one with queued or running items); see
             :class:`cache_store.housekeeping.SizeLimit`.
+        **fields: options given one by one (``device="cpu", loaders=0``).
     """
 
     def __init__(
         self,
         cache: str | os.PathLike[str],
         *,
-        device: str = "auto",
-        backend: str = "auto",
+        options: EngineOptions | None = None,
         batch: int = 8,
         lease_s: float = 120.0,
         poll_s: float = 1.0,
-        loaders: int = 2,
         drain: bool = False,
         max_attempts: int = 3,
         worker_id: str | None = None,
-        source_roots: Sequence[str | os.PathLike[str]] | None = None,
-        max_source_bytes: int = 1 << 30,
         max_size: int | None = None,
+        **fields: Any,
     ) -> None:
-        if batch < 1 or lease_s <= 0 or poll_s <= 0 or loaders < 0:
-            raise ValueError("batch >= 1, lease_s > 0, poll_s > 0 and loaders >= 0 needed")
+        if batch < 1 or lease_s <= 0 or poll_s <= 0:
+            raise UsageError("batch >= 1, lease_s > 0 and poll_s > 0 needed")
+        self.options = EngineOptions.of(options, **fields)
         self.cache = Path(cache)
-        self.device = device
-        self.backend = backend
+        self.device = self.options.device
+        self.backend = self.options.backend
         self.batch = batch
         self.lease_s = lease_s
         self.poll_s = poll_s
-        self.loaders = loaders
         self.drain = drain
         self.max_attempts = max_attempts
-        self.source_roots = list(source_roots) if source_roots is not None else None
-        self._own_roots = SourceLimits.of(source_roots).roots
-        self.max_source_bytes = max_source_bytes
+        self._own_roots = self.options.source_limits().roots
         self.size_limit = None
         if max_size is not None:
             from cache_store.housekeeping import SizeLimit
@@ -368,11 +363,7 @@ class WorkerLoop:
                 store,
                 item.recipe,
                 item.params,
-                device=self.device,
-                backend=self.backend,
-                loaders=self.loaders,
-                source_roots=list(roots) or None,
-                max_source_bytes=self.max_source_bytes,
+                options=replace(self.options, source_roots=roots or None),
             )
             if engine.fingerprint != item.fingerprint:
                 raise RuntimeError(
@@ -427,92 +418,56 @@ class WorkerLoop:
         }
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--cache", required=True, help="cache directory (records + jobs.sqlite)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--backend", default="auto", help="SPC ops backend: auto, kaolin, torch")
-    parser.add_argument("--batch", type=int, default=8, help="items per claim (default 8)")
-    parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
-    parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
-    parser.add_argument("--loaders", type=int, default=2, help="loader processes (default 2)")
-    parser.add_argument(
-        "--max-attempts", type=int, default=3, help="claims per item before it fails (default 3)"
-    )
-    parser.add_argument(
-        "--drain", action="store_true", help="exit when nothing is left to claim instead of polling"
-    )
-    parser.add_argument("--worker-id", help="name in leases and heartbeats (default host:pid)")
-    parser.add_argument(
-        "--source-root",
-        action="append",
-        dest="source_roots",
-        default=None,
-        metavar="DIR",
-        help="only read sources that resolve into DIR (repeatable; default: any path)",
-    )
-    parser.add_argument(
-        "--max-source-bytes",
-        type=int,
-        default=1 << 30,
-        help="largest source file read (default 1 GiB)",
-    )
-    parser.add_argument(
-        "--max-size",
-        metavar="SIZE",
-        help="keep the cache's records under SIZE (bytes, or 500M, 2G): "
-        "least recently used fingerprints are removed after each batch",
-    )
-    parser.add_argument("--log-level", default="info")
-    return parser
+def run_worker(
+    cache: Path,
+    *,
+    options: EngineOptions,
+    under_service: bool = False,
+    **loop_options: Any,
+) -> int:
+    """``spcache worker``: check, lock, then drain ``cache`` until a signal (or, with
+    ``drain=True``, until nothing is left); returns the loop's exit status (0).
 
+    A worker never creates its cache (a mistyped path would otherwise get a new, empty
+    queue that nobody fills); a backend that cannot run here, a size limit smaller than a
+    fingerprint already stored (unless ``under_service``: the service checked it at its
+    start, and a refusal would only restart-loop its child) and a cache that another live
+    worker owns are refused before any item is claimed. The lock (``worker.lock``) is
+    held while the loop runs. ``loop_options``: :class:`WorkerLoop`'s other arguments.
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    max_size = None
-    if args.max_size is not None:
-        from cache_store.housekeeping import LimitTooSmall, SizeLimit, parse_size
+    Raises :class:`~cache_store.errors.UsageError` (bad path, cache owned, lock not
+    taken), :class:`~cache_store.errors.BackendUnavailable`,
+    :class:`~cache_store.housekeeping.LimitTooSmall`.
+    """
+    from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
+    from cache_store.location import check_cache_dir
+
+    if not cache.exists():
+        raise UsageError(
+            f"{cache}: no such cache directory (a worker drains an existing cache: check "
+            f"the path, or create it first)"
+        )
+    check_cache_dir(cache, write=True)
+    loop = WorkerLoop(cache, options=options, **loop_options)
+    loop.choose_backend()  # a backend that cannot run here: refused before any claim
+    if loop.size_limit is not None:
+        from cache_store.housekeeping import LimitTooSmall
 
         try:
-            max_size = parse_size(args.max_size)
-        except ValueError as exc:
-            print(f"spcache worker: --max-size: {exc}", file=sys.stderr)
-            return 2
-        try:
-            SizeLimit(args.cache, max_size).check_start()
+            loop.size_limit.check_start()
         except LimitTooSmall as exc:
-            if not os.environ.get("SPCACHE_PARENT_PID"):
-                print(f"spcache worker: {exc}", file=sys.stderr)
-                return 2
-            # serve's child: serve checked the limit when it started; a fingerprint
-            # written since may have outgrown it, and refusing would only restart-loop
+            if not under_service:
+                raise
             log.warning("%s; evicting what can be evicted", exc)
-    loop = WorkerLoop(
-        args.cache,
-        device=args.device,
-        backend=args.backend,
-        batch=args.batch,
-        lease_s=args.lease,
-        poll_s=args.poll,
-        loaders=args.loaders,
-        drain=args.drain,
-        max_attempts=args.max_attempts,
-        worker_id=args.worker_id,
-        source_roots=args.source_roots,
-        max_source_bytes=args.max_source_bytes,
-        max_size=max_size,
-    )
-    loop.install_signal_handlers()
-    return loop.run()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = configure_parser(
-        argparse.ArgumentParser(prog="spcache worker", description=__doc__.splitlines()[0])
-    )
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lock = WorkerLock(cache)
+    try:
+        lock.acquire(worker_id=loop.worker_id, device=options.device)
+    except CacheOwned as exc:
+        raise UsageError(f"{exc}; stop it first, or point --cache elsewhere") from exc
+    except OSError as exc:
+        raise UsageError(f"{cache}: cannot take the worker lock: {exc}") from exc
+    try:
+        loop.install_signal_handlers()
+        return loop.run()
+    finally:
+        lock.release()

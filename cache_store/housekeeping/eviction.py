@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import SpcacheError
+from cache_store.errors import UsageError
 from cache_store.housekeeping.listing import (
     CacheEntry,
     cache_entries,
@@ -33,7 +33,7 @@ __all__ = ["LimitTooSmall", "SizeLimit", "plan_prune", "prune"]
 log = logging.getLogger(__name__)
 
 
-class LimitTooSmall(SpcacheError, ValueError):
+class LimitTooSmall(UsageError):
     """A size limit smaller than a fingerprint that has to be kept."""
 
 

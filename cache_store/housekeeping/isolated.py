@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cache_store.log_setup import configure_logging
 from cache_store.errors import (
     CacheDamaged,
     CacheNotFound,
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    configure_logging(logging.WARNING)
     answer = _child(argv[0], argv[1], argv[2:])
     sys.stdout.write(json.dumps(answer, default=str))
     sys.stdout.flush()

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from cache_store.engine_options import DEFAULT_MIN_QUERY_CHUNK, DEFAULT_QUERY_CHUNK
 from cache_store.recipes.specs import (
     FieldSpec,
     ParamSpec,
@@ -150,7 +151,7 @@ class Recipe:
 
     def __init__(self) -> None:
         #: the run's chunk budget (the engine sets it per run)
-        self.chunks = ChunkBudget(1 << 18)
+        self.chunks = ChunkBudget(DEFAULT_QUERY_CHUNK)
         #: the schema (:meth:`schema`)
         self.spec: RecipeSpec = type(self).schema()
 
@@ -297,7 +298,7 @@ class ChunkBudget:
         self,
         size: int,
         *,
-        minimum: int = 256,
+        minimum: int = DEFAULT_MIN_QUERY_CHUNK,
         before_query_chunk: Callable[[int], None] | None = None,
     ) -> None:
         if size < 1 or minimum < 1:

@@ -80,7 +80,7 @@ def no_worker_message(what: str, cache: str, stale_s: float = WORKER_STALE_S) ->
     return (
         f"{what}: no spcache worker is alive for cache {cache} (no heartbeat within "
         f"{stale_s:g} s). Start one on the cache's machine: `spcache worker --cache "
-        f"{cache}` (or `python -m workers worker --cache {cache}`), or run `spcache "
+        f"{cache}` (or `python -m spcache worker --cache {cache}`), or run `spcache "
         f"serve` without --no-worker, which starts one; or precompute with "
         f"`spcache precompute`."
     )

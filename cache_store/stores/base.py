@@ -65,6 +65,7 @@ from cache_store.errors import (
     RecordNotFound,
     SpcacheError,
 )
+from cache_store.location import Location, LocationLike
 from cache_store.format.decode import (
     Fill,
     Record,
@@ -209,8 +210,9 @@ class Store(abc.ABC):
     #: False when :meth:`keys` may omit stored records (it lists what it can enumerate).
     supports_listing: ClassVar[bool] = True
 
-    def __init__(self, location: str | os.PathLike[str], *, readonly: bool = True) -> None:
-        self.location = os.fspath(location)
+    def __init__(self, location: LocationLike, *, readonly: bool = True) -> None:
+        # a parsed Location is its target (file:// stripped): a URL never becomes a path
+        self.location = location.target if isinstance(location, Location) else os.fspath(location)
         self.readonly = bool(readonly)
 
     def __repr__(self) -> str:

@@ -14,11 +14,10 @@ no location to parse and is built directly, never through the opener.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 from cache_store.errors import ReadOnlyStoreError, UnknownName
-from cache_store.location import parse_location
+from cache_store.location import LocationLike, parse_location
 from cache_store.stores.base import Store
 
 __all__ = ["STORE_BACKENDS", "open_store"]
@@ -33,9 +32,7 @@ STORE_BACKENDS: dict[str, str] = {
 }
 
 
-def open_store(
-    cache: str | os.PathLike[str] | Store, readonly: bool = True, **options: Any
-) -> Store:
+def open_store(cache: LocationLike | Store, readonly: bool = True, **options: Any) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
     ``ZarrStore`` (an exported snapshot) or ``ShardedSnapshot`` (one written by many
     writers, and any ``*.zarr`` opened for writing); ``http(s)://host:port`` ->

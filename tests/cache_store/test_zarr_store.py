@@ -608,23 +608,19 @@ def test_batched_forked_workers_with_collate(exported) -> None:
 
 
 def test_cli_export_then_verify(tmp_path: Path, exported, capsys) -> None:
-    from spcache import export_cli
+    from spcache.cli import main
 
     records, _, cache_dir, _ = exported
     dest = tmp_path / "cli.zarr"
-    parser = __import__("argparse").ArgumentParser()
-    export_cli.configure_parser(parser)
-    args = parser.parse_args([FP_A, "--cache", str(cache_dir), "--to", str(dest), "--json"])
-    assert export_cli.run(args) == 0
+    args = ["export", FP_A, "--cache", str(cache_dir), "--to", str(dest)]
+    assert main([*args, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"] == len(IDS_A) and summary["skipped"] == {}
-    assert export_cli.run(args) == 1  # already exported
+    assert main(args) == 1  # already exported: not exported again
     assert "already exported" in capsys.readouterr().err
-    args = parser.parse_args(["0" * 32, "--cache", str(cache_dir), "--to", str(dest)])
-    assert export_cli.run(args) == 1
-    assert "no dataset index" in capsys.readouterr().err
-    args = parser.parse_args([FP_A, "--cache", str(tmp_path / "nope"), "--to", str(dest)])
-    assert export_cli.run(args) == 2
+    assert main(["export", "0" * 32, "--cache", str(cache_dir), "--to", str(dest)]) == 2
+    assert "no dataset index" in capsys.readouterr().err  # no such fingerprint: usage
+    assert main(["export", FP_A, "--cache", str(tmp_path / "nope"), "--to", str(dest)]) == 2
     assert ZarrStore(dest).verify().ok
 
 

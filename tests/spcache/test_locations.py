@@ -114,6 +114,14 @@ def test_precompute_into_s3_then_merge_import_verify_and_read_back(
     remote = spcache(cwd, "verify", "--cache", dest)
     assert remote.returncode == 0, remote.stdout + remote.stderr
     assert "checked 3 records" in remote.stdout
+    if engine == "local":  # and back out: export --to a URL, then ls and verify it there
+        exported = f"s3://{bucket}/exported.zarr"
+        out = spcache(cwd, "export", fingerprint, "--cache", "hot", "--to", exported)
+        assert out.returncode == 0, out.stderr
+        assert any(k.startswith("exported.zarr/") for k in _bucket_keys(s3, bucket))
+        listed = spcache(cwd, "ls", "--cache", exported, "--json")
+        assert [r["fingerprint"] for r in json.loads(listed.stdout)] == [fingerprint]
+        assert spcache(cwd, "verify", "--cache", exported).returncode == 0
     assert not _stray_url_folders(cwd)
 
     from_s3 = CachedDataset(dest, fingerprint)

@@ -24,7 +24,7 @@ def _serve_log(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -
 def test_serve_logs_debug_lines_with_log_level_debug(tmp_path: Path) -> None:
     err = _serve_log(tmp_path, "--log-level", "debug")
     assert " DEBUG " in err, err[-3000:]
-    assert " INFO service.cli: spcache serve: cache " in err
+    assert " INFO service.launch: spcache serve: cache " in err
 
 
 def test_serve_logs_at_info_by_default_and_says_what_it_uses(tmp_path: Path) -> None:

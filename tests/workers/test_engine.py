@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from cache_store.engine_options import EngineOptions
 from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
 from cache_store.stores.opener import open_store
@@ -373,17 +375,19 @@ def test_bad_samples_fail_alone(
 
 
 def test_engine_validates_options_without_touching_the_store(tmp_path: Path) -> None:
-    from cache_store.errors import ParameterError, UnknownName
+    from cache_store.errors import ParameterError, UnknownName, UsageError
 
     store = open_store(tmp_path / "never", readonly=False)
     with pytest.raises(UnknownName):
         Engine(store, "nope")
     with pytest.raises(ParameterError, match="surface_samples"):
         Engine(store, "spc", {"surface_samples": 0})
-    with pytest.raises(ParameterError, match="device"):
+    with pytest.raises(UsageError, match="device 'tpu'"):
         Engine(store, "spc", device="tpu")
-    with pytest.raises(ParameterError, match="loaders"):
+    with pytest.raises(UsageError, match="loaders: -1"):
         Engine(store, "spc", loaders=-1)
+    with pytest.raises(UnknownName, match="SPC backend 'cuda'"):
+        Engine(store, "spc", backend="cuda")
     assert not (tmp_path / "never").exists()
 
 
@@ -420,7 +424,9 @@ def test_open_engine_keeps_its_loader_pool_and_survives_a_dead_loader(
 def test_loaders_has_one_name(tmp_path: Path) -> None:
     with open_store(tmp_path / "c", readonly=False) as store:
         assert Engine(store, "spc", loaders=3).loaders == 3
-        assert Engine(store, "spc").loaders == 2
+        # the one default, EngineOptions': one per core but one, 1 to 8
+        assert Engine(store, "spc").loaders == max(1, min(8, (os.cpu_count() or 2) - 1))
+        assert Engine(store, "spc", options=EngineOptions(loaders=0)).loaders == 0
         with pytest.raises(TypeError, match="jobs"):
             Engine(store, "spc", jobs=3)  # type: ignore[call-arg]
 
@@ -515,10 +521,10 @@ def test_a_failure_is_remembered_repeated_skipped_on_request_and_forgotten_once_
 
 
 def test_skip_failed_needs_a_store_with_a_failure_log() -> None:
-    from cache_store.errors import ParameterError
+    from cache_store.errors import UsageError
     from workers.ray_engine import ShardBuffer
 
-    with pytest.raises(ParameterError, match="skip_failed"):
+    with pytest.raises(UsageError, match="skip_failed"):
         Engine(ShardBuffer(), "spc", skip_failed=True)
 
 

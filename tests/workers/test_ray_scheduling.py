@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_store.errors import ParameterError, RecordNotFound, SourceError, SpcacheError
+from cache_store.engine_options import EngineOptions
+from cache_store.errors import RecordNotFound, SourceError, SpcacheError, UsageError
 from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import fingerprint_of, make_record
 from tests.helpers.ray_faults import CrashOnce
@@ -79,7 +80,7 @@ def test_shard_buffer_drops_the_index_the_driver_writes_anyway() -> None:
 )
 def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) -> None:
     options = {"device": "cpu", **options}
-    with pytest.raises(ParameterError, match=problem):
+    with pytest.raises(UsageError, match=problem):
         RayEngine(ShardBuffer(), "spc", {}, **options)
 
 
@@ -95,9 +96,20 @@ def test_the_actor_engine_options_are_the_local_engine_options() -> None:
         "min_query_chunk": 64,
         "write_batch": 7,
         "prefetch": 5,
-        "source_roots": [],
+        "source_roots": None,
         "max_source_bytes": 1 << 30,
+        "skip_failed": False,  # the driver skips and remembers failures, not the actors
     }
+    # plain values that build the same options object on the actor
+    assert EngineOptions.from_json(engine.actor_options()) == EngineOptions(
+        device="cpu",
+        backend="torch",
+        loaders=3,
+        query_chunk=4096,
+        min_query_chunk=64,
+        write_batch=7,
+        prefetch=5,
+    )
     assert _engine().actor_options()["loaders"] is None  # each actor chooses
 
 

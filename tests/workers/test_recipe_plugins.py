@@ -192,7 +192,7 @@ def test_cli_params_are_read_as_their_declared_type(
     the CLI and Python (``tag="123", flip=True``) name one fingerprint."""
     from cache_store.keys import compute_fingerprint
     from spcache.cli import main
-    from workers.precompute_cli import parse_params
+    from spcache.cli.precompute import parse_params
 
     monkeypatch.setenv(ENV_VAR, f"{PLUGINS}:Tagged")
     try:

@@ -12,6 +12,10 @@ A damaged ``index.json`` is read around (a warning; the manifests rebuild the da
 in commit order) and :meth:`ShardedSnapshot.merge_index` writes it again; a damaged
 manifest's records are not read. Both are reported by ``verify`` as corrupt, by name
 (:meth:`ShardedSnapshot.unreadable`).
+
+Why one module: what this process knows of each fingerprint (its listing, entries and
+unreadable files) is state that writing, reading, verifying and merging the index all
+update under one lock; the layout and the bytes' home are already modules of their own.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ and ``zstd`` for a URL (:func:`default_codec`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from typing import Any
 
 from cache_store.errors import ParameterError, SpcacheError, UnknownName
 from cache_store.keys import validate_fingerprint
-from cache_store.location import local_path, parse_location
+from cache_store.location import LocationLike, local_path, parse_location
 from cache_store.snapshot.zarr import plan
 from cache_store.snapshot.zarr.publish import publish_local, publish_remote
 from cache_store.stores.base import Store
@@ -118,7 +117,7 @@ DEFAULT_LOCAL_CODEC = "none"
 DEFAULT_REMOTE_CODEC = "zstd"
 
 
-def default_codec(dest: str | os.PathLike[str]) -> str:
+def default_codec(dest: LocationLike) -> str:
     """The codec an export to ``dest`` uses when none is named."""
     return DEFAULT_LOCAL_CODEC if parse_location(dest).is_local else DEFAULT_REMOTE_CODEC
 
@@ -127,9 +126,9 @@ def default_codec(dest: str | os.PathLike[str]) -> str:
 
 
 def export_snapshot(
-    source: Store | str | os.PathLike[str],
+    source: Store | LocationLike,
     fingerprint: str,
-    dest: str | os.PathLike[str],
+    dest: LocationLike,
     *,
     overwrite: bool = False,
     skip_bad: bool = False,
@@ -208,7 +207,7 @@ def export_snapshot(
             )
         else:
             publish_remote(
-                os.fspath(dest),
+                parse_location(dest).target,
                 store,
                 index,
                 survey,
@@ -224,7 +223,7 @@ def export_snapshot(
             store.close()
     summary = ExportSummary(
         fingerprint,
-        os.fspath(dest),
+        str(dest),
         len(survey.sample_ids),
         dict(survey.bad),
         survey.record_bytes,

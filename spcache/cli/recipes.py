@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import sys
 
 from cache_store.recipes.registry import installed_recipes
 from cache_store.recipes.table import recipe_table
+from spcache.cli.args import add_json
 
 __all__ = ["configure_parser", "run"]
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print every recipe's schema (params with type, default, bounds; "
-        "output fields) as JSON",
+    add_json(
+        parser,
+        "print every recipe's schema (params with type, default, bounds; output fields) as JSON",
     )
 
 

@@ -1,10 +1,10 @@
 """``spcache export FINGERPRINT --cache DIR --to DEST.zarr``: publish a Zarr snapshot.
 
 Writes the records of one fingerprint of an LMDB cache as a Zarr v3 group under ``DEST``
-(a path or an fsspec URL), atomically for readers; see :mod:`cache_store.snapshot.zarr.export`.
-Exit status: 0 exported, 1 not exported (bad records, existing export, another writer,
-unknown fingerprint), 2 bad usage, a bad cache path or a destination not ending in
-``.zarr``. CPU only.
+(a path or an fsspec URL, ending in ``.zarr``), atomically for readers
+(:func:`cache_store.snapshot.zarr.export.export_snapshot`). Exit 0 exported, 1 not exported
+(bad records, an existing export, another writer), 2 bad usage: an unknown fingerprint,
+a bad cache path, a destination that is a file or does not end in ``.zarr``. CPU only.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from cache_store.errors import SpcacheError
-from cache_store.location import cache_dir_problem, is_remote, local_path
+from cache_store.errors import UsageError
+from cache_store.location import check_cache_dir
+from spcache.cli.args import add_cache, add_json, json_object, location
 
 __all__ = ["configure_parser", "run"]
 
@@ -35,11 +35,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     from cache_store.snapshot.zarr.export import CODECS, DEFAULT_CHUNK_BYTES, RAW_CHUNK_BYTES
 
     parser.add_argument("fingerprint", help="fingerprint of the dataset to export")
-    parser.add_argument("--cache", required=True, help="cache directory (LMDB)")
+    add_cache(parser, "cache directory (LMDB)", local=True)
     parser.add_argument(
         "--to",
         required=True,
         dest="dest",
+        type=location,
+        metavar="DEST.zarr",
         help="destination: a *.zarr path or an fsspec URL (s3://.../x.zarr)",
     )
     parser.add_argument(
@@ -75,59 +77,32 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="JSON object of fsspec options for a URL destination",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    add_json(parser, "print the summary as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from cache_store.snapshot.zarr.export import export_snapshot
 
-    problem = cache_dir_problem(args.cache, write=False)
-    if problem:
-        print(f"spcache export: {problem}", file=sys.stderr)
-        return 2
-    cache = local_path(args.cache)
-    if (
-        not is_remote(args.dest)
-        and Path(local_path(args.dest)).exists()
-        and not Path(local_path(args.dest)).is_dir()
-    ):
-        print(
-            f"spcache export: --to {args.dest}: is a file, not a Zarr snapshot directory",
-            file=sys.stderr,
+    cache = check_cache_dir(args.cache, write=False)
+    dest = args.dest
+    if dest.is_local and dest.path().exists() and not dest.path().is_dir():
+        raise UsageError(f"--to {dest}: is a file, not a Zarr snapshot directory")
+    if dest.kind != "zarr":
+        raise UsageError(
+            f"--to {dest}: a snapshot's name must end in .zarr (e.g. {str(dest).rstrip('/')}.zarr)"
         )
-        return 2
-    if not str(args.dest).rstrip("/").endswith(".zarr"):
-        print(
-            f"spcache export: --to {args.dest}: a snapshot's name must end in .zarr "
-            f"(e.g. {str(args.dest).rstrip('/')}.zarr)",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        options = json.loads(args.storage_options)
-        if not isinstance(options, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        print(f"spcache export: --storage-options: {exc}", file=sys.stderr)
-        return 2
-    chunk_bytes = None if args.chunk_kib is None else args.chunk_kib * 1024
-    try:
-        summary = export_snapshot(
-            cache,
-            args.fingerprint,
-            args.dest,
-            overwrite=args.overwrite,
-            skip_bad=args.skip_bad,
-            chunk_bytes=chunk_bytes,
-            clevel=args.clevel,
-            codec=args.codec,
-            storage_options=options,
-            progress=not args.no_progress and sys.stderr.isatty(),
-        )
-    except (SpcacheError, OSError) as exc:
-        print(f"spcache export: export failed: {exc}", file=sys.stderr)
-        return 1
+    summary = export_snapshot(
+        cache,
+        args.fingerprint,
+        dest,
+        overwrite=args.overwrite,
+        skip_bad=args.skip_bad,
+        chunk_bytes=None if args.chunk_kib is None else args.chunk_kib * 1024,
+        clevel=args.clevel,
+        codec=args.codec,
+        storage_options=json_object("--storage-options", args.storage_options),
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
     if args.json:
         print(json.dumps(summary.as_json(), sort_keys=True))
     else:

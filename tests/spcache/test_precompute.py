@@ -226,7 +226,7 @@ def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import cache_store.stores.base
+    import cache_store.stores.opener
     from cache_store.stores.lmdb import LMDBStore
 
     cache = tmp_path / "cache"
@@ -248,7 +248,7 @@ def test_a_full_cache_stops_precompute_with_one_line_and_a_rerun_finishes(
     ]
     # the cache's disk, as small as an LMDB map bound makes it
     monkeypatch.setattr(
-        cache_store.stores.base,
+        cache_store.stores.opener,
         "open_store",
         lambda path, readonly: LMDBStore(
             path, readonly=readonly, map_size=128 * 1024, max_map_size=512 * 1024

@@ -1,4 +1,5 @@
-"""The command line: parsing, source discovery, dispatch and exit codes (no device work)."""
+"""The command line (:mod:`spcache.cli`): dispatch, shared options, usage errors and exit
+statuses (no device work)."""
 
 from __future__ import annotations
 
@@ -8,75 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from cache_store.errors import ParameterError, SourceError
-from cache_store.sources.discover import discover_sources
+from cache_store.errors import ParameterError
 from spcache import cli
 from spcache.cli import COMMANDS, main
+from spcache.cli.precompute import parse_params
+from tests.conftest import REPO_ROOT
 from tests.helpers.procs import run, run_spcache
 from tests.helpers.recipes import BUILTINS, known_names
-from workers.precompute_cli import parse_params
 
 
 def _touch(path: Path, text: str = "0 0 0\n1 1 1\n") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
-
-
-def test_directory_discovery_is_recursive_sorted_and_ids_are_relative(tmp_path: Path) -> None:
-    root = tmp_path / "data"
-    _touch(root / "b.xyz")
-    _touch(root / "chairs" / "a1.OBJ")
-    _touch(root / "chairs" / "deep" / "x.ply")
-    _touch(root / "notes.md")
-    _touch(root / ".hidden" / "y.obj")
-    _touch(root / ".z.obj")
-    items = discover_sources([root])
-    assert items == [
-        ("b", str(root / "b.xyz")),
-        ("chairs/a1", str(root / "chairs" / "a1.OBJ")),
-        ("chairs/deep/x", str(root / "chairs" / "deep" / "x.ply")),
-    ]
-
-
-def test_manifests_and_single_files(tmp_path: Path) -> None:
-    a = _touch(tmp_path / "meshes" / "a.obj")
-    elsewhere = _touch(tmp_path / "other" / "b.xyz")
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "list.txt").write_text(f"# comment\n../meshes/a.obj\n\n{elsewhere}\n")
-    assert discover_sources([tmp_path / "m" / "list.txt"]) == [
-        ("a", str(tmp_path / "m" / "../meshes/a.obj")),
-        ("b", str(elsewhere)),
-    ]
-    (tmp_path / "list.txt").write_text("# comment\nmeshes/a.obj\n\n" + str(a) + "\n")
-    (tmp_path / "list.jsonl").write_text(json.dumps({"id": "first", "path": "meshes/a.obj"}) + "\n")
-    assert discover_sources([tmp_path / "list.txt"]) == [
-        ("meshes/a", str(tmp_path / "meshes/a.obj")),
-        ("meshes/a", str(a)),
-    ]
-    assert discover_sources([tmp_path / "list.jsonl"]) == [
-        ("first", str(tmp_path / "meshes/a.obj"))
-    ]
-    assert discover_sources([a]) == [("a", str(a))]
-
-
-@pytest.mark.parametrize(
-    "content,reason",
-    [
-        ("{not json\n", "line 1: not JSON"),
-        ('{"id": "x"}\n', "line 1: expected an object"),
-        ('["x", "y"]\n', "expected an object"),
-    ],
-)
-def test_bad_jsonl_manifest(tmp_path: Path, content: str, reason: str) -> None:
-    (tmp_path / "m.jsonl").write_text(content)
-    with pytest.raises(SourceError, match=reason):
-        discover_sources([tmp_path / "m.jsonl"])
-
-
-def test_missing_source_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="no such file"):
-        discover_sources([tmp_path / "nope"])
 
 
 def test_parse_params() -> None:
@@ -175,14 +120,12 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "precompute" in capsys.readouterr().out
 
 
-def test_dispatch_table_is_a_plain_dict_of_import_targets() -> None:
+def test_dispatch_table_is_a_plain_dict_of_the_command_package_modules() -> None:
+    """One layer: every command is a module of spcache.cli named after it."""
     assert type(COMMANDS) is dict
-    assert COMMANDS["worker"][0] == "workers.worker_cli"
-    assert COMMANDS["serve"][0] == "service.cli"
-    assert COMMANDS["precompute"][0].startswith("workers.")
-    assert {
-        c: COMMANDS[c][0].split(".")[0] for c in ("verify", "stats", "export", "recipes")
-    } == dict.fromkeys(("verify", "stats", "export", "recipes"), "spcache")
+    for name, (module, help_) in COMMANDS.items():
+        assert module == f"spcache.cli.{name}" + ("_" if name == "import" else "")
+        assert (REPO_ROOT / (module.replace(".", "/") + ".py")).is_file() and help_
 
 
 def test_missing_command_module_fails_clearly(
@@ -206,10 +149,12 @@ def test_dispatch_reaches_a_module_by_name(tmp_path: Path, monkeypatch: pytest.M
     assert main(["fake", "--n", "x"]) == 2
 
 
-@pytest.mark.parametrize("package", ["spcache", "workers"])
-def test_python_dash_m_runs_the_cli(package: str) -> None:
-    out = run([sys.executable, "-m", package, "--help"])
+def test_python_dash_m_spcache_is_the_one_way_in_besides_the_script() -> None:
+    out = run_spcache("--help")
     assert out.returncode == 0 and "precompute" in out.stdout
+    for back_door in ("workers", "service.cli", "workers.worker_loop"):
+        out = run([sys.executable, "-m", back_door, "--help"])
+        assert out.stdout == "" and "usage:" not in out.stderr, back_door  # runs nothing
 
 
 def test_no_arguments_shows_usage_without_internal_names() -> None:
@@ -303,3 +248,141 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(
     monkeypatch.setattr(cli, "resolve", interrupted_import)
     assert main(["precompute", "x.obj", "--cache", "c"]) == 130
     assert capsys.readouterr().err == "spcache: interrupted\n"
+
+
+def test_minus_v_and_minus_q_work_before_and_after_the_command(tmp_path: Path) -> None:
+    """The dispatcher's -v/-q: in any position, repeatable, summed."""
+
+    def loud(*argv: str) -> str:
+        out = run_spcache(*argv, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr  # no such cache: still logs at start
+        return out.stderr
+
+    debug = " DEBUG spcache.cli: spcache stats: pid "
+    assert debug not in loud("stats", "--cache", "nope")
+    assert debug not in loud("-v", "stats", "--cache", "nope")
+    assert debug in loud("-vv", "stats", "--cache", "nope")
+    assert debug in loud("stats", "-vv", "--cache", "nope")
+    assert debug in loud("-v", "stats", "--cache", "nope", "-v")
+    assert debug not in loud("-vv", "stats", "--cache", "nope", "-q")
+
+
+def test_every_command_maps_an_error_class_to_the_same_exit_status(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One table: a command raising an error class exits as every other command does, in
+    one line naming the command (no traceback)."""
+    from cache_store.errors import (
+        CacheDamaged,
+        SpcacheError,
+        StoreBusy,
+        StoreFull,
+        UnknownName,
+        UsageError,
+    )
+    from spcache.cli.exits import EXIT_BY_ERROR, exit_status
+
+    raised: list[BaseException] = []
+
+    def failing(args: object) -> int:
+        raise raised[-1]
+
+    cases = [
+        (UsageError("bad"), 2),
+        (UnknownName("recipe", "x", ["spc"]), 2),
+        (StoreFull("/c", "disk full"), 1),
+        (StoreBusy("busy"), 1),
+        (CacheDamaged("/c", "page"), 1),
+        (SpcacheError("not exported"), 1),
+        (FileNotFoundError(2, "No such file", "/x"), 2),
+        (ValueError("size 5X"), 2),
+    ]
+    for name in ("precompute", "export", "import", "merge", "stats", "rm"):
+        module = cli.resolve(name)
+        monkeypatch.setattr(module, "run", failing)
+        for exc, status in cases:
+            raised.append(exc)
+            assert exit_status(exc) == status
+            assert main(_minimal_args(name, tmp_path)) == status
+            err = capsys.readouterr().err
+            assert err.startswith(f"spcache {name}: ") and err.count("\n") == 1, err
+    assert EXIT_BY_ERROR[-1][0] is ValueError  # a bug (TypeError, ...) keeps its traceback
+    raised.append(TypeError("a bug"))
+    with pytest.raises(TypeError):
+        main(_minimal_args("stats", tmp_path))
+
+
+def _minimal_args(name: str, tmp_path: Path) -> list[str]:
+    cache = ["--cache", str(tmp_path / "cache")]
+    return {
+        "precompute": [name, "src", "--recipe", "spc", *cache],
+        "export": [name, "0" * 32, *cache, "--to", str(tmp_path / "x.zarr")],
+        "import": [name, str(tmp_path / "x.zarr"), *cache],
+        "merge": [name, str(tmp_path / "x.zarr")],
+        "stats": [name, *cache],
+        "rm": [name, "0" * 32, *cache],
+    }[name]
+
+
+def test_output_to_a_closed_pipe_ends_quietly_with_the_sigpipe_status(tmp_path: Path) -> None:
+    """``spcache recipes | head -c 0`` and the like: the reader went away before the
+    command wrote; it ends with 141 (128 + SIGPIPE, as a shell reports for any tool) and
+    says nothing, no BrokenPipeError traceback."""
+    import os
+    import subprocess
+
+    from tests.helpers.housekeeping import add_fingerprint
+
+    cache = tmp_path / "cache"
+    for level in (3, 4, 5):  # the README's `stats --json | head -c 600`: more than 600 bytes
+        add_fingerprint(cache, level, 4, 200)
+    for argv in (
+        ["recipes"],
+        ["recipes", "--json"],
+        ["stats", "--cache", "cache", "--json"],
+        ["ls", "--cache", "cache"],
+        ["stats", "--cache", "nope", "--json"],
+    ):
+        read, write = os.pipe()
+        os.close(read)  # deterministic: the reader is gone before the first write
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "spcache", *argv],
+                cwd=tmp_path,
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        finally:
+            os.close(write)
+        if "nope" in argv:  # nothing for stdout: the error line and 2, as ever
+            assert out.returncode == 2 and "spcache stats: nope: no such" in out.stderr
+            continue
+        assert out.returncode == 141, (argv, out.stderr)
+        assert "Traceback" not in out.stderr and "Broken pipe" not in out.stderr, out.stderr
+
+
+def test_every_door_takes_its_defaults_from_the_options() -> None:
+    """spcache.precompute's signature, the CLI flags and the worker show the same
+    defaults as EngineOptions (written nowhere else)."""
+    import argparse
+    import inspect
+
+    import spcache
+    from cache_store.engine_options import EngineOptions
+    from spcache.cli import resolve, subcommand_parser
+
+    defaults = EngineOptions()
+    signature = inspect.signature(spcache.precompute).parameters
+    for name in ("device", "backend", "loaders", "query_chunk", "write_batch", "skip_failed"):
+        assert signature[name].default == getattr(defaults, name), name
+    for command in ("precompute", "worker"):
+        parser: argparse.ArgumentParser = subcommand_parser(command, resolve(command))
+        argv = ["s", "--recipe", "spc"] if command == "precompute" else []
+        args = parser.parse_args([*argv, "--cache", "c"])
+        assert (args.device, args.backend, args.loaders) == ("auto", "auto", None), command
+    args = subcommand_parser("precompute", resolve("precompute")).parse_args(
+        ["s", "--cache", "c", "--recipe", "spc"]
+    )
+    assert (args.query_chunk, args.write_batch) == (defaults.query_chunk, defaults.write_batch)

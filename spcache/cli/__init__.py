@@ -1,21 +1,30 @@
 """The ``spcache`` command line: ``spcache [-v|-q] COMMAND [ARGS ...]``.
 
-COMMAND is looked up in :data:`COMMANDS`, a plain dict of name -> (``"module:attribute"``,
-one-line help). The target is imported only when its command runs, so ``serve``,
-``verify``, ``stats``, ``export`` and ``recipes`` never import torch or ``workers``. A
-target is an object (or module) with ``configure_parser(parser)`` and ``run(args) -> int``,
-and optionally ``log_level(args) -> str | None`` (the command's own ``--log-level``).
+This package is the whole command-line layer; it reads as the list of commands.
+:data:`COMMANDS` is a plain dict of name -> (module, one-line help); a command's module
+(``spcache/cli/<command>.py``) is imported only when it runs, so ``serve``, ``verify``,
+``stats``, ``export`` and ``recipes`` never import torch or ``workers``. A command module
+is a thin adapter: ``configure_parser(parser)`` (built from the shared options of
+:mod:`spcache.cli.args`), ``run(args) -> int`` (parse, call one library function, print)
+and optionally ``log_level(args)`` (its own ``--log-level``, when given) and
+``DEFAULT_LOG_LEVEL``.
 
-Logging is configured here, once, before the command runs: at the command's own level
-if it has one, else WARNING lowered by ``-v`` (raised by ``-q``).
+What every command shares happens here, once, in this order:
 
-A process started by another spcache process (the service's worker, the demo's service)
-finds its parent's pid in ``SPCACHE_PARENT_PID`` and ends when that parent dies
-(:mod:`spcache.lifecycle`). SIGHUP is treated as SIGTERM by every command.
+1. ``-v``/``-q`` are read before or after the command name (repeatable);
+2. logging is set up (:func:`cache_store.log_setup.configure_logging`): the command's own
+   level if it has one, else its default (WARNING) lowered by each ``-v`` and raised by
+   each ``-q``;
+3. the installed recipes are found (a plugin that cannot load is named now);
+4. a process started by another spcache process (the service's worker, the demo's
+   service) finds its parent's pid in ``SPCACHE_PARENT_PID`` and ends when that parent
+   dies (:mod:`spcache.lifecycle`); SIGHUP is treated as SIGTERM;
+5. an error the command raises becomes one line ``spcache COMMAND: reason`` and the exit
+   status of :data:`spcache.cli.exits.EXIT_BY_ERROR`; Ctrl-C exits 130; a closed stdout
+   (``spcache ls | head -1``) ends the command quietly with 141, as a tool killed by
+   SIGPIPE does.
 
-Exit status: 0 all good (``precompute --skip-failed``: failures known from an earlier run
-and not retried do not count), 1 some samples failed (or the cache did not verify), 2 bad
-usage or a bad path, 130 interrupted.
+``python -m spcache COMMAND`` and the ``spcache`` script are the only ways in.
 """
 
 from __future__ import annotations
@@ -30,82 +39,78 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["COMMANDS", "main", "resolve", "subcommand_parser", "configure_logging"]
+__all__ = ["COMMANDS", "main", "resolve", "subcommand_parser"]
 
 logger = logging.getLogger(__name__)
 
-#: command name -> (import target, help). Targets are imported at dispatch time.
+#: command name -> (module, help). Modules are imported at dispatch time.
 COMMANDS: dict[str, tuple[str, str]] = {
     "precompute": (
-        "workers.precompute_cli",
+        "spcache.cli.precompute",
         "compute a recipe over sources into a cache (GPU side)",
     ),
-    "worker": ("workers.worker_cli", "run the long-lived GPU worker over the cache's job queue"),
-    "serve": ("service.cli", "run the HTTP service (and its worker)"),
+    "worker": (
+        "spcache.cli.worker",
+        "run the long-lived GPU worker over the cache's job queue",
+    ),
+    "serve": ("spcache.cli.serve", "run the HTTP service (and its worker)"),
     "verify": (
-        "spcache.cache_commands:VERIFY",
+        "spcache.cli.verify",
         "check every record of a cache decodes and matches its checksum",
     ),
     "stats": (
-        "spcache.cache_commands:STATS",
+        "spcache.cli.stats",
         "summarise a cache: fingerprints, records, bytes, failed samples",
     ),
     "ls": (
-        "spcache.housekeeping_cli:LS",
+        "spcache.cli.ls",
         "list a cache's fingerprints: records, bytes, last written, last read",
     ),
-    "rm": ("spcache.housekeeping_cli:RM", "remove fingerprints from a cache"),
+    "rm": ("spcache.cli.rm", "remove fingerprints from a cache"),
     "prune": (
-        "spcache.housekeeping_cli:PRUNE",
+        "spcache.cli.prune",
         "remove least recently used fingerprints (--max-size, --unused-for, --keep)",
     ),
     "compact": (
-        "spcache.housekeeping_cli:COMPACT",
+        "spcache.cli.compact",
         "give the disk back: rewrite the cache's file without its free pages",
     ),
-    "export": ("spcache.export_cli", "export one fingerprint of a cache to a Zarr snapshot"),
+    "export": ("spcache.cli.export", "export one fingerprint of a cache to a Zarr snapshot"),
     "merge": (
-        "spcache.shards_cli:MERGE",
+        "spcache.cli.merge",
         "merge a sharded snapshot's committed parts into its index (idempotent)",
     ),
     "import": (
-        "spcache.shards_cli:IMPORT",
+        "spcache.cli.import_",
         "copy a snapshot's records into a local cache directory (LMDB)",
     ),
     "recipes": (
-        "spcache.recipes_cli",
+        "spcache.cli.recipes",
         "list the recipes with their parameters, defaults and bounds",
     ),
     "demo": (
-        "workers.demo",
+        "spcache.cli.demo",
         "make example shapes, precompute them, serve them, show where to look",
     ),
 }
 
 PARENT_PID_ENV = "SPCACHE_PARENT_PID"
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
     try:
-        return _main(list(sys.argv[1:] if argv is None else argv))
+        status = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
     except KeyboardInterrupt:  # also while the command's modules import (torch: ~1 s)
         with contextlib.suppress(OSError, ValueError):  # stderr may be a closed pipe
             print("spcache: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # `spcache ls --json | head -1`: the reader has had enough
-        return _output_closed()
+    except BrokenPipeError:
+        from spcache.cli.exits import stdout_closed
 
-
-def _output_closed() -> int:
-    """End quietly, as a tool killed by SIGPIPE does (a shell reports 128 + 13): what is
-    left in stdout's buffer goes to /dev/null at exit rather than failing once more."""
-    with contextlib.suppress(OSError, ValueError):  # (stdout replaced by a non-file)
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())
-        os.close(null)
-    return 128 + signal.SIGPIPE
+        return stdout_closed()
 
 
 def _main(argv: list[str]) -> int:
@@ -128,10 +133,7 @@ def _main(argv: list[str]) -> int:
         args = sub.parse_args(rest)
     except SystemExit as exc:
         return _exit_code(exc)
-    level = _command_level(target, args)
-    if level is None:
-        level = logging.WARNING - 10 * (ns.verbose + getattr(args, "verbose", 0) - ns.quiet)
-    configure_logging(level)
+    _set_up_logging(target, args, ns.verbose - ns.quiet)
     _load_recipes()
     logger.debug(
         "spcache %s: pid %d, log level %s",
@@ -146,9 +148,35 @@ def _main(argv: list[str]) -> int:
         exit_with_parent(parent)
     previous_hangup = signal.signal(signal.SIGHUP, _hangup_as_terminate)
     try:
-        return int(target.run(args))
+        return _run(name, target, args)
     finally:
         signal.signal(signal.SIGHUP, previous_hangup)
+
+
+def _run(name: str, target: Any, args: argparse.Namespace) -> int:
+    """The command, its errors mapped to one line and an exit status."""
+    from spcache.cli.exits import exit_status, one_line
+
+    try:
+        return int(target.run(args))
+    except BrokenPipeError:
+        raise
+    except Exception as exc:
+        status = exit_status(exc)
+        if status is None:  # not an error a command reports: a bug, with its traceback
+            raise
+        print(f"spcache {name}: {one_line(exc)}", file=sys.stderr)
+        return status
+
+
+def _set_up_logging(target: Any, args: argparse.Namespace, louder: int) -> None:
+    from cache_store.log_setup import configure_logging
+
+    level = _command_level(target, args)
+    if level is None:
+        base = getattr(target, "DEFAULT_LOG_LEVEL", logging.WARNING)
+        level = base - 10 * (louder + args.verbose - args.quiet)
+    configure_logging(level)
 
 
 def _load_recipes() -> None:
@@ -161,6 +189,14 @@ def _load_recipes() -> None:
     installed_recipes()
 
 
+def _add_verbosity(parser: argparse.ArgumentParser) -> None:
+    """``-v``/``-q``: on the top parser and on every command's, so either place works."""
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (repeatable)"
+    )
+    parser.add_argument("-q", "--quiet", action="count", default=0, help="less logging")
+
+
 def _top_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<12}{help_}" for name, (_, help_) in COMMANDS.items()]
     parser = argparse.ArgumentParser(
@@ -170,12 +206,10 @@ def _top_parser() -> argparse.ArgumentParser:
         description="Precompute and serve cached Kaolin SPC features.",
         epilog="commands:\n"
         + "\n".join(lines)
-        + "\n\nRun 'spcache COMMAND --help' for a command's options.",
+        + "\n\n-v and -q work before or after COMMAND. Run 'spcache COMMAND --help' for a "
+        "command's options.",
     )
-    parser.add_argument(
-        "-v", "--verbose", action="count", default=0, help="more logging (repeatable)"
-    )
-    parser.add_argument("-q", "--quiet", action="count", default=0, help="less logging")
+    _add_verbosity(parser)
     parser.add_argument(
         "--version",
         action="version",
@@ -206,11 +240,13 @@ def subcommand_parser(name: str, target: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     target.configure_parser(parser)
+    _add_verbosity(parser)
     return parser
 
 
 def resolve(name: str) -> Any:
-    """The command object for ``name``, or a message saying why it is unavailable."""
+    """The command module for ``name`` (``"module"`` or ``"module:attribute"`` in
+    :data:`COMMANDS`), or a message saying why it is unavailable."""
     target = COMMANDS[name][0]
     module_name, _, attribute = target.partition(":")
     try:
@@ -237,20 +273,6 @@ def _command_level(target: Any, args: argparse.Namespace) -> int | None:
         return level
     number = logging.getLevelName(str(level).upper())
     return number if isinstance(number, int) else None  # a bad name: the command reports it
-
-
-def configure_logging(level: int) -> None:
-    """Root logging to stderr at ``level``: the process's one logging set-up, done before
-    any command code runs (a command's own later ``basicConfig`` is then a no-op). Where
-    the root logger already has handlers (an embedding program, pytest) nothing changes."""
-    level = max(logging.DEBUG, min(logging.CRITICAL, level))
-    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr)
-    # httpx/httpcore log every request at INFO: a polling client (the demo, HTTPStore)
-    # would print a line per poll; they speak only at DEBUG, when asked for everything.
-    for chatty in ("httpx", "httpcore"):
-        logging.getLogger(chatty).setLevel(
-            max(level, logging.WARNING) if level > logging.DEBUG else level
-        )
 
 
 def _exit_code(exc: SystemExit) -> int:

@@ -1,11 +1,13 @@
-"""``spcache precompute SOURCE... --recipe NAME --cache DIR``: compute a recipe into a cache.
+"""``spcache precompute SOURCE... --recipe NAME --cache LOCATION``: compute a recipe into a
+cache directory or a sharded snapshot (``DEST.zarr``, ``s3://bucket/x.zarr``).
 
-The device side of the command line (it imports torch and the engine); the dispatcher is
-:mod:`spcache.cli`; the run itself is :func:`workers.precompute.run_precompute`, the
-function :func:`spcache.precompute` calls too. Sources are found by
-:func:`cache_store.sources.discover.discover_sources`.
-SIGTERM and SIGHUP end a run like Ctrl-C: what was computed is committed and indexed,
-the loader processes stop, and the exit status is 130.
+Parses the flags into the recipe's parameters and an
+:class:`~cache_store.engine_options.EngineOptions`, calls
+:func:`workers.precompute.run_precompute` (the run :func:`spcache.precompute` makes too)
+and prints its summary. Exit 0 when every sample has a record (with ``--skip-failed``,
+failures known from an earlier run do not count), 1 when some failed; errors are mapped
+by :mod:`spcache.cli.exits`. SIGTERM and SIGHUP end a run like Ctrl-C: what was computed
+is committed and indexed, the loader processes stop, and the exit status is 130.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from cache_store.errors import ParameterError, SpcacheError, StoreFull, UnknownName
+from cache_store.engine_options import EngineOptions
+from cache_store.errors import ParameterError, StoreFull, UnknownName
 from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
 from cache_store.recipes.table import recipe_table
 from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
-from workers.precompute import UsageError
+from spcache.cli.args import add_backend, add_cache, add_device, add_json, add_loaders
+from spcache.cli.exits import FAILED, exit_status
 
-__all__ = ["configure_parser", "run", "parse_params", "UsageError"]
+__all__ = ["configure_parser", "run", "parse_params"]
+
+_DEFAULTS = EngineOptions()
 
 
 def parse_params(pairs: Sequence[str], spec: RecipeSpec | None = None) -> dict[str, Any]:
@@ -114,28 +120,13 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="recipe parameter (repeatable; see below)",
     )
-    # a string, parsed once by run_precompute: never a Path, which folds s3://b into s3:/b
-    parser.add_argument(
-        "--cache",
-        required=True,
-        help="cache directory, or a sharded snapshot (DEST.zarr, s3://bucket/x.zarr)",
+    add_cache(
+        parser,
+        "cache directory, or a sharded snapshot: DEST.zarr or a URL (s3://bucket/x.zarr)",
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "torch", "kaolin"],
-        help="SPC ops: kaolin (needs Kaolin and CUDA), torch (pure PyTorch, "
-        "any device), auto (kaolin where it works, else torch)",
-    )
-    parser.add_argument(
-        "--loaders",
-        type=int,
-        default=None,
-        help="loader processes (0: load in this process; default: one per "
-        "core but one, at most 8; with --engine ray, per actor, "
-        "default chosen by each actor from its node)",
-    )
+    add_device(parser)
+    add_backend(parser)
+    add_loaders(parser, help="; with --engine ray, per actor, chosen from its node")
     parser.add_argument(
         "--skip-failed",
         action="store_true",
@@ -144,11 +135,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--query-chunk",
         type=int,
-        default=1 << 18,
-        help="queries per device call before any out-of-memory back-off",
+        default=_DEFAULTS.query_chunk,
+        metavar="N",
+        help=f"queries per device call before any out-of-memory back-off "
+        f"(default {_DEFAULTS.query_chunk})",
     )
-    parser.add_argument("--write-batch", type=int, default=32, help="records per transaction")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.add_argument(
+        "--write-batch",
+        type=int,
+        default=_DEFAULTS.write_batch,
+        metavar="N",
+        help=f"records per transaction (default {_DEFAULTS.write_batch})",
+    )
+    add_json(parser, "print the summary as JSON on stdout")
     parser.add_argument(
         "--engine",
         choices=["local", "ray"],
@@ -168,15 +167,22 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="Ray actors (--engine ray; default: one per GPU of the cluster, "
         "or one per CPU without GPUs); --loaders is then per actor",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
 
 
 def run(args: argparse.Namespace) -> int:
     from workers.precompute import run_precompute
 
+    params = parse_params(args.param, _schema(args.recipe))
+    options = EngineOptions(
+        device=args.device,
+        backend=args.backend,
+        loaders=args.loaders,
+        query_chunk=args.query_chunk,
+        write_batch=args.write_batch,
+        skip_failed=args.skip_failed,
+    )
     previous = _say_when_stopping()
     try:
-        params = parse_params(args.param, _schema(args.recipe))
         # with --json, stdout carries the summary alone (Ray prints actor deaths there)
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             summary = run_precompute(
@@ -184,29 +190,21 @@ def run(args: argparse.Namespace) -> int:
                 args.recipe,
                 args.cache,
                 params=params,
-                device=args.device,
-                backend=args.backend,
-                loaders=args.loaders,
-                skip_failed=args.skip_failed,
+                options=options,
                 progress=sys.stderr.isatty(),
                 engine=args.engine,
                 address=args.address,
                 actors=args.actors,
-                query_chunk=args.query_chunk,
-                write_batch=args.write_batch,
                 id_template=KEEP_EXTENSION if args.id_keep_ext else args.id_template,
             )
-    except StoreFull as exc:
+    except StoreFull as exc:  # the one error with advice of its own
         print(
-            f"spcache precompute: stopped: {exc}. The records committed before it are "
-            f"kept (spcache stats {args.cache}); free space (or raise the cache's size "
+            f"spcache precompute: stopped: {exc}. The records committed before it are kept "
+            f"(spcache stats --cache {args.cache}); free space (or raise the cache's size "
             f"bound) and run the same command again: stored samples are skipped.",
             file=sys.stderr,
         )
-        return 1
-    except SpcacheError as exc:  # a bad option, recipe, parameter, backend or cache
-        print(f"spcache precompute: {exc}", file=sys.stderr)
-        return 2
+        return exit_status(exc) or FAILED
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
