@@ -13,24 +13,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from cache_store.errors import (
-    CacheNotFound,
-    CorruptRecord,
-    FingerprintLookupError,
-    InvalidSampleId,
-    JobNotFound,
-    MissTimeout,
-    NoWorkerAlive,
-    ParameterError,
-    ReadOnlyStoreError,
-    StoreBusy,
-    RecordNotFound,
-    SampleFailed,
-    SourceError,
-    SpcacheError,
-    UnknownName,
-    UnsupportedFormat,
-)
+from cache_store import errors
+from cache_store.errors import *  # noqa: F403 - every error class: errors.__all__ is the one list
+from cache_store.version import __version__
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.format.decode import Record, decode_record
@@ -52,8 +37,6 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.stores.base import Store, VerifyReport
     from cache_store.stores.opener import open_store
     from cache_store.stores.lmdb import LMDBStore
-
-__version__ = "0.1.0"
 
 # public name -> module that defines it, imported on first access (PEP 562)
 _LAZY = {
@@ -82,22 +65,6 @@ _LAZY = {
 
 __all__ = [
     "__version__",
-    "SpcacheError",
-    "SampleFailed",
-    "NoWorkerAlive",
-    "MissTimeout",
-    "RecordNotFound",
-    "CorruptRecord",
-    "UnsupportedFormat",
-    "InvalidSampleId",
-    "SourceError",
-    "UnknownName",
-    "ParameterError",
-    "FingerprintLookupError",
-    "ReadOnlyStoreError",
-    "StoreBusy",
-    "CacheNotFound",
-    "JobNotFound",
     "compute_fingerprint",
     "validate_fingerprint",
     "validate_sample_id",
@@ -120,6 +87,7 @@ __all__ = [
     "to_kaolin_spc",
     "failures_of",
 ]
+__all__ += errors.__all__
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,15 @@
-"""One error root for the whole project.
+"""One error root for the whole project, and every error class.
 
-Every error spcache raises on purpose derives from :class:`SpcacheError`, and the
-specific ones also derive from the built-in exception that carries the same meaning,
-so callers that already catch ``KeyError`` or ``ValueError`` keep working. The service
-maps these classes to HTTP status codes in one place (``service/errors.py``).
+Every error spcache raises on purpose derives from :class:`SpcacheError` and is defined
+here (the service's answers and the Ray engine's included), and the specific ones also
+derive from the built-in exception that carries the same meaning, so callers that
+already catch ``KeyError`` or ``ValueError`` keep working. :data:`__all__` is the one list
+of them: ``spcache`` and ``cache_store`` export exactly it. The service maps these
+classes to HTTP status codes in one place (``service/errors.py``), the command line to
+exit statuses in another (``spcache/cli/exits.py``).
+
+:func:`one_line` is the one way an error becomes a line of text (a log line, a failure
+reason, a command's last word).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
+#: every error class, the one list (``spcache`` and ``cache_store`` export exactly these);
+#: :func:`one_line` is imported by name
 __all__ = [
     "SpcacheError",
     "RecordNotFound",
@@ -40,6 +48,13 @@ __all__ = [
     "NoWorkerAlive",
     "MissTimeout",
     "StaleRecord",
+    "CacheOwned",
+    "LimitTooSmall",
+    "CommitConflict",
+    "RayUnavailable",
+    "ResponseTooLarge",
+    "ReadBudgetBusy",
+    "WaitingFull",
 ]
 
 
@@ -362,3 +377,68 @@ class StaleRecord(SpcacheError):
         )
         self.key = key
         self.path = path
+
+
+class CacheOwned(SpcacheError):
+    """Another live worker holds the cache's worker lock (:mod:`cache_store.jobs.owner_lock`);
+    ``holder`` is what it wrote into the lock file, ``described`` that as a phrase."""
+
+    def __init__(self, cache: object, holder: dict[str, Any], described: str) -> None:
+        super().__init__(f"{cache}: already owned by {described}")
+        self.cache = str(cache)
+        self.holder = holder
+
+
+class LimitTooSmall(UsageError):
+    """A size limit (``spcache prune --max-size``, a worker's ``--max-size``) smaller
+    than a fingerprint that has to be kept."""
+
+
+class CommitConflict(SpcacheError):
+    """A sharded snapshot's manifest of that name is already committed (a second attempt
+    of one part)."""
+
+
+class RayUnavailable(BackendUnavailable):
+    """Ray is not installed, or the cluster cannot be reached or cannot host the actors."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("ray", reason)
+
+
+# The service's own answers (``service/errors.py`` gives each its HTTP status).
+
+
+class ResponseTooLarge(SpcacheError):
+    """The answer would be larger than one response may be (HTTP 413)."""
+
+
+class ReadBudgetBusy(SpcacheError):
+    """Other responses hold the process's read budget now; retry shortly (HTTP 503)."""
+
+
+class WaitingFull(SpcacheError):
+    """Every read-through wait slot is taken (``max_waiting_requests``); retry after
+    ``Retry-After`` (see :mod:`service.read_through`)."""
+
+
+#: The longest :func:`one_line` makes a message (a failure reason is stored and shown
+#: in tables; a traceback-sized one would drown them).
+ONE_LINE_MAX = 300
+
+
+def one_line(exc: BaseException, *, with_class: bool = False) -> str:
+    """``exc``'s message on one line: whitespace runs folded, at most
+    :data:`ONE_LINE_MAX` characters, a ``KeyError``'s quotes taken off, the class name
+    where the message is empty. ``with_class`` puts the class name first
+    (``"ValueError: ..."``), for where the class says what happened (a loader's or a
+    recipe's own error)."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, KeyError) and len(exc.args) == 1 and text.startswith(("'", '"')):
+        text = " ".join(str(exc.args[0]).split())  # KeyError quotes its message
+    if len(text) > ONE_LINE_MAX:
+        text = text[: ONE_LINE_MAX - 3] + "..."
+    name = type(exc).__name__
+    if not text:
+        return name
+    return f"{name}: {text}" if with_class else text

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from cache_store import __version__
+from cache_store.version import __version__
 from cache_store.recipes.registry import installed_recipes
 from service.context import ServiceContext
 from service.errors import ERROR_RESPONSES, install_error_handlers

@@ -18,20 +18,12 @@ import logging
 import threading
 from collections.abc import Callable
 
-from cache_store.errors import SpcacheError
+from cache_store.errors import ReadBudgetBusy
 from cache_store.stores.base import Store
 
-__all__ = ["ByteBudget", "ResponseTooLarge", "ReadBudgetBusy", "record_length"]
+__all__ = ["ByteBudget", "record_length"]
 
 log = logging.getLogger(__name__)
-
-
-class ResponseTooLarge(SpcacheError):
-    """The answer would be larger than one response may be (HTTP 413)."""
-
-
-class ReadBudgetBusy(SpcacheError):
-    """Other responses hold the process's read budget now; retry shortly (HTTP 503)."""
 
 
 def record_length(store: Store, key: str) -> int:

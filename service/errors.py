@@ -18,7 +18,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cache_store.service_api.protocol import ERROR_HEADER
-from service.budget import ReadBudgetBusy, ResponseTooLarge
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -29,17 +28,19 @@ from cache_store.errors import (
     NoWorkerAlive,
     ParameterError,
     QueueDamaged,
+    ReadBudgetBusy,
     ReadOnlyStoreError,
     RecordNotFound,
+    ResponseTooLarge,
     SourceError,
     SpcacheError,
     StoreBusy,
     StoreFull,
     UnknownName,
+    WaitingFull,
 )
 
 __all__ = [
-    "WaitingFull",
     "STATUS_BY_ERROR",
     "ERROR_RESPONSES",
     "ErrorBody",
@@ -49,11 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class WaitingFull(SpcacheError):
-    """Every read-through wait slot is taken (``max_waiting_requests``); retry after
-    ``Retry-After`` (see :mod:`service.read_through`)."""
 
 
 #: Most specific class first; the first ``isinstance`` match wins.

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.errors import WaitingFull
+from cache_store.errors import WaitingFull
 
 __all__ = ["BodySizeLimit", "WaitSlots"]
 

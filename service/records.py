@@ -25,7 +25,8 @@ from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, tag_for_checksum
 from cache_store.keys import FINGERPRINT_PATTERN, record_key
-from service.budget import ResponseTooLarge, record_length
+from cache_store.errors import ResponseTooLarge
+from service.budget import record_length
 from service.context import ServiceContext
 
 __all__ = [

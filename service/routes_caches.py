@@ -34,7 +34,8 @@ from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, sign_checksums
 from cache_store.format.wire import BATCH_MEDIA_TYPE, encode_batch
 from service.auth import require_token
-from service.budget import ResponseTooLarge, record_length
+from cache_store.errors import ResponseTooLarge
+from service.budget import record_length
 from service.context import Context
 from service.errors import status_for
 from service.read_through import not_ready_response, wait_for_records
@@ -49,7 +50,7 @@ from service.records import (
     record_etag,
     record_tag_header,
 )
-from service.warmup import resolve_source
+from service.warmup import request_source
 
 __all__ = ["router", "BatchRequest"]
 
@@ -446,7 +447,7 @@ def get_item_state(
     limits = SourceLimits.of(settings.source_roots, settings.max_hash_bytes)
     source = None
     if path is not None:
-        source = str(resolve_source(path, settings.source_roots, settings.max_hash_bytes))
+        source = str(request_source(path, settings.source_roots, settings.max_hash_bytes))
     return item_state(
         ctx.store(),
         ctx.queue,

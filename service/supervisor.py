@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -35,14 +34,13 @@ from pathlib import Path
 from cache_store.errors import SpcacheError
 from cache_store.jobs.owner_lock import describe_holder, lock_holder
 from cache_store.jobs.queue import JobQueue
+from cache_store.processes import child_env, stop_child
 
 __all__ = ["WorkerSupervisor", "worker_command"]
 
 log = logging.getLogger(__name__)
 
 
-#: environment variable naming the pid a child spcache process must outlive no longer
-PARENT_PID_ENV = "SPCACHE_PARENT_PID"
 #: How long a starting worker may take to write its first heartbeat (imports torch).
 START_GRACE_S = 60.0
 #: The exit status of an spcache command whose usage, backend or path was refused
@@ -127,8 +125,7 @@ class WorkerSupervisor:
 
     def _spawn(self) -> subprocess.Popen[bytes]:
         log.info("starting worker: %s", " ".join(self.command))
-        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
-        return subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=env)
+        return subprocess.Popen(self.command, stdin=subprocess.DEVNULL, env=child_env())
 
     def _owned_elsewhere(self) -> str | None:
         """Who else holds the cache's worker lock, in words, or None."""
@@ -226,15 +223,7 @@ class WorkerSupervisor:
         code = None
         if proc is not None and proc.poll() is None:
             log.info("stopping worker (pid %d)", proc.pid)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                log.warning(
-                    "worker (pid %d) did not stop in %.0fs; killing it", proc.pid, self.stop_grace_s
-                )
-                proc.kill()
-                code = proc.wait()
+            code = stop_child(proc, self.stop_grace_s, what="worker")
         elif proc is not None:
             code = proc.returncode
         if self._thread is not None:

@@ -45,7 +45,7 @@ from cache_store.jobs.queue import NewItem
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.stores.base import Store
 
-__all__ = ["WarmupPlan", "plan_warmup", "resolve_source", "expand_glob"]
+__all__ = ["WarmupPlan", "plan_warmup", "request_source", "expand_glob"]
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,14 @@ class WarmupPlan:
     stale: set[str] = field(default_factory=set)
 
 
-def resolve_source(
+def request_source(
     path: str, roots: Sequence[Path], max_bytes: int = DEFAULT_MAX_SOURCE_BYTES
 ) -> Path:
-    """The real path of a source file, which must lie inside one of ``roots``.
+    """The source a request names (``path``, as the client wrote it), checked: its real
+    path, which must lie inside one of ``roots``.
 
-    Relative paths are taken relative to the first root. The path is checked by the
+    A request's rule, on top of the source gate's: a relative path is taken relative to
+    the first root (``~`` expanded). The path is checked by the
     source gate (:func:`cache_store.sources.files.check_source`: resolved, inside the
     roots before anything else is looked at, opened without following a final link, a
     regular file of at most ``max_bytes``); raises :class:`SourceError` naming ``path``
@@ -298,7 +300,7 @@ def plan_warmup(
             if sid in seen:
                 raise InvalidSampleId(sid, f"duplicate (also items[{seen[sid]}])")
             seen[sid] = i
-            checked.append((sid, resolve_source(path, roots)))
+            checked.append((sid, request_source(path, roots)))
         except SpcacheError as exc:
             problems.append(f"items[{i}]: {exc}")
             if len(problems) >= _MAX_PROBLEMS:

@@ -24,34 +24,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from cache_store import errors as _errors
+from cache_store.errors import *  # noqa: F403 - the error classes, below
+from cache_store.version import __version__
+
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
-    from cache_store.errors import (
-        BackendUnavailable,
-        CacheDamaged,
-        CacheNotFound,
-        CorruptRecord,
-        FingerprintLookupError,
-        FingerprintRemoved,
-        InvalidSampleId,
-        InvalidTensor,
-        JobNotFound,
-        MissTimeout,
-        NoWorkerAlive,
-        ParameterError,
-        QueueDamaged,
-        ReadOnlyStoreError,
-        RecordNotFound,
-        SampleFailed,
-        SourceError,
-        SpcacheError,
-        StaleRecord,
-        StoreBusy,
-        StoreFull,
-        TensorTypeError,
-        UnknownName,
-        UnsupportedFormat,
-        UsageError,
-    )
     from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
@@ -59,37 +36,6 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
     from spcache.compute import FailedSample, PrecomputeResult, Timings, precompute
-
-__version__ = "0.1.0"
-
-#: the error classes, all defined in cache_store.errors (every one is a SpcacheError)
-_ERRORS = (
-    "SpcacheError",
-    "RecordNotFound",
-    "FingerprintRemoved",
-    "CorruptRecord",
-    "UnsupportedFormat",
-    "InvalidSampleId",
-    "SourceError",
-    "UnknownName",
-    "ParameterError",
-    "UsageError",
-    "FingerprintLookupError",
-    "ReadOnlyStoreError",
-    "StoreBusy",
-    "StoreFull",
-    "CacheDamaged",
-    "QueueDamaged",
-    "CacheNotFound",
-    "JobNotFound",
-    "InvalidTensor",
-    "TensorTypeError",
-    "BackendUnavailable",
-    "SampleFailed",
-    "NoWorkerAlive",
-    "MissTimeout",
-    "StaleRecord",
-)
 
 # public name -> module that defines it, imported on first access (PEP 562)
 _LAZY: dict[str, str] = {
@@ -102,7 +48,6 @@ _LAZY: dict[str, str] = {
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
     "KEEP_EXTENSION": "cache_store.sources.discover",
-    **dict.fromkeys(_ERRORS, "cache_store.errors"),
     "ls": "cache_store.housekeeping",
     "rm": "cache_store.housekeeping",
     "prune": "cache_store.housekeeping",
@@ -131,33 +76,11 @@ __all__ = [
     "CachedDataset",
     "collate_spc",
     "to_kaolin_spc",
-    # errors: every one is a SpcacheError
-    "SpcacheError",
-    "UsageError",
-    "RecordNotFound",
-    "FingerprintRemoved",
-    "CorruptRecord",
-    "UnsupportedFormat",
-    "InvalidSampleId",
-    "SourceError",
-    "UnknownName",
-    "ParameterError",
-    "FingerprintLookupError",
-    "ReadOnlyStoreError",
-    "StoreBusy",
-    "StoreFull",
-    "CacheDamaged",
-    "QueueDamaged",
-    "CacheNotFound",
-    "JobNotFound",
-    "InvalidTensor",
-    "TensorTypeError",
-    "BackendUnavailable",
-    "SampleFailed",
-    "NoWorkerAlive",
-    "MissTimeout",
-    "StaleRecord",
 ]
+# the errors, every one a SpcacheError: the classes of cache_store.errors, whose __all__
+# is the one list of them (a small module, stdlib only: loading it keeps the front door
+# light)
+__all__ += _errors.__all__
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import signal
 import socket
 import subprocess
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from cache_store.processes import child_env, stop_child
 
 __all__ = ["RECIPE", "run_demo", "write_example_shapes"]
 
@@ -187,7 +188,7 @@ def _run(directory: Path, listener: socket.socket, level: int, exit_after: float
     service = subprocess.Popen(
         command,
         start_new_session=True,
-        env={**os.environ, "SPCACHE_PARENT_PID": str(os.getpid())},
+        env=child_env(),
         pass_fds=(listener.fileno(),),
     )
     try:
@@ -220,7 +221,7 @@ In Python (any number of forked DataLoader workers, no CUDA):
         )
         _serve_until_stopped(service, exit_after)
     finally:
-        _stop(service)
+        stop_child(service, 30.0, group=True, what="the service")
     return 0
 
 
@@ -233,14 +234,3 @@ def _serve_until_stopped(service: subprocess.Popen, exit_after: float | None) ->
         pass
     except KeyboardInterrupt:
         print("stopping the service", flush=True)
-
-
-def _stop(service: subprocess.Popen) -> None:
-    if service.poll() is not None:
-        return
-    os.killpg(service.pid, signal.SIGTERM)
-    try:
-        service.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(service.pid, signal.SIGKILL)
-        service.wait()

@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from cache_store import __version__ as SPCACHE_VERSION
+from cache_store.version import __version__ as SPCACHE_VERSION
 from cache_store.engine_options import EngineOptions
-from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError
+from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError, one_line
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
@@ -63,7 +63,6 @@ from workers.run_ledger import (
     SampleError,
     Summary,
     WorkItem,
-    one_line,
     run_all,
 )
 
@@ -455,7 +454,7 @@ class LocalRun:
                 reason = one_line(exc)
             else:
                 logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
-                reason = f"recipe {spec.name!r}: {stage} {type(exc).__name__}: {one_line(exc)}"
+                reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True)}"
             self.ledger.finish(
                 ItemResult(
                     item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash

@@ -31,14 +31,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cache_store.errors import SourceError
+from cache_store.errors import SourceError, one_line
+from cache_store.processes import pid_alive
 from cache_store.sources.freshness import is_current, trusted_signature
 from cache_store.recipes.api import Recipe
 from cache_store.recipes.registry import ENV_VAR as RECIPES_ENV_VAR
 from cache_store.recipes.registry import report_problems_here
 from workers.recipe_run import get_recipe, make_generator
 from workers.loader_process import loader_context
-from workers.run_ledger import WorkItem, one_line
+from workers.run_ledger import WorkItem
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
 
@@ -67,7 +68,7 @@ def _recipe_here(recipe_name: str) -> Recipe:
     except Exception as exc:  # noqa: BLE001 - the loader's problem, raised as one
         raise LoaderUnusable(
             f"recipe {recipe_name!r} is not found in a loader process "
-            f"({type(exc).__name__}: {one_line(exc)})"
+            f"({one_line(exc, with_class=True)})"
         ) from None
 
 
@@ -122,25 +123,8 @@ def load_sample(
         if failed_hash is not None and digest == failed_hash:
             return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
         source = load_source(path, data)
-    except SourceError as exc:
-        return LoadOutcome(
-            "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
-        )
-    except MemoryError:
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason="out of memory while loading",
-            source_hash=digest,
-        )
-    except Exception as exc:  # reported as this sample's failure, never swallowed
-        logger.exception("loading %s failed", path)
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason=f"{type(exc).__name__}: {one_line(exc)}",
-            source_hash=digest,
-        )
+    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
+        return _failed(exc, start, digest, step=f"loading {path}")
     try:
         prepared = recipe.prepare(source, params, make_generator(fingerprint, sample_id))
         if not isinstance(prepared, dict):
@@ -158,26 +142,27 @@ def load_sample(
             source_hash=digest,
             source_stat=signature,
         )
-    except SourceError as exc:
-        return LoadOutcome(
-            "failed", time.perf_counter() - start, reason=exc.reason, source_hash=digest
+    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
+        step = f"recipe {recipe_name!r}: prepare() on {path}"
+        return _failed(
+            exc, start, digest, step=step, prefix=f"recipe {recipe_name!r}: prepare() raised "
         )
-    except MemoryError:
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason="out of memory while loading",
-            source_hash=digest,
-        )
-    except Exception as exc:  # reported as this sample's failure, never swallowed
-        logger.exception("recipe %r: prepare() failed on %s", recipe_name, path)
-        return LoadOutcome(
-            "failed",
-            time.perf_counter() - start,
-            reason=f"recipe {recipe_name!r}: prepare() raised "
-            f"{type(exc).__name__}: {one_line(exc)}",
-            source_hash=digest,
-        )
+
+
+def _failed(
+    exc: Exception, start: float, digest: str, *, step: str, prefix: str = ""
+) -> LoadOutcome:
+    """The sample's failure for the error one of its steps raised: a :class:`SourceError`
+    gives its own reason, running out of memory says so, anything else is logged with its
+    traceback (naming ``step``) and named by its class after ``prefix``."""
+    if isinstance(exc, SourceError):
+        reason = exc.reason
+    elif isinstance(exc, MemoryError):
+        reason = "out of memory while loading"
+    else:
+        logger.error("%s failed", step, exc_info=exc)
+        reason = prefix + one_line(exc, with_class=True)
+    return LoadOutcome("failed", time.perf_counter() - start, reason=reason, source_hash=digest)
 
 
 def _init_loader_process(engine_pid: int, recipes_env: str | None) -> None:
@@ -202,23 +187,9 @@ def _exit_when_orphaned(engine_pid: int) -> None:
     leaves no chance to shut the pool down), and with a forkserver its parent is not the
     engine, so the engine's pid is watched directly.
     """
-    while _process_alive(engine_pid):
+    while pid_alive(engine_pid):
         time.sleep(0.5)
     os._exit(1)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until reaped; on Linux, tell the two apart
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 #: The reason of a sample whose file killed its loader twice (see :class:`LoaderPool`).
@@ -404,7 +375,7 @@ def _cannot_start(exc: BaseException) -> str:
 def _described(exc: BaseException) -> str:
     if isinstance(exc, LoaderUnusable):
         return one_line(exc)
-    return f"{type(exc).__name__}: {one_line(exc)}"
+    return one_line(exc, with_class=True)
 
 
 @contextlib.contextmanager

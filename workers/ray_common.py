@@ -6,11 +6,11 @@ Nothing here imports Ray at module level: the local engine's path never loads it
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import BackendUnavailable, SpcacheError
+from cache_store import errors
+from cache_store.errors import RayUnavailable, SpcacheError
 from workers.run_ledger import Summary
 
 __all__ = [
@@ -23,13 +23,6 @@ __all__ = [
     "ray_get",
     "raise_local",
 ]
-
-
-class RayUnavailable(BackendUnavailable):
-    """Ray is not installed, or the cluster cannot be reached or cannot host the actors."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__("ray", reason)
 
 
 class RemoteError(Exception):
@@ -56,14 +49,15 @@ class RemoteError(Exception):
 def local_error(exc: BaseException) -> BaseException:
     """The error an actor raised, as the driver should raise it.
 
-    A carried spcache error comes back as its own class (only classes of spcache's own
-    packages are looked up); anything else is Ray's error, with the actor's traceback.
+    A carried spcache error comes back as its own class (looked up among the classes of
+    :mod:`cache_store.errors`, where every one is defined); anything else is Ray's error,
+    with the actor's traceback.
     """
     cause = getattr(exc, "cause", None)
     if isinstance(cause, RemoteError):
         module, name, message, attrs = cause.args
-        if module.split(".")[0] in ("cache_store", "workers"):
-            cls = getattr(importlib.import_module(module), name, None)
+        if module == errors.__name__ and name in errors.__all__:
+            cls = getattr(errors, name)
             if isinstance(cls, type) and issubclass(cls, SpcacheError):
                 error = cls.__new__(cls)
                 error.args = (message,)

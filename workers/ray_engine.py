@@ -53,12 +53,12 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from cache_store.engine_options import EngineOptions
-from cache_store.errors import UsageError
+from cache_store.errors import RayUnavailable, UsageError
 from cache_store.jobs.failures import FailureLog
 from cache_store.stores.base import Store
 from workers.engine import Engine
 from workers.ray_actor import ShardBuffer, ShardWorker
-from workers.ray_common import ActorStats, RaySummary, RayUnavailable
+from workers.ray_common import ActorStats, RaySummary
 from workers.ray_driver import RayRun, RayRunOptions
 from cache_store.recipes.api import Recipe
 from workers.run_ledger import ItemResult

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_store.errors import FingerprintRemoved, StoreFull
+from cache_store.errors import FingerprintRemoved, StoreFull, one_line
 from cache_store.format.encode import encode_record
 from cache_store.stores.base import Store
-from workers.run_ledger import ItemResult, WorkItem, one_line
+from workers.run_ledger import ItemResult, WorkItem
 
 __all__ = ["PendingRecord", "RecordWriter"]
 

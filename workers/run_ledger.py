@@ -33,6 +33,7 @@ from cache_store.errors import (
     FingerprintRemoved,
     InvalidSampleId,
     StoreFull,
+    one_line,  # re-exported for the Ray driver until it imports it from errors
 )
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
@@ -445,12 +446,6 @@ class RunLedger:
                 np.array(old + new, dtype=str),
             )
         )
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception's message on one line, at most 300 characters."""
-    text = " ".join(str(exc).split())
-    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def run_all(*steps: Callable[[], object]) -> None:

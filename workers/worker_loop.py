@@ -437,9 +437,10 @@ def run_worker(
 
     Raises :class:`~cache_store.errors.UsageError` (bad path, cache owned, lock not
     taken), :class:`~cache_store.errors.BackendUnavailable`,
-    :class:`~cache_store.housekeeping.LimitTooSmall`.
+    :class:`~cache_store.errors.LimitTooSmall`.
     """
-    from cache_store.jobs.owner_lock import CacheOwned, WorkerLock
+    from cache_store.errors import CacheOwned
+    from cache_store.jobs.owner_lock import WorkerLock
     from cache_store.location import check_cache_dir
 
     if not cache.exists():

@@ -17,6 +17,7 @@ import xxhash
 from cache_store.errors import CorruptRecord, ParameterError
 from cache_store.format.decode import selected_fields, verified_field
 from cache_store.format.descriptor import Descriptor, make_descriptor, split_metadata
+from cache_store.version import __version__
 from cache_store.format.header import (
     BLANK_CHECKSUM,
     DTYPES,
@@ -199,8 +200,6 @@ def encode_record(tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> En
     if "created" not in meta:
         meta["created"] = _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds")
     if "spcache_version" not in meta:
-        from cache_store import __version__  # late: cache_store/__init__ imports this module
-
         meta["spcache_version"] = __version__
     _check_metadata(meta, REQUIRED_METADATA)
     shared, own = split_metadata(meta)

@@ -18,6 +18,7 @@ import socket
 from typing import Any
 
 from cache_store.jobs.db import QueueAccess, column_json, write_txn
+from cache_store.processes import pid_alive
 
 __all__ = ["WorkerLiveness"]
 
@@ -112,22 +113,4 @@ def _process_alive(beat: dict[str, Any]) -> bool:
     taken for alive (its heartbeat's age is all there is to go on)."""
     if beat["info"].get("host") != socket.gethostname():
         return True
-    return _pid_running(int(beat["pid"]))
-
-
-def _pid_running(pid: int) -> bool:
-    """The process exists and is not a zombie (dead, waiting for its parent to reap it:
-    ``kill(pid, 0)`` still succeeds for one)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: it exists
-        pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:  # no /proc (not Linux), or it ended just now
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
-    state = stat[stat.rfind(b")") + 2 :][:1]  # the field after "(command name)"
-    return state not in (b"Z", b"X")
+    return pid_alive(int(beat["pid"]))

@@ -17,20 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import SpcacheError
+from cache_store.errors import CacheOwned
 
 __all__ = ["LOCK_FILENAME", "CacheOwned", "WorkerLock", "lock_holder", "describe_holder"]
 
 LOCK_FILENAME = "worker.lock"
-
-
-class CacheOwned(SpcacheError):
-    """Another live worker holds the cache's worker lock."""
-
-    def __init__(self, cache: object, holder: dict[str, Any]) -> None:
-        super().__init__(f"{cache}: already owned by {describe_holder(holder)}")
-        self.cache = str(cache)
-        self.holder = holder
 
 
 def describe_holder(holder: dict[str, Any]) -> str:
@@ -78,7 +69,9 @@ class WorkerLock:
                     holder = lock_holder(self.cache)
                     # a momentary shared lock is lock_holder() looking: try again
                     if holder is not None or attempt == 4:
-                        raise CacheOwned(self.cache, holder or {}) from None
+                        raise CacheOwned(
+                            self.cache, holder or {}, describe_holder(holder or {})
+                        ) from None
                     time.sleep(0.05)
         except BaseException:
             os.close(fd)

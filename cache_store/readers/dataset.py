@@ -34,6 +34,7 @@ from cache_store.errors import (
     SourceError,
     StaleRecord,
     UnknownName,
+    one_line,
 )
 from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
@@ -70,11 +71,6 @@ def _variable_fields(recipe: str, version: int, params: Mapping[str, Any]) -> fr
 #: worker or a timeout are not the sample's fault and raise whatever the policy.
 SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
 ON_ERROR_CHOICES = ("raise", "skip")
-
-
-def _one_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
@@ -428,7 +424,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _skip(self, i: int, exc: BaseException) -> None:
         sample_id = self.sample_id(i)
         path = self.source_path(i) if self._path_offsets is not None else self.key(i)
-        reason = _one_line(exc)
+        reason = one_line(exc, with_class=True)
         # a file whose id an earlier one has is listed under its path: the id is taken
         key = path if self._id_clash(i) is not None else sample_id
         if self._skipped is not None and self._skipped.add(sample_id, path, reason, key=key):

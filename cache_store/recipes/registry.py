@@ -36,9 +36,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import UnknownName
+from cache_store.errors import UnknownName, one_line
 from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
+from cache_store.version import __version__
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -113,8 +114,6 @@ def _distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str
 
 
 def _builtin_origin() -> dict[str, Any]:
-    from cache_store import __version__
-
     return {"kind": "builtin", "entry": None, "package": "spcache", "package_version": __version__}
 
 
@@ -179,7 +178,7 @@ def load_registry() -> Registry:
         try:
             cls = load()
         except Exception as exc:  # noqa: BLE001 - any import failure is this entry's alone
-            problems.append(f"{label}: failed to import: {type(exc).__name__}: {_one_line(exc)}")
+            problems.append(f"{label}: failed to import: {one_line(exc, with_class=True)}")
             continue
         if cls in builtin:
             if origin["kind"] == "entry point" and origin["package"] == "spcache":
@@ -221,16 +220,12 @@ def load_registry() -> Registry:
         try:
             spec = cls.schema()
         except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
-            problems.append(f"{label}: not a usable recipe: {type(exc).__name__}: {_one_line(exc)}")
+            problems.append(f"{label}: not a usable recipe: {one_line(exc, with_class=True)}")
             continue
         recipes[name] = RecipeEntry(name, cls, spec, {**origin, "label": label})
     for entry in recipes.values():
         entry.origin.pop("label", None)
     return Registry(recipes, problems)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 _lock = threading.Lock()

@@ -18,7 +18,7 @@ What every command shares happens here, once, in this order:
 3. the installed recipes are found (a plugin that cannot load is named now);
 4. a process started by another spcache process (the service's worker, the demo's
    service) finds its parent's pid in ``SPCACHE_PARENT_PID`` and ends when that parent
-   dies (:mod:`spcache.lifecycle`); SIGHUP is treated as SIGTERM;
+   dies (:mod:`cache_store.processes`); SIGHUP is treated as SIGTERM;
 5. an error the command raises becomes one line ``spcache COMMAND: reason`` and the exit
    status of :data:`spcache.cli.exits.EXIT_BY_ERROR`; Ctrl-C exits 130; a closed stdout
    (``spcache ls | head -1``) ends the command quietly with 141, as a tool killed by
@@ -94,8 +94,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
-PARENT_PID_ENV = "SPCACHE_PARENT_PID"
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
@@ -141,10 +139,10 @@ def _main(argv: list[str]) -> int:
         os.getpid(),
         logging.getLevelName(logging.getLogger().level),
     )
+    from cache_store.processes import PARENT_PID_ENV, exit_with_parent
+
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
-        from spcache.lifecycle import exit_with_parent
-
         exit_with_parent(parent)
     previous_hangup = signal.signal(signal.SIGHUP, _hangup_as_terminate)
     try:
@@ -155,7 +153,8 @@ def _main(argv: list[str]) -> int:
 
 def _run(name: str, target: Any, args: argparse.Namespace) -> int:
     """The command, its errors mapped to one line and an exit status."""
-    from spcache.cli.exits import exit_status, one_line
+    from cache_store.errors import one_line
+    from spcache.cli.exits import exit_status
 
     try:
         return int(target.run(args))
@@ -227,7 +226,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from spcache import __version__
+    from cache_store.version import __version__
 
     return __version__
 

@@ -52,7 +52,6 @@ __all__ = [
     "STDOUT_CLOSED",
     "USAGE",
     "exit_status",
-    "one_line",
     "stdout_closed",
 ]
 
@@ -104,14 +103,6 @@ def exit_status(exc: BaseException) -> int | None:
         if isinstance(exc, cls):
             return status
     return None
-
-
-def one_line(exc: BaseException) -> str:
-    """``exc``'s message on one line (whitespace runs folded); its class name if empty."""
-    text = " ".join(str(exc).split())
-    if isinstance(exc, KeyError) and len(exc.args) == 1 and text.startswith(("'", '"')):
-        text = str(exc.args[0])  # KeyError quotes its message
-    return text or type(exc).__name__
 
 
 def stdout_closed() -> int:

@@ -16,7 +16,7 @@ import logging
 import os
 
 from cache_store.engine_options import EngineOptions
-from spcache.cli import PARENT_PID_ENV
+from cache_store.processes import PARENT_PID_ENV
 from spcache.cli.args import add_backend, add_cache, add_device, add_loaders, add_max_size
 from spcache.cli.args import add_source_roots
 

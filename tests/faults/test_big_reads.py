@@ -1,4 +1,4 @@
-"""Issue 26, break 2: unauthenticated reads of the largest records must not grow memory.
+"""Unauthenticated reads of the largest records do not grow the service's memory.
 
 12 concurrent GETs of a ~256 MB record took the service from 67 to 3,647 MiB (the record
 was copied on the event loop and its read-budget reservation released once uvicorn had

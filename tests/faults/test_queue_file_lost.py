@@ -4,6 +4,8 @@ A live service (in-process uvicorn, no worker) has a queue with a job; then the 
 is deleted, truncated, or replaced by another file. Wanted: ``/readyz`` answers 503
 naming the queue and the reason, a warm-up answers 503 (``QueueDamaged``), a worker's
 claim raises ``QueueDamaged``, and an ERROR is logged; nothing is silently recreated.
+A job's own route (``GET /v1/jobs/{id}``) answers 503 ``QueueDamaged`` too, never the
+job's last state from the unlinked file.
 """
 
 from __future__ import annotations
@@ -79,3 +81,28 @@ def test_a_lost_queue_file_is_reported_and_refuses_work(
             "claim": "QueueDamaged",
         },
     )
+
+
+def test_a_job_is_not_answered_from_a_deleted_queue_file(tmp_path: Path) -> None:
+    cache = build_cache(tmp_path)
+    settings = Settings(cache=cache.root, source_roots=[cache.sources], token=TOKEN, worker=False)
+    with InProcessServer(settings) as server, httpx.Client(base_url=server.url) as client:
+        source = cache.sources / "shapes" / "new.obj"
+        source.write_text("v 0 0 0\nv 1 0 0\nv 0 1 0\nf 1 2 3\n")
+        r = client.post(
+            "/v1/warmup",
+            headers=AUTH,
+            json={
+                "recipe": "spc",
+                "params": {"level": 5},
+                "items": [{"id": "new", "path": str(source)}],
+            },
+        )
+        assert r.status_code == 202, r.text
+        job_id = r.json()["job_id"]
+        assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "pending"
+        (cache.root / JOBS_FILENAME).unlink()
+        one, listed = client.get(f"/v1/jobs/{job_id}"), client.get("/v1/jobs")
+    assert one.status_code == 503 and one.json()["error"] == "QueueDamaged", one.text
+    assert listed.status_code == 503, listed.text
+    report("job_after_queue_deleted", {"job": one.status_code, "jobs": listed.status_code})

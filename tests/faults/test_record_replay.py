@@ -1,4 +1,4 @@
-"""Issue 26, break 5: replay with the record key.
+"""A replayed record is refused by a reader holding the record key.
 
 With ``SPCACHE_RECORD_KEY`` each record comes with a keyed tag binding it to its key and
 checksum, so an older valid record of the same id, replayed with its own tag after the

@@ -1,4 +1,4 @@
-"""Issue 26, break 1: a read-through dataset must never serve a record of other bytes.
+"""A read-through dataset never serves a record of other bytes than its source holds.
 
 ``CachedDataset(cache, recipe, sources=...)`` returned whatever record was stored under a
 sample id: edit a source between epochs and epoch 2 trained on the old octree (nothing

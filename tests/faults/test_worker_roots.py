@@ -1,4 +1,4 @@
-"""Issue 26, break 4: the roots a job was accepted under bind whichever worker reads it.
+"""The roots a job was accepted under bind whichever worker reads it.
 
 A standalone ``spcache worker`` without ``--source-root`` (what ``docker-compose.yml``
 ran) read and served a file swapped for a symbolic link out of the service's roots after

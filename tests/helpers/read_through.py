@@ -19,7 +19,7 @@ from cache_store.sources.discover import discover_sources
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.procs import Proc, run_spcache, start_spcache, wait_for
 
-# level 8 as the issue asks; fewer samples and queries than the defaults keep the
+# level 8, the level training uses; fewer samples and queries than the defaults keep the
 # CPU-only worker quick on a shared 2-core machine.
 PARAMS = {"level": 8, "surface_samples": 20_000, "uniform_queries": 1024, "surface_queries": 1024}
 CLI_PARAMS = [arg for k, v in PARAMS.items() for arg in ("--param", f"{k}={v}")]

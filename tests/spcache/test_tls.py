@@ -1,5 +1,8 @@
 """``spcache serve`` over HTTPS, and readers that trust its certificate.
 
+A TLS file that is not a regular file (a FIFO, which hung ``serve`` silently at start)
+is refused at once, exit 2, naming it and why, as sources are checked.
+
 The certificate in ``tests/data/tls`` is self-signed for 127.0.0.1 and localhost, made
 for these tests only (``openssl req -x509 -newkey rsa:2048 -nodes -days 36500
 -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1,DNS:localhost``).
@@ -7,7 +10,9 @@ for these tests only (``openssl req -x509 -newkey rsa:2048 -nodes -days 36500
 
 from __future__ import annotations
 
+import os
 import ssl
+import time
 from pathlib import Path
 
 import httpx
@@ -22,7 +27,9 @@ from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.index import DatasetIndex
 from tests.helpers.synthetic import make_record, spc_fields
 from tests.conftest import REPO_ROOT
+from tests.helpers.faults import report
 from tests.helpers.procs import run_spcache, serve
+from tests.helpers.service import TOKEN
 
 TLS = REPO_ROOT / "tests" / "data" / "tls"
 CERT, KEY = TLS / "cert.pem", TLS / "key.pem"
@@ -82,3 +89,30 @@ def test_bad_tls_files_are_one_line_at_start(
 def test_a_ca_file_that_does_not_load_is_named_when_the_store_is_made(ca_file: Path) -> None:
     with pytest.raises(ValueError, match=f"ca_file {ca_file}: cannot load"):
         HTTPStore("https://127.0.0.1:1", ca_file=ca_file)
+
+
+def test_a_fifo_as_the_tls_certificate_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "cert.pem"
+    os.mkfifo(fifo)
+    (tmp_path / "cache").mkdir()
+    start = time.monotonic()
+    done = run_spcache(  # a hang on the FIFO fails here, after the bound
+        "serve",
+        "--cache",
+        tmp_path / "cache",
+        "--port",
+        "0",
+        "--no-worker",
+        "--source-root",
+        tmp_path,
+        "--tls-certfile",
+        fifo,
+        "--tls-keyfile",
+        fifo,
+        env={"SPCACHE_TOKEN": TOKEN},
+        timeout=120,
+    )
+    seconds = time.monotonic() - start
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "not a regular file (it is a FIFO)" in done.stderr and str(fifo) in done.stderr
+    report("tls_fifo", {"exit": done.returncode, "seconds": round(seconds, 2)})
