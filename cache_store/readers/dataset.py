@@ -40,6 +40,7 @@ from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signat
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
+from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
@@ -131,6 +132,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
+        local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
+            URL read through a bounded directory on this machine: what a read needs is
+            fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
+            snapshot's chunk files, the service's records), shared by every process
+            of the machine, least recently used out first, never above ``cache_limit``
+            (bytes, or a size: ``"20G"``); see :mod:`cache_store.local_cache`.
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).
@@ -162,6 +169,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_error: str = "raise",
         id_template: str | None = None,
         on_stale: str | None = None,
+        local_cache: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
         **params: Any,
     ) -> None:
         if not isinstance(fingerprint_or_recipe, str):
@@ -215,12 +224,15 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
         if problems:
             raise ParameterError(problems)
+        self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
         self.fields = None if fields is None else tuple(fields)
         self.transform = transform
         self.params = dict(params)
         self.store_options = dict(store_options or {})
+        if self.local_cache is not None:
+            self.store_options["local_cache"] = self.local_cache
         self.sources = sources
         self.on_miss = on_miss
         self.warm_ahead = int(warm_ahead)
@@ -597,6 +609,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """Samples this process queued for computing (reused queue items not counted)."""
         handler = None if self._miss_handler is None else self._miss_handler.peek()
         return 0 if handler is None else int(handler.queued)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """With ``local_cache``: fetch what the samples at ``indices`` are read from
+        (their parts, chunk files or records) in a thread of this process, in that
+        order, so a loader finds them local; a sampler's read-ahead calls it. Nothing
+        otherwise."""
+        if self.local_cache is not None and len(indices):
+            self._store_here().prefetch([self.key(i) for i in indices])
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""

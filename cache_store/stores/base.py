@@ -419,6 +419,11 @@ class Store(abc.ABC):
         Default: each value through :meth:`get`."""
         return decoder.values([self.get(key) for key in keys])
 
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """A hint: ``keys`` are read soon, in this order. A backend that reads through a
+        local copy (``local_cache``) fetches their units ahead; others ignore it."""
+        return None
+
     def value_size(self, key: str) -> int:
         """Bytes of the value under ``key`` (raises like :meth:`get`). Default: the
         length of :meth:`get`; backends that can read a length without the bytes do."""

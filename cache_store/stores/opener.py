@@ -16,11 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from cache_store.errors import ReadOnlyStoreError, UnknownName
+from cache_store.errors import ReadOnlyStoreError, UnknownName, UsageError
 from cache_store.location import LocationLike, parse_location
 from cache_store.stores.base import Store
 
-__all__ = ["STORE_BACKENDS", "open_store"]
+__all__ = ["LOCAL_CACHE_BACKENDS", "STORE_BACKENDS", "open_store"]
 
 #: Backend name -> "module:Class". Modules are imported when a location needs them, so
 #: backends can land (or be absent) independently.
@@ -31,18 +31,34 @@ STORE_BACKENDS: dict[str, str] = {
     "sharded": "cache_store.snapshot.sharded.store:ShardedSnapshot",
 }
 
+#: Backend name -> the backend that reads it through a bounded local directory
+#: (``local_cache=``, :mod:`cache_store.local_cache`): remote locations only.
+LOCAL_CACHE_BACKENDS: dict[str, str] = {
+    "sharded": "cache_store.local_cache.sharded:CachedShardedSnapshot",
+}
+
 
 def open_store(cache: LocationLike | Store, readonly: bool = True, **options: Any) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
     ``ZarrStore`` (an exported snapshot) or ``ShardedSnapshot`` (one written by many
     writers, and any ``*.zarr`` opened for writing); ``http(s)://host:port`` ->
-    ``HTTPStore``. A ``Store`` passes through.
+    ``HTTPStore``. A ``Store`` passes through. With ``local_cache`` (a
+    :class:`~cache_store.local_cache.disk.LocalCache`), a remote location's backend
+    that reads through that bounded local directory (:data:`LOCAL_CACHE_BACKENDS`).
 
     Nothing is opened yet (the first access opens it, in the calling process).
     """
     if isinstance(cache, Store):
         return cache
     parsed = parse_location(cache)
+    if options.get("local_cache") is not None:
+        if not readonly:
+            raise UsageError(f"{parsed.text}: local_cache is for reading; a writer writes there")
+        if parsed.is_local:
+            raise UsageError(
+                f"{parsed.text}: local_cache is for a remote location (s3://....zarr, "
+                f"http(s)://); this one is on this machine already"
+            )
     name: str = parsed.kind
     if name == "zarr":
         from cache_store.snapshot.sharded.maintenance import snapshot_kind
@@ -55,7 +71,13 @@ def open_store(cache: LocationLike | Store, readonly: bool = True, **options: An
                 f"{parsed.text}: an exported Zarr snapshot is read-only; "
                 f"write into a new location (a sharded snapshot)"
             )
-    module_name, _, class_name = STORE_BACKENDS[name].partition(":")
+    backends = STORE_BACKENDS if options.get("local_cache") is None else LOCAL_CACHE_BACKENDS
+    if name not in backends:
+        raise UsageError(
+            f"{parsed.text}: local_cache reads a remote {' or '.join(backends)} store, "
+            f"not a {name} one"
+        )
+    module_name, _, class_name = backends[name].partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -377,6 +377,16 @@ class ShardedSnapshot(Store):
             entry = dataset.entries.get(sample_id) if dataset else None
         return entry
 
+    def entry_of(self, key: str) -> Entry | None:
+        """Where the committed record of ``key`` lies (its part, offset and length, its
+        checksum), or None when no commit holds it."""
+        return self._entry(key)
+
+    def checked(self, value: bytes, key: str, entry: Entry) -> bytes:
+        """``value`` read for ``key`` from where ``entry`` says, if it is the committed
+        record (:func:`~cache_store.snapshot.sharded.format.check_against_manifest`)."""
+        return check_against_manifest(value, key, entry, self.descriptor)
+
     def get(self, key: str) -> bytes:
         entry = self._entry(key)
         if entry is None:
@@ -387,7 +397,7 @@ class ShardedSnapshot(Store):
             value = storage.read(self.fs, path, entry.offset, entry.offset + entry.length)
         except FileNotFoundError:
             raise CorruptRecord(key, f"its committed part {entry.part}.bin is missing") from None
-        return check_against_manifest(value, key, entry, self.descriptor)
+        return self.checked(value, key, entry)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes]:
         """Values of ``keys`` (range reads grouped per request batch)."""
@@ -405,7 +415,7 @@ class ShardedSnapshot(Store):
         for (key, entry), value in zip(located, values, strict=True):
             if isinstance(value, BaseException):
                 raise CorruptRecord(key, f"cannot be read ({value})")
-            out.append(check_against_manifest(bytes(value), key, entry, self.descriptor))
+            out.append(self.checked(bytes(value), key, entry))
         return out
 
     def supply(
