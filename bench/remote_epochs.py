@@ -51,7 +51,7 @@ from cache_store.format.encode import encode_record  # noqa: E402
 from cache_store.format.index import DatasetIndex  # noqa: E402
 from cache_store.keys import compute_fingerprint  # noqa: E402
 from cache_store.local_cache import LocalCache, LocalDisk  # noqa: E402
-from cache_store.recipes.specs import get_recipe_spec  # noqa: E402
+from cache_store.recipes.registry import get_recipe_spec  # noqa: E402
 from cache_store.snapshot.sharded import ShardedSnapshot  # noqa: E402
 from spcache import CachedDataset, Sampler  # noqa: E402
 

@@ -44,7 +44,7 @@ from cache_store.format.ids import pack_ids  # noqa: E402
 from cache_store.format.index import DatasetIndex  # noqa: E402
 from cache_store.keys import compute_fingerprint  # noqa: E402
 from cache_store.readers.order import epoch_order, id_hashes  # noqa: E402
-from cache_store.recipes.specs import get_recipe_spec  # noqa: E402
+from cache_store.recipes.registry import get_recipe_spec  # noqa: E402
 from cache_store.stores.lmdb import LMDBStore  # noqa: E402
 from cache_store.format.encode import encode_record  # noqa: E402
 
