@@ -432,7 +432,10 @@ class RunLedger:
             prefix = fingerprint + "/"
             old = ran + sorted({key[len(prefix) :] for key in store.keys(prefix)} - set(ran))
         ids = append_ids(old, ran)
-        if len(ids) == len(old):  # nothing new (or nothing at all)
+        if len(ids) == len(old) and not ran:
+            # nothing stored by this run. (A run that stored records writes the index even
+            # when it lists them all: a sharded snapshot's lists every committed record
+            # before its index.json is written.)
             return
         store.put_index(
             DatasetIndex(
