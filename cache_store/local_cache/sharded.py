@@ -34,7 +34,6 @@ commits again, and a key not in the listing lists them again (at most once a sec
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import logging
@@ -160,14 +159,7 @@ class CachedShardedSnapshot(ShardedSnapshot):
         if found is None:
             return None
         dataset, at = found  # a copy: the store that listed it may list again meanwhile
-        copy = dataclasses.replace(
-            dataset,
-            params=dict(dataset.params),
-            order=list(dataset.order),
-            entries=dict(dataset.entries),
-            parts_seen=set(dataset.parts_seen),
-        )
-        return copy, at
+        return dataset.copy(), at
 
     def note_listing(self, fingerprint: str, dataset: Dataset, at: float) -> None:
         LISTINGS[(self.location, fingerprint)] = (dataset, at)

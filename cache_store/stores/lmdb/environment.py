@@ -45,6 +45,7 @@ __all__ = [
     "COMPACT_DIR",
     "COMPACT_WAIT_S",
     "DB_NAMES",
+    "DESCRIPTORS_DB",
     "DEFAULT_MAP_SIZE",
     "DEFAULT_MAX_READERS",
     "INDEXES_DB",
@@ -57,6 +58,7 @@ __all__ = [
     "WRITE_LOCK_FILENAME",
     "EnvironmentHandle",
     "has_cache",
+    "out_of_space",
     "shared_envs",
 ]
 
@@ -69,11 +71,14 @@ RECORDS_DIR = "records"
 DEFAULT_MAP_SIZE = 1 << 30
 DEFAULT_MAX_READERS = 1024
 #: The named databases: records (key -> record), indexes (fingerprint -> dataset
-#: index), removed (fingerprint -> tombstone; :mod:`cache_store.stores.lmdb.tombstones`).
+#: index), removed (fingerprint -> tombstone; :mod:`cache_store.stores.lmdb.tombstones`),
+#: descriptors (``<fingerprint>/<digest>`` -> the text of a descriptor its format-2
+#: records name; :mod:`cache_store.format.descriptor`).
 RECORDS_DB = b"records"
 INDEXES_DB = b"indexes"
 REMOVED_DB = b"removed"
-DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB)
+DESCRIPTORS_DB = b"descriptors"
+DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB, DESCRIPTORS_DB)
 #: Writers hold a shared flock on ``<cache>/<this>`` per write; compaction an exclusive one.
 WRITE_LOCK_FILENAME = "records.lock"
 #: Where compaction builds the new generation (and leaves the old one, briefly).
@@ -91,8 +96,9 @@ READER_CHECK_INTERVAL_S = 5.0
 _SPACE_ERRORS = (os.strerror(errno.ENOSPC), os.strerror(errno.EIO), os.strerror(errno.EDQUOT))
 
 
-def _out_of_space(exc: BaseException) -> bool:
-    """py-lmdb reports a failed commit's errno only in its message."""
+def out_of_space(exc: BaseException) -> bool:
+    """Whether an LMDB or OS error means the disk is full (py-lmdb reports a failed
+    commit's errno only in its message)."""
     return isinstance(exc, lmdb.DiskError) or any(m in str(exc) for m in _SPACE_ERRORS)
 
 
@@ -483,6 +489,11 @@ class EnvironmentHandle:
         self._removed_retry = now
         return True
 
+    def look_for_new_databases(self) -> None:
+        """Make the next transaction open the databases a writer created since this
+        handle looked (it looks at most once a second by itself)."""
+        self._removed_retry = 0.0
+
     @contextmanager
     def read(self) -> Iterator[tuple[Any, Dbs]]:
         """A read transaction and the databases for the ``with`` block (a lease
@@ -573,7 +584,7 @@ class EnvironmentHandle:
             except lmdb.MapResizedError:
                 shared.maps.remap(current, 0, self.env_path)
             except lmdb.Error as exc:
-                if _out_of_space(exc):
+                if out_of_space(exc):
                     log.error("%s: write failed: %s", self.env_path, exc)
                     raise StoreFull(self.env_path, str(exc)) from exc
                 raise
