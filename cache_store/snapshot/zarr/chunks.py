@@ -18,7 +18,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LocalChunkReader", "LocalChunkWriter", "ChunkWriterPool", "RawChunkAppender"]
+__all__ = [
+    "ChunkWriterPool",
+    "LocalChunkReader",
+    "LocalChunkWriter",
+    "RawChunkAppender",
+    "check_chunk_crc",
+    "chunk_key",
+]
 
 
 def supports_direct(array: Any) -> bool:
@@ -44,7 +51,18 @@ def supports_direct(array: Any) -> bool:
     )
 
 
-def _chunk_key(index: int, ndim: int) -> str:
+def check_chunk_crc(raw: bytes, key: str) -> bytes:
+    """The body of chunk file ``raw`` (named ``key``), after checking the CRC-32C the
+    exporter's last codec appended; ``ValueError`` when it does not match."""
+    import google_crc32c
+
+    body = raw[:-4]
+    if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
+        raise ValueError(f"chunk {key}: stored and computed CRC-32C do not match")
+    return body
+
+
+def chunk_key(index: int, ndim: int) -> str:
     """Chunk ``index`` (axis 0) of an ``ndim``-d array: its file under the array's
     directory, with zarr's default "/" chunk keys."""
     return "/".join(["c", str(index)] + ["0"] * (ndim - 1))
@@ -124,19 +142,14 @@ class LocalChunkReader:
                 self._cache[index] = cached  # most recently used last
         if cached is not None:
             return cached
-        import google_crc32c
         import numcodecs
 
-        key = _chunk_key(index, len(self.chunk_shape))
-        try:
-            with open(os.path.join(self.directory, *key.split("/")), "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:  # never written: all fill value (0)
+        key = chunk_key(index, len(self.chunk_shape))
+        raw = self.chunk_bytes(index)
+        if raw is None:  # never written: all fill value (0)
             chunk = np.zeros(self.chunk_shape, dtype=self.dtype)
         else:
-            body = raw[:-4]
-            if len(raw) < 4 or np.uint32(google_crc32c.value(body)).tobytes() != raw[-4:]:
-                raise ValueError(f"chunk {key}: stored and computed CRC-32C do not match")
+            body = check_chunk_crc(raw, key)
             if "blosc" in self.codec_names:
                 try:
                     decoded = numcodecs.Blosc().decode(body)
@@ -157,6 +170,16 @@ class LocalChunkReader:
             self._cache[index] = chunk
         return chunk
 
+    def chunk_bytes(self, index: int) -> bytes | None:
+        """Chunk ``index``'s file as stored (rows or blosc frame, then its CRC-32C); None
+        when it was never written."""
+        key = chunk_key(index, len(self.chunk_shape))
+        try:
+            with open(os.path.join(self.directory, *key.split("/")), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
     def _file(self, index: int) -> _ChunkFile | None:
         """Chunk ``index``'s file, open (kept, at most ``keep_files``), after checking its
         size; None: no file. A file object, not a bare fd: one dropped from the kept set
@@ -165,7 +188,7 @@ class LocalChunkReader:
         f = self._files.get(index)
         if f is not None:
             return f
-        key = _chunk_key(index, len(self.chunk_shape))
+        key = chunk_key(index, len(self.chunk_shape))
         try:
             f = _ChunkFile(os.path.join(self.directory, *key.split("/")), "r")
         except FileNotFoundError:  # never written: all fill value (0)
@@ -336,7 +359,7 @@ class LocalChunkWriter:
 
         body = self.codec.encode(chunk)
         with open(
-            _new_chunk_path(self.directory, _chunk_key(index, len(self.chunk_shape))), "wb"
+            _new_chunk_path(self.directory, chunk_key(index, len(self.chunk_shape))), "wb"
         ) as f:
             f.write(body)
             f.write(np.uint32(google_crc32c.value(body)).astype("<u4").tobytes())
@@ -372,7 +395,7 @@ class RawChunkAppender:
         data = np.ascontiguousarray(rows, dtype=self.dtype).reshape(-1).view(np.uint8)
         while data.nbytes:
             if self._file is None:
-                key = _chunk_key(self._index, len(self.chunk_shape))
+                key = chunk_key(self._index, len(self.chunk_shape))
                 self._file = open(_new_chunk_path(self.directory, key), "wb")  # noqa: SIM115
                 self._crc, self._filled = 0, 0
             part = data[: self.chunk_bytes - self._filled]

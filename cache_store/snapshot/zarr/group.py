@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from cache_store.stores.base import RecordDecoder
 
 __all__ = [
     "READ_ERRORS",
+    "ChunkReaders",
     "Located",
     "OpenedGroup",
     "OpenedRoot",
@@ -105,6 +106,9 @@ class OpenedGroup:
         )
 
 
+#: Builds the direct reader of one array's chunk files: (its path in the group, the array).
+ChunkReaders = Callable[[str, Any], LocalChunkReader]
+
 #: A record found: (key, its group, its row).
 Located = tuple[str, "OpenedGroup", int]
 
@@ -155,11 +159,12 @@ def open_root(location: str, storage_options: Mapping[str, Any]) -> OpenedRoot:
 
 
 def load_group(
-    fingerprint: str, group: Any, attrs: dict[str, Any], local_dir: str | None
+    fingerprint: str, group: Any, attrs: dict[str, Any], readers: ChunkReaders | None
 ) -> OpenedGroup:
     """Open one complete fingerprint group: its small arrays read and checked against
-    their digests, offsets checked to tile their arrays. ``local_dir``: the group's
-    directory, to read its chunk files directly (None: through zarr only)."""
+    their digests, offsets checked to tile their arrays. ``readers``: builds the reader
+    of an array's chunk files from its path in the group (``"headers"``,
+    ``"data/<field>"``) and the array, to read them directly (None: through zarr only)."""
     where = f"snapshot:{fingerprint}"
     if attrs.get("kind") != SNAPSHOT_KIND or attrs.get("fingerprint") != fingerprint:
         raise CorruptRecord(where, "group attributes do not describe this fingerprint")
@@ -224,23 +229,20 @@ def load_group(
         {f: arrays[f"offsets/{f}"] for f in fields},
         {f: data[f].async_array for f in fields},
         {f: math.prod(data[f].shape[1:]) * np.dtype(data[f].dtype).itemsize for f in fields},
-        _local_readers(local_dir, headers, data),
+        _local_readers(readers, headers, data),
     )
 
 
 def _local_readers(
-    local_dir: str | None, headers: Any, data: dict[str, Any]
+    readers: ChunkReaders | None, headers: Any, data: dict[str, Any]
 ) -> dict[str, LocalChunkReader] | None:
-    if local_dir is None:
+    if readers is None:
         return None
     arrays = {"headers": (headers, "headers")}
     arrays |= {f: (a, f"data/{f}") for f, a in data.items()}
     if not all(LocalChunkReader.supports(a) for a, _ in arrays.values()):
         return None
-    return {
-        name: LocalChunkReader(os.path.join(local_dir, *path.split("/")), array)
-        for name, (array, path) in arrays.items()
-    }
+    return {name: readers(path, array) for name, (array, path) in arrays.items()}
 
 
 def _check_offsets(where: str, name: str, offsets: np.ndarray, n: int, total: int) -> None:

@@ -40,8 +40,10 @@ from cache_store.keys import (
 )
 from cache_store.location import local_path, parse_location
 from cache_store.process_local import ProcessLocal
+from cache_store.snapshot.zarr.chunks import LocalChunkReader
 from cache_store.snapshot.zarr.format import ATTRS_KEY, records_digest
 from cache_store.snapshot.zarr.group import (
+    ChunkReaders,
     Located,
     OpenedGroup,
     OpenedRoot,
@@ -147,12 +149,23 @@ class ZarrStore(Store):
         group, attrs = found
         if not attrs.get("complete"):
             return None
-        local_dir = None
-        if self.direct_reads and parse_location(self.location).is_local:
-            local_dir = os.path.join(local_path(self.location), fingerprint)
-        snap = load_group(fingerprint, group, attrs, local_dir)
+        snap = load_group(fingerprint, group, attrs, self.chunk_readers(fingerprint, attrs))
         self._snapshots[fingerprint] = snap
         return snap
+
+    def chunk_readers(self, fingerprint: str, attrs: dict[str, Any]) -> ChunkReaders | None:
+        """How the chunk files of ``fingerprint`` (its group's ``attrs``) are read
+        directly: a local snapshot's from its directory; None (through zarr) otherwise.
+        A subclass reading them elsewhere (:mod:`cache_store.local_cache.zarr_snapshot`)
+        gives its own."""
+        if not (self.direct_reads and parse_location(self.location).is_local):
+            return None
+        group_dir = os.path.join(local_path(self.location), fingerprint)
+
+        def reader(path: str, array: Any) -> LocalChunkReader:
+            return LocalChunkReader(os.path.join(group_dir, *path.split("/")), array)
+
+        return reader
 
     # -- reading records ---------------------------------------------------------------
     def _locate(self, key: str) -> tuple[OpenedGroup, int] | None:
