@@ -6,8 +6,8 @@ used out, never above the limit, shared by every process of the machine);
 :mod:`~cache_store.local_cache.prefetch` fetches ahead in a reader's order (a
 :class:`~cache_store.readers.sampler.Sampler`'s read-ahead asks it); one module per
 remote backend says what its unit is: a sharded snapshot's parts
-(:mod:`~cache_store.local_cache.sharded`), the only one so far (an exported Zarr
-snapshot and the service are refused). :func:`cache_store.stores.opener.open_store`
+(:mod:`~cache_store.local_cache.sharded`), an exported Zarr snapshot's chunk files
+(:mod:`~cache_store.local_cache.zarr_snapshot`); the service is refused. :func:`cache_store.stores.opener.open_store`
 opens them when given ``local_cache``.
 """
 

@@ -121,12 +121,13 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
-        local_cache, cache_limit: a remote sharded snapshot (``s3://....zarr``) read
-            through a bounded directory on this machine: each part a read needs is
-            fetched once into ``local_cache``, shared by every process of the machine,
-            least recently used out first, never above ``cache_limit`` (bytes, or a
-            size: ``"20G"``); see :mod:`cache_store.local_cache`. An exported Zarr
-            snapshot or the service URL is refused (not built yet).
+        local_cache, cache_limit: a remote sharded or exported Zarr snapshot
+            (``s3://....zarr``) read through a bounded directory on this machine: each
+            part (sharded) or chunk file (exported) a read needs is fetched once into
+            ``local_cache``, checked, shared by every process of the machine, least
+            recently used out first, never above ``cache_limit`` (bytes, or a size:
+            ``"20G"``; refused up front when it cannot hold the largest unit); see
+            :mod:`cache_store.local_cache`. The service URL is refused (not built yet).
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).

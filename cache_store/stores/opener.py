@@ -35,12 +35,13 @@ STORE_BACKENDS: dict[str, str] = {
 #: (``local_cache=``, :mod:`cache_store.local_cache`): remote locations only.
 LOCAL_CACHE_BACKENDS: dict[str, str] = {
     "sharded": "cache_store.local_cache.sharded:CachedShardedSnapshot",
+    "zarr": "cache_store.local_cache.zarr_snapshot:CachedZarrSnapshot",
 }
 
 # Remote ``*.zarr`` locations this process (or the process it was forked from) found
-# sharded, read through ``local_cache``: a sharded snapshot's root marker is never
+# sharded or exported, read through ``local_cache``: a snapshot's root marker is never
 # removed, so a loader worker opening its store asks the bucket nothing.
-_SHARDED_SEEN: set[str] = set()
+_KIND_SEEN: dict[str, str] = {}
 
 
 def open_store(cache: LocationLike | Store, readonly: bool = True, **options: Any) -> Store:
@@ -71,12 +72,11 @@ def open_store(cache: LocationLike | Store, readonly: bool = True, **options: An
         seen = options.get("local_cache") is not None and (
             f"{parsed.target} {options.get('storage_options')!r}"
         )
-        if seen and seen in _SHARDED_SEEN:
-            kind: str | None = "sharded"
-        else:
+        kind: str | None = _KIND_SEEN.get(seen) if seen else None
+        if kind is None:
             kind = snapshot_kind(parsed.target, options.get("storage_options"))
-            if seen and kind == "sharded":
-                _SHARDED_SEEN.add(seen)
+            if seen and kind is not None:
+                _KIND_SEEN[seen] = kind
         if kind == "sharded" or (kind is None and not readonly):
             name = "sharded"
         elif not readonly:  # an exported snapshot is immutable: writers start a new one

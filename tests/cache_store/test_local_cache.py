@@ -11,15 +11,12 @@ its bad record fails alone; a limit that cannot hold one part is refused before 
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import multiprocessing
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -30,7 +27,16 @@ from cache_store.local_cache import LocalCache, LocalDisk, directory_bytes
 from cache_store.readers.dataset import CachedDataset
 from cache_store.snapshot.sharded import ShardedSnapshot
 from cache_store.stores.opener import open_store
-from tests.helpers.local_cache import FP, BytesUnit, SizeWatch, write_sharded
+from tests.helpers.local_cache import (
+    FP,
+    BytesUnit,
+    SizeWatch,
+    as_list,
+    limit_for,
+    peak_bytes,
+    same,
+    write_sharded,
+)
 from tests.helpers.s3 import S3Server, moto_s3
 
 FORK = multiprocessing.get_context("fork")
@@ -54,20 +60,6 @@ def part_sizes(location: str) -> dict[str, int]:
     with ShardedSnapshot(location) as store:
         listed = store.fs.ls(store.path(FP, "parts"), detail=True, refresh=True)
     return {str(i["name"]).rsplit("/", 1)[-1][: -len(".bin")]: int(i["size"]) for i in listed}
-
-
-def limit_for(directory: Path, units: int, unit_bytes: int) -> int:
-    """A limit holding ``units`` units of ``unit_bytes`` with the directory's own files."""
-    disk = LocalDisk(LocalCache(str(directory), 1 << 40)).open()
-    return disk.cost(unit_bytes) * units + directory_bytes(str(directory))
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
-
-
-def as_list(batch: list[Any]) -> list[Any]:
-    return batch
 
 
 def test_records_through_local_cache_equal_direct_reads(snapshot, tmp_path: Path) -> None:
@@ -98,25 +90,9 @@ def test_the_bound_holds_while_an_epoch_reads_more_than_the_limit(snapshot, tmp_
     directory = tmp_path / "lc"
     limit = limit_for(directory, 3, largest)  # 3 of the 8 parts
     watch_file = tmp_path / "events.txt"
-    peak = [0]
-    done = threading.Event()
-
-    def sample() -> None:
-        """From outside too, between the events. The walk holds the directory's lock, as
-        every count, eviction and publish does: a walk without it is not one moment (it
-        can list a download in tmp/ and, after its rename, the same file in data/)."""
-        while not done.is_set():
-            if os.path.exists(directory / "lock"):
-                with open(directory / "lock", "rb") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)
-                    peak[0] = max(peak[0], directory_bytes(str(directory)))
-            time.sleep(0.005)
-
-    sampler = threading.Thread(target=sample)
     with SizeWatch.installed(str(directory), watch_file) as watch:
         ds = CachedDataset(location, FP, local_cache=directory, cache_limit=limit)
-        sampler.start()
-        try:
+        with peak_bytes(directory) as peak:
             for epoch in range(2):
                 order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(epoch))
                 loader = DataLoader(
@@ -128,9 +104,6 @@ def test_the_bound_holds_while_an_epoch_reads_more_than_the_limit(snapshot, tmp_
                     collate_fn=as_list,
                 )
                 assert sum(len(b) for b in loader) == len(ids)
-        finally:
-            done.set()
-            sampler.join()
         sizes = watch.sizes()
         pids = {line.split()[0] for line in watch.events("fetched")}
     assert len(watch.events("fetched")) > 8  # more than the limit was read: parts came back

@@ -4,24 +4,40 @@ watch on the directory's size at every fetch and eviction, in every process."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from cache_store.errors import CorruptRecord
 from cache_store.format.index import DatasetIndex
-from cache_store.local_cache import directory_bytes
+from cache_store.local_cache import LocalCache, LocalDisk, directory_bytes
 from cache_store.recipes.registry import get_recipe_spec
 from cache_store.snapshot.sharded import ShardedSnapshot
+from cache_store.snapshot.zarr.export import export_snapshot
+from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.synthetic import fingerprint_of, make_record
 
 FP = fingerprint_of("spc")
 
-__all__ = ["FP", "BytesUnit", "SizeWatch", "write_sharded"]
+__all__ = [
+    "FP",
+    "BytesUnit",
+    "SizeWatch",
+    "as_list",
+    "limit_for",
+    "peak_bytes",
+    "same",
+    "write_exported",
+    "write_sharded",
+]
 
 
 def write_sharded(location: str, parts: int, per_part: int, points: int = 400) -> list[str]:
@@ -41,6 +57,67 @@ def write_sharded(location: str, parts: int, per_part: int, points: int = 400) -
     writer.put_index(DatasetIndex(FP, "spc", spec.version, spec.resolve({}), np.array(ids)))
     writer.close()
     return ids
+
+
+def write_exported(
+    location: str, lmdb_dir: Path, samples: int, chunk_bytes: int, points: int = 400
+) -> list[str]:
+    """An exported Zarr snapshot at ``location`` of ``samples`` spc records (written
+    into an LMDB cache at ``lmdb_dir`` first, as ``spcache export`` reads one), its data
+    in chunks of about ``chunk_bytes``; returns the sample ids in index order."""
+    spec = get_recipe_spec("spc")
+    ids = [f"s{i:04d}" for i in range(samples)]
+    cache = LMDBStore(lmdb_dir, readonly=False, map_size=1 << 26)
+    cache.put_many(
+        [
+            (f"{FP}/{sid}", make_record(FP, sid, seed=n, num_points=points))
+            for n, sid in enumerate(ids)
+        ]
+    )
+    cache.put_index(DatasetIndex(FP, "spc", spec.version, spec.resolve({}), np.array(ids)))
+    export_snapshot(cache, FP, location, chunk_bytes=chunk_bytes)
+    cache.close()
+    return ids
+
+
+def limit_for(directory: Path, units: int, unit_bytes: int) -> int:
+    """A limit holding ``units`` units of ``unit_bytes`` with the directory's own files."""
+    disk = LocalDisk(LocalCache(str(directory), 1 << 40)).open()
+    return disk.cost(unit_bytes) * units + directory_bytes(str(directory))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def as_list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+@contextlib.contextmanager
+def peak_bytes(directory: Path) -> Iterator[list[int]]:
+    """The most bytes ``directory`` held, sampled from outside too, between the events
+    (``[peak]``, final when the block ends). The walk holds the directory's lock, as
+    every count, eviction and publish does: a walk without it is not one moment (it can
+    list a download in tmp/ and, after its rename, the same file in data/)."""
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            if os.path.exists(directory / "lock"):
+                with open(directory / "lock", "rb") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    peak[0] = max(peak[0], directory_bytes(str(directory)))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        done.set()
+        sampler.join()
 
 
 class BytesUnit:
