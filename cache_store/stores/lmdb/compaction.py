@@ -35,6 +35,7 @@ from cache_store.stores.lmdb.environment import (
     WRITE_LOCK_FILENAME,
     EnvironmentHandle,
 )
+from cache_store.stores.lmdb import summaries
 
 __all__ = ["compact_environment"]
 
@@ -146,7 +147,7 @@ def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dic
     """Copy every database of ``env`` into a new environment at ``target`` in key order
     with MDB_APPEND (pages filled whole), each record as ``rewrite`` returns it."""
     size = max(env.info()["map_size"], 2 * (env.info()["last_pgno"] + 1) * env.stat()["psize"])
-    out = lmdb.open(str(target), map_size=size, subdir=True, max_dbs=4, sync=False)
+    out = lmdb.open(str(target), map_size=size, subdir=True, max_dbs=len(DB_NAMES), sync=False)
     walked = rewritten = 0
     try:
         with env.begin() as txn:  # writers are held off: this snapshot is the cache
@@ -180,6 +181,8 @@ def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dic
 
             _append_all(out, RECORDS_DB, records())
             _append_all(out, DESCRIPTORS_DB, iter(sorted(descriptors.items())))
+        with out.begin(write=True) as txn:  # the rewritten records' sizes, counted again
+            summaries.ensure(txn, {name: out.open_db(name, txn=txn) for name in DB_NAMES})
         out.sync(True)
     finally:
         out.close()

@@ -48,6 +48,7 @@ __all__ = [
     "RECORDS_DB",
     "RECORDS_DIR",
     "REMOVED_DB",
+    "SUMMARIES_DB",
     "RETIRED_GRACE_S",
     "SWAP_CHECK_INTERVAL_S",
     "WRITE_LOCK_FILENAME",
@@ -72,7 +73,8 @@ RECORDS_DB = b"records"
 INDEXES_DB = b"indexes"
 REMOVED_DB = b"removed"
 DESCRIPTORS_DB = b"descriptors"
-DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB, DESCRIPTORS_DB)
+SUMMARIES_DB = b"summaries"
+DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB, DESCRIPTORS_DB, SUMMARIES_DB)
 #: Writers hold a shared flock on ``<cache>/<this>`` per write; compaction an exclusive one.
 WRITE_LOCK_FILENAME = "records.lock"
 #: Where compaction builds the new generation (and leaves the old one, briefly).
@@ -301,7 +303,7 @@ class EnvironmentHandle:
     def _open_env_once(self, readonly: bool) -> tuple[Any, Dbs]:
         options: dict[str, Any] = dict(
             subdir=True,
-            max_dbs=4,
+            max_dbs=len(DB_NAMES),
             max_readers=self.max_readers,
             lock=self.lock,
             readahead=self.readahead,
