@@ -39,7 +39,7 @@ from cache_store.errors import (
     one_line,  # re-exported for the Ray driver until it imports it from errors
 )
 from cache_store.jobs.failures import Failure, FailureLog
-from cache_store.keys import record_key, validate_sample_id
+from cache_store.keys import record_key, validate_fingerprint, validate_sample_id
 from cache_store.sources.freshness import (
     stored_metadata_many,
     stored_source_hash,
@@ -244,6 +244,7 @@ class RunLedger:
             revive(self.summary.fingerprint, self.requested_at)
         seen: dict[str, str] = {}
         work: list[WorkItem] = []
+        fingerprint = validate_fingerprint(self.summary.fingerprint)
         for sample_id, path in items:
             path = str(path)
             try:
@@ -263,7 +264,7 @@ class RunLedger:
                 continue
             seen[sample_id] = path
             self.admitted.append(sample_id)
-            work.append(WorkItem(sample_id, path, self.key(sample_id)))
+            work.append(WorkItem(sample_id, path, f"{fingerprint}/{sample_id}"))  # both checked
         work = self._skip_unchanged(work)
         if self.failures is not None and work:
             try:

@@ -343,7 +343,9 @@ class Store(abc.ABC):
     def records_metadata(self, keys: Sequence[str]) -> list[dict[str, str] | SpcacheError]:
         """:meth:`record_metadata` of each of ``keys``, in order, the error in its place
         (``RecordNotFound``, ``CorruptRecord``) where it raises one: what a run admitting
-        many samples asks (a backend answers it in few transactions)."""
+        many samples asks (a backend answers it in few transactions, and may check the
+        header as :func:`~cache_store.format.header.read_own_metadata` does, without
+        taking its field table apart)."""
         out: list[dict[str, str] | SpcacheError] = []
         for key in keys:
             try:

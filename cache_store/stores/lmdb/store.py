@@ -24,7 +24,7 @@ from cache_store import usage
 from cache_store.errors import CorruptRecord, FingerprintRemoved, RecordNotFound, SpcacheError
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import Descriptor, bind_metadata
-from cache_store.format.header import read_header
+from cache_store.format.header import read_own_metadata
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest, note_mixed_code
@@ -291,7 +291,7 @@ class LMDBStore(Store):
                         heads.append(RecordNotFound(key, self.location))
                         continue
                     try:
-                        heads.append(read_header(value, key=key).metadata)
+                        heads.append(read_own_metadata(value, key=key))
                     except CorruptRecord as exc:
                         heads.append(exc)
             except lmdb.Error as exc:
