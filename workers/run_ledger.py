@@ -265,7 +265,7 @@ class RunLedger:
             seen[sample_id] = path
             self.admitted.append(sample_id)
             work.append(WorkItem(sample_id, path, f"{fingerprint}/{sample_id}"))  # both checked
-        work = self._skip_unchanged(work)
+        work = self.skip_unchanged(work)
         if self.failures is not None and work:
             try:
                 self.known_failures = self.failures.get_many(
@@ -301,7 +301,7 @@ class RunLedger:
         interrupt can cut short, uses ``committing`` and checks the store instead.)"""
         self.stored_ids.update(sample_ids)
 
-    def _skip_unchanged(self, work: list[WorkItem]) -> list[WorkItem]:
+    def skip_unchanged(self, work: list[WorkItem]) -> list[WorkItem]:
         """Each item with its stored record's source hash; the items whose record's stat
         signature is the file's now (:func:`unchanged_by_stat`: nothing opened) are
         finished here as skipped, never shipped to a loader. Notes records made by other

@@ -1,5 +1,9 @@
 """The record format's bytes and its one strict header parser.
 
+Why one module: the framing, the dtype tables and the parser are one rule, read on every
+record read (every check in one loop, no call per field); apart they would be one
+rule in two places.
+
 A record is named CPU tensors plus string metadata, as one safetensors value::
 
     u64 little-endian N | N bytes of JSON header (space-padded to 8-byte alignment) | data

@@ -1,11 +1,15 @@
 """LMDBStore: the live cache's records and indexes, on the :class:`Store` contract.
 
 The store's primitives, the removal steps ``rm`` and ``prune`` call, and the
-conveniences LMDB does natively (lengths without copies, stats in one walk). Every
+conveniences LMDB does natively (lengths without copies, stats from the summaries). Every
 operation runs in a transaction of the store's :class:`EnvironmentHandle`
 (:mod:`cache_store.stores.lmdb.environment`); tombstones are
-:mod:`cache_store.stores.lmdb.tombstones`. The rules all of it keeps are in
+:mod:`cache_store.stores.lmdb.tombstones`, the summaries its writes keep
+:mod:`cache_store.stores.lmdb.summaries`. The rules all of it keeps are in
 :mod:`cache_store.stores.lmdb`'s doc.
+
+Why one module: it is one class, the store contract's methods on one LMDB environment;
+what could go (tombstones, summaries, the environment, compaction) has gone.
 """
 
 from __future__ import annotations
