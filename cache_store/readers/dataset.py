@@ -7,7 +7,7 @@ own store on first read; nothing here touches CUDA.
 
 Why one module: CachedDataset's three read modes (a store, read-through, skip on error)
 share its fork-safe state; each mode's machinery lives elsewhere
-(readers/*_read_through.py, readers/skipped.py).
+(readers/read_through.py and the two it chooses from, readers/skipped.py).
 """
 
 from __future__ import annotations
@@ -36,15 +36,16 @@ from cache_store.errors import (
     UnknownName,
     one_line,
 )
-from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
 from cache_store.readers.collate import SpcSample
+from cache_store.readers.read_through import open_read_through
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import Store
@@ -490,7 +491,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ``(path, the source's hash now)``. Raises SourceError for an unusable source."""
         path = self.source_path(i)
         signature = check_source(path, self._LIMITS).signature
-        if meta.get(STAT_FIELD) == signature:
+        if same_signature(meta.get(STAT_FIELD), signature):
             return None
         verified = self._verified_here()
         checksum = meta.get("checksum", "")
@@ -565,7 +566,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
         return ProcessLocal(
             functools.partial(
-                _open_read_through,
+                open_read_through,
                 location.kind,
                 location.target,
                 name,
@@ -623,31 +624,3 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._store.close()
         if self._miss_handler is not None:
             self._miss_handler.close()
-
-
-def _open_read_through(
-    kind: str,
-    cache: str,
-    recipe: str,
-    params: dict[str, Any],
-    fingerprint: str,
-    miss_timeout: float,
-    token: str | None,
-    ca_file: str | None,
-) -> Any:
-    """A read-through client for the cache at ``cache`` (``kind``: its location's)."""
-    if kind == "http":
-        from cache_store.readers.http_read_through import HTTPReadThrough
-
-        return HTTPReadThrough(
-            cache,
-            recipe,
-            params,
-            fingerprint,
-            token=token,
-            miss_timeout=miss_timeout,
-            ca_file=ca_file,
-        )
-    from cache_store.readers.queue_read_through import QueueReadThrough
-
-    return QueueReadThrough(cache, recipe, params, fingerprint, miss_timeout=miss_timeout)

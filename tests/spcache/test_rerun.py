@@ -1,6 +1,7 @@
 """A re-run over a finished corpus decides "current" from the stored stat signature, in
-the driver, without opening the file; a source whose signature changed is hashed (and
-computed again only if its bytes changed); a record without a signature is hashed.
+the driver, without opening the file or shipping the sample to a loader; a source whose
+signature changed is hashed (and computed again only if its bytes changed); a record
+without a signature is hashed.
 
 Each run is ``spcache precompute`` in a subprocess from a fresh directory; what it did
 is its JSON summary and the records read back.
@@ -18,7 +19,9 @@ from cache_store.stores.lmdb import LMDBStore
 from tests.spcache.test_summaries import TINY, point_clouds, spcache
 
 
-def test_a_rerun_trusts_the_stat_signature_and_hashes_where_it_changed(tmp_path: Path) -> None:
+def test_a_rerun_decides_by_the_stat_signature_and_hashes_where_it_changed(
+    tmp_path: Path,
+) -> None:
     sources = point_clouds(tmp_path / "sources", 6)
     cache = tmp_path / "cache"
     first = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)
@@ -27,8 +30,14 @@ def test_a_rerun_trusts_the_stat_signature_and_hashes_where_it_changed(tmp_path:
     with LMDBStore(cache) as store:
         stamps = {sid: store.get(f"{fp}/{sid}") for sid in ("p0000", "p0001", "p0002")}
 
-    # p0000: other bytes of the same size, its size, mtime and inode as they were: the
-    # signature says unchanged, and the re-run trusts it without reading the file
+    # nothing changed: every sample is decided in the driver, none goes to a loader
+    # (the loaders' time, summed over the samples they loaded, is nothing)
+    same = spcache(tmp_path / "b", "precompute", sources, "--cache", cache, *TINY)
+    assert (same["done"], same["skipped"], same["failed"]) == (0, 6, 0)
+    assert same["timings"]["load_s"] == 0
+
+    # p0000: other bytes of the same size, its mtime put back: its change time moved, so
+    # the signature differs and the hash decides: computed again
     path = sources / "p0000.npy"
     st = path.stat()
     data = bytearray(path.read_bytes())
@@ -36,19 +45,20 @@ def test_a_rerun_trusts_the_stat_signature_and_hashes_where_it_changed(tmp_path:
     with open(path, "r+b") as f:
         f.write(bytes(data))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    # p0001: touched (same bytes): hashed, found current
+    # p0001: touched (same bytes): hashed in a loader, found current, kept
     old = time.time() - 30
     os.utime(sources / "p0001.npy", (old, old))
     # p0002: new bytes: hashed, computed again
     np.save(sources / "p0002.npy", np.random.default_rng(9).normal(size=(64, 3)).astype(np.float32))
     os.utime(sources / "p0002.npy", (old, old))
 
-    again = spcache(tmp_path / "b", "precompute", sources, "--cache", cache, *TINY)
-    assert (again["done"], again["skipped"], again["failed"]) == (1, 5, 0)
+    again = spcache(tmp_path / "c", "precompute", sources, "--cache", cache, *TINY)
+    assert (again["done"], again["skipped"], again["failed"]) == (2, 4, 0)
+    assert again["timings"]["load_s"] > 0
     with LMDBStore(cache) as store:
         after = {sid: store.get(f"{fp}/{sid}") for sid in stamps}
-    assert after["p0000"] == stamps["p0000"] and after["p0001"] == stamps["p0001"]
-    assert after["p0002"] != stamps["p0002"]
+    assert after["p0001"] == stamps["p0001"]
+    assert after["p0000"] != stamps["p0000"] and after["p0002"] != stamps["p0002"]
 
 
 def test_a_record_without_a_signature_is_decided_by_the_hash(tmp_path: Path) -> None:
