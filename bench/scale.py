@@ -25,7 +25,7 @@ recipe ``spc`` at level 3 on 64-point clouds, about 0.9 kB of tensors each. Sect
     a subprocess, wall time), ``cache_stats``/``ls`` in this process, and the service's
     ``GET /v1/caches/{fp}`` and ``GET /v1/caches`` (its app in this process, the first
     request after start). The baseline, in the same run: the walk over every record
-    that answered them before the writers kept summaries (``run_walk("stats")``, the
+    that answered them before the writers kept summaries (``run_in_child("stats")``, the
     child process the service and ``stats`` used).
 
 ``rerun``
@@ -256,11 +256,19 @@ def _command(*args: str | os.PathLike[str], cwd: Path) -> tuple[float, Any]:
     return wall, json.loads(done.stdout)
 
 
+def _version(cwd: Path) -> None:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "spcache", "--version"], cwd=cwd, check=True, capture_output=True
+    )
+
+
 def section_summaries(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from cache_store.cache_report import cache_stats
     from cache_store.format.index import DatasetIndex
     from cache_store.housekeeping import ls
-    from cache_store.housekeeping.isolated import run_walk
+    from cache_store.housekeeping.isolated import run_in_child
 
     templates = real_templates(workdir, min(args.real, 64), args.level, args.points)
     cache = workdir / "cache"
@@ -279,7 +287,10 @@ def section_summaries(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         )
     print(f"  wrote {args.n} records and their index", file=sys.stderr, flush=True)
     out: dict[str, float] = {}
-    out["walk (before): stats walk in a child"], walked = _timed(lambda: run_walk("stats", cache))
+    out["walk (before): stats walk in a child"], walked = _timed(
+        lambda: run_in_child("stats", cache)
+    )
+    out["spcache --version (a command's start)"], _ = _timed(lambda: _version(workdir))
     out["spcache stats --json (command)"], stats = _command("stats", "--cache", cache, cwd=workdir)
     out["spcache ls --json (command)"], listed = _command("ls", "--cache", cache, cwd=workdir)
     out["cache_stats() in process"], _ = _timed(lambda: cache_stats(cache))
@@ -368,11 +379,17 @@ def section_rerun(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if summary["skipped"] != n or summary["done"] or summary["failed"]:
             raise SystemExit(f"{name}: not a re-run with nothing to do: {summary}")
         runs[name] = {"n": n, "wall_s": wall, "us_per_sample": wall / n * 1e6}
+    runs["spcache --version (a command's start)"] = {
+        "n": 1,
+        "wall_s": _timed(lambda: _version(workdir))[0],
+    }
     print("\nrerun: a re-run over a finished corpus (spcache precompute, whole command)")
     print(f"{'':50} {'N':>9} {'wall s':>9} {'us/sample':>10}")
     for name, run in runs.items():
-        print(f"{name:50} {run['n']:9d} {run['wall_s']:9.1f} {run['us_per_sample']:10.1f}")
-    base, fast = runs.values()
+        per = run.get("us_per_sample")
+        shown = f"{per:10.1f}" if per is not None else f"{'':10}"
+        print(f"{name:50} {run['n']:9d} {run['wall_s']:9.1f} {shown}")
+    base, fast = list(runs.values())[:2]
     print(
         f"{'driver vs baseline, per sample':50} {fast['us_per_sample'] / base['us_per_sample']:>30.3f}x"
     )
