@@ -12,13 +12,18 @@ Rules, each kept in the same write transaction as the change it counts:
 - :func:`count_put` for every record written (an overwrite takes the old value out
   first), :func:`count_index` for every index written, :func:`count_deleted` for every
   record deleted; a fingerprint left without records or index loses its summary.
-- The marker (key :data:`MARKER`) says the summaries are kept. The first writer of this
-  version on a cache without it builds them in one walk (:func:`ensure`); compaction
-  copies them, and a repack counts them again as it writes (:class:`Tally`).
-- A reader trusts them (:func:`read_trusted`) only when the marker is there and their
-  record counts add up to the records database's own count (LMDB keeps it in the
-  database's root: no walk), so records written by an older spcache, which knows no
-  summaries, make readers walk again until the next writer rebuilds them.
+- The marker (key :data:`MARKER`) says the summaries are kept, and names the write
+  transaction that last kept them: every write transaction of an ``LMDBStore`` stamps
+  its own id there (:func:`ensure`, first thing in the transaction). A write that did
+  not (an older spcache, which knows no summaries; any other LMDB writer) leaves the
+  marker naming an older transaction than the environment's last.
+- A reader trusts them (:func:`read_trusted`) only when the marker names the very
+  transaction its snapshot ends with and their record counts add up to the records
+  database's own count (LMDB keeps it in the database's root: no walk); otherwise it
+  walks. A writer that finds the marker naming another transaction than the one before
+  its own builds them again in one walk (:func:`ensure`; so does the first write of this
+  version on an older cache). A compacted copy starts its transaction ids again, so
+  compaction builds them in the copy before the swap.
 - ``present`` is exact while ``records == records_at_index`` (records are added, or a
   fingerprint is removed whole, never one by one); otherwise the reader counts it.
 """
@@ -53,7 +58,23 @@ __all__ = [
 
 #: the key saying summaries are kept (sorts after every fingerprint: hex digits)
 MARKER = b"~kept"
-_MARKER_VALUE = json.dumps({"version": 1}).encode()
+_VERSION = 1
+
+
+def _marked_txn(txn: Any, db: Any) -> int | None:
+    """The transaction id the marker names (None: no marker, or another version's)."""
+    raw = None if db is None else txn.get(MARKER, db=db)
+    if raw is None:
+        return None
+    try:
+        mark = json.loads(bytes(raw))
+        return int(mark["txn"]) if mark.get("version") == _VERSION else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _stamp(txn: Any, db: Any) -> None:
+    txn.put(MARKER, json.dumps({"version": _VERSION, "txn": txn.id()}).encode(), db=db)
 
 
 def code_digest_of(
@@ -183,9 +204,8 @@ def ensure(txn: Any, dbs: dict[bytes, Any]) -> bool:
     True when they were built now. Every write transaction calls it first."""
     records_db, descriptors_db = dbs[RECORDS_DB], dbs[DESCRIPTORS_DB]
     indexes_db, summaries_db = dbs[INDEXES_DB], dbs[SUMMARIES_DB]
-    if txn.get(MARKER, db=summaries_db) == _MARKER_VALUE and _adds_up(
-        txn, records_db, summaries_db
-    ):
+    if _marked_txn(txn, summaries_db) == txn.id() - 1 and _adds_up(txn, records_db, summaries_db):
+        _stamp(txn, summaries_db)
         return False
     txn.drop(summaries_db, delete=False)
     tally = Tally(txn, summaries_db)
@@ -208,7 +228,7 @@ def ensure(txn: Any, dbs: dict[bytes, Any]) -> bool:
             except SpcacheError:
                 continue  # an unreadable index: readers report it as they find it
             count_index(txn, dbs, index.describe(), index.sample_ids.tolist())
-    txn.put(MARKER, _MARKER_VALUE, db=summaries_db)
+    _stamp(txn, summaries_db)
     return True
 
 
@@ -225,7 +245,7 @@ def read_trusted(txn: Any, dbs: dict[bytes, Any]) -> dict[str, dict[str, Any]] |
     """Every fingerprint's summary, or None when they are not kept or do not add up (the
     caller walks the records)."""
     records_db, summaries_db = dbs.get(RECORDS_DB), dbs.get(SUMMARIES_DB)
-    if summaries_db is None or txn.get(MARKER, db=summaries_db) != _MARKER_VALUE:
+    if summaries_db is None or _marked_txn(txn, summaries_db) != txn.id():
         return None
     out: dict[str, dict[str, Any]] = {}
     counted = 0
