@@ -4,8 +4,9 @@ Against moto's real S3 HTTP API on 127.0.0.1, with forked DataLoader workers: re
 read through the local directory equal records read directly (every chunk file fetched
 once); the directory never holds more than ``cache_limit`` at any fetch or eviction, in
 any process, while epochs read more than the limit; a copy damaged on disk is set aside
-and fetched again, never served; a limit that cannot hold the largest chunk file is
-refused before any read.
+and fetched again, never served; a chunk damaged in the snapshot is not kept and fails
+only its own records, as without ``local_cache``; a limit that cannot hold the largest
+chunk file is refused before any read.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from cache_store.errors import LimitTooSmall
+from cache_store.errors import CorruptRecord, LimitTooSmall
 from cache_store.local_cache import LocalCache, LocalDisk, directory_bytes
 from cache_store.local_cache.zarr_snapshot import CachedZarrSnapshot
 from cache_store.readers.dataset import CachedDataset
@@ -161,3 +163,36 @@ def test_a_limit_below_one_chunk_file_is_refused_before_any_read(snapshot, tmp_p
     assert f"cache_limit {limit}" in message.replace(",", "") or f"({limit} bytes)" in message
     assert f"chunk {largest} of {FP}" in message and f"({sizes[largest]} bytes" in message
     assert os.listdir(tmp_path / "lc" / "data") == []
+
+
+def test_a_chunk_damaged_in_the_snapshot_is_not_kept_and_fails_only_its_records(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    location = f"s3://{s3.new_bucket()}/bad/exported.zarr"
+    ids = write_exported(location, tmp_path / "lmdb", samples=12, chunk_bytes=48_000)
+    sizes = chunk_sizes(location)
+    target = max((p for p in sizes if p.startswith("data/")), key=lambda p: sizes[p])
+    fs, root = open_fs(location, {})
+    path = f"{root}/{FP}/{target}"
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+
+    def outcome(ds: CachedDataset) -> list[Any]:
+        out: list[Any] = []
+        for i in range(len(ids)):
+            try:
+                out.append(ds[i])
+            except CorruptRecord as exc:
+                out.append(exc.key)
+        return out
+
+    direct = outcome(CachedDataset(location, FP))
+    directory = tmp_path / "lc"
+    cached = outcome(CachedDataset(location, FP, local_cache=directory, cache_limit="50M"))
+    bad = [i for i, got in enumerate(direct) if isinstance(got, str)]
+    assert 0 < len(bad) < len(ids)  # the chunk's records fail, the others do not
+    for i, (a, b) in enumerate(zip(direct, cached, strict=True)):
+        assert a == b == f"{FP}/{ids[i]}" if i in bad else same(a, b)
+    assert len(os.listdir(directory / "data")) == len(sizes) - 1  # all but the bad one
+    assert os.listdir(directory / "tmp") == []
