@@ -108,6 +108,8 @@ RESERVED_PARAM_NAMES = frozenset(
         "miss_timeout",
         "on_error",
         "on_stale",
+        "local_cache",
+        "cache_limit",
     }
 )
 
