@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
+    from cache_store.readers.sampler import Sampler
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
@@ -44,6 +45,7 @@ _LAZY: dict[str, str] = {
     "FailedSample": "spcache.compute",
     "Timings": "spcache.compute",
     "CachedDataset": "cache_store.readers.dataset",
+    "Sampler": "cache_store.readers.sampler",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
@@ -74,6 +76,7 @@ __all__ = [
     "compact",
     # reading
     "CachedDataset",
+    "Sampler",  # each epoch a fresh variant per sample (variants=K)
     "collate_spc",
     "to_kaolin_spc",
 ]

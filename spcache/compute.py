@@ -56,9 +56,11 @@ class Timings:
 class PrecomputeResult:
     """The outcome of :func:`precompute` (what ``spcache precompute --json`` prints).
 
-    ``done`` samples were computed and stored in this run, ``skipped`` ones already had an
-    up-to-date record, ``failed`` ones have none: ``errors`` says why, one
-    :class:`FailedSample` each. ``fingerprint`` names the recipe, version and parameters
+    ``done`` records were computed and stored in this run, ``skipped`` ones were already
+    stored and up to date, ``failed`` ones are not stored: ``errors`` says why, one
+    :class:`FailedSample` each. A record is one variant of a sample: a run of ``variants``
+    per sample reports ``samples x variants`` records (a failed variant's id is
+    ``<sample id>#v<k>``). ``fingerprint`` names the recipe, version and parameters
     in the cache: ``CachedDataset(cache, fingerprint)`` reads the records
     (:meth:`dataset`). ``extra`` holds what only one engine reports (with
     ``engine="ray"``: ``actors`` and ``shard_retries``).
@@ -88,10 +90,12 @@ class PrecomputeResult:
     #: "left out 7 files of unsupported types: .dae 3, ...")
     left_out: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: records asked for per sample
+    variants: int = 1
 
     @property
     def total(self) -> int:
-        """Samples the run reported on: ``done + skipped + failed``."""
+        """Records the run reported on: ``done + skipped + failed``."""
         return self.done + self.skipped + self.failed
 
     @property
@@ -123,6 +127,7 @@ class PrecomputeResult:
             "oom_backoffs",
             "skipped_other_code",
             "left_out",
+            "variants",
         }
         timings = dict(data.get("timings", {}))
         return cls(
@@ -154,6 +159,7 @@ class PrecomputeResult:
                 {str(k): int(v) for k, v in dict(data.get("left_out", {})).items()}
             ),
             extra=MappingProxyType({k: v for k, v in data.items() if k not in known}),
+            variants=int(data.get("variants", 1)),
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -186,6 +192,7 @@ class PrecomputeResult:
             "oom_backoffs": self.oom_backoffs,
             "skipped_other_code": self.skipped_other_code,
             "left_out": dict(self.left_out),
+            "variants": self.variants,
             **self.extra,
         }
         if self.engine != "local":
@@ -215,6 +222,7 @@ def precompute(
     query_chunk: int = _DEFAULTS.query_chunk,
     write_batch: int = _DEFAULTS.write_batch,
     id_template: str | None = None,
+    variants: int = 1,
     **params: Any,
 ) -> PrecomputeResult:
     """Compute ``recipe`` over ``sources`` into the cache directory ``cache``; samples
@@ -247,6 +255,11 @@ def precompute(
             directory or ``.txt`` manifest (``"{parts[0]}/{parts[1]}"``; ``"{path}"``
             keeps the extension), as ``--id-template`` (see
             :func:`cache_store.sources.discover.sample_id_for`).
+        variants: records per sample: variant 0 (the sample itself) and ``variants - 1``
+            more, each prepared from its own seeded generator (augmented where the
+            recipe's augmentation parameters are set: ``rotation``, ``scale_min``,
+            ``scale_max``, ``jitter`` for the built-ins). Not part of the fingerprint:
+            asking for 6 after 4 computes the 2 new ones.
         **params: the recipe's parameters (e.g. ``level=8``); defaults fill the rest.
 
     Returns:
@@ -288,6 +301,7 @@ def precompute(
         address=address,
         actors=actors,
         id_template=id_template,
+        variants=variants,
     )
     from cache_store.location import is_remote
 

@@ -119,13 +119,15 @@ def snippet_kind(code: str) -> str:
     kinds = [
         kind
         for kind, marker in (
-            ("training", "spcache.precompute("),
+            ("training", 'spcache.precompute(SOURCES, "spc_query"'),
+            # tests/spcache/test_variants_training.py runs it as a training script
+            ("variants", "spcache.Sampler("),
             ("read_through", 'sources="meshes/"'),
             ("plugin_reader", '"point_count", level=6)'),
             ("ddp", "init_process_group"),
             ("sdf", '"spc_sdf"'),
             # built, pip-installed and used by tests/test_readme_commands.py
-            ("recipe", "from spcache.recipes import"),
+            ("recipe", "from spcache.recipes import Field, Param, Recipe"),
         )
         if marker in code
     ]
@@ -135,7 +137,15 @@ def snippet_kind(code: str) -> str:
 
 def test_every_python_snippet_is_run_by_a_test() -> None:
     kinds = [snippet_kind(code) for code in readme_python_snippets()]
-    assert sorted(kinds) == ["ddp", "plugin_reader", "read_through", "recipe", "sdf", "training"]
+    assert sorted(kinds) == [
+        "ddp",
+        "plugin_reader",
+        "read_through",
+        "recipe",
+        "sdf",
+        "training",
+        "variants",
+    ]
     for code in readme_python_snippets():
         compile(code, "README.md", "exec")
 

@@ -112,6 +112,13 @@ COMMANDS: dict[str, How] = {
     # -- Using the cache in training
     "spcache precompute spcache-demo/sources --recipe spc_query --param level=7 --cache "
     "spcache-demo/cache": How(RUN, DEMO_TEST),
+    "spcache precompute meshes/ --recipe spc --param level=6 --param rotation=so3 --variants 4 "
+    "--cache cache": How(
+        ELSEWHERE,
+        "tests/spcache/test_variants_training.py::"
+        "test_the_readme_variants_line_then_more_variants_then_ls runs it from a fresh "
+        "directory, then with --variants 6, then spcache ls",
+    ),
     "python -": How(
         ELSEWHERE,
         "names a way to start Python; tests/spcache/test_precompute_anywhere.py runs "

@@ -18,7 +18,13 @@ Three stages overlap:
 3. **Writing** (a writer thread, :mod:`workers.record_writer`): records are encoded
    and written in batched transactions (``store.put_many``).
 
-A sample that fails at any stage is recorded with its reason in the :class:`Summary`;
+A run may ask for ``variants=K``: K records of each sample (variant 0, the sample as
+without variants, and K-1 more, each prepared from the same loaded source with its own
+seeded generator: :mod:`cache_store.recipes.augment`). Records already stored and
+current are skipped, so asking for 6 after 4 computes the 2 new ones. The summary
+counts records.
+
+A record that fails at any stage is recorded with its reason in the :class:`Summary`;
 the run goes on. ``on_result`` is called in the calling thread for every item, and for
 a computed item only after its record has committed. When the run ends (or is
 interrupted) the fingerprint's index is written: the ids it held before, in their
@@ -50,9 +56,14 @@ from cache_store.engine_options import EngineOptions
 from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError, one_line
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
-from cache_store.keys import canonical_json, compute_fingerprint, record_key
+from cache_store.keys import (
+    canonical_json,
+    compute_fingerprint,
+    record_key,
+    validate_variant_count,
+)
 from cache_store.stores.base import Store
-from workers.loader import LoaderPool
+from workers.loader import LoaderPool, LoadOutcome, VariantOutcome
 from cache_store.recipes.api import is_out_of_memory
 from cache_store.recipes.registry import get_entry
 from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
@@ -151,7 +162,10 @@ class Engine:
         self.recipe_spec = entry.spec
         #: digest of the recipe's code, stored in every record (``code_digest``)
         self.code_digest = entry.code_digest
+        #: the resolved parameters: they name the fingerprint (and go in every record)
         self.params = self.recipe_spec.resolve(params)
+        #: what prepare and compute get: every parameter, defaults filled in
+        self.run_params = self.recipe_spec.with_defaults(self.params)
         if failure_log is None:
             failure_log = failure_log_beside(store)
         if options.skip_failed and failure_log is None:
@@ -173,18 +187,25 @@ class Engine:
         self.fingerprint = compute_fingerprint(
             self.recipe_spec.name, self.recipe_spec.version, self.params
         )
+        #: what seeds each sample's generators: the fingerprint without the augmentation
+        #: parameters (variant 0 of an augmented run is the record of the plain run)
+        self.seed_fingerprint = compute_fingerprint(
+            self.recipe_spec.name,
+            self.recipe_spec.version,
+            self.recipe_spec.seed_params(self.params),
+        )
         self._loader_pool: LoaderPool | None = None
 
-    def key(self, sample_id: str) -> str:
-        return record_key(self.fingerprint, sample_id)
+    def key(self, sample_id: str, variant: int = 0) -> str:
+        return record_key(self.fingerprint, sample_id, variant)
 
     def loader_pool(self, count: int | None = None) -> LoaderPool:
         """A new, unopened loader pool for this engine's recipe (``count``: items it will
         see, when known)."""
         return LoaderPool(
             self.recipe_spec.name,
-            dict(self.params),
-            self.fingerprint,
+            dict(self.run_params),
+            self.seed_fingerprint,
             loaders=self.loaders,
             count=count,
             limits=self.source_limits,
@@ -219,9 +240,12 @@ class Engine:
         self,
         items: Iterable[tuple[str, str | os.PathLike[str]]],
         on_result: Callable[[ItemResult], None] | None = None,
+        *,
+        variants: int = 1,
     ) -> Summary:
-        """Compute every ``(sample_id, path)`` item; return the :class:`Summary`."""
-        return LocalRun(self, list(items), on_result).execute()
+        """Compute ``variants`` records of every ``(sample_id, path)`` item; return the
+        :class:`Summary` (``on_result`` is called once per record)."""
+        return LocalRun(self, list(items), on_result, validate_variant_count(variants)).execute()
 
 
 def failure_log_beside(store: Store) -> FailureLog | None:
@@ -245,9 +269,11 @@ class LocalRun:
         engine: Engine,
         items: list[tuple[str, Any]],
         on_result: Callable[[ItemResult], None] | None,
+        variants: int = 1,
     ) -> None:
         self.engine = engine
         self.items = items
+        self.variants = variants
         self.ledger = RunLedger(
             engine.store,
             Summary(
@@ -270,7 +296,7 @@ class LocalRun:
     # (which may initialise CUDA), so no CUDA-holding process is ever forked.
     def execute(self) -> Summary:
         start = time.perf_counter()
-        work = self.ledger.admit(self.items)
+        work = self.ledger.admit(self.items, self.variants)
         shared_pool = self.engine._loader_pool
         own_pool = shared_pool is None
         pool = self.engine.loader_pool(len(work)) if shared_pool is None else shared_pool
@@ -317,7 +343,7 @@ class LocalRun:
             self.engine.recipe.chunks = budget
             writer = RecordWriter(self.engine.store, self.engine.write_batch, self.committed)
             writer.start()
-            self.ledger.open_progress(len(self.items))
+            self.ledger.open_progress(len(self.items) * self.variants)
             self._pipeline(work, pool, writer, device, ops, budget)
             writer.finish()
             self._report_committed()
@@ -373,45 +399,59 @@ class LocalRun:
                 item, future = pending.popleft()
                 outcome = pool.result(item, future, pending)
                 self.summary.load_s += outcome.seconds
-                if outcome.status == "skipped":
-                    self.ledger.finish(
-                        ItemResult(
-                            item.sample_id,
-                            item.path,
-                            "skipped",
-                            key=item.key,
-                            source_hash=outcome.source_hash,
-                        )
-                    )
-                elif outcome.status == "skipped-failed":
-                    self.ledger.finish(self.ledger.skipped_failure(item, outcome.source_hash))
+                if outcome.status == "skipped-failed":
+                    self.ledger.skip_failures(item, outcome.source_hash)
                 elif outcome.status == "failed":
-                    self.ledger.finish(
-                        ItemResult(
-                            item.sample_id,
-                            item.path,
-                            "failed",
-                            reason=outcome.reason,
-                            source_hash=outcome.source_hash,
-                        )
+                    self.ledger.finish_all(
+                        item, "failed", reason=outcome.reason, source_hash=outcome.source_hash
                     )
-                else:
-                    assert outcome.prepared is not None
-                    self._compute(
-                        item,
-                        outcome.prepared,
-                        outcome.source_hash,
-                        writer,
-                        device,
-                        ops,
-                        budget,
-                        outcome.source_stat,
-                    )
+                for part in outcome.variants:
+                    self._record(item, part, outcome, writer, device, ops, budget)
                 self._report_committed()
                 self._stop_if_full(writer)
         finally:
             for _, future in pending:  # interrupted: loads nobody will wait for
                 future.cancel()
+
+    def _record(
+        self,
+        item: WorkItem,
+        part: VariantOutcome,
+        outcome: LoadOutcome,
+        writer: RecordWriter,
+        device: torch.device,
+        ops: Any,
+        budget: ChunkBudget,
+    ) -> None:
+        """One wanted record of a loaded sample: skipped, failed, or computed and queued
+        for the writer."""
+        variant = part.variant
+        if part.status == "prepared":
+            assert part.prepared is not None
+            self._compute(
+                item,
+                variant,
+                part.prepared,
+                outcome.source_hash,
+                writer,
+                device,
+                ops,
+                budget,
+                outcome.source_stat,
+            )
+            return
+        key = self.engine.key(item.sample_id, variant) if part.status == "skipped" else ""
+        self.ledger.finish(
+            ItemResult(
+                item.sample_id,
+                item.path,
+                part.status,
+                key=key,
+                reason=part.reason,
+                source_hash=outcome.source_hash,
+                variant=variant,
+            )
+        )
 
     @staticmethod
     def _stop_if_full(writer: RecordWriter) -> None:
@@ -423,6 +463,7 @@ class LocalRun:
     def _compute(
         self,
         item: WorkItem,
+        variant: int,
         prepared: dict[str, Any],
         source_hash: str,
         writer: RecordWriter,
@@ -435,9 +476,9 @@ class LocalRun:
         spec = self.engine.recipe_spec
         stage = "compute() raised"
         try:
-            tensors = self.engine.recipe.compute(prepared, self.engine.params, device, ops)
+            tensors = self.engine.recipe.compute(prepared, self.engine.run_params, device, ops)
             stage = "outputs"
-            check_outputs(spec, tensors, self.engine.params)
+            check_outputs(spec, tensors, self.engine.run_params)
         except Exception as exc:  # one sample's failure is recorded, the run goes on
             if is_out_of_memory(exc):
                 if device.type == "cuda":
@@ -457,16 +498,27 @@ class LocalRun:
                 reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True)}"
             self.ledger.finish(
                 ItemResult(
-                    item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash
+                    item.sample_id,
+                    item.path,
+                    "failed",
+                    reason=reason,
+                    source_hash=source_hash,
+                    variant=variant,
                 )
             )
             return
         finally:
             self.summary.compute_s += time.perf_counter() - start
         metadata = self._metadata(item, source_hash, device, ops)
+        if variant:  # the record's key says it too (cache_store.keys.record_key)
+            metadata["variant"] = str(variant)
         if source_stat:  # readers compare it before hashing (cache_store.sources.freshness)
             metadata[STAT_FIELD] = source_stat
-        writer.put(PendingRecord(item, tensors, metadata))
+        writer.put(
+            PendingRecord(
+                item, tensors, metadata, variant, self.engine.key(item.sample_id, variant)
+            )
+        )
 
     def _metadata(
         self, item: WorkItem, source_hash: str, device: torch.device, ops: Any
@@ -483,7 +535,7 @@ class LocalRun:
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "spcache_version": SPCACHE_VERSION,
             "schema": json.dumps(
-                {k: f.as_json() for k, f in spec.fields.items()},
+                {k: f.as_json() for k, f in spec.fields_for(self.engine.params).items()},
                 sort_keys=True,
                 separators=(",", ":"),
             ),

@@ -173,8 +173,17 @@ class RayEngine(Engine):
         self,
         items: Iterable[tuple[str, str | os.PathLike[str]]],
         on_result: Callable[[ItemResult], None] | None = None,
+        *,
+        variants: int = 1,
     ) -> RaySummary:
-        """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`."""
+        """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`.
+        One record per sample: ``variants`` above 1 is refused (the local engine computes
+        them)."""
+        if variants != 1:
+            raise UsageError(
+                f"variants {variants}: the ray engine computes one record per sample; "
+                "run variants with the local engine (it writes a *.zarr snapshot too)"
+            )
         return RayRun(self.run_options(), list(items), on_result).execute()
 
     def run_options(self) -> RayRunOptions:

@@ -268,22 +268,33 @@ class WorkerLoop:
         # Done items are completed only after the run has written the dataset index, so
         # a job that reads "done" always has every one of its ids in the index.
         finished: list[ClaimedItem] = []
+        # an item is settled once the engine reported each of its job's variants: done
+        # when all are stored, else failed with the first failure's reason
+        results: dict[int, list[Any]] = {}
 
         def on_result(result: Any) -> None:
             item = by_id.get(result.sample_id)
             if item is None:
                 log.warning("engine reported unknown sample %r", result.sample_id)
                 return
+            got = results.setdefault(item.item_id, [])
+            got.append(result)
+            if len(got) < item.variants:
+                return
             reported.add(item.item_id)
-            if result.status in ("done", "skipped"):
+            failed = [r for r in got if r.status not in ("done", "skipped")]
+            if not failed:
                 finished.append(item)
                 return
+            reason = failed[0].reason or "failed"
+            if item.variants > 1:
+                reason = f"{len(failed)} of {item.variants} variants failed; {failed[0].record_id}: {reason}"
             # the sample's own failure is final; a failed write (a full disk) is retried
             queue.fail(
                 self.worker_id,
                 item.item_id,
-                result.reason or "failed",
-                permanent=not result.transient,
+                reason,
+                permanent=not any(r.transient for r in failed),
             )
             with self._held_lock:
                 self._held.pop(item.item_id, None)
@@ -316,7 +327,11 @@ class WorkerLoop:
             # asked for when claimed: a removal of the fingerprint after that refuses its writes
             engine.requested_at = claimed_at
             try:
-                engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+                engine.run(
+                    [(c.sample_id, c.path) for c in claimed],
+                    on_result=on_result,
+                    variants=first.variants,
+                )
             finally:  # the run wrote the index, even when interrupted
                 complete_finished()
         except KeyboardInterrupt:

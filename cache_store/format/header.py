@@ -69,6 +69,7 @@ __all__ = [
     "read_metadata",
     "record_checksum",
     "metadata_key",
+    "metadata_record_id",
     "check_names_key",
 ]
 
@@ -470,8 +471,18 @@ def record_checksum(value: Any, *, key: str = "") -> str:
 
 
 def metadata_key(metadata: Mapping[str, str]) -> str:
-    """The key a record's metadata names: ``"<fingerprint>/<sample id>"``."""
-    return f"{metadata.get('fingerprint')}/{metadata.get('sample_id')}"
+    """The key a record's metadata names: ``"<fingerprint>/<sample id>"``, with
+    ``#v<variant>`` for a record of a variant >= 1 (metadata ``variant``; see
+    :func:`cache_store.keys.record_key`)."""
+    return f"{metadata.get('fingerprint')}/{metadata_record_id(metadata)}"
+
+
+def metadata_record_id(metadata: Mapping[str, str]) -> str:
+    """The record id a record's metadata names: its sample id, with ``#v<variant>`` when
+    it holds a ``variant`` (written for variants >= 1 only)."""
+    variant = metadata.get("variant")
+    sample_id = metadata.get("sample_id")
+    return f"{sample_id}" if variant is None else f"{sample_id}#v{variant}"
 
 
 def check_names_key(metadata: Mapping[str, str], key: str) -> None:

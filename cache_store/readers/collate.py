@@ -10,8 +10,27 @@ import torch
 from torch.utils.data import default_collate
 
 from cache_store.errors import ParameterError
+from cache_store.recipes.specs import RECIPE_SPECS
 
-__all__ = ["collate_spc", "SpcSample", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
+__all__ = [
+    "collate_spc",
+    "declared_variable_fields",
+    "SpcSample",
+    "CONCATENATED_FIELDS",
+    "PYRAMID_FIELDS",
+]
+
+
+def declared_variable_fields(
+    recipe: str, version: int, params: Mapping[str, Any]
+) -> frozenset[str]:
+    """The fields ``recipe`` declares with a per-record first dimension, when that
+    recipe at that version is installed here (else none: collate then goes by shapes)."""
+    spec = RECIPE_SPECS.get(recipe)
+    if spec is None or spec.version != version:
+        return frozenset()
+    return spec.variable_length_fields(params)
+
 
 #: Fields whose first dimension varies per octree: concatenated, never stacked (even when
 #: every sample happens to have the same size, so a batch's layout never depends on luck).

@@ -26,11 +26,9 @@ import torch.utils.data
 from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
-    CorruptRecord,
     MissTimeout,
     ParameterError,
     RecordNotFound,
-    SampleFailed,
     SourceError,
     StaleRecord,
     UnknownName,
@@ -40,14 +38,21 @@ from cache_store.format.header import read_metadata
 from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
-from cache_store.keys import compute_fingerprint, is_fingerprint
+from cache_store.keys import compute_fingerprint, is_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.ids import pack_ids
-from cache_store.readers.collate import SpcSample
+from cache_store.readers.collate import SpcSample, declared_variable_fields
 from cache_store.readers.selection import resolve_index
-from cache_store.readers.skipped import SkippedSample, SkippedSamples
+from cache_store.readers.skipped import (
+    ON_ERROR_CHOICES,
+    SKIPPABLE_ERRORS,
+    SkippedSample,
+    SkippedSamples,
+)
+from cache_store.readers.read_through import open_read_through
+from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
 
@@ -56,23 +61,6 @@ __all__ = ["CachedDataset"]
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-
-
-def _variable_fields(recipe: str, version: int, params: Mapping[str, Any]) -> frozenset[str]:
-    """The fields ``recipe`` declares with a per-record first dimension, when that
-    recipe at that version is installed here (else none: collate then goes by shapes)."""
-    spec = RECIPE_SPECS.get(recipe)
-    if spec is None or spec.version != version:
-        return frozenset()
-    return spec.variable_length_fields(params)
-
-
-#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
-#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
-#: is gone or unreadable so the record cannot be checked). A missing cache, no live
-#: worker or a timeout are not the sample's fault and raise whatever the policy.
-SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
-ON_ERROR_CHOICES = ("raise", "skip")
 
 
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
@@ -139,6 +127,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             snapshot's chunk files, the service's records), shared by every process
             of the machine, least recently used out first, never above ``cache_limit``
             (bytes, or a size: ``"20G"``); see :mod:`cache_store.local_cache`.
+        variant, variants, variant_seed: which variant of each sample is read, where a
+            run stored several (``variants=K``): see
+            :class:`~cache_store.readers.variants.VariantChoice` (default: one per
+            sample per epoch, :meth:`set_epoch`'s or the one ``spcache.Sampler`` deals).
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).
@@ -172,6 +164,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_stale: str | None = None,
         local_cache: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
+        variant: int | None = None,
+        variants: int | None = None,
+        variant_seed: int = 0,
         **params: Any,
     ) -> None:
         if not isinstance(fingerprint_or_recipe, str):
@@ -223,6 +218,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if warm_ahead < 0 or miss_timeout <= 0:
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
+        problems += variant_problems(variant, variants, variant_seed)
         if problems:
             raise ParameterError(problems)
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
@@ -243,6 +239,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         # made here, in the process that builds the dataset, so its workers share it
         self._skipped = SkippedSamples() if on_error == "skip" else None
         self.on_stale = on_stale
+        self._variants = VariantChoice(variant, variants, variant_seed)
+        self.epoch = 0  # set_epoch; an EpochIndex carries its own
+        # variants each sample has stored (uint16 [n]), from the index; None: one each
+        self._variant_counts: np.ndarray | None = None
         # index -> (signature, record checksum) this process hashed and found current
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None  # uint8, with sources only
@@ -284,8 +284,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         if type(store).__name__ == "LMDBStore":  # a local cache directory
             usage.note_read(store.location, index.fingerprint)  # once per open (spcache ls)
         self._id_bytes, self._id_offsets = index.packed_ids()
+        self._variant_counts = index.variants
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
-        self._variable = _variable_fields(*self._recipe)
+        self._variable = declared_variable_fields(*self._recipe)
         self._fingerprint = index.fingerprint
         log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
 
@@ -388,9 +389,32 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return self._id_bytes[start:stop].tobytes().decode("utf-8")  # type: ignore[index]
 
     def key(self, i: int) -> str:
-        """``"<fingerprint>/<sample id>"`` of the sample at position ``i``."""
+        """``"<fingerprint>/<sample id>"`` of the sample at position ``i`` (its variant 0)."""
         start, stop = self._id_span(i)
         return f"{self._fingerprint}/{self._id_bytes[start:stop].tobytes().decode('utf-8')}"  # type: ignore[index]
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch read next (``self.epoch``), which picks each sample's variant
+        (``variant=None``); ``spcache.Sampler.set_epoch`` calls it. A DataLoader worker
+        has the value of when it started (each epoch, unless ``persistent_workers``):
+        an :class:`~cache_store.readers.variants.EpochIndex` carries the epoch to it."""
+        self.epoch = int(epoch)
+
+    def variant_at(self, i: int) -> int:
+        """The variant read for index ``i`` (an int, or an ``EpochIndex`` carrying the
+        epoch it was dealt in; else :attr:`epoch`)."""
+        counts = self._variant_counts
+        stored = 1 if counts is None else int(counts[int(i)])
+        return self._variants.pick(self.sample_id(i), epoch_of(i, self.epoch), stored)
+
+    def read_key(self, i: int) -> str:
+        """The key of the record read for index ``i``: variant :meth:`variant_at`."""
+        variant = self.variant_at(i)
+        return (
+            self.key(i)
+            if variant == 0
+            else record_key(self.fingerprint, self.sample_id(i), variant)
+        )
 
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:
@@ -451,7 +475,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))
-        key = self.key(i)
+        key = self.read_key(i)
         try:
             record = self._store_here().get_record(key, fields=self.fields)
         except (RecordNotFound, CacheNotFound):
@@ -465,7 +489,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         self._refuse_id_clashes(indices)
-        keys = [self.key(i) for i in indices]
+        keys = [self.read_key(i) for i in indices]
         try:
             records = self._store_here().get_records(keys, fields=self.fields)
         except (RecordNotFound, CacheNotFound):
@@ -515,7 +539,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             return records
         if self.on_stale == "error":
             i, record, path, digest = next(iter(stale.values()))
-            raise StaleRecord(self.key(i), path, record.metadata.get("source_hash"), digest)
+            raise StaleRecord(self.read_key(i), path, record.metadata.get("source_hash"), digest)
         out = list(records)
         for n, record in zip(stale, self._recompute([i for i, *_ in stale.values()]), strict=True):
             out[n] = record
@@ -525,7 +549,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """Queue the stale samples at ``indices`` again and wait until each stored record
         is current for its source (or ``miss_timeout``); their records, in order."""
         wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)]
-        position = {self.key(i): i for i in indices}
+        position = {self.read_key(i): i for i in indices}
+        picks = {self.sample_id(i): self.variant_at(i) for i in indices}
 
         def current(key: str) -> bool:
             try:
@@ -539,7 +564,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         while True:
             # QueueReadThrough waits on ``current``; over HTTP the service decides what is
             # stale and this loop waits for the recomputed record
-            self._handler().fetch(current, wanted, (), stale=[sid for sid, _ in wanted])
+            self._handler().fetch(
+                current, wanted, (), stale=[sid for sid, _ in wanted], picks=picks
+            )
             if all(current(key) for key in position):
                 break
             if time.monotonic() >= deadline:
@@ -550,7 +577,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 )
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
-        return [self._store_here().get_record(self.key(i), fields=self.fields) for i in indices]
+        return [
+            self._store_here().get_record(self.read_key(i), fields=self.fields) for i in indices
+        ]
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> ProcessLocal[Any]:
@@ -566,7 +595,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
         return ProcessLocal(
             functools.partial(
-                _open_read_through,
+                open_read_through,
                 location.kind,
                 location.target,
                 name,
@@ -575,6 +604,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 self.miss_timeout,
                 token,
                 ca_file,
+                self._variants.computed,
             ),
             operator.methodcaller("close"),
         )
@@ -588,18 +618,16 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _on_miss(self, indices: Sequence[int]) -> None:
         """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
         then wait for the batch's records (see :mod:`cache_store.readers.queue_read_through`)."""
-        wanted = [
-            (self.sample_id(i), self.source_path(i))
-            for i in dict.fromkeys(indices)
-            if not self._has(self.key(i))
-        ]
+        missing = [i for i in dict.fromkeys(indices) if not self._has(self.read_key(i))]
+        wanted = [(self.sample_id(i), self.source_path(i)) for i in missing]
+        picks = {self.sample_id(i): self.variant_at(i) for i in missing}
         ahead: list[tuple[str, str]] = []
         j = max(int(i) for i in indices) + 1
         while len(ahead) < self.warm_ahead and j < len(self):
             if self._id_clash(j) is None and not self._has(self.key(j)):
                 ahead.append((self.sample_id(j), self.source_path(j)))
             j += 1
-        self._handler().fetch(self._has, wanted, ahead)
+        self._handler().fetch(self._has, wanted, ahead, picks=picks)
 
     def _handler(self) -> Any:
         if self._miss_handler is None:
@@ -617,38 +645,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         order, so a loader finds them local; a sampler's read-ahead calls it. Nothing
         otherwise."""
         if self.local_cache is not None and len(indices):
-            self._store_here().prefetch([self.key(i) for i in indices])
+            self._store_here().prefetch([self.read_key(i) for i in indices])
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""
         self._store.close()
         if self._miss_handler is not None:
             self._miss_handler.close()
-
-
-def _open_read_through(
-    kind: str,
-    cache: str,
-    recipe: str,
-    params: dict[str, Any],
-    fingerprint: str,
-    miss_timeout: float,
-    token: str | None,
-    ca_file: str | None,
-) -> Any:
-    """A read-through client for the cache at ``cache`` (``kind``: its location's)."""
-    if kind == "http":
-        from cache_store.readers.http_read_through import HTTPReadThrough
-
-        return HTTPReadThrough(
-            cache,
-            recipe,
-            params,
-            fingerprint,
-            token=token,
-            miss_timeout=miss_timeout,
-            ca_file=ca_file,
-        )
-    from cache_store.readers.queue_read_through import QueueReadThrough
-
-    return QueueReadThrough(cache, recipe, params, fingerprint, miss_timeout=miss_timeout)

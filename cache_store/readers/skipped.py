@@ -29,7 +29,16 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SkippedSample", "SkippedSamples"]
+from cache_store.errors import CorruptRecord, RecordNotFound, SampleFailed, SourceError
+
+__all__ = ["ON_ERROR_CHOICES", "SKIPPABLE_ERRORS", "SkippedSample", "SkippedSamples"]
+
+#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
+#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
+#: is gone or unreadable so the record cannot be checked). A missing cache, no live
+#: worker or a timeout are not the sample's fault and raise whatever the policy.
+SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
+ON_ERROR_CHOICES = ("raise", "skip")
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "query_chunk",
         "write_batch",
         "id_template",
+        "variants",
         # CachedDataset
         "fingerprint_or_recipe",
         "fields",
@@ -108,6 +109,8 @@ RESERVED_PARAM_NAMES = frozenset(
         "miss_timeout",
         "on_error",
         "on_stale",
+        "variant",
+        "variant_seed",
         "local_cache",
         "cache_limit",
     }
@@ -230,6 +233,10 @@ def contract_problems(cls: Any) -> list[str]:
                 problems.append(
                     f"params[{key!r}]: type {param.type!r} is not int, float, str or bool"
                 )
+            elif not isinstance(param.choices, tuple) or any(
+                param.check(key, choice)[1] for choice in param.choices
+            ):
+                problems.append(f"params[{key!r}]: its choices are not a tuple of its type")
             else:
                 _, problem = param.check(key, param.default)
                 if problem:
@@ -251,6 +258,15 @@ def contract_problems(cls: Any) -> list[str]:
                 field.shape, cls.params if isinstance(cls.params, Mapping) else {}
             ):
                 problems.append(f"recipe {cls.name!r}, fields[{key!r}]: {problem}")
+            elif unknown := [
+                p
+                for p in field.with_params
+                if not isinstance(cls.params, Mapping) or p not in cls.params
+            ]:
+                problems.append(
+                    f"fields[{key!r}]: with_params names {', '.join(map(repr, unknown))}, "
+                    "not parameters of this recipe"
+                )
     for method in ("prepare", "compute"):
         if getattr(cls, method, None) is getattr(Recipe, method):
             problems.append(f"{method}() is not implemented")
@@ -369,14 +385,15 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
     if not isinstance(tensors, Mapping):
         fail([f"compute() returned {type(tensors).__name__}, expected a dict of tensors"])
     problems: list[str] = []
-    missing = sorted(set(spec.fields) - set(tensors))
-    extra = sorted(set(tensors) - set(spec.fields), key=str)
+    fields = spec.fields_for(params)
+    missing = sorted(set(fields) - set(tensors))
+    extra = sorted(set(tensors) - set(fields), key=str)
     if missing:
         problems.append(f"field(s) {', '.join(missing)} missing")
     if extra:
         problems.append(f"field(s) {', '.join(map(str, extra))} not declared")
     symbols = param_symbols(params)
-    for name, field in spec.fields.items():
+    for name, field in fields.items():
         tensor = tensors.get(name)
         if tensor is None:
             continue

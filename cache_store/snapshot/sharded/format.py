@@ -45,9 +45,9 @@ from typing import Any
 
 import xxhash
 
-from cache_store.errors import CorruptRecord, InvalidSampleId, SpcacheError, UnsupportedFormat
+from cache_store.errors import CorruptRecord, SpcacheError, UnsupportedFormat
 from cache_store.format.header import check_names_key, read_header
-from cache_store.keys import compute_fingerprint, split_key, validate_sample_id
+from cache_store.keys import compute_fingerprint, split_key, validate_record_id
 from cache_store.recipes.specs import get_recipe_spec
 
 __all__ = [
@@ -214,8 +214,8 @@ def parse_manifest(
                 f"outside the part's {size} bytes",
             )
         try:
-            sample_id = validate_sample_id(sample_id)
-        except InvalidSampleId as exc:
+            sample_id = validate_record_id(sample_id)  # a variant's record: a1#v3
+        except SpcacheError as exc:
             raise CorruptRecord(what, str(exc)) from None
         entries.append((sample_id, Entry(part, offset, length, checksum, source_hash)))
     return doc, entries
@@ -273,10 +273,10 @@ def dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> Dataset:
         )
         for sample_id, part, offset, length, checksum, source_hash in doc["records"]:
             dataset.admit(
-                validate_sample_id(sample_id),
+                validate_record_id(sample_id),
                 Entry(str(part), int(offset), int(length), str(checksum), str(source_hash)),
             )
         dataset.parts_seen = set(doc["parts"])
-    except (KeyError, TypeError, ValueError) as exc:  # InvalidSampleId is a ValueError
+    except (KeyError, TypeError, ValueError) as exc:  # invalid ids are ValueErrors
         raise CorruptRecord(what, f"malformed ({exc})") from None
     return dataset

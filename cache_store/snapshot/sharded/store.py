@@ -35,7 +35,7 @@ import numpy as np
 from cache_store.errors import CorruptRecord, FingerprintLookupError, RecordNotFound
 from cache_store.format.decode import Record, check_record
 from cache_store.format.index import DatasetIndex
-from cache_store.keys import is_fingerprint, split_key, validate_fingerprint
+from cache_store.keys import is_fingerprint, split_key, validate_fingerprint, variant_counts
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
 from cache_store.snapshot.sharded.format import (
@@ -459,13 +459,15 @@ class ShardedSnapshot(Store):
         dataset = self._load(fingerprint, refresh=True)
         if dataset is None or dataset.recipe is None:
             raise self.index_missing(fingerprint)
+        counts = variant_counts(dataset.order)  # a variant's record (a1#v3) is no sample
         return DatasetIndex(
             fingerprint,
             dataset.recipe,
             dataset.recipe_version,
             dataset.params,
-            np.array(dataset.order, dtype=str),
+            np.array(list(counts), dtype=str),
             created=dataset.created,
+            variants=np.array(list(counts.values()), dtype=np.uint16),
         )
 
     def stats(self) -> dict[str, Any]:

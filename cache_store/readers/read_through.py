@@ -1,0 +1,43 @@
+"""Which read-through client a dataset's location takes: the service's (``http(s)://``)
+or the job queue's beside a cache directory (:mod:`cache_store.readers.http_read_through`,
+:mod:`cache_store.readers.queue_read_through`); ``CachedDataset`` opens one per process
+over plain values (a bound method would keep the dataset alive)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["open_read_through"]
+
+
+def open_read_through(
+    kind: str,
+    cache: str,
+    recipe: str,
+    params: dict[str, Any],
+    fingerprint: str,
+    miss_timeout: float,
+    token: str | None,
+    ca_file: str | None,
+    variants: int = 1,
+) -> Any:
+    """A read-through client for the cache at ``cache`` (``kind``: its location's),
+    queueing ``variants`` records of each sample it asks for."""
+    if kind == "http":
+        from cache_store.readers.http_read_through import HTTPReadThrough
+
+        return HTTPReadThrough(
+            cache,
+            recipe,
+            params,
+            fingerprint,
+            token=token,
+            miss_timeout=miss_timeout,
+            ca_file=ca_file,
+            variants=variants,
+        )
+    from cache_store.readers.queue_read_through import QueueReadThrough
+
+    return QueueReadThrough(
+        cache, recipe, params, fingerprint, miss_timeout=miss_timeout, variants=variants
+    )
