@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
     from cache_store.readers.sampler import Sampler
+    from cache_store.recipes.functional import recipe
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
@@ -46,6 +47,7 @@ _LAZY: dict[str, str] = {
     "Timings": "spcache.compute",
     "CachedDataset": "cache_store.readers.dataset",
     "Sampler": "cache_store.readers.sampler",
+    "recipe": "cache_store.recipes.functional",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
@@ -67,8 +69,9 @@ __all__ = [
     "Timings",
     "discover_sources",
     "KEEP_EXTENSION",  # id_template= that keeps the extension (--id-keep-ext)
-    # your own features: spcache.recipes.Recipe, Param, Field
+    # your own features: spcache.recipes.Recipe, Param, Field; spcache.recipe(fn)
     "recipes",
+    "recipe",
     # a cache's fingerprints: list, remove, prune least recently used, give disk back
     "ls",
     "rm",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cache_store.engine_options import EngineOptions
 
 if TYPE_CHECKING:
+    from cache_store.recipes.api import Recipe
     from cache_store.readers.dataset import CachedDataset
 
 __all__ = ["FailedSample", "PrecomputeResult", "Timings", "precompute"]
@@ -208,7 +209,7 @@ class PrecomputeResult:
 
 def precompute(
     sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    recipe: str,
+    recipe: str | type[Recipe] | Recipe,
     cache: str | os.PathLike[str],
     *,
     device: str = _DEFAULTS.device,
@@ -231,7 +232,8 @@ def precompute(
     Args:
         sources: a file, a directory (searched recursively) or a manifest (``.txt``: one
             path a line; ``.jsonl``: ``{"id": ..., "path": ...}`` a line), or several.
-        recipe: the recipe's name (``spcache recipes`` lists them).
+        recipe: the recipe's name (``spcache recipes`` lists them), or a recipe class
+            of this process (one made by :func:`spcache.recipe`, or a ``Recipe`` subclass).
         cache: the cache directory (created if missing).
         device: ``"auto"`` (CUDA where it works, else CPU), ``"cpu"``, ``"cuda"``,
             ``"cuda:N"``.
@@ -280,8 +282,10 @@ def precompute(
     environment, SQLite connections, signal handlers), so DataLoader workers may fork
     right after it.
     """
+    from cache_store.recipes.registry import recipe_name_of
     from workers.precompute import run_precompute
 
+    recipe = recipe_name_of(recipe)  # a recipe class (spcache.recipe): usable here
     options = EngineOptions(
         device=device,
         backend=backend,

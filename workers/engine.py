@@ -65,7 +65,7 @@ from cache_store.keys import (
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool, LoadOutcome, VariantOutcome
 from cache_store.recipes.api import is_out_of_memory
-from cache_store.recipes.registry import get_entry
+from cache_store.recipes.registry import LOCAL_KIND, get_entry
 from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
 from workers.run_ledger import (
@@ -175,6 +175,11 @@ class Engine:
         self.device = options.device
         self.backend = options.backend
         self.loaders = options.loader_count
+        if entry.origin.get("kind") == LOCAL_KIND and self.loaders:
+            # a loader process starts without this process's __main__ (a notebook, a
+            # script): a recipe made here (spcache.recipe) is prepared here
+            logger.info("recipe %r was made in this process: loading in it", entry.name)
+            self.loaders = 0
         self.query_chunk = options.query_chunk
         self.min_query_chunk = options.min_query_chunk
         self.write_batch = options.write_batch

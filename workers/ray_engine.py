@@ -54,6 +54,7 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import RayUnavailable, UsageError
+from cache_store.recipes.registry import require_installed
 from cache_store.jobs.failures import FailureLog
 from cache_store.stores.base import Store
 from workers.engine import Engine
@@ -179,6 +180,7 @@ class RayEngine(Engine):
         """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`.
         One record per sample: ``variants`` above 1 is refused (the local engine computes
         them)."""
+        require_installed(self.recipe_spec.name, "a Ray actor (another process)")
         if variants != 1:
             raise UsageError(
                 f"variants {variants}: the ray engine computes one record per sample; "

@@ -41,6 +41,8 @@ from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
+from cache_store.recipes.api import Recipe
+from cache_store.recipes.registry import recipe_name_of, require_installed
 from cache_store.recipes.specs import get_recipe_spec
 from cache_store.format.ids import pack_ids
 from cache_store.readers.collate import SpcSample, declared_variable_fields
@@ -69,7 +71,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     Args:
         cache: a cache directory, a ``.zarr`` path or URL, ``http(s)://host:port`` of the
             service, or an already constructed :class:`~cache_store.stores.base.Store`.
-        fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``) that,
+        fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``; or a
+            recipe class of this process, one ``spcache.recipe`` made) that,
             with ``**params``, selects exactly one dataset recorded in the cache: one of
             the installed recipe version whose parameters equal the given ones, a
             parameter left out matching any stored value (not its default). Several
@@ -150,7 +153,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def __init__(
         self,
         cache: str | os.PathLike[str] | Store,
-        fingerprint_or_recipe: str,
+        fingerprint_or_recipe: str | type[Recipe] | Recipe,
         fields: Iterable[str] | None = None,
         transform: Callable[[Sample], Any] | None = None,
         *,
@@ -169,15 +172,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         variant_seed: int = 0,
         **params: Any,
     ) -> None:
-        if not isinstance(fingerprint_or_recipe, str):
-            raise ParameterError(
-                [
-                    (
-                        f"fingerprint_or_recipe: expected a str, got "
-                        f"{type(fingerprint_or_recipe).__name__}"
-                    )
-                ]
-            )
+        if not isinstance(fingerprint_or_recipe, str):  # a recipe class (spcache.recipe)
+            fingerprint_or_recipe = recipe_name_of(fingerprint_or_recipe)
         on_miss = on_miss or ("compute" if sources is not None else "error")
         problems = []
         if on_miss not in ("error", "compute"):
@@ -203,6 +199,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             )
         if sources is not None and is_fingerprint(fingerprint_or_recipe):
             problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
+        if on_miss == "compute":  # the worker computing a miss is another process
+            require_installed(fingerprint_or_recipe, "the worker that computes a miss")
         where = os.fspath(cache.location if isinstance(cache, Store) else cache)
         kind: str
         try:

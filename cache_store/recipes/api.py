@@ -138,6 +138,8 @@ class Recipe:
         record_bytes_doc: how ``record_bytes`` bounds it, in words.
         code_modules: extra modules (dotted names) whose source counts in the recipe's
             code digest, besides the class's own module.
+        code_functions: a recipe made from functions (``spcache.recipe``): their source
+            is the code digest instead of the module's.
 
     Per run, the engine sets ``self.chunks``: a :class:`ChunkBudget` shared by the run's
     samples, for recipes that split device work into chunks. ``self.spec`` (and
@@ -440,10 +442,27 @@ def code_digest(cls: type) -> str:
     ``code_modules`` (read from their files, nothing imported). Two records of one
     fingerprint with different digests were computed by different code."""
     h = hashlib.blake2b(digest_size=8)
+    functions = getattr(cls, "code_functions", ())
+    if functions:  # a recipe made from functions (spcache.recipe): their source
+        for fn in functions:
+            h.update(_function_source(fn) + b"\0")
+        return h.hexdigest()
     for module in (cls.__module__, *getattr(cls, "code_modules", ())):
         h.update(module.encode() + b"\0")
         h.update(_module_source(module, cls))
     return h.hexdigest()
+
+
+def _function_source(fn: Any) -> bytes:
+    """A function's source (a notebook cell's too); its compiled code where the source
+    cannot be found (``python -``)."""
+    try:
+        return inspect.getsource(fn).encode()
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        if code is None:
+            return repr(fn).encode()
+        return code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode()
 
 
 def _module_file(module: str) -> str | None:

@@ -1,13 +1,21 @@
 """Variants computed by the engine and read back: through spcache.precompute into a cache
 directory, a sharded snapshot and an exported Zarr snapshot, and through the worker on a
-read-through miss."""
+read-through miss; and recipes made from functions (``spcache.recipe``)."""
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import itertools
+import json
+import logging
+import os
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +25,9 @@ from cache_store.jobs.queue import JobQueue
 from cache_store.readers.variants import pick_variant
 from cache_store.snapshot.zarr.export import export_snapshot
 from cache_store.stores.lmdb.store import LMDBStore
+from spcache.recipes import Field, Param
+from tests.conftest import REPO_ROOT
+from tests.helpers.procs import run
 from tests.helpers.read_through import start_worker, stop_worker
 
 RUN = {"device": "cpu", "backend": "torch", "loaders": 0, "progress": False}
@@ -191,3 +202,73 @@ def test_the_worker_computes_a_missing_variant_on_read_through(
     with LMDBStore(live) as store:
         assert len(list(store.keys(result.fingerprint))) == 9  # each variant computed once
         assert store.get_index(result.fingerprint).variant_counts().tolist() == [3, 3, 3]
+
+
+# -- a recipe from a function -------------------------------------------------------------
+
+
+def _extent_fn(source: Any, params: Any, generator: Any) -> dict[str, np.ndarray]:
+    """Bounding box size."""
+    v = source.vertices
+    return {"extent": (v.max(0) - v.min(0) + 2 * params["margin"]).astype(np.float32)}
+
+
+def test_a_function_recipe_runs_in_process_and_reads_back(
+    tmp_path: Path, shapes: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    extent = spcache.recipe(
+        _extent_fn,
+        name="extent_probe",
+        fields={"extent": Field("float32", "[3]", "bounding box size")},
+        params={"margin": Param(float, 0.0, 0.0, 1.0, "added to each side")},
+    )
+    with caplog.at_level(logging.WARNING):
+        result = spcache.precompute(
+            shapes, extent, tmp_path / "cache", margin=0.25, device="cpu", loaders=2, progress=False
+        )
+    assert (result.done, result.failed) == (3, 0), result.errors
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # no loader trouble
+    ds = spcache.CachedDataset(tmp_path / "cache", extent, margin=0.25)
+    assert ds.fingerprint == result.fingerprint
+    expected = hashlib.blake2b(
+        inspect.getsource(_extent_fn).encode() + b"\0", digest_size=8
+    ).hexdigest()
+    with LMDBStore(tmp_path / "cache") as store:
+        key = next(iter(store.keys(result.fingerprint)))
+        assert store.get_record(key).metadata["code_digest"] == expected
+    assert all(float(ds[i]["extent"].min()) >= 0.5 for i in range(len(ds)))
+    again = spcache.precompute(shapes, extent, tmp_path / "cache", margin=0.25, **RUN)
+    assert (again.done, again.skipped) == (0, 3)
+    with pytest.raises(UsageError, match="install it instead"):
+        spcache.CachedDataset(tmp_path / "cache", extent, sources=str(shapes), margin=0.25)
+    with pytest.raises(spcache.ParameterError, match="name of an installed recipe"):
+        spcache.recipe(_extent_fn, name="spc", fields={"extent": Field("float32", "[3]", "x")})
+
+
+def test_a_function_recipe_from_a_notebook_like_session(tmp_path: Path, shapes: Path) -> None:
+    """``python -`` (no file behind the function, as in a notebook cell): the recipe is
+    made, computed (loaders asked for), read back, and a second run skips it all."""
+    code = textwrap.dedent(
+        f"""
+        import json
+        import numpy as np
+        import spcache
+        from spcache.recipes import Field
+
+        @spcache.recipe(fields={{"extent": Field("float32", "[3]", "bounding box size")}})
+        def extent(source, params, generator):
+            v = source.vertices
+            return {{"extent": (v.max(0) - v.min(0)).astype(np.float32)}}
+
+        first = spcache.precompute({str(shapes)!r}, extent, "cache", loaders=2, progress=False)
+        second = spcache.precompute({str(shapes)!r}, extent, "cache", loaders=2, progress=False)
+        ds = spcache.CachedDataset("cache", extent)
+        print(json.dumps([first.done, second.skipped, len(ds), ds[0]["extent"].tolist()]))
+        """
+    )
+    env = {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = run([sys.executable, "-"], cwd=tmp_path, input=code, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    done, skipped, n, first = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (done, skipped, n) == (3, 3, 3) and min(first) > 0
+    assert os.path.isdir(tmp_path / "cache" / "records")
