@@ -224,6 +224,7 @@ def precompute(
     write_batch: int = _DEFAULTS.write_batch,
     id_template: str | None = None,
     variants: int = 1,
+    time_limit_s: float | None = _DEFAULTS.time_limit_s,
     **params: Any,
 ) -> PrecomputeResult:
     """Compute ``recipe`` over ``sources`` into the cache directory ``cache``; samples
@@ -262,6 +263,11 @@ def precompute(
             recipe's augmentation parameters are set: ``rotation``, ``scale_min``,
             ``scale_max``, ``jitter`` for the built-ins). Not part of the fingerprint:
             asking for 6 after 4 computes the 2 new ones.
+        time_limit_s: seconds a sample's loading (with ``prepare``) or ``compute`` may
+            take (default: the recipe's ``time_limit_s``, 600 unless it declares one).
+            A sample past it fails alone, naming the limit: its computation is
+            interrupted in this process (a native computation that does not return to
+            Python within 10 s more cannot be: an ERROR line names the sample).
         **params: the recipe's parameters (e.g. ``level=8``); defaults fill the rest.
 
     Returns:
@@ -293,6 +299,7 @@ def precompute(
         query_chunk=query_chunk,
         write_batch=write_batch,
         skip_failed=skip_failed,
+        time_limit_s=time_limit_s,
     )
     summary = run_precompute(
         sources,

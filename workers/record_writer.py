@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_store.errors import FingerprintRemoved, StoreFull, one_line
+from cache_store.errors import FingerprintRemoved, StoreFull, REASON_MAX, one_line
 from cache_store.format.encode import encode_record
 from cache_store.keys import record_id
 from cache_store.stores.base import Store
@@ -95,7 +95,10 @@ class RecordWriter(threading.Thread):
         if self.full is not None:
             for pending in batch:
                 self._report(
-                    pending, "failed", f"not written: {one_line(self.full)}", transient=True
+                    pending,
+                    "failed",
+                    f"not written: {one_line(self.full, limit=REASON_MAX)}",
+                    transient=True,
                 )
             return
         start = time.perf_counter()
@@ -108,7 +111,9 @@ class RecordWriter(threading.Thread):
                 ok.append(pending)
             except Exception as exc:  # this record fails alone
                 logger.exception("encoding the record of %s failed", item.sample_id)
-                self._report(pending, "failed", f"cannot encode record: {one_line(exc)}")
+                self._report(
+                    pending, "failed", f"cannot encode record: {one_line(exc, limit=REASON_MAX)}"
+                )
         if encoded:
             try:
                 self.store.put_many(encoded)
@@ -128,7 +133,7 @@ class RecordWriter(threading.Thread):
                     self._report(
                         pending,
                         "failed",
-                        f"store write failed: {one_line(exc)}",
+                        f"store write failed: {one_line(exc, limit=REASON_MAX)}",
                         transient=transient,
                     )
                 ok = []

@@ -44,7 +44,6 @@ from cache_store.errors import (
     FingerprintRemoved,
     InvalidSampleId,
     StoreFull,
-    one_line,  # re-exported for the Ray driver until it imports it from errors
 )
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_id, record_key, validate_sample_id, variant_counts
@@ -61,7 +60,6 @@ __all__ = [
     "Summary",
     "WorkItem",
     "RunLedger",
-    "one_line",
     "run_all",
     "stored_variant_counts",
 ]

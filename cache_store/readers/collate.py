@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import default_collate
 
 from cache_store.errors import ParameterError
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 
 __all__ = [
     "collate_spc",

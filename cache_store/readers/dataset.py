@@ -7,7 +7,7 @@ own store on first read; nothing here touches CUDA.
 
 Why one module: CachedDataset's three read modes (a store, read-through, skip on error)
 share its fork-safe state; each mode's machinery lives elsewhere
-(readers/*_read_through.py, readers/skipped.py).
+(readers/read_through.py and the two it chooses from, readers/skipped.py).
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ from cache_store.errors import (
     one_line,
 )
 from cache_store.format.header import read_metadata
-from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.api import Recipe
-from cache_store.recipes.registry import recipe_name_of, require_installed
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec, recipe_name_of, require_installed
 from cache_store.format.ids import pack_ids
 from cache_store.readers.collate import SpcSample, declared_variable_fields
+from cache_store.readers.read_through import open_read_through
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import (
     ON_ERROR_CHOICES,
@@ -53,7 +53,6 @@ from cache_store.readers.skipped import (
     SkippedSample,
     SkippedSamples,
 )
-from cache_store.readers.read_through import open_read_through
 from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
@@ -513,7 +512,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ``(path, the source's hash now)``. Raises SourceError for an unusable source."""
         path = self.source_path(i)
         signature = check_source(path, self._LIMITS).signature
-        if meta.get(STAT_FIELD) == signature:
+        if same_signature(meta.get(STAT_FIELD), signature):
             return None
         verified = self._verified_here()
         checksum = meta.get("checksum", "")

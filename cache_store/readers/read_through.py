@@ -1,7 +1,7 @@
-"""Which read-through client a dataset's location takes: the service's (``http(s)://``)
-or the job queue's beside a cache directory (:mod:`cache_store.readers.http_read_through`,
-:mod:`cache_store.readers.queue_read_through`); ``CachedDataset`` opens one per process
-over plain values (a bound method would keep the dataset alive)."""
+"""Which read-through client a reader's location gets: the service's
+(:mod:`cache_store.readers.http_read_through`) for an ``http(s)://`` URL, the job
+queue's (:mod:`cache_store.readers.queue_read_through`) for a cache directory. Each is
+imported only when a location needs it."""
 
 from __future__ import annotations
 

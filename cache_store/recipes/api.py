@@ -15,17 +15,21 @@ running it. Users import these names from :mod:`spcache.recipes`.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import logging
-import os
 import re
 import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cache_store.engine_options import DEFAULT_MIN_QUERY_CHUNK, DEFAULT_QUERY_CHUNK
+from cache_store.engine_options import (
+    DEFAULT_MIN_QUERY_CHUNK,
+    DEFAULT_QUERY_CHUNK,
+    DEFAULT_TIME_LIMIT_S,
+    time_limit_problem,
+)
+from cache_store.recipes.digest import code_digest
+from cache_store.recipes.params import ReadOnlyParams
 from cache_store.recipes.specs import (
     FieldSpec,
     ParamSpec,
@@ -45,6 +49,7 @@ __all__ = [
     "Param",
     "Field",
     "ChunkBudget",
+    "ReadOnlyParams",
     "check_outputs",
     "code_digest",
     "contract_problems",
@@ -99,6 +104,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "write_batch",
         "id_template",
         "variants",
+        "time_limit_s",
         # CachedDataset
         "fingerprint_or_recipe",
         "fields",
@@ -140,6 +146,14 @@ class Recipe:
             code digest, besides the class's own module.
         code_functions: a recipe made from functions (``spcache.recipe``): their source
             is the code digest instead of the module's.
+        time_limit_s: seconds each stage of one sample may take, loading with
+            :meth:`prepare` and :meth:`compute` each (default
+            :data:`~cache_store.engine_options.DEFAULT_TIME_LIMIT_S`, 600); a run's
+            ``time_limit_s`` option replaces it. A sample past it fails naming the limit
+            (:mod:`workers.time_limits` says how each process enforces it).
+
+    ``params`` reach ``prepare`` and ``compute`` read-only (:class:`ReadOnlyParams`): they
+    make the fingerprint, and a change would file records under the wrong one.
 
     Per run, the engine sets ``self.chunks``: a :class:`ChunkBudget` shared by the run's
     samples, for recipes that split device work into chunks. ``self.spec`` (and
@@ -155,6 +169,7 @@ class Recipe:
     record_bytes: ClassVar[Any] = None
     record_bytes_doc: ClassVar[str] = ""
     code_modules: ClassVar[tuple[str, ...]] = ()
+    time_limit_s: ClassVar[float] = DEFAULT_TIME_LIMIT_S
 
     def __init__(self) -> None:
         #: the run's chunk budget (the engine sets it per run)
@@ -274,6 +289,8 @@ def contract_problems(cls: Any) -> list[str]:
             problems.append(f"{method}() is not implemented")
     if cls.record_bytes is not None and not callable(cls.record_bytes):
         problems.append("record_bytes is not callable")
+    if problem := time_limit_problem(getattr(cls, "time_limit_s", None)):
+        problems.append(f"time_limit_s: {problem}")
     return problems
 
 
@@ -435,77 +452,3 @@ def _dim_value(dim: str, params: Mapping[str, Any], symbols: dict[str, int], siz
 
 
 # --- code digest ---------------------------------------------------------------------------
-
-
-def code_digest(cls: type) -> str:
-    """A digest of the recipe's code: the source of the class's module and of its
-    ``code_modules`` (read from their files, nothing imported). Two records of one
-    fingerprint with different digests were computed by different code."""
-    h = hashlib.blake2b(digest_size=8)
-    functions = getattr(cls, "code_functions", ())
-    if functions:  # a recipe made from functions (spcache.recipe): their source
-        for fn in functions:
-            h.update(_function_source(fn) + b"\0")
-        return h.hexdigest()
-    for module in (cls.__module__, *getattr(cls, "code_modules", ())):
-        h.update(module.encode() + b"\0")
-        h.update(_module_source(module, cls))
-    return h.hexdigest()
-
-
-def _function_source(fn: Any) -> bytes:
-    """A function's source (a notebook cell's too); its compiled code where the source
-    cannot be found (``python -``)."""
-    try:
-        return inspect.getsource(fn).encode()
-    except (OSError, TypeError):
-        code = getattr(fn, "__code__", None)
-        if code is None:
-            return repr(fn).encode()
-        return code.co_code + repr(code.co_consts).encode() + repr(code.co_names).encode()
-
-
-def _module_file(module: str) -> str | None:
-    """The file of ``module`` found without importing it or its parent packages
-    (``find_spec("a.b")`` would import ``a``: the service must not import ``workers``)."""
-    top, *rest = module.split(".")
-    try:
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    if not rest:
-        return spec.origin
-    locations = list(spec.submodule_search_locations or [])
-    for i, part in enumerate(rest):
-        last = i == len(rest) - 1
-        found = None
-        for where in locations:
-            package = os.path.join(where, part)
-            if os.path.isfile(os.path.join(package, "__init__.py")):
-                found = package
-                break
-            if last and os.path.isfile(package + ".py"):
-                return package + ".py"
-        if found is None:
-            return None
-        if last:
-            return os.path.join(found, "__init__.py")
-        locations = [found]
-    return None
-
-
-def _module_source(module: str, cls: type) -> bytes:
-    loaded = sys.modules.get(module)
-    origin = getattr(loaded, "__file__", None) or _module_file(module)
-    if origin and origin.endswith(".py"):
-        try:
-            with open(origin, "rb") as fh:
-                return fh.read()
-        except OSError:
-            pass
-    try:  # a class defined in a notebook or __main__ without a file
-        return inspect.getsource(cls).encode()
-    except (OSError, TypeError):
-        return b"unknown:" + f"{module}.{cls.__qualname__}".encode()

@@ -26,7 +26,7 @@ from cache_store.keys import (
 )
 from cache_store.readers.variants import EpochIndex, epoch_of, pick_variant, variant_problems
 from cache_store.recipes.augment import augment_points
-from cache_store.recipes.builtin import Spc
+from cache_store.recipes.registry import get_recipe_spec
 
 FP = "0" * 32
 
@@ -148,7 +148,7 @@ def test_z_rotation_keeps_z() -> None:
 
 
 def test_augmentation_parameters_leave_default_fingerprints_and_records_alone() -> None:
-    spec = Spc.schema()
+    spec = get_recipe_spec("spc")
     assert spec.resolve({}) == {"level": 8, "surface_samples": 100_000}
     assert spec.resolve({"rotation": "none", "jitter": 0.0}) == spec.resolve({})
     assert "augmentation" not in spec.fields_for(spec.resolve({}))

@@ -43,8 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cache_store.log_setup import configure_logging
 from cache_store.keys import compute_fingerprint
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 
 __all__ = ["FAULT_CHILD", "FAULT_FINGERPRINT", "batch_key", "make_small_record", "main"]
 
@@ -356,9 +357,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(logging.WARNING)  # spcache's own set-up and line format
     args = _parser().parse_args(argv)
     return args.func(args)
 

@@ -165,7 +165,7 @@ def test_a_sharded_snapshot_and_an_export_hold_the_same_variants(
 
 
 def test_the_ray_engine_refuses_variants_with_the_way_out() -> None:
-    from cache_store.recipes.builtin import Spc
+    from workers.builtin_recipes import Spc
     from workers.ray_engine import RayEngine
 
     engine = RayEngine.__new__(RayEngine)  # no Ray started: only the refusal runs

@@ -48,7 +48,7 @@ import xxhash
 from cache_store.errors import CorruptRecord, SpcacheError, UnsupportedFormat
 from cache_store.format.header import check_names_key, read_header
 from cache_store.keys import compute_fingerprint, split_key, validate_record_id
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 
 __all__ = [
     "COMMIT_KIND",

@@ -16,7 +16,11 @@ Process and fork rules (py-lmdb 3.0 behaviour this package is built around):
 * py-lmdb refuses to open a path the process already has open, and that record is
   inherited by ``fork``. So every open environment is closed right before any
   ``os.fork`` (``os.register_at_fork``); parent and child each re-open on next use.
-  Do not fork while another thread of the process is inside a read of the same store.
+  An environment another thread is writing to is the exception: closing it would pull
+  it from under that write (a recipe forking in ``compute`` while the engine's writer
+  thread commits), so it stays open; the child inherits it parked and cannot open that
+  cache itself (it is told why). Do not fork while another thread of the process is
+  inside a read of the same store.
 * A ``buffers=True`` view is valid only inside its transaction: records are decoded (or
   copied) before the transaction ends.
 * A writer opening the environment runs ``reader_check()``, freeing reader slots left by

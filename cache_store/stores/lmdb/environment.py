@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from cache_store.disk import flock_within
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.process_local import ProcessLocal, park
 
@@ -139,13 +140,43 @@ _shared_lock = threading.Lock()
 # (cache_store.process_local): closing them in the child would touch the parent's locks.
 
 
+#: write transactions under way in this process, by environment key (any thread)
+_writes_under_way: dict[str, int] = {}
+_writes_lock = threading.Lock()
+
+
+@contextmanager
+def _writing(key: str) -> Iterator[None]:
+    """Count a write under way on the environment ``key`` for the fork hook."""
+    with _writes_lock:
+        _writes_under_way[key] = _writes_under_way.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            left = _writes_under_way.pop(key) - 1
+            if left:
+                _writes_under_way[key] = left
+
+
 def _close_all_before_fork() -> None:
-    for shared in list(shared_envs.values()):
+    """Close this process's environments so a forked child can open its own, but never
+    one another thread is writing to (it would fail that write): that one stays open
+    here, and the child, which inherits py-lmdb's note that it is open, cannot open it."""
+    for key, shared in list(shared_envs.items()):
         if shared.env is not None and shared.pid == os.getpid():
+            if _writes_under_way.get(key):
+                continue
             shared.close()
 
 
-os.register_at_fork(before=_close_all_before_fork)
+def _after_fork_in_child() -> None:
+    global _writes_lock
+    _writes_under_way.clear()  # the writing threads stayed in the parent
+    _writes_lock = threading.Lock()  # it may have been held there at the fork
+
+
+os.register_at_fork(before=_close_all_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _dir_inode(path: Path) -> int | None:
@@ -328,13 +359,7 @@ class EnvironmentHandle:
                 metasync=self.sync,
                 **options,
             )
-            stale = env.reader_check()
-            if stale:
-                log.warning(
-                    "%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                    self.env_path,
-                    stale,
-                )
+            self._reader_check(env)
             dbs = {name: env.open_db(name, create=True) for name in DB_NAMES}
             return env, dbs
         except lmdb.Error as exc:
@@ -347,6 +372,13 @@ class EnvironmentHandle:
                 (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.BadTxnError),
             ):
                 raise self.damaged(exc) from exc
+            if "already open in this process" in str(exc):  # see _close_all_before_fork
+                raise SpcacheError(
+                    f"{self.env_path}: cannot open the cache in this process: it was forked "
+                    f"while another thread of its parent was writing to it, and LMDB "
+                    f"allows one open per process (open it in a process started with "
+                    f"spawn or forkserver, or fork when no write is under way)"
+                ) from exc
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- reading -----------------------------------------------------------------------
@@ -448,7 +480,7 @@ class EnvironmentHandle:
         """Run ``action(txn, dbs)`` in one write transaction, growing the map when full;
         under a shared lock that compaction takes exclusively (see the package doc). The
         caller has checked that its store is writable."""
-        with self._write_lock():
+        with _writing(self._env_key), self._write_lock():
             env, dbs = self.environment()
             joined = self._joined
             if (
@@ -464,21 +496,15 @@ class EnvironmentHandle:
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            deadline, told = time.monotonic() + COMPACT_WAIT_S, False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreBusy(
-                            f"{self.path}: the cache is being compacted (spcache "
-                            f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
-                        ) from None
-                    if not told:
-                        log.info("%s: the cache is being compacted; writes wait for it", self.path)
-                        told = True
-                    time.sleep(0.1)
+
+            def say() -> None:
+                log.info("%s: the cache is being compacted; writes wait for it", self.path)
+
+            if not flock_within(fd, fcntl.LOCK_SH, COMPACT_WAIT_S, poll_s=0.1, on_wait=say):
+                raise StoreBusy(
+                    f"{self.path}: the cache is being compacted (spcache "
+                    f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
+                )
             yield
         finally:
             os.close(fd)  # drops the lock
@@ -508,6 +534,10 @@ class EnvironmentHandle:
         if shared is None or now - shared.reader_checked < READER_CHECK_INTERVAL_S:
             return
         shared.reader_checked = now
+        self._reader_check(env)
+
+    def _reader_check(self, env: Any) -> None:
+        """Free the reader slots of dead processes, and say so."""
         stale = env.reader_check()
         if stale:
             log.warning(
