@@ -151,8 +151,8 @@ COMMANDS: dict[str, How] = {
     "spcache recipes [--json]                                       # each recipe's "
     "parameters, defaults, bounds": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache precompute SOURCE... --recipe spc_query --param level=8 --cache CACHE_DIR "
-    "[--device auto|cpu|cuda:N] [--backend auto|torch|kaolin] [--loaders N] [--skip-failed] "
-    "[--time-limit SECONDS] [--id-template T | --id-keep-ext] [--json]": How(
+    "[--device auto|cpu|cuda:N] [--backend auto|torch|kaolin] [--loaders N] [--variants K] "
+    "[--skip-failed] [--time-limit SECONDS] [--id-template T | --id-keep-ext] [--json]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "spcache worker --cache CACHE_DIR [--device cuda:0] [--backend auto] [--loaders N] "

@@ -69,7 +69,7 @@ def readme_variants_line() -> str:
     (line,) = [
         x
         for x in README.read_text().splitlines()
-        if x.startswith("spcache precompute") and "--variants" in x
+        if x.startswith("spcache precompute") and "--variants 4" in x
     ]
     return line
 

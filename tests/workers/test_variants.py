@@ -118,6 +118,10 @@ def test_variants_are_reproducible_and_a_larger_k_computes_only_the_new_ones(
         shapes, "spc", tmp_path / "again", variants=2, **RUN, **SHAPE, **AUGMENT
     )
     assert (back.done, back.skipped) == (0, 6)  # fewer asked: what is stored stays
+    (report,) = spcache.rm(tmp_path / "again", [six.fingerprint])
+    assert report["records"] == 18  # a sample's variants are removed together
+    with LMDBStore(tmp_path / "again") as store:
+        assert list(store.keys(six.fingerprint)) == []
 
 
 def test_each_epoch_reads_the_picked_variant_and_set_epoch_changes_it(
