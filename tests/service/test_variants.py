@@ -61,6 +61,12 @@ def test_a_warm_up_of_variants_then_read_through_over_http(
             record = decode_record(got.content, key=record_key(fp, first.stem, 2))
             assert record.metadata["variant"] == "2"
             assert not torch.allclose(record["augmentation"], torch.eye(4))
+            previews = [
+                client.get(f"/v1/caches/{fp}/previews/{quote(first.stem + tail, safe='')}")
+                for tail in ("", "#v1", "#v2")
+            ]  # each variant of a sample has its own picture
+            assert [p.status_code for p in previews] == [200, 200, 200]
+            assert len({p.content for p in previews}) == 3
             again = client.post("/v1/warmup", json=body, headers=AUTH).json()
             assert again["already_ready"] == 1 and again["queued"] == 0  # stored once
         ds = CachedDataset(
