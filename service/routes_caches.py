@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -38,6 +38,7 @@ from service.errors import status_for
 from service.read_through import not_ready_response, wait_for_records
 from service.records import (
     RecordStream,
+    RecordStreamResponse,
     RECORD_MEDIA_TYPE,
     Fingerprint,
     etag_matches,
@@ -206,18 +207,7 @@ async def get_record(
         return Response(status_code=304, headers=headers)
     ctx.metrics.add_records(1)
     if isinstance(value, RecordStream):  # a large record: chunks from the map, budget held
-        stream = value
-
-        async def chunks() -> AsyncIterator[bytes]:
-            for chunk in stream.chunks():
-                yield chunk
-
-        return StreamingResponse(
-            chunks(),
-            media_type=RECORD_MEDIA_TYPE,
-            headers={**headers, "Content-Length": str(len(stream))},
-            background=BackgroundTask(release),
-        )
+        return RecordStreamResponse(value, headers, release, f"record {sample_id!r}")
     return Response(
         value, media_type=RECORD_MEDIA_TYPE, headers=headers, background=BackgroundTask(release)
     )

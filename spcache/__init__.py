@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
+    from cache_store.readers.loader import DataLoader
     from cache_store.readers.sampler import Sampler
     from cache_store.recipes.functional import recipe
     from cache_store.readers.to_kaolin import to_kaolin_spc
@@ -48,6 +49,7 @@ _LAZY: dict[str, str] = {
     "CachedDataset": "cache_store.readers.dataset",
     "Sampler": "cache_store.readers.sampler",
     "recipe": "cache_store.recipes.functional",
+    "DataLoader": "cache_store.readers.loader",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
@@ -79,7 +81,8 @@ __all__ = [
     "compact",
     # reading
     "CachedDataset",
-    "Sampler",  # each epoch a fresh variant per sample (variants=K)
+    "Sampler",  # an epoch order for any ranks, resumable; a fresh variant per epoch
+    "DataLoader",
     "collate_spc",
     "to_kaolin_spc",
 ]

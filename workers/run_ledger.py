@@ -48,7 +48,7 @@ from cache_store.errors import (
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_id, record_key, validate_sample_id, variant_counts
 from cache_store.sources.freshness import stored_metadata, stored_source_hash
-from cache_store.format.index import DatasetIndex
+from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.stores.base import Store
 from cache_store.sources.discover import id_clash_reason
 from workers.progress import open_bar
@@ -506,12 +506,10 @@ class RunLedger:
             while n < self.variants and record_id(sid, n) in self.stored_ids:
                 n += 1
             counts[sid] = max(n, old_counts.get(sid, 1))
-        known = set(old)
-        new = [sid for sid in ran if sid not in known]
-        grown = any(counts[sid] != old_counts.get(sid, 1) for sid in ran if sid in known)
-        if (old and not new and not grown) or not (old or new):
+        ids = append_ids(old, ran)
+        grown = any(counts[sid] != old_counts.get(sid, 1) for sid in ran if sid in old_counts)
+        if len(ids) == len(old) and not grown:  # nothing new (or nothing at all)
             return
-        ids = old + new
         store.put_index(
             DatasetIndex(
                 fingerprint,

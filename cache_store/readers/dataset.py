@@ -42,10 +42,15 @@ from cache_store.keys import compute_fingerprint, is_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.api import Recipe
-from cache_store.recipes.registry import get_recipe_spec, recipe_name_of, require_installed
-from cache_store.format.ids import pack_ids
-from cache_store.readers.collate import SpcSample, declared_variable_fields
-from cache_store.readers.read_through import open_read_through
+from cache_store.recipes.registry import (
+    get_recipe_spec,
+    installed_variable_fields,
+    recipe_name_of,
+    require_installed,
+)
+from cache_store.format.ids import pack_ids, unpack_ids
+from cache_store.readers.collate import SpcSample
+from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import (
     ON_ERROR_CHOICES,
@@ -54,7 +59,7 @@ from cache_store.readers.skipped import (
     SkippedSamples,
 )
 from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
-from cache_store.stores.base import Store
+from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
 
 __all__ = ["CachedDataset"]
@@ -101,7 +106,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             service URL :mod:`cache_store.readers.http_read_through`: the service queues and
             waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
-            order), so the worker keeps busy while loaders wait.
+            order), so the worker keeps busy while loaders wait; a
+            :class:`~cache_store.readers.sampler.Sampler` with ``read_ahead`` sets it
+            to 0 and queues ahead in its own order instead.
         miss_timeout: seconds a miss waits for its record before ``MissTimeout``.
         on_error: ``"raise"`` (the default): a sample without a usable record raises.
             ``"skip"``: such a sample (no record, a damaged one, or one the worker could
@@ -123,12 +130,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
-        local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
-            URL read through a bounded directory on this machine: what a read needs is
-            fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
-            snapshot's chunk files, the service's records), shared by every process
-            of the machine, least recently used out first, never above ``cache_limit``
-            (bytes, or a size: ``"20G"``); see :mod:`cache_store.local_cache`.
+        local_cache, cache_limit: a remote sharded snapshot (``s3://....zarr``) read
+            through a bounded directory on this machine: each part a read needs is
+            fetched once into ``local_cache``, shared by every process of the machine,
+            least recently used out first, never above ``cache_limit`` (bytes, or a
+            size: ``"20G"``); see :mod:`cache_store.local_cache`. An exported Zarr
+            snapshot or the service URL is refused (not built yet).
         variant, variants, variant_seed: which variant of each sample is read, where a
             run stored several (``variants=K``): see
             :class:`~cache_store.readers.variants.VariantChoice` (default: one per
@@ -283,7 +290,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._id_bytes, self._id_offsets = index.packed_ids()
         self._variant_counts = index.variants
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
-        self._variable = declared_variable_fields(*self._recipe)
+        self._variable = installed_variable_fields(*self._recipe)
         self._fingerprint = index.fingerprint
         log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
 
@@ -390,11 +397,31 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         start, stop = self._id_span(i)
         return f"{self._fingerprint}/{self._id_bytes[start:stop].tobytes().decode('utf-8')}"  # type: ignore[index]
 
+    # -- what a sampler asks (cache_store.readers.sampler) ------------------------------
+    def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids in index order: ``(blob uint8 [total_bytes], offsets int64 [n + 1])``,
+        id ``i`` at ``blob[offsets[i]:offsets[i + 1]]`` (the dataset's own arrays)."""
+        self._load_index()
+        return self._id_bytes, self._id_offsets  # type: ignore[return-value]
+
+    def blocks(self) -> BlockLayout | None:
+        """The block each sample lies in, which a shuffle keeps together (see
+        :meth:`Store.block_layout`), or None (a cache directory, the service), asked of
+        a store opened for the question and closed again."""
+        self._load_index()
+        if self.sources is not None:  # read-through: a cache directory or the service
+            return None
+        store = self._new_store()
+        try:
+            return store.block_layout(self._fingerprint, unpack_ids(*self.packed_ids()))  # type: ignore[arg-type]
+        finally:
+            store.close()
+
     def set_epoch(self, epoch: int) -> None:
-        """The epoch read next (``self.epoch``), which picks each sample's variant
-        (``variant=None``); ``spcache.Sampler.set_epoch`` calls it. A DataLoader worker
-        has the value of when it started (each epoch, unless ``persistent_workers``):
-        an :class:`~cache_store.readers.variants.EpochIndex` carries the epoch to it."""
+        """``self.epoch``, set by ``Sampler.set_epoch``: the epoch read next, which picks
+        each sample's variant (``variant=None``). A loader worker has the value of when
+        it started (each epoch, unless ``persistent_workers``): the
+        :class:`~cache_store.readers.variants.EpochIndex` a ``Sampler`` deals carries it."""
         self.epoch = int(epoch)
 
     def variant_at(self, i: int) -> int:
@@ -407,23 +434,43 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def read_key(self, i: int) -> str:
         """The key of the record read for index ``i``: variant :meth:`variant_at`."""
         variant = self.variant_at(i)
-        return (
-            self.key(i)
-            if variant == 0
-            else record_key(self.fingerprint, self.sample_id(i), variant)
-        )
+        if variant == 0:
+            return self.key(i)
+        return record_key(self.fingerprint, self.sample_id(i), variant)
+
+    def queue_ahead(self, indices: Sequence[int]) -> int:
+        """Read-through (``on_miss="compute"``): queue the samples at ``indices`` that
+        the cache lacks for its worker, without waiting (a sampler's read-ahead); the
+        number of samples handed to the queue (0 otherwise). Raises ``NoWorkerAlive``."""
+        if self.on_miss != "compute":
+            return 0
+        ahead = [
+            (self.sample_id(i), self.source_path(i))
+            for i in indices
+            if self._id_clash(i) is None and not self._has(self.key(i))
+        ]
+        if ahead:
+            self._handler().queue_ahead(ahead)
+        return len(ahead)
+
+    def restore_failed(self, entries: Iterable[Sequence[Any]]) -> None:
+        """Put a sampler state's ``failed`` (``[key, id, path, reason, when]`` each) back
+        into :attr:`failed`: a resumed job lists what the stopped one skipped."""
+        if self._skipped is not None:
+            self._skipped.restore(entries)
 
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:
         return self._store.get()
 
-    def _finish(self, record: Any) -> Any:
-        sample = SpcSample(record.tensors, self._variable)
+    def _finish(self, record: Any, i: int) -> Any:
+        sample_id = self.sample_id(i)
+        sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:
             return sample
         out = self.transform(sample)
-        if type(out) is dict and self._variable:  # keep the declared batch layout
-            return SpcSample(out, self._variable & out.keys())
+        if type(out) is dict:  # keep the declared batch layout and the sample's id
+            return SpcSample(out, self._variable & out.keys(), sample_id)
         return out
 
     def __getitem__(self, i: int) -> Any:
@@ -482,7 +529,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             record = self._store_here().get_record(key, fields=self.fields)
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
-        return self._finish(record)
+        return self._finish(record, i)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         self._refuse_id_clashes(indices)
@@ -496,7 +543,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             records = self._store_here().get_records(keys, fields=self.fields)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
-        return [self._finish(record) for record in records]
+        return [self._finish(record, i) for i, record in zip(indices, records, strict=True)]
 
     # -- stale records (sources=..., on_stale != "serve") -------------------------------
     _LIMITS = SourceLimits()
@@ -580,30 +627,16 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> ProcessLocal[Any]:
-        """This dataset's read-through client, one per process (made on first use in
-        each; an inherited one is parked). Opened by a module function over plain
-        values, not a bound method: that would be a reference cycle keeping a dropped
-        dataset's store open until the cyclic collector runs."""
-        location = parse_location(
-            self.cache.location if isinstance(self.cache, Store) else self.cache
-        )
+        """This dataset's read-through client, one per process."""
         name, _, params = self.recipe
-        token = getattr(self.cache, "token", None) or self.store_options.get("token")
-        ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
-        return ProcessLocal(
-            functools.partial(
-                open_read_through,
-                location.kind,
-                location.target,
-                name,
-                params,
-                self.fingerprint,
-                self.miss_timeout,
-                token,
-                ca_file,
-                self._variants.computed,
-            ),
-            operator.methodcaller("close"),
+        return read_through_client(
+            self.cache,
+            name,
+            params,
+            self.fingerprint,
+            miss_timeout=self.miss_timeout,
+            store_options=self.store_options,
+            variants=self._variants.computed,
         )
 
     def _has(self, key: str) -> bool:

@@ -147,6 +147,23 @@ class QueueReadThrough:
                 raise SampleFailed(row.sample_id, row.path, row.last_error or "failed")
         self._wait(has, waiting, keys)
 
+    def queue_ahead(self, items: Sequence[tuple[str, str]]) -> None:
+        """Queue ``(sample id, path)`` items the caller will want soon, without waiting
+        (a sampler's read-ahead); each once, as :meth:`fetch` queues. Raises
+        :class:`NoWorkerAlive`."""
+        if not items:
+            return
+        self._require_worker([sid for sid, _ in items])
+        rows = self.queue.enqueue_once(
+            self.recipe,
+            self.params,
+            self.fingerprint,
+            items,
+            priority=self.priority,
+            variants=self.variants,
+        )
+        self.queued += sum(1 for r in rows if not r.reused)
+
     def _wait(
         self, has: Callable[[str], bool], waiting: dict[str, QueuedItem], keys: Mapping[str, str]
     ) -> None:

@@ -107,14 +107,18 @@ def _stored(cache: Path) -> int:
         return 0
 
 
-def _interrupt_mid_run(proc: subprocess.Popen[bytes], cache: Path) -> None:
+def _interrupt_mid_run(proc: subprocess.Popen[bytes], cache: Path) -> int:
+    """Ctrl-C to the run's process group once it has stored two records and is still
+    running; returns how many records were stored just after the interrupt was sent."""
     procs = []
     try:
         wait_for(lambda: _stored(cache) >= 2 or proc.poll() is not None, 300, "stored records")
         assert proc.poll() is None, "the run ended before it could be interrupted"
         procs = tree(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        at_interrupt = _stored(cache)
         proc.wait(timeout=120)
+        return at_interrupt
     finally:
         kill_tree(procs or tree(proc.pid))
 
@@ -165,10 +169,13 @@ def test_ctrl_c_stops_spcache_precompute_whatever_stderr_is(tmp_path: Path, kind
 
 LIBRARY_RUN = textwrap.dedent(
     """
+    import pathlib
     import spcache
 
-    spcache.precompute("shapes", "spc", "cache", device="cpu", loaders=2, progress=True,
-                       level={level}, surface_samples={surface_samples})
+    result = spcache.precompute("shapes", "spc", "cache", device="cpu", loaders=2,
+                                progress=True, level={level},
+                                surface_samples={surface_samples})
+    pathlib.Path("returned").write_text(str(result.done))  # not interrupted after all
     """
 )
 
@@ -192,9 +199,18 @@ def test_ctrl_c_stops_spcache_precompute_in_a_script_whose_stderr_is_closed(
     proc.stderr.close()
     proc.stdin.write(LIBRARY_RUN.format(**PARAMS).encode())
     proc.stdin.close()
-    _interrupt_mid_run(proc, tmp_path / "cache")
-    # an uncaught KeyboardInterrupt ends Python by SIGINT
-    assert proc.returncode == -signal.SIGINT
+    at_interrupt = _interrupt_mid_run(proc, tmp_path / "cache")
+    # an uncaught KeyboardInterrupt ends Python by SIGINT; if not, say what went on
+    returned = tmp_path / "returned"
+    assert proc.returncode == -signal.SIGINT, (
+        f"exit {proc.returncode}; {at_interrupt} of {SHAPES} records were stored as Ctrl-C "
+        f"was sent; "
+        + (
+            f"spcache.precompute returned with {returned.read_text()} done"
+            if returned.exists()
+            else "spcache.precompute did not return"
+        )
+    )
     assert _check_what_was_committed(tmp_path) < SHAPES
 
 

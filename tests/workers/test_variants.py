@@ -23,6 +23,7 @@ import spcache
 from cache_store.errors import UsageError
 from cache_store.jobs.queue import JobQueue
 from cache_store.readers.variants import pick_variant
+from cache_store.snapshot.importer import import_snapshot
 from cache_store.snapshot.zarr.export import export_snapshot
 from cache_store.stores.lmdb.store import LMDBStore
 from spcache.recipes import Field, Param
@@ -166,6 +167,17 @@ def test_a_sharded_snapshot_and_an_export_hold_the_same_variants(
         assert [ds.variant_at(i) for i in range(3)] == [
             pick_variant(0, 3, ds.sample_id(i), 4) for i in range(3)
         ]
+    # imported back into a cache directory: every variant's record and the counts
+    report = import_snapshot(tmp_path / "export.zarr", tmp_path / "imported")
+    assert report[result.fingerprint]["copied"] == 12 and not report[result.fingerprint]["bad"]
+    with LMDBStore(tmp_path / "imported") as store:
+        assert store.get_index(result.fingerprint).variant_counts().tolist() == [4, 4, 4]
+    for mine, theirs in zip(
+        _pinned(cache, result.fingerprint, 3),
+        _pinned(tmp_path / "imported", result.fingerprint, 3),
+        strict=True,
+    ):
+        assert torch.equal(mine["octree"], theirs["octree"])
 
 
 def test_the_ray_engine_refuses_variants_with_the_way_out() -> None:

@@ -51,7 +51,7 @@ from cache_store.snapshot.sharded.format import (
     parse_manifest,
     root_document,
 )
-from cache_store.stores.base import RecordDecoder, Store, VerifyReport
+from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyReport
 
 __all__ = ["MISS_RELIST_S", "ShardedSnapshot"]
 
@@ -419,6 +419,18 @@ class ShardedSnapshot(Store):
 
     def has(self, key: str) -> bool:
         return self._entry(key) is not None
+
+    def block_layout(self, fingerprint: str, sample_ids: Sequence[str]) -> BlockLayout | None:
+        """Parts: a record is a range of its part's file, so a reader that fetches parts
+        whole (a bounded local cache) reads each once when a part's samples come
+        together. A sample no commit holds gets a block of its own, named ``""``."""
+        dataset = self._load(fingerprint)
+        if dataset is None:
+            return None
+        entries = dataset.entries
+        return BlockLayout.of_labels(
+            [entry.part if (entry := entries.get(sid)) is not None else "" for sid in sample_ids]
+        )
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         found = []

@@ -35,6 +35,7 @@ from cache_store.stores.lmdb.environment import (
     REMOVED_DB,
     EnvironmentHandle,
 )
+from cache_store.stores.lmdb.maps import MapLease
 
 __all__ = ["LMDBStore"]
 
@@ -151,45 +152,63 @@ class LMDBStore(Store):
 
     @contextmanager
     def read_view(self, key: str) -> Iterator[Any]:
-        # The map's own bytes, valid inside one read transaction (held for the block).
-        with self._read() as (txn, dbs):
-            value = _lookup(txn, dbs[RECORDS_DB], key)
+        # The map's own bytes, valid until the block ends: a lease keeps the map mapped
+        # (a compaction or another process's growth meanwhile cannot unmap it).
+        with self.lease(key) as lease:
+            yield lease.view
+
+    def lease(self, key: str) -> MapLease:
+        """The record under ``key`` lent from the map: ``lease.view`` (a buffer) stays
+        valid until ``lease.release()`` (or the end of ``with store.lease(key) as
+        lease:``), whatever compacts or grows the cache meanwhile; see
+        :class:`~cache_store.stores.lmdb.maps.MapLease`. Release it soon: it holds
+        a read transaction and, after a compaction, the old file's disk space."""
+        lease = self.handle.lease()
+        try:
+            value = _lookup(lease.txn, lease.dbs[RECORDS_DB], key)
             if value is None:
-                raise tombstones.missing(txn, dbs, key, self.location)
-            yield value
+                raise tombstones.missing(lease.txn, lease.dbs, key, self.location)
+        except lmdb.Error as exc:
+            lease.release()
+            raise self.handle.damaged(exc) from exc
+        except BaseException:
+            lease.release()
+            raise
+        lease.view = value
+        return lease
 
     def supply(
         self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
     ) -> list[Record]:
         # The map's own bytes, decoded inside one read transaction: one copy per tensor.
         # The hot path of every read: no context-manager generator around the transaction.
-        txn, dbs = self.handle.begin()
+        lease = self.handle.lease()
         try:
-            db = dbs[RECORDS_DB]
+            txn, db = lease.txn, lease.dbs[RECORDS_DB]
             values = []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
-                    raise tombstones.missing(txn, dbs, key, self.location)
+                    raise tombstones.missing(txn, lease.dbs, key, self.location)
                 values.append(value)
             return decoder.values(values)
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
-            txn.abort()  # read-only: ends it and releases the reader slot
+            lease.release()
 
     def value_size(self, key: str) -> int:
         # the value's length in the map view: no copy
-        txn, dbs = self.handle.begin()
+        lease = self.handle.lease()
         try:
-            value = _lookup(txn, dbs[RECORDS_DB], key)
+            value = _lookup(lease.txn, lease.dbs[RECORDS_DB], key)
             if value is None:
-                raise tombstones.missing(txn, dbs, key, self.location)
+                raise tombstones.missing(lease.txn, lease.dbs, key, self.location)
             return len(value)
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
-            txn.abort()
+            lease.release()
 
     def generation(self) -> int:
         """The id of the environment's last committed write transaction (read from its
