@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
@@ -26,6 +26,7 @@ from cache_store.jobs.item_state import item_state
 from cache_store.recipes.registry import installed_recipes
 from cache_store.sources.files import SourceLimits
 from cache_store.recipes.registry import RECIPE_SPECS
+from cache_store.format.descriptor import DIGEST_PATTERN, descriptor_name
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, sign_checksums
@@ -210,6 +211,34 @@ async def get_record(
         return RecordStreamResponse(value, headers, release, f"record {sample_id!r}")
     return Response(
         value, media_type=RECORD_MEDIA_TYPE, headers=headers, background=BackgroundTask(release)
+    )
+
+
+#: Route path parameter: a descriptor's digest.
+Digest = Annotated[
+    str, Path(pattern=f"^{DIGEST_PATTERN}$", description="32 lowercase hex characters")
+]
+
+
+@router.get(
+    "/caches/{fingerprint}/descriptors/{digest}",
+    response_class=Response,
+    responses={200: {"content": {"application/json": {}}, "description": "the descriptor"}},
+)
+def get_descriptor(fingerprint: Fingerprint, digest: Digest, ctx: Context) -> Response:
+    """The descriptor ``digest`` that format-2 records of ``fingerprint`` name: what its
+    records share (recipe, version, parameters, schema, code digest, backend, device),
+    as stored. Named by the digest of its text, so it never changes (cached forever);
+    a reader checks the text against the digest its record holds."""
+    validate_fingerprint(fingerprint)
+    store = ctx.store()
+    text = None if store is None else store.load_descriptor(fingerprint, digest)
+    if text is None:
+        raise FingerprintLookupError(f"no {descriptor_name(fingerprint, digest)} here")
+    return Response(
+        text,
+        media_type="application/json",
+        headers={"ETag": f'"{digest}"', "Cache-Control": "public, max-age=31536000, immutable"},
     )
 
 

@@ -35,12 +35,19 @@ class ShardBuffer(MemoryStore):
 
     It is empty when a shard starts (so the engine computes every item it is given: the
     driver has already skipped what is cached) and hands each record back once
-    (:meth:`pop`). The index the engine writes at the end of a shard is dropped: the
-    driver writes the real one. Closing it forgets what it held.
+    (:meth:`pop`), with the descriptors they name (:meth:`descriptor_texts`). The index
+    the engine writes at the end of a shard is dropped: the driver writes the real one.
+    Closing it forgets what it held.
     """
 
     def __init__(self) -> None:
         super().__init__("memory://shard")
+
+    def descriptor_texts(self) -> list[list[str]]:
+        """``[fingerprint, digest, text]`` of every descriptor written here (a run's one
+        or few): sent with the records, plain values."""
+        with self.data.lock:
+            return [[fp, digest, text] for (fp, digest), text in self.data.descriptors.items()]
 
     def pop(self, key: str) -> bytes:
         """The record under ``key``, removed from the buffer."""
@@ -53,6 +60,7 @@ class ShardBuffer(MemoryStore):
     def close(self) -> None:
         with self.data.lock:
             self.data.records.clear()
+            self.data.descriptors.clear()
 
     def put_index(self, index: DatasetIndex) -> None:
         """Dropped (see the class doc)."""
@@ -165,7 +173,8 @@ class ShardWorker:
         """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
 
         Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
-        ...], "records": [[key, bytes], ...]}`` with at most ``write_batch`` results, and
+        ...], "records": [[key, bytes], ...], "descriptors": [[fingerprint, digest, text],
+        ...]}`` with at most ``write_batch`` results, and
         the last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
         the engine (not one sample's failure) is raised from here. With a sink the records
         are already committed to it (parts named after ``label``: shard and attempt) and
@@ -205,24 +214,29 @@ class ShardWorker:
             if kind == "result":
                 pending.append(value)
                 if len(pending) >= batch:
-                    yield _batch_message(pending)
+                    yield _batch_message(pending, buffer.descriptor_texts())
                     pending = []
                 continue
             thread.join()
             if pending:
-                yield _batch_message(pending)
+                yield _batch_message(pending, buffer.descriptor_texts())
             if kind == "error":
                 raise RemoteError.of(value) if isinstance(value, SpcacheError) else value
             yield {"summary": _summary_message(value)}
             return
 
 
-def _batch_message(pending: list[tuple[ItemResult, bytes | None]]) -> dict[str, Any]:
+def _batch_message(
+    pending: list[tuple[ItemResult, bytes | None]], descriptors: list[list[str]]
+) -> dict[str, Any]:
+    records = [[r.key, record] for r, record in pending if record is not None]
     return {
         "results": [
             [r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash] for r, _ in pending
         ],
-        "records": [[r.key, record] for r, record in pending if record is not None],
+        "records": records,
+        # the descriptors the records name ([fingerprint, digest, text]; none with a sink)
+        "descriptors": descriptors if records else [],
     }
 
 

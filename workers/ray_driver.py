@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache_store.errors import SourceError, StoreFull, REASON_MAX, one_line
+from cache_store.format.descriptor import parse_descriptor
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import is_current
 from cache_store.stores.base import Store
@@ -413,7 +414,11 @@ class RayRun:
         if records:
             start = time.perf_counter()
             try:
-                self.options.store.put_many(records)
+                descriptors = [  # those the records name, as the actor's store kept them
+                    parse_descriptor(text, fingerprint=fingerprint, digest=digest)
+                    for fingerprint, digest, text in message.get("descriptors", [])
+                ]
+                self.options.store.put_many(records, descriptors)
             except Exception as exc:  # the batch fails with its reason, the run goes on
                 logger.exception("writing %d records failed", len(records))
                 write_error = f"store write failed: {one_line(exc, limit=REASON_MAX)}"

@@ -507,8 +507,10 @@ class RunLedger:
                 n += 1
             counts[sid] = max(n, old_counts.get(sid, 1))
         ids = append_ids(old, ran)
-        grown = any(counts[sid] != old_counts.get(sid, 1) for sid in ran if sid in old_counts)
-        if len(ids) == len(old) and not grown:  # nothing new (or nothing at all)
+        if len(ids) == len(old) and not ran:
+            # nothing stored by this run. (A run that stored records writes the index even
+            # when it lists them all: a sharded snapshot's lists every committed record
+            # before its index.json is written.)
             return
         store.put_index(
             DatasetIndex(

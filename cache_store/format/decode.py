@@ -16,6 +16,7 @@ import xxhash
 
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName
 from cache_store.format.buffers import allocate, in_dataloader_worker
+from cache_store.format.descriptor import DescriptorLookup, bind_metadata
 from cache_store.format.header import (
     ITEMSIZE,
     NUMPY_DTYPES,
@@ -23,7 +24,6 @@ from cache_store.format.header import (
     RecordHeader,
     TensorInfo,
     byte_view,
-    check_names_key,
     parse_view,
 )
 
@@ -90,22 +90,24 @@ def _check_bools(data: Any, name: str, key: str) -> None:
         raise CorruptRecord(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
 
 
-def check_record(value: Any, *, key: str) -> RecordHeader:
+def check_record(value: Any, *, key: str, lookup: DescriptorLookup) -> RecordHeader:
     """The whole-record check: every rule a stored record must keep, in one place, for
     every store's ``verify``, the snapshot export and a Zarr ``get``.
 
     Header (strict parse, header checksum, layout), each field's checksum, BOOL bytes
-    (0 or 1), and that its metadata names ``key`` (the record is the one stored under
-    that key). Builds nothing and needs no torch. Returns the header; raises
-    ``CorruptRecord`` (or ``UnsupportedFormat``) naming ``key``. A decode makes the same
-    checks on the fields it returns (:func:`verified_field` and its copy loops), and the
-    store base class checks the key of every record it decodes.
+    (0 or 1), and that the record is bound to ``key`` (:func:`bind_metadata`: its
+    metadata names that key; a format-2 record's descriptor, found through ``lookup``
+    under the key's fingerprint, is there and sound). Builds nothing and needs no torch.
+    Returns the header (the record's own metadata); raises ``CorruptRecord`` (or
+    ``UnsupportedFormat``) naming ``key``. A decode makes the same checks on the fields
+    it returns (:func:`verified_field` and its copy loops), and the store base class
+    binds every record it decodes.
     """
     view = byte_view(value, key)
     header = parse_view(view, key)
     for name in header.tensors:
         verified_field(view, header, name, key)
-    check_names_key(header.metadata, key)
+    bind_metadata(header.metadata, key, lookup)
     return header
 
 
@@ -282,7 +284,8 @@ def decode_record(value: Any, *, key: str = "", fields: Iterable[str] | None = N
         Record: ``tensors`` (name -> CPU tensor, dtype and shape as stored, writable;
         parts of one fresh buffer, never the input's memory; in a DataLoader worker
         views of ONE storage in shared memory, so the record crosses to the trainer as
-        one shared-memory file) and ``metadata`` (str -> str).
+        one shared-memory file) and ``metadata`` (str -> str): the record's own (a
+        store's reads add its descriptor's, :func:`bind_metadata`).
 
     Raises:
         CorruptRecord: malformed value or checksum mismatch (names ``key``).

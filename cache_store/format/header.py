@@ -8,19 +8,26 @@ The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin,
 (offsets relative to the data section) and holds ``"__metadata__"``, a str -> str map.
 Tensors are laid out by decreasing item size, so every buffer is aligned for its dtype.
 
-spcache's metadata adds, besides what the writer describes (recipe, fingerprint, sample
-id, source hash, ...):
+spcache's metadata adds, besides what the writer describes (sample id, source hash, ...):
 
 ``format_version``
-    ``"1"``. A reader meeting another version raises :class:`UnsupportedFormat`.
+    ``"2"`` (records written since the descriptors came; ``"1"`` before, still read). A
+    reader meeting another version raises :class:`UnsupportedFormat`.
 ``field_checksums``
-    JSON ``{name: xxh3_64 hex}`` of each tensor's bytes, so decoding a subset of fields
-    hashes only the bytes it returns.
+    Each tensor's xxh3_64 (16 hex digits), so decoding a subset of fields hashes only the
+    bytes it returns. Format 2: the digests concatenated in the order of the tensors'
+    data offsets (no second JSON text to parse); format 1: JSON ``{name: hex}``.
 ``checksum``
     xxh3_128 hex of the header text exactly as stored, with this entry's own 32 digits
     replaced by zeros. The header pins every field's name, dtype, shape, offsets and hash
     (``field_checksums``) and every metadata value, so the checksum changes whenever any
     byte of the record would. The service uses it as a strong ETag.
+``descriptor``
+    Format 2 records written by :func:`~cache_store.format.encode.encode_record`: the
+    digest of the descriptor holding what the fingerprint's records share (recipe,
+    parameters, schema, code digest...; :mod:`cache_store.format.descriptor`), which a
+    format 1 record carried in its own header. A record without one names its
+    ``fingerprint`` itself.
 
 This module holds the dtype tables, the framing, the header checksum rule and the only
 header parser (:func:`parse_view`, reached through :func:`read_header`,
@@ -28,6 +35,9 @@ header parser (:func:`parse_view`, reached through :func:`read_header`,
 malformed value raises :class:`CorruptRecord` naming the key, never another exception
 type. Writing records is :mod:`cache_store.format.encode`; reading their tensors and the
 whole-record check are :mod:`cache_store.format.decode`.
+
+Why one module: the parser, the checksum rule and the key a header names are read
+together on every record read; split, each read would cross modules for one header.
 """
 
 from __future__ import annotations
@@ -49,6 +59,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "READABLE_VERSIONS",
+    "FIELD_CHECKSUM_HEX",
     "REQUIRED_METADATA",
     "MANAGED_METADATA",
     "MAX_HEADER_BYTES",
@@ -58,6 +70,8 @@ __all__ = [
     "TORCH_DTYPES",
     "HEADER_LENGTH",
     "BLANK_CHECKSUM",
+    "STRICT_DECODER",
+    "field_checksums_text",
     "TensorInfo",
     "RecordHeader",
     "torch_dtype",
@@ -73,7 +87,9 @@ __all__ = [
     "check_names_key",
 ]
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
+#: Every record format version this reader reads (writers write :data:`FORMAT_VERSION`).
+READABLE_VERSIONS = ("1", "2")
 #: Metadata a record must describe itself with (``created`` and ``spcache_version`` are
 #: filled in by :func:`~cache_store.format.encode.encode_record` when absent).
 REQUIRED_METADATA = (
@@ -88,7 +104,9 @@ REQUIRED_METADATA = (
     "spcache_version",
 )
 #: Metadata the format itself writes (callers may not set it).
-MANAGED_METADATA = ("format_version", "checksum", "field_checksums")
+MANAGED_METADATA = ("format_version", "checksum", "field_checksums", "descriptor")
+#: Hex digits of one field's checksum (xxh3_64).
+FIELD_CHECKSUM_HEX = 16
 #: Largest header accepted (the safetensors reference reader uses the same bound).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -353,10 +371,11 @@ def parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
     if type(meta) is not dict or not set(map(type, meta.values())) <= _STR_ONLY:
         raise CorruptRecord(key, "header has no '__metadata__' map of str -> str")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise UnsupportedFormat(
             key,
-            f"format_version {version!r} is not supported (this reader knows {FORMAT_VERSION!r})",
+            f"format_version {version!r} is not supported (this reader knows "
+            f"{', '.join(map(repr, READABLE_VERSIONS))})",
         )
     try:
         at = _checksum_slot(raw)
@@ -366,19 +385,23 @@ def parse_text(raw: bytes, total: int, key: str) -> RecordHeader:
     if meta.get("checksum") != stored or _header_digest(raw, at) != stored:
         raise CorruptRecord(key, "header checksum mismatch (metadata or layout altered)")
     data_start = HEADER_LENGTH.size + n
-    tensors = _tensor_infos(key, header, total - data_start, data_start)
-    checksums = _parse_field_checksums(key, meta, tensors)
+    tensors, in_order = _tensor_infos(key, header, total - data_start, data_start)
+    if version == "1":
+        checksums = _parse_field_checksums_v1(key, meta, tensors)
+    else:
+        checksums = _parse_field_checksums(key, meta, tensors, in_order)
     return RecordHeader(meta, tensors, checksums, data_start)
 
 
 def _tensor_infos(
     key: str, header: Mapping[str, Any], data_len: int, data_start: int
-) -> dict[str, TensorInfo]:
+) -> tuple[dict[str, TensorInfo], bool]:
     """Every tensor entry of a parsed header, checked as :func:`_parse_tensor_info` and
     :func:`_check_layout` check them, in one loop with no call per field: this runs for
     every record read. An entry that fails any check goes to ``_parse_tensor_info``,
     which raises naming what is wrong; fields that are not in data order (a writer other
-    than this package's) go to ``_check_layout``."""
+    than this package's) go to ``_check_layout``. Returns the entries and whether they
+    were listed in data order."""
     tensors = {}
     itemsizes = ITEMSIZE
     position = 0  # where the next field must begin for the fields to be in order
@@ -411,7 +434,7 @@ def _tensor_infos(
         raise CorruptRecord(key, f"tensor {name!r}: malformed header entry")  # (the checks agree)
     if not (in_order and position == data_len):
         _check_layout(key, tensors, data_start, data_start + data_len)
-    return tensors
+    return tensors, in_order
 
 
 def _begin_of(item: tuple[str, TensorInfo]) -> tuple[int, int]:
@@ -433,6 +456,19 @@ def _check_layout(key: str, tensors: Mapping[str, TensorInfo], data_start: int, 
 
 
 def _parse_field_checksums(
+    key: str, meta: Mapping[str, str], tensors: Mapping[str, TensorInfo], in_order: bool
+) -> dict[str, str]:
+    """Format 2: one 16-digit checksum per tensor, concatenated in data order (by data
+    offsets; fields at one offset are empty, and empty fields' checksums are equal)."""
+    text = meta.get("field_checksums")
+    if type(text) is not str or len(text) != FIELD_CHECKSUM_HEX * len(tensors):
+        raise CorruptRecord(key, "metadata 'field_checksums' does not hold one checksum per tensor")
+    names = list(tensors) if in_order else [n for n, _ in sorted(tensors.items(), key=_begin_of)]
+    step = FIELD_CHECKSUM_HEX
+    return {name: text[i * step : i * step + step] for i, name in enumerate(names)}
+
+
+def _parse_field_checksums_v1(
     key: str, meta: Mapping[str, str], tensors: Mapping[str, TensorInfo]
 ) -> dict[str, str]:
     try:
@@ -448,6 +484,12 @@ def _parse_field_checksums(
             key, "metadata 'field_checksums' does not list exactly the record's tensors"
         )
     return checksums
+
+
+def field_checksums_text(checksums_in_data_order: list[str]) -> str:
+    """The format-2 ``field_checksums`` value of a record's tensors' checksums, given in
+    the order of their data offsets."""
+    return "".join(checksums_in_data_order)
 
 
 def read_header(value: Any, *, key: str = "") -> RecordHeader:
@@ -471,17 +513,13 @@ def record_checksum(value: Any, *, key: str = "") -> str:
 
 
 def metadata_key(metadata: Mapping[str, str]) -> str:
-    """The key a record's metadata names: ``"<fingerprint>/<sample id>"``, with
-    ``#v<variant>`` for a record of a variant >= 1 (metadata ``variant``; see
-    :func:`cache_store.keys.record_key`)."""
+    """The key a record's metadata names: ``"<fingerprint>/<record id>"``."""
     return f"{metadata.get('fingerprint')}/{metadata_record_id(metadata)}"
 
 
 def metadata_record_id(metadata: Mapping[str, str]) -> str:
-    """The record id a record's metadata names: its sample id, with ``#v<variant>`` when
-    it holds a ``variant`` (written for variants >= 1 only)."""
-    variant = metadata.get("variant")
-    sample_id = metadata.get("sample_id")
+    """The sample id, with ``#v<variant>`` for a variant's record (``keys.record_id``)."""
+    variant, sample_id = metadata.get("variant"), metadata.get("sample_id")
     return f"{sample_id}" if variant is None else f"{sample_id}#v{variant}"
 
 

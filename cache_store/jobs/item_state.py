@@ -18,7 +18,6 @@ from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
 from cache_store.recipes.registry import code_changed, installed_code_digest
 from cache_store.recipes.registry import RECIPE_SPECS
-from cache_store.format.header import read_metadata
 
 __all__ = ["ItemState", "item_state", "code_comparison"]
 
@@ -155,7 +154,7 @@ def item_state(
     meta = None
     if store is not None:
         try:
-            meta = read_metadata(store.get(key), key=key)
+            meta = store.record_metadata(key)
         except RecordNotFound:
             meta = None
         except CorruptRecord as exc:

@@ -34,7 +34,6 @@ from cache_store.errors import (
     UnknownName,
     one_line,
 )
-from cache_store.format.header import read_metadata
 from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
@@ -598,7 +597,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
         def current(key: str) -> bool:
             try:
-                meta = read_metadata(self._store_here().get(key), key=key)
+                meta = self._store_here().record_metadata(key)
             except (RecordNotFound, CacheNotFound):
                 return False
             return self._staleness(position[key], meta) is None

@@ -82,7 +82,8 @@ def _import_fingerprint(src: Any, dst: Any, fingerprint: str) -> dict[str, Any]:
             key = f"{fingerprint}/{sample_id}"
             try:
                 value = src.get(key)
-                check_record(value, key=key)  # the cache never takes a damaged record
+                # the cache never takes a damaged record, nor one its descriptor does not match
+                check_record(value, key=key, lookup=src.descriptor)
             except CorruptRecord as exc:
                 bad[sample_id] = exc.reason
                 log.warning("import: %s left out: %s", key, exc.reason)
@@ -99,7 +100,7 @@ def _import_fingerprint(src: Any, dst: Any, fingerprint: str) -> dict[str, Any]:
                 continue
             batch.append((key, value))
         if batch:
-            dst.put_many(batch)
+            dst.put_many(batch, src.descriptors_for(batch))
             copied += len(batch)
     good = variant_counts(rid for rid in ids if rid not in bad)  # sample -> variants
     try:

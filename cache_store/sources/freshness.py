@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.format.header import read_metadata
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 
 __all__ = [
@@ -140,7 +139,7 @@ def stored_metadata(store: Any, key: str) -> dict[str, str] | None:
     """The metadata of the record stored under ``key``; None when there is none, or it
     is unreadable (logged: it will be computed again)."""
     try:
-        return read_metadata(store.get(key), key=key)
+        return store.record_metadata(key)
     except RecordNotFound:
         return None
     except CorruptRecord as exc:

@@ -10,9 +10,19 @@ Reading records: a backend supplies bytes, the base decodes and checks them. The
 :meth:`Store.supply` hands the values of the keys asked for (valid only during the call:
 LMDB lends its map inside a read transaction) or a snapshot's headers and a fill
 callback to a :class:`RecordDecoder`, which decodes them with the format's checks
-(header, layout, each returned field's hash, BOOL bytes) and then checks that every
-record's metadata names its key: the one place a decoded record is bound to its key.
-``verify`` runs :func:`cache_store.format.decode.check_record`, the whole-record check.
+(header, layout, each returned field's hash, BOOL bytes) and then binds every record to
+its key (:func:`cache_store.format.descriptor.bind_metadata`: its metadata names the key;
+a format-2 record's descriptor is added to its metadata): the one place a decoded record
+is bound to its key. ``verify`` runs :func:`cache_store.format.decode.check_record`, the
+whole-record check.
+
+Descriptors (:mod:`cache_store.format.descriptor`): each backend keeps those of a
+fingerprint with its records and implements ``load_descriptor`` (the stored text, or
+None); the base's :meth:`Store.descriptor` checks and keeps them (they never change: a
+descriptor is named by the digest of its text). Writes take them with the records:
+:meth:`Store.check_items` resolves every descriptor a batch names (carried by the
+records ``encode_record`` returns, given to ``put_many``, or stored already) and the
+backend writes them in the same commit as the records.
 
 ``generation()`` is a change counter: it differs after any write that landed (LMDB: the
 last committed transaction id), so a reader can tell "nothing changed" cheaply; None
@@ -23,6 +33,10 @@ backend, so every backend can import it.
 Every backend constructor takes ``(location, *, readonly=..., **options)``, only assigns
 (nothing is opened before first use) and raises ``ReadOnlyStoreError`` on writes when
 read-only.
+
+Why one module: the contract and what is built once on its primitives (decoding and
+binding reads, checking writes and the descriptors they carry, stats, verify) are what
+every backend subclasses; apart, each half would need the other's every name.
 
 What a backend cannot do at all it says with a capability flag instead of a method that
 fakes it: ``supports_writes`` (False: Zarr snapshots, HTTP; ``put_many``/``put_index``
@@ -62,13 +76,14 @@ from cache_store.format.decode import (
     decode_record,
     decode_records,
 )
-from cache_store.format.header import (
-    RecordHeader,
-    check_names_key,
-    metadata_key,
-    read_header,
-    read_metadata,
+from cache_store.format.descriptor import (
+    Descriptor,
+    DescriptorLookup,
+    bind_metadata,
+    descriptor_name,
+    parse_descriptor,
 )
+from cache_store.format.header import RecordHeader, read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
 
@@ -77,6 +92,7 @@ __all__ = [
     "RecordDecoder",
     "Store",
     "VerifyReport",
+    "WriteBatch",
 ]
 
 log = logging.getLogger(__name__)
@@ -129,16 +145,20 @@ class BlockLayout:
 
 class RecordDecoder:
     """Decodes the records of one read (``keys``, ``fields``) from what a backend
-    supplies, and checks that each names its key. Made by the base class, handed to
+    supplies, and binds each to its key. Made by the base class, handed to
     :meth:`Store.supply`; ``batch`` False for :meth:`Store.get_record` (one record, laid
-    out for itself), True for :meth:`Store.get_records` (one storage, field by field)."""
+    out for itself), True for :meth:`Store.get_records` (one storage, field by field);
+    ``lookup`` finds the descriptors format-2 records name (:meth:`Store.descriptor`)."""
 
-    __slots__ = ("batch", "fields", "keys")
+    __slots__ = ("batch", "fields", "keys", "lookup")
 
-    def __init__(self, keys: Sequence[str], fields: list[str] | None, batch: bool) -> None:
+    def __init__(
+        self, keys: Sequence[str], fields: list[str] | None, batch: bool, lookup: DescriptorLookup
+    ) -> None:
         self.keys = keys
         self.fields = fields
         self.batch = batch
+        self.lookup = lookup
 
     def values(self, values: Sequence[Any]) -> list[Record]:
         """Records from whole values, one per key in order (bytes-like; a backend's own
@@ -156,9 +176,20 @@ class RecordDecoder:
         return self._bound(decode_filled(headers, self.keys, fill, fields=self.fields))
 
     def _bound(self, records: list[Record]) -> list[Record]:
+        lookup = self.lookup
         for key, record in zip(self.keys, records, strict=True):
-            check_names_key(record.metadata, key)
+            record.metadata = bind_metadata(record.metadata, key, lookup)
         return records
+
+
+@dataclass
+class WriteBatch:
+    """A batch checked for writing (:meth:`Store.check_items`): the records, and every
+    descriptor they name, which the backend writes with them (one it holds already is
+    written again or skipped: the same digest is always the same text)."""
+
+    records: list[tuple[str, bytes]]
+    descriptors: list[Descriptor] = field(default_factory=list)
 
 
 def _field_list(fields: Iterable[str] | None) -> list[str] | None:
@@ -170,15 +201,22 @@ def _field_list(fields: Iterable[str] | None) -> list[str] | None:
 # --------------------------------------------------------------------------- store
 
 
-def count_code_digest(entry: dict[str, Any], value: Any) -> None:
-    """Count a record's recipe code digest (metadata ``code_digest``) into a stats entry's
-    ``code_digests``; records without one (or unreadable) count under ``"none"``."""
+def count_code_digest(
+    entry: dict[str, Any], value: Any, fingerprint: str, lookup: DescriptorLookup
+) -> None:
+    """Count a record's recipe code digest (metadata ``code_digest``, a format-2
+    record's from its descriptor) into a stats entry's ``code_digests``; records
+    without one (or unreadable) count under ``"none"``."""
     try:
-        digest = read_metadata(value).get("code_digest", "none")
+        meta = read_header(value).metadata
+        digest = meta.get("descriptor")
+        if digest is not None:
+            meta = lookup(fingerprint, digest).metadata
+        code = meta.get("code_digest", "none")
     except SpcacheError:
-        digest = "none"
+        code = "none"
     counts = entry.setdefault("code_digests", {})
-    counts[digest] = counts.get(digest, 0) + 1
+    counts[code] = counts.get(code, 0) + 1
 
 
 class Store(abc.ABC):
@@ -219,11 +257,17 @@ class Store(abc.ABC):
         :meth:`get`."""
         yield self.get(key)
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
-        """Write ``(key, record bytes)`` pairs atomically (all or none); returns the count.
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
+        """Write ``(key, record bytes)`` pairs atomically (all or none), and the
+        descriptors they name; returns the count.
 
-        Writable backends implement it and validate with :meth:`check_items` first; the
-        base refuses (``supports_writes`` False).
+        A format-2 record's descriptor must be carried by the record (what
+        ``encode_record`` returns does), given in ``descriptors`` (a copy from another
+        store: :meth:`descriptors_for` there), or stored here already. Writable backends
+        implement it and validate with :meth:`check_items` first; the base refuses
+        (``supports_writes`` False).
         """
         raise self._cannot_write()
 
@@ -252,6 +296,54 @@ class Store(abc.ABC):
     def fingerprints(self) -> list[str]:
         """Fingerprints that have an index, sorted."""
 
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | bytes | None:
+        """The stored text of the descriptor ``digest`` of ``fingerprint``; None when this
+        store holds none such. Backends that keep descriptors implement it; the default
+        holds none (a store of format-1 records only)."""
+        return None
+
+    # -- descriptors -------------------------------------------------------------------
+    def descriptor(self, fingerprint: str, digest: str) -> Descriptor:
+        """The descriptor ``digest`` of ``fingerprint``, checked (its text has that
+        digest and names that fingerprint), kept by this process once read.
+
+        Raises:
+            CorruptRecord: naming the descriptor: not stored here, or damaged.
+        """
+        known = self.__dict__.setdefault("_descriptors_read", {})
+        found = known.get((fingerprint, digest))
+        if found is None:
+            text = self.load_descriptor(fingerprint, digest)
+            if text is None:
+                raise CorruptRecord(
+                    descriptor_name(fingerprint, digest), f"is not stored in {self.location}"
+                )
+            found = known[(fingerprint, digest)] = parse_descriptor(
+                text, fingerprint=fingerprint, digest=digest
+            )
+        return found
+
+    def descriptors_for(self, items: Iterable[tuple[str, Any]]) -> list[Descriptor]:
+        """The descriptors, stored here, that the format-2 records among ``items``
+        (``(key, value)``) name: what a copy of those records into another store gives
+        its ``put_many``. Raises ``CorruptRecord`` as :meth:`descriptor`."""
+        found: dict[tuple[str, str], Descriptor] = {}
+        for key, value in items:
+            digest = read_header(value, key=key).metadata.get("descriptor")
+            fingerprint = split_key(key)[0]
+            if digest is not None and (fingerprint, digest) not in found:
+                found[(fingerprint, digest)] = self.descriptor(fingerprint, digest)
+        return list(found.values())
+
+    def record_metadata(self, key: str) -> dict[str, str]:
+        """The metadata of the record under ``key`` as a decoded read returns it (a
+        format-2 record's with its descriptor's), reading its header only. Raises
+        :class:`RecordNotFound`, or ``CorruptRecord`` for a record that does not check
+        out or is not bound to ``key``."""
+        with self.read_view(key) as value:
+            metadata = read_header(value, key=key).metadata
+        return bind_metadata(metadata, key, self.descriptor)
+
     # -- helpers for implementations -------------------------------------------------
     def _cannot_write(self) -> ReadOnlyStoreError:
         return ReadOnlyStoreError(
@@ -262,29 +354,53 @@ class Store(abc.ABC):
         if self.readonly:
             raise ReadOnlyStoreError(f"{self.location}: store is open read-only")
 
-    def check_items(self, items: Iterable[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    def check_items(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> WriteBatch:
         """Validate keys and record headers before a write; nothing is written on error.
 
-        Each key must be ``<fingerprint>/<sample id>`` and the record's metadata must name
-        the same fingerprint and sample id (a record can never land under a wrong key).
+        Each key must be ``<fingerprint>/<sample id>`` and the record must be bound to it
+        (:func:`~cache_store.format.descriptor.bind_metadata`: a record can never land
+        under a wrong key). The descriptor each format-2 record names is found where
+        :meth:`put_many` says; all of them are returned with the records, for the backend
+        to write in the same commit.
         """
+        given = {(d.fingerprint, d.digest): d for d in descriptors}
+        named: dict[tuple[str, str], Descriptor] = {}
+
+        def lookup_for(value: Any) -> DescriptorLookup:
+            carried = getattr(value, "descriptor", None)
+
+            def lookup(fingerprint: str, digest: str) -> Descriptor:
+                found = given.get((fingerprint, digest))
+                if isinstance(carried, Descriptor) and found is None:
+                    found = carried if carried.digest == digest else None
+                found = found or named.get((fingerprint, digest))
+                if found is None:
+                    try:
+                        found = self.descriptor(fingerprint, digest)
+                    except CorruptRecord as exc:
+                        raise CorruptRecord(
+                            exc.key,
+                            f"{exc.reason}; a writer hands it over with the record "
+                            f"(encode_record's value carries it; a copy from another store "
+                            f"passes descriptors=source.descriptors_for(items))",
+                        ) from None
+                named[(fingerprint, digest)] = found
+                return found
+
+            return lookup
+
         checked = []
         for key, value in items:
             split_key(key)  # validates both parts
             meta = read_header(value, key=key).metadata
-            if metadata_key(meta) != key:
-                raise ParameterError(
-                    [
-                        (
-                            f"{key}: record metadata names fingerprint "
-                            f"{meta.get('fingerprint')!r} and sample id "
-                            f"{meta.get('sample_id')!r}"
-                        )
-                    ],
-                    what="record key",
-                )
+            try:
+                bind_metadata(meta, key, lookup_for(value))
+            except CorruptRecord as exc:
+                raise ParameterError([f"{key}: {exc.reason}"], what="record key") from None
             checked.append((key, value if isinstance(value, bytes) else bytes(value)))
-        return checked
+        return WriteBatch(checked, list(named.values()))
 
     def index_missing(self, fingerprint: str) -> FingerprintLookupError:
         known = self.fingerprints()
@@ -302,7 +418,7 @@ class Store(abc.ABC):
         """Decoded record under ``key`` (``fields``: subset to decode and verify); its
         metadata must name ``key`` (``CorruptRecord`` otherwise)."""
         fields = _field_list(fields)
-        return self.supply([key], fields, RecordDecoder([key], fields, False))[0]
+        return self.supply([key], fields, RecordDecoder([key], fields, False, self.descriptor))[0]
 
     def get_records(self, keys: Iterable[str], fields: Iterable[str] | None = None) -> list[Record]:
         """Decoded records in ``keys`` order, in one storage laid out field by field (see
@@ -310,7 +426,7 @@ class Store(abc.ABC):
         raises :class:`RecordNotFound` naming its key."""
         keys = list(keys)
         fields = _field_list(fields)
-        return self.supply(keys, fields, RecordDecoder(keys, fields, True))
+        return self.supply(keys, fields, RecordDecoder(keys, fields, True, self.descriptor))
 
     def supply(
         self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
@@ -359,7 +475,7 @@ class Store(abc.ABC):
             entry = per_fp.setdefault(key[:FINGERPRINT_HEX_CHARS], {"records": 0, "bytes": 0})
             entry["records"] += 1
             entry["bytes"] += len(value)
-            count_code_digest(entry, value)
+            count_code_digest(entry, value, key[:FINGERPRINT_HEX_CHARS], self.descriptor)
         return self._finish_stats(per_fp)
 
     def _finish_stats(self, per_fp: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -408,7 +524,7 @@ class Store(abc.ABC):
         for key in self.keys(prefix):
             try:
                 with self.read_view(key) as value:  # checked in place where a backend lends it
-                    check_record(value, key=key)
+                    check_record(value, key=key, lookup=self.descriptor)
             except RecordNotFound:  # deleted meanwhile
                 continue
             except CorruptRecord as exc:  # from check_record, or from a get that checks

@@ -11,7 +11,9 @@ The batch responses it reads are framed as :mod:`cache_store.format.wire` descri
 Every record read is bound to its key: its metadata must name the fingerprint and
 sample id asked for (a proxy swapping two records is caught), and with ``record_key``
 its keyed tag must match (a proxy altering and re-checksumming one is caught; see
-:mod:`cache_store.format.tag`).
+:mod:`cache_store.format.tag`). The descriptor a format-2 record names comes from
+``GET /v1/caches/{fingerprint}/descriptors/{digest}``, once per process: its text must
+have that digest, which the record's (checksummed, tagged) header holds.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from cache_store.errors import (
 from cache_store.keys import split_key
 from cache_store.process_local import ProcessLocal
 from cache_store.format.decode import Record
-from cache_store.format.header import check_names_key, read_metadata, record_checksum
+from cache_store.format.descriptor import bind_metadata
+from cache_store.format.header import read_header, record_checksum
 from cache_store.format.tag import (
     TAG_HEADER,
     as_secret,
@@ -174,7 +177,7 @@ class HTTPStore(Store):
         # Raw bytes leave the store here, undecoded: bound to their key first, as the
         # module doc promises (decoded reads are bound by the base class's decoder).
         value = self._fetch(key, None)
-        check_names_key(read_metadata(value, key=key), key)
+        bind_metadata(read_header(value, key=key).metadata, key, self.descriptor)
         return value
 
     def _fetch(self, key: str, fields: list[str] | None) -> Any:
@@ -265,7 +268,7 @@ class HTTPStore(Store):
         """
         found, missing = self._fetch_many(keys, None if fields is None else list(fields))
         for key, value in found.items():
-            check_names_key(read_metadata(value, key=key), key)
+            bind_metadata(read_header(value, key=key).metadata, key, self.descriptor)
         return found, missing
 
     def _fetch_many(
@@ -313,6 +316,12 @@ class HTTPStore(Store):
             if key not in found:
                 raise RecordNotFound(key, f"{self.url} ({missing.get(key, 'not returned')})")
         return decoder.values([found[key] for key in keys])
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> bytes | None:
+        response = self._request("GET", f"/v1/caches/{fingerprint}/descriptors/{digest}")
+        if response.status_code == 404:
+            return None
+        return self._check(response).content
 
     def fingerprints(self) -> list[str]:
         body = self._check(self._request("GET", "/v1/caches")).json()

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from cache_store.errors import RecordNotFound
+from cache_store.format.descriptor import Descriptor
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.stores.base import Store
 
@@ -28,10 +29,13 @@ __all__ = ["MemoryData", "MemoryStore"]
 @dataclass
 class MemoryData:
     """What one or more :class:`MemoryStore` hold: record key -> bytes, fingerprint ->
-    encoded index, and a counter of the writes that landed."""
+    encoded index, the descriptors the records name, and a counter of the writes that
+    landed."""
 
     records: dict[str, bytes] = field(default_factory=dict)
     indexes: dict[str, bytes] = field(default_factory=dict)
+    #: (fingerprint, digest) -> the text of a descriptor the records name
+    descriptors: dict[tuple[str, str], str] = field(default_factory=dict)
     writes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -63,13 +67,22 @@ class MemoryStore(Store):
             raise RecordNotFound(key, self.location)
         return value
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
         self.check_writable()
-        checked = self.check_items(items)  # every item, before any is written
+        batch = self.check_items(items, descriptors)  # every item, before any is written
         with self.data.lock:
-            self.data.records.update(checked)
+            for d in batch.descriptors:
+                self.data.descriptors[(d.fingerprint, d.digest)] = d.text
+            # plain bytes: what encode_record returns carries its descriptor, kept above
+            self.data.records.update((key, bytes(value)) for key, value in batch.records)
             self.data.writes += 1
-        return len(checked)
+        return len(batch.records)
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
+        with self.data.lock:
+            return self.data.descriptors.get((fingerprint, digest))
 
     def has(self, key: str) -> bool:
         with self.data.lock:

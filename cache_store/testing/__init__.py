@@ -13,6 +13,7 @@ from cache_store.testing.records import (
     IDS_B,
     SWAPPED_FOR,
     SWAPPED_KEY,
+    V1_KEYS,
     Content,
     contract_record,
     fingerprint_of,
@@ -23,6 +24,7 @@ from cache_store.testing.records import (
     spc_arrays,
     spc_query_arrays,
 )
+from cache_store.testing.format1 import as_format_1, encode_record_v1, metadata_read_back
 from cache_store.testing.store import StoreContract, WritableStoreContract, raises
 
 __all__ = [
@@ -33,8 +35,12 @@ __all__ = [
     "IDS_B",
     "SWAPPED_FOR",
     "SWAPPED_KEY",
+    "V1_KEYS",
     "Content",
     "StoreContract",
+    "as_format_1",
+    "encode_record_v1",
+    "metadata_read_back",
     "WritableStoreContract",
     "contract_record",
     "fingerprint_of",

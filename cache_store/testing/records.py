@@ -4,7 +4,10 @@ indexes, and the content the store contract stores.
 :func:`spc_arrays` builds a genuine octree, pyramid, exsum and point hierarchy from
 random points (NumPy), so every reader sees consistent shapes; :func:`contract_record`
 encodes one as a record of ``spc`` or ``spc_query``; :func:`sample_content` is three
-fingerprints of two recipes, ids with slashes and non-ASCII characters included.
+fingerprints of two recipes, ids with slashes and non-ASCII characters included, and
+records of both formats: :data:`V1_KEYS` hold records of format 1 (each carrying its
+whole metadata), the others format 2 (naming the descriptor their fingerprint's records
+share); a fingerprint holds both, another format 1 only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import compute_fingerprint
 from cache_store.recipes.registry import get_recipe_spec
+from cache_store.testing.format1 import as_format_1
 
 __all__ = [
     "FP_A",
@@ -26,6 +30,7 @@ __all__ = [
     "IDS_B",
     "SWAPPED_FOR",
     "SWAPPED_KEY",
+    "V1_KEYS",
     "Content",
     "contract_record",
     "fingerprint_of",
@@ -61,6 +66,8 @@ IDS_B = ["chairs/a1", "lamps/l1"]
 #: snapshot's ids can be swapped in place).
 SWAPPED_KEY = f"{FP_A}/chairs/a1"
 SWAPPED_FOR = f"{FP_A}/chairs/a2"
+#: Keys whose record is of format 1 in :func:`sample_content` (the rest: format 2).
+V1_KEYS = frozenset({f"{FP_A}/tables/t1", f"{FP_A}/unicode/é-ü", f"{FP_C}/only"})
 
 
 def _morton(points: np.ndarray, level: int) -> np.ndarray:
@@ -176,13 +183,16 @@ def index_of(recipe: str, ids: list[str], **params: Any) -> DatasetIndex:
 
 def sample_content() -> Content:
     """Records of three fingerprints of two recipes, ids with slashes and non-ASCII
-    characters included, and the three datasets' indexes."""
+    characters included, those of :data:`V1_KEYS` in format 1, and the three datasets'
+    indexes."""
+
     records = {f"{FP_A}/{sid}": contract_record(FP_A, sid, i) for i, sid in enumerate(IDS_A)}
     records |= {
         f"{FP_B}/{sid}": contract_record(FP_B, sid, 10 + i, recipe="spc_query")
         for i, sid in enumerate(IDS_B)
     }
     records[f"{FP_C}/only"] = contract_record(FP_C, "only", 99, level=5)
+    records = {k: as_format_1(v) if k in V1_KEYS else v for k, v in records.items()}
     indexes = [
         index_of("spc", IDS_A, level=4),
         index_of("spc_query", IDS_B, level=4),

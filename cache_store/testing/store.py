@@ -51,6 +51,7 @@ from cache_store.format.decode import decode_record
 from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.base import Store
+from cache_store.testing.format1 import metadata_read_back
 from cache_store.testing.records import (
     FP_A,
     FP_B,
@@ -59,6 +60,7 @@ from cache_store.testing.records import (
     IDS_B,
     SWAPPED_FOR,
     SWAPPED_KEY,
+    V1_KEYS,
     Content,
     contract_record,
     index_of,
@@ -166,6 +168,23 @@ class StoreContract:
         assert sub.metadata["sample_id"] == "lamps/l1"
         many = store.get_records([key, f"{FP_A}/zeta"], fields=["octree"])
         assert [r.metadata["sample_id"] for r in many] == ["lamps/l1", "zeta"]
+
+    def test_records_of_both_formats_read_alike(self) -> None:
+        """Format-1 records (their whole metadata in each) and format-2 ones (what the
+        fingerprint's records share in its descriptor) read with the same metadata."""
+        store, records, _ = self.opened()
+        keys = list(records)
+        together = store.get_records(keys)
+        for key, batched in zip(keys, together, strict=True):
+            value = records[key]
+            expected = metadata_read_back(value)
+            assert expected["format_version"] == ("1" if key in V1_KEYS else "2"), key
+            assert expected["fingerprint"] == key[:32] and expected["recipe"]
+            want = decode_record(value).tensors
+            for got in (store.get_record(key), batched):
+                assert got.metadata == expected, key
+                assert set(got.tensors) == set(want)
+                assert all(_equal_tensors(got.tensors[n], t) for n, t in want.items()), key
 
     def test_indexes(self) -> None:
         store, _, indexes = self.opened()

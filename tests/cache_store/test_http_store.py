@@ -218,7 +218,15 @@ def test_503_is_retried_honouring_retry_after() -> None:
             )
         return Response(value, media_type="application/octet-stream")
 
-    app = Starlette(routes=[Route("/v1/caches/{fp}/records/{sid:path}", busy_then_ok)])
+    async def descriptor(request):  # what the record names, as the service serves it
+        return Response(value.descriptor.text, media_type="application/json")
+
+    app = Starlette(
+        routes=[
+            Route("/v1/caches/{fp}/records/{sid:path}", busy_then_ok),
+            Route("/v1/caches/{fp}/descriptors/{digest}", descriptor),
+        ]
+    )
     with InProcessServer(None, app=app) as server, HTTPStore(server.url, retries=3) as store:
         assert store.get(record_key("a" * 32, "x/y")) == value
     assert calls == ["/v1/caches/" + "a" * 32 + "/records/x/y"] * 3

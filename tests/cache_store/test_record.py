@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName, UnsupportedFormat
 from cache_store.format.decode import check_record, decode_arrays, decode_record, decode_records
 from cache_store.format.encode import encode_record, encode_tensors, select_fields
+from cache_store.format.descriptor import DESCRIPTOR_METADATA, bind_metadata
 from cache_store.format.header import DTYPES, read_header, read_metadata, record_checksum
 from tests.helpers.synthetic import record_metadata, spc_query_fields
+from cache_store.testing.format1 import encode_record_v1
 
 FP = "0123456789abcdef" * 2
 KEY = f"{FP}/chairs/a1"
@@ -43,11 +45,29 @@ def test_round_trip_of_recipe_fields_and_metadata() -> None:
     fields, value = _record()
     rec = decode_record(value, key=KEY)
     _assert_same(rec.tensors, fields)
+    # the record holds what is its own; what the fingerprint's records share is in its
+    # descriptor, which the record names and carries to the store that keeps it
+    assert rec.metadata["format_version"] == "2"
+    assert rec.metadata["descriptor"] == value.descriptor.digest
     for k, v in _meta().items():
-        assert rec.metadata[k] == v
-    assert rec.metadata["format_version"] == "1"
-    assert rec.metadata["created"] and rec.metadata["spcache_version"]
+        assert (value.descriptor.metadata if k in DESCRIPTOR_METADATA else rec.metadata)[k] == v
+        assert (k in rec.metadata) == (k not in DESCRIPTOR_METADATA)
+    merged = bind_metadata(rec.metadata, KEY, lambda fp, digest: value.descriptor)
+    for k, v in _meta().items():
+        assert merged[k] == v
+    assert merged["created"] and merged["spcache_version"]
     assert rec.checksum == record_checksum(value) == read_metadata(value)["checksum"]
+
+
+def test_a_record_header_is_small_and_its_descriptor_is_shared() -> None:
+    fields, value = _record()
+    n = struct.unpack("<Q", value[:8])[0]
+    old = encode_record_v1(fields, _meta())
+    assert n < struct.unpack("<Q", old[:8])[0]
+    for moved in DESCRIPTOR_METADATA:  # in the descriptor, not in the record
+        assert f'"{moved}":'.encode() not in value[: 8 + n]
+    _, other = _record(seed=5)
+    assert other.descriptor is value.descriptor  # one per run, not one per record
 
 
 @pytest.mark.parametrize("dtype", [getattr(torch, n) for n in DTYPES.values()], ids=str)
@@ -187,8 +207,8 @@ def _rewrite_header(value: bytes, edit, sign: bool = False) -> bytes:
 
 def test_unknown_format_version_is_unsupported() -> None:
     _, value = _record()
-    newer = _rewrite_header(value, lambda h: h["__metadata__"].update(format_version="2"))
-    with pytest.raises(UnsupportedFormat, match="format_version '2'") as err:
+    newer = _rewrite_header(value, lambda h: h["__metadata__"].update(format_version="3"))
+    with pytest.raises(UnsupportedFormat, match="format_version '3'") as err:
         decode_record(newer, key=KEY)
     assert isinstance(err.value, CorruptRecord) and KEY in str(err.value)
     missing = _rewrite_header(value, lambda h: h["__metadata__"].pop("format_version"))
@@ -211,7 +231,10 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
         "dtype": lambda h: h["octree"].update(dtype="Q9"),
         "bool-shape": lambda h: h["octree"].update(shape=[True]),
         "extra": lambda h: h.update(ghost={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}),
-        "meta-type": lambda h: h["__metadata__"].update(recipe=3),
+        "meta-type": lambda h: h["__metadata__"].update(sample_id=3),
+        "checksums-short": lambda h: h["__metadata__"].update(
+            field_checksums=h["__metadata__"]["field_checksums"][:-1]
+        ),
         "entry-keys": lambda h: h["octree"].update(extra=1),
         "negative": lambda h: h["octree"].update(data_offsets=[-1, 3]),
         "nested": lambda h: h["__metadata__"].update(field_checksums="[" * 100_000),
@@ -230,14 +253,14 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
     hacked = _rewrite_header(
         bytes(bad),
         lambda h: h["__metadata__"].update(
-            field_checksums=json.dumps({"b": xxhash.xxh3_64_hexdigest(bytes(bad[8 + n :]))})
+            field_checksums=xxhash.xxh3_64_hexdigest(bytes(bad[8 + n :]))
         ),
         sign=True,
     )
     with pytest.raises(CorruptRecord, match="BOOL"):
         decode_record(hacked)
     for check in (
-        lambda value: check_record(value, key="k"),
+        lambda value: check_record(value, key="k", lookup=lambda fp, digest: None),
         lambda value: select_fields(value, ["b"]),
         lambda value: decode_arrays(value),
     ):  # every reader refuses it alike
@@ -245,7 +268,7 @@ def test_crafted_headers_with_valid_checksums_are_still_checked() -> None:
             check(hacked)
     for name, edit in cases.items():  # and check_record (verify) refuses what decode does
         with pytest.raises(CorruptRecord):
-            check_record(resign(edit), key=name)
+            check_record(resign(edit), key=name, lookup=lambda fp, digest: value.descriptor)
 
 
 def test_header_checksum_covers_every_header_byte() -> None:
@@ -280,14 +303,17 @@ def _signed_with_text_edit(value: bytes, old: bytes, new: bytes) -> bytes:
 @pytest.mark.parametrize("where", ["tensor-entry", "metadata", "field-checksums", "top-level"])
 def test_duplicate_keys_are_refused_at_every_level_even_when_signed(where: str) -> None:
     """A writer that re-signs a header with a duplicated key must not get one meaning
-    for this reader and another for a first-key-wins reader."""
-    _, value = _record()
+    for this reader and another for a first-key-wins reader (format 1 records too, whose
+    field checksums are JSON inside the header's JSON)."""
+    fields, value = _record()
+    if where == "field-checksums":
+        value = encode_record_v1(fields, _meta())
     header = read_header(value)
     octree = header.tensors["octree"]
     begin = octree.begin - header.data_start
     edits = {
         "tensor-entry": (b'"octree":{"dtype":"U8"', b'"octree":{"dtype":"I8","dtype":"U8"'),
-        "metadata": (b'"recipe":', b'"recipe":"other","recipe":'),
+        "metadata": (b'"sample_id":', b'"sample_id":"other","sample_id":'),
         "field-checksums": (b'{\\"', b'{\\"octree\\":\\"0\\",\\"'),
         "top-level": (
             b'"octree":{',
@@ -566,8 +592,8 @@ def test_headers_this_package_writes_take_the_fast_parser(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "edit",
     [
-        (b'"recipe":', b'"recipe" :'),  # not compact: same meaning
-        (b'"recipe":"', b'"recipe":"\\u0041'),  # an escape orjson writes otherwise
+        (b'"sample_id":', b'"sample_id" :'),  # not compact: same meaning
+        (b'"sample_id":"', b'"sample_id":"\\u0041'),  # an escape orjson writes otherwise
     ],
 )
 def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> None:
@@ -582,4 +608,4 @@ def test_headers_not_in_canonical_form_parse_as_the_strict_parser_does(edit) -> 
     finally:
         record.FAST_JSON = saved
     assert fast.metadata == slow.metadata and fast.tensors == slow.tensors
-    assert fast.metadata["recipe"].startswith("A") == (edit[1].endswith(b"0041"))
+    assert fast.metadata["sample_id"].startswith("A") == (edit[1].endswith(b"0041"))

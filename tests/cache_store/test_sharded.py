@@ -17,6 +17,7 @@ import pytest
 
 from cache_store.errors import CorruptRecord
 from cache_store.format.encode import encode_record
+from cache_store.format.header import read_header
 from cache_store.recipes.registry import get_recipe_spec
 from cache_store.snapshot.sharded import (
     CommitConflict,
@@ -88,7 +89,9 @@ class TestShardedSnapshotContract(WritableStoreContract):
         assert isinstance(store, ShardedSnapshot)
         fingerprint, sample_id = key.split("/", 1)
         part = "planted-p0001-00000000"
-        doc = json.loads(manifest(fingerprint, part, [(key, value)], value, "planted"))
+        digest = read_header(value).metadata.get("descriptor")  # the one stored with it
+        named = {} if digest is None else {digest: store.descriptor(fingerprint, digest)}
+        doc = json.loads(manifest(fingerprint, part, [(key, value)], value, "planted", named))
         doc["records"] = [[sample_id, 0, len(value), doc["records"][0][3], "f" * 16]]
         storage.write(store.fs, store.path(fingerprint, "parts", f"{part}.bin"), value)
         storage.write_once(

@@ -167,7 +167,9 @@ COMMANDS: dict[str, How] = {
     ),
     "spcache prune  --cache CACHE_DIR [--max-size SIZE] [--unused-for DURATION] [--keep N] "
     "[--dry-run]": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
-    "spcache compact --cache CACHE_DIR": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
+    "spcache compact --cache CACHE_DIR [--rewrite-records]": How(
+        SYNOPSIS, "test_synopsis_lines_name_real_options"
+    ),
     "spcache demo [--port 8000] [--level 7]                         # --level: octree level": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
@@ -195,6 +197,12 @@ COMMANDS: dict[str, How] = {
         "a fragment (no --cache) showing a closed pipe: "
         "tests/spcache/test_interrupt_streams.py::"
         "test_output_into_a_closed_pipe_ends_the_command_quietly runs one",
+    ),
+    "spcache compact --rewrite-records": How(
+        ELSEWHERE,
+        "a fragment (no --cache): tests/cache_store/test_descriptors.py::"
+        "test_compact_rewrite_records_rewrites_a_cache_in_format_2 runs it on a cache of "
+        "both record formats and reads every record back",
     ),
     "spcache serve --max-size SIZE": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache worker --max-size SIZE": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),

@@ -156,9 +156,12 @@ def test_an_installed_recipe_package_runs_on_ray_as_locally(
         assert summary.done == 3, summary.errors
     local, ray_ = _all_records(tmp_path / "local"), _all_records(tmp_path / "ray")
     assert local.keys() == ray_.keys()
-    for key in local:
-        assert _split(ray_[key])[1] == _split(local[key])[1], key
-        assert _split(ray_[key])[0]["code_digest"] == _split(local[key])[0]["code_digest"]
+    with open_store(tmp_path / "local") as a, open_store(tmp_path / "ray") as b:
+        for key in local:
+            assert _split(ray_[key])[1] == _split(local[key])[1], key
+            # in the descriptor both records name (the same one: same code, backend, device)
+            assert _split(ray_[key])[0]["descriptor"] == _split(local[key])[0]["descriptor"]
+            assert b.record_metadata(key)["code_digest"] == a.record_metadata(key)["code_digest"]
 
 
 @pytest.mark.slow
@@ -462,8 +465,8 @@ def test_an_interrupt_between_a_commit_and_its_report_still_indexes_the_record(
         commit = store.put_many
         commits = []
 
-        def commit_then_interrupt(items):
-            stored = commit(items)
+        def commit_then_interrupt(items, descriptors=()):
+            stored = commit(items, descriptors)
             commits.append(stored)
             if len(commits) == 2:
                 raise KeyboardInterrupt("signal 15")

@@ -21,7 +21,9 @@ commit when the source hash differs (the source changed and was recomputed: it t
 earlier one's place in the order): :meth:`Dataset.admit`.
 
 A manifest lists, per record: sample id, offset, length, record checksum and source
-hash. Readers list ``commits/`` (one LIST), read ``index.json`` and the manifests it
+hash; and ``descriptors``, the text of every descriptor its records name (by digest:
+:mod:`cache_store.format.descriptor`), committed with them; ``index.json`` keeps those of
+the manifests it merged. Readers list ``commits/`` (one LIST), read ``index.json`` and the manifests it
 does not already include, and read a record by a range request into its part, checked
 against its manifest (checksum, key) as any record is. The dataset's order is the
 index's, then what was committed after it, in commit order.
@@ -46,7 +48,8 @@ from typing import Any
 import xxhash
 
 from cache_store.errors import CorruptRecord, SpcacheError, UnsupportedFormat
-from cache_store.format.header import check_names_key, read_header
+from cache_store.format.descriptor import Descriptor, DescriptorLookup, bind_metadata, is_digest
+from cache_store.format.header import read_header
 from cache_store.keys import compute_fingerprint, split_key, validate_record_id
 from cache_store.recipes.registry import get_recipe_spec
 
@@ -59,8 +62,10 @@ __all__ = [
     "Dataset",
     "Entry",
     "check_against_manifest",
+    "check_description",
     "commit_order",
     "dataset_from_index",
+    "descriptor_texts",
     "index_document",
     "load_json",
     "manifest",
@@ -97,6 +102,7 @@ class Dataset:
     entries: dict[str, Entry] = field(default_factory=dict)
     parts_seen: set[str] = field(default_factory=set)
     created: str = ""
+    descriptors: dict[str, str] = field(default_factory=dict)  # digest -> text
 
     def admit(self, sample_id: str, entry: Entry) -> None:
         """Take a committed entry, given in commit order. A sample id seen before keeps
@@ -117,10 +123,16 @@ def root_document() -> bytes:
 
 
 def manifest(
-    fingerprint: str, part: str, group: Sequence[tuple[str, bytes]], data: bytes, writer: str
+    fingerprint: str,
+    part: str,
+    group: Sequence[tuple[str, bytes]],
+    data: bytes,
+    writer: str,
+    descriptors: Mapping[str, Descriptor],
 ) -> bytes:
     """The manifest of ``part``, whose bytes ``data`` hold the records of ``group``
-    (``(key, record)`` pairs, back to back in that order)."""
+    (``(key, record)`` pairs, back to back in that order), naming ``descriptors`` (by
+    digest: those the records name)."""
     rows, offset = [], 0
     for key, value in group:
         meta = read_header(value, key=key).metadata
@@ -128,7 +140,10 @@ def manifest(
             [split_key(key)[1], offset, len(value), meta["checksum"], meta.get("source_hash", "")]
         )
         offset += len(value)
-    first = read_header(group[0][1], key=group[0][0]).metadata
+    first = read_header(group[0][1], key=group[0][0]).metadata  # (checked by put_many)
+    named = descriptors.get(first.get("descriptor", ""))
+    if named is not None:  # what the dataset is, as the records say it
+        first = {**named.metadata, **first}
     doc = {
         "kind": COMMIT_KIND,
         "format_version": FORMAT_VERSION,
@@ -140,6 +155,7 @@ def manifest(
         "writer": {"host": socket.gethostname(), "pid": os.getpid(), "label": writer},
         "dataset": _describe_from_metadata(first, fingerprint),
         "records": rows,
+        "descriptors": {d.digest: d.text for d in descriptors.values()},
     }
     return json.dumps(doc, separators=(",", ":")).encode()
 
@@ -157,6 +173,7 @@ def index_document(
         "created": dataset.created,
         "merged_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "parts": sorted(dataset.parts_seen),
+        "descriptors": dict(sorted(dataset.descriptors.items())),
         "records": [
             [sid, e.part, e.offset, e.length, e.checksum, e.source_hash]
             for sid in ids
@@ -218,7 +235,51 @@ def parse_manifest(
         except SpcacheError as exc:
             raise CorruptRecord(what, str(exc)) from None
         entries.append((sample_id, Entry(part, offset, length, checksum, source_hash)))
+    descriptor_texts(doc, what)
+    check_description(doc.get("dataset"), fingerprint, what)
     return doc, entries
+
+
+def descriptor_texts(doc: Mapping[str, Any], what: str) -> dict[str, str]:
+    """A manifest's or index's ``descriptors`` (digest -> text; absent before format 2),
+    their shape checked (each text is checked against its digest when it is used)."""
+    found = doc.get("descriptors", {})
+    if not isinstance(found, dict) or not all(
+        is_digest(d) and isinstance(t, str) for d, t in found.items()
+    ):
+        raise CorruptRecord(what, "malformed descriptors")
+    return found
+
+
+def check_description(described: Any, fingerprint: str, what: str) -> None:
+    """A manifest's ``dataset`` (None: not described) must be a recipe, version and
+    parameters whose fingerprint is ``fingerprint``; else :class:`CorruptRecord` naming
+    ``what``. One planted manifest describing anything else would otherwise become the
+    fingerprint's dataset (issue 34: ``{"bogus": 1}`` made it unreadable, other
+    parameters were merged into ``index.json``)."""
+    if described is None:
+        return
+    try:
+        recipe, version, params = (
+            described["recipe"],
+            described["recipe_version"],
+            described["params"],
+        )
+        if (
+            not isinstance(recipe, str)
+            or not isinstance(version, int)
+            or not isinstance(params, dict)
+        ):
+            raise TypeError("recipe, recipe_version or params of the wrong type")
+        computed = compute_fingerprint(recipe, version, params)
+    except (KeyError, TypeError, ValueError, SpcacheError) as exc:
+        raise CorruptRecord(what, f"malformed dataset description ({exc})") from None
+    if computed != fingerprint:
+        raise CorruptRecord(
+            what,
+            f"its dataset description ({recipe!r} v{version}, its parameters) is that of "
+            f"fingerprint {computed}, not {fingerprint}",
+        )
 
 
 def commit_order(doc: Mapping[str, Any], part: str) -> tuple[str, str]:
@@ -246,13 +307,13 @@ def _describe_from_metadata(meta: Mapping[str, str], fingerprint: str) -> dict[s
     return None
 
 
-def check_against_manifest(value: bytes, key: str, entry: Entry) -> bytes:
+def check_against_manifest(value: bytes, key: str, entry: Entry, lookup: DescriptorLookup) -> bytes:
     """``value`` if it is the record ``entry`` committed for ``key`` (its checksum is the
-    manifest's, its metadata names ``key``); else :class:`CorruptRecord`."""
+    manifest's, it is bound to ``key``: ``bind_metadata``); else :class:`CorruptRecord`."""
     header = read_header(value, key=key)
     if header.metadata.get("checksum") != entry.checksum:
         raise CorruptRecord(key, "record checksum differs from its manifest's")
-    check_names_key(header.metadata, key)
+    bind_metadata(header.metadata, key, lookup)
     return value
 
 
@@ -277,6 +338,9 @@ def dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> Dataset:
                 Entry(str(part), int(offset), int(length), str(checksum), str(source_hash)),
             )
         dataset.parts_seen = set(doc["parts"])
+        dataset.descriptors = dict(descriptor_texts(doc, what))
     except (KeyError, TypeError, ValueError) as exc:  # invalid ids are ValueErrors
         raise CorruptRecord(what, f"malformed ({exc})") from None
+    described = {k: doc[k] for k in ("recipe", "recipe_version", "params")}
+    check_description(described, fingerprint, what)
     return dataset

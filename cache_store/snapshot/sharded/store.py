@@ -34,7 +34,8 @@ import numpy as np
 
 from cache_store.errors import CorruptRecord, FingerprintLookupError, RecordNotFound
 from cache_store.format.decode import Record, check_record
-from cache_store.format.index import DatasetIndex
+from cache_store.format.descriptor import Descriptor
+from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.keys import is_fingerprint, split_key, validate_fingerprint, variant_counts
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
@@ -134,10 +135,14 @@ class ShardedSnapshot(Store):
         self.writer = f"{label}-{uuid.uuid4().hex[:4]}"
         self._parts_written = 0
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
-        """Write the records as one committed part per fingerprint; returns the count."""
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
+        """Write the records as one committed part per fingerprint (its manifest holding
+        the descriptors they name); returns the count."""
         self.check_writable()
-        checked = self.check_items(items)
+        batch = self.check_items(items, descriptors)
+        checked = batch.records
         if not checked:
             return 0
         self._ensure_root()
@@ -145,10 +150,16 @@ class ShardedSnapshot(Store):
         for key, value in checked:
             by_fp.setdefault(split_key(key)[0], []).append((key, value))
         for fingerprint, group in by_fp.items():
-            self._commit_part(fingerprint, group)
+            named = {d.digest: d for d in batch.descriptors if d.fingerprint == fingerprint}
+            self._commit_part(fingerprint, group, named)
+            with self._lock:  # this writer reads what it wrote: the next read lists again
+                self._datasets.pop(fingerprint, None)
+                self._listed_at.pop(fingerprint, None)
         return len(checked)
 
-    def _commit_part(self, fingerprint: str, group: list[tuple[str, bytes]]) -> str:
+    def _commit_part(
+        self, fingerprint: str, group: list[tuple[str, bytes]], descriptors: dict[str, Descriptor]
+    ) -> str:
         self._parts_written += 1
         part = f"{self.writer}-p{self._parts_written:04d}-{uuid.uuid4().hex[:8]}"
         data = b"".join(value for _, value in group)
@@ -156,7 +167,7 @@ class ShardedSnapshot(Store):
         storage.write_once(
             self.fs,
             self.path(fingerprint, "commits", f"{part}.json"),
-            manifest(fingerprint, part, group, data, self.writer),
+            manifest(fingerprint, part, group, data, self.writer, descriptors),
         )
         return part
 
@@ -191,15 +202,22 @@ class ShardedSnapshot(Store):
         return sorted(parts)
 
     def _load(
-        self, fingerprint: str, *, refresh: bool = False, describe: Mapping[str, Any] | None = None
+        self,
+        fingerprint: str,
+        *,
+        refresh: bool = False,
+        describe: Mapping[str, Any] | None = None,
+        rebuild: bool = False,
     ) -> Dataset | None:
+        """What ``fingerprint`` holds: ``index.json`` and the manifests committed since,
+        or with ``rebuild`` every manifest that exists now (the index is not read)."""
         with self._lock:
             known = self._datasets.get(fingerprint)
-            if known is not None and not refresh:
+            if known is not None and not refresh and not rebuild:
                 return known
-        dataset = known
+        dataset = None if rebuild else known
         problems = self._problems.setdefault(fingerprint, _Problems())
-        if dataset is None:
+        if dataset is None and not rebuild:
             dataset = self._read_index(fingerprint, problems)
         new = [
             p
@@ -250,6 +268,7 @@ class ShardedSnapshot(Store):
                         "%s: commit %s has a malformed dataset description", self.location, part
                     )
             dataset.parts_seen.add(part)
+            dataset.descriptors.update(doc.get("descriptors", {}))  # checked by parse_manifest
             for sample_id, entry in entries:
                 dataset.admit(sample_id, entry)
         with self._lock:
@@ -295,6 +314,13 @@ class ShardedSnapshot(Store):
         validate_fingerprint(fingerprint)
         self.refresh()
         dataset = self._load(fingerprint, describe=describe)
+        before: list[str] = []
+        if dataset is not None and dataset.parts_seen - set(self.commit_names(fingerprint)):
+            # A part the index names has no manifest now (deleted, or set aside): rebuild
+            # from the manifests that exist, so its ids leave the index; the old index
+            # still gives the order. (Else the index and the new manifests are all.)
+            before = dataset.order
+            dataset = self._load(fingerprint, describe=describe, rebuild=True)
         if dataset is None:
             if describe is None:
                 raise FingerprintLookupError(
@@ -308,9 +334,8 @@ class ShardedSnapshot(Store):
                 f"recipe and parameters",
                 self.fingerprints(),
             )
-        first = [sid for sid in order if sid in dataset.entries]
-        seen = set(first)
-        ids = first + [sid for sid in dataset.order if sid not in seen]
+        first = [sid for sid in [*order, *before] if sid in dataset.entries]
+        ids = append_ids(list(dict.fromkeys(first)), dataset.order)
         info = (
             dict(describe)
             if describe is not None
@@ -373,7 +398,7 @@ class ShardedSnapshot(Store):
     def checked(self, value: bytes, key: str, entry: Entry) -> bytes:
         """``value`` read for ``key`` from where ``entry`` says, if it is the committed
         record (:func:`~cache_store.snapshot.sharded.format.check_against_manifest`)."""
-        return check_against_manifest(value, key, entry)
+        return check_against_manifest(value, key, entry, self.descriptor)
 
     def get(self, key: str) -> bytes:
         entry = self._entry(key)
@@ -411,6 +436,13 @@ class ShardedSnapshot(Store):
     ) -> list[Record]:
         # the values, range reads grouped; the base's decoder decodes and key-checks them
         return decoder.values(self.get_many(keys))
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
+        """From the committed manifests (or the merged index) of ``fingerprint``."""
+        dataset = self._load(fingerprint)
+        if dataset is None or digest not in dataset.descriptors:
+            dataset = self._load(fingerprint, refresh=True)  # committed since?
+        return None if dataset is None else dataset.descriptors.get(digest)
 
     def source_hash_of(self, key: str) -> str | None:
         """The source hash a committed record was computed from (from its manifest)."""
@@ -502,7 +534,7 @@ class ShardedSnapshot(Store):
         for key in self.keys(prefix):  # lists every fingerprint's commits afresh
             report.checked += 1
             try:
-                check_record(self.get(key), key=key)
+                check_record(self.get(key), key=key, lookup=self.descriptor)
             except CorruptRecord as exc:
                 report.corrupt[key] = exc.reason
                 log.warning("verify: %s", exc)

@@ -18,6 +18,7 @@ import numpy as np
 
 from cache_store.errors import CorruptRecord, RecordNotFound
 from cache_store.format.decode import check_record
+from cache_store.format.descriptor import Descriptor, descriptor_name
 from cache_store.format.header import DTYPES, RecordHeader
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import record_id
@@ -60,6 +61,16 @@ class Survey:
     fields: dict[str, FieldLayout] = field(default_factory=dict)
     bad: dict[str, str] = field(default_factory=dict)
     record_bytes: int = 0
+    descriptors: dict[str, Descriptor] = field(default_factory=dict)  # by digest
+
+    def descriptor(self, fingerprint: str, digest: str) -> Descriptor:
+        """A descriptor pass one found (a lookup for pass two's checks)."""
+        found = self.descriptors.get(digest)
+        if found is None or found.fingerprint != fingerprint:
+            raise CorruptRecord(
+                descriptor_name(fingerprint, digest), "not named by a record the export checked"
+            )
+        return found
 
 
 def progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -100,7 +111,7 @@ def survey(store: Store, index: DatasetIndex, progress: bool) -> Survey:
             bar.update(1)
             try:
                 with store.read_view(key) as value:  # checked in place, not copied
-                    header = check_record(value, key=key)
+                    header = check_record(value, key=key, lookup=store.descriptor)
                     header_bytes = bytes(memoryview(value)[8 : header.data_start])
                     size = len(value)
             except (RecordNotFound, CorruptRecord) as exc:
@@ -119,6 +130,9 @@ def survey(store: Store, index: DatasetIndex, progress: bool) -> Survey:
                 continue
             for name, lay in survey.fields.items():
                 lay.rows.append(lay.rows_of(header.tensors[name].shape))
+            digest = header.metadata.get("descriptor")
+            if digest is not None and digest not in survey.descriptors:  # checked just now
+                survey.descriptors[digest] = store.descriptor(index.fingerprint, digest)
             survey.sample_ids.append(sample_id)
             survey.headers.append(header_bytes)
             survey.checksums.append(header.checksum)

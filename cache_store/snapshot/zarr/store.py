@@ -3,6 +3,7 @@
 ``get(key)`` rebuilds the record value byte for byte (header + field bytes) and checks
 it like any record (header checksum, per-field xxh3, metadata naming the key), so the
 rest of the stack (``decode_record``, ``CachedDataset``, the service) works unchanged.
+The descriptors its format-2 records name are in the group's ``descriptors`` attribute.
 
 Process rules: nothing is opened in the constructor; the Zarr hierarchy is opened on
 first use in the calling process and re-opened when ``os.getpid()`` changes, so a forked
@@ -200,7 +201,7 @@ class ZarrStore(Store):
     def get(self, key: str) -> bytes:
         def read() -> bytes:
             value = values_of(self._located([key]), None)[0]
-            check_record(value, key=key)
+            check_record(value, key=key, lookup=self.descriptor)
             return bytes(value)
 
         return self._read_checked(read)
@@ -260,6 +261,14 @@ class ZarrStore(Store):
                 if not sample_id.startswith(id_prefix):
                     break
                 yield head + sample_id
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
+        """From the snapshot's ``descriptors`` attribute (checked against ``digest`` when
+        used, like a descriptor from any store)."""
+        snap = self._snapshot(fingerprint)
+        found = None if snap is None else snap.attrs.get("descriptors", {})
+        text = found.get(digest) if isinstance(found, dict) else None
+        return text if isinstance(text, str) else None
 
     # -- indexes -----------------------------------------------------------------------
     def fingerprints(self) -> list[str]:
@@ -356,7 +365,7 @@ class ZarrStore(Store):
                 try:
                     if isinstance(value, CorruptRecord):
                         raise value
-                    checksums.append(check_record(value, key=key).checksum)
+                    checksums.append(check_record(value, key=key, lookup=self.descriptor).checksum)
                 except CorruptRecord as exc:
                     report.corrupt[key] = exc.reason
                     log.warning("verify: %s", exc)

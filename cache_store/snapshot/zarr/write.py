@@ -226,8 +226,8 @@ def _send(
     writers: Mapping[str, Any], survey: Survey, key: str, value: Any, checked_header: bytes
 ) -> None:
     """One record's rows to every field's writer, after checking it is the record the
-    first pass checked."""
-    header = check_record(value, key=key)
+    first pass checked (its header the same bytes: the same descriptor too)."""
+    header = check_record(value, key=key, lookup=survey.descriptor)
     view = memoryview(value)
     if bytes(view[8 : header.data_start]) != checked_header:
         raise SpcacheError(
@@ -266,8 +266,10 @@ def snapshot_attrs(index: DatasetIndex, survey: Survey, source: str, token: str)
         },
         "records_digest": records_digest(survey.checksums),
         "skipped": len(survey.bad),
+        "descriptors": {d: survey.descriptors[d].text for d in sorted(survey.descriptors)},
         "layout": "sample_ids (UTF-8) + sample_id_offsets; headers (each record's "
-        "safetensors header: metadata, per-field xxh3 checksums, record checksum) "
+        "safetensors header: metadata, per-field xxh3 checksums, record checksum, the "
+        "digest of its descriptor in 'descriptors') "
         "+ header_offsets; data/<field> concatenated along axis 0 + "
         "offsets/<field> (rows of record i: offsets[i]:offsets[i+1])",
     }

@@ -1,7 +1,8 @@
 """Compaction: give the disk back (LMDB never shrinks its file by itself).
 
 :func:`compact_environment` makes LMDB's compacting copy of ``<cache>/records/`` into
-``<cache>/records.compact/``, then swaps the two directories in one step
+``<cache>/records.compact/`` (or, with ``rewrite``, a copy record by record, every page
+filled: :func:`_repack`), then swaps the two directories in one step
 (``renameat2(RENAME_EXCHANGE)``), so a path lookup always finds a whole environment (data
 and lock file of one generation). Writers are held off by the write lock the
 environment's writes share (:mod:`cache_store.stores.lmdb.environment`); open handles
@@ -15,7 +16,9 @@ import fcntl
 import logging
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -23,7 +26,12 @@ from cache_store.disk import flock_within, fsync_path
 from cache_store.errors import CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.stores.lmdb.environment import (
     COMPACT_DIR,
+    DB_NAMES,
+    DESCRIPTORS_DB,
+    INDEXES_DB,
+    RECORDS_DB,
     RECORDS_DIR,
+    REMOVED_DB,
     WRITE_LOCK_FILENAME,
     EnvironmentHandle,
     out_of_space,
@@ -99,9 +107,20 @@ def leftover_copy(cache: str | os.PathLike[str]) -> int | None:
         return None
 
 
-def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) -> dict[str, int]:
+def compact_environment(
+    cache: str | os.PathLike[str],
+    *,
+    wait_s: float = 60.0,
+    rewrite: Callable[[str, bytes], Any] | None = None,
+) -> dict[str, int]:
     """Shrink ``<cache>/records/data.mdb`` to what it holds: LMDB's compacting copy into
     ``<cache>/records.compact/``, then an atomic swap of the two directories.
+
+    With ``rewrite``, the copy is made record by record instead (:func:`_repack`): each
+    record is written as ``rewrite(key, value)`` returns it (new bytes with their
+    ``descriptor``, written too; None: as it is), every database in key order with
+    whole pages (LMDB's own copy keeps each page as full as it was). Adds ``records``
+    and ``rewritten`` counts.
 
     Writers are held off for the copy (an exclusive flock on ``records.lock``; a writer
     in the middle of a transaction is waited for up to ``wait_s``, then
@@ -127,12 +146,16 @@ def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) 
             shutil.rmtree(spare)
         before = (live / "data.mdb").stat().st_size
         live_env = EnvironmentHandle(root, readonly=True)
+        counts: dict[str, int] = {}
         try:
             needed = _check_room(root, live_env)
             spare.mkdir()
             try:
                 env, _ = live_env.environment()
-                env.copy(str(spare), compact=True)
+                if rewrite is None:
+                    env.copy(str(spare), compact=True)
+                else:
+                    counts = _repack(env, spare, rewrite)
                 fsync_path(spare / "data.mdb")
                 fsync_path(spare)
             except BaseException as exc:
@@ -149,6 +172,78 @@ def compact_environment(cache: str | os.PathLike[str], *, wait_s: float = 60.0) 
         after = (live / "data.mdb").stat().st_size
         shutil.rmtree(spare)  # the old generation; processes still mapping it keep reading it
         log.info("%s: compacted data.mdb from %d to %d bytes", root, before, after)
-        return {"before": before, "after": after}
+        return {"before": before, "after": after, **counts}
     finally:
         os.close(fd)
+
+
+_REPACK_TXN = 8192  # records per write transaction of a repack (bounds its dirty pages)
+
+
+def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dict[str, int]:
+    """Copy every database of ``env`` into a new environment at ``target`` in key order
+    with MDB_APPEND (pages filled whole), each record as ``rewrite`` returns it."""
+    size = max(env.info()["map_size"], 2 * (env.info()["last_pgno"] + 1) * env.stat()["psize"])
+    out = lmdb.open(str(target), map_size=size, subdir=True, max_dbs=4, sync=False)
+    walked = rewritten = 0
+    try:
+        with env.begin() as txn:  # writers are held off: this snapshot is the cache
+            sources = {name: _open_existing(env, txn, name) for name in DB_NAMES}
+            descriptors = {
+                bytes(k): bytes(v)
+                for k, v in (
+                    txn.cursor(db=sources[DESCRIPTORS_DB]) if sources[DESCRIPTORS_DB] else []
+                )
+            }
+            for name in (INDEXES_DB, REMOVED_DB):
+                if sources[name] is not None:
+                    _append_all(
+                        out, name, ((bytes(k), bytes(v)) for k, v in txn.cursor(db=sources[name]))
+                    )
+
+            def records() -> Iterator[tuple[bytes, bytes]]:
+                nonlocal walked, rewritten
+                if sources[RECORDS_DB] is None:
+                    return
+                for key, value in txn.cursor(db=sources[RECORDS_DB]):
+                    walked += 1
+                    new = rewrite(bytes(key).decode("utf-8"), value)
+                    if new is None:
+                        yield bytes(key), bytes(value)
+                        continue
+                    d = new.descriptor
+                    descriptors[f"{d.fingerprint}/{d.digest}".encode()] = d.text.encode()
+                    rewritten += 1
+                    yield bytes(key), bytes(new)
+
+            _append_all(out, RECORDS_DB, records())
+            _append_all(out, DESCRIPTORS_DB, iter(sorted(descriptors.items())))
+        out.sync(True)
+    finally:
+        out.close()
+    # as LMDB's own copy leaves it: the data file only (the first opener makes the lock
+    # file, with its reader table as large as that store asks for)
+    (target / "lock.mdb").unlink(missing_ok=True)
+    return {"records": walked, "rewritten": rewritten}
+
+
+def _open_existing(env: Any, txn: Any, name: bytes) -> Any:
+    try:
+        return env.open_db(name, txn=txn, create=False)
+    except lmdb.NotFoundError:
+        return None
+
+
+def _append_all(out: Any, name: bytes, items: Iterator[tuple[bytes, bytes]]) -> None:
+    """Write ``items`` (in key order) into database ``name`` of ``out``, appended."""
+    db = out.open_db(name)
+    while True:
+        with out.begin(write=True) as txn:
+            count = 0
+            for key, value in items:
+                txn.put(key, value, db=db, append=True)
+                count += 1
+                if count == _REPACK_TXN:
+                    break
+        if count < _REPACK_TXN:
+            return

@@ -45,6 +45,7 @@ __all__ = [
     "COMPACT_DIR",
     "COMPACT_WAIT_S",
     "DB_NAMES",
+    "DESCRIPTORS_DB",
     "DEFAULT_MAP_SIZE",
     "DEFAULT_MAX_READERS",
     "INDEXES_DB",
@@ -70,11 +71,14 @@ RECORDS_DIR = "records"
 DEFAULT_MAP_SIZE = 1 << 30
 DEFAULT_MAX_READERS = 1024
 #: The named databases: records (key -> record), indexes (fingerprint -> dataset
-#: index), removed (fingerprint -> tombstone; :mod:`cache_store.stores.lmdb.tombstones`).
+#: index), removed (fingerprint -> tombstone; :mod:`cache_store.stores.lmdb.tombstones`),
+#: descriptors (``<fingerprint>/<digest>`` -> the text of a descriptor its format-2
+#: records name; :mod:`cache_store.format.descriptor`).
 RECORDS_DB = b"records"
 INDEXES_DB = b"indexes"
 REMOVED_DB = b"removed"
-DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB)
+DESCRIPTORS_DB = b"descriptors"
+DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB, DESCRIPTORS_DB)
 #: Writers hold a shared flock on ``<cache>/<this>`` per write; compaction an exclusive one.
 WRITE_LOCK_FILENAME = "records.lock"
 #: Where compaction builds the new generation (and leaves the old one, briefly).
@@ -484,6 +488,11 @@ class EnvironmentHandle:
             return False
         self._removed_retry = now
         return True
+
+    def look_for_new_databases(self) -> None:
+        """Make the next transaction open the databases a writer created since this
+        handle looked (it looks at most once a second by itself)."""
+        self._removed_retry = 0.0
 
     @contextmanager
     def read(self) -> Iterator[tuple[Any, Dbs]]:

@@ -23,6 +23,7 @@ import lmdb
 from cache_store import usage
 from cache_store.errors import FingerprintRemoved
 from cache_store.format.decode import Record
+from cache_store.format.descriptor import Descriptor
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest
@@ -30,6 +31,7 @@ from cache_store.stores.lmdb import tombstones
 from cache_store.stores.lmdb.environment import (
     DEFAULT_MAP_SIZE,
     DEFAULT_MAX_READERS,
+    DESCRIPTORS_DB,
     INDEXES_DB,
     RECORDS_DB,
     REMOVED_DB,
@@ -223,9 +225,17 @@ class LMDBStore(Store):
         inode = self.handle.generation_inode()
         return txnid if inode is None else (inode << 48) | (txnid & ((1 << 48) - 1))
 
-    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+    def put_many(
+        self, items: Iterable[tuple[str, bytes]], descriptors: Iterable[Descriptor] = ()
+    ) -> int:
         self.check_writable()
-        checked = [(key.encode(), value) for key, value in self.check_items(items)]
+        batch = self.check_items(items, descriptors)
+        # in key order: a record whose key follows every stored one is appended
+        # (MDB_APPEND), which fills pages; any other insert splits a full page in two
+        checked = sorted(((k.encode(), v) for k, v in batch.records), key=lambda kv: kv[0])
+        named = [
+            (f"{d.fingerprint}/{d.digest}".encode(), d.text.encode()) for d in batch.descriptors
+        ]
 
         def put(txn: Any, dbs: dict[bytes, Any]) -> int:
             tombstones.refuse(
@@ -234,14 +244,42 @@ class LMDBStore(Store):
                 {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked},
                 self.location,
             )
+            for key, text in named:  # with the first records that name it (or over a
+                if txn.get(key, db=dbs[DESCRIPTORS_DB]) != text:  # damaged copy)
+                    txn.put(key, text, db=dbs[DESCRIPTORS_DB])
+            records = dbs[RECORDS_DB]
+            cursor = txn.cursor(db=records)
+            last = bytes(cursor.key()) if cursor.last() else b""
             for key, value in checked:
-                txn.put(key, value, db=dbs[RECORDS_DB])
+                if key > last:
+                    txn.put(key, value, db=records, append=True)
+                    last = key
+                else:
+                    txn.put(key, value, db=records)
             return len(checked)
 
         count = self._write(put, sum(len(v) for _, v in checked))
         for fingerprint in {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}:
             _note_written(self.path, fingerprint)
         return count
+
+    def load_descriptor(self, fingerprint: str, digest: str) -> bytes | None:
+        # Asked once per descriptor and process. A handle opened before any writer made
+        # the database looks for it again now, not a second later: the record naming it
+        # was read already. Absent from a removed fingerprint: FingerprintRemoved.
+        for again in (False, True):
+            with self._read() as (txn, dbs):
+                db = dbs.get(DESCRIPTORS_DB)
+                if db is not None or again:
+                    value = _lookup(txn, db, f"{fingerprint}/{digest}")
+                    if value is not None:
+                        return bytes(value)
+                    removed = tombstones.removed_at(txn, dbs, fingerprint)
+                    if removed is not None:
+                        raise FingerprintRemoved(fingerprint, self.location, removed)
+                    return None
+            self.handle.look_for_new_databases()
+        return None
 
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
@@ -356,11 +394,21 @@ class LMDBStore(Store):
                     break
             return count, size
 
+        def forget_descriptors(txn: Any, dbs: dict[bytes, Any]) -> None:
+            left = txn.cursor(db=dbs[RECORDS_DB])
+            if left.set_range(prefix) and bytes(left.key()).startswith(prefix):
+                return  # written since (computed again after the removal): still named
+            cursor = txn.cursor(db=dbs[DESCRIPTORS_DB])
+            if cursor.set_range(prefix):
+                while bytes(cursor.key()).startswith(prefix) and cursor.delete():
+                    pass
+
         total = total_bytes = 0
         while True:
             count, size = self._write(delete)
             total, total_bytes = total + count, total_bytes + size
             if count < chunk:
+                self._write(forget_descriptors)  # no record names them any more
                 return total, total_bytes
 
     def record_fingerprints(self) -> list[str]:
@@ -424,7 +472,9 @@ class LMDBStore(Store):
                     )
                     entry["records"] += 1
                     entry["bytes"] += len(value)
-                    count_code_digest(entry, value)
+                    count_code_digest(
+                        entry, value, bytes(key[:FINGERPRINT_HEX_CHARS]).decode(), self.descriptor
+                    )
             env, _ = self._environment()
             info, stat = env.info(), env.stat()
         out = self._finish_stats(per_fp)

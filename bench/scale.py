@@ -1,0 +1,253 @@
+"""Benchmark: what a cache of N tiny records costs (issue 37: a million shapes).
+
+Tiny records are what a million-object dataset (Objaverse) at a coarse level makes:
+recipe ``spc`` at level 3 on 64-point clouds, about 0.9 kB of tensors each. Sections
+(``--sections``, all by default; each prints its own table):
+
+``records``
+    Record format 2 (what the fingerprint's records share stored once, in a descriptor)
+    against format 1 (every record carrying its recipe's whole schema). ``--real``
+    point clouds are precomputed by the real engine; their records (tensors and
+    metadata) are the templates of ``--n`` records per format, each with its own sample
+    id, source hash, stat signature and time, written into a fresh LMDB cache in
+    batches of 32 (the engine's ``--write-batch``), ids in order. Reported per record:
+    the value's bytes, bytes on disk (``data.mdb``; and the pages the records database
+    holds: leaf and overflow), and the read cost of one random record (``get_record``,
+    the read ``CachedDataset`` makes; and the header parse alone), medians of
+    ``--rounds`` rounds of ``--reads`` reads, the formats interleaved. Ratios are
+    format 2 against format 1 in the same run. Also printed: LMDB's largest value that
+    stays on a leaf page for these keys (a larger one takes an overflow page of its
+    own).
+
+Nothing here asserts a size or a speed.
+
+    python bench/scale.py [--n 100000] [--real 256] [--reads 20000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from cache_store.format.encode import encode_record  # noqa: E402
+from cache_store.format.header import MANAGED_METADATA, read_header  # noqa: E402
+from cache_store.stores.lmdb import LMDBStore  # noqa: E402
+from cache_store.testing.format1 import encode_record_v1  # noqa: E402  (format 1's writer)
+
+#: LMDB's page header (``PAGEHDRSZ``), a leaf node's header (``NODESIZE``) and the
+#: fewest keys a page must hold (``MDB_MINKEYS``): lmdb.h / mdb.c, LMDB 0.9.
+_PAGE_HEADER, _NODE_HEADER, _MIN_KEYS = 16, 8, 2
+
+
+def leaf_limit(page_size: int, key_bytes: int) -> int:
+    """The largest value LMDB keeps on a leaf page for a key of ``key_bytes``: a node
+    (header, key, value) over ``me_nodemax`` moves its value to overflow pages."""
+    nodemax = (((page_size - _PAGE_HEADER) // _MIN_KEYS) & -2) - 2
+    return nodemax - _NODE_HEADER - key_bytes
+
+
+# -------------------------------------------------------------------- templates
+
+
+def real_templates(workdir: Path, count: int, level: int, points: int) -> list[Any]:
+    """``count`` records the real engine computes from ``points``-point clouds."""
+    from workers.engine import Engine
+
+    sources = workdir / "sources"
+    sources.mkdir()
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(count):
+        path = sources / f"t{i:05d}.npy"
+        np.save(path, rng.normal(size=(points, 3)).astype(np.float32))
+        items.append((f"t{i:05d}", str(path)))
+    with LMDBStore(workdir / "templates", readonly=False) as store:
+        engine = Engine(store, "spc", {"level": level}, device="cpu", backend="torch", loaders=0)
+        summary = engine.run(items)
+        if summary.failed:
+            raise SystemExit(f"template samples failed: {summary.errors}")
+        return [store.get_record(engine.key(sid)) for sid, _ in items]
+
+
+def per_record_metadata(template: dict[str, str], i: int) -> dict[str, str]:
+    """The template's metadata with what differs per record made up for record ``i``."""
+    meta = {k: v for k, v in template.items() if k not in MANAGED_METADATA}
+    meta["sample_id"] = f"s{i:07d}"
+    meta["source_hash"] = "xxh3_128:" + f"{i:032x}"
+    meta["source_stat"] = f"896:{1_795_745_488_742_621_655 + i}:{2_172_329 + i}:65024"
+    meta["created"] = (
+        _dt.datetime(2026, 1, 1, tzinfo=_dt.UTC) + _dt.timedelta(seconds=i)
+    ).isoformat()
+    return meta
+
+
+# -------------------------------------------------------------------- records
+
+
+def write_cache(
+    path: Path, templates: list[Any], n: int, encode: Callable[[Any, dict[str, str]], bytes]
+) -> dict[str, Any]:
+    fingerprint = templates[0].metadata["fingerprint"]
+    value_bytes = tensor_bytes = 0
+    start = time.perf_counter()
+    with LMDBStore(path, readonly=False, map_size=1 << 30) as store:
+        batch = []
+        for i in range(n):
+            template = templates[i % len(templates)]
+            value = encode(template.tensors, per_record_metadata(template.metadata, i))
+            value_bytes += len(value)
+            tensor_bytes += sum(t.numel() * t.element_size() for t in template.tensors.values())
+            batch.append((f"{fingerprint}/s{i:07d}", value))
+            if len(batch) == 32:
+                store.put_many(batch)
+                batch = []
+        if batch:
+            store.put_many(batch)
+    wall = time.perf_counter() - start
+    import lmdb
+
+    env = lmdb.open(str(path / "records"), max_dbs=4, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            stat = txn.stat(env.open_db(b"records", txn=txn, create=False))
+        page = env.stat()["psize"]
+    finally:
+        env.close()
+    return {
+        "records": n,
+        "key_bytes": len(f"{fingerprint}/s{0:07d}"),
+        "page_size": page,
+        "tensor_bytes": tensor_bytes / n,
+        "value_bytes": value_bytes / n,
+        "disk_bytes": (path / "records" / "data.mdb").stat().st_size / n,
+        "leaf_pages": stat["leaf_pages"],
+        "overflow_pages": stat["overflow_pages"],
+        "records_db_bytes": (stat["leaf_pages"] + stat["branch_pages"] + stat["overflow_pages"])
+        * page
+        / n,
+        "write_us": wall / n * 1e6,
+        "fingerprint": fingerprint,
+    }
+
+
+def read_costs(paths: dict[str, Path], fingerprint: str, n: int, reads: int, rounds: int) -> dict:
+    """Median µs per read, per format: ``get_record`` and the header parse alone."""
+    stores = {name: LMDBStore(path) for name, path in paths.items()}
+    rng = random.Random(1)
+    out: dict[str, dict[str, list[float]]] = {name: {"read": [], "header": []} for name in paths}
+    try:
+        for _ in range(rounds):
+            keys = [f"{fingerprint}/s{rng.randrange(n):07d}" for _ in range(reads)]
+            for name, store in stores.items():  # interleaved, same keys
+                start = time.perf_counter()
+                for key in keys:
+                    store.get_record(key)
+                out[name]["read"].append((time.perf_counter() - start) / reads * 1e6)
+                values = [store.get(key) for key in keys[: min(reads, 5000)]]
+                start = time.perf_counter()
+                for key, value in zip(keys, values, strict=False):
+                    read_header(value, key=key)
+                out[name]["header"].append((time.perf_counter() - start) / len(values) * 1e6)
+    finally:
+        for store in stores.values():
+            store.close()
+    return {name: {k: statistics.median(v) for k, v in runs.items()} for name, runs in out.items()}
+
+
+def section_records(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    templates = real_templates(workdir, args.real, args.level, args.points)
+    formats = {
+        "format 1": encode_record_v1,
+        "format 2": encode_record,
+    }
+    written = {}
+    for name, encode in formats.items():
+        written[name] = write_cache(workdir / name.replace(" ", ""), templates, args.n, encode)
+        print(f"  wrote {args.n} {name} records", file=sys.stderr, flush=True)
+    fingerprint = written["format 1"]["fingerprint"]
+    paths = {name: workdir / name.replace(" ", "") for name in formats}
+    reads = read_costs(paths, fingerprint, args.n, args.reads, args.rounds)
+    one = written["format 1"]
+    limit = leaf_limit(one["page_size"], one["key_bytes"])
+    print(f"\nrecords: N={args.n}, {one['tensor_bytes']:.0f} B of tensors per record (mean)")
+    print(
+        f"LMDB page {one['page_size']} B; a value up to {limit} B stays on a leaf page "
+        f"(key {one['key_bytes']} B)"
+    )
+    rows = [
+        ("value bytes / record", "value_bytes", "{:.0f}"),
+        ("value / tensors", None, "{:.2f}x"),
+        ("data.mdb bytes / record", "disk_bytes", "{:.0f}"),
+        ("data.mdb / tensors", None, "{:.2f}x"),
+        ("records db pages bytes / record", "records_db_bytes", "{:.0f}"),
+        ("overflow pages", "overflow_pages", "{:.0f}"),
+        ("write us / record", "write_us", "{:.1f}"),
+    ]
+    print(f"{'':34} {'format 1':>12} {'format 2':>12} {'2 vs 1':>8}")
+    for label, field, fmt in rows:
+        if field is None:
+            base = "value_bytes" if label.startswith("value") else "disk_bytes"
+            a = one[base] / one["tensor_bytes"]
+            b = written["format 2"][base] / written["format 2"]["tensor_bytes"]
+        else:
+            a, b = one[field], written["format 2"][field]
+        ratio = f"{b / a:.2f}x" if a else "-"
+        print(f"{label:34} {fmt.format(a):>12} {fmt.format(b):>12} {ratio:>8}")
+    for what in ("read", "header"):
+        a, b = reads["format 1"][what], reads["format 2"][what]
+        label = "get_record us / read" if what == "read" else "header parse us / read"
+        print(f"{label:34} {a:12.1f} {b:12.1f} {b / a:7.2f}x")
+    return {"written": written, "reads": reads, "leaf_limit": limit}
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
+    "records": section_records,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="scale.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=100_000, help="records per cache")
+    parser.add_argument("--real", type=int, default=256, help="records computed for real")
+    parser.add_argument("--level", type=int, default=3, help="spc level")
+    parser.add_argument("--points", type=int, default=64, help="points per cloud")
+    parser.add_argument("--reads", type=int, default=20_000, help="random reads per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (medians)")
+    parser.add_argument(
+        "--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--workdir", type=Path, help="keep the caches here (default: a temp dir)")
+    args = parser.parse_args()
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="spcache-scale-", dir=args.workdir) as tmp:
+        for name in chosen:
+            workdir = Path(tmp) / name
+            workdir.mkdir()
+            results[name] = SECTIONS[name](args, workdir)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, default=str))
+    print(f"\nmachine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
