@@ -7,7 +7,9 @@ Ray driver's run:
 
 - :meth:`RunLedger.admit`: valid, unique sample ids become :class:`WorkItem` s with their
   record keys and the source hash of each wanted variant's record already stored; the
-  rest fail at once;
+  rest fail at once; an item whose stored records' stat signatures are its file's now
+  is skipped here, in the driver, with nothing opened (the re-run fast path; the others
+  are decided by their hash in a loader);
 - :meth:`RunLedger.finish`: one record's :class:`ItemResult` goes into the
   :class:`Summary`, the progress bar and the caller's ``on_result``;
 - :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
@@ -46,8 +48,18 @@ from cache_store.errors import (
     StoreFull,
 )
 from cache_store.jobs.failures import Failure, FailureLog
-from cache_store.keys import record_id, record_key, validate_sample_id, variant_counts
-from cache_store.sources.freshness import stored_metadata, stored_source_hash
+from cache_store.keys import (
+    record_id,
+    record_key,
+    validate_fingerprint,
+    validate_sample_id,
+    variant_counts,
+)
+from cache_store.sources.freshness import (
+    stored_metadata_many,
+    stored_source_hash,
+    unchanged_by_stat,
+)
 from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.stores.base import Store
 from cache_store.sources.discover import id_clash_reason
@@ -66,6 +78,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+#: Records whose metadata one admission step asks the store for at once.
+_ADMIT_BATCH = 4096
 
 #: ``repeat`` values: a first failure, the same failure again, or not retried.
 REPEATS = ("", "again", "skipped")
@@ -276,6 +291,7 @@ class RunLedger:
             revive(self.summary.fingerprint, self.requested_at)
         seen: dict[str, str] = {}
         work: list[WorkItem] = []
+        fingerprint = validate_fingerprint(self.summary.fingerprint)
         for sample_id, path in items:
             path = str(path)
             try:
@@ -290,14 +306,9 @@ class RunLedger:
                 continue
             seen[sample_id] = path
             self.admitted.append(sample_id)
-            key = self.key(sample_id)
-            more = tuple(
-                self._stored_hash(record_id(sample_id, v), self.key(sample_id, v))
-                for v in range(1, variants)
-            )
-            work.append(
-                WorkItem(sample_id, path, key, self._stored_hash(sample_id, key), None, more)
-            )
+            key = f"{fingerprint}/{sample_id}"  # both parts checked
+            work.append(WorkItem(sample_id, path, key, None, None, (None,) * (variants - 1)))
+        work = self.skip_unchanged(work)
         if self.failures is not None and work:
             try:
                 self.known_failures = self.failures.get_many(
@@ -358,18 +369,43 @@ class RunLedger:
         interrupt can cut short, uses ``committing`` and checks the store instead.)"""
         self.stored_ids.update(sample_ids)
 
-    def _stored_hash(self, sample_id: str, key: str) -> str | None:
-        """The stored record's source hash; notes a record made by other recipe code
-        (``sample_id``: the record's id)."""
-        if self.code_digest is None or getattr(self.store, "source_hash_of", None) is not None:
-            return self.stored_source_hash(key)
-        meta = stored_metadata(self.store, key)
-        if meta is None:
-            return None
-        digest = meta.get("code_digest")
-        if digest and digest != self.code_digest:
-            self.other_code[sample_id] = digest
-        return meta.get("source_hash")
+    def skip_unchanged(self, work: list[WorkItem]) -> list[WorkItem]:
+        """Each item with its stored records' source hashes (every wanted variant's); the
+        items whose records' stat signatures are the file's now (:func:`unchanged_by_stat`:
+        nothing opened) are finished here as skipped, never shipped to a loader. Notes
+        records made by other recipe code."""
+        if getattr(self.store, "source_hash_of", None) is not None:
+            for item in work:  # a store that knows its source hashes (sharded manifests)
+                hashes = [
+                    self.stored_source_hash(self.key(item.sample_id, v))
+                    for v in range(item.variants)
+                ]
+                item.stored_hash, item.more = hashes[0], tuple(hashes[1:])
+            return work
+        left = []
+        for start in range(0, len(work), _ADMIT_BATCH):
+            batch = work[start : start + _ADMIT_BATCH]
+            rids = [[record_id(it.sample_id, v) for v in range(it.variants)] for it in batch]
+            keys = [f"{self.summary.fingerprint}/{rid}" for group in rids for rid in group]
+            found = iter(stored_metadata_many(self.store, keys))
+            for item, group in zip(batch, rids, strict=True):
+                metas = [next(found) for _ in group]
+                for rid, meta in zip(group, metas, strict=True):
+                    digest = None if meta is None else meta.get("code_digest")
+                    if self.code_digest is not None and digest and digest != self.code_digest:
+                        self.other_code[rid] = digest
+                hashes = [None if meta is None else meta.get("source_hash") for meta in metas]
+                item.stored_hash, item.more = hashes[0], tuple(hashes[1:])
+                if all(
+                    meta is not None
+                    and meta.get("source_hash") is not None
+                    and unchanged_by_stat(meta, item.path)
+                    for meta in metas
+                ):
+                    self.finish_all(item, "skipped", source_hash=item.stored_hash)
+                else:
+                    left.append(item)
+        return left
 
     def report_other_code(self) -> None:
         """One WARNING when skipped records were computed by other recipe code than the
