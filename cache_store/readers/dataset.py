@@ -49,6 +49,7 @@ from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
+from cache_store.views.records import VERIFY_CHOICES
 
 __all__ = ["CachedDataset"]
 
@@ -132,6 +133,19 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
+        views: read records as read-only tensors viewing the cache's own file (an LMDB
+            cache directory, a local sharded snapshot) instead of copies: nothing is
+            copied, each view's bytes stay the verified ones for as long as a tensor
+            views them, and in-place updates raise (inference tensors; see
+            :mod:`cache_store.views.records`). In forked DataLoader workers a batch
+            crosses to the training process as where its records lie, not their bytes
+            (:mod:`cache_store.views.hop`). Where no view can be made (the service URL, a
+            Zarr or remote snapshot) records are copies as without it;
+            :attr:`read_path` says which path reads take.
+        verify: with ``views``: ``"once"`` (the default) hashes a record's fields the
+            first time this process reads that version of it at that place, and trusts
+            those pinned bytes afterwards; ``"always"`` hashes them on every read, as
+            copies are.
         local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
             URL read through a bounded directory on this machine: what a read needs is
             fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
@@ -171,6 +185,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_stale: str | None = None,
         local_cache: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
+        views: bool = False,
+        verify: str = "once",
         **params: Any,
     ) -> None:
         if not isinstance(fingerprint_or_recipe, str):
@@ -222,8 +238,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
         if warm_ahead < 0 or miss_timeout <= 0:
             problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
+        if verify not in VERIFY_CHOICES:
+            problems.append(f"verify: expected 'once' or 'always', got {verify!r}")
         if problems:
             raise ParameterError(problems)
+        self.views = bool(views)
+        self.verify = verify
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
@@ -448,16 +468,39 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 reason,
             )
 
+    @property
+    def read_path(self) -> str:
+        """Which path this process's reads take: ``"views"`` (read-only views of the
+        cache's file, see ``views=``), or ``"copies"`` with the reason views are not
+        taken."""
+        if not self.views:
+            return "copies (views=False)"
+        refused = self._store_here().views_refused()
+        return "views" if refused is None else f"copies ({refused})"
+
+    def _records(self, keys: list[str], batch: bool) -> list[Any]:
+        """The records of ``keys``: views where this dataset takes them and the store
+        lends them, else copies."""
+        store = self._store_here()
+        if self.views:
+            fields = None if self.fields is None else list(self.fields)
+            viewed = store.view_records(keys, fields, self.verify)
+            if viewed is not None:
+                return viewed
+        if batch:
+            return store.get_records(keys, fields=self.fields)
+        return [store.get_record(keys[0], fields=self.fields)]
+
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))
         key = self.key(i)
         try:
-            record = self._store_here().get_record(key, fields=self.fields)
+            record = self._records([key], False)[0]
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
             self._on_miss([i])
-            record = self._store_here().get_record(key, fields=self.fields)
+            record = self._records([key], False)[0]
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
         return self._finish(record)
@@ -466,12 +509,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._refuse_id_clashes(indices)
         keys = [self.key(i) for i in indices]
         try:
-            records = self._store_here().get_records(keys, fields=self.fields)
+            records = self._records(keys, True)
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
             self._on_miss(indices)
-            records = self._store_here().get_records(keys, fields=self.fields)
+            records = self._records(keys, True)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
         return [self._finish(record) for record in records]

@@ -35,6 +35,7 @@ import lmdb
 
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.process_local import ProcessLocal, park
+from cache_store.stores.lmdb.leases import Leases
 
 __all__ = [
     "COMPACT_DIR",
@@ -113,26 +114,40 @@ class _SharedEnv:
         self.users: weakref.WeakSet[EnvironmentHandle] = weakref.WeakSet()
         self.dir_ino: int | None = None  # inode of the records directory opened
         self.swap_checked = time.monotonic()
-        self.retired: list[tuple[Any, float]] = []  # swapped-out handles, closed later
+        # swapped-out handles and their read leases, closed later
+        self.retired: list[tuple[Any, float, Leases | None]] = []
+        #: read leases pinning the views of this process (made on the first view)
+        self.leases: Leases | None = None
+
+    def view_leases(self, env_path: Path) -> Leases:
+        """The read leases of the open environment (see :mod:`.leases`)."""
+        if self.leases is None:
+            self.leases = Leases(str(env_path), os.getpid())
+        return self.leases
 
     def close(self) -> None:
         env, self.env, self.dbs = self.env, None, {}
+        leases, self.leases = self.leases, None
         retired, self.retired = self.retired, []
-        for old in [env, *(e for e, _ in retired)]:
+        for old, old_leases in [(env, leases), *((e, v) for e, _, v in retired)]:
             if old is None:
                 continue
             if self.pid == os.getpid():
+                if old_leases is not None:  # live views copied before their pins end
+                    old_leases.close()
                 old.close()
             else:  # inherited through a fork that bypassed the hook: never close it here
                 park(old)
 
     def close_retired(self, now: float) -> None:
         keep = []
-        for env, since in self.retired:
+        for env, since, leases in self.retired:
             if now - since >= RETIRED_GRACE_S and self.pid == os.getpid():
+                if leases is not None:
+                    leases.close()
                 env.close()
             else:
-                keep.append((env, since))
+                keep.append((env, since, leases))
         self.retired = keep
 
 
@@ -224,6 +239,23 @@ class EnvironmentHandle:
         joined = self._joined
         return joined[1].dir_ino if joined is not None else None
 
+    def leases(self) -> Leases | None:
+        """The read leases of the environment this handle has open, with ``data.mdb``
+        open beside it; None when it was swapped meanwhile (the caller copies)."""
+        self.environment()  # a swap is adopted here
+        joined = self._joined
+        if joined is None:
+            return None
+        shared = joined[1]
+        leases = shared.leases
+        if leases is not None and leases.data_fd is not None and leases.pid == os.getpid():
+            return leases  # every read's path: no lock
+        with _shared_lock:
+            if shared.env is None:
+                return None
+            leases = shared.view_leases(self.env_path)
+            return leases if leases.open_data(shared.dir_ino) else None
+
     def environment(self) -> tuple[Any, Dbs]:
         """The open environment and its databases (opened now if need be)."""
         joined = self._joined
@@ -278,8 +310,9 @@ class EnvironmentHandle:
                         self.env_path,
                     )
                     env, dbs, ino = self._open_env(readonly=not shared.writable)
-                    shared.retired.append((shared.env, now))
+                    shared.retired.append((shared.env, now, shared.leases))
                     shared.env, shared.dbs, shared.dir_ino = env, dbs, ino
+                    shared.leases = None
             if shared.env is None:  # closed meanwhile (a fork): the slow path re-opens
                 self._joined = None
                 return self.environment()

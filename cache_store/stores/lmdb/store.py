@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
+import numpy as np
 
 from cache_store import usage
 from cache_store.errors import FingerprintRemoved
@@ -28,6 +29,9 @@ from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest
 from cache_store.stores.lmdb import tombstones
+from cache_store.stores.lmdb.leases import Leases, ReadLease
+from cache_store.views.mapping import map_range
+from cache_store.views.records import Place, view_record
 from cache_store.stores.lmdb.environment import (
     DEFAULT_MAP_SIZE,
     DEFAULT_MAX_READERS,
@@ -179,6 +183,71 @@ class LMDBStore(Store):
             raise self.handle.damaged(exc) from exc
         finally:
             txn.abort()  # read-only: ends it and releases the reader slot
+
+    def view_records(
+        self,
+        keys: list[str],
+        fields: list[str] | None,
+        verify: str,
+        checked: Mapping[str, tuple[Place, str]] | None = None,
+    ) -> list[Record] | None:
+        # Pinned by a read lease begun before the lookup, mapped by this process from
+        # data.mdb at the place LMDB's map shows (see cache_store.stores.lmdb.leases).
+        leases = None if self.views_refused() else self.handle.leases()
+        if leases is None:
+            return None
+        lease = leases.lease(lambda: self.handle.begin()[0])
+        txn, dbs = self.handle.begin()
+        try:
+            db, records = dbs[RECORDS_DB], []
+            for key in keys:
+                value = _lookup(txn, db, key)
+                if value is None:
+                    raise tombstones.missing(txn, dbs, key, self.location)
+                told = None if checked is None else checked.get(key)
+                record = self._view_one(leases, lease, value, key, fields, verify, told)
+                if record is None:  # not where views can be made: the copy path
+                    return None
+                records.append(record)
+            return records
+        except lmdb.Error as exc:
+            raise self.handle.damaged(exc) from exc
+        finally:
+            txn.abort()
+            leases.settle(lease)
+
+    def views_refused(self) -> str | None:
+        if not self.lock:
+            return "opened without LMDB's lock file: no read lease can pin a view's pages"
+        return None
+
+    def _view_one(
+        self,
+        leases: Leases,
+        lease: ReadLease,
+        value: Any,
+        key: str,
+        fields: list[str] | None,
+        verify: str,
+        checked: tuple[Place, str] | None,
+    ) -> Record | None:
+        length = len(value)
+        offset = leases.file_offset(np.frombuffer(value, np.uint8).ctypes.data) if length else None
+        if offset is None or leases.data_fd is None or leases.data_id is None:
+            return None
+        mapped, at = map_range(leases.data_fd, offset, length, lease.release)
+        lease.hold(mapped)
+        return view_record(
+            mapped,
+            at,
+            length,
+            key=key,
+            fields=fields,
+            lookup=self.descriptor,
+            place=(*leases.data_id, offset, length),
+            verify=verify,
+            checked=checked,
+        )
 
     def value_size(self, key: str) -> int:
         # the value's length in the map view: no copy
