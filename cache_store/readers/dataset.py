@@ -49,6 +49,8 @@ from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
+from cache_store.format.buffers import in_dataloader_worker
+from cache_store.views.hop import LocatedSample
 from cache_store.views.records import VERIFY_CHOICES
 
 __all__ = ["CachedDataset"]
@@ -415,7 +417,11 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _store_here(self) -> Store:
         return self._store.get()
 
-    def _finish(self, record: Any) -> Any:
+    def _finish(self, record: Any, key: str) -> Any:
+        if record.place is not None and self.transform is None and in_dataloader_worker():
+            # the hop without the bytes: where the checked record lies (cache_store.views.hop)
+            source = (self._store.opener, self.fields, self.verify, self._variable)
+            return LocatedSample(source, key, (record.place, record.checksum))
         sample = SpcSample(record.tensors, self._variable)
         if self.transform is None:
             return sample
@@ -503,7 +509,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             record = self._records([key], False)[0]
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
-        return self._finish(record)
+        return self._finish(record, key)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         self._refuse_id_clashes(indices)
@@ -517,7 +523,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             records = self._records(keys, True)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
-        return [self._finish(record) for record in records]
+        return [self._finish(record, key) for record, key in zip(records, keys, strict=True)]
 
     # -- stale records (sources=..., on_stale != "serve") -------------------------------
     _LIMITS = SourceLimits()

@@ -45,6 +45,9 @@ _mmap.argtypes = [
 ]
 _munmap = _libc.munmap
 _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MADV_POPULATE_READ = 22  # Linux 5.14: fill the page tables in one call
 _mremap = _libc.mremap
 _mremap.restype = ctypes.c_void_p
 _mremap.argtypes = [
@@ -86,6 +89,13 @@ class MappedRange:
     def array(self) -> np.ndarray:
         """The range as a uint8 array (its base keeps this mapping alive)."""
         return np.asarray(self)
+
+    def populate(self) -> None:
+        """Map every page now, in one call, before all of them are read (a hash, a
+        copy): one fault per page costs more (measured: 0.8 ms against 1.1-1.5 ms for a
+        2.4 MB record). A kernel without ``MADV_POPULATE_READ`` faults them in as read."""
+        if not self.detached:
+            _madvise(self.addr, self.size, _MADV_POPULATE_READ)
 
     def detach(self) -> None:
         """Replace the mapped pages by a private read-only copy of their bytes (atomic

@@ -130,9 +130,13 @@ def view_record(
     if not aligned(mapped, at, header, names):
         return None
     version = (*place, header.checksum)
-    if checked is not None and checked == (place, header.checksum) and verify == "once":
-        VERIFIED.add(version, names)
+    if checked is not None:  # handed over by a worker: copied whole next (the hop's pack)
+        mapped.populate()
+        if checked == (place, header.checksum) and verify == "once":
+            VERIFIED.add(version, names)
     if verify == "always" or not VERIFIED.covers(version, names):
+        if checked is None:
+            mapped.populate()
         for name in names:
             verified_field(view, header, name, key)
         VERIFIED.add(version, names)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -181,3 +182,45 @@ def test_a_lease_ends_with_its_last_view(tmp_path: Path) -> None:
     gc.collect()
     assert not leases.live  # no read transaction left pinning the file
     VERIFIED.clear()
+
+
+def _collate_in_worker(samples: list[object]) -> object:
+    """collate_spc, asserting that the worker hands over where records lie."""
+    from cache_store.readers.collate import collate_spc
+    from cache_store.views.hop import LocatedBatch
+
+    out = collate_spc(samples)  # type: ignore[arg-type]
+    assert isinstance(out, LocatedBatch), type(out)
+    assert len(pickle.dumps(out)) < 4096  # a few keys and places, not megabytes
+    return out
+
+
+def test_forked_workers_hand_over_places_not_bytes(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from cache_store.readers.collate import collate_spc
+
+    _cache(tmp_path / "cache")
+    views = CachedDataset(tmp_path / "cache", FP, views=True)
+    plain = CachedDataset(tmp_path / "cache", FP)
+    order = [4, 1, 5, 0, 2, 3]
+    loader = DataLoader(
+        views,
+        batch_size=3,
+        sampler=order,
+        num_workers=2,
+        collate_fn=_collate_in_worker,
+        multiprocessing_context="fork",
+    )
+    for b, batch in enumerate(loader):
+        want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+        assert batch.keys() == want.keys()
+        for name in want:
+            assert torch.equal(batch[name], want[name]), name
+        batch["octree"][0] = 0  # the packed batch is the training process's own copy
+    single = DataLoader(
+        views, batch_size=None, sampler=[2], num_workers=1, multiprocessing_context="fork"
+    )
+    [sample] = list(single)
+    assert sample["octree"].is_inference()  # a sample crosses as places, opened as views
+    _same(sample, plain[2])
