@@ -33,7 +33,12 @@ import time
 import weakref
 from typing import Any
 
-from cache_store.views.mapping import MappedRange
+import numpy as np
+
+from cache_store.format.decode import Record
+from cache_store.format.descriptor import DescriptorLookup
+from cache_store.views.mapping import MappedRange, map_range
+from cache_store.views.records import Place, view_record
 
 __all__ = ["LEASE_S", "Leases", "ReadLease"]
 
@@ -121,6 +126,38 @@ class Leases:
         with self.lock:
             if lease.views <= 0:
                 self.end(lease, detach=False)
+
+    def view(
+        self,
+        lease: ReadLease,
+        value: Any,
+        key: str,
+        fields: list[str] | None,
+        verify: str,
+        checked: tuple[Place, str] | None,
+        lookup: DescriptorLookup,
+    ) -> Record | None:
+        """The record ``value`` (LMDB's map, inside a lookup transaction begun after
+        ``lease``) as views of this process's own mapping of its pages, held by
+        ``lease``; None where no view can be made (the caller copies). See
+        :func:`cache_store.views.records.view_record` for the rest."""
+        length = len(value)
+        offset = self.file_offset(np.frombuffer(value, np.uint8).ctypes.data) if length else None
+        if offset is None or self.data_fd is None or self.data_id is None:
+            return None
+        mapped, at = map_range(self.data_fd, offset, length, lease.release)
+        lease.hold(mapped)
+        return view_record(
+            mapped,
+            at,
+            length,
+            key=key,
+            fields=fields,
+            lookup=lookup,
+            place=(*self.data_id, offset, length),
+            verify=verify,
+            checked=checked,
+        )
 
     def file_offset(self, addr: int) -> int | None:
         """The offset in ``data.mdb`` of the byte at ``addr`` of LMDB's map; None when no

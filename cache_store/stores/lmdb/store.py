@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lmdb
-import numpy as np
 
 from cache_store import usage
 from cache_store.errors import FingerprintRemoved
@@ -29,9 +28,7 @@ from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest
 from cache_store.stores.lmdb import tombstones
-from cache_store.stores.lmdb.leases import Leases, ReadLease
-from cache_store.views.mapping import map_range
-from cache_store.views.records import Place, view_record
+from cache_store.views.records import Place
 from cache_store.stores.lmdb.environment import (
     DEFAULT_MAP_SIZE,
     DEFAULT_MAX_READERS,
@@ -205,7 +202,7 @@ class LMDBStore(Store):
                 if value is None:
                     raise tombstones.missing(txn, dbs, key, self.location)
                 told = None if checked is None else checked.get(key)
-                record = self._view_one(leases, lease, value, key, fields, verify, told)
+                record = leases.view(lease, value, key, fields, verify, told, self.descriptor)
                 if record is None:  # not where views can be made: the copy path
                     return None
                 records.append(record)
@@ -220,34 +217,6 @@ class LMDBStore(Store):
         if not self.lock:
             return "opened without LMDB's lock file: no read lease can pin a view's pages"
         return None
-
-    def _view_one(
-        self,
-        leases: Leases,
-        lease: ReadLease,
-        value: Any,
-        key: str,
-        fields: list[str] | None,
-        verify: str,
-        checked: tuple[Place, str] | None,
-    ) -> Record | None:
-        length = len(value)
-        offset = leases.file_offset(np.frombuffer(value, np.uint8).ctypes.data) if length else None
-        if offset is None or leases.data_fd is None or leases.data_id is None:
-            return None
-        mapped, at = map_range(leases.data_fd, offset, length, lease.release)
-        lease.hold(mapped)
-        return view_record(
-            mapped,
-            at,
-            length,
-            key=key,
-            fields=fields,
-            lookup=self.descriptor,
-            place=(*leases.data_id, offset, length),
-            verify=verify,
-            checked=checked,
-        )
 
     def value_size(self, key: str) -> int:
         # the value's length in the map view: no copy
