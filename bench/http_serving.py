@@ -68,7 +68,7 @@ def build_cache(root: Path, records: int) -> tuple[str, dict[str, bytes]]:
 
     from cache_store.keys import compute_fingerprint, record_key
     from cache_store.stores.lmdb import LMDBStore
-    from cache_store.recipes.specs import get_recipe_spec
+    from cache_store.recipes.registry import get_recipe_spec
     from cache_store.format.encode import encode_record
     from cache_store.format.index import DatasetIndex
 

@@ -61,7 +61,7 @@ from cache_store import CachedDataset, collate_spc
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.encode import encode_record
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 
 log = logging.getLogger("bench.peers")

@@ -35,7 +35,7 @@ GOAL_MS = 200.0
 
 def make_record(mesh: Path | None, level: int) -> tuple[bytes, str]:
     from cache_store.keys import compute_fingerprint
-    from cache_store.recipes.specs import get_recipe_spec
+    from cache_store.recipes.registry import get_recipe_spec
     from cache_store.format.encode import encode_record
     from workers.ops import get_backend
     from workers.recipe_run import get_recipe, make_generator, run_recipe

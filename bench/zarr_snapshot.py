@@ -46,7 +46,7 @@ from cache_store.snapshot.zarr.export import CODECS, export_snapshot
 from cache_store.keys import compute_fingerprint
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.format.encode import encode_record
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.opener import open_store
 from workers.ops import get_backend

@@ -10,11 +10,11 @@ so the service and header-only readers start without it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cache_store import errors
 from cache_store.errors import *  # noqa: F403 - every error class: errors.__all__ is the one list
+from cache_store.lazy_names import lazy_names
 from cache_store.version import __version__
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
@@ -90,17 +90,4 @@ __all__ = [
 __all__ += errors.__all__
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cache_store' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The public names (``__all__``) and the module's dunders: not the helpers this
-    module imports for itself (``importlib``, ``Any``, ...)."""
-    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
-    return sorted(set(__all__) | dunders)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

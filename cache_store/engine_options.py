@@ -20,6 +20,10 @@ The defaults, one per option:
   ``prefetch=None``: ``2 * loaders + 2`` samples loaded ahead of the device.
 * ``source_roots=None``: any path may be read; ``max_source_bytes=1 GiB``.
 * ``skip_failed=False``: samples that failed before are tried again.
+* ``time_limit_s=None``: each sample's stages (loading with ``prepare``, and ``compute``)
+  get the recipe's own limit, its ``time_limit_s`` class attribute, whose default for
+  every recipe is :data:`DEFAULT_TIME_LIMIT_S` (600 s); a number here replaces it for
+  the run. What happens to a sample past its limit: :mod:`workers.time_limits`.
 
 No torch here: the service checks its worker's ``--device`` with :func:`check_device`
 too, so a device string is checked one way everywhere.
@@ -28,6 +32,7 @@ too, so a device string is checked one way everywhere.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -41,6 +46,7 @@ __all__ = [
     "BACKENDS",
     "DEFAULT_MIN_QUERY_CHUNK",
     "DEFAULT_QUERY_CHUNK",
+    "DEFAULT_TIME_LIMIT_S",
     "DEFAULT_WRITE_BATCH",
     "DEVICE_PATTERN",
     "EngineOptions",
@@ -48,6 +54,7 @@ __all__ = [
     "auto_loaders",
     "check_backend",
     "check_device",
+    "time_limit_problem",
 ]
 
 #: What ``device`` may be: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
@@ -59,6 +66,8 @@ DEFAULT_MIN_QUERY_CHUNK = 256
 DEFAULT_WRITE_BATCH = 32
 #: the most loader processes ``loaders=None`` starts
 MAX_AUTO_LOADERS = 8
+#: how long one stage of one sample may take when neither the recipe nor the run says
+DEFAULT_TIME_LIMIT_S = 600.0
 
 
 def check_device(device: object) -> str:
@@ -85,6 +94,15 @@ def auto_loaders(cpus: float | None = None) -> int:
     return int(max(1, min(MAX_AUTO_LOADERS, cores - 1)))
 
 
+def time_limit_problem(value: object) -> str:
+    """Why ``value`` is not a time limit (a finite number of seconds above 0), or ""."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{value!r} is not a number of seconds"
+    if not math.isfinite(value) or value <= 0:
+        return f"{value!r} must be a finite number of seconds above 0"
+    return ""
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """How an engine runs a recipe (see the module docstring for each default).
@@ -104,6 +122,8 @@ class EngineOptions:
         max_source_bytes: the largest source file read; a larger one fails alone.
         skip_failed: do not retry a sample whose unchanged source failed before with the
             same recipe and parameters.
+        time_limit_s: seconds each stage of a sample may take (loading with ``prepare``,
+            then ``compute``); None: the recipe's own ``time_limit_s``.
 
     Raises :class:`~cache_store.errors.UsageError` naming every value out of its range,
     :class:`~cache_store.errors.UnknownName` for an unknown backend.
@@ -119,6 +139,7 @@ class EngineOptions:
     source_roots: tuple[str, ...] | None = None
     max_source_bytes: int = DEFAULT_MAX_SOURCE_BYTES
     skip_failed: bool = False
+    time_limit_s: float | None = None
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
@@ -142,6 +163,8 @@ class EngineOptions:
                 problems.append(f"{name}: {value!r} is not a whole number")
             elif value < least:
                 problems.append(f"{name}: {value} must be {least} or more")
+        if self.time_limit_s is not None and (problem := time_limit_problem(self.time_limit_s)):
+            problems.append(f"time_limit_s: {problem}")
         if problems:
             raise UsageError("engine options: " + "; ".join(problems))
         if self.source_roots is not None:  # a list, paths: kept as plain strings

@@ -9,7 +9,9 @@ classes to HTTP status codes in one place (``service/errors.py``), the command l
 exit statuses in another (``spcache/cli/exits.py``).
 
 :func:`one_line` is the one way an error becomes a line of text (a log line, a failure
-reason, a command's last word).
+reason, a command's last word); :func:`error_values` and :func:`error_from_values` the one
+way an error crosses a process boundary (a housekeeping child's JSON answer, a Ray
+actor's error), coming back as its own class.
 """
 
 from __future__ import annotations
@@ -17,11 +19,11 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 #: every error class, the one list (``spcache`` and ``cache_store`` export exactly these);
-#: :func:`one_line` is imported by name
+#: the functions below are imported by name
 __all__ = [
     "SpcacheError",
     "RecordNotFound",
@@ -31,6 +33,7 @@ __all__ = [
     "InvalidSampleId",
     "SourceError",
     "UnknownName",
+    "RecipeUnusable",
     "ParameterError",
     "UsageError",
     "FingerprintLookupError",
@@ -236,6 +239,22 @@ class UnknownName(SpcacheError, KeyError):
         self.known = known
 
 
+class RecipeUnusable(UnknownName):
+    """A recipe that is installed (a plugin) but cannot be used: its class breaks the
+    contract or its constructor raises. ``reason`` is the registry's line for it (which
+    entry, and why); the recipe is not among the ``known`` ones."""
+
+    def __init__(self, name: object, reason: str, known: Iterable[str]) -> None:
+        SpcacheError.__init__(self, f"recipe {name!r} cannot be used: {reason}")
+        self.kind = "recipe"
+        self.name = name
+        self.known = sorted(known)
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[RecipeUnusable], tuple[object, ...]]:
+        return (type(self), (self.name, self.reason, self.known))
+
+
 class ParameterError(SpcacheError, ValueError):
     """Recipe (or request) parameters that do not fit their schema.
 
@@ -422,23 +441,49 @@ class WaitingFull(SpcacheError):
     ``Retry-After`` (see :mod:`service.read_through`)."""
 
 
-#: The longest :func:`one_line` makes a message (a failure reason is stored and shown
-#: in tables; a traceback-sized one would drown them).
-ONE_LINE_MAX = 300
+#: The longest a sample's failure reason quotes an error (``one_line(exc,
+#: limit=REASON_MAX)``): reasons are stored and shown in tables, where a traceback-sized
+#: message would drown them.
+REASON_MAX = 300
 
 
-def one_line(exc: BaseException, *, with_class: bool = False) -> str:
-    """``exc``'s message on one line: whitespace runs folded, at most
-    :data:`ONE_LINE_MAX` characters, a ``KeyError``'s quotes taken off, the class name
-    where the message is empty. ``with_class`` puts the class name first
-    (``"ValueError: ..."``), for where the class says what happened (a loader's or a
-    recipe's own error)."""
+def one_line(exc: BaseException, *, with_class: bool = False, limit: int | None = None) -> str:
+    """``exc``'s message on one line: whitespace runs folded, a ``KeyError``'s quotes
+    taken off, the class name where the message is empty. ``with_class`` puts the class
+    name first (``"ValueError: ..."``), for where the class says what happened (a
+    loader's or a recipe's own error); ``limit`` cuts the message to at most that many
+    characters (:data:`REASON_MAX` for a sample's failure reason)."""
     text = " ".join(str(exc).split())
     if isinstance(exc, KeyError) and len(exc.args) == 1 and text.startswith(("'", '"')):
         text = " ".join(str(exc.args[0]).split())  # KeyError quotes its message
-    if len(text) > ONE_LINE_MAX:
-        text = text[: ONE_LINE_MAX - 3] + "..."
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 3] + "..."
     name = type(exc).__name__
     if not text:
         return name
     return f"{name}: {text}" if with_class else text
+
+
+_PLAIN = (str, int, float, bool, list, tuple, type(None))
+
+
+def error_values(exc: BaseException) -> dict[str, Any]:
+    """``exc`` as plain values (JSON, or Ray's transport, carries them): its class name,
+    its message and its attributes that are plain values. :func:`error_from_values`
+    makes the error again on the other side."""
+    attrs = {k: v for k, v in vars(exc).items() if isinstance(v, _PLAIN)}
+    return {"error": type(exc).__name__, "message": str(exc), "attrs": attrs}
+
+
+def error_from_values(values: Mapping[str, Any]) -> SpcacheError:
+    """The error :func:`error_values` described, as its own class when it is one of
+    this module's (its message and attributes restored, its constructor not run); any
+    other class comes back as a :class:`SpcacheError` naming it."""
+    name, message = str(values.get("error", "")), str(values.get("message", ""))
+    cls = globals().get(name) if name in __all__ else None
+    if not (isinstance(cls, type) and issubclass(cls, SpcacheError)):
+        return SpcacheError(f"{name}: {message}" if name else message)
+    error = cls.__new__(cls)
+    error.args = (message,)
+    vars(error).update(values.get("attrs") or {})
+    return error

@@ -1,20 +1,29 @@
-"""Handles that belong to the process that opened them (LMDB, SQLite, httpx, zarr).
+"""Handles that belong to the process that opened them (LMDB, SQLite, httpx, zarr), and
+signal handlers that belong to the process that installed them.
 
 A handle opened before ``os.fork`` is shared with the child: using it there, or even
 closing it, touches the parent's locks, sockets or WAL. Every reader and writer in
 ``cache_store`` therefore keeps its handles in a :class:`ProcessLocal`: opened on first
 use in a process, opened anew when ``os.getpid()`` changes, and an inherited one is
 *parked* (kept referenced, never used, closed or collected) instead of closed.
+
+A signal handler is inherited by a forked child the same way: a recipe's
+``multiprocessing.Pool`` (fork) inside the worker got the worker's SIGTERM handler,
+which only asks the worker loop to stop, so ``Pool.terminate()`` waited for ever on
+children that would not end. Every handler spcache installs is wrapped by
+:func:`this_process_only`: in another process it does what the signal does by default.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ProcessLocal", "is_parked", "park"]
+__all__ = ["ProcessLocal", "is_parked", "park", "this_process_only"]
 
 T = TypeVar("T")
 
@@ -91,3 +100,71 @@ class ProcessLocal(Generic[T]):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["opener"], state["closer"])  # type: ignore[misc]
+
+
+SignalHandler = Callable[[int, FrameType | None], Any]
+
+#: the signals whose handler a forked child must not keep
+_OWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def this_process_only(handler: SignalHandler) -> SignalHandler:
+    """``handler``, acting only in the process that calls this (the one installing it).
+
+    A child forked while it is installed (a recipe's ``multiprocessing.Pool`` with the
+    fork context, a plain ``os.fork``) gets the default instead, as the fork happens:
+    SIGINT raises ``KeyboardInterrupt``, any other signal ends the process, so
+    ``Pool.terminate()`` ends such children as it expects to. (The signal is blocked
+    over the fork and the default installed in the child before it is unblocked: a
+    SIGTERM sent to a child still starting, which a busy machine makes common, would
+    otherwise be dropped by the interpreter's own after-fork clean-up.) Should the
+    handler be called in another process all the same, it does the default there too."""
+    owner = os.getpid()
+
+    def handle(signum: int, frame: FrameType | None) -> Any:
+        if os.getpid() == owner:
+            return handler(signum, frame)
+        _default(signum)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.raise_signal(signum)
+        return None
+
+    handle.spcache_owner = owner  # type: ignore[attr-defined]
+    return handle
+
+
+def _default(signum: int) -> None:
+    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
+_blocked_over_fork: list[signal.Signals] = []
+
+
+def _block_own_signals() -> None:
+    here = os.getpid()
+    mine = [s for s in _OWN_SIGNALS if getattr(signal.getsignal(s), "spcache_owner", 0) == here]
+    _blocked_over_fork[:] = mine
+    if mine:
+        signal.pthread_sigmask(signal.SIG_BLOCK, mine)
+
+
+def _defaults_in_child() -> None:
+    blocked, _blocked_over_fork[:] = list(_blocked_over_fork), []
+    for signum in blocked:
+        _default(signum)
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+def _unblock_in_parent() -> None:
+    blocked, _blocked_over_fork[:] = list(_blocked_over_fork), []
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+os.register_at_fork(
+    before=_block_own_signals,
+    after_in_child=_defaults_in_child,
+    after_in_parent=_unblock_in_parent,
+)

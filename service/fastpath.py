@@ -60,11 +60,8 @@ class RecordFastPath:
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
             if isinstance(body, RecordStream) and scope["method"] == "GET":
-                # One chunk copied at a time; each send waits while the connection's
-                # buffer is full, so the reservation is held until the last chunk left.
-                for chunk in body.chunks():
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
+                # the reservation and the map's lease are held until the last chunk left
+                await body.send(send, f"record {match.group(2)!r}")
             else:
                 await send(
                     {

@@ -140,10 +140,12 @@ def serve(
     *,
     listener: socket.socket | None = None,
     max_size: int | None = None,
+    time_limit_s: float | None = None,
 ) -> int:
     """Check (:func:`check_start`), bind ``settings.host:port`` unless a ``listener`` is
     given (:func:`inherited_listener`), then serve on it until SIGTERM/SIGINT, with one
-    worker child unless ``settings.worker`` is false; returns 0."""
+    worker child unless ``settings.worker`` is false; returns 0. ``max_size`` and
+    ``time_limit_s`` go to the worker child (``--max-size``, ``--time-limit``)."""
     import uvicorn
 
     from service.app import create_app
@@ -168,7 +170,7 @@ def serve(
                 backend=settings.worker_backend,
                 log_level=settings.log_level,
                 source_roots=settings.source_roots,
-                extra=() if max_size is None else ("--max-size", str(max_size)),
+                extra=_worker_options(max_size, time_limit_s),
             ),
             max_backoff_s=settings.worker_restart_max_s,
             cache=settings.cache,
@@ -217,3 +219,11 @@ def serve(
         if supervisor is not None:
             supervisor.stop()
     return 0
+
+
+def _worker_options(max_size: int | None, time_limit_s: float | None) -> list[str]:
+    """The worker child's options that ``spcache serve`` passes on as they were given."""
+    extra = [] if max_size is None else ["--max-size", str(max_size)]
+    if time_limit_s is not None:
+        extra += ["--time-limit", repr(time_limit_s)]
+    return extra

@@ -44,10 +44,10 @@ from cache_store.service_api.protocol import (
     QUEUED,
     STATE_HEADER,
     STATES_EVERY_S,
-    WORKER_STALE_S,
     no_worker_message,
     sample_state,
 )
+from cache_store.jobs.liveness import WORKER_STALE_S
 from cache_store.keys import record_key
 from service.context import ServiceContext
 from service.errors import error_response

@@ -7,11 +7,16 @@ answer the same bytes with the same validators; routes never import one another.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import Path
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from cache_store import usage
 from cache_store.errors import (
@@ -31,6 +36,8 @@ from service.context import ServiceContext
 
 __all__ = [
     "RecordStream",
+    "RecordStreamResponse",
+    "STREAM_GRACE_S",
     "STREAM_CHUNK",
     "Fingerprint",
     "RECORD_MEDIA_TYPE",
@@ -42,6 +49,8 @@ __all__ = [
     "parse_fields",
     "note_read_hourly",
 ]
+
+log = logging.getLogger(__name__)
 
 RECORD_MEDIA_TYPE = "application/octet-stream"
 #: "last read" of a fingerprint (spcache ls, prune): recorded at most once an hour each
@@ -91,14 +100,20 @@ def parse_fields(fields: str | None) -> list[str] | None:
 STREAM_CHUNK = 1 << 20
 
 
+#: A large record's answer may take this long plus its size at the minimum rate.
+STREAM_GRACE_S = 10.0
+
+
 class RecordStream:
     """A whole record sent from the store's own memory (the LMDB map) in chunks of
-    :data:`STREAM_CHUNK`: one chunk is copied at a time, and the read transaction that
-    keeps the map's pages valid is held until :meth:`close` (after the last chunk)."""
+    :data:`STREAM_CHUNK`: one chunk is copied at a time, and the lease that keeps the
+    map's pages valid is held until :meth:`close` (after the last chunk). The answer
+    must be sent within ``time_limit_s``; :meth:`send` cuts a slower client off."""
 
-    def __init__(self, view: Any, stack: contextlib.ExitStack) -> None:
+    def __init__(self, view: Any, stack: contextlib.ExitStack, time_limit_s: float) -> None:
         self.view = memoryview(view).cast("B")
         self._stack = stack
+        self.time_limit_s = time_limit_s
 
     def __len__(self) -> int:
         return self.view.nbytes
@@ -107,10 +122,63 @@ class RecordStream:
         for start in range(0, self.view.nbytes, STREAM_CHUNK):
             yield bytes(self.view[start : start + STREAM_CHUNK])
 
+    async def send(self, send: Send, what: str) -> bool:
+        """Send the chunks as the ASGI response body, each send waiting while the
+        connection's buffer is full. A client still reading at the time limit is cut
+        off: logged, the body left unfinished (the server closes the connection), False.
+        The one rule for every route that streams a record."""
+        started = time.monotonic()
+        sent = 0
+        for chunk in self.chunks():
+            left = started + self.time_limit_s - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(
+                    send({"type": "http.response.body", "body": chunk, "more_body": True}), left
+                )
+            except TimeoutError:
+                log.warning(
+                    "%s: the client took too long (%d of %d bytes sent in %.0f s, the limit "
+                    "for this size: SPCACHE_MIN_STREAM_BYTES_PER_S); connection closed",
+                    what,
+                    sent,
+                    len(self),
+                    time.monotonic() - started,
+                )
+                return False
+            sent += len(chunk)
+        await send({"type": "http.response.body", "body": b""})
+        return True
+
     def close(self) -> None:
         view, self.view = self.view, memoryview(b"")
         view.release()
         self._stack.close()
+
+
+class RecordStreamResponse(Response):
+    """A :class:`RecordStream` as a Starlette response (the FastAPI route's), sent by
+    :meth:`RecordStream.send` as the fast path sends it; ``release`` runs at the end."""
+
+    def __init__(
+        self,
+        stream: RecordStream,
+        headers: dict[str, str],
+        release: Callable[[], None],
+        what: str,
+    ) -> None:
+        super().__init__(
+            media_type=RECORD_MEDIA_TYPE, headers={**headers, "Content-Length": str(len(stream))}
+        )
+        self.stream, self.release, self.what = stream, release, what
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self.stream.send(send, self.what)
+        finally:
+            self.release()
 
 
 def read_record(
@@ -152,7 +220,11 @@ def read_record(
     stack = contextlib.ExitStack()
     try:
         if names is None and size > STREAM_CHUNK:
-            stream = RecordStream(stack.enter_context(store.read_view(key)), stack)
+            stream = RecordStream(
+                stack.enter_context(store.read_view(key)),
+                stack,
+                STREAM_GRACE_S + size / ctx.settings.min_stream_bytes_per_s,
+            )
 
             def release() -> None:
                 stream.close()

@@ -2,32 +2,30 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import (
+    CacheNotFound,
     FingerprintLookupError,
     ParameterError,
     RecordNotFound,
     SpcacheError,
-    StoreBusy,
 )
+from cache_store.housekeeping.isolated import run_in_child
 from cache_store.keys import record_key, validate_fingerprint
 from cache_store.sources.freshness import HashBudget
 from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
 from cache_store.recipes.registry import installed_recipes
 from cache_store.sources.files import SourceLimits
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from cache_store.format.descriptor import DIGEST_PATTERN, descriptor_name
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
@@ -41,6 +39,7 @@ from service.errors import status_for
 from service.read_through import not_ready_response, wait_for_records
 from service.records import (
     RecordStream,
+    RecordStreamResponse,
     RECORD_MEDIA_TYPE,
     Fingerprint,
     etag_matches,
@@ -156,28 +155,17 @@ async def remove_cache(fingerprint: Fingerprint, ctx: Context) -> dict[str, Any]
 
 
 def remove_in_child(cache: Any, fingerprint: str, *, timeout_s: float = 600.0) -> dict[str, Any]:
-    """``spcache rm FINGERPRINT --cache CACHE`` in a child process: the service's own
-    store stays read-only (a writable handle here would re-open it under its readers)."""
-    command = [sys.executable, "-m", "spcache", "rm", fingerprint, "--cache", str(cache), "--json"]
+    """``rm`` of ``fingerprint`` in a child process (:func:`run_in_child`, the protocol
+    of every housekeeping child), so the service's own store stays read-only: a writable
+    handle here would re-open it under its readers. The child's error comes back as its
+    own class, which the service's one error map answers (an unknown or removed
+    fingerprint 404, a store busy being compacted 503); a cache with nothing in it holds
+    no such fingerprint either."""
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired:
-        raise SpcacheError(
-            f"removing {fingerprint} took over {timeout_s:.0f}s; it goes on "
-            f"when `spcache rm` is run again"
-        ) from None
-    if done.returncode == 0:
-        return json.loads(done.stdout)[0]
-    reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-    said = reason.startswith("spcache rm: ")  # its own one-line refusal, not a traceback
-    reason = reason.removeprefix("spcache rm: ")
-    if any(why in reason for why in ("no such fingerprint", "already removed", "no cache here")):
-        raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}: {reason}")
-    if said and done.returncode == 1:  # `spcache rm` says so, exit 1: store busy (compacting)
-        raise StoreBusy(f"removing {fingerprint}: {reason}; retry later")
-    raise SpcacheError(f"removing {fingerprint} failed: {reason}")
+        (report,) = run_in_child("rm", cache, fingerprint, timeout_s=timeout_s)
+    except CacheNotFound as exc:
+        raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}: {exc}") from exc
+    return dict(report)
 
 
 @router.head("/caches/{fingerprint}/records/{sample_id:path}", include_in_schema=False)
@@ -220,18 +208,7 @@ async def get_record(
         return Response(status_code=304, headers=headers)
     ctx.metrics.add_records(1)
     if isinstance(value, RecordStream):  # a large record: chunks from the map, budget held
-        stream = value
-
-        async def chunks() -> AsyncIterator[bytes]:
-            for chunk in stream.chunks():
-                yield chunk
-
-        return StreamingResponse(
-            chunks(),
-            media_type=RECORD_MEDIA_TYPE,
-            headers={**headers, "Content-Length": str(len(stream))},
-            background=BackgroundTask(release),
-        )
+        return RecordStreamResponse(value, headers, release, f"record {sample_id!r}")
     return Response(
         value, media_type=RECORD_MEDIA_TYPE, headers=headers, background=BackgroundTask(release)
     )

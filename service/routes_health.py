@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from prometheus_client.core import GaugeMetricFamily
 
 from cache_store.errors import SpcacheError
+from cache_store.jobs.worker_state import describe_worker
 from service.context import Context, ServiceContext
 from service.metrics import MEDIA_TYPE
 
@@ -53,7 +54,10 @@ def readyz(ctx: Context) -> JSONResponse:
     truncated) and the store (if created yet) opens and walks without damage; else 503.
 
     ``token_required`` (either way) says whether the mutating routes want a bearer
-    token: the status page asks for one only then."""
+    token: the status page asks for one only then. ``worker`` says what the newest live
+    worker is doing (:func:`cache_store.jobs.worker_state.describe_worker`): ``stuck``
+    names the sample it has been on for half its time limit or more, since when; the
+    service still serves what is cached, so this alone does not make it not ready."""
     problems = []
     try:
         ctx.queue.check()
@@ -73,12 +77,20 @@ def readyz(ctx: Context) -> JSONResponse:
         "queue": queue,
         "store": store_state,
         "worker_heartbeat_age_s": _heartbeat_age(ctx),
+        "worker": _worker(ctx),
         "token_required": ctx.settings.token is not None,
     }
     if problems:
         body["problems"] = problems
         return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
     return JSONResponse(body)
+
+
+def _worker(ctx: ServiceContext) -> dict[str, Any]:
+    try:
+        return describe_worker(ctx.queue.live_workers())
+    except SpcacheError as exc:
+        return {"state": "unknown", "detail": str(exc)}
 
 
 def _heartbeat_age(ctx: ServiceContext) -> float | None:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import ParameterError
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from service.auth import require_token
 from service.context import Context
 from service.read_through import dedupe_warmup, require_worker
@@ -35,7 +35,12 @@ class WarmupItem(BaseModel):
 _ITEMS_OR_GLOB: dict[str, Any] = {
     "oneOf": [{"required": ["items"]}, {"required": ["root", "glob"]}]
 }
-_RECIPE_ENUM: dict[str, Any] = {"enum": sorted(RECIPE_SPECS)}
+
+
+def _recipe_enum(schema: dict[str, Any]) -> None:
+    """The installed recipes as the field's ``enum``, when the OpenAPI schema is built
+    (not at import: finding the recipes imports their classes)."""
+    schema["enum"] = sorted(RECIPE_SPECS)
 
 
 class WarmupRequest(BaseModel):
@@ -43,7 +48,7 @@ class WarmupRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_ITEMS_OR_GLOB)
 
-    recipe: str = Field(min_length=1, max_length=64, json_schema_extra=_RECIPE_ENUM)
+    recipe: str = Field(min_length=1, max_length=64, json_schema_extra=_recipe_enum)
     params: dict[str, Any] = Field(default_factory=dict)
     items: list[WarmupItem] | None = None
     root: str | None = Field(None, min_length=1, max_length=4096)

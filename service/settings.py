@@ -64,6 +64,14 @@ class Settings(BaseSettings):
     max_response_bytes: int = Field(
         256 << 20, ge=1 << 20, description="largest record or batch answer (else 413)"
     )
+    min_stream_bytes_per_s: int = Field(
+        64 << 10,
+        ge=1,
+        description=(
+            "a large record's answer must go at least this fast (after 10 s of grace), "
+            "else the client is cut off: a slow client never holds the record's map for long"
+        ),
+    )
     max_read_bytes_in_flight: int = Field(
         1 << 30,
         ge=1 << 20,

@@ -3,9 +3,15 @@
 The worker is a separate program (``python -m spcache worker --cache ...``) started with
 ``subprocess`` (fork + exec: spawn semantics), so the service process never imports the
 GPU code nor initialises CUDA. If it dies it is started again after a back-off that
-doubles on each quick death (capped) and resets once it has stayed up a while. On stop
+doubles on each quick death (capped) and resets once it has stayed up a while; one that
+ended itself because a sample ran past its time limit (exit
+:data:`~cache_store.jobs.worker_state.OVERRUN_EXIT`) is started again at once. On stop
 it gets SIGTERM (it finishes or releases what it holds), then SIGKILL after a grace
 period.
+
+When the child dies, the items it held are made claimable at once
+(:meth:`JobQueue.expire_leases_of`, the attempt counted): the next worker takes them
+over instead of waiting out the dead one's leases (120 s by default).
 
 While the child is starting, and after a death while it is restarted, the supervisor
 says so in the cache's job queue (:meth:`JobQueue.announce_restart`): read-through
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +41,7 @@ from pathlib import Path
 from cache_store.errors import SpcacheError
 from cache_store.jobs.owner_lock import describe_holder, lock_holder
 from cache_store.jobs.queue import JobQueue
+from cache_store.jobs.worker_state import OVERRUN_EXIT
 from cache_store.processes import child_env, stop_child
 
 __all__ = ["WorkerSupervisor", "worker_command"]
@@ -154,6 +162,23 @@ class WorkerSupervisor:
         finally:
             queue.close()
 
+    def _take_back_leases(self, pid: int, code: int) -> None:
+        """The child is gone: the items it held are claimable now, by the worker started
+        next, instead of when their leases run out (up to the whole lease)."""
+        if self.cache is None:
+            return
+        how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit status {code}"
+        queue = JobQueue(self.cache)
+        try:
+            n = queue.expire_leases_of(pid, f"the worker (pid {pid}) died holding it ({how})")
+        except (SpcacheError, OSError) as exc:  # the leases then run out as before
+            log.warning("cannot hand back the items of the dead worker (pid %d): %s", pid, exc)
+            return
+        finally:
+            queue.close()
+        if n:
+            log.warning("worker (pid %d) died holding %d item(s); they are claimable again", pid, n)
+
     def _watch(self) -> None:
         backoff = self.first_backoff_s
         quick_deaths = 0
@@ -182,6 +207,7 @@ class WorkerSupervisor:
             if self._stop.is_set():
                 return
             ran = time.monotonic() - started
+            self._take_back_leases(self._proc.pid, code)
             if code == REFUSED_EXIT:
                 # its options, backend or cache were refused: a restart would be refused
                 # the same way, forever
@@ -195,6 +221,18 @@ class WorkerSupervisor:
                     code,
                 )
                 return
+            if code == OVERRUN_EXIT:
+                # it ended itself because a sample ran past its time limit (it failed that
+                # attempt): not a crash, so a fresh worker now, the back-off untouched
+                self._announce(START_GRACE_S)
+                log.warning(
+                    "worker (pid %d) ended itself after %.1fs: a sample ran past its time "
+                    "limit (its log above names it); starting a fresh worker",
+                    self._proc.pid,
+                    ran,
+                )
+                self.restarts += 1
+                continue
             if ran >= self.healthy_after_s:
                 backoff = self.first_backoff_s
                 quick_deaths = 0
@@ -224,9 +262,17 @@ class WorkerSupervisor:
         if proc is not None and proc.poll() is None:
             log.info("stopping worker (pid %d)", proc.pid)
             code = stop_child(proc, self.stop_grace_s, what="worker")
+            self._take_back_leases(proc.pid, code)  # what it still held after a kill
         elif proc is not None:
             code = proc.returncode
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._announce(None)
         return code
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

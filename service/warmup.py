@@ -42,7 +42,7 @@ from cache_store.sources.files import (
     inside_roots,
 )
 from cache_store.jobs.queue import NewItem
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.stores.base import Store
 
 __all__ = ["WarmupPlan", "plan_warmup", "request_source", "expand_glob"]

@@ -21,11 +21,11 @@ demo).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cache_store import errors as _errors
 from cache_store.errors import *  # noqa: F403 - the error classes, below
+from cache_store.lazy_names import lazy_names
 from cache_store.version import __version__
 
 if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
@@ -83,19 +83,4 @@ __all__ = [
 __all__ += _errors.__all__
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'spcache' has no attribute {name!r}")
-    loaded = importlib.import_module(module)
-    # an entry naming its own submodule ("recipes": "spcache.recipes") is that module
-    value = loaded if module == f"{__name__}.{name}" else getattr(loaded, name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The public names (``__all__``) and the module's dunders: not the helpers this
-    module imports for itself (``importlib``, ``Any``, ...)."""
-    dunders = {name for name in globals() if name.startswith("__") and name.endswith("__")}
-    return sorted(set(__all__) | dunders)
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

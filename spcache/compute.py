@@ -215,6 +215,7 @@ def precompute(
     query_chunk: int = _DEFAULTS.query_chunk,
     write_batch: int = _DEFAULTS.write_batch,
     id_template: str | None = None,
+    time_limit_s: float | None = _DEFAULTS.time_limit_s,
     **params: Any,
 ) -> PrecomputeResult:
     """Compute ``recipe`` over ``sources`` into the cache directory ``cache``; samples
@@ -247,6 +248,11 @@ def precompute(
             directory or ``.txt`` manifest (``"{parts[0]}/{parts[1]}"``; ``"{path}"``
             keeps the extension), as ``--id-template`` (see
             :func:`cache_store.sources.discover.sample_id_for`).
+        time_limit_s: seconds a sample's loading (with ``prepare``) or ``compute`` may
+            take (default: the recipe's ``time_limit_s``, 600 unless it declares one).
+            A sample past it fails alone, naming the limit: its computation is
+            interrupted in this process (a native computation that does not return to
+            Python within 10 s more cannot be: an ERROR line names the sample).
         **params: the recipe's parameters (e.g. ``level=8``); defaults fill the rest.
 
     Returns:
@@ -276,6 +282,7 @@ def precompute(
         query_chunk=query_chunk,
         write_batch=write_batch,
         skip_failed=skip_failed,
+        time_limit_s=time_limit_s,
     )
     summary = run_precompute(
         sources,

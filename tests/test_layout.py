@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.recipes import recipe_plugin_modules
 
 
 def _imported_after(module: str) -> set[str]:
@@ -22,14 +23,20 @@ def _imported_after(module: str) -> set[str]:
 
 PACKAGES = ("spcache", "cache_store", "workers", "service")
 #: What importing every module of a package must not pull in (the arrows of DESIGN.md:
-#: cache_store is CPU-only bytes at rest; the service is CPU only and torch-free; the
-#: front door imports a package only when one of its commands runs).
+#: cache_store is CPU-only bytes at rest; the service is CPU only and torch-free, and
+#: imports no module of workers: a recipe class it reads a schema from is found by the
+#: registry at run time, like any plugin's; the front door imports a package only when
+#: one of its commands runs). The arrows in the source: tests/test_import_graph.py.
 FORBIDDEN = {
     "spcache": {"service", "workers", "torch", "fastapi", "starlette", "kaolin", "ray"},
     "cache_store": {"service", "workers", "fastapi", "starlette", "kaolin", "ray"},
     "service": {"workers", "torch", "kaolin", "ray"},
     "workers": {"service", "fastapi", "kaolin", "ray"},
 }
+
+
+#: loaded at run time wherever a recipe is looked up (tests/helpers/recipes.py)
+RECIPE_PLUGINS = recipe_plugin_modules()
 
 
 def submodules(package: str) -> list[str]:
@@ -75,8 +82,36 @@ def test_every_module_of_each_package_imports_and_the_arrows_hold() -> None:
         assert proc.returncode == 0, f"{package}: a module failed to import:\n{proc.stderr}"
         first, *mods = proc.stdout.split()
         assert first == "no-cuda", f"importing {package} initialised CUDA"
-        forbidden = {m for m in mods if m.split(".")[0] in FORBIDDEN[package]}
+        # cache_store.testing's contract records look their recipes up when imported
+        allowed = RECIPE_PLUGINS if package == "cache_store" else set()
+        forbidden = {m for m in mods if m.split(".")[0] in FORBIDDEN[package]} - allowed
         assert not forbidden, f"importing {package} pulled in {sorted(forbidden)}"
+
+
+def test_the_service_imports_no_torch_and_runs_no_recipe_code(tmp_path) -> None:
+    """The service learns every recipe's schema through the registry, which imports each
+    installed recipe's class (the built-ins are a plugin in ``workers/``, torch-free at
+    import) and runs none of its code: after a running app listed the recipes, neither
+    torch nor the built-ins' computation (``workers.builtin_compute``) is loaded."""
+    code = (
+        "import sys\n"
+        "from fastapi.testclient import TestClient\n"
+        "from service.app import create_app\n"
+        "from service.settings import Settings\n"
+        f"app = create_app(Settings(cache={str(tmp_path)!r}, worker=False))\n"
+        "with TestClient(app, base_url='http://127.0.0.1') as client:\n"
+        "    answer = client.get('/v1/recipes').json()\n"
+        "print(' '.join(sorted(r['name'] for r in answer['recipes'])))\n"
+        "print('\\n'.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    assert {"spc", "spc_query", "spc_sdf"} <= set(out[0].split()), out[0]
+    mods = set(out[1:])
+    assert "workers.builtin_recipes" in mods  # the schema is read from the class itself
+    assert not {m for m in mods if m.split(".")[0] in {"torch", "kaolin", "ray"}}
+    assert not {"workers.builtin_compute", "workers.engine", "workers.recipe_run"} & mods
 
 
 def test_cache_store_imports_neither_service_workers_nor_fastapi() -> None:
@@ -97,8 +132,14 @@ def test_the_distribution_ships_each_package() -> None:
 
 
 #: What ``import spcache`` loads of the packages below it: the error classes (it exports
-#: ``cache_store.errors.__all__``, the one list of them) and the version; stdlib only.
-FRONT_DOOR_LOADS = {"cache_store", "cache_store.errors", "cache_store.version"}
+#: ``cache_store.errors.__all__``, the one list of them), the version and the lazy-name
+#: rule; stdlib only.
+FRONT_DOOR_LOADS = {
+    "cache_store",
+    "cache_store.errors",
+    "cache_store.lazy_names",
+    "cache_store.version",
+}
 
 
 def test_the_front_door_imports_no_package_until_a_command_runs() -> None:

@@ -145,11 +145,11 @@ COMMANDS: dict[str, How] = {
     "parameters, defaults, bounds": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache precompute SOURCE... --recipe spc_query --param level=8 --cache CACHE_DIR "
     "[--device auto|cpu|cuda:N] [--backend auto|torch|kaolin] [--loaders N] [--skip-failed] "
-    "[--id-template T | --id-keep-ext] [--json]": How(
+    "[--time-limit SECONDS] [--id-template T | --id-keep-ext] [--json]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "spcache worker --cache CACHE_DIR [--device cuda:0] [--backend auto] [--loaders N] "
-    "[--source-root DIR]... [--max-source-bytes N] [--max-size SIZE]": How(
+    "[--time-limit SECONDS] [--source-root DIR]... [--max-source-bytes N] [--max-size SIZE]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "python -m spcache COMMAND": How(
@@ -199,9 +199,9 @@ COMMANDS: dict[str, How] = {
     # -- Housekeeping (each line on the cache the `ls` line shows)
     "spcache ls --cache runs/cache            # one row per fingerprint, least recently used "
     "first": How(RUN, "test_the_housekeeping_block"),
-    "FINGERPRINT                       RECIPE        RECORDS  SIZE    STATE     FAILED  LAST "
+    "FINGERPRINT                       RECIPE        RECORDS  SIZE       STATE     FAILED  LAST "
     "WRITTEN         LAST READ": How(OUTPUT, "test_the_housekeeping_block"),
-    "4e2c9ec4d244890b73411cf9b684a3c3  spc v1        50       235.0K  complete  0       "
+    "4e2c9ec4d244890b73411cf9b684a3c3  spc v1        50       235.0 KiB  complete  0       "
     "2026-11-25 00:35:20  -": How(OUTPUT, "test_the_housekeeping_block"),
     "...": How(OUTPUT, "test_the_housekeeping_block (more rows)"),
     "spcache rm 4e2c9ec4 --cache runs/cache   # a fingerprint, or a unique prefix (6+ "
@@ -605,8 +605,9 @@ def test_the_housekeeping_block(
             printed = out.stdout.splitlines()
             assert printed[0].split() == header, printed[0]
             mine = next(p.split() for p in printed if p.startswith(fp))
-            # fingerprint, recipe and state as the README shows them; its one failure
-            assert mine[:3] == row[:3] and mine[5] == row[5] and mine[6] == "1", mine
+            # fingerprint, recipe, the size's unit and state as the README shows them
+            # (the size is two words: "235.0 KiB"); its one failure
+            assert mine[:3] == row[:3] and mine[5:7] == row[5:7] and mine[7] == "1", mine
             assert after == original
         elif line.startswith("spcache rm --failed"):
             assert after[fp]["failed"] == 0 and after[fp]["records"] == 6

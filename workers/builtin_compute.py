@@ -1,6 +1,6 @@
 """The built-in recipes' computation: ``spc``, ``spc_query`` and ``spc_sdf``.
 
-The built-in recipe classes (:mod:`cache_store.recipes.builtin`, on the public API of
+The built-in recipe classes (:mod:`workers.builtin_recipes`, on the public API of
 :mod:`spcache.recipes`) call the functions here from their two halves, so that the engine
 can run the first in a CPU process pool ahead of the device:
 
@@ -39,10 +39,7 @@ from workers import sdf as sdf_ops
 from workers.sampling import compute_normalization, normalize_points, shape_points
 from workers.source_load import LoadedSource
 
-__all__ = ["OOM_ERRORS", "compute_sdf", "compute_spc", "prepare_sdf", "prepare_spc"]
-
-#: Errors the query loop treats as "out of device memory": back off and retry.
-OOM_ERRORS: tuple[type[BaseException], ...] = (torch.cuda.OutOfMemoryError,)
+__all__ = ["compute_sdf", "compute_spc", "prepare_sdf", "prepare_spc"]
 
 
 # --- spc and spc_query ---------------------------------------------------------------------

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cache_store.process_local import this_process_only
 from cache_store.processes import child_env, stop_child
 
 __all__ = ["RECIPE", "run_demo", "write_example_shapes"]
@@ -150,7 +151,7 @@ def run_demo(
     Ctrl-C or SIGTERM (or for ``exit_after`` seconds). Returns 0."""
     # SIGTERM (kill, docker stop; SIGHUP arrives as SIGTERM) ends the demo like Ctrl-C,
     # so the finally blocks below stop the service and its worker.
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, this_process_only(_terminate))
     with listener:
         return _run(directory, listener, level, exit_after)
 

@@ -47,16 +47,24 @@ import torch
 
 from cache_store.version import __version__ as SPCACHE_VERSION
 from cache_store.engine_options import EngineOptions
-from cache_store.errors import ParameterError, SourceError, StoreFull, UsageError, one_line
+from cache_store.errors import (
+    ParameterError,
+    SourceError,
+    StoreFull,
+    UsageError,
+    REASON_MAX,
+    one_line,
+)
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
 from workers.loader import LoaderPool
-from cache_store.recipes.api import is_out_of_memory
+from cache_store.recipes.api import ReadOnlyParams, is_out_of_memory
 from cache_store.recipes.registry import get_entry
 from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
+from workers.time_limits import Overrun, SampleClock, SampleTimeLimit, limit_for
 from workers.run_ledger import (
     ItemResult,
     RunLedger,
@@ -126,6 +134,9 @@ class Engine:
             raise ``torch.cuda.OutOfMemoryError``).
         failure_log: where failures are remembered; default: ``<cache>/failures.sqlite``
             for a local LMDB cache (:mod:`cache_store.jobs.failures`), none for other stores.
+        clock: the watchdog of the time limits of the stages run in this process
+            (:mod:`workers.time_limits`); default: one that interrupts a stage past its
+            limit, so that sample fails alone.
         **fields: options given one by one (``device="cpu", loaders=0``): the fields of
             ``options`` they replace.
 
@@ -143,6 +154,7 @@ class Engine:
         progress: bool = False,
         before_query_chunk: Callable[[int], None] | None = None,
         failure_log: FailureLog | None = None,
+        clock: SampleClock | None = None,
         **fields: Any,
     ) -> None:
         options = EngineOptions.of(options, **fields)
@@ -151,7 +163,8 @@ class Engine:
         self.recipe_spec = entry.spec
         #: digest of the recipe's code, stored in every record (``code_digest``)
         self.code_digest = entry.code_digest
-        self.params = self.recipe_spec.resolve(params)
+        #: the resolved parameters, read-only: what prepare and compute get
+        self.params = ReadOnlyParams(self.recipe_spec.resolve(params))
         if failure_log is None:
             failure_log = failure_log_beside(store)
         if options.skip_failed and failure_log is None:
@@ -173,6 +186,9 @@ class Engine:
         self.fingerprint = compute_fingerprint(
             self.recipe_spec.name, self.recipe_spec.version, self.params
         )
+        #: seconds each stage of a sample may take (the run's option, else the recipe's)
+        self.time_limit_s = limit_for(self.recipe, options.time_limit_s)
+        self.clock = clock if clock is not None else SampleClock()
         self._loader_pool: LoaderPool | None = None
 
     def key(self, sample_id: str) -> str:
@@ -188,6 +204,8 @@ class Engine:
             loaders=self.loaders,
             count=count,
             limits=self.source_limits,
+            limit_s=self.time_limit_s,
+            clock=self.clock,
         )
 
     def open(self) -> Engine:
@@ -265,6 +283,7 @@ class LocalRun:
         )
         self.summary = self.ledger.summary
         self.committed: queue.SimpleQueue[tuple[ItemResult, float]] = queue.SimpleQueue()
+        self.writer: RecordWriter | None = None
 
     # The order of work matters: the loader pool is created before the device is resolved
     # (which may initialise CUDA), so no CUDA-holding process is ever forked.
@@ -274,7 +293,6 @@ class LocalRun:
         shared_pool = self.engine._loader_pool
         own_pool = shared_pool is None
         pool = self.engine.loader_pool(len(work)) if shared_pool is None else shared_pool
-        writer: RecordWriter | None = None
 
         # The cleanup steps, defined before the work so that the ``finally`` is one call
         # (``run_all`` runs them all even if a SIGTERM lands in one).
@@ -288,6 +306,7 @@ class LocalRun:
                     pool.close()
 
         def finish_writer() -> None:
+            writer = self.writer
             if writer is not None:
                 if writer.is_alive():
                     writer.finish()  # interrupted: still commit what was computed
@@ -302,27 +321,8 @@ class LocalRun:
             self.summary.wall_s = time.perf_counter() - start
 
         try:
-            if own_pool:
-                pool.open()
-            device = resolve_device(self.engine.device)
-            from workers.ops import get_backend  # the ops package imports Kaolin if present
-
-            ops = get_backend(self.engine.backend, device)
-            self.summary.device, self.summary.backend = str(device), str(ops.name)
-            budget = ChunkBudget(
-                self.engine.query_chunk,
-                minimum=self.engine.min_query_chunk,
-                before_query_chunk=self.engine.before_query_chunk,
-            )
-            self.engine.recipe.chunks = budget
-            writer = RecordWriter(self.engine.store, self.engine.write_batch, self.committed)
-            writer.start()
-            self.ledger.open_progress(len(self.items))
-            self._pipeline(work, pool, writer, device, ops, budget)
-            writer.finish()
-            self._report_committed()
-            self._stop_if_full(writer)
-            self.summary.oom_backoffs = budget.backoffs
+            with self.engine.clock.interruptible():
+                self._run(work, pool, own_pool)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the loaders now, not after them
             interrupted = True
             raise
@@ -336,7 +336,7 @@ class LocalRun:
                 close_failure_log,
                 stop_clock,
             )
-        self.summary.write_s = writer.busy_s if writer is not None else 0.0
+        self.summary.write_s = self.writer.busy_s if self.writer is not None else 0.0
         if self.ledger.index_unwritten is not None:
             raise self.ledger.index_unwritten
         logger.info(
@@ -348,6 +348,32 @@ class LocalRun:
             self.summary.wall_s,
         )
         return self.summary
+
+    def _run(self, work: list[WorkItem], pool: LoaderPool, own_pool: bool) -> None:
+        """The run itself, between its admission and its clean-up."""
+        if own_pool:
+            pool.open()
+        device = resolve_device(self.engine.device)
+        from workers.ops import get_backend  # the ops package imports Kaolin if present
+
+        ops = get_backend(self.engine.backend, device)
+        self.summary.device, self.summary.backend = str(device), str(ops.name)
+        budget = ChunkBudget(
+            self.engine.query_chunk,
+            minimum=self.engine.min_query_chunk,
+            before_query_chunk=self.engine.before_query_chunk,
+        )
+        self.engine.recipe.chunks = budget
+        self.writer = writer = RecordWriter(
+            self.engine.store, self.engine.write_batch, self.committed
+        )
+        writer.start()
+        self.ledger.open_progress(len(self.items))
+        self._pipeline(work, pool, writer, device, ops, budget)
+        writer.finish()
+        self._report_committed()
+        self._stop_if_full(writer)
+        self.summary.oom_backoffs = budget.backoffs
 
     def _pipeline(
         self,
@@ -435,7 +461,10 @@ class LocalRun:
         spec = self.engine.recipe_spec
         stage = "compute() raised"
         try:
-            tensors = self.engine.recipe.compute(prepared, self.engine.params, device, ops)
+            with self.engine.clock.watch(
+                item.sample_id, item.path, "compute", self.engine.time_limit_s
+            ):
+                tensors = self.engine.recipe.compute(prepared, self.engine.params, device, ops)
             stage = "outputs"
             check_outputs(spec, tensors, self.engine.params)
         except Exception as exc:  # one sample's failure is recorded, the run goes on
@@ -447,17 +476,29 @@ class LocalRun:
                     if budget.backoffs
                     else "outside any chunked step: nothing to back off"
                 )
-                reason = f"recipe {spec.name!r}: out of device memory ({how}): {one_line(exc)}"
+                reason = f"recipe {spec.name!r}: out of device memory ({how}): {one_line(exc, limit=REASON_MAX)}"
             elif isinstance(exc, SourceError):
                 reason = exc.reason
             elif stage == "outputs":
-                reason = one_line(exc)
+                reason = one_line(exc, limit=REASON_MAX)
             else:
                 logger.exception("sample %s (%s) failed on %s", item.sample_id, item.path, device)
-                reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True)}"
+                reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True, limit=REASON_MAX)}"
             self.ledger.finish(
                 ItemResult(
                     item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash
+                )
+            )
+            return
+        except SampleTimeLimit:  # stopped at its time limit: this sample's failure alone
+            overrun = Overrun(item.sample_id, item.path, "compute", self.engine.time_limit_s, 0)
+            self.ledger.finish(
+                ItemResult(
+                    item.sample_id,
+                    item.path,
+                    "failed",
+                    reason=f"recipe {spec.name!r}: {overrun.reason}",
+                    source_hash=source_hash,
                 )
             )
             return

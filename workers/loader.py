@@ -12,12 +12,24 @@ A sample fails only for a reason of its own. :func:`load_sample` returns every s
 reason as an outcome; whatever it raises is the loader's (the recipe not found in the
 loader process, a result that cannot be sent back), and so is a process that cannot be
 started or ends as it starts: those never fail a sample.
+
+Loading one sample has a time limit (:mod:`workers.time_limits`). A loader process notes
+in a table shared with the engine (:class:`StartTable`) when it began each sample; past
+the limit the engine terminates the pool's processes and starts fresh ones, that sample
+fails naming the limit and the others are loaded again. Loading in the engine's own
+process is watched by the engine's :class:`~workers.time_limits.SampleClock`.
+
+Why one module: the pool's ways of going on (a loader that died, one stuck past the
+time limit, loaders that cannot work at all) share its process pool, its start table
+and the fall-back to loading in this process; :func:`load_sample` is what those
+processes run, and its outcomes are what the recovery decides on.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import itertools
 import logging
 import multiprocessing.spawn
 import os
@@ -31,15 +43,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cache_store.errors import SourceError, one_line
+from cache_store.errors import SourceError, REASON_MAX, one_line
 from cache_store.processes import pid_alive
 from cache_store.sources.freshness import is_current, trusted_signature
-from cache_store.recipes.api import Recipe
+from cache_store.recipes.api import ReadOnlyParams, Recipe
 from cache_store.recipes.registry import ENV_VAR as RECIPES_ENV_VAR
 from cache_store.recipes.registry import report_problems_here
 from workers.recipe_run import get_recipe, make_generator
 from workers.loader_process import loader_context
 from workers.run_ledger import WorkItem
+from workers.time_limits import Overrun, SampleClock, SampleTimeLimit
 from cache_store.sources.files import SourceLimits, source_signature
 from workers.source_load import hash_bytes, load_source, read_source_bytes
 
@@ -48,6 +61,7 @@ __all__ = [
     "LoadOutcome",
     "LoaderPool",
     "LoaderUnusable",
+    "StartTable",
     "interrupts_held",
     "load_sample",
     "loader_ready",
@@ -68,7 +82,7 @@ def _recipe_here(recipe_name: str) -> Recipe:
     except Exception as exc:  # noqa: BLE001 - the loader's problem, raised as one
         raise LoaderUnusable(
             f"recipe {recipe_name!r} is not found in a loader process "
-            f"({one_line(exc, with_class=True)})"
+            f"({one_line(exc, with_class=True, limit=REASON_MAX)})"
         ) from None
 
 
@@ -101,15 +115,19 @@ def load_sample(
     stored_hash: str | None,
     failed_hash: str | None = None,
     limits: SourceLimits | None = None,
+    ticket: int | None = None,
 ) -> LoadOutcome:
     """Read, hash and (unless the stored record is current) prepare one sample.
 
     Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
     cross the process boundary. ``limits`` bound how the file is opened and read
     (:mod:`cache_store.sources.files`). A recipe this process cannot find raises
-    :class:`LoaderUnusable`: that is the process's problem, not the sample's.
+    :class:`LoaderUnusable`: that is the process's problem, not the sample's. ``ticket``
+    (in a loader process): this load's number, noted with its start in the pool's
+    :class:`StartTable`.
     """
     start = time.perf_counter()
+    StartTable.mark(ticket)
     recipe = _recipe_here(recipe_name)
     digest = ""
     try:
@@ -126,7 +144,9 @@ def load_sample(
     except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
         return _failed(exc, start, digest, step=f"loading {path}")
     try:
-        prepared = recipe.prepare(source, params, make_generator(fingerprint, sample_id))
+        prepared = recipe.prepare(
+            source, ReadOnlyParams(params), make_generator(fingerprint, sample_id)
+        )
         if not isinstance(prepared, dict):
             return LoadOutcome(
                 "failed",
@@ -161,12 +181,13 @@ def _failed(
         reason = "out of memory while loading"
     else:
         logger.error("%s failed", step, exc_info=exc)
-        reason = prefix + one_line(exc, with_class=True)
+        reason = prefix + one_line(exc, with_class=True, limit=REASON_MAX)
     return LoadOutcome("failed", time.perf_counter() - start, reason=reason, source_hash=digest)
 
 
-def _init_loader_process(engine_pid: int, recipes_env: str | None) -> None:
+def _init_loader_process(engine_pid: int, recipes_env: str | None, started: Any = None) -> None:
     torch.set_num_threads(1)  # one core per loader; the pool is the parallelism
+    StartTable.here = started
     # The forkserver's environment is the one it started with: find the recipes the
     # engine's process finds now (SPCACHE_RECIPES may have been set since).
     if recipes_env is None:
@@ -190,6 +211,38 @@ def _exit_when_orphaned(engine_pid: int) -> None:
     while pid_alive(engine_pid):
         time.sleep(0.5)
     os._exit(1)
+
+
+class StartTable:
+    """When each load in flight began, shared by the engine and its loader processes (one
+    shared array per pool, two doubles per slot: the load's ticket, then its start on the
+    monotonic clock, which every process of the machine shares). Tickets in flight never
+    exceed the prefetch, far below :data:`SLOTS`."""
+
+    SLOTS = 1024
+    #: in a loader process: its pool's table (set when the process starts)
+    here: Any = None
+
+    def __init__(self, context: Any) -> None:
+        self.cells = context.RawArray("d", 2 * self.SLOTS)
+        for slot in range(self.SLOTS):
+            self.cells[2 * slot] = -1.0
+
+    @classmethod
+    def mark(cls, ticket: int | None) -> None:
+        """In a loader process: load ``ticket`` begins now."""
+        if ticket is None or cls.here is None:
+            return
+        slot = 2 * (ticket % cls.SLOTS)
+        cls.here[slot + 1] = time.monotonic()
+        cls.here[slot] = float(ticket)
+
+    def started(self, ticket: int) -> float | None:
+        """When load ``ticket`` began (monotonic), or None before it did."""
+        slot = 2 * (ticket % self.SLOTS)
+        if self.cells[slot] != float(ticket):
+            return None
+        return float(self.cells[slot + 1])
 
 
 #: The reason of a sample whose file killed its loader twice (see :class:`LoaderPool`).
@@ -217,11 +270,17 @@ class LoaderPool:
     then on this pool loads in the calling process, as with ``loaders=0``
     (:attr:`loading_here` holds the reason).
 
+    Each load has ``limit_s`` seconds (:mod:`workers.time_limits`): one in a loader
+    process past it gets the pool's processes terminated and replaced, and fails naming
+    the limit; one in the calling process is watched by ``clock``.
+
     Args:
         recipe_name, params, fingerprint: what every sample is prepared for.
         loaders: loader processes; 0 loads in the calling process (no pool).
         count: items the pool will see, when known (no more processes than items).
         limits: how sources may be opened and read.
+        limit_s: the time limit of loading one sample (None: none).
+        clock: the watchdog of loads in the calling process (None: not watched).
     """
 
     def __init__(
@@ -233,8 +292,14 @@ class LoaderPool:
         loaders: int,
         count: int | None = None,
         limits: SourceLimits | None = None,
+        limit_s: float | None = None,
+        clock: SampleClock | None = None,
     ) -> None:
         self.recipe_name = recipe_name
+        self.limit_s = limit_s
+        self.clock = clock
+        self.starts: StartTable | None = None
+        self._tickets = itertools.count()
         self.limits = limits or SourceLimits()
         self.params = dict(params)
         self.fingerprint = fingerprint
@@ -252,14 +317,16 @@ class LoaderPool:
                 self._load_here(_cannot_start(exc))
 
     def _new_pool(self) -> cf.ProcessPoolExecutor:
+        context = loader_context()
+        self.starts = StartTable(context)
         return cf.ProcessPoolExecutor(
             max_workers=min(self.loaders, self.count),
-            mp_context=loader_context(),
+            mp_context=context,
             initializer=_init_loader_process,
-            initargs=(os.getpid(), os.environ.get(RECIPES_ENV_VAR)),
+            initargs=(os.getpid(), os.environ.get(RECIPES_ENV_VAR), self.starts.cells),
         )
 
-    def _args(self, item: WorkItem) -> tuple:
+    def _args(self, item: WorkItem, ticket: int | None = None) -> tuple:
         return (
             self.recipe_name,
             self.params,
@@ -269,28 +336,63 @@ class LoaderPool:
             item.stored_hash,
             item.failed_hash,
             self.limits,
+            ticket,
         )
+
+    def _submit_to_pool(self, item: WorkItem) -> cf.Future:
+        assert self.pool is not None
+        ticket = next(self._tickets)
+        future = self.pool.submit(load_sample, *self._args(item, ticket))
+        future.spcache_ticket = ticket  # type: ignore[attr-defined]
+        return future
 
     def submit(self, item: WorkItem) -> cf.Future:
         if self.pool is not None:
             try:
                 with interrupts_held():  # a submit may start a loader process
                     try:
-                        return self.pool.submit(load_sample, *self._args(item))
+                        return self._submit_to_pool(item)
                     except BrokenProcessPool:  # a process died since the last submit
-                        return self._restart().submit(load_sample, *self._args(item))
+                        self._restart()
+                        return self._submit_to_pool(item)
             except Exception as exc:  # noqa: BLE001 - a loader process cannot be started
                 self._load_here(_cannot_start(exc))
         future: cf.Future = cf.Future()
-        future.set_result(load_sample(*self._args(item)))
+        future.set_result(self._load_here_now(item))
         return future
+
+    def _load_here_now(self, item: WorkItem) -> LoadOutcome:
+        """Load ``item`` in this process, watched by the clock for the time limit."""
+        if self.clock is None or self.limit_s is None:
+            return load_sample(*self._args(item))
+        try:
+            with self.clock.watch(item.sample_id, item.path, "prepare", self.limit_s):
+                return load_sample(*self._args(item))
+        except SampleTimeLimit:
+            overrun = Overrun(item.sample_id, item.path, "prepare", self.limit_s, 0.0)
+            return LoadOutcome("failed", self.limit_s, reason=self._reason(overrun))
+
+    def _reason(self, overrun: Overrun) -> str:
+        return f"recipe {self.recipe_name!r}: {overrun.reason}"
 
     def result(
         self, item: WorkItem, future: cf.Future, pending: deque[tuple[WorkItem, cf.Future]]
     ) -> LoadOutcome:
-        """``item``'s outcome; if the pool broke, retry it alone and resubmit ``pending``."""
+        """``item``'s outcome; if the pool broke, retry it alone and resubmit ``pending``;
+        if its load ran past the time limit, replace the pool's processes, fail it and
+        resubmit ``pending``."""
         try:
-            return future.result()
+            return self._wait(item, future)
+        except _LoadOverran as over:
+            self._replace_pool()
+            logger.warning(
+                "%s (%s): %s; replacing the loader processes",
+                item.sample_id,
+                item.path,
+                over.reason,
+            )
+            self._resubmit(pending)
+            return LoadOutcome("failed", over.seconds, reason=over.reason)
         except BrokenProcessPool:
             problem = self._fresh_pool_problem()
         except Exception as exc:  # noqa: BLE001 - load_sample returns a sample's failures
@@ -301,24 +403,59 @@ class LoaderPool:
         else:
             logger.warning("a loader process died; retrying %s alone", item.path)
             outcome = self._alone(item)
+        self._resubmit(pending)
+        return outcome
+
+    def _resubmit(self, pending: deque[tuple[WorkItem, cf.Future]]) -> None:
+        """Submit again the loads of ``pending`` lost with a pool that broke or was
+        replaced (one that finished before stands)."""
         for i, (other, earlier) in enumerate(pending):
             if earlier.done() and not earlier.cancelled() and earlier.exception() is None:
                 continue  # finished before the pool broke: its result stands
             pending[i] = (other, self.submit(other))
-        return outcome
+
+    def _wait(self, item: WorkItem, future: cf.Future) -> LoadOutcome:
+        """``future``'s result; :class:`_LoadOverran` once its load has run in a loader
+        process for longer than the time limit."""
+        ticket = getattr(future, "spcache_ticket", None)
+        if ticket is None or self.limit_s is None or self.starts is None:
+            return future.result()
+        starts, limit = self.starts, self.limit_s
+        while True:
+            try:
+                return future.result(timeout=0.5)
+            except cf.TimeoutError:
+                began = starts.started(ticket)
+                if began is not None and time.monotonic() - began > limit:
+                    overrun = Overrun(item.sample_id, item.path, "prepare", limit, 0.0)
+                    raise _LoadOverran(self._reason(overrun), time.monotonic() - began) from None
 
     def _alone(self, item: WorkItem) -> LoadOutcome:
         """``item`` in a pool of its own: a pool it breaks again names it the culprit."""
         assert self.pool is not None
         try:
             with interrupts_held():
-                future = self.pool.submit(load_sample, *self._args(item))
-            return future.result()
+                future = self._submit_to_pool(item)
+            return self._wait(item, future)
+        except _LoadOverran as over:
+            self._replace_pool()
+            return LoadOutcome("failed", over.seconds, reason=over.reason)
         except BrokenProcessPool:
             problem = self._fresh_pool_problem()  # for the items after it
             if problem:
                 self._load_here(problem)
             return LoadOutcome("failed", 0.0, reason=LOADER_DIED)
+
+    def _replace_pool(self) -> None:
+        """Terminate the pool's processes now (one is stuck past the time limit) and start
+        a fresh pool."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            stop_executor(pool)
+        try:
+            self.pool = self._new_pool()
+        except Exception as exc:  # noqa: BLE001 - said once; no sample's failure
+            self._load_here(_cannot_start(exc))
 
     def _fresh_pool_problem(self) -> str:
         """Replace the pool with a fresh one and check that it works: "" when a loader
@@ -367,6 +504,13 @@ class LoaderPool:
             stop_executor(pool, timeout_s)
 
 
+class _LoadOverran(Exception):
+    def __init__(self, reason: str, seconds: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.seconds = seconds
+
+
 def _cannot_start(exc: BaseException) -> str:
     executable = os.fsdecode(multiprocessing.spawn.get_executable())
     return f"a loader process cannot be started by {executable}: {_described(exc)}"
@@ -374,8 +518,8 @@ def _cannot_start(exc: BaseException) -> str:
 
 def _described(exc: BaseException) -> str:
     if isinstance(exc, LoaderUnusable):
-        return one_line(exc)
-    return one_line(exc, with_class=True)
+        return one_line(exc, limit=REASON_MAX)
+    return one_line(exc, with_class=True, limit=REASON_MAX)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from typing import Any
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import SpcacheError, UsageError
 from cache_store.location import LocationLike, check_cache_dir, parse_location
+from cache_store.process_local import this_process_only
 from cache_store.sources.discover import describe_left_out, discover
 
 __all__ = ["ENGINES", "run_precompute"]
@@ -174,7 +175,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
         return
     previous = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, this_process_only(_terminate))
     try:
         yield
     finally:

@@ -25,6 +25,7 @@ from cache_store.stores.memory import MemoryStore
 from workers.engine import Engine, resolve_device
 from workers.ray_common import RemoteError
 from workers.run_ledger import ItemResult, Summary
+from workers.time_limits import own_the_process
 
 __all__ = ["ShardBuffer", "ShardWorker"]
 
@@ -110,6 +111,9 @@ class ShardWorker:
         if self._engine is not None:
             return self._engine
         configure_logging(self.log_level)
+        # the actor's process is spcache's: a sample that cannot be stopped at its time
+        # limit may end it (the driver then fails the actor's samples)
+        own_the_process()
         # The driver reports every failed sample; the actor's copy of that warning would
         # print each one twice. Errors (with tracebacks) still come through.
         if self.log_level > logging.DEBUG:

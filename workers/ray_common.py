@@ -9,12 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store import errors
-from cache_store.errors import RayUnavailable, SpcacheError
+from cache_store.errors import RayUnavailable, SpcacheError, error_from_values, error_values
 from workers.run_ledger import Summary
 
 __all__ = [
-    "RayUnavailable",
     "RemoteError",
     "local_error",
     "ActorStats",
@@ -29,41 +27,26 @@ class RemoteError(Exception):
     """An spcache error raised in an actor, as plain values, so Ray can carry it back.
 
     spcache's errors take their own constructor arguments (``SourceError(path, reason)``),
-    which Ray's exception transport cannot rebuild; this one is rebuilt by
-    :func:`local_error` in the driver as the original class with its attributes.
+    which Ray's exception transport cannot rebuild; this one carries
+    :func:`~cache_store.errors.error_values` and is rebuilt by :func:`local_error` in the
+    driver as the original class with its attributes.
     """
 
-    def __init__(self, module: str, name: str, message: str, attrs: dict[str, Any]) -> None:
-        super().__init__(module, name, message, attrs)
+    def __init__(self, values: dict[str, Any]) -> None:
+        super().__init__(values)
 
     @classmethod
     def of(cls, exc: SpcacheError) -> RemoteError:
-        attrs = {
-            k: v
-            for k, v in vars(exc).items()
-            if isinstance(v, str | int | float | bool | list | tuple | type(None))
-        }
-        return cls(type(exc).__module__, type(exc).__qualname__, str(exc), attrs)
+        return cls(error_values(exc))
 
 
 def local_error(exc: BaseException) -> BaseException:
-    """The error an actor raised, as the driver should raise it.
-
-    A carried spcache error comes back as its own class (looked up among the classes of
-    :mod:`cache_store.errors`, where every one is defined); anything else is Ray's error,
-    with the actor's traceback.
-    """
+    """The error an actor raised, as the driver should raise it: a carried spcache error
+    comes back as its own class (:func:`~cache_store.errors.error_from_values`); anything
+    else is Ray's error, with the actor's traceback."""
     cause = getattr(exc, "cause", None)
     if isinstance(cause, RemoteError):
-        module, name, message, attrs = cause.args
-        if module == errors.__name__ and name in errors.__all__:
-            cls = getattr(errors, name)
-            if isinstance(cls, type) and issubclass(cls, SpcacheError):
-                error = cls.__new__(cls)
-                error.args = (message,)
-                vars(error).update(attrs)
-                return error
-        return SpcacheError(message)
+        return error_from_values(cause.args[0])
     return exc
 
 

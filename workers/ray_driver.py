@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import SourceError, StoreFull
+from cache_store.errors import SourceError, StoreFull, REASON_MAX, one_line
 from cache_store.format.descriptor import parse_descriptor
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import is_current
@@ -43,7 +43,7 @@ from workers.ray_pool import (
     release_actors,
     start_actors,
 )
-from workers.run_ledger import ItemResult, RunLedger, WorkItem, one_line, run_all
+from workers.run_ledger import ItemResult, RunLedger, WorkItem, run_all
 from cache_store.sources.files import SourceLimits, hash_source_file
 
 __all__ = ["RayRunOptions", "RayRun", "Shard"]
@@ -421,7 +421,7 @@ class RayRun:
                 self.options.store.put_many(records, descriptors)
             except Exception as exc:  # the batch fails with its reason, the run goes on
                 logger.exception("writing %d records failed", len(records))
-                write_error = f"store write failed: {one_line(exc)}"
+                write_error = f"store write failed: {one_line(exc, limit=REASON_MAX)}"
                 full = exc if isinstance(exc, StoreFull) else None
             self.summary.write_s += time.perf_counter() - start
         for sample_id, path, status, key, reason, source_hash in message["results"]:

@@ -18,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import ParameterError
+from cache_store.errors import ParameterError, RayUnavailable
 from workers.ray_actor import ShardWorker
-from workers.ray_common import ActorStats, RayUnavailable, ray_get
+from workers.ray_common import ActorStats, ray_get
 from workers.run_ledger import WorkItem
 
 __all__ = [

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import xxhash
 
-from cache_store.recipes.api import ChunkBudget, Recipe
+from cache_store.recipes.api import ChunkBudget, ReadOnlyParams, Recipe
 from cache_store.recipes.registry import get_entry, installed_recipes
 from workers.source_load import LoadedSource
 
@@ -55,6 +55,7 @@ def run_recipe(
         recipe.chunks = (
             query_chunk if isinstance(query_chunk, ChunkBudget) else ChunkBudget(query_chunk)
         )
+    params = ReadOnlyParams(params)
     prepared = recipe.prepare(source, params, generator)
     return recipe.compute(prepared, params, torch.device(device), ops)
 

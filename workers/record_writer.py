@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache_store.errors import FingerprintRemoved, StoreFull, one_line
+from cache_store.errors import FingerprintRemoved, StoreFull, REASON_MAX, one_line
 from cache_store.format.encode import encode_record
 from cache_store.stores.base import Store
 from workers.run_ledger import ItemResult, WorkItem
@@ -87,7 +87,10 @@ class RecordWriter(threading.Thread):
         if self.full is not None:
             for pending in batch:
                 self._report(
-                    pending, "failed", f"not written: {one_line(self.full)}", transient=True
+                    pending,
+                    "failed",
+                    f"not written: {one_line(self.full, limit=REASON_MAX)}",
+                    transient=True,
                 )
             return
         start = time.perf_counter()
@@ -100,7 +103,9 @@ class RecordWriter(threading.Thread):
                 ok.append(pending)
             except Exception as exc:  # this record fails alone
                 logger.exception("encoding the record of %s failed", item.sample_id)
-                self._report(pending, "failed", f"cannot encode record: {one_line(exc)}")
+                self._report(
+                    pending, "failed", f"cannot encode record: {one_line(exc, limit=REASON_MAX)}"
+                )
         if encoded:
             try:
                 self.store.put_many(encoded)
@@ -120,7 +125,7 @@ class RecordWriter(threading.Thread):
                     self._report(
                         pending,
                         "failed",
-                        f"store write failed: {one_line(exc)}",
+                        f"store write failed: {one_line(exc, limit=REASON_MAX)}",
                         transient=transient,
                     )
                 ok = []

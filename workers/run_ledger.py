@@ -33,7 +33,6 @@ from cache_store.errors import (
     FingerprintRemoved,
     InvalidSampleId,
     StoreFull,
-    one_line,  # re-exported for the Ray driver until it imports it from errors
 )
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
@@ -50,7 +49,6 @@ __all__ = [
     "Summary",
     "WorkItem",
     "RunLedger",
-    "one_line",
     "run_all",
 ]
 

@@ -12,12 +12,27 @@ held items come back when their leases run out, each lost claim counted as an at
 item on a later attempt is run in a batch of its own, so one sample that kills the
 process spends only its own attempts and fails when they run out.
 
-A background thread renews the leases of held items and writes a heartbeat. SIGTERM or
+A sample's stage run in this process (``compute``; loading too with ``--loaders 0``) past
+its time limit ends the process (:mod:`workers.time_limits`): that item's attempt fails
+in the queue naming the limit, the other items held are handed back, and the worker
+exits with :data:`~cache_store.jobs.worker_state.OVERRUN_EXIT`; the service's supervisor
+starts a fresh one at once (a plain ``spcache worker`` needs whatever runs it to do so:
+systemd's ``Restart=``, say). After its attempts the sample fails for good, naming the
+limit. A load in a loader process past the limit replaces the loaders and fails that
+sample at once (loading is CPU work the same every time).
+
+A background thread renews the leases of held items and writes a heartbeat (every few
+seconds; it names the sample being computed, and is written at once when one is stuck:
+:mod:`cache_store.jobs.worker_state`). SIGTERM or
 SIGINT asks the loop to stop: the current claim is finished (it is small), nothing new
 is claimed, and the loop exits 0. A second signal interrupts the engine (which still
 commits what it computed); whatever is left unreported is released, not lost.
 
 The fingerprint's dataset index is written by the engine at the end of each run.
+
+Why one module: the claim loop, the lease keeper and the time-limit handler all act on
+the items this worker holds (the same table, under one lock) and on its heartbeat;
+:func:`run_worker`'s checks before the first claim are the loop's own preconditions.
 """
 
 from __future__ import annotations
@@ -36,13 +51,19 @@ from typing import Any
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import UsageError
 from cache_store.jobs.queue import ClaimedItem, JobQueue
+from cache_store.jobs.worker_state import OVERRUN_EXIT
+from cache_store.process_local import this_process_only
 from cache_store.sources.files import narrow_roots
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
+from workers.time_limits import Overrun, SampleClock
 
 __all__ = ["WorkerLoop", "run_worker"]
 
 log = logging.getLogger(__name__)
+
+#: the longest time between two heartbeats (a lease's third when shorter)
+HEARTBEAT_S = 5.0
 
 
 class WorkerLoop:
@@ -108,12 +129,19 @@ class WorkerLoop:
         self._held_lock = threading.Lock()
         self._engines: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._signals = 0
+        #: the time limits of the stages this process runs (workers.time_limits)
+        self.clock = SampleClock(on_overrun=self._overran, on_stuck=self._stuck)
+        self._claim: dict[str, ClaimedItem] = {}  # the claim being run, by sample id
+        self._time_limit_s: float | None = None  # the current engine's
 
     # -- signals ---------------------------------------------------------------------
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
+        """SIGTERM and SIGINT stop the loop (see the module doc), in this process only: a
+        child a recipe forks (a ``multiprocessing.Pool``) ends on them as by default."""
+        handler = this_process_only(self._on_signal)
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1
@@ -264,9 +292,12 @@ class WorkerLoop:
     ) -> None:
         first = claimed[0]
         by_id = {c.sample_id: c for c in claimed}
+        self._claim = by_id
         reported: set[int] = set()
-        # Done items are completed only after the run has written the dataset index, so
-        # a job that reads "done" always has every one of its ids in the index.
+        # Done items are completed only once the run has ended well, its records and the
+        # dataset index committed: a job that reads "done" always has every one of its ids
+        # in the index. A run that raises (the index not written, say) leaves them to the
+        # failed-attempt path below, and the next attempt skips their stored records.
         finished: list[ClaimedItem] = []
 
         def on_result(result: Any) -> None:
@@ -315,20 +346,20 @@ class WorkerLoop:
             engine = self._engine(store, first, roots)
             # asked for when claimed: a removal of the fingerprint after that refuses its writes
             engine.requested_at = claimed_at
-            try:
-                engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
-            finally:  # the run wrote the index, even when interrupted
-                complete_finished()
-        except KeyboardInterrupt:
+            engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+        except KeyboardInterrupt:  # what it finished is released with the rest, not done
             raise
         except Exception as exc:  # a crashed run must not kill the worker
             reason = f"engine run failed: {type(exc).__name__}: {exc}"
             log.exception("worker %s: job %s: %s", self.worker_id, first.job_id, reason)
+            unfinished = {c.item_id for c in finished}
             for c in claimed:
-                if c.item_id not in reported:
+                if c.item_id not in reported or c.item_id in unfinished:
                     queue.fail(self.worker_id, c.item_id, reason)
                     with self._held_lock:
                         self._held.pop(c.item_id, None)
+        else:
+            complete_finished()
         self._log_batch(queue, first.job_id, len(claimed), time.perf_counter() - start)
 
     def _log_batch(self, queue: JobQueue, job_id: str, count: int, seconds: float) -> None:
@@ -364,6 +395,7 @@ class WorkerLoop:
                 item.recipe,
                 item.params,
                 options=replace(self.options, source_roots=roots or None),
+                clock=self.clock,
             )
             if engine.fingerprint != item.fingerprint:
                 raise RuntimeError(
@@ -376,6 +408,7 @@ class WorkerLoop:
             self._close_engines()
             engine.open()
             self._engines[(item.fingerprint, roots)] = engine
+        self._time_limit_s = engine.time_limit_s
         return engine
 
     def _close_engines(self) -> None:
@@ -386,8 +419,55 @@ class WorkerLoop:
                 log.exception("closing the engine of %s failed", fingerprint)
             del self._engines[fingerprint]
 
+    def _overran(self, overrun: Overrun) -> None:
+        """A stage ran past its time limit (the clock's thread): fail that item's attempt
+        naming the limit, hand back the others, exit with ``OVERRUN_EXIT``."""
+        item = self._claim.get(overrun.sample_id)
+        reason = f"recipe {item.recipe if item else '?'!r}: {overrun.reason}"
+        log.error(
+            "worker %s: sample %s (%s): %s; the worker exits to be restarted (attempt %s of %d)",
+            self.worker_id,
+            overrun.sample_id,
+            overrun.path,
+            reason,
+            item.attempts if item else "?",
+            self.max_attempts,
+        )
+        try:
+            queue = JobQueue(self.cache, max_attempts=self.max_attempts)
+            if item is not None:
+                status = queue.fail(self.worker_id, item.item_id, reason)
+                log.error("worker %s: sample %s is %s", self.worker_id, overrun.sample_id, status)
+            with self._held_lock:
+                others = [i for i in self._held if item is None or i != item.item_id]
+            queue.release(self.worker_id, others)
+            queue.heartbeat(self.worker_id, {**self._info(), "stopped": True})
+            queue.close()
+        except Exception:  # the exit matters more: its leases then run out
+            log.exception("worker %s: handing back its items failed", self.worker_id)
+        finally:
+            logging.shutdown()
+            os._exit(OVERRUN_EXIT)
+
+    def _stuck(self, overrun: Overrun) -> None:
+        """A stage has run half its limit: say so in a heartbeat now (``/readyz``)."""
+        log.warning(
+            "worker %s: sample %s (%s) has been in %s for %.0f s of its %g s time limit",
+            self.worker_id,
+            overrun.sample_id,
+            overrun.path,
+            overrun.stage,
+            time.time() - overrun.started,
+            overrun.limit_s,
+        )
+        queue = JobQueue(self.cache)
+        try:
+            queue.heartbeat(self.worker_id, self._info())
+        finally:
+            queue.close()
+
     def _keep_leases(self, queue: JobQueue) -> None:
-        every = max(self.lease_s / 3.0, 0.05)
+        every = self._heartbeat_s
         while True:
             stopping = self.stop_requested.wait(every)
             with self._held_lock:
@@ -408,14 +488,21 @@ class WorkerLoop:
         queue.close()
 
     def _info(self) -> dict[str, Any]:
+        current = self.clock.current()
         return {
             "device": self.device,
             "backend": self.backend,
             "processed": self.processed,
             "held": len(self._held),
             "cache": str(self.cache),
-            "heartbeat_s": max(self.lease_s / 3.0, 0.05),
+            "heartbeat_s": self._heartbeat_s,
+            "time_limit_s": self._time_limit_s,
+            "current": current.as_json() if current is not None else None,
         }
+
+    @property
+    def _heartbeat_s(self) -> float:
+        return max(min(self.lease_s / 3.0, HEARTBEAT_S), 0.05)
 
 
 def run_worker(
@@ -439,7 +526,7 @@ def run_worker(
     taken), :class:`~cache_store.errors.BackendUnavailable`,
     :class:`~cache_store.errors.LimitTooSmall`.
     """
-    from cache_store.errors import CacheOwned
+    from cache_store.errors import CacheOwned, LimitTooSmall
     from cache_store.jobs.owner_lock import WorkerLock
     from cache_store.location import check_cache_dir
 
@@ -452,8 +539,6 @@ def run_worker(
     loop = WorkerLoop(cache, options=options, **loop_options)
     loop.choose_backend()  # a backend that cannot run here: refused before any claim
     if loop.size_limit is not None:
-        from cache_store.housekeeping import LimitTooSmall
-
         try:
             loop.size_limit.check_start()
         except LimitTooSmall as exc:

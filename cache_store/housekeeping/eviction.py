@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from cache_store.errors import UsageError
+from cache_store.errors import LimitTooSmall
 from cache_store.housekeeping.listing import (
     CacheEntry,
     cache_entries,
@@ -31,10 +31,6 @@ from cache_store.housekeeping.units import format_size, parse_duration, parse_si
 __all__ = ["LimitTooSmall", "SizeLimit", "plan_prune", "prune"]
 
 log = logging.getLogger(__name__)
-
-
-class LimitTooSmall(UsageError):
-    """A size limit smaller than a fingerprint that has to be kept."""
 
 
 def plan_prune(

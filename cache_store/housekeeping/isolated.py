@@ -1,10 +1,14 @@
-"""Walks over a cache that a damaged LMDB page cannot turn into a dead caller.
+"""Housekeeping in a child process, one protocol: a damaged LMDB page cannot turn into
+a dead caller, and a writer never opens the cache inside a reader.
 
 Some damage to ``records/data.mdb`` does not raise: LMDB's own assertions (e.g.
 ``IS_LEAF(mp)`` in ``mdb_cursor_next``) call ``abort()`` and take the whole process
 down. A walk over every page (verify, stats, the service's listings) therefore runs in
-a child process (``python -m cache_store.housekeeping.isolated OP PATH``) that answers one JSON
-object on stdout; a child killed by a signal becomes a report::
+a child process (``python -m cache_store.housekeeping.isolated OP PATH [ARG...]``), and
+so does the service's ``rm`` (``DELETE /v1/caches/{fp}``: the service's own store stays
+read-only). The child answers one JSON object on stdout: ``{"result": ...}``, or the
+error it raised as values (:func:`cache_store.errors.error_values`), which
+:func:`run_in_child` raises again as its own class. A child killed by a signal becomes::
 
     cache damaged: <path>: walk aborted (SIGABRT)
 
@@ -28,19 +32,19 @@ from typing import Any
 from cache_store.log_setup import configure_logging
 from cache_store.errors import (
     CacheDamaged,
-    CacheNotFound,
     CorruptRecord,
     SpcacheError,
-    StoreBusy,
+    error_from_values,
+    error_values,
 )
 
-__all__ = ["verify_cache", "stats_cache", "run_walk", "DEFAULT_TIMEOUT_S"]
+__all__ = ["verify_cache", "stats_cache", "run_in_child", "child_answer", "DEFAULT_TIMEOUT_S"]
 
 log = logging.getLogger(__name__)
 
 #: A walk longer than this is killed and reported as an error (not as damage).
 DEFAULT_TIMEOUT_S = 3600.0
-_OPS = ("verify", "stats")
+_OPS = ("verify", "stats", "rm")
 
 
 def _package_root() -> str:
@@ -55,16 +59,17 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def run_walk(
+def run_in_child(
     op: str, path: str | os.PathLike[str], *args: str, timeout_s: float | None = DEFAULT_TIMEOUT_S
-) -> dict[str, Any]:
-    """Run walk ``op`` over the cache at ``path`` in a child; its JSON result.
+) -> Any:
+    """Run ``op`` (``verify`` or ``stats`` walks, ``rm FINGERPRINT...``) on the cache at
+    ``path`` in a child; its JSON result.
 
     Raises:
         CacheDamaged: the child reported damage, or was killed by a signal.
-        CacheNotFound: no cache at ``path``.
-        StoreBusy: the child found the store busy (LMDB reader table full): retry later.
-        SpcacheError: the child timed out or failed without a report.
+        SpcacheError: what the child raised, as its own class (``CacheNotFound``,
+            ``StoreBusy``, ``FingerprintLookupError``...); or the child timed out or
+            failed without an answer.
     """
     if op not in _OPS:
         raise ValueError(f"unknown walk {op!r}; known: {', '.join(_OPS)}")
@@ -75,7 +80,7 @@ def run_walk(
     try:
         done = subprocess.run(command, capture_output=True, env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise SpcacheError(f"{path}: {op} walk took longer than {timeout_s} s; stopped") from exc
+        raise SpcacheError(f"{path}: {op} took longer than {timeout_s:g} s; stopped") from exc
     if done.returncode < 0:
         reason = f"walk aborted ({_signal_name(done.returncode)})"
         log.error(
@@ -87,22 +92,15 @@ def run_walk(
     except ValueError:
         answer = None
     if not isinstance(answer, dict) or done.returncode != 0:
-        raise SpcacheError(
-            f"{path}: {op} walk failed (exit {done.returncode}): {_tail(done.stderr)}"
-        )
-    error = answer.get("error")
-    if error == "CacheDamaged":
-        raise CacheDamaged(path, answer.get("reason", "unreadable"))
-    if error == "CacheNotFound":
-        raise CacheNotFound(path, answer.get("reason", "no cache there"))
-    if error == "StoreBusy":  # a full reader table: the caller retries later (503)
-        raise StoreBusy(answer.get("detail", f"{path}: the store is busy"))
-    if error is not None:
-        raise SpcacheError(f"{path}: {op} walk failed: {error}: {answer.get('detail', '')}")
-    result = answer.get("result")
-    if not isinstance(result, dict):
-        raise SpcacheError(f"{path}: {op} walk answered no result")
-    return result
+        raise SpcacheError(f"{path}: {op} failed (exit {done.returncode}): {_tail(done.stderr)}")
+    if "error" in answer:
+        error = error_from_values(answer)
+        if type(error) is SpcacheError:  # not one of spcache's own (an OSError, say)
+            raise SpcacheError(f"{path}: {op} failed: {error}")
+        raise error
+    if "result" not in answer:
+        raise SpcacheError(f"{path}: {op} answered no result")
+    return answer["result"]
 
 
 def _tail(stderr: bytes, lines: int = 3) -> str:
@@ -123,7 +121,7 @@ def verify_cache(
     """
     args = () if fingerprint is None else (fingerprint,)
     try:
-        report = run_walk("verify", path, *args, timeout_s=timeout_s)
+        report = run_in_child("verify", path, *args, timeout_s=timeout_s)
     except CacheDamaged as exc:
         return {"checked": 0, "ok": False, "corrupt": {}, "missing": [], "damaged": str(exc)}
     report.setdefault("damaged", None)
@@ -137,43 +135,51 @@ def stats_cache(
 
     Raises :class:`CacheDamaged` (naming the cache) when the walk cannot finish.
     """
-    return run_walk("stats", path, timeout_s=timeout_s)
+    result: dict[str, Any] = run_in_child("stats", path, timeout_s=timeout_s)
+    return result
 
 
 # ------------------------------------------------------------------------- the child
 
 
-def _child(op: str, path: str, args: list[str]) -> dict[str, Any]:
+def child_answer(op: str, path: str, args: list[str]) -> dict[str, Any]:
+    """What the child answers for ``op`` on ``path``: ``{"result": ...}``, or the error
+    it raised as values (a record that cannot be read during a walk is the store's
+    damage)."""
+    try:
+        if op == "rm":
+            from cache_store.housekeeping.removal import rm
+
+            return {"result": rm(path, args)}
+        return {"result": _walk(op, path, args)}
+    except CorruptRecord as exc:  # e.g. an unreadable index in stats
+        return error_values(CacheDamaged(path, str(exc)))
+    except (SpcacheError, OSError) as exc:
+        return error_values(exc)
+
+
+def _walk(op: str, path: str, args: list[str]) -> dict[str, Any]:
     from cache_store.stores.opener import open_store
 
+    store = open_store(path, readonly=True)
     try:
-        store = open_store(path, readonly=True)
-        try:
-            if op == "verify":
-                report = store.verify(args[0] if args else None)
-                return {"result": report.as_json()}
-            return {"result": store.stats()}
-        finally:
-            store.close()
-    except CacheDamaged as exc:
-        return {"error": "CacheDamaged", "reason": exc.reason}
-    except CacheNotFound as exc:
-        return {"error": "CacheNotFound", "reason": exc.reason}
-    except (SpcacheError, OSError) as exc:
-        if isinstance(exc, CorruptRecord):  # e.g. an unreadable index in stats
-            return {"error": "CacheDamaged", "reason": str(exc)}
-        return {"error": type(exc).__name__, "detail": str(exc)}
+        if op == "verify":
+            return store.verify(args[0] if args else None).as_json()
+        return store.stats()
+    finally:
+        store.close()
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] not in _OPS:
         print(
-            f"usage: python -m cache_store.housekeeping.isolated {{{'|'.join(_OPS)}}} PATH [FINGERPRINT]",
+            f"usage: python -m cache_store.housekeeping.isolated {{{'|'.join(_OPS)}}} "
+            "PATH [FINGERPRINT...]",
             file=sys.stderr,
         )
         return 2
     configure_logging(logging.WARNING)
-    answer = _child(argv[0], argv[1], argv[2:])
+    answer = child_answer(argv[0], argv[1], argv[2:])
     sys.stdout.write(json.dumps(answer, default=str))
     sys.stdout.flush()
     return 0

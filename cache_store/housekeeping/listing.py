@@ -21,7 +21,7 @@ from cache_store import usage
 from cache_store.errors import CacheNotFound, FingerprintRemoved, ReadOnlyStoreError
 from cache_store.housekeeping.units import from_iso_time, iso_time
 from cache_store.location import LocationLike, parse_location
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from cache_store.stores.opener import open_store
 
 __all__ = [

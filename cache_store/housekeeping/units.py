@@ -54,13 +54,14 @@ def parse_duration(text: str | float) -> float:
 
 
 def format_size(size: int) -> str:
-    """``1536`` -> ``"1.5K"``: for messages and tables."""
+    """``1536`` -> ``"1.5 KiB"``, ``512`` -> ``"512 B"``: the one way a size is shown (every
+    command's tables and messages), in powers of 1024 that :func:`parse_size` reads back."""
     value = float(size)
-    for unit in ("B", "K", "M", "G", "T"):
-        if value < 1024 or unit == "T":
-            return f"{int(value)}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    return f"{size}B"
+    raise AssertionError("unreachable")
 
 
 def iso_time(stamp: float | None) -> str | None:

@@ -17,7 +17,7 @@ from cache_store.sources.freshness import HashBudget, compare_source
 from cache_store.sources.files import SourceLimits
 from cache_store.jobs.queue import JobQueue
 from cache_store.recipes.registry import code_changed, installed_code_digest
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 
 __all__ = ["ItemState", "item_state", "code_comparison"]
 

@@ -20,7 +20,11 @@ from typing import Any
 from cache_store.jobs.db import QueueAccess, column_json, write_txn
 from cache_store.processes import pid_alive
 
-__all__ = ["WorkerLiveness"]
+__all__ = ["WORKER_STALE_S", "WorkerLiveness"]
+
+#: A worker whose last heartbeat is older is taken for dead (unless its own heartbeat
+#: period is longer: :meth:`WorkerLiveness.live_workers`).
+WORKER_STALE_S = 90.0
 
 _HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 
@@ -28,7 +32,7 @@ _HEARTBEAT_KEEP_S = 7 * 24 * 3600  # forget workers silent for a week
 class WorkerLiveness(QueueAccess):
     """The queue's heartbeat methods (a part of :class:`~cache_store.jobs.queue.JobQueue`)."""
 
-    def live_workers(self, *, stale_s: float = 90.0) -> list[dict[str, Any]]:
+    def live_workers(self, *, stale_s: float = WORKER_STALE_S) -> list[dict[str, Any]]:
         """Workers that look alive: a heartbeat within ``stale_s`` (or three of the
         worker's own heartbeat periods, if longer), not marked stopped, and, for a worker
         on this host, a process that still exists and is not a zombie."""
@@ -44,7 +48,7 @@ class WorkerLiveness(QueueAccess):
             alive.append(beat)
         return alive
 
-    def worker_expected(self, *, stale_s: float = 90.0) -> bool:
+    def worker_expected(self, *, stale_s: float = WORKER_STALE_S) -> bool:
         """Whether a read-through miss will be computed: a worker is alive
         (:meth:`live_workers`), or a live supervisor announced, within its restart window,
         that it is starting one again (:meth:`announce_restart`)."""

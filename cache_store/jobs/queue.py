@@ -46,6 +46,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sqlite3
 import time
 import uuid
@@ -557,6 +558,29 @@ class JobQueue(QueueQueries, WorkerLiveness):
                 )
                 n += cur.rowcount
         return n
+
+    def expire_leases_of(self, pid: int, reason: str) -> int:
+        """Hand back the items a worker process of this host held when it died: each is
+        claimable at once, as if its lease had just run out (the attempt it was on
+        counts, so a sample that kills its worker still runs out of attempts), with
+        ``reason`` as its last error. For the process that saw the worker end (its
+        supervisor): without this the next worker waits out the dead one's leases.
+        Returns the number of items handed back."""
+        conn = self.connection()
+        host = socket.gethostname()
+        now = self.clock()
+        with write_txn(conn):
+            owners = {f"{host}:{pid}"}  # the default worker id
+            for row in conn.execute("SELECT worker_id, info FROM heartbeats WHERE pid = ?", (pid,)):
+                if json.loads(row["info"]).get("host") == host:
+                    owners.add(row["worker_id"])
+            marks = ",".join("?" * len(owners))
+            cur = conn.execute(  # expired long ago: claimable by the next claim
+                f"UPDATE items SET lease_expires = 0, last_error = ?, updated = ? "
+                f"WHERE status = 'running' AND lease_owner IN ({marks})",
+                (reason[:4000], now, *sorted(owners)),
+            )
+        return cur.rowcount
 
     def _sweep_expired(self, conn: sqlite3.Connection, now: float) -> None:
         """Expired leases: cancelled jobs' items become cancelled, out-of-attempts fail."""

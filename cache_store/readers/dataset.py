@@ -7,7 +7,7 @@ own store on first read; nothing here touches CUDA.
 
 Why one module: CachedDataset's three read modes (a store, read-through, skip on error)
 share its fork-safe state; each mode's machinery lives elsewhere
-(readers/*_read_through.py, readers/skipped.py).
+(readers/read_through.py and the two it chooses from, readers/skipped.py).
 """
 
 from __future__ import annotations
@@ -36,22 +36,23 @@ from cache_store.errors import (
     UnknownName,
     one_line,
 )
-from cache_store.sources.freshness import STAT_FIELD, is_current, trusted_signature
+from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.location import parse_location
 from cache_store.keys import compute_fingerprint, is_fingerprint
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
 from cache_store.format.ids import pack_ids
 from cache_store.readers.collate import SpcSample
+from cache_store.readers.read_through import open_read_through
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import SkippedSample, SkippedSamples
 from cache_store.stores.base import Store
 from cache_store.stores.opener import open_store
 from cache_store.format.buffers import in_dataloader_worker
 from cache_store.views.hop import LocatedSample
-from cache_store.views.records import VERIFY_CHOICES
+from cache_store.views.records import VERIFY_CHOICES, read_path, read_records
 
 __all__ = ["CachedDataset"]
 
@@ -135,19 +136,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
-        views: read records as read-only tensors viewing the cache's own file (an LMDB
-            cache directory, a local sharded snapshot) instead of copies: nothing is
-            copied, each view's bytes stay the verified ones for as long as a tensor
-            views them, and in-place updates raise (inference tensors; see
-            :mod:`cache_store.views.records`). In forked DataLoader workers a batch
-            crosses to the training process as where its records lie, not their bytes
-            (:mod:`cache_store.views.hop`). Where no view can be made (the service URL, a
-            Zarr or remote snapshot) records are copies as without it;
-            :attr:`read_path` says which path reads take.
-        verify: with ``views``: ``"once"`` (the default) hashes a record's fields the
-            first time this process reads that version of it at that place, and trusts
-            those pinned bytes afterwards; ``"always"`` hashes them on every read, as
-            copies are.
+        views, verify: read-only tensors viewing the cache's file while held, not copies
+            (a cache directory, a local sharded snapshot; elsewhere copies: see
+            :attr:`read_path`), a version hashed once per process (``verify="always"``:
+            every read); DataLoader workers hand over places (:mod:`cache_store.views`).
         local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
             URL read through a bounded directory on this machine: what a read needs is
             fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
@@ -244,8 +236,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             problems.append(f"verify: expected 'once' or 'always', got {verify!r}")
         if problems:
             raise ParameterError(problems)
-        self.views = bool(views)
-        self.verify = verify
+        self.views, self.verify = bool(views), verify
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
@@ -419,9 +410,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _finish(self, record: Any, key: str) -> Any:
         if record.place is not None and self.transform is None and in_dataloader_worker():
-            # the hop without the bytes: where the checked record lies (cache_store.views.hop)
             source = (self._store.opener, self.fields, self.verify, self._variable)
-            return LocatedSample(source, key, (record.place, record.checksum))
+            return LocatedSample(source, key, (record.place, record.checksum))  # the hop
         sample = SpcSample(record.tensors, self._variable)
         if self.transform is None:
             return sample
@@ -476,26 +466,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     @property
     def read_path(self) -> str:
-        """Which path this process's reads take: ``"views"`` (read-only views of the
-        cache's file, see ``views=``), or ``"copies"`` with the reason views are not
-        taken."""
-        if not self.views:
-            return "copies (views=False)"
-        refused = self._store_here().views_refused()
-        return "views" if refused is None else f"copies ({refused})"
+        """``"views"`` or ``"copies (why)"``: the path this process's reads take."""
+        return read_path(self._store_here(), self.views)
 
     def _records(self, keys: list[str], batch: bool) -> list[Any]:
-        """The records of ``keys``: views where this dataset takes them and the store
-        lends them, else copies."""
-        store = self._store_here()
-        if self.views:
-            fields = None if self.fields is None else list(self.fields)
-            viewed = store.view_records(keys, fields, self.verify)
-            if viewed is not None:
-                return viewed
-        if batch:
-            return store.get_records(keys, fields=self.fields)
-        return [store.get_record(keys[0], fields=self.fields)]
+        fields = None if self.fields is None else list(self.fields)
+        return read_records(self._store_here(), keys, fields, self.views, self.verify, batch)
 
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))
@@ -539,7 +515,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ``(path, the source's hash now)``. Raises SourceError for an unusable source."""
         path = self.source_path(i)
         signature = check_source(path, self._LIMITS).signature
-        if meta.get(STAT_FIELD) == signature:
+        if same_signature(meta.get(STAT_FIELD), signature):
             return None
         verified = self._verified_here()
         checksum = meta.get("checksum", "")
@@ -614,7 +590,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
         return ProcessLocal(
             functools.partial(
-                _open_read_through,
+                open_read_through,
                 location.kind,
                 location.target,
                 name,
@@ -672,31 +648,3 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._store.close()
         if self._miss_handler is not None:
             self._miss_handler.close()
-
-
-def _open_read_through(
-    kind: str,
-    cache: str,
-    recipe: str,
-    params: dict[str, Any],
-    fingerprint: str,
-    miss_timeout: float,
-    token: str | None,
-    ca_file: str | None,
-) -> Any:
-    """A read-through client for the cache at ``cache`` (``kind``: its location's)."""
-    if kind == "http":
-        from cache_store.readers.http_read_through import HTTPReadThrough
-
-        return HTTPReadThrough(
-            cache,
-            recipe,
-            params,
-            fingerprint,
-            token=token,
-            miss_timeout=miss_timeout,
-            ca_file=ca_file,
-        )
-    from cache_store.readers.queue_read_through import QueueReadThrough
-
-    return QueueReadThrough(cache, recipe, params, fingerprint, miss_timeout=miss_timeout)

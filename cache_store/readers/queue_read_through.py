@@ -39,10 +39,10 @@ from cache_store.service_api.protocol import (
     POLL_GROWTH,
     QUEUED,
     STATES_EVERY_S,
-    WORKER_STALE_S,
     no_worker_message,
     sample_state,
 )
+from cache_store.jobs.liveness import WORKER_STALE_S
 from cache_store.jobs.queue import JobQueue, QueuedItem
 from cache_store.keys import record_key
 

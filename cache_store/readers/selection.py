@@ -16,7 +16,7 @@ from typing import Any
 from cache_store.errors import FingerprintLookupError, ParameterError
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import canonical_json, is_fingerprint
-from cache_store.recipes.specs import RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
 from cache_store.stores.base import Store
 
 __all__ = ["describe_dataset", "resolve_index"]

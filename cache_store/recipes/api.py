@@ -25,7 +25,13 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from cache_store.engine_options import DEFAULT_MIN_QUERY_CHUNK, DEFAULT_QUERY_CHUNK
+from cache_store.engine_options import (
+    DEFAULT_MIN_QUERY_CHUNK,
+    DEFAULT_QUERY_CHUNK,
+    DEFAULT_TIME_LIMIT_S,
+    time_limit_problem,
+)
+from cache_store.recipes.params import ReadOnlyParams
 from cache_store.recipes.specs import (
     FieldSpec,
     ParamSpec,
@@ -45,6 +51,7 @@ __all__ = [
     "Param",
     "Field",
     "ChunkBudget",
+    "ReadOnlyParams",
     "check_outputs",
     "code_digest",
     "contract_problems",
@@ -98,6 +105,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "query_chunk",
         "write_batch",
         "id_template",
+        "time_limit_s",
         # CachedDataset
         "fingerprint_or_recipe",
         "fields",
@@ -108,6 +116,8 @@ RESERVED_PARAM_NAMES = frozenset(
         "miss_timeout",
         "on_error",
         "on_stale",
+        "local_cache",
+        "cache_limit",
     }
 )
 
@@ -133,6 +143,14 @@ class Recipe:
         record_bytes_doc: how ``record_bytes`` bounds it, in words.
         code_modules: extra modules (dotted names) whose source counts in the recipe's
             code digest, besides the class's own module.
+        time_limit_s: seconds each stage of one sample may take, loading with
+            :meth:`prepare` and :meth:`compute` each (default
+            :data:`~cache_store.engine_options.DEFAULT_TIME_LIMIT_S`, 600); a run's
+            ``time_limit_s`` option replaces it. A sample past it fails naming the limit
+            (:mod:`workers.time_limits` says how each process enforces it).
+
+    ``params`` reach ``prepare`` and ``compute`` read-only (:class:`ReadOnlyParams`): they
+    make the fingerprint, and a change would file records under the wrong one.
 
     Per run, the engine sets ``self.chunks``: a :class:`ChunkBudget` shared by the run's
     samples, for recipes that split device work into chunks. ``self.spec`` (and
@@ -148,6 +166,7 @@ class Recipe:
     record_bytes: ClassVar[Any] = None
     record_bytes_doc: ClassVar[str] = ""
     code_modules: ClassVar[tuple[str, ...]] = ()
+    time_limit_s: ClassVar[float] = DEFAULT_TIME_LIMIT_S
 
     def __init__(self) -> None:
         #: the run's chunk budget (the engine sets it per run)
@@ -254,6 +273,8 @@ def contract_problems(cls: Any) -> list[str]:
             problems.append(f"{method}() is not implemented")
     if cls.record_bytes is not None and not callable(cls.record_bytes):
         problems.append("record_bytes is not callable")
+    if problem := time_limit_problem(getattr(cls, "time_limit_s", None)):
+        problems.append(f"time_limit_s: {problem}")
     return problems
 
 

@@ -1,28 +1,38 @@
-"""The installed recipes: the built-ins, entry points, and ``SPCACHE_RECIPES``.
+"""The installed recipes, and every lookup of one: the built-ins, entry points, and
+``SPCACHE_RECIPES``.
 
 Every process (the CLI, the worker, loader processes, Ray actors, the service, readers)
 finds recipes the same way, once per process, on first use:
 
-1. the built-in recipes (:mod:`cache_store.recipes.builtin`; spcache's own
-   ``pyproject.toml`` also names them as entry points, which resolve to the same classes);
-2. the entry points of the group ``spcache.recipes`` of every installed distribution
-   (``[project.entry-points."spcache.recipes"]`` ``my_recipe = "mypkg.recipes:MyRecipe"``),
-   in the order of (distribution name, entry point name);
+1. the built-in recipes: the entry points of spcache's own distribution (its
+   ``pyproject.toml`` names :mod:`workers.builtin_recipes`' classes), a plugin like any
+   other, found first;
+2. the entry points of the group ``spcache.recipes`` of every other installed
+   distribution (``[project.entry-points."spcache.recipes"]``
+   ``my_recipe = "mypkg.recipes:MyRecipe"``), in the order of (distribution name, entry
+   point name);
 3. the environment variable ``SPCACHE_RECIPES``: comma-separated ``module:Class``
    entries, for a recipe in a script or a source tree that is not installed (the module
    must be importable: on ``sys.path`` / ``PYTHONPATH``).
 
-Finding a recipe imports its module (the class attributes are its schema) and runs none
-of its code. A recipe that cannot be used (its module fails to import, the class breaks
-the contract, its name is taken) is left out with one line naming the entry and the
-reason (:attr:`Registry.problems`, logged at ERROR when found); the others still work.
+Finding a recipe imports its module (the class attributes are its schema) and constructs
+a plugin's class once (a constructor assigns: it must not raise; none of ``prepare`` or
+``compute`` runs). A recipe that cannot be used (its module fails to import, the class
+breaks the contract, its constructor raises, its name is taken) is left out with one
+line naming the entry and the reason (:attr:`Registry.problems`, logged at ERROR when
+found); the others still work, and asking for it by name raises
+:class:`~cache_store.errors.RecipeUnusable` with that line.
 A name taken twice is refused for both plugins (nothing says which one computed a
 record), and a plugin never replaces a built-in.
 
-The service imports the recipe classes to learn their schemas, so a recipe module whose
-top level imports torch makes the service import it too; it works, but a recipe that keeps
-``import torch`` inside ``prepare``/``compute`` (as the built-ins do) keeps the service
-light.
+The service imports the recipe classes to learn their schemas (it runs no recipe code),
+so a recipe module whose top level imports torch makes the service import it too; it
+works, but a recipe that keeps ``import torch`` inside ``prepare``/``compute`` (as the
+built-ins do) keeps the service light.
+
+Lookups by name go through here: :func:`get_entry` (class, schema, origin),
+:func:`get_recipe_spec` and :data:`RECIPE_SPECS` (schemas); :mod:`cache_store.recipes.specs`
+and :mod:`cache_store.recipes.api` below it know no installed recipe.
 """
 
 from __future__ import annotations
@@ -32,18 +42,20 @@ import importlib.metadata
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import UnknownName, one_line
+from cache_store.errors import RecipeUnusable, UnknownName, one_line
 from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
-from cache_store.version import __version__
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "ENV_VAR",
+    "BUILTIN_DISTRIBUTION",
+    "RECIPE_SPECS",
+    "get_recipe_spec",
     "RecipeEntry",
     "Registry",
     "installed_recipes",
@@ -60,6 +72,8 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "spcache.recipes"
 #: ``module:Class[,module:Class...]``: recipes from modules that are not installed.
 ENV_VAR = "SPCACHE_RECIPES"
+#: The distribution whose entry points are the built-in recipes.
+BUILTIN_DISTRIBUTION = "spcache"
 
 
 @dataclass
@@ -82,8 +96,12 @@ class RecipeEntry:
         return self._digest
 
     def new(self) -> Recipe:
-        """A fresh instance of the recipe (what a worker computes with)."""
-        recipe = self.cls()
+        """A fresh instance of the recipe (what a worker computes with); a constructor
+        that raises is :class:`~cache_store.errors.RecipeUnusable`, in one line."""
+        try:
+            recipe = self.cls()
+        except Exception as exc:  # the plugin's problem, said in one line
+            raise RecipeUnusable(self.name, _constructor_problem(exc), ()) from exc
         recipe.spec = self.spec  # also when the class's __init__ skipped Recipe's
         return recipe
 
@@ -97,12 +115,17 @@ class Registry:
 
     recipes: dict[str, RecipeEntry]
     problems: list[str]
+    #: recipe name -> the problem line of a plugin of that name that is left out
+    unusable: dict[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> RecipeEntry:
-        """The recipe called ``name``; raises :class:`UnknownName` listing the known ones."""
+        """The recipe called ``name``; raises :class:`RecipeUnusable` (why) for a plugin
+        that is installed but left out, else :class:`UnknownName` listing the known ones."""
         try:
             return self.recipes[name]
         except KeyError:
+            if name in self.unusable:
+                raise RecipeUnusable(name, self.unusable[name], self.recipes) from None
             raise UnknownName("recipe", name, self.recipes) from None
 
 
@@ -111,10 +134,6 @@ def _distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str
     if dist is None:
         return None, None
     return dist.metadata["Name"], dist.version
-
-
-def _builtin_origin() -> dict[str, Any]:
-    return {"kind": "builtin", "entry": None, "package": "spcache", "package_version": __version__}
 
 
 def _import_class(value: str) -> Any:
@@ -138,13 +157,18 @@ def _candidates() -> list[tuple[str, str, dict[str, Any], Any]]:
             "recipe entry points of group %r could not be listed: %s", ENTRY_POINT_GROUP, exc
         )
         points = []
-    points.sort(key=lambda ep: (_distribution_of(ep)[0] or "", ep.name))
+
+    def order(ep: importlib.metadata.EntryPoint) -> tuple[bool, str, str]:
+        package = _distribution_of(ep)[0] or ""
+        return (package != BUILTIN_DISTRIBUTION, package, ep.name)  # the built-ins first
+
+    points.sort(key=order)
     for ep in points:
         package, version = _distribution_of(ep)
         where = f" (package {package} {version})" if package else ""
         label = f"recipe entry point '{ep.name} = {ep.value}'{where}"
         origin = {
-            "kind": "entry point",
+            "kind": "builtin" if package == BUILTIN_DISTRIBUTION else "entry point",
             "entry": f"{ep.name} = {ep.value}",
             "package": package,
             "package_version": version,
@@ -166,23 +190,15 @@ def _candidates() -> list[tuple[str, str, dict[str, Any], Any]]:
 
 def load_registry() -> Registry:
     """Find the installed recipes now (no cache; see :func:`installed_recipes`)."""
-    from cache_store.recipes.builtin import BUILTIN_RECIPES
-
     recipes: dict[str, RecipeEntry] = {}
     problems: list[str] = []
-    builtin = set(BUILTIN_RECIPES)
-    for cls in BUILTIN_RECIPES:
-        recipes[cls.name] = RecipeEntry(cls.name, cls, cls.schema(), _builtin_origin())
     refused: dict[str, str] = {}  # name -> label of the first plugin that claimed it
+    unusable: dict[str, str] = {}  # name -> why the plugin of that name is left out
     for label, expected, origin, load in _candidates():
         try:
             cls = load()
         except Exception as exc:  # noqa: BLE001 - any import failure is this entry's alone
             problems.append(f"{label}: failed to import: {one_line(exc, with_class=True)}")
-            continue
-        if cls in builtin:
-            if origin["kind"] == "entry point" and origin["package"] == "spcache":
-                recipes[cls.name].origin = {**origin, "kind": "builtin"}
             continue
         bad = contract_problems(cls)
         if not bad and expected and expected != cls.name:
@@ -194,6 +210,7 @@ def load_registry() -> Registry:
             ]
         if bad:
             problems.append(f"{label}: not a usable recipe: {'; '.join(bad)}")
+            _note_unusable(unusable, cls, problems[-1])
             continue
         name = cls.name
         if name in refused:
@@ -204,7 +221,7 @@ def load_registry() -> Registry:
         current = recipes.get(name)
         if current is not None and current.cls is cls:
             continue  # the same class named twice (an entry point and SPCACHE_RECIPES)
-        if current is not None and current.cls in builtin:
+        if current is not None and current.origin["kind"] == "builtin":
             problems.append(
                 f"{label}: recipe name {name!r} is a built-in recipe; this one is not used"
             )
@@ -221,11 +238,30 @@ def load_registry() -> Registry:
             spec = cls.schema()
         except Exception as exc:  # noqa: BLE001 - a schema that cannot be built is this entry's
             problems.append(f"{label}: not a usable recipe: {one_line(exc, with_class=True)}")
+            _note_unusable(unusable, cls, problems[-1])
+            continue
+        try:
+            cls()  # a constructor that raises would fail every run that asks for it
+        except Exception as exc:  # noqa: BLE001 - this entry's, said in one line
+            problems.append(f"{label}: not a usable recipe: {_constructor_problem(exc)}")
+            _note_unusable(unusable, cls, problems[-1])
             continue
         recipes[name] = RecipeEntry(name, cls, spec, {**origin, "label": label})
     for entry in recipes.values():
         entry.origin.pop("label", None)
-    return Registry(recipes, problems)
+    return Registry(recipes, problems, unusable)
+
+
+def _constructor_problem(exc: BaseException) -> str:
+    return f"its constructor raised {one_line(exc, with_class=True)}"
+
+
+def _note_unusable(unusable: dict[str, str], cls: Any, problem: str) -> None:
+    """Remember why a plugin whose name can be read is left out (asked for by name, the
+    error says so)."""
+    name = getattr(cls, "name", None)
+    if isinstance(name, str) and name:
+        unusable.setdefault(name, problem)
 
 
 _lock = threading.Lock()
@@ -280,3 +316,30 @@ def code_changed(installed: str, recorded: str | None) -> bool | None:
 def schemas() -> Mapping[str, RecipeSpec]:
     """Every installed recipe's schema, by name."""
     return {name: entry.spec for name, entry in installed_recipes().recipes.items()}
+
+
+class _InstalledSpecs(Mapping[str, RecipeSpec]):
+    """The schemas of the installed recipes (built-ins and plugins), by name; found on
+    first use."""
+
+    def __getitem__(self, name: str) -> RecipeSpec:
+        return schemas()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(schemas())
+
+    def __len__(self) -> int:
+        return len(schemas())
+
+    def __repr__(self) -> str:
+        return f"RECIPE_SPECS({sorted(self)})"
+
+
+#: Every installed recipe's schema, by name (a live view of the registry).
+RECIPE_SPECS: Mapping[str, RecipeSpec] = _InstalledSpecs()
+
+
+def get_recipe_spec(name: str) -> RecipeSpec:
+    """The installed recipe ``name``'s schema; :class:`UnknownName` listing the known ones
+    (:class:`~cache_store.errors.RecipeUnusable`, saying why, for a plugin left out)."""
+    return get_entry(name).spec

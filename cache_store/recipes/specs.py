@@ -4,8 +4,8 @@ A recipe's *schema* is public contract shared by every process: the service vali
 warm-up parameters with it, ``CachedDataset`` resolves ``("spc_query", level=8)`` to a
 fingerprint with it, and the worker computes what it declares. Recipes declare their
 schema as class attributes (:mod:`cache_store.recipes.api`); the installed ones are
-found by :mod:`cache_store.recipes.registry`. This module is pure data and imports no
-torch.
+found, and looked up by name, by :mod:`cache_store.recipes.registry`. This module is
+pure data, imports no torch and knows no installed recipe.
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cache_store.errors import ParameterError, UnknownName
+from cache_store.errors import ParameterError
 
 __all__ = [
     "ParamSpec",
     "FieldSpec",
     "RecipeSpec",
-    "RECIPE_SPECS",
-    "get_recipe_spec",
     "MAX_RECORD_BYTES",
     "param_symbols",
     "fixed_size",
@@ -273,36 +271,3 @@ class RecipeSpec:
             "record_bytes_bound": self.record_bytes_doc,
             "default_worst_case_record_bytes": self.worst_case_record_bytes(),
         }
-
-
-class _InstalledSpecs(Mapping[str, RecipeSpec]):
-    """The schemas of the installed recipes (built-ins and plugins), by name; found on
-    first use (:mod:`cache_store.recipes.registry`)."""
-
-    def _specs(self) -> Mapping[str, RecipeSpec]:
-        from cache_store.recipes.registry import installed_recipes
-
-        return {name: entry.spec for name, entry in installed_recipes().recipes.items()}
-
-    def __getitem__(self, name: str) -> RecipeSpec:
-        return self._specs()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs())
-
-    def __len__(self) -> int:
-        return len(self._specs())
-
-    def __repr__(self) -> str:
-        return f"RECIPE_SPECS({sorted(self)})"
-
-
-#: Every installed recipe's schema, by name (a live view of the registry).
-RECIPE_SPECS: Mapping[str, RecipeSpec] = _InstalledSpecs()
-
-
-def get_recipe_spec(name: str) -> RecipeSpec:
-    try:
-        return RECIPE_SPECS[name]
-    except KeyError:
-        raise UnknownName("recipe", name, RECIPE_SPECS) from None

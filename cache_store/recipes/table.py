@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cache_store.recipes.specs import RECIPE_SPECS, ParamSpec, RecipeSpec
+from cache_store.recipes.specs import ParamSpec, RecipeSpec
+from cache_store.recipes.registry import RECIPE_SPECS
 
 __all__ = ["recipe_table", "param_bounds"]
 

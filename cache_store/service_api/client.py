@@ -139,7 +139,8 @@ def send(
             raise SpcacheError(
                 f"{where}{path}: {type(failure).__name__}: {failure} (after {attempt + 1} attempts)"
             ) from failure
-        wait *= 0.5 + random.random()
+        if response is None or RETRY_AFTER_HEADER not in response.headers:
+            wait *= 0.5 + random.random()  # our own back-off, jittered; Retry-After obeyed
         if deadline is not None:
             wait = min(wait, max(deadline - time.monotonic(), 0.0))
         log.debug("%s %s: retrying in %.2fs", method, path, wait)

@@ -21,7 +21,6 @@ __all__ = [
     "MISSING",
     "SAMPLE_STATES",
     "sample_state",
-    "WORKER_STALE_S",
     "STATES_EVERY_S",
     "LIVENESS_EVERY_S",
     "POLL_FIRST_S",
@@ -61,9 +60,6 @@ def sample_state(item_status: str | None) -> str:
     return _BY_ITEM_STATUS.get(item_status or "", MISSING)
 
 
-#: A worker whose last heartbeat is older is taken for dead (unless its own heartbeat
-#: period is longer: :meth:`cache_store.jobs.queue.JobQueue.live_workers`).
-WORKER_STALE_S = 90.0
 #: How often a waiter looks at the queue items it waits for, and at the heartbeats.
 STATES_EVERY_S = 0.25
 LIVENESS_EVERY_S = 1.0
@@ -74,13 +70,14 @@ POLL_GROWTH = 1.5
 WAIT_CHUNK_S = 30.0
 
 
-def no_worker_message(what: str, cache: str, stale_s: float = WORKER_STALE_S) -> str:
+def no_worker_message(what: str, cache: str, stale_s: float | None = None) -> str:
     """``NoWorkerAlive``'s text: what cannot be computed, and the commands that start a
-    worker for ``cache``."""
+    worker for ``cache``; ``stale_s``: how old a heartbeat may be (the queue's rule,
+    :data:`cache_store.jobs.liveness.WORKER_STALE_S`), said when known."""
+    within = "" if stale_s is None else f" (no heartbeat within {stale_s:g} s)"
     return (
-        f"{what}: no spcache worker is alive for cache {cache} (no heartbeat within "
-        f"{stale_s:g} s). Start one on the cache's machine: `spcache worker --cache "
-        f"{cache}` (or `python -m spcache worker --cache {cache}`), or run `spcache "
-        f"serve` without --no-worker, which starts one; or precompute with "
-        f"`spcache precompute`."
+        f"{what}: no spcache worker is alive for cache {cache}{within}. Start one on the "
+        f"cache's machine: `spcache worker --cache {cache}` (or `python -m spcache worker "
+        f"--cache {cache}`), or run `spcache serve` without --no-worker, which starts "
+        f"one; or precompute with `spcache precompute`."
     )

@@ -21,8 +21,9 @@ fails alone:
 
 :func:`check_source` opens and checks without reading (the service's check of a warm-up
 path), and :func:`source_signature` gives the cheap stat signature (size, mtime_ns,
-inode, device of the opened file) that records store beside their ``source_hash``: a
-reader compares signatures first and hashes a source only when they differ.
+inode, device and ctime_ns of the opened file) that records store beside their
+``source_hash``: a reader compares signatures first and hashes a source only when they
+differ.
 """
 
 from __future__ import annotations
@@ -101,9 +102,13 @@ class SourceCheck:
 
 
 def signature_of(st: os.stat_result) -> str:
-    """``"size:mtime_ns:inode:device"`` of a stat result: what changes when a file is
-    edited, replaced or swapped for another one (a different file under the same name)."""
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
+    """``"size:mtime_ns:inode:device:ctime_ns"`` of a stat result: what changes when a
+    file is edited, replaced or swapped for another one (a different file under the same
+    name). The change time is the one no user call can set back: an edit in place whose
+    mtime is put back (``touch -r``), or a file re-created with the same size and mtime
+    on a reused inode, still moves it. (Signatures stored before it was added have four
+    fields: they never equal a current one, so those records are hashed when checked.)"""
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}:{st.st_ctime_ns}"
 
 
 def check_source(

@@ -9,12 +9,16 @@ refuses a stale one.
 
 Hashing a whole source to answer is expensive (a 512 MB mesh is ~0.3 s of a core), so
 records also carry ``source_stat``: the stat signature of the file they were computed
-from (size, mtime_ns, inode, device; :func:`cache_store.sources.files.signature_of`),
-taken when the worker opened it. :func:`compare_source` opens the source through the gate
-(one ``open`` + ``fstat``, nothing read): an equal signature is current without reading
-a byte; a different one (edited, replaced, another file under the same id, or a record
-without a signature) is decided by the bounded hash, which a :class:`HashBudget` caps per
-request. A signature is stored only when the file's mtime was at least
+from (size, mtime_ns, inode, device, ctime_ns;
+:func:`cache_store.sources.files.signature_of`), taken when the worker opened it.
+:func:`compare_source` opens the source through the gate (one ``open`` + ``fstat``,
+nothing read): an equal signature (:func:`same_signature`, the one comparison) is current
+without reading a byte; a different one (edited, replaced, another file under the same
+id, a record without a signature, or one stored before signatures held the change time)
+is decided by the bounded hash, which a :class:`HashBudget` caps per request. The change
+time is what makes an equal signature mean "not edited": ``touch -r`` puts an mtime back
+and a re-created file can reuse its inode, but the kernel sets ctime to "now" on every
+change. A signature is stored only when the file's mtime and ctime were both at least
 :data:`RACY_S` old when it was taken: a file edited within the filesystem's timestamp
 granularity of being read could keep its signature with other bytes, so such records are
 always hashed.
@@ -39,6 +43,7 @@ __all__ = [
     "SourceComparison",
     "compare_source",
     "trusted_signature",
+    "same_signature",
     "is_current",
     "stored_metadata",
     "record_is_current",
@@ -54,14 +59,24 @@ RACY_S = 2.0
 
 
 def trusted_signature(signature: str, now_ns: int | None = None) -> str:
-    """``signature`` when its mtime is at least :data:`RACY_S` in the past, else ``""``
-    (never equal to a real signature: the record is hashed when checked)."""
+    """``signature`` when its mtime and ctime are at least :data:`RACY_S` in the past,
+    else ``""`` (never equal to a real signature: the record is hashed when checked).
+    A signature without a ctime (stored by an older version) is never trusted."""
     try:
-        mtime_ns = int(signature.split(":")[1])
-    except (IndexError, ValueError):
+        _, mtime, _, _, ctime = signature.split(":")
+        changed_ns = max(int(mtime), int(ctime))
+    except ValueError:
         return ""
     now = time.time_ns() if now_ns is None else now_ns
-    return signature if now - mtime_ns >= RACY_S * 1e9 else ""
+    return signature if now - changed_ns >= RACY_S * 1e9 else ""
+
+
+def same_signature(stored: str | None, now: str) -> bool:
+    """Whether a record's stored stat signature (``None``/``""``: it has none) still
+    describes the source whose signature is ``now``: then the record is current without
+    hashing the source. Any difference, a signature of the old four-field form included,
+    means "hash it to decide"."""
+    return bool(stored) and stored == now
 
 
 class HashBudget:
@@ -104,8 +119,7 @@ def compare_source(
     if given, still covers the file). Raises :class:`SourceError` when the gate refuses
     the path (missing, not a regular file, outside the roots, over the size limit)."""
     check = check_source(path, limits)
-    stored = meta.get(STAT_FIELD)
-    if stored and stored == check.signature:
+    if same_signature(meta.get(STAT_FIELD), check.signature):
         return SourceComparison(True, check.signature)
     if budget is not None and not budget.take(check.size):
         return SourceComparison(None, check.signature)

@@ -19,7 +19,7 @@ import numpy as np
 from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import compute_fingerprint
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.testing.format1 import as_format_1
 
 __all__ = [

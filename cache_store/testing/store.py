@@ -4,7 +4,8 @@ store tests in ``zarr.testing.store``).
 Subclass :class:`StoreContract` (reads: any backend) or :class:`WritableStoreContract`
 (reads and writes) in a test module, under a name pytest collects (``Test...``), and
 provide the hooks; pytest runs the ``test_*`` methods. Every backend in spcache runs
-through them: LMDB, memory, the Zarr and the sharded snapshot (a directory and S3), HTTP.
+through them: LMDB, memory, the Zarr and the sharded snapshot (a directory and S3), a
+remote sharded snapshot read through ``local_cache``, HTTP.
 Importing this module needs neither pytest nor torch (building a record imports torch).
 
 Hooks of :class:`StoreContract`:

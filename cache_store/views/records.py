@@ -28,13 +28,21 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from cache_store.errors import CorruptRecord, ParameterError
+from cache_store.errors import CorruptRecord
 from cache_store.format.decode import Record, selected_fields, verified_field
 from cache_store.format.descriptor import DescriptorLookup, bind_metadata
 from cache_store.format.header import ITEMSIZE, TORCH_DTYPES, RecordHeader, parse_view
 from cache_store.views.mapping import MappedRange
 
-__all__ = ["Place", "VERIFIED", "VERIFY_CHOICES", "VerifiedOnce", "check_verify", "view_record"]
+__all__ = [
+    "Place",
+    "read_path",
+    "read_records",
+    "VERIFIED",
+    "VERIFY_CHOICES",
+    "VerifiedOnce",
+    "view_record",
+]
 
 #: Where a record's bytes lie: the file's device and inode, the offset, the length.
 Place = tuple[int, int, int, int]
@@ -42,13 +50,6 @@ Place = tuple[int, int, int, int]
 #: ``verify=``: hash a record's fields the first time this process reads that version at
 #: that place ("once"), or on every read ("always").
 VERIFY_CHOICES = ("once", "always")
-
-
-def check_verify(verify: str) -> str:
-    """``verify`` if it is one of :data:`VERIFY_CHOICES`; else ``ParameterError``."""
-    if verify not in VERIFY_CHOICES:
-        raise ParameterError([f"verify: expected 'once' or 'always', got {verify!r}"])
-    return verify
 
 
 class VerifiedOnce:
@@ -159,3 +160,26 @@ def tensors_of(
                 part = whole[at + begin : at + end]
                 tensors[name] = part.view(TORCH_DTYPES[dtype]).view(shape)
     return tensors
+
+
+def read_records(
+    store: Any, keys: list[str], fields: list[str] | None, views: bool, verify: str, batch: bool
+) -> list[Record]:
+    """The records of ``keys`` in ``store``: views where asked for and the store lends
+    them (``Store.view_records``), else copies (a batch in one storage, or one record)."""
+    if views:
+        viewed = store.view_records(keys, fields, verify)
+        if viewed is not None:
+            return viewed
+    if batch:
+        return store.get_records(keys, fields=fields)
+    return [store.get_record(keys[0], fields=fields)]
+
+
+def read_path(store: Any, views: bool) -> str:
+    """Which path :func:`read_records` takes in ``store``: ``"views"``, or ``"copies"``
+    and why views are not taken."""
+    if not views:
+        return "copies (views=False)"
+    refused = store.views_refused()
+    return "views" if refused is None else f"copies ({refused})"

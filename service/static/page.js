@@ -300,7 +300,11 @@
       if (typeof h.token_required === "boolean") state.tokenRequired = h.token_required;
       if (!r.ok) throw new Error(`/readyz: ${r.status} ${(h.problems || [h.status]).join("; ")}`.slice(0, 300));
       const beat = h.worker_heartbeat_age_s;
-      $("service-line").textContent = `Service ready · worker ${beat == null ? "not seen" : `seen ${beat.toFixed(0)} s ago`}`;
+      const w = h.worker || {};
+      const doing = w.state === "stuck"
+        ? ` · stuck on sample ${w.sample_id} (${w.stage}) since ${new Date(w.since * 1000).toLocaleTimeString()}, ${w.running_s.toFixed(0)} s of its ${w.limit_s} s time limit`
+        : "";
+      $("service-line").textContent = `Service ready · worker ${beat == null ? "not seen" : `seen ${beat.toFixed(0)} s ago`}${doing}`;
     } catch (e) { $("service-line").textContent = `Service not ready: ${e.message}`; }
   }
 

@@ -1,5 +1,5 @@
 """The options many commands take, declared once: ``--cache``, ``--device``, ``--backend``,
-``--loaders``, ``--source-root``, ``--max-size``, ``--json``. (``-v``/``-q`` are the
+``--loaders``, ``--time-limit``, ``--source-root``, ``--max-size``, ``--json``. (``-v``/``-q`` are the
 dispatcher's: :mod:`spcache.cli`.)
 
 A location is parsed here, where it enters, into a
@@ -15,7 +15,13 @@ import argparse
 import json
 from typing import Any
 
-from cache_store.engine_options import BACKENDS, EngineOptions, check_device
+from cache_store.engine_options import (
+    BACKENDS,
+    DEFAULT_TIME_LIMIT_S,
+    EngineOptions,
+    check_device,
+    time_limit_problem,
+)
 from cache_store.errors import SpcacheError, UsageError
 from cache_store.location import Location, parse_location
 
@@ -27,6 +33,7 @@ __all__ = [
     "add_loaders",
     "add_max_size",
     "add_source_roots",
+    "add_time_limit",
     "json_object",
 ]
 
@@ -105,6 +112,31 @@ def add_loaders(parser: argparse.ArgumentParser, help: str = "") -> None:
         help="loader processes reading sources ahead of the device (0: read in the "
         "engine's process; default: one per core but one, at most 8)" + help,
     )
+
+
+def add_time_limit(parser: argparse.ArgumentParser) -> None:
+    """``--time-limit SECONDS`` (default: each recipe's own, 600 s unless it says)."""
+    parser.add_argument(
+        "--time-limit",
+        dest="time_limit_s",
+        type=_checked(_seconds),
+        default=_DEFAULTS.time_limit_s,
+        metavar="SECONDS",
+        help="longest a sample's loading (with prepare) or compute may take; past it the "
+        "sample fails naming the limit (default: the recipe's time_limit_s, "
+        f"{DEFAULT_TIME_LIMIT_S:g} s unless it declares one)",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    problem = time_limit_problem(value)
+    if problem:
+        raise UsageError(f"{text!r}: {problem.split(': ', 1)[-1]}")
+    return value
 
 
 def add_source_roots(parser: argparse.ArgumentParser, help: str) -> None:

@@ -24,10 +24,19 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import ParameterError, StoreFull, UnknownName
-from cache_store.recipes.specs import RecipeSpec, get_recipe_spec
+from cache_store.process_local import this_process_only
+from cache_store.recipes.specs import RecipeSpec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.recipes.table import recipe_table
 from cache_store.sources.discover import KEEP_EXTENSION, describe_left_out
-from spcache.cli.args import add_backend, add_cache, add_device, add_json, add_loaders
+from spcache.cli.args import (
+    add_backend,
+    add_cache,
+    add_device,
+    add_json,
+    add_loaders,
+    add_time_limit,
+)
 from spcache.cli.exits import FAILED, exit_status
 
 __all__ = ["configure_parser", "run", "parse_params"]
@@ -127,6 +136,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_device(parser)
     add_backend(parser)
     add_loaders(parser, help="; with --engine ray, per actor, chosen from its node")
+    add_time_limit(parser)
     parser.add_argument(
         "--skip-failed",
         action="store_true",
@@ -171,6 +181,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from workers.precompute import run_precompute
+    from workers.time_limits import own_the_process
 
     params = parse_params(args.param, _schema(args.recipe))
     options = EngineOptions(
@@ -180,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
         query_chunk=args.query_chunk,
         write_batch=args.write_batch,
         skip_failed=args.skip_failed,
+        time_limit_s=args.time_limit_s,
     )
+    own_the_process()  # a sample that cannot be stopped at its limit may end this process
     previous = _say_when_stopping()
     try:
         # with --json, stdout carries the summary alone (Ray prints actor deaths there)
@@ -240,7 +253,7 @@ def _say_when_stopping() -> Any:
             os.write(2, STOPPING)
         raise KeyboardInterrupt
 
-    return signal.signal(signal.SIGINT, stopping)
+    return signal.signal(signal.SIGINT, this_process_only(stopping))
 
 
 def _print_summary(summary: Any) -> None:

@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from spcache.cli.args import add_backend, add_cache, add_device, add_max_size
-from spcache.cli.args import add_source_roots
+from spcache.cli.args import add_source_roots, add_time_limit
 
 __all__ = ["DEFAULT_LOG_LEVEL", "configure_parser", "log_level", "run", "settings_from_args"]
 
@@ -59,6 +59,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         parser, "the worker's device: auto, cpu, cuda or cuda:N", dest="worker_device", default=None
     )
     add_backend(parser, dest="worker_backend", default=None)
+    add_time_limit(parser)  # the worker child's
     parser.add_argument("--max-body-bytes", type=int, help="largest request body (default 1 MiB)")
     parser.add_argument("--log-level", help="debug, info, warning, error (default info)")
     add_max_size(
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
     settings = settings.model_copy(update={"log_level": level})
     max_size = None if args.max_size is None else parse_size(args.max_size)
-    return serve(settings, listener=listener, max_size=max_size)
+    return serve(settings, listener=listener, max_size=max_size, time_limit_s=args.time_limit_s)
 
 
 def _problems(exc: Any) -> str:

@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from cache_store.housekeeping.units import format_size
 from spcache.cli.args import add_cache, add_json
 
 __all__ = ["configure_parser", "run"]
@@ -30,21 +31,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"
-
-
 def _print_stats(stats: dict[str, Any]) -> None:
     """The statistics, one block per fingerprint: what it is, when it was made, its
     records, its jobs by state and its failed samples (id, path, when, reason)."""
     fps = stats.get("fingerprints", {})
     print(
         f"cache {stats.get('location', '')}: {len(fps)} fingerprint(s), "
-        f"{stats.get('records', 0)} records, {_size(int(stats.get('bytes', 0)))}"
+        f"{stats.get('records', 0)} records, {format_size(int(stats.get('bytes', 0)))}"
         + (f", {stats['failed']} failed sample(s)" if stats.get("failed") else "")
     )
     if stats.get("failures_error"):
@@ -61,7 +54,7 @@ def _print_stats(stats: dict[str, Any]) -> None:
             print(f"  created  {entry['created']}")
         indexed = f", {entry['samples']} indexed" if "samples" in entry else ""
         print(
-            f"  records  {entry.get('records', 0)} ({_size(int(entry.get('bytes', 0)))}){indexed}"
+            f"  records  {entry.get('records', 0)} ({format_size(int(entry.get('bytes', 0)))}){indexed}"
         )
         if entry.get("index_error"):
             print(f"  index    unreadable: {entry['index_error']}")

@@ -17,7 +17,14 @@ import os
 
 from cache_store.engine_options import EngineOptions
 from cache_store.processes import PARENT_PID_ENV
-from spcache.cli.args import add_backend, add_cache, add_device, add_loaders, add_max_size
+from spcache.cli.args import (
+    add_backend,
+    add_cache,
+    add_device,
+    add_loaders,
+    add_max_size,
+    add_time_limit,
+)
 from spcache.cli.args import add_source_roots
 
 __all__ = ["DEFAULT_LOG_LEVEL", "configure_parser", "log_level", "run"]
@@ -35,6 +42,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lease", type=float, default=120.0, help="lease seconds (default 120)")
     parser.add_argument("--poll", type=float, default=1.0, help="idle poll seconds (default 1)")
     add_loaders(parser)
+    add_time_limit(parser)
     parser.add_argument(
         "--max-attempts", type=int, default=3, help="claims per item before it fails (default 3)"
     )
@@ -76,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         loaders=args.loaders,
         source_roots=args.source_roots,
         max_source_bytes=args.max_source_bytes,
+        time_limit_s=args.time_limit_s,
     )
     return run_worker(
         args.cache.path(),

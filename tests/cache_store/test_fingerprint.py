@@ -13,7 +13,7 @@ from cache_store.keys import (
     validate_fingerprint,
     validate_sample_id,
 )
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 
 
 def _fp(**params: object) -> str:

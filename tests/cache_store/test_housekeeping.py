@@ -16,7 +16,7 @@ from cache_store import usage
 from cache_store.errors import FingerprintLookupError, FingerprintRemoved, RecordNotFound
 from cache_store.jobs.failures import FailureLog
 from cache_store.jobs.queue import JobQueue
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from spcache.cli import main
@@ -65,6 +65,15 @@ def set_used(cache: Path, fp: str, when: float) -> None:
 )
 def test_parse_size(text: str, expected: int) -> None:
     assert hk.parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "size,shown",
+    [(0, "0 B"), (512, "512 B"), (1536, "1.5 KiB"), (235 << 10, "235.0 KiB"), (3 << 30, "3.0 GiB")],
+)
+def test_format_size_is_one_style_that_parse_size_reads_back(size: int, shown: str) -> None:
+    assert hk.format_size(size) == shown
+    assert hk.parse_size(shown) == size
 
 
 @pytest.mark.parametrize("text", ["", "2X", "-1", "G", "1.2.3M"])

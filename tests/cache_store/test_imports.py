@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.recipes import recipe_plugin_modules
 
 
 def _modules_after(code: str) -> set[str]:
@@ -44,7 +45,7 @@ batch = collate_spc([ds[i] for i in range(len(ds))])
 assert batch["lengths"].numel() == 3
 assert not torch.cuda.is_initialized()
 """
-    mods = _modules_after(code)
+    mods = _modules_after(code) - recipe_plugin_modules()  # "spc" is looked up by name
     assert not {m for m in mods if m.split(".")[0] in {"kaolin", "service", "workers", "fastapi"}}
 
 
@@ -58,9 +59,9 @@ def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
     with LMDBStore(tmp_path, readonly=False) as store:
         store.put_many([(f"{fp}/s{i}", make_record(fp, f"s{i}", i)) for i in range(3)])
     code = f"""
-from cache_store.housekeeping.isolated import _child
-report = _child("verify", {str(tmp_path)!r}, [])["result"]
+from cache_store.housekeeping.isolated import child_answer
+report = child_answer("verify", {str(tmp_path)!r}, [])["result"]
 assert report["ok"] and report["checked"] == 3, report
-assert _child("stats", {str(tmp_path)!r}, [])["result"]
+assert child_answer("stats", {str(tmp_path)!r}, [])["result"]
 """
     assert "torch" not in _modules_after(code)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import sqlite3
 from pathlib import Path
 
@@ -99,6 +100,26 @@ def test_expired_lease_is_claimed_again_then_fails_when_out_of_attempts(
     assert queue.claim("third") == []  # max_attempts=2 spent: failed, not handed out
     info = queue.job(job_id)
     assert info.status == "failed" and "lease expired" in info.errors[0].error
+
+
+def test_the_leases_of_a_dead_worker_are_handed_back_at_once_attempt_counted(
+    queue: JobQueue,
+) -> None:
+    job_id = queue.submit("spc", {}, "f" * 16, _items(2))
+    host = socket.gethostname()
+    first = queue.claim(f"{host}:4000001", lease_s=120)  # a worker's default id: host:pid
+    assert queue.claim("someone-else", lease_s=120) == []
+    assert queue.expire_leases_of(4000001, "the worker died holding it (SIGKILL)") == 2
+    again = queue.claim(f"{host}:4000002", lease_s=120)  # at once, not 120 s later
+    assert [c.item_id for c in again] == [c.item_id for c in first]
+    assert [c.attempts for c in again] == [2, 2]  # the dead worker's attempt counted
+    assert queue.expire_leases_of(4000001, "again") == 0  # it holds nothing now
+    # the second worker dies too: out of attempts (2), failed with the reason
+    assert queue.expire_leases_of(4000002, "the worker died holding it (SIGSEGV)") == 2
+    assert queue.claim("third") == []
+    info = queue.job(job_id)
+    assert info.status == "failed"
+    assert "SIGSEGV" in info.errors[0].error and "lease expired" in info.errors[0].error
 
 
 def test_fail_retries_then_fails_with_its_error(queue: JobQueue) -> None:

@@ -11,6 +11,7 @@ its bad record fails alone; a limit that cannot hold one part is refused before 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -100,9 +101,15 @@ def test_the_bound_holds_while_an_epoch_reads_more_than_the_limit(snapshot, tmp_
     peak = [0]
     done = threading.Event()
 
-    def sample() -> None:  # from outside too, between the events
+    def sample() -> None:
+        """From outside too, between the events. The walk holds the directory's lock, as
+        every count, eviction and publish does: a walk without it is not one moment (it
+        can list a download in tmp/ and, after its rename, the same file in data/)."""
         while not done.is_set():
-            peak[0] = max(peak[0], directory_bytes(str(directory)))
+            if os.path.exists(directory / "lock"):
+                with open(directory / "lock", "rb") as lock:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                    peak[0] = max(peak[0], directory_bytes(str(directory)))
             time.sleep(0.005)
 
     sampler = threading.Thread(target=sample)
@@ -194,7 +201,7 @@ def test_a_fetch_with_every_unit_pinned_waits_then_names_the_sizes(tmp_path: Pat
         with pytest.raises(StoreFull) as caught, impatient.pinned(second):
             pass
         message = str(caught.value)
-        assert "u1 needs 60.0K" in message and "held by readers" in message
+        assert "u1 needs 60.0 KiB" in message and "held by readers" in message
         assert (directory / "data" / impatient.digest("u0")).exists()
     finally:
         release.write_text("go")
@@ -312,7 +319,7 @@ def test_a_limit_below_one_part_is_refused_before_any_read(snapshot, tmp_path: P
     with pytest.raises(LimitTooSmall) as caught:
         len(ds)
     message = str(caught.value)
-    assert "cache_limit 20.0K (20480 bytes)" in message
+    assert "cache_limit 20.0 KiB (20480 bytes)" in message
     assert f"part {largest} of {FP}" in message and f"({sizes[largest]} bytes" in message
     assert os.listdir(tmp_path / "lc" / "data") == []
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import spcache
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from tests.helpers.procs import run_spcache
 
 

@@ -58,3 +58,37 @@ def test_pickles_without_its_handle() -> None:
     copy = pickle.loads(pickle.dumps(local))
     assert copy.peek() is None and copy.opener is _Handle
     assert isinstance(copy.get(), _Handle)
+
+
+def test_a_signal_handler_acts_only_in_the_process_that_installed_it() -> None:
+    """A child forked while the handler is installed ends on SIGTERM as by default (a
+    recipe's ``multiprocessing.Pool`` is terminated that way), also when the signal
+    arrives while the child is still starting (the interpreter's after-fork clean-up
+    would drop it); the parent's handler still runs in the parent."""
+    import signal
+    import time
+
+    from cache_store.process_local import this_process_only
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, this_process_only(lambda n, f: seen.append(n)))
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(60)  # the parent's handler would only note the signal: still here
+                os._exit(3)
+            os.kill(pid, signal.SIGTERM)  # at once: the child may not have started yet
+            deadline = time.monotonic() + 60
+            while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    raise AssertionError("a forked child kept the parent's SIGTERM handler")
+                time.sleep(0.01)
+            status = done[1]
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        signal.raise_signal(signal.SIGTERM)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -18,7 +18,7 @@ import pytest
 from cache_store.errors import CorruptRecord
 from cache_store.format.encode import encode_record
 from cache_store.format.header import read_header
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.snapshot.sharded import (
     CommitConflict,
     ShardedSnapshot,

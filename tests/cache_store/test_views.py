@@ -175,7 +175,9 @@ def test_a_lease_ends_with_its_last_view(tmp_path: Path) -> None:
     ds = CachedDataset(tmp_path / "cache", FP, views=True)
     sample = ds[0]
     where = os.path.realpath(tmp_path / "cache" / "records")
-    leases = shared_envs[where].leases
+    current = shared_envs[where].current
+    assert current is not None
+    leases = current.views
     assert leases is not None
     assert len(leases.live) == 1
     del sample

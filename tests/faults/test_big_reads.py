@@ -37,7 +37,7 @@ import pytest
 
 from cache_store.format.encode import encode_record
 from cache_store.keys import compute_fingerprint, record_key
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.faults import env_int, report
 from tests.helpers.service import start_server, stop_server

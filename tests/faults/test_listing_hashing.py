@@ -30,8 +30,8 @@ import psutil
 
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.keys import compute_fingerprint, record_key
-from cache_store.recipes.specs import get_recipe_spec
-from cache_store.sources.files import hash_source_file
+from cache_store.recipes.registry import get_recipe_spec
+from cache_store.sources.files import hash_source_file, signature_of
 from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
@@ -45,10 +45,8 @@ CHANGED = 4
 
 
 def _signature(path: Path) -> str:
-    """What the worker stores as ``source_stat`` (spelled out: the case runs on the code
-    before the fix too)."""
-    st = os.stat(path)
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_dev}"
+    """What the worker stores as ``source_stat`` (the gate's one rule)."""
+    return signature_of(os.stat(path))
 
 
 def _record(fp: str, sid: str, path: Path) -> bytes:

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from cache_store.errors import ParameterError
-from cache_store.recipes.specs import MAX_RECORD_BYTES, RECIPE_SPECS, get_recipe_spec
+from cache_store.recipes.specs import MAX_RECORD_BYTES
+from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
 from service.settings import Settings
 from tests.helpers.faults import report, served
 from tests.helpers.service import TOKEN, build_cache

@@ -21,7 +21,7 @@ import pytest
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from tests.helpers.faults import report
 from workers.engine import Engine
 from workers.worker_loop import WorkerLoop

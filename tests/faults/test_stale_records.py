@@ -35,7 +35,7 @@ from cache_store import CachedDataset
 from cache_store.errors import SpcacheError
 from cache_store.format.header import read_metadata
 from cache_store.keys import compute_fingerprint, record_key
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.sources.files import hash_source_file
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.faults import report

@@ -30,7 +30,7 @@ import pytest
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.decode import decode_record
 from cache_store.format.header import record_checksum
 from tests.helpers.faults import Child, env_int, report

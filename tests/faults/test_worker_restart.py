@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import psutil
 import pytest
 
 from cache_store import CachedDataset
@@ -27,6 +29,9 @@ from cache_store.errors import NoWorkerAlive
 from cache_store.jobs.queue import JobQueue
 from service.supervisor import WorkerSupervisor, worker_command
 from tests.helpers.faults import report
+from tests.helpers.plugins import install, use_here
+from tests.helpers.procs import wait_for
+from tests.helpers.service import TOKEN, start_server, stop_server
 from tests.helpers.procs import start_spcache
 
 PARAMS = {"level": 8, "surface_samples": 20_000, "uniform_queries": 1024, "surface_queries": 1024}
@@ -124,3 +129,67 @@ def test_a_loader_does_not_wait_on_a_zombie_worker(
         report("26.m zombie worker", {"fail_after_s": round(waited, 2)})
         ds.close()
     queue.close()
+
+
+@pytest.mark.slow
+def test_the_restarted_worker_takes_over_the_dead_workers_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34, case 9: the worker child of ``spcache serve`` is killed while it holds
+    the lease of the very sample a URL loader waits for. The supervisor knows its child
+    died: it hands the child's leases back at restart (the attempt counted), so the new
+    worker computes the sample at once instead of after the lease (120 s) runs out; the
+    loader's ``miss_timeout`` (100 s) ends before that lease would."""
+    sources, cache = tmp_path / "sources", tmp_path / "cache"
+    sources.mkdir()
+    cloud = sources / "held0.npy"
+    np.save(cloud, np.random.default_rng(0).uniform(-1, 1, size=(200, 3)))
+    past = time.time() - 3600
+    os.utime(cloud, (past, past))
+    env = install(tmp_path / "plugins", "held")
+    use_here(env, monkeypatch)
+    control = Path(env["SPCACHE_TEST_CONTROL"])
+    (control / "hold").touch()
+    server = start_server(cache, sources, "--device", "cpu", "--backend", "torch", env=env)
+    queue = JobQueue(cache)
+    got: dict[str, Any] = {}
+    try:
+        ds = CachedDataset(
+            server.url,
+            "held",
+            sources=[cloud],
+            store_options={"token": TOKEN},
+            warm_ahead=0,
+            miss_timeout=100,
+        )
+
+        def load() -> None:
+            try:
+                got["sample"] = ds[0]
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                got["error"] = exc
+            got["at"] = time.monotonic()
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        wait_for((control / "entered-held0").exists, what="the worker computing the sample")
+        held = queue.latest_item(ds.fingerprint, "held0")
+        assert held is not None and held["status"] == "running", held
+        worker = int(held["lease_owner"].rsplit(":", 1)[1])
+        assert worker in {p.pid for p in psutil.Process(server.proc.pid).children()}
+        os.kill(worker, signal.SIGKILL)
+        killed = time.monotonic()
+        (control / "hold").unlink()
+        loader.join(150)
+        assert not loader.is_alive(), "the loader is still waiting"
+        assert "error" not in got, f"the loader failed: {got['error']!r}"
+        assert int(got["sample"]["count"][0]) == 200
+        report(
+            "34.9 restart takes over leases",
+            {"kill_to_record_s": round(got["at"] - killed, 2), "loader_errors": 0},
+        )
+        ds.close()
+    finally:
+        (control / "hold").unlink(missing_ok=True)
+        stop_server(server)
+        queue.close()

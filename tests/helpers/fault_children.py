@@ -17,6 +17,12 @@ Commands:
 ``read-loop CACHE SECONDS SEED``
     Reads and decodes random stored records until ``SECONDS`` pass; prints one JSON line
     ``{"reads": .., "errors": [..], "map_sizes": [..]}``.
+``hold-view CACHE KEY SECONDS``
+    Takes ``LMDBStore.read_view(KEY)`` and prints ``holding SHA256`` (of the viewed
+    bytes); after a line on stdin (the test compacted or grew the cache meanwhile) reads
+    the cache's other records for ``SECONDS``, prints ``retired-maps N`` (deleted LMDB data
+    files it still maps), then ``view SHA256 reads N`` (the same bytes hashed again
+    through the view), releases it and prints ``released retired-maps N``.
 ``worker-zygote CACHE LEASE BATCH [--max-attempts N]``
     Imports the worker stack once, then forks a real :class:`WorkerLoop` per ``spawn ID``
     line read from stdin and prints ``pid PID``; reaps children as they die.
@@ -43,8 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cache_store.log_setup import configure_logging
 from cache_store.keys import compute_fingerprint
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 
 __all__ = ["FAULT_CHILD", "FAULT_FINGERPRINT", "batch_key", "make_small_record", "main"]
 
@@ -124,11 +131,47 @@ def _hold_readers(args: argparse.Namespace) -> int:
     from cache_store.stores.lmdb import LMDBStore
 
     store = LMDBStore(args.cache, readonly=True, max_readers=args.max_readers)
-    env, _ = store._environment()
+    env, _ = store.handle.environment()
     txns = [env.begin() for _ in range(args.n)]
     _say(f"holding {len(txns)}")
     while True:
         time.sleep(3600)
+
+
+def _retired_maps() -> int:
+    """Deleted LMDB data files this process still maps (generations a compaction swapped
+    out and removed)."""
+    with open("/proc/self/maps", encoding="utf-8") as fh:
+        return len({line.split(None, 5)[-1] for line in fh if "data.mdb (deleted)" in line})
+
+
+def _hold_view(args: argparse.Namespace) -> int:
+    import hashlib
+
+    from cache_store.stores.lmdb import LMDBStore, environment
+
+    # Before issue 34 a swapped-out map was closed RETIRED_GRACE_S (60 s) after the swap
+    # whether or not a view into it was in use. Zero makes any such rule fire within this
+    # run; the view must stay readable for as long as it is held, whatever the clock says.
+    environment.RETIRED_GRACE_S = 0.0  # (the constant is gone from the module now)
+    store = LMDBStore(args.cache)
+    held = store.read_view(args.key)
+    value = held.__enter__()
+    _say(f"holding {hashlib.sha256(value).hexdigest()}")
+    sys.stdin.readline()
+    reads = 0
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        for key in store.keys(args.key.split("/")[0] + "/"):
+            if key != args.key:
+                store.get(key)
+                reads += 1
+        time.sleep(0.05)
+    _say(f"retired-maps {_retired_maps()}")
+    _say(f"view {hashlib.sha256(value).hexdigest()} reads {reads}")
+    held.__exit__(None, None, None)
+    _say(f"released retired-maps {_retired_maps()}")
+    return 0
 
 
 def _read_loop(args: argparse.Namespace) -> int:
@@ -148,7 +191,7 @@ def _read_loop(args: argparse.Namespace) -> int:
             if time.monotonic() - refreshed > 0.5 or not keys:
                 keys = list(store.keys(FAULT_FINGERPRINT + "/"))
                 refreshed = time.monotonic()
-                env, _ = store._environment()
+                env, _ = store.handle.environment()
                 sizes.add(env.info()["map_size"])
             if not keys:
                 time.sleep(0.01)
@@ -336,6 +379,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("seconds", type=float)
     p.add_argument("seed", type=int)
     p.set_defaults(func=_read_loop)
+    p = sub.add_parser("hold-view")
+    p.add_argument("cache", type=Path)
+    p.add_argument("key")
+    p.add_argument("seconds", type=float)
+    p.set_defaults(func=_hold_view)
     p = sub.add_parser("worker-zygote")
     p.add_argument("cache", type=Path)
     p.add_argument("lease", type=float)
@@ -356,9 +404,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(logging.WARNING)  # spcache's own set-up and line format
     args = _parser().parse_args(argv)
     return args.func(args)
 

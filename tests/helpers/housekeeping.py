@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.index import DatasetIndex
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.fault_children import make_small_record

@@ -15,7 +15,7 @@ import numpy as np
 from cache_store.errors import CorruptRecord
 from cache_store.format.index import DatasetIndex
 from cache_store.local_cache import directory_bytes
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.snapshot.sharded import ShardedSnapshot
 from tests.helpers.synthetic import fingerprint_of, make_record
 

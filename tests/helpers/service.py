@@ -15,7 +15,7 @@ import uvicorn
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.sources.files import hash_source_file
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.encode import encode_record
 from cache_store.format.index import DatasetIndex
 from service.app import create_app

@@ -3,6 +3,7 @@ fingerprint on DELETE /v1/caches/{fingerprint}."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from cache_store import housekeeping as hk
+from cache_store.errors import CacheNotFound, FingerprintLookupError, StoreBusy, error_values
 from tests.helpers.housekeeping import add_fingerprint
 from tests.helpers.procs import run_spcache
 from tests.helpers.service import AUTH, start_server, stop_server
@@ -209,30 +211,48 @@ def test_rm_while_the_worker_computes_it_stops_its_writes(
     assert row["records"] == 4 and row["state"] == "complete"
 
 
+def _answer(error: BaseException) -> str:
+    return json.dumps(error_values(error))
+
+
 @pytest.mark.parametrize(
-    "stderr,code,status",
+    "stdout,stderr,code,status",
     [
+        (_answer(StoreBusy("/c: the cache is being compacted; writes waited 600s")), "", 0, 503),
+        ("", "Traceback (most recent call last):\nRuntimeError: boom", 1, 500),
         (
-            "spcache rm: /c: the cache is being compacted (spcache compact); writes waited 600s",
-            1,
-            503,
+            _answer(FingerprintLookupError("'abc': fingerprint abc was already removed")),
+            "",
+            0,
+            404,
         ),
-        ("Traceback (most recent call last):\nRuntimeError: boom", 1, 500),
-        ("spcache rm: 'abc': fingerprint abc was already removed from /c", 2, 404),
+        (_answer(CacheNotFound("/c", "no cache here")), "", 0, 404),
+        ("", "", -6, 503),  # LMDB aborted the child: the cache is damaged
     ],
 )
-def test_delete_maps_what_the_rm_child_said_to_a_status(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stderr: str, code: int, status: int
+def test_delete_maps_what_the_rm_child_answered_to_a_status(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stdout: str,
+    stderr: str,
+    code: int,
+    status: int,
 ) -> None:
-    """The route runs `spcache rm` in a child: a store busy being compacted is a 503 to
-    retry, a crash a 500, an unknown or removed fingerprint a 404. The child here is a
-    real process that answers as `spcache rm` does in each case."""
+    """The route runs ``rm`` in a child (the housekeeping children's one protocol): its
+    error comes back as its own class, so a store busy being compacted is a 503 to
+    retry, a crash a 500, an unknown or removed fingerprint (or no cache at all) a 404,
+    a child LMDB aborted a 503. The child here is a real process that answers as the
+    real one does in each case."""
     from service.errors import status_for
     from service.routes_caches import remove_in_child
 
     child = tmp_path / "rm-child"
-    (tmp_path / "said.txt").write_text(stderr + "\n")
-    child.write_text(f"#!/bin/sh\ncat {tmp_path / 'said.txt'} >&2\nexit {code}\n")
+    (tmp_path / "out.txt").write_text(stdout)
+    (tmp_path / "err.txt").write_text(stderr + "\n")
+    end = "kill -ABRT $$" if code < 0 else f"exit {code}"
+    child.write_text(
+        f"#!/bin/sh\ncat {tmp_path / 'out.txt'}\ncat {tmp_path / 'err.txt'} >&2\n{end}\n"
+    )
     child.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(child))
     with pytest.raises(Exception) as caught:

@@ -21,7 +21,7 @@ from cache_store import CachedDataset
 from cache_store.errors import NoWorkerAlive, SampleFailed
 from cache_store.keys import compute_fingerprint
 from cache_store.jobs.queue import JobQueue
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.wire import decode_batch
 from service.settings import Settings
 from tests.helpers.read_through import (

@@ -181,7 +181,7 @@ def test_cpu_side_commands_import_neither_torch_nor_workers(command: str) -> Non
 
 def test_recipes_lists_every_parameter_with_default_and_bounds_from_the_schema() -> None:
     from cache_store.recipes.table import param_bounds
-    from cache_store.recipes.specs import RECIPE_SPECS
+    from cache_store.recipes.registry import RECIPE_SPECS
 
     table = run_spcache("recipes").stdout
     helptext = run_spcache("precompute", "--help").stdout

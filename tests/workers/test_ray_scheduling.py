@@ -257,7 +257,7 @@ def test_an_actors_spcache_error_comes_back_as_its_own_class() -> None:
     assert type(error) is SourceError and str(error) == str(original)
     assert error.path == "/data/a.obj" and error.reason == "file is empty"
     # only spcache's own classes are looked up; anything else stays an SpcacheError
-    foreign = local_error(TaskError(RemoteError("os", "system", "no", {})))
-    assert type(foreign) is SpcacheError and str(foreign) == "no"
+    foreign = local_error(TaskError(RemoteError({"error": "system", "message": "no"})))
+    assert type(foreign) is SpcacheError and str(foreign) == "system: no"
     plain = TaskError(ValueError("x"))
     assert local_error(plain) is plain

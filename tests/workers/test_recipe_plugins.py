@@ -16,6 +16,7 @@ import pytest
 
 from cache_store.errors import UnknownName
 from cache_store.recipes.registry import ENV_VAR, installed_recipes, load_registry
+from cache_store.version import __version__
 from cache_store.stores.lmdb import LMDBStore
 from tests.conftest import REPO_ROOT
 from tests.helpers.procs import run_spcache
@@ -271,7 +272,7 @@ def test_an_unusable_recipe_is_named_with_its_reason_and_the_others_work(
     assert entries.split(",")[-1] in registry.problems[0]  # names the entry
     assert {"spc", "spc_query", "spc_sdf"} <= set(registry.recipes)
     assert "probe" not in registry.recipes or "OtherProbe" not in entries
-    assert registry.recipes["spc"].cls.__module__ == "cache_store.recipes.builtin"
+    assert registry.recipes["spc"].cls.__module__ == "workers.builtin_recipes"
     with pytest.raises(UnknownName, match="known: .*spc"):
         registry.get("nothing")
 
@@ -345,10 +346,12 @@ def _fake_distribution(root: Path, name: str, entry_points: dict[str, str]) -> N
 def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
     """Installed distributions (fake dist-info on the path) register recipes by entry
     point; a broken one and a duplicate are each one ERROR line when the CLI starts, and
-    ``spcache recipes --json`` still lists the good ones with package and version."""
+    ``spcache recipes --json`` still lists the good ones with package and version. The
+    built-ins are spcache's own entry points, found first: a distribution whose name
+    sorts before ``spcache`` cannot take one of their names."""
     _fake_distribution(tmp_path, "good_recipes", {"probe": f"{PLUGINS}:Probe"})
     _fake_distribution(tmp_path, "broken_recipes", {"broken": "broken_recipes_mod:Thing"})
-    _fake_distribution(tmp_path, "twin_recipes", {"spc": f"{PLUGINS}:Shadow"})
+    _fake_distribution(tmp_path, "a_twin_recipes", {"spc": f"{PLUGINS}:Shadow"})
     env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)]), ENV_VAR: None}
     proc = run_spcache("recipes", "--json", env=env)
     listed = json.loads(proc.stdout)
@@ -358,15 +361,20 @@ def test_entry_points_at_cli_startup_one_line_each(tmp_path: Path) -> None:
         "package": "good_recipes",
         "package_version": "1.2.3",
     }
-    assert listed["spc"]["origin"]["package"] == "spcache"
+    assert listed["spc"]["origin"] == {
+        "kind": "builtin",
+        "entry": "spc = workers.builtin_recipes:Spc",
+        "package": "spcache",
+        "package_version": __version__,
+    }
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 2, proc.stderr
+    assert "'spc = tests.workers.plugin_recipes:Shadow' (package a_twin_recipes 1.2.3)" in errors[0]
+    assert "is a built-in recipe" in errors[0]
     assert (
         "recipe entry point 'broken = broken_recipes_mod:Thing' (package broken_recipes "
         "1.2.3): failed to import: ModuleNotFoundError"
-    ) in errors[0]
-    assert "'spc = tests.workers.plugin_recipes:Shadow' (package twin_recipes 1.2.3)" in errors[1]
-    assert "is a built-in recipe" in errors[1]
+    ) in errors[1]
     assert proc.returncode == 1  # `spcache recipes` says a plugin could not be used
 
 

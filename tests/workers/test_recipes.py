@@ -7,7 +7,7 @@ import torch
 
 from cache_store.errors import SpcacheError, UnknownName
 from cache_store.recipes.api import is_out_of_memory
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from tests.helpers.recipes import BUILTINS, known_names
 from workers.recipe_run import RECIPES, get_recipe, make_generator, sample_seed
 from cache_store.recipes.api import ChunkBudget, check_outputs

@@ -15,7 +15,7 @@ from cache_store.keys import compute_fingerprint, record_key
 from cache_store.jobs.item_state import item_state
 from cache_store.jobs.queue import JobQueue, NewItem
 from cache_store.stores.lmdb import LMDBStore
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.format.decode import decode_record
 from tests.helpers.procs import Proc, run_spcache, start_spcache
 from workers.worker_loop import WorkerLoop

@@ -56,7 +56,7 @@ from cache_store.errors import CorruptRecord, InvalidSampleId, SpcacheError, Uns
 from cache_store.format.descriptor import Descriptor, DescriptorLookup, bind_metadata, is_digest
 from cache_store.format.header import read_header
 from cache_store.keys import compute_fingerprint, split_key, validate_sample_id
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 
 __all__ = [
     "COMMIT_KIND",

@@ -16,7 +16,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from cache_store.errors import CorruptRecord, SpcacheError
+from cache_store.disk import fsync_path
+from cache_store.errors import CommitConflict, CorruptRecord
 from cache_store.location import parse_location
 
 __all__ = [
@@ -32,10 +33,6 @@ __all__ = [
 
 #: S3 multipart part size for large parts (S3's minimum is 5 MiB).
 MULTIPART_CHUNK = 16 * 1024 * 1024
-
-
-class CommitConflict(SpcacheError):
-    """A manifest of that name is already committed (a second attempt of one part)."""
 
 
 def open_fs(location: str, storage_options: Mapping[str, Any]) -> tuple[Any, str]:
@@ -122,14 +119,6 @@ def _write_temporary(directory: str, data: bytes) -> str:
     return tmp
 
 
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_local_exclusive(path: str, data: bytes) -> None:
     """Create ``path`` with ``data`` durably, failing if it exists (never overwriting)."""
     directory = os.path.dirname(path)
@@ -140,11 +129,11 @@ def _write_local_exclusive(path: str, data: bytes) -> None:
         raise CommitConflict(f"{path}: already committed") from None
     finally:
         os.unlink(tmp)
-    _fsync_directory(directory)
+    fsync_path(directory)
 
 
 def _write_local(path: str, data: bytes) -> None:
     """Write ``path`` durably (a temporary name, fsync, rename)."""
     directory = os.path.dirname(path)
     os.replace(_write_temporary(directory, data), path)
-    _fsync_directory(directory)
+    fsync_path(directory)

@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from cache_store.disk import fsync_path
 from cache_store.errors import SpcacheError
 from cache_store.format.index import DatasetIndex
 from cache_store.location import local_path
@@ -87,24 +88,8 @@ def _fsync_tree(root: Path) -> None:
         files.extend(os.path.join(dirpath, name) for name in filenames)
         dirs.append(Path(dirpath))
     with cf.ThreadPoolExecutor(_FSYNC_THREADS, thread_name_prefix="spcache-fsync") as pool:
-        list(pool.map(_fsync_file, files))
-        list(pool.map(_fsync_dir, dirs))
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        list(pool.map(fsync_path, files))
+        list(pool.map(fsync_path, dirs))
 
 
 def _existing_complete(path: Path) -> bool | None:
@@ -174,7 +159,7 @@ def publish_local(
                 old = dest.parent / f".{dest.name}.{index.fingerprint}.{token}.old"
                 os.rename(target, old)
             os.rename(staging, target)
-            _fsync_dir(dest)
+            fsync_path(dest)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException:

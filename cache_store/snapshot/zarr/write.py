@@ -24,7 +24,7 @@ from cache_store.format.decode import check_record
 from cache_store.format.header import FORMAT_VERSION
 from cache_store.format.ids import pack_ids
 from cache_store.format.index import DatasetIndex
-from cache_store.recipes.specs import RECIPE_SPECS
+from cache_store.recipes.registry import RECIPE_SPECS
 from cache_store.snapshot.zarr.chunks import ChunkWriterPool, LocalChunkWriter, RawChunkAppender
 from cache_store.snapshot.zarr.format import (
     ATTRS_KEY,
@@ -243,7 +243,7 @@ def _send(
 def snapshot_attrs(index: DatasetIndex, survey: Survey, source: str, token: str) -> dict[str, Any]:
     spec = RECIPE_SPECS.get(index.recipe)
     meanings = {name: f.meaning for name, f in spec.fields.items()} if spec else {}
-    from cache_store import __version__
+    from cache_store.version import __version__
 
     return {
         "kind": SNAPSHOT_KIND,

@@ -6,8 +6,10 @@ tombstone).
 
 The modules: :mod:`~cache_store.stores.lmdb.environment` (this process's environments,
 one per path, and the transactions everything runs in), :mod:`~cache_store.stores.lmdb.
-store` (:class:`LMDBStore`), :mod:`~cache_store.stores.lmdb.tombstones` (removal
-markers) and :mod:`~cache_store.stores.lmdb.compaction` (:func:`compact_environment`).
+maps` (an environment's generations and the leases that keep their maps mapped),
+:mod:`~cache_store.stores.lmdb.store` (:class:`LMDBStore`), :mod:`~cache_store.stores.
+lmdb.tombstones` (removal markers) and :mod:`~cache_store.stores.lmdb.compaction`
+(:func:`compact_environment`).
 
 Process and fork rules (py-lmdb 3.0 behaviour this package is built around):
 
@@ -16,9 +18,20 @@ Process and fork rules (py-lmdb 3.0 behaviour this package is built around):
 * py-lmdb refuses to open a path the process already has open, and that record is
   inherited by ``fork``. So every open environment is closed right before any
   ``os.fork`` (``os.register_at_fork``); parent and child each re-open on next use.
-  Do not fork while another thread of the process is inside a read of the same store.
-* A ``buffers=True`` view is valid only inside its transaction: records are decoded (or
-  copied) before the transaction ends.
+  An environment another thread is writing to, or that a lease (below) holds, is the
+  exception: closing it would pull it from under that write or that view (a recipe
+  forking in ``compute`` while the engine's writer thread commits), so it stays open; the
+  child inherits it parked and cannot open that cache itself (it is told why).
+* Every read runs in a :class:`~cache_store.stores.lmdb.maps.MapLease`: a read
+  transaction and a count on the generation of the map it reads. A ``buffers=True``
+  view (``LMDBStore.read_view``, ``LMDBStore.lease``) is valid until its lease is
+  released, and no memory a lease uses is ever unmapped under it: a swapped-out map
+  closes with its last lease, and a re-map (``set_mapsize``) waits until no lease of the
+  process uses the map (up to ``maps.REMAP_WAIT_S``, then :class:`StoreBusy`). Read-only
+  processes map ``READER_MAP_BYTES`` (1 TiB of address space, not memory), so growth by
+  a writer in another process never makes them re-map. Before issue 34 a swapped-out map
+  was closed a fixed minute after the swap and a reader re-mapped at once, both under
+  views still in use (SIGSEGV, SIGBUS).
 * A writer opening the environment runs ``reader_check()``, freeing reader slots left by
   killed processes (a stale slot pins old pages and makes the file grow).
 * The reader table is as large as the largest ``max_readers`` any process asked for
@@ -49,8 +62,8 @@ Process and fork rules (py-lmdb 3.0 behaviour this package is built around):
   transaction; compaction holds it exclusively, so writers wait (up to
   ``COMPACT_WAIT_S``, then :class:`StoreBusy`). Processes notice a swap by the
   directory's inode: a writer before each write, a reader at most once a second; they
-  open the new generation and close the old handle a minute later (reads in flight
-  finish on the old file, which stays readable while mapped).
+  open the new generation, and the old one closes when its last lease is released
+  (reads in flight finish on the old file, which stays readable while mapped).
 """
 
 from __future__ import annotations

@@ -16,13 +16,13 @@ import fcntl
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
+from cache_store.disk import flock_within, fsync_path
 from cache_store.errors import CacheNotFound, SpcacheError, StoreBusy
 from cache_store.stores.lmdb.environment import (
     COMPACT_DIR,
@@ -61,14 +61,6 @@ def _exchange(a: Path, b: Path) -> None:
         )
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def compact_environment(
     cache: str | os.PathLike[str],
     *,
@@ -96,19 +88,11 @@ def compact_environment(
         raise CacheNotFound(root, f"no cache here ({RECORDS_DIR}/data.mdb missing)")
     fd = os.open(root / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreBusy(
-                        f"{root}: a writer kept the cache busy for {wait_s:.0f}s; "
-                        f"compaction not started (try again, or stop the "
-                        f"worker)"
-                    ) from None
-                time.sleep(0.05)
+        if not flock_within(fd, fcntl.LOCK_EX, wait_s):
+            raise StoreBusy(
+                f"{root}: a writer kept the cache busy for {wait_s:.0f}s; "
+                f"compaction not started (try again, or stop the worker)"
+            )
         spare = root / COMPACT_DIR
         if spare.exists():
             log.warning("%s: removing %s left by an unfinished compaction", root, spare)
@@ -127,10 +111,10 @@ def compact_environment(
             raise live_env.damaged(exc) from exc
         finally:
             live_env.close()
-        _fsync_path(spare / "data.mdb")
-        _fsync_path(spare)
+        fsync_path(spare / "data.mdb")
+        fsync_path(spare)
         _exchange(spare, live)  # the one step: records/ is now the compacted copy
-        _fsync_path(root)
+        fsync_path(root)
         after = (live / "data.mdb").stat().st_size
         shutil.rmtree(spare)  # the old generation; processes still mapping it keep reading it
         log.info("%s: compacted data.mdb from %d to %d bytes", root, before, after)

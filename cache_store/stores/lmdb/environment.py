@@ -5,10 +5,13 @@ An :class:`EnvironmentHandle` is one store's way to the environment of its cache
 store owns one; nothing is opened until first use). Every handle of one path in one
 process shares one :class:`_SharedEnv` (py-lmdb opens a path once per process); the
 registry closes them all before any ``os.fork``. The handle's :meth:`~EnvironmentHandle.
-read` and :meth:`~EnvironmentHandle.write` are the only ways in: reads turn any
-``lmdb.Error`` into :class:`CacheDamaged`, writes hold the shared write lock that
-compaction takes exclusively, grow the map when full and raise :class:`StoreFull` for
-a full disk. The rules themselves are in :mod:`cache_store.stores.lmdb`'s doc.
+lease` (and :meth:`~EnvironmentHandle.read` built on it) and :meth:`~EnvironmentHandle.
+write` are the only ways in: reads turn any ``lmdb.Error`` into :class:`CacheDamaged`
+and hold a :class:`~cache_store.stores.lmdb.maps.MapLease` that keeps their map mapped
+until released (:mod:`cache_store.stores.lmdb.maps`); writes hold
+the shared write lock that compaction takes exclusively, grow the map when full (once
+no lease uses it) and raise :class:`StoreFull` for a full disk. The rules themselves
+are in :mod:`cache_store.stores.lmdb`'s doc.
 
 Why one module: the registry, the fork hook, the swap adoption and the transactions
 keep one invariant together (one open environment per path and process, of the current
@@ -33,9 +36,11 @@ from typing import Any, TypeVar
 
 import lmdb
 
+from cache_store.disk import flock_within
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
-from cache_store.process_local import ProcessLocal, park
-from cache_store.stores.lmdb.leases import Leases
+from cache_store.process_local import ProcessLocal
+from cache_store.stores.lmdb.leases import Leases, ReadLease
+from cache_store.stores.lmdb.maps import Dbs, Generation, Generations, MapLease
 
 __all__ = [
     "COMPACT_DIR",
@@ -49,7 +54,7 @@ __all__ = [
     "RECORDS_DB",
     "RECORDS_DIR",
     "REMOVED_DB",
-    "RETIRED_GRACE_S",
+    "READER_MAP_BYTES",
     "SWAP_CHECK_INTERVAL_S",
     "WRITE_LOCK_FILENAME",
     "EnvironmentHandle",
@@ -82,14 +87,13 @@ COMPACT_DIR = RECORDS_DIR + ".compact"
 COMPACT_WAIT_S = 600.0
 #: A reader looks for a swapped (compacted) environment at most this often.
 SWAP_CHECK_INTERVAL_S = 1.0
-#: A handle on a swapped-out generation is closed this long after the swap was seen.
-RETIRED_GRACE_S = 60.0
+#: Address space a read-only process maps for an environment: the data can grow this
+#: far in other processes without this one re-mapping (which waits for its leases).
+READER_MAP_BYTES = 1 << 40
 #: A long-lived writer frees reader slots left by dead processes at most this often.
 READER_CHECK_INTERVAL_S = 5.0
 
 _SPACE_ERRORS = (os.strerror(errno.ENOSPC), os.strerror(errno.EIO), os.strerror(errno.EDQUOT))
-
-Dbs = dict[bytes, Any]
 
 
 def _out_of_space(exc: BaseException) -> bool:
@@ -97,58 +101,59 @@ def _out_of_space(exc: BaseException) -> bool:
     return isinstance(exc, lmdb.DiskError) or any(m in str(exc) for m in _SPACE_ERRORS)
 
 
+def _open_reserving(env_path: Path, options: dict[str, Any]) -> Any:
+    """A read-only environment mapping ``READER_MAP_BYTES`` of address space (not
+    memory), so data other processes add never makes this one re-map; where that much
+    cannot be mapped (a ``ulimit -v``), what the data needs."""
+    try:
+        return lmdb.open(
+            str(env_path), readonly=True, create=False, map_size=READER_MAP_BYTES, **options
+        )
+    except lmdb.Error as exc:
+        if os.strerror(errno.ENOMEM) not in str(exc) and not isinstance(exc, MemoryError):
+            raise
+        log.info(
+            "%s: cannot reserve %d bytes of address space: %s", env_path, READER_MAP_BYTES, exc
+        )
+        return lmdb.open(str(env_path), readonly=True, create=False, **options)
+
+
 class _SharedEnv:
     """One LMDB environment per path per process, shared by every store on that path.
 
     py-lmdb allows a path to be open once per process, so two stores on one cache (a
     reader and a writer in the same process, say) must share the handle. A writable
-    store upgrades a read-only handle by re-opening it.
+    store upgrades a read-only handle by re-opening it. Its generations (the current
+    one and those retired by a swap while leases still use them) are ``maps``.
     """
 
     def __init__(self) -> None:
-        self.env: Any = None
-        self.dbs: Dbs = {}
-        self.pid: int | None = None
+        self.maps = Generations()
         self.writable = False
         self.reader_checked = time.monotonic()  # a writer checks when it opens
         self.users: weakref.WeakSet[EnvironmentHandle] = weakref.WeakSet()
-        self.dir_ino: int | None = None  # inode of the records directory opened
         self.swap_checked = time.monotonic()
-        # swapped-out handles and their read leases, closed later
-        self.retired: list[tuple[Any, float, Leases | None]] = []
-        #: read leases pinning the views of this process (made on the first view)
-        self.leases: Leases | None = None
 
-    def view_leases(self, env_path: Path) -> Leases:
-        """The read leases of the open environment (see :mod:`.leases`)."""
-        if self.leases is None:
-            self.leases = Leases(str(env_path), os.getpid())
-        return self.leases
+    @property
+    def pid(self) -> int | None:
+        return self.maps.pid
+
+    @property
+    def current(self) -> Generation | None:
+        return self.maps.current
+
+    @property
+    def env(self) -> Any:
+        current = self.maps.current
+        return None if current is None else current.env
+
+    @property
+    def dir_ino(self) -> int | None:
+        current = self.maps.current
+        return None if current is None else current.dir_ino
 
     def close(self) -> None:
-        env, self.env, self.dbs = self.env, None, {}
-        leases, self.leases = self.leases, None
-        retired, self.retired = self.retired, []
-        for old, old_leases in [(env, leases), *((e, v) for e, _, v in retired)]:
-            if old is None:
-                continue
-            if self.pid == os.getpid():
-                if old_leases is not None:  # live views copied before their pins end
-                    old_leases.close()
-                old.close()
-            else:  # inherited through a fork that bypassed the hook: never close it here
-                park(old)
-
-    def close_retired(self, now: float) -> None:
-        keep = []
-        for env, since, leases in self.retired:
-            if now - since >= RETIRED_GRACE_S and self.pid == os.getpid():
-                if leases is not None:
-                    leases.close()
-                env.close()
-            else:
-                keep.append((env, since, leases))
-        self.retired = keep
+        self.maps.close()
 
 
 #: This process's open environments by real path (one per path: py-lmdb refuses a second).
@@ -158,13 +163,45 @@ _shared_lock = threading.Lock()
 # (cache_store.process_local): closing them in the child would touch the parent's locks.
 
 
+#: write transactions under way in this process, by environment key (any thread)
+_writes_under_way: dict[str, int] = {}
+_writes_lock = threading.Lock()
+
+
+@contextmanager
+def _writing(key: str) -> Iterator[None]:
+    """Count a write under way on the environment ``key`` for the fork hook."""
+    with _writes_lock:
+        _writes_under_way[key] = _writes_under_way.get(key, 0) + 1
+    try:
+        yield
+    finally:
+        with _writes_lock:
+            left = _writes_under_way.pop(key) - 1
+            if left:
+                _writes_under_way[key] = left
+
+
 def _close_all_before_fork() -> None:
-    for shared in list(shared_envs.values()):
+    """Close this process's environments so a forked child can open its own, but never
+    one another thread is writing to (it would fail that write): that one stays open
+    here, and the child, which inherits py-lmdb's note that it is open, cannot open it."""
+    for key, shared in list(shared_envs.items()):
         if shared.env is not None and shared.pid == os.getpid():
+            if _writes_under_way.get(key):
+                continue
             shared.close()
 
 
-os.register_at_fork(before=_close_all_before_fork)
+def _after_fork_in_child() -> None:
+    global _writes_lock
+    _writes_under_way.clear()  # the writing threads stayed in the parent
+    _writes_lock = threading.Lock()  # it may have been held there at the fork
+    for shared in shared_envs.values():
+        shared.maps.forked()
+
+
+os.register_at_fork(before=_close_all_before_fork, after_in_child=_after_fork_in_child)
 
 
 def _dir_inode(path: Path) -> int | None:
@@ -239,84 +276,78 @@ class EnvironmentHandle:
         joined = self._joined
         return joined[1].dir_ino if joined is not None else None
 
-    def leases(self) -> Leases | None:
-        """The read leases of the environment this handle has open, with ``data.mdb``
-        open beside it; None when it was swapped meanwhile (the caller copies)."""
-        self.environment()  # a swap is adopted here
-        joined = self._joined
-        if joined is None:
-            return None
-        shared = joined[1]
-        leases = shared.leases
-        if leases is not None and leases.data_fd is not None and leases.pid == os.getpid():
-            return leases  # every read's path: no lock
-        with _shared_lock:
-            if shared.env is None:
-                return None
-            leases = shared.view_leases(self.env_path)
-            return leases if leases.open_data(shared.dir_ino) else None
-
     def environment(self) -> tuple[Any, Dbs]:
-        """The open environment and its databases (opened now if need be)."""
+        """The open environment and its databases (opened now if need be). Use them
+        only for what needs no transaction (``info()``); reads go through :meth:`lease`,
+        which keeps the map from being unmapped under them."""
+        _, current = self._current()
+        return current.env, current.dbs
+
+    def _current(self) -> tuple[_SharedEnv, Generation]:
+        """This process's shared environment of the path and its current generation."""
         joined = self._joined
         if joined is not None:
             pid, shared = joined
+            current = shared.current
             if (
-                shared.env is not None
+                current is not None
                 and pid == os.getpid()
                 and shared.pid == pid
                 and (self.readonly or shared.writable)
             ):
                 if time.monotonic() - shared.swap_checked < SWAP_CHECK_INTERVAL_S:
-                    return shared.env, shared.dbs
+                    return shared, current
                 return self._adopt_swap(shared)
         known = shared_envs.get(self._env_key)
         if (
             known is not None
-            and known.env is not None
+            and known.current is not None
             and known.pid == os.getpid()
             and (self.readonly or known.writable)
             and self in known.users
         ):
             self._joined = (os.getpid(), known)
-            return known.env, known.dbs
+            return known, known.current
         with _shared_lock:
             shared = shared_envs.setdefault(self._env_key, _SharedEnv())
-            if shared.env is not None and (
-                shared.pid != os.getpid() or (not self.readonly and not shared.writable)
-            ):
-                shared.close()  # forked without the hook, or a writer upgrading a reader
-            if shared.env is None:
-                shared.env, shared.dbs, shared.dir_ino = self._open_env()
-                shared.pid, shared.writable = os.getpid(), not self.readonly
+            if shared.current is not None and shared.pid != os.getpid():
+                shared.close()  # forked without the hook
+            elif shared.current is not None and not self.readonly and not shared.writable:
+                if shared.maps.in_use():  # py-lmdb would refuse to open the same files again
+                    raise StoreBusy(
+                        f"{self.env_path}: cannot open it for writing while a record "
+                        f"view of this process holds it open read-only; release the view"
+                    )
+                shared.close()  # a writer upgrading a reader
+            if shared.current is None:
+                env, dbs, ino = self._open_env()
+                shared.writable = not self.readonly
+                shared.maps.adopt(env, dbs, ino, os.getpid())
                 shared.swap_checked = time.monotonic()
             shared.users.add(self)
             self._joined = (os.getpid(), shared)
-            return shared.env, shared.dbs
+            assert shared.current is not None
+            return shared, shared.current
 
-    def _adopt_swap(self, shared: _SharedEnv) -> tuple[Any, Dbs]:
-        """The environment of the current generation: when compaction swapped the
-        records directory since this process opened it, open the new one (the old handle
-        is closed ``RETIRED_GRACE_S`` later, so reads in flight finish on it)."""
+    def _adopt_swap(self, shared: _SharedEnv) -> tuple[_SharedEnv, Generation]:
+        """The current generation: when compaction swapped the records directory since
+        this process opened it, open the new one; the old one is unmapped when the last
+        lease on it is released (at once when there is none)."""
         with _shared_lock:
-            now = time.monotonic()
-            shared.swap_checked = now
-            if shared.env is not None and shared.pid == os.getpid():
-                shared.close_retired(now)
+            shared.swap_checked = time.monotonic()
+            if shared.current is not None and shared.pid == os.getpid():
                 current = _dir_inode(self.env_path)
                 if current is not None and current != shared.dir_ino:
                     log.info(
                         "%s: the environment was compacted (swapped); opening the new generation",
                         self.env_path,
                     )
-                    env, dbs, ino = self._open_env(readonly=not shared.writable)
-                    shared.retired.append((shared.env, now, shared.leases))
-                    shared.env, shared.dbs, shared.dir_ino = env, dbs, ino
-                    shared.leases = None
-            if shared.env is None:  # closed meanwhile (a fork): the slow path re-opens
-                self._joined = None
-                return self.environment()
-            return shared.env, shared.dbs
+                    shared.maps.adopt(*self._open_env(readonly=not shared.writable), os.getpid())
+            latest = shared.current
+        if latest is None:  # closed meanwhile (a fork): the slow path re-opens
+            self._joined = None
+            return self._current()
+        return shared, latest
 
     def _open_env(self, readonly: bool | None = None) -> tuple[Any, Dbs, int | None]:
         """Open the environment; returns it, its databases and the records directory's
@@ -349,7 +380,7 @@ class EnvironmentHandle:
                         else f"no cache here ({RECORDS_DIR}/data.mdb missing)"
                     )
                     raise CacheNotFound(self.path, reason)
-                env = lmdb.open(str(self.env_path), readonly=True, create=False, **options)
+                env = _open_reserving(self.env_path, options)
                 dbs: Dbs = {}
                 for name in DB_NAMES:
                     try:
@@ -365,13 +396,7 @@ class EnvironmentHandle:
                 metasync=self.sync,
                 **options,
             )
-            stale = env.reader_check()
-            if stale:
-                log.warning(
-                    "%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                    self.env_path,
-                    stale,
-                )
+            self._reader_check(env)
             dbs = {name: env.open_db(name, create=True) for name in DB_NAMES}
             return env, dbs
         except lmdb.Error as exc:
@@ -384,13 +409,63 @@ class EnvironmentHandle:
                 (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError, lmdb.BadTxnError),
             ):
                 raise self.damaged(exc) from exc
+            if "already open in this process" in str(exc):  # see _close_all_before_fork
+                raise SpcacheError(
+                    f"{self.env_path}: cannot open the cache in this process: it was forked "
+                    f"while another thread of its parent was writing to it, and LMDB "
+                    f"allows one open per process (open it in a process started with "
+                    f"spawn or forkserver, or fork when no write is under way)"
+                ) from exc
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- reading -----------------------------------------------------------------------
-    def begin(self) -> tuple[Any, Dbs]:
-        """A read transaction (``buffers=True``) and the databases; the caller ends it
-        (``txn.abort()``: read-only, it releases the reader slot)."""
-        env, dbs = self.environment()
+    def view_leases(self) -> tuple[Leases, ReadLease] | None:
+        """The view leases of the current generation (``data.mdb`` open beside it) and
+        the read lease new views join, begun now (before the caller's lookup); None when
+        no view can be pinned now (closed or swapped meanwhile, a re-map due): the
+        caller reads copies. See :mod:`cache_store.stores.lmdb.leases`."""
+        shared, current = self._current()
+        leases = current.views
+        if leases is None or leases.data_fd is None or leases.pid != os.getpid():
+            with shared.maps.leases:
+                if current.closed:
+                    return None
+                if current.views is None:
+                    current.views = Leases(str(self.env_path), os.getpid(), current.dbs)
+                leases = current.views
+            if not leases.open_data(current.dir_ino):
+                return None
+        try:
+            pin = leases.lease(current.env.begin)
+        except lmdb.Error:  # the map must be re-mapped first: a lookup lease does that
+            return None
+        return leases, pin
+
+    def lease(self) -> MapLease:
+        """A read transaction (``buffers=True``) on the current generation, whose map
+        stays mapped until :meth:`MapLease.release` (see :class:`MapLease`)."""
+        for _ in range(10):
+            shared, _ = self._current()
+            taken = shared.maps.take()
+            if taken is None:  # closed between the two (a fork): open it again
+                continue
+            try:
+                txn = self._begin_read(taken)
+            except lmdb.MapResizedError:
+                # another process grew the data past this process's map: adopt its
+                # size, once no lease of this process uses the map (a re-map moves it)
+                shared.maps.give_back(taken)
+                shared.maps.remap(taken, 0, self.env_path)
+                continue
+            except BaseException:
+                shared.maps.give_back(taken)
+                raise
+            return MapLease(txn, taken.dbs, shared.maps, taken)
+        raise StoreBusy(f"{self.env_path}: the environment keeps closing under this read")
+
+    def _begin_read(self, taken: Generation) -> Any:
+        """A read transaction on ``taken``; ``lmdb.MapResizedError`` passes through."""
+        env, dbs = taken.env, taken.dbs
         if None in dbs.values() and self._retry_missing_dbs(dbs):
             # read-only handle opened before a writer created them
             for name, db in dbs.items():
@@ -402,25 +477,27 @@ class EnvironmentHandle:
                     except lmdb.Error as exc:
                         raise self.damaged(exc) from exc
         try:
-            txn = self._begin_read(env)
-        except lmdb.ReadersFullError as exc:
-            # Slots of processes killed inside a read are only freed by a reader check;
-            # run it here too, so readers recover without waiting for a writer.
-            freed = env.reader_check()
-            if not freed:
-                raise self._readers_full(env) from exc
-            log.warning(
-                "%s: freed %d stale LMDB reader slot(s) left by dead processes",
-                self.env_path,
-                freed,
-            )
             try:
-                txn = self._begin_read(env)
-            except lmdb.ReadersFullError as again:
-                raise self._readers_full(env) from again
+                return env.begin(buffers=True)
+            except lmdb.ReadersFullError as exc:
+                # Slots of processes killed inside a read are only freed by a reader
+                # check; run it here too, so readers recover without waiting for a writer.
+                freed = env.reader_check()
+                if not freed:
+                    raise self._readers_full(env) from exc
+                log.warning(
+                    "%s: freed %d stale LMDB reader slot(s) left by dead processes",
+                    self.env_path,
+                    freed,
+                )
+                try:
+                    return env.begin(buffers=True)
+                except lmdb.ReadersFullError as again:
+                    raise self._readers_full(env) from again
+        except lmdb.MapResizedError:
+            raise
         except lmdb.Error as exc:
             raise self.damaged(exc) from exc
-        return txn, dbs
 
     def _retry_missing_dbs(self, dbs: Dbs) -> bool:
         # records and indexes at once; the tombstones (absent in caches made before they
@@ -440,21 +517,15 @@ class EnvironmentHandle:
 
     @contextmanager
     def read(self) -> Iterator[tuple[Any, Dbs]]:
-        """A read transaction and the databases for the ``with`` block."""
-        txn, dbs = self.begin()
+        """A read transaction and the databases for the ``with`` block (a lease
+        released at its end)."""
+        lease = self.lease()
         try:
-            with txn:
-                yield txn, dbs
+            yield lease.txn, lease.dbs
         except lmdb.Error as exc:
             raise self.damaged(exc) from exc
-
-    @staticmethod
-    def _begin_read(env: Any) -> Any:
-        try:
-            return env.begin(buffers=True)
-        except lmdb.MapResizedError:  # another process grew the map: adopt its size
-            env.set_mapsize(0)
-            return env.begin(buffers=True)
+        finally:
+            lease.release()
 
     def key_text(self, raw: Any) -> str:
         """A stored key as text; keys are checked UTF-8 when written, so one that is not
@@ -490,14 +561,11 @@ class EnvironmentHandle:
         """Run ``action(txn, dbs)`` in one write transaction, growing the map when full;
         under a shared lock that compaction takes exclusively (see the package doc). The
         caller has checked that its store is writable."""
-        with self._write_lock():
-            env, dbs = self.environment()
-            joined = self._joined
-            if (
-                joined is not None
-            ):  # a compaction may have swapped the file: never write the old one
-                env, dbs = self._adopt_swap(joined[1])
-            return self._write_txn(env, dbs, action, size_hint)
+        with _writing(self._env_key), self._write_lock():
+            shared, _ = self._current()
+            # a compaction may have swapped the file: never write the old one
+            shared, current = self._adopt_swap(shared)
+            return self._write_txn(shared, current, action, size_hint)
 
     @contextmanager
     def _write_lock(self) -> Iterator[None]:
@@ -506,35 +574,36 @@ class EnvironmentHandle:
         self.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path / WRITE_LOCK_FILENAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            deadline, told = time.monotonic() + COMPACT_WAIT_S, False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreBusy(
-                            f"{self.path}: the cache is being compacted (spcache "
-                            f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
-                        ) from None
-                    if not told:
-                        log.info("%s: the cache is being compacted; writes wait for it", self.path)
-                        told = True
-                    time.sleep(0.1)
+
+            def say() -> None:
+                log.info("%s: the cache is being compacted; writes wait for it", self.path)
+
+            if not flock_within(fd, fcntl.LOCK_SH, COMPACT_WAIT_S, poll_s=0.1, on_wait=say):
+                raise StoreBusy(
+                    f"{self.path}: the cache is being compacted (spcache "
+                    f"compact); writes waited {COMPACT_WAIT_S:.0f}s"
+                )
             yield
         finally:
             os.close(fd)  # drops the lock
 
-    def _write_txn(self, env: Any, dbs: Dbs, action: Callable[[Any, Dbs], T], size_hint: int) -> T:
+    def _write_txn(
+        self,
+        shared: _SharedEnv,
+        current: Generation,
+        action: Callable[[Any, Dbs], T],
+        size_hint: int,
+    ) -> T:
+        env = current.env
         self._free_stale_readers(env)
         while True:
             try:
                 with env.begin(write=True) as txn:
-                    return action(txn, dbs)
+                    return action(txn, current.dbs)
             except lmdb.MapFullError:
-                self._grow(env, size_hint)
+                shared.maps.remap(current, self._grown_size(env, size_hint), self.env_path)
             except lmdb.MapResizedError:
-                env.set_mapsize(0)
+                shared.maps.remap(current, 0, self.env_path)
             except lmdb.Error as exc:
                 if _out_of_space(exc):
                     log.error("%s: write failed: %s", self.env_path, exc)
@@ -550,6 +619,10 @@ class EnvironmentHandle:
         if shared is None or now - shared.reader_checked < READER_CHECK_INTERVAL_S:
             return
         shared.reader_checked = now
+        self._reader_check(env)
+
+    def _reader_check(self, env: Any) -> None:
+        """Free the reader slots of dead processes, and say so."""
         stale = env.reader_check()
         if stale:
             log.warning(
@@ -558,7 +631,8 @@ class EnvironmentHandle:
                 stale,
             )
 
-    def _grow(self, env: Any, size_hint: int) -> None:
+    def _grown_size(self, env: Any, size_hint: int) -> int:
+        """The map size a full map grows to."""
         current = env.info()["map_size"]
         wanted = max(2 * current, current + 2 * size_hint)
         if self.max_map_size is not None:
@@ -568,4 +642,4 @@ class EnvironmentHandle:
                 )
             wanted = min(wanted, self.max_map_size)
         log.info("%s: growing LMDB map from %d to %d bytes", self.env_path, current, wanted)
-        env.set_mapsize(wanted)
+        return wanted

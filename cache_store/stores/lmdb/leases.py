@@ -13,11 +13,15 @@ A lease takes new views for at most :data:`LEASE_S` seconds, so a reader that ke
 few views for long pins one old snapshot, not every snapshot since (the file grows only
 by what is freed while a view it pins lives).
 
-Whenever the environment a lease belongs to closes (before a fork, a store's close, a
-compaction's retired generation), :meth:`Leases.close` first swaps every live view's
+Whenever the generation a lease belongs to closes (a store's close, the fork hook, a
+compaction's retired generation once its last map lease is released:
+:mod:`cache_store.stores.lmdb.maps`), :meth:`Leases.close` first swaps every live view's
 pages for a private copy of their bytes (``MappedRange.detach``), then ends the
-transactions: a view never shows a byte that a writer put in a reused page, and a
-forked child inherits copies, not pins it does not hold.
+transactions; and before any ``fork`` every lease of the process is ended so
+(:func:`end_all_before_fork`). A view never shows a byte that a writer put in a reused
+page, and a forked child inherits copies, not pins it does not hold. These are not map
+leases: a view does not keep LMDB's map mapped (it has its own mapping), so a re-map
+never waits for views.
 
 Where a view's bytes lie in ``data.mdb`` is read from this process's memory map
 (``/proc/self/maps``: py-lmdb reports no map address), once per map and re-read when
@@ -40,7 +44,7 @@ from cache_store.format.descriptor import DescriptorLookup
 from cache_store.views.mapping import MappedRange, map_range
 from cache_store.views.records import Place, view_record
 
-__all__ = ["LEASE_S", "Leases", "ReadLease"]
+__all__ = ["LEASE_S", "Leases", "ReadLease", "end_all_before_fork"]
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +85,17 @@ class Leases:
     once it is known to be the file the environment has open; views are mapped from it.
     """
 
-    def __init__(self, env_path: str, pid: int) -> None:
+    def __init__(self, env_path: str, pid: int, dbs: Any) -> None:
         self.env_path = env_path
         self.pid = pid
+        self.dbs = dbs  # the generation's databases (a lookup's tell which it is on)
         self.lock = threading.RLock()
         self.current: ReadLease | None = None
         self.live: set[ReadLease] = set()
         self.data_fd: int | None = None
         self.data_id: tuple[int, int] | None = None
         self.maps: list[tuple[int, int, int]] = []  # (start, end, file offset) of data.mdb
+        _all.add(self)
 
     def open_data(self, dir_ino: int | None) -> bool:
         """Open ``data.mdb`` of the generation whose records directory has inode
@@ -204,6 +210,14 @@ class Leases:
         if txn is not None and self.pid == os.getpid():
             txn.abort()
 
+    def end_all(self) -> None:
+        """End every lease, their live views copied first (before a fork)."""
+        if self.pid != os.getpid():
+            return
+        with self.lock:
+            for lease in list(self.live):
+                self.end(lease, detach=True)
+
     def close(self) -> None:
         """Before the environment closes: detach every live view, end every lease, close
         ``data.mdb``. In a process that inherited these leases, nothing is touched."""
@@ -220,3 +234,18 @@ class Leases:
             self.maps = []
         if fd is not None:
             os.close(fd)
+
+
+#: every Leases of this process (the fork hook ends theirs)
+_all: weakref.WeakSet[Leases] = weakref.WeakSet()
+
+
+def end_all_before_fork() -> None:
+    """Before ``fork``: end every read lease of this process, its live views copied
+    first. A child never holds the parent's reader slots, so the views it inherits must
+    not rely on them; and the parent starts new leases on its next read."""
+    for leases in list(_all):
+        leases.end_all()
+
+
+os.register_at_fork(before=end_all_before_fork)

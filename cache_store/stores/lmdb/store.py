@@ -5,7 +5,12 @@ conveniences LMDB does natively (lengths without copies, stats in one walk). Eve
 operation runs in a transaction of the store's :class:`EnvironmentHandle`
 (:mod:`cache_store.stores.lmdb.environment`); tombstones are
 :mod:`cache_store.stores.lmdb.tombstones`. The rules all of it keeps are in
-:mod:`cache_store.stores.lmdb`'s doc.
+:mod:`cache_store.stores.lmdb`'s doc; views' read leases are
+:mod:`cache_store.stores.lmdb.leases`.
+
+Why one module: it is the one class :class:`LMDBStore`, each method a primitive of the
+contract, a removal step or a native convenience over the handle's transactions; the
+rules they share already live in the modules named above.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from cache_store.stores.lmdb.environment import (
     REMOVED_DB,
     EnvironmentHandle,
 )
+from cache_store.stores.lmdb.maps import MapLease
 
 __all__ = ["LMDBStore"]
 
@@ -154,32 +160,50 @@ class LMDBStore(Store):
 
     @contextmanager
     def read_view(self, key: str) -> Iterator[Any]:
-        # The map's own bytes, valid inside one read transaction (held for the block).
-        with self._read() as (txn, dbs):
-            value = _lookup(txn, dbs[RECORDS_DB], key)
+        # The map's own bytes, valid until the block ends: a lease keeps the map mapped
+        # (a compaction or another process's growth meanwhile cannot unmap it).
+        with self.lease(key) as lease:
+            yield lease.view
+
+    def lease(self, key: str) -> MapLease:
+        """The record under ``key`` lent from the map: ``lease.view`` (a buffer) stays
+        valid until ``lease.release()`` (or the end of ``with store.lease(key) as
+        lease:``), whatever compacts or grows the cache meanwhile; see
+        :class:`~cache_store.stores.lmdb.maps.MapLease`. Release it soon: it holds
+        a read transaction and, after a compaction, the old file's disk space."""
+        lease = self.handle.lease()
+        try:
+            value = _lookup(lease.txn, lease.dbs[RECORDS_DB], key)
             if value is None:
-                raise tombstones.missing(txn, dbs, key, self.location)
-            yield value
+                raise tombstones.missing(lease.txn, lease.dbs, key, self.location)
+        except lmdb.Error as exc:
+            lease.release()
+            raise self.handle.damaged(exc) from exc
+        except BaseException:
+            lease.release()
+            raise
+        lease.view = value
+        return lease
 
     def supply(
         self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
     ) -> list[Record]:
         # The map's own bytes, decoded inside one read transaction: one copy per tensor.
         # The hot path of every read: no context-manager generator around the transaction.
-        txn, dbs = self.handle.begin()
+        lease = self.handle.lease()
         try:
-            db = dbs[RECORDS_DB]
+            txn, db = lease.txn, lease.dbs[RECORDS_DB]
             values = []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
-                    raise tombstones.missing(txn, dbs, key, self.location)
+                    raise tombstones.missing(txn, lease.dbs, key, self.location)
                 values.append(value)
             return decoder.values(values)
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
-            txn.abort()  # read-only: ends it and releases the reader slot
+            lease.release()
 
     def view_records(
         self,
@@ -188,21 +212,25 @@ class LMDBStore(Store):
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
     ) -> list[Record] | None:
-        # Pinned by a read lease begun before the lookup, mapped by this process from
-        # data.mdb at the place LMDB's map shows (see cache_store.stores.lmdb.leases).
-        leases = None if self.views_refused() else self.handle.leases()
-        if leases is None:
+        # Pinned by a read lease begun before the lookup (its own read transaction, not
+        # a MapLease: that would hold the map, so a re-map would wait for the views),
+        # mapped by this process from data.mdb where LMDB's map shows the value (see
+        # cache_store.stores.lmdb.leases).
+        found = None if self.views_refused() else self.handle.view_leases()
+        if found is None:
             return None
-        lease = leases.lease(lambda: self.handle.begin()[0])
-        txn, dbs = self.handle.begin()
+        leases, pin = found
+        lookup = self.handle.lease()
         try:
-            db, records = dbs[RECORDS_DB], []
+            if lookup.dbs is not leases.dbs:  # a swap adopted between the two: copies
+                return None
+            txn, db, records = lookup.txn, lookup.dbs[RECORDS_DB], []
             for key in keys:
                 value = _lookup(txn, db, key)
                 if value is None:
-                    raise tombstones.missing(txn, dbs, key, self.location)
+                    raise tombstones.missing(txn, lookup.dbs, key, self.location)
                 told = None if checked is None else checked.get(key)
-                record = leases.view(lease, value, key, fields, verify, told, self.descriptor)
+                record = leases.view(pin, value, key, fields, verify, told, self.descriptor)
                 if record is None:  # not where views can be made: the copy path
                     return None
                 records.append(record)
@@ -210,8 +238,8 @@ class LMDBStore(Store):
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
-            txn.abort()
-            leases.settle(lease)
+            lookup.release()
+            leases.settle(pin)
 
     def views_refused(self) -> str | None:
         if not self.lock:
@@ -220,16 +248,16 @@ class LMDBStore(Store):
 
     def value_size(self, key: str) -> int:
         # the value's length in the map view: no copy
-        txn, dbs = self.handle.begin()
+        lease = self.handle.lease()
         try:
-            value = _lookup(txn, dbs[RECORDS_DB], key)
+            value = _lookup(lease.txn, lease.dbs[RECORDS_DB], key)
             if value is None:
-                raise tombstones.missing(txn, dbs, key, self.location)
+                raise tombstones.missing(lease.txn, lease.dbs, key, self.location)
             return len(value)
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
-            txn.abort()
+            lease.release()
 
     def generation(self) -> int:
         """The id of the environment's last committed write transaction (read from its

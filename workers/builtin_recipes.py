@@ -1,10 +1,11 @@
-"""The built-in recipes ``spc``, ``spc_query`` and ``spc_sdf``, on the public recipe API.
+"""The built-in recipes ``spc``, ``spc_query`` and ``spc_sdf``: a plugin like any user's.
 
-They are registered like any user's recipe (entry points in spcache's own
-``pyproject.toml``, group ``spcache.recipes``). This module is their schema and imports no
-torch: ``prepare`` and ``compute`` import their code (:mod:`workers.builtin_compute`) when they
-run, which only a worker or loader process does. That keeps the service, which imports
-every installed recipe class to learn its schema, free of torch.
+Their classes are written on the public recipe API (:mod:`spcache.recipes`) and named by
+spcache's own entry points (``pyproject.toml``, group ``spcache.recipes``); the registry
+finds them the way it finds every installed recipe. This module is their schema and
+imports no torch: ``prepare`` and ``compute`` import their code
+(:mod:`workers.builtin_compute`) when they run, which only a worker or loader process
+does. The service imports the class to learn its schema, and runs none of it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 from cache_store.recipes.api import Field, Param, Recipe
 from cache_store.recipes.specs import FieldSpec, ParamSpec
 
-__all__ = ["Spc", "SpcQuery", "SpcSdf", "BUILTIN_RECIPES"]
+__all__ = ["Spc", "SpcQuery", "SpcSdf"]
 
 #: Allowance for a record's safetensors header and metadata.
 _HEADER_BYTES = 64 << 10
@@ -281,7 +282,3 @@ class SpcSdf(Recipe):
         from workers.builtin_compute import compute_sdf
 
         return compute_sdf(prepared, params, device, ops, self.chunks)
-
-
-#: The built-ins, in the order ``spcache recipes`` lists them.
-BUILTIN_RECIPES: tuple[type[Recipe], ...] = (Spc, SpcQuery, SpcSdf)
