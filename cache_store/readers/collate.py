@@ -166,7 +166,7 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     if all(isinstance(sample, LocatedSample) for sample in present):
         # in a DataLoader worker of CachedDataset(views=True): the batch crosses as where
         # its records lie and is collated in the training process (cache_store.views.hop)
-        return LocatedBatch(present)  # type: ignore[arg-type,return-value]
+        return LocatedBatch(present, collate_spc)  # type: ignore[arg-type,return-value]
     names = list(present[0])
     for i, sample in enumerate(present):
         if set(sample) != set(names):

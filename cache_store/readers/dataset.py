@@ -410,7 +410,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _finish(self, record: Any, key: str) -> Any:
         if record.place is not None and self.transform is None and in_dataloader_worker():
-            source = (self._store.opener, self.fields, self.verify, self._variable)
+            source = (self._store.opener, self.fields, self.verify, self._variable, SpcSample)
             return LocatedSample(source, key, (record.place, record.checksum))  # the hop
         sample = SpcSample(record.tensors, self._variable)
         if self.transform is None:

@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = ["LocatedBatch", "LocatedSample", "Source", "open_batch", "open_sample", "packed"]
 
-#: How the training process opens the worker's store: a picklable ``open_store`` call,
-#: the fields read, ``verify``, and the fields the recipe declares variable.
-Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str]]
+#: How the training process opens the worker's store and makes its samples: a picklable
+#: ``open_store`` call, the fields read, ``verify``, the fields the recipe declares
+#: variable, and the sample class (``SpcSample``; given, so this module imports no reader).
+Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str], Any]
 
 
 class LocatedSample:
@@ -57,14 +58,15 @@ class LocatedBatch:
     """Checked records of one batch as ``collate_spc`` makes it in a worker; unpickled in
     the training process as the collated batch."""
 
-    __slots__ = ("items", "source")
+    __slots__ = ("collate", "items", "source")
 
-    def __init__(self, samples: Sequence[LocatedSample]) -> None:
+    def __init__(self, samples: Sequence[LocatedSample], collate: Callable[..., Any]) -> None:
         self.source = samples[0].source
         self.items = [(s.key, s.checked) for s in samples]
+        self.collate = collate  # collate_spc: pickled by name
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return open_batch, (self.source, self.items)
+        return open_batch, (self.source, self.items, self.collate)
 
 
 _stores: dict[Any, tuple[int, Store]] = {}
@@ -87,7 +89,7 @@ def _store(opener: Callable[[], Store]) -> Store:
 
 
 def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> list[Record]:
-    opener, fields, verify, _ = source
+    opener, fields, verify, _, _ = source
     store = _store(opener)
     keys = [key for key, _ in items]
     names = None if fields is None else list(fields)
@@ -99,20 +101,19 @@ def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> 
 
 def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:
     """In the training process: the sample a worker located, as views (or a copy)."""
-    from cache_store.readers.collate import SpcSample
-
     record = _records(source, [(key, checked)])[0]
-    return SpcSample(record.tensors, source[3])
+    return source[4](record.tensors, source[3])
 
 
-def open_batch(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> Any:
-    """In the training process: the batch a worker located, collated by ``collate_spc``
-    in Kaolin's packed layout, by one copy of each record's fields (:func:`packed`)."""
-    from cache_store.readers.collate import SpcSample, collate_spc
-
-    variable = source[3]
+def open_batch(
+    source: Source, items: Sequence[tuple[str, tuple[Place, str]]], collate: Callable[..., Any]
+) -> Any:
+    """In the training process: the batch a worker located, collated by ``collate``
+    (``collate_spc``: Kaolin's packed layout) after one copy of each record's fields
+    (:func:`packed`), of which it then takes views."""
+    sample, variable = source[4], source[3]
     tensors = packed([r.tensors for r in _records(source, items)])
-    return collate_spc([SpcSample(t, variable) for t in tensors])
+    return collate([sample(t, variable) for t in tensors])
 
 
 def packed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
