@@ -9,9 +9,11 @@ classes to HTTP status codes in one place (``service/errors.py``), the command l
 exit statuses in another (``spcache/cli/exits.py``).
 
 :func:`one_line` is the one way an error becomes a line of text (a log line, a failure
-reason, a command's last word); :func:`error_values` and :func:`error_from_values` the one
-way an error crosses a process boundary (a housekeeping child's JSON answer, a Ray
-actor's error), coming back as its own class.
+reason, a command's last word). An error crosses a process boundary one way, coming back
+as its own class with its message and attributes, its constructor not run: as plain
+values (:func:`error_values`, :func:`error_from_values`: a housekeeping child's JSON
+answer, a Ray actor's error) or pickled (``SpcacheError.__reduce__``: a process pool's
+result), both through one rebuild.
 """
 
 from __future__ import annotations
@@ -88,6 +90,13 @@ class SpcacheError(Exception):
 
     def __str__(self) -> str:  # KeyError would quote the message; keep it readable.
         return str(self.args[0]) if self.args else self.__class__.__name__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (a process pool's result, multiprocessing): rebuilt on the other side as
+        its own class with its message and attributes, its constructor not run (a
+        subclass's ``__init__`` takes other arguments than its message, so the default,
+        calling it with ``args``, failed and broke the pool instead of raising)."""
+        return (_rebuilt, (type(self), self.args, dict(vars(self))))
 
     def _from_worker(self, text: str) -> None:
         """Become the error torch rebuilt from ``text`` (see the class docstring)."""
@@ -167,14 +176,7 @@ class FingerprintRemoved(RecordNotFound):
     def _from_worker(self, text: str) -> None:
         _rebuild_removed(self, text)
 
-    def __reduce__(self) -> tuple[type[FingerprintRemoved], tuple[object, ...]]:
-        if not _FINGERPRINT.fullmatch(self.fingerprint):
-            return type(self), (str(self),)
-        key = "" if self.key == self.fingerprint else self.key
-        return type(self), (self.fingerprint, self.cache, self.removed_at, key)
 
-
-_FINGERPRINT = re.compile(r"[0-9a-f]{32}")
 _REMOVED_TEXT = re.compile(r"(?:record '([^'\n]*)': )?fingerprint ([0-9a-f]{32}) was removed")
 
 
@@ -250,9 +252,6 @@ class RecipeUnusable(UnknownName):
         self.name = name
         self.known = sorted(known)
         self.reason = reason
-
-    def __reduce__(self) -> tuple[type[RecipeUnusable], tuple[object, ...]]:
-        return (type(self), (self.name, self.reason, self.known))
 
 
 class ParameterError(SpcacheError, ValueError):
@@ -483,7 +482,15 @@ def error_from_values(values: Mapping[str, Any]) -> SpcacheError:
     cls = globals().get(name) if name in __all__ else None
     if not (isinstance(cls, type) and issubclass(cls, SpcacheError)):
         return SpcacheError(f"{name}: {message}" if name else message)
+    return _rebuilt(cls, (message,), values.get("attrs") or {})
+
+
+def _rebuilt(
+    cls: type[SpcacheError], args: tuple[Any, ...], attrs: Mapping[str, Any]
+) -> SpcacheError:
+    """An error of class ``cls`` with ``args`` and attributes ``attrs``, its constructor not
+    run: how an error comes back across a process boundary, pickled or as plain values."""
     error = cls.__new__(cls)
-    error.args = (message,)
-    vars(error).update(values.get("attrs") or {})
+    error.args = args
+    vars(error).update(attrs)
     return error

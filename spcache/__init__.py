@@ -32,6 +32,8 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.housekeeping import compact, ls, prune, rm
     from cache_store.readers.collate import collate_spc
     from cache_store.readers.dataset import CachedDataset
+    from cache_store.readers.loader import DataLoader
+    from cache_store.readers.sampler import Sampler
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
@@ -44,6 +46,8 @@ _LAZY: dict[str, str] = {
     "FailedSample": "spcache.compute",
     "Timings": "spcache.compute",
     "CachedDataset": "cache_store.readers.dataset",
+    "Sampler": "cache_store.readers.sampler",
+    "DataLoader": "cache_store.readers.loader",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
     "discover_sources": "cache_store.sources.discover",
@@ -74,6 +78,8 @@ __all__ = [
     "compact",
     # reading
     "CachedDataset",
+    "Sampler",
+    "DataLoader",
     "collate_spc",
     "to_kaolin_spc",
 ]

@@ -122,9 +122,10 @@ def snippet_kind(code: str) -> str:
             ("training", "spcache.precompute("),
             ("read_through", 'sources="meshes/"'),
             ("plugin_reader", '"point_count", level=6)'),
-            ("ddp", "init_process_group"),
+            ("ddp", "# train_ddp.py"),
+            ("resume", "# train_resume.py"),
             ("sdf", '"spc_sdf"'),
-            # built, pip-installed and used by tests/test_readme_commands.py
+            # built, pip-installed and used by tests/test_readme_workflows.py
             ("recipe", "from spcache.recipes import"),
         )
         if marker in code
@@ -135,7 +136,15 @@ def snippet_kind(code: str) -> str:
 
 def test_every_python_snippet_is_run_by_a_test() -> None:
     kinds = [snippet_kind(code) for code in readme_python_snippets()]
-    assert sorted(kinds) == ["ddp", "plugin_reader", "read_through", "recipe", "sdf", "training"]
+    assert sorted(kinds) == [
+        "ddp",
+        "plugin_reader",
+        "read_through",
+        "recipe",
+        "resume",
+        "sdf",
+        "training",
+    ]
     for code in readme_python_snippets():
         compile(code, "README.md", "exec")
 
@@ -199,6 +208,43 @@ def test_the_ddp_snippet_runs_under_torchrun(demo_dir: tuple[Path, int]) -> None
         ],
     )
     assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_the_resume_snippet_is_killed_under_torchrun_and_goes_on_alone(
+    demo_dir: tuple[Path, int],
+) -> None:
+    """As its comment says: started under torchrun with 2 ranks, SIGKILLed (every process
+    of the job) once it printed a checkpoint, started again as a single process, it
+    resumes from that checkpoint and finishes; started once more, nothing is left."""
+    from tests.helpers.procs import kill_tree, start, tree, wait_gone
+
+    root, count = demo_dir
+    (root / "train_resume.py").write_text(_snippet("resume"))
+    checkpoint = root / "checkpoint.pt"
+    checkpoint.unlink(missing_ok=True)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    with start([*argv, "--nproc_per_node", "2", "train_resume.py"], cwd=root, env=env) as job:
+        # killed once it printed a checkpoint (or, finished by then, after it ends)
+        job.wait_line(r"^(checkpoint: |done$)", stream="stdout")
+        procs = tree(job.pid)
+        kill_tree(procs)
+        assert wait_gone(procs) == []
+    assert any(line.startswith("checkpoint: ") for line in job.out_lines), job.describe()
+    try:
+        alone = _run(root, [sys.executable, "train_resume.py"])
+        assert alone.returncode == 0, alone.stderr[-4000:]
+        lines = alone.stdout.splitlines()
+        assert lines[0].startswith("resuming epoch ") and lines[-1] == "done", alone.stdout
+        again = _run(root, [sys.executable, "train_resume.py"])
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert again.stdout.splitlines()[0] == f"resuming epoch 2 after {count} samples"
+    finally:
+        checkpoint.unlink(missing_ok=True)
 
 
 @pytest.mark.slow

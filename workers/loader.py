@@ -524,27 +524,38 @@ def _described(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
-    """Hold Ctrl-C (SIGINT) for the duration, then deliver it to the handler that was there.
+    """Hold the interrupts (Ctrl-C; SIGTERM too while a Python handler turns it into one,
+    as ``spcache precompute``'s does) for the duration, then deliver each to the handler
+    that was there.
 
     For the moments the process pool starts a loader: the forkserver forks the child,
     then the executor records it. A KeyboardInterrupt between the two leaves a loader
     that :func:`stop_executor` never sees; it outlives the run and prints a traceback on
-    the terminal once the parent has removed the pool's semaphores. Off the main thread
-    (where signal handlers cannot be changed) this does nothing."""
+    the terminal once the parent has removed the pool's semaphores. The executor's
+    ``submit`` also takes the lock of a ``queue.Queue`` its management thread reads: an
+    interrupt inside it can leave that lock held, and the thread the interpreter joins
+    at exit stuck. Off the main thread (where signal handlers cannot be changed) this
+    does nothing; a SIGTERM whose handler is the default ends the process at once, and
+    is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    previous: dict[int, Any] = {}
+    for held_signal in (signal.SIGINT, signal.SIGTERM):
+        if held_signal == signal.SIGINT or callable(signal.getsignal(held_signal)):
+            previous[held_signal] = signal.signal(held_signal, lambda s, frame: held.append(s))
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            if callable(previous):
-                previous(signal.SIGINT, None)
-            elif previous == signal.SIG_DFL:
-                signal.raise_signal(signal.SIGINT)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for came in dict.fromkeys(held):  # each once, in the order they came
+            handler = previous[came]
+            if callable(handler):
+                handler(came, None)
+            elif handler == signal.SIG_DFL:
+                signal.raise_signal(came)
 
 
 def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:

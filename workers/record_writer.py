@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +45,16 @@ class RecordWriter(threading.Thread):
     the result is queued: a SIGTERM lands only in the engine's thread, possibly between
     taking a result off the queue and counting it, and the index is written from
     ``stored`` too, so no committed record is left out of it.
+
+    The engine's thread and this one share only :class:`queue.SimpleQueue` objects, whose
+    ``put`` and ``get`` are each one C call. SIGTERM and Ctrl-C raise KeyboardInterrupt in
+    the engine's thread at any bytecode, also inside the pure-Python ``queue.Queue`` and
+    ``threading.Condition``: between waking this thread's waiter and taking it off the
+    waiters' list (the next ``put``, :meth:`finish`'s stop, then wakes a stale waiter and
+    this thread sleeps on), or holding the condition's lock. Either way :meth:`finish`
+    waited for ever on a thread waiting for work. So the records come in one SimpleQueue
+    and the bound on those waiting (two batches: memory) is a second one holding a token
+    per free place; an interrupt costs at most a token, never a wake-up.
     """
 
     _STOP = object()
@@ -55,33 +66,53 @@ class RecordWriter(threading.Thread):
         self.store = store
         self.batch = batch
         self.committed = committed
-        self.inbox: queue.Queue = queue.Queue(maxsize=2 * batch)
+        # records (and the stop) from the engine's thread, and one token per record that
+        # may wait here: the engine takes one before each put, this thread gives it back
+        # when it takes the record (see the class doc for why two SimpleQueues)
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.room: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(2 * batch):
+            self.room.put(None)
         self.busy_s = 0.0
         self.full: StoreFull | None = None
         self.stored: set[str] = set()
 
     def put(self, pending: PendingRecord) -> None:
+        """Hand a computed record over; waits while two batches are waiting already."""
+        self.room.get()
         self.inbox.put(pending)
 
     def finish(self) -> None:
         """Commit what was put, then stop the thread and wait for it."""
-        self.inbox.put(self._STOP)
+        self.inbox.put(self._STOP)  # takes no room: never waits
         self.join()
 
     def run(self) -> None:
         stopping = False
         while not stopping:
-            batch = [self.inbox.get()]
-            while len(batch) < self.batch:
-                try:
-                    batch.append(self.inbox.get_nowait())
-                except queue.Empty:
+            batch: list[PendingRecord] = []
+            item = self._take(block=True)
+            while item is not None:
+                if item is self._STOP:
+                    stopping = True
                     break
-            if batch[-1] is self._STOP:
-                batch.pop()
-                stopping = True
+                batch.append(item)
+                if len(batch) >= self.batch:
+                    break
+                item = self._take(block=False)
             if batch:
                 self._commit(batch)
+
+    def _take(self, *, block: bool) -> Any:
+        """The next record (or the stop) put; None when ``block`` is false and there is
+        none. A record's room goes back to the engine as it is taken."""
+        try:
+            item = self.inbox.get(block)
+        except queue.Empty:
+            return None
+        if item is not self._STOP:
+            self.room.put(None)
+        return item
 
     def _commit(self, batch: list[PendingRecord]) -> None:
         if self.full is not None:

@@ -37,7 +37,7 @@ from cache_store.errors import (
 from cache_store.jobs.failures import Failure, FailureLog
 from cache_store.keys import record_key, validate_sample_id
 from cache_store.sources.freshness import stored_metadata, stored_source_hash
-from cache_store.format.index import DatasetIndex
+from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.stores.base import Store
 from cache_store.sources.discover import id_clash_reason
 from workers.progress import open_bar
@@ -431,9 +431,11 @@ class RunLedger:
             logger.warning("index of %s is unreadable (%s); rebuilding it", fingerprint, exc)
             prefix = fingerprint + "/"
             old = ran + sorted({key[len(prefix) :] for key in store.keys(prefix)} - set(ran))
-        known = set(old)
-        new = [sid for sid in ran if sid not in known]
-        if (old and not new) or not (old or new):
+        ids = append_ids(old, ran)
+        if len(ids) == len(old) and not ran:
+            # nothing stored by this run. (A run that stored records writes the index even
+            # when it lists them all: a sharded snapshot's lists every committed record
+            # before its index.json is written.)
             return
         store.put_index(
             DatasetIndex(
@@ -441,7 +443,7 @@ class RunLedger:
                 summary.recipe,
                 summary.recipe_version,
                 dict(summary.params),
-                np.array(old + new, dtype=str),
+                np.array(ids, dtype=str),
             )
         )
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from cache_store.keys import (
     validate_sample_id,
 )
 
-__all__ = ["INDEX_KIND", "DatasetIndex", "encode_index", "decode_index"]
+__all__ = ["INDEX_KIND", "DatasetIndex", "append_ids", "encode_index", "decode_index"]
 
 #: The ``kind`` metadata of a stored dataset index.
 INDEX_KIND = "spcache.dataset_index"
@@ -122,6 +122,15 @@ class DatasetIndex:
             "samples": len(self),
             "created": self.created,
         }
+
+
+def append_ids(held: Sequence[str], more: Iterable[str]) -> list[str]:
+    """The ids of a dataset that gains ``more``: ``held`` in its order, then the ids of
+    ``more`` not in it yet, in theirs (ids already indexed never move or vanish). The
+    one rule for adding to an index: a run's ledger and an import both call it."""
+    known = set(held)
+    added = [sid for sid in dict.fromkeys(more) if sid not in known]
+    return [*held, *added]
 
 
 def encode_index(index: DatasetIndex) -> bytes:

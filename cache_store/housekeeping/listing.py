@@ -19,7 +19,7 @@ from typing import Any
 
 from cache_store import usage
 from cache_store.errors import CacheNotFound, FingerprintRemoved, ReadOnlyStoreError
-from cache_store.housekeeping.units import from_iso_time, iso_time
+from cache_store.housekeeping.units import format_size, from_iso_time, iso_time
 from cache_store.location import LocationLike, parse_location
 from cache_store.recipes.registry import RECIPE_SPECS
 from cache_store.stores.opener import open_store
@@ -242,8 +242,28 @@ def ls(cache: str | os.PathLike[str]) -> list[dict[str, Any]]:
     only remembered failures), ``failed``, ``created``,
     ``last_written``, ``last_read`` (ISO 8601 UTC or None), ``recipe_changed`` (the
     installed recipe's version differs) and ``code_changed`` (some records were computed by
-    other code than the installed recipe's, under the same version)."""
+    other code than the installed recipe's, under the same version). A copy left by a
+    compaction that did not finish (``records.compact/``) is a WARNING naming its size
+    (``spcache compact`` removes it)."""
+    where = parse_location(cache)
+    if where.kind == "lmdb" and where.is_local:
+        _warn_of_leftover_copy(where.path())
     entries = sorted(
         cache_entries(cache, failure_only=True), key=lambda e: (e.last_used, e.fingerprint)
     )
     return [e.as_json() for e in entries]
+
+
+def _warn_of_leftover_copy(root: Path) -> None:
+    from cache_store.stores.lmdb.compaction import leftover_copy
+
+    size = leftover_copy(root)
+    if size is not None:
+        log.warning(
+            "%s: records.compact/ (%s, %d bytes) is a copy left by a compaction that did not "
+            "finish (or one running now); spcache compact --cache %s removes it",
+            root,
+            format_size(size),
+            size,
+            root,
+        )

@@ -3,11 +3,11 @@
 :mod:`~cache_store.local_cache.spec` parses what the user gives (a directory, a limit);
 :mod:`~cache_store.local_cache.disk` keeps the directory (fetched once, least recently
 used out, never above the limit, shared by every process of the machine);
-:mod:`~cache_store.local_cache.prefetch` fetches ahead in a reader's order; one module
-per remote backend says what its unit is: a sharded snapshot's parts
-(:mod:`~cache_store.local_cache.sharded`), a Zarr snapshot's chunk files
-(:mod:`~cache_store.local_cache.zarr`), the service's records
-(:mod:`~cache_store.local_cache.http`). :func:`cache_store.stores.opener.open_store`
+:mod:`~cache_store.local_cache.prefetch` fetches ahead in a reader's order (a
+:class:`~cache_store.readers.sampler.Sampler`'s read-ahead asks it); one module per
+remote backend says what its unit is: a sharded snapshot's parts
+(:mod:`~cache_store.local_cache.sharded`), the only one so far (an exported Zarr
+snapshot and the service are refused). :func:`cache_store.stores.opener.open_store`
 opens them when given ``local_cache``.
 """
 

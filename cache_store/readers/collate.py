@@ -33,13 +33,23 @@ class SpcSample(dict[str, Any]):
     """A sample as ``CachedDataset`` returns it: a dict of CPU tensors by field name
     that also carries ``variable``, the fields its recipe declares with a first
     dimension each record sets for itself (``Field("int16", "[N, 3]", ...)``), so
-    :func:`collate_spc` batches them by their declaration, not by the batch's shapes."""
+    :func:`collate_spc` batches them by their declaration, not by the batch's shapes,
+    and ``sample_id``, which sample it is (None where unknown), which :func:`collate_spc`
+    lists as the batch's ``"sample_ids"``. Neither is a key: the dict holds the
+    record's tensors only."""
 
     variable: frozenset[str] = frozenset()
+    sample_id: str | None = None
 
-    def __init__(self, tensors: Mapping[str, Any], variable: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, Any],
+        variable: Iterable[str] = (),
+        sample_id: str | None = None,
+    ) -> None:
         super().__init__(tensors)
         self.variable = frozenset(variable)
+        self.sample_id = sample_id
 
 
 def _problem(message: str) -> ParameterError:
@@ -143,6 +153,10 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
       (``center`` ``[B, 3]``, ``scale`` ``[B]``, ``query_points`` ``[B, M, 3]``);
       otherwise concatenated along dim 0 with ``<name>_lengths`` (int32 ``[B]``).
     - anything else: ``torch.utils.data.default_collate``.
+    - ``sample_ids`` (a list of str, one per sample kept, in batch order): which samples
+      the batch holds, when every sample says (``CachedDataset``'s do: its
+      :class:`SpcSample`'s ``sample_id``), so a training loop can log and check what it
+      trained on. Not added when a field of that name exists.
 
     In a DataLoader worker of ``CachedDataset(views=True)`` the samples are
     :class:`~cache_store.views.hop.LocatedSample` (where each checked record lies): the
@@ -174,6 +188,7 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     variable: set[str] = set()
     for sample in present:
         variable.update(getattr(sample, "variable", ()))
+    sample_ids = [getattr(sample, "sample_id", None) for sample in present]
     out: dict[str, Any] = {}
     for name in names:
         values = [sample[name] for sample in present]
@@ -207,4 +222,6 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
             f"{out['octree'].shape[0]} octree bytes (expected Kaolin 0.18's "
             f"inclusive layout, one per byte)"
         )
+    if "sample_ids" not in out and all(isinstance(s, str) for s in sample_ids):
+        out["sample_ids"] = sample_ids
     return out

@@ -26,56 +26,40 @@ import torch.utils.data
 from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
-    CorruptRecord,
     MissTimeout,
     ParameterError,
     RecordNotFound,
-    SampleFailed,
     SourceError,
     StaleRecord,
-    UnknownName,
     one_line,
 )
 from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
-from cache_store.location import parse_location
-from cache_store.keys import compute_fingerprint, is_fingerprint
+from cache_store.keys import compute_fingerprint
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.registry import RECIPE_SPECS, get_recipe_spec
-from cache_store.format.ids import pack_ids
+from cache_store.recipes.registry import get_recipe_spec, installed_variable_fields
+from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.readers.collate import SpcSample
-from cache_store.readers.read_through import open_read_through
+from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
-from cache_store.readers.skipped import SkippedSample, SkippedSamples
-from cache_store.stores.base import Store
+from cache_store.readers.skipped import (
+    SKIPPABLE_ERRORS,
+    SkippedSample,
+    SkippedSamples,
+)
+from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
 from cache_store.format.buffers import in_dataloader_worker
 from cache_store.views.hop import LocatedSample
-from cache_store.views.records import VERIFY_CHOICES, read_path, read_records
+from cache_store.readers.options import checked_options
+from cache_store.views.records import read_path, read_records
 
 __all__ = ["CachedDataset"]
 
 log = logging.getLogger(__name__)
 
 Sample = dict[str, Any]
-
-
-def _variable_fields(recipe: str, version: int, params: Mapping[str, Any]) -> frozenset[str]:
-    """The fields ``recipe`` declares with a per-record first dimension, when that
-    recipe at that version is installed here (else none: collate then goes by shapes)."""
-    spec = RECIPE_SPECS.get(recipe)
-    if spec is None or spec.version != version:
-        return frozenset()
-    return spec.variable_length_fields(params)
-
-
-#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
-#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
-#: is gone or unreadable so the record cannot be checked). A missing cache, no live
-#: worker or a timeout are not the sample's fault and raise whatever the policy.
-SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
-ON_ERROR_CHOICES = ("raise", "skip")
 
 
 class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
@@ -114,7 +98,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             service URL :mod:`cache_store.readers.http_read_through`: the service queues and
             waits, and the source paths must be visible to it inside its source roots).
         warm_ahead: on a miss, also queue this many following uncached samples (index
-            order), so the worker keeps busy while loaders wait.
+            order), so the worker keeps busy while loaders wait; a
+            :class:`~cache_store.readers.sampler.Sampler` with ``read_ahead`` sets it
+            to 0 and queues ahead in its own order instead.
         miss_timeout: seconds a miss waits for its record before ``MissTimeout``.
         on_error: ``"raise"`` (the default): a sample without a usable record raises.
             ``"skip"``: such a sample (no record, a damaged one, or one the worker could
@@ -140,12 +126,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             (a cache directory, a local sharded snapshot; elsewhere copies: see
             :attr:`read_path`), a version hashed once per process (``verify="always"``:
             every read); DataLoader workers hand over places (:mod:`cache_store.views`).
-        local_cache, cache_limit: a remote snapshot (``s3://....zarr``) or the service
-            URL read through a bounded directory on this machine: what a read needs is
-            fetched once into ``local_cache`` (a sharded snapshot's parts, a Zarr
-            snapshot's chunk files, the service's records), shared by every process
-            of the machine, least recently used out first, never above ``cache_limit``
-            (bytes, or a size: ``"20G"``); see :mod:`cache_store.local_cache`.
+        local_cache, cache_limit: a remote sharded snapshot (``s3://....zarr``) read
+            through a bounded directory on this machine: each part a read needs is
+            fetched once into ``local_cache``, shared by every process of the machine,
+            least recently used out first, never above ``cache_limit`` (bytes, or a
+            size: ``"20G"``); see :mod:`cache_store.local_cache`. An exported Zarr
+            snapshot or the service URL is refused (not built yet).
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).
@@ -183,59 +169,19 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         verify: str = "once",
         **params: Any,
     ) -> None:
-        if not isinstance(fingerprint_or_recipe, str):
-            raise ParameterError(
-                [
-                    (
-                        f"fingerprint_or_recipe: expected a str, got "
-                        f"{type(fingerprint_or_recipe).__name__}"
-                    )
-                ]
-            )
-        on_miss = on_miss or ("compute" if sources is not None else "error")
-        problems = []
-        if on_miss not in ("error", "compute"):
-            problems.append(f"on_miss: expected 'error' or 'compute', got {on_miss!r}")
-        elif on_miss == "compute" and sources is None:
-            problems.append("on_miss='compute' needs sources= (the paths to compute from)")
-        if id_template is not None and sources is None:
-            problems.append("id_template= needs sources= (it names the samples found there)")
-        on_stale = on_stale or (
-            "serve" if sources is None else "compute" if on_miss == "compute" else "error"
-        )
-        if on_stale not in ("compute", "error", "serve"):
-            problems.append(f"on_stale: expected 'compute', 'error' or 'serve', got {on_stale!r}")
-        elif on_stale != "serve" and sources is None:
-            problems.append(
-                f"on_stale={on_stale!r} needs sources= (the files to compare "
-                f"records with); without them what is stored is served"
-            )
-        elif on_stale == "compute" and on_miss != "compute":
-            problems.append(
-                "on_stale='compute' needs on_miss='compute' (a stale record is "
-                "recomputed as a miss is)"
-            )
-        if sources is not None and is_fingerprint(fingerprint_or_recipe):
-            problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
         where = os.fspath(cache.location if isinstance(cache, Store) else cache)
-        kind: str
-        try:
-            kind = parse_location(where).kind
-        except UnknownName:  # a scheme no store opens: named by open_store, or here
-            kind = "unknown"
-        if on_miss == "compute" and kind not in ("lmdb", "http"):
-            problems.append(
-                f"on_miss='compute' needs a cache directory or the service's "
-                f"http(s):// URL; {where} is neither"
-            )
-        if on_error not in ON_ERROR_CHOICES:
-            problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
-        if warm_ahead < 0 or miss_timeout <= 0:
-            problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
-        if verify not in VERIFY_CHOICES:
-            problems.append(f"verify: expected 'once' or 'always', got {verify!r}")
-        if problems:
-            raise ParameterError(problems)
+        on_miss, on_stale, kind = checked_options(
+            where,
+            fingerprint_or_recipe,
+            sources,
+            on_miss=on_miss,
+            on_stale=on_stale,
+            id_template=id_template,
+            on_error=on_error,
+            warm_ahead=warm_ahead,
+            miss_timeout=miss_timeout,
+            verify=verify,
+        )
         self.views, self.verify = bool(views), verify
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
@@ -255,6 +201,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         # made here, in the process that builds the dataset, so its workers share it
         self._skipped = SkippedSamples() if on_error == "skip" else None
         self.on_stale = on_stale
+        self.epoch = 0  # set_epoch
         # index -> (signature, record checksum) this process hashed and found current
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None  # uint8, with sources only
@@ -297,7 +244,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             usage.note_read(store.location, index.fingerprint)  # once per open (spcache ls)
         self._id_bytes, self._id_offsets = index.packed_ids()
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
-        self._variable = _variable_fields(*self._recipe)
+        self._variable = installed_variable_fields(*self._recipe)
         self._fingerprint = index.fingerprint
         log.debug("CachedDataset %s: %d samples", index.fingerprint, len(index))
 
@@ -404,20 +351,67 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         start, stop = self._id_span(i)
         return f"{self._fingerprint}/{self._id_bytes[start:stop].tobytes().decode('utf-8')}"  # type: ignore[index]
 
+    # -- what a sampler asks (cache_store.readers.sampler) ------------------------------
+    def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The ids in index order: ``(blob uint8 [total_bytes], offsets int64 [n + 1])``,
+        id ``i`` at ``blob[offsets[i]:offsets[i + 1]]`` (the dataset's own arrays)."""
+        self._load_index()
+        return self._id_bytes, self._id_offsets  # type: ignore[return-value]
+
+    def blocks(self) -> BlockLayout | None:
+        """The block each sample lies in, which a shuffle keeps together (see
+        :meth:`Store.block_layout`), or None (a cache directory, the service), asked of
+        a store opened for the question and closed again."""
+        self._load_index()
+        if self.sources is not None:  # read-through: a cache directory or the service
+            return None
+        store = self._new_store()
+        try:
+            return store.block_layout(self._fingerprint, unpack_ids(*self.packed_ids()))  # type: ignore[arg-type]
+        finally:
+            store.close()
+
+    def set_epoch(self, epoch: int) -> None:
+        """``self.epoch``, set by ``Sampler.set_epoch`` (a loader worker has the value of
+        when it started: each epoch, unless ``persistent_workers``)."""
+        self.epoch = int(epoch)
+
+    def queue_ahead(self, indices: Sequence[int]) -> int:
+        """Read-through (``on_miss="compute"``): queue the samples at ``indices`` that
+        the cache lacks for its worker, without waiting (a sampler's read-ahead); the
+        number of samples handed to the queue (0 otherwise). Raises ``NoWorkerAlive``."""
+        if self.on_miss != "compute":
+            return 0
+        ahead = [
+            (self.sample_id(i), self.source_path(i))
+            for i in indices
+            if self._id_clash(i) is None and not self._has(self.key(i))
+        ]
+        if ahead:
+            self._handler().queue_ahead(ahead)
+        return len(ahead)
+
+    def restore_failed(self, entries: Iterable[Sequence[Any]]) -> None:
+        """Put a sampler state's ``failed`` (``[key, id, path, reason, when]`` each) back
+        into :attr:`failed`: a resumed job lists what the stopped one skipped."""
+        if self._skipped is not None:
+            self._skipped.restore(entries)
+
     # -- reading ---------------------------------------------------------------------
     def _store_here(self) -> Store:
         return self._store.get()
 
-    def _finish(self, record: Any, key: str) -> Any:
+    def _finish(self, record: Any, i: int) -> Any:
+        sample_id = self.sample_id(i)
         if record.place is not None and self.transform is None and in_dataloader_worker():
             source = (self._store.opener, self.fields, self.verify, self._variable, SpcSample)
-            return LocatedSample(source, key, (record.place, record.checksum))  # the hop
-        sample = SpcSample(record.tensors, self._variable)
+            return LocatedSample(source, self.key(i), (record.place, record.checksum))  # hop
+        sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:
             return sample
         out = self.transform(sample)
-        if type(out) is dict and self._variable:  # keep the declared batch layout
-            return SpcSample(out, self._variable & out.keys())
+        if type(out) is dict:  # keep the declared batch layout and the sample's id
+            return SpcSample(out, self._variable & out.keys(), sample_id)
         return out
 
     def __getitem__(self, i: int) -> Any:
@@ -485,7 +479,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             record = self._records([key], False)[0]
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
-        return self._finish(record, key)
+        return self._finish(record, i)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         self._refuse_id_clashes(indices)
@@ -499,7 +493,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             records = self._records(keys, True)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
-        return [self._finish(record, key) for record, key in zip(records, keys, strict=True)]
+        return [self._finish(record, i) for i, record in zip(indices, records, strict=True)]
 
     # -- stale records (sources=..., on_stale != "serve") -------------------------------
     _LIMITS = SourceLimits()
@@ -578,29 +572,15 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> ProcessLocal[Any]:
-        """This dataset's read-through client, one per process (made on first use in
-        each; an inherited one is parked). Opened by a module function over plain
-        values, not a bound method: that would be a reference cycle keeping a dropped
-        dataset's store open until the cyclic collector runs."""
-        location = parse_location(
-            self.cache.location if isinstance(self.cache, Store) else self.cache
-        )
+        """This dataset's read-through client, one per process."""
         name, _, params = self.recipe
-        token = getattr(self.cache, "token", None) or self.store_options.get("token")
-        ca_file = getattr(self.cache, "ca_file", None) or self.store_options.get("ca_file")
-        return ProcessLocal(
-            functools.partial(
-                open_read_through,
-                location.kind,
-                location.target,
-                name,
-                params,
-                self.fingerprint,
-                self.miss_timeout,
-                token,
-                ca_file,
-            ),
-            operator.methodcaller("close"),
+        return read_through_client(
+            self.cache,
+            name,
+            params,
+            self.fingerprint,
+            miss_timeout=self.miss_timeout,
+            store_options=self.store_options,
         )
 
     def _has(self, key: str) -> bool:

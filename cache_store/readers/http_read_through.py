@@ -163,6 +163,13 @@ class HTTPReadThrough:
         for sid, path in wanted:
             self._wait(sid, path, deadline)
 
+    def queue_ahead(self, items: Sequence[tuple[str, str]]) -> None:
+        """Queue ``(sample id, path)`` items the caller will want soon, without waiting
+        (a sampler's read-ahead): one deduplicated warm-up. Raises
+        :class:`NoWorkerAlive`."""
+        if items:
+            self._warmup(items, time.monotonic() + self.miss_timeout)
+
     def _wait(self, sample_id: str, path: str, deadline: float) -> None:
         record = f"/v1/caches/{self.fingerprint}/records/{quote(sample_id, safe='/')}"
         requeued = False

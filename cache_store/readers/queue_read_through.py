@@ -138,6 +138,18 @@ class QueueReadThrough:
                 raise SampleFailed(row.sample_id, row.path, row.last_error or "failed")
         self._wait(has, waiting)
 
+    def queue_ahead(self, items: Sequence[tuple[str, str]]) -> None:
+        """Queue ``(sample id, path)`` items the caller will want soon, without waiting
+        (a sampler's read-ahead); each once, as :meth:`fetch` queues. Raises
+        :class:`NoWorkerAlive`."""
+        if not items:
+            return
+        self._require_worker([sid for sid, _ in items])
+        rows = self.queue.enqueue_once(
+            self.recipe, self.params, self.fingerprint, items, priority=self.priority
+        )
+        self.queued += sum(1 for r in rows if not r.reused)
+
     def _wait(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
         start = time.monotonic()
         deadline = start + self.miss_timeout

@@ -26,10 +26,20 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SkippedSample", "SkippedSamples"]
+from cache_store.errors import CorruptRecord, RecordNotFound, SampleFailed, SourceError
+
+__all__ = ["ON_ERROR_CHOICES", "SKIPPABLE_ERRORS", "SkippedSample", "SkippedSamples"]
+
+#: what ``on_error="skip"`` leaves out: this sample has no usable record (none stored, a
+#: damaged one, the worker could not compute it, or, with ``sources=``, its source file
+#: is gone or unreadable so the record cannot be checked). A missing cache, no live
+#: worker or a timeout are not the sample's fault and raise whatever the policy.
+SKIPPABLE_ERRORS = (RecordNotFound, CorruptRecord, SampleFailed, SourceError)
+ON_ERROR_CHOICES = ("raise", "skip")
 
 
 @dataclass(frozen=True)
@@ -62,10 +72,18 @@ class SkippedSamples:
         self.directory = state["directory"]
         self._finalizer = None  # only the creator removes it
 
-    def add(self, sample_id: str, path: str, reason: str, *, key: str | None = None) -> bool:
-        """Record a skip under ``key`` (default: ``sample_id``); True when no process of
-        this dataset had skipped that key before (the caller then warns), False when one
-        had."""
+    def add(
+        self,
+        sample_id: str,
+        path: str,
+        reason: str,
+        *,
+        key: str | None = None,
+        when: float | None = None,
+    ) -> bool:
+        """Record a skip under ``key`` (default: ``sample_id``), at ``when`` (default:
+        now); True when no process of this dataset had skipped that key before (the
+        caller then warns), False when one had."""
         key = sample_id if key is None else key
         name = hashlib.sha256(key.encode("utf-8")).hexdigest()[:40] + ".json"
         final = os.path.join(self.directory, name)
@@ -80,7 +98,7 @@ class SkippedSamples:
                         "sample_id": sample_id,
                         "path": path,
                         "reason": reason,
-                        "when": time.time(),
+                        "when": time.time() if when is None else when,
                     },
                     f,
                 )
@@ -94,6 +112,12 @@ class SkippedSamples:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
+
+    def restore(self, entries: Iterable[Sequence[Any]]) -> None:
+        """Record again the skips listed as ``[key, id, path, reason, when]`` each (a
+        sampler state's ``failed``), keeping their keys and times."""
+        for key, sample_id, path, reason, when in entries:
+            self.add(str(sample_id), str(path), str(reason), key=str(key), when=when)
 
     def entries(self) -> dict[str, SkippedSample]:
         """Every key (sample id, or the path ``add`` was given as key) skipped so far by

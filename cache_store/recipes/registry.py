@@ -56,6 +56,7 @@ __all__ = [
     "BUILTIN_DISTRIBUTION",
     "RECIPE_SPECS",
     "get_recipe_spec",
+    "installed_variable_fields",
     "RecipeEntry",
     "Registry",
     "installed_recipes",
@@ -343,3 +344,14 @@ def get_recipe_spec(name: str) -> RecipeSpec:
     """The installed recipe ``name``'s schema; :class:`UnknownName` listing the known ones
     (:class:`~cache_store.errors.RecipeUnusable`, saying why, for a plugin left out)."""
     return get_entry(name).spec
+
+
+def installed_variable_fields(
+    recipe: str, version: int, params: Mapping[str, Any]
+) -> frozenset[str]:
+    """The fields ``recipe`` declares with a per-record first dimension, when that
+    recipe at that version is installed here (else none: collate then goes by shapes)."""
+    spec = RECIPE_SPECS.get(recipe)
+    if spec is None or spec.version != version:
+        return frozenset()
+    return spec.variable_length_fields(params)

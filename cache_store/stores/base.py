@@ -56,6 +56,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -87,6 +89,7 @@ from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerpr
 from cache_store.views.records import Place
 
 __all__ = [
+    "BlockLayout",
     "RecordDecoder",
     "Store",
     "VerifyReport",
@@ -120,6 +123,22 @@ class VerifyReport:
             "missing": list(self.missing),
             "damaged": self.damaged,
         }
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a backend reads one dataset's records: block by block. ``names`` (str,
+    stable across processes and runs: a part's name, a chunk range) and ``of_sample``
+    (np.ndarray int64 of shape (n,): the block of each sample, indexing ``names``)."""
+
+    names: tuple[str, ...]
+    of_sample: Any
+
+    @classmethod
+    def of_labels(cls, labels: Sequence[str]) -> BlockLayout:
+        """The layout of samples whose blocks are named ``labels`` (one per sample)."""
+        names, of_sample = np.unique(np.array(labels, dtype=str), return_inverse=True)
+        return cls(tuple(str(n) for n in names), of_sample.astype(np.int64))
 
 
 # --------------------------------------------------------------------------- decoding
@@ -457,6 +476,13 @@ class Store(abc.ABC):
         """A change counter: a different value after any write has landed since the last
         call, the same while nothing was written. None: this backend cannot tell (treat
         every call as a change)."""
+        return None
+
+    def block_layout(self, fingerprint: str, sample_ids: Sequence[str]) -> BlockLayout | None:
+        """The blocks this backend reads the records of ``sample_ids`` (of
+        ``fingerprint``) in, or None: any record is read as cheaply as any other (the
+        default). A backend that fetches a block at a time (a part, a chunk) says which
+        block holds each sample, so a sampler can keep a block's samples together."""
         return None
 
     def iter_values(self, prefix: str = "") -> Iterator[tuple[str, bytes]]:

@@ -199,6 +199,22 @@ class StoreContract:
             store.get_index("f" * 32)
         assert FP_A in str(err.value)
 
+    def test_block_layout_is_none_or_one_named_block_per_sample(self) -> None:
+        store, _, indexes = self.opened()
+        for index in indexes:
+            ids = index.sample_ids.tolist()
+            layout = store.block_layout(index.fingerprint, ids)
+            if layout is None:  # any record is read as cheaply as any other
+                continue
+            assert len(layout.of_sample) == len(ids)
+            assert all(0 <= b < len(layout.names) for b in layout.of_sample.tolist())
+            assert all(isinstance(name, str) and name for name in layout.names)  # all stored
+            block_of = dict(zip(ids, (layout.names[b] for b in layout.of_sample), strict=True))
+            asked = ids[::-1]  # the names depend on the samples, not on how they are asked
+            again = store.block_layout(index.fingerprint, asked)
+            assert again is not None
+            assert [again.names[b] for b in again.of_sample] == [block_of[s] for s in asked]
+
     def test_find_fingerprints(self) -> None:
         store, _, _ = self.opened()
         assert [i.fingerprint for i in store.find_fingerprints("spc")] == sorted([FP_A, FP_C])

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cache_store.keys import split_key
 from cache_store.views.records import Place
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> 
 def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:
     """In the training process: the sample a worker located, as views (or a copy)."""
     record = _records(source, [(key, checked)])[0]
-    return source[4](record.tensors, source[3])
+    return source[4](record.tensors, source[3], split_key(key)[1])
 
 
 def open_batch(
@@ -113,7 +114,8 @@ def open_batch(
     (:func:`packed`), of which it then takes views."""
     sample, variable = source[4], source[3]
     tensors = packed([r.tensors for r in _records(source, items)])
-    return collate([sample(t, variable) for t in tensors])
+    ids = [split_key(key)[1] for key, _ in items]
+    return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
 
 
 def packed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

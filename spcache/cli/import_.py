@@ -1,7 +1,8 @@
 """``spcache import DEST.zarr --cache DIR``: copy a snapshot's records (sharded or
 exported, a path or a URL) into a local LMDB cache, checked on the way, with their index
-(:func:`cache_store.snapshot.importer.import_snapshot`). Running it again finishes an
-interrupted import; records already there are skipped.
+(:func:`cache_store.snapshot.importer.import_snapshot`), added to what the cache holds.
+Running it again finishes an interrupted import; records already there are skipped. A
+damaged record is named and left out (exit 1); every good one is copied.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True))
     else:
         for fingerprint, counts in result.items():
+            bad = counts["bad"]
             print(
                 f"{fingerprint}: {counts['copied']} copied, {counts['present']} already "
-                f"in {args.cache}"
+                f"in {args.cache}" + (f", {len(bad)} bad (left out)" if bad else "")
             )
-    return 0
+            for sample_id, reason in bad.items():
+                print(f"  bad {fingerprint}/{sample_id}: {reason}")
+    return 1 if any(counts["bad"] for counts in result.values()) else 0

@@ -122,3 +122,13 @@ def test_fields_already_end_to_end_are_viewed_not_copied() -> None:
     mixed = collate_spc(decoded)
     assert torch.equal(mixed["exsum"], copied["exsum"])
     assert mixed["exsum"].untyped_storage().data_ptr() != storage
+
+
+def test_sample_ids_of_the_samples_kept() -> None:
+    from cache_store.readers.collate import SpcSample
+
+    samples = [SpcSample(spc_fields(seed), sample_id=f"s{seed}") for seed in range(3)]
+    assert collate_spc([samples[0], None, samples[2]])["sample_ids"] == ["s0", "s2"]
+    assert "sample_ids" not in collate_spc([spc_fields(0), spc_fields(1)])  # plain dicts
+    named = [dict(spc_fields(s), sample_ids=torch.tensor([s])) for s in range(2)]
+    assert collate_spc(named)["sample_ids"].tolist() == [[0], [1]]  # a field of that name wins

@@ -367,3 +367,19 @@ def test_spawn_and_forkserver_workers(cache: Path, context: str, workers: int) -
     got = _load_all(cache, context, workers)
     assert len({int(s["pid"]) for s in got}) == workers
     _check_against_single_process(cache, got, workers)
+
+
+def test_each_sample_says_which_it_is_and_a_batch_lists_them(cache: Path) -> None:
+    ds = CachedDataset(cache, FP_Q4)
+    assert ds[3].sample_id == _ids(N)[3] and "sample_id" not in ds[3]  # not a field
+    loader = DataLoader(
+        ds, batch_size=5, num_workers=2, collate_fn=collate_spc, multiprocessing_context="fork"
+    )
+    listed = [sid for batch in loader for sid in batch["sample_ids"]]
+    assert listed == _ids(N)  # through worker processes, in batch order
+
+    def plain(sample: dict) -> dict:  # a transform returning a plain dict keeps the id
+        return {"octree": sample["octree"]}
+
+    mapped = CachedDataset(cache, FP_Q4, transform=plain)
+    assert collate_spc(mapped.__getitems__([0, 2]))["sample_ids"] == [_ids(N)[0], _ids(N)[2]]

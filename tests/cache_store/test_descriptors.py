@@ -28,7 +28,7 @@ from cache_store.format.encode import encode_record, upgrade_record
 from cache_store.format.header import MANAGED_METADATA, read_header
 from cache_store.format.index import DatasetIndex, decode_index
 from cache_store.readers.dataset import CachedDataset
-from cache_store.recipes.specs import get_recipe_spec
+from cache_store.recipes.registry import get_recipe_spec
 from cache_store.stores.http import HTTPStore
 from cache_store.snapshot.sharded import ShardedSnapshot
 from cache_store.stores.lmdb import LMDBStore

@@ -74,3 +74,43 @@ def test_a_failure_reason_is_cut_to_its_limit() -> None:
 def test_one_line_with_its_class() -> None:
     assert one_line(OSError("disk\ngone"), with_class=True) == "OSError: disk gone"
     assert one_line(ValueError(), with_class=True) == "ValueError"
+
+
+def test_every_error_crosses_a_process_boundary_as_its_own_class() -> None:
+    """Pickled, as a process pool returns it (the default rebuild called each subclass's
+    constructor with its message and failed, breaking the pool), and as plain values
+    (JSON): the same class, message and attributes."""
+    import concurrent.futures as cf
+    import json
+    import multiprocessing
+    import pickle
+
+    made = [
+        errors.UnknownName("recipe", "nope", ["spc", "spc_query"]),
+        errors.RecipeUnusable("broken", "its constructor raised ValueError", ["spc"]),
+    ]
+    for error in made:
+        for back in (
+            pickle.loads(pickle.dumps(error)),
+            errors.error_from_values(json.loads(json.dumps(errors.error_values(error)))),
+        ):
+            assert type(back) is type(error) and str(back) == str(error)
+            assert vars(back) == vars(error)
+    every = [
+        getattr(errors, name) for name in errors.__all__ if isinstance(getattr(errors, name), type)
+    ]
+    for cls in every:  # built without a constructor, so every class is tried alike
+        error = cls.__new__(cls)
+        error.args = ("a message",)
+        error.detail = "kept"
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is cls and back.args == ("a message",) and back.detail == "kept"
+    ctx = multiprocessing.get_context("forkserver")
+    with cf.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        with pytest.raises(errors.UnknownName) as raised:
+            pool.submit(_raise_unknown_name).result(timeout=120)
+    assert raised.value.known == ["spc"] and raised.value.name == "nope"
+
+
+def _raise_unknown_name() -> None:
+    raise errors.UnknownName("recipe", "nope", ["spc"])

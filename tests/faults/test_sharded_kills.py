@@ -123,7 +123,7 @@ def test_a_killed_driver_loses_no_commit_and_the_rerun_computes_only_the_rest(
     cache = tmp_path / "cache"
     imported = run_spcache("import", dest, "--cache", cache, "--json")
     assert imported.returncode == 0, imported.stderr
-    assert json.loads(imported.stdout) == {fp: {"copied": 16, "present": 0}}
+    assert json.loads(imported.stdout) == {fp: {"copied": 16, "present": 0, "bad": {}}}
     with open_store(cache) as lmdb_cache, ShardedSnapshot(dest) as snap:
         assert (
             lmdb_cache.get_index(fp).sample_ids.tolist() == snap.get_index(fp).sample_ids.tolist()

@@ -30,6 +30,12 @@ from tests.helpers.procs import kill_tree, popen, run_spcache, spcache_argv, tre
 SHAPES = 48
 # about half a second of loading and computing each on a loaded 2-core machine
 PARAMS = {"level": 6, "surface_samples": 200000}
+# One record per write: the engine then waits for the writer once two records wait for
+# it, so the records stored follow the samples computed and "two stored" means mid-way.
+# With the default batch (32) the writer fell behind on the loaded VM (one run: 22
+# stored after 49 s, the other 26 in one commit as the run ended), so "two stored" could
+# come as the run ended, and a Ctrl-C after `spcache.precompute` returned left exit 0.
+WRITE_BATCH = 1
 STOPPING = "spcache precompute: stopping"
 
 
@@ -107,14 +113,19 @@ def _stored(cache: Path) -> int:
         return 0
 
 
-def _interrupt_mid_run(proc: subprocess.Popen[bytes], cache: Path) -> None:
+def _interrupt_mid_run(proc: subprocess.Popen[bytes], cache: Path) -> int:
+    """Ctrl-C to the run's process group once it has stored two records (with
+    :data:`WRITE_BATCH` 1, at most a few samples computed: the run is mid-way) and is
+    still running; returns how many records were stored just after it was sent."""
     procs = []
     try:
         wait_for(lambda: _stored(cache) >= 2 or proc.poll() is not None, 300, "stored records")
         assert proc.poll() is None, "the run ended before it could be interrupted"
         procs = tree(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
+        at_interrupt = _stored(cache)
         proc.wait(timeout=120)
+        return at_interrupt
     finally:
         kill_tree(procs or tree(proc.pid))
 
@@ -145,7 +156,8 @@ def test_ctrl_c_stops_spcache_precompute_whatever_stderr_is(tmp_path: Path, kind
     stderr = Stderr(kind, tmp_path)
     fd = stderr.target()
     args = ["precompute", "shapes", "--recipe", "spc", "--cache", "cache", "--device", "cpu"]
-    args += ["--loaders", "2"] + [a for k, v in PARAMS.items() for a in ("--param", f"{k}={v}")]
+    args += ["--loaders", "2", "--write-batch", str(WRITE_BATCH)]
+    args += [a for k, v in PARAMS.items() for a in ("--param", f"{k}={v}")]
     proc = popen(
         spcache_argv(*args),
         cwd=tmp_path,
@@ -165,10 +177,13 @@ def test_ctrl_c_stops_spcache_precompute_whatever_stderr_is(tmp_path: Path, kind
 
 LIBRARY_RUN = textwrap.dedent(
     """
+    import pathlib
     import spcache
 
-    spcache.precompute("shapes", "spc", "cache", device="cpu", loaders=2, progress=True,
-                       level={level}, surface_samples={surface_samples})
+    result = spcache.precompute("shapes", "spc", "cache", device="cpu", loaders=2,
+                                progress=True, write_batch={write_batch}, level={level},
+                                surface_samples={surface_samples})
+    pathlib.Path("returned").write_text(str(result.done))  # not interrupted after all
     """
 )
 
@@ -190,11 +205,20 @@ def test_ctrl_c_stops_spcache_precompute_in_a_script_whose_stderr_is_closed(
     )
     assert proc.stdin is not None and proc.stderr is not None
     proc.stderr.close()
-    proc.stdin.write(LIBRARY_RUN.format(**PARAMS).encode())
+    proc.stdin.write(LIBRARY_RUN.format(write_batch=WRITE_BATCH, **PARAMS).encode())
     proc.stdin.close()
-    _interrupt_mid_run(proc, tmp_path / "cache")
-    # an uncaught KeyboardInterrupt ends Python by SIGINT
-    assert proc.returncode == -signal.SIGINT
+    at_interrupt = _interrupt_mid_run(proc, tmp_path / "cache")
+    # an uncaught KeyboardInterrupt ends Python by SIGINT; if not, say what went on
+    returned = tmp_path / "returned"
+    assert proc.returncode == -signal.SIGINT, (
+        f"exit {proc.returncode}; {at_interrupt} of {SHAPES} records were stored as Ctrl-C "
+        f"was sent; "
+        + (
+            f"spcache.precompute returned with {returned.read_text()} done"
+            if returned.exists()
+            else "spcache.precompute did not return"
+        )
+    )
     assert _check_what_was_committed(tmp_path) < SHAPES
 
 

@@ -1,7 +1,8 @@
-"""Stopping the loader pool at its awkward moments: Ctrl-C while it starts a process
-(held until the executor has recorded the child, ``workers.loader.interrupts_held``, so
-stopping the run stops that child too), and a loader stopped halfway through writing its
-result (``stop_executor`` turns the executor's wait for the rest into end-of-file)."""
+"""Stopping the loader pool at its awkward moments: Ctrl-C (or SIGTERM through
+precompute's handler) while it starts a process (held until the executor has recorded
+the child, ``workers.loader.interrupts_held``, so stopping the run stops that child too),
+and a loader stopped halfway through writing its result (``stop_executor`` turns the
+executor's wait for the rest into end-of-file)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,23 @@ def test_with_the_default_handler_the_interrupt_comes_after_the_body() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_a_sigterm_that_raises_is_held_too_and_a_default_one_is_left_alone() -> None:
+    """``spcache precompute`` turns SIGTERM into the same interrupt as Ctrl-C."""
+    seen: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append("terminate"))
+    try:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            _let_python_run_handlers()
+            seen.append("body done")
+        assert seen == ["body done", "terminate"]
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with interrupts_held():
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_off_the_main_thread_it_changes_nothing() -> None:

@@ -86,8 +86,8 @@ def test_a_plugins_variable_size_field_has_one_batch_layout(probe, tmp_path: Pat
     n_mesh, n_cloud = a["voxels"].shape[0], c["voxels"].shape[0]
     assert n_mesh != n_cloud and b["voxels"].shape[0] == n_mesh
 
-    def layout(batch: dict) -> dict:
-        return {name: tuple(t.shape) for name, t in batch.items()}
+    def layout(batch: dict) -> dict:  # the tensors' shapes; sample_ids is a list
+        return {name: tuple(t.shape) for name, t in batch.items() if name != "sample_ids"}
 
     assert layout(collate_spc([a])) == {
         "voxels": (n_mesh, 3),
@@ -99,6 +99,7 @@ def test_a_plugins_variable_size_field_has_one_batch_layout(probe, tmp_path: Pat
         "voxels_lengths": (2,),
         "extent": (2, 3),
     }
+    assert collate_spc([a, c])["sample_ids"] == ["a", "c"]
     assert layout(collate_spc([a, c])) == {
         "voxels": (n_mesh + n_cloud, 3),
         "voxels_lengths": (2,),
@@ -108,7 +109,7 @@ def test_a_plugins_variable_size_field_has_one_batch_layout(probe, tmp_path: Pat
     renamed = CachedDataset(
         tmp_path / "cache", engine.fingerprint, transform=lambda s: {"voxels": s["voxels"]}
     )
-    assert set(collate_spc([renamed[at["a"]]])) == {"voxels", "voxels_lengths"}
+    assert set(collate_spc([renamed[at["a"]]])) == {"voxels", "voxels_lengths", "sample_ids"}
     # forked DataLoader workers, batches of one: the same layout
     loader = DataLoader(ds, batch_size=1, num_workers=1, collate_fn=collate_spc)
     for batch in loader:

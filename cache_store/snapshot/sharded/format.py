@@ -68,6 +68,7 @@ __all__ = [
     "Dataset",
     "Entry",
     "check_against_manifest",
+    "check_description",
     "commit_order",
     "dataset_from_index",
     "descriptor_texts",
@@ -264,6 +265,7 @@ def parse_manifest(
             raise CorruptRecord(what, str(exc)) from None
         entries.append((sample_id, Entry(part, offset, length, checksum, source_hash)))
     descriptor_texts(doc, what)
+    check_description(doc.get("dataset"), fingerprint, what)
     return doc, entries
 
 
@@ -276,6 +278,37 @@ def descriptor_texts(doc: Mapping[str, Any], what: str) -> dict[str, str]:
     ):
         raise CorruptRecord(what, "malformed descriptors")
     return found
+
+
+def check_description(described: Any, fingerprint: str, what: str) -> None:
+    """A manifest's ``dataset`` (None: not described) must be a recipe, version and
+    parameters whose fingerprint is ``fingerprint``; else :class:`CorruptRecord` naming
+    ``what``. One planted manifest describing anything else would otherwise become the
+    fingerprint's dataset (issue 34: ``{"bogus": 1}`` made it unreadable, other
+    parameters were merged into ``index.json``)."""
+    if described is None:
+        return
+    try:
+        recipe, version, params = (
+            described["recipe"],
+            described["recipe_version"],
+            described["params"],
+        )
+        if (
+            not isinstance(recipe, str)
+            or not isinstance(version, int)
+            or not isinstance(params, dict)
+        ):
+            raise TypeError("recipe, recipe_version or params of the wrong type")
+        computed = compute_fingerprint(recipe, version, params)
+    except (KeyError, TypeError, ValueError, SpcacheError) as exc:
+        raise CorruptRecord(what, f"malformed dataset description ({exc})") from None
+    if computed != fingerprint:
+        raise CorruptRecord(
+            what,
+            f"its dataset description ({recipe!r} v{version}, its parameters) is that of "
+            f"fingerprint {computed}, not {fingerprint}",
+        )
 
 
 def commit_order(doc: Mapping[str, Any], part: str) -> tuple[str, str]:
@@ -337,4 +370,6 @@ def dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> Dataset:
         dataset.descriptors = dict(descriptor_texts(doc, what))
     except (KeyError, TypeError, ValueError) as exc:  # InvalidSampleId is a ValueError
         raise CorruptRecord(what, f"malformed ({exc})") from None
+    described = {k: doc[k] for k in ("recipe", "recipe_version", "params")}
+    check_description(described, fingerprint, what)
     return dataset

@@ -35,7 +35,7 @@ import numpy as np
 from cache_store.errors import CorruptRecord, FingerprintLookupError, RecordNotFound
 from cache_store.format.decode import Record, check_record
 from cache_store.format.descriptor import Descriptor
-from cache_store.format.index import DatasetIndex
+from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.keys import is_fingerprint, split_key, validate_fingerprint
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
@@ -53,7 +53,7 @@ from cache_store.snapshot.sharded.format import (
     part_bytes,
     root_document,
 )
-from cache_store.stores.base import RecordDecoder, Store, VerifyReport
+from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyReport
 from cache_store.views.mapping import map_range
 from cache_store.views.records import Place, view_record
 
@@ -205,15 +205,22 @@ class ShardedSnapshot(Store):
         return sorted(parts)
 
     def _load(
-        self, fingerprint: str, *, refresh: bool = False, describe: Mapping[str, Any] | None = None
+        self,
+        fingerprint: str,
+        *,
+        refresh: bool = False,
+        describe: Mapping[str, Any] | None = None,
+        rebuild: bool = False,
     ) -> Dataset | None:
+        """What ``fingerprint`` holds: ``index.json`` and the manifests committed since,
+        or with ``rebuild`` every manifest that exists now (the index is not read)."""
         with self._lock:
             known = self._datasets.get(fingerprint)
-            if known is not None and not refresh:
+            if known is not None and not refresh and not rebuild:
                 return known
-        dataset = known
+        dataset = None if rebuild else known
         problems = self._problems.setdefault(fingerprint, _Problems())
-        if dataset is None:
+        if dataset is None and not rebuild:
             dataset = self._read_index(fingerprint, problems)
         new = [
             p
@@ -310,6 +317,13 @@ class ShardedSnapshot(Store):
         validate_fingerprint(fingerprint)
         self.refresh()
         dataset = self._load(fingerprint, describe=describe)
+        before: list[str] = []
+        if dataset is not None and dataset.parts_seen - set(self.commit_names(fingerprint)):
+            # A part the index names has no manifest now (deleted, or set aside): rebuild
+            # from the manifests that exist, so its ids leave the index; the old index
+            # still gives the order. (Else the index and the new manifests are all.)
+            before = dataset.order
+            dataset = self._load(fingerprint, describe=describe, rebuild=True)
         if dataset is None:
             if describe is None:
                 raise FingerprintLookupError(
@@ -323,9 +337,8 @@ class ShardedSnapshot(Store):
                 f"recipe and parameters",
                 self.fingerprints(),
             )
-        first = [sid for sid in order if sid in dataset.entries]
-        seen = set(first)
-        ids = first + [sid for sid in dataset.order if sid not in seen]
+        first = [sid for sid in [*order, *before] if sid in dataset.entries]
+        ids = append_ids(list(dict.fromkeys(first)), dataset.order)
         info = (
             dict(describe)
             if describe is not None
@@ -493,6 +506,18 @@ class ShardedSnapshot(Store):
 
     def has(self, key: str) -> bool:
         return self._entry(key) is not None
+
+    def block_layout(self, fingerprint: str, sample_ids: Sequence[str]) -> BlockLayout | None:
+        """Parts: a record is a range of its part's file, so a reader that fetches parts
+        whole (a bounded local cache) reads each once when a part's samples come
+        together. A sample no commit holds gets a block of its own, named ``""``."""
+        dataset = self._load(fingerprint)
+        if dataset is None:
+            return None
+        entries = dataset.entries
+        return BlockLayout.of_labels(
+            [entry.part if (entry := entries.get(sid)) is not None else "" for sid in sample_ids]
+        )
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         found = []

@@ -52,7 +52,7 @@ from cache_store.snapshot.zarr.group import (
     run,
     values_of,
 )
-from cache_store.stores.base import RecordDecoder, Store, VerifyReport
+from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyReport
 
 __all__ = ["ZarrStore"]
 
@@ -223,6 +223,24 @@ class ZarrStore(Store):
                 raise RecordNotFound(key, self.location)
             located.append((key, *found))
         return located
+
+    def block_layout(self, fingerprint: str, sample_ids: Sequence[str]) -> BlockLayout | None:
+        """Chunk ranges: a read fetches (and decompresses) whole chunks, most of them of
+        the field with the most bytes, so a sample's block is the chunk of that field's
+        data its first row lies in (``"<field>/<chunk>"``); an id not in the snapshot
+        gets a block of its own, named ``""``."""
+        snap = self._snapshot(fingerprint)
+        if snap is None or not snap.fields:
+            return None
+        field = max(snap.fields, key=lambda f: int(snap.field_offsets[f][-1]) * snap.row_bytes[f])
+        rows_per_chunk = max(int(snap.data[field].chunks[0]), 1)
+        wanted = np.array(list(sample_ids), dtype=str)
+        at = np.searchsorted(snap.sorted_ids, wanted)
+        found = at < len(snap.sorted_ids)
+        found[found] = snap.sorted_ids[at[found]] == wanted[found]
+        chunk = snap.field_offsets[field][snap.order[np.where(found, at, 0)]] // rows_per_chunk
+        labels = [f"{field}/{c}" if ok else "" for c, ok in zip(chunk.tolist(), found, strict=True)]
+        return BlockLayout.of_labels(labels)
 
     def has(self, key: str) -> bool:
         return self._locate(key) is not None

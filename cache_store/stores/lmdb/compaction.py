@@ -23,7 +23,7 @@ from typing import Any
 import lmdb
 
 from cache_store.disk import flock_within, fsync_path
-from cache_store.errors import CacheNotFound, SpcacheError, StoreBusy
+from cache_store.errors import CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.stores.lmdb.environment import (
     COMPACT_DIR,
     DB_NAMES,
@@ -34,9 +34,10 @@ from cache_store.stores.lmdb.environment import (
     REMOVED_DB,
     WRITE_LOCK_FILENAME,
     EnvironmentHandle,
+    out_of_space,
 )
 
-__all__ = ["compact_environment"]
+__all__ = ["ROOM_MARGIN_BYTES", "compact_environment", "copy_size", "leftover_copy"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,51 @@ def _exchange(a: Path, b: Path) -> None:
         )
 
 
+#: Free space compaction keeps beyond its copy's size (the copy's own metadata, the
+#: file system's).
+ROOM_MARGIN_BYTES = 1 << 20
+
+
+def copy_size(handle: EnvironmentHandle) -> int:
+    """Bytes LMDB's compacting copy of the environment takes: its two meta pages and
+    every page of the main and the named databases (free pages are left out)."""
+    with handle.read() as (txn, dbs):
+        main = txn.stat()
+        pages = 2
+        for stat in [main, *(txn.stat(db) for db in dbs.values() if db is not None)]:
+            pages += stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+        return int(pages * main["psize"])
+
+
+def _room_text(needed: int, root: Path) -> str:
+    free = shutil.disk_usage(root).free
+    return (
+        f"compaction writes a copy of the records beside them before swapping it in and "
+        f"needs about {needed} bytes ({needed / (1 << 20):.1f} MiB) free there, "
+        f"{free} bytes ({free / (1 << 20):.1f} MiB) are; free some space (or spcache rm "
+        f"fingerprints) and run it again; the cache is unchanged"
+    )
+
+
+def _check_room(root: Path, handle: EnvironmentHandle) -> int:
+    """The free space the copy needs; :class:`StoreFull` saying so when it is not there."""
+    needed = copy_size(handle) + ROOM_MARGIN_BYTES
+    if shutil.disk_usage(root).free < needed:
+        raise StoreFull(root, _room_text(needed, root))
+    return needed
+
+
+def leftover_copy(cache: str | os.PathLike[str]) -> int | None:
+    """Bytes of a ``records.compact/`` a compaction that did not finish left in ``cache``
+    (None: there is none). The next compaction removes it. While one runs, its copy in
+    progress is there too."""
+    spare = Path(cache) / COMPACT_DIR
+    try:
+        return sum(f.stat().st_size for f in spare.iterdir() if f.is_file())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def compact_environment(
     cache: str | os.PathLike[str],
     *,
@@ -80,7 +126,8 @@ def compact_environment(
     in the middle of a transaction is waited for up to ``wait_s``, then
     :class:`StoreBusy`). Readers keep reading the old file until they notice the swap
     (see the module doc). A leftover ``records.compact/`` from a killed compaction is
-    removed first. Returns ``{"before": bytes, "after": bytes}`` of ``data.mdb``.
+    removed first; then the room for the copy is checked (:class:`StoreFull` saying what
+    it needs; a copy that fails anyway is removed). Returns ``{"before": bytes, "after": bytes}`` of ``data.mdb``.
     """
     root = Path(cache)
     live = root / RECORDS_DIR
@@ -97,22 +144,29 @@ def compact_environment(
         if spare.exists():
             log.warning("%s: removing %s left by an unfinished compaction", root, spare)
             shutil.rmtree(spare)
-        spare.mkdir()
         before = (live / "data.mdb").stat().st_size
         live_env = EnvironmentHandle(root, readonly=True)
         counts: dict[str, int] = {}
         try:
-            env, _ = live_env.environment()
-            if rewrite is None:
-                env.copy(str(spare), compact=True)
-            else:
-                counts = _repack(env, spare, rewrite)
-        except lmdb.Error as exc:
-            raise live_env.damaged(exc) from exc
+            needed = _check_room(root, live_env)
+            spare.mkdir()
+            try:
+                env, _ = live_env.environment()
+                if rewrite is None:
+                    env.copy(str(spare), compact=True)
+                else:
+                    counts = _repack(env, spare, rewrite)
+                fsync_path(spare / "data.mdb")
+                fsync_path(spare)
+            except BaseException as exc:
+                shutil.rmtree(spare, ignore_errors=True)  # never leave a partial copy
+                if isinstance(exc, (lmdb.Error, OSError)) and out_of_space(exc):
+                    raise StoreFull(root, _room_text(needed, root)) from exc
+                if isinstance(exc, lmdb.Error):
+                    raise live_env.damaged(exc) from exc
+                raise
         finally:
             live_env.close()
-        fsync_path(spare / "data.mdb")
-        fsync_path(spare)
         _exchange(spare, live)  # the one step: records/ is now the compacted copy
         fsync_path(root)
         after = (live / "data.mdb").stat().st_size

@@ -59,6 +59,7 @@ __all__ = [
     "WRITE_LOCK_FILENAME",
     "EnvironmentHandle",
     "has_cache",
+    "out_of_space",
     "shared_envs",
 ]
 
@@ -96,8 +97,9 @@ READER_CHECK_INTERVAL_S = 5.0
 _SPACE_ERRORS = (os.strerror(errno.ENOSPC), os.strerror(errno.EIO), os.strerror(errno.EDQUOT))
 
 
-def _out_of_space(exc: BaseException) -> bool:
-    """py-lmdb reports a failed commit's errno only in its message."""
+def out_of_space(exc: BaseException) -> bool:
+    """Whether an LMDB or OS error means the disk is full (py-lmdb reports a failed
+    commit's errno only in its message)."""
     return isinstance(exc, lmdb.DiskError) or any(m in str(exc) for m in _SPACE_ERRORS)
 
 
@@ -605,7 +607,7 @@ class EnvironmentHandle:
             except lmdb.MapResizedError:
                 shared.maps.remap(current, 0, self.env_path)
             except lmdb.Error as exc:
-                if _out_of_space(exc):
+                if out_of_space(exc):
                     log.error("%s: write failed: %s", self.env_path, exc)
                     raise StoreFull(self.env_path, str(exc)) from exc
                 raise

@@ -1,0 +1,176 @@
+"""Read-ahead: a Sampler over a read-through dataset queues its upcoming samples for the
+worker, in the sampler's order, a window ahead of the loaders; a real worker fills an
+empty cache in that order during the first epoch of spcache.DataLoader. Over a remote
+sharded snapshot read through ``local_cache`` (moto's S3 server), the sampler has the
+parts of its window fetched in its order, and forked loaders read them from there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cache_store.jobs.queue import JobQueue
+from spcache import CachedDataset, DataLoader, NoWorkerAlive, Sampler, collate_spc
+from tests.helpers.read_through import PARAMS, start_worker, stop_worker
+
+
+def _queued(cache: Path) -> list[str]:
+    """Sample ids of every queue item, in the order they were queued."""
+    queue = JobQueue(cache)
+    try:
+        items = [item for job in queue.jobs(limit=10_000) for item in queue.items(job.id)]
+    finally:
+        queue.close()
+    return [item["sample_id"] for item in sorted(items, key=lambda item: item["id"])]
+
+
+@pytest.fixture
+def sources(tmp_path: Path) -> Path:
+    folder = tmp_path / "meshes"
+    folder.mkdir()
+    for i in range(40):  # queued, never read: their contents do not matter here
+        (folder / f"m{i:02d}.xyz").write_text("0 0 0\n1 1 1\n")
+    return folder
+
+
+def test_the_sampler_queues_its_upcoming_samples_in_its_order(
+    tmp_path: Path, sources: Path
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    JobQueue(cache).heartbeat("w1", {"heartbeat_s": 1.0})  # a worker counts as alive
+    ds = CachedDataset(cache, "spc", sources=sources, level=4)
+    sampler = Sampler(ds, num_replicas=2, rank=1, read_ahead=8)
+    assert ds.warm_ahead == 0  # the sampler queues ahead, not the dataset's index order
+    sampler.set_epoch(2)
+    plain = CachedDataset(cache, "spc", sources=sources, level=4, on_miss="error")
+    same = Sampler(plain, num_replicas=2, rank=1)  # the same order, reading nothing ahead
+    same.set_epoch(2)
+    share = [plain.sample_id(i) for i in same]  # this rank's order
+    assert len(share) == 20 and _queued(cache) == []
+    it = iter(sampler)
+    for taken in range(1, 12):
+        next(it)
+        queued = _queued(cache)
+        assert queued == share[: len(queued)]  # in the sampler's order, each once
+        assert taken + 4 <= len(queued) <= taken + 8  # the window: half to whole
+    assert sorted(share) != share  # and that order is not the index order
+
+
+def test_without_read_through_nothing_is_queued(tmp_path: Path, sources: Path) -> None:
+    ds = CachedDataset(tmp_path / "cache", "spc", sources=sources, level=4, on_miss="error")
+    sampler = Sampler(ds, num_replicas=1, rank=0, read_ahead=8)
+    assert sampler.read_ahead == 0 and ds.warm_ahead == 16
+    assert len(list(sampler)) == 40
+    assert not (tmp_path / "cache" / "jobs.sqlite").exists()
+
+
+def test_no_worker_fails_at_the_first_read_ahead(tmp_path: Path, sources: Path) -> None:
+    ds = CachedDataset(tmp_path / "cache", "spc", sources=sources, level=4)
+    loader = DataLoader(ds, batch_size=4, shuffle=True, collate_fn=collate_spc)
+    with pytest.raises(NoWorkerAlive, match="spcache worker"):
+        next(iter(loader))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_first_epoch_over_an_empty_cache_is_computed_in_the_samplers_order(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    cache = tmp_path / "cache"
+    proc = start_worker(cache)
+    try:
+        ds = CachedDataset(cache, "spc_query", sources=corpus_meshes, **PARAMS)
+        sampler = Sampler(ds, seed=5, read_ahead=4)
+        loader = DataLoader(
+            ds,
+            batch_size=2,
+            sampler=sampler,
+            num_workers=2,
+            collate_fn=collate_spc,
+            multiprocessing_context="fork",
+        )
+        yielded = [sid for batch in loader for sid in batch["sample_ids"]]
+    finally:
+        stop_worker(proc)
+    order = [ds.sample_id(i) for i in Sampler(ds, seed=5, num_replicas=1, rank=0)]
+    assert yielded == order
+    assert _queued(cache) == order  # every sample queued once, ahead, in that order
+
+
+def test_over_the_service_the_read_ahead_is_one_warm_up_per_window(
+    tmp_path: Path, sources: Path
+) -> None:
+    from tests.helpers.service import TOKEN, start_server, stop_server
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    server = start_server(cache, sources, "--no-worker")
+    try:
+        JobQueue(cache).heartbeat("w1", {"heartbeat_s": 1.0})  # a worker counts as alive
+        ds = CachedDataset(
+            server.url, "spc", sources=sources, level=4, store_options={"token": TOKEN}
+        )
+        sampler = Sampler(ds, num_replicas=1, rank=0, read_ahead=10)
+        it = iter(sampler)
+        taken = [ds.sample_id(next(it)) for _ in range(7)]
+        queued = _queued(cache)
+        assert queued[:7] == taken and 7 + 5 <= len(queued) <= 7 + 10
+        ds.close()
+    finally:
+        stop_server(server)
+    order = [ds.sample_id(i) for i in Sampler(ds, num_replicas=1, rank=0, read_ahead=0)]
+    assert queued == order[: len(queued)]
+
+
+def test_over_a_local_cache_the_sampler_fetches_its_parts_in_its_order(tmp_path: Path) -> None:
+    import os
+    import time
+
+    from cache_store.snapshot.sharded import ShardedSnapshot
+    from tests.helpers.local_cache import FP, SizeWatch, write_sharded
+    from tests.helpers.s3 import moto_s3
+
+    def parts_fetched(watch: SizeWatch) -> list[tuple[str, str]]:
+        """(pid, part) of each fetch into the local directory, in order."""
+        return [
+            (line.split()[0], line.split(": fetched ")[1].split()[0].rsplit("/", 1)[1])
+            for line in watch.events("fetched")
+        ]
+
+    with moto_s3() as s3:
+        location = f"s3://{s3.new_bucket()}/train/snap.zarr"
+        write_sharded(location, parts=6, per_part=5)
+        with ShardedSnapshot(location) as store:
+            part_of = {key: store.entry_of(key).part for key in store.keys(FP + "/")}  # type: ignore[union-attr]
+        directory = tmp_path / "lc"
+        with SizeWatch.installed(str(directory), tmp_path / "events.txt") as watch:
+            ds = CachedDataset(location, FP, local_cache=directory, cache_limit="50M")
+            plain = Sampler(ds, seed=3, num_replicas=1, rank=0, window_blocks=2, read_ahead=0)
+            plain.set_epoch(1)
+            first_seen = list(dict.fromkeys(part_of[ds.key(i)] + ".bin" for i in plain))
+            assert len(first_seen) == 6 and first_seen != sorted(first_seen)
+            assert parts_fetched(watch) == []  # read_ahead=0: nothing fetched
+
+            sampler = Sampler(ds, seed=3, num_replicas=1, rank=0, window_blocks=2, read_ahead=30)
+            sampler.set_epoch(1)
+            next(iter(sampler))  # one index handed out, no sample read
+            deadline = time.monotonic() + 120
+            while len(parts_fetched(watch)) < 6:
+                assert time.monotonic() < deadline, f"{parts_fetched(watch)} after 120 s"
+                time.sleep(0.05)
+            assert parts_fetched(watch) == [(str(os.getpid()), p) for p in first_seen]
+
+            sampler.set_epoch(1)  # an epoch through forked loaders: read from the copies
+            loader = DataLoader(
+                ds,
+                batch_size=4,
+                sampler=sampler,
+                num_workers=2,
+                multiprocessing_context="fork",
+                collate_fn=collate_spc,
+            )
+            yielded = [sid for batch in loader for sid in batch["sample_ids"]]
+            assert yielded == [ds.sample_id(i) for i in plain]
+            assert len(parts_fetched(watch)) == 6  # no part fetched again
