@@ -66,8 +66,9 @@ class ReadLease:
         self.owner = owner
 
     def hold(self, mapped: MappedRange) -> None:
-        self.views += 1
-        self.ranges.add(mapped)
+        with self.owner.lock:
+            self.views += 1
+            self.ranges.add(mapped)
 
     def release(self) -> None:
         """A view of this lease is gone (its mapping was unmapped)."""
@@ -117,19 +118,21 @@ class Leases:
 
     def lease(self, begin: Any) -> ReadLease:
         """The lease new views join: the current one while it is young, else a new one
-        (``begin()`` makes its read transaction). Call before the lookup transaction."""
+        (``begin()`` makes its read transaction), reserved for the caller until
+        :meth:`settle` (so no other thread ends it meanwhile). Call before the lookup
+        transaction."""
         with self.lock:
             lease = self.current
             if lease is None or lease.ended or time.monotonic() - lease.started > LEASE_S:
-                if lease is not None:
-                    self.settle(lease)
                 lease = self.current = ReadLease(begin(), self)
                 self.live.add(lease)
+            lease.views += 1  # the caller's reservation
             return lease
 
     def settle(self, lease: ReadLease) -> None:
-        """End ``lease`` if no view relies on it (a read that mapped nothing)."""
+        """The caller's reservation of ``lease`` is over: ended if no view relies on it."""
         with self.lock:
+            lease.views -= 1
             if lease.views <= 0:
                 self.end(lease, detach=False)
 

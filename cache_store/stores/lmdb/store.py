@@ -220,7 +220,11 @@ class LMDBStore(Store):
         if found is None:
             return None
         leases, pin = found
-        lookup = self.handle.lease()
+        try:
+            lookup = self.handle.lease()
+        except BaseException:
+            leases.settle(pin)
+            raise
         try:
             if lookup.dbs is not leases.dbs:  # a swap adopted between the two: copies
                 return None
