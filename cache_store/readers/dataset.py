@@ -31,13 +31,11 @@ from cache_store.errors import (
     RecordNotFound,
     SourceError,
     StaleRecord,
-    UnknownName,
     one_line,
 )
 from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
-from cache_store.location import parse_location
-from cache_store.keys import compute_fingerprint, is_fingerprint, record_key
+from cache_store.keys import compute_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
 from cache_store.recipes.api import Recipe
@@ -52,7 +50,6 @@ from cache_store.readers.collate import SpcSample
 from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import (
-    ON_ERROR_CHOICES,
     SKIPPABLE_ERRORS,
     SkippedSample,
     SkippedSamples,
@@ -60,6 +57,10 @@ from cache_store.readers.skipped import (
 from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
 from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
+from cache_store.format.buffers import in_dataloader_worker
+from cache_store.views.hop import LocatedSample
+from cache_store.readers.options import checked_options
+from cache_store.views.records import read_path, read_records
 
 __all__ = ["CachedDataset"]
 
@@ -129,6 +130,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
+        views, verify: read-only tensors viewing the cache's file while held, not copies
+            (a cache directory, a local sharded snapshot; elsewhere copies: see
+            :attr:`read_path`), a version hashed once per process (``verify="always"``:
+            every read); DataLoader workers hand over places (:mod:`cache_store.views`).
         local_cache, cache_limit: a remote sharded snapshot (``s3://....zarr``) read
             through a bounded directory on this machine: each part a read needs is
             fetched once into ``local_cache``, shared by every process of the machine,
@@ -172,6 +177,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_stale: str | None = None,
         local_cache: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
+        views: bool = False,
+        verify: str = "once",
         variant: int | None = None,
         variants: int | None = None,
         variant_seed: int = 0,
@@ -179,51 +186,25 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     ) -> None:
         if not isinstance(fingerprint_or_recipe, str):  # a recipe class (spcache.recipe)
             fingerprint_or_recipe = recipe_name_of(fingerprint_or_recipe)
-        on_miss = on_miss or ("compute" if sources is not None else "error")
-        problems = []
-        if on_miss not in ("error", "compute"):
-            problems.append(f"on_miss: expected 'error' or 'compute', got {on_miss!r}")
-        elif on_miss == "compute" and sources is None:
-            problems.append("on_miss='compute' needs sources= (the paths to compute from)")
-        if id_template is not None and sources is None:
-            problems.append("id_template= needs sources= (it names the samples found there)")
-        on_stale = on_stale or (
-            "serve" if sources is None else "compute" if on_miss == "compute" else "error"
+        where = os.fspath(cache.location if isinstance(cache, Store) else cache)
+        on_miss, on_stale, kind = checked_options(
+            where,
+            fingerprint_or_recipe,
+            sources,
+            on_miss=on_miss,
+            on_stale=on_stale,
+            id_template=id_template,
+            on_error=on_error,
+            warm_ahead=warm_ahead,
+            miss_timeout=miss_timeout,
+            verify=verify,
         )
-        if on_stale not in ("compute", "error", "serve"):
-            problems.append(f"on_stale: expected 'compute', 'error' or 'serve', got {on_stale!r}")
-        elif on_stale != "serve" and sources is None:
-            problems.append(
-                f"on_stale={on_stale!r} needs sources= (the files to compare "
-                f"records with); without them what is stored is served"
-            )
-        elif on_stale == "compute" and on_miss != "compute":
-            problems.append(
-                "on_stale='compute' needs on_miss='compute' (a stale record is "
-                "recomputed as a miss is)"
-            )
-        if sources is not None and is_fingerprint(fingerprint_or_recipe):
-            problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
+        variant_bad = variant_problems(variant, variants, variant_seed)
+        if variant_bad:
+            raise ParameterError(variant_bad)
         if on_miss == "compute":  # the worker computing a miss is another process
             require_installed(fingerprint_or_recipe, "the worker that computes a miss")
-        where = os.fspath(cache.location if isinstance(cache, Store) else cache)
-        kind: str
-        try:
-            kind = parse_location(where).kind
-        except UnknownName:  # a scheme no store opens: named by open_store, or here
-            kind = "unknown"
-        if on_miss == "compute" and kind not in ("lmdb", "http"):
-            problems.append(
-                f"on_miss='compute' needs a cache directory or the service's "
-                f"http(s):// URL; {where} is neither"
-            )
-        if on_error not in ON_ERROR_CHOICES:
-            problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
-        if warm_ahead < 0 or miss_timeout <= 0:
-            problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
-        problems += variant_problems(variant, variants, variant_seed)
-        if problems:
-            raise ParameterError(problems)
+        self.views, self.verify = bool(views), verify
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
@@ -464,6 +445,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _finish(self, record: Any, i: int) -> Any:
         sample_id = self.sample_id(i)
+        if record.place is not None and self.transform is None and in_dataloader_worker():
+            source = (self._store.opener, self.fields, self.verify, self._variable, SpcSample)
+            return LocatedSample(source, self.key(i), (record.place, record.checksum))  # hop
         sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:
             return sample
@@ -516,16 +500,25 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 reason,
             )
 
+    @property
+    def read_path(self) -> str:
+        """``"views"`` or ``"copies (why)"``: the path this process's reads take."""
+        return read_path(self._store_here(), self.views)
+
+    def _records(self, keys: list[str], batch: bool) -> list[Any]:
+        fields = None if self.fields is None else list(self.fields)
+        return read_records(self._store_here(), keys, fields, self.views, self.verify, batch)
+
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))
         key = self.read_key(i)
         try:
-            record = self._store_here().get_record(key, fields=self.fields)
+            record = self._records([key], False)[0]
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
             self._on_miss([i])
-            record = self._store_here().get_record(key, fields=self.fields)
+            record = self._records([key], False)[0]
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
         return self._finish(record, i)
@@ -534,12 +527,12 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self._refuse_id_clashes(indices)
         keys = [self.read_key(i) for i in indices]
         try:
-            records = self._store_here().get_records(keys, fields=self.fields)
+            records = self._records(keys, True)
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
             self._on_miss(indices)
-            records = self._store_here().get_records(keys, fields=self.fields)
+            records = self._records(keys, True)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
         return [self._finish(record, i) for i, record in zip(indices, records, strict=True)]

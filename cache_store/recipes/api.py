@@ -119,6 +119,8 @@ RESERVED_PARAM_NAMES = frozenset(
         "variant_seed",
         "local_cache",
         "cache_limit",
+        "views",
+        "verify",
     }
 )
 

@@ -20,6 +20,11 @@ same (a retry after an unreported commit: the other copy is ignored), and from t
 commit when the source hash differs (the source changed and was recomputed: it takes the
 earlier one's place in the order): :meth:`Dataset.admit`.
 
+A part holds its records in order, each starting at a multiple of :data:`RECORD_ALIGN`
+bytes (zero bytes between: :func:`part_bytes`), so a record mapped from its part has
+every field aligned for its dtype (:mod:`cache_store.views`); parts written before that
+lie back to back and read the same, by their manifests' offsets.
+
 A manifest lists, per record: sample id, offset, length, record checksum and source
 hash; and ``descriptors``, the text of every descriptor its records name (by digest:
 :mod:`cache_store.format.descriptor`), committed with them; ``index.json`` keeps those of
@@ -58,6 +63,7 @@ __all__ = [
     "COMMIT_KIND",
     "FORMAT_VERSION",
     "INDEX_KIND",
+    "RECORD_ALIGN",
     "ROOT_KIND",
     "ROOT_MARKER",
     "Dataset",
@@ -71,6 +77,7 @@ __all__ = [
     "load_json",
     "manifest",
     "parse_manifest",
+    "part_bytes",
     "root_document",
 ]
 
@@ -134,6 +141,27 @@ def root_document() -> bytes:
     return json.dumps({"kind": ROOT_KIND, "format_version": FORMAT_VERSION}).encode()
 
 
+#: Where each record of a part starts: a multiple of this many bytes (the largest dtype).
+RECORD_ALIGN = 8
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // RECORD_ALIGN) * RECORD_ALIGN
+
+
+def part_bytes(group: Sequence[tuple[str, bytes]]) -> bytes:
+    """The bytes of a part holding the records of ``group`` in order, each from a
+    multiple of :data:`RECORD_ALIGN` (the gaps zero)."""
+    chunks, offset = [], 0
+    for _, value in group:
+        pad = _aligned(offset) - offset
+        if pad:
+            chunks.append(bytes(pad))
+        chunks.append(value)
+        offset += pad + len(value)
+    return b"".join(chunks)
+
+
 def manifest(
     fingerprint: str,
     part: str,
@@ -142,12 +170,13 @@ def manifest(
     writer: str,
     descriptors: Mapping[str, Descriptor],
 ) -> bytes:
-    """The manifest of ``part``, whose bytes ``data`` hold the records of ``group``
-    (``(key, record)`` pairs, back to back in that order), naming ``descriptors`` (by
-    digest: those the records name)."""
+    """The manifest of ``part``, whose bytes ``data`` (:func:`part_bytes`) hold the
+    records of ``group`` (``(key, record)`` pairs, in that order), naming
+    ``descriptors`` (by digest: those the records name)."""
     rows, offset = [], 0
     for key, value in group:
         meta = read_header(value, key=key).metadata
+        offset = _aligned(offset)
         rows.append(
             [split_key(key)[1], offset, len(value), meta["checksum"], meta.get("source_hash", "")]
         )
