@@ -19,9 +19,27 @@ recipe ``spc`` at level 3 on 64-point clouds, about 0.9 kB of tensors each. Sect
     stays on a leaf page for these keys (a larger one takes an overflow page of its
     own).
 
+``summaries``
+    One format-2 cache of ``--n`` records with its index (written as above), then what a
+    user asks of it: ``spcache stats --json`` and ``spcache ls --json`` (the commands, in
+    a subprocess, wall time), ``cache_stats``/``ls`` in this process, and the service's
+    ``GET /v1/caches/{fp}`` and ``GET /v1/caches`` (its app in this process, the first
+    request after start). The baseline, in the same run: the walk over every record
+    that answered them before the writers kept summaries (``run_in_child("stats")``, the
+    child process the service and ``stats`` used).
+
+``rerun``
+    ``--n`` point-cloud files (64 points, ``.npy``, mtimes a minute old) and, for each,
+    its record as a finished run leaves it (a template's tensors, the file's real
+    source hash and stat signature), then ``spcache precompute DIR --json`` over them
+    with everything current: seconds per sample, whole command. The baseline in the same
+    run: the same re-run over ``--baseline-n`` files whose records carry no stat
+    signature (each file opened and hashed in a loader, as every re-run did before).
+
 Nothing here asserts a size or a speed.
 
     python bench/scale.py [--n 100000] [--real 256] [--reads 20000] [--rounds 5]
+        [--sections records,summaries,rerun] [--baseline-n 20000]
 """
 
 from __future__ import annotations
@@ -100,7 +118,11 @@ def per_record_metadata(template: dict[str, str], i: int) -> dict[str, str]:
 
 
 def write_cache(
-    path: Path, templates: list[Any], n: int, encode: Callable[[Any, dict[str, str]], bytes]
+    path: Path,
+    templates: list[Any],
+    n: int,
+    encode: Callable[[Any, dict[str, str]], bytes],
+    metadata: Callable[[dict[str, str], int], dict[str, str]] = per_record_metadata,
 ) -> dict[str, Any]:
     fingerprint = templates[0].metadata["fingerprint"]
     value_bytes = tensor_bytes = 0
@@ -109,7 +131,7 @@ def write_cache(
         batch = []
         for i in range(n):
             template = templates[i % len(templates)]
-            value = encode(template.tensors, per_record_metadata(template.metadata, i))
+            value = encode(template.tensors, metadata(template.metadata, i))
             value_bytes += len(value)
             tensor_bytes += sum(t.numel() * t.element_size() for t in template.tensors.values())
             batch.append((f"{fingerprint}/s{i:07d}", value))
@@ -215,8 +237,169 @@ def section_records(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     return {"written": written, "reads": reads, "leaf_limit": limit}
 
 
+def _timed(action: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = action()
+    return time.perf_counter() - start, result
+
+
+def _command(*args: str | os.PathLike[str], cwd: Path) -> tuple[float, Any]:
+    """``spcache ARGS --json`` in a subprocess from ``cwd``: (wall seconds, its JSON)."""
+    import subprocess
+
+    argv = [sys.executable, "-m", "spcache", *map(str, args), "--json"]
+    start = time.perf_counter()
+    done = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed: {done.stderr[-2000:]}")
+    return wall, json.loads(done.stdout)
+
+
+def _version(cwd: Path) -> None:
+    import subprocess
+
+    subprocess.run(
+        [sys.executable, "-m", "spcache", "--version"], cwd=cwd, check=True, capture_output=True
+    )
+
+
+def section_summaries(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from cache_store.cache_report import cache_stats
+    from cache_store.format.index import DatasetIndex
+    from cache_store.housekeeping import ls
+    from cache_store.housekeeping.isolated import run_in_child
+
+    templates = real_templates(workdir, min(args.real, 64), args.level, args.points)
+    cache = workdir / "cache"
+    written = write_cache(cache, templates, args.n, encode_record)
+    fingerprint = written["fingerprint"]
+    template = templates[0].metadata
+    with LMDBStore(cache, readonly=False) as store:
+        store.put_index(
+            DatasetIndex(
+                fingerprint,
+                template["recipe"],
+                int(template["recipe_version"]),
+                json.loads(template["params"]),
+                [f"s{i:07d}" for i in range(args.n)],
+            )
+        )
+    print(f"  wrote {args.n} records and their index", file=sys.stderr, flush=True)
+    out: dict[str, float] = {}
+    out["walk (before): stats walk in a child"], walked = _timed(
+        lambda: run_in_child("stats", cache)
+    )
+    out["spcache --version (a command's start)"], _ = _timed(lambda: _version(workdir))
+    out["spcache stats --json (command)"], stats = _command("stats", "--cache", cache, cwd=workdir)
+    out["spcache ls --json (command)"], listed = _command("ls", "--cache", cache, cwd=workdir)
+    out["cache_stats() in process"], _ = _timed(lambda: cache_stats(cache))
+    out["ls() in process"], _ = _timed(lambda: ls(cache))
+    assert stats["fingerprints"][fingerprint]["records"] == args.n == listed[0]["records"]
+    assert (
+        stats["fingerprints"][fingerprint]["bytes"] == walked["fingerprints"][fingerprint]["bytes"]
+    )
+
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+    from service.settings import Settings
+
+    app = create_app(Settings(cache=str(cache), worker=False))
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        out["GET /v1/caches/{fp} (first)"], view = _timed(
+            lambda: client.get(f"/v1/caches/{fingerprint}?limit=100").json()
+        )
+        out["GET /v1/caches/{fp} (again)"], _ = _timed(
+            lambda: client.get(f"/v1/caches/{fingerprint}?limit=100").json()
+        )
+        out["GET /v1/caches"], _ = _timed(lambda: client.get("/v1/caches").json())
+    assert view.get("counts", {}).get("records") == args.n, view
+    print(f"\nsummaries: N={args.n} records (one fingerprint, indexed), seconds")
+    for label, seconds in out.items():
+        print(f"{label:40} {seconds:10.3f}")
+    return {"n": args.n, "seconds": out}
+
+
+def _rerun_corpus(
+    workdir: Path, name: str, templates: list[Any], n: int, *, signed: bool
+) -> tuple[Path, Path]:
+    """``n`` source files and the cache a finished run over them leaves."""
+    from cache_store.sources.files import signature_of
+    from cache_store.sources.hashing import hash_bytes
+
+    sources, cache = workdir / f"{name}-sources", workdir / f"{name}-cache"
+    sources.mkdir()
+    rng = np.random.default_rng(7)
+    old = time.time() - 60
+    marks: list[tuple[str, str]] = []
+    for i in range(n):
+        path = sources / f"s{i:07d}.npy"
+        np.save(path, rng.normal(size=(64, 3)).astype(np.float32))
+        os.utime(path, (old, old))
+        marks.append((hash_bytes(path.read_bytes()), signature_of(path.stat()) if signed else ""))
+
+    def metadata(template: dict[str, str], i: int) -> dict[str, str]:
+        meta = per_record_metadata(template, i)
+        meta["source_hash"], meta["source_stat"] = marks[i]
+        if not signed:
+            del meta["source_stat"]
+        return meta
+
+    write_cache(cache, templates, n, encode_record, metadata)
+    from cache_store.format.index import DatasetIndex
+
+    template = templates[0].metadata
+    with LMDBStore(cache, readonly=False) as store:
+        store.put_index(
+            DatasetIndex(
+                template["fingerprint"],
+                template["recipe"],
+                int(template["recipe_version"]),
+                json.loads(template["params"]),
+                [f"s{i:07d}" for i in range(n)],
+            )
+        )
+    return sources, cache
+
+
+def section_rerun(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    templates = real_templates(workdir, min(args.real, 64), args.level, args.points)
+    recipe = ["--recipe", "spc", "--param", f"level={args.level}", "--device", "cpu"]
+    runs = {}
+    for name, n, signed in (
+        ("baseline: no stat signature, hashed in a loader", min(args.baseline_n, args.n), False),
+        ("stat signature: decided in the driver", args.n, True),
+    ):
+        sources, cache = _rerun_corpus(
+            workdir, "signed" if signed else "hashed", templates, n, signed=signed
+        )
+        print(f"  {n} sources and records ready ({name})", file=sys.stderr, flush=True)
+        wall, summary = _command("precompute", sources, "--cache", cache, *recipe, cwd=workdir)
+        if summary["skipped"] != n or summary["done"] or summary["failed"]:
+            raise SystemExit(f"{name}: not a re-run with nothing to do: {summary}")
+        runs[name] = {"n": n, "wall_s": wall, "us_per_sample": wall / n * 1e6}
+    runs["spcache --version (a command's start)"] = {
+        "n": 1,
+        "wall_s": _timed(lambda: _version(workdir))[0],
+    }
+    print("\nrerun: a re-run over a finished corpus (spcache precompute, whole command)")
+    print(f"{'':50} {'N':>9} {'wall s':>9} {'us/sample':>10}")
+    for name, run in runs.items():
+        per = run.get("us_per_sample")
+        shown = f"{per:10.1f}" if per is not None else f"{'':10}"
+        print(f"{name:50} {run['n']:9d} {run['wall_s']:9.1f} {shown}")
+    base, fast = list(runs.values())[:2]
+    print(
+        f"{'driver vs baseline, per sample':50} {fast['us_per_sample'] / base['us_per_sample']:>30.3f}x"
+    )
+    return runs
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "records": section_records,
+    "summaries": section_summaries,
+    "rerun": section_rerun,
 }
 
 
@@ -228,6 +411,9 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=64, help="points per cloud")
     parser.add_argument("--reads", type=int, default=20_000, help="random reads per round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds (medians)")
+    parser.add_argument(
+        "--baseline-n", type=int, default=20_000, help="samples of the re-run's baseline"
+    )
     parser.add_argument(
         "--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
     )

@@ -39,7 +39,7 @@ import os
 import queue
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -59,6 +59,7 @@ from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
 from cache_store.keys import canonical_json, compute_fingerprint, record_key
 from cache_store.stores.base import Store
+from workers.claimed_work import WAITING, claimed, claims_beside
 from workers.loader import LoaderPool
 from cache_store.recipes.api import ReadOnlyParams, is_out_of_memory
 from cache_store.recipes.registry import get_entry
@@ -84,6 +85,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: End of a run's items (``None`` is ``claimed_work.WAITING``).
+_END: Any = object()
+#: How long a run whose items left are other runs' waits before it looks again.
+_WAIT_S = 0.5
 
 
 def resolve_device(device: str) -> torch.device:
@@ -293,6 +299,7 @@ class LocalRun:
         shared_pool = self.engine._loader_pool
         own_pool = shared_pool is None
         pool = self.engine.loader_pool(len(work)) if shared_pool is None else shared_pool
+        claims = claims_beside(self.engine.store, self.engine.fingerprint)
 
         # The cleanup steps, defined before the work so that the ``finally`` is one call
         # (``run_all`` runs them all even if a SIGTERM lands in one).
@@ -313,6 +320,10 @@ class LocalRun:
                 self._report_committed(quiet=True)
                 self.ledger.add_committed(writer.stored)
 
+        def release_claims() -> None:  # after the writer committed what this run holds
+            if claims is not None:
+                claims.close()
+
         def close_failure_log() -> None:
             if self.engine.failure_log is not None:
                 self.engine.failure_log.close()
@@ -322,7 +333,7 @@ class LocalRun:
 
         try:
             with self.engine.clock.interruptible():
-                self._run(work, pool, own_pool)
+                self._run(claimed(work, claims, self.ledger, self.engine.prefetch), pool, own_pool)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop the loaders now, not after them
             interrupted = True
             raise
@@ -330,6 +341,7 @@ class LocalRun:
             run_all(
                 close_pool,
                 finish_writer,
+                release_claims,
                 self.ledger.write_index,
                 self.ledger.close_progress,
                 self.ledger.report_other_code,
@@ -349,8 +361,9 @@ class LocalRun:
         )
         return self.summary
 
-    def _run(self, work: list[WorkItem], pool: LoaderPool, own_pool: bool) -> None:
-        """The run itself, between its admission and its clean-up."""
+    def _run(self, upcoming: Iterator[WorkItem | None], pool: LoaderPool, own_pool: bool) -> None:
+        """The run itself, between its admission and its clean-up: ``upcoming`` is the
+        admitted items as :func:`workers.claimed_work.claimed` hands them out."""
         if own_pool:
             pool.open()
         device = resolve_device(self.engine.device)
@@ -369,7 +382,7 @@ class LocalRun:
         )
         writer.start()
         self.ledger.open_progress(len(self.items))
-        self._pipeline(work, pool, writer, device, ops, budget)
+        self._pipeline(upcoming, pool, writer, device, ops, budget)
         writer.finish()
         self._report_committed()
         self._stop_if_full(writer)
@@ -377,7 +390,7 @@ class LocalRun:
 
     def _pipeline(
         self,
-        work: list[WorkItem],
+        upcoming: Iterator[WorkItem | None],
         pool: LoaderPool,
         writer: RecordWriter,
         device: torch.device,
@@ -386,16 +399,23 @@ class LocalRun:
     ) -> None:
         """Keep ``prefetch`` loads in flight; compute each loaded sample in input order."""
         pending: deque[tuple[WorkItem, cf.Future]] = deque()
-        upcoming = iter(work)
         try:
             while True:
+                waiting = False
                 while len(pending) < self.engine.prefetch:
-                    item = next(upcoming, None)
-                    if item is None:
+                    item = next(upcoming, _END)
+                    if item is _END:
+                        break
+                    if item is WAITING:  # the rest are other runs' (claimed_work)
+                        waiting = True
                         break
                     pending.append((item, pool.submit(item)))
                 if not pending:
-                    return
+                    if not waiting:
+                        return
+                    self._report_committed()
+                    time.sleep(_WAIT_S)
+                    continue
                 item, future = pending.popleft()
                 outcome = pool.result(item, future, pending)
                 self.summary.load_s += outcome.seconds

@@ -7,6 +7,9 @@ Ray driver's run:
 
 - :meth:`RunLedger.admit`: valid, unique sample ids become :class:`WorkItem` s with their
   record keys and the source hash of any record already stored; the rest fail at once;
+  an item whose stored record's stat signature is its file's now is skipped here, in
+  the driver, with nothing opened (the re-run fast path; the others are decided by
+  their hash in a loader);
 - :meth:`RunLedger.finish`: one item's :class:`ItemResult` goes into the :class:`Summary`,
   the progress bar and the caller's ``on_result``;
 - :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
@@ -35,8 +38,12 @@ from cache_store.errors import (
     StoreFull,
 )
 from cache_store.jobs.failures import Failure, FailureLog
-from cache_store.keys import record_key, validate_sample_id
-from cache_store.sources.freshness import stored_metadata, stored_source_hash
+from cache_store.keys import record_key, validate_fingerprint, validate_sample_id
+from cache_store.sources.freshness import (
+    stored_metadata_many,
+    stored_source_hash,
+    unchanged_by_stat,
+)
 from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.stores.base import Store
 from cache_store.sources.discover import id_clash_reason
@@ -54,6 +61,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+
+#: Records whose metadata one admission step asks the store for at once.
+_ADMIT_BATCH = 4096
 
 #: ``repeat`` values: a first failure, the same failure again, or not retried.
 REPEATS = ("", "again", "skipped")
@@ -232,6 +242,7 @@ class RunLedger:
             revive(self.summary.fingerprint, self.requested_at)
         seen: dict[str, str] = {}
         work: list[WorkItem] = []
+        fingerprint = validate_fingerprint(self.summary.fingerprint)
         for sample_id, path in items:
             path = str(path)
             try:
@@ -251,8 +262,8 @@ class RunLedger:
                 continue
             seen[sample_id] = path
             self.admitted.append(sample_id)
-            key = self.key(sample_id)
-            work.append(WorkItem(sample_id, path, key, self._stored_hash(sample_id, key)))
+            work.append(WorkItem(sample_id, path, f"{fingerprint}/{sample_id}"))  # both checked
+        work = self.skip_unchanged(work)
         if self.failures is not None and work:
             try:
                 self.known_failures = self.failures.get_many(
@@ -288,17 +299,40 @@ class RunLedger:
         interrupt can cut short, uses ``committing`` and checks the store instead.)"""
         self.stored_ids.update(sample_ids)
 
-    def _stored_hash(self, sample_id: str, key: str) -> str | None:
-        """The stored record's source hash; notes a record made by other recipe code."""
-        if self.code_digest is None or getattr(self.store, "source_hash_of", None) is not None:
-            return self.stored_source_hash(key)
-        meta = stored_metadata(self.store, key)
-        if meta is None:
-            return None
-        digest = meta.get("code_digest")
-        if digest and digest != self.code_digest:
-            self.other_code[sample_id] = digest
-        return meta.get("source_hash")
+    def skip_unchanged(self, work: list[WorkItem]) -> list[WorkItem]:
+        """Each item with its stored record's source hash; the items whose record's stat
+        signature is the file's now (:func:`unchanged_by_stat`: nothing opened) are
+        finished here as skipped, never shipped to a loader. Notes records made by other
+        recipe code."""
+        if getattr(self.store, "source_hash_of", None) is not None:
+            for item in work:  # a store that knows its source hashes (sharded manifests)
+                item.stored_hash = self.stored_source_hash(item.key)
+            return work
+        left = []
+        for start in range(0, len(work), _ADMIT_BATCH):
+            batch = work[start : start + _ADMIT_BATCH]
+            metas = stored_metadata_many(self.store, [item.key for item in batch])
+            for item, meta in zip(batch, metas, strict=True):
+                if meta is None:
+                    left.append(item)
+                    continue
+                digest = meta.get("code_digest")
+                if self.code_digest is not None and digest and digest != self.code_digest:
+                    self.other_code[item.sample_id] = digest
+                item.stored_hash = meta.get("source_hash")
+                if item.stored_hash is not None and unchanged_by_stat(meta, item.path):
+                    self.finish(
+                        ItemResult(
+                            item.sample_id,
+                            item.path,
+                            "skipped",
+                            key=item.key,
+                            source_hash=item.stored_hash,
+                        )
+                    )
+                else:
+                    left.append(item)
+        return left
 
     def report_other_code(self) -> None:
         """One WARNING when skipped records were computed by other recipe code than the

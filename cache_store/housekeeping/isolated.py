@@ -139,12 +139,39 @@ def verify_cache(
 def stats_cache(
     path: str | os.PathLike[str], *, timeout_s: float | None = DEFAULT_TIMEOUT_S
 ) -> dict[str, Any]:
-    """``Store.stats`` of the cache at ``path``, walked in a child process.
+    """``Store.stats`` of the cache at ``path``: from the summaries its writers keep,
+    read here (a few pages, no walk: :func:`summarized_stats`), else walked in a child
+    process.
 
     Raises :class:`CacheDamaged` (naming the cache) when the walk cannot finish.
     """
+    kept = summarized_stats(path)
+    if kept is not None:
+        return kept
     result: dict[str, Any] = run_in_child("stats", path, timeout_s=timeout_s)
     return result
+
+
+def summarized_stats(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The stats of the cache directory at ``path`` from its writers' summaries
+    (:mod:`cache_store.stores.lmdb.summaries`), or None where there are none to trust (a
+    snapshot, a URL, a cache no writer of this version wrote, any error: the child's
+    walk then says what is wrong)."""
+    from cache_store.location import parse_location
+    from cache_store.stores.lmdb import LMDBStore, has_cache
+
+    where = parse_location(path)
+    if where.kind != "lmdb" or not where.is_local or not has_cache(Path(where.target)):
+        return None
+    store = LMDBStore(where.target, readonly=True)
+    try:
+        if store.summaries() is None:
+            return None
+        return store.stats()
+    except SpcacheError:
+        return None
+    finally:
+        store.close()
 
 
 # ------------------------------------------------------------------------- the child

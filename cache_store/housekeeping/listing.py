@@ -155,7 +155,8 @@ def cache_entries(cache: str | os.PathLike[str], *, failure_only: bool = False) 
         return _snapshot_entries(cache)
     store = open_cache_store(cache, readonly=True)
     try:
-        stats = store.stats()["fingerprints"]
+        stats = store.stats()["fingerprints"]  # from the writers' summaries where kept
+        kept = store.summaries()
         removals = store.removals()
         entries = []
         for fp, info in stats.items():
@@ -174,14 +175,11 @@ def cache_entries(cache: str | os.PathLike[str], *, failure_only: bool = False) 
                 entry.indexed = int(info["samples"])
                 entry.created = from_iso_time(info.get("created"))
                 if entry.indexed:
-                    prefix = fp + "/"
-                    stored = {key[len(prefix) :] for key in store.keys(prefix)}
                     try:
-                        ids = store.get_index(fp).sample_ids.tolist()
+                        entry.present = store.present_count(fp, _summary_of(kept, fp, store))
                     except FingerprintRemoved as exc:  # removed since the walk above
                         entry.removed_at = exc.removed_at or time.time()
-                        ids = []
-                    entry.present = sum(1 for sid in ids if sid in stored)
+                        entry.present = 0
             if entry.removed_at is not None and not entry.records:
                 continue  # removed completely: nothing left to list
             entries.append(entry)
@@ -197,6 +195,14 @@ def cache_entries(cache: str | os.PathLike[str], *, failure_only: bool = False) 
         entry.last_read = usage.last_read(root, entry.fingerprint)
         entry.last_written = usage.last_written(root, entry.fingerprint)
     return entries
+
+
+def _summary_of(kept: dict[str, Any] | None, fingerprint: str, store: Any) -> dict[str, Any]:
+    """The summary ``present_count`` reads: the writers' one, or (not kept) one that
+    makes it count the fingerprint's records."""
+    if kept is not None and fingerprint in kept:
+        return dict(kept[fingerprint])
+    return {"index": True}
 
 
 def _snapshot_entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:

@@ -379,6 +379,15 @@ class LocalDisk:
         self.open()
         return os.path.exists(self._path("data", self.digest(unit.name)))
 
+    def copy_size(self, unit: Unit) -> int | None:
+        """The bytes of ``unit``'s copy here (its size: a copy is published only at the
+        size the unit gave), or None when there is none."""
+        self.open()
+        try:
+            return os.stat(self._path("data", self.digest(unit.name))).st_size
+        except FileNotFoundError:
+            return None
+
     @contextlib.contextmanager
     def pinned(self, unit: Unit) -> Iterator[int]:
         """A file descriptor of ``unit``'s copy, pinned (never evicted) inside the block;

@@ -20,6 +20,16 @@ What is served never depends on the local copy:
 ``prefetch(keys)`` fetches the parts of ``keys`` (first appearance first) in a thread
 of this process (:mod:`cache_store.local_cache.prefetch`). ``get_index`` refuses a
 ``cache_limit`` that cannot hold the dataset's largest part, before any read.
+
+What a listing found is kept for the process, not the store: a store opened later in
+this process, or in a process forked from it (a DataLoader worker, each epoch), starts
+from the last listing of the snapshot (:data:`LISTINGS`) and each part's ``data_size``
+and ``data_xxh3`` once read (:data:`DESCRIBED`: a committed manifest never changes), so
+an epoch whose parts are all here makes no request at all. Freshness is a reader's, as
+for one :class:`ShardedSnapshot`: ``get_index`` (a new ``CachedDataset``) lists the
+commits again, and a key not in the listing lists them again (at most once a second,
+``MISS_RELIST_S``), in whichever process misses it. Only plain values are inherited
+(no file system, socket or lock: the file system stays in a ``ProcessLocal``).
 """
 
 from __future__ import annotations
@@ -42,15 +52,21 @@ from cache_store.local_cache.spec import LocalCache
 from cache_store.local_cache.prefetch import Prefetcher
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
-from cache_store.snapshot.sharded.format import Entry, parse_manifest
+from cache_store.snapshot.sharded.format import Dataset, Entry, parse_manifest
 from cache_store.snapshot.sharded.store import ShardedSnapshot
 from cache_store.stores.base import RecordDecoder
 
-__all__ = ["CachedShardedSnapshot", "PartUnit"]
+__all__ = ["DESCRIBED", "LISTINGS", "CachedShardedSnapshot", "PartUnit"]
 
 log = logging.getLogger(__name__)
 
 _HASH_BLOCK = 8 << 20
+
+#: (location, fingerprint) -> the last listing this process made or inherited, and when
+#: (``time.monotonic()``, one clock for a process and its forks)
+LISTINGS: dict[tuple[str, str], tuple[Dataset, float]] = {}
+#: a part unit's name -> its manifest's (``data_size``, ``data_xxh3``), once read
+DESCRIBED: dict[str, tuple[int, str]] = {}
 
 
 class PartUnit:
@@ -69,11 +85,14 @@ class PartUnit:
     def _described(self) -> tuple[int, str]:
         """(``data_size``, ``data_xxh3``) from the part's manifest."""
         if self._manifest is None:
+            self._manifest = DESCRIBED.get(self.name)
+        if self._manifest is None:
             raw = storage.read(
                 self.store.fs, self.store.path(self.fingerprint, "commits", f"{self.part}.json")
             )
             doc, _ = parse_manifest(raw, self.fingerprint, self.part)
             self._manifest = (int(doc["data_size"]), str(doc.get("data_xxh3", "")))
+            DESCRIBED[self.name] = self._manifest
         return self._manifest
 
     def size(self) -> int:
@@ -116,7 +135,7 @@ class CachedShardedSnapshot(ShardedSnapshot):
         self._units: ProcessLocal[dict[tuple[str, str], PartUnit]] = ProcessLocal(dict)
         self._not_kept: ProcessLocal[set[tuple[str, str]]] = ProcessLocal(set)
         self._prefetcher: ProcessLocal[Prefetcher] = ProcessLocal(
-            functools.partial(Prefetcher, self.disk, local_cache.limit // 2, PartUnit.size),
+            functools.partial(Prefetcher, self.disk, local_cache.limit // 2, self.size_of),
             Prefetcher.close,
         )
         self._fitted: ProcessLocal[set[str]] = ProcessLocal(set)
@@ -128,6 +147,22 @@ class CachedShardedSnapshot(ShardedSnapshot):
         if found is None:
             found = units[(fingerprint, part)] = PartUnit(self, fingerprint, part)
         return found
+
+    def size_of(self, unit: PartUnit) -> int:
+        """``unit``'s bytes: its copy's when here (no request), else its manifest's."""
+        here = self.disk.copy_size(unit)
+        return unit.size() if here is None else here
+
+    # -- the process's listing (see the module doc) -----------------------------------
+    def known_listing(self, fingerprint: str) -> tuple[Dataset, float] | None:
+        found = LISTINGS.get((self.location, fingerprint))
+        if found is None:
+            return None
+        dataset, at = found  # a copy: the store that listed it may list again meanwhile
+        return dataset.copy(), at
+
+    def note_listing(self, fingerprint: str, dataset: Dataset, at: float) -> None:
+        LISTINGS[(self.location, fingerprint)] = (dataset, at)
 
     # -- refusing a limit up front --------------------------------------------------
     def get_index(self, fingerprint: str) -> DatasetIndex:

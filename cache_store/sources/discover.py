@@ -211,16 +211,27 @@ def _walk(
     if not os.access(root, os.R_OK | os.X_OK):
         raise SourceError(root, "directory is not readable")
     found: list[tuple[str, str]] = []
+    top = str(root)
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        # strings, not Path objects: a directory of a million files is walked per file
+        inside = os.path.relpath(dirpath, top).replace(os.sep, "/")
+        prefix = "" if inside == "." else inside + "/"
         for filename in sorted(filenames):
             if filename.startswith("."):
                 continue
-            file = Path(dirpath) / filename
-            if file.suffix.lower() in SUPPORTED_EXTENSIONS:
-                found.append((_id(file, file.relative_to(root).as_posix(), template), str(file)))
+            ext = os.path.splitext(filename)[1].lower()
+            ext = "" if ext == "." else ext  # as Path.suffix has it
+            if ext in SUPPORTED_EXTENSIONS:
+                file = os.path.join(dirpath, filename)
+                relative = prefix + filename
+                if template is None:  # sample_id_for's default: the path less its extension
+                    sample_id = relative[: -len(ext)]
+                else:
+                    sample_id = _id(Path(file), relative, template)
+                found.append((sample_id, file))
             elif left_out is not None:
-                left_out[file.suffix.lower()] += 1
+                left_out[ext] += 1
     found.sort()
     return found
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from cache_store.errors import CorruptRecord, RecordNotFound, SourceError
-from cache_store.sources.files import SourceLimits, check_source, hash_source
+from cache_store.sources.files import SourceLimits, check_source, hash_source, signature_of
 
 __all__ = [
     "STAT_FIELD",
@@ -46,6 +47,8 @@ __all__ = [
     "same_signature",
     "is_current",
     "stored_metadata",
+    "stored_metadata_many",
+    "unchanged_by_stat",
     "record_is_current",
     "stored_source_hash",
 ]
@@ -145,6 +148,33 @@ def stored_metadata(store: Any, key: str) -> dict[str, str] | None:
     except CorruptRecord as exc:
         log.warning("stored record %s is unreadable (%s); treating it as absent", key, exc)
         return None
+
+
+def stored_metadata_many(store: Any, keys: list[str]) -> list[dict[str, str] | None]:
+    """:func:`stored_metadata` of each of ``keys``, asked of the store at once
+    (``Store.records_metadata``: an LMDB store reads thousands per transaction)."""
+    out: list[dict[str, str] | None] = []
+    for key, meta in zip(keys, store.records_metadata(keys), strict=True):
+        if isinstance(meta, CorruptRecord):
+            log.warning("stored record %s is unreadable (%s); treating it as absent", key, meta)
+        out.append(meta if isinstance(meta, dict) else None)
+    return out
+
+
+def unchanged_by_stat(meta: Mapping[str, Any], path: str | os.PathLike[str]) -> bool:
+    """True when the record's stored stat signature is the file's at ``path`` now, as
+    ``lstat`` sees it (a regular file, no link at the end), without opening it: a re-run
+    over an unchanged source decides "current" so, where the signature was stored (a
+    record without one, or a path that is not a local file, goes the way of
+    :func:`compare_source`). What the signature covers is :func:`signature_of`'s."""
+    stored = meta.get(STAT_FIELD)
+    if not stored:
+        return False
+    try:
+        st = os.lstat(path)
+    except (OSError, ValueError, TypeError):
+        return False
+    return stat.S_ISREG(st.st_mode) and same_signature(stored, signature_of(st))
 
 
 def stored_source_hash(store: Any, key: str) -> str | None:

@@ -195,6 +195,8 @@ class WriteBatch:
 
     records: list[tuple[str, bytes]]
     descriptors: list[Descriptor] = field(default_factory=list)
+    #: each record's recipe code digest (``"none"``: it carries none), as summaries count
+    codes: list[str] = field(default_factory=list)
 
 
 def _field_list(fields: Iterable[str] | None) -> list[str] | None:
@@ -222,6 +224,19 @@ def count_code_digest(
         code = "none"
     counts = entry.setdefault("code_digests", {})
     counts[code] = counts.get(code, 0) + 1
+
+
+def note_mixed_code(entry: dict[str, Any]) -> None:
+    """Say in a stats entry (``mixed_code``) that its records come from more than one
+    version of the recipe's code."""
+    digests = [d for d in entry.get("code_digests", {}) if d != "none"]
+    if len(digests) > 1:
+        entry["mixed_code"] = (
+            f"records of this fingerprint were computed by "
+            f"{len(digests)} different versions of the recipe's "
+            "code under one recipe version: bump the recipe's "
+            "version if its output changed"
+        )
 
 
 class Store(abc.ABC):
@@ -349,6 +364,20 @@ class Store(abc.ABC):
             metadata = read_header(value, key=key).metadata
         return bind_metadata(metadata, key, self.descriptor)
 
+    def records_metadata(self, keys: Sequence[str]) -> list[dict[str, str] | SpcacheError]:
+        """:meth:`record_metadata` of each of ``keys``, in order, the error in its place
+        (``RecordNotFound``, ``CorruptRecord``) where it raises one: what a run admitting
+        many samples asks (a backend answers it in few transactions, and may check the
+        header as :func:`~cache_store.format.header.read_own_metadata` does, without
+        taking its field table apart)."""
+        out: list[dict[str, str] | SpcacheError] = []
+        for key in keys:
+            try:
+                out.append(self.record_metadata(key))
+            except (RecordNotFound, CorruptRecord) as exc:
+                out.append(exc)
+        return out
+
     # -- helpers for implementations -------------------------------------------------
     def _cannot_write(self) -> ReadOnlyStoreError:
         return ReadOnlyStoreError(
@@ -397,15 +426,17 @@ class Store(abc.ABC):
             return lookup
 
         checked = []
+        codes = []
         for key, value in items:
             split_key(key)  # validates both parts
             meta = read_header(value, key=key).metadata
             try:
-                bind_metadata(meta, key, lookup_for(value))
+                bound = bind_metadata(meta, key, lookup_for(value))
             except CorruptRecord as exc:
                 raise ParameterError([f"{key}: {exc.reason}"], what="record key") from None
             checked.append((key, value if isinstance(value, bytes) else bytes(value)))
-        return WriteBatch(checked, list(named.values()))
+            codes.append(str(bound.get("code_digest", "none")))
+        return WriteBatch(checked, list(named.values()), codes)
 
     def index_missing(self, fingerprint: str) -> FingerprintLookupError:
         known = self.fingerprints()
@@ -485,14 +516,7 @@ class Store(abc.ABC):
 
     def _finish_stats(self, per_fp: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for entry in per_fp.values():
-            digests = [d for d in entry.get("code_digests", {}) if d != "none"]
-            if len(digests) > 1:
-                entry["mixed_code"] = (
-                    f"records of this fingerprint were computed by "
-                    f"{len(digests)} different versions of the recipe's "
-                    "code under one recipe version: bump the recipe's "
-                    "version if its output changed"
-                )
+            note_mixed_code(entry)
         for fingerprint in self.fingerprints():
             entry = per_fp.setdefault(fingerprint, {"records": 0, "bytes": 0})
             try:

@@ -37,6 +37,11 @@ LOCAL_CACHE_BACKENDS: dict[str, str] = {
     "sharded": "cache_store.local_cache.sharded:CachedShardedSnapshot",
 }
 
+# Remote ``*.zarr`` locations this process (or the process it was forked from) found
+# sharded, read through ``local_cache``: a sharded snapshot's root marker is never
+# removed, so a loader worker opening its store asks the bucket nothing.
+_SHARDED_SEEN: set[str] = set()
+
 
 def open_store(cache: LocationLike | Store, readonly: bool = True, **options: Any) -> Store:
     """A store for ``cache``: a directory -> ``LMDBStore``; ``*.zarr`` path or URL ->
@@ -63,7 +68,15 @@ def open_store(cache: LocationLike | Store, readonly: bool = True, **options: An
     if name == "zarr":
         from cache_store.snapshot.sharded.maintenance import snapshot_kind
 
-        kind = snapshot_kind(parsed.target, options.get("storage_options"))
+        seen = options.get("local_cache") is not None and (
+            f"{parsed.target} {options.get('storage_options')!r}"
+        )
+        if seen and seen in _SHARDED_SEEN:
+            kind: str | None = "sharded"
+        else:
+            kind = snapshot_kind(parsed.target, options.get("storage_options"))
+            if seen and kind == "sharded":
+                _SHARDED_SEEN.add(seen)
         if kind == "sharded" or (kind is None and not readonly):
             name = "sharded"
         elif not readonly:  # an exported snapshot is immutable: writers start a new one

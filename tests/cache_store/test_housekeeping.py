@@ -332,15 +332,18 @@ def test_ls_while_a_fingerprint_is_removed_under_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = fill(tmp_path, 3), fill(tmp_path, 4)
-    real_keys = LMDBStore.keys
+    real_summaries = LMDBStore.summaries
+    calls = []
 
-    def keys_then_remove(self: LMDBStore, prefix: str = "") -> object:
-        if prefix == b + "/":  # rm lands between ls's walk and its index read
+    def summaries_then_remove(self: LMDBStore) -> object:
+        calls.append(1)
+        if len(calls) == 2:  # rm lands between ls's stats and its read of the summaries
             hk.rm(tmp_path, [b])
-        return real_keys(self, prefix)
+        return real_summaries(self)
 
-    monkeypatch.setattr(LMDBStore, "keys", keys_then_remove)
+    monkeypatch.setattr(LMDBStore, "summaries", summaries_then_remove)
     rows = {r["fingerprint"]: r for r in hk.ls(tmp_path)}
+    assert len(calls) >= 2
     assert rows[a]["state"] == "complete"
     assert b not in rows or rows[b]["state"] == "removing"
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from cache_store.format.header import read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.local_cache.sharded import CachedShardedSnapshot
 from cache_store.local_cache.spec import LocalCache
@@ -76,7 +77,11 @@ class TestCachedShardedSnapshotContract(StoreContract):
         fingerprint, sample_id = SWAPPED_KEY.split("/", 1)
         value = records[SWAPPED_FOR]
         part = "planted-p0001-00000000"
-        doc = json.loads(manifest(fingerprint, part, [(SWAPPED_KEY, value)], value, "planted"))
+        digest = read_header(value).metadata.get("descriptor")  # the one stored with it
+        named = {} if digest is None else {digest: writer.descriptor(fingerprint, digest)}
+        doc = json.loads(
+            manifest(fingerprint, part, [(SWAPPED_KEY, value)], value, "planted", named)
+        )
         doc["records"] = [[sample_id, 0, len(value), doc["records"][0][3], "f" * 16]]
         storage.write(writer.fs, writer.path(fingerprint, "parts", f"{part}.bin"), value)
         storage.write_once(

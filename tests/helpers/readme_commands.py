@@ -231,6 +231,15 @@ COMMANDS: dict[str, How] = {
     "spcache serve --no-worker": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache serve --time-limit": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     # -- Scale-out on Ray
+    # -- Several GPUs on one machine
+    "spcache precompute SOURCE... --recipe spc --param level=8 --cache CACHE_DIR --device "
+    "cuda:0": How(
+        ELSEWHERE,
+        "no GPU here: tests/spcache/test_shared_cache.py::test_two_precomputes_started_"
+        "together_compute_each_sample_once starts two such runs (--device cpu) together",
+    ),
+    "spcache precompute SOURCE... --recipe spc --param level=8 --cache CACHE_DIR --device "
+    "cuda:1": How(ELSEWHERE, "as the cuda:0 line: tests/spcache/test_shared_cache.py"),
     "spcache precompute ... --engine ray [--address auto] [--actors N]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),

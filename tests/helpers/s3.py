@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -20,9 +22,39 @@ CREDENTIALS = {
 }
 
 
+class RequestLog:
+    """Every request the server answered, as ``"METHOD /path?query"``, in order: counted
+    by the server itself (a WSGI wrapper around moto's app), so requests from any
+    process, through any client, are seen."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: list[str] = []
+
+    def wrap(self, app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+        def counting(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+            query = environ.get("QUERY_STRING", "")
+            line = f"{environ['REQUEST_METHOD']} {environ.get('PATH_INFO', '')}"
+            with self._lock:
+                self._seen.append(f"{line}?{query}" if query else line)
+            return app(environ, start_response)
+
+        return counting
+
+    def since(self, mark: int) -> list[str]:
+        """The requests answered after :meth:`mark` returned ``mark``."""
+        with self._lock:
+            return self._seen[mark:]
+
+    def mark(self) -> int:
+        with self._lock:
+            return len(self._seen)
+
+
 @dataclass(frozen=True)
 class S3Server:
     endpoint: str
+    requests: RequestLog = field(default_factory=RequestLog)
 
     def new_bucket(self) -> str:
         """A fresh bucket; returns its name."""
@@ -50,12 +82,16 @@ def moto_s3() -> Iterator[S3Server]:
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    requests = RequestLog()
+    wsgi = server._server  # moto keeps its werkzeug server here; its handler calls .app
+    assert wsgi is not None and hasattr(wsgi, "app"), "moto's server layout changed"
+    wsgi.app = requests.wrap(wsgi.app)
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
     saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
     os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
     try:
-        yield S3Server(endpoint)
+        yield S3Server(endpoint, requests)
     finally:
         for key, value in saved.items():
             if value is None:

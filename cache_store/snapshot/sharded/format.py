@@ -42,6 +42,7 @@ import json
 import os
 import socket
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,17 @@ class Dataset:
     parts_seen: set[str] = field(default_factory=set)
     created: str = ""
     descriptors: dict[str, str] = field(default_factory=dict)  # digest -> text
+
+    def copy(self) -> Dataset:
+        """A copy whose containers are its own (entries themselves are immutable)."""
+        return dataclasses.replace(
+            self,
+            params=dict(self.params),
+            order=list(self.order),
+            entries=dict(self.entries),
+            parts_seen=set(self.parts_seen),
+            descriptors=dict(self.descriptors),
+        )
 
     def admit(self, sample_id: str, entry: Entry) -> None:
         """Take a committed entry, given in commit order. A sample id seen before keeps

@@ -217,6 +217,13 @@ class ShardedSnapshot(Store):
             known = self._datasets.get(fingerprint)
             if known is not None and not refresh and not rebuild:
                 return known
+        if known is None and not rebuild and (earlier := self.known_listing(fingerprint)):
+            known, at = earlier
+            with self._lock:
+                self._datasets[fingerprint] = known
+                self._listed_at[fingerprint] = at
+            if not refresh:
+                return known
         dataset = None if rebuild else known
         problems = self._problems.setdefault(fingerprint, _Problems())
         if dataset is None and not rebuild:
@@ -273,10 +280,22 @@ class ShardedSnapshot(Store):
             dataset.descriptors.update(doc.get("descriptors", {}))  # checked by parse_manifest
             for sample_id, entry in entries:
                 dataset.admit(sample_id, entry)
+        now = time.monotonic()
         with self._lock:
             self._datasets[fingerprint] = dataset
-            self._listed_at[fingerprint] = time.monotonic()
+            self._listed_at[fingerprint] = now
+        self.note_listing(fingerprint, dataset, now)
         return dataset
+
+    def known_listing(self, fingerprint: str) -> tuple[Dataset, float] | None:
+        """What this process knew of ``fingerprint`` before this store listed it, and when
+        (``time.monotonic()``) it was listed: a store starts from it instead of listing.
+        None here: a plain snapshot lists afresh (a read-through store keeps its
+        process's listing, :mod:`cache_store.local_cache.sharded`)."""
+        return None
+
+    def note_listing(self, fingerprint: str, dataset: Dataset, at: float) -> None:
+        """Called with what each listing found (nothing here; see :meth:`known_listing`)."""
 
     def _read_index(self, fingerprint: str, problems: _Problems) -> Dataset | None:
         """The dataset ``index.json`` holds, or None: none yet, or one that cannot be

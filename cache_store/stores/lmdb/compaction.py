@@ -36,6 +36,7 @@ from cache_store.stores.lmdb.environment import (
     EnvironmentHandle,
     out_of_space,
 )
+from cache_store.stores.lmdb import summaries
 
 __all__ = ["ROOM_MARGIN_BYTES", "compact_environment", "copy_size", "leftover_copy"]
 
@@ -154,6 +155,7 @@ def compact_environment(
                 env, _ = live_env.environment()
                 if rewrite is None:
                     env.copy(str(spare), compact=True)
+                    _count_again(spare)  # the copy's transaction ids start again
                 else:
                     counts = _repack(env, spare, rewrite)
                 fsync_path(spare / "data.mdb")
@@ -184,7 +186,7 @@ def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dic
     """Copy every database of ``env`` into a new environment at ``target`` in key order
     with MDB_APPEND (pages filled whole), each record as ``rewrite`` returns it."""
     size = max(env.info()["map_size"], 2 * (env.info()["last_pgno"] + 1) * env.stat()["psize"])
-    out = lmdb.open(str(target), map_size=size, subdir=True, max_dbs=4, sync=False)
+    out = lmdb.open(str(target), map_size=size, subdir=True, max_dbs=len(DB_NAMES), sync=False)
     walked = rewritten = 0
     try:
         with env.begin() as txn:  # writers are held off: this snapshot is the cache
@@ -218,6 +220,7 @@ def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dic
 
             _append_all(out, RECORDS_DB, records())
             _append_all(out, DESCRIPTORS_DB, iter(sorted(descriptors.items())))
+        _count_in(out)  # the rewritten records' sizes, counted again
         out.sync(True)
     finally:
         out.close()
@@ -225,6 +228,23 @@ def _repack(env: Any, target: Path, rewrite: Callable[[str, bytes], Any]) -> dic
     # file, with its reader table as large as that store asks for)
     (target / "lock.mdb").unlink(missing_ok=True)
     return {"records": walked, "rewritten": rewritten}
+
+
+def _count_in(env: Any) -> None:
+    """The summaries of ``env`` built in one walk (:func:`summaries.ensure`)."""
+    with env.begin(write=True) as txn:
+        summaries.ensure(txn, {name: env.open_db(name, txn=txn) for name in DB_NAMES})
+
+
+def _count_again(target: Path) -> None:
+    out = lmdb.open(str(target), map_size=1 << 20, subdir=True, max_dbs=len(DB_NAMES), sync=False)
+    try:
+        out.set_mapsize(max(out.info()["map_size"], 2 * os.path.getsize(target / "data.mdb")))
+        _count_in(out)
+        out.sync(True)
+    finally:
+        out.close()
+    (target / "lock.mdb").unlink(missing_ok=True)
 
 
 def _open_existing(env: Any, txn: Any, name: bytes) -> Any:

@@ -54,6 +54,7 @@ __all__ = [
     "RECORDS_DIR",
     "REMOVED_DB",
     "READER_MAP_BYTES",
+    "SUMMARIES_DB",
     "SWAP_CHECK_INTERVAL_S",
     "WRITE_LOCK_FILENAME",
     "EnvironmentHandle",
@@ -78,7 +79,8 @@ RECORDS_DB = b"records"
 INDEXES_DB = b"indexes"
 REMOVED_DB = b"removed"
 DESCRIPTORS_DB = b"descriptors"
-DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB, DESCRIPTORS_DB)
+SUMMARIES_DB = b"summaries"
+DB_NAMES = (RECORDS_DB, INDEXES_DB, REMOVED_DB, DESCRIPTORS_DB, SUMMARIES_DB)
 #: Writers hold a shared flock on ``<cache>/<this>`` per write; compaction an exclusive one.
 WRITE_LOCK_FILENAME = "records.lock"
 #: Where compaction builds the new generation (and leaves the old one, briefly).
@@ -366,7 +368,7 @@ class EnvironmentHandle:
     def _open_env_once(self, readonly: bool) -> tuple[Any, Dbs]:
         options: dict[str, Any] = dict(
             subdir=True,
-            max_dbs=4,
+            max_dbs=len(DB_NAMES),
             max_readers=self.max_readers,
             lock=self.lock,
             readahead=self.readahead,

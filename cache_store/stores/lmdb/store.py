@@ -1,11 +1,15 @@
 """LMDBStore: the live cache's records and indexes, on the :class:`Store` contract.
 
 The store's primitives, the removal steps ``rm`` and ``prune`` call, and the
-conveniences LMDB does natively (lengths without copies, stats in one walk). Every
+conveniences LMDB does natively (lengths without copies, stats from the summaries). Every
 operation runs in a transaction of the store's :class:`EnvironmentHandle`
 (:mod:`cache_store.stores.lmdb.environment`); tombstones are
-:mod:`cache_store.stores.lmdb.tombstones`. The rules all of it keeps are in
+:mod:`cache_store.stores.lmdb.tombstones`, the summaries its writes keep
+:mod:`cache_store.stores.lmdb.summaries`. The rules all of it keeps are in
 :mod:`cache_store.stores.lmdb`'s doc.
+
+Why one module: it is one class, the store contract's methods on one LMDB environment;
+what could go (tombstones, summaries, the environment, compaction) has gone.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,13 +25,14 @@ from typing import Any, TypeVar
 import lmdb
 
 from cache_store import usage
-from cache_store.errors import FingerprintRemoved
+from cache_store.errors import CorruptRecord, FingerprintRemoved, RecordNotFound, SpcacheError
 from cache_store.format.decode import Record
-from cache_store.format.descriptor import Descriptor
+from cache_store.format.descriptor import Descriptor, bind_metadata
+from cache_store.format.header import read_own_metadata
 from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
-from cache_store.stores.base import RecordDecoder, Store, count_code_digest
-from cache_store.stores.lmdb import tombstones
+from cache_store.stores.base import RecordDecoder, Store, count_code_digest, note_mixed_code
+from cache_store.stores.lmdb import summaries, tombstones
 from cache_store.stores.lmdb.environment import (
     DEFAULT_MAP_SIZE,
     DEFAULT_MAX_READERS,
@@ -140,9 +145,15 @@ class LMDBStore(Store):
         return self.handle.read()
 
     def _write(self, action: Callable[[Any, dict[bytes, Any]], T], size_hint: int = 0) -> T:
-        """Run ``action(txn, dbs)`` in one write transaction (refused when read-only)."""
+        """Run ``action(txn, dbs)`` in one write transaction (refused when read-only),
+        the summaries kept (:func:`~cache_store.stores.lmdb.summaries.ensure`) first."""
         self.check_writable()
-        return self.handle.write(action, size_hint)
+
+        def kept(txn: Any, dbs: dict[bytes, Any]) -> T:
+            summaries.ensure(txn, dbs)
+            return action(txn, dbs)
+
+        return self.handle.write(kept, size_hint)
 
     # -- primitives ------------------------------------------------------------------
     def get(self, key: str) -> bytes:
@@ -232,7 +243,13 @@ class LMDBStore(Store):
         batch = self.check_items(items, descriptors)
         # in key order: a record whose key follows every stored one is appended
         # (MDB_APPEND), which fills pages; any other insert splits a full page in two
-        checked = sorted(((k.encode(), v) for k, v in batch.records), key=lambda kv: kv[0])
+        checked = sorted(
+            (
+                (k.encode(), v, code)
+                for (k, v), code in zip(batch.records, batch.codes, strict=True)
+            ),
+            key=lambda kv: kv[0],
+        )
         named = [
             (f"{d.fingerprint}/{d.digest}".encode(), d.text.encode()) for d in batch.descriptors
         ]
@@ -241,16 +258,17 @@ class LMDBStore(Store):
             tombstones.refuse(
                 txn,
                 dbs,
-                {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked},
+                {key[:FINGERPRINT_HEX_CHARS].decode() for key, _, _ in checked},
                 self.location,
             )
+            summaries.count_put(txn, dbs, checked)  # before the puts: it reads what they replace
             for key, text in named:  # with the first records that name it (or over a
                 if txn.get(key, db=dbs[DESCRIPTORS_DB]) != text:  # damaged copy)
                     txn.put(key, text, db=dbs[DESCRIPTORS_DB])
             records = dbs[RECORDS_DB]
             cursor = txn.cursor(db=records)
             last = bytes(cursor.key()) if cursor.last() else b""
-            for key, value in checked:
+            for key, value, _ in checked:
                 if key > last:
                     txn.put(key, value, db=records, append=True)
                     last = key
@@ -258,8 +276,8 @@ class LMDBStore(Store):
                     txn.put(key, value, db=records)
             return len(checked)
 
-        count = self._write(put, sum(len(v) for _, v in checked))
-        for fingerprint in {key[:FINGERPRINT_HEX_CHARS].decode() for key, _ in checked}:
+        count = self._write(put, sum(len(v) for _, v, _ in checked))
+        for fingerprint in {key[:FINGERPRINT_HEX_CHARS].decode() for key, _, _ in checked}:
             _note_written(self.path, fingerprint)
         return count
 
@@ -280,6 +298,38 @@ class LMDBStore(Store):
                     return None
             self.handle.look_for_new_databases()
         return None
+
+    def records_metadata(self, keys: Sequence[str]) -> list[dict[str, str] | SpcacheError]:
+        # headers parsed from the map's bytes, KEYS_PER_TXN keys per read transaction
+        out: list[dict[str, str] | SpcacheError] = []
+        for start in range(0, len(keys), KEYS_PER_TXN):
+            chunk = keys[start : start + KEYS_PER_TXN]
+            heads: list[dict[str, str] | SpcacheError] = []
+            lease = self.handle.lease()
+            try:
+                txn, db = lease.txn, lease.dbs[RECORDS_DB]
+                for key in chunk:
+                    value = _lookup(txn, db, key)
+                    if value is None:
+                        heads.append(RecordNotFound(key, self.location))
+                        continue
+                    try:
+                        heads.append(read_own_metadata(value, key=key))
+                    except CorruptRecord as exc:
+                        heads.append(exc)
+            except lmdb.Error as exc:
+                raise self.handle.damaged(exc) from exc
+            finally:
+                lease.release()
+            for key, head in zip(chunk, heads, strict=True):
+                if isinstance(head, SpcacheError):
+                    out.append(head)
+                    continue
+                try:
+                    out.append(bind_metadata(head, key, self.descriptor))
+                except CorruptRecord as exc:
+                    out.append(exc)
+        return out
 
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
@@ -327,6 +377,7 @@ class LMDBStore(Store):
         def put(txn: Any, dbs: dict[bytes, Any]) -> None:
             tombstones.refuse(txn, dbs, {index.fingerprint}, self.location)
             txn.put(index.fingerprint.encode(), value, db=dbs[INDEXES_DB])
+            summaries.count_index(txn, dbs, index.describe(), index.sample_ids.tolist())
 
         self._write(put, len(value))
 
@@ -374,7 +425,11 @@ class LMDBStore(Store):
         validate_fingerprint(fingerprint)
         stamp = time.time() if when is None else float(when)
 
-        return self._write(lambda txn, dbs: tombstones.mark(txn, dbs, fingerprint, stamp))
+        def mark(txn: Any, dbs: dict[bytes, Any]) -> float:
+            summaries.drop_index(txn, dbs, fingerprint)
+            return tombstones.mark(txn, dbs, fingerprint, stamp)
+
+        return self._write(mark)
 
     def delete_records(self, fingerprint: str, *, chunk: int = 1024) -> tuple[int, int]:
         """Step two: delete every record of ``fingerprint``, ``chunk`` per transaction
@@ -387,11 +442,15 @@ class LMDBStore(Store):
             count = size = 0
             if not cursor.set_range(prefix):
                 return 0, 0
+            deleted = []
             while count < chunk and bytes(cursor.key()).startswith(prefix):
-                size += len(cursor.value())
+                value = cursor.value()
+                deleted.append(value)
+                size += len(value)
                 count += 1
                 if not cursor.delete():  # moves to the next item; False at the end
                     break
+            summaries.count_deleted(txn, dbs, fingerprint, deleted)
             return count, size
 
         def forget_descriptors(txn: Any, dbs: dict[bytes, Any]) -> None:
@@ -461,7 +520,62 @@ class LMDBStore(Store):
         return lifted
 
     # -- conveniences done natively ----------------------------------------------------
+    def summaries(self) -> dict[str, dict[str, Any]] | None:
+        """Every fingerprint's summary as the writers keep it
+        (:mod:`cache_store.stores.lmdb.summaries`), or None when they are not kept here
+        (a cache no writer of this version has written yet)."""
+        with self._read() as (txn, dbs):
+            return summaries.read_trusted(txn, dbs)
+
+    def present_count(self, fingerprint: str, summary: dict[str, Any]) -> int:
+        """How many ids of ``fingerprint``'s index have a record: from its ``summary``
+        while no record was added since the index was written, else counted."""
+        if "index" not in summary:
+            return 0
+        if "present" in summary and summary.get("records_at_index") == summary.get("records"):
+            return int(summary.get("present", 0))
+        prefix = fingerprint + "/"
+        stored = {key[len(prefix) :] for key in self.keys(prefix)}
+        ids = self.get_index(fingerprint).sample_ids.tolist()
+        return sum(1 for sid in ids if sid in stored)
+
     def stats(self) -> dict[str, Any]:
+        """The stats from the summaries the writers keep, without a walk; a walk over
+        every record where they are not kept (see :meth:`summaries`)."""
+        kept = self.summaries()
+        if kept is not None:
+            out = self._summarized_stats(kept)
+        else:
+            out = self._walked_stats()
+        env, _ = self._environment()
+        with self._read():
+            info, stat = env.info(), env.stat()
+        out["lmdb"] = {
+            "map_size": info["map_size"],
+            "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
+            "max_readers": info["max_readers"],
+            "readers_in_use": info["num_readers"],
+        }
+        return out
+
+    def _summarized_stats(self, kept: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        per_fp: dict[str, dict[str, Any]] = {}
+        for fingerprint, summary in kept.items():
+            entry: dict[str, Any] = {"records": summary["records"], "bytes": summary["bytes"]}
+            if summary.get("code_digests"):
+                entry["code_digests"] = dict(summary["code_digests"])
+            note_mixed_code(entry)
+            if "index" in summary:
+                entry.update(summary["index"])
+            per_fp[fingerprint] = entry
+        return {
+            "location": self.location,
+            "records": sum(e["records"] for e in per_fp.values()),
+            "bytes": sum(e["bytes"] for e in per_fp.values()),
+            "fingerprints": dict(sorted(per_fp.items())),
+        }
+
+    def _walked_stats(self) -> dict[str, Any]:
         per_fp: dict[str, dict[str, Any]] = {}
         with self._read() as (txn, dbs):
             if dbs[RECORDS_DB] is not None:
@@ -475,13 +589,4 @@ class LMDBStore(Store):
                     count_code_digest(
                         entry, value, bytes(key[:FINGERPRINT_HEX_CHARS]).decode(), self.descriptor
                     )
-            env, _ = self._environment()
-            info, stat = env.info(), env.stat()
-        out = self._finish_stats(per_fp)
-        out["lmdb"] = {
-            "map_size": info["map_size"],
-            "used_bytes": (info["last_pgno"] + 1) * stat["psize"],
-            "max_readers": info["max_readers"],
-            "readers_in_use": info["num_readers"],
-        }
-        return out
+        return self._finish_stats(per_fp)

@@ -1,0 +1,170 @@
+"""Summaries kept by the writers: ``stats``, ``ls`` and the service's cache view answer
+from them, with the numbers a walk over every record gives; a cache some older writer
+touched is walked until the next writer counts it again.
+
+Precompute, rm, compact and the readers run as users run them (the CLI in a subprocess
+from a fresh directory, the service over HTTP); what they wrote is read back with LMDB
+itself, walking every record, as the check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import lmdb
+import numpy as np
+
+from cache_store.stores.lmdb import LMDBStore
+from tests.helpers.procs import run_spcache, serve
+
+TINY = ["--recipe", "spc", "--param", "level=3", "--device", "cpu", "--loaders", "0"]
+
+
+def point_clouds(folder: Path, count: int, *, start: int = 0) -> Path:
+    """``count`` 64-point clouds as ``.npy`` files, their mtimes a minute old (so their
+    records carry a stat signature)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(start)
+    old = time.time() - 60
+    for i in range(start, start + count):
+        path = folder / f"p{i:04d}.npy"
+        np.save(path, rng.normal(size=(64, 3)).astype(np.float32))
+        os.utime(path, (old, old))
+    return folder
+
+
+def spcache(workdir: Path, *args: str | os.PathLike[str]) -> Any:
+    """``spcache ARGS --json`` from ``workdir`` (made fresh), its JSON answer."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    done = run_spcache(*args, "--json", cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def walked(cache: Path) -> dict[str, tuple[int, int]]:
+    """Per fingerprint ``(records, bytes)``, walking every record with LMDB itself."""
+    env = lmdb.open(str(cache / "records"), max_dbs=8, readonly=True, lock=False)
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        with env.begin() as txn:
+            for key, value in txn.cursor(db=env.open_db(b"records", txn=txn)):
+                fp = bytes(key[:32]).decode()
+                count, size = out.get(fp, (0, 0))
+                out[fp] = (count + 1, size + len(value))
+    finally:
+        env.close()
+    return out
+
+
+def older_writer_adds(cache: Path, key: str, value: bytes) -> None:
+    """A record written as an spcache that knows no summaries writes it."""
+    env = lmdb.open(str(cache / "records"), max_dbs=4)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key.encode(), value, db=env.open_db(b"records", txn=txn))
+    finally:
+        env.close()
+
+
+def test_stats_ls_and_the_cache_view_answer_what_a_walk_finds(tmp_path: Path) -> None:
+    sources = point_clouds(tmp_path / "sources", 6)
+    cache = tmp_path / "cache"
+    run = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)
+    fp = run["fingerprint"]
+    assert run["done"] == 6
+    more = spcache(
+        tmp_path / "b",
+        "precompute",
+        sources,
+        "--cache",
+        cache,
+        *TINY[:2],
+        "--param",
+        "level=4",
+        *TINY[4:],
+    )
+    other = more["fingerprint"]
+    truth = walked(cache)
+    assert set(truth) == {fp, other} and truth[fp][0] == 6
+
+    with LMDBStore(cache) as store:  # what the writers kept, without a walk
+        kept = store.summaries()
+    assert kept is not None
+    assert {f: (e["records"], e["bytes"]) for f, e in kept.items()} == truth
+    assert kept[fp]["present"] == 6 and kept[fp]["index"]["samples"] == 6
+
+    stats = spcache(tmp_path / "c", "stats", "--cache", cache)
+    for f, (count, size) in truth.items():
+        entry = stats["fingerprints"][f]
+        assert (entry["records"], entry["bytes"], entry["samples"]) == (count, size, 6)
+        assert entry["recipe"] == "spc" and len(entry["code_digests"]) == 1
+    assert stats["records"] == 12 and stats["bytes"] == sum(s for _, s in truth.values())
+    listed = {r["fingerprint"]: r for r in spcache(tmp_path / "d", "ls", "--cache", cache)}
+    assert {f: (r["records"], r["bytes"]) for f, r in listed.items()} == truth
+    assert {r["state"] for r in listed.values()} == {"complete"}
+
+    with serve("--cache", cache, "--no-worker", cwd=tmp_path / "d") as server:
+        view = httpx.get(f"{server.url}/v1/caches/{fp}", timeout=60).json()
+        assert view["counts"]["records"] == 6 and view["counts"]["indexed"] == 6
+        assert view["bytes"] == truth[fp][1]
+        listing = httpx.get(f"{server.url}/v1/caches", timeout=60).json()["caches"]
+        assert {c["fingerprint"]: c["samples"] for c in listing} == {fp: 6, other: 6}
+
+    # removed: its summary goes with its records; the other one's is untouched
+    spcache(tmp_path / "e", "rm", "--cache", cache, fp)
+    stats = spcache(tmp_path / "f", "stats", "--cache", cache)
+    assert fp not in stats["fingerprints"]
+    assert stats["fingerprints"][other]["records"] == 6 and stats["records"] == 6
+    with LMDBStore(cache) as store:
+        assert set(store.summaries() or {}) == {other}
+
+
+def test_records_an_older_writer_added_are_walked_until_the_next_write_counts_them(
+    tmp_path: Path,
+) -> None:
+    sources = point_clouds(tmp_path / "sources", 4)
+    cache = tmp_path / "cache"
+    fp = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)["fingerprint"]
+    with LMDBStore(cache) as store:
+        value = store.get(f"{fp}/p0000")
+    older_writer_adds(cache, f"{fp}/copy", value.replace(b"p0000", b"copy\x20"))
+    with LMDBStore(cache) as store:
+        assert store.summaries() is None  # they do not add up: not trusted
+    truth = walked(cache)
+    assert truth[fp][0] == 5
+    stats = spcache(tmp_path / "b", "stats", "--cache", cache)
+    assert (stats["fingerprints"][fp]["records"], stats["fingerprints"][fp]["bytes"]) == truth[fp]
+    listed = spcache(tmp_path / "c", "ls", "--cache", cache)
+    assert [(r["records"], r["bytes"]) for r in listed] == [truth[fp]]
+
+    point_clouds(sources, 1, start=4)  # the next run writes: the summaries are built again
+    assert spcache(tmp_path / "d", "precompute", sources, "--cache", cache, *TINY)["done"] == 1
+    truth = walked(cache)
+    with LMDBStore(cache) as store:
+        kept = store.summaries()
+    assert kept is not None and (kept[fp]["records"], kept[fp]["bytes"]) == truth[fp] == (
+        6,
+        truth[fp][1],
+    )
+
+
+def test_compaction_keeps_the_summaries_and_a_rewrite_counts_them_again(tmp_path: Path) -> None:
+    sources = point_clouds(tmp_path / "sources", 5)
+    cache = tmp_path / "cache"
+    fp = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)["fingerprint"]
+    for option in ([], ["--rewrite-records"]):
+        spcache(tmp_path / "b", "compact", "--cache", cache, *option)
+        truth = walked(cache)
+        with LMDBStore(cache) as store:
+            kept = store.summaries()
+        assert kept is not None and (kept[fp]["records"], kept[fp]["bytes"]) == truth[fp]
+        assert kept[fp]["present"] == 5
+        listed = spcache(tmp_path / "c", "ls", "--cache", cache)
+        assert [(r["records"], r["bytes"], r["state"]) for r in listed] == [
+            (*truth[fp], "complete")
+        ]
