@@ -9,7 +9,10 @@ A *sample id* names one source inside a dataset. Ids are relative paths without 
 extension (``chairs/a1``), so they may contain ``/``; everything that could escape a
 directory, confuse a terminal or differ only invisibly is refused.
 
-A *record key* is ``"<fingerprint>/<sample id>"``.
+A *record key* is ``"<fingerprint>/<sample id>"`` for a sample's record (its variant 0),
+and ``"<fingerprint>/<sample id>#v<k>"`` for its variant ``k >= 1`` (another seeded
+version of the sample, see :func:`record_key`). The part after the fingerprint is the
+*record id*; a sample id never ends like a variant's suffix, so the two cannot collide.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import json
 import math
 import re
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 from cache_store.errors import InvalidSampleId, ParameterError
@@ -35,7 +38,15 @@ __all__ = [
     "validate_fingerprint",
     "validate_sample_id",
     "record_key",
+    "record_id",
+    "key_of_record_id",
     "split_key",
+    "split_record_id",
+    "MAX_VARIANTS",
+    "validate_variant",
+    "validate_variant_count",
+    "validate_record_id",
+    "variant_counts",
 ]
 
 #: Length of a fingerprint: 128 bits of BLAKE2b as lowercase hex.
@@ -45,6 +56,11 @@ FINGERPRINT_HEX_CHARS = 32
 MAX_SAMPLE_ID_BYTES = 448
 #: Longest path segment of a sample id (a file name on common filesystems).
 MAX_SEGMENT_BYTES = 255
+#: Most variants a sample may have (variant indices run ``0 .. MAX_VARIANTS - 1``).
+MAX_VARIANTS = 1024
+
+# A variant's suffix of a record id: ``#v1`` .. ``#v1023`` (no leading zero: one spelling).
+_VARIANT_SUFFIX = re.compile(r"#v([1-9][0-9]{0,3})$")
 
 #: A fingerprint's syntax as a regular expression (for routes and URL matching).
 FINGERPRINT_PATTERN = rf"[0-9a-f]{{{FINGERPRINT_HEX_CHARS}}}"
@@ -176,20 +192,112 @@ def validate_sample_id(sample_id: object) -> str:
         raise InvalidSampleId(sample_id, "starts with '/' (ids are relative paths)")
     for segment in normalised.split("/"):
         _check_segment(sample_id, segment)
+    if _VARIANT_SUFFIX.search(normalised):
+        raise InvalidSampleId(
+            sample_id,
+            "ends like '#v<number>', the suffix spcache gives the record of a sample's "
+            "variant (rename the file, or choose another --id-template)",
+        )
     return normalised
 
 
-def record_key(fingerprint: str, sample_id: str) -> str:
-    """Return the record key ``"<fingerprint>/<sample id>"`` after validating both parts."""
-    return f"{validate_fingerprint(fingerprint)}/{validate_sample_id(sample_id)}"
+def validate_variant(variant: object) -> int:
+    """Return ``variant`` if it is an int in ``[0, MAX_VARIANTS)``, else raise
+    ``ParameterError``."""
+    if isinstance(variant, bool) or not isinstance(variant, int) or not 0 <= variant < MAX_VARIANTS:
+        raise ParameterError(
+            [f"variant: expected an integer from 0 to {MAX_VARIANTS - 1}, got {variant!r}"]
+        )
+    return variant
+
+
+def validate_variant_count(variants: object) -> int:
+    """Return ``variants`` (records asked for per sample) if it is an int from 1 to
+    ``MAX_VARIANTS``, else raise ``ParameterError``: the one check of every ``variants``
+    (a run, a job, a warm-up, a reader)."""
+    if (
+        isinstance(variants, bool)
+        or not isinstance(variants, int)
+        or not 1 <= variants <= MAX_VARIANTS
+    ):
+        raise ParameterError(
+            [f"variants: expected an integer from 1 to {MAX_VARIANTS}, got {variants!r}"]
+        )
+    return variants
+
+
+def record_id(sample_id: str, variant: int = 0) -> str:
+    """The part of a record key after the fingerprint: the sample id for variant 0 (so a
+    cache made before variants existed holds variant 0 of each sample), else the sample
+    id followed by ``#v<variant>``. Neither part is validated here."""
+    return sample_id if variant == 0 else f"{sample_id}#v{variant}"
+
+
+def split_record_id(text: str) -> tuple[str, int]:
+    """Inverse of :func:`record_id`: ``(sample id, variant)``; nothing validated."""
+    found = _VARIANT_SUFFIX.search(text)
+    if found is None:
+        return text, 0
+    return text[: found.start()], int(found.group(1))
+
+
+def record_key(fingerprint: str, sample_id: str, variant: int = 0) -> str:
+    """Return the record key of variant ``variant`` of a sample, after validating every
+    part: ``"<fingerprint>/<sample id>"`` for variant 0, ``"<fingerprint>/<sample
+    id>#v<variant>"`` for the others (:func:`record_id`)."""
+    return (
+        f"{validate_fingerprint(fingerprint)}/"
+        f"{record_id(validate_sample_id(sample_id), validate_variant(variant))}"
+    )
+
+
+def validate_record_id(text: object) -> str:
+    """Return the record id ``text`` (``a1``, or ``a1#v3`` for variant 3) with its sample
+    id normalised, after validating both parts (raises ``SpcacheError``)."""
+    if not isinstance(text, str):
+        raise InvalidSampleId(text, f"expected a string, got {type(text).__name__}")
+    sample_id, variant = split_record_id(text)
+    return record_id(validate_sample_id(sample_id), validate_variant(variant))
+
+
+def variant_counts(record_ids: Iterable[str]) -> dict[str, int]:
+    """Sample id -> how many variants of it ``record_ids`` hold, counting from 0 while
+    each is there (``a``, ``a#v1``, ``a#v3``: 2), for every sample whose variant 0 is
+    there; in the order the variants 0 first appear. Nothing validated."""
+    present: dict[str, set[int]] = {}
+    firsts: list[str] = []
+    for text in record_ids:
+        sample_id, variant = split_record_id(text)
+        present.setdefault(sample_id, set()).add(variant)
+        if variant == 0:
+            firsts.append(sample_id)
+    counts = {}
+    for sample_id in firsts:
+        n, have = 0, present[sample_id]
+        while n in have:
+            n += 1
+        counts[sample_id] = n
+    return counts
+
+
+def key_of_record_id(fingerprint: str, text: str) -> str:
+    """The record key of a record id as a URL or a request names it (``chairs/a1``, or
+    ``chairs/a1#v3`` for variant 3), after validating every part."""
+    if not isinstance(text, str):
+        raise InvalidSampleId(text, f"expected a string, got {type(text).__name__}")
+    sample_id, variant = split_record_id(text)
+    return record_key(fingerprint, sample_id, variant)
 
 
 def split_key(key: str) -> tuple[str, str]:
-    """Inverse of :func:`record_key`; validates both parts (raises ``SpcacheError``)."""
+    """``(fingerprint, record id)`` of a record key (inverse of :func:`record_key`; the
+    record id is the sample id itself for variant 0, see :func:`split_record_id`);
+    validates every part (raises ``SpcacheError``)."""
     if not isinstance(key, str) or "/" not in key:
         raise ParameterError([f"key: expected '<fingerprint>/<sample id>', got {key!r}"])
-    fingerprint, sample_id = key.split("/", 1)
+    fingerprint, tail = key.split("/", 1)
     validate_fingerprint(fingerprint)
+    sample_id, _ = split_record_id(tail)
     if validate_sample_id(sample_id) != sample_id:
         raise InvalidSampleId(sample_id, "not in Unicode NFC form (keys hold normalised ids)")
-    return fingerprint, sample_id
+    return fingerprint, tail

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from cache_store.errors import SpcacheError
-from cache_store.keys import FINGERPRINT_PATTERN, record_key
+from cache_store.keys import FINGERPRINT_PATTERN, key_of_record_id
 from service.context import ServiceContext
 from service.records import (
     RECORD_MEDIA_TYPE,
@@ -97,7 +97,7 @@ class RecordFastPath:
             headers += [
                 (name.lower().encode(), tag.encode())
                 for name, tag in record_tag_header(
-                    self.ctx, record_key(fingerprint, raw_id), etag
+                    self.ctx, key_of_record_id(fingerprint, raw_id), etag
                 ).items()
             ]
         if_none_match = None

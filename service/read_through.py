@@ -48,7 +48,7 @@ from cache_store.service_api.protocol import (
     sample_state,
 )
 from cache_store.jobs.liveness import WORKER_STALE_S
-from cache_store.keys import record_key
+from cache_store.keys import key_of_record_id, split_record_id
 from service.context import ServiceContext
 from service.errors import error_response
 from service.warmup import WarmupPlan
@@ -86,7 +86,10 @@ class ItemWait:
     def detail(self, fingerprint: str) -> str:
         if self.state == FAILED:
             return f"sample {self.sample_id!r} ({self.path}) failed: {self.reason}"
-        return f"no record {record_key(fingerprint, self.sample_id)!r} yet: {self.state} ({self.reason})"
+        return (
+            f"no record {key_of_record_id(fingerprint, self.sample_id)!r} yet: "
+            f"{self.state} ({self.reason})"
+        )
 
 
 def require_worker(ctx: ServiceContext, what: str) -> None:
@@ -102,7 +105,7 @@ def _missing(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> list[
     out = []
     for sid in ids:
         try:
-            if not store.has(record_key(fingerprint, sid)):
+            if not store.has(key_of_record_id(fingerprint, sid)):
                 out.append(sid)
         except CacheNotFound:
             out.append(sid)
@@ -112,7 +115,7 @@ def _missing(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> list[
 def _states(ctx: ServiceContext, fingerprint: str, ids: Sequence[str]) -> dict[str, ItemWait]:
     out = {}
     for sid in ids:
-        latest = ctx.queue.latest_item(fingerprint, sid)
+        latest = ctx.queue.latest_item(fingerprint, split_record_id(sid)[0])
         if latest is None:
             out[sid] = ItemWait(sid, MISSING, "not queued: POST /v1/warmup it first")
             continue
@@ -189,6 +192,7 @@ def dedupe_warmup(ctx: ServiceContext, plan: WarmupPlan, priority: int) -> dict[
             priority=priority,
             stale=plan.stale,
             roots=ctx.settings.source_roots,
+            variants=plan.variants,
         )
         if plan.todo
         else []
@@ -200,6 +204,7 @@ def dedupe_warmup(ctx: ServiceContext, plan: WarmupPlan, priority: int) -> dict[
         "recipe": plan.recipe,
         "recipe_version": plan.recipe_version,
         "params": plan.params,
+        "variants": plan.variants,
         "queued": sum(1 for r in rows if not r.reused),
         "reused": sum(1 for r in rows if r.reused),
         "already_ready": len(plan.ready),

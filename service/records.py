@@ -29,7 +29,7 @@ from cache_store.errors import (
 from cache_store.format.encode import select_fields
 from cache_store.format.header import record_checksum
 from cache_store.format.tag import TAG_HEADER, tag_for_checksum
-from cache_store.keys import FINGERPRINT_PATTERN, record_key
+from cache_store.keys import FINGERPRINT_PATTERN, key_of_record_id
 from cache_store.errors import ResponseTooLarge
 from service.budget import record_length
 from service.context import ServiceContext
@@ -194,7 +194,7 @@ def read_record(
     store's memory (nothing copied up front); a smaller one, or a ``fields`` subset, is
     bytes (one copy, done inline: cheaper than a hop to the thread pool).
     """
-    key = record_key(fingerprint, sample_id)
+    key = key_of_record_id(fingerprint, sample_id)  # a variant's record id too (a#v3)
     store = ctx.store()
     if store is None:
         raise RecordNotFound(key, str(ctx.cache))

@@ -19,7 +19,7 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.housekeeping.isolated import run_in_child
-from cache_store.keys import record_key, validate_fingerprint
+from cache_store.keys import key_of_record_id, validate_fingerprint
 from cache_store.sources.freshness import HashBudget
 from cache_store.jobs.failures import failure_counts, failures_of
 from cache_store.jobs.item_state import item_state
@@ -201,7 +201,7 @@ async def get_record(
     headers = {
         "ETag": etag,
         "Cache-Control": "no-cache",
-        **record_tag_header(ctx, record_key(fingerprint, sample_id), etag),
+        **record_tag_header(ctx, key_of_record_id(fingerprint, sample_id), etag),
     }
     if etag_matches(request.headers.get("if-none-match"), etag):
         release()
@@ -276,7 +276,7 @@ def get_checksums(
     store = ctx.store()
     checksums: dict[str, str | None] = {}
     for sample_id in dict.fromkeys(body.ids):
-        key = record_key(fingerprint, sample_id)
+        key = key_of_record_id(fingerprint, sample_id)
         try:
             if store is None:
                 raise RecordNotFound(key, str(ctx.cache))
@@ -298,7 +298,10 @@ def get_checksums(
 class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    ids: list[str] = Field(min_length=1, description="sample ids, answered in this order")
+    ids: list[str] = Field(
+        min_length=1,
+        description="record ids (a sample id; <id>#v<k> for its variant k), answered in this order",
+    )
     fields: list[str] | None = Field(
         None, min_length=1, description="subset of fields (default: all)"
     )
@@ -344,7 +347,7 @@ async def get_batch(
         missing: list[tuple[str, str, str]] = []
         for sample_id in ids:
             try:
-                key = record_key(fingerprint, sample_id)
+                key = key_of_record_id(fingerprint, sample_id)
                 if store is None:
                     raise RecordNotFound(key, str(ctx.cache))
                 sizes[sample_id] = record_length(store, key)
@@ -365,7 +368,7 @@ async def get_batch(
         tags: list[str] = []
         for sample_id in sizes:
             try:
-                key = record_key(fingerprint, sample_id)
+                key = key_of_record_id(fingerprint, sample_id)
                 value = read_stored(ctx, key)
                 if body.fields is not None:
                     value = select_fields(value, body.fields, key=key)

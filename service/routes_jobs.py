@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.concurrency import run_in_threadpool
 
 from cache_store.errors import ParameterError
+from cache_store.keys import MAX_VARIANTS
 from cache_store.recipes.registry import RECIPE_SPECS
 from service.auth import require_token
 from service.context import Context
@@ -54,6 +55,14 @@ class WarmupRequest(BaseModel):
     root: str | None = Field(None, min_length=1, max_length=4096)
     glob: str | None = Field(None, min_length=1, max_length=1024)
     priority: int = Field(0, ge=-1000, le=1000)
+    variants: int = Field(
+        1,
+        ge=1,
+        le=MAX_VARIANTS,
+        description="records per sample: variant 0 (the sample itself) and variants - 1 "
+        "more, each from its own seeded generator (augmented as the recipe's parameters "
+        "say); an item is ready when all of them are stored",
+    )
     dedupe: bool = Field(
         False,
         description="read-through: reuse the queue's pending, "
@@ -106,7 +115,7 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
                 max_entries=settings.glob_max_entries,
                 max_seconds=settings.glob_max_seconds,
             )
-        plan = plan_warmup(body.recipe, body.params, pairs, roots, ctx.store())
+        plan = plan_warmup(body.recipe, body.params, pairs, roots, ctx.store(), body.variants)
         if body.require_worker and plan.todo:
             require_worker(ctx, f"warm-up of {len(plan.todo)} item(s) of {plan.fingerprint}")
         if body.dedupe:
@@ -120,6 +129,7 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
             priority=body.priority,
             ready=plan.ready,
             roots=roots,
+            variants=plan.variants,
         )
         info = ctx.queue.job(job_id, errors_limit=0)
         return {
@@ -128,6 +138,7 @@ async def warmup(body: WarmupRequest, ctx: Context) -> dict[str, Any]:
             "recipe": plan.recipe,
             "recipe_version": plan.recipe_version,
             "params": plan.params,
+            "variants": plan.variants,
             "queued": len(plan.todo),
             "already_ready": len(plan.ready),
             "status": info.status,

@@ -24,7 +24,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from cache_store.keys import record_key, validate_fingerprint
+from cache_store.keys import key_of_record_id, validate_fingerprint
 from cache_store.sources.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
@@ -255,7 +255,7 @@ async def get_preview(
 ) -> Response:
     """A picture of one octree level of a record: occupied voxels as shaded cubes, query
     points green (voxel occupied at that level) or red. ETag = record checksum + params."""
-    key = record_key(fingerprint, sample_id)
+    key = key_of_record_id(fingerprint, sample_id)  # a variant's too: a1#v3
     cache: PreviewCache = request.app.state.previews
     etag, png = await run_in_threadpool(
         _preview, ctx, cache, key, level, view, size, queries, request.headers.get("if-none-match")

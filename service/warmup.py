@@ -8,9 +8,9 @@ Everything here is plain, synchronous library code (the route runs it in a threa
 * source paths go through the source gate (:mod:`cache_store.sources.files`): resolved,
   symlinks included, inside an allowed source root (checked before the file's existence,
   so the answer reveals nothing outside), a regular file within the size limit;
-* an item whose record exists with the source's current content (same stat signature, or
-  else the same hash; :mod:`cache_store.sources.freshness`) is *ready*: it is counted, not
-  queued.
+* an item whose records exist with the source's current content (same stat signature,
+  or else the same hash; :mod:`cache_store.sources.freshness`), each of the ``variants``
+  asked for, is *ready*: it is counted, not queued.
 
 The job itself, and later the dataset index (written by the worker when the job
 finishes), keep the request's order.
@@ -33,7 +33,12 @@ from cache_store.errors import (
     SourceError,
     SpcacheError,
 )
-from cache_store.keys import compute_fingerprint, record_key, validate_sample_id
+from cache_store.keys import (
+    compute_fingerprint,
+    record_key,
+    validate_sample_id,
+    validate_variant_count,
+)
 from cache_store.sources.freshness import compare_source, stored_metadata
 from cache_store.sources.files import (
     DEFAULT_MAX_SOURCE_BYTES,
@@ -58,6 +63,8 @@ class WarmupPlan:
     recipe_version: int
     params: dict[str, Any]
     fingerprint: str
+    #: records asked for per sample
+    variants: int = 1
     todo: list[NewItem] = field(default_factory=list)
     ready: list[NewItem] = field(default_factory=list)
     #: ids in ``todo`` whose stored record is out of date with its source
@@ -279,8 +286,10 @@ def plan_warmup(
     items: Sequence[tuple[str, str]],
     roots: Sequence[Path],
     store: Store | None,
+    variants: int = 1,
 ) -> WarmupPlan:
-    """Validate a warm-up request and split its items into ``todo`` and ``ready``.
+    """Validate a warm-up request and split its items into ``todo`` and ``ready``
+    (``variants``: the records wanted per sample, each checked).
 
     Raises:
         UnknownName: the recipe does not exist.
@@ -290,7 +299,11 @@ def plan_warmup(
     spec = get_recipe_spec(recipe)
     resolved = spec.resolve(params or {})
     fingerprint = compute_fingerprint(spec.name, spec.version, resolved)
-    plan = WarmupPlan(spec.name, spec.version, resolved, fingerprint)
+    try:
+        validate_variant_count(variants)
+    except ParameterError as exc:
+        raise ParameterError(exc.problems, what="warm-up request") from None
+    plan = WarmupPlan(spec.name, spec.version, resolved, fingerprint, variants)
     problems: list[str] = []
     seen: dict[str, int] = {}
     checked: list[tuple[str, Path]] = []
@@ -311,12 +324,15 @@ def plan_warmup(
     limits = SourceLimits.of(roots)
     for sid, real in checked:
         item = NewItem(sid, str(real))
-        meta = None if store is None else stored_metadata(store, record_key(fingerprint, sid))
-        if meta is not None and _current(meta, real, limits):
+        metas = [
+            None if store is None else stored_metadata(store, record_key(fingerprint, sid, v))
+            for v in range(variants)
+        ]
+        if all(meta is not None and _current(meta, real, limits) for meta in metas):
             plan.ready.append(item)
             continue
         plan.todo.append(item)
-        if meta is not None:
+        if any(meta is not None and not _current(meta, real, limits) for meta in metas):
             plan.stale.add(sid)
     return plan
 

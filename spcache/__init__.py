@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from cache_store.readers.dataset import CachedDataset
     from cache_store.readers.loader import DataLoader
     from cache_store.readers.sampler import Sampler
+    from cache_store.recipes.functional import recipe
     from cache_store.readers.to_kaolin import to_kaolin_spc
     from cache_store.sources.discover import KEEP_EXTENSION, discover_sources
     from spcache import recipes
@@ -47,6 +48,7 @@ _LAZY: dict[str, str] = {
     "Timings": "spcache.compute",
     "CachedDataset": "cache_store.readers.dataset",
     "Sampler": "cache_store.readers.sampler",
+    "recipe": "cache_store.recipes.functional",
     "DataLoader": "cache_store.readers.loader",
     "collate_spc": "cache_store.readers.collate",
     "to_kaolin_spc": "cache_store.readers.to_kaolin",
@@ -69,8 +71,9 @@ __all__ = [
     "Timings",
     "discover_sources",
     "KEEP_EXTENSION",  # id_template= that keeps the extension (--id-keep-ext)
-    # your own features: spcache.recipes.Recipe, Param, Field
+    # your own features: spcache.recipes.Recipe, Param, Field; spcache.recipe(fn)
     "recipes",
+    "recipe",
     # a cache's fingerprints: list, remove, prune least recently used, give disk back
     "ls",
     "rm",
@@ -78,7 +81,7 @@ __all__ = [
     "compact",
     # reading
     "CachedDataset",
-    "Sampler",
+    "Sampler",  # an epoch order for any ranks, resumable; a fresh variant per epoch
     "DataLoader",
     "collate_spc",
     "to_kaolin_spc",

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cache_store.engine_options import EngineOptions
 
 if TYPE_CHECKING:
+    from cache_store.recipes.api import Recipe
     from cache_store.readers.dataset import CachedDataset
 
 __all__ = ["FailedSample", "PrecomputeResult", "Timings", "precompute"]
@@ -56,9 +57,11 @@ class Timings:
 class PrecomputeResult:
     """The outcome of :func:`precompute` (what ``spcache precompute --json`` prints).
 
-    ``done`` samples were computed and stored in this run, ``skipped`` ones already had an
-    up-to-date record, ``failed`` ones have none: ``errors`` says why, one
-    :class:`FailedSample` each. ``fingerprint`` names the recipe, version and parameters
+    ``done`` records were computed and stored in this run, ``skipped`` ones were already
+    stored and up to date, ``failed`` ones are not stored: ``errors`` says why, one
+    :class:`FailedSample` each. A record is one variant of a sample: a run of ``variants``
+    per sample reports ``samples x variants`` records (a failed variant's id is
+    ``<sample id>#v<k>``). ``fingerprint`` names the recipe, version and parameters
     in the cache: ``CachedDataset(cache, fingerprint)`` reads the records
     (:meth:`dataset`). ``extra`` holds what only one engine reports (with
     ``engine="ray"``: ``actors`` and ``shard_retries``).
@@ -88,10 +91,12 @@ class PrecomputeResult:
     #: "left out 7 files of unsupported types: .dae 3, ...")
     left_out: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: records asked for per sample
+    variants: int = 1
 
     @property
     def total(self) -> int:
-        """Samples the run reported on: ``done + skipped + failed``."""
+        """Records the run reported on: ``done + skipped + failed``."""
         return self.done + self.skipped + self.failed
 
     @property
@@ -123,6 +128,7 @@ class PrecomputeResult:
             "oom_backoffs",
             "skipped_other_code",
             "left_out",
+            "variants",
         }
         timings = dict(data.get("timings", {}))
         return cls(
@@ -154,6 +160,7 @@ class PrecomputeResult:
                 {str(k): int(v) for k, v in dict(data.get("left_out", {})).items()}
             ),
             extra=MappingProxyType({k: v for k, v in data.items() if k not in known}),
+            variants=int(data.get("variants", 1)),
         )
 
     def as_json(self) -> dict[str, Any]:
@@ -186,6 +193,7 @@ class PrecomputeResult:
             "oom_backoffs": self.oom_backoffs,
             "skipped_other_code": self.skipped_other_code,
             "left_out": dict(self.left_out),
+            "variants": self.variants,
             **self.extra,
         }
         if self.engine != "local":
@@ -201,7 +209,7 @@ class PrecomputeResult:
 
 def precompute(
     sources: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    recipe: str,
+    recipe: str | type[Recipe] | Recipe,
     cache: str | os.PathLike[str],
     *,
     device: str = _DEFAULTS.device,
@@ -215,6 +223,7 @@ def precompute(
     query_chunk: int = _DEFAULTS.query_chunk,
     write_batch: int = _DEFAULTS.write_batch,
     id_template: str | None = None,
+    variants: int = 1,
     time_limit_s: float | None = _DEFAULTS.time_limit_s,
     **params: Any,
 ) -> PrecomputeResult:
@@ -224,7 +233,8 @@ def precompute(
     Args:
         sources: a file, a directory (searched recursively) or a manifest (``.txt``: one
             path a line; ``.jsonl``: ``{"id": ..., "path": ...}`` a line), or several.
-        recipe: the recipe's name (``spcache recipes`` lists them).
+        recipe: the recipe's name (``spcache recipes`` lists them), or a recipe class
+            of this process (one made by :func:`spcache.recipe`, or a ``Recipe`` subclass).
         cache: the cache directory (created if missing).
         device: ``"auto"`` (CUDA where it works, else CPU), ``"cpu"``, ``"cuda"``,
             ``"cuda:N"``.
@@ -248,6 +258,11 @@ def precompute(
             directory or ``.txt`` manifest (``"{parts[0]}/{parts[1]}"``; ``"{path}"``
             keeps the extension), as ``--id-template`` (see
             :func:`cache_store.sources.discover.sample_id_for`).
+        variants: records per sample: variant 0 (the sample itself) and ``variants - 1``
+            more, each prepared from its own seeded generator (augmented where the
+            recipe's augmentation parameters are set: ``rotation``, ``scale_min``,
+            ``scale_max``, ``jitter`` for the built-ins). Not part of the fingerprint:
+            asking for 6 after 4 computes the 2 new ones.
         time_limit_s: seconds a sample's loading (with ``prepare``) or ``compute`` may
             take (default: the recipe's ``time_limit_s``, 600 unless it declares one).
             A sample past it fails alone, naming the limit: its computation is
@@ -273,8 +288,10 @@ def precompute(
     environment, SQLite connections, signal handlers), so DataLoader workers may fork
     right after it.
     """
+    from cache_store.recipes.registry import recipe_name_of
     from workers.precompute import run_precompute
 
+    recipe = recipe_name_of(recipe)  # a recipe class (spcache.recipe): usable here
     options = EngineOptions(
         device=device,
         backend=backend,
@@ -295,6 +312,7 @@ def precompute(
         address=address,
         actors=actors,
         id_template=id_template,
+        variants=variants,
     )
     from cache_store.location import is_remote
 

@@ -25,6 +25,7 @@ EXPECTED = {
     "spc_ops.py",
     "worker_memory.py",
     "zarr_snapshot.py",
+    "zero_copy.py",
 }
 
 

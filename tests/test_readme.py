@@ -119,14 +119,17 @@ def snippet_kind(code: str) -> str:
     kinds = [
         kind
         for kind, marker in (
-            ("training", "spcache.precompute("),
+            ("training", 'spcache.precompute(SOURCES, "spc_query"'),
+            # tests/spcache/test_variants_training.py runs it as a training script
+            ("variants", "variants=4, rotation="),
+            ("function_recipe", "@spcache.recipe("),
             ("read_through", 'sources="meshes/"'),
             ("plugin_reader", '"point_count", level=6)'),
             ("ddp", "# train_ddp.py"),
             ("resume", "# train_resume.py"),
             ("sdf", '"spc_sdf"'),
             # built, pip-installed and used by tests/test_readme_workflows.py
-            ("recipe", "from spcache.recipes import"),
+            ("recipe", "from spcache.recipes import Field, Param, Recipe"),
         )
         if marker in code
     ]
@@ -138,12 +141,14 @@ def test_every_python_snippet_is_run_by_a_test() -> None:
     kinds = [snippet_kind(code) for code in readme_python_snippets()]
     assert sorted(kinds) == [
         "ddp",
+        "function_recipe",
         "plugin_reader",
         "read_through",
         "recipe",
         "resume",
         "sdf",
         "training",
+        "variants",
     ]
     for code in readme_python_snippets():
         compile(code, "README.md", "exec")
@@ -160,6 +165,38 @@ def _run(root: Path, argv: list[str], timeout: float = 600) -> subprocess.Comple
         "OMP_NUM_THREADS": "1",
     }
     return subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_function_recipe_snippet_runs_as_pasted(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """As pasted into ``python -`` (a notebook cell has no file either) in a fresh
+    directory beside ``shapes/``: it computes and prints the first shape's extent."""
+    (tmp_path / "shapes").mkdir()
+    for mesh in sorted(corpus_meshes)[:2]:
+        (tmp_path / "shapes" / mesh.name).write_bytes(mesh.read_bytes())
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-"],
+        input=_snippet("function_recipe"),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    printed = out.stdout.strip().splitlines()[-1]
+    assert printed.startswith("tensor([") and "dtype" not in printed  # float32: no dtype shown
+    with open_store(tmp_path / "cache") as store:
+        (fingerprint,) = store.fingerprints()
+        index = store.get_index(fingerprint)
+        assert index.recipe == "extent" and dict(index.params) == {"margin": 0.1}
+        assert len(index) == 2
 
 
 @pytest.mark.slow

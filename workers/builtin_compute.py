@@ -35,6 +35,7 @@ import torch
 
 from cache_store.errors import SourceError, SpcacheError
 from cache_store.recipes.api import ChunkBudget
+from cache_store.recipes.augment import augment_points, augmentation_set, transform_points
 from workers import sdf as sdf_ops
 from workers.sampling import compute_normalization, normalize_points, shape_points
 from workers.source_load import LoadedSource
@@ -60,11 +61,15 @@ def prepare_spc(
     """
     norm = compute_normalization(source.path, source.used_points())
     points = shape_points(source, norm, int(params["surface_samples"]), generator)
+    augmented = augment_points(points, params, generator, source.variant)
+    points = torch.from_numpy(augmented.points)
     out = {
         "points": points.to(torch.float32).numpy(),
         "center": norm.center.astype(np.float32),
         "scale": np.array(norm.scale, dtype=np.float32),
     }
+    if augmentation_set(params):
+        out["augmentation"] = augmented.matrix.astype(np.float32)
     if with_queries:
         out["queries"] = _draw_queries(points, params, generator).numpy()
     return out
@@ -85,6 +90,7 @@ def compute_spc(
     out = _build_spc(ops, torch.from_numpy(prepared["points"]).to(device), level)
     out["center"] = torch.from_numpy(np.array(prepared["center"], dtype=np.float32))
     out["scale"] = torch.tensor(float(prepared["scale"]), dtype=torch.float32)
+    _pass_augmentation(prepared, out)
     octree, exsum = out.pop("_octree_dev"), out.pop("_exsum_dev")
     if with_queries:
         queries = torch.from_numpy(prepared["queries"])
@@ -93,6 +99,14 @@ def compute_spc(
         out["query_pidx"] = pidx
         out["occupancy"] = (pidx[:, level] >= 0).to(torch.uint8)
     return out
+
+
+def _pass_augmentation(prepared: Mapping[str, np.ndarray], out: dict[str, torch.Tensor]) -> None:
+    """The ``augmentation`` field, where ``prepare`` made one (augmentation parameters set)."""
+    if "augmentation" in prepared:
+        out["augmentation"] = torch.from_numpy(
+            np.ascontiguousarray(prepared["augmentation"], dtype=np.float32)
+        )
 
 
 def _draw_queries(
@@ -180,6 +194,8 @@ def prepare_sdf(
         )
     norm = compute_normalization(source.path, source.used_points())
     points = shape_points(source, norm, int(params["surface_samples"]), generator)
+    augmented = augment_points(points, params, generator, source.variant)
+    points = torch.from_numpy(augmented.points)
     queries = _draw_queries(
         points,
         {
@@ -190,8 +206,14 @@ def prepare_sdf(
         generator,
     ).numpy()
     vertices = normalize_points(source.vertices, norm)
+    if source.variant:  # the mesh goes where its surface samples went (no jitter)
+        vertices = transform_points(augmented.matrix, vertices)
     faces = np.ascontiguousarray(source.faces, dtype=np.int64)
+    extra = (
+        {"augmentation": augmented.matrix.astype(np.float32)} if augmentation_set(params) else {}
+    )
     return {
+        **extra,
         "points": points.to(torch.float32).numpy(),
         "center": norm.center.astype(np.float32),
         "scale": np.array(norm.scale, dtype=np.float32),
@@ -218,6 +240,7 @@ def compute_sdf(
     octree, exsum = out.pop("_octree_dev"), out.pop("_exsum_dev")
     out["center"] = torch.from_numpy(np.array(prepared["center"], dtype=np.float32))
     out["scale"] = torch.tensor(float(prepared["scale"]), dtype=torch.float32)
+    _pass_augmentation(prepared, out)
     hierarchy = out["point_hierarchy"].to(device)
     pyramid = out["pyramid"]
     dual, pyramid_dual = ops.unbatched_make_dual(hierarchy, pyramid)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from cache_store.recipes.api import Field, Param, Recipe
+from cache_store.recipes.augment import AUGMENTATION_FIELD, AUGMENTATION_PARAMS
 from cache_store.recipes.specs import FieldSpec, ParamSpec
 
 __all__ = ["Spc", "SpcQuery", "SpcSdf"]
@@ -31,6 +32,7 @@ _SPC_PARAMS = {
         "points sampled (area-weighted, seeded) from a mesh surface; "
         "point-cloud sources use their own points",
     ),
+    **AUGMENTATION_PARAMS,
 }
 _SPC_FIELDS = {
     "octree": Field(
@@ -50,6 +52,7 @@ _SPC_FIELDS = {
     ),
     "center": Field("float32", "[3]", "normalisation: normalised = (source - center) / scale"),
     "scale": Field("float32", "[]", "normalisation scale (see center)"),
+    "augmentation": AUGMENTATION_FIELD,
 }
 _QUERY_PARAMS = {
     "uniform_queries": Param(
@@ -107,6 +110,7 @@ _SDF_PARAMS = {
     "uniform_samples": Param(
         int, 50_000, 0, 1_000_000, "SDF points drawn uniformly in the normalisation cube [-1, 1]^3"
     ),
+    **AUGMENTATION_PARAMS,
 }
 _DUAL_FIELDS = {
     "point_hierarchy_dual": Field(
@@ -229,7 +233,7 @@ class Spc(Recipe):
     doc = "structured point cloud (sparse octree) of the normalised shape"
     record_bytes = staticmethod(_spc_bytes)
     record_bytes_doc = _SPC_BOUND
-    code_modules = ("workers.builtin_compute", "workers.sampling")
+    code_modules = ("workers.builtin_compute", "workers.sampling", "cache_store.recipes.augment")
     with_queries = False
 
     def prepare(self, source: Any, params: Mapping[str, Any], generator: Any) -> dict[str, Any]:
@@ -269,7 +273,12 @@ class SpcSdf(Recipe):
     doc = _SDF_DOC
     record_bytes = staticmethod(_sdf_bytes)
     record_bytes_doc = _SDF_BOUND
-    code_modules = ("workers.builtin_compute", "workers.sampling", "workers.sdf")
+    code_modules = (
+        "workers.builtin_compute",
+        "workers.sampling",
+        "workers.sdf",
+        "cache_store.recipes.augment",
+    )
 
     def prepare(self, source: Any, params: Mapping[str, Any], generator: Any) -> dict[str, Any]:
         from workers.builtin_compute import prepare_sdf

@@ -18,7 +18,13 @@ Three stages overlap:
 3. **Writing** (a writer thread, :mod:`workers.record_writer`): records are encoded
    and written in batched transactions (``store.put_many``).
 
-A sample that fails at any stage is recorded with its reason in the :class:`Summary`;
+A run may ask for ``variants=K``: K records of each sample (variant 0, the sample as
+without variants, and K-1 more, each prepared from the same loaded source with its own
+seeded generator: :mod:`cache_store.recipes.augment`). Records already stored and
+current are skipped, so asking for 6 after 4 computes the 2 new ones. The summary
+counts records.
+
+A record that fails at any stage is recorded with its reason in the :class:`Summary`;
 the run goes on. ``on_result`` is called in the calling thread for every item, and for
 a computed item only after its record has committed. When the run ends (or is
 interrupted) the fingerprint's index is written: the ids it held before, in their
@@ -57,12 +63,17 @@ from cache_store.errors import (
 )
 from cache_store.jobs.failures import FailureLog
 from cache_store.sources.freshness import STAT_FIELD
-from cache_store.keys import canonical_json, compute_fingerprint, record_key
+from cache_store.keys import (
+    canonical_json,
+    compute_fingerprint,
+    record_key,
+    validate_variant_count,
+)
 from cache_store.stores.base import Store
 from workers.claimed_work import WAITING, claimed, claims_beside
-from workers.loader import LoaderPool
+from workers.loader import LoaderPool, LoadOutcome, VariantOutcome
 from cache_store.recipes.api import ReadOnlyParams, is_out_of_memory
-from cache_store.recipes.registry import get_entry
+from cache_store.recipes.registry import LOCAL_KIND, get_entry
 from cache_store.recipes.api import ChunkBudget, Recipe, check_outputs
 from workers.record_writer import PendingRecord, RecordWriter
 from workers.time_limits import Overrun, SampleClock, SampleTimeLimit, limit_for
@@ -169,8 +180,11 @@ class Engine:
         self.recipe_spec = entry.spec
         #: digest of the recipe's code, stored in every record (``code_digest``)
         self.code_digest = entry.code_digest
-        #: the resolved parameters, read-only: what prepare and compute get
+        #: the resolved parameters, read-only: they name the fingerprint (and go in
+        #: every record)
         self.params = ReadOnlyParams(self.recipe_spec.resolve(params))
+        #: what prepare and compute get: every parameter, defaults filled in, read-only
+        self.run_params = ReadOnlyParams(self.recipe_spec.with_defaults(self.params))
         if failure_log is None:
             failure_log = failure_log_beside(store)
         if options.skip_failed and failure_log is None:
@@ -180,6 +194,11 @@ class Engine:
         self.device = options.device
         self.backend = options.backend
         self.loaders = options.loader_count
+        if entry.origin.get("kind") == LOCAL_KIND and self.loaders:
+            # a loader process starts without this process's __main__ (a notebook, a
+            # script): a recipe made here (spcache.recipe) is prepared here
+            logger.info("recipe %r was made in this process: loading in it", entry.name)
+            self.loaders = 0
         self.query_chunk = options.query_chunk
         self.min_query_chunk = options.min_query_chunk
         self.write_batch = options.write_batch
@@ -192,21 +211,28 @@ class Engine:
         self.fingerprint = compute_fingerprint(
             self.recipe_spec.name, self.recipe_spec.version, self.params
         )
+        #: what seeds each sample's generators: the fingerprint without the augmentation
+        #: parameters (variant 0 of an augmented run is the record of the plain run)
+        self.seed_fingerprint = compute_fingerprint(
+            self.recipe_spec.name,
+            self.recipe_spec.version,
+            self.recipe_spec.seed_params(self.params),
+        )
         #: seconds each stage of a sample may take (the run's option, else the recipe's)
         self.time_limit_s = limit_for(self.recipe, options.time_limit_s)
         self.clock = clock if clock is not None else SampleClock()
         self._loader_pool: LoaderPool | None = None
 
-    def key(self, sample_id: str) -> str:
-        return record_key(self.fingerprint, sample_id)
+    def key(self, sample_id: str, variant: int = 0) -> str:
+        return record_key(self.fingerprint, sample_id, variant)
 
     def loader_pool(self, count: int | None = None) -> LoaderPool:
         """A new, unopened loader pool for this engine's recipe (``count``: items it will
         see, when known)."""
         return LoaderPool(
             self.recipe_spec.name,
-            dict(self.params),
-            self.fingerprint,
+            dict(self.run_params),
+            self.seed_fingerprint,
             loaders=self.loaders,
             count=count,
             limits=self.source_limits,
@@ -243,9 +269,12 @@ class Engine:
         self,
         items: Iterable[tuple[str, str | os.PathLike[str]]],
         on_result: Callable[[ItemResult], None] | None = None,
+        *,
+        variants: int = 1,
     ) -> Summary:
-        """Compute every ``(sample_id, path)`` item; return the :class:`Summary`."""
-        return LocalRun(self, list(items), on_result).execute()
+        """Compute ``variants`` records of every ``(sample_id, path)`` item; return the
+        :class:`Summary` (``on_result`` is called once per record)."""
+        return LocalRun(self, list(items), on_result, validate_variant_count(variants)).execute()
 
 
 def failure_log_beside(store: Store) -> FailureLog | None:
@@ -269,9 +298,11 @@ class LocalRun:
         engine: Engine,
         items: list[tuple[str, Any]],
         on_result: Callable[[ItemResult], None] | None,
+        variants: int = 1,
     ) -> None:
         self.engine = engine
         self.items = items
+        self.variants = variants
         self.ledger = RunLedger(
             engine.store,
             Summary(
@@ -295,7 +326,7 @@ class LocalRun:
     # (which may initialise CUDA), so no CUDA-holding process is ever forked.
     def execute(self) -> Summary:
         start = time.perf_counter()
-        work = self.ledger.admit(self.items)
+        work = self.ledger.admit(self.items, self.variants)
         shared_pool = self.engine._loader_pool
         own_pool = shared_pool is None
         pool = self.engine.loader_pool(len(work)) if shared_pool is None else shared_pool
@@ -381,7 +412,7 @@ class LocalRun:
             self.engine.store, self.engine.write_batch, self.committed
         )
         writer.start()
-        self.ledger.open_progress(len(self.items))
+        self.ledger.open_progress(len(self.items) * self.variants)
         self._pipeline(upcoming, pool, writer, device, ops, budget)
         writer.finish()
         self._report_committed()
@@ -419,45 +450,59 @@ class LocalRun:
                 item, future = pending.popleft()
                 outcome = pool.result(item, future, pending)
                 self.summary.load_s += outcome.seconds
-                if outcome.status == "skipped":
-                    self.ledger.finish(
-                        ItemResult(
-                            item.sample_id,
-                            item.path,
-                            "skipped",
-                            key=item.key,
-                            source_hash=outcome.source_hash,
-                        )
-                    )
-                elif outcome.status == "skipped-failed":
-                    self.ledger.finish(self.ledger.skipped_failure(item, outcome.source_hash))
+                if outcome.status == "skipped-failed":
+                    self.ledger.skip_failures(item, outcome.source_hash)
                 elif outcome.status == "failed":
-                    self.ledger.finish(
-                        ItemResult(
-                            item.sample_id,
-                            item.path,
-                            "failed",
-                            reason=outcome.reason,
-                            source_hash=outcome.source_hash,
-                        )
+                    self.ledger.finish_all(
+                        item, "failed", reason=outcome.reason, source_hash=outcome.source_hash
                     )
-                else:
-                    assert outcome.prepared is not None
-                    self._compute(
-                        item,
-                        outcome.prepared,
-                        outcome.source_hash,
-                        writer,
-                        device,
-                        ops,
-                        budget,
-                        outcome.source_stat,
-                    )
+                for part in outcome.variants:
+                    self._record(item, part, outcome, writer, device, ops, budget)
                 self._report_committed()
                 self._stop_if_full(writer)
         finally:
             for _, future in pending:  # interrupted: loads nobody will wait for
                 future.cancel()
+
+    def _record(
+        self,
+        item: WorkItem,
+        part: VariantOutcome,
+        outcome: LoadOutcome,
+        writer: RecordWriter,
+        device: torch.device,
+        ops: Any,
+        budget: ChunkBudget,
+    ) -> None:
+        """One wanted record of a loaded sample: skipped, failed, or computed and queued
+        for the writer."""
+        variant = part.variant
+        if part.status == "prepared":
+            assert part.prepared is not None
+            self._compute(
+                item,
+                variant,
+                part.prepared,
+                outcome.source_hash,
+                writer,
+                device,
+                ops,
+                budget,
+                outcome.source_stat,
+            )
+            return
+        key = self.engine.key(item.sample_id, variant) if part.status == "skipped" else ""
+        self.ledger.finish(
+            ItemResult(
+                item.sample_id,
+                item.path,
+                part.status,
+                key=key,
+                reason=part.reason,
+                source_hash=outcome.source_hash,
+                variant=variant,
+            )
+        )
 
     @staticmethod
     def _stop_if_full(writer: RecordWriter) -> None:
@@ -469,6 +514,7 @@ class LocalRun:
     def _compute(
         self,
         item: WorkItem,
+        variant: int,
         prepared: dict[str, Any],
         source_hash: str,
         writer: RecordWriter,
@@ -484,9 +530,9 @@ class LocalRun:
             with self.engine.clock.watch(
                 item.sample_id, item.path, "compute", self.engine.time_limit_s
             ):
-                tensors = self.engine.recipe.compute(prepared, self.engine.params, device, ops)
+                tensors = self.engine.recipe.compute(prepared, self.engine.run_params, device, ops)
             stage = "outputs"
-            check_outputs(spec, tensors, self.engine.params)
+            check_outputs(spec, tensors, self.engine.run_params)
         except Exception as exc:  # one sample's failure is recorded, the run goes on
             if is_out_of_memory(exc):
                 if device.type == "cuda":
@@ -506,7 +552,12 @@ class LocalRun:
                 reason = f"recipe {spec.name!r}: {stage} {one_line(exc, with_class=True, limit=REASON_MAX)}"
             self.ledger.finish(
                 ItemResult(
-                    item.sample_id, item.path, "failed", reason=reason, source_hash=source_hash
+                    item.sample_id,
+                    item.path,
+                    "failed",
+                    reason=reason,
+                    source_hash=source_hash,
+                    variant=variant,
                 )
             )
             return
@@ -525,9 +576,15 @@ class LocalRun:
         finally:
             self.summary.compute_s += time.perf_counter() - start
         metadata = self._metadata(item, source_hash, device, ops)
+        if variant:  # the record's key says it too (cache_store.keys.record_key)
+            metadata["variant"] = str(variant)
         if source_stat:  # readers compare it before hashing (cache_store.sources.freshness)
             metadata[STAT_FIELD] = source_stat
-        writer.put(PendingRecord(item, tensors, metadata))
+        writer.put(
+            PendingRecord(
+                item, tensors, metadata, variant, self.engine.key(item.sample_id, variant)
+            )
+        )
 
     def _metadata(
         self, item: WorkItem, source_hash: str, device: torch.device, ops: Any
@@ -544,7 +601,7 @@ class LocalRun:
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "spcache_version": SPCACHE_VERSION,
             "schema": json.dumps(
-                {k: f.as_json() for k, f in spec.fields.items()},
+                {k: f.as_json() for k, f in spec.fields_for(self.engine.params).items()},
                 sort_keys=True,
                 separators=(",", ":"),
             ),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing.spawn
@@ -59,6 +60,7 @@ from workers.source_load import hash_bytes, load_source, read_source_bytes
 __all__ = [
     "LOADER_DIED",
     "LoadOutcome",
+    "VariantOutcome",
     "LoaderPool",
     "LoaderUnusable",
     "StartTable",
@@ -86,24 +88,35 @@ def _recipe_here(recipe_name: str) -> Recipe:
         ) from None
 
 
+class VariantOutcome(NamedTuple):
+    """One wanted record of a loaded sample: ``status`` ``"skipped"`` (stored, current),
+    ``"prepared"`` (``prepared``: what the recipe's ``prepare`` returned for this
+    variant) or ``"failed"`` (``reason``)."""
+
+    variant: int
+    status: str
+    prepared: dict[str, Any] | None = None
+    reason: str = ""
+
+
 class LoadOutcome(NamedTuple):
     """What loading one sample came to.
 
-    ``status`` is ``"skipped"`` (the stored record's source hash matches the file),
-    ``"skipped-failed"`` (the file is unchanged since this sample failed, and the run
-    skips those), ``"failed"`` (``reason`` says why) or ``"prepared"`` (``prepared`` is
-    set: what the recipe's ``prepare`` returned); ``seconds`` is the time it took;
-    ``source_hash`` the file's content hash once it was read; ``source_stat`` its stat
-    signature, taken before the read (``""`` when the file changed too recently to trust
-    one: :func:`trusted_signature`).
+    ``status`` is ``"loaded"`` (``variants`` says what became of each wanted record:
+    :class:`VariantOutcome`), ``"skipped-failed"`` (the file is unchanged since this
+    sample failed, and the run skips those) or ``"failed"`` (``reason`` says why: every
+    wanted record fails); ``seconds`` is the time it took; ``source_hash`` the file's
+    content hash once it was read; ``source_stat`` its stat signature, taken before the
+    read (``""`` when the file changed too recently to trust one:
+    :func:`trusted_signature`).
     """
 
     status: str
     seconds: float
-    prepared: dict[str, Any] | None = None
     reason: str = ""
     source_hash: str = ""
     source_stat: str = ""
+    variants: tuple[VariantOutcome, ...] = ()
 
 
 def load_sample(
@@ -112,12 +125,16 @@ def load_sample(
     fingerprint: str,
     sample_id: str,
     path: str,
-    stored_hash: str | None,
+    stored_hashes: tuple[str | None, ...],
     failed_hash: str | None = None,
     limits: SourceLimits | None = None,
     ticket: int | None = None,
 ) -> LoadOutcome:
-    """Read, hash and (unless the stored record is current) prepare one sample.
+    """Read, hash and (unless its stored record is current) prepare each wanted variant
+    of one sample: ``stored_hashes`` holds the stored record's source hash of variants
+    ``0 .. K-1`` (None: none stored). The file is read and parsed once; each variant is
+    prepared from it with its own generator (:func:`make_generator`) and
+    ``source.variant`` set.
 
     Runs in a loader process: only plain values and the picklable :class:`LoadOutcome`
     cross the process boundary. ``limits`` bound how the file is opened and read
@@ -136,53 +153,75 @@ def load_sample(
         signature = trusted_signature(source_signature(path, limits))
         data = read_source_bytes(path, limits)
         digest = hash_bytes(data)
-        if is_current(stored_hash, digest):
-            return LoadOutcome("skipped", time.perf_counter() - start, source_hash=digest)
+        todo = [v for v, stored in enumerate(stored_hashes) if not is_current(stored, digest)]
+        if not todo:
+            skipped = tuple(VariantOutcome(v, "skipped") for v in range(len(stored_hashes)))
+            return LoadOutcome(
+                "loaded", time.perf_counter() - start, source_hash=digest, variants=skipped
+            )
         if failed_hash is not None and digest == failed_hash:
             return LoadOutcome("skipped-failed", time.perf_counter() - start, source_hash=digest)
         source = load_source(path, data)
-    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
-        return _failed(exc, start, digest, step=f"loading {path}")
+    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failure_reason logs it
+        reason = _failure_reason(exc, step=f"loading {path}")
+        return LoadOutcome("failed", time.perf_counter() - start, reason=reason, source_hash=digest)
+    outcomes = [
+        VariantOutcome(v, "skipped")
+        if v not in todo
+        else _prepare(recipe, recipe_name, params, fingerprint, sample_id, source, v)
+        for v in range(len(stored_hashes))
+    ]
+    return LoadOutcome(
+        "loaded",
+        time.perf_counter() - start,
+        source_hash=digest,
+        source_stat=signature,
+        variants=tuple(outcomes),
+    )
+
+
+def _prepare(
+    recipe: Recipe,
+    recipe_name: str,
+    params: dict[str, Any],
+    fingerprint: str,
+    sample_id: str,
+    source: Any,
+    variant: int,
+) -> VariantOutcome:
+    """The recipe's ``prepare`` of one variant of a loaded source."""
+    if variant:
+        source = dataclasses.replace(source, variant=variant)
     try:
         prepared = recipe.prepare(
-            source, ReadOnlyParams(params), make_generator(fingerprint, sample_id)
+            source, ReadOnlyParams(params), make_generator(fingerprint, sample_id, variant)
         )
-        if not isinstance(prepared, dict):
-            return LoadOutcome(
-                "failed",
-                time.perf_counter() - start,
-                source_hash=digest,
-                reason=f"recipe {recipe_name!r}: prepare() returned "
-                f"{type(prepared).__name__}, expected a dict of arrays",
-            )
-        return LoadOutcome(
-            "prepared",
-            time.perf_counter() - start,
-            prepared=prepared,
-            source_hash=digest,
-            source_stat=signature,
+    except Exception as exc:  # noqa: BLE001 - this record's failure; logged there
+        step = f"recipe {recipe_name!r}: prepare() on {source.path}"
+        reason = _failure_reason(
+            exc, step=step, prefix=f"recipe {recipe_name!r}: prepare() raised "
         )
-    except Exception as exc:  # noqa: BLE001 - this sample's failure; _failed logs it
-        step = f"recipe {recipe_name!r}: prepare() on {path}"
-        return _failed(
-            exc, start, digest, step=step, prefix=f"recipe {recipe_name!r}: prepare() raised "
+        return VariantOutcome(variant, "failed", reason=reason)
+    if not isinstance(prepared, dict):
+        return VariantOutcome(
+            variant,
+            "failed",
+            reason=f"recipe {recipe_name!r}: prepare() returned "
+            f"{type(prepared).__name__}, expected a dict of arrays",
         )
+    return VariantOutcome(variant, "prepared", prepared)
 
 
-def _failed(
-    exc: Exception, start: float, digest: str, *, step: str, prefix: str = ""
-) -> LoadOutcome:
-    """The sample's failure for the error one of its steps raised: a :class:`SourceError`
+def _failure_reason(exc: Exception, *, step: str, prefix: str = "") -> str:
+    """A sample's failure for the error one of its steps raised: a :class:`SourceError`
     gives its own reason, running out of memory says so, anything else is logged with its
     traceback (naming ``step``) and named by its class after ``prefix``."""
     if isinstance(exc, SourceError):
-        reason = exc.reason
-    elif isinstance(exc, MemoryError):
-        reason = "out of memory while loading"
-    else:
-        logger.error("%s failed", step, exc_info=exc)
-        reason = prefix + one_line(exc, with_class=True, limit=REASON_MAX)
-    return LoadOutcome("failed", time.perf_counter() - start, reason=reason, source_hash=digest)
+        return exc.reason
+    if isinstance(exc, MemoryError):
+        return "out of memory while loading"
+    logger.error("%s failed", step, exc_info=exc)
+    return prefix + one_line(exc, with_class=True, limit=REASON_MAX)
 
 
 def _init_loader_process(engine_pid: int, recipes_env: str | None, started: Any = None) -> None:
@@ -275,7 +314,9 @@ class LoaderPool:
     the limit; one in the calling process is watched by ``clock``.
 
     Args:
-        recipe_name, params, fingerprint: what every sample is prepared for.
+        recipe_name, params: what every sample is prepared for.
+        fingerprint: what seeds each sample's generators: the fingerprint of the
+            parameters without the augmentation ones (the engine's ``seed_fingerprint``).
         loaders: loader processes; 0 loads in the calling process (no pool).
         count: items the pool will see, when known (no more processes than items).
         limits: how sources may be opened and read.
@@ -333,7 +374,7 @@ class LoaderPool:
             self.fingerprint,
             item.sample_id,
             item.path,
-            item.stored_hash,
+            item.stored_hashes,
             item.failed_hash,
             self.limits,
             ticket,

@@ -23,6 +23,7 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import SpcacheError, UsageError
+from cache_store.keys import validate_variant_count
 from cache_store.location import LocationLike, check_cache_dir, parse_location
 from cache_store.process_local import this_process_only
 from cache_store.sources.discover import describe_left_out, discover
@@ -47,6 +48,7 @@ def run_precompute(
     address: str | None = None,
     actors: int | None = None,
     id_template: str | None = None,
+    variants: int = 1,
 ) -> Any:
     """Compute ``recipe`` with ``params`` over ``sources`` into the cache ``cache``.
 
@@ -60,6 +62,8 @@ def run_precompute(
     ``engine="ray"``); samples that failed are in it, not raised. ``id_template`` makes
     the sample ids from the files' relative paths
     (:func:`cache_store.sources.discover.sample_id_for`; ``"{path}"`` keeps the extension).
+    ``variants``: records computed per sample (variant 0 and ``variants - 1`` more, each
+    from its own seeded generator; :mod:`workers.engine`).
 
     Raises:
         UsageError: a bad option, no source found, or a cache that cannot be opened.
@@ -71,6 +75,7 @@ def run_precompute(
     """
     from workers.recipe_run import get_recipe
 
+    variants = validate_variant_count(variants)
     options = options or EngineOptions()
     resolved = get_recipe(recipe).spec.resolve(dict(params or {}))
     if engine not in ENGINES:
@@ -130,7 +135,7 @@ def run_precompute(
         except (SpcacheError, OSError) as exc:
             raise UsageError(f"cannot open cache {cache}: {exc}") from exc
         with _sigterm_as_interrupt(), _progress_logging(progress):
-            summary = runner.run(items)
+            summary = runner.run(items, variants=variants)
         summary.left_out = dict(found.left_out)
         return summary
     finally:

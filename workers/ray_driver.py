@@ -207,7 +207,7 @@ class RayRun:
                     )
                 )
             elif found == item.failed_hash:
-                self.ledger.finish(self.ledger.skipped_failure(item, found))
+                self.ledger.skip_failures(item, found)
             else:
                 todo.append(item)
         return todo

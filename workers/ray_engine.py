@@ -54,6 +54,7 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import RayUnavailable, UsageError
+from cache_store.recipes.registry import require_installed
 from cache_store.jobs.failures import FailureLog
 from cache_store.stores.base import Store
 from workers.engine import Engine
@@ -173,8 +174,18 @@ class RayEngine(Engine):
         self,
         items: Iterable[tuple[str, str | os.PathLike[str]]],
         on_result: Callable[[ItemResult], None] | None = None,
+        *,
+        variants: int = 1,
     ) -> RaySummary:
-        """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`."""
+        """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`.
+        One record per sample: ``variants`` above 1 is refused (the local engine computes
+        them)."""
+        require_installed(self.recipe_spec.name, "a Ray actor (another process)")
+        if variants != 1:
+            raise UsageError(
+                f"variants {variants}: the ray engine computes one record per sample; "
+                "run variants with the local engine (it writes a *.zarr snapshot too)"
+            )
         return RayRun(self.run_options(), list(items), on_result).execute()
 
     def run_options(self) -> RayRunOptions:

@@ -2,8 +2,8 @@
 
 :func:`get_recipe` returns a new instance of an installed recipe; :func:`run_recipe`
 runs both of its halves on one loaded source; :func:`make_generator` gives each sample
-its CPU generator, seeded by ``(fingerprint, sample id)`` (:func:`sample_seed`), from
-which every random number of the sample is drawn. That, and device ops that are exact
+its CPU generator, seeded by ``(fingerprint, sample id, variant)`` (:func:`sample_seed`),
+from which every random number of that version of the sample is drawn. That, and device ops that are exact
 integer work on float32 inputs, make a record's tensors identical on every device and
 backend. ``RECIPES`` maps each installed name to a fresh instance.
 """
@@ -23,15 +23,19 @@ from workers.source_load import LoadedSource
 __all__ = ["RECIPES", "get_recipe", "make_generator", "run_recipe", "sample_seed"]
 
 
-def sample_seed(fingerprint: str, sample_id: str) -> int:
-    """The 63-bit seed of one sample's generator: a hash of ``(fingerprint, sample id)``."""
-    key = f"{fingerprint}\x00{sample_id}".encode()
-    return xxhash.xxh3_64_intdigest(key) & ((1 << 63) - 1)
+def sample_seed(fingerprint: str, sample_id: str, variant: int = 0) -> int:
+    """The 63-bit seed of one sample's generator: a hash of ``(fingerprint, sample id)``
+    for variant 0 (the seed every record had before variants, so those records stay
+    the same), of ``(fingerprint, sample id, variant)`` for the others. The parts are
+    joined by NUL, which neither a fingerprint nor a sample id holds."""
+    key = f"{fingerprint}\x00{sample_id}" + (f"\x00{variant}" if variant else "")
+    return xxhash.xxh3_64_intdigest(key.encode()) & ((1 << 63) - 1)
 
 
-def make_generator(fingerprint: str, sample_id: str) -> torch.Generator:
-    """A CPU generator seeded by :func:`sample_seed`; all of a sample's randomness comes from it."""
-    return torch.Generator(device="cpu").manual_seed(sample_seed(fingerprint, sample_id))
+def make_generator(fingerprint: str, sample_id: str, variant: int = 0) -> torch.Generator:
+    """A CPU generator seeded by :func:`sample_seed`; all of the randomness of one
+    version (``variant``) of a sample comes from it."""
+    return torch.Generator(device="cpu").manual_seed(sample_seed(fingerprint, sample_id, variant))
 
 
 def get_recipe(name: str) -> Recipe:

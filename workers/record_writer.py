@@ -13,6 +13,7 @@ import torch
 
 from cache_store.errors import FingerprintRemoved, StoreFull, REASON_MAX, one_line
 from cache_store.format.encode import encode_record
+from cache_store.keys import record_id
 from cache_store.stores.base import Store
 from workers.run_ledger import ItemResult, WorkItem
 
@@ -23,11 +24,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PendingRecord:
-    """A computed sample waiting to be encoded and committed."""
+    """A computed record (variant ``variant`` of a sample) waiting to be encoded and
+    committed under ``key``."""
 
     item: WorkItem
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
+    variant: int = 0
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            self.key = self.item.key
 
 
 class RecordWriter(threading.Thread):
@@ -41,7 +49,7 @@ class RecordWriter(threading.Thread):
     is kept in ``full`` and nothing more is written: the items still arriving fail at
     once with its reason, and the engine stops the run.
 
-    ``stored`` holds the sample id of every record committed, added by this thread before
+    ``stored`` holds the record id of every record committed, added by this thread before
     the result is queued: a SIGTERM lands only in the engine's thread, possibly between
     taking a result off the queue and counting it, and the index is written from
     ``stored`` too, so no committed record is left out of it.
@@ -130,7 +138,7 @@ class RecordWriter(threading.Thread):
         for pending in batch:
             item = pending.item
             try:
-                encoded.append((item.key, encode_record(pending.tensors, pending.metadata)))
+                encoded.append((pending.key, encode_record(pending.tensors, pending.metadata)))
                 ok.append(pending)
             except Exception as exc:  # this record fails alone
                 logger.exception("encoding the record of %s failed", item.sample_id)
@@ -162,7 +170,7 @@ class RecordWriter(threading.Thread):
                 ok = []
         self.busy_s += time.perf_counter() - start
         for pending in ok:
-            self.stored.add(pending.item.sample_id)
+            self.stored.add(record_id(pending.item.sample_id, pending.variant))
             self._report(pending, "done", "")
 
     def _report(
@@ -177,10 +185,11 @@ class RecordWriter(threading.Thread):
                     item.sample_id,
                     item.path,
                     status,
-                    key=item.key if status == "done" else "",
+                    key=pending.key if status == "done" else "",
                     reason=reason,
                     transient=transient,
                     source_hash=pending.metadata.get("source_hash", ""),
+                    variant=pending.variant,
                 ),
                 time.perf_counter(),
             )

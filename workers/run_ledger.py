@@ -6,17 +6,27 @@ is that shared part, held (not inherited) by :class:`workers.engine.LocalRun` an
 Ray driver's run:
 
 - :meth:`RunLedger.admit`: valid, unique sample ids become :class:`WorkItem` s with their
-  record keys and the source hash of any record already stored; the rest fail at once;
-  an item whose stored record's stat signature is its file's now is skipped here, in
-  the driver, with nothing opened (the re-run fast path; the others are decided by
-  their hash in a loader);
-- :meth:`RunLedger.finish`: one item's :class:`ItemResult` goes into the :class:`Summary`,
-  the progress bar and the caller's ``on_result``;
+  record keys and the source hash of each wanted variant's record already stored; the
+  rest fail at once; an item whose stored records' stat signatures are its file's now
+  is skipped here, in the driver, with nothing opened (the re-run fast path; the others
+  are decided by their hash in a loader);
+- :meth:`RunLedger.finish`: one record's :class:`ItemResult` goes into the
+  :class:`Summary`, the progress bar and the caller's ``on_result``;
 - :meth:`RunLedger.write_index`: the fingerprint's index is the ids it held before, in
-  their order, followed by this run's newly stored ids, in input order;
+  their order, followed by this run's newly stored ids, in input order, with the number
+  of variants each sample has stored (variants 0 .. n-1, all of them);
 - the failure log (:mod:`cache_store.jobs.failures`), when the store has one: a failure on a
   known source hash is remembered, a repeat on the same source with the same reason is
   reported as "failed again, same reason", and a sample computed at last is forgotten.
+
+A run asking for ``variants=K`` computes K records per sample (:mod:`cache_store.keys`:
+``<fp>/<id>`` for variant 0, ``<fp>/<id>#v<k>`` for the others): everything here counts
+records, so "6 done, 12 skipped" are records, and a failure is one record's (its id is
+the record id, ``a#v2``, in the summary and the failure log).
+
+Why one module: admission, the per-record report and the index written from what was
+stored are one ledger, kept in step by both engines; splitting it would spread the
+record-id rule (a sample's variants) over several modules.
 """
 
 from __future__ import annotations
@@ -38,7 +48,13 @@ from cache_store.errors import (
     StoreFull,
 )
 from cache_store.jobs.failures import Failure, FailureLog
-from cache_store.keys import record_key, validate_fingerprint, validate_sample_id
+from cache_store.keys import (
+    record_id,
+    record_key,
+    validate_fingerprint,
+    validate_sample_id,
+    variant_counts,
+)
 from cache_store.sources.freshness import (
     stored_metadata_many,
     stored_source_hash,
@@ -57,6 +73,7 @@ __all__ = [
     "WorkItem",
     "RunLedger",
     "run_all",
+    "stored_variant_counts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,7 +103,8 @@ class SampleError:
 
 @dataclass(frozen=True)
 class ItemResult:
-    """What happened to one item; handed to ``on_result``.
+    """What happened to one record of an item (variant ``variant`` of the sample);
+    handed to ``on_result``.
 
     ``status`` is ``"done"`` (record committed), ``"skipped"`` (an up-to-date record was
     already stored) or ``"failed"`` (``reason`` says why; ``repeat`` as in
@@ -103,6 +121,12 @@ class ItemResult:
     source_hash: str = ""
     repeat: str = ""
     transient: bool = False
+    variant: int = 0
+
+    @property
+    def record_id(self) -> str:
+        """The record's id: the sample id, with ``#v<k>`` for a variant k >= 1."""
+        return record_id(self.sample_id, self.variant)
 
 
 @dataclass
@@ -135,6 +159,8 @@ class Summary:
     #: files the directory walks passed over, by unsupported type (extension -> count;
     #: set by :func:`workers.precompute.run_precompute`, which discovered the sources)
     left_out: dict[str, int] = field(default_factory=dict)
+    #: records asked for per sample (done, skipped and failed count records)
+    variants: int = 1
 
     @property
     def total(self) -> int:
@@ -167,19 +193,36 @@ class Summary:
             "oom_backoffs": self.oom_backoffs,
             "skipped_other_code": self.skipped_other_code,
             "left_out": dict(self.left_out),
+            "variants": self.variants,
         }
 
 
 @dataclass
 class WorkItem:
     """One admitted item: its record key, the source hash of its stored record, and the
-    source hash of a remembered failure when the run skips those (``skip_failed``)."""
+    source hash of a remembered failure when the run skips those (``skip_failed``).
+
+    A run asking for ``variants=K`` wants K records of the sample: ``key`` and
+    ``stored_hash`` are variant 0's, ``more`` the stored source hash of each later one
+    (variants 1 .. K-1; None where none is stored).
+    """
 
     sample_id: str
     path: str
     key: str = ""
     stored_hash: str | None = None
     failed_hash: str | None = None
+    more: tuple[str | None, ...] = ()
+
+    @property
+    def variants(self) -> int:
+        """The records wanted of this sample (variants 0 .. variants - 1)."""
+        return 1 + len(self.more)
+
+    @property
+    def stored_hashes(self) -> tuple[str | None, ...]:
+        """The stored source hash of every wanted variant, variant 0 first."""
+        return (self.stored_hash, *self.more)
 
 
 class RunLedger:
@@ -222,21 +265,27 @@ class RunLedger:
         self.progress = progress
         self.failures = failures
         self.skip_failed = skip_failed
+        # record id -> its remembered failure
         self.known_failures: dict[str, Failure] = {}
+        # record ids (the sample id, "<id>#v<k>" for a later variant) stored now
         self.stored_ids: set[str] = set()
         self.admitted: list[str] = []  # valid, unique sample ids in input order
+        self.variants = 1  # records wanted per sample (admit)
         self.bar: Any = None
         self.index_unwritten: StoreFull | None = None
-        # sample id -> source hash of each record in a commit not yet reported: an
+        # record id -> source hash of each record in a commit not yet reported: an
         # interrupt between the commit and its report must not leave a stored record
         # out of the index (see _write_index)
         self.committing: dict[str, str] = {}
 
-    def key(self, sample_id: str) -> str:
-        return record_key(self.summary.fingerprint, sample_id)
+    def key(self, sample_id: str, variant: int = 0) -> str:
+        return record_key(self.summary.fingerprint, sample_id, variant)
 
-    def admit(self, items: list[tuple[str, Any]]) -> list[WorkItem]:
-        """Valid, unique items with their keys and stored source hashes; the rest fail now."""
+    def admit(self, items: list[tuple[str, Any]], variants: int = 1) -> list[WorkItem]:
+        """Valid, unique items with their keys and stored source hashes (of each of the
+        ``variants`` records wanted per sample); the rest fail now (each of their
+        records)."""
+        self.variants = self.summary.variants = variants
         revive = getattr(self.store, "revive", None)  # a removed fingerprint asked for again
         if callable(revive) and not self.store.readonly:
             revive(self.summary.fingerprint, self.requested_at)
@@ -248,26 +297,23 @@ class RunLedger:
             try:
                 sample_id = validate_sample_id(sample_id)
             except InvalidSampleId as exc:
-                self.finish(ItemResult(str(sample_id), path, "failed", reason=str(exc)))
+                self.fail_all(str(sample_id), path, str(exc), variants)
                 continue
             if sample_id in seen:
-                self.finish(
-                    ItemResult(
-                        sample_id,
-                        path,
-                        "failed",
-                        reason=id_clash_reason(sample_id, seen[sample_id]),
-                    )
+                self.fail_all(
+                    sample_id, path, id_clash_reason(sample_id, seen[sample_id]), variants
                 )
                 continue
             seen[sample_id] = path
             self.admitted.append(sample_id)
-            work.append(WorkItem(sample_id, path, f"{fingerprint}/{sample_id}"))  # both checked
+            key = f"{fingerprint}/{sample_id}"  # both parts checked
+            work.append(WorkItem(sample_id, path, key, None, None, (None,) * (variants - 1)))
         work = self.skip_unchanged(work)
         if self.failures is not None and work:
             try:
                 self.known_failures = self.failures.get_many(
-                    self.summary.fingerprint, [item.sample_id for item in work]
+                    self.summary.fingerprint,
+                    [record_id(item.sample_id, v) for item in work for v in range(variants)],
                 )
             except Exception:  # the log is advice: without it, retry everything
                 logger.exception(
@@ -280,56 +326,83 @@ class RunLedger:
                     item.failed_hash = known.source_hash if known is not None else None
         return work
 
-    def skipped_failure(self, item: WorkItem, source_hash: str) -> ItemResult:
-        """The result of an item not retried: its source is unchanged since it failed."""
-        known = self.known_failures[item.sample_id]
-        return ItemResult(
-            item.sample_id,
-            item.path,
-            "failed",
-            reason=known.reason,
-            source_hash=source_hash,
-            repeat="skipped",
-        )
+    def fail_all(self, sample_id: str, path: str, reason: str, variants: int, **more: Any) -> None:
+        """Fail each of the ``variants`` records of a sample for one reason of the sample's
+        (its id, its source)."""
+        for variant in range(variants):
+            self.finish(
+                ItemResult(sample_id, path, "failed", reason=reason, variant=variant, **more)
+            )
+
+    def finish_all(self, item: WorkItem, status: str, **more: Any) -> None:
+        """Report each wanted record of ``item`` with one status (a failure or skip of
+        the whole sample)."""
+        for variant in range(item.variants):
+            key = self.key(item.sample_id, variant) if status == "skipped" else ""
+            self.finish(
+                ItemResult(item.sample_id, item.path, status, key=key, variant=variant, **more)
+            )
+
+    def skip_failures(self, item: WorkItem, source_hash: str) -> None:
+        """Report an item not retried: its source is unchanged since it failed
+        (``skip_failed``); each of its records, with the reason remembered for it (or
+        for variant 0, the sample's)."""
+        first = self.known_failures[item.sample_id]
+        for variant in range(item.variants):
+            known = self.known_failures.get(record_id(item.sample_id, variant), first)
+            self.finish(
+                ItemResult(
+                    item.sample_id,
+                    item.path,
+                    "failed",
+                    reason=known.reason,
+                    source_hash=source_hash,
+                    repeat="skipped",
+                    variant=variant,
+                )
+            )
 
     def add_committed(self, sample_ids: Iterable[str]) -> None:
-        """Sample ids whose records are known to be committed, reported or not (the local
+        """Record ids whose records are known to be committed, reported or not (the local
         engine's writer keeps them): an interrupt between a commit and its report must
         not leave a stored record out of the index. (The Ray driver, whose commit an
         interrupt can cut short, uses ``committing`` and checks the store instead.)"""
         self.stored_ids.update(sample_ids)
 
     def skip_unchanged(self, work: list[WorkItem]) -> list[WorkItem]:
-        """Each item with its stored record's source hash; the items whose record's stat
-        signature is the file's now (:func:`unchanged_by_stat`: nothing opened) are
-        finished here as skipped, never shipped to a loader. Notes records made by other
-        recipe code."""
+        """Each item with its stored records' source hashes (every wanted variant's); the
+        items whose records' stat signatures are the file's now (:func:`unchanged_by_stat`:
+        nothing opened) are finished here as skipped, never shipped to a loader. Notes
+        records made by other recipe code."""
         if getattr(self.store, "source_hash_of", None) is not None:
             for item in work:  # a store that knows its source hashes (sharded manifests)
-                item.stored_hash = self.stored_source_hash(item.key)
+                hashes = [
+                    self.stored_source_hash(self.key(item.sample_id, v))
+                    for v in range(item.variants)
+                ]
+                item.stored_hash, item.more = hashes[0], tuple(hashes[1:])
             return work
         left = []
         for start in range(0, len(work), _ADMIT_BATCH):
             batch = work[start : start + _ADMIT_BATCH]
-            metas = stored_metadata_many(self.store, [item.key for item in batch])
-            for item, meta in zip(batch, metas, strict=True):
-                if meta is None:
-                    left.append(item)
-                    continue
-                digest = meta.get("code_digest")
-                if self.code_digest is not None and digest and digest != self.code_digest:
-                    self.other_code[item.sample_id] = digest
-                item.stored_hash = meta.get("source_hash")
-                if item.stored_hash is not None and unchanged_by_stat(meta, item.path):
-                    self.finish(
-                        ItemResult(
-                            item.sample_id,
-                            item.path,
-                            "skipped",
-                            key=item.key,
-                            source_hash=item.stored_hash,
-                        )
-                    )
+            rids = [[record_id(it.sample_id, v) for v in range(it.variants)] for it in batch]
+            keys = [f"{self.summary.fingerprint}/{rid}" for group in rids for rid in group]
+            found = iter(stored_metadata_many(self.store, keys))
+            for item, group in zip(batch, rids, strict=True):
+                metas = [next(found) for _ in group]
+                for rid, meta in zip(group, metas, strict=True):
+                    digest = None if meta is None else meta.get("code_digest")
+                    if self.code_digest is not None and digest and digest != self.code_digest:
+                        self.other_code[rid] = digest
+                hashes = [None if meta is None else meta.get("source_hash") for meta in metas]
+                item.stored_hash, item.more = hashes[0], tuple(hashes[1:])
+                if all(
+                    meta is not None
+                    and meta.get("source_hash") is not None
+                    and unchanged_by_stat(meta, item.path)
+                    for meta in metas
+                ):
+                    self.finish_all(item, "skipped", source_hash=item.stored_hash)
                 else:
                     left.append(item)
         return left
@@ -357,26 +430,25 @@ class RunLedger:
     def finish(self, result: ItemResult) -> None:
         """Count one item's result, advance the bar and hand it to ``on_result``."""
         summary = self.summary
+        rid = result.record_id
         if result.status == "done":
             summary.done += 1
-            self.stored_ids.add(result.sample_id)
-            if result.sample_id in self.known_failures and self.failures is not None:
+            self.stored_ids.add(rid)
+            if rid in self.known_failures and self.failures is not None:
                 try:
-                    self.failures.forget(summary.fingerprint, [result.sample_id])
+                    self.failures.forget(summary.fingerprint, [rid])
                 except Exception:  # the log is advice; the record is stored
-                    logger.exception("cannot forget the old failure of %s", result.sample_id)
+                    logger.exception("cannot forget the old failure of %s", rid)
         elif result.status == "skipped":
             summary.skipped += 1
-            if result.sample_id in self.other_code:
+            if rid in self.other_code:
                 summary.skipped_other_code += 1
-            self.stored_ids.add(result.sample_id)
+            self.stored_ids.add(rid)
         else:
             result = self._remember(result)
             summary.failed += 1
-            summary.errors.append(
-                SampleError(result.sample_id, result.path, result.reason, result.repeat)
-            )
-            logger.warning("%s (%s): %s", result.sample_id, result.path, result.reason)
+            summary.errors.append(SampleError(rid, result.path, result.reason, result.repeat))
+            logger.warning("%s (%s): %s", rid, result.path, result.reason)
         if self.bar is not None:
             self.bar.update(1)
         if self.on_result is not None:
@@ -394,7 +466,8 @@ class RunLedger:
                 reason="not retried: failed before on this "
                 "unchanged source (skip_failed): " + result.reason,
             )
-        known = self.known_failures.get(result.sample_id)
+        rid = result.record_id
+        known = self.known_failures.get(rid)
         if (
             known is not None
             and known.source_hash == (result.source_hash or "")
@@ -407,14 +480,10 @@ class RunLedger:
             raw = known.reason if result.repeat == "again" and known is not None else result.reason
             try:
                 self.failures.record(
-                    self.summary.fingerprint,
-                    result.sample_id,
-                    result.path,
-                    result.source_hash or "",
-                    raw,
+                    self.summary.fingerprint, rid, result.path, result.source_hash or "", raw
                 )
             except Exception:  # the log is advice; the failure is still reported
-                logger.exception("cannot remember the failure of %s", result.sample_id)
+                logger.exception("cannot remember the failure of %s", rid)
         return result
 
     def open_progress(self, total: int) -> None:
@@ -446,25 +515,33 @@ class RunLedger:
             self.index_unwritten = exc
 
     def _write_index(self) -> None:
-        for sample_id, source_hash in self.committing.items():  # an interrupted commit
-            if (
-                sample_id not in self.stored_ids
-                and self.stored_source_hash(self.key(sample_id)) == source_hash
-            ):
-                self.stored_ids.add(sample_id)
-        self.committing = {}
         store, summary = self.store, self.summary
         fingerprint = summary.fingerprint
+        for rid, source_hash in self.committing.items():  # an interrupted commit
+            if (
+                rid not in self.stored_ids
+                and self.stored_source_hash(f"{fingerprint}/{rid}") == source_hash
+            ):
+                self.stored_ids.add(rid)
+        self.committing = {}
         ran = [sid for sid in self.admitted if sid in self.stored_ids]
         try:
-            old = store.get_index(fingerprint).sample_ids.tolist()
+            index = store.get_index(fingerprint)
+            old = index.sample_ids.tolist()
+            old_counts = dict(zip(old, index.variant_counts().tolist(), strict=True))
         except FingerprintLookupError:
-            old = []
+            old, old_counts = [], {}
         except CorruptRecord as exc:
             # Rebuild from what is stored: this run's ids first, then the others sorted.
             logger.warning("index of %s is unreadable (%s); rebuilding it", fingerprint, exc)
-            prefix = fingerprint + "/"
-            old = ran + sorted({key[len(prefix) :] for key in store.keys(prefix)} - set(ran))
+            old_counts = stored_variant_counts(store, fingerprint)
+            old = ran + sorted(set(old_counts) - set(ran))
+        counts = dict(old_counts)
+        for sid in ran:
+            n = 1
+            while n < self.variants and record_id(sid, n) in self.stored_ids:
+                n += 1
+            counts[sid] = max(n, old_counts.get(sid, 1))
         ids = append_ids(old, ran)
         if len(ids) == len(old) and not ran:
             # nothing stored by this run. (A run that stored records writes the index even
@@ -478,8 +555,16 @@ class RunLedger:
                 summary.recipe_version,
                 dict(summary.params),
                 np.array(ids, dtype=str),
+                variants=np.array([counts.get(sid, 1) for sid in ids], dtype=np.uint16),
             )
         )
+
+
+def stored_variant_counts(store: Store, fingerprint: str) -> dict[str, int]:
+    """Sample id -> how many variants (0 .. n-1, all present) ``store`` holds records
+    of, for every sample of ``fingerprint`` whose variant 0 is stored (from its keys)."""
+    prefix = fingerprint + "/"
+    return variant_counts(key[len(prefix) :] for key in store.keys(prefix))
 
 
 def run_all(*steps: Callable[[], object]) -> None:

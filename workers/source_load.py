@@ -68,12 +68,16 @@ class LoadedSource:
         source_hash: content hash of the file's bytes (:func:`hash_bytes`).
         vertices: float64 ``[N, 3]``, finite: mesh vertices or the cloud's points.
         faces: int64 ``[F, 3]`` with every index in ``[0, N)`` for a mesh, else None.
+        variant: which version of the sample a recipe's ``prepare`` is making: 0, the
+            unaugmented shape (no augmentation applied), or 1 .. K-1 of a run asking for
+            ``variants=K`` (each with its own seeded generator).
     """
 
     path: str
     source_hash: str
     vertices: np.ndarray
     faces: np.ndarray | None
+    variant: int = 0
 
     @property
     def kind(self) -> str:

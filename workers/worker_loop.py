@@ -299,22 +299,33 @@ class WorkerLoop:
         # in the index. A run that raises (the index not written, say) leaves them to the
         # failed-attempt path below, and the next attempt skips their stored records.
         finished: list[ClaimedItem] = []
+        # an item is settled once the engine reported each of its job's variants: done
+        # when all are stored, else failed with the first failure's reason
+        results: dict[int, list[Any]] = {}
 
         def on_result(result: Any) -> None:
             item = by_id.get(result.sample_id)
             if item is None:
                 log.warning("engine reported unknown sample %r", result.sample_id)
                 return
+            got = results.setdefault(item.item_id, [])
+            got.append(result)
+            if len(got) < item.variants:
+                return
             reported.add(item.item_id)
-            if result.status in ("done", "skipped"):
+            failed = [r for r in got if r.status not in ("done", "skipped")]
+            if not failed:
                 finished.append(item)
                 return
+            reason = failed[0].reason or "failed"
+            if item.variants > 1:
+                reason = f"{len(failed)} of {item.variants} variants failed; {failed[0].record_id}: {reason}"
             # the sample's own failure is final; a failed write (a full disk) is retried
             queue.fail(
                 self.worker_id,
                 item.item_id,
-                result.reason or "failed",
-                permanent=not result.transient,
+                reason,
+                permanent=not any(r.transient for r in failed),
             )
             with self._held_lock:
                 self._held.pop(item.item_id, None)
@@ -346,7 +357,11 @@ class WorkerLoop:
             engine = self._engine(store, first, roots)
             # asked for when claimed: a removal of the fingerprint after that refuses its writes
             engine.requested_at = claimed_at
-            engine.run([(c.sample_id, c.path) for c in claimed], on_result=on_result)
+            engine.run(
+                [(c.sample_id, c.path) for c in claimed],
+                on_result=on_result,
+                variants=first.variants,
+            )
         except KeyboardInterrupt:  # what it finished is released with the rest, not done
             raise
         except Exception as exc:  # a crashed run must not kill the worker

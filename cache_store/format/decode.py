@@ -49,6 +49,9 @@ class Record:
 
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str] = field(default_factory=dict)
+    #: for views (:mod:`cache_store.views`): where the record's bytes lie (file device
+    #: and inode, offset, length); None for a copy
+    place: tuple[int, int, int, int] | None = None
 
     @property
     def checksum(self) -> str:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from cache_store.errors import CorruptRecord, UnsupportedFormat
-from cache_store.format.header import STRICT_DECODER, check_names_key
+from cache_store.format.header import STRICT_DECODER, check_names_key, metadata_record_id
 from cache_store.keys import FINGERPRINT_HEX_CHARS, is_fingerprint
 
 __all__ = [
@@ -182,9 +182,10 @@ def bind_metadata(
 ) -> dict[str, str]:
     """A record's metadata as readers see it, once the record is bound to ``key``.
 
-    A record naming a descriptor (``descriptor`` in its own metadata): its sample id must
-    be the key's, and the descriptor, looked up under the key's fingerprint, must name
-    that fingerprint; returns the descriptor's metadata with the record's own over it.
+    A record naming a descriptor (``descriptor`` in its own metadata): its sample id (and
+    ``variant``, for a variant's record) must be the key's, and the descriptor, looked up
+    under the key's fingerprint, must name that fingerprint; returns the descriptor's
+    metadata with the record's own over it.
     A record without one (format 1) names its key itself (``check_names_key``); its
     metadata is returned as it is.
 
@@ -196,12 +197,11 @@ def bind_metadata(
     if digest is None:
         check_names_key(metadata, key)
         return dict(metadata)
+    # the record id: the sample id, with #v<k> for a variant's record (keys.record_id)
     fingerprint, sample_id = key[:FINGERPRINT_HEX_CHARS], key[FINGERPRINT_HEX_CHARS + 1 :]
-    if (
-        metadata.get("sample_id") != sample_id
-        or key[FINGERPRINT_HEX_CHARS : FINGERPRINT_HEX_CHARS + 1] != "/"
-    ):
-        raise CorruptRecord(key, f"record metadata names {fingerprint}/{metadata.get('sample_id')}")
+    named = metadata_record_id(metadata)
+    if named != sample_id or key[FINGERPRINT_HEX_CHARS : FINGERPRINT_HEX_CHARS + 1] != "/":
+        raise CorruptRecord(key, f"record metadata names {fingerprint}/{named}")
     if not is_digest(digest):
         raise CorruptRecord(key, f"its descriptor digest {digest!r} is not 32 hex digits")
     try:

@@ -39,6 +39,9 @@ header parser (:func:`parse_view`, reached through :func:`read_header`,
 malformed value raises :class:`CorruptRecord` naming the key, never another exception
 type. Writing records is :mod:`cache_store.format.encode`; reading their tensors and the
 whole-record check are :mod:`cache_store.format.decode`.
+
+Why one module: the parser, the checksum rule and the key a header names are read
+together on every record read; split, each read would cross modules for one header.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ __all__ = [
     "read_metadata",
     "record_checksum",
     "metadata_key",
+    "metadata_record_id",
     "check_names_key",
 ]
 
@@ -538,8 +542,14 @@ def record_checksum(value: Any, *, key: str = "") -> str:
 
 
 def metadata_key(metadata: Mapping[str, str]) -> str:
-    """The key a record's metadata names: ``"<fingerprint>/<sample id>"``."""
-    return f"{metadata.get('fingerprint')}/{metadata.get('sample_id')}"
+    """The key a record's metadata names: ``"<fingerprint>/<record id>"``."""
+    return f"{metadata.get('fingerprint')}/{metadata_record_id(metadata)}"
+
+
+def metadata_record_id(metadata: Mapping[str, str]) -> str:
+    """The sample id, with ``#v<variant>`` for a variant's record (``keys.record_id``)."""
+    variant, sample_id = metadata.get("variant"), metadata.get("sample_id")
+    return f"{sample_id}" if variant is None else f"{sample_id}#v{variant}"
 
 
 def check_names_key(metadata: Mapping[str, str], key: str) -> None:

@@ -1,6 +1,13 @@
 """A dataset index: the ordered sample ids of one fingerprint and the recipe that
 computed them, and its stored form (a checksummed value of the record format, ids packed
-as UTF-8 + offsets)."""
+as UTF-8 + offsets).
+
+Where samples have variants (a run asked for ``variants=K``), the index also holds how
+many each has stored, all of variants ``0 .. n-1`` (``variant_counts``, uint16 per
+sample); an index without it (every index written before variants existed, and every
+one whose samples have one record each) means one per sample, so it is stored exactly
+as before.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from cache_store.format.encode import encode_tensors
 from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.keys import (
     canonical_json,
+    MAX_VARIANTS,
     compute_fingerprint,
     validate_fingerprint,
     validate_sample_id,
@@ -36,6 +44,8 @@ class DatasetIndex:
     ``sample_ids`` is a NumPy unicode array (no per-sample Python objects). The
     constructor validates every id (normalising to NFC), refuses duplicates, and checks
     that ``fingerprint`` is the fingerprint of ``(recipe, recipe_version, params)``.
+    ``variants``: how many variants each sample has stored (uint16 ``[n]``, each >= 1),
+    or None: one each.
     """
 
     fingerprint: str
@@ -44,6 +54,7 @@ class DatasetIndex:
     params: Mapping[str, Any]
     sample_ids: np.ndarray
     created: str = ""
+    variants: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         validate_fingerprint(self.fingerprint)
@@ -73,6 +84,7 @@ class DatasetIndex:
         object.__setattr__(
             self, "sample_ids", np.array(ids, dtype=str) if ids else np.array([], dtype="<U1")
         )
+        object.__setattr__(self, "variants", _variant_counts(self.variants, len(ids)))
         if not self.created:
             object.__setattr__(
                 self, "created", _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
@@ -87,6 +99,7 @@ class DatasetIndex:
         params: dict[str, Any],
         sample_ids: np.ndarray,
         created: str,
+        variants: np.ndarray | None = None,
     ) -> DatasetIndex:
         """Build without re-validating: for indexes read back from checksummed storage,
         which were validated when written."""
@@ -98,6 +111,7 @@ class DatasetIndex:
             ("params", params),
             ("sample_ids", sample_ids),
             ("created", created),
+            ("variants", _variant_counts(variants, len(sample_ids))),
         ):
             object.__setattr__(obj, name, value)
         validate_fingerprint(fingerprint)
@@ -108,20 +122,33 @@ class DatasetIndex:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def variant_counts(self) -> np.ndarray:
+        """How many variants each sample has stored: uint16 ``[n]`` (ones without any)."""
+        if self.variants is None:
+            return np.ones(len(self), dtype=np.uint16)
+        return self.variants
+
     def packed_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """``(blob uint8 [total_bytes], offsets int64 [n + 1])``: the ids in UTF-8, packed."""
         return pack_ids(self.sample_ids.tolist())
 
     def describe(self) -> dict[str, Any]:
-        """JSON-able summary (no ids)."""
-        return {
+        """JSON-able summary (no ids). ``variants``: how many every sample has at least
+        (1 without variants); ``variants_max`` where some have more."""
+        out: dict[str, Any] = {
             "fingerprint": self.fingerprint,
             "recipe": self.recipe,
             "recipe_version": self.recipe_version,
             "params": dict(self.params),
             "samples": len(self),
             "created": self.created,
+            "variants": 1,
         }
+        if self.variants is not None and len(self):
+            out["variants"] = int(self.variants.min())
+            if int(self.variants.max()) > out["variants"]:
+                out["variants_max"] = int(self.variants.max())
+        return out
 
 
 def append_ids(held: Sequence[str], more: Iterable[str]) -> list[str]:
@@ -144,7 +171,10 @@ def encode_index(index: DatasetIndex) -> bytes:
         "params": canonical_json(dict(index.params)),
         "created": index.created,
     }
-    return encode_tensors({"sample_ids_utf8": blob, "sample_id_offsets": offsets}, meta)
+    arrays = {"sample_ids_utf8": blob, "sample_id_offsets": offsets}
+    if index.variants is not None:
+        arrays["variant_counts"] = index.variants
+    return encode_tensors(arrays, meta)
 
 
 def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
@@ -166,6 +196,11 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
         params = json.loads(meta["params"])
         if not isinstance(params, dict):
             raise ValueError("params is not a JSON object")
+        counts = arrays.get("variant_counts")
+        if counts is not None and (
+            counts.dtype != np.uint16 or counts.shape != (offsets.size - 1,)
+        ):
+            raise ValueError("variant counts are not uint16, one per sample")
         return DatasetIndex.from_trusted(
             meta["fingerprint"],
             meta["recipe"],
@@ -173,8 +208,25 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
             params,
             unpack_ids(blob, offsets),
             meta.get("created", ""),
+            counts,
         )
     except (KeyError, ValueError, TypeError, SpcacheError) as exc:
         if isinstance(exc, CorruptRecord):
             raise
         raise CorruptRecord(key, f"bad dataset index: {exc}") from None
+
+
+def _variant_counts(counts: Any, n: int) -> np.ndarray | None:
+    """``counts`` as uint16 ``[n]``, each in ``1 .. MAX_VARIANTS``; None when absent or
+    all ones (one record per sample: the index is stored as before variants)."""
+    if counts is None:
+        return None
+    raw = np.asarray(counts)
+    if raw.shape != (n,) or (n and (raw.min() < 1 or raw.max() > MAX_VARIANTS)):
+        raise ParameterError(
+            [f"variants: expected {n} counts from 1 to {MAX_VARIANTS}, got shape {raw.shape}"],
+            what="dataset index",
+        )
+    if not n or int(raw.max()) == 1:
+        return None
+    return raw.astype(np.uint16)

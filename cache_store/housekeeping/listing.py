@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 from cache_store import usage
@@ -47,6 +48,9 @@ class CacheEntry:
     records: int = 0
     bytes: int = 0
     indexed: int = 0
+    #: variants each indexed sample has at least (1: none); ``variants_max``: at most
+    variants: int = 1
+    variants_max: int = 1
     present: int = 0
     failed: int = 0
     created: float | None = None
@@ -56,6 +60,11 @@ class CacheEntry:
     index_error: str | None = None
     #: code digest -> records computed by it (``"none"``: records that carry none)
     code_digests: dict[str, int] = field(default_factory=dict)
+
+    def set_variants(self, described: Mapping[str, Any]) -> None:
+        """The variant counts of an index's description (``DatasetIndex.describe``)."""
+        self.variants = int(described.get("variants", 1))
+        self.variants_max = int(described.get("variants_max", self.variants))
 
     @property
     def last_used(self) -> float:
@@ -108,6 +117,8 @@ class CacheEntry:
             "records": self.records,
             "bytes": self.bytes,
             "indexed": self.indexed,
+            "variants": self.variants,
+            "variants_max": self.variants_max,
             "state": self.state,
             "failed": self.failed,
             "created": iso_time(self.created),
@@ -173,6 +184,7 @@ def cache_entries(cache: str | os.PathLike[str], *, failure_only: bool = False) 
                 entry.recipe, entry.recipe_version = info["recipe"], int(info["recipe_version"])
                 entry.params = dict(info["params"])
                 entry.indexed = int(info["samples"])
+                entry.set_variants(info)
                 entry.created = from_iso_time(info.get("created"))
                 if entry.indexed:
                     try:
@@ -222,6 +234,7 @@ def _snapshot_entries(cache: str | os.PathLike[str]) -> list[CacheEntry]:
         if "recipe" in info:
             entry.recipe, entry.recipe_version = info["recipe"], int(info["recipe_version"])
             entry.params, entry.indexed = dict(info["params"]), int(info["samples"])
+            entry.set_variants(info)
             entry.present = min(entry.indexed, entry.records)
             entry.created = from_iso_time(info.get("created"))
         entries.append(entry)

@@ -39,11 +39,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Statements that bring a database of each older schema version to the next one.
 MIGRATIONS: dict[int, list[str]] = {
     # 1 -> 2: the source roots a job was accepted under travel with it (JSON list)
     1: ["ALTER TABLE jobs ADD COLUMN roots TEXT NOT NULL DEFAULT '[]'"],
+    # 2 -> 3: the records a job asks for per sample (variants 0 .. variants - 1)
+    2: ["ALTER TABLE jobs ADD COLUMN variants INTEGER NOT NULL DEFAULT 1"],
 }
 
 SCHEMA = """
@@ -60,7 +62,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     created       REAL NOT NULL,
     cancelled     INTEGER NOT NULL DEFAULT 0,
     already_ready INTEGER NOT NULL DEFAULT 0,
-    roots         TEXT NOT NULL DEFAULT '[]'
+    roots         TEXT NOT NULL DEFAULT '[]',
+    variants      INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS items (
     id            INTEGER PRIMARY KEY,

@@ -2,9 +2,10 @@
 
 One SQLite database in WAL mode, ``<cache>/jobs.sqlite``, shared by the service (which
 submits, lists and cancels) and by one worker per GPU (which claims, renews, completes,
-fails and releases). A *job* is a recipe, its resolved parameters and fingerprint, a
-priority and a creation time; its *items* are ``(sample id, source path)`` pairs, each
-with a status::
+fails and releases). A *job* is a recipe, its resolved parameters and fingerprint, the
+records it asks for per sample (``variants``), a priority and a creation time; its
+*items* are ``(sample id, source path)`` pairs (an item is done once each of its
+variants is stored), each with a status::
 
     pending --claim--> running --complete--> done
        ^                  |  \\--fail (attempts left)--> pending
@@ -212,6 +213,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
         priority: int = 0,
         ready: Iterable[NewItem | tuple[str, str]] = (),
         roots: Sequence[str | os.PathLike[str]] = (),
+        variants: int = 1,
     ) -> str:
         """Create a job; returns its id.
 
@@ -220,6 +222,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
         being queued, so the job's counts and its dataset index include them. ``roots``
         are the source roots the job was accepted under: every worker that claims its
         items reads their sources only inside them (:attr:`ClaimedItem.roots`).
+        ``variants``: the records computed of each sample (:attr:`ClaimedItem.variants`).
         """
         todo = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
         done = [it if isinstance(it, NewItem) else NewItem(*it) for it in ready]
@@ -230,7 +233,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
         with write_txn(conn):
             conn.execute(
                 "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
-                "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "already_ready, roots, variants) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     recipe,
@@ -240,6 +243,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
                     now,
                     len(done),
                     _roots_json(roots),
+                    int(variants),
                 ),
             )
             conn.executemany(
@@ -286,6 +290,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
         priority: int = 100,
         stale: Iterable[str] = (),
         roots: Sequence[str | os.PathLike[str]] = (),
+        variants: int = 1,
     ) -> list[QueuedItem]:
         """Queue each sample unless the queue already has it in hand; one transaction.
 
@@ -301,9 +306,12 @@ class JobQueue(QueueQueries, WorkerLiveness):
           its ``last_error`` instead of computing it again every epoch (a source edited
           since gets a new item).
 
+        An item whose job asked for fewer than ``variants`` records per sample is not
+        reused: it would not produce the variant the caller waits for.
+
         Every other sample (never queued, cancelled, failed before its source changed)
         becomes an item of one new job of ``priority`` (high: ahead of warm-ups), accepted
-        under ``roots`` (as :meth:`submit`).
+        under ``roots`` (as :meth:`submit`), asking for ``variants`` records per sample.
         Returns one :class:`QueuedItem` per item, in the given order.
         """
         wanted = [it if isinstance(it, NewItem) else NewItem(*it) for it in items]
@@ -318,10 +326,11 @@ class JobQueue(QueueQueries, WorkerLiveness):
                 if it.sample_id in out or it.sample_id in todo_ids:
                     continue
                 row = conn.execute(
-                    "SELECT id, job_id, path, status, last_error, updated FROM items "
-                    "WHERE fingerprint = ? AND sample_id = ? AND status != 'cancelled' "
-                    "ORDER BY updated DESC, id DESC LIMIT 1",
-                    (fingerprint, it.sample_id),
+                    "SELECT i.id, i.job_id, i.path, i.status, i.last_error, i.updated FROM "
+                    "items i JOIN jobs j ON j.id = i.job_id WHERE i.fingerprint = ? AND "
+                    "i.sample_id = ? AND i.status != 'cancelled' AND j.variants >= ? "
+                    "ORDER BY i.updated DESC, i.id DESC LIMIT 1",
+                    (fingerprint, it.sample_id, int(variants)),
                 ).fetchone()
                 if (
                     row is not None
@@ -344,7 +353,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
                 job_id = uuid.uuid4().hex
                 conn.execute(
                     "INSERT INTO jobs (id, recipe, params, fingerprint, priority, created, "
-                    "already_ready, roots) VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+                    "already_ready, roots, variants) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?)",
                     (
                         job_id,
                         recipe,
@@ -353,6 +362,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
                         int(priority),
                         now,
                         _roots_json(roots),
+                        int(variants),
                     ),
                 )
                 for seq, it in enumerate(todo):
@@ -459,6 +469,7 @@ class JobQueue(QueueQueries, WorkerLiveness):
                 r["attempts"] + 1,
                 expires,
                 roots,
+                int(job["variants"]),
             )
             for r in rows
         ]

@@ -50,6 +50,8 @@ class ClaimedItem:
     lease_expires: float
     #: the source roots the job was accepted under (resolved); empty: none recorded
     roots: tuple[str, ...] = ()
+    #: records the job asks for per sample (variants 0 .. variants - 1)
+    variants: int = 1
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class JobInfo:
     #: Queue time (the queue's clock) of the job's latest done or failed item; None
     #: while none is.
     last_settled: float | None = None
+    #: records asked for per sample: an item is done when all of them are stored
+    variants: int = 1
 
     @property
     def total(self) -> int:
@@ -156,6 +160,7 @@ class JobInfo:
             "recipe": self.recipe,
             "params": self.params,
             "fingerprint": self.fingerprint,
+            "variants": self.variants,
             "priority": self.priority,
             "created": self.created,
             "already_ready": self.already_ready,
@@ -192,4 +197,5 @@ def job_info_from_row(
         counts,
         errors,
         last_settled,
+        int(row["variants"]),
     )

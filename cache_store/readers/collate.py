@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import default_collate
 
 from cache_store.errors import ParameterError
+from cache_store.views.hop import LocatedBatch, LocatedSample
 
 __all__ = ["collate_spc", "SpcSample", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
 
@@ -157,6 +158,11 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
       :class:`SpcSample`'s ``sample_id``), so a training loop can log and check what it
       trained on. Not added when a field of that name exists.
 
+    In a DataLoader worker of ``CachedDataset(views=True)`` the samples are
+    :class:`~cache_store.views.hop.LocatedSample` (where each checked record lies): the
+    batch is then a :class:`~cache_store.views.hop.LocatedBatch`, which the training
+    process unpickles as this function's batch of its own views of those records.
+
     A field whose tensors already lie end to end in one storage (``CachedDataset``'s
     batched reads lay each field of a batch out that way) is returned as a view of that
     storage, without copying; otherwise it is copied into a new tensor.
@@ -171,6 +177,10 @@ def collate_spc(samples: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
     present = [sample for sample in samples if sample is not None]
     if not present:
         return {}
+    if all(isinstance(sample, LocatedSample) for sample in present):
+        # in a DataLoader worker of CachedDataset(views=True): the batch crosses as where
+        # its records lie and is collated in the training process (cache_store.views.hop)
+        return LocatedBatch(present, collate_spc)  # type: ignore[arg-type,return-value]
     names = list(present[0])
     for i, sample in enumerate(present):
         if set(sample) != set(names):

@@ -31,28 +31,36 @@ from cache_store.errors import (
     RecordNotFound,
     SourceError,
     StaleRecord,
-    UnknownName,
     one_line,
 )
 from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
 from cache_store.sources.files import SourceLimits, check_source, hash_source
-from cache_store.location import parse_location
-from cache_store.keys import compute_fingerprint, is_fingerprint
+from cache_store.keys import compute_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
-from cache_store.recipes.registry import get_recipe_spec, installed_variable_fields
+from cache_store.recipes.api import Recipe
+from cache_store.recipes.registry import (
+    get_recipe_spec,
+    installed_variable_fields,
+    recipe_name_of,
+    require_installed,
+)
 from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
 from cache_store.readers.skipped import (
-    ON_ERROR_CHOICES,
     SKIPPABLE_ERRORS,
     SkippedSample,
     SkippedSamples,
 )
+from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
 from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
+from cache_store.format.buffers import in_dataloader_worker
+from cache_store.views.hop import LocatedSample
+from cache_store.readers.options import checked_options
+from cache_store.views.records import read_path, read_records
 
 __all__ = ["CachedDataset"]
 
@@ -67,7 +75,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     Args:
         cache: a cache directory, a ``.zarr`` path or URL, ``http(s)://host:port`` of the
             service, or an already constructed :class:`~cache_store.stores.base.Store`.
-        fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``) that,
+        fingerprint_or_recipe: a fingerprint, or a recipe name (``"spc_query"``; or a
+            recipe class of this process, one ``spcache.recipe`` made) that,
             with ``**params``, selects exactly one dataset recorded in the cache: one of
             the installed recipe version whose parameters equal the given ones, a
             parameter left out matching any stored value (not its default). Several
@@ -121,12 +130,20 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
+        views, verify: read-only tensors viewing the cache's file while held, not copies
+            (a cache directory, a local sharded snapshot; elsewhere copies: see
+            :attr:`read_path`), a version hashed once per process (``verify="always"``:
+            every read); DataLoader workers hand over places (:mod:`cache_store.views`).
         local_cache, cache_limit: a remote sharded snapshot (``s3://....zarr``) read
             through a bounded directory on this machine: each part a read needs is
             fetched once into ``local_cache``, shared by every process of the machine,
             least recently used out first, never above ``cache_limit`` (bytes, or a
             size: ``"20G"``); see :mod:`cache_store.local_cache`. An exported Zarr
             snapshot or the service URL is refused (not built yet).
+        variant, variants, variant_seed: which variant of each sample is read, where a
+            run stored several (``variants=K``): see
+            :class:`~cache_store.readers.variants.VariantChoice` (default: one per
+            sample per epoch, :meth:`set_epoch`'s or the one ``spcache.Sampler`` deals).
         **params: recipe parameters, with a recipe name only: those that select the
             dataset (left out: any stored value), or with ``sources=`` the run's
             (left out: the default).
@@ -146,7 +163,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def __init__(
         self,
         cache: str | os.PathLike[str] | Store,
-        fingerprint_or_recipe: str,
+        fingerprint_or_recipe: str | type[Recipe] | Recipe,
         fields: Iterable[str] | None = None,
         transform: Callable[[Sample], Any] | None = None,
         *,
@@ -160,59 +177,34 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         on_stale: str | None = None,
         local_cache: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
+        views: bool = False,
+        verify: str = "once",
+        variant: int | None = None,
+        variants: int | None = None,
+        variant_seed: int = 0,
         **params: Any,
     ) -> None:
-        if not isinstance(fingerprint_or_recipe, str):
-            raise ParameterError(
-                [
-                    (
-                        f"fingerprint_or_recipe: expected a str, got "
-                        f"{type(fingerprint_or_recipe).__name__}"
-                    )
-                ]
-            )
-        on_miss = on_miss or ("compute" if sources is not None else "error")
-        problems = []
-        if on_miss not in ("error", "compute"):
-            problems.append(f"on_miss: expected 'error' or 'compute', got {on_miss!r}")
-        elif on_miss == "compute" and sources is None:
-            problems.append("on_miss='compute' needs sources= (the paths to compute from)")
-        if id_template is not None and sources is None:
-            problems.append("id_template= needs sources= (it names the samples found there)")
-        on_stale = on_stale or (
-            "serve" if sources is None else "compute" if on_miss == "compute" else "error"
-        )
-        if on_stale not in ("compute", "error", "serve"):
-            problems.append(f"on_stale: expected 'compute', 'error' or 'serve', got {on_stale!r}")
-        elif on_stale != "serve" and sources is None:
-            problems.append(
-                f"on_stale={on_stale!r} needs sources= (the files to compare "
-                f"records with); without them what is stored is served"
-            )
-        elif on_stale == "compute" and on_miss != "compute":
-            problems.append(
-                "on_stale='compute' needs on_miss='compute' (a stale record is "
-                "recomputed as a miss is)"
-            )
-        if sources is not None and is_fingerprint(fingerprint_or_recipe):
-            problems.append("sources= needs a recipe name (and parameters), not a fingerprint")
+        if not isinstance(fingerprint_or_recipe, str):  # a recipe class (spcache.recipe)
+            fingerprint_or_recipe = recipe_name_of(fingerprint_or_recipe)
         where = os.fspath(cache.location if isinstance(cache, Store) else cache)
-        kind: str
-        try:
-            kind = parse_location(where).kind
-        except UnknownName:  # a scheme no store opens: named by open_store, or here
-            kind = "unknown"
-        if on_miss == "compute" and kind not in ("lmdb", "http"):
-            problems.append(
-                f"on_miss='compute' needs a cache directory or the service's "
-                f"http(s):// URL; {where} is neither"
-            )
-        if on_error not in ON_ERROR_CHOICES:
-            problems.append(f"on_error: expected 'raise' or 'skip', got {on_error!r}")
-        if warm_ahead < 0 or miss_timeout <= 0:
-            problems.append("warm_ahead >= 0 and miss_timeout > 0 needed")
-        if problems:
-            raise ParameterError(problems)
+        on_miss, on_stale, kind = checked_options(
+            where,
+            fingerprint_or_recipe,
+            sources,
+            on_miss=on_miss,
+            on_stale=on_stale,
+            id_template=id_template,
+            on_error=on_error,
+            warm_ahead=warm_ahead,
+            miss_timeout=miss_timeout,
+            verify=verify,
+        )
+        variant_bad = variant_problems(variant, variants, variant_seed)
+        if variant_bad:
+            raise ParameterError(variant_bad)
+        if on_miss == "compute":  # the worker computing a miss is another process
+            require_installed(fingerprint_or_recipe, "the worker that computes a miss")
+        self.views, self.verify = bool(views), verify
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
@@ -231,7 +223,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         # made here, in the process that builds the dataset, so its workers share it
         self._skipped = SkippedSamples() if on_error == "skip" else None
         self.on_stale = on_stale
-        self.epoch = 0  # set_epoch
+        self._variants = VariantChoice(variant, variants, variant_seed)
+        self.epoch = 0  # set_epoch; an EpochIndex carries its own
+        # variants each sample has stored (uint16 [n]), from the index; None: one each
+        self._variant_counts: np.ndarray | None = None
         # index -> (signature, record checksum) this process hashed and found current
         self._verified: tuple[int, dict[int, tuple[str, str]]] | None = None
         self._path_bytes: np.ndarray | None = None  # uint8, with sources only
@@ -273,6 +268,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         if type(store).__name__ == "LMDBStore":  # a local cache directory
             usage.note_read(store.location, index.fingerprint)  # once per open (spcache ls)
         self._id_bytes, self._id_offsets = index.packed_ids()
+        self._variant_counts = index.variants
         self._recipe = (index.recipe, index.recipe_version, dict(index.params))
         self._variable = installed_variable_fields(*self._recipe)
         self._fingerprint = index.fingerprint
@@ -377,7 +373,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return self._id_bytes[start:stop].tobytes().decode("utf-8")  # type: ignore[index]
 
     def key(self, i: int) -> str:
-        """``"<fingerprint>/<sample id>"`` of the sample at position ``i``."""
+        """``"<fingerprint>/<sample id>"`` of the sample at position ``i`` (its variant 0)."""
         start, stop = self._id_span(i)
         return f"{self._fingerprint}/{self._id_bytes[start:stop].tobytes().decode('utf-8')}"  # type: ignore[index]
 
@@ -402,9 +398,25 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             store.close()
 
     def set_epoch(self, epoch: int) -> None:
-        """``self.epoch``, set by ``Sampler.set_epoch`` (a loader worker has the value of
-        when it started: each epoch, unless ``persistent_workers``)."""
+        """``self.epoch``, set by ``Sampler.set_epoch``: the epoch read next, which picks
+        each sample's variant (``variant=None``). A loader worker has the value of when
+        it started (each epoch, unless ``persistent_workers``): the
+        :class:`~cache_store.readers.variants.EpochIndex` a ``Sampler`` deals carries it."""
         self.epoch = int(epoch)
+
+    def variant_at(self, i: int) -> int:
+        """The variant read for index ``i`` (an int, or an ``EpochIndex`` carrying the
+        epoch it was dealt in; else :attr:`epoch`)."""
+        counts = self._variant_counts
+        stored = 1 if counts is None else int(counts[int(i)])
+        return self._variants.pick(self.sample_id(i), epoch_of(i, self.epoch), stored)
+
+    def read_key(self, i: int) -> str:
+        """The key of the record read for index ``i``: variant :meth:`variant_at`."""
+        variant = self.variant_at(i)
+        if variant == 0:
+            return self.key(i)
+        return record_key(self.fingerprint, self.sample_id(i), variant)
 
     def queue_ahead(self, indices: Sequence[int]) -> int:
         """Read-through (``on_miss="compute"``): queue the samples at ``indices`` that
@@ -433,6 +445,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _finish(self, record: Any, i: int) -> Any:
         sample_id = self.sample_id(i)
+        if record.place is not None and self.transform is None and in_dataloader_worker():
+            source = (self._store.opener, self.fields, self.verify, self._variable, SpcSample)
+            return LocatedSample(source, self.key(i), (record.place, record.checksum))  # hop
         sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:
             return sample
@@ -485,30 +500,39 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 reason,
             )
 
+    @property
+    def read_path(self) -> str:
+        """``"views"`` or ``"copies (why)"``: the path this process's reads take."""
+        return read_path(self._store_here(), self.views)
+
+    def _records(self, keys: list[str], batch: bool) -> list[Any]:
+        fields = None if self.fields is None else list(self.fields)
+        return read_records(self._store_here(), keys, fields, self.views, self.verify, batch)
+
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))
-        key = self.key(i)
+        key = self.read_key(i)
         try:
-            record = self._store_here().get_record(key, fields=self.fields)
+            record = self._records([key], False)[0]
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
             self._on_miss([i])
-            record = self._store_here().get_record(key, fields=self.fields)
+            record = self._records([key], False)[0]
         if self.on_stale != "serve":
             record = self._current_records([i], [record])[0]
         return self._finish(record, i)
 
     def _read_many(self, indices: Sequence[int]) -> list[Any]:
         self._refuse_id_clashes(indices)
-        keys = [self.key(i) for i in indices]
+        keys = [self.read_key(i) for i in indices]
         try:
-            records = self._store_here().get_records(keys, fields=self.fields)
+            records = self._records(keys, True)
         except (RecordNotFound, CacheNotFound):
             if self.on_miss != "compute":
                 raise
             self._on_miss(indices)
-            records = self._store_here().get_records(keys, fields=self.fields)
+            records = self._records(keys, True)
         if self.on_stale != "serve":
             records = self._current_records(indices, records)
         return [self._finish(record, i) for i, record in zip(indices, records, strict=True)]
@@ -551,7 +575,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             return records
         if self.on_stale == "error":
             i, record, path, digest = next(iter(stale.values()))
-            raise StaleRecord(self.key(i), path, record.metadata.get("source_hash"), digest)
+            raise StaleRecord(self.read_key(i), path, record.metadata.get("source_hash"), digest)
         out = list(records)
         for n, record in zip(stale, self._recompute([i for i, *_ in stale.values()]), strict=True):
             out[n] = record
@@ -561,7 +585,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """Queue the stale samples at ``indices`` again and wait until each stored record
         is current for its source (or ``miss_timeout``); their records, in order."""
         wanted = [(self.sample_id(i), self.source_path(i)) for i in dict.fromkeys(indices)]
-        position = {self.key(i): i for i in indices}
+        position = {self.read_key(i): i for i in indices}
+        picks = {self.sample_id(i): self.variant_at(i) for i in indices}
 
         def current(key: str) -> bool:
             try:
@@ -575,7 +600,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         while True:
             # QueueReadThrough waits on ``current``; over HTTP the service decides what is
             # stale and this loop waits for the recomputed record
-            self._handler().fetch(current, wanted, (), stale=[sid for sid, _ in wanted])
+            self._handler().fetch(
+                current, wanted, (), stale=[sid for sid, _ in wanted], picks=picks
+            )
             if all(current(key) for key in position):
                 break
             if time.monotonic() >= deadline:
@@ -586,7 +613,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 )
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
-        return [self._store_here().get_record(self.key(i), fields=self.fields) for i in indices]
+        return [
+            self._store_here().get_record(self.read_key(i), fields=self.fields) for i in indices
+        ]
 
     # -- read-through (on_miss="compute") ---------------------------------------------
     def _new_read_through(self) -> ProcessLocal[Any]:
@@ -599,6 +628,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             self.fingerprint,
             miss_timeout=self.miss_timeout,
             store_options=self.store_options,
+            variants=self._variants.computed,
         )
 
     def _has(self, key: str) -> bool:
@@ -610,18 +640,16 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _on_miss(self, indices: Sequence[int]) -> None:
         """Queue the batch's missing samples and the next ``warm_ahead`` uncached ones,
         then wait for the batch's records (see :mod:`cache_store.readers.queue_read_through`)."""
-        wanted = [
-            (self.sample_id(i), self.source_path(i))
-            for i in dict.fromkeys(indices)
-            if not self._has(self.key(i))
-        ]
+        missing = [i for i in dict.fromkeys(indices) if not self._has(self.read_key(i))]
+        wanted = [(self.sample_id(i), self.source_path(i)) for i in missing]
+        picks = {self.sample_id(i): self.variant_at(i) for i in missing}
         ahead: list[tuple[str, str]] = []
         j = max(int(i) for i in indices) + 1
         while len(ahead) < self.warm_ahead and j < len(self):
             if self._id_clash(j) is None and not self._has(self.key(j)):
                 ahead.append((self.sample_id(j), self.source_path(j)))
             j += 1
-        self._handler().fetch(self._has, wanted, ahead)
+        self._handler().fetch(self._has, wanted, ahead, picks=picks)
 
     def _handler(self) -> Any:
         if self._miss_handler is None:
@@ -639,7 +667,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         order, so a loader finds them local; a sampler's read-ahead calls it. Nothing
         otherwise."""
         if self.local_cache is not None and len(indices):
-            self._store_here().prefetch([self.key(i) for i in indices])
+            self._store_here().prefetch([self.read_key(i) for i in indices])
 
     def close(self) -> None:
         """Close this process's store (it re-opens on the next read)."""

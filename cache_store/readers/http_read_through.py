@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -41,7 +41,7 @@ from cache_store.service_api.protocol import (
     STATE_HEADER,
     WAIT_CHUNK_S,
 )
-from cache_store.keys import record_key
+from cache_store.keys import record_id, record_key
 from cache_store.service_api.client import json_body, new_client, send
 
 __all__ = ["HTTPReadThrough"]
@@ -59,6 +59,7 @@ class HTTPReadThrough:
         priority: of the warm-ups it posts (misses go ahead of ordinary warm-ups).
         miss_timeout: seconds to wait for a record before :class:`MissTimeout`.
         ca_file: the PEM file to trust for an ``https://`` service (see ``HTTPStore``).
+        variants: records asked for per sample (the warm-ups' ``variants``).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class HTTPReadThrough:
         priority: int = 100,
         miss_timeout: float = 120.0,
         ca_file: str | None = None,
+        variants: int = 1,
     ) -> None:
         self.url = url.rstrip("/")
         self.recipe = recipe
@@ -81,6 +83,7 @@ class HTTPReadThrough:
         self.priority = priority
         self.miss_timeout = miss_timeout
         self.ca_file = ca_file
+        self.variants = variants
         self._client: httpx.Client | None = None
         #: items the service queued for this process (reused ones not counted)
         self.queued = 0
@@ -109,6 +112,7 @@ class HTTPReadThrough:
             "priority": self.priority,
             "dedupe": True,
             "require_worker": True,
+            "variants": self.variants,
             "items": [{"id": sid, "path": os.path.abspath(path)} for sid, path in items],
         }
         response = self._request("POST", "/v1/warmup", deadline, json=body)
@@ -138,8 +142,10 @@ class HTTPReadThrough:
         ahead: Sequence[tuple[str, str]] = (),
         *,
         stale: Sequence[str] = (),
+        picks: Mapping[str, int] | None = None,
     ) -> None:
-        """Return once every ``(sample id, path)`` of ``wanted`` has a record.
+        """Return once every ``(sample id, path)`` of ``wanted`` has a record (of the
+        variant ``picks`` names for it, else variant 0).
 
         ``stale`` is accepted for the same call as the queue's: the service compares
         records with their sources itself and queues a stale one again.
@@ -152,16 +158,17 @@ class HTTPReadThrough:
         deadline = time.monotonic() + self.miss_timeout
         rows = self._warmup([*wanted, *ahead], deadline)
         paths = dict(wanted)
+        picked = picks or {}
         for row in rows:
             sid = row.get("id")
             if (
                 sid in paths
                 and row.get("status") == "failed"
-                and not has(record_key(self.fingerprint, sid))
+                and not has(record_key(self.fingerprint, sid, picked.get(sid, 0)))
             ):
                 raise SampleFailed(sid, paths[sid], row.get("error") or "failed")
         for sid, path in wanted:
-            self._wait(sid, path, deadline)
+            self._wait(sid, path, deadline, picked.get(sid, 0))
 
     def queue_ahead(self, items: Sequence[tuple[str, str]]) -> None:
         """Queue ``(sample id, path)`` items the caller will want soon, without waiting
@@ -170,14 +177,15 @@ class HTTPReadThrough:
         if items:
             self._warmup(items, time.monotonic() + self.miss_timeout)
 
-    def _wait(self, sample_id: str, path: str, deadline: float) -> None:
-        record = f"/v1/caches/{self.fingerprint}/records/{quote(sample_id, safe='/')}"
+    def _wait(self, sample_id: str, path: str, deadline: float, variant: int = 0) -> None:
+        tail = record_id(sample_id, variant)
+        record = f"/v1/caches/{self.fingerprint}/records/{quote(tail, safe='/')}"
         requeued = False
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise MissTimeout(
-                    f"record {record_key(self.fingerprint, sample_id)!r} "
+                    f"record {record_key(self.fingerprint, sample_id, variant)!r} "
                     f"({path}) did not land on {self.url} within "
                     f"{self.miss_timeout:g} s; the worker may be busy with a "
                     f"long queue: raise miss_timeout or warm up first"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,8 @@ class QueueReadThrough:
         miss_timeout: seconds to wait for a record before :class:`MissTimeout`.
         worker_stale_s: a worker whose last heartbeat is older is taken for dead.
         poll_max_s: the longest sleep between two looks at the store.
+        variants: records queued per sample (variants 0 .. variants - 1): the worker
+            computes every missing one of a sample it is given.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class QueueReadThrough:
         miss_timeout: float = 120.0,
         worker_stale_s: float = WORKER_STALE_S,
         poll_max_s: float = 0.05,
+        variants: int = 1,
     ) -> None:
         self.cache_dir = Path(cache_dir)
         self.recipe = recipe
@@ -85,6 +88,7 @@ class QueueReadThrough:
         self.miss_timeout = miss_timeout
         self.worker_stale_s = worker_stale_s
         self.poll_max_s = poll_max_s
+        self.variants = variants
         self.queue = JobQueue(self.cache_dir)
         #: items this process queued itself (not reused): tests and the benchmark count them
         self.queued = 0
@@ -110,8 +114,10 @@ class QueueReadThrough:
         ahead: Sequence[tuple[str, str]] = (),
         *,
         stale: Sequence[str] = (),
+        picks: Mapping[str, int] | None = None,
     ) -> None:
-        """Return once every ``(sample id, path)`` of ``wanted`` has a record.
+        """Return once every ``(sample id, path)`` of ``wanted`` has a record (of the
+        variant ``picks`` names for it, else variant 0).
 
         ``has(key)`` says whether the store holds a (current) record. ``ahead`` are
         samples the caller will want soon (not waited for). ``stale`` are ids whose
@@ -129,14 +135,17 @@ class QueueReadThrough:
             [*wanted, *ahead],
             priority=self.priority,
             stale=stale,
+            variants=self.variants,
         )
         self.queued += sum(1 for r in rows if not r.reused)
-        wanted_ids = {sid for sid, _ in wanted}
-        waiting = {r.sample_id: r for r in rows if r.sample_id in wanted_ids}
+        keys = {
+            sid: record_key(self.fingerprint, sid, (picks or {}).get(sid, 0)) for sid, _ in wanted
+        }
+        waiting = {r.sample_id: r for r in rows if r.sample_id in keys}
         for row in waiting.values():
-            if row.status == "failed" and not has(record_key(self.fingerprint, row.sample_id)):
+            if row.status == "failed" and not has(keys[row.sample_id]):
                 raise SampleFailed(row.sample_id, row.path, row.last_error or "failed")
-        self._wait(has, waiting)
+        self._wait(has, waiting, keys)
 
     def queue_ahead(self, items: Sequence[tuple[str, str]]) -> None:
         """Queue ``(sample id, path)`` items the caller will want soon, without waiting
@@ -146,25 +155,32 @@ class QueueReadThrough:
             return
         self._require_worker([sid for sid, _ in items])
         rows = self.queue.enqueue_once(
-            self.recipe, self.params, self.fingerprint, items, priority=self.priority
+            self.recipe,
+            self.params,
+            self.fingerprint,
+            items,
+            priority=self.priority,
+            variants=self.variants,
         )
         self.queued += sum(1 for r in rows if not r.reused)
 
-    def _wait(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
+    def _wait(
+        self, has: Callable[[str], bool], waiting: dict[str, QueuedItem], keys: Mapping[str, str]
+    ) -> None:
         start = time.monotonic()
         deadline = start + self.miss_timeout
         next_status = start + STATES_EVERY_S
         next_liveness = start + LIVENESS_EVERY_S
         delay = POLL_FIRST_S
         while True:
-            for sid in [s for s in waiting if has(record_key(self.fingerprint, s))]:
+            for sid in [s for s in waiting if has(keys[s])]:
                 del waiting[sid]
             if not waiting:
                 return
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + STATES_EVERY_S
-                self._check_items(has, waiting)
+                self._check_items(has, waiting, keys)
             if now >= next_liveness:
                 next_liveness = now + LIVENESS_EVERY_S
                 self._require_worker(sorted(waiting))
@@ -183,14 +199,22 @@ class QueueReadThrough:
             time.sleep(min(delay, max(deadline - now, 0.0)))
             delay = min(delay * POLL_GROWTH, self.poll_max_s)
 
-    def _check_items(self, has: Callable[[str], bool], waiting: dict[str, QueuedItem]) -> None:
+    def _check_items(
+        self,
+        has: Callable[[str], bool],
+        waiting: dict[str, QueuedItem],
+        keys: Mapping[str, str] | None = None,
+    ) -> None:
+        """``keys``: the record key waited for of each sample (default: variant 0's)."""
+        if keys is None:
+            keys = {sid: record_key(self.fingerprint, sid) for sid in waiting}
         states = self.queue.item_statuses(r.item_id for r in waiting.values())
         for sid, row in list(waiting.items()):
             status, error = states.get(row.item_id, ("gone", None))
             state = sample_state(status)
             if state == QUEUED:
                 continue
-            if has(record_key(self.fingerprint, sid)):
+            if has(keys[sid]):
                 del waiting[sid]
             elif state == FAILED:
                 raise SampleFailed(sid, row.path, error or "failed")
@@ -210,6 +234,7 @@ class QueueReadThrough:
                     [(sid, row.path)],
                     priority=self.priority,
                     stale=[sid],
+                    variants=self.variants,
                 )
                 self.queued += sum(1 for r in again if not r.reused)
                 waiting[sid] = again[0]

@@ -24,6 +24,11 @@ and any ``num_workers``:
   ``drop_last=True`` leaves the last ``R % W`` out instead. Every other sample of the
   epoch is yielded exactly once across the ranks, whatever resumes happened.
 
+Each index it deals is an :class:`~cache_store.readers.variants.EpochIndex`, an ``int``
+that carries its epoch to the DataLoader's workers (persistent ones too, which keep the
+dataset they started with), so a dataset whose samples have variants reads the variant
+of that epoch (:mod:`cache_store.readers.variants`).
+
 ``set_epoch(e)`` starts epoch ``e`` from its beginning, except after
 ``load_state_dict`` of a state of epoch ``e`` (then its next pass resumes where the
 state says); it also calls ``dataset.set_epoch(e)`` where the dataset has one.
@@ -54,6 +59,7 @@ import torch.utils.data
 
 from cache_store.errors import ParameterError
 from cache_store.readers.order import ORDER_VERSION, epoch_order, id_hashes, sequence_digest
+from cache_store.readers.variants import EpochIndex
 
 __all__ = ["STATE_FORMAT", "Position", "Sampler"]
 
@@ -134,7 +140,8 @@ class _Pass(Iterator[int]):
             self._order = sampler.order(self.epoch)
         stop = min(self.yielded + _SLICE, self.total)
         indices = sampler.global_indices(self._order, self.start, self.yielded, stop)
-        self._ready = indices[::-1].tolist()
+        epoch = self.epoch  # carried by each index to the loader workers (variants)
+        self._ready = [EpochIndex(i, epoch) for i in indices[::-1].tolist()]
 
     def _read_ahead(self) -> None:
         """Queue this rank's samples up to ``read_ahead`` past the last one handed out

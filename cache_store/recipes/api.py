@@ -15,11 +15,8 @@ running it. Users import these names from :mod:`spcache.recipes`.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import logging
-import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -31,6 +28,7 @@ from cache_store.engine_options import (
     DEFAULT_TIME_LIMIT_S,
     time_limit_problem,
 )
+from cache_store.recipes.digest import code_digest
 from cache_store.recipes.params import ReadOnlyParams
 from cache_store.recipes.specs import (
     FieldSpec,
@@ -105,6 +103,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "query_chunk",
         "write_batch",
         "id_template",
+        "variants",
         "time_limit_s",
         # CachedDataset
         "fingerprint_or_recipe",
@@ -116,8 +115,12 @@ RESERVED_PARAM_NAMES = frozenset(
         "miss_timeout",
         "on_error",
         "on_stale",
+        "variant",
+        "variant_seed",
         "local_cache",
         "cache_limit",
+        "views",
+        "verify",
     }
 )
 
@@ -143,6 +146,8 @@ class Recipe:
         record_bytes_doc: how ``record_bytes`` bounds it, in words.
         code_modules: extra modules (dotted names) whose source counts in the recipe's
             code digest, besides the class's own module.
+        code_functions: a recipe made from functions (``spcache.recipe``): their source
+            is the code digest instead of the module's.
         time_limit_s: seconds each stage of one sample may take, loading with
             :meth:`prepare` and :meth:`compute` each (default
             :data:`~cache_store.engine_options.DEFAULT_TIME_LIMIT_S`, 600); a run's
@@ -247,6 +252,10 @@ def contract_problems(cls: Any) -> list[str]:
                 problems.append(
                     f"params[{key!r}]: type {param.type!r} is not int, float, str or bool"
                 )
+            elif not isinstance(param.choices, tuple) or any(
+                param.check(key, choice)[1] for choice in param.choices
+            ):
+                problems.append(f"params[{key!r}]: its choices are not a tuple of its type")
             else:
                 _, problem = param.check(key, param.default)
                 if problem:
@@ -268,6 +277,15 @@ def contract_problems(cls: Any) -> list[str]:
                 field.shape, cls.params if isinstance(cls.params, Mapping) else {}
             ):
                 problems.append(f"recipe {cls.name!r}, fields[{key!r}]: {problem}")
+            elif unknown := [
+                p
+                for p in field.with_params
+                if not isinstance(cls.params, Mapping) or p not in cls.params
+            ]:
+                problems.append(
+                    f"fields[{key!r}]: with_params names {', '.join(map(repr, unknown))}, "
+                    "not parameters of this recipe"
+                )
     for method in ("prepare", "compute"):
         if getattr(cls, method, None) is getattr(Recipe, method):
             problems.append(f"{method}() is not implemented")
@@ -388,14 +406,15 @@ def check_outputs(spec: RecipeSpec, tensors: Any, params: Mapping[str, Any]) -> 
     if not isinstance(tensors, Mapping):
         fail([f"compute() returned {type(tensors).__name__}, expected a dict of tensors"])
     problems: list[str] = []
-    missing = sorted(set(spec.fields) - set(tensors))
-    extra = sorted(set(tensors) - set(spec.fields), key=str)
+    fields = spec.fields_for(params)
+    missing = sorted(set(fields) - set(tensors))
+    extra = sorted(set(tensors) - set(fields), key=str)
     if missing:
         problems.append(f"field(s) {', '.join(missing)} missing")
     if extra:
         problems.append(f"field(s) {', '.join(map(str, extra))} not declared")
     symbols = param_symbols(params)
-    for name, field in spec.fields.items():
+    for name, field in fields.items():
         tensor = tensors.get(name)
         if tensor is None:
             continue
@@ -435,60 +454,3 @@ def _dim_value(dim: str, params: Mapping[str, Any], symbols: dict[str, int], siz
 
 
 # --- code digest ---------------------------------------------------------------------------
-
-
-def code_digest(cls: type) -> str:
-    """A digest of the recipe's code: the source of the class's module and of its
-    ``code_modules`` (read from their files, nothing imported). Two records of one
-    fingerprint with different digests were computed by different code."""
-    h = hashlib.blake2b(digest_size=8)
-    for module in (cls.__module__, *getattr(cls, "code_modules", ())):
-        h.update(module.encode() + b"\0")
-        h.update(_module_source(module, cls))
-    return h.hexdigest()
-
-
-def _module_file(module: str) -> str | None:
-    """The file of ``module`` found without importing it or its parent packages
-    (``find_spec("a.b")`` would import ``a``: the service must not import ``workers``)."""
-    top, *rest = module.split(".")
-    try:
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    if not rest:
-        return spec.origin
-    locations = list(spec.submodule_search_locations or [])
-    for i, part in enumerate(rest):
-        last = i == len(rest) - 1
-        found = None
-        for where in locations:
-            package = os.path.join(where, part)
-            if os.path.isfile(os.path.join(package, "__init__.py")):
-                found = package
-                break
-            if last and os.path.isfile(package + ".py"):
-                return package + ".py"
-        if found is None:
-            return None
-        if last:
-            return os.path.join(found, "__init__.py")
-        locations = [found]
-    return None
-
-
-def _module_source(module: str, cls: type) -> bytes:
-    loaded = sys.modules.get(module)
-    origin = getattr(loaded, "__file__", None) or _module_file(module)
-    if origin and origin.endswith(".py"):
-        try:
-            with open(origin, "rb") as fh:
-                return fh.read()
-        except OSError:
-            pass
-    try:  # a class defined in a notebook or __main__ without a file
-        return inspect.getsource(cls).encode()
-    except (OSError, TypeError):
-        return b"unknown:" + f"{module}.{cls.__qualname__}".encode()

@@ -46,7 +46,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_store.errors import RecipeUnusable, UnknownName, one_line
+from cache_store.errors import ParameterError, RecipeUnusable, UnknownName, UsageError, one_line
 from cache_store.recipes.api import Recipe, code_digest, contract_problems
 from cache_store.recipes.specs import RecipeSpec
 
@@ -65,6 +65,11 @@ __all__ = [
     "report_problems_here",
     "installed_code_digest",
     "code_changed",
+    "LOCAL_KIND",
+    "add_local_recipe",
+    "recipe_name_of",
+    "require_installed",
+    "is_local",
 ]
 
 logger = logging.getLogger(__name__)
@@ -268,6 +273,88 @@ def _note_unusable(unusable: dict[str, str], cls: Any, problem: str) -> None:
 _lock = threading.Lock()
 _cached: tuple[str, Registry] | None = None
 _report = True
+#: recipes made in this process (``spcache.recipe``, a class passed as an object), by name
+_local: dict[str, RecipeEntry] = {}
+LOCAL_KIND = "this process"
+
+
+def add_local_recipe(cls: type[Recipe]) -> RecipeEntry:
+    """Make the recipe class ``cls`` usable by name in this process only (a recipe made
+    by ``spcache.recipe``, or a class written in a notebook and passed as an object).
+    The same name made again replaces the earlier one (a notebook cell run again).
+
+    Raises:
+        ParameterError: ``cls`` breaks the recipe contract, or its name is an installed
+            recipe's.
+    """
+    problems = contract_problems(cls)
+    if problems:
+        raise ParameterError(problems, what=f"recipe {getattr(cls, 'name', cls)!r}")
+    with _lock:
+        current = _local.get(cls.name)
+        if current is not None and current.cls is cls:
+            return current
+    installed = installed_recipes().recipes.get(cls.name)
+    if installed is not None and installed.origin.get("kind") != LOCAL_KIND:
+        raise ParameterError(
+            [f"{cls.name!r} is the name of an installed recipe ({installed.origin.get('kind')})"],
+            what="recipe name",
+        )
+    entry = RecipeEntry(
+        cls.name,
+        cls,
+        cls.schema(),
+        {
+            "kind": LOCAL_KIND,
+            "entry": f"{cls.name} = {cls.__module__}:{cls.__qualname__}",
+            "package": None,
+            "package_version": None,
+        },
+    )
+    with _lock:
+        _local[cls.name] = entry
+    return entry
+
+
+def recipe_name_of(recipe: Any) -> str:
+    """The name of ``recipe``: a name (as given), or a recipe class or instance, which is
+    made usable in this process (:func:`add_local_recipe`) unless it is the installed
+    recipe of that name.
+
+    Raises:
+        ParameterError: not a name nor a recipe; a recipe breaking the contract.
+    """
+    if isinstance(recipe, str):
+        return recipe
+    cls = type(recipe) if isinstance(recipe, Recipe) else recipe
+    if not (isinstance(cls, type) and issubclass(cls, Recipe)):
+        raise ParameterError(
+            [f"recipe: expected a recipe's name or a Recipe class, got {type(recipe).__name__}"]
+        )
+    installed = installed_recipes().recipes.get(cls.name)
+    if installed is not None and installed.cls is cls:
+        return cls.name
+    return add_local_recipe(cls).name
+
+
+def require_installed(name: str, where: str) -> None:
+    """Refuse a recipe of this process only (:func:`add_local_recipe`) where another
+    process must run it (``where``: the service's worker, Ray actors), saying how to
+    install it instead."""
+    entry = installed_recipes().recipes.get(name)
+    if entry is not None and entry.origin.get("kind") == LOCAL_KIND:
+        raise UsageError(
+            f"recipe {name!r} was made in this process ({entry.origin['entry']}); {where} "
+            f"cannot import it: install it instead, as a class in a module of your package "
+            f"registered under the {ENTRY_POINT_GROUP!r} entry-point group, or name it in "
+            f"{ENV_VAR}=module:Class for every process (see spcache.recipes)"
+        )
+
+
+def is_local(name: str) -> bool:
+    """Whether the recipe ``name`` is usable in this process only."""
+    entry = installed_recipes().recipes.get(name)
+    return entry is not None and entry.origin.get("kind") == LOCAL_KIND
 
 
 def report_problems_here(enabled: bool) -> None:
@@ -288,7 +375,10 @@ def installed_recipes(*, reload: bool = False) -> Registry:
             for line in registry.problems if _report else ():
                 logger.error("%s", line)
             _cached = (key, registry)
-        return _cached[1]
+        registry = _cached[1]
+        if not _local:
+            return registry
+        return Registry({**registry.recipes, **_local}, registry.problems, registry.unusable)
 
 
 def get_entry(name: str) -> RecipeEntry:

@@ -125,13 +125,28 @@ def fixed_size(dim: str, params: Mapping[str, Any]) -> int | None:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One recipe parameter: its type, default and inclusive bounds."""
+    """One recipe parameter: its type, default and inclusive bounds.
+
+    ``choices``: the values a parameter may take (a ``str`` parameter's names), empty
+    for any. ``omit_default``: the parameter is left out of the resolved parameters
+    (and so of the fingerprint, the index and the records) while it has its default:
+    a parameter added to a recipe that already has caches, whose default keeps the old
+    output, leaves those caches current instead of orphaning them under a new
+    fingerprint (the built-in recipes' augmentation parameters are such).
+    ``augmentation``: the parameter says how variants >= 1 of a sample are augmented
+    (:mod:`cache_store.recipes.augment`); variant 0 ignores it, and so do the seeds of
+    every variant's generator (:meth:`RecipeSpec.seed_params`), so variant 0 of an
+    augmented run is the record of the same run without augmentation.
+    """
 
     type: type
     default: Any
     minimum: float | None = None
     maximum: float | None = None
     doc: str = ""
+    choices: tuple[Any, ...] = ()
+    omit_default: bool = False
+    augmentation: bool = False
 
     def check(self, name: str, value: Any) -> tuple[Any, str | None]:
         """Return ``(coerced value, None)`` or ``(None, problem)``.
@@ -163,6 +178,10 @@ class ParamSpec:
                 return wrong("a bool (true or false)")
         elif self.type is str and not isinstance(value, str):
             return wrong("a string")
+        if self.choices and value not in self.choices:
+            return None, (
+                f"{name}: {value!r} is not one of {', '.join(repr(c) for c in self.choices)}"
+            )
         if self.minimum is not None and value < self.minimum:
             return None, f"{name}: {value!r} is below the minimum {self.minimum!r}"
         if self.maximum is not None and value > self.maximum:
@@ -170,13 +189,20 @@ class ParamSpec:
         return value, None
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "type": self.type.__name__,
             "default": self.default,
             "minimum": self.minimum,
             "maximum": self.maximum,
             "doc": self.doc,
         }
+        if self.choices:
+            out["choices"] = list(self.choices)
+        if self.omit_default:
+            out["omit_default"] = True
+        if self.augmentation:
+            out["augmentation"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -196,11 +222,17 @@ class FieldSpec:
     shape: str
     meaning: str
     finite: bool = False
+    #: the field exists only in records computed with one of these parameters away
+    #: from its default (empty: in every record): a field added together with
+    #: ``omit_default`` parameters leaves the records of the default unchanged
+    with_params: tuple[str, ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"dtype": self.dtype, "shape": self.shape, "meaning": self.meaning}
         if self.finite:
             out["finite"] = True
+        if self.with_params:
+            out["with_params"] = list(self.with_params)
         return out
 
 
@@ -216,7 +248,12 @@ class RecipeSpec:
     record_bytes_doc: str = ""
 
     def resolve(self, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Validate ``params`` and fill defaults; raises :class:`ParameterError`."""
+        """Validate ``params`` and fill defaults; raises :class:`ParameterError`.
+
+        The result names the fingerprint: every parameter, except one declared
+        ``omit_default`` while it has its default (:meth:`with_defaults` gives every
+        parameter, as a recipe's ``prepare`` and ``compute`` receive them).
+        """
         params = dict(params or {})
         problems = [
             f"{name}: unknown parameter (known: {', '.join(sorted(self.params))})"
@@ -228,9 +265,12 @@ class RecipeSpec:
             value, problem = spec.check(name, params.get(name, spec.default))
             if problem:
                 problems.append(problem)
-            resolved[name] = value
+            if not (spec.omit_default and value == spec.default and type(value) is spec.type):
+                resolved[name] = value
+        if not problems:
+            problems += self.range_problems(self.with_defaults(resolved))
         if not problems and self.record_bytes is not None:
-            worst = self.record_bytes(resolved)
+            worst = self.record_bytes(self.with_defaults(resolved))
             if worst > MAX_RECORD_BYTES:
                 problems.append(
                     f"these parameters allow records of up to {worst} bytes, over the "
@@ -240,6 +280,49 @@ class RecipeSpec:
         if problems:
             raise ParameterError(problems, what=f"parameters for recipe {self.name!r}")
         return resolved
+
+    def range_problems(self, params: Mapping[str, Any]) -> list[str]:
+        """A pair of parameters ``NAME_min`` and ``NAME_max`` is a range: the minimum may
+        not be above the maximum (the augmentations' ``scale_min``, ``scale_max``)."""
+        problems = []
+        for name in self.params:
+            if name.endswith("_min") and (top := name[: -len("_min")] + "_max") in self.params:
+                low, high = params.get(name), params.get(top)
+                if isinstance(low, int | float) and isinstance(high, int | float) and low > high:
+                    problems.append(f"{name}: {low!r} is above {top} {high!r}")
+        return problems
+
+    def seed_params(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
+        """``resolved`` without its augmentation parameters: what seeds each sample's
+        generators (their fingerprint, :func:`cache_store.keys.compute_fingerprint`), so
+        a sample's variant 0, and the points every variant draws before it is augmented,
+        are the same whatever the augmentation."""
+        return {
+            name: value
+            for name, value in resolved.items()
+            if not (name in self.params and self.params[name].augmentation)
+        }
+
+    def with_defaults(self, resolved: Mapping[str, Any]) -> dict[str, Any]:
+        """Every parameter: ``resolved`` (of :meth:`resolve`) with the defaults of those
+        it leaves out (``omit_default``) filled in; what a recipe runs with."""
+        full = {name: spec.default for name, spec in self.params.items()}
+        full.update(resolved)
+        return full
+
+    def fields_for(self, params: Mapping[str, Any]) -> dict[str, FieldSpec]:
+        """The fields a record computed with ``params`` holds: every declared field but
+        those ``with_params`` leaves out (none of its parameters off its default)."""
+        full = self.with_defaults(params)
+        return {
+            name: field
+            for name, field in self.fields.items()
+            if not field.with_params
+            or any(
+                p in self.params and full.get(p) != self.params[p].default
+                for p in field.with_params
+            )
+        }
 
     def variable_length_fields(self, params: Mapping[str, Any]) -> frozenset[str]:
         """The fields whose first dimension each record sets for itself (``[N, 3]``),
@@ -256,9 +339,7 @@ class RecipeSpec:
         """The largest record ``params`` (defaults filled in) can produce, or None."""
         if self.record_bytes is None:
             return None
-        full = {name: spec.default for name, spec in self.params.items()}
-        full.update(params or {})
-        return self.record_bytes(full)
+        return self.record_bytes(self.with_defaults(params or {}))
 
     def as_json(self) -> dict[str, Any]:
         return {

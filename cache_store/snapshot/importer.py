@@ -17,6 +17,7 @@ import numpy as np
 
 from cache_store.errors import CorruptRecord, FingerprintLookupError, RecordNotFound, UsageError
 from cache_store.format.index import append_ids
+from cache_store.keys import record_id, variant_counts
 from cache_store.location import LocationLike, check_cache_dir, parse_location
 
 __all__ = ["IMPORT_BATCH", "import_snapshot"]
@@ -65,7 +66,14 @@ def _import_fingerprint(src: Any, dst: Any, fingerprint: str) -> dict[str, Any]:
     from cache_store.format.header import read_header
 
     index = src.get_index(fingerprint)
-    ids = index.sample_ids.tolist()
+    # every record: a sample's variants too (a1, a1#v1, ...; cache_store.keys.record_id)
+    ids = [
+        record_id(sid, variant)
+        for sid, count in zip(
+            index.sample_ids.tolist(), index.variant_counts().tolist(), strict=True
+        )
+        for variant in range(count)
+    ]
     copied = present = 0
     bad: dict[str, str] = {}
     for start in range(0, len(ids), IMPORT_BATCH):
@@ -94,12 +102,22 @@ def _import_fingerprint(src: Any, dst: Any, fingerprint: str) -> dict[str, Any]:
         if batch:
             dst.put_many(batch, src.descriptors_for(batch))
             copied += len(batch)
-    good = [sid for sid in ids if sid not in bad]
+    good = variant_counts(rid for rid in ids if rid not in bad)  # sample -> variants
     try:
-        held = dst.get_index(fingerprint).sample_ids.tolist()
+        before = dst.get_index(fingerprint)
+        held = before.sample_ids.tolist()
+        counts = dict(zip(held, before.variant_counts().tolist(), strict=True))
     except FingerprintLookupError:
-        held = []
+        held, counts = [], {}
     merged = append_ids(held, good)
-    if merged != held:
-        dst.put_index(replace(index, sample_ids=np.array(merged, dtype=str)))
+    grown = {sid: n for sid, n in good.items() if n > counts.get(sid, 1)}
+    if merged != held or grown:
+        counts.update(grown)
+        dst.put_index(
+            replace(
+                index,
+                sample_ids=np.array(merged, dtype=str),
+                variants=np.array([counts.get(sid, 1) for sid in merged], dtype=np.uint16),
+            )
+        )
     return {"copied": copied, "present": present, "bad": bad}

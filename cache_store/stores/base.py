@@ -52,7 +52,7 @@ import abc
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -86,6 +86,7 @@ from cache_store.format.descriptor import (
 from cache_store.format.header import RecordHeader, read_header
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
+from cache_store.views.records import Place
 
 __all__ = [
     "BlockLayout",
@@ -473,6 +474,29 @@ class Store(abc.ABC):
         key. ``fields`` may let a backend skip (or not fetch) other fields' bytes.
         Default: each value through :meth:`get`."""
         return decoder.values([self.get(key) for key in keys])
+
+    def view_records(
+        self,
+        keys: list[str],
+        fields: list[str] | None,
+        verify: str,
+        checked: Mapping[str, tuple[Place, str]] | None = None,
+    ) -> list[Record] | None:
+        """The records of ``keys`` as read-only tensors viewing this store's own file
+        (no copy), checked as :meth:`get_records` checks them, their fields hashed as
+        ``verify`` says (:mod:`cache_store.views.records`); each view's bytes stay those
+        verified for as long as any tensor views them, and each record's ``place`` says
+        where they lie. ``checked``: key -> ``(place, checksum)`` another process hashed
+        (a DataLoader worker's), trusted where the record is still that version there.
+        None: this backend has no local file to lend (:meth:`views_refused` says why),
+        or a record lies where no view can be made; the caller reads copies. Raises
+        like :meth:`get_records`."""
+        return None
+
+    def views_refused(self) -> str | None:
+        """Why :meth:`view_records` cannot lend views of this store, or None when it
+        can (a record it cannot view is still read as a copy)."""
+        return f"a {type(self).__name__} keeps no local file to map"
 
     def prefetch(self, keys: Sequence[str]) -> None:
         """A hint: ``keys`` are read soon, in this order. A backend that reads through a

@@ -44,6 +44,15 @@ def format_when(text: str | None) -> str:
     return "-" if not text else text.replace("T", " ").replace("+00:00", "")
 
 
+def _per_sample(row: dict[str, Any]) -> str:
+    """`` (4 x 6 variants)`` for a fingerprint whose samples have variants."""
+    low, high = int(row.get("variants", 1)), int(row.get("variants_max", 1))
+    if high <= 1:
+        return ""
+    many = f"{low}-{high}" if high > low else str(low)
+    return f" ({row['indexed']} x {many} variants)"
+
+
 def _table(rows: list[dict[str, Any]]) -> None:
     head = (
         "FINGERPRINT",
@@ -66,7 +75,7 @@ def _table(rows: list[dict[str, Any]]) -> None:
             (
                 row["fingerprint"],
                 recipe,
-                str(row["records"]),
+                str(row["records"]) + _per_sample(row),
                 format_size(row["bytes"]),
                 row["state"],
                 str(row["failed"]),

@@ -138,6 +138,16 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     add_loaders(parser, help="; with --engine ray, per actor, chosen from its node")
     add_time_limit(parser)
     parser.add_argument(
+        "--variants",
+        type=int,
+        default=1,
+        metavar="K",
+        help="records per sample: variant 0 (the sample itself) and K-1 more, each from its "
+        "own seeded generator, augmented as the recipe's rotation, scale_min/scale_max "
+        "and jitter parameters say (default 1; not part of the fingerprint: asking for 6 "
+        "after 4 computes the 2 new ones; done/skipped/failed count records)",
+    )
+    parser.add_argument(
         "--skip-failed",
         action="store_true",
         help="do not retry samples that failed in an earlier run of this recipe on this cache",
@@ -209,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                 address=args.address,
                 actors=args.actors,
                 id_template=KEEP_EXTENSION if args.id_keep_ext else args.id_template,
+                variants=args.variants,
             )
     except StoreFull as exc:  # the one error with advice of its own
         print(
@@ -261,8 +272,10 @@ def _print_summary(summary: Any) -> None:
         f"recipe {summary.recipe} v{summary.recipe_version} "
         f"{json.dumps(summary.params, sort_keys=True)} on {summary.device} ({summary.backend})"
     )
+    variants = getattr(summary, "variants", 1)
+    records = f" records ({variants} variants per sample)" if variants > 1 else ""
     print(
-        f"done {summary.done}, skipped {summary.skipped}, failed {summary.failed} "
+        f"done {summary.done}, skipped {summary.skipped}, failed {summary.failed}{records} "
         f"in {summary.wall_s:.1f}s"
     )
     for error in summary.errors:

@@ -53,6 +53,10 @@ def _print_stats(stats: dict[str, Any]) -> None:
         if entry.get("created"):
             print(f"  created  {entry['created']}")
         indexed = f", {entry['samples']} indexed" if "samples" in entry else ""
+        if int(entry.get("variants_max", entry.get("variants", 1))) > 1:
+            low = int(entry["variants"])
+            high = int(entry.get("variants_max", low))
+            indexed += f" x {low if high == low else f'{low}-{high}'} variants"
         print(
             f"  records  {entry.get('records', 0)} ({format_size(int(entry.get('bytes', 0)))}){indexed}"
         )

@@ -339,8 +339,10 @@ def test_a_version_1_queue_is_migrated_and_its_jobs_claim_with_no_roots(tmp_path
 
     from cache_store.jobs.db import SCHEMA
 
-    old = SCHEMA.replace(",\n    roots         TEXT NOT NULL DEFAULT '[]'", "")
-    assert "roots" not in old
+    old = SCHEMA.replace(",\n    roots         TEXT NOT NULL DEFAULT '[]'", "").replace(
+        ",\n    variants      INTEGER NOT NULL DEFAULT 1", ""
+    )
+    assert "roots" not in old and "variants" not in old
     conn = sqlite3.connect(tmp_path / "jobs.sqlite")
     conn.executescript(old)
     conn.execute("INSERT INTO meta VALUES ('schema_version', '1')")
@@ -363,4 +365,5 @@ def test_a_version_1_queue_is_migrated_and_its_jobs_claim_with_no_roots(tmp_path
     queue.complete("w", claimed.item_id)
     [later] = queue.claim("w")
     assert later.job_id == new and later.roots == (os.path.realpath(tmp_path),)
+    assert claimed.variants == later.variants == 1  # a job from before variants asks for one
     queue.close()

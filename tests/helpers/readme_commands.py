@@ -82,6 +82,13 @@ COMMANDS: dict[str, How] = {
     # -- Using the cache in training
     "spcache precompute spcache-demo/sources --recipe spc_query --param level=7 --cache "
     "spcache-demo/cache": How(RUN, DEMO_TEST),
+    "spcache precompute meshes/ --recipe spc --param level=6 --param rotation=so3 --variants 4 "
+    "--cache cache": How(
+        ELSEWHERE,
+        "tests/spcache/test_variants_training.py::"
+        "test_the_readme_variants_line_then_more_variants_then_ls runs it from a fresh "
+        "directory, then with --variants 6, then spcache ls",
+    ),
     "python -": How(
         ELSEWHERE,
         "names a way to start Python; tests/spcache/test_precompute_anywhere.py runs "
@@ -114,8 +121,8 @@ COMMANDS: dict[str, How] = {
     "spcache recipes [--json]                                       # each recipe's "
     "parameters, defaults, bounds": How(SYNOPSIS, "test_synopsis_lines_name_real_options"),
     "spcache precompute SOURCE... --recipe spc_query --param level=8 --cache CACHE_DIR "
-    "[--device auto|cpu|cuda:N] [--backend auto|torch|kaolin] [--loaders N] [--skip-failed] "
-    "[--time-limit SECONDS] [--id-template T | --id-keep-ext] [--json]": How(
+    "[--device auto|cpu|cuda:N] [--backend auto|torch|kaolin] [--loaders N] [--variants K] "
+    "[--skip-failed] [--time-limit SECONDS] [--id-template T | --id-keep-ext] [--json]": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "spcache worker --cache CACHE_DIR [--device cuda:0] [--backend auto] [--loaders N] "

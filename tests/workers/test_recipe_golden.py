@@ -31,7 +31,9 @@ def test_builtin_recipe_matches_the_records_made_before_the_api(
         monkeypatch.setattr(
             workers.loader,
             "make_generator",
-            lambda fingerprint, sample_id: make_generator(case["seeded_as"], sample_id),
+            lambda fingerprint, sample_id, variant=0: make_generator(
+                case["seeded_as"], sample_id, variant
+            ),
         )
     with LMDBStore(tmp_path / "cache", readonly=False, map_size=1 << 26) as store:
         engine = Engine(store, recipe, case["params"], device="cpu", backend="torch", loaders=0)

@@ -24,16 +24,26 @@ def test_registry_computes_every_declared_recipe() -> None:
 
 def test_public_parameter_and_field_names() -> None:
     spc, query = RECIPES["spc"].spec, RECIPES["spc_query"].spec
-    assert set(spc.params) == {"level", "surface_samples"}
-    assert set(query.params) == {
-        "level",
-        "surface_samples",
-        "uniform_queries",
-        "surface_queries",
-        "surface_sigma",
-    }
-    assert set(spc.fields) == {"octree", "pyramid", "exsum", "point_hierarchy", "center", "scale"}
-    assert set(query.fields) == set(spc.fields) | {"query_points", "query_pidx", "occupancy"}
+    augmentation = {"rotation", "scale_min", "scale_max", "jitter"}
+    assert set(spc.params) == {"level", "surface_samples"} | augmentation
+    assert (
+        set(query.params)
+        == {
+            "level",
+            "surface_samples",
+            "uniform_queries",
+            "surface_queries",
+            "surface_sigma",
+        }
+        | augmentation
+    )
+    # the augmentation parameters are left out of the fingerprint at their defaults
+    assert set(spc.resolve({})) == {"level", "surface_samples"}
+    base = {"octree", "pyramid", "exsum", "point_hierarchy", "center", "scale"}
+    assert set(spc.fields) == base | {"augmentation"}
+    assert set(spc.fields_for(spc.resolve({}))) == base
+    assert set(spc.fields_for(spc.resolve({"jitter": 0.01}))) == base | {"augmentation"}
+    assert set(query.fields_for({})) == base | {"query_points", "query_pidx", "occupancy"}
 
 
 def test_seed_depends_on_fingerprint_and_sample_id() -> None:

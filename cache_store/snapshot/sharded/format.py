@@ -20,6 +20,11 @@ same (a retry after an unreported commit: the other copy is ignored), and from t
 commit when the source hash differs (the source changed and was recomputed: it takes the
 earlier one's place in the order): :meth:`Dataset.admit`.
 
+A part holds its records in order, each starting at a multiple of :data:`RECORD_ALIGN`
+bytes (zero bytes between: :func:`part_bytes`), so a record mapped from its part has
+every field aligned for its dtype (:mod:`cache_store.views`); parts written before that
+lie back to back and read the same, by their manifests' offsets.
+
 A manifest lists, per record: sample id, offset, length, record checksum and source
 hash; and ``descriptors``, the text of every descriptor its records name (by digest:
 :mod:`cache_store.format.descriptor`), committed with them; ``index.json`` keeps those of
@@ -48,16 +53,17 @@ from typing import Any
 
 import xxhash
 
-from cache_store.errors import CorruptRecord, InvalidSampleId, SpcacheError, UnsupportedFormat
+from cache_store.errors import CorruptRecord, SpcacheError, UnsupportedFormat
 from cache_store.format.descriptor import Descriptor, DescriptorLookup, bind_metadata, is_digest
 from cache_store.format.header import read_header
-from cache_store.keys import compute_fingerprint, split_key, validate_sample_id
+from cache_store.keys import compute_fingerprint, split_key, validate_record_id
 from cache_store.recipes.registry import get_recipe_spec
 
 __all__ = [
     "COMMIT_KIND",
     "FORMAT_VERSION",
     "INDEX_KIND",
+    "RECORD_ALIGN",
     "ROOT_KIND",
     "ROOT_MARKER",
     "Dataset",
@@ -71,6 +77,7 @@ __all__ = [
     "load_json",
     "manifest",
     "parse_manifest",
+    "part_bytes",
     "root_document",
 ]
 
@@ -134,6 +141,27 @@ def root_document() -> bytes:
     return json.dumps({"kind": ROOT_KIND, "format_version": FORMAT_VERSION}).encode()
 
 
+#: Where each record of a part starts: a multiple of this many bytes (the largest dtype).
+RECORD_ALIGN = 8
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // RECORD_ALIGN) * RECORD_ALIGN
+
+
+def part_bytes(group: Sequence[tuple[str, bytes]]) -> bytes:
+    """The bytes of a part holding the records of ``group`` in order, each from a
+    multiple of :data:`RECORD_ALIGN` (the gaps zero)."""
+    chunks, offset = [], 0
+    for _, value in group:
+        pad = _aligned(offset) - offset
+        if pad:
+            chunks.append(bytes(pad))
+        chunks.append(value)
+        offset += pad + len(value)
+    return b"".join(chunks)
+
+
 def manifest(
     fingerprint: str,
     part: str,
@@ -142,12 +170,13 @@ def manifest(
     writer: str,
     descriptors: Mapping[str, Descriptor],
 ) -> bytes:
-    """The manifest of ``part``, whose bytes ``data`` hold the records of ``group``
-    (``(key, record)`` pairs, back to back in that order), naming ``descriptors`` (by
-    digest: those the records name)."""
+    """The manifest of ``part``, whose bytes ``data`` (:func:`part_bytes`) hold the
+    records of ``group`` (``(key, record)`` pairs, in that order), naming
+    ``descriptors`` (by digest: those the records name)."""
     rows, offset = [], 0
     for key, value in group:
         meta = read_header(value, key=key).metadata
+        offset = _aligned(offset)
         rows.append(
             [split_key(key)[1], offset, len(value), meta["checksum"], meta.get("source_hash", "")]
         )
@@ -243,8 +272,8 @@ def parse_manifest(
                 f"outside the part's {size} bytes",
             )
         try:
-            sample_id = validate_sample_id(sample_id)
-        except InvalidSampleId as exc:
+            sample_id = validate_record_id(sample_id)  # a variant's record: a1#v3
+        except SpcacheError as exc:
             raise CorruptRecord(what, str(exc)) from None
         entries.append((sample_id, Entry(part, offset, length, checksum, source_hash)))
     descriptor_texts(doc, what)
@@ -346,12 +375,12 @@ def dataset_from_index(fingerprint: str, doc: Mapping[str, Any]) -> Dataset:
         )
         for sample_id, part, offset, length, checksum, source_hash in doc["records"]:
             dataset.admit(
-                validate_sample_id(sample_id),
+                validate_record_id(sample_id),
                 Entry(str(part), int(offset), int(length), str(checksum), str(source_hash)),
             )
         dataset.parts_seen = set(doc["parts"])
         dataset.descriptors = dict(descriptor_texts(doc, what))
-    except (KeyError, TypeError, ValueError) as exc:  # InvalidSampleId is a ValueError
+    except (KeyError, TypeError, ValueError) as exc:  # invalid ids are ValueErrors
         raise CorruptRecord(what, f"malformed ({exc})") from None
     described = {k: doc[k] for k in ("recipe", "recipe_version", "params")}
     check_description(described, fingerprint, what)

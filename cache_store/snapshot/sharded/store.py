@@ -36,7 +36,7 @@ from cache_store.errors import CorruptRecord, FingerprintLookupError, RecordNotF
 from cache_store.format.decode import Record, check_record
 from cache_store.format.descriptor import Descriptor
 from cache_store.format.index import DatasetIndex, append_ids
-from cache_store.keys import is_fingerprint, split_key, validate_fingerprint
+from cache_store.keys import is_fingerprint, split_key, validate_fingerprint, variant_counts
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
 from cache_store.snapshot.sharded.claims import claimed
@@ -51,9 +51,12 @@ from cache_store.snapshot.sharded.format import (
     load_json,
     manifest,
     parse_manifest,
+    part_bytes,
     root_document,
 )
 from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyReport
+from cache_store.views.mapping import map_range
+from cache_store.views.records import Place, view_record
 
 __all__ = ["MISS_RELIST_S", "ShardedSnapshot"]
 
@@ -163,7 +166,7 @@ class ShardedSnapshot(Store):
     ) -> str:
         self._parts_written += 1
         part = f"{self.writer}-p{self._parts_written:04d}-{uuid.uuid4().hex[:8]}"
-        data = b"".join(value for _, value in group)
+        data = part_bytes(group)
         with claimed(self.fs, self.path(fingerprint), part, self.writer):  # not an orphan
             storage.write(self.fs, self.path(fingerprint, "parts", f"{part}.bin"), data)
             storage.write_once(
@@ -458,6 +461,58 @@ class ShardedSnapshot(Store):
         # the values, range reads grouped; the base's decoder decodes and key-checks them
         return decoder.values(self.get_many(keys))
 
+    def views_refused(self) -> str | None:
+        if not storage.is_local(self.fs):
+            return f"{self.location} is not on this machine's file system"
+        return None
+
+    def view_records(
+        self,
+        keys: list[str],
+        fields: list[str] | None,
+        verify: str,
+        checked: Mapping[str, tuple[Place, str]] | None = None,
+    ) -> list[Record] | None:
+        # A committed part never changes (written whole, renamed, then committed): its
+        # pages need no pin, and a mapping outlives the file's removal.
+        if self.views_refused():
+            return None
+        records = []
+        for key in keys:
+            entry = self._entry(key)
+            if entry is None:
+                raise RecordNotFound(key, self.location)
+            path = self.path(split_key(key)[0], "parts", f"{entry.part}.bin")
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise CorruptRecord(
+                    key, f"its committed part {entry.part}.bin is missing"
+                ) from None
+            try:
+                st = os.fstat(fd)
+                if st.st_size < entry.offset + entry.length:
+                    raise CorruptRecord(key, f"its committed part {entry.part}.bin is cut short")
+                mapped, at = map_range(fd, entry.offset, entry.length)
+            finally:
+                os.close(fd)
+            record = view_record(
+                mapped,
+                at,
+                entry.length,
+                key=key,
+                fields=fields,
+                lookup=self.descriptor,
+                place=(st.st_dev, st.st_ino, entry.offset, entry.length),
+                verify=verify,
+                expect_checksum=entry.checksum,
+                checked=None if checked is None else checked.get(key),
+            )
+            if record is None:
+                return None
+            records.append(record)
+        return records
+
     def load_descriptor(self, fingerprint: str, digest: str) -> str | None:
         """From the committed manifests (or the merged index) of ``fingerprint``."""
         dataset = self._load(fingerprint)
@@ -524,13 +579,15 @@ class ShardedSnapshot(Store):
         dataset = self._load(fingerprint, refresh=True)
         if dataset is None or dataset.recipe is None:
             raise self.index_missing(fingerprint)
+        counts = variant_counts(dataset.order)  # a variant's record (a1#v3) is no sample
         return DatasetIndex(
             fingerprint,
             dataset.recipe,
             dataset.recipe_version,
             dataset.params,
-            np.array(dataset.order, dtype=str),
+            np.array(list(counts), dtype=str),
             created=dataset.created,
+            variants=np.array(list(counts.values()), dtype=np.uint16),
         )
 
     def stats(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from cache_store.format.decode import check_record
 from cache_store.format.descriptor import Descriptor, descriptor_name
 from cache_store.format.header import DTYPES, RecordHeader
 from cache_store.format.index import DatasetIndex
+from cache_store.keys import record_id
 from cache_store.snapshot.zarr.format import validate_field_name
 from cache_store.stores.base import Store
 
@@ -97,8 +98,15 @@ def layout_problem(layouts: Mapping[str, FieldLayout], header: RecordHeader) -> 
 
 def survey(store: Store, index: DatasetIndex, progress: bool) -> Survey:
     survey = Survey()
-    with progress_bar(len(index), "checking", progress) as bar:
-        for sample_id in index.sample_ids.tolist():
+    counts = index.variant_counts().tolist()
+    # every variant's record is a row of its own, named by its record id (a1#v3)
+    record_ids = [
+        record_id(sample_id, variant)
+        for sample_id, count in zip(index.sample_ids.tolist(), counts, strict=True)
+        for variant in range(count)
+    ]
+    with progress_bar(len(record_ids), "checking", progress) as bar:
+        for sample_id in record_ids:
             key = f"{index.fingerprint}/{sample_id}"
             bar.update(1)
             try:

@@ -36,7 +36,9 @@ from cache_store.keys import (
     FINGERPRINT_HEX_CHARS,
     compute_fingerprint,
     is_fingerprint,
+    split_record_id,
     validate_fingerprint,
+    variant_counts,
 )
 from cache_store.location import local_path, parse_location
 from cache_store.process_local import ProcessLocal
@@ -295,13 +297,19 @@ class ZarrStore(Store):
         attrs = snap.attrs
         try:
             # The ids were checked against their digest when the snapshot was opened.
+            ids, counts = snap.sample_ids, None
+            if any(split_record_id(rid)[1] for rid in ids.tolist()):  # variants' rows (a1#v3)
+                found = variant_counts(ids.tolist())
+                ids = np.array(list(found), dtype=str)
+                counts = np.array(list(found.values()), dtype=np.uint16)
             return DatasetIndex.from_trusted(
                 fingerprint,
                 attrs["recipe"],
                 int(attrs["recipe_version"]),
                 dict(attrs["params"]),
-                snap.sample_ids,
+                ids,
                 str(attrs.get("index_created", "")),
+                counts,
             )
         except (KeyError, TypeError, ValueError, SpcacheError) as exc:
             raise CorruptRecord(f"index:{fingerprint}", f"bad snapshot attributes: {exc}") from None

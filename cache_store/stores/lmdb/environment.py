@@ -39,6 +39,7 @@ import lmdb
 from cache_store.disk import flock_within
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.process_local import ProcessLocal
+from cache_store.stores.lmdb.leases import Leases, ReadLease
 from cache_store.stores.lmdb.maps import Dbs, Generation, Generations, MapLease
 
 __all__ = [
@@ -422,6 +423,28 @@ class EnvironmentHandle:
             raise SpcacheError(f"{self.env_path}: cannot open LMDB environment: {exc}") from exc
 
     # -- reading -----------------------------------------------------------------------
+    def view_leases(self) -> tuple[Leases, ReadLease] | None:
+        """The view leases of the current generation (``data.mdb`` open beside it) and
+        the read lease new views join, begun now (before the caller's lookup); None when
+        no view can be pinned now (closed or swapped meanwhile, a re-map due): the
+        caller reads copies. See :mod:`cache_store.stores.lmdb.leases`."""
+        shared, current = self._current()
+        leases = current.views
+        if leases is None or leases.data_fd is None or leases.pid != os.getpid():
+            with shared.maps.leases:
+                if current.closed:
+                    return None
+                if current.views is None:
+                    current.views = Leases(str(self.env_path), os.getpid(), current.dbs)
+                leases = current.views
+            if not leases.open_data(current.dir_ino):
+                return None
+        try:
+            pin = leases.lease(current.env.begin)
+        except lmdb.Error:  # the map must be re-mapped first: a lookup lease does that
+            return None
+        return leases, pin
+
     def lease(self) -> MapLease:
         """A read transaction (``buffers=True``) on the current generation, whose map
         stays mapped until :meth:`MapLease.release` (see :class:`MapLease`)."""

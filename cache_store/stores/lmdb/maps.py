@@ -36,12 +36,16 @@ class Generation:
     """One opened generation of the records directory: its LMDB environment (the memory
     map), databases and directory inode, and how many leases of this process use it."""
 
-    __slots__ = ("closed", "dbs", "dir_ino", "env", "users")
+    __slots__ = ("closed", "dbs", "dir_ino", "env", "users", "views")
 
     def __init__(self, env: Any, dbs: Dbs, dir_ino: int | None) -> None:
         self.env, self.dbs, self.dir_ino = env, dbs, dir_ino
         self.users = 0
         self.closed = False
+        #: the read leases pinning views of this generation's records
+        #: (:mod:`cache_store.stores.lmdb.leases`): their views are copied and their
+        #: transactions ended before the environment closes
+        self.views: Any = None
 
 
 class Generations:
@@ -142,6 +146,8 @@ class Generations:
             if inherited:  # through a fork that bypassed the hook: never close it here
                 park(old.env)
             else:
+                if old.views is not None:
+                    old.views.close()
                 old.env.close()
         self.retired = keep
 

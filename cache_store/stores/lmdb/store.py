@@ -8,8 +8,10 @@ operation runs in a transaction of the store's :class:`EnvironmentHandle`
 :mod:`cache_store.stores.lmdb.summaries`. The rules all of it keeps are in
 :mod:`cache_store.stores.lmdb`'s doc.
 
+Views' read leases are :mod:`cache_store.stores.lmdb.leases`.
+
 Why one module: it is one class, the store contract's methods on one LMDB environment;
-what could go (tombstones, summaries, the environment, compaction) has gone.
+what could go (tombstones, summaries, the environment, compaction, view leases) has gone.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,6 +35,7 @@ from cache_store.format.index import DatasetIndex, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest, note_mixed_code
 from cache_store.stores.lmdb import summaries, tombstones
+from cache_store.views.records import Place
 from cache_store.stores.lmdb.environment import (
     DEFAULT_MAP_SIZE,
     DEFAULT_MAX_READERS,
@@ -209,6 +212,51 @@ class LMDBStore(Store):
             raise self.handle.damaged(exc) from exc
         finally:
             lease.release()
+
+    def view_records(
+        self,
+        keys: list[str],
+        fields: list[str] | None,
+        verify: str,
+        checked: Mapping[str, tuple[Place, str]] | None = None,
+    ) -> list[Record] | None:
+        # Pinned by a read lease begun before the lookup (its own read transaction, not
+        # a MapLease: that would hold the map, so a re-map would wait for the views),
+        # mapped by this process from data.mdb where LMDB's map shows the value (see
+        # cache_store.stores.lmdb.leases).
+        found = None if self.views_refused() else self.handle.view_leases()
+        if found is None:
+            return None
+        leases, pin = found
+        try:
+            lookup = self.handle.lease()
+        except BaseException:
+            leases.settle(pin)
+            raise
+        try:
+            if lookup.dbs is not leases.dbs:  # a swap adopted between the two: copies
+                return None
+            txn, db, records = lookup.txn, lookup.dbs[RECORDS_DB], []
+            for key in keys:
+                value = _lookup(txn, db, key)
+                if value is None:
+                    raise tombstones.missing(txn, lookup.dbs, key, self.location)
+                told = None if checked is None else checked.get(key)
+                record = leases.view(pin, value, key, fields, verify, told, self.descriptor)
+                if record is None:  # not where views can be made: the copy path
+                    return None
+                records.append(record)
+            return records
+        except lmdb.Error as exc:
+            raise self.handle.damaged(exc) from exc
+        finally:
+            lookup.release()
+            leases.settle(pin)
+
+    def views_refused(self) -> str | None:
+        if not self.lock:
+            return "opened without LMDB's lock file: no read lease can pin a view's pages"
+        return None
 
     def value_size(self, key: str) -> int:
         # the value's length in the map view: no copy

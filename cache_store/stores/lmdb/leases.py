@@ -1,0 +1,254 @@
+"""Read leases: the LMDB read transactions that keep the pages under live views as
+they were verified.
+
+LMDB never overwrites a page that a reader's snapshot may reach: a page freed by a
+commit is reused only once every reader's snapshot is newer than that commit. So one
+read transaction begun *before* a record is looked up pins that record's pages for as
+long as it stays open, whatever later snapshot found it. A :class:`ReadLease` is such a
+transaction, counted by the views that rely on it: every record viewed through
+:meth:`LMDBStore.view_records <cache_store.stores.lmdb.store.LMDBStore.view_records>` is
+looked up in a fresh transaction begun after the lease, mapped by this process itself
+(:mod:`cache_store.views.mapping`), and the lease ends when its last view is released.
+A lease takes new views for at most :data:`LEASE_S` seconds, so a reader that keeps a
+few views for long pins one old snapshot, not every snapshot since (the file grows only
+by what is freed while a view it pins lives).
+
+Whenever the generation a lease belongs to closes (a store's close, the fork hook, a
+compaction's retired generation once its last map lease is released:
+:mod:`cache_store.stores.lmdb.maps`), :meth:`Leases.close` first swaps every live view's
+pages for a private copy of their bytes (``MappedRange.detach``), then ends the
+transactions; and before any ``fork`` every lease of the process is ended so
+(:func:`end_all_before_fork`). A view never shows a byte that a writer put in a reused
+page, and a forked child inherits copies, not pins it does not hold. These are not map
+leases: a view does not keep LMDB's map mapped (it has its own mapping), so a re-map
+never waits for views.
+
+Where a view's bytes lie in ``data.mdb`` is read from this process's memory map
+(``/proc/self/maps``: py-lmdb reports no map address), once per map and re-read when
+LMDB maps the file anew (a grown map).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from cache_store.format.decode import Record
+from cache_store.format.descriptor import DescriptorLookup
+from cache_store.views.mapping import MappedRange, map_range
+from cache_store.views.records import Place, view_record
+
+__all__ = ["LEASE_S", "Leases", "ReadLease", "end_all_before_fork"]
+
+log = logging.getLogger(__name__)
+
+#: A lease takes new views for at most this long; later views begin a new lease.
+LEASE_S = 1.0
+
+
+class ReadLease:
+    """One pinning read transaction and the views that rely on it."""
+
+    __slots__ = ("ended", "owner", "ranges", "started", "txn", "views")
+
+    def __init__(self, txn: Any, owner: Leases) -> None:
+        self.txn = txn
+        self.views = 0
+        self.ranges: weakref.WeakSet[MappedRange] = weakref.WeakSet()
+        self.started = time.monotonic()
+        self.ended = False
+        self.owner = owner
+
+    def hold(self, mapped: MappedRange) -> None:
+        with self.owner.lock:
+            self.views += 1
+            self.ranges.add(mapped)
+
+    def release(self) -> None:
+        """A view of this lease is gone (its mapping was unmapped)."""
+        owner = self.owner
+        with owner.lock:
+            self.views -= 1
+            if self.views <= 0:
+                owner.end(self, detach=False)
+
+
+class Leases:
+    """The read leases of one open environment of this process (see the module doc).
+
+    ``data_fd`` is this process's descriptor of the environment's ``data.mdb``, opened
+    once it is known to be the file the environment has open; views are mapped from it.
+    """
+
+    def __init__(self, env_path: str, pid: int, dbs: Any) -> None:
+        self.env_path = env_path
+        self.pid = pid
+        self.dbs = dbs  # the generation's databases (a lookup's tell which it is on)
+        self.lock = threading.RLock()
+        self.current: ReadLease | None = None
+        self.live: set[ReadLease] = set()
+        self.data_fd: int | None = None
+        self.data_id: tuple[int, int] | None = None
+        self.maps: list[tuple[int, int, int]] = []  # (start, end, file offset) of data.mdb
+        _all.add(self)
+
+    def open_data(self, dir_ino: int | None) -> bool:
+        """Open ``data.mdb`` of the generation whose records directory has inode
+        ``dir_ino`` (the one the environment opened); False when it was swapped since."""
+        if self.data_fd is not None:
+            return True
+        try:
+            if os.stat(self.env_path).st_ino != dir_ino:
+                return False
+            fd = os.open(os.path.join(self.env_path, "data.mdb"), os.O_RDONLY | os.O_CLOEXEC)
+            if os.stat(self.env_path).st_ino != dir_ino:
+                os.close(fd)
+                return False
+        except OSError:
+            return False
+        st = os.fstat(fd)
+        self.data_fd, self.data_id = fd, (st.st_dev, st.st_ino)
+        return True
+
+    def lease(self, begin: Any) -> ReadLease:
+        """The lease new views join: the current one while it is young, else a new one
+        (``begin()`` makes its read transaction), reserved for the caller until
+        :meth:`settle` (so no other thread ends it meanwhile). Call before the lookup
+        transaction."""
+        with self.lock:
+            lease = self.current
+            if lease is None or lease.ended or time.monotonic() - lease.started > LEASE_S:
+                lease = self.current = ReadLease(begin(), self)
+                self.live.add(lease)
+            lease.views += 1  # the caller's reservation
+            return lease
+
+    def settle(self, lease: ReadLease) -> None:
+        """The caller's reservation of ``lease`` is over: ended if no view relies on it."""
+        with self.lock:
+            lease.views -= 1
+            if lease.views <= 0:
+                self.end(lease, detach=False)
+
+    def view(
+        self,
+        lease: ReadLease,
+        value: Any,
+        key: str,
+        fields: list[str] | None,
+        verify: str,
+        checked: tuple[Place, str] | None,
+        lookup: DescriptorLookup,
+    ) -> Record | None:
+        """The record ``value`` (LMDB's map, inside a lookup transaction begun after
+        ``lease``) as views of this process's own mapping of its pages, held by
+        ``lease``; None where no view can be made (the caller copies). See
+        :func:`cache_store.views.records.view_record` for the rest."""
+        length = len(value)
+        offset = self.file_offset(np.frombuffer(value, np.uint8).ctypes.data) if length else None
+        if offset is None or self.data_fd is None or self.data_id is None:
+            return None
+        mapped, at = map_range(self.data_fd, offset, length, lease.release)
+        lease.hold(mapped)
+        return view_record(
+            mapped,
+            at,
+            length,
+            key=key,
+            fields=fields,
+            lookup=lookup,
+            place=(*self.data_id, offset, length),
+            verify=verify,
+            checked=checked,
+        )
+
+    def file_offset(self, addr: int) -> int | None:
+        """The offset in ``data.mdb`` of the byte at ``addr`` of LMDB's map; None when no
+        mapping of that file holds it."""
+        for start, end, offset in self.maps:
+            if start <= addr < end:
+                return addr - start + offset
+        self.maps = self._read_maps()
+        for start, end, offset in self.maps:
+            if start <= addr < end:
+                return addr - start + offset
+        return None
+
+    def _read_maps(self) -> list[tuple[int, int, int]]:
+        if self.data_id is None:
+            return []
+        dev, ino = self.data_id
+        found = []
+        with open("/proc/self/maps", "rb") as maps:
+            for line in maps:
+                parts = line.split(None, 5)
+                if len(parts) < 5 or int(parts[4]) != ino:
+                    continue
+                major, minor = (int(x, 16) for x in parts[3].split(b":"))
+                if os.makedev(major, minor) != dev:
+                    continue
+                start, end = (int(x, 16) for x in parts[0].split(b"-"))
+                found.append((start, end, int(parts[2], 16)))
+        return found
+
+    def end(self, lease: ReadLease, *, detach: bool) -> None:
+        """End ``lease`` (its views copied first when ``detach``)."""
+        with self.lock:
+            if lease.ended:
+                return
+            if detach:
+                for mapped in list(lease.ranges):
+                    mapped.detach()
+            lease.ended = True
+            self.live.discard(lease)
+            if self.current is lease:
+                self.current = None
+            txn, lease.txn = lease.txn, None
+        if txn is not None and self.pid == os.getpid():
+            txn.abort()
+
+    def end_all(self) -> None:
+        """End every lease, their live views copied first (before a fork)."""
+        if self.pid != os.getpid():
+            return
+        with self.lock:
+            for lease in list(self.live):
+                self.end(lease, detach=True)
+
+    def close(self) -> None:
+        """Before the environment closes: detach every live view, end every lease, close
+        ``data.mdb``. In a process that inherited these leases, nothing is touched."""
+        if self.pid != os.getpid():
+            return
+        with self.lock:
+            for lease in list(self.live):
+                try:
+                    self.end(lease, detach=True)
+                except OSError as exc:  # pragma: no cover - mremap refused: no memory
+                    log.error("%s: cannot detach a view: %s", self.env_path, exc)
+                    raise
+            fd, self.data_fd = self.data_fd, None
+            self.maps = []
+        if fd is not None:
+            os.close(fd)
+
+
+#: every Leases of this process (the fork hook ends theirs)
+_all: weakref.WeakSet[Leases] = weakref.WeakSet()
+
+
+def end_all_before_fork() -> None:
+    """Before ``fork``: end every read lease of this process, its live views copied
+    first. A child never holds the parent's reader slots, so the views it inherits must
+    not rely on them; and the parent starts new leases on its next read."""
+    for leases in list(_all):
+        leases.end_all()
+
+
+os.register_at_fork(before=end_all_before_fork)

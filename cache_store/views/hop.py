@@ -1,0 +1,149 @@
+"""The DataLoader hop without the bytes: a worker sends where its verified records lie.
+
+In a DataLoader worker, a ``CachedDataset(views=True)`` (without a ``transform``) reads
+and checks each record as a view, then returns a :class:`LocatedSample`: the record's
+key and where its checked bytes lie (file identity, offset, length, the version it
+hashed), not the bytes. :func:`~cache_store.readers.collate.collate_spc` batches them
+into a :class:`LocatedBatch`. Either one pickles (what crosses the DataLoader's queue)
+as a call that runs in the training process as it unpickles: the records are looked up
+in its own store, and where one is still that version at that place the worker's hash
+counts (:func:`cache_store.views.records.view_record`'s ``checked``), else it is read
+and hashed there; a batch is then packed by ``collate_spc`` (one copy into Kaolin's
+layout, in the training process), a single sample returned as views.
+
+Where views cannot be taken in the training process (the store lends no file), the
+records are read as copies there. A ``transform`` runs in the worker on tensors, so a
+dataset with one keeps today's hop (tensors in shared memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from cache_store.keys import split_key
+from cache_store.views.records import Place
+
+if TYPE_CHECKING:
+    from cache_store.format.decode import Record
+    from cache_store.stores.base import Store
+
+__all__ = ["LocatedBatch", "LocatedSample", "Source", "open_batch", "open_sample", "packed"]
+
+#: How the training process opens the worker's store and makes its samples: a picklable
+#: ``open_store`` call, the fields read, ``verify``, the fields the recipe declares
+#: variable, and the sample class (``SpcSample``; given, so this module imports no reader).
+Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str], Any]
+
+
+class LocatedSample:
+    """One checked record, as a DataLoader worker hands it on: its key and
+    ``(place, checksum)``. Unpickled in the training process as the sample's views."""
+
+    __slots__ = ("checked", "key", "source")
+
+    def __init__(self, source: Source, key: str, checked: tuple[Place, str]) -> None:
+        self.source, self.key, self.checked = source, key, checked
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return open_sample, (self.source, self.key, self.checked)
+
+    def __repr__(self) -> str:
+        return f"LocatedSample({self.key!r}, {self.checked!r})"
+
+
+class LocatedBatch:
+    """Checked records of one batch as ``collate_spc`` makes it in a worker; unpickled in
+    the training process as the collated batch."""
+
+    __slots__ = ("collate", "items", "source")
+
+    def __init__(self, samples: Sequence[LocatedSample], collate: Callable[..., Any]) -> None:
+        self.source = samples[0].source
+        self.items = [(s.key, s.checked) for s in samples]
+        self.collate = collate  # collate_spc: pickled by name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return open_batch, (self.source, self.items, self.collate)
+
+
+_stores: dict[Any, tuple[int, Store]] = {}
+_stores_lock = threading.Lock()
+
+
+def _store(opener: Callable[[], Store]) -> Store:
+    """This process's store for ``opener`` (one per distinct opener, opened once)."""
+    key = (
+        (opener.func, opener.args, tuple(sorted(opener.keywords.items(), key=repr)))
+        if isinstance(opener, functools.partial)
+        else opener
+    )
+    pid = os.getpid()
+    with _stores_lock:
+        found = _stores.get(repr(key))
+        if found is None or found[0] != pid:
+            found = _stores[repr(key)] = (pid, opener())
+        return found[1]
+
+
+def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> list[Record]:
+    opener, fields, verify, _, _ = source
+    store = _store(opener)
+    keys = [key for key, _ in items]
+    names = None if fields is None else list(fields)
+    viewed = store.view_records(keys, names, verify, checked=dict(items))
+    if viewed is not None:
+        return viewed
+    return store.get_records(keys, fields=names)
+
+
+def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:
+    """In the training process: the sample a worker located, as views (or a copy)."""
+    record = _records(source, [(key, checked)])[0]
+    return source[4](record.tensors, source[3], split_key(key)[1])
+
+
+def open_batch(
+    source: Source, items: Sequence[tuple[str, tuple[Place, str]]], collate: Callable[..., Any]
+) -> Any:
+    """In the training process: the batch a worker located, collated by ``collate``
+    (``collate_spc``: Kaolin's packed layout) after one copy of each record's fields
+    (:func:`packed`), of which it then takes views."""
+    sample, variable = source[4], source[3]
+    tensors = packed([r.tensors for r in _records(source, items)])
+    ids = [split_key(key)[1] for key, _ in items]
+    return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
+
+
+def packed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records' fields copied field by field into ONE buffer (a recently freed one
+    of this process when it fits: :data:`cache_store.format.buffers.BATCH_BUFFERS`), each
+    field's records end to end, so ``collate_spc`` concatenates and stacks them as
+    views of it. The one copy of a batch in the training process; its tensors are
+    normal (writable) tensors."""
+    import torch
+
+    from cache_store.format.buffers import allocate
+
+    names = list(records[0])
+    slots, size = [], 0
+    for name in names:
+        size = (size + 7) & ~7
+        for j, fields in enumerate(records):
+            t = fields[name]
+            size = -(-size // t.element_size()) * t.element_size()
+            slots.append((j, name, size))
+            size += t.nbytes
+    base, buf = allocate((size + 7) & ~7, False)
+    out: list[dict[str, Any]] = [{} for _ in records]
+    for j, name, offset in slots:
+        t = records[j][name]
+        n = t.nbytes
+        if n:
+            buf[offset : offset + n] = t.reshape(-1).view(torch.uint8).numpy()
+        part = base[offset : offset + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype)
+        out[j][name] = part.view(t.shape)
+    return out

@@ -1,0 +1,185 @@
+"""Records as read-only tensors viewing their mapped bytes, each version hashed once.
+
+:func:`view_record` builds a record's tensors over a :class:`~cache_store.views.mapping.
+MappedRange` without copying: the header is parsed and checked (strict parse, header
+checksum, layout) on every read, and bound to its key as every read is; the selected
+fields' bytes are hashed against their checksums the first time this process reads that
+version of the record at that place (:data:`VERIFIED`), or on every read with
+``verify="always"``.
+
+What "once" trusts: a place is (file identity, offset, length) and a version is the
+record's checksum (its header's digest, which covers every field's checksum). Bytes of
+a place that stay pinned (an LMDB read lease; a committed snapshot part never changes)
+change only by damage below the store (the disk, or a process writing the file behind
+LMDB's back) after they were hashed once; ``verify="always"`` hashes every read for who
+wants that caught too. A record written anew (another place) or of another version is
+hashed again.
+
+Views are inference tensors (``torch.inference_mode``): torch refuses an in-place update
+of one (``RuntimeError``), and their pages are mapped read-only, so nothing written
+through a view can reach the cache. A model that saves its input for backward needs a
+normal tensor: ``.clone()``, or ``.to(device)``; ``collate_spc``'s packed fields are
+copies already.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from cache_store.errors import CorruptRecord
+from cache_store.format.decode import Record, selected_fields, verified_field
+from cache_store.format.descriptor import DescriptorLookup, bind_metadata
+from cache_store.format.header import ITEMSIZE, TORCH_DTYPES, RecordHeader, parse_view
+from cache_store.views.mapping import MappedRange
+
+__all__ = [
+    "Place",
+    "read_path",
+    "read_records",
+    "VERIFIED",
+    "VERIFY_CHOICES",
+    "VerifiedOnce",
+    "view_record",
+]
+
+#: Where a record's bytes lie: the file's device and inode, the offset, the length.
+Place = tuple[int, int, int, int]
+
+#: ``verify=``: hash a record's fields the first time this process reads that version at
+#: that place ("once"), or on every read ("always").
+VERIFY_CHOICES = ("once", "always")
+
+
+class VerifiedOnce:
+    """The record versions at places this process has hashed, and which fields.
+
+    Bounded (``limit`` places): past it the oldest half is forgotten, and hashed again
+    when read again.
+    """
+
+    def __init__(self, limit: int = 1 << 20) -> None:
+        self.limit = limit
+        self.seen: dict[tuple[Any, ...], frozenset[str]] = {}
+        self.lock = threading.Lock()
+
+    def covers(self, place: tuple[Any, ...], names: Iterable[str]) -> bool:
+        done = self.seen.get(place)
+        return done is not None and done.issuperset(names)
+
+    def add(self, place: tuple[Any, ...], names: Iterable[str]) -> None:
+        with self.lock:
+            self.seen[place] = self.seen.get(place, frozenset()) | frozenset(names)
+            if len(self.seen) > self.limit:
+                for old in list(self.seen)[: self.limit // 2]:
+                    del self.seen[old]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.seen.clear()
+
+
+#: This process's record versions hashed once (a forked child starts from its parent's:
+#: the parent hashed those bytes at those places, which the child maps as they are).
+VERIFIED = VerifiedOnce()
+
+
+def aligned(mapped: MappedRange, at: int, header: RecordHeader, names: list[str]) -> bool:
+    """Whether every field lies aligned for its dtype in memory (a small LMDB value in a
+    leaf page may be 2-byte aligned only: such a record is read as a copy)."""
+    start = mapped.addr + at
+    return all(
+        (start + header.tensors[n].begin) % ITEMSIZE[header.tensors[n].dtype] == 0 for n in names
+    )
+
+
+def view_record(
+    mapped: MappedRange,
+    at: int,
+    length: int,
+    *,
+    key: str,
+    fields: list[str] | None,
+    lookup: DescriptorLookup,
+    place: Place,
+    verify: str,
+    expect_checksum: str | None = None,
+    checked: tuple[Place, str] | None = None,
+) -> Record | None:
+    """The record of ``length`` bytes at ``at`` in ``mapped``, as views; None when a field
+    is not aligned for its dtype (the caller reads a copy).
+
+    ``place`` names where it lies (file identity, offset, length); ``expect_checksum``:
+    the version the caller's index says is there (a snapshot's manifest); ``checked``:
+    ``(place, checksum)`` another process hashed (a DataLoader worker), which counts as
+    hashed here where this is that version at that place.
+
+    Raises:
+        CorruptRecord: naming ``key`` (a bad header or field, another key's record, not
+            the expected version).
+        UnknownName: a requested field the record does not hold.
+    """
+    import torch
+
+    array = mapped.array()
+    view = array[at : at + length].data  # a memoryview of the mapped bytes
+    header = parse_view(view, key)
+    if expect_checksum is not None and header.checksum != expect_checksum:
+        raise CorruptRecord(key, "record checksum differs from its manifest's")
+    names = selected_fields(header, fields, key)
+    if not aligned(mapped, at, header, names):
+        return None
+    version = (*place, header.checksum)
+    if checked is not None:  # handed over by a worker: copied whole next (the hop's pack)
+        mapped.populate()
+        if checked == (place, header.checksum) and verify == "once":
+            VERIFIED.add(version, names)
+    if verify == "always" or not VERIFIED.covers(version, names):
+        if checked is None:
+            mapped.populate()
+        for name in names:
+            verified_field(view, header, name, key)
+        VERIFIED.add(version, names)
+    metadata = bind_metadata(header.metadata, key, lookup)
+    return Record(tensors_of(array, at, header, names, torch), metadata, place)
+
+
+def tensors_of(
+    array: Any, at: int, header: RecordHeader, names: list[str], torch: Any
+) -> dict[str, Any]:
+    """The named fields of the record at ``at`` in ``array`` as inference-tensor views."""
+    tensors = {}
+    with torch.inference_mode():
+        whole = torch.from_numpy(array)
+        for name in names:
+            dtype, shape, begin, end = header.tensors[name]
+            if begin == end:
+                tensors[name] = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
+            else:
+                part = whole[at + begin : at + end]
+                tensors[name] = part.view(TORCH_DTYPES[dtype]).view(shape)
+    return tensors
+
+
+def read_records(
+    store: Any, keys: list[str], fields: list[str] | None, views: bool, verify: str, batch: bool
+) -> list[Record]:
+    """The records of ``keys`` in ``store``: views where asked for and the store lends
+    them (``Store.view_records``), else copies (a batch in one storage, or one record)."""
+    if views:
+        viewed = store.view_records(keys, fields, verify)
+        if viewed is not None:
+            return viewed
+    if batch:
+        return store.get_records(keys, fields=fields)
+    return [store.get_record(keys[0], fields=fields)]
+
+
+def read_path(store: Any, views: bool) -> str:
+    """Which path :func:`read_records` takes in ``store``: ``"views"``, or ``"copies"``
+    and why views are not taken."""
+    if not views:
+        return "copies (views=False)"
+    refused = store.views_refused()
+    return "views" if refused is None else f"copies ({refused})"

@@ -1,0 +1,231 @@
+"""Views: records read as read-only tensors over the cache's own file, verified once.
+
+What holds: a view equals a plain read; an in-place update raises and never reaches the
+cache; a version is hashed once per process (and ``verify="always"`` hashes every read);
+a view's bytes stay the verified ones across writers reusing pages, a fork, a store's
+close and a compaction; a lease ends with its last view.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cache_store import CachedDataset
+from cache_store.errors import CorruptRecord
+from cache_store.format.header import read_header
+from cache_store.snapshot.sharded import ShardedSnapshot
+from cache_store.stores.lmdb import LMDBStore, compact_environment, shared_envs
+from cache_store.testing.records import contract_record, fingerprint_of, index_of
+from cache_store.views.records import VERIFIED
+
+FP = fingerprint_of("spc", level=8)
+IDS = [f"s{i}" for i in range(6)]
+
+
+def _record(sid: str, seed: int) -> bytes:
+    return contract_record(FP, sid, seed, level=8, num_points=20000 + 1000 * seed)
+
+
+def _cache(path: Path) -> dict[str, bytes]:
+    records = {f"{FP}/{sid}": _record(sid, i) for i, sid in enumerate(IDS)}
+    store = LMDBStore(path, readonly=False)
+    store.put_many(records.items())
+    store.put_index(index_of("spc", IDS, level=8))
+    store.close()
+    return records
+
+
+def _snapshot(path: Path) -> None:
+    snap = ShardedSnapshot(str(path), readonly=False)
+    snap.put_many((f"{FP}/{sid}", _record(sid, i)) for i, sid in enumerate(IDS))
+    snap.put_index(index_of("spc", IDS, level=8))
+    snap.close()
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "sharded"])
+def test_views_equal_plain_reads_and_refuse_writes(tmp_path: Path, kind: str) -> None:
+    where = tmp_path / ("cache" if kind == "lmdb" else "snap.zarr")
+    _cache(where) if kind == "lmdb" else _snapshot(where)
+    views = CachedDataset(where, FP, views=True)
+    plain = CachedDataset(where, FP)
+    assert views.read_path == "views"
+    assert plain.read_path == "copies (views=False)"
+    for i in range(len(views)):
+        viewed = views[i]
+        _same(viewed, plain[i])
+        assert all(t.is_inference() for t in viewed.values())
+    batch = views.__getitems__([3, 1])
+    _same(batch[0], plain[3])
+    _same(batch[1], plain[1])
+
+    octree = views[2]["octree"]
+    before = plain[2]["octree"].clone()
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        octree.add_(1)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        octree[0] = 7
+    # the cache is untouched: a plain read, and a view read anew, show the stored bytes
+    assert torch.equal(plain[2]["octree"], before)
+    assert torch.equal(views[2]["octree"], before)
+
+
+def test_the_reader_says_when_views_cannot_be_taken(tmp_path: Path) -> None:
+    _cache(tmp_path / "cache")
+    ds = CachedDataset(tmp_path / "cache", FP, views=True, store_options={"lock": False})
+    assert ds.read_path.startswith("copies (opened without LMDB's lock file")
+    _same(ds[0], CachedDataset(tmp_path / "cache", FP)[0])
+
+
+def test_a_version_is_hashed_once_per_process_unless_always(tmp_path: Path) -> None:
+    """Damage below the store (a byte flipped in data.mdb behind LMDB's back) after a
+    version was hashed is what ``verify="once"`` trusts not to happen; ``"always"`` and
+    a process that has not hashed that version yet catch it."""
+    records = _cache(tmp_path / "cache")
+    once = CachedDataset(tmp_path / "cache", FP, views=True)
+    always = CachedDataset(tmp_path / "cache", FP, views=True, verify="always")
+    first = once[0]["octree"].clone()
+    key = f"{FP}/s0"
+    header = read_header(records[key], key=key)
+    data = (tmp_path / "cache" / "records" / "data.mdb").read_bytes()
+    at = data.index(records[key]) + header.tensors["octree"].begin
+    with open(tmp_path / "cache" / "records" / "data.mdb", "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+    assert not torch.equal(once[0]["octree"], first)  # trusted: hashed already
+    with pytest.raises(CorruptRecord, match="checksum mismatch in tensor 'octree'"):
+        always[0]
+    code = (
+        "import sys\nfrom cache_store import CachedDataset\n"
+        f"ds = CachedDataset({str(tmp_path / 'cache')!r}, {FP!r}, views=True)\n"
+        "try:\n    ds[0]\nexcept Exception as exc:\n    print(type(exc).__name__, exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "CorruptRecord" in out.stdout and "octree" in out.stdout
+
+
+def _churn(path: Path, rounds: int) -> None:
+    """Write and delete other records, so LMDB frees pages and reuses them."""
+    store = LMDBStore(path, readonly=False)
+    other = fingerprint_of("spc", level=7)
+    for r in range(rounds):
+        junk = [
+            (
+                f"{other}/junk{j}",
+                contract_record(other, f"junk{j}", r + j, level=7, num_points=30000),
+            )
+            for j in range(6)
+        ]
+        store.put_many(junk)
+        store.delete_records(other)
+    store.close()
+
+
+def test_views_keep_their_bytes_across_reuse_fork_close_and_compaction(tmp_path: Path) -> None:
+    path = tmp_path / "cache"
+    _cache(path)
+    ds = CachedDataset(path, FP, views=True)
+    held = [ds[i] for i in range(len(ds))]
+    copies = [{k: v.clone() for k, v in sample.items()} for sample in held]
+
+    _churn(path, 4)  # pages freed after the views were made: pinned, never reused
+    for sample, copy in zip(held, copies, strict=True):
+        _same(sample, copy)
+
+    pid = os.fork()  # the at-fork hook closes the environment: live views are copied
+    if pid == 0:  # NumPy: torch's thread pool is not usable in a forked child
+        ok = all(
+            s[k].numpy().tobytes() == c[k].numpy().tobytes()
+            for s, c in zip(held, copies, strict=True)
+            for k in s
+        )
+        os._exit(0 if ok else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    _churn(path, 4)  # the pins ended with the close: the views are private copies now
+    for sample, copy in zip(held, copies, strict=True):
+        _same(sample, copy)
+
+    again = [ds[i] for i in range(len(ds))]
+    compact_environment(path)
+    _churn(path, 2)
+    ds.close()  # the store closes: its views are copied before the lease ends
+    _churn(path, 2)
+    for sample, copy in zip(again, copies, strict=True):
+        _same(sample, copy)
+    _same(ds[0], copies[0])  # a read after the compaction: the new generation
+
+
+def test_a_lease_ends_with_its_last_view(tmp_path: Path) -> None:
+    _cache(tmp_path / "cache")
+    ds = CachedDataset(tmp_path / "cache", FP, views=True)
+    sample = ds[0]
+    where = os.path.realpath(tmp_path / "cache" / "records")
+    current = shared_envs[where].current
+    assert current is not None
+    leases = current.views
+    assert leases is not None
+    assert len(leases.live) == 1
+    del sample
+    gc.collect()
+    assert not leases.live  # no read transaction left pinning the file
+    VERIFIED.clear()
+
+
+def _collate_in_worker(samples: list[object]) -> object:
+    """collate_spc, asserting that the worker hands over where records lie."""
+    from cache_store.readers.collate import collate_spc
+    from cache_store.views.hop import LocatedBatch
+
+    out = collate_spc(samples)  # type: ignore[arg-type]
+    assert isinstance(out, LocatedBatch), type(out)
+    assert len(pickle.dumps(out)) < 4096  # a few keys and places, not megabytes
+    return out
+
+
+def test_forked_workers_hand_over_places_not_bytes(tmp_path: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from cache_store.readers.collate import collate_spc
+
+    _cache(tmp_path / "cache")
+    views = CachedDataset(tmp_path / "cache", FP, views=True)
+    plain = CachedDataset(tmp_path / "cache", FP)
+    order = [4, 1, 5, 0, 2, 3]
+    loader = DataLoader(
+        views,
+        batch_size=3,
+        sampler=order,
+        num_workers=2,
+        collate_fn=_collate_in_worker,
+        multiprocessing_context="fork",
+    )
+    for b, batch in enumerate(loader):
+        want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+        assert batch.keys() == want.keys()
+        for name in want:
+            if isinstance(want[name], list):  # sample_ids
+                assert batch[name] == want[name]
+            else:
+                assert torch.equal(batch[name], want[name]), name
+        batch["octree"][0] = 0  # the packed batch is the training process's own copy
+    single = DataLoader(
+        views, batch_size=None, sampler=[2], num_workers=1, multiprocessing_context="fork"
+    )
+    [sample] = list(single)
+    assert sample["octree"].is_inference()  # a sample crosses as places, opened as views
+    _same(sample, plain[2])

@@ -1,0 +1,124 @@
+"""Views as a training script uses them: forked DataLoader workers, a writer and a
+compaction beside them.
+
+The script runs in a subprocess from a fresh directory; it holds views of every sample
+for the whole run (across each epoch's fork, the writer reusing pages and the
+compaction's swap), reads epochs through 2 forked workers with ``collate_spc`` (the hop
+without the bytes), and checks every batch against a plain read and every held view
+against the bytes it showed when it was read and verified.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from cache_store.stores.lmdb import LMDBStore
+from cache_store.testing.records import contract_record, fingerprint_of, index_of
+from tests.helpers.procs import run_spcache, start
+
+FP = fingerprint_of("spc", level=8)
+IDS = [f"shape{i:02d}" for i in range(10)]
+
+TRAIN = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader
+    import spcache
+
+    cache, fp, stop = sys.argv[1], sys.argv[2], sys.argv[3]
+    views = spcache.CachedDataset(cache, fp, views=True)
+    plain = spcache.CachedDataset(cache, fp)
+    print("read path:", views.read_path, flush=True)
+    held = [views[i] for i in range(len(views))]
+    seen = [{k: t.clone() for k, t in s.items()} for s in held]
+    for s, p in zip(held, (plain[i] for i in range(len(plain)))):
+        assert all(torch.equal(s[k], p[k]) for k in p)
+    try:  # (on a view of its own: a refused write still changed that view's private page)
+        views[0]["octree"][0] = 0
+    except RuntimeError as exc:
+        print("a write to a view raises:", str(exc)[:60], flush=True)
+    else:
+        raise SystemExit("a write to a view did not raise")
+    assert torch.equal(plain[0]["octree"], seen[0]["octree"])  # the cache is untouched
+    assert torch.equal(views[0]["octree"], seen[0]["octree"])
+
+    epoch = 0
+    while epoch < 3 or not os.path.exists(stop):
+        order = np.random.default_rng(epoch).permutation(len(views)).tolist()
+        loader = DataLoader(views, batch_size=4, sampler=order, num_workers=2,
+                            collate_fn=spcache.collate_spc, multiprocessing_context="fork")
+        for b, batch in enumerate(loader):
+            want = spcache.collate_spc([plain[i] for i in order[4 * b : 4 * b + 4]])
+            assert batch.keys() == want.keys(), (batch.keys(), want.keys())
+            for name in want:
+                if isinstance(want[name], list):  # sample_ids
+                    assert batch[name] == want[name], (epoch, b, name)
+                else:
+                    assert torch.equal(batch[name], want[name]), (epoch, b, name)
+        for s, kept in zip(held, seen):
+            for name in kept:
+                assert torch.equal(s[name], kept[name]), ("a held view changed", name)
+        print(f"epoch {epoch} ok", flush=True)
+        epoch += 1
+    print("done", epoch, "epochs", flush=True)
+    """
+)
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys
+    from cache_store.stores.lmdb import LMDBStore
+    from cache_store.testing.records import contract_record, fingerprint_of
+
+    cache, stop = sys.argv[1], sys.argv[2]
+    other = fingerprint_of("spc", level=7)
+    store = LMDBStore(cache, readonly=False)
+    rounds = 0
+    while not os.path.exists(stop):
+        junk = [(f"{other}/j{j}", contract_record(other, f"j{j}", rounds + j, level=7,
+                 num_points=30000)) for j in range(4)]
+        store.put_many(junk)
+        store.delete_records(other)
+        rounds += 1
+        print("round", rounds, flush=True)
+    """
+)
+
+
+def test_training_with_views_beside_a_writer_and_a_compaction(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    store = LMDBStore(cache, readonly=False)
+    store.put_many(
+        (f"{FP}/{sid}", contract_record(FP, sid, i, level=8, num_points=20000 + 2000 * i))
+        for i, sid in enumerate(IDS)
+    )
+    store.put_index(index_of("spc", IDS, level=8))
+    store.close()
+    work = tmp_path / "fresh"
+    work.mkdir()
+    (work / "train.py").write_text(TRAIN)
+    (work / "writer.py").write_text(WRITER)
+    stop = tmp_path / "stop"
+
+    writer = start([sys.executable, "writer.py", cache, stop], cwd=work)
+    writer.wait_line("round 2", timeout=120)
+    train = start([sys.executable, "train.py", cache, FP, stop], cwd=work)
+    train.wait_line("read path: views", timeout=120)
+    train.wait_line("a write to a view raises: Inplace update to inference tensor", timeout=120)
+    train.wait_line("epoch 0 ok", timeout=300)
+    compacted = run_spcache("compact", "--cache", cache, cwd=work, timeout=300)
+    assert compacted.returncode == 0, compacted.stderr
+    writer.wait_line("round", timeout=120, start=len(writer.lines))  # writes after the swap
+    at = len(train.lines)
+    train.wait_line(r"epoch \d+ ok", timeout=300, start=at)
+    stop.write_text("")
+    assert train.wait(timeout=600) == 0, train.describe()
+    assert writer.wait(timeout=120) == 0, writer.describe()
+    assert any(line.startswith("done") for line in train.lines), train.describe()
+    # the cache is whole afterwards, as a user checks it
+    verified = run_spcache("verify", "--cache", cache, cwd=work, timeout=300)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
