@@ -116,14 +116,22 @@ def verify_cache(
 ) -> dict[str, Any]:
     """``Store.verify`` of the cache at ``path``, walked in a child process.
 
-    Returns the report's JSON (``checked``, ``ok``, ``corrupt``, ``missing``) plus
+    Returns the report's JSON (``checked``, ``ok``, ``corrupt``, ``missing``,
+    ``unindexed``) plus
     ``damaged``: None, or the reason the store itself is damaged (then ``ok`` is False).
     """
     args = () if fingerprint is None else (fingerprint,)
     try:
         report = run_in_child("verify", path, *args, timeout_s=timeout_s)
     except CacheDamaged as exc:
-        return {"checked": 0, "ok": False, "corrupt": {}, "missing": [], "damaged": str(exc)}
+        return {
+            "checked": 0,
+            "ok": False,
+            "corrupt": {},
+            "missing": [],
+            "unindexed": {},
+            "damaged": str(exc),
+        }
     report.setdefault("damaged", None)
     return report
 

@@ -103,17 +103,21 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class VerifyReport:
-    """What :meth:`Store.verify` found: records checked, corrupt ones, missing ones, and
-    ``damaged`` (why the walk could not go on: the store itself is damaged) or None."""
+    """What :meth:`Store.verify` found: records checked, corrupt ones, missing ones,
+    ``unindexed`` (fingerprint -> how many records it has while it has no index: its
+    index went missing, e.g. a rolled-back LMDB commit, or a run that writes it is still
+    going or was killed), and ``damaged`` (why the walk could not go on: the store itself
+    is damaged) or None."""
 
     checked: int = 0
     corrupt: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    unindexed: dict[str, int] = field(default_factory=dict)
     damaged: str | None = None
 
     @property
     def ok(self) -> bool:
-        return not self.corrupt and not self.missing and self.damaged is None
+        return not self.corrupt and not self.missing and not self.unindexed and self.damaged is None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -121,6 +125,7 @@ class VerifyReport:
             "ok": self.ok,
             "corrupt": dict(self.corrupt),
             "missing": list(self.missing),
+            "unindexed": dict(self.unindexed),
             "damaged": self.damaged,
         }
 
@@ -553,8 +558,10 @@ class Store(abc.ABC):
         """Check every record (of ``fingerprint``, or all) as a decode would, building no
         tensors (:func:`cache_store.format.decode.check_record`; no torch import).
 
-        Also reports records whose metadata names another key, unreadable indexes, and
-        indexed sample ids without a record (``missing``). Damage to the store itself
+        Also reports records whose metadata names another key, unreadable indexes,
+        indexed sample ids without a record (``missing``), and fingerprints that have
+        records but no index (``unindexed``: each index compared with the records of its
+        fingerprint; a lost index hides every one of them from readers). Damage to the store itself
         (``CacheDamaged``: an unreadable LMDB page) ends the walk and is reported in
         ``damaged``. Damage that makes LMDB abort the process cannot be caught here: walk
         a cache that may be damaged with :func:`cache_store.housekeeping.isolated.verify_cache`.
@@ -569,7 +576,10 @@ class Store(abc.ABC):
 
     def _verify_into(self, report: VerifyReport, fingerprint: str | None) -> None:
         prefix = "" if fingerprint is None else validate_fingerprint(fingerprint) + "/"
+        records_of: dict[str, int] = {}
         for key in self.keys(prefix):
+            fp_of_key = key[:FINGERPRINT_HEX_CHARS]
+            records_of[fp_of_key] = records_of.get(fp_of_key, 0) + 1
             try:
                 with self.read_view(key) as value:  # checked in place where a backend lends it
                     check_record(value, key=key, lookup=self.descriptor)
@@ -580,10 +590,15 @@ class Store(abc.ABC):
                 log.warning("verify: %s", exc)
             report.checked += 1
         fingerprints = self.fingerprints() if fingerprint is None else [fingerprint]
+        removing = self.removals()  # a killed rm leaves records on purpose: ls says "removing"
+        for fp in sorted(set(records_of) - set(fingerprints) - set(removing)):
+            report.unindexed[fp] = records_of[fp]
         for fp in fingerprints:
             try:
                 index = self.get_index(fp)
             except FingerprintLookupError:
+                if records_of.get(fp) and fp not in removing:
+                    report.unindexed[fp] = records_of[fp]
                 continue
             except CorruptRecord as exc:
                 report.corrupt[f"index:{fp}"] = exc.reason
@@ -591,6 +606,11 @@ class Store(abc.ABC):
             report.missing += [
                 f"{fp}/{sid}" for sid in index.sample_ids.tolist() if not self.has(f"{fp}/{sid}")
             ]
+
+    def removals(self) -> dict[str, float]:
+        """Fingerprints being removed (``spcache rm``, tombstoned) -> when. Default: none
+        (a backend without tombstones)."""
+        return {}
 
     def find_fingerprints(self, recipe: str, **params: Any) -> list[DatasetIndex]:
         """Indexes of ``recipe`` whose parameters equal every given one (others may be

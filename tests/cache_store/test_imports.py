@@ -61,7 +61,8 @@ def test_verify_and_stats_walks_need_no_torch(tmp_path) -> None:
     code = f"""
 from cache_store.housekeeping.isolated import child_answer
 report = child_answer("verify", {str(tmp_path)!r}, [])["result"]
-assert report["ok"] and report["checked"] == 3, report
+assert report["checked"] == 3 and not report["corrupt"], report
+assert report["unindexed"] == {{{fp!r}: 3}}, report  # records, no index written
 assert child_answer("stats", {str(tmp_path)!r}, [])["result"]
 """
     assert "torch" not in _modules_after(code)

@@ -120,4 +120,6 @@ def test_writer_sigkill_loses_nothing_and_resumes(tmp_path: Path) -> None:
     assert not corrupt and not partial and not lost, (list(corrupt.items())[:3], partial, lost)
     assert kills_inside >= KILLS // 2  # the kills really landed inside batches
     assert counts == dict.fromkeys(range(batches), SIZE)  # the resume completed every batch
-    assert result.ok and result.checked == batches * SIZE
+    assert not (result.corrupt or result.missing or result.damaged), result.as_json()
+    assert result.checked == batches * SIZE
+    assert list(result.unindexed) == [FAULT_FINGERPRINT]  # the writer child indexes nothing

@@ -5,12 +5,13 @@ The driver of a run merges the manifests into ``index.json`` periodically and at
 end (:func:`merge_into`); ``spcache merge`` does the same by hand (:func:`merge`,
 idempotent). Nothing is deleted on a failure path: :func:`orphan_parts` lists parts
 with no manifest and the temporary files of a write cut short (older than a grace
-period, so nothing still being written is taken), and ``spcache merge
---remove-orphans`` deletes them.
+period, and never a part a live writer claims: :mod:`~cache_store.snapshot.sharded.claims`),
+and ``spcache merge --remove-orphans`` deletes them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ from typing import Any
 from cache_store.errors import ParameterError
 from cache_store.keys import validate_fingerprint
 from cache_store.snapshot.sharded import storage
+from cache_store.snapshot.sharded.claims import live_claims, part_of
 from cache_store.snapshot.sharded.format import ROOT_MARKER
 from cache_store.snapshot.sharded.store import ShardedSnapshot
 
@@ -104,37 +106,58 @@ def orphan_parts(
     storage_options: Mapping[str, Any] | None = None,
     remove: bool = False,
 ) -> list[str]:
-    """What writers that died left behind, last modified more than ``older_than_s`` ago
-    (so nothing still being written is taken): parts with no manifest, and the
-    temporary files (``parts/.tmp-*``, ``commits/.tmp-*``) of a writer killed while
-    writing one. With ``remove``, delete them. Returns their full locations (with the
-    URL's scheme: ``s3://bucket/...``), sorted."""
+    """What writers that died left behind, last modified more than ``older_than_s`` ago:
+    parts with no manifest, the temporary files (``parts/.tmp-*``, ``commits/.tmp-*``)
+    of a writer killed while writing one, and dead writers' claims. A part a live writer
+    claims (:mod:`cache_store.snapshot.sharded.claims`) is never one, whatever
+    ``older_than_s``. With ``remove``, delete them. Returns their full locations (with
+    the URL's scheme: ``s3://bucket/...``), sorted."""
     store = ShardedSnapshot(location, readonly=not remove, storage_options=storage_options)
     try:
         found: list[str] = []
-        fs, now = store.fs, time.time()
+        fs = store.fs
         for fingerprint in store.fingerprint_dirs():
-            committed = set(store.commit_names(fingerprint))
-            for folder in ("parts", "commits"):
-                try:
-                    listing = fs.ls(store.path(fingerprint, folder), detail=True, refresh=True)
-                except FileNotFoundError:
-                    continue
-                for info in listing:
-                    name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
-                    leftover = name.startswith(".tmp-") or (
-                        folder == "parts" and name.endswith(".bin") and name[:-4] not in committed
-                    )
-                    if not leftover or info.get("type") == "directory":
-                        continue
-                    modified = storage.mtime(info)
-                    if modified is not None and now - modified < older_than_s:
-                        continue
-                    found.append(str(info["name"]))
+            found += _leftovers(store, fingerprint, older_than_s)
         found.sort()
         if remove:
             for path in found:
-                fs.rm_file(path)
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm_file(path)
         return [path if storage.is_local(fs) else fs.unstrip_protocol(path) for path in found]
     finally:
         store.close()
+
+
+def _leftovers(store: ShardedSnapshot, fingerprint: str, older_than_s: float) -> list[str]:
+    """The orphans of one fingerprint. Listed in the order :mod:`claims` needs: commits,
+    parts, then claims; then commits once more for the candidate parts."""
+    fs, now = store.fs, time.time()
+    committed = set(store.commit_names(fingerprint))
+    candidates: list[tuple[str, str]] = []  # (path, part)
+    for folder in ("parts", "commits"):
+        try:
+            listing = fs.ls(store.path(fingerprint, folder), detail=True, refresh=True)
+        except FileNotFoundError:
+            continue
+        for info in listing:
+            name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
+            leftover = name.startswith(".tmp-") or (
+                folder == "parts" and name.endswith(".bin") and name[:-4] not in committed
+            )
+            if not leftover or info.get("type") == "directory":
+                continue
+            modified = storage.mtime(info)
+            if modified is not None and now - modified < older_than_s:
+                continue
+            candidates.append((str(info["name"]), part_of(name)))
+    live, stale = live_claims(fs, store.path(fingerprint), time.time())
+    found = [path for path, modified in stale if now - modified >= older_than_s]
+    if candidates:  # a fresh listing (a cached one could miss a commit made since)
+        committed.update(store.commit_names(fingerprint))
+    for path, part in candidates:
+        if part in live:
+            continue  # being written
+        if path.endswith(".bin") and part in committed:
+            continue  # committed since commits were listed
+        found.append(path)
+    return found

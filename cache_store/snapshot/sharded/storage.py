@@ -104,10 +104,13 @@ def mtime(info: Mapping[str, Any]) -> float | None:
         return None
 
 
-def _write_temporary(directory: str, data: bytes) -> str:
-    """``data`` in a new temporary file of ``directory``, on disk (fsynced); its path."""
+def _write_temporary(path: str, data: bytes) -> str:
+    """``data`` in a new temporary file beside ``path``, on disk (fsynced); its path.
+    Named ``.tmp-<name of path>-<random>``: the orphan sweep tells whose it is
+    (:func:`cache_store.snapshot.sharded.claims.part_of`)."""
+    directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+    tmp = os.path.join(directory, f".tmp-{os.path.basename(path)}-{uuid.uuid4().hex}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         view = memoryview(data)
@@ -122,7 +125,7 @@ def _write_temporary(directory: str, data: bytes) -> str:
 def _write_local_exclusive(path: str, data: bytes) -> None:
     """Create ``path`` with ``data`` durably, failing if it exists (never overwriting)."""
     directory = os.path.dirname(path)
-    tmp = _write_temporary(directory, data)
+    tmp = _write_temporary(path, data)
     try:
         os.link(tmp, path)  # atomic, and refuses an existing name
     except FileExistsError:
@@ -135,5 +138,5 @@ def _write_local_exclusive(path: str, data: bytes) -> None:
 def _write_local(path: str, data: bytes) -> None:
     """Write ``path`` durably (a temporary name, fsync, rename)."""
     directory = os.path.dirname(path)
-    os.replace(_write_temporary(directory, data), path)
+    os.replace(_write_temporary(path, data), path)
     fsync_path(directory)

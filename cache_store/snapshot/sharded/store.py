@@ -39,6 +39,7 @@ from cache_store.format.index import DatasetIndex, append_ids
 from cache_store.keys import is_fingerprint, split_key, validate_fingerprint, variant_counts
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
+from cache_store.snapshot.sharded.claims import claimed
 from cache_store.snapshot.sharded.format import (
     ROOT_MARKER,
     Dataset,
@@ -166,12 +167,13 @@ class ShardedSnapshot(Store):
         self._parts_written += 1
         part = f"{self.writer}-p{self._parts_written:04d}-{uuid.uuid4().hex[:8]}"
         data = part_bytes(group)
-        storage.write(self.fs, self.path(fingerprint, "parts", f"{part}.bin"), data)
-        storage.write_once(
-            self.fs,
-            self.path(fingerprint, "commits", f"{part}.json"),
-            manifest(fingerprint, part, group, data, self.writer, descriptors),
-        )
+        with claimed(self.fs, self.path(fingerprint), part, self.writer):  # not an orphan
+            storage.write(self.fs, self.path(fingerprint, "parts", f"{part}.bin"), data)
+            storage.write_once(
+                self.fs,
+                self.path(fingerprint, "commits", f"{part}.json"),
+                manifest(fingerprint, part, group, data, self.writer, descriptors),
+            )
         return part
 
     def put_index(self, index: DatasetIndex) -> None:
