@@ -39,30 +39,42 @@ def _readable(location: LocationLike) -> Location:
 def verify_location(location: LocationLike) -> dict[str, Any]:
     """:func:`cache_store.housekeeping.isolated.verify_cache` of a cache directory, a snapshot
     or the service: ``checked``, ``ok``, ``corrupt``, ``missing``, ``unindexed``,
-    ``damaged``; plus ``writer`` (who holds a local cache's worker lock, or None).
+    ``damaged``; plus ``writer`` (who holds a local cache's worker lock, looked at when
+    something is unindexed; else None).
 
     Records of a fingerprint without an index (``unindexed``) are what a lost index
     leaves (a flipped LMDB meta page rolls the last commit back), and also what a run
-    leaves until its index is written at its end. A live worker (its lock held) may be
-    that run: then ``unindexed`` is moved to ``unindexed_live`` and is not a finding. A
-    ``spcache precompute`` holds no lock across its run, so while one runs (or after one
-    was killed) its fingerprint is reported; the next run over the same sources writes
-    the index again.
+    leaves until its index is written at its end. A live worker (its lock held), or a
+    live run holding claims on the fingerprint's samples (``claims.sqlite``:
+    :func:`cache_store.jobs.claims.live_runs`), may be that run: then the fingerprint is
+    moved to ``unindexed_live`` (who: ``writers``) and is not a finding. A run killed
+    before its index leaves the same as a lost index; the next run over the same
+    sources writes the index again.
     """
     from cache_store.housekeeping.isolated import verify_cache
+    from cache_store.jobs.claims import live_runs
     from cache_store.jobs.owner_lock import describe_holder, lock_holder
 
     parsed = _readable(location)
     report = verify_cache(parsed.target)
     report.setdefault("unindexed", {})
     report["writer"] = None
-    if parsed.is_local and parsed.path().is_dir():
+    if parsed.is_local and parsed.path().is_dir() and report["unindexed"]:
         holder = lock_holder(parsed.path())
+        runs = live_runs(parsed.path())
         if holder is not None:
             report["writer"] = describe_holder(holder)
-            if report["unindexed"]:
-                report["unindexed_live"], report["unindexed"] = report["unindexed"], {}
-                report["ok"] = not (report["corrupt"] or report["missing"] or report["damaged"])
+        writers = {
+            fp: report["writer"] or runs[fp]
+            for fp in report["unindexed"]
+            if holder is not None or fp in runs
+        }
+        if writers:
+            report["writers"] = writers
+            report["unindexed_live"] = {fp: report["unindexed"].pop(fp) for fp in writers}
+            report["ok"] = not (
+                report["corrupt"] or report["missing"] or report["damaged"] or report["unindexed"]
+            )
     return report
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from cache_store.jobs.db import connect, write_txn
 from cache_store.processes import pid_alive
 
-__all__ = ["CLAIMS_FILENAME", "LEASE_S", "RunClaims"]
+__all__ = ["CLAIMS_FILENAME", "LEASE_S", "RunClaims", "live_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -173,3 +173,31 @@ class RunClaims:
             log.warning("%s: cannot drop this run's claims: %s", self.path, exc)
         finally:
             conn.close()
+
+
+def live_runs(cache: str | os.PathLike[str]) -> dict[str, str]:
+    """Fingerprints a live run holds claims on -> that run (``run pid N on HOST``), read
+    from ``<cache>/claims.sqlite`` without writing it; {} when there is none or it cannot
+    be read (advice, as the claims are). Live as :meth:`RunClaims.claim` judges it."""
+    path = Path(cache) / CLAIMS_FILENAME
+    if not path.is_file():
+        return {}
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10.0)
+        try:
+            rows = conn.execute(
+                "SELECT DISTINCT c.fingerprint, r.host, r.pid, r.beat "
+                "FROM claims c JOIN runs r ON r.id = c.run"
+            ).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        log.debug("%s: not read (%s)", path, exc)
+        return {}
+    now, here = time.time(), socket.gethostname()
+    found: dict[str, str] = {}
+    for fingerprint, host, pid, beat in rows:
+        alive = pid_alive(int(pid)) if host == here else now - float(beat) <= LEASE_S
+        if alive:
+            found.setdefault(str(fingerprint), f"run pid {pid} on {host}")
+    return found

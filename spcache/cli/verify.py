@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {problem}")
         for fp, count in data.get("unindexed_live", {}).items():
             print(
-                f"  note: {fp}: {count} record(s) and no index yet, while {data['writer']} "
-                "holds the cache (a run in progress: not counted)"
+                f"  note: {fp}: {count} record(s) and no index yet, while "
+                f"{data['writers'][fp]} is live (a run in progress: not counted)"
             )
         print(
             f"checked {data['checked']} records: "

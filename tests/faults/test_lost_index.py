@@ -12,10 +12,12 @@ worker holds the cache (a run that writes the index at its end may be under way)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
 
+from cache_store.jobs.claims import RunClaims
 from cache_store.jobs.owner_lock import WorkerLock
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.faults import report
@@ -71,6 +73,12 @@ def test_verify_names_a_fingerprint_whose_index_a_meta_flip_lost(
     data = json.loads(as_json.stdout)
     with WorkerLock(cwd / "hot"):  # a live worker: a run may be about to write the index
         live = run_spcache("verify", "--cache", "hot", cwd=cwd)
+    run_claims = RunClaims(cwd / "hot", fp)  # a live precompute run: it claims samples
+    assert run_claims.claim(["a-sample"]) == {"a-sample"}
+    try:
+        running = run_spcache("verify", "--cache", "hot", cwd=cwd)
+    finally:
+        run_claims.close()
     rerun = run_spcache("precompute", "shapes", *SPC, "--cache", "hot", *CPU, cwd=cwd)
     after = run_spcache("verify", "--cache", "hot", cwd=cwd)
     report(
@@ -81,6 +89,7 @@ def test_verify_names_a_fingerprint_whose_index_a_meta_flip_lost(
             "verify_exit": verified.returncode,
             "verify_said": verified.stdout.strip().splitlines(),
             "verify_exit_with_live_worker": live.returncode,
+            "verify_exit_with_live_run": running.returncode,
             "rerun_exit": rerun.returncode,
             "verify_exit_after_rerun": after.returncode,
         },
@@ -92,6 +101,8 @@ def test_verify_names_a_fingerprint_whose_index_a_meta_flip_lost(
     # a live worker holding the cache: said, not counted
     assert live.returncode == 0, live.stdout
     assert f"note: {fp}: 3 record(s) and no index yet" in live.stdout
+    assert running.returncode == 0, running.stdout  # a live run's claims: the same
+    assert f"no index yet, while run pid {os.getpid()} on" in running.stdout
     # what verify advises repairs it: the same run writes the index again
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert after.returncode == 0, after.stdout
