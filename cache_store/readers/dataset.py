@@ -16,7 +16,6 @@ import functools
 import logging
 import operator
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -26,15 +25,12 @@ import torch.utils.data
 from cache_store import usage
 from cache_store.errors import (
     CacheNotFound,
-    MissTimeout,
     ParameterError,
     RecordNotFound,
     SourceError,
     StaleRecord,
     one_line,
 )
-from cache_store.sources.freshness import STAT_FIELD, is_current, same_signature, trusted_signature
-from cache_store.sources.files import SourceLimits, check_source, hash_source
 from cache_store.keys import compute_fingerprint, record_key
 from cache_store.local_cache.spec import local_cache_option
 from cache_store.process_local import ProcessLocal
@@ -49,6 +45,7 @@ from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.readers.collate import SpcSample
 from cache_store.readers.read_through import read_through_client
 from cache_store.readers.selection import resolve_index
+from cache_store.readers.stale import staleness, wait_until_current
 from cache_store.readers.skipped import (
     SKIPPABLE_ERRORS,
     SkippedSample,
@@ -538,9 +535,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             records = self._current_records(indices, records)
         return [self._finish(record, i) for i, record in zip(indices, records, strict=True)]
 
-    # -- stale records (sources=..., on_stale != "serve") -------------------------------
-    _LIMITS = SourceLimits()
-
+    # -- stale records (sources=..., on_stale != "serve"): rules in readers/stale.py ---
     def _verified_here(self) -> dict[int, tuple[str, str]]:
         pid = os.getpid()
         if self._verified is None or self._verified[0] != pid:
@@ -548,22 +543,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         return self._verified[1]
 
     def _staleness(self, i: int, meta: Mapping[str, str]) -> tuple[str, str] | None:
-        """None when the record read for position ``i`` is current for its source; else
-        ``(path, the source's hash now)``. Raises SourceError for an unusable source."""
-        path = self.source_path(i)
-        signature = check_source(path, self._LIMITS).signature
-        if same_signature(meta.get(STAT_FIELD), signature):
-            return None
-        verified = self._verified_here()
-        checksum = meta.get("checksum", "")
-        if verified.get(int(i)) == (signature, checksum):
-            return None
-        digest, seen, _ = hash_source(path, self._LIMITS)
-        if is_current(meta.get("source_hash"), digest):
-            if trusted_signature(seen):
-                verified[int(i)] = (seen, checksum)
-            return None
-        return path, digest
+        return staleness(self.source_path(i), meta, self._verified_here(), i)
 
     def _current_records(self, indices: Sequence[int], records: list[Any]) -> list[Any]:
         """``records`` with every stale one handled as ``on_stale`` says."""
@@ -596,24 +576,17 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
                 return False
             return self._staleness(position[key], meta) is None
 
-        deadline = time.monotonic() + self.miss_timeout
-        delay = 0.05
-        while True:
-            # QueueReadThrough waits on ``current``; over HTTP the service decides what is
-            # stale and this loop waits for the recomputed record
-            self._handler().fetch(
+        # QueueReadThrough waits on ``current``; over HTTP the service decides what is stale
+        wait_until_current(
+            lambda: self._handler().fetch(
                 current, wanted, (), stale=[sid for sid, _ in wanted], picks=picks
-            )
-            if all(current(key) for key in position):
-                break
-            if time.monotonic() >= deadline:
-                raise MissTimeout(
-                    f"{len(wanted)} stale record(s) of {self.fingerprint} were "
-                    f"not recomputed within {self.miss_timeout:g} s "
-                    f"({', '.join(repr(s) for s, _ in wanted[:3])})"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            ),
+            current,
+            position,
+            miss_timeout=self.miss_timeout,
+            what=f"{len(wanted)} stale record(s) of {self.fingerprint} "
+            f"({', '.join(repr(s) for s, _ in wanted[:3])})",
+        )
         return [
             self._store_here().get_record(self.read_key(i), fields=self.fields) for i in indices
         ]
