@@ -172,9 +172,9 @@ class SampleClock:
             notice_at=now + stuck_after(limit_s),
             thread_id=threading.get_ident(),
         )
-        self._start_thread()
         with self._cond:
             self._watch = watch
+            self._start_thread()
             self._cond.notify_all()
         try:
             yield
@@ -223,6 +223,9 @@ class SampleClock:
             with self._cond:
                 watch = self._watch
                 while watch is None or watch.fired:
+                    if watch is None:  # nothing watched: the thread ends with the run
+                        self._thread = None  # under the lock: the next watch starts one
+                        return
                     self._cond.wait()
                     watch = self._watch
                 now = time.monotonic()
