@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cache_store import errors as _errors
+from cache_store.errors import __all__ as ERROR_NAMES
 from cache_store.errors import *  # noqa: F403 - the error classes, below
 from cache_store.lazy_names import lazy_names
 from cache_store.version import __version__
@@ -89,7 +89,8 @@ __all__ = [
 # the errors, every one a SpcacheError: the classes of cache_store.errors, whose __all__
 # is the one list of them (a small module, stdlib only: loading it keeps the front door
 # light)
-__all__ += _errors.__all__
+__all__ += list(ERROR_NAMES)
+del ERROR_NAMES
 
 
 __getattr__, __dir__ = lazy_names(__name__, _LAZY)
