@@ -289,6 +289,14 @@ class LocalDisk:
         with self._locked():
             return self._scan()[2]
 
+    def bytes_on_disk(self) -> int:
+        """Every block the directory takes now (:func:`directory_bytes`), counted under
+        its lock, so at one moment (never a download in ``tmp/`` and, after its rename,
+        the same file in ``data/``). The lock's descriptor is one a forked child closes."""
+        self.open()
+        with self._locked():
+            return directory_bytes(self.spec.directory)
+
     def check_fits(self, largest: int, what: str) -> None:
         """Raise ``LimitTooSmall`` when one unit of ``largest`` bytes (``what`` names it:
         "part s00012-a1-...") cannot fit under the limit with the directory's own files."""

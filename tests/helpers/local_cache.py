@@ -4,7 +4,6 @@ watch on the directory's size at every fetch and eviction, in every process."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import threading
@@ -97,27 +96,29 @@ def as_list(batch: list[Any]) -> list[Any]:
 @contextlib.contextmanager
 def peak_bytes(directory: Path) -> Iterator[list[int]]:
     """The most bytes ``directory`` held, sampled from outside too, between the events
-    (``[peak]``, final when the block ends). The walk holds the directory's lock, as
-    every count, eviction and publish does: a walk without it is not one moment (it can
-    list a download in tmp/ and, after its rename, the same file in data/)."""
+    (``[peak]``, final when the block ends). Each sample is
+    :meth:`LocalDisk.bytes_on_disk`: under the directory's lock, as every count, eviction
+    and publish is, and through the descriptors a forked loader worker closes (a lock
+    file this thread opened itself would stay locked in a worker forked while it held
+    it, and that worker, and then this thread, would wait on it for ever)."""
     peak = [0]
     done = threading.Event()
+    disk = LocalDisk(LocalCache(str(directory), 1 << 40))
 
     def sample() -> None:
         while not done.is_set():
             if os.path.exists(directory / "lock"):
-                with open(directory / "lock", "rb") as lock:
-                    fcntl.flock(lock, fcntl.LOCK_EX)
-                    peak[0] = max(peak[0], directory_bytes(str(directory)))
+                peak[0] = max(peak[0], disk.bytes_on_disk())
             time.sleep(0.005)
 
-    sampler = threading.Thread(target=sample)
+    sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
         yield peak
     finally:
         done.set()
-        sampler.join()
+        sampler.join(timeout=120)
+        assert not sampler.is_alive(), f"the size sampler of {directory} did not stop in 120 s"
 
 
 class BytesUnit:
