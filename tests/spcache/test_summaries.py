@@ -20,6 +20,7 @@ import httpx
 import lmdb
 import numpy as np
 
+from cache_store.sources.freshness import RACY_S
 from cache_store.stores.lmdb import LMDBStore
 from tests.helpers.procs import run, run_spcache, serve
 
@@ -27,8 +28,11 @@ TINY = ["--recipe", "spc", "--param", "level=3", "--device", "cpu", "--loaders",
 
 
 def point_clouds(folder: Path, count: int, *, start: int = 0) -> Path:
-    """``count`` 64-point clouds as ``.npy`` files, their mtimes a minute old (so their
-    records carry a stat signature)."""
+    """``count`` 64-point clouds as ``.npy`` files whose records will carry a stat
+    signature: their mtimes a minute old, and returned only once their change time
+    (which no call sets back) is :data:`RACY_S` in the past, as a signature must be to be
+    stored. (Without that wait, a precompute started at once on a quiet machine reads
+    them too soon, stores no signature, and its re-run hashes every source.)"""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(start)
     old = time.time() - 60
@@ -36,6 +40,9 @@ def point_clouds(folder: Path, count: int, *, start: int = 0) -> Path:
         path = folder / f"p{i:04d}.npy"
         np.save(path, rng.normal(size=(64, 3)).astype(np.float32))
         os.utime(path, (old, old))
+    changed = max(os.stat(p).st_ctime_ns for p in folder.glob("p*.npy"))
+    while time.time_ns() - changed < RACY_S * 1e9 + 50_000_000:
+        time.sleep(0.05)
     return folder
 
 
