@@ -213,7 +213,8 @@ def test_ls_and_stats_of_an_lmdb_cache_load_no_tensor_or_web_stack(tmp_path: Pat
     sources = point_clouds(tmp_path / "sources", 3)
     cache = tmp_path / "cache"
     fp = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)["fingerprint"]
-    ours = ("cache_store", "spcache", "workers", "service", "spcache_voxel_normals")
+    # the example plugin is a plugin like any other here: a venv may hold an older build
+    ours = ("cache_store", "spcache.", "workers", "service")
     for command in ("ls", "stats"):
         workdir = tmp_path / command
         workdir.mkdir()
@@ -231,6 +232,6 @@ def test_ls_and_stats_of_an_lmdb_cache_load_no_tensor_or_web_stack(tmp_path: Pat
         importers = seen["importers"]
         for module in seen["loaded"]:
             by = importers.get(module, "?")
-            assert module == "numpy" and not by.startswith(ours), (
+            assert module == "numpy" and not (by == "spcache" or by.startswith(ours)), (
                 f"spcache {command} loaded {module} (first imported by {by})"
             )
