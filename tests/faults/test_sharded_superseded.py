@@ -34,6 +34,7 @@ from tests.helpers.faults import report
 from tests.helpers.local_cache import FP
 from tests.helpers.procs import run_spcache, start_spcache, tree, wait_for
 from tests.helpers.s3 import S3Server, moto_s3
+from tests.helpers.sharded_writers import HeldWriter
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +262,30 @@ def test_a_part_not_merged_into_the_index_yet_is_kept(dest: tuple[str, dict[str,
     with ShardedSnapshot(location, readonly=False, storage_options=options) as writer:
         writer.merge_index(FP)
     assert len(superseded_parts(location, storage_options=options, older_than_s=0)) == 1
+
+
+def test_a_writer_between_its_part_and_its_manifest_loses_nothing(
+    dest: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reclaim runs while a writer has written its part (a again, and c) and not yet
+    its manifest: the superseded part goes, the writer's part and claim stay, and once
+    it commits every sample reads."""
+    location, options = dest
+    zero = "0" * 16  # the source hash the held writer's records carry
+    _, again = _write(location, options, [("a", 0, zero), ("b", 1, zero)], [("a", 0, zero)])
+    writer = HeldWriter(location, options, ["a", "c"])
+    writer.start(monkeypatch)
+    with ShardedSnapshot(location, storage_options=options) as snap:
+        held = sorted(snap.fs.ls(snap.path(FP, "parts"), detail=False, refresh=True))
+    taken = superseded_parts(location, storage_options=options, older_than_s=0, remove=True)
+    assert [path.rsplit("/", 1)[-1] for path in taken] == [f"{again}.bin"]
+    with ShardedSnapshot(location, storage_options=options) as snap:
+        left = sorted(snap.fs.ls(snap.path(FP, "parts"), detail=False, refresh=True))
+        assert len(left) == len(held) - 1
+        assert len(snap.fs.ls(snap.path(FP, "claims"), detail=False, refresh=True)) == 1
+    writer.release()
+    assert writer.error is None, writer.error
+    with ShardedSnapshot(location, storage_options=options) as snap:
+        assert sorted(snap.keys()) == [f"{FP}/{sid}" for sid in "abc"]
+        assert snap.verify().ok
+    assert superseded_parts(location, storage_options=options, older_than_s=0) == {}
