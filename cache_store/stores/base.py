@@ -56,8 +56,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
-
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -84,7 +82,7 @@ from cache_store.format.descriptor import (
     parse_descriptor,
 )
 from cache_store.format.header import RecordHeader, read_header
-from cache_store.format.index import DatasetIndex
+from cache_store.format.index import DatasetIndex, IndexPage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
 from cache_store.views.records import Place
 
@@ -142,6 +140,8 @@ class BlockLayout:
     @classmethod
     def of_labels(cls, labels: Sequence[str]) -> BlockLayout:
         """The layout of samples whose blocks are named ``labels`` (one per sample)."""
+        import numpy as np
+
         names, of_sample = np.unique(np.array(labels, dtype=str), return_inverse=True)
         return cls(tuple(str(n) for n in names), of_sample.astype(np.int64))
 
@@ -312,6 +312,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get_index(self, fingerprint: str) -> DatasetIndex:
         """The index of ``fingerprint``; raises :class:`FingerprintLookupError`."""
+
+    def get_index_page(self, fingerprint: str, offset: int, limit: int) -> IndexPage:
+        """Ids ``offset .. offset + limit`` of the index of ``fingerprint`` and what
+        describes it; raises as :meth:`get_index`. Backends that can decode one page of a
+        stored index (LMDB) do, instead of every id."""
+        return IndexPage.of(self.get_index(fingerprint), offset, limit)
 
     @abc.abstractmethod
     def fingerprints(self) -> list[str]:
