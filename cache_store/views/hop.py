@@ -89,12 +89,14 @@ def _store(opener: Callable[[], Store]) -> Store:
         return found[1]
 
 
-def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> list[Record]:
+def _records(
+    source: Source, items: Sequence[tuple[str, tuple[Place, str]]], transient: bool
+) -> list[Record]:
     opener, fields, verify, _, _ = source
     store = _store(opener)
     keys = [key for key, _ in items]
     names = None if fields is None else list(fields)
-    viewed = store.view_records(keys, names, verify, checked=dict(items))
+    viewed = store.view_records(keys, names, verify, checked=dict(items), transient=transient)
     if viewed is not None:
         return viewed
     return store.get_records(keys, fields=names)
@@ -102,7 +104,7 @@ def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> 
 
 def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:
     """In the training process: the sample a worker located, as views (or a copy)."""
-    record = _records(source, [(key, checked)])[0]
+    record = _records(source, [(key, checked)], False)[0]
     return source[4](record.tensors, source[3], split_key(key)[1])
 
 
@@ -113,7 +115,7 @@ def open_batch(
     (``collate_spc``: Kaolin's packed layout) after one copy of each record's fields
     (:func:`packed`), of which it then takes views."""
     sample, variable = source[4], source[3]
-    tensors = packed([r.tensors for r in _records(source, items)])
+    tensors = packed([r.tensors for r in _records(source, items, True)])  # copied here
     ids = [split_key(key)[1] for key, _ in items]
     return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
 
