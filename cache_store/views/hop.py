@@ -11,6 +11,13 @@ counts (:func:`cache_store.views.records.view_record`'s ``checked``), else it is
 and hashed there; a batch is then packed by ``collate_spc`` (one copy into Kaolin's
 layout, in the training process), a single sample returned as views.
 
+A ``collate_fn`` other than ``collate_spc`` gets the located samples too; each is a
+read-only mapping of the sample's fields that reads the record in the worker (as views
+of its own mapping, checked as every read) the first time a field is asked for, so a
+custom ``collate_fn`` (``default_collate``, one that indexes ``sample["octree"]``)
+batches tensors as it would from ``views=False``; its batch crosses as tensors. One
+that returns the samples themselves hands them over as places.
+
 Where views cannot be taken in the training process (the store lends no file), the
 records are read as copies there. A ``transform`` runs in the worker on tensors, so a
 dataset with one keeps today's hop (tensors in shared memory).
@@ -21,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cache_store.keys import split_key
@@ -39,17 +46,46 @@ __all__ = ["LocatedBatch", "LocatedSample", "Source", "open_batch", "open_sample
 Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str], Any]
 
 
-class LocatedSample:
+class LocatedSample(Mapping[str, Any]):
     """One checked record, as a DataLoader worker hands it on: its key and
-    ``(place, checksum)``. Unpickled in the training process as the sample's views."""
+    ``(place, checksum)``. Unpickled in the training process as the sample's views.
 
-    __slots__ = ("checked", "key", "source")
+    As a mapping (a ``collate_fn`` other than ``collate_spc`` reading it) it is the
+    sample's fields, read in this process on first use (:meth:`sample`), as are its
+    ``sample_id`` and ``variable``."""
+
+    __slots__ = ("_sample", "checked", "key", "source")
 
     def __init__(self, source: Source, key: str, checked: tuple[Place, str]) -> None:
         self.source, self.key, self.checked = source, key, checked
+        self._sample: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return open_sample, (self.source, self.key, self.checked)
+
+    def sample(self) -> Any:
+        """The sample (an ``SpcSample``) as views of this process's own mapping of the
+        record (its pages private to the sample, as ``ds[i]`` returns them), read once."""
+        if self._sample is None:
+            self._sample = open_sample(self.source, self.key, self.checked)
+        return self._sample
+
+    def __getitem__(self, name: str) -> Any:
+        return self.sample()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sample())
+
+    def __len__(self) -> int:
+        return len(self.sample())
+
+    @property
+    def sample_id(self) -> str | None:
+        return self.sample().sample_id
+
+    @property
+    def variable(self) -> frozenset[str]:
+        return self.sample().variable
 
     def __repr__(self) -> str:
         return f"LocatedSample({self.key!r}, {self.checked!r})"
