@@ -15,9 +15,8 @@ import datetime as _dt
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from cache_store.errors import CorruptRecord, ParameterError, SpcacheError
 from cache_store.format.decode import decode_arrays
@@ -30,6 +29,9 @@ from cache_store.keys import (
     validate_fingerprint,
     validate_sample_id,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["INDEX_KIND", "DatasetIndex", "append_ids", "encode_index", "decode_index"]
 
@@ -57,6 +59,8 @@ class DatasetIndex:
     variants: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        import numpy as np
+
         validate_fingerprint(self.fingerprint)
         expected = compute_fingerprint(self.recipe, self.recipe_version, self.params)
         if expected != self.fingerprint:
@@ -124,6 +128,8 @@ class DatasetIndex:
 
     def variant_counts(self) -> np.ndarray:
         """How many variants each sample has stored: uint16 ``[n]`` (ones without any)."""
+        import numpy as np
+
         if self.variants is None:
             return np.ones(len(self), dtype=np.uint16)
         return self.variants
@@ -179,6 +185,8 @@ def encode_index(index: DatasetIndex) -> bytes:
 
 def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
     """Inverse of :func:`encode_index`; raises ``CorruptRecord`` naming ``key``."""
+    import numpy as np
+
     arrays, meta = decode_arrays(value, key=key)
     try:
         if meta.get("kind") != INDEX_KIND:
@@ -219,6 +227,8 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
 def _variant_counts(counts: Any, n: int) -> np.ndarray | None:
     """``counts`` as uint16 ``[n]``, each in ``1 .. MAX_VARIANTS``; None when absent or
     all ones (one record per sample: the index is stored as before variants)."""
+    import numpy as np
+
     if counts is None:
         return None
     raw = np.asarray(counts)

@@ -56,8 +56,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
-
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -142,6 +140,8 @@ class BlockLayout:
     @classmethod
     def of_labels(cls, labels: Sequence[str]) -> BlockLayout:
         """The layout of samples whose blocks are named ``labels`` (one per sample)."""
+        import numpy as np
+
         names, of_sample = np.unique(np.array(labels, dtype=str), return_inverse=True)
         return cls(tuple(str(n) for n in names), of_sample.astype(np.int64))
 

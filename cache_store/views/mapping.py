@@ -38,9 +38,11 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
 
 __all__ = [
     "PAGE",
@@ -138,6 +140,8 @@ class MappedRange:
 
     def array(self) -> np.ndarray:
         """The range as a uint8 array (its base keeps this mapping alive)."""
+        import numpy as np
+
         return np.asarray(self)
 
     def populate(self) -> None:

@@ -42,14 +42,16 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import DescriptorLookup
 from cache_store.views.mapping import MappedRange, Windows, map_range, retire_windows, windows_of
 from cache_store.views.records import Place, view_record
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["LEASE_S", "Leases", "ReadLease", "end_all_before_fork"]
 
@@ -168,6 +170,8 @@ class Leases:
         ``lease``; None where no view can be made (the caller copies). ``transient``:
         the caller never hands the views on (they are slices of read-only windows).
         See :func:`cache_store.views.records.view_record` for the rest."""
+        import numpy as np
+
         length = len(value)
         offset = self.file_offset(np.frombuffer(value, np.uint8).ctypes.data) if length else None
         if offset is None or self.data_fd is None or self.data_id is None:
