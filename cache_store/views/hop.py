@@ -11,12 +11,12 @@ counts (:func:`cache_store.views.records.view_record`'s ``checked``), else it is
 and hashed there; a batch is then packed by ``collate_spc`` (one copy into Kaolin's
 layout, in the training process), a single sample returned as views.
 
-A ``collate_fn`` other than ``collate_spc`` gets the located samples too; each is a
-read-only mapping of the sample's fields that reads the record in the worker (as views
-of its own mapping, checked as every read) the first time a field is asked for, so a
-custom ``collate_fn`` (``default_collate``, one that indexes ``sample["octree"]``)
-batches tensors as it would from ``views=False``; its batch crosses as tensors. One
-that returns the samples themselves hands them over as places.
+A ``collate_fn`` other than ``collate_spc`` gets the located samples too; each reads
+its record in the worker (as views of its own mapping, checked as every read) the first
+time it is indexed (``sample["octree"]``), and ``default_collate`` collates the samples
+(:func:`collate_located`), so a custom ``collate_fn`` batches tensors as it would from
+``views=False``; its batch crosses as tensors. One that returns the samples themselves
+hands them over as places.
 
 Where views cannot be taken in the training process (the store lends no file), the
 records are read as copies there. A ``transform`` runs in the worker on tensors, so a
@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cache_store.keys import split_key
@@ -38,7 +38,15 @@ if TYPE_CHECKING:
     from cache_store.format.decode import Record
     from cache_store.stores.base import Store
 
-__all__ = ["LocatedBatch", "LocatedSample", "Source", "open_batch", "open_sample", "packed"]
+__all__ = [
+    "LocatedBatch",
+    "LocatedSample",
+    "Source",
+    "collate_located",
+    "open_batch",
+    "open_sample",
+    "packed",
+]
 
 #: How the training process opens the worker's store and makes its samples: a picklable
 #: ``open_store`` call, the fields read, ``verify``, the fields the recipe declares
@@ -46,13 +54,15 @@ __all__ = ["LocatedBatch", "LocatedSample", "Source", "open_batch", "open_sample
 Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str], Any]
 
 
-class LocatedSample(Mapping[str, Any]):
+class LocatedSample:
     """One checked record, as a DataLoader worker hands it on: its key and
     ``(place, checksum)``. Unpickled in the training process as the sample's views.
 
-    As a mapping (a ``collate_fn`` other than ``collate_spc`` reading it) it is the
-    sample's fields, read in this process on first use (:meth:`sample`), as are its
-    ``sample_id`` and ``variable``."""
+    Indexed as the sample (``sample["octree"]``, ``keys()``, ``items()``,
+    ``sample_id``, ...: a ``collate_fn`` other than ``collate_spc`` reading it), it is
+    the sample read in this process on first use (:meth:`sample`); ``default_collate``
+    collates the samples (:func:`collate_located`). It is no ``Mapping``: the
+    DataLoader's ``default_convert`` (``batch_size=None``) hands it over as it is."""
 
     __slots__ = ("_sample", "checked", "key", "source")
 
@@ -79,6 +89,21 @@ class LocatedSample(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self.sample())
 
+    def __contains__(self, name: object) -> bool:
+        return name in self.sample()
+
+    def keys(self) -> Any:
+        return self.sample().keys()
+
+    def values(self) -> Any:
+        return self.sample().values()
+
+    def items(self) -> Any:
+        return self.sample().items()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.sample().get(name, default)
+
     @property
     def sample_id(self) -> str | None:
         return self.sample().sample_id
@@ -89,6 +114,14 @@ class LocatedSample(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"LocatedSample({self.key!r}, {self.checked!r})"
+
+
+def collate_located(batch: Sequence[LocatedSample], *, collate_fn_map: Any = None) -> Any:
+    """``default_collate`` of located samples: of their samples' tensors (registered in
+    torch's ``default_collate_fn_map`` for :class:`LocatedSample` by the reader)."""
+    from torch.utils.data._utils.collate import collate
+
+    return collate([s.sample() for s in batch], collate_fn_map=collate_fn_map)
 
 
 class LocatedBatch:
