@@ -82,7 +82,7 @@ from cache_store.format.descriptor import (
     parse_descriptor,
 )
 from cache_store.format.header import RecordHeader, read_header
-from cache_store.format.index import DatasetIndex
+from cache_store.format.index import DatasetIndex, IndexPage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
 from cache_store.views.records import Place
 
@@ -312,6 +312,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def get_index(self, fingerprint: str) -> DatasetIndex:
         """The index of ``fingerprint``; raises :class:`FingerprintLookupError`."""
+
+    def get_index_page(self, fingerprint: str, offset: int, limit: int) -> IndexPage:
+        """Ids ``offset .. offset + limit`` of the index of ``fingerprint`` and what
+        describes it; raises as :meth:`get_index`. Backends that can decode one page of a
+        stored index (LMDB) do, instead of every id."""
+        return IndexPage.of(self.get_index(fingerprint), offset, limit)
 
     @abc.abstractmethod
     def fingerprints(self) -> list[str]:
