@@ -402,6 +402,7 @@ class ShardedSnapshot(Store):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
+        transient: bool = False,
     ) -> list[Record] | None:
         # A committed part never changes (written whole, renamed, then committed): its
         # pages need no pin, and a mapping outlives the file's removal.
