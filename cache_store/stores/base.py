@@ -487,6 +487,7 @@ class Store(abc.ABC):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
+        transient: bool = False,
     ) -> list[Record] | None:
         """The records of ``keys`` as read-only tensors viewing this store's own file
         (no copy), checked as :meth:`get_records` checks them, their fields hashed as
@@ -494,6 +495,10 @@ class Store(abc.ABC):
         verified for as long as any tensor views them, and each record's ``place`` says
         where they lie. ``checked``: key -> ``(place, checksum)`` another process hashed
         (a DataLoader worker's), trusted where the record is still that version there.
+        ``transient``: the caller copies the views and drops them before it hands
+        anything on (the hop's pack): they may be slices of read-only mappings kept
+        across reads (:class:`~cache_store.views.mapping.Windows`), which a write
+        through would fault.
         None: this backend has no local file to lend (:meth:`views_refused` says why),
         or a record lies where no view can be made; the caller reads copies. Raises
         like :meth:`get_records`."""

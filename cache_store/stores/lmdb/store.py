@@ -219,6 +219,7 @@ class LMDBStore(Store):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
+        transient: bool = False,
     ) -> list[Record] | None:
         # Pinned by a read lease begun before the lookup (its own read transaction, not
         # a MapLease: that would hold the map, so a re-map would wait for the views),
@@ -242,7 +243,9 @@ class LMDBStore(Store):
                 if value is None:
                     raise tombstones.missing(txn, lookup.dbs, key, self.location)
                 told = None if checked is None else checked.get(key)
-                record = leases.view(pin, value, key, fields, verify, told, self.descriptor)
+                record = leases.view(
+                    pin, value, key, fields, verify, told, self.descriptor, transient
+                )
                 if record is None:  # not where views can be made: the copy path
                     return None
                 records.append(record)
