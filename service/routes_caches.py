@@ -107,25 +107,23 @@ def get_cache(
     validate_fingerprint(fingerprint)
     walked = ctx.cache_walk(fingerprint)  # in a child process: raises CacheDamaged, never aborts us
     store = ctx.store()
-    index = None
+    page = None  # the page of ids asked for, decoded alone (not the whole index per request)
     if store is not None and "recipe" in walked.get(fingerprint, {}):
-        index = store.get_index(fingerprint)
+        page = store.get_index_page(fingerprint, offset, limit)
     jobs = ctx.queue.jobs(fingerprint=fingerprint, limit=1000)
-    if index is None and not jobs:
+    if page is None and not jobs:
         raise FingerprintLookupError(f"no cache with fingerprint {fingerprint!r}")
-    stats = ctx.cache_stats(fingerprint)
-    counts = {"records": stats.records, "indexed": 0 if index is None else len(index.sample_ids)}
+    stats = ctx.cache_stats(fingerprint)  # records and bytes: the writers' summaries
+    counts = {"records": stats.records, "indexed": 0 if page is None else page.total}
     for status in ("pending", "running"):
         counts[status] = sum(j.counts[status] for j in jobs)
     failed = failures_of(ctx.cache, fingerprint)
     counts["failed"] = failed["count"]
-    if index is not None:
-        recipe, version, params = index.recipe, index.recipe_version, dict(index.params)
-        ids = [str(s) for s in index.sample_ids[offset : offset + limit]]
+    if page is not None:
+        recipe, version, params = page.recipe, page.recipe_version, page.params
     else:
         recipe, params = jobs[0].recipe, jobs[0].params
         version = RECIPE_SPECS[recipe].version
-        ids = []
     return {
         "fingerprint": fingerprint,
         "recipe": recipe,
@@ -133,11 +131,11 @@ def get_cache(
         "params": params,
         "counts": counts,
         "bytes": stats.bytes,
-        "created": None if index is None else (index.created or None),
+        "created": None if page is None else (page.created or None),
         "failed": failed,
         "index": None
-        if index is None
-        else {"offset": offset, "limit": limit, "total": len(index.sample_ids), "sample_ids": ids},
+        if page is None
+        else {"offset": offset, "limit": limit, "total": page.total, "sample_ids": page.sample_ids},
         "jobs": [j.id for j in jobs],
     }
 

@@ -92,6 +92,7 @@ __all__ = [
     "Summary",
     "SampleError",
     "ItemResult",
+    "check_device",
     "resolve_device",
 ]
 
@@ -103,10 +104,37 @@ _END: Any = object()
 _WAIT_S = 0.5
 
 
+def check_device(device: str) -> None:
+    """Raise ParameterError when ``device`` names a CUDA device this machine does not
+    have (no CUDA at all, or an index past the last device); ``auto`` and ``cpu`` always
+    pass. Never initialises CUDA (availability and count only), so a process that forks
+    afterwards may call it; the one availability rule :func:`resolve_device` and the
+    worker's start-up check share."""
+    if device == "auto":
+        return
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ParameterError(
+            [f"device: {device!r} requested but CUDA is not available"], what="engine options"
+        )
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ParameterError(
+            [
+                (
+                    f"device: {device!r} requested but only "
+                    f"{torch.cuda.device_count()} CUDA device(s) exist"
+                )
+            ],
+            what="engine options",
+        )
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> the current CUDA device if CUDA works here, else ``cpu``.
 
-    Raises ParameterError for a CUDA device that is not available.
+    Raises ParameterError for a CUDA device that is not available (:func:`check_device`).
     """
     if device == "auto":
         return (
@@ -114,24 +142,10 @@ def resolve_device(device: str) -> torch.device:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+    check_device(device)
     dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ParameterError(
-                [f"device: {device!r} requested but CUDA is not available"], what="engine options"
-            )
-        index = torch.cuda.current_device() if dev.index is None else dev.index
-        if index >= torch.cuda.device_count():
-            raise ParameterError(
-                [
-                    (
-                        f"device: {device!r} requested but only "
-                        f"{torch.cuda.device_count()} CUDA device(s) exist"
-                    )
-                ],
-                what="engine options",
-            )
-        dev = torch.device("cuda", index)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 

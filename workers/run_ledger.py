@@ -277,6 +277,8 @@ class RunLedger:
         # interrupt between the commit and its report must not leave a stored record
         # out of the index (see _write_index)
         self.committing: dict[str, str] = {}
+        # whether this run stored any record (skipped ones are not stored)
+        self.wrote = False
 
     def key(self, sample_id: str, variant: int = 0) -> str:
         return record_key(self.summary.fingerprint, sample_id, variant)
@@ -337,8 +339,9 @@ class RunLedger:
     def finish_all(self, item: WorkItem, status: str, **more: Any) -> None:
         """Report each wanted record of ``item`` with one status (a failure or skip of
         the whole sample)."""
+        prefix = f"{self.summary.fingerprint}/"  # the id was validated when admitted
         for variant in range(item.variants):
-            key = self.key(item.sample_id, variant) if status == "skipped" else ""
+            key = prefix + record_id(item.sample_id, variant) if status == "skipped" else ""
             self.finish(
                 ItemResult(item.sample_id, item.path, status, key=key, variant=variant, **more)
             )
@@ -367,7 +370,9 @@ class RunLedger:
         engine's writer keeps them): an interrupt between a commit and its report must
         not leave a stored record out of the index. (The Ray driver, whose commit an
         interrupt can cut short, uses ``committing`` and checks the store instead.)"""
-        self.stored_ids.update(sample_ids)
+        committed = set(sample_ids)
+        self.stored_ids.update(committed)
+        self.wrote = self.wrote or bool(committed)
 
     def skip_unchanged(self, work: list[WorkItem]) -> list[WorkItem]:
         """Each item with its stored records' source hashes (every wanted variant's); the
@@ -434,6 +439,7 @@ class RunLedger:
         if result.status == "done":
             summary.done += 1
             self.stored_ids.add(rid)
+            self.wrote = True
             if rid in self.known_failures and self.failures is not None:
                 try:
                     self.failures.forget(summary.fingerprint, [rid])
@@ -523,6 +529,7 @@ class RunLedger:
                 and self.stored_source_hash(f"{fingerprint}/{rid}") == source_hash
             ):
                 self.stored_ids.add(rid)
+                self.wrote = True
         self.committing = {}
         ran = [sid for sid in self.admitted if sid in self.stored_ids]
         try:
@@ -543,10 +550,11 @@ class RunLedger:
                 n += 1
             counts[sid] = max(n, old_counts.get(sid, 1))
         ids = append_ids(old, ran)
-        if len(ids) == len(old) and not ran:
-            # nothing stored by this run. (A run that stored records writes the index even
-            # when it lists them all: a sharded snapshot's lists every committed record
-            # before its index.json is written.)
+        if not self.wrote and len(ids) == len(old) and counts == old_counts:
+            # this run stored nothing and the index lists all it found: nothing to write
+            # (a re-run over unchanged sources rewrote a million ids). A run that stored
+            # records writes the index even when it lists them all: a sharded snapshot's
+            # lists every committed record before its index.json is written.
             return
         store.put_index(
             DatasetIndex(

@@ -544,6 +544,7 @@ def run_worker(
     from cache_store.errors import CacheOwned, LimitTooSmall
     from cache_store.jobs.owner_lock import WorkerLock
     from cache_store.location import check_cache_dir
+    from workers.engine import check_device
 
     if not cache.exists():
         raise UsageError(
@@ -552,6 +553,7 @@ def run_worker(
         )
     check_cache_dir(cache, write=True)
     loop = WorkerLoop(cache, options=options, **loop_options)
+    check_device(options.device)  # a CUDA device this machine lacks: refused likewise
     loop.choose_backend()  # a backend that cannot run here: refused before any claim
     if loop.size_limit is not None:
         try:

@@ -13,9 +13,9 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = ["BATCH_BUFFERS", "BufferPool", "allocate", "in_dataloader_worker"]
@@ -74,6 +74,8 @@ class BufferPool:
         self.lock = threading.Lock()
 
     def take(self, size: int) -> np.ndarray:
+        import numpy as np
+
         if size > self.largest:
             return np.empty(size, dtype=np.uint8)
         with self.lock:

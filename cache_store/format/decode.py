@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from cache_store.errors import CorruptRecord, ParameterError, UnknownName
@@ -19,7 +18,7 @@ from cache_store.format.buffers import allocate, in_dataloader_worker
 from cache_store.format.descriptor import DescriptorLookup, bind_metadata
 from cache_store.format.header import (
     ITEMSIZE,
-    NUMPY_DTYPES,
+    numpy_dtypes,
     TORCH_DTYPES,
     RecordHeader,
     TensorInfo,
@@ -28,6 +27,7 @@ from cache_store.format.header import (
 )
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = [
@@ -89,6 +89,8 @@ def verified_field(view: memoryview, header: RecordHeader, name: str, key: str) 
 
 def _check_bools(data: Any, name: str, key: str) -> None:
     """The one rule for a BOOL field's bytes, for every reader: each is 0 or 1."""
+    import numpy as np
+
     if np.frombuffer(data, dtype=np.uint8).max(initial=0) > 1:
         raise CorruptRecord(key, f"tensor {name!r}: BOOL bytes other than 0 and 1")
 
@@ -166,6 +168,7 @@ def _record_tensors(
     place would not be aligned for its dtype, starts a new 8-byte aligned run. Each field
     is then hashed from the copy, so what is verified is what is returned.
     """
+    import numpy as np
     import torch
 
     infos, checksums = header.tensors, header.field_checksums
@@ -194,6 +197,7 @@ def _record_tensors(
         span(0, begin, end, out[offset : offset + end - begin])  # type: ignore[misc]
     tensors = {}
     from_numpy, hexdigest = torch.from_numpy, xxhash.xxh3_64_hexdigest
+    np_dtypes = numpy_dtypes()
     for name, info, offset in slots:
         dtype, shape, begin, end = info
         nbytes = end - begin
@@ -202,7 +206,7 @@ def _record_tensors(
             fill(0, name, info, copy)
         if hexdigest(copy) != checksums[name]:
             raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
-        np_dtype = NUMPY_DTYPES.get(dtype)
+        np_dtype = np_dtypes.get(dtype)
         if dtype == "BOOL":
             _check_bools(copy, name, key)
         if not nbytes:
@@ -358,6 +362,8 @@ def decode_arrays(
     Returns ``(arrays, metadata)``; each array owns its memory. ``BF16`` fields (NumPy
     has no bfloat16) raise ``ParameterError``.
     """
+    import numpy as np
+
     view = byte_view(value, key)
     header = parse_view(view, key)
     arrays = {}
@@ -368,7 +374,7 @@ def decode_arrays(
         flat = np.frombuffer(view[info.begin : info.end], dtype=np.uint8).copy()
         if xxhash.xxh3_64_hexdigest(flat.data) != header.field_checksums[name]:  # the copy, cached
             raise CorruptRecord(key, f"checksum mismatch in tensor {name!r}")
-        array = flat.view(NUMPY_DTYPES[info.dtype]).reshape(info.shape)
+        array = flat.view(numpy_dtypes()[info.dtype]).reshape(info.shape)
         if info.dtype == "BOOL":
             _check_bools(flat, name, key)
         arrays[name] = array

@@ -6,12 +6,12 @@ record's fields, and rewriting a format-1 record as format 2."""
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import sys
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from cache_store.errors import CorruptRecord, ParameterError
@@ -25,7 +25,7 @@ from cache_store.format.header import (
     HEADER_LENGTH,
     ITEMSIZE,
     MANAGED_METADATA,
-    NUMPY_DTYPES,
+    numpy_dtypes,
     REQUIRED_METADATA,
     byte_view,
     check_names_key,
@@ -33,6 +33,9 @@ from cache_store.format.header import (
     read_header,
     sign_header,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "EncodedRecord",
@@ -59,7 +62,12 @@ class EncodedRecord(bytes):
 
 
 _FROM_TORCH = {f"torch.{v}": k for k, v in DTYPES.items()}
-_FROM_NUMPY = {v: k for k, v in NUMPY_DTYPES.items()}
+
+
+@functools.cache
+def _from_numpy() -> dict[Any, str]:
+    """NumPy dtype -> safetensors dtype name."""
+    return {v: k for k, v in numpy_dtypes().items()}
 
 
 def _bad(name: str, problem: str) -> ParameterError:
@@ -67,14 +75,18 @@ def _bad(name: str, problem: str) -> ParameterError:
 
 
 def _numpy_bytes_view(name: str, array: np.ndarray) -> tuple[str, tuple[int, ...], memoryview]:
-    dtype = _FROM_NUMPY.get(array.dtype.newbyteorder("="))
+    import numpy as np
+
+    dtype = _from_numpy().get(array.dtype.newbyteorder("="))
     if dtype is None:
         raise _bad(name, f"numpy dtype {array.dtype} has no safetensors name here")
-    array = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[dtype])  # native order
+    array = np.ascontiguousarray(array, dtype=numpy_dtypes()[dtype])  # native order
     return dtype, tuple(array.shape), array.reshape(-1).view(np.uint8).data
 
 
 def _as_bytes_view(name: str, tensor: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    import numpy as np
+
     if isinstance(tensor, np.ndarray):
         return _numpy_bytes_view(name, tensor)
     torch = sys.modules.get("torch")

@@ -46,6 +46,7 @@ together on every record read; split, each read would cross modules for one head
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import sys
@@ -53,12 +54,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-import numpy as np
 import xxhash
 
 from cache_store.errors import CorruptRecord, UnsupportedFormat
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = [
@@ -70,7 +71,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "DTYPES",
     "ITEMSIZE",
-    "NUMPY_DTYPES",
+    "numpy_dtypes",
     "TORCH_DTYPES",
     "HEADER_LENGTH",
     "BLANK_CHECKSUM",
@@ -149,7 +150,16 @@ ITEMSIZE = {
     "F32": 4,
     "F64": 8,
 }
-NUMPY_DTYPES = {k: np.dtype(v) for k, v in DTYPES.items() if k != "BF16"}
+
+
+@functools.cache
+def numpy_dtypes() -> dict[str, np.dtype[Any]]:
+    """Safetensors dtype name -> NumPy dtype (``BF16`` has none). A function, not a
+    constant, so that NumPy loads where a record's tensors are touched, not where a
+    header is read (``spcache ls``/``stats`` never load it)."""
+    import numpy as np
+
+    return {k: np.dtype(v) for k, v in DTYPES.items() if k != "BF16"}
 
 
 def torch_dtype(name: str) -> torch.dtype:

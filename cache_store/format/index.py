@@ -15,13 +15,13 @@ import datetime as _dt
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from cache_store.errors import CorruptRecord, ParameterError, SpcacheError
-from cache_store.format.decode import decode_arrays
+from cache_store.format.decode import decode_arrays, verified_field
 from cache_store.format.encode import encode_tensors
+from cache_store.format.header import byte_view, parse_view
 from cache_store.format.ids import pack_ids, unpack_ids
 from cache_store.keys import (
     canonical_json,
@@ -30,8 +30,20 @@ from cache_store.keys import (
     validate_fingerprint,
     validate_sample_id,
 )
+import itertools
 
-__all__ = ["INDEX_KIND", "DatasetIndex", "append_ids", "encode_index", "decode_index"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = [
+    "INDEX_KIND",
+    "DatasetIndex",
+    "IndexPage",
+    "append_ids",
+    "encode_index",
+    "decode_index",
+    "index_page",
+]
 
 #: The ``kind`` metadata of a stored dataset index.
 INDEX_KIND = "spcache.dataset_index"
@@ -57,6 +69,8 @@ class DatasetIndex:
     variants: np.ndarray | None = None
 
     def __post_init__(self) -> None:
+        import numpy as np
+
         validate_fingerprint(self.fingerprint)
         expected = compute_fingerprint(self.recipe, self.recipe_version, self.params)
         if expected != self.fingerprint:
@@ -124,6 +138,8 @@ class DatasetIndex:
 
     def variant_counts(self) -> np.ndarray:
         """How many variants each sample has stored: uint16 ``[n]`` (ones without any)."""
+        import numpy as np
+
         if self.variants is None:
             return np.ones(len(self), dtype=np.uint16)
         return self.variants
@@ -179,6 +195,8 @@ def encode_index(index: DatasetIndex) -> bytes:
 
 def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
     """Inverse of :func:`encode_index`; raises ``CorruptRecord`` naming ``key``."""
+    import numpy as np
+
     arrays, meta = decode_arrays(value, key=key)
     try:
         if meta.get("kind") != INDEX_KIND:
@@ -216,9 +234,85 @@ def decode_index(value: Any, *, key: str = "") -> DatasetIndex:
         raise CorruptRecord(key, f"bad dataset index: {exc}") from None
 
 
+@dataclass(frozen=True)
+class IndexPage:
+    """What describes a stored index, and the ids ``offset .. offset + len(sample_ids)``
+    of it (``total``: how many it holds)."""
+
+    fingerprint: str
+    recipe: str
+    recipe_version: int
+    params: dict[str, Any]
+    created: str
+    total: int
+    offset: int
+    sample_ids: list[str]
+
+    @classmethod
+    def of(cls, index: DatasetIndex, offset: int, limit: int) -> IndexPage:
+        """The page of an index already decoded."""
+        return cls(
+            index.fingerprint,
+            index.recipe,
+            index.recipe_version,
+            dict(index.params),
+            index.created,
+            len(index),
+            offset,
+            [str(s) for s in index.sample_ids[offset : offset + limit]],
+        )
+
+
+def index_page(value: Any, offset: int, limit: int, *, key: str = "") -> IndexPage:
+    """Ids ``offset .. offset + limit`` of a stored index (:func:`encode_index`) without
+    building the others: what a view of one page of a million ids needs (the service's
+    cache view). The checks are :func:`decode_index`'s: both fields' checksums over their
+    stored bytes (no copy), the offsets' ends, and the page's offsets in order; raises
+    ``CorruptRecord`` naming ``key``."""
+    import numpy as np
+
+    if offset < 0 or limit < 0:
+        raise ValueError(f"offset {offset} and limit {limit} must be >= 0")
+    view = byte_view(value, key)
+    header = parse_view(view, key)
+    meta = header.metadata
+    try:
+        if meta.get("kind") != INDEX_KIND:
+            raise ValueError(f"kind {meta.get('kind')!r} is not a dataset index")
+        kinds = {name: info.dtype for name, info in header.tensors.items()}
+        if kinds.get("sample_ids_utf8") != "U8" or kinds.get("sample_id_offsets") != "I64":
+            raise ValueError("unexpected dtypes for sample ids")
+        blob = verified_field(view, header, "sample_ids_utf8", key)
+        offsets = np.frombuffer(verified_field(view, header, "sample_id_offsets", key), "<i8")
+        if offsets.size == 0 or offsets[0] != 0 or offsets[-1] != len(blob):
+            raise ValueError("sample id offsets do not cover the id bytes")
+        total = offsets.size - 1
+        bounds = offsets[min(offset, total) : min(offset + limit, total) + 1].tolist()
+        if any(b < a for a, b in itertools.pairwise(bounds)):
+            raise ValueError("sample id offsets go backwards")
+        ids = [bytes(blob[a:b]).decode("utf-8") for a, b in itertools.pairwise(bounds)]
+        params = json.loads(meta["params"])
+        if not isinstance(params, dict):
+            raise ValueError("params is not a JSON object")
+        fingerprint, recipe = meta["fingerprint"], meta["recipe"]
+        version = int(meta["recipe_version"])
+        validate_fingerprint(fingerprint)
+        if compute_fingerprint(recipe, version, params) != fingerprint:
+            raise ValueError("fingerprint does not match recipe and params")
+    except (KeyError, ValueError, TypeError, UnicodeDecodeError, SpcacheError) as exc:
+        if isinstance(exc, CorruptRecord):
+            raise
+        raise CorruptRecord(key, f"bad dataset index: {exc}") from None
+    return IndexPage(
+        fingerprint, recipe, version, params, meta.get("created", ""), total, offset, ids
+    )
+
+
 def _variant_counts(counts: Any, n: int) -> np.ndarray | None:
     """``counts`` as uint16 ``[n]``, each in ``1 .. MAX_VARIANTS``; None when absent or
     all ones (one record per sample: the index is stored as before variants)."""
+    import numpy as np
+
     if counts is None:
         return None
     raw = np.asarray(counts)

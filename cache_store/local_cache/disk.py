@@ -229,8 +229,7 @@ class LocalDisk:
 
     @contextlib.contextmanager
     def _fetch_lock(self, digest: str) -> Iterator[None]:
-        stripe = int(digest[:8], 16) % FETCH_STRIPES
-        fd = _open(self._path("fetch", f"{stripe:02d}.lock"), os.O_RDWR | os.O_CREAT)
+        fd = _open(self._path("fetch", f"{self.stripe(digest):02d}.lock"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -241,6 +240,12 @@ class LocalDisk:
     def digest(name: str) -> str:
         """The file name of unit ``name``'s copy under ``data/``."""
         return hashlib.blake2b(name.encode("utf-8"), digest_size=16).hexdigest()
+
+    @staticmethod
+    def stripe(digest: str) -> int:
+        """Which of the ``FETCH_STRIPES`` fetch locks the unit of ``digest`` takes (units
+        of one stripe are fetched one at a time, by any process)."""
+        return int(digest[:8], 16) % FETCH_STRIPES
 
     # -- counting -----------------------------------------------------------------
     def _block(self) -> int:

@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from cache_store.errors import ParameterError
-from cache_store.views.hop import LocatedBatch, LocatedSample
+from cache_store.views.hop import LocatedBatch, LocatedSample, collate_located
 
 __all__ = ["collate_spc", "SpcSample", "CONCATENATED_FIELDS", "PYRAMID_FIELDS"]
 
@@ -27,6 +28,10 @@ CONCATENATED_FIELDS = (
 
 #: Per-octree pyramids: stacked, and every sample must have the same level.
 PYRAMID_FIELDS = ("pyramid", "pyramid_dual")
+
+# default_collate over a views=True dataset's located samples collates their tensors
+# (torch's documented way to teach default_collate a type)
+default_collate_fn_map[LocatedSample] = collate_located
 
 
 class SpcSample(dict[str, Any]):

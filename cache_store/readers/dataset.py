@@ -443,7 +443,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _finish(self, record: Any, i: int) -> Any:
         sample_id = self.sample_id(i)
-        if record.place is not None and self.transform is None and in_dataloader_worker():
+        if record.place is not None and self._hands_over():
             source = (self._store.opener, self.fields, self.verify, self._variable, SpcSample)
             return LocatedSample(source, self.key(i), (record.place, record.checksum))  # hop
         sample = SpcSample(record.tensors, self._variable, sample_id)
@@ -503,9 +503,16 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """``"views"`` or ``"copies (why)"``: the path this process's reads take."""
         return read_path(self._store_here(), self.views)
 
+    def _hands_over(self) -> bool:
+        """Whether a record read as views here is handed on as where it lies (a
+        ``LocatedSample``: the hop), not as tensors: in a DataLoader worker, without a
+        ``transform``. Its views then never leave this process's reader."""
+        return self.transform is None and in_dataloader_worker()
+
     def _records(self, keys: list[str], batch: bool) -> list[Any]:
         fields = None if self.fields is None else list(self.fields)
-        return read_records(self._store_here(), keys, fields, self.views, self.verify, batch)
+        store, transient = self._store_here(), self.views and self._hands_over()
+        return read_records(store, keys, fields, self.views, self.verify, batch, transient)
 
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))

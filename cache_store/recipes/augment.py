@@ -43,9 +43,11 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
 
 from cache_store.recipes.specs import FieldSpec, ParamSpec
+
+if TYPE_CHECKING:
+    import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover - for annotations only
     import torch
@@ -152,6 +154,7 @@ def augment_points(
     Returns:
         :class:`Augmented`: the points (float64 ``[N, 3]``) and the matrix.
     """
+    import numpy as np
     import torch
 
     pts = torch.as_tensor(points).to(torch.float64)
@@ -189,6 +192,8 @@ def augment_points(
 def transform_points(matrix: np.ndarray, points: np.ndarray) -> np.ndarray:
     """``points`` (float ``[N, 3]``) through a 4 x 4 augmentation: float64 ``[N, 3]``
     (for what goes with the points, a mesh's vertices: no jitter, no second fit)."""
+    import numpy as np
+
     m = np.asarray(matrix, dtype=np.float64)
     return np.asarray(points, dtype=np.float64) @ m[:3, :3].T + m[:3, 3]
 

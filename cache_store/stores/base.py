@@ -56,8 +56,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import numpy as np
-
 from cache_store.errors import (
     CacheDamaged,
     CorruptRecord,
@@ -84,7 +82,7 @@ from cache_store.format.descriptor import (
     parse_descriptor,
 )
 from cache_store.format.header import RecordHeader, read_header
-from cache_store.format.index import DatasetIndex
+from cache_store.format.index import DatasetIndex, IndexPage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
 from cache_store.views.records import Place
 
@@ -142,6 +140,8 @@ class BlockLayout:
     @classmethod
     def of_labels(cls, labels: Sequence[str]) -> BlockLayout:
         """The layout of samples whose blocks are named ``labels`` (one per sample)."""
+        import numpy as np
+
         names, of_sample = np.unique(np.array(labels, dtype=str), return_inverse=True)
         return cls(tuple(str(n) for n in names), of_sample.astype(np.int64))
 
@@ -313,6 +313,12 @@ class Store(abc.ABC):
     def get_index(self, fingerprint: str) -> DatasetIndex:
         """The index of ``fingerprint``; raises :class:`FingerprintLookupError`."""
 
+    def get_index_page(self, fingerprint: str, offset: int, limit: int) -> IndexPage:
+        """Ids ``offset .. offset + limit`` of the index of ``fingerprint`` and what
+        describes it; raises as :meth:`get_index`. Backends that can decode one page of a
+        stored index (LMDB) do, instead of every id."""
+        return IndexPage.of(self.get_index(fingerprint), offset, limit)
+
     @abc.abstractmethod
     def fingerprints(self) -> list[str]:
         """Fingerprints that have an index, sorted."""
@@ -481,6 +487,7 @@ class Store(abc.ABC):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
+        transient: bool = False,
     ) -> list[Record] | None:
         """The records of ``keys`` as read-only tensors viewing this store's own file
         (no copy), checked as :meth:`get_records` checks them, their fields hashed as
@@ -488,6 +495,10 @@ class Store(abc.ABC):
         verified for as long as any tensor views them, and each record's ``place`` says
         where they lie. ``checked``: key -> ``(place, checksum)`` another process hashed
         (a DataLoader worker's), trusted where the record is still that version there.
+        ``transient``: the caller copies the views and drops them before it hands
+        anything on (the hop's pack): they may be slices of read-only mappings kept
+        across reads (:class:`~cache_store.views.mapping.Windows`), which a write
+        through would fault.
         None: this backend has no local file to lend (:meth:`views_refused` says why),
         or a record lies where no view can be made; the caller reads copies. Raises
         like :meth:`get_records`."""

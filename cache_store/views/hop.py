@@ -11,6 +11,13 @@ counts (:func:`cache_store.views.records.view_record`'s ``checked``), else it is
 and hashed there; a batch is then packed by ``collate_spc`` (one copy into Kaolin's
 layout, in the training process), a single sample returned as views.
 
+A ``collate_fn`` other than ``collate_spc`` gets the located samples too; each reads
+its record in the worker (as views of its own mapping, checked as every read) the first
+time it is indexed (``sample["octree"]``), and ``default_collate`` collates the samples
+(:func:`collate_located`), so a custom ``collate_fn`` batches tensors as it would from
+``views=False``; its batch crosses as tensors. One that returns the samples themselves
+hands them over as places.
+
 Where views cannot be taken in the training process (the store lends no file), the
 records are read as copies there. A ``transform`` runs in the worker on tensors, so a
 dataset with one keeps today's hop (tensors in shared memory).
@@ -21,7 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from cache_store.keys import split_key
@@ -31,7 +38,15 @@ if TYPE_CHECKING:
     from cache_store.format.decode import Record
     from cache_store.stores.base import Store
 
-__all__ = ["LocatedBatch", "LocatedSample", "Source", "open_batch", "open_sample", "packed"]
+__all__ = [
+    "LocatedBatch",
+    "LocatedSample",
+    "Source",
+    "collate_located",
+    "open_batch",
+    "open_sample",
+    "packed",
+]
 
 #: How the training process opens the worker's store and makes its samples: a picklable
 #: ``open_store`` call, the fields read, ``verify``, the fields the recipe declares
@@ -41,18 +56,72 @@ Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str
 
 class LocatedSample:
     """One checked record, as a DataLoader worker hands it on: its key and
-    ``(place, checksum)``. Unpickled in the training process as the sample's views."""
+    ``(place, checksum)``. Unpickled in the training process as the sample's views.
 
-    __slots__ = ("checked", "key", "source")
+    Indexed as the sample (``sample["octree"]``, ``keys()``, ``items()``,
+    ``sample_id``, ...: a ``collate_fn`` other than ``collate_spc`` reading it), it is
+    the sample read in this process on first use (:meth:`sample`); ``default_collate``
+    collates the samples (:func:`collate_located`). It is no ``Mapping``: the
+    DataLoader's ``default_convert`` (``batch_size=None``) hands it over as it is."""
+
+    __slots__ = ("_sample", "checked", "key", "source")
 
     def __init__(self, source: Source, key: str, checked: tuple[Place, str]) -> None:
         self.source, self.key, self.checked = source, key, checked
+        self._sample: Any = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         return open_sample, (self.source, self.key, self.checked)
 
+    def sample(self) -> Any:
+        """The sample (an ``SpcSample``) as views of this process's own mapping of the
+        record (its pages private to the sample, as ``ds[i]`` returns them), read once."""
+        if self._sample is None:
+            self._sample = open_sample(self.source, self.key, self.checked)
+        return self._sample
+
+    def __getitem__(self, name: str) -> Any:
+        return self.sample()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sample())
+
+    def __len__(self) -> int:
+        return len(self.sample())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.sample()
+
+    def keys(self) -> Any:
+        return self.sample().keys()
+
+    def values(self) -> Any:
+        return self.sample().values()
+
+    def items(self) -> Any:
+        return self.sample().items()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.sample().get(name, default)
+
+    @property
+    def sample_id(self) -> str | None:
+        return self.sample().sample_id
+
+    @property
+    def variable(self) -> frozenset[str]:
+        return self.sample().variable
+
     def __repr__(self) -> str:
         return f"LocatedSample({self.key!r}, {self.checked!r})"
+
+
+def collate_located(batch: Sequence[LocatedSample], *, collate_fn_map: Any = None) -> Any:
+    """``default_collate`` of located samples: of their samples' tensors (registered in
+    torch's ``default_collate_fn_map`` for :class:`LocatedSample` by the reader)."""
+    from torch.utils.data._utils.collate import collate
+
+    return collate([s.sample() for s in batch], collate_fn_map=collate_fn_map)
 
 
 class LocatedBatch:
@@ -89,12 +158,14 @@ def _store(opener: Callable[[], Store]) -> Store:
         return found[1]
 
 
-def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> list[Record]:
+def _records(
+    source: Source, items: Sequence[tuple[str, tuple[Place, str]]], transient: bool
+) -> list[Record]:
     opener, fields, verify, _, _ = source
     store = _store(opener)
     keys = [key for key, _ in items]
     names = None if fields is None else list(fields)
-    viewed = store.view_records(keys, names, verify, checked=dict(items))
+    viewed = store.view_records(keys, names, verify, checked=dict(items), transient=transient)
     if viewed is not None:
         return viewed
     return store.get_records(keys, fields=names)
@@ -102,7 +173,7 @@ def _records(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> 
 
 def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:
     """In the training process: the sample a worker located, as views (or a copy)."""
-    record = _records(source, [(key, checked)])[0]
+    record = _records(source, [(key, checked)], False)[0]
     return source[4](record.tensors, source[3], split_key(key)[1])
 
 
@@ -113,7 +184,7 @@ def open_batch(
     (``collate_spc``: Kaolin's packed layout) after one copy of each record's fields
     (:func:`packed`), of which it then takes views."""
     sample, variable = source[4], source[3]
-    tensors = packed([r.tensors for r in _records(source, items)])
+    tensors = packed([r.tensors for r in _records(source, items, True)])  # copied here
     ids = [split_key(key)[1] for key, _ in items]
     return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
 

@@ -31,7 +31,13 @@ from typing import Any
 from cache_store.errors import CorruptRecord
 from cache_store.format.decode import Record, selected_fields, verified_field
 from cache_store.format.descriptor import DescriptorLookup, bind_metadata
-from cache_store.format.header import ITEMSIZE, TORCH_DTYPES, RecordHeader, parse_view
+from cache_store.format.header import (
+    HEADER_LENGTH,
+    ITEMSIZE,
+    TORCH_DTYPES,
+    RecordHeader,
+    parse_view,
+)
 from cache_store.views.mapping import MappedRange
 
 __all__ = [
@@ -85,6 +91,37 @@ class VerifiedOnce:
 VERIFIED = VerifiedOnce()
 
 
+class ParsedHeaders:
+    """The headers this process parsed at places, by their exact bytes: a view's header
+    is parsed (JSON, header checksum, layout) only when its bytes differ from the last
+    parse at that place, as parsing is a function of the bytes, the length and the key
+    (the cost of a parse is a third of a view's). Bounded (``limit`` places)."""
+
+    def __init__(self, limit: int = 8192) -> None:
+        self.limit = limit
+        self.seen: dict[Place, tuple[bytes, str, RecordHeader]] = {}
+
+    def parse(self, view: memoryview, key: str, place: Place) -> RecordHeader:
+        """The header of the record value ``view`` of ``key`` (``parse_view``)."""
+        size = HEADER_LENGTH.size
+        raw = b""
+        if view.nbytes >= size:
+            (n,) = HEADER_LENGTH.unpack_from(view, 0)
+            raw = bytes(view[size : size + min(n, view.nbytes)])
+            found = self.seen.get(place)
+            if found is not None and found[0] == raw and found[1] == key:
+                return found[2]
+        header = parse_view(view, key)
+        if len(self.seen) >= self.limit:
+            self.seen.clear()
+        self.seen[place] = (raw, key, header)
+        return header
+
+
+#: This process's parsed headers (a dict's single get and set are atomic).
+HEADERS = ParsedHeaders()
+
+
 def aligned(mapped: MappedRange, at: int, header: RecordHeader, names: list[str]) -> bool:
     """Whether every field lies aligned for its dtype in memory (a small LMDB value in a
     leaf page may be 2-byte aligned only: such a record is read as a copy)."""
@@ -124,7 +161,7 @@ def view_record(
 
     array = mapped.array()
     view = array[at : at + length].data  # a memoryview of the mapped bytes
-    header = parse_view(view, key)
+    header = HEADERS.parse(view, key, place)  # its length is in ``place``
     if expect_checksum is not None and header.checksum != expect_checksum:
         raise CorruptRecord(key, "record checksum differs from its manifest's")
     names = selected_fields(header, fields, key)
@@ -163,12 +200,19 @@ def tensors_of(
 
 
 def read_records(
-    store: Any, keys: list[str], fields: list[str] | None, views: bool, verify: str, batch: bool
+    store: Any,
+    keys: list[str],
+    fields: list[str] | None,
+    views: bool,
+    verify: str,
+    batch: bool,
+    transient: bool = False,
 ) -> list[Record]:
     """The records of ``keys`` in ``store``: views where asked for and the store lends
-    them (``Store.view_records``), else copies (a batch in one storage, or one record)."""
+    them (``Store.view_records``; ``transient`` as there), else copies (a batch in one
+    storage, or one record)."""
     if views:
-        viewed = store.view_records(keys, fields, verify)
+        viewed = store.view_records(keys, fields, verify, transient=transient)
         if viewed is not None:
             return viewed
     if batch:

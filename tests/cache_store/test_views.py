@@ -3,7 +3,11 @@
 What holds: a view equals a plain read; an in-place update raises and never reaches the
 cache; a version is hashed once per process (and ``verify="always"`` hashes every read);
 a view's bytes stay the verified ones across writers reusing pages, a fork, a store's
-close and a compaction; a lease ends with its last view.
+close and a compaction; a lease ends with its last view. Windows (the long-lived
+read-only mappings the hop packs a batch from): a transient view is a slice of one, kept
+across reads, a store's close and the fork of workers, and keeps its bytes as a user's
+view does; a window with a detached range is never sliced again; a compaction retires the
+old file's windows; a view handed to a user never lies in a window.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from cache_store import CachedDataset
+from cache_store import CachedDataset, collate_spc
 from cache_store.errors import CorruptRecord
 from cache_store.format.header import read_header
 from cache_store.snapshot.sharded import ShardedSnapshot
 from cache_store.stores.lmdb import LMDBStore, compact_environment, shared_envs
+from cache_store.views import mapping
 from cache_store.testing.records import contract_record, fingerprint_of, index_of
 from cache_store.views.records import VERIFIED
 
@@ -229,3 +235,89 @@ def test_forked_workers_hand_over_places_not_bytes(tmp_path: Path) -> None:
     [sample] = list(single)
     assert sample["octree"].is_inference()  # a sample crosses as places, opened as views
     _same(sample, plain[2])
+
+
+def _data(path: Path) -> str:
+    return os.path.join(os.path.realpath(path / "records"), "data.mdb")
+
+
+def _transient(store: LMDBStore, sid: str) -> dict[str, torch.Tensor]:
+    [record] = store.view_records([f"{FP}/{sid}"], None, "once", transient=True)
+    return record.tensors
+
+
+def test_transient_views_are_window_slices_that_keep_their_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "cache"
+    _cache(path)
+    plain = CachedDataset(path, FP)
+    store = LMDBStore(path)
+    held = [_transient(store, sid) for sid in IDS]
+    windows = mapping.windows_at(_data(path))
+    [window] = windows.open.values()  # six records, one window
+    for tensors, i in zip(held, range(len(IDS)), strict=True):
+        _same(tensors, plain[i])
+        base = tensors["octree"].untyped_storage().data_ptr()
+        assert window.addr <= base < window.addr + window.size
+    user = CachedDataset(path, FP, views=True)[0]["octree"]  # handed out: its own pages
+    assert not window.addr <= user.untyped_storage().data_ptr() < window.addr + window.size
+
+    copies = [{k: v.clone() for k, v in t.items()} for t in held]
+    _churn(path, 4)  # pages freed meanwhile are never reused while the views live
+    for tensors, copy in zip(held, copies, strict=True):
+        _same(tensors, copy)
+
+    pid = os.fork()  # the hook detaches live views: the window is spoiled for new ones
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert window.spoiled
+    _churn(path, 4)
+    for tensors, copy in zip(held, copies, strict=True):
+        _same(tensors, copy)
+    again = _transient(store, IDS[0])
+    _same(again, copies[0])
+    assert mapping.windows_at(_data(path)).open[0] is not window  # a fresh window
+
+    compact_environment(path)  # a new data.mdb: the old file's windows are retired
+    _churn(path, 2)
+    _same(_transient(store, IDS[1]), copies[1])
+    assert windows.retired
+    assert mapping.windows_at(_data(path)).identity != windows.identity
+    _same(again, copies[0])
+    store.close()
+    del held, again, window, windows
+    gc.collect()
+    VERIFIED.clear()
+
+
+def test_the_hop_packs_from_windows_kept_across_epochs(tmp_path: Path) -> None:
+    """Each epoch forks its workers (the fork hook closes the environment): the training
+    process's windows stay, so a later epoch maps, and faults in, nothing again."""
+    path = tmp_path / "cache"
+    _cache(path)
+    views = CachedDataset(path, FP, views=True)
+    plain = CachedDataset(path, FP)
+    order = [4, 1, 5, 0, 2, 3]
+    loader = DataLoader(
+        views,
+        batch_size=3,
+        sampler=order,
+        num_workers=2,
+        collate_fn=collate_spc,
+        multiprocessing_context="fork",
+    )
+    seen = []
+    for _ in range(3):
+        for b, batch in enumerate(loader):
+            want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+            for name in want:
+                if isinstance(want[name], list):
+                    assert batch[name] == want[name]
+                else:
+                    assert torch.equal(batch[name], want[name]), name
+        windows = mapping.windows_at(_data(path))
+        seen.append((windows, dict(windows.open)))
+    assert seen[0][1]  # the training process packed from a window
+    assert seen[1][0] is seen[0][0] and seen[2][0] is seen[0][0]
+    assert seen[2][1] == seen[0][1]  # the same windows, mapped once
+    VERIFIED.clear()

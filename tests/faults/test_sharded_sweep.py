@@ -16,7 +16,6 @@ it) while ``spcache merge --remove-orphans --orphan-age 0`` runs as a subprocess
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,12 @@ from typing import Any
 import pytest
 
 from cache_store.errors import SpcacheError
-from cache_store.snapshot.sharded import ShardedSnapshot, claims, orphan_parts, storage
+from cache_store.snapshot.sharded import ShardedSnapshot, claims, orphan_parts
 from tests.helpers.faults import report
 from tests.helpers.local_cache import FP
 from tests.helpers.procs import run_spcache
 from tests.helpers.s3 import S3Server, moto_s3
+from tests.helpers.sharded_writers import HeldWriter
 from tests.helpers.synthetic import make_record
 
 
@@ -47,50 +47,6 @@ def dest(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str,
         f"s3://{server.new_bucket()}/x/snap.zarr",
         {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"},
     )
-
-
-class _HeldWriter:
-    """A writer thread whose next manifest commit waits until :meth:`release`: its
-    part is written, its manifest not yet."""
-
-    def __init__(self, location: str, options: dict[str, Any], ids: list[str]) -> None:
-        self.store = ShardedSnapshot(location, readonly=False, storage_options=options)
-        self.ids = ids
-        self.at_commit = threading.Event()
-        self._go = threading.Event()
-        self._commit = True
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._write, daemon=True)
-
-    def start(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        real = storage.write_once
-
-        def held(fs: Any, path: str, data: bytes) -> None:
-            if "/commits/" in path and not self._go.is_set():
-                self.at_commit.set()
-                assert self._go.wait(120), "never released"
-                if not self._commit:
-                    raise RuntimeError("the writer died before its manifest")
-            real(fs, path, data)
-
-        monkeypatch.setattr(storage, "write_once", held)
-        self._thread.start()
-        assert self.at_commit.wait(120), "the writer never reached its commit"
-
-    def _write(self) -> None:
-        try:
-            self.store.put_many(
-                [(f"{FP}/{sid}", make_record(FP, sid, seed=n)) for n, sid in enumerate(self.ids)]
-            )
-        except Exception as exc:  # noqa: BLE001 - the test looks at it
-            self.error = exc
-
-    def release(self, *, commit: bool = True) -> None:
-        self._commit = commit
-        self._go.set()
-        self._thread.join(120)
-        assert not self._thread.is_alive()
-        self.store.close()
 
 
 def _listed(store: ShardedSnapshot, *parts: str) -> list[str]:
@@ -113,7 +69,7 @@ def test_a_part_being_written_is_never_an_orphan(
     with ShardedSnapshot(location, readonly=False, storage_options=options) as first:
         first.put_many([(f"{FP}/old", make_record(FP, "old", seed=99))])  # the fingerprint
     ids = [f"s{i:02d}" for i in range(24)]
-    writer = _HeldWriter(location, options, ids)
+    writer = HeldWriter(location, options, ids)
     writer.start(monkeypatch)
     store = ShardedSnapshot(location, storage_options=options)
     parts_during = _listed(store, FP, "parts")
@@ -158,7 +114,7 @@ def test_a_dead_writers_claim_and_part_are_swept(
     location, options = dest
     with ShardedSnapshot(location, readonly=False, storage_options=options) as first:
         first.put_many([(f"{FP}/old", make_record(FP, "old", seed=99))])
-    writer = _HeldWriter(location, options, ["a", "b"])
+    writer = HeldWriter(location, options, ["a", "b"])
     writer.start(monkeypatch)
     store = ShardedSnapshot(location, storage_options=options)
     assert orphan_parts(location, storage_options=options, older_than_s=0) == []

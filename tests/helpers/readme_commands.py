@@ -147,8 +147,8 @@ COMMANDS: dict[str, How] = {
     "none|lz4|lz4hc|zstd]   # a shareable snapshot": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
-    "spcache merge DEST.zarr [--fingerprint FP] [--remove-orphans]                 # index a "
-    "sharded snapshot (written by --engine ray)": How(
+    "spcache merge DEST.zarr [--fingerprint FP] [--remove-orphans] [--remove-superseded] "
+    "[--orphan-age SECONDS]   # index and keep a sharded snapshot": How(
         SYNOPSIS, "test_synopsis_lines_name_real_options"
     ),
     "spcache import DEST.zarr --cache CACHE_DIR [--fingerprint FP]                # copy a "
@@ -256,6 +256,12 @@ COMMANDS: dict[str, How] = {
     ),
     "spcache merge s3://bucket/l8.zarr                     # merge the manifests into the "
     "index (idempotent)": How(RUN, S3_TEST),
+    "spcache merge DEST.zarr --remove-superseded": How(
+        ELSEWHERE,
+        "tests/faults/test_sharded_superseded.py::test_two_runs_into_one_destination_then_"
+        "merge_reclaims_the_duplicates runs it after two runs into one directory and one "
+        "S3 destination (with --orphan-age 0 too)",
+    ),
     "spcache import s3://bucket/l8.zarr --cache /fast/spcache   # a local LMDB hot copy for "
     "training": How(RUN, S3_TEST),
     # -- More

@@ -22,24 +22,68 @@ CREDENTIALS = {
 }
 
 
+class Hold:
+    """Requests the server holds unanswered until :meth:`release` (see
+    :meth:`RequestLog.hold`): ``arrived`` is set when the first one comes."""
+
+    #: how long a held request waits at most (a bound: a test releases it in its finally)
+    MAX_HOLD_S = 600.0
+
+    def __init__(self, method: str, path_suffix: str) -> None:
+        self.method = method
+        self.path_suffix = path_suffix
+        self.arrived = threading.Event()
+        self._released = threading.Event()
+
+    def matches(self, method: str, path: str) -> bool:
+        return method == self.method and path.endswith(self.path_suffix)
+
+    def wait(self) -> None:
+        self.arrived.set()
+        self._released.wait(self.MAX_HOLD_S)
+
+    def release(self) -> None:
+        self._released.set()
+
+
 class RequestLog:
     """Every request the server answered, as ``"METHOD /path?query"``, in order: counted
     by the server itself (a WSGI wrapper around moto's app), so requests from any
-    process, through any client, are seen."""
+    process, through any client, are seen. :meth:`hold` keeps chosen requests waiting
+    (a download in flight, for as long as a test needs one)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seen: list[str] = []
+        self._holds: list[Hold] = []
 
     def wrap(self, app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
         def counting(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
             query = environ.get("QUERY_STRING", "")
-            line = f"{environ['REQUEST_METHOD']} {environ.get('PATH_INFO', '')}"
+            method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+            line = f"{method} {path}"
             with self._lock:
                 self._seen.append(f"{line}?{query}" if query else line)
+                holds = [hold for hold in self._holds if hold.matches(method, path)]
+            for hold in holds:
+                hold.wait()
             return app(environ, start_response)
 
         return counting
+
+    @contextlib.contextmanager
+    def hold(self, method: str, path_suffix: str) -> Iterator[Hold]:
+        """Hold every ``method`` request whose path ends with ``path_suffix`` unanswered
+        inside the block (or until ``Hold.release``); released when the block ends."""
+        held = Hold(method, path_suffix)
+        with self._lock:
+            self._holds.append(held)
+        try:
+            yield held
+        finally:
+            held.release()
+            with self._lock:
+                self._holds.remove(held)
 
     def since(self, mark: int) -> list[str]:
         """The requests answered after :meth:`mark` returned ``mark``."""

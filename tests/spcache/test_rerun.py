@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+import lmdb
 import numpy as np
 
 from cache_store.stores.lmdb import LMDBStore
@@ -29,12 +30,15 @@ def test_a_rerun_decides_by_the_stat_signature_and_hashes_where_it_changed(
     fp = first["fingerprint"]
     with LMDBStore(cache) as store:
         stamps = {sid: store.get(f"{fp}/{sid}") for sid in ("p0000", "p0001", "p0002")}
+    written = last_write(cache)
 
     # nothing changed: every sample is decided in the driver, none goes to a loader
-    # (the loaders' time, summed over the samples they loaded, is nothing)
+    # (the loaders' time, summed over the samples they loaded, is nothing), and nothing
+    # is written: not even the index, which lists them all already
     same = spcache(tmp_path / "b", "precompute", sources, "--cache", cache, *TINY)
     assert (same["done"], same["skipped"], same["failed"]) == (0, 6, 0)
     assert same["timings"]["load_s"] == 0
+    assert last_write(cache) == written
 
     # p0000: other bytes of the same size, its mtime put back: its change time moved, so
     # the signature differs and the hash decides: computed again
@@ -59,6 +63,15 @@ def test_a_rerun_decides_by_the_stat_signature_and_hashes_where_it_changed(
         after = {sid: store.get(f"{fp}/{sid}") for sid in stamps}
     assert after["p0001"] == stamps["p0001"]
     assert after["p0000"] != stamps["p0000"] and after["p0002"] != stamps["p0002"]
+
+
+def last_write(cache: Path) -> int:
+    """The id of the last write transaction of the cache's LMDB environment."""
+    env = lmdb.open(str(cache / "records"), max_dbs=16, readonly=True, lock=False)
+    try:
+        return int(env.info()["last_txnid"])
+    finally:
+        env.close()
 
 
 def test_a_record_without_a_signature_is_decided_by_the_hash(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,19 @@ import httpx
 import lmdb
 import numpy as np
 
+from cache_store.sources.freshness import RACY_S
 from cache_store.stores.lmdb import LMDBStore
-from tests.helpers.procs import run_spcache, serve
+from tests.helpers.procs import run, run_spcache, serve, wait_for
 
 TINY = ["--recipe", "spc", "--param", "level=3", "--device", "cpu", "--loaders", "0"]
 
 
 def point_clouds(folder: Path, count: int, *, start: int = 0) -> Path:
-    """``count`` 64-point clouds as ``.npy`` files, their mtimes a minute old (so their
-    records carry a stat signature)."""
+    """``count`` 64-point clouds as ``.npy`` files whose records will carry a stat
+    signature: their mtimes a minute old, and returned only once their change time
+    (which no call sets back) is :data:`RACY_S` in the past, as a signature must be to be
+    stored. (Without that wait, a precompute started at once on a quiet machine reads
+    them too soon, stores no signature, and its re-run hashes every source.)"""
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(start)
     old = time.time() - 60
@@ -35,6 +40,9 @@ def point_clouds(folder: Path, count: int, *, start: int = 0) -> Path:
         path = folder / f"p{i:04d}.npy"
         np.save(path, rng.normal(size=(64, 3)).astype(np.float32))
         os.utime(path, (old, old))
+    changed = max(os.stat(p).st_ctime_ns for p in folder.glob("p*.npy"))
+    while time.time_ns() - changed < RACY_S * 1e9 + 50_000_000:
+        time.sleep(0.05)
     return folder
 
 
@@ -168,3 +176,104 @@ def test_compaction_keeps_the_summaries_and_a_rewrite_counts_them_again(tmp_path
         assert [(r["records"], r["bytes"], r["state"]) for r in listed] == [
             (*truth[fp], "complete")
         ]
+
+
+#: what ``ls`` and ``stats`` of an LMDB cache must not load: they read a few summary
+#: values, so the tensor, snapshot, object-store and web stacks stay out of them
+HEAVY = ("numpy", "torch", "zarr", "s3fs", "fsspec", "fastapi", "starlette", "uvicorn")
+
+#: ``spcache ARGS`` exactly as ``python -m spcache`` runs it, noting which module first
+#: imported each of ``HEAVY`` (the importer's ``__name__``) into the file ``$IMPORTS``
+_SPY = """
+import builtins, json, os, sys
+heavy, first, real = set(sys.argv[1].split(",")), {}, builtins.__import__
+def spy(name, globals=None, locals=None, fromlist=(), level=0):
+    top = name.split(".")[0]
+    if not level and top in heavy and top not in sys.modules and top not in first:
+        first[top] = (globals or {}).get("__name__", "?")
+    return real(name, globals, locals, fromlist, level)
+builtins.__import__ = spy
+sys.argv = ["spcache", *sys.argv[2:]]
+from spcache.cli import main
+status = main()
+loaded = sorted({m.split(".")[0] for m in sys.modules} & heavy)
+with open(os.environ["IMPORTS"], "w") as out:
+    json.dump({"loaded": loaded, "importers": first}, out)
+sys.exit(status)
+"""
+
+
+def test_ls_and_stats_of_an_lmdb_cache_load_no_tensor_or_web_stack(tmp_path: Path) -> None:
+    """``spcache ls`` and ``spcache stats`` answer from the summaries, so they import only
+    what reads them: none of NumPy, torch, Zarr, s3fs or the web stack (their import was
+    most of the commands' time). A recipe plugin that imports one of them at its top is
+    its own cost (the registry imports every installed plugin to learn its schema and
+    code digest), so NumPy is allowed only where the importer is such a plugin; the
+    example plugin imports it inside its methods."""
+    sources = point_clouds(tmp_path / "sources", 3)
+    cache = tmp_path / "cache"
+    fp = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)["fingerprint"]
+    # the example plugin is a plugin like any other here: a venv may hold an older build
+    ours = ("cache_store", "spcache.", "workers", "service")
+    for command in ("ls", "stats"):
+        workdir = tmp_path / command
+        workdir.mkdir()
+        imports = workdir / "imports.json"
+        done = run(
+            [sys.executable, "-c", _SPY, ",".join(HEAVY), command, "--cache", cache, "--json"],
+            cwd=workdir,
+            env={"IMPORTS": str(imports)},
+        )
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        records = answer[0]["records"] if command == "ls" else answer["fingerprints"][fp]["records"]
+        assert records == 3
+        seen = json.loads(imports.read_text())
+        importers = seen["importers"]
+        for module in seen["loaded"]:
+            by = importers.get(module, "?")
+            assert module == "numpy" and not (by == "spcache" or by.startswith(ours)), (
+                f"spcache {command} loaded {module} (first imported by {by})"
+            )
+
+
+def test_the_cache_view_pages_the_index_and_follows_each_run(tmp_path: Path) -> None:
+    """``GET /v1/caches/{fp}`` answers counts and bytes from the summaries and its page of
+    ids from the stored index (one page decoded, not every id): any page, the last one
+    included, is the index's slice, before and after a run adds samples while the
+    service is up."""
+    sources = point_clouds(tmp_path / "sources", 5)
+    cache = tmp_path / "cache"
+    fp = spcache(tmp_path / "a", "precompute", sources, "--cache", cache, *TINY)["fingerprint"]
+
+    def view(server: Any, offset: int, limit: int) -> Any:
+        answer = httpx.get(
+            f"{server.url}/v1/caches/{fp}", params={"offset": offset, "limit": limit}, timeout=60
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def indexed() -> list[str]:
+        with LMDBStore(cache) as store:
+            return store.get_index(fp).sample_ids.tolist()
+
+    (tmp_path / "s").mkdir()
+    with serve("--cache", cache, "--no-worker", cwd=tmp_path / "s") as server:
+        ids = indexed()
+        first = view(server, 3, 10)
+        assert first["index"] == {"offset": 3, "limit": 10, "total": 5, "sample_ids": ids[3:]}
+        assert first["counts"]["indexed"] == 5 and first["recipe"] == "spc"
+
+        point_clouds(sources, 3, start=5)
+        assert spcache(tmp_path / "b", "precompute", sources, "--cache", cache, *TINY)["done"] == 3
+        ids = indexed()
+        assert len(ids) == 8
+        pages = [view(server, offset, 3)["index"] for offset in (0, 3, 6, 9)]
+        assert [p["total"] for p in pages] == [8] * 4
+        assert [sid for p in pages for sid in p["sample_ids"]] == ids
+        assert pages[-1]["sample_ids"] == []
+        truth = walked(cache)[fp]
+        wait_for(  # counts and bytes: the service's summary, read again once a write landed
+            lambda: (lambda v: (v["counts"]["records"], v["bytes"]))(view(server, 0, 0)) == truth,
+            what="the view's counts after the second run",
+        )

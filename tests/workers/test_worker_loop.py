@@ -340,3 +340,20 @@ def test_a_sample_that_kills_the_worker_fails_alone_after_its_attempts(
         assert rows[name]["status"] == "done", rows[name]
         assert rows[name]["attempts"] < 3, rows[name]
     assert supervisor.restarts == 3  # three deaths, each followed by a restart
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_before_anything_is_claimed(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """``--device cuda:99`` (no CUDA here, or fewer devices): one line naming the device,
+    exit 2, and the queue never hears of it, instead of a worker that starts and fails
+    every claimed sample for a reason that is not the sample's."""
+    cache = tmp_path / "cache"
+    queue, job_id, _ = _submit(cache, corpus_meshes[:2], level=4, surface_samples=500)
+    proc = run_spcache("worker", "--cache", cache, "--device", "cuda:99", "--drain")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device: 'cuda:99' requested but" in lines[0], lines
+    rows = queue.items(job_id)
+    assert [(r["status"], r["attempts"]) for r in rows] == [("pending", 0), ("pending", 0)]
+    assert queue.heartbeats() == []

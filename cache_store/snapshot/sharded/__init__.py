@@ -4,7 +4,8 @@ committed ones; one index is merged from the parts' manifests.
 The layout and the commit rule (:mod:`~cache_store.snapshot.sharded.format`), where the
 bytes go (:mod:`~cache_store.snapshot.sharded.storage`: a directory or any fsspec URL),
 the store (:mod:`~cache_store.snapshot.sharded.store`) and keeping it
-(:mod:`~cache_store.snapshot.sharded.maintenance`: merge, orphan sweep). The names
+(:mod:`~cache_store.snapshot.sharded.maintenance`: merge, orphan sweep;
+:mod:`~cache_store.snapshot.sharded.superseded`: copies no reader reads). The names
 writers, readers and ``spcache merge`` use are importable from here.
 """
 
@@ -21,6 +22,7 @@ from cache_store.snapshot.sharded.maintenance import (
 )
 from cache_store.snapshot.sharded.storage import CommitConflict
 from cache_store.snapshot.sharded.store import ShardedSnapshot
+from cache_store.snapshot.sharded.superseded import superseded_parts
 
 __all__ = [
     "DEFAULT_ORPHAN_GRACE_S",
@@ -32,4 +34,5 @@ __all__ = [
     "merge_into",
     "orphan_parts",
     "snapshot_kind",
+    "superseded_parts",
 ]

@@ -89,18 +89,16 @@ def claimed(fs: Any, fingerprint_dir: str, part: str, writer: str) -> Iterator[N
             fs.rm_file(path)
 
 
-def live_claims(
-    fs: Any, fingerprint_dir: str, now: float
-) -> tuple[set[str], list[tuple[str, float]]]:
+def live_claims(fs: Any, fingerprint_dir: str, now: float) -> tuple[set[str], list[dict[str, Any]]]:
     """The parts claimed by live writers (claims younger than :data:`CLAIM_FRESH_S`),
-    and the stale claims (dead writers'; path and last-modified time), from a fresh
-    listing. A claim without a time is taken as live."""
+    and the stale claims (dead writers'; their listing entries), from a fresh listing.
+    A claim without a time is taken as live."""
     try:
         listing = fs.ls(f"{fingerprint_dir}/{CLAIMS}", detail=True, refresh=True)
     except FileNotFoundError:
         return set(), []
     live: set[str] = set()
-    stale: list[tuple[str, float]] = []
+    stale: list[dict[str, Any]] = []
     for info in listing:
         name = str(info["name"]).rstrip("/").rsplit("/", 1)[-1]
         if info.get("type") == "directory" or not name.endswith(".json"):
@@ -109,7 +107,7 @@ def live_claims(
         if modified is None or now - modified < CLAIM_FRESH_S:
             live.add(name[: -len(".json")])
         else:
-            stale.append((str(info["name"]), modified))
+            stale.append(info)
     return live, stale
 
 

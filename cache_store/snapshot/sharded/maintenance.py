@@ -123,7 +123,7 @@ def orphan_parts(
             for path in found:
                 with contextlib.suppress(FileNotFoundError):
                     fs.rm_file(path)
-        return [path if storage.is_local(fs) else fs.unstrip_protocol(path) for path in found]
+        return [storage.full_location(fs, path) for path in found]
     finally:
         store.close()
 
@@ -146,12 +146,11 @@ def _leftovers(store: ShardedSnapshot, fingerprint: str, older_than_s: float) ->
             )
             if not leftover or info.get("type") == "directory":
                 continue
-            modified = storage.mtime(info)
-            if modified is not None and now - modified < older_than_s:
+            if not storage.older_than(info, older_than_s, now):
                 continue
             candidates.append((str(info["name"]), part_of(name)))
     live, stale = live_claims(fs, store.path(fingerprint), time.time())
-    found = [path for path, modified in stale if now - modified >= older_than_s]
+    found = [str(info["name"]) for info in stale if storage.older_than(info, older_than_s, now)]
     if candidates:  # a fresh listing (a cached one could miss a commit made since)
         committed.update(store.commit_names(fingerprint))
     for path, part in candidates:

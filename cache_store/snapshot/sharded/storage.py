@@ -23,8 +23,10 @@ from cache_store.location import parse_location
 __all__ = [
     "MULTIPART_CHUNK",
     "CommitConflict",
+    "full_location",
     "is_local",
     "mtime",
+    "older_than",
     "open_fs",
     "read",
     "write",
@@ -102,6 +104,20 @@ def mtime(info: Mapping[str, Any]) -> float | None:
         return float(value)
     except (TypeError, ValueError):
         return None
+
+
+def older_than(info: Mapping[str, Any], age_s: float, now: float) -> bool:
+    """Whether a listing entry was last modified ``age_s`` seconds or more before ``now``
+    (an entry without a time counts as old): the age rule of everything maintenance
+    deletes (the orphan sweep's and the superseded parts' ``--orphan-age``)."""
+    modified = mtime(info)
+    return modified is None or now - modified >= age_s
+
+
+def full_location(fs: Any, path: str) -> str:
+    """``path`` on ``fs`` as a user names it: a local path, or a URL with its scheme
+    (``s3://bucket/...``)."""
+    return path if is_local(fs) else str(fs.unstrip_protocol(path))
 
 
 def _write_temporary(path: str, data: bytes) -> str:

@@ -339,12 +339,17 @@ class ShardedSnapshot(Store):
         self.refresh()
         dataset = self._load(fingerprint, describe=describe)
         before: list[str] = []
-        if dataset is not None and dataset.parts_seen - set(self.commit_names(fingerprint)):
-            # A part the index names has no manifest now (deleted, or set aside): rebuild
-            # from the manifests that exist, so its ids leave the index; the old index
-            # still gives the order. (Else the index and the new manifests are all.)
+        gone = (
+            set() if dataset is None else dataset.parts_seen - set(self.commit_names(fingerprint))
+        )
+        if dataset is not None and any(e.part in gone for e in dataset.entries.values()):
+            # A part read from has no manifest now (deleted, or set aside): rebuild from
+            # the manifests that exist, so its ids leave the index; the old index still
+            # gives the order. (Else the index and the new manifests are all.)
             before = dataset.order
             dataset = self._load(fingerprint, describe=describe, rebuild=True)
+        elif dataset is not None:  # reclaimed parts (superseded.py): nothing was read from them
+            dataset.parts_seen -= gone
         if dataset is None:
             if describe is None:
                 raise FingerprintLookupError(
@@ -472,6 +477,7 @@ class ShardedSnapshot(Store):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
+        transient: bool = False,
     ) -> list[Record] | None:
         # A committed part never changes (written whole, renamed, then committed): its
         # pages need no pin, and a mapping outlives the file's removal.

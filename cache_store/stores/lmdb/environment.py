@@ -156,8 +156,8 @@ class _SharedEnv:
         current = self.maps.current
         return None if current is None else current.dir_ino
 
-    def close(self) -> None:
-        self.maps.close()
+    def close(self, keep_windows: bool = False) -> None:
+        self.maps.close(keep_windows)
 
 
 #: This process's open environments by real path (one per path: py-lmdb refuses a second).
@@ -194,7 +194,7 @@ def _close_all_before_fork() -> None:
         if shared.env is not None and shared.pid == os.getpid():
             if _writes_under_way.get(key):
                 continue
-            shared.close()
+            shared.close(keep_windows=True)
 
 
 def _after_fork_in_child() -> None:

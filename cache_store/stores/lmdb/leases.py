@@ -23,6 +23,13 @@ page, and a forked child inherits copies, not pins it does not hold. These are n
 leases: a view does not keep LMDB's map mapped (it has its own mapping), so a re-map
 never waits for views.
 
+A view that never leaves the reader (``transient``: the hop's pack in the training
+process copies it, then drops it) is a slice of this process's long-lived read-only
+windows of ``data.mdb`` (:func:`cache_store.views.mapping.windows_of`), kept across
+reads, store closes and forks while the file stays the one at the path (a compaction's
+swap retires them): an epoch after the first faults no page in again. The lease pins
+such a view's pages as any other's.
+
 Where a view's bytes lie in ``data.mdb`` is read from this process's memory map
 (``/proc/self/maps``: py-lmdb reports no map address), once per map and re-read when
 LMDB maps the file anew (a grown map).
@@ -35,14 +42,16 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import DescriptorLookup
-from cache_store.views.mapping import MappedRange, map_range
+from cache_store.views.mapping import MappedRange, Windows, map_range, retire_windows, windows_of
 from cache_store.views.records import Place, view_record
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["LEASE_S", "Leases", "ReadLease", "end_all_before_fork"]
 
@@ -95,6 +104,7 @@ class Leases:
         self.live: set[ReadLease] = set()
         self.data_fd: int | None = None
         self.data_id: tuple[int, int] | None = None
+        self.windows: Windows | None = None  # this process's windows of data.mdb
         self.maps: list[tuple[int, int, int]] = []  # (start, end, file offset) of data.mdb
         _all.add(self)
 
@@ -114,7 +124,15 @@ class Leases:
             return False
         st = os.fstat(fd)
         self.data_fd, self.data_id = fd, (st.st_dev, st.st_ino)
+        try:
+            self.windows = windows_of(self.data_path, fd)
+        except OSError as exc:  # no descriptor left: views of their own mappings only
+            log.warning("%s: no windows of data.mdb: %s", self.env_path, exc)
         return True
+
+    @property
+    def data_path(self) -> str:
+        return os.path.join(self.env_path, "data.mdb")
 
     def lease(self, begin: Any) -> ReadLease:
         """The lease new views join: the current one while it is young, else a new one
@@ -145,16 +163,22 @@ class Leases:
         verify: str,
         checked: tuple[Place, str] | None,
         lookup: DescriptorLookup,
+        transient: bool = False,
     ) -> Record | None:
         """The record ``value`` (LMDB's map, inside a lookup transaction begun after
         ``lease``) as views of this process's own mapping of its pages, held by
-        ``lease``; None where no view can be made (the caller copies). See
-        :func:`cache_store.views.records.view_record` for the rest."""
+        ``lease``; None where no view can be made (the caller copies). ``transient``:
+        the caller never hands the views on (they are slices of read-only windows).
+        See :func:`cache_store.views.records.view_record` for the rest."""
+        import numpy as np
+
         length = len(value)
         offset = self.file_offset(np.frombuffer(value, np.uint8).ctypes.data) if length else None
         if offset is None or self.data_fd is None or self.data_id is None:
             return None
-        mapped, at = map_range(self.data_fd, offset, length, lease.release)
+        windows = self.windows
+        found = windows.range(offset, length, lease.release) if transient and windows else None
+        mapped, at = found or map_range(self.data_fd, offset, length, lease.release)
         lease.hold(mapped)
         return view_record(
             mapped,
@@ -179,6 +203,13 @@ class Leases:
             if start <= addr < end:
                 return addr - start + offset
         return None
+
+    def _still_at_path(self) -> bool:
+        try:
+            st = os.stat(self.data_path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.data_id
 
     def _read_maps(self) -> list[tuple[int, int, int]]:
         if self.data_id is None:
@@ -221,11 +252,15 @@ class Leases:
             for lease in list(self.live):
                 self.end(lease, detach=True)
 
-    def close(self) -> None:
+    def close(self, keep_windows: bool = False) -> None:
         """Before the environment closes: detach every live view, end every lease, close
-        ``data.mdb``. In a process that inherited these leases, nothing is touched."""
+        ``data.mdb``, retire this process's windows of it unless ``keep_windows`` (the
+        fork hook's close: the parent reads on) and it is still the file at the path.
+        In a process that inherited these leases, nothing is touched."""
         if self.pid != os.getpid():
             return
+        if self.data_id is not None and not (keep_windows and self._still_at_path()):
+            retire_windows(self.data_path, self.data_id)
         with self.lock:
             for lease in list(self.live):
                 try:

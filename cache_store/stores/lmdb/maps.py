@@ -75,14 +75,15 @@ class Generations:
             self.current = Generation(env, dbs, dir_ino)
             self._close_unused()
 
-    def close(self) -> None:
+    def close(self, keep_windows: bool = False) -> None:
         """Let go of every generation: those without a lease close now, the others when
-        their last lease is released."""
+        their last lease is released. ``keep_windows``: this process reads on (a fork
+        hook's close): its windows of the file stay (``Leases.close``)."""
         with self.leases:
             if self.current is not None:
                 self.retired.append(self.current)
             self.current = None
-            self._close_unused()
+            self._close_unused(keep_windows)
 
     def in_use(self) -> bool:
         """Whether a lease of this process holds a map of this environment."""
@@ -134,7 +135,7 @@ class Generations:
                 self.remapping = False
                 self.leases.notify_all()
 
-    def _close_unused(self) -> None:
+    def _close_unused(self, keep_windows: bool = False) -> None:
         # with self.leases held
         keep = []
         inherited = self.pid != os.getpid()  # leases counted here are the parent's
@@ -147,7 +148,7 @@ class Generations:
                 park(old.env)
             else:
                 if old.views is not None:
-                    old.views.close()
+                    old.views.close(keep_windows)
                 old.env.close()
         self.retired = keep
 

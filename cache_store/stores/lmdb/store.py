@@ -31,7 +31,7 @@ from cache_store.errors import CorruptRecord, FingerprintRemoved, RecordNotFound
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import Descriptor, bind_metadata
 from cache_store.format.header import read_own_metadata
-from cache_store.format.index import DatasetIndex, decode_index, encode_index
+from cache_store.format.index import DatasetIndex, IndexPage, decode_index, encode_index
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest, note_mixed_code
 from cache_store.stores.lmdb import summaries, tombstones
@@ -219,6 +219,7 @@ class LMDBStore(Store):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
+        transient: bool = False,
     ) -> list[Record] | None:
         # Pinned by a read lease begun before the lookup (its own read transaction, not
         # a MapLease: that would hold the map, so a re-map would wait for the views),
@@ -242,7 +243,9 @@ class LMDBStore(Store):
                 if value is None:
                     raise tombstones.missing(txn, lookup.dbs, key, self.location)
                 told = None if checked is None else checked.get(key)
-                record = leases.view(pin, value, key, fields, verify, told, self.descriptor)
+                record = leases.view(
+                    pin, value, key, fields, verify, told, self.descriptor, transient
+                )
                 if record is None:  # not where views can be made: the copy path
                     return None
                 records.append(record)
@@ -430,12 +433,20 @@ class LMDBStore(Store):
         self._write(put, len(value))
 
     def get_index(self, fingerprint: str) -> DatasetIndex:
+        return self._read_index(fingerprint, lambda value, key: decode_index(value, key=key))
+
+    def get_index_page(self, fingerprint: str, offset: int, limit: int) -> IndexPage:
+        from cache_store.format.index import index_page  # one page, no object per other id
+
+        return self._read_index(fingerprint, lambda v, key: index_page(v, offset, limit, key=key))
+
+    def _read_index(self, fingerprint: str, read: Callable[[Any, str], T]) -> T:
         validate_fingerprint(fingerprint)
         with self._read() as (txn, dbs):
             db = dbs[INDEXES_DB]
             value = None if db is None else txn.get(fingerprint.encode(), db=db)
             if value is not None:
-                return decode_index(value, key=f"index:{fingerprint}")
+                return read(value, f"index:{fingerprint}")
             removed = tombstones.removed_at(txn, dbs, fingerprint)
         if removed is not None:
             raise FingerprintRemoved(fingerprint, self.location, removed)
