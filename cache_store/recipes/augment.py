@@ -216,6 +216,8 @@ def decompose_augmentation(matrix: Any) -> AugmentationParts:
     :func:`augment_points` builds it: ``fit * S @ R`` in its upper 3 x 3, so row ``i`` is
     ``R``'s row ``i`` times axis ``i``'s factor). Raises ``ValueError`` for a matrix that
     is not 4 x 4 or whose upper 3 x 3 is not of that form."""
+    import numpy as np
+
     m = np.asarray(matrix, dtype=np.float64)
     if m.shape != (4, 4) or not np.isfinite(m).all():
         raise ValueError(f"augmentation: expected a finite 4 x 4 matrix, got shape {m.shape}")
