@@ -311,12 +311,12 @@ def windows_of(path: str, fd: int) -> Windows:
         return made
 
 
-def retire_windows(path: str, identity: tuple[int, int]) -> None:
-    """Retire this process's windows of ``path`` if they map the file ``identity``
-    (device, inode): it is no longer read here."""
+def retire_windows(path: str, identity: tuple[int, int] | None = None) -> None:
+    """Retire this process's windows of ``path`` (only if they map the file ``identity``,
+    device and inode, when given): it is no longer read here."""
     with _windows_lock:
         found = _windows.get(path)
-        if found is None or found.identity != identity:
+        if found is None or identity not in (None, found.identity):
             return
         del _windows[path]
     if found.pid == _pid[0]:

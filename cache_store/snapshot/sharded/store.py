@@ -6,7 +6,8 @@ it does not include yet, and fetch a record by a range read into its part, check
 against its manifest. What a process has read is kept per fingerprint and listed again
 when a key is missed (at most once a second), so a reader sees a growing dataset.
 The layout and the documents are :mod:`cache_store.snapshot.sharded.format`'s, the
-bytes' home :mod:`cache_store.snapshot.sharded.storage`'s.
+bytes' home :mod:`cache_store.snapshot.sharded.storage`'s, what one listing reads
+:mod:`cache_store.snapshot.sharded.listing`'s.
 
 A damaged ``index.json`` is read around (a warning; the manifests rebuild the dataset,
 in commit order) and :meth:`ShardedSnapshot.merge_index` writes it again; a damaged
@@ -15,7 +16,8 @@ manifest's records are not read. Both are reported by ``verify`` as corrupt, by 
 
 Why one module: what this process knows of each fingerprint (its listing, entries and
 unreadable files) is state that writing, reading, verifying and merging the index all
-update under one lock; the layout and the bytes' home are already modules of their own.
+update under one lock; the layout, the bytes' home and how a listing reads the commits
+are modules of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,17 +41,14 @@ from cache_store.keys import is_fingerprint, split_key, validate_fingerprint, va
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
 from cache_store.snapshot.sharded.claims import claimed
+from cache_store.snapshot.sharded.listing import Problems, list_commits
 from cache_store.snapshot.sharded.format import (
     ROOT_MARKER,
     Dataset,
     Entry,
     check_against_manifest,
-    commit_order,
-    dataset_from_index,
     index_document,
-    load_json,
     manifest,
-    parse_manifest,
     part_bytes,
     root_document,
 )
@@ -64,14 +62,6 @@ log = logging.getLogger(__name__)
 
 #: A key not found is looked for again in a fresh listing at most this often (seconds).
 MISS_RELIST_S = 1.0
-
-
-@dataclass
-class _Problems:
-    """What of one fingerprint could not be read at the last listing."""
-
-    index: str | None = None  # why index.json was read around, if it was
-    commits: dict[str, str] = field(default_factory=dict)  # part -> why its manifest was not
 
 
 class ShardedSnapshot(Store):
@@ -109,7 +99,7 @@ class ShardedSnapshot(Store):
         self._fs = ProcessLocal(lambda: storage.open_fs(self.location, self.storage_options))
         self._datasets: dict[str, Dataset] = {}
         self._listed_at: dict[str, float] = {}  # fingerprint -> when commits were last listed
-        self._problems: dict[str, _Problems] = {}  # fingerprint -> what could not be read
+        self._problems: dict[str, Problems] = {}  # fingerprint -> what could not be read
         self._lock = threading.Lock()
 
     # -- paths ----------------------------------------------------------------------
@@ -227,62 +217,22 @@ class ShardedSnapshot(Store):
                 self._listed_at[fingerprint] = at
             if not refresh:
                 return known
-        dataset = None if rebuild else known
-        problems = self._problems.setdefault(fingerprint, _Problems())
-        if dataset is None and not rebuild:
-            dataset = self._read_index(fingerprint, problems)
-        new = [
-            p
-            for p in self.commit_names(fingerprint)
-            if dataset is None or p not in dataset.parts_seen
-        ]
-        docs = []
-        unreadable: dict[str, str] = {}
-        for part in new:
-            try:
-                raw = storage.read(self.fs, self.path(fingerprint, "commits", f"{part}.json"))
-                docs.append(parse_manifest(raw, fingerprint, part) + (part,))
-            except FileNotFoundError:
-                continue
-            except CorruptRecord as exc:  # UnsupportedFormat too
-                unreadable[part] = exc.reason
-                if problems.commits.get(part) != exc.reason:  # once, not at every listing
-                    log.warning("%s: commit %s ignored: %s", self.location, part, exc)
-        # A part not read again was read before (it is in the dataset): only the parts
-        # listed as new can still be unreadable.
-        problems.commits = unreadable
-        docs.sort(key=lambda d: commit_order(d[0], d[2]))
+        problems = self._problems.setdefault(fingerprint, Problems())
+        dataset = list_commits(
+            self.fs,
+            self.path,
+            fingerprint,
+            known=None if rebuild else known,
+            committed=lambda: self.commit_names(fingerprint),
+            problems=problems,
+            location=self.location,
+            describe=describe,
+            with_index=not rebuild,
+        )
         if dataset is None:
-            described = [d[0]["dataset"] for d in docs if isinstance(d[0].get("dataset"), dict)]
-            if describe is not None and docs:
-                described.insert(0, dict(describe))
-            if not docs:
-                with self._lock:  # nothing committed yet: a lookup lists again in a second
-                    self._listed_at[fingerprint] = time.monotonic()
-                return None
-            if not described:
-                described = [{"recipe": None}]  # records readable, index not yet
-            try:
-                dataset = Dataset(**described[0], created=str(docs[0][0].get("committed_at", "")))
-            except TypeError as exc:
-                raise CorruptRecord(
-                    f"{fingerprint}/commits", f"malformed dataset description ({exc})"
-                ) from None
-        for doc, entries, part in docs:
-            described_here = doc.get("dataset")
-            if dataset.recipe is None and isinstance(described_here, dict):
-                try:
-                    dataset.recipe = str(described_here["recipe"])
-                    dataset.recipe_version = int(described_here["recipe_version"])
-                    dataset.params = dict(described_here["params"])
-                except (KeyError, TypeError, ValueError):
-                    log.warning(
-                        "%s: commit %s has a malformed dataset description", self.location, part
-                    )
-            dataset.parts_seen.add(part)
-            dataset.descriptors.update(doc.get("descriptors", {}))  # checked by parse_manifest
-            for sample_id, entry in entries:
-                dataset.admit(sample_id, entry)
+            with self._lock:  # nothing committed yet: a lookup lists again in a second
+                self._listed_at[fingerprint] = time.monotonic()
+            return None
         now = time.monotonic()
         with self._lock:
             self._datasets[fingerprint] = dataset
@@ -299,31 +249,6 @@ class ShardedSnapshot(Store):
 
     def note_listing(self, fingerprint: str, dataset: Dataset, at: float) -> None:
         """Called with what each listing found (nothing here; see :meth:`known_listing`)."""
-
-    def _read_index(self, fingerprint: str, problems: _Problems) -> Dataset | None:
-        """The dataset ``index.json`` holds, or None: none yet, or one that cannot be
-        read (noted in ``problems``; the manifests then rebuild it, and ``merge``
-        writes it again)."""
-        what = f"{fingerprint}/index.json"
-        try:
-            raw = storage.read(self.fs, self.path(fingerprint, "index.json"))
-        except FileNotFoundError:
-            problems.index = None
-            return None
-        try:
-            dataset = dataset_from_index(fingerprint, load_json(raw, what))
-        except CorruptRecord as exc:  # UnsupportedFormat too
-            if problems.index != exc.reason:
-                log.warning(
-                    "%s: %s; its committed manifests are read instead (spcache merge "
-                    "writes it again)",
-                    self.location,
-                    exc,
-                )
-            problems.index = exc.reason
-            return None
-        problems.index = None
-        return dataset
 
     def merge_index(
         self,
