@@ -7,7 +7,8 @@ it. The JSON routes: the sample listing counts a sample's variants (no ``a#v1`` 
 ``/v1/caches/{fp}/variants/{id}`` gives each variant's augmentation as stored in its
 record. The page, in Debian's chromium driven by Playwright: the sample with 3 variants
 shows 3 pictures that load and differ, captioned with their variant number, rotation and
-scale; the sample with one shows the single picture as before. Browser tests skip (naming
+scale; one with 10 shows eight and pages to the rest; the sample with one shows the
+single picture as before. Browser tests skip (naming
 the package) without chromium or Playwright; ``SPCACHE_PAGE_SCREENSHOTS=<dir>`` keeps the
 screenshot (else it goes to the test's temporary directory).
 """
@@ -38,6 +39,7 @@ needs_chromium = pytest.mark.skipif(
 pytestmark = pytest.mark.slow
 AUGMENTED = ("capsule_ascii.ply", "box_quads.obj")  # long shapes: a turn shows
 PLAIN = "cone_ascii.stl"  # computed later without variants
+MANY = "icosphere.obj"  # and one with more variants than the page shows at once
 PARAMS = ("level=6", "surface_samples=20000", "rotation=so3", "scale_min=0.6", "scale_max=1.2")
 
 
@@ -56,7 +58,7 @@ def served(
 ) -> Iterator[tuple[Server, Path, str]]:
     work = tmp_path_factory.mktemp("variants-page")
     by_name = {mesh.name: mesh for mesh in corpus_meshes}
-    for folder, names in (("shapes", AUGMENTED), ("later", (PLAIN,))):
+    for folder, names in (("shapes", AUGMENTED), ("later", (PLAIN,)), ("many", (MANY,))):
         (work / folder).mkdir()
         for name in names:
             shutil.copy(by_name[name], work / folder / name)
@@ -64,6 +66,7 @@ def served(
     assert first["done"] == 6, first  # 2 samples x 3 variants
     second = _precompute(work, "later", 1)
     assert second["fingerprint"] == first["fingerprint"] and second["done"] == 1
+    assert _precompute(work, "many", 10)["done"] == 10
     server = start_server(work / "cache", work, "--no-worker")
     try:
         yield server, work / "cache", first["fingerprint"]
@@ -82,11 +85,12 @@ def test_the_listing_counts_variants_and_the_route_gives_their_augmentation(
     listed = httpx.get(f"{server.url}/v1/caches/{fp}/samples", timeout=60)
     assert listed.status_code == 200, listed.text
     rows = {s["sample_id"]: s for s in listed.json()["samples"]}
-    assert sorted(rows) == sorted(_ids(n) for n in (*AUGMENTED, PLAIN))  # no a#v1 rows
+    assert sorted(rows) == sorted(_ids(n) for n in (*AUGMENTED, PLAIN, MANY))  # no a#v1 rows
     assert {sid: s["variants"] for sid, s in rows.items()} == {
         _ids(AUGMENTED[0]): 3,
         _ids(AUGMENTED[1]): 3,
         _ids(PLAIN): 1,
+        _ids(MANY): 10,
     }
     assert all(s["state"] == "ready" for s in rows.values())
     # a cursor inside a sample's variants still pages by samples
@@ -143,7 +147,7 @@ def _open_samples(page: object, server: Server, fp: str) -> None:
     page.goto(server.url + "/")
     row = page.locator(f"tr[data-fingerprint='{fp}']")
     row.wait_for(timeout=30_000)
-    row.get_by_role("button", name="3 samples").click()
+    row.get_by_role("button", name="4 samples").click()
     page.locator("#samples tbody tr[data-sample]").first.wait_for(timeout=30_000)
 
 
@@ -218,6 +222,21 @@ def test_the_page_shows_a_samples_variants_side_by_side(
     assert page.locator("#preview-variants").is_hidden()
     assert page.locator("#preview-figure").is_visible()
     assert page.locator("#preview-title").inner_text() == f"Preview of {plain}"
+
+    # more variants than fit: eight at a time, the pager shows the rest
+    page.locator(f"tr[data-sample='{_ids(MANY)}']").get_by_role(
+        "button", name="Show 10 variants"
+    ).click()
+    page.wait_for_function(_LOADED, arg=8, timeout=60_000)
+    assert page.locator("#variants-range").inner_text() == "variants 0\u20137 of 10"
+    assert page.locator("#variants-prev").is_disabled()
+    page.click("#variants-next")
+    page.wait_for_function(_LOADED, arg=2, timeout=60_000)
+    shown = page.eval_on_selector_all(
+        "#preview-variants figure", "fs => fs.map(f => f.dataset.variant)"
+    )
+    assert shown == ["8", "9"] and page.locator("#variants-next").is_disabled()
+    assert page.locator("#variants-range").inner_text() == "variants 8\u20139 of 10"
 
     # phone width: the variants stay side by side and nothing is wider than the screen
     phone = browser.new_context(viewport={"width": 390, "height": 844}).new_page()
