@@ -20,26 +20,34 @@ recipe ``spc`` at level 3 on 64-point clouds, about 0.9 kB of tensors each. Sect
     own).
 
 ``summaries``
-    One format-2 cache of ``--n`` records with its index (written as above), then what a
-    user asks of it: ``spcache stats --json`` and ``spcache ls --json`` (the commands, in
-    a subprocess, wall time), ``cache_stats``/``ls`` in this process, and the service's
-    ``GET /v1/caches/{fp}`` and ``GET /v1/caches`` (its app in this process, the first
-    request after start). The baseline, in the same run: the walk over every record
-    that answered them before the writers kept summaries (``run_in_child("stats")``, the
-    child process the service and ``stats`` used).
+    One format-2 cache of ``--n`` records with its index (the ``rerun`` section's cache,
+    built as below), then what a user asks of it: ``spcache stats --json`` and ``spcache
+    ls --json`` (the commands, in a subprocess, wall time), ``cache_stats``/``ls`` in this
+    process, and the service's ``GET /v1/caches/{fp}`` (first page and the last) and
+    ``GET /v1/caches`` (its app in this process, the first request after start); and the
+    cache's bytes on disk per record against its tensors. The baseline, in the same run:
+    the walk over every record that answered them before the writers kept summaries
+    (``run_in_child("stats")``, the child process the service and ``stats`` used).
 
 ``rerun``
-    ``--n`` point-cloud files (64 points, ``.npy``, mtimes a minute old) and, for each,
-    its record as a finished run leaves it (a template's tensors, the file's real
-    source hash and stat signature), then ``spcache precompute DIR --json`` over them
-    with everything current: seconds per sample, whole command. The baseline in the same
-    run: the same re-run over ``--baseline-n`` files whose records carry no stat
-    signature (each file opened and hashed in a loader, as every re-run did before).
+    ``--n`` point-cloud files (64 points, ``.npy`` written as bytes, mtimes a minute
+    old) and, for each, its record as a finished run leaves it (a template's tensors, the
+    file's real source hash and stat signature) **written through the store's writer**
+    (``LMDBStore.put_many``, 32 a transaction), not computed by a precompute run (a
+    million precomputed samples take about an hour on this machine). Then ``spcache
+    precompute DIR --json`` over them with everything current: seconds per sample, whole
+    command. The baseline in the same run: the same re-run over ``--baseline-n`` files
+    whose records carry no stat signature (each file opened and hashed in a loader, as
+    every re-run did before).
+
+``--keep DIR`` builds the source files and caches of ``summaries`` and ``rerun`` in DIR
+and leaves them there; a later run with the same ``--keep`` and ``--n`` measures them
+again without building them.
 
 Nothing here asserts a size or a speed.
 
     python bench/scale.py [--n 100000] [--real 256] [--reads 20000] [--rounds 5]
-        [--sections records,summaries,rerun] [--baseline-n 20000]
+        [--sections records,summaries,rerun] [--baseline-n 20000] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -86,6 +94,7 @@ def real_templates(workdir: Path, count: int, level: int, points: int) -> list[A
     """``count`` records the real engine computes from ``points``-point clouds."""
     from workers.engine import Engine
 
+    workdir = Path(tempfile.mkdtemp(prefix="templates-", dir=workdir))
     sources = workdir / "sources"
     sources.mkdir()
     rng = np.random.default_rng(0)
@@ -125,7 +134,7 @@ def write_cache(
     metadata: Callable[[dict[str, str], int], dict[str, str]] = per_record_metadata,
 ) -> dict[str, Any]:
     fingerprint = templates[0].metadata["fingerprint"]
-    value_bytes = tensor_bytes = 0
+    value_bytes = 0
     start = time.perf_counter()
     with LMDBStore(path, readonly=False, map_size=1 << 30) as store:
         batch = []
@@ -133,7 +142,6 @@ def write_cache(
             template = templates[i % len(templates)]
             value = encode(template.tensors, metadata(template.metadata, i))
             value_bytes += len(value)
-            tensor_bytes += sum(t.numel() * t.element_size() for t in template.tensors.values())
             batch.append((f"{fingerprint}/s{i:07d}", value))
             if len(batch) == 32:
                 store.put_many(batch)
@@ -141,9 +149,22 @@ def write_cache(
         if batch:
             store.put_many(batch)
     wall = time.perf_counter() - start
+    return {
+        **disk_figures(path, templates, n),
+        "value_bytes": value_bytes / n,
+        "write_us": wall / n * 1e6,
+    }
+
+
+def disk_figures(path: Path, templates: list[Any], n: int) -> dict[str, Any]:
+    """Bytes on disk per record of the cache at ``path`` (``n`` records made from
+    ``templates`` as :func:`write_cache` makes them), against their tensors."""
     import lmdb
 
-    env = lmdb.open(str(path / "records"), max_dbs=4, readonly=True, lock=False)
+    tensors = [sum(t.numel() * t.element_size() for t in x.tensors.values()) for x in templates]
+    tensor_bytes = sum(tensors[i % len(tensors)] for i in range(n))
+    fingerprint = templates[0].metadata["fingerprint"]
+    env = lmdb.open(str(path / "records"), max_dbs=8, readonly=True, lock=False)
     try:
         with env.begin() as txn:
             stat = txn.stat(env.open_db(b"records", txn=txn, create=False))
@@ -155,14 +176,12 @@ def write_cache(
         "key_bytes": len(f"{fingerprint}/s{0:07d}"),
         "page_size": page,
         "tensor_bytes": tensor_bytes / n,
-        "value_bytes": value_bytes / n,
         "disk_bytes": (path / "records" / "data.mdb").stat().st_size / n,
         "leaf_pages": stat["leaf_pages"],
         "overflow_pages": stat["overflow_pages"],
         "records_db_bytes": (stat["leaf_pages"] + stat["branch_pages"] + stat["overflow_pages"])
         * page
         / n,
-        "write_us": wall / n * 1e6,
         "fingerprint": fingerprint,
     }
 
@@ -266,28 +285,19 @@ def _version(cwd: Path) -> None:
 
 def section_summaries(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from cache_store.cache_report import cache_stats
-    from cache_store.format.index import DatasetIndex
     from cache_store.housekeeping import ls
     from cache_store.housekeeping.isolated import run_in_child
 
     templates = real_templates(workdir, min(args.real, 64), args.level, args.points)
-    cache = workdir / "cache"
-    written = write_cache(cache, templates, args.n, encode_record)
-    fingerprint = written["fingerprint"]
-    template = templates[0].metadata
-    with LMDBStore(cache, readonly=False) as store:
-        store.put_index(
-            DatasetIndex(
-                fingerprint,
-                template["recipe"],
-                int(template["recipe_version"]),
-                json.loads(template["params"]),
-                [f"s{i:07d}" for i in range(args.n)],
-            )
-        )
-    print(f"  wrote {args.n} records and their index", file=sys.stderr, flush=True)
+    _, cache = _rerun_corpus(args.corpus, "signed", templates, args.n, signed=True)
+    fingerprint = templates[0].metadata["fingerprint"]
+    disk = disk_figures(cache, templates, args.n)
+    print(f"  {args.n} records and their index ready", file=sys.stderr, flush=True)
     out: dict[str, float] = {}
-    out["walk (before): stats walk in a child"], walked = _timed(
+    # once each, untimed: the first command of a fresh checkout compiles its bytecode
+    for command in ("stats", "ls"):
+        _command(command, "--cache", cache, cwd=workdir)
+    out["stats in a child process (the service before)"], walked = _timed(
         lambda: run_in_child("stats", cache)
     )
     out["spcache --version (a command's start)"], _ = _timed(lambda: _version(workdir))
@@ -313,31 +323,70 @@ def section_summaries(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         out["GET /v1/caches/{fp} (again)"], _ = _timed(
             lambda: client.get(f"/v1/caches/{fingerprint}?limit=100").json()
         )
+        last = max(args.n - 100, 0)
+        out["GET /v1/caches/{fp}?offset=N-100"], tail = _timed(
+            lambda: client.get(f"/v1/caches/{fingerprint}?offset={last}&limit=100").json()
+        )
         out["GET /v1/caches"], _ = _timed(lambda: client.get("/v1/caches").json())
     assert view.get("counts", {}).get("records") == args.n, view
+    assert tail["index"]["sample_ids"][-1] == f"s{args.n - 1:07d}", tail["index"]
     print(f"\nsummaries: N={args.n} records (one fingerprint, indexed), seconds")
     for label, seconds in out.items():
         print(f"{label:40} {seconds:10.3f}")
-    return {"n": args.n, "seconds": out}
+    print(
+        f"disk: data.mdb {disk['disk_bytes']:.0f} B / record, tensors {disk['tensor_bytes']:.0f}"
+        f" B ({disk['disk_bytes'] / disk['tensor_bytes']:.2f}x); records db"
+        f" {disk['records_db_bytes']:.0f} B / record; {disk['overflow_pages']} overflow pages"
+    )
+    return {"n": args.n, "seconds": out, "disk": disk}
+
+
+def _npy_header(points: int) -> bytes:
+    """The ``.npy`` header of a float32 ``[points, 3]`` array (what ``np.save`` writes)."""
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((points, 3), dtype=np.float32))
+    return buffer.getvalue()[: -points * 3 * 4]
 
 
 def _rerun_corpus(
-    workdir: Path, name: str, templates: list[Any], n: int, *, signed: bool
+    workdir: Path, name: str, templates: list[Any], n: int, *, signed: bool, points: int = 64
 ) -> tuple[Path, Path]:
-    """``n`` source files and the cache a finished run over them leaves."""
+    """``n`` source files and the cache a finished run over them leaves, built once: a
+    directory that already holds them (``--keep``, a ``ready`` file naming ``n``) is
+    used as it is.
+
+    The files are written as bytes (the ``.npy`` header once, then ``points`` x 3 random
+    float32), not one ``np.save`` each; their records are written through the store's
+    writer (``put_many``, 32 a transaction, as the engine writes), each with its file's
+    real source hash and stat signature, not computed by a precompute run."""
     from cache_store.sources.files import signature_of
     from cache_store.sources.hashing import hash_bytes
 
     sources, cache = workdir / f"{name}-sources", workdir / f"{name}-cache"
+    ready = workdir / f"{name}-ready"
+    if ready.is_file() and ready.read_text().strip() == str(n):
+        print(f"  reusing {n} sources and records in {workdir}", file=sys.stderr, flush=True)
+        return sources, cache
     sources.mkdir()
+    header = _npy_header(points)
     rng = np.random.default_rng(7)
     old = time.time() - 60
     marks: list[tuple[str, str]] = []
+    start = time.perf_counter()
     for i in range(n):
         path = sources / f"s{i:07d}.npy"
-        np.save(path, rng.normal(size=(64, 3)).astype(np.float32))
+        data = header + rng.normal(size=(points, 3)).astype(np.float32).tobytes()
+        with open(path, "wb") as out:
+            out.write(data)
         os.utime(path, (old, old))
-        marks.append((hash_bytes(path.read_bytes()), signature_of(path.stat()) if signed else ""))
+        marks.append((hash_bytes(data), signature_of(os.stat(path)) if signed else ""))
+    print(
+        f"  wrote {n} source files in {time.perf_counter() - start:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
 
     def metadata(template: dict[str, str], i: int) -> dict[str, str]:
         meta = per_record_metadata(template, i)
@@ -360,6 +409,7 @@ def _rerun_corpus(
                 [f"s{i:07d}" for i in range(n)],
             )
         )
+    ready.write_text(f"{n}\n")
     return sources, cache
 
 
@@ -372,7 +422,7 @@ def section_rerun(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         ("stat signature: decided in the driver", args.n, True),
     ):
         sources, cache = _rerun_corpus(
-            workdir, "signed" if signed else "hashed", templates, n, signed=signed
+            args.corpus, "signed" if signed else "hashed", templates, n, signed=signed
         )
         print(f"  {n} sources and records ready ({name})", file=sys.stderr, flush=True)
         wall, summary = _command("precompute", sources, "--cache", cache, *recipe, cwd=workdir)
@@ -418,7 +468,13 @@ def main() -> None:
         "--sections", default=",".join(SECTIONS), help=f"comma-separated: {', '.join(SECTIONS)}"
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--workdir", type=Path, help="keep the caches here (default: a temp dir)")
+    parser.add_argument("--workdir", type=Path, help="work here (default: a temp dir)")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="build the source files and their caches here and keep them; a later run with "
+        "the same --keep and --n uses them as they are (default: a temp dir, removed)",
+    )
     args = parser.parse_args()
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SECTIONS]
@@ -426,6 +482,8 @@ def main() -> None:
         parser.error(f"unknown section(s) {unknown}; known: {', '.join(SECTIONS)}")
     results = {}
     with tempfile.TemporaryDirectory(prefix="spcache-scale-", dir=args.workdir) as tmp:
+        args.corpus = args.keep or Path(tmp) / "corpus"
+        args.corpus.mkdir(parents=True, exist_ok=True)
         for name in chosen:
             workdir = Path(tmp) / name
             workdir.mkdir()

@@ -1,4 +1,5 @@
-"""The status page people look at: ``GET /``, record previews, sample search, offline docs.
+"""The status page people look at: ``GET /``, record previews, sample search, a sample's
+variants, offline docs.
 
 ``/`` is one static HTML page (plus a script and a style sheet under ``/ui``) that polls
 the JSON routes; nothing is built and nothing comes from a CDN. ``/docs`` and ``/redoc``
@@ -24,11 +25,21 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from cache_store.keys import key_of_record_id, validate_fingerprint
+from cache_store.keys import (
+    key_of_record_id,
+    record_id,
+    split_record_id,
+    validate_fingerprint,
+    validate_sample_id,
+    variant_counts,
+)
+from cache_store.recipes.augment import decompose_augmentation
 from cache_store.sources.freshness import HashBudget
 from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
-from cache_store.errors import RecordNotFound
+from cache_store.errors import CorruptRecord, RecordNotFound
+from cache_store.format.decode import decode_arrays
+from cache_store.format.header import read_header
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
 from service.records import Fingerprint, etag_matches, record_etag
@@ -266,6 +277,76 @@ async def get_preview(
     return Response(png, media_type=_PNG, headers=headers)
 
 
+def _stored_variants(store: Any, fingerprint: str, sample_id: str) -> int:
+    """How many variants of a sample are stored: ``keys.variant_counts`` over its record
+    ids (variants ``0 .. n-1`` all there; 0 when variant 0 is not). Lists only the keys
+    under ``<fp>/<id>#v``, not every id that starts like this one."""
+    if store is None:
+        return 0
+    head = f"{fingerprint}/"
+    ids = [key[len(head) :] for key in store.keys(f"{head}{sample_id}#v")]
+    if store.has(head + sample_id):
+        ids.append(sample_id)
+    return variant_counts(ids).get(sample_id, 0)
+
+
+def _variant_entry(store: Any, fingerprint: str, sample_id: str, variant: int) -> dict[str, Any]:
+    """One variant of a sample as the page shows it: its record id and the augmentation
+    applied (the stored ``augmentation`` matrix, its rotation and per-axis scale; all
+    None for a record without the field, a recipe run without augmentation)."""
+    rid = record_id(sample_id, variant)
+    key = f"{fingerprint}/{rid}"
+    entry: dict[str, Any] = {
+        "variant": variant,
+        "record_id": rid,
+        "augmentation": None,
+        "rotation_deg": None,
+        "rotation_axis": None,
+        "scale": None,
+    }
+    with store.read_view(key) as value:
+        if "augmentation" not in read_header(value, key=key).tensors:
+            return entry
+        arrays, _ = decode_arrays(value, key=key, fields=["augmentation"])
+    matrix = arrays["augmentation"]
+    try:
+        parts = decompose_augmentation(matrix)
+    except ValueError as exc:
+        raise CorruptRecord(key, str(exc)) from None
+    entry.update(
+        augmentation=matrix.astype(float).tolist(),
+        rotation_deg=round(parts.angle_deg, 3),
+        rotation_axis=[round(float(a), 4) for a in parts.axis],
+        scale=[round(float(f), 4) for f in parts.scale],
+    )
+    return entry
+
+
+def _sample_variants(ctx: ServiceContext, fingerprint: str, sample_id: str) -> dict[str, Any]:
+    store = ctx.store()
+    count = _stored_variants(store, fingerprint, sample_id)
+    if count == 0:
+        raise RecordNotFound(f"{fingerprint}/{sample_id}", str(ctx.cache))
+    return {
+        "fingerprint": fingerprint,
+        "sample_id": sample_id,
+        "variants": [_variant_entry(store, fingerprint, sample_id, k) for k in range(count)],
+    }
+
+
+@router.get("/v1/caches/{fingerprint}/variants/{sample_id:path}")
+async def get_sample_variants(
+    fingerprint: Fingerprint, sample_id: str, ctx: Context
+) -> dict[str, Any]:
+    """The stored variants of a sample (``0 .. n-1``), each with its record id (for its
+    record and preview routes) and the augmentation it was computed with: the 4 x 4
+    ``augmentation`` matrix, its rotation (degrees about a unit axis) and the factor of
+    each axis (scale times fit); None where the record has no such field."""
+    validate_fingerprint(fingerprint)
+    sample_id = validate_sample_id(sample_id)
+    return await run_in_threadpool(_sample_variants, ctx, fingerprint, sample_id)
+
+
 def _sample_page(
     ctx: ServiceContext, fingerprint: str, prefix: str, after: str, limit: int
 ) -> dict[str, Any]:
@@ -276,8 +357,10 @@ def _sample_page(
         if store is None:
             return
         for key in store.keys(head + prefix):
-            sample_id = key[len(head) :]
-            if sample_id > after:  # str order of code points == UTF-8 byte order
+            sample_id, variant = split_record_id(key[len(head) :])
+            # str order of code points == UTF-8 byte order; a variant's record (a1#v2)
+            # is no sample: its sample's row counts it
+            if variant == 0 and sample_id > after:
                 yield sample_id
 
     queued = ctx.queue.sample_ids(fingerprint, prefix=prefix, after=after, limit=limit + 1)
@@ -291,7 +374,12 @@ def _sample_page(
     limits = SourceLimits.of(settings.source_roots, settings.max_hash_bytes)
     budget = HashBudget(settings.max_listing_hash_bytes)
     samples = [
-        item_state(store, ctx.queue, fingerprint, sid, limits=limits, budget=budget).as_json()
+        {
+            **item_state(
+                store, ctx.queue, fingerprint, sid, limits=limits, budget=budget
+            ).as_json(),
+            "variants": _stored_variants(store, fingerprint, sid),
+        }
         for sid in page
     ]
     ctx.metrics.add_listing_hashed(budget.hashed)

@@ -46,7 +46,7 @@ import torch
 
 from cache_store.errors import SourceError, REASON_MAX, one_line
 from cache_store.processes import pid_alive
-from cache_store.sources.freshness import is_current, trusted_signature
+from cache_store.sources.freshness import stale_variants, trusted_signature
 from cache_store.recipes.api import ReadOnlyParams, Recipe
 from cache_store.recipes.registry import ENV_VAR as RECIPES_ENV_VAR
 from cache_store.recipes.registry import report_problems_here
@@ -153,7 +153,7 @@ def load_sample(
         signature = trusted_signature(source_signature(path, limits))
         data = read_source_bytes(path, limits)
         digest = hash_bytes(data)
-        todo = [v for v, stored in enumerate(stored_hashes) if not is_current(stored, digest)]
+        todo = stale_variants(stored_hashes, digest)
         if not todo:
             skipped = tuple(VariantOutcome(v, "skipped") for v in range(len(stored_hashes)))
             return LoadOutcome(

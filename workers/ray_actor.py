@@ -33,15 +33,27 @@ __all__ = ["ShardBuffer", "ShardWorker"]
 class ShardBuffer(MemoryStore):
     """The in-memory store the actor's engine writes into (a :class:`MemoryStore`).
 
-    It is empty when a shard starts (so the engine computes every item it is given: the
-    driver has already skipped what is cached) and hands each record back once
-    (:meth:`pop`), with the descriptors they name (:meth:`descriptor_texts`). The index
-    the engine writes at the end of a shard is dropped: the driver writes the real one.
-    Closing it forgets what it held.
+    It is empty when a shard starts and hands each record back once (:meth:`pop`), with
+    the descriptors they name (:meth:`descriptor_texts`). What the driver's store holds
+    it knows only as source hashes (:meth:`expect`, answered by :meth:`source_hash_of`
+    as a sharded snapshot answers from its manifests): the engine then computes just the
+    variants of a sample whose record is not current there, by the local engine's own
+    rule, and reports the others skipped. The index the engine writes at the end of a
+    shard is dropped: the driver writes the real one. Closing it forgets what it held.
     """
 
     def __init__(self) -> None:
         super().__init__("memory://shard")
+        self._stored: dict[str, str] = {}
+
+    def expect(self, stored: Mapping[str, str]) -> None:
+        """The source hash of each record the driver's store holds for this shard (by
+        key): what :meth:`source_hash_of` answers until the shard ends."""
+        self._stored = dict(stored)
+
+    def source_hash_of(self, key: str) -> str | None:
+        """The source hash of the driver's record under ``key`` (None: none there)."""
+        return self._stored.get(key)
 
     def descriptor_texts(self) -> list[list[str]]:
         """``[fingerprint, digest, text]`` of every descriptor written here (a run's one
@@ -61,6 +73,7 @@ class ShardBuffer(MemoryStore):
         with self.data.lock:
             self.data.records.clear()
             self.data.descriptors.clear()
+        self._stored = {}
 
     def put_index(self, index: DatasetIndex) -> None:
         """Dropped (see the class doc)."""
@@ -168,13 +181,15 @@ class ShardWorker:
         }
 
     def run_shard(
-        self, items: Sequence[Sequence[str]], label: str | None = None
+        self, items: Sequence[Sequence[Any]], label: str | None = None, variants: int = 1
     ) -> Iterator[dict[str, Any]]:
-        """Run the engine over ``[sample_id, path]`` items; yield batches as they commit.
+        """Run the engine over ``[sample_id, path, stored]`` items, ``variants`` records
+        of each (``stored``: the source hash of each variant's record in the driver's
+        store, None where none is; may be left out); yield batches as they commit.
 
-        Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash],
-        ...], "records": [[key, bytes], ...], "descriptors": [[fingerprint, digest, text],
-        ...]}`` with at most ``write_batch`` results, and
+        Each yielded value is ``{"results": [[id, path, status, key, reason, source_hash,
+        variant], ...], "records": [[key, bytes], ...], "descriptors": [[fingerprint,
+        digest, text], ...]}`` with at most ``write_batch`` results, and
         the last is ``{"summary": {...}}`` (the shard's engine timings). An error that stops
         the engine (not one sample's failure) is raised from here. With a sink the records
         are already committed to it (parts named after ``label``: shard and attempt) and
@@ -187,6 +202,15 @@ class ShardWorker:
         buffer, batch = self._buffer, engine.write_batch
         assert buffer is not None
         buffer.close()  # nothing is left over from a shard that stopped early
+        buffer.expect(
+            {
+                engine.key(item[0], v): digest
+                for item in items
+                if len(item) > 2
+                for v, digest in enumerate(item[2])
+                if digest is not None
+            }
+        )
         if self._parts is not None:
             self._parts.start_writer(label or "s-unknown")
         # Bounded: when Ray holds the stream back, the engine waits here, not in memory.
@@ -202,7 +226,8 @@ class ShardWorker:
 
         def work() -> None:
             try:
-                events.put(("summary", engine.run([(i, p) for i, p in items], on_result)))
+                work = [(item[0], item[1]) for item in items]
+                events.put(("summary", engine.run(work, on_result, variants=variants)))
             except BaseException as exc:  # noqa: BLE001 - handed to the generator, raised there
                 events.put(("error", exc))
 
@@ -232,7 +257,8 @@ def _batch_message(
     records = [[r.key, record] for r, record in pending if record is not None]
     return {
         "results": [
-            [r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash] for r, _ in pending
+            [r.sample_id, r.path, r.status, r.key, r.reason, r.source_hash, r.variant]
+            for r, _ in pending
         ],
         "records": records,
         # the descriptors the records name ([fingerprint, digest, text]; none with a sink)

@@ -25,7 +25,8 @@ from typing import Any
 from cache_store.errors import SourceError, StoreFull, REASON_MAX, one_line
 from cache_store.format.descriptor import parse_descriptor
 from cache_store.jobs.failures import FailureLog
-from cache_store.sources.freshness import is_current
+from cache_store.keys import record_id, split_record_id
+from cache_store.sources.freshness import stale_variants
 from cache_store.stores.base import Store
 from workers.ray_common import (
     RaySummary,
@@ -105,9 +106,14 @@ class RayRun:
         options: RayRunOptions,
         items: list[tuple[str, Any]],
         on_result: Callable[[ItemResult], None] | None,
+        variants: int = 1,
     ) -> None:
         self.options = options
         self.items = items
+        self.variants = variants
+        # record ids reported so far: a shard retried after its actor died reports its
+        # committed records again (skipped: they are stored), and those are not news
+        self.reported: set[str] = set()
         self.summary = RaySummary(
             options.fingerprint, options.recipe, options.recipe_version, dict(options.params)
         )
@@ -137,8 +143,8 @@ class RayRun:
             self.summary.wall_s = time.perf_counter() - start
 
         try:
-            work = self.ledger.admit(self.items)
-            self.ledger.open_progress(len(self.items))
+            work = self.ledger.admit(self.items, self.variants)
+            self.ledger.open_progress(len(self.items) * self.variants)
             todo = self._skip_cached(work)
             if todo:
                 self._run_on_ray(todo)
@@ -172,14 +178,18 @@ class RayRun:
 
     # -- resume -----------------------------------------------------------------------
     def _skip_cached(self, work: list[WorkItem]) -> list[WorkItem]:
-        """Items left to compute; the stored and unchanged ones are reported skipped (and,
-        with ``skip_failed``, the unchanged ones that failed before, failed).
+        """Items left to compute; those whose every wanted record is stored and unchanged
+        are reported skipped (and, with ``skip_failed``, the unchanged ones that failed
+        before, failed). An item with some variants current goes to an actor with their
+        hashes: its engine computes the others (:func:`stale_variants`, the local rule).
 
         Only files that have a stored record or a remembered failure are hashed (in
         threads: it is reading).
         """
         stored = [
-            item for item in work if item.stored_hash is not None or item.failed_hash is not None
+            item
+            for item in work
+            if any(h is not None for h in item.stored_hashes) or item.failed_hash is not None
         ]
         hashes: dict[str, str | SourceError] = {}
         if stored:
@@ -197,15 +207,9 @@ class RayRun:
             if found is None:
                 todo.append(item)
             elif isinstance(found, SourceError):
-                self.ledger.finish(
-                    ItemResult(item.sample_id, item.path, "failed", reason=found.reason)
-                )
-            elif is_current(item.stored_hash, found):
-                self.ledger.finish(
-                    ItemResult(
-                        item.sample_id, item.path, "skipped", key=item.key, source_hash=found
-                    )
-                )
+                self.ledger.finish_all(item, "failed", reason=found.reason)
+            elif not stale_variants(item.stored_hashes, found):
+                self.ledger.finish_all(item, "skipped", source_hash=found)
             elif found == item.failed_hash:
                 self.ledger.skip_failures(item, found)
             else:
@@ -287,15 +291,10 @@ class RayRun:
         if self.shards:  # every actor is gone for good
             for shard in self.shards:
                 for item in shard.items:
-                    self.ledger.finish(
-                        ItemResult(
-                            item.sample_id,
-                            item.path,
-                            "failed",
-                            reason="no Ray actor left to compute it (every "
-                            "actor died and was not restarted)",
-                            transient=True,  # the cluster's failure, not the sample's
-                        )
+                    self._fail_rest(
+                        item,
+                        "no Ray actor left to compute it (every actor died and was not restarted)",
+                        transient=True,  # the cluster's failure, not the sample's
                     )
             self.shards.clear()
 
@@ -335,7 +334,12 @@ class RayRun:
             if shard is None:
                 continue
             slot.state, slot.shard, slot.since = "busy", shard, time.perf_counter()
-            slot.outstanding = {item.sample_id: item for item in shard.items}
+            slot.outstanding = {
+                rid: item
+                for item in shard.items
+                for rid in (record_id(item.sample_id, v) for v in range(item.variants))
+                if rid not in self.reported
+            }
             slot.stats.shards += 1
             # Backpressure: an actor that is _STREAM_AHEAD batches ahead of the writer
             # pauses (its engine blocks in on_result), so a slow writer bounds memory.
@@ -343,8 +347,9 @@ class RayRun:
                 num_returns="streaming",
                 _generator_backpressure_num_objects=_STREAM_AHEAD,
             ).remote(
-                [[item.sample_id, item.path] for item in shard.items],
+                [[item.sample_id, item.path, list(item.stored_hashes)] for item in shard.items],
                 f"s{shard.number:05d}-a{shard.deaths + 1}",
+                self.variants,
             )
 
     def _next_shard(self, actor: int, live: set[int]) -> Shard | None:
@@ -407,8 +412,8 @@ class RayRun:
         # SIGTERM may land between the commit and the reports below: the ledger then
         # finds these records in the store when it writes the index
         self.ledger.committing = {
-            sample_id: source_hash
-            for sample_id, _, status, _, _, source_hash in message["results"]
+            record_id(sample_id, variant): source_hash
+            for sample_id, _, status, _, _, source_hash, variant in message["results"]
             if status == "done"
         }
         if records:
@@ -424,22 +429,26 @@ class RayRun:
                 write_error = f"store write failed: {one_line(exc, limit=REASON_MAX)}"
                 full = exc if isinstance(exc, StoreFull) else None
             self.summary.write_s += time.perf_counter() - start
-        for sample_id, path, status, key, reason, source_hash in message["results"]:
-            if slot.outstanding.pop(sample_id, None) is None:
-                logger.warning(
-                    "actor %d reported %s, which it was not given; ignored",
-                    slot.stats.actor,
-                    sample_id,
-                )
+        for sample_id, path, status, key, reason, source_hash, variant in message["results"]:
+            rid = record_id(sample_id, variant)
+            item = slot.outstanding.pop(rid, None)
+            if item is None:
+                if rid not in self.reported:
+                    logger.warning(
+                        "actor %d reported %s, which it was not given; ignored",
+                        slot.stats.actor,
+                        rid,
+                    )
                 continue
             transient = False
             if status == "done" and write_error:
                 status, key, reason, transient = "failed", "", write_error, True
             if status == "done":
                 slot.stats.done += 1
+                _note_stored(item, variant, source_hash)  # a retried shard skips it
             elif status == "failed":
                 slot.stats.failed += 1
-            self.ledger.finish(
+            self._finish(
                 ItemResult(
                     sample_id,
                     path,
@@ -448,6 +457,7 @@ class RayRun:
                     reason=reason,
                     source_hash=source_hash,
                     transient=transient,
+                    variant=variant,
                 )
             )
         self.ledger.committing = {}
@@ -460,16 +470,37 @@ class RayRun:
         s.compute_s += float(timings["compute_s"])
         s.oom_backoffs += int(timings["oom_backoffs"])
 
+    def _finish(self, result: ItemResult) -> None:
+        """Report one record's result (once)."""
+        self.reported.add(result.record_id)
+        self.ledger.finish(result)
+
+    def _fail_rest(self, item: WorkItem, reason: str, transient: bool = False) -> None:
+        """Fail each wanted record of ``item`` not reported yet."""
+        for variant in range(item.variants):
+            if record_id(item.sample_id, variant) not in self.reported:
+                self._finish(
+                    ItemResult(
+                        item.sample_id,
+                        item.path,
+                        "failed",
+                        reason=reason,
+                        transient=transient,
+                        variant=variant,
+                    )
+                )
+
     def _shard_finished(self, slot: ActorSlot) -> None:
         slot.stats.busy_s += time.perf_counter() - slot.since
-        for item in slot.outstanding.values():  # the engine reports every item; defensive
-            self.ledger.finish(
+        for rid, item in slot.outstanding.items():  # the engine reports every item; defensive
+            self._finish(
                 ItemResult(
                     item.sample_id,
                     item.path,
                     "failed",
                     reason="the Ray actor finished its shard without a result for this sample",
                     transient=True,  # the engine's failure, not the sample's
+                    variant=split_record_id(rid)[1],
                 )
             )
         slot.state, slot.shard, slot.stream, slot.outstanding = "ready", None, None, {}
@@ -481,7 +512,8 @@ class RayRun:
         assert shard is not None
         slot.stats.busy_s += time.perf_counter() - slot.since
         slot.stats.deaths += 1
-        left = [item for item in shard.items if item.sample_id in slot.outstanding]
+        waiting = {id(item) for item in slot.outstanding.values()}
+        left = [item for item in shard.items if id(item) in waiting]
         slot.shard, slot.stream, slot.outstanding = None, None, {}
         gone = isinstance(exc, ray.exceptions.ActorDiedError)
         if gone:
@@ -510,16 +542,10 @@ class RayRun:
         single sample fails once it has killed ``max_attempts`` actors."""
         items = shard.items
         if len(items) == 1 and shard.deaths >= self.options.max_attempts:
-            item = items[0]
-            self.ledger.finish(
-                ItemResult(
-                    item.sample_id,
-                    item.path,
-                    "failed",
-                    reason=f"the Ray actor computing this sample died "
-                    f"{shard.deaths} times (a crash, the OOM killer or "
-                    f"a lost node)",
-                )
+            self._fail_rest(
+                items[0],
+                f"the Ray actor computing this sample died {shard.deaths} times (a crash, "
+                "the OOM killer or a lost node)",
             )
             return
         self.summary.shard_retries += 1
@@ -529,6 +555,14 @@ class RayRun:
         half = len(items) // 2
         self.shards.appendleft(Shard(items[half:], 1, set(shard.avoid), shard.number))
         self.shards.appendleft(Shard(items[:half], 1, set(shard.avoid), shard.number))
+
+
+def _note_stored(item: WorkItem, variant: int, source_hash: str) -> None:
+    """Note on ``item`` that its record of ``variant`` is now stored from ``source_hash``
+    (what the next actor given it is told)."""
+    hashes = list(item.stored_hashes)
+    hashes[variant] = source_hash
+    item.stored_hash, item.more = hashes[0], tuple(hashes[1:])
 
 
 def _hash_or_error(path: str, limits: SourceLimits) -> str | SourceError:

@@ -5,8 +5,10 @@ fans the work out over Ray actors. The driver (the process that calls ``run``):
 
 1. admits the items exactly as the local engine does (valid, unique sample ids; keys;
    the source hash of any record already stored);
-2. skips what is already cached: a file whose stored record carries its current content
-   hash is not sent anywhere (the driver hashes only files that have a record);
+2. skips what is already cached: a file whose stored records (each wanted variant's)
+   carry its current content hash is not sent anywhere (the driver hashes only files
+   that have a record); a sample with some variants current goes with their hashes, and
+   its actor computes only the others (``stale_variants``, the local engine's rule);
 3. cuts the rest into shards and hands one shard at a time to each idle actor;
 4. writes what comes back into the store in batches (one ``put_many`` transaction per
    batch), reports every item through ``on_result`` after its record has committed, and
@@ -54,6 +56,7 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import RayUnavailable, UsageError
+from cache_store.keys import validate_variant_count
 from cache_store.recipes.registry import require_installed
 from cache_store.jobs.failures import FailureLog
 from cache_store.stores.base import Store
@@ -177,16 +180,12 @@ class RayEngine(Engine):
         *,
         variants: int = 1,
     ) -> RaySummary:
-        """Compute every ``(sample_id, path)`` item on Ray; return the :class:`RaySummary`.
-        One record per sample: ``variants`` above 1 is refused (the local engine computes
-        them)."""
+        """Compute ``variants`` records of every ``(sample_id, path)`` item on Ray; return
+        the :class:`RaySummary` (counting records, as the local engine's does). Each actor's
+        local engine computes a sample's variants from one load, as it does locally."""
         require_installed(self.recipe_spec.name, "a Ray actor (another process)")
-        if variants != 1:
-            raise UsageError(
-                f"variants {variants}: the ray engine computes one record per sample; "
-                "run variants with the local engine (it writes a *.zarr snapshot too)"
-            )
-        return RayRun(self.run_options(), list(items), on_result).execute()
+        variants = validate_variant_count(variants)
+        return RayRun(self.run_options(), list(items), on_result, variants).execute()
 
     def run_options(self) -> RayRunOptions:
         """What a run needs from this engine, frozen: the driver reads nothing else."""

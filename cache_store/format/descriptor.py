@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -72,7 +73,8 @@ DESCRIPTOR_METADATA = (
 DIGEST_HEX_CHARS = 32
 #: A digest's syntax as a regular expression (for routes).
 DIGEST_PATTERN = rf"[0-9a-f]{{{DIGEST_HEX_CHARS}}}"
-_HEX = frozenset("0123456789abcdef")
+#: a digest's text (one pattern match: checked for every record read)
+_DIGEST_TEXT = re.compile(f"[0-9a-f]{{{DIGEST_HEX_CHARS}}}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +95,7 @@ DescriptorLookup = Callable[[str, str], Descriptor]
 
 def is_digest(text: object) -> bool:
     """Whether ``text`` has a descriptor digest's syntax (32 lowercase hex digits)."""
-    return isinstance(text, str) and len(text) == DIGEST_HEX_CHARS and set(text) <= _HEX
+    return isinstance(text, str) and _DIGEST_TEXT.fullmatch(text) is not None
 
 
 def descriptor_name(fingerprint: str, digest: str) -> str:

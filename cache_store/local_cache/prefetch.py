@@ -7,18 +7,23 @@ is no longer next), and one daemon thread fetches them through
 :meth:`LocalDisk.prefetch`, which never waits for space: a unit that does not fit now
 is left to the reader, which fetches it when it needs it. At most ``budget`` bytes of
 one request are fetched ahead, so a window never evicts the units it asked for first.
+
+:func:`process_prefetcher` is how a store holds one (every backend of ``local_cache``
+calls it, so the budget rule is here only): half the directory's limit.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from cache_store.local_cache.disk import LocalDisk, Unit
+from cache_store.process_local import ProcessLocal
 
-__all__ = ["Prefetcher"]
+__all__ = ["Prefetcher", "process_prefetcher"]
 
 log = logging.getLogger(__name__)
 
@@ -91,3 +96,12 @@ class Prefetcher:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=60)
+
+
+def process_prefetcher(disk: LocalDisk, size_of: Callable[[Any], int]) -> ProcessLocal[Prefetcher]:
+    """A store's prefetcher, one per process (a forked loader worker never uses its
+    parent's thread), closed with the store; it fetches at most half of ``disk``'s limit
+    per request."""
+    return ProcessLocal(
+        functools.partial(Prefetcher, disk, disk.spec.limit // 2, size_of), Prefetcher.close
+    )

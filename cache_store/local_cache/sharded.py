@@ -39,7 +39,6 @@ commits again, and a key not in the listing lists them again (at most once a sec
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -54,7 +53,7 @@ from cache_store.format.index import DatasetIndex
 from cache_store.keys import split_key
 from cache_store.local_cache.disk import LocalDisk
 from cache_store.local_cache.spec import LocalCache
-from cache_store.local_cache.prefetch import Prefetcher
+from cache_store.local_cache.prefetch import Prefetcher, process_prefetcher
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
 from cache_store.snapshot.sharded.format import Dataset, Entry, parse_manifest
@@ -139,10 +138,7 @@ class CachedShardedSnapshot(ShardedSnapshot):
         self.disk = LocalDisk(local_cache)
         self._units: ProcessLocal[dict[tuple[str, str], PartUnit]] = ProcessLocal(dict)
         self._not_kept: ProcessLocal[set[tuple[str, str]]] = ProcessLocal(set)
-        self._prefetcher: ProcessLocal[Prefetcher] = ProcessLocal(
-            functools.partial(Prefetcher, self.disk, local_cache.limit // 2, self.size_of),
-            Prefetcher.close,
-        )
+        self._prefetcher: ProcessLocal[Prefetcher] = process_prefetcher(self.disk, self.size_of)
         self._fitted: ProcessLocal[set[str]] = ProcessLocal(set)
 
     def unit(self, fingerprint: str, part: str) -> PartUnit:

@@ -20,6 +20,11 @@ What is served never depends on the local copy:
 - a chunk whose fetched bytes fail their check (damaged in the snapshot) is not kept:
   the records in it fail with ``CorruptRecord``, as they do without ``local_cache``.
 
+``prefetch(keys)`` fetches the chunk files the records of ``keys`` are read from (each
+record's header chunk, then its fields' data chunks; first appearance first) in a
+thread of this process (:mod:`cache_store.local_cache.prefetch`, as for a sharded
+snapshot's parts): a sampler's read-ahead asks it.
+
 The sizes of a group's chunk files come from one listing of the group per process
 (:data:`LISTED`, inherited by forked loader workers, so an epoch whose chunks are all
 here makes no request); ``get_index`` refuses a ``cache_limit`` that cannot hold the
@@ -33,12 +38,13 @@ import functools
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cache_store.errors import CorruptRecord
 from cache_store.format.index import DatasetIndex
 from cache_store.local_cache.disk import LocalDisk
+from cache_store.local_cache.prefetch import Prefetcher, process_prefetcher
 from cache_store.local_cache.spec import LocalCache
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded.storage import open_fs
@@ -98,11 +104,24 @@ class CachedChunkReader(LocalChunkReader):
         self.writer = writer
         self.path = path
 
-    def chunk_bytes(self, index: int) -> bytes | None:
+    def unit(self, index: int) -> ChunkUnit | None:
+        """The unit of chunk ``index``'s file; None when it was never written."""
         path = f"{self.path}/{chunk_key(index, len(self.chunk_shape))}"
         if path not in self.store.chunk_sizes(self.fingerprint, self.writer):
             return None  # never written: all fill value
-        unit = ChunkUnit(self.store, self.fingerprint, self.writer, path)
+        return ChunkUnit(self.store, self.fingerprint, self.writer, path)
+
+    def units(self, start: int, stop: int) -> list[ChunkUnit]:
+        """The units of the chunk files rows ``start:stop`` lie in, in row order."""
+        step = self.chunk_shape[0]
+        found = (self.unit(i) for i in range(start // step, (stop - 1) // step + 1))
+        return [unit for unit in found if unit is not None] if stop > start else []
+
+    def chunk_bytes(self, index: int) -> bytes | None:
+        unit = self.unit(index)
+        if unit is None:
+            return None  # never written: all fill value
+        path = unit.path
         disk = self.store.disk
         for attempt in (0, 1):
             try:
@@ -142,6 +161,7 @@ class CachedZarrSnapshot(ZarrStore):
             functools.partial(open_fs, self.location, self.storage_options)
         )
         self._fitted: ProcessLocal[set[str]] = ProcessLocal(set)
+        self._prefetcher: ProcessLocal[Prefetcher] = process_prefetcher(self.disk, ChunkUnit.size)
 
     @property
     def fs(self) -> Any:
@@ -194,3 +214,27 @@ class CachedZarrSnapshot(ZarrStore):
                     self.disk.check_fits(largest[0], f"chunk {largest[1]} of {fingerprint}")
             self._fitted.get().add(fingerprint)
         return index
+
+    # -- reading ahead ------------------------------------------------------------
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """Fetch the chunk files of ``keys``' records in a thread, in the order they
+        first appear (a record's header chunk, then its fields' data chunks)."""
+        units: dict[str, ChunkUnit] = {}
+        for key in keys:
+            found = self._locate(key)
+            readers = None if found is None else found[0].local
+            if found is None or readers is None:
+                continue
+            snap, row = found
+            for name, reader in readers.items():
+                if not isinstance(reader, CachedChunkReader):
+                    continue
+                o = snap.header_offsets if name == "headers" else snap.field_offsets[name]
+                for unit in reader.units(int(o[row]), int(o[row + 1])):
+                    units.setdefault(unit.name, unit)
+        if units:
+            self._prefetcher.get().ahead(list(units.values()))
+
+    def close(self) -> None:
+        self._prefetcher.close()
+        super().close()

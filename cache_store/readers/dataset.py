@@ -131,6 +131,10 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             (a cache directory, a local sharded snapshot; elsewhere copies: see
             :attr:`read_path`), a version hashed once per process (``verify="always"``:
             every read); DataLoader workers hand over places (:mod:`cache_store.views`).
+        pin_memory: with ``views`` and ``collate_spc`` in forked workers, the training
+            process packs each batch into page-locked memory (its one copy), for a
+            ``.to(device, non_blocking=True)``; where nothing can pin memory (no
+            accelerator) it says so once and packs into ordinary memory.
         local_cache, cache_limit: a remote sharded or exported Zarr snapshot
             (``s3://....zarr``) read through a bounded directory on this machine: each
             part (sharded) or chunk file (exported) a read needs is fetched once into
@@ -177,6 +181,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         cache_limit: int | str | None = None,
         views: bool = False,
         verify: str = "once",
+        pin_memory: bool = False,
         variant: int | None = None,
         variants: int | None = None,
         variant_seed: int = 0,
@@ -202,7 +207,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             raise ParameterError(variant_bad)
         if on_miss == "compute":  # the worker computing a miss is another process
             require_installed(fingerprint_or_recipe, "the worker that computes a miss")
-        self.views, self.verify = bool(views), verify
+        self.views, self.verify, self.pin_memory = bool(views), verify, bool(pin_memory)
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
@@ -444,7 +449,14 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
     def _finish(self, record: Any, i: int) -> Any:
         sample_id = self.sample_id(i)
         if record.place is not None and self._hands_over():
-            source = (self._store.opener, self.fields, self.verify, self._variable, SpcSample)
+            source = (
+                self._store.opener,
+                self.fields,
+                self.verify,
+                self._variable,
+                SpcSample,
+                self.pin_memory,
+            )
             return LocatedSample(source, self.key(i), (record.place, record.checksum))  # hop
         sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:

@@ -41,8 +41,9 @@ Read-ahead: over a read-through dataset (``sources=``) the sampler queues this r
 next ``read_ahead`` samples for the cache's worker as it deals them, so the worker
 computes in the order the loaders will ask, and the dataset's own index-order
 ``warm_ahead`` is turned off (:meth:`CachedDataset.queue_ahead`). Over a remote snapshot
-read through ``local_cache``, the same window's parts are fetched into the local
-directory by a thread of the process that iterates the sampler, in the sampler's order
+read through ``local_cache``, the same window's parts (a sharded snapshot's; an exported
+Zarr snapshot's chunk files) are fetched into the local directory by a thread of the
+process that iterates the sampler, in the sampler's order
 (:meth:`CachedDataset.prefetch`), so the loaders find them there.
 """
 
@@ -182,8 +183,8 @@ class Sampler(torch.utils.data.Sampler[int]):
         read_ahead: samples of this rank read ahead of the loaders (0: off): over
             read-through, queued for the cache's worker (off: the dataset's own
             ``warm_ahead`` queues in index order on a miss); over ``local_cache``, their
-            parts fetched into it (set it to a window, ``window_blocks`` parts' samples,
-            for the next window's parts to arrive while this one is read).
+            parts or chunk files fetched into it (set it to a window, ``window_blocks``
+            blocks' samples, for the next window's to arrive while this one is read).
 
     The order's cost, once per sampler and then once per epoch, in the process that
     iterates it (the training process, never a loader worker): a hash of every id

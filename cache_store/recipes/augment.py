@@ -57,7 +57,9 @@ __all__ = [
     "AUGMENTATION_PARAMS",
     "ROTATIONS",
     "Augmented",
+    "AugmentationParts",
     "augment_points",
+    "decompose_augmentation",
     "augmentation_set",
     "transform_points",
 ]
@@ -194,6 +196,56 @@ def transform_points(matrix: np.ndarray, points: np.ndarray) -> np.ndarray:
 
     m = np.asarray(matrix, dtype=np.float64)
     return np.asarray(points, dtype=np.float64) @ m[:3, :3].T + m[:3, 3]
+
+
+class AugmentationParts(NamedTuple):
+    """An ``augmentation`` matrix taken apart (:func:`decompose_augmentation`)."""
+
+    #: the rotation, float64 ``[3, 3]`` (identity when none)
+    rotation: np.ndarray
+    #: its angle in degrees, 0 .. 180
+    angle_deg: float
+    #: its unit axis, float64 ``[3]`` (zeros when the angle is 0)
+    axis: np.ndarray
+    #: the factor of each axis x, y, z after the rotation (the scale draw times the fit)
+    scale: np.ndarray
+
+
+def decompose_augmentation(matrix: Any) -> AugmentationParts:
+    """The rotation and per-axis scale of an ``augmentation`` matrix (as
+    :func:`augment_points` builds it: ``fit * S @ R`` in its upper 3 x 3, so row ``i`` is
+    ``R``'s row ``i`` times axis ``i``'s factor). Raises ``ValueError`` for a matrix that
+    is not 4 x 4 or whose upper 3 x 3 is not of that form."""
+    import numpy as np
+
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.shape != (4, 4) or not np.isfinite(m).all():
+        raise ValueError(f"augmentation: expected a finite 4 x 4 matrix, got shape {m.shape}")
+    linear = m[:3, :3]
+    scale = np.linalg.norm(linear, axis=1)
+    if (scale <= 0).any():
+        raise ValueError("augmentation: a row of its upper 3 x 3 is zero")
+    rotation = linear / scale[:, None]
+    if not np.allclose(rotation @ rotation.T, np.eye(3), atol=1e-4):
+        raise ValueError("augmentation: its upper 3 x 3 is not a scale times a rotation")
+    cos = float(np.clip((np.trace(rotation) - 1.0) / 2.0, -1.0, 1.0))
+    angle = math.degrees(math.acos(cos))
+    skew = np.array(
+        [
+            rotation[2, 1] - rotation[1, 2],
+            rotation[0, 2] - rotation[2, 0],
+            rotation[1, 0] - rotation[0, 1],
+        ]
+    )
+    if angle < 1e-6:
+        axis = np.zeros(3)
+    elif np.linalg.norm(skew) > 1e-6:
+        axis = skew / np.linalg.norm(skew)
+    else:  # a half turn: R = 2 a a^T - I, the axis from R's largest diagonal column
+        outer = (rotation + np.eye(3)) / 2.0
+        column = outer[:, int(np.argmax(np.diag(outer)))]
+        axis = column / np.linalg.norm(column)
+    return AugmentationParts(rotation, angle, axis, scale)
 
 
 def _quaternion_matrix(q: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "trusted_signature",
     "same_signature",
     "is_current",
+    "stale_variants",
     "stored_metadata",
     "stored_metadata_many",
     "unchanged_by_stat",
@@ -136,6 +137,14 @@ def is_current(stored_hash: str | None, source_hash: str) -> bool:
     """True when a record that holds ``stored_hash`` (None: no readable record) was
     computed from a source whose content hash is ``source_hash``."""
     return stored_hash is not None and stored_hash == source_hash
+
+
+def stale_variants(stored_hashes: Sequence[str | None], source_hash: str) -> list[int]:
+    """The variants of a sample a run computes: those whose stored record (source hash
+    ``stored_hashes[v]``, None: none stored) is not current for a source whose content
+    hash is ``source_hash`` (:func:`is_current`). Empty: every wanted record is current.
+    The local engine's loaders and the Ray driver both decide by it."""
+    return [v for v, stored in enumerate(stored_hashes) if not is_current(stored, source_hash)]
 
 
 def stored_metadata(store: Any, key: str) -> dict[str, str] | None:

@@ -26,6 +26,7 @@ dataset with one keeps today's hop (tensors in shared memory).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -46,12 +47,14 @@ __all__ = [
     "open_batch",
     "open_sample",
     "packed",
+    "pinned_buffer",
 ]
 
 #: How the training process opens the worker's store and makes its samples: a picklable
 #: ``open_store`` call, the fields read, ``verify``, the fields the recipe declares
-#: variable, and the sample class (``SpcSample``; given, so this module imports no reader).
-Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str], Any]
+#: variable, the sample class (``SpcSample``; given, so this module imports no reader),
+#: and whether a batch is packed into pinned memory (``CachedDataset(pin_memory=True)``).
+Source = tuple[Callable[[], "Store"], tuple[str, ...] | None, str, frozenset[str], Any, bool]
 
 
 class LocatedSample:
@@ -139,6 +142,8 @@ class LocatedBatch:
         return open_batch, (self.source, self.items, self.collate)
 
 
+log = logging.getLogger(__name__)
+
 _stores: dict[Any, tuple[int, Store]] = {}
 _stores_lock = threading.Lock()
 
@@ -161,7 +166,7 @@ def _store(opener: Callable[[], Store]) -> Store:
 def _records(
     source: Source, items: Sequence[tuple[str, tuple[Place, str]]], transient: bool
 ) -> list[Record]:
-    opener, fields, verify, _, _ = source
+    opener, fields, verify = source[0], source[1], source[2]
     store = _store(opener)
     keys = [key for key, _ in items]
     names = None if fields is None else list(fields)
@@ -184,17 +189,17 @@ def open_batch(
     (``collate_spc``: Kaolin's packed layout) after one copy of each record's fields
     (:func:`packed`), of which it then takes views."""
     sample, variable = source[4], source[3]
-    tensors = packed([r.tensors for r in _records(source, items, True)])  # copied here
+    tensors = packed([r.tensors for r in _records(source, items, True)], source[5])
     ids = [split_key(key)[1] for key, _ in items]
     return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
 
 
-def packed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[str, Any]]:
     """The records' fields copied field by field into ONE buffer (a recently freed one
-    of this process when it fits: :data:`cache_store.format.buffers.BATCH_BUFFERS`), each
-    field's records end to end, so ``collate_spc`` concatenates and stacks them as
-    views of it. The one copy of a batch in the training process; its tensors are
-    normal (writable) tensors."""
+    of this process when it fits: :data:`cache_store.format.buffers.BATCH_BUFFERS`;
+    page-locked memory with ``pin``: :func:`pinned_buffer`), each field's records end to
+    end, so ``collate_spc`` concatenates and stacks them as views of it. The one copy of
+    a batch in the training process; its tensors are normal (writable) tensors."""
     import torch
 
     from cache_store.format.buffers import allocate
@@ -208,7 +213,8 @@ def packed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             size = -(-size // t.element_size()) * t.element_size()
             slots.append((j, name, size))
             size += t.nbytes
-    base, buf = allocate((size + 7) & ~7, False)
+    found = pinned_buffer((size + 7) & ~7) if pin else None
+    base, buf = found if found is not None else allocate((size + 7) & ~7, False)
     out: list[dict[str, Any]] = [{} for _ in records]
     for j, name, offset in slots:
         t = records[j][name]
@@ -218,3 +224,28 @@ def packed(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         part = base[offset : offset + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype)
         out[j][name] = part.view(t.shape)
     return out
+
+
+_unpinned_told = threading.Event()
+
+
+def pinned_buffer(size: int) -> tuple[Any, Any] | None:
+    """A uint8 tensor of ``size`` bytes in page-locked (pinned) memory and a NumPy view
+    of it: a batch packed there is copied to the GPU without blocking (``.to(device,
+    non_blocking=True)``), and the DataLoader's ``pin_memory=True`` finds it pinned (no
+    second copy). None where no accelerator can pin memory (said once per process): the
+    caller packs into ordinary memory."""
+    import torch
+
+    try:
+        base = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError as exc:
+        if not _unpinned_told.is_set():
+            _unpinned_told.set()
+            log.warning(
+                "pin_memory=True: no pinned memory here (%s); batches are packed "
+                "into ordinary memory",
+                str(exc).splitlines()[0],
+            )
+        return None
+    return base, base.numpy()

@@ -147,8 +147,14 @@ class MappedRange:
     def populate(self) -> None:
         """Map every page now, in one call, before all of them are read (a hash, a
         copy): one fault per page costs more (measured: 0.8 ms against 1.1-1.5 ms for a
-        2.4 MB record); pages of a window mapped already cost a walk of the page table.
-        A kernel without ``MADV_POPULATE_READ`` faults them in as read."""
+        2.4 MB record). A window's range is populated once (the kernel may drop its page
+        table entries later: they are then faulted in as read). A kernel without
+        ``MADV_POPULATE_READ`` faults them in as read."""
+        window = self.window
+        if window is not None:
+            if self.base in window.populated:
+                return
+            window.populated.add(self.base)
         if not self.detached:
             _madvise(self.addr, self.size, _MADV_POPULATE_READ)
 
@@ -219,10 +225,11 @@ class Window:
     """One read-only private mapping of ``size`` bytes of a file from ``base``, unmapped
     when the last reference (its :class:`Windows`, a range of it) is gone."""
 
-    __slots__ = ("__weakref__", "addr", "base", "pid", "size", "spoiled")
+    __slots__ = ("__weakref__", "addr", "base", "pid", "populated", "size", "spoiled")
 
     def __init__(self, addr: int, base: int, size: int) -> None:
         self.addr, self.base, self.size = addr, base, size
+        self.populated: set[int] = set()  # file offsets of ranges populated in it
         self.spoiled = False  # a range of it was detached: its pages are not the file's
         self.pid = _pid[0]
 
@@ -311,12 +318,12 @@ def windows_of(path: str, fd: int) -> Windows:
         return made
 
 
-def retire_windows(path: str, identity: tuple[int, int]) -> None:
-    """Retire this process's windows of ``path`` if they map the file ``identity``
-    (device, inode): it is no longer read here."""
+def retire_windows(path: str, identity: tuple[int, int] | None = None) -> None:
+    """Retire this process's windows of ``path`` (only if they map the file ``identity``,
+    device and inode, when given): it is no longer read here."""
     with _windows_lock:
         found = _windows.get(path)
-        if found is None or found.identity != identity:
+        if found is None or identity not in (None, found.identity):
             return
         del _windows[path]
     if found.pid == _pid[0]:

@@ -2,9 +2,10 @@
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  const ERRORS_PAGE = 10, SAMPLES_PAGE = 25;
+  const ERRORS_PAGE = 10, SAMPLES_PAGE = 25, VARIANTS_PAGE = 8;
   const state = { token: null, tokenRequired: null, errorsJob: null, errorsOffset: 0, cache: null,
-                  samplesAfter: [""], samplesTicket: 0, sample: null, maxLevel: 8, rates: new Map() };
+                  samplesAfter: [""], samplesTicket: 0, sample: null, maxLevel: 8, rates: new Map(),
+                  variants: null, variantsOffset: 0, previewTicket: 0 };
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -229,9 +230,10 @@
     if (ticket !== state.samplesTicket) return;  // a newer search was sent meanwhile
     const body = $("samples").tBodies[0];
     body.replaceChildren(...page.samples.map((s) => {
-      const show = el("button", { type: "button", "aria-controls": "preview-panel" }, "Show");
+      const k = s.variants ?? 1;
+      const show = el("button", { type: "button", "aria-controls": "preview-panel" }, k > 1 ? `Show ${k} variants` : "Show");
       show.disabled = !(s.state === "ready" || s.state === "stale" || s.state === "unchecked");
-      show.onclick = () => openPreview(s.sample_id);
+      show.onclick = () => openPreview(s.sample_id, k);
       return el("tr", { "data-sample": s.sample_id }, el("td", {}, el("code", {}, s.sample_id)),
         el("td", {}, el("span", { class: `state ${s.state}` }, s.state)), el("td", {}, s.reason), el("td", {}, show));
     }));
@@ -252,13 +254,24 @@
     return state.recipes[name] || null;
   }
 
-  async function openPreview(sampleId) {
-    state.sample = sampleId;
+  async function openPreview(sampleId, count = 1) {
+    state.sample = sampleId; state.variants = null; state.variantsOffset = 0;
+    const ticket = ++state.previewTicket;
     let fields = null;
     try { fields = await recipeFields(state.cache.recipe); } catch (e) { console.error(e); }
     const drawable = !fields || (fields.point_hierarchy && fields.pyramid);
+    // A sample with several variants: each one's picture side by side, captioned with
+    // its variant number and the augmentation it was computed with.
+    let variants = null;
+    if (drawable && count > 1) {
+      const v = await getJSON(`/v1/caches/${state.cache.fingerprint}/variants/${pathOf(sampleId)}`);
+      variants = v.variants.length > 1 ? v.variants : null;
+    }
+    if (ticket !== state.previewTicket) return;  // another sample was opened meanwhile
+    state.variants = variants;
     $("preview-controls").hidden = !drawable;
-    $("preview-figure").hidden = !drawable;
+    $("preview-figure").hidden = !drawable || variants != null;
+    $("preview-variants").hidden = !drawable || variants == null;
     $("preview-fields").hidden = drawable;
     if (!drawable) {
       $("preview-fields-body").replaceChildren(...Object.entries(fields).map(([name, f]) =>
@@ -272,20 +285,62 @@
     level.max = state.maxLevel;
     if (+level.value > state.maxLevel) level.value = state.maxLevel;
     $("preview-panel").hidden = false;
-    $("preview-title").textContent = `Preview of ${sampleId}`;
+    $("preview-title").textContent = variants ? `Preview of ${sampleId}: ${variants.length} variants` : `Preview of ${sampleId}`;
     drawPreview();
     $("preview-panel").scrollIntoView({ block: "start" });
+  }
+
+  // A record id in a URL path: each segment encoded ('#' of a1#v2 too), the slashes kept.
+  const pathOf = (id) => id.split("/").map(encodeURIComponent).join("/");
+  const previewURL = (recordId, q) => `/v1/caches/${state.cache.fingerprint}/previews/${pathOf(recordId)}?${q}`;
+  const fmt = (x, digits) => Number(x).toFixed(digits);
+
+  // What was done to a variant, in words (one line each): its rotation (angle about an
+  // axis) and the factor of each axis, from the record's augmentation matrix.
+  function augmentationLines(v) {
+    if (v.variant === 0) return ["the sample itself, unaugmented"];
+    if (v.rotation_deg == null) return ["no augmentation stored"];
+    const s = v.scale;
+    return [
+      v.rotation_deg > 0.05
+        ? `rotated ${fmt(v.rotation_deg, 1)}° about (${v.rotation_axis.map((a) => fmt(a, 2)).join(", ")})`
+        : "not rotated",
+      s.every((f) => Math.abs(f - 1) < 0.0005) ? "not scaled" : `scaled x ${fmt(s[0], 2)} · y ${fmt(s[1], 2)} · z ${fmt(s[2], 2)}`,
+    ];
+  }
+
+  function drawVariants(q, level, view) {
+    const all = state.variants, from = state.variantsOffset;
+    const shown = all.slice(from, from + VARIANTS_PAGE);
+    const grid = $("preview-variants-grid");
+    grid.style.gridTemplateColumns = `repeat(${Math.min(shown.length, 4)}, minmax(0, 1fr))`;  // CSSOM: allowed by the CSP
+    grid.replaceChildren(...shown.map((v) => {
+      const img = el("img", { class: "variant-preview", "data-variant": v.variant, width: q.get("size"), height: q.get("size"),
+        alt: `Variant ${v.variant} of sample ${state.sample}: occupied voxels of octree level ${level}, ${view} view; ${augmentationLines(v).join(", ")}` });
+      img.src = previewURL(v.record_id, q);
+      return el("figure", { class: "variant", "data-variant": v.variant }, img,
+        el("figcaption", {}, el("strong", {}, `variant ${v.variant}`),
+          ...augmentationLines(v).flatMap((line) => [el("br"), line])));
+    }));
+    const paged = all.length > VARIANTS_PAGE;
+    $("variants-pager").hidden = !paged;
+    $("variants-range").textContent = `variants ${from}–${from + shown.length - 1} of ${all.length}`;
+    $("variants-prev").disabled = from === 0;
+    $("variants-next").disabled = from + VARIANTS_PAGE >= all.length;
   }
 
   function drawPreview() {
     if (!state.sample) return;
     const level = $("level").value, view = document.querySelector("input[name=view]:checked").value;
     const queries = $("queries").checked;
-    const size = Math.min(512, Math.max(128, Math.floor($("preview-panel").clientWidth - 4) || 512));
+    const width = Math.floor($("preview-panel").clientWidth - 4) || 512;
+    const columns = state.variants ? Math.min(state.variants.length - state.variantsOffset, VARIANTS_PAGE, 4) : 1;
+    const size = Math.min(512, Math.max(128, Math.floor(width / columns) - 12));
     $("level-value").textContent = level;
-    const img = $("preview");
     const q = new URLSearchParams({ level, view, size, queries });
-    img.src = `/v1/caches/${state.cache.fingerprint}/previews/${state.sample.split("/").map(encodeURIComponent).join("/")}?${q}`;
+    if (state.variants) { drawVariants(q, level, view); return; }
+    const img = $("preview");
+    img.src = previewURL(state.sample, q);
     const text = `Occupied voxels of octree level ${level} of sample ${state.sample}, ${view} view, drawn as shaded cubes`
       + (queries && state.cache.recipe === "spc_query" ? "; query points green where their voxel is occupied, red where not" : "");
     img.alt = text;
@@ -320,6 +375,8 @@
     $("samples-next").onclick = () => { state.samplesAfter.push(state.nextCursor); refreshSamples(); };
     $("samples-first").onclick = () => { state.samplesAfter = [""]; refreshSamples(); };
     $("preview-controls").oninput = drawPreview;
+    $("variants-prev").onclick = () => { state.variantsOffset = Math.max(0, state.variantsOffset - VARIANTS_PAGE); drawPreview(); };
+    $("variants-next").onclick = () => { state.variantsOffset += VARIANTS_PAGE; drawPreview(); };
     $("preview-controls").onsubmit = (e) => e.preventDefault();
     loop(refreshJobs, 1000);
     loop(refreshCaches, 5000);

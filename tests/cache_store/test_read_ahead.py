@@ -2,7 +2,8 @@
 worker, in the sampler's order, a window ahead of the loaders; a real worker fills an
 empty cache in that order during the first epoch of spcache.DataLoader. Over a remote
 sharded snapshot read through ``local_cache`` (moto's S3 server), the sampler has the
-parts of its window fetched in its order, and forked loaders read them from there."""
+parts of its window fetched in its order, and forked loaders read them from there; over
+an exported Zarr snapshot, the chunk files of its window, sample by sample."""
 
 from __future__ import annotations
 
@@ -174,3 +175,110 @@ def test_over_a_local_cache_the_sampler_fetches_its_parts_in_its_order(tmp_path:
             yielded = [sid for batch in loader for sid in batch["sample_ids"]]
             assert yielded == [ds.sample_id(i) for i in plain]
             assert len(parts_fetched(watch)) == 6  # no part fetched again
+
+
+def _chunk_files(location: str, storage_options: dict[str, str]) -> dict[str, list[str]]:
+    """Each sample's chunk files in an exported Zarr snapshot (its header's, then each
+    field's data), as zarr itself describes the group; files never written left out."""
+    import zarr
+    from zarr.storage import FsspecStore
+
+    from cache_store.snapshot.sharded.storage import open_fs
+    from tests.helpers.local_cache import FP
+
+    fs, root = open_fs(location, {})
+    head = f"{root}/{FP}/"
+    written = {name[len(head) :] for name in fs.find(head)}
+    store = FsspecStore.from_url(location, read_only=True, storage_options=storage_options)
+    group = zarr.open_group(store, mode="r")[FP]
+    raw, at = group["sample_ids"][:].tobytes(), group["sample_id_offsets"][:]
+    ids = [raw[at[n] : at[n + 1]].decode() for n in range(len(at) - 1)]
+    arrays = {"headers": (group["headers"], group["header_offsets"][:])}
+    for name in group["data"].array_keys():
+        arrays[f"data/{name}"] = (group[f"data/{name}"], group[f"offsets/{name}"][:])
+    files: dict[str, list[str]] = {}
+    for row, sid in enumerate(ids):
+        for path, (array, offsets) in arrays.items():
+            step, tail = array.chunks[0], "/0" * (array.ndim - 1)
+            first, last = int(offsets[row]), int(offsets[row + 1])
+            for k in range(first // step, (last - 1) // step + 1 if last > first else 0):
+                if f"{path}/c/{k}{tail}" in written:
+                    files.setdefault(sid, []).append(f"{path}/c/{k}{tail}")
+    return files
+
+
+def test_over_a_local_cache_the_sampler_fetches_a_zarr_snapshots_chunks_in_its_order(
+    tmp_path: Path,
+) -> None:
+    import os
+    import time
+
+    from tests.helpers.local_cache import FP, SizeWatch, write_exported
+    from tests.helpers.s3 import moto_s3
+
+    def chunks_fetched(watch: SizeWatch) -> list[tuple[str, str]]:
+        """(pid, chunk file in the group) of each fetch into the local directory (the
+        unit's name ends ``<fingerprint>/<writer token>/<file>``)."""
+        return [
+            (line.split()[0], line.split(": fetched ")[1].split()[0].split(f"/{FP}/")[1])
+            for line in watch.events("fetched")
+        ]
+
+    def in_group(fetched: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        return [(pid, name.split("/", 1)[1]) for pid, name in fetched]
+
+    with moto_s3() as s3:
+        location = f"s3://{s3.new_bucket()}/train/exported.zarr"
+        # zarr opens a remote group through fsspec's file systems, one per set of options
+        # and process, made with the environment's endpoint then (another test's server,
+        # stopped since): this server's is named, so the file systems are this test's
+        options = {"endpoint_url": s3.endpoint}
+        write_exported(location, tmp_path / "lmdb", 36, 12_000, storage_options=options)
+        files = _chunk_files(location, options)
+        directory = tmp_path / "lc"
+        with SizeWatch.installed(str(directory), tmp_path / "events.txt") as watch:
+            ds = CachedDataset(
+                location,
+                FP,
+                local_cache=directory,
+                cache_limit="50M",
+                store_options={"storage_options": options},
+            )
+            plain = Sampler(ds, seed=3, num_replicas=1, rank=0, window_blocks=2, read_ahead=0)
+            plain.set_epoch(1)
+            order = [ds.sample_id(i) for i in plain]
+            first_seen = list(dict.fromkeys(path for sid in order for path in files[sid]))
+            # the files each sample is the first to need, sample by sample in the order
+            news, seen = [], set()
+            for sid in order:
+                if new := set(files[sid]) - seen:
+                    news.append(new)
+                    seen |= new
+            data = [p for p in first_seen if p.startswith("data/point_hierarchy/")]
+            assert len(data) >= 4 and data != sorted(data)  # not the files' own order
+            assert chunks_fetched(watch) == []  # read_ahead=0: nothing fetched
+
+            sampler = Sampler(ds, seed=3, num_replicas=1, rank=0, window_blocks=2, read_ahead=30)
+            sampler.set_epoch(1)
+            next(iter(sampler))  # one index handed out, no sample read
+            deadline = time.monotonic() + 120
+            while len(chunks_fetched(watch)) < len(first_seen):
+                assert time.monotonic() < deadline, f"{chunks_fetched(watch)} after 120 s"
+                time.sleep(0.05)
+            fetched = in_group(chunks_fetched(watch))
+            assert {pid for pid, _ in fetched} == {str(os.getpid())}  # the sampler's thread
+            got = iter(name for _, name in fetched)
+            assert [{next(got) for _ in new} for new in news] == news  # in the sampler's order
+
+            sampler.set_epoch(1)  # an epoch through forked loaders: read from the copies
+            loader = DataLoader(
+                ds,
+                batch_size=4,
+                sampler=sampler,
+                num_workers=2,
+                multiprocessing_context="fork",
+                collate_fn=collate_spc,
+            )
+            yielded = [sid for batch in loader for sid in batch["sample_ids"]]
+            assert yielded == order
+            assert len(chunks_fetched(watch)) == len(first_seen)  # none fetched again

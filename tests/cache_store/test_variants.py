@@ -25,7 +25,7 @@ from cache_store.keys import (
     variant_counts,
 )
 from cache_store.readers.variants import EpochIndex, epoch_of, pick_variant, variant_problems
-from cache_store.recipes.augment import augment_points
+from cache_store.recipes.augment import augment_points, decompose_augmentation
 from cache_store.recipes.registry import get_recipe_spec
 
 FP = "0" * 32
@@ -145,6 +145,58 @@ def test_z_rotation_keeps_z() -> None:
     out = augment_points(pts, {"rotation": "z"}, _gen(3), 1)
     assert np.allclose(out.points[:, 2], pts[:, 2])
     assert not np.allclose(out.points[:, :2], pts[:, :2])
+
+
+def _axis_angle(axis: list[float], degrees: float) -> np.ndarray:
+    a = np.asarray(axis, dtype=np.float64) / np.linalg.norm(axis)
+    k = np.array([[0, -a[2], a[1]], [a[2], 0, -a[0]], [-a[1], a[0], 0]])
+    t = np.radians(degrees)
+    return np.eye(3) + np.sin(t) * k + (1 - np.cos(t)) * k @ k
+
+
+@pytest.mark.parametrize("degrees", [0.0, 37.0, 120.0, 180.0])
+def test_an_augmentation_matrix_comes_apart_into_its_rotation_and_scale(degrees: float) -> None:
+    axis, scale = [0.3, -0.5, 0.81], np.array([0.7, 1.2, 0.95])
+    matrix = np.eye(4)
+    matrix[:3, :3] = 0.8 * np.diag(scale) @ _axis_angle(axis, degrees)  # fit * S @ R
+    parts = decompose_augmentation(matrix.astype(np.float32))
+    assert parts.angle_deg == pytest.approx(degrees, abs=1e-3)
+    assert np.allclose(parts.scale, 0.8 * scale, atol=1e-5)
+    if degrees == 0.0:
+        assert np.array_equal(parts.axis, np.zeros(3))
+    else:  # the axis, up to its sign at a half turn
+        want = np.asarray(axis) / np.linalg.norm(axis)
+        assert np.allclose(
+            parts.axis, want if degrees < 180 else np.sign(parts.axis @ want) * want, atol=1e-4
+        )
+    assert np.allclose(parts.rotation, _axis_angle(axis, degrees), atol=1e-5)
+
+
+def test_a_z_variant_turns_about_z_by_the_angle_it_moved_the_points() -> None:
+    pts = _points()
+    out = augment_points(pts, {"rotation": "z"}, _gen(3), 1)
+    parts = decompose_augmentation(out.matrix)
+    assert np.allclose(np.abs(parts.axis), [0, 0, 1])
+    moved = np.degrees(
+        np.arctan2(out.points[:, 1], out.points[:, 0]) - np.arctan2(pts[:, 1], pts[:, 0])
+    )
+    turn = np.mod(moved * parts.axis[2], 360.0)[np.hypot(pts[:, 0], pts[:, 1]) > 0.1]
+    assert np.allclose(turn, parts.angle_deg, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.eye(3),
+        np.full((4, 4), np.nan),
+        np.diag([0.0, 1, 1, 1]),
+        np.array([[1, 1, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]),
+    ],
+    ids=["3x3", "nan", "zero-row", "shear"],
+)
+def test_a_matrix_that_is_no_augmentation_is_refused(bad: np.ndarray) -> None:
+    with pytest.raises(ValueError, match="augmentation"):
+        decompose_augmentation(bad)
 
 
 def test_augmentation_parameters_leave_default_fingerprints_and_records_alone() -> None:

@@ -5,9 +5,10 @@ cache; a version is hashed once per process (and ``verify="always"`` hashes ever
 a view's bytes stay the verified ones across writers reusing pages, a fork, a store's
 close and a compaction; a lease ends with its last view. Windows (the long-lived
 read-only mappings the hop packs a batch from): a transient view is a slice of one, kept
-across reads, a store's close and the fork of workers, and keeps its bytes as a user's
+across reads and the fork of workers, and keeps its bytes as a user's
 view does; a window with a detached range is never sliced again; a compaction retires the
-old file's windows; a view handed to a user never lies in a window.
+old file's windows, and the last store closed on a path its windows; a view handed to a
+user never lies in a window.
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def test_transient_views_are_window_slices_that_keep_their_bytes(tmp_path: Path)
         _same(tensors, plain[i])
         base = tensors["octree"].untyped_storage().data_ptr()
         assert window.addr <= base < window.addr + window.size
-    user = CachedDataset(path, FP, views=True)[0]["octree"]  # handed out: its own pages
+    users = CachedDataset(path, FP, views=True)
+    user = users[0]["octree"]  # handed out: its own pages
     assert not window.addr <= user.untyped_storage().data_ptr() < window.addr + window.size
 
     copies = [{k: v.clone() for k, v in t.items()} for t in held]
@@ -285,6 +287,10 @@ def test_transient_views_are_window_slices_that_keep_their_bytes(tmp_path: Path)
     assert mapping.windows_at(_data(path)).identity != windows.identity
     _same(again, copies[0])
     store.close()
+    plain.close()
+    users.close()  # the last store on the path: its windows go with it
+    assert mapping.windows_at(_data(path)) is None
+    _same(again, copies[0])
     del held, again, window, windows
     gc.collect()
     VERIFIED.clear()

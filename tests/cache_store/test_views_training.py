@@ -256,3 +256,50 @@ def test_a_long_run_holds_no_growing_memory_or_reader_slot(tmp_path: Path) -> No
     out = run([sys.executable, "long.py", cache, FP, "12"], cwd=work, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "bounded over 12 epochs" in out.stdout, out.stdout + out.stderr
+
+
+PINNED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from torch.utils.data import DataLoader
+    import spcache
+
+    cache, fp = sys.argv[1], sys.argv[2]
+    views = spcache.CachedDataset(cache, fp, views=True, pin_memory=True)
+    plain = spcache.CachedDataset(cache, fp)
+    order = [3, 0, 2, 1, 5, 4]
+    loader = DataLoader(views, batch_size=3, sampler=order, num_workers=2,
+                        collate_fn=spcache.collate_spc, multiprocessing_context="fork")
+    for b, batch in enumerate(loader):
+        want = spcache.collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+        for name in want:
+            if isinstance(want[name], list):
+                assert batch[name] == want[name], name
+            else:
+                assert torch.equal(batch[name], want[name]), name
+        pinned = torch.cuda.is_available()  # an accelerator: packed into pinned memory
+        assert batch["octree"].is_pinned() == pinned, batch["octree"].is_pinned()
+    print("pinned" if pinned else "packed into ordinary memory", flush=True)
+    """
+)
+
+
+def test_pin_memory_packs_a_batch_into_pinned_memory_or_says_why_not(tmp_path: Path) -> None:
+    """``pin_memory=True``: batches as without it; pinned where an accelerator can pin
+    memory, else (this machine) packed into ordinary memory and said once."""
+    cache = tmp_path / "cache"
+    _small_cache(cache, 6)
+    work = tmp_path / "fresh"
+    work.mkdir()
+    (work / "pinned.py").write_text(PINNED)
+    out = run([sys.executable, "pinned.py", cache, FP], cwd=work, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    import torch
+
+    if torch.cuda.is_available():
+        assert "pinned" in out.stdout.splitlines(), out.stdout
+    else:
+        assert "packed into ordinary memory" in out.stdout, out.stdout + out.stderr
+        said = [line for line in out.stderr.splitlines() if "no pinned memory here" in line]
+        assert len(said) == 1, out.stderr

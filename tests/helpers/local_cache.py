@@ -59,7 +59,12 @@ def write_sharded(location: str, parts: int, per_part: int, points: int = 400) -
 
 
 def write_exported(
-    location: str, lmdb_dir: Path, samples: int, chunk_bytes: int, points: int = 400
+    location: str,
+    lmdb_dir: Path,
+    samples: int,
+    chunk_bytes: int,
+    points: int = 400,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[str]:
     """An exported Zarr snapshot at ``location`` of ``samples`` spc records (written
     into an LMDB cache at ``lmdb_dir`` first, as ``spcache export`` reads one), its data
@@ -74,7 +79,7 @@ def write_exported(
         ]
     )
     cache.put_index(DatasetIndex(FP, "spc", spec.version, spec.resolve({}), np.array(ids)))
-    export_snapshot(cache, FP, location, chunk_bytes=chunk_bytes)
+    export_snapshot(cache, FP, location, chunk_bytes=chunk_bytes, storage_options=storage_options)
     cache.close()
     return ids
 

@@ -21,16 +21,22 @@ class CrashOnce:
 
     "First time" is remembered across processes by creating ``marker`` (a path every
     actor can reach), so the retried shard goes through. ``always=True`` crashes every
-    time: a poison sample.
+    time: a poison sample. ``after=n`` lets the sample's first ``n`` reports in an actor
+    through (a run of variants: it crashes with some of the sample's records reported).
     """
 
-    def __init__(self, sample_id: str, marker: str, always: bool = False) -> None:
+    def __init__(self, sample_id: str, marker: str, always: bool = False, after: int = 0) -> None:
         self.sample_id = sample_id
         self.marker = marker
         self.always = always
+        self.after = after  # reports of the sample let through first (its first variants)
+        self.seen = 0
 
     def __call__(self, sample_id: str) -> None:
         if sample_id != self.sample_id:
+            return
+        self.seen += 1
+        if self.seen <= self.after:
             return
         if not self.always:
             try:

@@ -187,16 +187,7 @@ def test_the_readme_variants_line_then_more_variants_then_ls(fresh: Path) -> Non
         env=env,
     )
     assert bad.returncode == 2 and "variants: expected an integer from 1 to 1024" in bad.stderr
-    ray = run(
-        [
-            "bash",
-            "-c",
-            "spcache precompute meshes/ --recipe spc --variants 2 --engine ray --cache c",
-        ],
-        cwd=fresh,
-        env=env,
-    )
-    assert ray.returncode == 2 and "the ray engine computes one record per sample" in ray.stderr
+    # (--engine ray computes variants too: tests/workers/test_ray.py, on the module's Ray)
 
 
 def test_the_readme_variants_snippet_and_line_are_what_the_tests_run() -> None:

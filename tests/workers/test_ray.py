@@ -319,6 +319,105 @@ def test_cli_resumes_a_local_run_and_recomputes_only_what_changed(
     assert (summary["skipped"], summary["done"], summary["actors"]) == (8, 0, [])
 
 
+# --- variants -----------------------------------------------------------------------------
+
+VARIANT_PARAMS = {
+    "level": 5,
+    "surface_samples": 2000,
+    "rotation": "so3",
+    "scale_min": 0.8,
+    "scale_max": 1.2,
+    "jitter": 0.002,
+}
+
+
+@pytest.fixture(scope="module")
+def local_variants(tmp_path_factory: pytest.TempPathFactory, corpus_meshes: list[Path]):
+    """4 variants of three meshes by the local engine: what Ray must store too."""
+    cache = tmp_path_factory.mktemp("local-variants") / "cache"
+    with open_store(cache, readonly=False) as store:
+        summary = Engine(
+            store, "spc", VARIANT_PARAMS, device="cpu", backend="torch", loaders=0
+        ).run(_items(corpus_meshes[:3]), variants=4)
+    assert summary.done == 12, summary.errors
+    return cache, summary
+
+
+def _same_records(made: dict[str, bytes], local: dict[str, bytes]) -> None:
+    assert made.keys() == local.keys()
+    for key, value in made.items():
+        made_meta, made_data = _split(value)
+        local_meta, local_data = _split(local[key])
+        assert made_data == local_data, key
+        for meta in (made_meta, local_meta):  # the commit time; a copy's own stat
+            del meta["created"], meta["checksum"]
+            meta.pop("source_stat", None)
+        assert made_meta == local_meta, key
+
+
+@pytest.mark.slow
+def test_cli_variants_on_ray_are_the_local_engines_and_more_compute_only_the_new_ones(
+    ray_local,
+    tmp_path: Path,
+    local_variants,
+    corpus_meshes: list[Path],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for path in corpus_meshes[:3]:
+        shutil.copyfile(path, src / path.name)
+    cache = tmp_path / "cache"
+    params = [a for k, v in VARIANT_PARAMS.items() for a in ("--param", f"{k}={v}")]
+    args = ["precompute", str(src), "--recipe", "spc", *params, "--cache", str(cache)]
+    args += ["--engine", "ray", "--actors", "2", "--device", "cpu", "--backend", "torch"]
+    # the module's Ray is running in this process: the CLI uses it rather than start one
+    assert main([*args, "--variants", "2"]) == 0
+    assert "done 6, skipped 0, failed 0 records (2 variants per sample)" in capsys.readouterr().out
+    first = _all_records(cache)
+    assert main([*args, "--variants", "4"]) == 0  # the 2 new ones of each shape only
+    assert "done 6, skipped 6, failed 0 records (4 variants per sample)" in capsys.readouterr().out
+    made = _all_records(cache)
+    assert all(made[key] == value for key, value in first.items())  # not written again
+    _same_records(made, _all_records(local_variants[0]))
+    fingerprint = local_variants[1].fingerprint
+    with open_store(cache) as store:
+        index = store.get_index(fingerprint)
+        assert index.sample_ids.tolist() == [p.stem for p in corpus_meshes[:3]]
+        assert index.variant_counts().tolist() == [4, 4, 4]
+    assert main([*args, "--variants", "4", "--json"]) == 0  # all stored: nothing sent to Ray
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["skipped"], summary["done"], summary["actors"]) == (12, 0, [])
+
+
+@pytest.mark.slow
+def test_an_actor_crashing_among_a_samples_variants_loses_and_repeats_nothing(
+    ray_local, tmp_path: Path, local_variants, corpus_meshes: list[Path]
+) -> None:
+    paths = corpus_meshes[:3]
+    reported: list[ItemResult] = []
+    with open_store(tmp_path / "cache", readonly=False) as store:
+        engine = RayEngine(
+            store,
+            "spc",
+            VARIANT_PARAMS,
+            shard_size=2,
+            write_batch=1,
+            # the actor dies reporting the sample's third record, its first two reported
+            actor_fault=CrashOnce(paths[1].stem, str(tmp_path / "crashed"), after=2),
+            **RAY_OPTIONS,
+        )
+        summary = engine.run(_items(paths), on_result=reported.append, variants=4)
+    assert (tmp_path / "crashed").exists()  # the fault fired
+    assert summary.failed == 0 and summary.done == 12, summary.errors
+    assert sum(a.deaths for a in summary.actors) == 1 and summary.shard_retries == 1
+    # each record reported once, as done
+    assert Counter((r.sample_id, r.variant, r.status) for r in reported) == Counter(
+        {(p.stem, v, "done"): 1 for p in paths for v in range(4)}
+    )
+    _same_records(_all_records(tmp_path / "cache"), _all_records(local_variants[0]))
+
+
 # --- actors that die ----------------------------------------------------------------------
 
 

@@ -158,3 +158,41 @@ def test_a_dead_actors_committed_parts_are_neither_lost_nor_computed_again(
         assert len(keys) == summary.done + summary.skipped == len(sources) - summary.failed
         assert snap.verify().ok
     assert merge(location) == {summary.fingerprint: len(keys)}
+
+
+VARIANT_PARAMS = {"level": 5, "surface_samples": 2000, "rotation": "so3", "scale_min": 0.8}
+
+
+@pytest.mark.slow
+def test_variants_on_ray_into_a_snapshot_read_back_as_the_local_engines(
+    ray_local, tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """``variants`` on Ray with the actors writing their own parts: 2, then 3 (only the
+    new one computed); a reader pinned to each variant gets the local engine's tensors."""
+    paths = corpus_meshes[:3]
+    location = str(tmp_path / "snap.zarr")
+    with ShardedSnapshot(location, readonly=False) as store:
+        engine = RayEngine(store, "spc", VARIANT_PARAMS, shard_size=2, write_batch=2, **RAY_OPTIONS)
+        first = engine.run(_items(paths), variants=2)
+        more = engine.run(_items(paths), variants=3)
+    assert (first.done, first.skipped, first.failed) == (6, 0, 0), first.errors
+    assert (more.done, more.skipped, more.failed) == (3, 6, 0), more.errors
+    fp = first.fingerprint
+    with open_store(location) as snap:
+        assert isinstance(snap, ShardedSnapshot)
+        assert len(list(snap.keys(fp))) == 9 and snap.verify().ok
+        assert set(_manifest_counts(snap, fp).values()) == {1}  # each record committed once
+        assert snap.get_index(fp).variant_counts().tolist() == [3, 3, 3]
+    reference = tmp_path / "local"
+    with open_store(reference, readonly=False) as store:
+        local = Engine(store, "spc", VARIANT_PARAMS, device="cpu", backend="torch", loaders=0)
+        assert local.run(_items(paths), variants=3).done == 9
+    for k in range(3):
+        got = CachedDataset(location, fp, variant=k)
+        want = CachedDataset(str(reference), fp, variant=k)
+        assert [got.sample_id(i) for i in range(3)] == [want.sample_id(i) for i in range(3)]
+        for i in range(3):
+            assert _same(got[i], want[i]), (k, got.sample_id(i))
+        assert not torch.equal(got[0]["augmentation"], torch.eye(4)) or k == 0
+        got.close()
+        want.close()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import spcache
-from cache_store.errors import UsageError
+from cache_store.errors import ParameterError, UsageError
 from cache_store.jobs.queue import JobQueue
 from cache_store.readers.variants import pick_variant
 from cache_store.snapshot.importer import import_snapshot
@@ -180,14 +180,15 @@ def test_a_sharded_snapshot_and_an_export_hold_the_same_variants(
         assert torch.equal(mine["octree"], theirs["octree"])
 
 
-def test_the_ray_engine_refuses_variants_with_the_way_out() -> None:
+@pytest.mark.parametrize("bad", [0, 1025, True, 2.0])
+def test_the_ray_engine_checks_the_variant_count_before_ray_starts(bad: object) -> None:
     from workers.builtin_recipes import Spc
     from workers.ray_engine import RayEngine
 
-    engine = RayEngine.__new__(RayEngine)  # no Ray started: only the refusal runs
+    engine = RayEngine.__new__(RayEngine)  # no Ray started: only the check runs
     engine.recipe_spec = Spc.schema()
-    with pytest.raises(UsageError, match="the ray engine computes one record per sample"):
-        engine.run([], variants=3)
+    with pytest.raises(ParameterError, match="variants: expected an integer from 1 to 1024"):
+        engine.run([], variants=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ from cache_store.disk import flock_within
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.process_local import ProcessLocal
 from cache_store.stores.lmdb.leases import Leases, ReadLease
+from cache_store.views.mapping import retire_windows
 from cache_store.stores.lmdb.maps import Dbs, Generation, Generations, MapLease
 
 __all__ = [
@@ -274,6 +275,8 @@ class EnvironmentHandle:
             shared.users.discard(self)
             if not shared.users:
                 shared.close()
+                # windows kept by a fork hook's close go too: no store reads here now
+                retire_windows(os.path.join(self._env_key, "data.mdb"))
 
     def generation_inode(self) -> int | None:
         """The inode of the records directory this process opened (None: not open)."""
@@ -435,7 +438,7 @@ class EnvironmentHandle:
                 if current.closed:
                     return None
                 if current.views is None:
-                    current.views = Leases(str(self.env_path), os.getpid(), current.dbs)
+                    current.views = Leases(self._env_key, os.getpid(), current.dbs)
                 leases = current.views
             if not leases.open_data(current.dir_ino):
                 return None

@@ -26,8 +26,9 @@ never waits for views.
 A view that never leaves the reader (``transient``: the hop's pack in the training
 process copies it, then drops it) is a slice of this process's long-lived read-only
 windows of ``data.mdb`` (:func:`cache_store.views.mapping.windows_of`), kept across
-reads, store closes and forks while the file stays the one at the path (a compaction's
-swap retires them): an epoch after the first faults no page in again. The lease pins
+reads and the fork hook's close while the file stays the one at the path (a
+compaction's swap retires them, and so does the close of the last store of the process
+on the path): an epoch after the first faults no page in again. The lease pins
 such a view's pages as any other's.
 
 Where a view's bytes lie in ``data.mdb`` is read from this process's memory map
