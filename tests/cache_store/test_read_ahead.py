@@ -7,7 +7,9 @@ an exported Zarr snapshot, the chunk files of its window, sample by sample."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,7 +129,6 @@ def test_over_the_service_the_read_ahead_is_one_warm_up_per_window(
 
 def test_over_a_local_cache_the_sampler_fetches_its_parts_in_its_order(tmp_path: Path) -> None:
     import os
-    import time
 
     from cache_store.snapshot.sharded import ShardedSnapshot
     from tests.helpers.local_cache import FP, SizeWatch, write_sharded
@@ -211,7 +212,6 @@ def test_over_a_local_cache_the_sampler_fetches_a_zarr_snapshots_chunks_in_its_o
     tmp_path: Path,
 ) -> None:
     import os
-    import time
 
     from tests.helpers.local_cache import FP, SizeWatch, write_exported
     from tests.helpers.s3 import moto_s3
@@ -282,3 +282,63 @@ def test_over_a_local_cache_the_sampler_fetches_a_zarr_snapshots_chunks_in_its_o
             yielded = [sid for batch in loader for sid in batch["sample_ids"]]
             assert yielded == order
             assert len(chunks_fetched(watch)) == len(first_seen)  # none fetched again
+
+
+def _slow_collate(batch: list[Any]) -> Any:
+    """``collate_spc`` after 0.2 s: loaders slower than the fetches, so a read-ahead that
+    took the whole window would run through the directory before they read it."""
+    time.sleep(0.2)
+    return collate_spc(batch)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+def test_a_read_ahead_window_larger_than_the_limit_takes_half_of_it(tmp_path: Path) -> None:
+    """``cache_limit`` below the read-ahead window (the whole epoch here): the read-ahead
+    fetches at most half the limit of each window, so it never evicts what the loaders
+    read next: each part is fetched once and the bound holds. Parts are fetched again
+    only when the limit cannot hold the blocks read together (``window_blocks``), with
+    read-ahead or without; the bound holds then too."""
+    from cache_store.local_cache import LocalCache, LocalDisk
+    from cache_store.snapshot.sharded import ShardedSnapshot
+    from tests.helpers.local_cache import FP, SizeWatch, limit_for, peak_bytes, write_sharded
+    from tests.helpers.s3 import moto_s3
+
+    def epoch(location: str, directory: Path, parts: int, window_blocks: int) -> SizeWatch:
+        """One epoch through 2 forked loaders, reading ahead the whole epoch, through a
+        directory that holds ``parts`` of the largest part; its fetches and evictions."""
+        limit = limit_for(directory, parts, largest)
+        with SizeWatch.installed(str(directory), tmp_path / f"{directory.name}.txt") as watch:
+            ds = CachedDataset(location, FP, local_cache=directory, cache_limit=limit)
+            sampler = Sampler(
+                ds, seed=3, num_replicas=1, rank=0, window_blocks=window_blocks, read_ahead=48
+            )
+            assert len(sampler) == 48 and sampler.read_ahead == 48  # all 8 parts
+            with peak_bytes(directory) as peak:
+                loader = DataLoader(
+                    ds,
+                    batch_size=4,
+                    sampler=sampler,
+                    num_workers=2,
+                    multiprocessing_context="fork",
+                    collate_fn=_slow_collate,
+                )
+                assert sum(len(b["sample_ids"]) for b in loader) == 48
+        assert max(watch.sizes()) <= limit and peak[0] <= limit, (watch.sizes(), peak, limit)
+        assert LocalDisk(LocalCache(str(directory), limit)).usage() <= limit
+        return watch
+
+    with moto_s3() as s3:
+        location = f"s3://{s3.new_bucket()}/train/snap.zarr"
+        write_sharded(location, parts=8, per_part=6)
+        with ShardedSnapshot(location) as store:
+            listed = store.fs.ls(store.path(FP, "parts"), detail=True, refresh=True)
+        largest = max(int(info["size"]) for info in listed)
+
+        # 5 of the 8 parts; one block read at a time: the read-ahead takes 2.5 parts
+        watch = epoch(location, tmp_path / "five", parts=5, window_blocks=1)
+        assert len(watch.events("fetched")) == 8  # each part once
+        assert watch.events("evicted")  # more than the limit was read
+
+        # 3 parts, 4 blocks read together: parts come back, the bound holds
+        watch = epoch(location, tmp_path / "three", parts=3, window_blocks=4)
+        assert len(watch.events("fetched")) > 8

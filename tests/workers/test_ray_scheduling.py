@@ -86,7 +86,13 @@ def test_bad_options_are_refused_before_ray_starts(options: dict, problem: str) 
 
 def test_the_actor_engine_options_are_the_local_engine_options() -> None:
     engine = _engine(
-        loaders=3, query_chunk=4096, min_query_chunk=64, prefetch=5, backend="torch", write_batch=7
+        loaders=3,
+        query_chunk=4096,
+        min_query_chunk=64,
+        prefetch=5,
+        backend="torch",
+        write_batch=7,
+        time_limit_s=30.0,
     )
     assert engine.actor_options() == {
         "device": "cpu",
@@ -99,6 +105,7 @@ def test_the_actor_engine_options_are_the_local_engine_options() -> None:
         "source_roots": None,
         "max_source_bytes": 1 << 30,
         "skip_failed": False,  # the driver skips and remembers failures, not the actors
+        "time_limit_s": 30.0,  # each actor's stages get the run's limit
     }
     # plain values that build the same options object on the actor
     assert EngineOptions.from_json(engine.actor_options()) == EngineOptions(
@@ -109,6 +116,7 @@ def test_the_actor_engine_options_are_the_local_engine_options() -> None:
         min_query_chunk=64,
         write_batch=7,
         prefetch=5,
+        time_limit_s=30.0,
     )
     assert _engine().actor_options()["loaders"] is None  # each actor chooses
 
