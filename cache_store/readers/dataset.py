@@ -54,8 +54,7 @@ from cache_store.readers.skipped import (
 from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
 from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
-from cache_store.format.buffers import in_dataloader_worker
-from cache_store.views.hop import LocatedSample
+from cache_store.views.hop import LocatedSample, hands_over
 from cache_store.readers.options import checked_options
 from cache_store.views.records import read_path, read_records
 
@@ -127,14 +126,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             signature stored in the record; only when that differs is the source hashed
             (bounded by the gate), and an unchanged file is then hashed at most once per
             process. A dataset without sources serves what is stored, unchecked.
-        views, verify: read-only tensors viewing the cache's file while held, not copies
-            (a cache directory, a local sharded snapshot; elsewhere copies: see
-            :attr:`read_path`), a version hashed once per process (``verify="always"``:
-            every read); DataLoader workers hand over places (:mod:`cache_store.views`).
-        pin_memory: with ``views`` and ``collate_spc`` in forked workers, the training
-            process packs each batch into page-locked memory (its one copy), for a
-            ``.to(device, non_blocking=True)``; where nothing can pin memory (no
-            accelerator) it says so once and packs into ordinary memory.
+        views, verify, pin_memory: read-only tensors viewing the cache's file while held
+            (or copies: :attr:`read_path`; :mod:`cache_store.views`), hashed once per
+            process (``verify="always"``: every read); batches packed pinned if asked.
         local_cache, cache_limit: a remote sharded or exported Zarr snapshot
             (``s3://....zarr``) read through a bounded directory on this machine: each
             part (sharded) or chunk file (exported) a read needs is fetched once into
@@ -449,15 +443,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _finish(self, record: Any, i: int) -> Any:
         sample_id = self.sample_id(i)
-        if record.place is not None and self._hands_over():
-            source = (
-                self._store.opener,
-                self.fields,
-                self.verify,
-                self._variable,
-                SpcSample,
-                self.pin_memory,
-            )
+        if record.place is not None and hands_over(self.transform):
+            opener, variable, pin = self._store.opener, self._variable, self.pin_memory
+            source = (opener, self.fields, self.verify, variable, SpcSample, pin)
             return LocatedSample(source, self.key(i), (record.place, record.checksum))  # hop
         sample = SpcSample(record.tensors, self._variable, sample_id)
         if self.transform is None:
@@ -516,16 +504,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         """``"views"`` or ``"copies (why)"``: the path this process's reads take."""
         return read_path(self._store_here(), self.views)
 
-    def _hands_over(self) -> bool:
-        """Whether a record read as views here is handed on as where it lies (a
-        ``LocatedSample``: the hop), not as tensors: in a DataLoader worker, without a
-        ``transform``. Its views then never leave this process's reader."""
-        return self.transform is None and in_dataloader_worker()
-
     def _records(self, keys: list[str], batch: bool) -> list[Any]:
-        fields = None if self.fields is None else list(self.fields)
-        store, transient = self._store_here(), self.views and self._hands_over()
-        return read_records(store, keys, fields, self.views, self.verify, batch, transient)
+        fields, hop = None if self.fields is None else list(self.fields), hands_over(self.transform)
+        return read_records(self._store_here(), keys, fields, self.views, self.verify, batch, hop)
 
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))

@@ -44,6 +44,7 @@ __all__ = [
     "LocatedSample",
     "Source",
     "collate_located",
+    "hands_over",
     "open_batch",
     "open_sample",
     "packed",
@@ -174,6 +175,15 @@ def _records(
     if viewed is not None:
         return viewed
     return store.get_records(keys, fields=names)
+
+
+def hands_over(transform: Any) -> bool:
+    """Whether a record read as views here leaves as a :class:`LocatedSample` (the hop),
+    never as tensors: in a DataLoader worker, for a dataset without a ``transform``. Its
+    views then never leave this process's reader (``Store.view_records``' ``transient``)."""
+    from cache_store.format.buffers import in_dataloader_worker
+
+    return transform is None and in_dataloader_worker()
 
 
 def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:

@@ -39,8 +39,7 @@ import lmdb
 from cache_store.disk import flock_within
 from cache_store.errors import CacheDamaged, CacheNotFound, SpcacheError, StoreBusy, StoreFull
 from cache_store.process_local import ProcessLocal
-from cache_store.stores.lmdb.leases import Leases, ReadLease
-from cache_store.views.mapping import retire_windows
+from cache_store.stores.lmdb.leases import Leases, ReadLease, forget_windows
 from cache_store.stores.lmdb.maps import Dbs, Generation, Generations, MapLease
 
 __all__ = [
@@ -275,8 +274,7 @@ class EnvironmentHandle:
             shared.users.discard(self)
             if not shared.users:
                 shared.close()
-                # windows kept by a fork hook's close go too: no store reads here now
-                retire_windows(os.path.join(self._env_key, "data.mdb"))
+                forget_windows(self._env_key)  # kept by a fork hook's close: no reader left
 
     def generation_inode(self) -> int | None:
         """The inode of the records directory this process opened (None: not open)."""

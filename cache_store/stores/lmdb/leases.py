@@ -54,7 +54,7 @@ from cache_store.views.records import Place, view_record
 if TYPE_CHECKING:
     pass
 
-__all__ = ["LEASE_S", "Leases", "ReadLease", "end_all_before_fork"]
+__all__ = ["LEASE_S", "Leases", "ReadLease", "end_all_before_fork", "forget_windows"]
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,12 @@ class Leases:
 
 #: every Leases of this process (the fork hook ends theirs)
 _all: weakref.WeakSet[Leases] = weakref.WeakSet()
+
+
+def forget_windows(env_path: str) -> None:
+    """This process's windows of ``env_path``'s ``data.mdb`` are retired: it has no
+    store on that environment any more (``Leases.close`` keeps them across a fork)."""
+    retire_windows(os.path.join(env_path, "data.mdb"))
 
 
 def end_all_before_fork() -> None:
