@@ -27,7 +27,7 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.format.encode import select_fields
-from cache_store.format.header import record_checksum
+from cache_store.format.header import record_etag as header_etag
 from cache_store.format.tag import TAG_HEADER, tag_for_checksum
 from cache_store.keys import FINGERPRINT_PATTERN, key_of_record_id
 from cache_store.errors import ResponseTooLarge
@@ -66,7 +66,7 @@ def record_etag(value: bytes | memoryview, key: str) -> str:
     """The strong ETag of a record: its checksum, from the strictly parsed header (a
     damaged header raises :class:`CorruptRecord`). The fields are not re-hashed here:
     readers verify them on decode."""
-    return f'"{record_checksum(value, key=key)}"'
+    return header_etag(value, key=key)
 
 
 def etag_matches(header: str | None, etag: str) -> bool:

@@ -88,6 +88,7 @@ __all__ = [
     "read_own_metadata",
     "read_metadata",
     "record_checksum",
+    "record_etag",
     "metadata_key",
     "metadata_record_id",
     "check_names_key",
@@ -549,6 +550,12 @@ def read_metadata(value: Any, *, key: str = "") -> dict[str, str]:
 def record_checksum(value: Any, *, key: str = "") -> str:
     """The record checksum (xxh3_128 hex), usable as a strong ETag; header-only read."""
     return parse_view(byte_view(value, key), key).checksum
+
+
+def record_etag(value: Any, *, key: str = "") -> str:
+    """The record's strong HTTP ETag: its checksum, quoted (the service answers it, a
+    reader's local copy is named by it)."""
+    return f'"{record_checksum(value, key=key)}"'
 
 
 def metadata_key(metadata: Mapping[str, str]) -> str:

@@ -183,13 +183,23 @@ class HTTPStore(Store):
     def _fetch(self, key: str, fields: list[str] | None) -> Any:
         """The record under ``key`` (with ``fields``: the service's re-encoded subset),
         its tag checked and, whole, checked current when this reader holds the key."""
-        fingerprint, sample_id = split_key(key)
         params = None if fields is None else {"fields": ",".join(fields)}
-        response = self._check(
-            self._request("GET", _record_path(fingerprint, sample_id), params=params), key
+        response = self.request_record(key, params=params)
+        return self.verified(key, response.content, response, whole=fields is None)
+
+    def request_record(self, key: str, **kwargs: Any) -> httpx.Response:
+        """``GET`` of the record route for ``key`` (``kwargs``: httpx's ``params``,
+        ``headers``), its error answers raised as errors (a 304 is an answer)."""
+        fingerprint, sample_id = split_key(key)
+        return self._check(
+            self._request("GET", _record_path(fingerprint, sample_id), **kwargs), key
         )
-        value = self._tagged(key, response.content, response.headers.get(TAG_HEADER))
-        if fields is None:  # a subset's checksum is the subset's: not signed
+
+    def verified(self, key: str, value: Any, response: httpx.Response, *, whole: bool) -> Any:
+        """``value``, the record ``response`` answered for ``key`` (its body, or the copy
+        its 304 confirmed), once its tag is checked and, ``whole``, checked current."""
+        value = self._tagged(key, value, response.headers.get(TAG_HEADER))
+        if whole:  # a subset's checksum is the subset's: not signed
             self._check_current({key: value})
         return value
 
