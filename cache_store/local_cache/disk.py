@@ -10,6 +10,8 @@ of units in ``DIR`` and never lets them outgrow the limit::
     DIR/data/<digest>                a unit's verified copy; its mtime is its last use
     DIR/tmp/<digest>.<bytes>.<token> a download in progress (its fetcher holds it locked),
                                      or a damaged copy set aside (``.bad-<token>``)
+    DIR/notes/<digest>               a note: a symbolic link whose target is a short text
+                                     (which version of a record the directory holds)
 
 The directory is its own ledger: nothing is recorded but the files. What is in use is
 the sum of every file under ``data/`` and ``tmp/`` (a download counts the bytes reserved
@@ -38,6 +40,15 @@ directories themselves; it is counted, and space is made, under ``DIR/lock`` onl
   one call. One a thread has open at a fork (a download of the prefetch thread) is
   closed in the child at once (``os.register_at_fork``), so a child never keeps a lock
   of its parent's alive.
+
+- **Notes.** A unit never changes under its name; what may change is which unit a
+  reader wants (a service record recomputed under its key is a new unit).
+  :meth:`LocalDisk.note` records that for every process as a symbolic link (no data
+  blocks: its target is held in the inode; the ``notes/`` directory's own blocks count
+  in the limit); a note that outlives its unit only costs that unit's fetch.
+
+Why one module: the directory's counting, eviction, pins, notes and fetching share one
+lock and one file layout; split, each part would reach into the others' files.
 
 Every fetch, eviction and removal is logged at DEBUG under the directory lock with the
 bytes in use after it (the bound can be checked at each event).
@@ -175,7 +186,9 @@ class LocalDisk:
             os.makedirs(directory, exist_ok=True)
             marker = self._path(MARKER)
             if not os.path.exists(marker):
-                foreign = [n for n in os.listdir(directory) if n not in ("data", "tmp", "fetch")]
+                foreign = [
+                    n for n in os.listdir(directory) if n not in ("data", "tmp", "fetch", "notes")
+                ]
                 if foreign and "lock" not in foreign:
                     raise UsageError(
                         f"local_cache {directory}: not empty and not a local cache "
@@ -184,7 +197,7 @@ class LocalDisk:
                 self._write_marker(marker)
             else:
                 self._check_marker(marker)
-            for sub in ("data", "tmp", "fetch"):
+            for sub in ("data", "tmp", "fetch", "notes"):
                 os.makedirs(self._path(sub), exist_ok=True)
         except OSError as exc:
             raise UsageError(
@@ -261,7 +274,7 @@ class LocalDisk:
 
     def _overhead(self) -> int:
         total = 0
-        for name in ("", "data", "tmp", "fetch", MARKER, "lock"):
+        for name in ("", "data", "tmp", "fetch", "notes", MARKER, "lock"):
             with contextlib.suppress(FileNotFoundError):
                 total += os.lstat(self._path(name)).st_blocks * 512
         return total
@@ -417,6 +430,43 @@ class LocalDisk:
             yield fd
         finally:
             _close(fd)
+
+    @contextlib.contextmanager
+    def held(self, unit: Unit) -> Iterator[int | None]:
+        """A file descriptor of ``unit``'s copy, pinned inside the block as :meth:`pinned`
+        pins it, or None when there is no copy here (nothing is fetched)."""
+        self.open()
+        fd = self._open_pinned(self._path("data", self.digest(unit.name)))
+        if fd is None:
+            yield None
+            return
+        try:
+            self._touch(unit.name, fd)
+            yield fd
+        finally:
+            _close(fd)
+
+    def note(self, label: str, text: str) -> None:
+        """Remember ``text`` (short, one line) under ``label`` for every process of the
+        machine, replacing what was noted (atomically: a reader sees one or the other)."""
+        self.open()
+        final = self._path("notes", self.digest(label))
+        tmp = f"{final}.{uuid.uuid4().hex[:8]}"
+        os.symlink(text, tmp)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def noted(self, label: str) -> str | None:
+        """What :meth:`note` last remembered under ``label``; None when nothing."""
+        self.open()
+        try:
+            return os.readlink(self._path("notes", self.digest(label)))
+        except OSError:  # none noted (or not a note)
+            return None
 
     def prefetch(self, unit: Unit) -> bool:
         """Fetch ``unit`` when absent and there is room without waiting; True when a copy
