@@ -7,7 +7,8 @@ used out, never above the limit, shared by every process of the machine);
 :class:`~cache_store.readers.sampler.Sampler`'s read-ahead asks it); one module per
 remote backend says what its unit is: a sharded snapshot's parts
 (:mod:`~cache_store.local_cache.sharded`), an exported Zarr snapshot's chunk files
-(:mod:`~cache_store.local_cache.zarr_snapshot`); the service is refused. :func:`cache_store.stores.opener.open_store`
+(:mod:`~cache_store.local_cache.zarr_snapshot`), versions of the service's records
+(:mod:`~cache_store.local_cache.service_records`). :func:`cache_store.stores.opener.open_store`
 opens them when given ``local_cache``.
 """
 

@@ -36,6 +36,7 @@ STORE_BACKENDS: dict[str, str] = {
 LOCAL_CACHE_BACKENDS: dict[str, str] = {
     "sharded": "cache_store.local_cache.sharded:CachedShardedSnapshot",
     "zarr": "cache_store.local_cache.zarr_snapshot:CachedZarrSnapshot",
+    "http": "cache_store.local_cache.service_records:CachedHTTPStore",
 }
 
 # Remote ``*.zarr`` locations this process (or the process it was forked from) found
