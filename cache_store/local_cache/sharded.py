@@ -16,6 +16,11 @@ What is served never depends on the local copy:
   part is fetched again on its next read;
 - a part whose fetched bytes do not match its manifest (damaged in the snapshot) is not
   kept: its records are read by range, each checked, so a damaged record fails alone.
+- a part gone from the snapshot since this process listed it (a superseded copy that
+  ``spcache merge --remove-superseded`` reclaimed) and not here: the commits are listed
+  again once and the copy that listing names is read (``read_located``, as for every
+  read of a sharded snapshot); a part kept here is still read from its copy (it never
+  changes, and a warm epoch asks the bucket nothing).
 
 ``prefetch(keys)`` fetches the parts of ``keys`` (first appearance first) in a thread
 of this process (:mod:`cache_store.local_cache.prefetch`). ``get_index`` refuses a
@@ -42,7 +47,7 @@ from typing import Any
 
 import xxhash
 
-from cache_store.errors import CorruptRecord, RecordNotFound
+from cache_store.errors import CorruptRecord
 from cache_store.format.decode import Record
 from cache_store.format.index import DatasetIndex
 from cache_store.keys import split_key
@@ -52,7 +57,7 @@ from cache_store.local_cache.prefetch import Prefetcher, process_prefetcher
 from cache_store.process_local import ProcessLocal
 from cache_store.snapshot.sharded import storage
 from cache_store.snapshot.sharded.format import Dataset, Entry, parse_manifest
-from cache_store.snapshot.sharded.store import ShardedSnapshot
+from cache_store.snapshot.sharded.store import PartMissing, ShardedSnapshot
 from cache_store.stores.base import RecordDecoder
 
 __all__ = ["DESCRIBED", "LISTINGS", "CachedShardedSnapshot", "PartUnit"]
@@ -216,19 +221,22 @@ class CachedShardedSnapshot(ShardedSnapshot):
                     local.pop(keys[n], None)
 
     def _values(self, keys: Sequence[str]) -> tuple[list[bytes], dict[str, PartUnit]]:
-        """The values of ``keys`` and, for those read from a local copy, its unit."""
+        """The values of ``keys`` and, for those read from a local copy, its unit (a
+        part gone since the listing: listed again once, ``read_located``)."""
+        return self.read_located(keys, self._values_at)
+
+    def _values_at(
+        self, located: list[tuple[str, Entry]]
+    ) -> tuple[list[bytes], dict[str, PartUnit]]:
         by_part: dict[tuple[str, str], list[tuple[int, str, Entry]]] = {}
-        for n, key in enumerate(keys):
-            entry = self.entry_of(key)
-            if entry is None:
-                raise RecordNotFound(key, self.location)
+        for n, (key, entry) in enumerate(located):
             by_part.setdefault((split_key(key)[0], entry.part), []).append((n, key, entry))
-        out: list[bytes] = [b""] * len(keys)
+        out: list[bytes] = [b""] * len(located)
         local: dict[str, PartUnit] = {}
         for (fingerprint, part), group in by_part.items():
             values = self._from_copy(fingerprint, part, group)
             if values is None:  # not kept, or damaged here: by range, as without a copy
-                values = ShardedSnapshot.get_many(self, [key for _, key, _ in group])
+                values = self.read_ranges([(key, entry) for _, key, entry in group])
             else:
                 local.update((key, self.unit(fingerprint, part)) for _, key, _ in group)
             for (n, _, _), value in zip(group, values, strict=True):
@@ -240,13 +248,16 @@ class CachedShardedSnapshot(ShardedSnapshot):
     ) -> list[bytes] | None:
         """The records of ``group`` from the local copy of ``part``, each checked against
         the manifest; None when the part is not kept here or the copy turns out damaged
-        (then set aside)."""
+        (then set aside). ``PartMissing`` when the part has no copy here and it (or its
+        manifest, read to fetch it) is not in the snapshot."""
         if (fingerprint, part) in self._not_kept.get():
             return None
         unit = self.unit(fingerprint, part)
         try:
             with self.disk.pinned(unit) as fd:
                 raw = [os.pread(fd, entry.length, entry.offset) for _, _, entry in group]
+        except FileNotFoundError:  # its manifest or bytes, asked for to fetch it
+            raise PartMissing(group[0][1], part) from None
         except CorruptRecord as exc:  # what was fetched is not what was committed
             log.warning(
                 "%s: part %s is not kept in %s (%s); its records are read by range",

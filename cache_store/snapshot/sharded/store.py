@@ -5,6 +5,9 @@ created only if absent); reads list the commits, read ``index.json`` and the man
 it does not include yet, and fetch a record by a range read into its part, checked
 against its manifest. What a process has read is kept per fingerprint and listed again
 when a key is missed (at most once a second), so a reader sees a growing dataset.
+A part the listing names that a read finds gone (a superseded copy reclaimed since:
+:mod:`cache_store.snapshot.sharded.superseded`) has the commits listed afresh once, and
+the copy that listing names read (:meth:`ShardedSnapshot.read_located`).
 The layout and the documents are :mod:`cache_store.snapshot.sharded.format`'s, the
 bytes' home :mod:`cache_store.snapshot.sharded.storage`'s, what one listing reads
 :mod:`cache_store.snapshot.sharded.listing`'s.
@@ -28,8 +31,8 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -56,12 +59,28 @@ from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyRep
 from cache_store.views.mapping import map_range
 from cache_store.views.records import Place, view_record
 
-__all__ = ["MISS_RELIST_S", "ShardedSnapshot"]
+__all__ = ["MISS_RELIST_S", "PartMissing", "ShardedSnapshot"]
 
 log = logging.getLogger(__name__)
 
 #: A key not found is looked for again in a fresh listing at most this often (seconds).
 MISS_RELIST_S = 1.0
+
+T = TypeVar("T")
+
+
+class PartMissing(Exception):
+    """A committed part that a listing names is not there: raised by the reads that
+    :meth:`ShardedSnapshot.read_located` runs, which lists again or reports it."""
+
+    def __init__(self, key: str, part: str) -> None:
+        super().__init__(key, part)
+        self.key = key
+        self.part = part
+
+    def error(self) -> CorruptRecord:
+        """The error a reader gets: the part is missing after a fresh listing too."""
+        return CorruptRecord(self.key, f"its committed part {self.part}.bin is missing")
 
 
 class ShardedSnapshot(Store):
@@ -100,6 +119,7 @@ class ShardedSnapshot(Store):
         self._datasets: dict[str, Dataset] = {}
         self._listed_at: dict[str, float] = {}  # fingerprint -> when commits were last listed
         self._problems: dict[str, Problems] = {}  # fingerprint -> what could not be read
+        self._lost: dict[str, set[str]] = {}  # fingerprint -> parts missing after a relist
         self._lock = threading.Lock()
 
     # -- paths ----------------------------------------------------------------------
@@ -203,14 +223,22 @@ class ShardedSnapshot(Store):
         refresh: bool = False,
         describe: Mapping[str, Any] | None = None,
         rebuild: bool = False,
+        fresh: bool = False,
     ) -> Dataset | None:
         """What ``fingerprint`` holds: ``index.json`` and the manifests committed since,
-        or with ``rebuild`` every manifest that exists now (the index is not read)."""
+        or with ``rebuild`` every manifest that exists now (the index is not read). The
+        listing kept is used (``refresh``: with the manifests committed since added)
+        unless ``fresh``: then it is listed as if for the first time."""
         with self._lock:
-            known = self._datasets.get(fingerprint)
+            known = None if fresh else self._datasets.get(fingerprint)
             if known is not None and not refresh and not rebuild:
                 return known
-        if known is None and not rebuild and (earlier := self.known_listing(fingerprint)):
+        if (
+            known is None
+            and not rebuild
+            and not fresh
+            and (earlier := self.known_listing(fingerprint))
+        ):
             known, at = earlier
             with self._lock:
                 self._datasets[fingerprint] = known
@@ -328,6 +356,7 @@ class ShardedSnapshot(Store):
             self._datasets.clear()
             self._listed_at.clear()
             self._problems.clear()
+            self._lost.clear()
 
     def _entry(self, key: str) -> Entry | None:
         fingerprint, sample_id = split_key(key)
@@ -354,36 +383,78 @@ class ShardedSnapshot(Store):
         record (:func:`~cache_store.snapshot.sharded.format.check_against_manifest`)."""
         return check_against_manifest(value, key, entry, self.descriptor)
 
-    def get(self, key: str) -> bytes:
-        entry = self._entry(key)
-        if entry is None:
-            raise RecordNotFound(key, self.location)
-        fingerprint = split_key(key)[0]
-        path = self.path(fingerprint, "parts", f"{entry.part}.bin")
-        try:
-            value = storage.read(self.fs, path, entry.offset, entry.offset + entry.length)
-        except FileNotFoundError:
-            raise CorruptRecord(key, f"its committed part {entry.part}.bin is missing") from None
-        return self.checked(value, key, entry)
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes]:
-        """Values of ``keys`` (range reads grouped per request batch)."""
-        located = []
+    def located(self, keys: Sequence[str]) -> list[tuple[str, Entry]]:
+        """Each of ``keys`` with where its committed record lies, as this process's
+        listing says; ``RecordNotFound`` for a key no commit holds."""
+        found = []
         for key in keys:
             entry = self._entry(key)
             if entry is None:
                 raise RecordNotFound(key, self.location)
-            located.append((key, entry))
+            found.append((key, entry))
+        return found
+
+    def read_located(self, keys: Sequence[str], read: Callable[[list[tuple[str, Entry]]], T]) -> T:
+        """``read`` of ``keys`` located by this process's listing: every read of records
+        runs through here. A part the listing names that ``read`` finds missing
+        (:class:`PartMissing`) was reclaimed since it was listed (a superseded copy,
+        :mod:`cache_store.snapshot.sharded.superseded`) or is lost: the commits are
+        listed afresh once and ``read`` runs again on the copies that listing names. A
+        part missing then is ``CorruptRecord``, and so is it at once when read again
+        (a lost part does not cost a listing at every read)."""
+        try:
+            return read(self.located(keys))
+        except PartMissing as exc:
+            fingerprint = split_key(exc.key)[0]
+            with self._lock:
+                if exc.part in self._lost.get(fingerprint, ()):
+                    raise exc.error() from None
+            log.info(
+                "%s: part %s of %s is gone since this process listed its commits; "
+                "listing them again",
+                self.location,
+                exc.part,
+                fingerprint,
+            )
+            self._load(fingerprint, fresh=True)
+        try:
+            return read(self.located(keys))
+        except PartMissing as exc:
+            with self._lock:
+                self._lost.setdefault(split_key(exc.key)[0], set()).add(exc.part)
+            raise exc.error() from None
+
+    def read_range(self, located: list[tuple[str, Entry]]) -> list[bytes]:
+        """The value of one located record, by a range read into its part."""
+        [(key, entry)] = located
+        path = self.path(split_key(key)[0], "parts", f"{entry.part}.bin")
+        try:
+            value = storage.read(self.fs, path, entry.offset, entry.offset + entry.length)
+        except FileNotFoundError:
+            raise PartMissing(key, entry.part) from None
+        return [self.checked(value, key, entry)]
+
+    def read_ranges(self, located: list[tuple[str, Entry]]) -> list[bytes]:
+        """The values of located records, by range reads grouped in one request batch."""
         paths = [self.path(split_key(k)[0], "parts", f"{e.part}.bin") for k, e in located]
         starts = [e.offset for _, e in located]
         ends = [e.offset + e.length for _, e in located]
         values = self.fs.cat_ranges(paths, starts, ends)
         out = []
         for (key, entry), value in zip(located, values, strict=True):
+            if isinstance(value, FileNotFoundError):
+                raise PartMissing(key, entry.part)
             if isinstance(value, BaseException):
                 raise CorruptRecord(key, f"cannot be read ({value})")
             out.append(self.checked(bytes(value), key, entry))
         return out
+
+    def get(self, key: str) -> bytes:
+        return self.read_located([key], self.read_range)[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of ``keys`` (range reads grouped per request batch)."""
+        return self.read_located(keys, self.read_ranges)
 
     def supply(
         self, keys: list[str], fields: list[str] | None, decoder: RecordDecoder
@@ -404,22 +475,28 @@ class ShardedSnapshot(Store):
         checked: Mapping[str, tuple[Place, str]] | None = None,
         transient: bool = False,
     ) -> list[Record] | None:
-        # A committed part never changes (written whole, renamed, then committed): its
-        # pages need no pin, and a mapping outlives the file's removal.
         if self.views_refused():
             return None
+        return self.read_located(
+            keys, lambda located: self._view_located(located, fields, verify, checked)
+        )
+
+    def _view_located(
+        self,
+        located: list[tuple[str, Entry]],
+        fields: list[str] | None,
+        verify: str,
+        checked: Mapping[str, tuple[Place, str]] | None,
+    ) -> list[Record] | None:
+        # A committed part never changes (written whole, renamed, then committed): its
+        # pages need no pin, and a mapping outlives the file's removal.
         records = []
-        for key in keys:
-            entry = self._entry(key)
-            if entry is None:
-                raise RecordNotFound(key, self.location)
+        for key, entry in located:
             path = self.path(split_key(key)[0], "parts", f"{entry.part}.bin")
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:
-                raise CorruptRecord(
-                    key, f"its committed part {entry.part}.bin is missing"
-                ) from None
+                raise PartMissing(key, entry.part) from None
             try:
                 st = os.fstat(fd)
                 if st.st_size < entry.offset + entry.length:

@@ -14,9 +14,11 @@ the age (``--orphan-age``; the orphan sweep's rule,
 :func:`~cache_store.snapshot.sharded.storage.older_than`): its own manifest and the
 manifests of the copies read instead were all committed at least that long ago, so a
 reader that listed the commits before then, and may still read this part, has had that
-long. A part with one record still read stays whole (a part is never rewritten: it is
-deleted or kept). Only parts ``index.json`` has merged are taken (``spcache merge``
-merges first), so a reader of the index reads the same copies before and after.
+long. One that reads it later still lists the commits again when it finds the part gone,
+and reads the copy read instead (:meth:`ShardedSnapshot.read_located`). A part with one
+record still read stays whole (a part is never rewritten: it is deleted or kept). Only
+parts ``index.json`` has merged are taken (``spcache merge`` merges first), so a reader
+of the index reads the same copies before and after.
 
 Reclaiming one must not change what any reader reads: the copies read are computed
 again without the parts to reclaim, and a part whose removal would change them is kept;
