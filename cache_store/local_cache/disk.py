@@ -1,7 +1,7 @@
 """A bounded local directory of remote units, shared by every process on one machine.
 
 A *unit* is what a remote store is fetched by: a sharded snapshot's part, a Zarr
-snapshot's chunk file, a record of the service. :class:`LocalDisk` keeps verified copies
+snapshot's chunk file. :class:`LocalDisk` keeps verified copies
 of units in ``DIR`` and never lets them outgrow the limit::
 
     DIR/spcache-local-cache.json     what the directory is (kind, format_version)

@@ -55,16 +55,24 @@ def local_cache_option(
     where = getattr(cache, "location", None) or os.fspath(cache)  # type: ignore[call-overload]
     if not isinstance(cache, (str, os.PathLike)):
         raise ParameterError(
+            [f"local_cache= needs a location (s3://....zarr), not a built {type(cache).__name__}"]
+        )
+    if kind == "http":
+        raise ParameterError(
             [
-                f"local_cache= needs a location (s3://....zarr or http(s)://), not a built {type(cache).__name__}"
+                (
+                    f"local_cache=: {where} is the service; its records are not read "
+                    f"through a local directory (a remote snapshot, s3://....zarr, is): "
+                    f"read it without local_cache="
+                )
             ]
         )
-    if kind not in ("zarr", "http") or not is_remote(where):
+    if kind != "zarr" or not is_remote(where):
         raise ParameterError(
             [
                 (
                     f"local_cache=: {where} is on this machine already; local_cache is "
-                    f"for a remote snapshot (s3://....zarr) or the service's http(s):// URL"
+                    f"for a remote snapshot (s3://....zarr)"
                 )
             ]
         )

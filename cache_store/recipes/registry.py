@@ -37,7 +37,6 @@ and :mod:`cache_store.recipes.api` below it know no installed recipe.
 
 from __future__ import annotations
 
-import email.parser
 import importlib
 import importlib.metadata
 import logging
@@ -139,16 +138,20 @@ class Registry:
 def _distribution_of(ep: importlib.metadata.EntryPoint) -> tuple[str | None, str | None]:
     """The name and version of the distribution that installed ``ep``.
 
-    Read from the metadata's header block only: ``dist.metadata`` parses the whole file,
-    long description included, on every call, a noticeable part of the start of every
-    command (each of which finds the installed recipes)."""
+    Read from the metadata's header block only, two of its fields, without the email
+    parser: ``dist.metadata`` parses the whole file, long description included, on every
+    call, a noticeable part of the start of every command (each of which finds the
+    installed recipes)."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return None, None
     text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
-    head = text.replace("\r\n", "\n").split("\n\n", 1)[0]
-    headers = email.parser.HeaderParser().parsestr(head)
-    return headers["Name"], headers["Version"]
+    fields: dict[str, str] = {}
+    for line in text.replace("\r\n", "\n").split("\n\n", 1)[0].splitlines():
+        name, sep, value = line.partition(":")
+        if sep and not line[:1].isspace():  # not a continuation line
+            fields.setdefault(name.strip().lower(), value.strip())
+    return fields.get("name"), fields.get("version")
 
 
 def _import_class(value: str) -> Any:

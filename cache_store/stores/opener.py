@@ -62,8 +62,8 @@ def open_store(cache: LocationLike | Store, readonly: bool = True, **options: An
             raise UsageError(f"{parsed.text}: local_cache is for reading; a writer writes there")
         if parsed.is_local:
             raise UsageError(
-                f"{parsed.text}: local_cache is for a remote location (s3://....zarr, "
-                f"http(s)://); this one is on this machine already"
+                f"{parsed.text}: local_cache is for a remote snapshot (s3://....zarr); "
+                f"this one is on this machine already"
             )
     name: str = parsed.kind
     if name == "zarr":

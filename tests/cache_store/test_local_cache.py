@@ -341,6 +341,8 @@ def test_local_cache_arguments_are_checked(snapshot, tmp_path: Path) -> None:
         CachedDataset(location, FP, local_cache=tmp_path / "lc", cache_limit="lots")
     with pytest.raises(ParameterError, match="is on this machine already"):
         CachedDataset(str(tmp_path / "cache"), FP, local_cache=tmp_path / "lc", cache_limit="1G")
+    with pytest.raises(ParameterError, match="is the service; its records are not read"):
+        CachedDataset("http://127.0.0.1:9", FP, local_cache=tmp_path / "lc", cache_limit="1G")
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="not empty and not a local cache"):
