@@ -130,17 +130,29 @@ def collate_located(batch: Sequence[LocatedSample], *, collate_fn_map: Any = Non
 
 class LocatedBatch:
     """Checked records of one batch as ``collate_spc`` makes it in a worker; unpickled in
-    the training process as the collated batch."""
+    the training process as the collated batch. In the worker it holds no tensors:
+    indexing it (a ``collate_fn`` changing ``collate_spc``'s batch) raises a
+    ``TypeError`` that names the fixes."""
 
-    __slots__ = ("collate", "items", "source")
+    __slots__ = ("collate", "located", "source")
 
     def __init__(self, samples: Sequence[LocatedSample], collate: Callable[..., Any]) -> None:
         self.source = samples[0].source
-        self.items = [(s.key, s.checked) for s in samples]
+        self.located = [(s.key, s.checked) for s in samples]
         self.collate = collate  # collate_spc: pickled by name
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return open_batch, (self.source, self.items, self.collate)
+        return open_batch, (self.source, self.located, self.collate)
+
+    def _refuse(self, *_: Any) -> Any:
+        raise TypeError(
+            "collate_spc in a DataLoader worker of CachedDataset(views=True) returns where "
+            "the batch's records lie (a LocatedBatch), collated into tensors in the "
+            "training process: change the batch there (in the training loop), or collate "
+            "the samples' tensors in the worker: collate_spc([s.sample() for s in samples])"
+        )
+
+    __getitem__ = __setitem__ = __iter__ = __len__ = keys = items = values = _refuse
 
 
 log = logging.getLogger(__name__)

@@ -178,6 +178,32 @@ CUSTOM = textwrap.dedent(
             assert all(torch.equal(s[k], plain[i][k]) for k in plain[i])
             assert s["octree"].is_inference()  # crossed as a place, opened as views here
     print("samples returned as they are: ok", flush=True)
+
+    def extended(samples):  # changes collate_spc's batch in the worker
+        batch = spcache.collate_spc(samples)
+        batch["epoch"] = 0
+        return batch
+
+    loader = DataLoader(views, batch_size=2, num_workers=1, collate_fn=extended,
+                        multiprocessing_context="fork")
+    batches = iter(loader)
+    try:
+        next(batches)
+    except TypeError as exc:
+        print("refused:", " ".join(str(exc).split()), flush=True)
+    del batches
+
+    def fixed_up(samples):  # the fix the error names
+        batch = spcache.collate_spc([s.sample() for s in samples])
+        batch["epoch"] = 0
+        return batch
+
+    loader = DataLoader(views, batch_size=3, sampler=order, num_workers=2,
+                        collate_fn=fixed_up, multiprocessing_context="fork")
+    for b, batch in enumerate(loader):
+        want = spcache.collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+        assert torch.equal(batch["octree"], want["octree"]) and batch["epoch"] == 0
+    print("collate_spc of the samples' tensors: ok", flush=True)
     """
 )
 
@@ -193,8 +219,12 @@ def test_a_custom_collate_fn_gets_the_samples_tensors(tmp_path: Path) -> None:
     (work / "custom.py").write_text(CUSTOM)
     out = run([sys.executable, "custom.py", cache, FP], cwd=work, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    for line in ("a hand-written collate_fn", "default_collate", "samples returned as they are"):
+    done = ("a hand-written collate_fn", "default_collate", "samples returned as they are")
+    for line in (*done, "collate_spc of the samples' tensors"):
         assert f"{line}: ok" in out.stdout, out.stdout + out.stderr
+    # changing collate_spc's batch in the worker: refused, naming the fixes
+    assert "TypeError: collate_spc in a DataLoader worker of CachedDataset" in out.stdout
+    assert "collate_spc([s.sample() for s in samples])" in out.stdout, out.stdout
 
 
 LONG = textwrap.dedent(

@@ -165,7 +165,9 @@ def test_two_runs_into_one_destination_then_merge_reclaims_the_duplicates(
         },
     )
     assert len(twice) >= 1, copies  # B committed again what A had committed
-    assert len(reclaimed["superseded_removed"]) >= len(twice)
+    # B's parts go: a part holds one record or more, as B's writer batched them (several
+    # under load), so they are fewer than the samples; then every sample is committed once
+    assert len(reclaimed["superseded_removed"]) >= 1
     assert set(_copies(location, options, fingerprint).values()) == {1}  # duplicates gone
     assert len(parts_after) == len(parts_before) - len(reclaimed["superseded_removed"])
     assert sum(parts_before.values()) - sum(parts_after.values()) == reclaimed["superseded_bytes"]
