@@ -17,6 +17,7 @@ Test data comes from two corpora:
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,11 +69,28 @@ def cuda_works(timeout: float = 120.0) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    _ctrl_c_as_from_a_terminal()
     config.addinivalue_line(
         "markers",
         "shared_corpus: reads the real-mesh corpus in ../shared/data "
         "(SPCACHE_SHARED_DATA); skipped where it is absent",
     )
+
+
+def _ctrl_c_as_from_a_terminal() -> None:
+    """Ctrl-C raises KeyboardInterrupt in this run and in every process it starts, however
+    the run itself was started.
+
+    A run started in the background by a script (``pytest ... &``: a non-interactive
+    shell starts its background jobs with SIGINT ignored) would pass the ignore on to each
+    child, and Python installs no KeyboardInterrupt handler where SIGINT is ignored at
+    start-up: a ``spcache.precompute`` script a test interrupts as a terminal does went
+    on to the end and exited 0 (tests/spcache/test_interrupt_streams.py). Python's own
+    handler here gives every child SIGINT's default disposition, as a terminal's
+    foreground job has (``exec`` resets a caught signal, never an ignored one); the rule
+    is checked in tests/test_suite_rules.py."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 _SHARED_FIXTURES = frozenset({"shared_data", "shared_meshes", "shared_bad_inputs"})

@@ -12,17 +12,27 @@
   (``tests/helpers/recipes.py``). The check runs the tests that list or count recipes
   with a foreign recipe registered (``SPCACHE_RECIPES``, as a plugin that is not
   installed is registered), one whose name sorts before the built-ins.
+* Ctrl-C reaches the processes the suite starts as it would from a terminal, however
+  the suite itself was started. A script that runs it in the background (``pytest ... &``)
+  starts it with SIGINT ignored, and every child inherited the ignore: a ``python -``
+  running ``spcache.precompute`` that a test interrupted went on to the end and exited 0.
+  ``tests/conftest.py`` gives the run Python's handler back; the check starts the suite
+  as such a script does and interrupts a child.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.helpers.procs import run
+from tests.helpers.procs import popen, run
 
 TESTS = REPO_ROOT / "tests"
 CLOCKS = {"monotonic", "perf_counter", "time", "monotonic_ns", "perf_counter_ns", "time_ns"}
@@ -161,3 +171,43 @@ def test_recipe_listing_tests_pass_with_a_foreign_recipe_registered() -> None:
     )
     assert out.returncode == 0, out.stdout[-4000:]
     assert " passed" in out.stdout.strip().splitlines()[-1]
+
+
+#: ``ARGV... &`` as a script runs a command in the background, waited for: a
+#: non-interactive shell starts it with SIGINT (and SIGQUIT) ignored
+IN_THE_BACKGROUND = ["bash", "-c", '"$@" & wait $!', "bash"]
+#: a script that says it is ready, then waits to be interrupted
+WAITING = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
+IGNORES_SIGINT = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
+
+
+def test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt() -> None:
+    """A ``python -`` child sent SIGINT to its process group (a terminal's Ctrl-C) ends
+    by it: Python's default handling, as a user's script has."""
+    proc = popen(
+        [sys.executable, "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(WAITING)
+    proc.stdin.close()
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGINT)
+    with proc.stdout:
+        assert proc.wait(timeout=120) == -signal.SIGINT
+
+
+def test_ctrl_c_reaches_the_children_of_a_suite_started_in_the_background() -> None:
+    """The check above, in a run of the suite that a script started in the background."""
+    ignored = run([*IN_THE_BACKGROUND, sys.executable, "-c", IGNORES_SIGINT])
+    assert ignored.stdout.split() == ["True"], ignored  # as the run starts
+    test = Path(__file__).relative_to(REPO_ROOT).as_posix()
+    test += "::" + test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt.__name__
+    out = run(
+        [*IN_THE_BACKGROUND, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    )
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert " 1 passed" in " " + out.stdout.strip().splitlines()[-1]
