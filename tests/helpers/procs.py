@@ -44,6 +44,7 @@ __all__ = [
     "bound_socket",
     "child_env",
     "has_descendant",
+    "ignores",
     "kill_leftovers",
     "kill_tree",
     "live",
@@ -101,6 +102,19 @@ def tree(pid: int) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return []
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores ``signum`` (Linux: its ``SigIgn`` mask; False where
+    that cannot be read)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(
+        (line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0"
+    )
+    return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
 def kill_tree(procs: Sequence[psutil.Process]) -> None:

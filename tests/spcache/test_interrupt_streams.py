@@ -25,7 +25,15 @@ from pathlib import Path
 import pytest
 import trimesh
 
-from tests.helpers.procs import kill_tree, popen, run_spcache, spcache_argv, tree, wait_for
+from tests.helpers.procs import (
+    ignores,
+    kill_tree,
+    popen,
+    run_spcache,
+    spcache_argv,
+    tree,
+    wait_for,
+)
 
 SHAPES = 48
 # about half a second of loading and computing each on a loaded 2-core machine
@@ -34,7 +42,8 @@ PARAMS = {"level": 6, "surface_samples": 200000}
 # it, so the records stored follow the samples computed and "two stored" means mid-way.
 # With the default batch (32) the writer fell behind on the loaded VM (one run: 22
 # stored after 49 s, the other 26 in one commit as the run ended), so "two stored" could
-# come as the run ended, and a Ctrl-C after `spcache.precompute` returned left exit 0.
+# come as the run ended. (An exit 0 of the library run is also what a suite started in
+# the background gives, SIGINT ignored and passed on: tests/conftest.py undoes that.)
 WRITE_BATCH = 1
 STOPPING = "spcache precompute: stopping"
 
@@ -121,6 +130,8 @@ def _interrupt_mid_run(proc: subprocess.Popen[bytes], cache: Path) -> int:
     try:
         wait_for(lambda: _stored(cache) >= 2 or proc.poll() is not None, 300, "stored records")
         assert proc.poll() is None, "the run ended before it could be interrupted"
+        # as a terminal's foreground job, not one that ignores Ctrl-C as it was started
+        assert not ignores(proc.pid, signal.SIGINT), "the run was started ignoring SIGINT"
         procs = tree(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group
         at_interrupt = _stored(cache)
