@@ -14,6 +14,7 @@ import pytest
 
 from cache_store.stores.opener import open_store
 from tests.conftest import REPO_ROOT
+from tests.helpers.notebook import run_notebook
 
 # Runs the snippet as the main script (runpy puts it in sys.modules["__main__"], so spawn and
 # forkserver workers re-import the snippet file itself, as they would `python train.py`),
@@ -201,32 +202,17 @@ def test_the_function_recipe_snippet_runs_as_pasted(
 
 @pytest.mark.slow
 def test_the_function_recipe_snippet_runs_in_a_jupyter_kernel(
-    tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, corpus_meshes: list[Path]
 ) -> None:
     """The snippet as one notebook cell of a real Jupyter kernel (ipykernel, driven by
     nbclient) whose working directory holds ``shapes/``: the function defined in the cell
     is the recipe, its source found through the kernel's cell cache; the cell prints the
     first shape's extent, and the cache holds the recipe's index."""
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
-    import nbclient  # the dev extra installs both
-    import nbformat
-
     (tmp_path / "shapes").mkdir()
     for mesh in sorted(corpus_meshes)[:2]:
         (tmp_path / "shapes" / mesh.name).write_bytes(mesh.read_bytes())
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [
-        nbformat.v4.new_code_cell(f"import sys\nsys.path.insert(0, {str(REPO_ROOT)!r})"),
-        nbformat.v4.new_code_cell(_snippet("function_recipe")),
-    ]
-    client = nbclient.NotebookClient(
-        notebook,
-        timeout=300,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    client.execute()
+    cells = [f"import sys\nsys.path.insert(0, {str(REPO_ROOT)!r})", _snippet("function_recipe")]
+    notebook = run_notebook(cells, tmp_path)
     printed = "".join(
         o.get("text", "") for o in notebook.cells[1].outputs if o.get("name") == "stdout"
     )
