@@ -14,6 +14,7 @@ import pytest
 
 from cache_store.stores.opener import open_store
 from tests.conftest import REPO_ROOT
+from tests.helpers.notebook import run_notebook
 
 # Runs the snippet as the main script (runpy puts it in sys.modules["__main__"], so spawn and
 # forkserver workers re-import the snippet file itself, as they would `python train.py`),
@@ -192,6 +193,30 @@ def test_the_function_recipe_snippet_runs_as_pasted(
     assert out.returncode == 0, out.stderr[-4000:]
     printed = out.stdout.strip().splitlines()[-1]
     assert printed.startswith("tensor([") and "dtype" not in printed  # float32: no dtype shown
+    with open_store(tmp_path / "cache") as store:
+        (fingerprint,) = store.fingerprints()
+        index = store.get_index(fingerprint)
+        assert index.recipe == "extent" and dict(index.params) == {"margin": 0.1}
+        assert len(index) == 2
+
+
+@pytest.mark.slow
+def test_the_function_recipe_snippet_runs_in_a_jupyter_kernel(
+    tmp_path: Path, corpus_meshes: list[Path]
+) -> None:
+    """The snippet as one notebook cell of a real Jupyter kernel (ipykernel, driven by
+    nbclient) whose working directory holds ``shapes/``: the function defined in the cell
+    is the recipe, its source found through the kernel's cell cache; the cell prints the
+    first shape's extent, and the cache holds the recipe's index."""
+    (tmp_path / "shapes").mkdir()
+    for mesh in sorted(corpus_meshes)[:2]:
+        (tmp_path / "shapes" / mesh.name).write_bytes(mesh.read_bytes())
+    cells = [f"import sys\nsys.path.insert(0, {str(REPO_ROOT)!r})", _snippet("function_recipe")]
+    notebook = run_notebook(cells, tmp_path)
+    printed = "".join(
+        o.get("text", "") for o in notebook.cells[1].outputs if o.get("name") == "stdout"
+    )
+    assert printed.strip().splitlines()[-1].startswith("tensor(["), notebook.cells[1].outputs
     with open_store(tmp_path / "cache") as store:
         (fingerprint,) = store.fingerprints()
         index = store.get_index(fingerprint)

@@ -85,17 +85,23 @@ def _triangle_sq_distance(
         torch.minimum(_segment_sq_distance(p, a, b), _segment_sq_distance(p, b, c)),
         _segment_sq_distance(p, c, a),
     )
-    n = torch.linalg.cross(b - a, c - a)
+    ab, ac = b - a, c - a
+    n = torch.linalg.cross(ab, ac)
     n2 = (n * n).sum(-1)
+    # A triangle whose normal is rounding noise (sin^2 of its angle at a under 1e-20: two
+    # corners equal, or all three on a line) has no plane: its edges are the triangle. A
+    # test against `n2 > 0` is not enough: a fused multiply-add leaves a cross product of
+    # two equal vectors at 1e-18, not 0, and the "plane" of that noise put points at 0.
+    flat = n2 <= 1e-20 * (ab * ab).sum(-1) * (ac * ac).sum(-1)
     ap, bp, cp = p - a, p - b, p - c
     # inside when p's projection is on the inner side of all three edges
     inside = (
-        ((torch.linalg.cross(b - a, ap) * n).sum(-1) >= 0)
+        ((torch.linalg.cross(ab, ap) * n).sum(-1) >= 0)
         & ((torch.linalg.cross(c - b, bp) * n).sum(-1) >= 0)
         & ((torch.linalg.cross(a - c, cp) * n).sum(-1) >= 0)
-        & (n2 > 0)
+        & ~flat
     )
-    plane = (ap * n).sum(-1) ** 2 / torch.where(n2 > 0, n2, torch.ones_like(n2))
+    plane = (ap * n).sum(-1) ** 2 / torch.where(flat, torch.ones_like(n2), n2)
     return torch.where(inside, torch.minimum(plane, edges), edges)
 
 

@@ -34,7 +34,7 @@ from cache_store.stores.base import Store
 from cache_store.testing import WritableStoreContract
 from cache_store.stores.opener import open_store
 from tests.helpers.procs import run_spcache
-from tests.helpers.s3 import S3Server, moto_s3
+from tests.helpers.s3 import S3Server, moto_s3, snapshot_destination
 from tests.helpers.synthetic import fingerprint_of, make_record, record_metadata, spc_fields
 
 FP = fingerprint_of("spc")
@@ -53,13 +53,7 @@ def s3() -> Iterator[S3Server]:
 
 @pytest.fixture(params=["local", "s3"])
 def dest(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
-    if request.param == "local":
-        return str(tmp_path / "snap.zarr"), {}
-    server = request.getfixturevalue("s3")
-    return (
-        f"s3://{server.new_bucket()}/x/snap.zarr",
-        {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"},
-    )
+    return snapshot_destination(request, tmp_path)
 
 
 class TestShardedSnapshotContract(WritableStoreContract):

@@ -113,7 +113,7 @@ def test_a_long_lived_reader_reads_every_sample_after_a_recompute_and_a_reclaim(
     else:
         server = request.getfixturevalue("s3")
         location = f"s3://{server.new_bucket()}/x/snap.zarr"
-        options = {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"}
+        options = server.storage_options()
     local_cache = where.endswith("local_cache")
     sources = tmp_path / "shapes"
     sources.mkdir()

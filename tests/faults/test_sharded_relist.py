@@ -26,7 +26,7 @@ from cache_store.stores.opener import open_store
 from cache_store.stores.base import Store
 from cache_store.testing import contract_record
 from tests.helpers.local_cache import FP
-from tests.helpers.s3 import S3Server, moto_s3
+from tests.helpers.s3 import S3Server, moto_s3, snapshot_destination
 
 H1, H2 = "1" * 16, "2" * 16
 
@@ -39,13 +39,7 @@ def s3() -> Iterator[S3Server]:
 
 @pytest.fixture
 def dest(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
-    if request.param == "local":
-        return str(tmp_path / "snap.zarr"), {}
-    server = request.getfixturevalue("s3")
-    return (
-        f"s3://{server.new_bucket()}/x/snap.zarr",
-        {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"},
-    )
+    return snapshot_destination(request, tmp_path)
 
 
 def _commit(location: str, options: dict[str, Any], records: list[tuple[str, int, str]]) -> str:

@@ -33,7 +33,7 @@ from tests.data import corpus
 from tests.helpers.faults import report
 from tests.helpers.local_cache import FP
 from tests.helpers.procs import run_spcache, start_spcache, tree, wait_for
-from tests.helpers.s3 import S3Server, moto_s3
+from tests.helpers.s3 import S3Server, moto_s3, snapshot_destination
 from tests.helpers.sharded_writers import HeldWriter
 
 
@@ -45,13 +45,7 @@ def s3() -> Iterator[S3Server]:
 
 @pytest.fixture(params=["local", "s3"])
 def dest(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
-    if request.param == "local":
-        return str(tmp_path / "snap.zarr"), {}
-    server = request.getfixturevalue("s3")
-    return (
-        f"s3://{server.new_bucket()}/x/snap.zarr",
-        {"endpoint_url": server.endpoint, "key": "testing", "secret": "testing"},
-    )
+    return snapshot_destination(request, tmp_path)
 
 
 def _listing(location: str, options: dict[str, Any]) -> dict[str, int]:

@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 CREDENTIALS = {
@@ -113,6 +114,20 @@ class S3Server:
             aws_secret_access_key="testing",
         ).create_bucket(Bucket=name)
         return name
+
+    def storage_options(self) -> dict[str, Any]:
+        """fsspec's options for this server (as a user passes ``storage_options``)."""
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+
+def snapshot_destination(request: Any, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    """A sharded snapshot's location and storage options for a test parametrized by
+    ``"local"`` (a folder under ``tmp_path``) or ``"s3"`` (a fresh bucket on the module's
+    ``s3`` fixture, moto's server)."""
+    if request.param == "local":
+        return str(tmp_path / "snap.zarr"), {}
+    server = request.getfixturevalue("s3")
+    return f"s3://{server.new_bucket()}/x/snap.zarr", server.storage_options()
 
 
 @contextlib.contextmanager

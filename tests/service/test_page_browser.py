@@ -33,13 +33,11 @@ from tests.helpers.service import (
     start_server,
     stop_server,
 )
+from tests.helpers.browser import launched_chromium, needs_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"
-    ),
+    needs_chromium,
 ]
 SHARED_PICKS = ("bunny.ply", "capsule.obj", "fandisk.obj")
 PARAMS = {"level": 7, "surface_samples": 20_000, "uniform_queries": 1500, "surface_queries": 1500}
@@ -72,13 +70,8 @@ def _sources(root: Path) -> tuple[list[Path], Path, str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
-    )
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        yield browser
-        browser.close()
+    with launched_chromium() as launched:
+        yield launched
 
 
 @pytest.fixture

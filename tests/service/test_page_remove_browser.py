@@ -9,7 +9,6 @@ Playwright. ``SPCACHE_PAGE_SCREENSHOTS=<dir>`` keeps the screenshots.
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,25 +17,18 @@ import pytest
 
 from tests.helpers.housekeeping import add_fingerprint, record_counts
 from tests.helpers.service import TOKEN, start_server, stop_server
+from tests.helpers.browser import launched_chromium, needs_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"
-    ),
+    needs_chromium,
 ]
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
-    )
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        yield browser
-        browser.close()
+    with launched_chromium() as launched:
+        yield launched
 
 
 def test_remove_button_removes_one_fingerprint(browser: object, tmp_path: Path) -> None:

@@ -31,11 +31,8 @@ from cache_store.keys import record_key
 from cache_store.stores.lmdb.store import LMDBStore
 from tests.helpers.procs import Server, run_spcache
 from tests.helpers.service import start_server, stop_server
+from tests.helpers.browser import launched_chromium, needs_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="needs Debian's chromium: apt-get install -y chromium"
-)
 pytestmark = pytest.mark.slow
 AUGMENTED = ("capsule_ascii.ply", "box_quads.obj")  # long shapes: a turn shows
 PLAIN = "cone_ascii.stl"  # computed later without variants
@@ -134,13 +131,8 @@ def test_the_listing_counts_variants_and_the_route_gives_their_augmentation(
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    sync_api = pytest.importorskip(
-        "playwright.sync_api", reason="needs Playwright for Python: pip install playwright"
-    )
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        yield browser
-        browser.close()
+    with launched_chromium() as launched:
+        yield launched
 
 
 def _open_samples(page: object, server: Server, fp: str) -> None:

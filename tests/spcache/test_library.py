@@ -19,6 +19,7 @@ import pytest
 import spcache
 from spcache.cli import main
 from tests.conftest import REPO_ROOT
+from tests.helpers.notebook import run_notebook
 
 PARAMS = {"level": 5, "surface_samples": 2000, "uniform_queries": 500, "surface_queries": 500}
 SMALL = [arg for key, value in PARAMS.items() for arg in ("--param", f"{key}={value}")]
@@ -277,27 +278,13 @@ NOTEBOOK_CELLS = [
 
 
 @pytest.mark.slow
-def test_precompute_in_a_jupyter_kernel(
-    tmp_path: Path, corpus_meshes: list[Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # the kernel's connection file goes here, not into the user's Jupyter runtime folder
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
-    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))  # the kernel's profile, too
-    import nbclient  # the dev extra installs both
-    import nbformat
-
+def test_precompute_in_a_jupyter_kernel(tmp_path: Path, corpus_meshes: list[Path]) -> None:
     sources = [str(p) for p in corpus_meshes[:2]]
     cache = str(tmp_path / "cache")
     values = {"repo": str(REPO_ROOT), "sources": sources, "cache": cache, "params": PARAMS}
-    notebook = nbformat.v4.new_notebook()
-    notebook.cells = [nbformat.v4.new_code_cell(cell.format(**values)) for cell in NOTEBOOK_CELLS]
-    client = nbclient.NotebookClient(
-        notebook,
-        timeout=240,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(tmp_path)}},
+    notebook = run_notebook(
+        [cell.format(**values) for cell in NOTEBOOK_CELLS], tmp_path, timeout=240
     )
-    client.execute()
 
     shown = notebook.cells[1].outputs  # the result's repr as the cell's value
     assert any("PrecomputeResult(" in o.get("data", {}).get("text/plain", "") for o in shown)

@@ -95,6 +95,18 @@ def _mesh_arrays(mesh: trimesh.Trimesh) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(mesh.vertices, dtype=np.float64), np.asarray(mesh.faces, dtype=np.int64)
 
 
+def test_a_triangle_with_two_equal_corners_is_its_edges_in_the_brute_force() -> None:
+    """Hypothesis found it: corners b == c, so the cross product is rounding noise (a
+    fused multiply-add leaves 1e-18, not 0); the brute force took that noise for a plane
+    through the origin and said 0, where the nearest point is the corner (0.1875,)*3."""
+    vertices = torch.tensor(
+        [[0.0, 0.0, 0.9999999999999999], [0.1875] * 3, [0.1875] * 3], dtype=torch.float64
+    )
+    faces = torch.tensor([[0, 1, 2]])
+    dist, _ = sdf.brute_force_distance(torch.zeros(1, 3, dtype=torch.float64), vertices, faces)
+    assert dist.tolist() == pytest.approx([0.1875 * 3**0.5], abs=1e-12)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     arrays(np.float64, (6, 3), elements=st.floats(-1, 1)),

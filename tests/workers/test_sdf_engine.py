@@ -67,16 +67,17 @@ def shared_or_skip() -> Path:
     return SHARED_DATA
 
 
-def _run(cache: Path, paths: list[Path], loaders: int = 2) -> tuple[Engine, object, dict]:
+def _run(cache: Path, paths: list[Path], loaders: int = 2) -> tuple[Engine, object, dict, dict]:
     with open_store(cache, readonly=False) as store:
         engine = Engine(store, "spc_sdf", PARAMS, device="cpu", backend="torch", loaders=loaders)
         summary = engine.run(_items(paths))
         values = {k: store.get(k) for k in store.keys()}
-    return engine, summary, values
+        metadata = {k: store.record_metadata(k) for k in values}
+    return engine, summary, values, metadata
 
 
 def test_a_record_for_every_generated_shape(tmp_path: Path, generated: list[Path]) -> None:
-    engine, summary, values = _run(tmp_path / "cache", generated)
+    engine, summary, values, metadata = _run(tmp_path / "cache", generated)
     assert summary.failed == 0, summary.errors
     assert summary.done == len(generated)
     resolved = SPEC.resolve(PARAMS)
@@ -85,14 +86,17 @@ def test_a_record_for_every_generated_shape(tmp_path: Path, generated: list[Path
         check_outputs(SPEC, record.tensors, resolved)
         sdf = record.tensors["sdf"]
         assert bool((sdf < 0).any()) and bool((sdf > 0).any()), path.stem
-        assert record.metadata["recipe"] == "spc_sdf" and record.metadata["backend"] == "torch"
+        # what a record of format 2 shares with its fingerprint (the recipe) is in its
+        # descriptor; the store's metadata of a record is both, merged
+        meta = metadata[engine.key(path.stem)]
+        assert meta["recipe"] == "spc_sdf" and meta["backend"] == "torch"
 
 
 @pytest.mark.slow
 def test_a_record_for_every_shared_mesh(tmp_path: Path, shared_or_skip: Path) -> None:
     meshes = sorted(p for p in (shared_or_skip / "meshes").iterdir() if p.is_file())
     assert len(meshes) == 21
-    engine, summary, values = _run(tmp_path / "cache", meshes)
+    engine, summary, values, _ = _run(tmp_path / "cache", meshes)
     assert summary.failed == 0, summary.errors
     assert summary.done == len(meshes)
     resolved = SPEC.resolve(PARAMS)
@@ -154,15 +158,16 @@ def test_records_are_identical_across_runs_and_loader_modes(
 
 
 def test_lmdb_to_zarr_to_dataloader(tmp_path: Path, generated: list[Path]) -> None:
-    engine, summary, _ = _run(tmp_path / "cache", generated[:4])
+    engine, summary, _, _ = _run(tmp_path / "cache", generated[:4])
     assert summary.done == 4
+    resolved = SPEC.resolve(PARAMS)
     export_snapshot(tmp_path / "cache", engine.fingerprint, tmp_path / "snap.zarr")
     lmdb_ds = CachedDataset(tmp_path / "cache", "spc_sdf", **PARAMS)
     zarr_ds = CachedDataset(tmp_path / "snap.zarr", engine.fingerprint)
     assert len(zarr_ds) == len(lmdb_ds) == 4
     for i in range(4):
         a, b = lmdb_ds[i], zarr_ds[i]
-        assert a.keys() == b.keys() and set(SPEC.fields) <= set(a)
+        assert a.keys() == b.keys() and set(SPEC.fields_for(resolved)) <= set(a)
         assert all(torch.equal(a[k], b[k]) for k in a)
     loader = torch.utils.data.DataLoader(
         zarr_ds, batch_size=2, num_workers=2, collate_fn=collate_spc, multiprocessing_context="fork"
@@ -187,7 +192,7 @@ def test_lmdb_to_zarr_to_dataloader(tmp_path: Path, generated: list[Path]) -> No
 def test_collate_concatenates_dual_fields_even_when_sizes_agree(
     tmp_path: Path, generated: list[Path]
 ) -> None:
-    engine, _, _ = _run(tmp_path / "cache", generated[:1], loaders=0)
+    engine, _, _, _ = _run(tmp_path / "cache", generated[:1], loaders=0)
     sample = CachedDataset(tmp_path / "cache", engine.fingerprint)[0]
     batch = collate_spc([sample, sample])  # same sizes: still Kaolin's packed layout
     assert batch["trinkets"].shape == (2 * len(sample["trinkets"]), 8)
@@ -203,7 +208,7 @@ def test_ray_engine_writes_the_same_records(tmp_path: Path, generated: list[Path
 
     from workers.ray_engine import RayEngine
 
-    _, _, local = _run(tmp_path / "local", generated[:2], loaders=0)
+    _, _, local, _ = _run(tmp_path / "local", generated[:2], loaders=0)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(
         num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False
@@ -235,7 +240,7 @@ def test_the_readme_indexing_finds_each_points_voxel_corners(
 ) -> None:
     from workers.ops import torch_spc
 
-    engine, _, _ = _run(tmp_path / "cache", generated[:3], loaders=0)
+    engine, _, _, _ = _run(tmp_path / "cache", generated[:3], loaders=0)
     level = PARAMS["level"]
     ds = CachedDataset(tmp_path / "cache", "spc_sdf", **PARAMS)
     batch = collate_spc([ds[i] for i in range(3)])
@@ -267,7 +272,7 @@ def test_the_service_serves_the_new_fields(tmp_path: Path, generated: list[Path]
     from service.settings import Settings
     from tests.helpers.service import InProcessServer
 
-    engine, summary, values = _run(tmp_path / "cache", generated[:2], loaders=0)
+    engine, summary, values, _ = _run(tmp_path / "cache", generated[:2], loaders=0)
     assert summary.done == 2
     settings = Settings(
         cache=tmp_path / "cache", source_roots=[tmp_path], token="t" * 32, worker=False
