@@ -23,7 +23,13 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Generic, TypeVar
 
-__all__ = ["ProcessLocal", "is_parked", "park", "this_process_only"]
+__all__ = [
+    "ProcessLocal",
+    "handle_unless_ignored",
+    "is_parked",
+    "park",
+    "this_process_only",
+]
 
 T = TypeVar("T")
 
@@ -132,6 +138,19 @@ def this_process_only(handler: SignalHandler) -> SignalHandler:
 
     handle.spcache_owner = owner  # type: ignore[attr-defined]
     return handle
+
+
+def handle_unless_ignored(signum: int, handler: SignalHandler) -> Any:
+    """Install ``handler`` (made :func:`this_process_only`) for ``signum``, unless this
+    process was started with ``signum`` ignored: ``nohup`` ignores SIGHUP so a run
+    outlives its terminal, and a shell starts a background job (``cmd &`` in a script)
+    with SIGINT ignored so the terminal's Ctrl-C leaves it alone; spcache keeps such an
+    ignore, as Python itself does for SIGINT. Returns the previous handler, for
+    ``signal.signal(signum, previous)`` afterwards (SIG_IGN when nothing was installed)."""
+    current = signal.getsignal(signum)
+    if current is signal.SIG_IGN:
+        return current
+    return signal.signal(signum, this_process_only(handler))
 
 
 def _default(signum: int) -> None:

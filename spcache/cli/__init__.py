@@ -144,9 +144,9 @@ def _main(argv: list[str]) -> int:
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         exit_with_parent(parent)
-    from cache_store.process_local import this_process_only  # here: the command runs now
+    from cache_store.process_local import handle_unless_ignored  # here: the command runs now
 
-    previous_hangup = signal.signal(signal.SIGHUP, this_process_only(_hangup_as_terminate))
+    previous_hangup = handle_unless_ignored(signal.SIGHUP, _hangup_as_terminate)
     try:
         return _run(name, target, args)
     finally:

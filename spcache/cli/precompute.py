@@ -24,7 +24,7 @@ from typing import Any
 
 from cache_store.engine_options import EngineOptions
 from cache_store.errors import ParameterError, StoreFull, UnknownName
-from cache_store.process_local import this_process_only
+from cache_store.process_local import handle_unless_ignored
 from cache_store.recipes.specs import RecipeSpec
 from cache_store.recipes.registry import get_recipe_spec
 from cache_store.recipes.table import recipe_table
@@ -264,7 +264,7 @@ def _say_when_stopping() -> Any:
             os.write(2, STOPPING)
         raise KeyboardInterrupt
 
-    return signal.signal(signal.SIGINT, this_process_only(stopping))
+    return handle_unless_ignored(signal.SIGINT, stopping)
 
 
 def _print_summary(summary: Any) -> None:

@@ -287,3 +287,40 @@ def test_output_into_a_closed_pipe_ends_the_command_quietly(tmp_path: Path) -> N
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def _hang_up_mid_run(tmp_path: Path, cache: str, *, nohup: bool) -> int:
+    """A precompute into ``cache`` (``nohup``'d or not) sent SIGHUP to its group, as a
+    closed terminal does, once it has stored two records; its exit status."""
+    args = ["precompute", "shapes", "--recipe", "spc", "--cache", cache, "--device", "cpu"]
+    args += ["--loaders", "1", "--write-batch", str(WRITE_BATCH), "--param", "level=4"]
+    args += ["--param", "surface_samples=20000"]
+    argv = spcache_argv(*args)
+    proc = popen(
+        ["nohup", *argv] if nohup else argv,
+        cwd=tmp_path,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: _stored(tmp_path / cache) >= 2 or proc.poll() is not None, 300, "records")
+        assert proc.poll() is None, "the run ended before the hang-up"
+        os.killpg(proc.pid, signal.SIGHUP)
+        return proc.wait(timeout=600)
+    finally:
+        kill_tree(tree(proc.pid))
+
+
+@pytest.mark.slow
+def test_nohup_keeps_a_precompute_running_when_its_terminal_hangs_up(tmp_path: Path) -> None:
+    """``nohup spcache precompute ... &``: the hang-up of its terminal (SIGHUP to its
+    group) leaves the run going; it ends by itself with every sample done. Without
+    nohup the same hang-up stops it, as SIGTERM does."""
+    _sources(tmp_path / "shapes")
+    code = _hang_up_mid_run(tmp_path, "cache", nohup=True)
+    assert code == 0, f"the nohup'd run ended with {code} after SIGHUP"
+    assert _stored(tmp_path / "cache") == SHAPES
+    code = _hang_up_mid_run(tmp_path, "cache2", nohup=False)
+    assert code != 0 and _stored(tmp_path / "cache2") < SHAPES, code
