@@ -3,9 +3,10 @@ nbclient, both installed by the dev extra."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.procs import environment
 
 __all__ = ["run_notebook"]
 
@@ -20,20 +21,13 @@ def run_notebook(cells: list[str], cwd: Path, *, timeout: int = 300) -> Any:
 
     notebook = nbformat.v4.new_notebook()
     notebook.cells = [nbformat.v4.new_code_cell(code) for code in cells]
-    saved = {k: os.environ.get(k) for k in ("JUPYTER_RUNTIME_DIR", "IPYTHONDIR")}
-    os.environ["JUPYTER_RUNTIME_DIR"] = str(cwd / ".jupyter-runtime")
-    os.environ["IPYTHONDIR"] = str(cwd / ".ipython")
-    try:
+    with environment(
+        JUPYTER_RUNTIME_DIR=str(cwd / ".jupyter-runtime"), IPYTHONDIR=str(cwd / ".ipython")
+    ):
         nbclient.NotebookClient(
             notebook,
             timeout=timeout,
             kernel_name="python3",
             resources={"metadata": {"path": str(cwd)}},
         ).execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     return notebook

@@ -43,6 +43,7 @@ __all__ = [
     "Server",
     "bound_socket",
     "child_env",
+    "environment",
     "has_descendant",
     "ignores",
     "kill_leftovers",
@@ -71,6 +72,22 @@ T = TypeVar("T")
 RUN_TIMEOUT = 600.0
 #: how long an awaited event may take on a loaded machine
 EVENT_TIMEOUT = 120.0
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """This process's environment (which the processes it starts inherit) with
+    ``values`` set inside the block, and as it was after it."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def spcache_argv(*args: str | os.PathLike[str]) -> list[str]:

@@ -8,13 +8,14 @@ Nothing here mocks s3fs or botocore: requests go over HTTP to a server that spea
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.procs import environment
 
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -147,14 +148,8 @@ def moto_s3() -> Iterator[S3Server]:
     wsgi.app = requests.wrap(wsgi.app)
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"
-    saved = {k: os.environ.get(k) for k in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
-    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
     try:
-        yield S3Server(endpoint, requests)
+        with environment(**CREDENTIALS, AWS_ENDPOINT_URL=endpoint):
+            yield S3Server(endpoint, requests)
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         server.stop()
