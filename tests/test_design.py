@@ -47,3 +47,17 @@ def test_a_long_module_says_why_in_its_head() -> None:
                     f"{path.relative_to(REPO_ROOT)} ({text.count(chr(10))} lines)"
                 )
     assert not long_and_silent, long_and_silent
+
+
+#: Issue 33's bound on a module's length: past it, a module is split along a seam.
+MODULE_LINES_MAX = 650
+
+
+def test_no_module_is_over_the_bound() -> None:
+    over = [
+        f"{path.relative_to(REPO_ROOT)} ({n} lines)"
+        for package in PACKAGES
+        for path in sorted((REPO_ROOT / package).rglob("*.py"))
+        if (n := path.read_text().count("\n")) > MODULE_LINES_MAX
+    ]
+    assert not over, f"over {MODULE_LINES_MAX} lines (split along a seam): {over}"

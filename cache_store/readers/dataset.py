@@ -135,8 +135,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             ``local_cache``, checked, shared by every process of the machine, least
             recently used out first, never above ``cache_limit`` (bytes, or a size:
             ``"20G"``; refused up front when it cannot hold the largest unit); see
-            :mod:`cache_store.local_cache`. The service URL is refused here
-            (``ParameterError``): its records are read without a local copy.
+            :mod:`cache_store.local_cache` (a service URL's records: kept by ETag).
         variant, variants, variant_seed: which variant of each sample is read, where a
             run stored several (``variants=K``): see
             :class:`~cache_store.readers.variants.VariantChoice` (default: one per

@@ -5,10 +5,8 @@ conveniences LMDB does natively (lengths without copies, stats from the summarie
 operation runs in a transaction of the store's :class:`EnvironmentHandle`
 (:mod:`cache_store.stores.lmdb.environment`); tombstones are
 :mod:`cache_store.stores.lmdb.tombstones`, the summaries its writes keep
-:mod:`cache_store.stores.lmdb.summaries`. The rules all of it keeps are in
-:mod:`cache_store.stores.lmdb`'s doc.
-
-Views' read leases are :mod:`cache_store.stores.lmdb.leases`.
+:mod:`cache_store.stores.lmdb.summaries`, views' read leases
+:mod:`cache_store.stores.lmdb.leases`. The rules all of it keeps: :mod:`cache_store.stores.lmdb`.
 
 Why one module: it is one class, the store contract's methods on one LMDB environment;
 what could go (tombstones, summaries, the environment, compaction, view leases) has gone.
