@@ -121,6 +121,7 @@ RESERVED_PARAM_NAMES = frozenset(
         "cache_limit",
         "views",
         "verify",
+        "pin_memory",
     }
 )
 

@@ -116,9 +116,13 @@ def test_a_full_cache_fails_a_job_item_only_after_its_retries(
     assert all("no space left" in r["last_error"] for r in failed), failed
     store = LMDBStore(cache)
     assert store.verify().ok
-    assert {r["sample_id"] for r in rows if r["status"] == "done"} == {
-        k.split("/", 1)[1] for k in store.keys(fp + "/")
-    }
+    done = {r["sample_id"] for r in rows if r["status"] == "done"}
+    stored = {k.split("/", 1)[1] for k in store.keys(fp + "/")}
+    assert done <= stored
+    # a record can be stored by a run whose index write then found the cache full: its
+    # item fails for that (the store's reason, after its retries) and a later run, with
+    # room, finds the record and writes the index without computing it again
+    assert all("no space left" in r["last_error"] for r in rows if r["sample_id"] in stored - done)
     store.close()
 
 
