@@ -187,9 +187,9 @@ class MappedRange:
                 raise error
             self.detached = True
 
-    def __del__(self) -> None:
+    def __del__(self, _unmap: Any = _munmap) -> None:  # bound now: see Window.__del__
         if self.window is None:  # a window is unmapped by its own end
-            _munmap(self.addr, self.size)  # a child that inherited it unmaps its own copy
+            _unmap(self.addr, self.size)  # a child that inherited it unmaps its own copy
         release, self.on_release = self.on_release, None
         if release is not None and self.pid == _pid[0]:
             release()
@@ -233,8 +233,9 @@ class Window:
         self.spoiled = False  # a range of it was detached: its pages are not the file's
         self.pid = _pid[0]
 
-    def __del__(self) -> None:
-        _munmap(self.addr, self.size)  # a child that inherited it unmaps its own copy
+    def __del__(self, _unmap: Any = _munmap) -> None:
+        # bound at definition: at interpreter exit this module's globals may be gone first
+        _unmap(self.addr, self.size)  # a child that inherited it unmaps its own copy
 
 
 class Windows:
