@@ -93,7 +93,7 @@ class CachedHTTPStore(HTTPStore):
             return super()._fetch(key, fields)
         held = self.disk.noted(self._label(key))
         unit = None if held is None else RecordUnit(self.where, key, held)
-        if held is not None and unit is not None and self.disk.has(unit):
+        if unit is not None and self.disk.has(unit):
             response = self.request_record(key, headers={"If-None-Match": held})
             if response.status_code == 304:
                 value = self._copy(unit)
