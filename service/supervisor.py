@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -157,7 +158,11 @@ class WorkerSupervisor:
                 queue.end_restarts(self.supervisor_id)
             else:
                 queue.announce_restart(self.supervisor_id, within_s)
-        except (SpcacheError, OSError) as exc:  # waiters then fail fast, as without it
+        except (
+            SpcacheError,
+            OSError,
+            sqlite3.Error,
+        ) as exc:  # waiters then fail fast, as without it
             log.warning("cannot tell waiters the worker is restarting: %s", exc)
         finally:
             queue.close()
@@ -171,7 +176,7 @@ class WorkerSupervisor:
         queue = JobQueue(self.cache)
         try:
             n = queue.expire_leases_of(pid, f"the worker (pid {pid}) died holding it ({how})")
-        except (SpcacheError, OSError) as exc:  # the leases then run out as before
+        except (SpcacheError, OSError, sqlite3.Error) as exc:  # the leases then run out as before
             log.warning("cannot hand back the items of the dead worker (pid %d): %s", pid, exc)
             return
         finally:

@@ -17,6 +17,7 @@ import json
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,34 @@ def connect(path: str | Path, *, busy_timeout_s: float) -> sqlite3.Connection:
     )
     conn.row_factory = sqlite3.Row
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+    mode = _journal_mode_wal(conn, busy_timeout_s)
     if mode.lower() != "wal":
         log.warning("%s: SQLite refused WAL mode (got %s); concurrency will suffer", path, mode)
     conn.execute("PRAGMA synchronous = NORMAL")
     conn.execute("PRAGMA foreign_keys = ON")
     return conn
+
+
+def _journal_mode_wal(conn: sqlite3.Connection, busy_timeout_s: float) -> str:
+    """Switch ``conn``'s file to WAL; returns the journal mode SQLite reports after.
+
+    Two processes opening a fresh file at once (the service and its worker on a new
+    cache) both ask for the switch, which needs the file to themselves: SQLite answers
+    "database is locked" at once there, without waiting the busy timeout (one in six
+    such pairs here). So the switch is tried again, a few milliseconds apart, for the
+    busy timeout; a file already in WAL answers at once."""
+    deadline = time.monotonic() + busy_timeout_s
+    pause = 0.002
+    while True:
+        try:
+            return str(conn.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.1)
 
 
 class ThreadConnections:

@@ -18,10 +18,12 @@ item with every one queued before it); figures: seconds for each, the ratio meas
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -121,3 +123,42 @@ def test_a_dedupe_warm_up_of_many_items_queues_them_as_a_plain_one_does(tmp_path
         "dedupe_warmup",
         {"items": DEDUPE_ITEMS, **{f"{k}_s": round(v, 2) for k, v in seconds.items()}},
     )
+
+
+def _open_fresh_queue(cache: str, barrier: Any, errors: Any) -> None:
+    barrier.wait(30)
+    queue = JobQueue(cache)
+    try:
+        queue.live_workers()
+    except Exception as exc:  # noqa: BLE001 - the parent reports it
+        errors.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        queue.close()
+
+
+def test_processes_opening_a_new_cache_at_once_never_see_database_locked(
+    tmp_path: Path,
+) -> None:
+    """``spcache serve`` on a new cache: the service and its worker child open the job
+    queue's fresh file at the same moment. Switching a fresh file to WAL needs it alone,
+    and SQLite answered the loser "database is locked" at once, busy timeout or not (one
+    pair in six; the CI run of stop 39 lost its supervisor thread to it). Forty pairs of
+    real processes, released together by a barrier, each on a new cache."""
+    ctx = multiprocessing.get_context("fork")
+    errors = ctx.Queue()
+    for i in range(40):
+        cache = tmp_path / f"cache{i}"
+        barrier = ctx.Barrier(2)
+        procs = [
+            ctx.Process(target=_open_fresh_queue, args=(str(cache), barrier, errors))
+            for _ in range(2)
+        ]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(120)
+            assert proc.exitcode == 0, f"pair {i}: a process ended with {proc.exitcode}"
+    seen = []
+    while not errors.empty():
+        seen.append(errors.get(timeout=5))
+    assert seen == [], f"{len(seen)} of 80 opens failed: {seen[:3]}"
