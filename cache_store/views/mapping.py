@@ -27,6 +27,12 @@ bytes, never a gap): what an LMDB lease does to its live views before its transa
 ends, so a view never shows bytes a writer put in a reused page. A window with a detached
 range is never used again for a new range. Linux only (``mremap``), as the LMDB store's
 compaction (``renameat2``) is.
+
+:class:`PrivateMemory` is anonymous memory of this process that a forked child inherits
+only while asked to (``MADV_DONTFORK``): what the training process's batch buffers are
+made of (:data:`cache_store.format.buffers.BATCH_BUFFERS`), so that forking DataLoader
+workers does not turn every page of an idle buffer copy-on-write for the parent's next
+batch.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ __all__ = [
     "WINDOW",
     "WINDOWS_MAX",
     "MappedRange",
+    "PrivateMemory",
     "Window",
     "Windows",
     "map_range",
@@ -79,6 +86,8 @@ _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _mprotect = _libc.mprotect
 _mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_READ = 22  # Linux 5.14: fill the page tables in one call
+_MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
+_MADV_DOFORK = getattr(mmap, "MADV_DOFORK", 11)
 _mremap = _libc.mremap
 _mremap.restype = ctypes.c_void_p
 _mremap.argtypes = [
@@ -294,6 +303,58 @@ class Windows:
             fd, self.fd = self.fd, -1
         if fd >= 0 and self.pid == _pid[0]:
             os.close(fd)
+
+
+class PrivateMemory:
+    """``size`` bytes of anonymous private memory (page-aligned, zero-filled) owned by
+    this process; :meth:`array` is a uint8 NumPy view whose base keeps it mapped.
+
+    A forked child inherits it (a copy-on-write copy, as any memory) only while
+    :attr:`inherited`: :meth:`inherit` ``(False)`` marks it ``MADV_DONTFORK``, and a
+    child then has no such pages at all (reading them there faults), while the parent
+    keeps writing them without a copy-on-write fault per page after each fork. Only
+    memory no object of the process refers to may be marked so (the caller's rule:
+    :class:`cache_store.format.buffers.BufferPool` marks idle buffers only, just before
+    each fork). Unmapped when the last reference is gone, in the process that mapped it
+    or in a child that inherited it; never in a child that did not.
+    """
+
+    __slots__ = ("__weakref__", "addr", "inherited", "pid", "size")
+
+    def __init__(self, size: int) -> None:
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        addr = _mmap(None, max(size, 1), prot, flags, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            raise _os_error(f"allocating {size} bytes")
+        self.addr, self.size = addr, max(size, 1)
+        self.pid = _pid[0]
+        self.inherited = True
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.addr, False), "version": 3}
+
+    def array(self) -> np.ndarray:
+        """The memory as a uint8 array (its base keeps this mapping alive)."""
+        import numpy as np
+
+        return np.asarray(self)
+
+    def inherit(self, inherited: bool) -> None:
+        """Whether a child forked from now on inherits these pages (``MADV_DOFORK`` /
+        ``MADV_DONTFORK``). Raises ``OSError``."""
+        if inherited == self.inherited or self.pid != _pid[0]:
+            return
+        if _madvise(self.addr, self.size, _MADV_DOFORK if inherited else _MADV_DONTFORK):
+            raise _os_error("marking memory for fork")
+        self.inherited = inherited
+
+    def __del__(self, _unmap: Any = _munmap) -> None:  # bound now: see Window.__del__
+        # a child that did not inherit the pages has nothing there (or, later, another
+        # mapping of its own): it unmaps nothing
+        if self.pid == _pid[0] or self.inherited:
+            _unmap(self.addr, self.size)
 
 
 #: this process's windows by file path

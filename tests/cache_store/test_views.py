@@ -327,3 +327,90 @@ def test_the_hop_packs_from_windows_kept_across_epochs(tmp_path: Path) -> None:
     assert seen[1][0] is seen[0][0] and seen[2][0] is seen[0][0]
     assert seen[2][1] == seen[0][1]  # the same windows, mapped once
     VERIFIED.clear()
+
+
+def _mapped_here(addr: int) -> bool:
+    """Whether ``addr`` lies in a mapping of this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps", "rb") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split(None, 1)[0].split(b"-"))
+            if start <= addr < end:
+                return True
+    return False
+
+
+class _ForkProbe(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """In a forked worker: which of the training process's batch buffers are mapped
+    there, what its pool holds, and the bytes of a batch the training process holds."""
+
+    def __init__(self, idle: list[int], held: torch.Tensor) -> None:
+        self.idle, self.held = idle, held
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        from cache_store.format.buffers import BATCH_BUFFERS
+
+        return {
+            "idle_mapped": [_mapped_here(addr) for addr in self.idle],
+            "held_mapped": _mapped_here(self.held.data_ptr()),
+            "held": self.held.clone(),
+            "pool": [b.ctypes.data for b in BATCH_BUFFERS.buffers],
+        }
+
+
+def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path) -> None:
+    """The training process packs each batch into a pooled buffer; forking the next
+    epoch's workers made every page of an idle one copy-on-write, so the parent's next
+    batches in it faulted page by page. An idle buffer is now left out of the child
+    (nothing there can reach it); one a batch still uses is inherited with its bytes,
+    and the parent keeps packing correct batches into them all."""
+    from cache_store.format.buffers import BATCH_BUFFERS
+
+    path = tmp_path / "cache"
+    _cache(path)
+    views = CachedDataset(path, FP, views=True)
+    plain = CachedDataset(path, FP)
+    order = [4, 1, 5, 0, 2, 3]
+    loader = DataLoader(
+        views,
+        batch_size=3,
+        sampler=order,
+        num_workers=2,
+        collate_fn=collate_spc,
+        multiprocessing_context="fork",
+    )
+    held = next(iter(loader))["octree"]  # a batch the training loop keeps
+    kept = held.clone()
+    for _ in loader:  # packed into the pool's other buffers, then let go
+        pass
+    del _
+    gc.collect()
+    held_addr = held.untyped_storage().data_ptr()
+    buffers = [(b.ctypes.data, b.ctypes.data + b.size) for b in BATCH_BUFFERS.buffers]
+    idle = [start for start, end in buffers if not start <= held_addr < end]
+    assert idle and len(idle) < len(buffers)
+
+    probe = DataLoader(
+        _ForkProbe(idle, held),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+    )
+    [seen] = list(probe)
+    assert seen["idle_mapped"] == [False] * len(idle)  # not in the child at all
+    assert seen["held_mapped"] and torch.equal(seen["held"], kept)  # inherited as it was
+    assert len(seen["pool"]) == len(buffers) - len(idle)  # the child forgot the others
+    assert all(_mapped_here(addr) for addr in idle)  # still the parent's
+
+    for _ in range(2):  # the parent packs into them as before, through the next forks
+        for b, batch in enumerate(loader):
+            want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+            for name in want:
+                if isinstance(want[name], list):
+                    assert batch[name] == want[name]
+                else:
+                    assert torch.equal(batch[name], want[name]), name
+    assert torch.equal(held, kept)  # a held batch is never written
+    VERIFIED.clear()
