@@ -90,6 +90,36 @@ def test_views_equal_plain_reads_and_refuse_writes(tmp_path: Path, kind: str) ->
     assert torch.equal(views[2]["octree"], before)
 
 
+@pytest.mark.parametrize("kind", ["lmdb", "sharded"])
+def test_a_batch_read_in_this_process_is_packed_once_and_collated_without_a_copy(
+    tmp_path: Path, kind: str
+) -> None:
+    """A DataLoader with no workers over ``views=True`` reads a batch through
+    ``__getitems__`` in the training process: its records are packed into one buffer at
+    once (the hop's one copy, from the long-lived windows), so the samples hold plain
+    writable tensors (not views of the cache) and ``collate_spc`` batches them as views
+    of that buffer, without a second copy; every batch equals a plain read."""
+    where = tmp_path / ("cache" if kind == "lmdb" else "snap.zarr")
+    _cache(where) if kind == "lmdb" else _snapshot(where)
+    views, plain = CachedDataset(where, FP, views=True), CachedDataset(where, FP)
+    samples = views.__getitems__([3, 1, 4])
+    storages = {t.untyped_storage().data_ptr() for s in samples for t in s.values() if t.numel()}
+    assert len(storages) == 1, "the batch's fields lie in one buffer"
+    assert not any(t.is_inference() for s in samples for t in s.values())
+    samples[0]["octree"][0] = samples[0]["octree"][0]  # a plain tensor: writable
+    batch = collate_spc(samples)
+    assert batch["octree"].untyped_storage().data_ptr() in storages  # a view, no copy
+    assert batch["sample_ids"] == ["s3", "s1", "s4"]
+    order = [3, 1, 4, 0, 5, 2]
+    loader = DataLoader(views, batch_size=3, sampler=order, collate_fn=collate_spc)
+    for got, part in zip(loader, (order[:3], order[3:]), strict=True):
+        want = collate_spc([plain[i] for i in part])
+        for name, tensor in want.items():
+            same = got[name] == tensor if isinstance(tensor, list) else None
+            assert same or torch.equal(got[name], tensor), name
+    assert torch.equal(plain[2]["octree"], views[2]["octree"])  # the cache is untouched
+
+
 def test_the_reader_says_when_views_cannot_be_taken(tmp_path: Path) -> None:
     _cache(tmp_path / "cache")
     ds = CachedDataset(tmp_path / "cache", FP, views=True, store_options={"lock": False})
