@@ -12,17 +12,22 @@ cache, then measures, in interleaved repeats (today, views, today, views, ...):
   (with views the workers hand over where their checked records lie and the training
   process packs the batch by one copy), for the large and the small records;
 - the same DataLoader over the large records with ``persistent_workers=True``
-  (``loader2_persistent``): the workers are forked once, not at each epoch's start.
-
-An epoch here is ``--records`` records (128 by default in the runs recorded: 312 MB);
-a real epoch is thousands of records, over which the start of each epoch's workers
-(the fork, torch's worker set-up, each process's first read: tens of ms on the 2-core
-VM) weighs less than over 128: ``--records 512`` shows the trend, and the persistent
-case the rate without it.
+  (``loader2_persistent``): its workers are forked once, not at each epoch's start;
+- the peer users pick for memory-mapped views, tensordict (when it is installed: the
+  ``bench`` extra): the same records in a ``LazyStackedTensorDict`` written by
+  ``memmap``, read back as ``MemoryMappedTensor`` views (nothing checked), random
+  ``td[i]`` in one process, and the same DataLoaders (``collate_spc`` batches the views'
+  fields into a new tensor; with workers that batch crosses in shared memory, as
+  today's path does); plus a DataLoader with 0 workers, every way.
 
 Every rate is records' bytes per second; each is printed with its ratio against
-today's path and against the memcpy of the same repeat. The first batch of each way is
+today's path and against the memcpy of the same repeat (and views against tensordict). The first batch of each way is
 checked equal to a plain read.
+
+An epoch here is ``--records`` records (128 in the runs recorded: 312 MB); a real epoch
+is thousands of records, over which the start of each epoch's workers (the fork, torch's
+worker set-up, each process's first read: tens of ms on the 2-core VM) weighs less than
+over 128: ``--records 512`` shows the trend, and the persistent case the rate without it.
 
     python bench/zero_copy.py [--records 48] [--small 400] [--repeats 3] [--dir DIR]
 """
@@ -128,7 +133,7 @@ def loader(
     persistent: bool = False,
 ) -> float:
     """GB/s of a DataLoader (``workers`` forked, batch 4, collate_spc) over ``epochs``
-    (workers forked once with ``persistent``, else at each epoch's start)."""
+    (its workers forked once with ``persistent``, else at each epoch's start)."""
     VERIFIED.clear()
     ds = CachedDataset(path, fp, views=views)
     dl = DataLoader(
@@ -149,6 +154,93 @@ def loader(
     assert count == epochs * len(ds)
     del dl  # persistent workers end here, outside the time measured
     return epochs * total / elapsed / 1e9
+
+
+def _tensordict() -> Any:
+    try:
+        import tensordict
+    except ImportError:
+        return None
+    return tensordict
+
+
+class TensorDictViews(torch.utils.data.Dataset):
+    """``td[i]`` of a memory-mapped lazy stack as a dict of its ``MemoryMappedTensor``
+    views: what tensordict offers for records of different shapes, nothing checked."""
+
+    def __init__(self, path: Path) -> None:
+        self.td = _tensordict().TensorDict.load_memmap(path)
+
+    def __len__(self) -> int:
+        return len(self.td)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return dict(self.td[i].items())
+
+
+def write_tensordict(path: Path, cache: Path, fp: str) -> None:
+    """The cache's records (plain reads) as a tensordict memory-mapped lazy stack."""
+    td = _tensordict()
+    ds = CachedDataset(cache, fp)
+    records = [{name: t.clone() for name, t in ds[i].items()} for i in range(len(ds))]
+    ds.close()
+    stack = td.LazyStackedTensorDict(
+        *(td.TensorDict(fields, batch_size=[]) for fields in records), stack_dim=0
+    )
+    stack.memmap(path)
+
+
+def dataset(path: Path, fp: str, way: str) -> Any:
+    if way == "tensordict":
+        return TensorDictViews(path)
+    VERIFIED.clear()
+    return CachedDataset(path, fp, views=way == "views")
+
+
+def one_process_any(path: Path, fp: str, way: str, total: int, passes: int = 3) -> float:
+    """GB/s of random ``ds[i]`` over every record, ``passes`` times, in this process."""
+    ds = dataset(path, fp, way)
+    n = len(ds)
+    orders = [np.random.default_rng(p).permutation(n).tolist() for p in range(passes)]
+    start = time.perf_counter()
+    for order in orders:
+        for i in order:
+            sample = ds[i]
+    elapsed = time.perf_counter() - start
+    del sample
+    if way != "tensordict":
+        ds.close()
+    return passes * total / elapsed / 1e9
+
+
+def loader_any(path: Path, fp: str, way: str, total: int, workers: int, epochs: int = 3) -> float:
+    """GB/s of a DataLoader (``workers`` forked, batch 4, collate_spc) over ``epochs``."""
+    ds = dataset(path, fp, way)
+    dl = DataLoader(
+        ds,
+        batch_size=4,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate_spc,
+        multiprocessing_context="fork" if workers else None,
+    )
+    count = 0
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for batch in dl:
+            count += len(batch["lengths"])
+    elapsed = time.perf_counter() - start
+    assert count == epochs * len(ds)
+    return epochs * total / elapsed / 1e9
+
+
+def check_tensordict_equal(td_path: Path, path: Path, fp: str) -> None:
+    """Every tensordict record equals a plain read of the cache's."""
+    plain, td = CachedDataset(path, fp), TensorDictViews(td_path)
+    for i in range(len(plain)):
+        got = td[i]
+        for name, tensor in plain[i].items():
+            assert torch.equal(got[name], tensor), (i, name)
 
 
 def check_equal(path: Path, fp: str) -> None:
@@ -182,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--records",
         type=int,
         default=48,
-        help="2.4 MB records: one epoch (real epochs are thousands of records)",
+        help="2.4 MB records: one epoch (a real epoch is thousands of records)",
     )
     parser.add_argument("--small", type=int, default=400, help="0.13 MB records")
     parser.add_argument("--repeats", type=int, default=3)
@@ -208,19 +300,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         def note(name: str, value: float) -> None:
             runs.setdefault(name, []).append(value)
 
+        td_big = root / "tensordict"
+        if _tensordict() is not None:
+            write_tensordict(td_big, big, fp_big)
+            check_tensordict_equal(td_big, big, fp_big)
+        else:
+            log.info("tensordict is not installed (the bench extra): its rows are left out")
+
         for _ in range(args.repeats):
             note("memcpy", memcpy_gbps())
             for views, way in ((False, "today"), (True, "views")):
                 note(f"one_process_{way}", one_process(big, fp_big, views, bytes_big))
                 note(f"loader2_{way}", loader(big, fp_big, views, bytes_big, 2))
                 note(f"loader2_small_{way}", loader(small, fp_small, views, bytes_small, 2))
+                note(f"loader0_{way}", loader_any(big, fp_big, way, bytes_big, 0))
                 note(
                     f"loader2_persistent_{way}",
                     loader(big, fp_big, views, bytes_big, 2, persistent=True),
                 )
+            if td_big.exists():
+                note("one_process_tensordict", one_process_any(td_big, "", "tensordict", bytes_big))
+                note("loader0_tensordict", loader_any(td_big, "", "tensordict", bytes_big, 0))
+                note("loader2_tensordict", loader_any(td_big, "", "tensordict", bytes_big, 2))
         result: dict[str, Any] = {k: median(v) for k, v in runs.items()}
         memcpy = result["memcpy"]
-        for case in ("one_process", "loader2", "loader2_small", "loader2_persistent"):
+        for case in ("one_process", "loader2", "loader2_small", "loader0", "loader2_persistent"):
             today, views_rate = result[f"{case}_today"], result[f"{case}_views"]
             result[f"{case}_views_over_today"] = views_rate / today
             # each repeat's own ratio (the two ran back to back): steadier under load
@@ -239,6 +343,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 views_rate,
                 views_rate / memcpy,
                 views_rate / today,
+                median(paired),
+            )
+        for case in ("one_process", "loader0", "loader2"):
+            if f"{case}_tensordict" not in result:
+                continue
+            peer = result[f"{case}_tensordict"]
+            paired = [
+                v / t
+                for v, t in zip(runs[f"{case}_views"], runs[f"{case}_tensordict"], strict=True)
+            ]
+            result[f"{case}_views_over_tensordict"] = result[f"{case}_views"] / peer
+            result[f"{case}_views_over_tensordict_paired"] = median(paired)
+            log.info(
+                "%-18s tensordict %.2f GB/s (%.3f of memcpy); views / tensordict %.2fx "
+                "(median of each repeat's ratio %.2fx)",
+                case,
+                peer,
+                peer / memcpy,
+                result[f"{case}_views"] / peer,
                 median(paired),
             )
         log.info("memcpy 100 MB: %.2f GB/s (median of %d repeats)", memcpy, args.repeats)

@@ -54,9 +54,8 @@ from cache_store.readers.skipped import (
 from cache_store.readers.variants import VariantChoice, epoch_of, variant_problems
 from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
-from cache_store.views.hop import LocatedSample, hands_over
+from cache_store.views.hop import LocatedSample, hands_over, read_path, read_records
 from cache_store.readers.options import checked_options
-from cache_store.views.records import read_path, read_records
 
 __all__ = ["CachedDataset"]
 
@@ -79,8 +78,7 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
             matches are no guess: ``FingerprintLookupError`` lists the candidates (see
             :func:`~cache_store.readers.selection.resolve_index`). With ``sources=``,
             defaults fill in instead.
-        fields: names of the tensors to read (default: all); the others' bytes are not
-            touched.
+        fields: names of the tensors to read (default: all; the others' bytes unread).
         transform: called on each sample dict (in the worker) before it is returned.
         store_options: passed to :func:`~cache_store.stores.opener.open_store` (e.g.
             ``max_readers`` for LMDB).
@@ -505,7 +503,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _records(self, keys: list[str], batch: bool) -> list[Any]:
         fields, hop = None if self.fields is None else list(self.fields), hands_over(self.transform)
-        return read_records(self._store_here(), keys, fields, self.views, self.verify, batch, hop)
+        how = (self.views, self.verify, batch, hop, self.pin_memory)
+        return read_records(self._store_here(), keys, fields, *how)
 
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))

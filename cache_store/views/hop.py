@@ -49,6 +49,8 @@ __all__ = [
     "open_sample",
     "packed",
     "pinned_buffer",
+    "read_path",
+    "read_records",
 ]
 
 #: How the training process opens the worker's store and makes its samples: a picklable
@@ -271,3 +273,48 @@ def pinned_buffer(size: int) -> tuple[Any, Any] | None:
             )
         return None
     return base, base.numpy()
+
+
+def read_records(
+    store: Any,
+    keys: list[str],
+    fields: list[str] | None,
+    views: bool,
+    verify: str,
+    batch: bool,
+    transient: bool = False,
+    pin: bool = False,
+) -> list[Record]:
+    """The records of ``keys`` in ``store``: views where asked for and the store lends
+    them (``Store.view_records``; ``transient`` as there), else copies (a batch in one
+    storage, or one record).
+
+    A batch read as views in the process that uses it (``batch``, not ``transient``: a
+    DataLoader with no workers) is read through the long-lived windows and packed at
+    once into one buffer (:func:`packed`, the hop's one copy), as
+    a worker's batch is packed in the training process: its tensors are plain copies,
+    each field's records end to end, which ``collate_spc`` batches without a copy (in
+    page-locked memory with ``pin``, as ``CachedDataset(pin_memory=True)`` asks)."""
+    if views and batch and not transient:
+        viewed = store.view_records(keys, fields, verify, transient=True)
+        if viewed is not None:
+            from cache_store.format.decode import Record
+
+            tensors = packed([record.tensors for record in viewed], pin)
+            return [Record(t, r.metadata) for t, r in zip(tensors, viewed, strict=True)]
+    if views:
+        viewed = store.view_records(keys, fields, verify, transient=transient)
+        if viewed is not None:
+            return viewed
+    if batch:
+        return store.get_records(keys, fields=fields)
+    return [store.get_record(keys[0], fields=fields)]
+
+
+def read_path(store: Any, views: bool) -> str:
+    """Which path :func:`read_records` takes in ``store``: ``"views"``, or ``"copies"``
+    and why views are not taken."""
+    if not views:
+        return "copies (views=False)"
+    refused = store.views_refused()
+    return "views" if refused is None else f"copies ({refused})"

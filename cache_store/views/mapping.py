@@ -18,7 +18,8 @@ one of two ways:
 
 Either way the range's ``on_release`` runs when the last array viewing it is gone (an
 LMDB read lease counts its views down); a window is unmapped once it is retired (a
-newer one replaces it, :data:`WINDOWS_MAX` are kept, the file changed) and no range
+newer one replaces it, :data:`WINDOWS_MAX` are kept a file, the file changed, more than :data:`FILES_MAX` files
+have windows) and no range
 uses it.
 
 :meth:`MappedRange.detach` swaps the range's pages for a private copy of the same bytes
@@ -54,6 +55,7 @@ __all__ = [
     "PAGE",
     "WINDOW",
     "WINDOWS_MAX",
+    "FILES_MAX",
     "MappedRange",
     "PrivateMemory",
     "Window",
@@ -357,9 +359,13 @@ class PrivateMemory:
             _unmap(self.addr, self.size)
 
 
-#: this process's windows by file path
+#: this process's windows by file path, the most recently asked for last
 _windows: dict[str, Windows] = {}
 _windows_lock = threading.Lock()
+#: Files this process keeps windows of (the least recently asked for is retired past
+#: it): a sharded snapshot has a part file per writer's shard, each of which would keep a
+#: descriptor and its windows otherwise.
+FILES_MAX = 64
 
 
 def windows_of(path: str, fd: int) -> Windows:
@@ -369,15 +375,21 @@ def windows_of(path: str, fd: int) -> Windows:
     fork). Raises ``OSError``."""
     st = os.fstat(fd)
     identity = (st.st_dev, st.st_ino)
+    dropped = []
     with _windows_lock:
-        found = _windows.get(path)
+        found = _windows.pop(path, None)
         if found is not None:
             if found.identity == identity and found.pid == _pid[0] and not found.retired:
+                _windows[path] = found
                 return found
-            if found.pid == _pid[0]:
-                found.retire()
+            dropped.append(found)
         made = _windows[path] = Windows(fd, identity)
-        return made
+        while len(_windows) > FILES_MAX:
+            dropped.append(_windows.pop(next(iter(_windows))))
+    for old in dropped:
+        if old.pid == _pid[0]:
+            old.retire()
+    return made
 
 
 def retire_windows(path: str, identity: tuple[int, int] | None = None) -> None:

@@ -42,8 +42,6 @@ from cache_store.views.mapping import MappedRange
 
 __all__ = [
     "Place",
-    "read_path",
-    "read_records",
     "VERIFIED",
     "VERIFY_CHOICES",
     "VerifiedOnce",
@@ -197,33 +195,3 @@ def tensors_of(
                 part = whole[at + begin : at + end]
                 tensors[name] = part.view(TORCH_DTYPES[dtype]).view(shape)
     return tensors
-
-
-def read_records(
-    store: Any,
-    keys: list[str],
-    fields: list[str] | None,
-    views: bool,
-    verify: str,
-    batch: bool,
-    transient: bool = False,
-) -> list[Record]:
-    """The records of ``keys`` in ``store``: views where asked for and the store lends
-    them (``Store.view_records``; ``transient`` as there), else copies (a batch in one
-    storage, or one record)."""
-    if views:
-        viewed = store.view_records(keys, fields, verify, transient=transient)
-        if viewed is not None:
-            return viewed
-    if batch:
-        return store.get_records(keys, fields=fields)
-    return [store.get_record(keys[0], fields=fields)]
-
-
-def read_path(store: Any, views: bool) -> str:
-    """Which path :func:`read_records` takes in ``store``: ``"views"``, or ``"copies"``
-    and why views are not taken."""
-    if not views:
-        return "copies (views=False)"
-    refused = store.views_refused()
-    return "views" if refused is None else f"copies ({refused})"

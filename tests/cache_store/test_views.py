@@ -8,7 +8,8 @@ read-only mappings the hop packs a batch from): a transient view is a slice of o
 across reads and the fork of workers, and keeps its bytes as a user's
 view does; a window with a detached range is never sliced again; a compaction retires the
 old file's windows, and the last store closed on a path its windows; a view handed to a
-user never lies in a window.
+user never lies in a window. A sharded snapshot's parts are read through windows too,
+and past ``FILES_MAX`` files the least recently read file's windows are retired.
 """
 
 from __future__ import annotations
@@ -88,6 +89,36 @@ def test_views_equal_plain_reads_and_refuse_writes(tmp_path: Path, kind: str) ->
     # the cache is untouched: a plain read, and a view read anew, show the stored bytes
     assert torch.equal(plain[2]["octree"], before)
     assert torch.equal(views[2]["octree"], before)
+
+
+@pytest.mark.parametrize("kind", ["lmdb", "sharded"])
+def test_a_batch_read_in_this_process_is_packed_once_and_collated_without_a_copy(
+    tmp_path: Path, kind: str
+) -> None:
+    """A DataLoader with no workers over ``views=True`` reads a batch through
+    ``__getitems__`` in the training process: its records are packed into one buffer at
+    once (the hop's one copy, from the long-lived windows), so the samples hold plain
+    writable tensors (not views of the cache) and ``collate_spc`` batches them as views
+    of that buffer, without a second copy; every batch equals a plain read."""
+    where = tmp_path / ("cache" if kind == "lmdb" else "snap.zarr")
+    _cache(where) if kind == "lmdb" else _snapshot(where)
+    views, plain = CachedDataset(where, FP, views=True), CachedDataset(where, FP)
+    samples = views.__getitems__([3, 1, 4])
+    storages = {t.untyped_storage().data_ptr() for s in samples for t in s.values() if t.numel()}
+    assert len(storages) == 1, "the batch's fields lie in one buffer"
+    assert not any(t.is_inference() for s in samples for t in s.values())
+    samples[0]["octree"][0] = samples[0]["octree"][0]  # a plain tensor: writable
+    batch = collate_spc(samples)
+    assert batch["octree"].untyped_storage().data_ptr() in storages  # a view, no copy
+    assert batch["sample_ids"] == ["s3", "s1", "s4"]
+    order = [3, 1, 4, 0, 5, 2]
+    loader = DataLoader(views, batch_size=3, sampler=order, collate_fn=collate_spc)
+    for got, part in zip(loader, (order[:3], order[3:]), strict=True):
+        want = collate_spc([plain[i] for i in part])
+        for name, tensor in want.items():
+            same = got[name] == tensor if isinstance(tensor, list) else None
+            assert same or torch.equal(got[name], tensor), name
+    assert torch.equal(plain[2]["octree"], views[2]["octree"])  # the cache is untouched
 
 
 def test_the_reader_says_when_views_cannot_be_taken(tmp_path: Path) -> None:
@@ -326,6 +357,68 @@ def test_the_hop_packs_from_windows_kept_across_epochs(tmp_path: Path) -> None:
     assert seen[0][1]  # the training process packed from a window
     assert seen[1][0] is seen[0][0] and seen[2][0] is seen[0][0]
     assert seen[2][1] == seen[0][1]  # the same windows, mapped once
+    VERIFIED.clear()
+
+
+def test_a_snapshot_parts_transient_views_are_window_slices_kept_across_epochs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded snapshot's part never changes once committed: the hop's pack and a
+    worker's check read it through this process's windows of the part file, kept across
+    reads and epochs, as LMDB's ``data.mdb``; a view handed to a user has its own pages.
+    Past ``FILES_MAX`` files the least recently read one's windows are retired, and what
+    still views them keeps its bytes."""
+    where = tmp_path / "snap.zarr"
+    _snapshot(where)
+    [part] = [str(p) for p in where.rglob("*.bin")]
+    snap = ShardedSnapshot(str(where))
+    plain = CachedDataset(where, FP)
+    held = [
+        snap.view_records([f"{FP}/{sid}"], None, "once", transient=True)[0].tensors for sid in IDS
+    ]
+    windows = mapping.windows_at(part)
+    [window] = windows.open.values()  # six records in one part: one window
+    for i, tensors in enumerate(held):
+        _same(tensors, plain[i])
+        assert (
+            window.addr
+            <= tensors["octree"].untyped_storage().data_ptr()
+            < window.addr + window.size
+        )
+    user = CachedDataset(where, FP, views=True)[0]["octree"]
+    assert not window.addr <= user.untyped_storage().data_ptr() < window.addr + window.size
+
+    views = CachedDataset(where, FP, views=True)
+    order = [4, 1, 5, 0, 2, 3]
+    loader = DataLoader(
+        views,
+        batch_size=3,
+        sampler=order,
+        num_workers=2,
+        collate_fn=collate_spc,
+        multiprocessing_context="fork",
+    )
+    for _ in range(2):
+        for b, batch in enumerate(loader):
+            want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
+            assert torch.equal(batch["octree"], want["octree"])
+            assert batch["sample_ids"] == want["sample_ids"]
+        assert mapping.windows_at(part) is windows and windows.open[0] is window
+
+    copies = [{k: v.clone() for k, v in t.items()} for t in held]
+    monkeypatch.setattr(mapping, "FILES_MAX", 1)
+    _cache(tmp_path / "cache")
+    store = LMDBStore(tmp_path / "cache")
+    _transient(store, IDS[0])  # another file's windows: the part's are retired
+    assert windows.retired and mapping.windows_at(part) is None
+    for tensors, copy in zip(held, copies, strict=True):
+        _same(tensors, copy)  # still mapped while viewed
+    _same(snap.view_records([f"{FP}/{IDS[2]}"], None, "once", transient=True)[0].tensors, copies[2])
+    assert mapping.windows_at(part) is not windows  # windows made anew
+    store.close()
+    snap.close()
+    del held, window, windows
+    gc.collect()
     VERIFIED.clear()
 
 

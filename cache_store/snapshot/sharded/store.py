@@ -56,7 +56,7 @@ from cache_store.snapshot.sharded.format import (
     root_document,
 )
 from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyReport
-from cache_store.views.mapping import map_range
+from cache_store.views.mapping import map_range, windows_of
 from cache_store.views.records import Place, view_record
 
 __all__ = ["MISS_RELIST_S", "PartMissing", "ShardedSnapshot"]
@@ -478,7 +478,7 @@ class ShardedSnapshot(Store):
         if self.views_refused():
             return None
         return self.read_located(
-            keys, lambda located: self._view_located(located, fields, verify, checked)
+            keys, lambda located: self._view_located(located, fields, verify, checked, transient)
         )
 
     def _view_located(
@@ -487,9 +487,12 @@ class ShardedSnapshot(Store):
         fields: list[str] | None,
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None,
+        transient: bool,
     ) -> list[Record] | None:
         # A committed part never changes (written whole, renamed, then committed): its
-        # pages need no pin, and a mapping outlives the file's removal.
+        # pages need no pin, and a mapping outlives the file's removal. A transient view
+        # (the hop's pack, a worker's check) is a slice of this process's windows of the
+        # part (views/mapping.py), kept across reads; others get a mapping of their own.
         records = []
         for key, entry in located:
             path = self.path(split_key(key)[0], "parts", f"{entry.part}.bin")
@@ -501,7 +504,12 @@ class ShardedSnapshot(Store):
                 st = os.fstat(fd)
                 if st.st_size < entry.offset + entry.length:
                     raise CorruptRecord(key, f"its committed part {entry.part}.bin is cut short")
-                mapped, at = map_range(fd, entry.offset, entry.length)
+                found = (
+                    windows_of(path, fd).range(entry.offset, entry.length) if transient else None
+                )
+                mapped, at = (
+                    found if found is not None else map_range(fd, entry.offset, entry.length)
+                )
             finally:
                 os.close(fd)
             record = view_record(
