@@ -223,9 +223,11 @@ def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[st
     of this process when it fits: :data:`cache_store.format.buffers.BATCH_BUFFERS`;
     page-locked memory with ``pin``: :func:`pinned_buffer`), each field's records end to
     end, so ``collate_spc`` concatenates and stacks them as views of it. The one copy of
-    a batch in the training process; its tensors are normal (writable) tensors."""
-    import torch
+    a batch in the training process; its tensors are normal (writable) tensors.
 
+    Each field is copied from a NumPy view of its tensor and given back as a slice of
+    one view of the buffer per dtype: four torch calls a field fewer than viewing each
+    part by torch (a batch of 4 records of 5 fields made 60 of them)."""
     from cache_store.format.buffers import allocate
 
     names = list(records[0])
@@ -234,20 +236,36 @@ def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[st
         size = (size + 7) & ~7
         for j, fields in enumerate(records):
             t = fields[name]
-            size = -(-size // t.element_size()) * t.element_size()
-            slots.append((j, name, size))
+            item = t.element_size()
+            size = -(-size // item) * item
+            slots.append((j, name, size, t))
             size += t.nbytes
     found = pinned_buffer((size + 7) & ~7) if pin else None
     base, buf = found if found is not None else allocate((size + 7) & ~7, False)
     out: list[dict[str, Any]] = [{} for _ in records]
-    for j, name, offset in slots:
-        t = records[j][name]
-        n = t.nbytes
-        if n:
-            buf[offset : offset + n] = t.reshape(-1).view(torch.uint8).numpy()
-        part = base[offset : offset + n].view(t.dtype) if n else torch.empty(0, dtype=t.dtype)
-        out[j][name] = part.view(t.shape)
+    typed: dict[Any, Any] = {}  # dtype -> the buffer viewed as that dtype (8-byte multiple)
+    for j, name, offset, t in slots:
+        if t.nbytes:
+            buf[offset : offset + t.nbytes] = _bytes_of(t)
+        whole = typed.get(t.dtype)
+        if whole is None:
+            whole = typed[t.dtype] = base.view(t.dtype)
+        at = offset // t.element_size()
+        out[j][name] = whole[at : at + t.numel()].view(t.shape)
     return out
+
+
+def _bytes_of(t: Any) -> Any:
+    """A flat uint8 NumPy view of tensor ``t``'s bytes (a copy where it is not
+    contiguous)."""
+    import numpy as np
+
+    try:
+        return t.numpy().reshape(-1).view(np.uint8)
+    except TypeError:  # a dtype NumPy lacks (bfloat16)
+        import torch
+
+        return t.reshape(-1).view(torch.uint8).numpy()
 
 
 _unpinned_told = threading.Event()

@@ -15,6 +15,7 @@ and past ``FILES_MAX`` files the least recently read file's windows are retired.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import pickle
 import subprocess
@@ -507,3 +508,39 @@ def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path
                     assert torch.equal(batch[name], want[name]), name
     assert torch.equal(held, kept)  # a held batch is never written
     VERIFIED.clear()
+
+
+def test_the_pack_lays_every_dtype_end_to_end_in_one_buffer() -> None:
+    """``packed`` copies each field from a NumPy view of its bytes (torch's for a dtype
+    NumPy lacks, a copy for a strided tensor) and hands back slices of one view of the
+    buffer per dtype: every dtype a record may hold, empty fields included, comes back
+    equal, in one buffer, each field's records end to end."""
+    from cache_store.views.hop import packed
+
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for n in (5, 0, 3):
+        records.append(
+            {
+                "octree": torch.randint(0, 255, (n + 2,), dtype=torch.uint8, generator=gen),
+                "point_hierarchy": torch.randint(-99, 99, (n, 3), generator=gen).to(torch.int16),
+                "labels": torch.randint(0, 9, (n,), generator=gen).to(torch.int64),
+                "weights": torch.rand(n, 2, generator=gen).to(torch.bfloat16),
+                "mask": torch.rand(n, generator=gen) > 0.5,
+                "strided": torch.rand(4, n + 1, generator=gen).t(),  # not contiguous
+            }
+        )
+    out = packed(records)
+    base = out[0]["octree"].untyped_storage().data_ptr()
+    for got, want in zip(out, records, strict=True):
+        for name, tensor in want.items():
+            assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+            assert torch.equal(got[name], tensor), name
+            assert got[name].untyped_storage().data_ptr() == base, name  # one buffer
+    for name in records[0]:
+        parts = [o[name] for o in out if o[name].numel()]  # (torch: an empty one's is 0)
+        for a, b in itertools.pairwise(parts):  # each field's records end to end
+            assert a.data_ptr() + a.nbytes == b.data_ptr(), name
+    batch = collate_spc([dict(o) for o in (out[0], out[2])])
+    assert batch["labels"].untyped_storage().data_ptr() == base  # a view, not a copy
+    assert torch.equal(batch["labels"], torch.cat([records[0]["labels"], records[2]["labels"]]))
