@@ -507,6 +507,13 @@ def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path
                 else:
                     assert torch.equal(batch[name], want[name]), name
     assert torch.equal(held, kept)  # a held batch is never written
+    # a buffer handed out again is inherited by the next fork, whoever forks (one
+    # idle at the last fork was marked not to be)
+    in_use = batch["octree"].untyped_storage().data_ptr()
+    [buffer] = [
+        b for b in BATCH_BUFFERS.buffers if b.ctypes.data <= in_use < b.ctypes.data + b.size
+    ]
+    assert buffer.base.inherited
     VERIFIED.clear()
 
 
