@@ -109,18 +109,7 @@ def memcpy_gbps(size: int = 100 << 20, rounds: int = 5) -> float:
 
 def one_process(path: Path, fp: str, views: bool, total: int, passes: int = 3) -> float:
     """GB/s of random ``ds[i]`` over every record, ``passes`` times, in this process."""
-    VERIFIED.clear()
-    ds = CachedDataset(path, fp, views=views)
-    n = len(ds)
-    orders = [np.random.default_rng(p).permutation(n).tolist() for p in range(passes)]
-    start = time.perf_counter()
-    for order in orders:
-        for i in order:
-            sample = ds[i]
-    elapsed = time.perf_counter() - start
-    del sample
-    ds.close()
-    return passes * total / elapsed / 1e9
+    return one_process_any(path, fp, "views" if views else "today", total, passes)
 
 
 def loader(
@@ -134,26 +123,8 @@ def loader(
 ) -> float:
     """GB/s of a DataLoader (``workers`` forked, batch 4, collate_spc) over ``epochs``
     (its workers forked once with ``persistent``, else at each epoch's start)."""
-    VERIFIED.clear()
-    ds = CachedDataset(path, fp, views=views)
-    dl = DataLoader(
-        ds,
-        batch_size=4,
-        shuffle=True,
-        num_workers=workers,
-        collate_fn=collate_spc,
-        multiprocessing_context="fork" if workers else None,
-        persistent_workers=persistent,
-    )
-    count = 0
-    start = time.perf_counter()
-    for _ in range(epochs):
-        for batch in dl:
-            count += len(batch["lengths"])
-    elapsed = time.perf_counter() - start
-    assert count == epochs * len(ds)
-    del dl  # persistent workers end here, outside the time measured
-    return epochs * total / elapsed / 1e9
+    way = "views" if views else "today"
+    return loader_any(path, fp, way, total, workers, epochs, persistent)
 
 
 def _tensordict() -> Any:
@@ -213,8 +184,20 @@ def one_process_any(path: Path, fp: str, way: str, total: int, passes: int = 3) 
     return passes * total / elapsed / 1e9
 
 
-def loader_any(path: Path, fp: str, way: str, total: int, workers: int, epochs: int = 3) -> float:
-    """GB/s of a DataLoader (``workers`` forked, batch 4, collate_spc) over ``epochs``."""
+def loader_any(
+    path: Path,
+    fp: str,
+    way: str,
+    total: int,
+    workers: int,
+    epochs: int = 3,
+    persistent: bool = False,
+    pss: list[float] | None = None,
+) -> float:
+    """GB/s of a DataLoader (``workers`` forked, batch 4, collate_spc) over ``epochs``
+    (its workers forked once with ``persistent``, else at each epoch's start). With
+    ``pss``, the PSS of this process and its workers (MB), sampled in the middle of the
+    last epoch, is appended to it."""
     ds = dataset(path, fp, way)
     dl = DataLoader(
         ds,
@@ -223,15 +206,36 @@ def loader_any(path: Path, fp: str, way: str, total: int, workers: int, epochs: 
         num_workers=workers,
         collate_fn=collate_spc,
         multiprocessing_context="fork" if workers else None,
+        persistent_workers=persistent and workers > 0,
     )
     count = 0
     start = time.perf_counter()
-    for _ in range(epochs):
-        for batch in dl:
+    for epoch in range(epochs):
+        for b, batch in enumerate(dl):
             count += len(batch["lengths"])
+            if pss is not None and epoch == epochs - 1 and b == len(dl) // 2:
+                pss.append(pss_mb())
     elapsed = time.perf_counter() - start
     assert count == epochs * len(ds)
+    del dl  # persistent workers end here, outside the time measured
+    if way != "tensordict":
+        ds.close()
     return epochs * total / elapsed / 1e9
+
+
+def pss_mb() -> float:
+    """The proportional set size of this process and its children (DataLoader workers),
+    MB, from each one's ``/proc/PID/smaps_rollup``: shared pages count once in all."""
+    import psutil
+
+    kib = 0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            with open(f"/proc/{proc.pid}/smaps_rollup") as rollup:
+                kib += next(int(line.split()[1]) for line in rollup if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            continue  # a worker that ended meanwhile
+    return kib / 1024
 
 
 def check_tensordict_equal(td_path: Path, path: Path, fp: str) -> None:
@@ -322,6 +326,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 note("one_process_tensordict", one_process_any(td_big, "", "tensordict", bytes_big))
                 note("loader0_tensordict", loader_any(td_big, "", "tensordict", bytes_big, 0))
                 note("loader2_tensordict", loader_any(td_big, "", "tensordict", bytes_big, 2))
+        pss: dict[str, list[float]] = {}
+        for way in ("today", "views", "tensordict"):  # not timed: PSS at equal work
+            if way != "tensordict" or td_big.exists():
+                where, fp = (td_big, "") if way == "tensordict" else (big, fp_big)
+                loader_any(where, fp, way, bytes_big, 2, pss=pss.setdefault(way, []))
         result: dict[str, Any] = {k: median(v) for k, v in runs.items()}
         memcpy = result["memcpy"]
         for case in ("one_process", "loader2", "loader2_small", "loader0", "loader2_persistent"):
@@ -364,6 +373,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 result[f"{case}_views"] / peer,
                 median(paired),
             )
+        result["loader2_pss_mb"] = {way: values[0] for way, values in pss.items()}
+        log.info(
+            "loader2 PSS (training process and its 2 workers, mid last epoch): %s",
+            ", ".join(f"{way} {mb:.0f} MB" for way, mb in result["loader2_pss_mb"].items()),
+        )
         log.info("memcpy 100 MB: %.2f GB/s (median of %d repeats)", memcpy, args.repeats)
         result["runs"] = runs
         print(json.dumps(result, indent=2))
