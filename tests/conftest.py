@@ -69,7 +69,7 @@ def cuda_works(timeout: float = 120.0) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    _ctrl_c_as_from_a_terminal()
+    _signals_as_from_a_terminal()
     config.addinivalue_line(
         "markers",
         "shared_corpus: reads the real-mesh corpus in ../shared/data "
@@ -77,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _ctrl_c_as_from_a_terminal() -> None:
+def _signals_as_from_a_terminal() -> None:
     """Ctrl-C raises KeyboardInterrupt in this run and in every process it starts, however
     the run itself was started.
 
@@ -91,6 +91,11 @@ def _ctrl_c_as_from_a_terminal() -> None:
     is checked in tests/test_suite_rules.py."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # ``nohup pytest ...`` hands every child SIGHUP ignored: a command a test hangs up
+    # as a closed terminal does (test_interrupt_streams.py's nohup test, its run
+    # without nohup) went on to the end. The children get a terminal's default.
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 _SHARED_FIXTURES = frozenset({"shared_data", "shared_meshes", "shared_bad_inputs"})

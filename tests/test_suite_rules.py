@@ -17,7 +17,8 @@
   starts it with SIGINT ignored, and every child inherited the ignore: a ``python -``
   running ``spcache.precompute`` that a test interrupted went on to the end and exited 0.
   ``tests/conftest.py`` gives the run Python's handler back; the check starts the suite
-  as such a script does and interrupts a child.
+  as such a script does and interrupts a child. The same for a terminal's hang-up
+  (SIGHUP) in a suite started with ``nohup``.
 """
 
 from __future__ import annotations
@@ -209,5 +210,34 @@ def test_ctrl_c_reaches_the_children_of_a_suite_started_in_the_background() -> N
     out = run(
         [*IN_THE_BACKGROUND, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
     )
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert " 1 passed" in " " + out.stdout.strip().splitlines()[-1]
+
+
+def test_a_hang_up_to_a_child_ends_it() -> None:
+    """A ``python -`` child sent SIGHUP (its terminal closed) ends by it, as a user's
+    command started from a terminal does."""
+    proc = popen(
+        [sys.executable, "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(WAITING)
+    proc.stdin.close()
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGHUP)
+    with proc.stdout:
+        assert proc.wait(timeout=120) == -signal.SIGHUP
+
+
+def test_a_hang_up_reaches_the_children_of_a_suite_started_under_nohup() -> None:
+    """The check above, in a run of the suite started with ``nohup`` (SIGHUP ignored,
+    which every child would inherit)."""
+    test = Path(__file__).relative_to(REPO_ROOT).as_posix()
+    test += "::" + test_a_hang_up_to_a_child_ends_it.__name__
+    out = run(["nohup", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test])
     assert out.returncode == 0, out.stdout[-4000:]
     assert " 1 passed" in " " + out.stdout.strip().splitlines()[-1]
