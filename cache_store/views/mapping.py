@@ -318,7 +318,9 @@ class PrivateMemory:
     memory no object of the process refers to may be marked so (the caller's rule:
     :class:`cache_store.format.buffers.BufferPool` marks idle buffers only, just before
     each fork). Unmapped when the last reference is gone, in the process that mapped it
-    or in a child that inherited it; never in a child that did not.
+    or in a child that inherited it; never in a child that did not. Raises
+    ``MemoryError`` where no memory is left (as NumPy's allocation does), else
+    ``OSError``.
     """
 
     __slots__ = ("__weakref__", "addr", "inherited", "pid", "size")
@@ -328,7 +330,10 @@ class PrivateMemory:
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         addr = _mmap(None, max(size, 1), prot, flags, -1, 0)
         if addr in (None, _MAP_FAILED):
-            raise _os_error(f"allocating {size} bytes")
+            error = _os_error(f"allocating {size} bytes")
+            if error.errno == errno.ENOMEM:  # as any allocation says it (np.empty's)
+                raise MemoryError(str(error))
+            raise error
         self.addr, self.size = addr, max(size, 1)
         self.pid = _pid[0]
         self.inherited = True

@@ -20,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -551,3 +552,28 @@ def test_the_pack_lays_every_dtype_end_to_end_in_one_buffer() -> None:
     batch = collate_spc([dict(o) for o in (out[0], out[2])])
     assert batch["labels"].untyped_storage().data_ptr() == base  # a view, not a copy
     assert torch.equal(batch["labels"], torch.cat([records[0]["labels"], records[2]["labels"]]))
+
+
+def test_a_batch_buffer_that_cannot_be_had_raises_memory_error(tmp_path: Path) -> None:
+    """Pooled buffers are mapped by the pool, not NumPy: out of memory still says so
+    the way an allocation does (``MemoryError``), which callers handle as before."""
+    script = textwrap.dedent(
+        """
+        import resource
+        import numpy  # loaded before the limit, as in a process already reading
+        from cache_store.format.buffers import BATCH_BUFFERS
+
+        with open("/proc/self/status") as status:
+            [size] = [int(l.split()[1]) * 1024 for l in status if l.startswith("VmSize:")]
+        resource.setrlimit(resource.RLIMIT_AS, (size + (16 << 20), size + (16 << 20)))
+        try:
+            BATCH_BUFFERS.take(48 << 20)
+        except MemoryError as exc:
+            print("MemoryError:", exc)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("MemoryError:") and "allocating" in proc.stdout, proc.stdout
