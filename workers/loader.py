@@ -527,13 +527,13 @@ class LoaderPool:
 
     def _restart(self) -> cf.ProcessPoolExecutor:
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            end_pool(self.pool)
         self.pool = self._new_pool()
         return self.pool
 
     def close(self) -> None:
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            end_pool(self.pool)
             self.pool = None
 
     def abort(self, timeout_s: float = 1.0) -> None:
@@ -597,6 +597,19 @@ def interrupts_held() -> Iterator[None]:
                 handler(came, None)
             elif handler == signal.SIG_DFL:
                 signal.raise_signal(came)
+
+
+def end_pool(pool: cf.ProcessPoolExecutor) -> None:
+    """Shut ``pool`` down: a working one waits for its loads; a broken one (a loader
+    died) is stopped (:func:`stop_executor`). The executor's own handling of a broken
+    pool terminates the workers it knows of, then joins every worker: one that lives on
+    (seen here: a loader started just as the pool broke, idle and never told to end,
+    after a probe recipe crashed a loader) kept that join, and the run, waiting for
+    ever."""
+    if getattr(pool, "_broken", False):
+        stop_executor(pool)
+    else:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:

@@ -2,7 +2,8 @@
 precompute's handler) while it starts a process (held until the executor has recorded
 the child, ``workers.loader.interrupts_held``, so stopping the run stops that child too),
 and a loader stopped halfway through writing its result (``stop_executor`` turns the
-executor's wait for the rest into end-of-file)."""
+executor's wait for the rest into end-of-file), and a broken pool with a loader that
+lives on (``end_pool`` stops it instead of joining it for ever)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.helpers.procs import wait_for
 from workers.loader import interrupts_held
 
 
@@ -179,3 +181,41 @@ def test_a_loader_stopped_mid_result_lets_the_interpreter_exit(tmp_path: Path) -
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "stopped"
+
+
+def _stuck_loader(started: str) -> None:
+    """A load that neither SIGTERM nor the executor's end-of-work message can end."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(started).touch()
+    time.sleep(3600)
+
+
+def _dying_loader() -> None:
+    os._exit(1)
+
+
+def test_a_broken_pool_with_a_loader_that_lives_on_is_ended_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    """A loader dies (the pool breaks) while another lives on and never ends by itself:
+    ``end_pool`` (what the loader pool's restart and close call) stops it; the executor's
+    own ``shutdown(wait=True)`` joins it for ever (a full test run hung there, in
+    tests/spcache/test_precompute_anywhere.py's crashing-loader test)."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from workers.loader import end_pool
+
+    pool = cf.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork"))
+    started = tmp_path / "started"
+    stuck = pool.submit(_stuck_loader, str(started))
+    wait_for(started.exists, 60, "the stuck loader to start")
+    with pytest.raises(cf.process.BrokenProcessPool):
+        pool.submit(_dying_loader).result(timeout=60)
+    loaders = list(pool._processes.values())
+    ended = threading.Event()
+    thread = threading.Thread(target=lambda: (end_pool(pool), ended.set()), daemon=True)
+    thread.start()
+    assert ended.wait(120), "end_pool waited on a loader that never ends"
+    assert stuck.done()
+    assert loaders and not any(loader.is_alive() for loader in loaders)
