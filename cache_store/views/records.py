@@ -13,7 +13,10 @@ a place that stay pinned (an LMDB read lease; a committed snapshot part never ch
 change only by damage below the store (the disk, or a process writing the file behind
 LMDB's back) after they were hashed once; ``verify="always"`` hashes every read for who
 wants that caught too. A record written anew (another place) or of another version is
-hashed again.
+hashed again. "This process" includes the processes forked from it after this module
+was imported, which share one table of what was hashed (:class:`VerifiedOnce`): a
+DataLoader's workers, persistent or not, and the training process do not hash again
+what one of them hashed.
 
 Views are inference tensors (``torch.inference_mode``): torch refuses an in-place update
 of one (``RuntimeError``), and their pages are mapped read-only, so nothing written
@@ -24,9 +27,12 @@ copies already.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterable
 from typing import Any
+
+import xxhash
 
 from cache_store.errors import CorruptRecord
 from cache_store.format.decode import Record, selected_fields, verified_field
@@ -59,20 +65,62 @@ VERIFY_CHOICES = ("once", "always")
 class VerifiedOnce:
     """The record versions at places this process has hashed, and which fields.
 
-    Bounded (``limit`` places): past it the oldest half is forgotten, and hashed again
-    when read again.
+    Kept twice: in this process (``seen``, bounded to ``limit`` places: past it the
+    oldest half is forgotten), and in a table shared with every process forked from the
+    one that made this object (an anonymous shared mapping of ``slots`` 64-bit digests
+    of a version and its field names, made empty when this module is imported, so
+    before any DataLoader forks its workers). A worker finds there what its sibling or
+    the training process hashed since the fork: a persistent worker hashed again, once
+    itself, every record its sibling had read. A digest is written only after the
+    hash passed; one that finds its few slots taken is dropped (hashed again when read
+    again), and one process's write racing another's loses an entry, never trusts a
+    version nobody hashed (but for a 64-bit digest collision).
     """
 
-    def __init__(self, limit: int = 1 << 20) -> None:
+    PROBES = 8
+
+    def __init__(self, limit: int = 1 << 20, slots: int = 1 << 20) -> None:
         self.limit = limit
         self.seen: dict[tuple[Any, ...], frozenset[str]] = {}
         self.lock = threading.Lock()
+        self.slots = slots  # a power of two
+        self._map = mmap.mmap(-1, slots * 8)  # MAP_SHARED | MAP_ANONYMOUS: pages on use
+        self.shared = memoryview(self._map).cast("Q")
+
+    def _digest(self, place: tuple[Any, ...], names: Iterable[str]) -> int:
+        text = repr((place, sorted(names))).encode()
+        return xxhash.xxh3_64_intdigest(text) | 1  # 0 marks a free slot
+
+    def _in_shared(self, digest: int) -> bool:
+        for i in range(self.PROBES):
+            found = self.shared[(digest + i) & (self.slots - 1)]
+            if found == digest:
+                return True
+            if found == 0:
+                return False
+        return False
 
     def covers(self, place: tuple[Any, ...], names: Iterable[str]) -> bool:
         done = self.seen.get(place)
-        return done is not None and done.issuperset(names)
+        if done is not None and done.issuperset(names):
+            return True
+        names = list(names)
+        if self._in_shared(self._digest(place, names)):
+            self._remember(place, names)
+            return True
+        return False
 
     def add(self, place: tuple[Any, ...], names: Iterable[str]) -> None:
+        names = list(names)
+        self._remember(place, names)
+        digest = self._digest(place, names)
+        for i in range(self.PROBES):
+            slot = (digest + i) & (self.slots - 1)
+            if self.shared[slot] in (0, digest):
+                self.shared[slot] = digest
+                return
+
+    def _remember(self, place: tuple[Any, ...], names: list[str]) -> None:
         with self.lock:
             self.seen[place] = self.seen.get(place, frozenset()) | frozenset(names)
             if len(self.seen) > self.limit:
@@ -80,12 +128,15 @@ class VerifiedOnce:
                     del self.seen[old]
 
     def clear(self) -> None:
+        """Forget every version, here and in the shared table."""
         with self.lock:
             self.seen.clear()
+            self._map[:] = bytes(len(self._map))
 
 
 #: This process's record versions hashed once (a forked child starts from its parent's:
-#: the parent hashed those bytes at those places, which the child maps as they are).
+#: the parent hashed those bytes at those places, which the child maps as they are; and
+#: it shares the table of what is hashed after the fork, :class:`VerifiedOnce`).
 VERIFIED = VerifiedOnce()
 
 

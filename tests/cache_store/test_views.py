@@ -577,3 +577,65 @@ def test_a_batch_buffer_that_cannot_be_had_raises_memory_error(tmp_path: Path) -
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("MemoryError:") and "allocating" in proc.stdout, proc.stdout
+
+
+class _EpochOrders:
+    """A sampler dealing ``orders[epoch]`` in turn: each epoch's batches go to the other
+    worker than the epoch before."""
+
+    def __init__(self, orders: list[list[int]]) -> None:
+        self.orders, self.epoch = orders, 0
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        order = self.orders[self.epoch % len(self.orders)]
+        self.epoch += 1
+        return iter(order)
+
+    def __len__(self) -> int:
+        return len(self.orders[0])
+
+
+def test_persistent_workers_hash_each_version_once_between_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What one process of a training run hashed (a worker, or the training process
+    taking a worker's word), its forked siblings do not hash again: a persistent worker
+    that is dealt, in the second epoch, the records its sibling read in the first finds
+    them hashed. Every field of every record is hashed exactly once in the whole run,
+    counted in every process; the batches equal plain reads."""
+    from cache_store.views import records as records_module
+
+    path = tmp_path / "cache"
+    _cache(path)
+    log = tmp_path / "hashed.log"
+    real = records_module.verified_field
+
+    def counted(view, header, name, key):  # type: ignore[no-untyped-def]
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {key} {name}\n")
+        return real(view, header, name, key)
+
+    monkeypatch.setattr(records_module, "verified_field", counted)
+    VERIFIED.clear()
+    views, plain = CachedDataset(path, FP, views=True), CachedDataset(path, FP)
+    orders = [[0, 1, 2, 3, 4, 5], [1, 0, 3, 2, 5, 4], [2, 5, 0, 4, 1, 3]]
+    loader = DataLoader(
+        views,
+        batch_size=1,
+        sampler=_EpochOrders(orders),
+        num_workers=2,
+        collate_fn=collate_spc,
+        multiprocessing_context="fork",
+        persistent_workers=True,
+    )
+    for order in orders:
+        for i, batch in zip(order, loader, strict=True):
+            assert torch.equal(batch["octree"], plain[i]["octree"]), i
+    del loader
+    lines = log.read_text().split("\n")[:-1]
+    hashed = [tuple(line.split()[1:]) for line in lines]
+    fields = len(plain[0])
+    assert len({pid for pid, *_ in (line.split() for line in lines)}) == 2  # both workers
+    assert len(set(hashed)) == len(IDS) * fields  # every field of every record
+    assert len(hashed) == len(set(hashed)), sorted(h for h in hashed if hashed.count(h) > 1)
+    VERIFIED.clear()
