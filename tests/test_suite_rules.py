@@ -29,6 +29,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,9 +183,8 @@ WAITING = "import time\nprint('ready', flush=True)\ntime.sleep(600)\n"
 IGNORES_SIGINT = "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"
 
 
-def test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt() -> None:
-    """A ``python -`` child sent SIGINT to its process group (a terminal's Ctrl-C) ends
-    by it: Python's default handling, as a user's script has."""
+def _signal_ends_a_child(signum: int) -> None:
+    """A ``python -`` child that waits, sent ``signum`` to its process group, ends by it."""
     proc = popen(
         [sys.executable, "-"],
         stdin=subprocess.PIPE,
@@ -196,48 +196,41 @@ def test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt() -> None:
     proc.stdin.write(WAITING)
     proc.stdin.close()
     assert proc.stdout.readline().strip() == "ready"
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signum)
     with proc.stdout:
-        assert proc.wait(timeout=120) == -signal.SIGINT
+        assert proc.wait(timeout=120) == -signum
+
+
+def _passes_in_a_suite_started_by(launcher: list[str], test: Any) -> None:
+    """``test`` of this file passes in a run of the suite that ``launcher`` starts."""
+    name = Path(__file__).relative_to(REPO_ROOT).as_posix() + "::" + test.__name__
+    out = run([*launcher, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name])
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert " 1 passed" in " " + out.stdout.strip().splitlines()[-1]
+
+
+def test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt() -> None:
+    """A ``python -`` child sent SIGINT to its process group (a terminal's Ctrl-C) ends
+    by it: Python's default handling, as a user's script has."""
+    _signal_ends_a_child(signal.SIGINT)
 
 
 def test_ctrl_c_reaches_the_children_of_a_suite_started_in_the_background() -> None:
     """The check above, in a run of the suite that a script started in the background."""
     ignored = run([*IN_THE_BACKGROUND, sys.executable, "-c", IGNORES_SIGINT])
     assert ignored.stdout.split() == ["True"], ignored  # as the run starts
-    test = Path(__file__).relative_to(REPO_ROOT).as_posix()
-    test += "::" + test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt.__name__
-    out = run(
-        [*IN_THE_BACKGROUND, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test]
+    _passes_in_a_suite_started_by(
+        IN_THE_BACKGROUND, test_ctrl_c_to_a_child_ends_it_with_keyboard_interrupt
     )
-    assert out.returncode == 0, out.stdout[-4000:]
-    assert " 1 passed" in " " + out.stdout.strip().splitlines()[-1]
 
 
 def test_a_hang_up_to_a_child_ends_it() -> None:
     """A ``python -`` child sent SIGHUP (its terminal closed) ends by it, as a user's
     command started from a terminal does."""
-    proc = popen(
-        [sys.executable, "-"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
-    proc.stdin.write(WAITING)
-    proc.stdin.close()
-    assert proc.stdout.readline().strip() == "ready"
-    os.killpg(proc.pid, signal.SIGHUP)
-    with proc.stdout:
-        assert proc.wait(timeout=120) == -signal.SIGHUP
+    _signal_ends_a_child(signal.SIGHUP)
 
 
 def test_a_hang_up_reaches_the_children_of_a_suite_started_under_nohup() -> None:
     """The check above, in a run of the suite started with ``nohup`` (SIGHUP ignored,
     which every child would inherit)."""
-    test = Path(__file__).relative_to(REPO_ROOT).as_posix()
-    test += "::" + test_a_hang_up_to_a_child_ends_it.__name__
-    out = run(["nohup", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test])
-    assert out.returncode == 0, out.stdout[-4000:]
-    assert " 1 passed" in " " + out.stdout.strip().splitlines()[-1]
+    _passes_in_a_suite_started_by(["nohup"], test_a_hang_up_to_a_child_ends_it)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,35 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert list(a) == list(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+ORDER = [4, 1, 5, 0, 2, 3]
+
+
+def _forked_loader(views: CachedDataset, collate_fn: Any = collate_spc) -> DataLoader:
+    """Batches of 3 in ``ORDER`` from 2 forked workers."""
+    return DataLoader(
+        views,
+        batch_size=3,
+        sampler=ORDER,
+        num_workers=2,
+        collate_fn=collate_fn,
+        multiprocessing_context="fork",
+    )
+
+
+def _epoch_equals_plain(loader: DataLoader, plain: CachedDataset) -> dict[str, Any]:
+    """One epoch of ``_forked_loader``: every batch equals ``collate_spc`` of plain reads
+    of its samples; the last batch."""
+    for b, batch in enumerate(loader):
+        want = collate_spc([plain[i] for i in ORDER[3 * b : 3 * b + 3]])
+        assert batch.keys() == want.keys()
+        for name in want:
+            if isinstance(want[name], list):  # sample_ids
+                assert batch[name] == want[name]
+            else:
+                assert torch.equal(batch[name], want[name]), name
+    return batch
 
 
 @pytest.mark.parametrize("kind", ["lmdb", "sharded"])
@@ -238,31 +268,11 @@ def _collate_in_worker(samples: list[object]) -> object:
 
 
 def test_forked_workers_hand_over_places_not_bytes(tmp_path: Path) -> None:
-    from torch.utils.data import DataLoader
-
-    from cache_store.readers.collate import collate_spc
-
     _cache(tmp_path / "cache")
     views = CachedDataset(tmp_path / "cache", FP, views=True)
     plain = CachedDataset(tmp_path / "cache", FP)
-    order = [4, 1, 5, 0, 2, 3]
-    loader = DataLoader(
-        views,
-        batch_size=3,
-        sampler=order,
-        num_workers=2,
-        collate_fn=_collate_in_worker,
-        multiprocessing_context="fork",
-    )
-    for b, batch in enumerate(loader):
-        want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
-        assert batch.keys() == want.keys()
-        for name in want:
-            if isinstance(want[name], list):  # sample_ids
-                assert batch[name] == want[name]
-            else:
-                assert torch.equal(batch[name], want[name]), name
-        batch["octree"][0] = 0  # the packed batch is the training process's own copy
+    batch = _epoch_equals_plain(_forked_loader(views, _collate_in_worker), plain)
+    batch["octree"][0] = 0  # the packed batch is the training process's own copy
     single = DataLoader(
         views, batch_size=None, sampler=[2], num_workers=1, multiprocessing_context="fork"
     )
@@ -336,24 +346,10 @@ def test_the_hop_packs_from_windows_kept_across_epochs(tmp_path: Path) -> None:
     _cache(path)
     views = CachedDataset(path, FP, views=True)
     plain = CachedDataset(path, FP)
-    order = [4, 1, 5, 0, 2, 3]
-    loader = DataLoader(
-        views,
-        batch_size=3,
-        sampler=order,
-        num_workers=2,
-        collate_fn=collate_spc,
-        multiprocessing_context="fork",
-    )
+    loader = _forked_loader(views)
     seen = []
     for _ in range(3):
-        for b, batch in enumerate(loader):
-            want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
-            for name in want:
-                if isinstance(want[name], list):
-                    assert batch[name] == want[name]
-                else:
-                    assert torch.equal(batch[name], want[name]), name
+        _epoch_equals_plain(loader, plain)
         windows = mapping.windows_at(_data(path))
         seen.append((windows, dict(windows.open)))
     assert seen[0][1]  # the training process packed from a window
@@ -390,21 +386,9 @@ def test_a_snapshot_parts_transient_views_are_window_slices_kept_across_epochs(
     user = CachedDataset(where, FP, views=True)[0]["octree"]
     assert not window.addr <= user.untyped_storage().data_ptr() < window.addr + window.size
 
-    views = CachedDataset(where, FP, views=True)
-    order = [4, 1, 5, 0, 2, 3]
-    loader = DataLoader(
-        views,
-        batch_size=3,
-        sampler=order,
-        num_workers=2,
-        collate_fn=collate_spc,
-        multiprocessing_context="fork",
-    )
+    loader = _forked_loader(CachedDataset(where, FP, views=True))
     for _ in range(2):
-        for b, batch in enumerate(loader):
-            want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
-            assert torch.equal(batch["octree"], want["octree"])
-            assert batch["sample_ids"] == want["sample_ids"]
+        _epoch_equals_plain(loader, plain)
         assert mapping.windows_at(part) is windows and windows.open[0] is window
 
     copies = [{k: v.clone() for k, v in t.items()} for t in held]
@@ -467,15 +451,7 @@ def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path
     _cache(path)
     views = CachedDataset(path, FP, views=True)
     plain = CachedDataset(path, FP)
-    order = [4, 1, 5, 0, 2, 3]
-    loader = DataLoader(
-        views,
-        batch_size=3,
-        sampler=order,
-        num_workers=2,
-        collate_fn=collate_spc,
-        multiprocessing_context="fork",
-    )
+    loader = _forked_loader(views)
     held = next(iter(loader))["octree"]  # a batch the training loop keeps
     kept = held.clone()
     for _ in loader:  # packed into the pool's other buffers, then let go
@@ -500,13 +476,7 @@ def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path
     assert all(_mapped_here(addr) for addr in idle)  # still the parent's
 
     for _ in range(2):  # the parent packs into them as before, through the next forks
-        for b, batch in enumerate(loader):
-            want = collate_spc([plain[i] for i in order[3 * b : 3 * b + 3]])
-            for name in want:
-                if isinstance(want[name], list):
-                    assert batch[name] == want[name]
-                else:
-                    assert torch.equal(batch[name], want[name]), name
+        batch = _epoch_equals_plain(loader, plain)
     assert torch.equal(held, kept)  # a held batch is never written
     # a buffer handed out again is inherited by the next fork, whoever forks (one
     # idle at the last fork was marked not to be)
