@@ -18,9 +18,8 @@ one of two ways:
 
 Either way the range's ``on_release`` runs when the last array viewing it is gone (an
 LMDB read lease counts its views down); a window is unmapped once it is retired (a
-newer one replaces it, :data:`WINDOWS_MAX` are kept a file, the file changed, more than :data:`FILES_MAX` files
-have windows) and no range
-uses it.
+newer one replaces it, :data:`WINDOWS_MAX` are kept a file, the file changed, more than
+:data:`FILES_MAX` files have windows) and no range uses it.
 
 :meth:`MappedRange.detach` swaps the range's pages for a private copy of the same bytes
 in one ``mremap`` (readers in other threads see the old pages or the copy, both the same
