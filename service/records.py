@@ -27,7 +27,7 @@ from cache_store.errors import (
     SpcacheError,
 )
 from cache_store.format.encode import select_fields
-from cache_store.format.header import record_etag as header_etag
+from cache_store.format.header import record_etag
 from cache_store.format.tag import TAG_HEADER, tag_for_checksum
 from cache_store.keys import FINGERPRINT_PATTERN, key_of_record_id
 from cache_store.errors import ResponseTooLarge
@@ -60,13 +60,6 @@ note_read_hourly = usage.Throttle(usage.note_read, 3600.0)
 Fingerprint = Annotated[
     str, Path(pattern=f"^{FINGERPRINT_PATTERN}$", description="32 lowercase hex characters")
 ]
-
-
-def record_etag(value: bytes | memoryview, key: str) -> str:
-    """The strong ETag of a record: its checksum, from the strictly parsed header (a
-    damaged header raises :class:`CorruptRecord`). The fields are not re-hashed here:
-    readers verify them on decode."""
-    return header_etag(value, key=key)
 
 
 def etag_matches(header: str | None, etag: str) -> bool:
@@ -230,11 +223,11 @@ def read_record(
                 stream.close()
                 reserved()
 
-            return stream, record_etag(stream.view, key), release
+            return stream, record_etag(stream.view, key=key), release
         value = store.get(key)
         if names is not None:
             value = select_fields(value, names, key=key)
-        return value, record_etag(value, key), reserved
+        return value, record_etag(value, key=key), reserved
     except BaseException:
         stack.close()
         reserved()

@@ -372,7 +372,9 @@ async def get_batch(
                     value = select_fields(value, body.fields, key=key)
                 found.append((sample_id, value))
                 if secret is not None:
-                    tags.append(record_tag_header(ctx, key, record_etag(value, key))[TAG_HEADER])
+                    tags.append(
+                        record_tag_header(ctx, key, record_etag(value, key=key))[TAG_HEADER]
+                    )
             except SpcacheError as exc:
                 if status_for(exc) == 503:
                     raise

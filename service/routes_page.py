@@ -39,10 +39,10 @@ from cache_store.jobs.item_state import item_state
 from cache_store.sources.files import SourceLimits
 from cache_store.errors import CorruptRecord, RecordNotFound
 from cache_store.format.decode import decode_arrays
-from cache_store.format.header import read_header
+from cache_store.format.header import read_header, record_checksum
 from service.context import Context, ServiceContext
 from service.errors import ERROR_RESPONSES
-from service.records import Fingerprint, etag_matches, record_etag
+from service.records import Fingerprint, etag_matches
 from service.preview import (
     MAX_SIZE,
     MIN_SIZE,
@@ -218,7 +218,7 @@ def _preview(
     if store is None:
         raise RecordNotFound(key, str(ctx.cache))
     with store.read_view(key) as value:
-        checksum = record_etag(value, key).strip('"')
+        checksum = record_checksum(value, key=key)
         wanted = PreviewRequest(
             level=record_levels(value, key=key) if level is None else level,
             view=view,

@@ -554,7 +554,8 @@ def record_checksum(value: Any, *, key: str = "") -> str:
 
 def record_etag(value: Any, *, key: str = "") -> str:
     """The record's strong HTTP ETag: its checksum, quoted (the service answers it, a
-    reader's local copy is named by it)."""
+    reader's local copy is named by it), from the strictly parsed header (a damaged one
+    raises :class:`CorruptRecord`); the fields are not hashed here, readers check them."""
     return f'"{record_checksum(value, key=key)}"'
 
 
