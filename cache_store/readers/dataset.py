@@ -503,8 +503,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _records(self, keys: list[str], batch: bool) -> list[Any]:
         fields, hop = None if self.fields is None else list(self.fields), hands_over(self.transform)
-        how = (self.views, self.verify, batch, hop, self.pin_memory)
-        return read_records(self._store_here(), keys, fields, *how)
+        store, views = self._store_here(), self.views
+        return read_records(store, keys, fields, views, self.verify, batch, hop, self.pin_memory)
 
     def _read_one(self, i: int) -> Any:
         self._refuse_id_clashes((i,))

@@ -32,11 +32,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from cache_store.format.decode import Record
 from cache_store.keys import split_key
 from cache_store.views.records import Place
 
 if TYPE_CHECKING:
-    from cache_store.format.decode import Record
     from cache_store.stores.base import Store
 
 __all__ = [
@@ -309,15 +309,13 @@ def read_records(
 
     A batch read as views in the process that uses it (``batch``, not ``transient``: a
     DataLoader with no workers) is read through the long-lived windows and packed at
-    once into one buffer (:func:`packed`, the hop's one copy), as
-    a worker's batch is packed in the training process: its tensors are plain copies,
-    each field's records end to end, which ``collate_spc`` batches without a copy (in
-    page-locked memory with ``pin``, as ``CachedDataset(pin_memory=True)`` asks)."""
+    once into one buffer (:func:`packed`, the hop's one copy), as a worker's batch is
+    packed in the training process: its tensors are plain copies, each field's records
+    end to end, which ``collate_spc`` batches without a copy (in page-locked memory with
+    ``pin``, as ``CachedDataset(pin_memory=True)`` asks)."""
     if views and batch and not transient:
         viewed = store.view_records(keys, fields, verify, transient=True)
         if viewed is not None:
-            from cache_store.format.decode import Record
-
             tensors = packed([record.tensors for record in viewed], pin)
             return [Record(t, r.metadata) for t, r in zip(tensors, viewed, strict=True)]
     if views:
