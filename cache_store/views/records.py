@@ -219,13 +219,13 @@ def view_record(
     version = (*place, header.checksum)
     if checked is not None:  # handed over by a worker: copied whole next (the hop's pack)
         mapped.populate()
-        if checked == (place, header.checksum) and verify == "once":
-            VERIFIED.add(version, names)
     if verify == "always" or not VERIFIED.covers(version, names):
-        if checked is None:
-            mapped.populate()
-        for name in names:
-            verified_field(view, header, name, key)
+        # a worker's hash of this very version here counts, once (not with "always")
+        if verify == "always" or checked != (place, header.checksum):
+            if checked is None:
+                mapped.populate()
+            for name in names:
+                verified_field(view, header, name, key)
         VERIFIED.add(version, names)
     metadata = bind_metadata(header.metadata, key, lookup)
     return Record(tensors_of(array, at, header, names, torch), metadata, place)
