@@ -59,6 +59,9 @@ REFUSED_EXIT = 2
 #: Deaths in a row, each before ``healthy_after_s``, after which a restart is not
 #: announced to waiters.
 QUICK_DEATHS = 3
+#: What the job queue may raise at the supervisor: logged, never the end of its thread
+#: (one that died so left the service without a worker).
+QUEUE_ERRORS = (SpcacheError, OSError, sqlite3.Error)
 
 
 def worker_command(
@@ -158,11 +161,7 @@ class WorkerSupervisor:
                 queue.end_restarts(self.supervisor_id)
             else:
                 queue.announce_restart(self.supervisor_id, within_s)
-        except (
-            SpcacheError,
-            OSError,
-            sqlite3.Error,
-        ) as exc:  # waiters then fail fast, as without it
+        except QUEUE_ERRORS as exc:  # waiters then fail fast, as without it
             log.warning("cannot tell waiters the worker is restarting: %s", exc)
         finally:
             queue.close()
@@ -176,7 +175,7 @@ class WorkerSupervisor:
         queue = JobQueue(self.cache)
         try:
             n = queue.expire_leases_of(pid, f"the worker (pid {pid}) died holding it ({how})")
-        except (SpcacheError, OSError, sqlite3.Error) as exc:  # the leases then run out as before
+        except QUEUE_ERRORS as exc:  # the leases then run out as before
             log.warning("cannot hand back the items of the dead worker (pid %d): %s", pid, exc)
             return
         finally:

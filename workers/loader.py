@@ -603,9 +603,9 @@ def end_pool(pool: cf.ProcessPoolExecutor) -> None:
     """Shut ``pool`` down: a working one waits for its loads; a broken one (a loader
     died) is stopped (:func:`stop_executor`). The executor's own handling of a broken
     pool terminates the workers it knows of, then joins every worker: one that lives on
-    (seen here: a loader started just as the pool broke, idle and never told to end,
-    after a probe recipe crashed a loader) kept that join, and the run, waiting for
-    ever."""
+    (seen here, after a probe recipe crashed a loader: an idle loader that neither the
+    termination nor the end-of-work message had ended) kept that join, and the run,
+    waiting for ever."""
     if getattr(pool, "_broken", False):
         stop_executor(pool)
     else:
