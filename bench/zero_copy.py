@@ -107,26 +107,6 @@ def memcpy_gbps(size: int = 100 << 20, rounds: int = 5) -> float:
     return size / best / 1e9
 
 
-def one_process(path: Path, fp: str, views: bool, total: int, passes: int = 3) -> float:
-    """GB/s of random ``ds[i]`` over every record, ``passes`` times, in this process."""
-    return one_process_any(path, fp, "views" if views else "today", total, passes)
-
-
-def loader(
-    path: Path,
-    fp: str,
-    views: bool,
-    total: int,
-    workers: int,
-    epochs: int = 3,
-    persistent: bool = False,
-) -> float:
-    """GB/s of a DataLoader (``workers`` forked, batch 4, collate_spc) over ``epochs``
-    (its workers forked once with ``persistent``, else at each epoch's start)."""
-    way = "views" if views else "today"
-    return loader_any(path, fp, way, total, workers, epochs, persistent)
-
-
 def _tensordict() -> Any:
     try:
         import tensordict
@@ -162,13 +142,15 @@ def write_tensordict(path: Path, cache: Path, fp: str) -> None:
 
 
 def dataset(path: Path, fp: str, way: str) -> Any:
+    """The records read ``way``: "today" (copies), "views", or "tensordict" (its
+    memory-mapped stack at ``path``)."""
     if way == "tensordict":
         return TensorDictViews(path)
     VERIFIED.clear()
     return CachedDataset(path, fp, views=way == "views")
 
 
-def one_process_any(path: Path, fp: str, way: str, total: int, passes: int = 3) -> float:
+def one_process(path: Path, fp: str, way: str, total: int, passes: int = 3) -> float:
     """GB/s of random ``ds[i]`` over every record, ``passes`` times, in this process."""
     ds = dataset(path, fp, way)
     n = len(ds)
@@ -184,7 +166,7 @@ def one_process_any(path: Path, fp: str, way: str, total: int, passes: int = 3) 
     return passes * total / elapsed / 1e9
 
 
-def loader_any(
+def loader(
     path: Path,
     fp: str,
     way: str,
@@ -313,24 +295,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         for _ in range(args.repeats):
             note("memcpy", memcpy_gbps())
-            for views, way in ((False, "today"), (True, "views")):
-                note(f"one_process_{way}", one_process(big, fp_big, views, bytes_big))
-                note(f"loader2_{way}", loader(big, fp_big, views, bytes_big, 2))
-                note(f"loader2_small_{way}", loader(small, fp_small, views, bytes_small, 2))
-                note(f"loader0_{way}", loader_any(big, fp_big, way, bytes_big, 0))
+            for way in ("today", "views"):
+                note(f"one_process_{way}", one_process(big, fp_big, way, bytes_big))
+                note(f"loader2_{way}", loader(big, fp_big, way, bytes_big, 2))
+                note(f"loader2_small_{way}", loader(small, fp_small, way, bytes_small, 2))
+                note(f"loader0_{way}", loader(big, fp_big, way, bytes_big, 0))
                 note(
                     f"loader2_persistent_{way}",
-                    loader(big, fp_big, views, bytes_big, 2, persistent=True),
+                    loader(big, fp_big, way, bytes_big, 2, persistent=True),
                 )
             if td_big.exists():
-                note("one_process_tensordict", one_process_any(td_big, "", "tensordict", bytes_big))
-                note("loader0_tensordict", loader_any(td_big, "", "tensordict", bytes_big, 0))
-                note("loader2_tensordict", loader_any(td_big, "", "tensordict", bytes_big, 2))
+                note("one_process_tensordict", one_process(td_big, "", "tensordict", bytes_big))
+                note("loader0_tensordict", loader(td_big, "", "tensordict", bytes_big, 0))
+                note("loader2_tensordict", loader(td_big, "", "tensordict", bytes_big, 2))
         pss: dict[str, list[float]] = {}
         for way in ("today", "views", "tensordict"):  # not timed: PSS at equal work
             if way != "tensordict" or td_big.exists():
                 where, fp = (td_big, "") if way == "tensordict" else (big, fp_big)
-                loader_any(where, fp, way, bytes_big, 2, pss=pss.setdefault(way, []))
+                loader(where, fp, way, bytes_big, 2, pss=pss.setdefault(way, []))
         result: dict[str, Any] = {k: median(v) for k, v in runs.items()}
         memcpy = result["memcpy"]
         for case in ("one_process", "loader2", "loader2_small", "loader0", "loader2_persistent"):
