@@ -609,3 +609,60 @@ def test_persistent_workers_hash_each_version_once_between_them(
     assert len(set(hashed)) == len(IDS) * fields  # every field of every record
     assert len(hashed) == len(set(hashed)), sorted(h for h in hashed if hashed.count(h) > 1)
     VERIFIED.clear()
+
+
+def test_a_snapshot_found_once_is_not_asked_of_lmdb_again_until_a_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a record lies in a snapshot (transaction id) of data.mdb is found once: the
+    second epoch's workers (forked again, their LMDB map new) and the training process
+    view every record without a lookup, whose value py-lmdb would page in whole. A
+    write makes a new snapshot: the records are looked up again, and a rewritten one is
+    read at its new place, equal to a plain read of it."""
+    from cache_store.stores.lmdb import store as store_module
+    from cache_store.stores.lmdb.leases import KNOWN
+
+    path = tmp_path / "cache"
+    _cache(path)
+    plain = CachedDataset(path, FP)
+    want = [{k: v.clone() for k, v in plain[i].items()} for i in range(len(IDS))]
+    log = tmp_path / "lookups.log"
+    real = store_module.lookup_value
+
+    def counted(txn, db, key):  # type: ignore[no-untyped-def]
+        with open(log, "a") as out:
+            out.write(f"{os.getpid()} {key}\n")
+        return real(txn, db, key)
+
+    monkeypatch.setattr(store_module, "lookup_value", counted)
+    KNOWN.clear()
+    views = CachedDataset(path, FP, views=True)
+    loader = _forked_loader(views)
+
+    def epoch(expected: list[dict[str, torch.Tensor]]) -> list[str]:
+        log.write_text("")
+        for b, batch in enumerate(loader):
+            samples = [expected[i] for i in ORDER[3 * b : 3 * b + 3]]
+            for name in ("octree", "point_hierarchy"):
+                assert torch.equal(batch[name], torch.cat([s[name] for s in samples])), name
+        keys = {f"{FP}/{sid}" for sid in IDS}  # (not a descriptor's, looked up once)
+        return [line for line in log.read_text().split("\n")[:-1] if line.split()[1] in keys]
+
+    first = epoch(want)
+    assert {line.split()[1] for line in first} == {f"{FP}/{sid}" for sid in IDS}
+    assert epoch(want) == [] and epoch(want) == []  # no process asked LMDB again
+    log.write_text("")
+    _same(views[1], want[1])
+    assert f"{FP}/s1" not in log.read_text()
+
+    writer = LMDBStore(path, readonly=False)  # s0 rewritten: a new snapshot
+    writer.put_many([(f"{FP}/s0", _record("s0", 7))])
+    writer.close()
+    monkeypatch.setattr(store_module, "lookup_value", real)
+    changed = [{k: v.clone() for k, v in CachedDataset(path, FP)[i].items()} for i in range(6)]
+    assert not torch.equal(changed[0]["point_hierarchy"], want[0]["point_hierarchy"])
+    monkeypatch.setattr(store_module, "lookup_value", counted)
+    again = epoch(changed)
+    assert f"{FP}/s0" in {line.split()[1] for line in again}
+    _same(views[0], changed[0])
+    VERIFIED.clear()

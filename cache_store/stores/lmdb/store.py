@@ -14,6 +14,7 @@ what could go (tombstones, summaries, the environment, compaction, view leases) 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -58,9 +59,9 @@ KEYS_PER_TXN = 4096
 _MAX_KEY_BYTES = 511  # LMDB's default build
 
 
-def _lookup(txn: Any, db: Any, key: str) -> Any:
-    """The value under ``key`` or None; keys LMDB cannot hold (empty, over 511 bytes,
-    not encodable) are simply absent."""
+def lookup_value(txn: Any, db: Any, key: str) -> Any:
+    """The value under ``key`` or None (every value this module asks LMDB for); keys
+    LMDB cannot hold (empty, over 511 bytes, not encodable) are simply absent."""
     if db is None or not isinstance(key, str):
         return None
     try:
@@ -157,12 +158,16 @@ class LMDBStore(Store):
         return self.handle.write(kept, size_hint)
 
     # -- primitives ------------------------------------------------------------------
+    def _stored(self, txn: Any, dbs: Any, key: str) -> Any:
+        """The value under ``key`` in ``txn`` (LMDB's map); raises why it is missing."""
+        value = lookup_value(txn, dbs[RECORDS_DB], key)
+        if value is None:
+            raise tombstones.missing(txn, dbs, key, self.location)
+        return value
+
     def get(self, key: str) -> bytes:
         with self._read() as (txn, dbs):
-            value = _lookup(txn, dbs[RECORDS_DB], key)
-            if value is None:
-                raise tombstones.missing(txn, dbs, key, self.location)
-            return bytes(value)
+            return bytes(self._stored(txn, dbs, key))
 
     @contextmanager
     def read_view(self, key: str) -> Iterator[Any]:
@@ -179,9 +184,7 @@ class LMDBStore(Store):
         a read transaction and, after a compaction, the old file's disk space."""
         lease = self.handle.lease()
         try:
-            value = _lookup(lease.txn, lease.dbs[RECORDS_DB], key)
-            if value is None:
-                raise tombstones.missing(lease.txn, lease.dbs, key, self.location)
+            value = self._stored(lease.txn, lease.dbs, key)
         except lmdb.Error as exc:
             lease.release()
             raise self.handle.damaged(exc) from exc
@@ -198,14 +201,8 @@ class LMDBStore(Store):
         # The hot path of every read: no context-manager generator around the transaction.
         lease = self.handle.lease()
         try:
-            txn, db = lease.txn, lease.dbs[RECORDS_DB]
-            values = []
-            for key in keys:
-                value = _lookup(txn, db, key)
-                if value is None:
-                    raise tombstones.missing(txn, lease.dbs, key, self.location)
-                values.append(value)
-            return decoder.values(values)
+            txn, dbs = lease.txn, lease.dbs
+            return decoder.values([self._stored(txn, dbs, key) for key in keys])
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
@@ -235,14 +232,13 @@ class LMDBStore(Store):
         try:
             if lookup.dbs is not leases.dbs:  # a swap adopted between the two: copies
                 return None
-            txn, db, records = lookup.txn, lookup.dbs[RECORDS_DB], []
+            txn, records = lookup.txn, []
+            snapshot = txn.id()  # where a record lies in it may be known: no lookup
             for key in keys:
-                value = _lookup(txn, db, key)
-                if value is None:
-                    raise tombstones.missing(txn, lookup.dbs, key, self.location)
                 told = None if checked is None else checked.get(key)
+                find = functools.partial(self._stored, txn, lookup.dbs, key)
                 record = leases.view(
-                    pin, value, key, fields, verify, told, self.descriptor, transient
+                    pin, key, snapshot, find, fields, verify, told, self.descriptor, transient
                 )
                 if record is None:  # not where views can be made: the copy path
                     return None
@@ -263,10 +259,7 @@ class LMDBStore(Store):
         # the value's length in the map view: no copy
         lease = self.handle.lease()
         try:
-            value = _lookup(lease.txn, lease.dbs[RECORDS_DB], key)
-            if value is None:
-                raise tombstones.missing(lease.txn, lease.dbs, key, self.location)
-            return len(value)
+            return len(self._stored(lease.txn, lease.dbs, key))
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
@@ -338,7 +331,7 @@ class LMDBStore(Store):
             with self._read() as (txn, dbs):
                 db = dbs.get(DESCRIPTORS_DB)
                 if db is not None or again:
-                    value = _lookup(txn, db, f"{fingerprint}/{digest}")
+                    value = lookup_value(txn, db, f"{fingerprint}/{digest}")
                     if value is not None:
                         return bytes(value)
                     removed = tombstones.removed_at(txn, dbs, fingerprint)
@@ -358,7 +351,7 @@ class LMDBStore(Store):
             try:
                 txn, db = lease.txn, lease.dbs[RECORDS_DB]
                 for key in chunk:
-                    value = _lookup(txn, db, key)
+                    value = lookup_value(txn, db, key)
                     if value is None:
                         heads.append(RecordNotFound(key, self.location))
                         continue
@@ -383,7 +376,7 @@ class LMDBStore(Store):
     def has(self, key: str) -> bool:
         with self._read() as (txn, dbs):
             db = dbs[RECORDS_DB]
-            return _lookup(txn, db, key) is not None
+            return lookup_value(txn, db, key) is not None
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         # Chunks of keys per short transaction: a consumer that stops early, or works
