@@ -218,7 +218,9 @@ def open_batch(
     return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
 
 
-def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[str, Any]]:
+def packed(
+    records: Sequence[dict[str, Any]], pin: bool = False, spread: bool = False
+) -> list[dict[str, Any]]:
     """The records' fields copied field by field into ONE buffer (a recently freed one
     of this process when it fits: :data:`cache_store.format.buffers.BATCH_BUFFERS`;
     page-locked memory with ``pin``: :func:`pinned_buffer`), each field's records end to
@@ -227,7 +229,11 @@ def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[st
 
     Each field is copied from a NumPy view of its tensor and given back as a slice of
     one view of the buffer per dtype: four torch calls a field fewer than viewing each
-    part by torch (a batch of 4 records of 5 fields made 60 of them)."""
+    part by torch (a batch of 4 records of 5 fields made 60 of them).
+
+    With ``spread`` (the process's cores are not taken by DataLoader workers: a loader
+    with none), a field of :data:`SPREAD_BYTES` or more is copied by torch, which splits
+    a large copy over its intra-op threads."""
     from cache_store.format.buffers import allocate
 
     names = list(records[0])
@@ -245,7 +251,9 @@ def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[st
     out: list[dict[str, Any]] = [{} for _ in records]
     typed: dict[Any, Any] = {}  # dtype -> the buffer viewed as that dtype (8-byte multiple)
     for j, name, offset, t in slots:
-        if t.nbytes:
+        if spread and t.nbytes >= SPREAD_BYTES:  # torch's copy runs on its intra-op threads
+            base[offset : offset + t.nbytes].copy_(_flat_bytes(t))
+        elif t.nbytes:
             buf[offset : offset + t.nbytes] = _bytes_of(t)
         whole = typed.get(t.dtype)
         if whole is None:
@@ -255,17 +263,26 @@ def packed(records: Sequence[dict[str, Any]], pin: bool = False) -> list[dict[st
     return out
 
 
+#: a field this large is copied by torch's threads where the pack may ``spread``
+SPREAD_BYTES = 256 << 10
+
+
 def _bytes_of(t: Any) -> Any:
     """A flat uint8 NumPy view of tensor ``t``'s bytes (a copy where it is not
     contiguous)."""
     import numpy as np
 
-    try:
-        return t.numpy().reshape(-1).view(np.uint8)
+    try:  # (reshape keeps a strided 1-d tensor strided: contiguous first)
+        return np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8)
     except TypeError:  # a dtype NumPy lacks (bfloat16)
-        import torch
+        return _flat_bytes(t).numpy()
 
-        return t.reshape(-1).view(torch.uint8).numpy()
+
+def _flat_bytes(t: Any) -> Any:
+    """A flat uint8 tensor of ``t``'s bytes (a copy where it is not contiguous)."""
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 _unpinned_told = threading.Event()
@@ -316,7 +333,7 @@ def read_records(
     if views and batch and not transient:
         viewed = store.view_records(keys, fields, verify, transient=True)
         if viewed is not None:
-            tensors = packed([record.tensors for record in viewed], pin)
+            tensors = packed([record.tensors for record in viewed], pin, spread=True)
             return [Record(t, r.metadata) for t, r in zip(tensors, viewed, strict=True)]
     if views:
         viewed = store.view_records(keys, fields, verify, transient=transient)

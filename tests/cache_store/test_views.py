@@ -488,16 +488,19 @@ def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path
     VERIFIED.clear()
 
 
-def test_the_pack_lays_every_dtype_end_to_end_in_one_buffer() -> None:
+@pytest.mark.parametrize("spread", [False, True])
+def test_the_pack_lays_every_dtype_end_to_end_in_one_buffer(spread: bool) -> None:
     """``packed`` copies each field from a NumPy view of its bytes (torch's for a dtype
-    NumPy lacks, a copy for a strided tensor) and hands back slices of one view of the
-    buffer per dtype: every dtype a record may hold, empty fields included, comes back
-    equal, in one buffer, each field's records end to end."""
-    from cache_store.views.hop import packed
+    NumPy lacks, a copy for a strided tensor), or, with ``spread``, a large one by
+    torch's threads, and hands back slices of one view of the buffer per dtype: every
+    dtype a record may hold, empty fields included, small and large, comes back equal,
+    in one buffer, each field's records end to end."""
+    from cache_store.views.hop import SPREAD_BYTES, packed
 
     gen = torch.Generator().manual_seed(0)
     records = []
     for n in (5, 0, 3):
+        big = SPREAD_BYTES // 4 + 7 * n  # float32 elements: over SPREAD_BYTES unless n == 0
         records.append(
             {
                 "octree": torch.randint(0, 255, (n + 2,), dtype=torch.uint8, generator=gen),
@@ -506,9 +509,12 @@ def test_the_pack_lays_every_dtype_end_to_end_in_one_buffer() -> None:
                 "weights": torch.rand(n, 2, generator=gen).to(torch.bfloat16),
                 "mask": torch.rand(n, generator=gen) > 0.5,
                 "strided": torch.rand(4, n + 1, generator=gen).t(),  # not contiguous
+                "queries": torch.rand(big if n else 0, generator=gen),
+                "big_strided": torch.rand(2 * big if n else 0, generator=gen)[::2],
+                "big_bf16": torch.rand(2 * big if n else 0, generator=gen).to(torch.bfloat16),
             }
         )
-    out = packed(records)
+    out = packed(records, spread=spread)
     base = out[0]["octree"].untyped_storage().data_ptr()
     for got, want in zip(out, records, strict=True):
         for name, tensor in want.items():
