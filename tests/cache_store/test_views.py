@@ -620,9 +620,11 @@ def test_persistent_workers_hash_each_version_once_between_them(
 def test_a_snapshot_found_once_is_not_asked_of_lmdb_again_until_a_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where a record lies in a snapshot (transaction id) of data.mdb is found once: the
-    second epoch's workers (forked again, their LMDB map new) and the training process
-    view every record without a lookup, whose value py-lmdb would page in whole. A
+    """Where a record lies in a snapshot (transaction id) of data.mdb is found once, by
+    one process of the training run: the training process views what a worker looked
+    up, and the second epoch's workers (forked again, their LMDB map new) and the
+    training process view every record without a lookup, whose value py-lmdb would page
+    in whole. A
     write makes a new snapshot: the records are looked up again, and a rewritten one is
     read at its new place, equal to a plain read of it."""
     from cache_store.stores.lmdb import store as store_module
@@ -655,7 +657,9 @@ def test_a_snapshot_found_once_is_not_asked_of_lmdb_again_until_a_write(
         return [line for line in log.read_text().split("\n")[:-1] if line.split()[1] in keys]
 
     first = epoch(want)
-    assert {line.split()[1] for line in first} == {f"{FP}/{sid}" for sid in IDS}
+    # each record once, by the worker that read it: the training process and the other
+    # worker find where it lies (in the table they share)
+    assert sorted(line.split()[1] for line in first) == sorted(f"{FP}/{sid}" for sid in IDS)
     assert epoch(want) == [] and epoch(want) == []  # no process asked LMDB again
     log.write_text("")
     _same(views[1], want[1])
@@ -672,3 +676,28 @@ def test_a_snapshot_found_once_is_not_asked_of_lmdb_again_until_a_write(
     assert f"{FP}/s0" in {line.split()[1] for line in again}
     _same(views[0], changed[0])
     VERIFIED.clear()
+
+
+def test_a_shared_place_torn_or_of_another_key_or_snapshot_counts_as_unknown() -> None:
+    """The table of places a training run's processes share is written without a lock:
+    an entry read half-written, overwritten by another key (a full probe run), or of
+    another snapshot is never taken for the record's place (it is looked up again)."""
+    from cache_store.stores.lmdb.leases import KnownPlaces
+
+    known = KnownPlaces(slots=4)  # every key probes the same four slots
+    file_id = (1, 2)
+    known.put(file_id, 7, "fp/a", 4096, 100)
+    known.places.clear()  # only the shared table left, as in another process
+    assert known.get(file_id, 7, "fp/a") == (4096, 100)
+    assert known.get(file_id, 8, "fp/a") is None  # another snapshot
+    assert known.get((1, 3), 7, "fp/a") is None  # another file
+    known.places.clear()
+    [slot] = [s for s in range(0, 4 * known.WORDS, known.WORDS) if known.shared[s]]
+    known.shared[slot + 3] = 8192  # a torn write: the offset of another write
+    assert known.get(file_id, 7, "fp/a") is None
+    for i in range(5):  # more keys than slots: one is overwritten, none misread
+        known.put(file_id, 7, f"fp/k{i}", 4096 * i, 10 + i)
+    known.places.clear()
+    found = {i: known.get(file_id, 7, f"fp/k{i}") for i in range(5)}
+    assert all(place in (None, (4096 * i, 10 + i)) for i, place in found.items())
+    assert sum(place is not None for place in found.values()) == 4

@@ -50,13 +50,16 @@ what pins a view is unchanged.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import xxhash
 
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import DescriptorLookup
@@ -333,20 +336,65 @@ class KnownPlaces:
     """Where records lie in the newest snapshot this process read of each ``data.mdb``
     (see the module doc): ``(offset, length)`` by key, for one transaction id per file
     (a newer one replaces the older's places), at most ``limit`` keys a file and
-    ``files`` files (past either, forgotten and looked up again)."""
+    ``files`` files (past either, forgotten and looked up again).
 
-    def __init__(self, limit: int = 1 << 20, files: int = 64) -> None:
+    Also kept in a table shared with every process forked from the one that made this
+    object (an anonymous shared mapping made at import, before any DataLoader forks):
+    the training process finds where its workers found each record of an epoch, and a
+    persistent worker where its sibling did. An entry is six 64-bit words: two
+    independent hashes of (file, key), the snapshot, offset and length, and a check
+    hash of those five, written last; an entry read torn by a concurrent write, or
+    overwritten by another key, fails its check or its hashes and counts as unknown
+    (looked up). ``slots`` entries (a power of two); one whose few probed slots are all
+    taken overwrites the first.
+    """
+
+    PROBES = 4
+    WORDS = 6
+
+    def __init__(self, limit: int = 1 << 20, files: int = 64, slots: int = 1 << 18) -> None:
         self.limit, self.files = limit, files
         self.places: dict[tuple[int, int], tuple[int, dict[str, tuple[int, int]]]] = {}
         self.lock = threading.Lock()
+        self.slots = slots
+        self._map = mmap.mmap(-1, slots * self.WORDS * 8)  # shared, pages on use
+        self.shared = memoryview(self._map).cast("Q")
 
     def get(self, file_id: tuple[int, int], snapshot: int, key: str) -> tuple[int, int] | None:
         found = self.places.get(file_id)
-        if found is None or found[0] != snapshot:
-            return None
-        return found[1].get(key)
+        if found is not None and found[0] == snapshot:
+            place = found[1].get(key)
+            if place is not None:
+                return place
+        tags = _tags(file_id, key)
+        for slot in self._probe(tags[0]):
+            entry = tuple(self.shared[slot : slot + self.WORDS])
+            if entry[:3] == (*tags, snapshot) and entry[5] == _check(entry[:5]):
+                self._remember(file_id, snapshot, key, entry[3], entry[4])
+                return entry[3], entry[4]
+        return None
 
     def put(
+        self, file_id: tuple[int, int], snapshot: int, key: str, offset: int, length: int
+    ) -> None:
+        self._remember(file_id, snapshot, key, offset, length)
+        tags = _tags(file_id, key)
+        slots = self._probe(tags[0])
+        free = [s for s in slots if self.shared[s] == tags[0]] or [
+            s for s in slots if self.shared[s] == 0
+        ]
+        slot = free[0] if free else slots[0]
+        entry = (*tags, snapshot, offset, length)
+        self.shared[slot + 5] = 0  # invalid while it is written
+        for i, word in enumerate(entry):
+            self.shared[slot + i] = word
+        self.shared[slot + 5] = _check(entry)
+
+    def _probe(self, tag: int) -> list[int]:
+        mask = self.slots - 1
+        return [((tag + i) & mask) * self.WORDS for i in range(self.PROBES)]
+
+    def _remember(
         self, file_id: tuple[int, int], snapshot: int, key: str, offset: int, length: int
     ) -> None:
         with self.lock:
@@ -362,16 +410,30 @@ class KnownPlaces:
             found[1][key] = (offset, length)
 
     def clear(self) -> None:
-        """Forget every place (they are looked up again)."""
+        """Forget every place, here and in the shared table (they are looked up again)."""
         with self.lock:
             self.places.clear()
+            try:  # the shared pages freed (read as zeros), not written
+                self._map.madvise(mmap.MADV_REMOVE)
+            except (AttributeError, OSError):
+                self._map[:] = bytes(len(self._map))
 
     def forked(self) -> None:
         self.lock = threading.Lock()  # it may have been held by a thread of the parent
 
 
-#: This process's known places (inherited by a forked child: the same file's same
-#: snapshot is the same there).
+def _tags(file_id: tuple[int, int], key: str) -> tuple[int, int]:
+    """Two independent 64-bit hashes of a key of a file (never 0: a free slot)."""
+    text = f"{file_id[0]}:{file_id[1]}:{key}".encode()
+    return xxhash.xxh3_64_intdigest(text) | 1, xxhash.xxh3_64_intdigest(text, seed=1) | 1
+
+
+def _check(words: tuple[int, ...]) -> int:
+    return xxhash.xxh3_64_intdigest(struct.pack("5Q", *words)) | 1
+
+
+#: This process's known places (inherited by a forked child, and shared with it from
+#: then on: the same file's same snapshot is the same there).
 KNOWN = KnownPlaces()
 
 
