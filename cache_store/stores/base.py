@@ -84,7 +84,7 @@ from cache_store.format.descriptor import (
 from cache_store.format.header import RecordHeader, read_header
 from cache_store.format.index import DatasetIndex, IndexPage
 from cache_store.keys import FINGERPRINT_HEX_CHARS, split_key, validate_fingerprint
-from cache_store.views.records import Place
+from cache_store.views.records import Pack, Place
 
 __all__ = [
     "BlockLayout",
@@ -488,6 +488,7 @@ class Store(abc.ABC):
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
         transient: bool = False,
+        pack: Pack | None = None,
     ) -> list[Record] | None:
         """The records of ``keys`` as read-only tensors viewing this store's own file
         (no copy), checked as :meth:`get_records` checks them, their fields hashed as
@@ -498,7 +499,9 @@ class Store(abc.ABC):
         ``transient``: the caller copies the views and drops them before it hands
         anything on (the hop's pack): they may be slices of read-only mappings kept
         across reads (:class:`~cache_store.views.mapping.Windows`), which a write
-        through would fault.
+        through would fault. ``pack``: the records come back with ``pack`` of their
+        tensors (a batch's one copy) instead, made while the bytes it reads are held,
+        which may then be the backend's own (LMDB's map, just read by a lookup).
         None: this backend has no local file to lend (:meth:`views_refused` says why),
         or a record lies where no view can be made; the caller reads copies. Raises
         like :meth:`get_records`."""

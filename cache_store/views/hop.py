@@ -325,16 +325,17 @@ def read_records(
     storage, or one record).
 
     A batch read as views in the process that uses it (``batch``, not ``transient``: a
-    DataLoader with no workers) is read through the long-lived windows and packed at
-    once into one buffer (:func:`packed`, the hop's one copy), as a worker's batch is
+    DataLoader with no workers) is read through the long-lived windows (or, for a
+    record LMDB was just asked for, from LMDB's map, which that lookup paged in) and
+    packed at once into one buffer (:func:`packed`, the hop's one copy), as a worker's batch is
     packed in the training process: its tensors are plain copies, each field's records
     end to end, which ``collate_spc`` batches without a copy (in page-locked memory with
     ``pin``, as ``CachedDataset(pin_memory=True)`` asks)."""
     if views and batch and not transient:
-        viewed = store.view_records(keys, fields, verify, transient=True)
+        pack = functools.partial(packed, pin=pin, spread=True)
+        viewed = store.view_records(keys, fields, verify, transient=True, pack=pack)
         if viewed is not None:
-            tensors = packed([record.tensors for record in viewed], pin, spread=True)
-            return [Record(t, r.metadata) for t, r in zip(tensors, viewed, strict=True)]
+            return [Record(r.tensors, r.metadata) for r in viewed]
     if views:
         viewed = store.view_records(keys, fields, verify, transient=transient)
         if viewed is not None:

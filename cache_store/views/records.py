@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import xxhash
@@ -47,15 +47,21 @@ from cache_store.format.header import (
 from cache_store.views.mapping import MappedRange
 
 __all__ = [
+    "Pack",
     "Place",
     "VERIFIED",
     "VERIFY_CHOICES",
     "VerifiedOnce",
+    "over_bytes",
+    "repacked",
     "view_record",
 ]
 
 #: Where a record's bytes lie: the file's device and inode, the offset, the length.
 Place = tuple[int, int, int, int]
+
+#: A batch's copy (``views.hop.packed``): the records' tensors in, their copies out.
+Pack = Callable[[list[dict[str, Any]]], list[dict[str, Any]]]
 
 #: ``verify=``: hash a record's fields the first time this process reads that version at
 #: that place ("once"), or on every read ("always").
@@ -215,7 +221,10 @@ def view_record(
 
     array = mapped.array()
     view = array[at : at + length].data  # a memoryview of the mapped bytes
-    header = HEADERS.parse(view, key, place)  # its length is in ``place``
+    if same_bytes is not None and len(same_bytes) != length:
+        same_bytes = None
+    # its length is in ``place``; read from the bytes already mapped where given
+    header = HEADERS.parse(view if same_bytes is None else memoryview(same_bytes), key, place)
     if expect_checksum is not None and header.checksum != expect_checksum:
         raise CorruptRecord(key, "record checksum differs from its manifest's")
     names = selected_fields(header, fields, key)
@@ -228,7 +237,7 @@ def view_record(
         # a worker's hash of this very version here counts, once (not with "always")
         if verify == "always" or checked != (place, header.checksum):
             hashed = view
-            if same_bytes is not None and len(same_bytes) == length:
+            if same_bytes is not None:
                 hashed = memoryview(same_bytes)
             elif checked is None:
                 mapped.populate()
@@ -237,6 +246,45 @@ def view_record(
         VERIFIED.add(version, names)
     metadata = bind_metadata(header.metadata, key, lookup)
     return Record(tensors_of(array, at, header, names, torch), metadata, place)
+
+
+def over_bytes(record: Record, value: Any, key: str, fields: list[str] | None) -> Record:
+    """``record`` (just made by :func:`view_record` with ``same_bytes=value``) with its
+    tensors over ``value`` instead: for a caller that copies them before ``value``'s
+    pages may go (LMDB's map, inside the lookup transaction)."""
+    import numpy as np
+    import torch
+
+    assert record.place is not None
+    header = HEADERS.parse(memoryview(value), key, record.place)  # parsed just now
+    names = selected_fields(header, fields, key)
+    array = np.asarray(_Borrowed(value))
+    return Record(tensors_of(array, 0, header, names, torch), record.metadata, record.place)
+
+
+class _Borrowed:
+    """A read-only buffer as an array NumPy and torch take without a warning (reported
+    writable, as a window's range is: its tensors are only copied from)."""
+
+    __slots__ = ("interface", "value")
+
+    def __init__(self, value: Any) -> None:
+        import numpy as np
+
+        self.value = value
+        addr = np.frombuffer(value, np.uint8).ctypes.data
+        self.interface = {"shape": (len(value),), "typestr": "|u1", "data": (addr, False)}
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return {**self.interface, "version": 3}
+
+
+def repacked(records: list[Record], pack: Pack) -> list[Record]:
+    """``records`` with their tensors replaced by ``pack`` of them (the hop's pack: one
+    copy into one buffer), metadata and places kept."""
+    tensors = pack([record.tensors for record in records])
+    return [Record(t, r.metadata, r.place) for t, r in zip(tensors, records, strict=True)]
 
 
 def tensors_of(

@@ -701,3 +701,45 @@ def test_a_shared_place_torn_or_of_another_key_or_snapshot_counts_as_unknown() -
     found = {i: known.get(file_id, 7, f"fp/k{i}") for i in range(5)}
     assert all(place in (None, (4096 * i, 10 + i)) for i, place in found.items())
     assert sum(place is not None for place in found.values()) == 4
+
+
+def _resident_kib(addr: int) -> int:
+    """Rss of this process's mapping that starts at ``addr`` (its pages in the page
+    table: faulted in or populated here)."""
+    with open("/proc/self/smaps") as smaps:
+        lines = iter(smaps)
+        for line in lines:
+            if line.split()[0].split("-")[0] == f"{addr:x}":
+                for field in lines:
+                    if field.startswith("Rss:"):
+                        return int(field.split()[1])
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+def test_a_batch_read_here_is_copied_from_the_pages_its_lookup_touched(tmp_path: Path) -> None:
+    """With no workers the training process packs each batch itself. A record it asks
+    LMDB for (py-lmdb then touches every page of it, in LMDB's map) is hashed and
+    copied from those pages, so its window's pages are not faulted in as well; once its
+    place is known (no lookup), the batch is copied from the window. Either way the
+    batches equal plain reads."""
+    from cache_store.stores.lmdb.leases import KNOWN
+
+    path = tmp_path / "cache"
+    records = _cache(path)
+    KNOWN.clear()
+    VERIFIED.clear()
+    views, plain = CachedDataset(path, FP, views=True), CachedDataset(path, FP)
+    loader = DataLoader(views, batch_size=3, sampler=ORDER, num_workers=0, collate_fn=collate_spc)
+    for b, batch in enumerate(loader):
+        want = collate_spc([plain[i] for i in ORDER[3 * b : 3 * b + 3]])
+        for name in ("octree", "point_hierarchy", "exsum"):
+            assert torch.equal(batch[name], want[name]), name
+    [window] = mapping.windows_at(_data(path)).open.values()
+    size_kib = sum(len(value) for value in records.values()) // 1024
+    assert _resident_kib(window.addr) < size_kib // 8  # (a page-table walk's neighbours)
+    for b, batch in enumerate(loader):  # places known: copied from the window
+        want = collate_spc([plain[i] for i in ORDER[3 * b : 3 * b + 3]])
+        for name in ("octree", "point_hierarchy", "exsum"):
+            assert torch.equal(batch[name], want[name]), name
+    assert _resident_kib(window.addr) > size_kib // 2
+    VERIFIED.clear()

@@ -57,7 +57,7 @@ from cache_store.snapshot.sharded.format import (
 )
 from cache_store.stores.base import BlockLayout, RecordDecoder, Store, VerifyReport
 from cache_store.views.mapping import map_range, windows_of
-from cache_store.views.records import Place, view_record
+from cache_store.views.records import Pack, Place, repacked, view_record
 
 __all__ = ["MISS_RELIST_S", "PartMissing", "ShardedSnapshot"]
 
@@ -474,12 +474,14 @@ class ShardedSnapshot(Store):
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
         transient: bool = False,
+        pack: Pack | None = None,
     ) -> list[Record] | None:
         if self.views_refused():
             return None
-        return self.read_located(
+        records = self.read_located(
             keys, lambda located: self._view_located(located, fields, verify, checked, transient)
         )
+        return records if records is None or pack is None else repacked(records, pack)
 
     def _view_located(
         self,

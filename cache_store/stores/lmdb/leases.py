@@ -36,8 +36,9 @@ Where a view's bytes lie in ``data.mdb`` is read from this process's memory map
 LMDB maps the file anew (a grown map).
 
 Where a record lies is also remembered (:data:`KNOWN`): the places found in the newest
-snapshot (LMDB transaction id) this process read of each ``data.mdb``, which a process
-forked later inherits. A lookup transaction of that same snapshot of that same file
+snapshot (LMDB transaction id) this process read of each ``data.mdb``, and in a table
+shared with the processes forked from it (a DataLoader's workers find what the training
+process found, and it what they found). A lookup transaction of that same snapshot of that same file
 finds each such record where it was (a snapshot's pages change only by commits after
 it, which give newer snapshots a new id), so the record is viewed there without asking
 LMDB: py-lmdb touches every page of a value it returns (its "preload"), which costs a
@@ -64,7 +65,7 @@ import xxhash
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import DescriptorLookup
 from cache_store.views.mapping import MappedRange, Windows, map_range, retire_windows, windows_of
-from cache_store.views.records import Place, view_record
+from cache_store.views.records import Place, over_bytes, view_record
 
 if TYPE_CHECKING:
     pass
@@ -189,13 +190,18 @@ class Leases:
         checked: tuple[Place, str] | None,
         lookup: DescriptorLookup,
         transient: bool = False,
+        direct: bool = False,
     ) -> Record | None:
         """The record of ``key`` in the lookup transaction ``snapshot`` (its id), begun
         after ``lease``, as views of this process's own mapping of its pages, held by
         ``lease``; None where no view can be made (the caller copies). Where it lies is
         :data:`KNOWN` for that snapshot, or else asked of LMDB (``find()``: the value in
         LMDB's map, or raises why it is missing) and remembered. ``transient``: the
-        caller never hands the views on (they are slices of read-only windows). See
+        caller never hands the views on (they are slices of read-only windows).
+        ``direct``: the caller copies the tensors before the lookup transaction ends,
+        so a record asked of LMDB now is viewed in LMDB's map, whose pages py-lmdb just
+        touched (:func:`~cache_store.views.records.over_bytes`), not in a window whose
+        pages would be faulted in for the copy. See
         :func:`cache_store.views.records.view_record` for the rest."""
         import numpy as np
 
@@ -212,7 +218,10 @@ class Leases:
                 return None
             known = (offset, length)
             KNOWN.put(self.data_id, snapshot, key, offset, length)
-        return self.view_at(lease, *known, key, fields, verify, checked, lookup, transient, value)
+        record = self.view_at(lease, *known, key, fields, verify, checked, lookup, transient, value)
+        if direct and value is not None and record is not None:
+            return over_bytes(record, value, key, fields)
+        return record
 
     def view_at(
         self,

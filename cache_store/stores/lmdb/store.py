@@ -34,7 +34,7 @@ from cache_store.format.index import DatasetIndex, IndexPage, decode_index, enco
 from cache_store.keys import FINGERPRINT_HEX_CHARS, validate_fingerprint
 from cache_store.stores.base import RecordDecoder, Store, count_code_digest, note_mixed_code
 from cache_store.stores.lmdb import summaries, tombstones
-from cache_store.views.records import Place
+from cache_store.views.records import Pack, Place, repacked
 from cache_store.stores.lmdb.environment import (
     DEFAULT_MAP_SIZE,
     DEFAULT_MAX_READERS,
@@ -215,6 +215,7 @@ class LMDBStore(Store):
         verify: str,
         checked: Mapping[str, tuple[Place, str]] | None = None,
         transient: bool = False,
+        pack: Pack | None = None,
     ) -> list[Record] | None:
         # Pinned by a read lease begun before the lookup (its own read transaction, not
         # a MapLease: that would hold the map, so a re-map would wait for the views),
@@ -232,18 +233,17 @@ class LMDBStore(Store):
         try:
             if lookup.dbs is not leases.dbs:  # a swap adopted between the two: copies
                 return None
-            txn, records = lookup.txn, []
+            txn, records, direct = lookup.txn, [], pack is not None
             snapshot = txn.id()  # where a record lies in it may be known: no lookup
             for key in keys:
                 told = None if checked is None else checked.get(key)
                 find = functools.partial(self._stored, txn, lookup.dbs, key)
-                record = leases.view(
-                    pin, key, snapshot, find, fields, verify, told, self.descriptor, transient
-                )
+                how = (fields, verify, told, self.descriptor, transient, direct)
+                record = leases.view(pin, key, snapshot, find, *how)
                 if record is None:  # not where views can be made: the copy path
                     return None
                 records.append(record)
-            return records
+            return records if pack is None else repacked(records, pack)  # LMDB's map held
         except lmdb.Error as exc:
             raise self.handle.damaged(exc) from exc
         finally:
