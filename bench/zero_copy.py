@@ -10,7 +10,9 @@ cache, then measures, in interleaved repeats (today, views, today, views, ...):
   trust the pinned bytes);
 - a DataLoader with 2 forked workers, batch 4, ``collate_spc``, 3 epochs, both ways
   (with views the workers hand over where their checked records lie and the training
-  process packs the batch by one copy), for the large and the small records;
+  process packs the batch by one copy), for the large and the small records; and with
+  4 workers over the large ones (``loader4``: on a 2-core machine, more processes than
+  cores);
 - the same DataLoader over the large records with ``persistent_workers=True``
   (``loader2_persistent``): its workers are forked once, not at each epoch's start;
 - the peer users pick for memory-mapped views, tensordict (when it is installed: the
@@ -304,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for way in ("today", "views"):
                 note(f"one_process_{way}", one_process(big, fp_big, way, bytes_big))
                 note(f"loader2_{way}", loader(big, fp_big, way, bytes_big, 2))
+                note(f"loader4_{way}", loader(big, fp_big, way, bytes_big, 4))
                 note(f"loader2_small_{way}", loader(small, fp_small, way, bytes_small, 2))
                 note(f"loader0_{way}", loader(big, fp_big, way, bytes_big, 0))
                 note(
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 loader(where, fp, way, bytes_big, 2, pss=pss.setdefault(way, []))
         result: dict[str, Any] = {k: median(v) for k, v in runs.items()}
         memcpy = result["memcpy"]
-        for case in ("one_process", "loader2", "loader2_small", "loader0", "loader2_persistent"):
+        cases = ("one_process", "loader2", "loader4", "loader2_small", "loader0")
+        for case in (*cases, "loader2_persistent"):
             today, views_rate = result[f"{case}_today"], result[f"{case}_views"]
             result[f"{case}_views_over_today"] = views_rate / today
             # each repeat's own ratio (the two ran back to back): steadier under load
