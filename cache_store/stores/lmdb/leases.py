@@ -218,35 +218,14 @@ class Leases:
                 return None
             known = (offset, length)
             KNOWN.put(self.data_id, snapshot, key, offset, length)
-        record = self.view_at(lease, *known, key, fields, verify, checked, lookup, transient, value)
-        if direct and value is not None and record is not None:
-            return over_bytes(record, value, key, fields)
-        return record
-
-    def view_at(
-        self,
-        lease: ReadLease,
-        offset: int,
-        length: int,
-        key: str,
-        fields: list[str] | None,
-        verify: str,
-        checked: tuple[Place, str] | None,
-        lookup: DescriptorLookup,
-        transient: bool = False,
-        value: Any = None,
-    ) -> Record | None:
-        """The record of ``key`` at ``offset`` (``length`` bytes) of ``data.mdb`` as
-        :meth:`view` makes it, where a lookup in a transaction begun after ``lease``
-        found it (``value``: what that lookup returned, if it was made now: its bytes
-        are the ones hashed, as py-lmdb has touched every page of it)."""
-        if self.data_fd is None or self.data_id is None:
+        if self.data_fd is None:
             return None
+        offset, length = known
         windows = self.windows
         found = windows.range(offset, length, lease.release) if transient and windows else None
         mapped, at = found or map_range(self.data_fd, offset, length, lease.release)
         lease.hold(mapped)
-        return view_record(
+        record = view_record(
             mapped,
             at,
             length,
@@ -256,8 +235,11 @@ class Leases:
             place=(*self.data_id, offset, length),
             verify=verify,
             checked=checked,
-            same_bytes=value,
+            same_bytes=value,  # looked up now: the bytes hashed (py-lmdb touched them all)
         )
+        if direct and value is not None and record is not None:
+            return over_bytes(record, value, key, fields)
+        return record
 
     def file_offset(self, addr: int) -> int | None:
         """The offset in ``data.mdb`` of the byte at ``addr`` of LMDB's map; None when no
