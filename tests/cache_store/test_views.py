@@ -743,3 +743,46 @@ def test_a_batch_read_here_is_copied_from_the_pages_its_lookup_touched(tmp_path:
             assert torch.equal(batch[name], want[name]), name
     assert _resident_kib(window.addr) > size_kib // 2
     VERIFIED.clear()
+
+
+def test_places_are_known_per_incarnation_of_the_file_not_per_inode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compaction's new data.mdb starts LMDB's transaction ids again at 1 and may get
+    the inode of a data.mdb removed before: (inode, id) alone could then send a read to
+    where the record lay in another file. Places are kept under the file's change time
+    too: here the same file, inode and snapshot, its change time moved (as a file made
+    anew has another), is looked up again when it is opened anew; unchanged, it is not."""
+    from cache_store.stores.lmdb import store as store_module
+    from cache_store.stores.lmdb.leases import KNOWN
+
+    path = tmp_path / "cache"
+    _cache(path)
+    asked: list[str] = []
+    real = store_module.lookup_value
+
+    def counted(txn, db, key):  # type: ignore[no-untyped-def]
+        asked.append(key)
+        return real(txn, db, key)
+
+    monkeypatch.setattr(store_module, "lookup_value", counted)
+    KNOWN.clear()
+    key = f"{FP}/s2"
+
+    def read_anew() -> dict[str, torch.Tensor]:  # a new store: the file opened anew
+        ds = CachedDataset(path, FP, views=True)
+        sample = {k: v.clone() for k, v in ds[2].items()}
+        ds.close()
+        return sample
+
+    first = read_anew()
+    assert asked.count(key) == 1
+    _same(read_anew(), first)
+    assert asked.count(key) == 1  # the same incarnation: known
+    data = path / "records" / "data.mdb"
+    inode = data.stat().st_ino
+    os.utime(data)  # its change time moves; inode, bytes and transaction id stay
+    _same(read_anew(), first)
+    assert data.stat().st_ino == inode
+    assert asked.count(key) == 2  # another incarnation: asked of LMDB again
+    VERIFIED.clear()

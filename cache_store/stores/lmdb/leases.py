@@ -129,6 +129,9 @@ class Leases:
         self.live: set[ReadLease] = set()
         self.data_fd: int | None = None
         self.data_id: tuple[int, int] | None = None
+        #: data.mdb's device, inode and change time when opened here: what KNOWN's
+        #: places are kept under (see KnownPlaces on why not the inode alone)
+        self.incarnation: tuple[int, int, int] | None = None
         self.windows: Windows | None = None  # this process's windows of data.mdb
         self.maps: list[tuple[int, int, int]] = []  # (start, end, file offset) of data.mdb
         _all.add(self)
@@ -149,6 +152,7 @@ class Leases:
             return False
         st = os.fstat(fd)
         self.data_fd, self.data_id = fd, (st.st_dev, st.st_ino)
+        self.incarnation = (st.st_dev, st.st_ino, st.st_ctime_ns)
         try:
             self.windows = windows_of(self.data_path, fd)
         except OSError as exc:  # no descriptor left: views of their own mappings only
@@ -205,10 +209,10 @@ class Leases:
         :func:`cache_store.views.records.view_record` for the rest."""
         import numpy as np
 
-        if self.data_id is None:
+        if self.data_id is None or self.incarnation is None:
             return None
         value = None
-        known = KNOWN.get(self.data_id, snapshot, key)
+        known = KNOWN.get(self.incarnation, snapshot, key)
         if known is None:
             value = find()
             length = len(value)
@@ -217,7 +221,7 @@ class Leases:
             if offset is None:
                 return None
             known = (offset, length)
-            KNOWN.put(self.data_id, snapshot, key, offset, length)
+            KNOWN.put(self.incarnation, snapshot, key, offset, length)
         if self.data_fd is None:
             return None
         offset, length = known
@@ -329,6 +333,13 @@ class KnownPlaces:
     (a newer one replaces the older's places), at most ``limit`` keys a file and
     ``files`` files (past either, forgotten and looked up again).
 
+    A file is its device, inode and change time as a process found them when it opened
+    it (``Leases.incarnation``), not its inode alone: a compaction's new ``data.mdb``
+    starts its transaction ids again at 1 and may get the inode of one removed before,
+    so (inode, id) can name two files' snapshots over a long run; their change times
+    differ. (Processes that opened the file across a write key its places apart: they
+    are then looked up once more, never misread.)
+
     Also kept in a table shared with every process forked from the one that made this
     object (an anonymous shared mapping made at import, before any DataLoader forks):
     the training process finds where its workers found each record of an epoch, and a
@@ -345,13 +356,13 @@ class KnownPlaces:
 
     def __init__(self, limit: int = 1 << 20, files: int = 64, slots: int = 1 << 18) -> None:
         self.limit, self.files = limit, files
-        self.places: dict[tuple[int, int], tuple[int, dict[str, tuple[int, int]]]] = {}
+        self.places: dict[tuple[int, ...], tuple[int, dict[str, tuple[int, int]]]] = {}
         self.lock = threading.Lock()
         self.slots = slots
         self._map = mmap.mmap(-1, slots * self.WORDS * 8)  # shared, pages on use
         self.shared = memoryview(self._map).cast("Q")
 
-    def get(self, file_id: tuple[int, int], snapshot: int, key: str) -> tuple[int, int] | None:
+    def get(self, file_id: tuple[int, ...], snapshot: int, key: str) -> tuple[int, int] | None:
         found = self.places.get(file_id)
         if found is not None and found[0] == snapshot:
             place = found[1].get(key)
@@ -366,7 +377,7 @@ class KnownPlaces:
         return None
 
     def put(
-        self, file_id: tuple[int, int], snapshot: int, key: str, offset: int, length: int
+        self, file_id: tuple[int, ...], snapshot: int, key: str, offset: int, length: int
     ) -> None:
         self._remember(file_id, snapshot, key, offset, length)
         tags = _tags(file_id, key)
@@ -386,7 +397,7 @@ class KnownPlaces:
         return [((tag + i) & mask) * self.WORDS for i in range(self.PROBES)]
 
     def _remember(
-        self, file_id: tuple[int, int], snapshot: int, key: str, offset: int, length: int
+        self, file_id: tuple[int, ...], snapshot: int, key: str, offset: int, length: int
     ) -> None:
         with self.lock:
             found = self.places.get(file_id)
@@ -413,9 +424,9 @@ class KnownPlaces:
         self.lock = threading.Lock()  # it may have been held by a thread of the parent
 
 
-def _tags(file_id: tuple[int, int], key: str) -> tuple[int, int]:
+def _tags(file_id: tuple[int, ...], key: str) -> tuple[int, int]:
     """Two independent 64-bit hashes of a key of a file (never 0: a free slot)."""
-    text = f"{file_id[0]}:{file_id[1]}:{key}".encode()
+    text = f"{':'.join(map(str, file_id))}:{key}".encode()
     return xxhash.xxh3_64_intdigest(text) | 1, xxhash.xxh3_64_intdigest(text, seed=1) | 1
 
 
