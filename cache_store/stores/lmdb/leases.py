@@ -35,12 +35,12 @@ Where a view's bytes lie in ``data.mdb`` is read from this process's memory map
 (``/proc/self/maps``: py-lmdb reports no map address), once per map and re-read when
 LMDB maps the file anew (a grown map).
 
-Where a record lies is also remembered (:data:`KNOWN`): the places found in the newest
-snapshot (LMDB transaction id) this process read of each ``data.mdb``, and in a table
-shared with the processes forked from it (a DataLoader's workers find what the training
-process found, and it what they found). A lookup transaction of that same snapshot of that same file
-finds each such record where it was (a snapshot's pages change only by commits after
-it, which give newer snapshots a new id), so the record is viewed there without asking
+Where a record lies is also remembered (:data:`KNOWN`): the places found, by snapshot
+(LMDB transaction id) of each ``data.mdb``, in a table shared with the processes forked
+from this one (a DataLoader's workers find what the training process found, and it what
+they found). A lookup transaction of that same snapshot of that same file finds each
+such record where it was (a snapshot's pages change only by commits after it, which
+give newer snapshots a new id), so the record is viewed there without asking
 LMDB: py-lmdb touches every page of a value it returns (its "preload"), which costs a
 fault per 64 KiB in a process whose map is new (220 us for a 2.4 MB record: each
 DataLoader worker forked for an epoch, and the training process after each fork's
@@ -328,10 +328,13 @@ class Leases:
 
 
 class KnownPlaces:
-    """Where records lie in the newest snapshot this process read of each ``data.mdb``
-    (see the module doc): ``(offset, length)`` by key, for one transaction id per file
-    (a newer one replaces the older's places), at most ``limit`` keys a file and
-    ``files`` files (past either, forgotten and looked up again).
+    """Where records lie (offset, length) by file, snapshot (transaction id) and key, in
+    one table shared with every process forked from the one that made this object (an
+    anonymous shared mapping made at import, before any DataLoader forks): the training
+    process finds where its workers found each record of an epoch, a persistent worker
+    where its sibling did, and each epoch's new workers what the run found before. One
+    table, not a dict per process as well: at a million records a dict of keys would
+    cost each process a few hundred MB; an entry here is 48 bytes, shared.
 
     A file is its device, inode and change time as a process found them when it opened
     it (``Leases.incarnation``), not its inode alone: a compaction's new ``data.mdb``
@@ -340,46 +343,33 @@ class KnownPlaces:
     differ. (Processes that opened the file across a write key its places apart: they
     are then looked up once more, never misread.)
 
-    Also kept in a table shared with every process forked from the one that made this
-    object (an anonymous shared mapping made at import, before any DataLoader forks):
-    the training process finds where its workers found each record of an epoch, and a
-    persistent worker where its sibling did. An entry is six 64-bit words: two
-    independent hashes of (file, key), the snapshot, offset and length, and a check
-    hash of those five, written last; an entry read torn by a concurrent write, or
-    overwritten by another key, fails its check or its hashes and counts as unknown
-    (looked up). ``slots`` entries (a power of two); one whose few probed slots are all
-    taken overwrites the first.
+    An entry is six 64-bit words: two independent hashes of (file, key), the snapshot,
+    offset and length, and a check hash of those five, written last; an entry read torn
+    by a concurrent write, or overwritten by another key, fails its check or its hashes
+    and counts as unknown (looked up). ``slots`` entries (a power of two); one whose few
+    probed slots are all taken overwrites the first, so past about ``slots`` records a
+    run looks some up again.
     """
 
     PROBES = 4
     WORDS = 6
 
-    def __init__(self, limit: int = 1 << 20, files: int = 64, slots: int = 1 << 18) -> None:
-        self.limit, self.files = limit, files
-        self.places: dict[tuple[int, ...], tuple[int, dict[str, tuple[int, int]]]] = {}
-        self.lock = threading.Lock()
+    def __init__(self, slots: int = 1 << 20) -> None:
         self.slots = slots
         self._map = mmap.mmap(-1, slots * self.WORDS * 8)  # shared, pages on use
         self.shared = memoryview(self._map).cast("Q")
 
     def get(self, file_id: tuple[int, ...], snapshot: int, key: str) -> tuple[int, int] | None:
-        found = self.places.get(file_id)
-        if found is not None and found[0] == snapshot:
-            place = found[1].get(key)
-            if place is not None:
-                return place
         tags = _tags(file_id, key)
         for slot in self._probe(tags[0]):
             entry = tuple(self.shared[slot : slot + self.WORDS])
             if entry[:3] == (*tags, snapshot) and entry[5] == _check(entry[:5]):
-                self._remember(file_id, snapshot, key, entry[3], entry[4])
                 return entry[3], entry[4]
         return None
 
     def put(
         self, file_id: tuple[int, ...], snapshot: int, key: str, offset: int, length: int
     ) -> None:
-        self._remember(file_id, snapshot, key, offset, length)
         tags = _tags(file_id, key)
         slots = self._probe(tags[0])
         free = [s for s in slots if self.shared[s] == tags[0]] or [
@@ -396,32 +386,12 @@ class KnownPlaces:
         mask = self.slots - 1
         return [((tag + i) & mask) * self.WORDS for i in range(self.PROBES)]
 
-    def _remember(
-        self, file_id: tuple[int, ...], snapshot: int, key: str, offset: int, length: int
-    ) -> None:
-        with self.lock:
-            found = self.places.get(file_id)
-            if found is None or found[0] < snapshot:  # ids only grow in one file
-                found = self.places[file_id] = (snapshot, {})
-                while len(self.places) > self.files:
-                    del self.places[next(iter(self.places))]
-            elif found[0] != snapshot:
-                return  # found in an older snapshot than the one remembered
-            if len(found[1]) >= self.limit:
-                found[1].clear()
-            found[1][key] = (offset, length)
-
     def clear(self) -> None:
-        """Forget every place, here and in the shared table (they are looked up again)."""
-        with self.lock:
-            self.places.clear()
-            try:  # the shared pages freed (read as zeros), not written
-                self._map.madvise(mmap.MADV_REMOVE)
-            except (AttributeError, OSError):
-                self._map[:] = bytes(len(self._map))
-
-    def forked(self) -> None:
-        self.lock = threading.Lock()  # it may have been held by a thread of the parent
+        """Forget every place, in every process sharing the table (looked up again)."""
+        try:  # the shared pages freed (read as zeros), not written
+            self._map.madvise(mmap.MADV_REMOVE)
+        except (AttributeError, OSError):
+            self._map[:] = bytes(len(self._map))
 
 
 def _tags(file_id: tuple[int, ...], key: str) -> tuple[int, int]:
@@ -434,8 +404,8 @@ def _check(words: tuple[int, ...]) -> int:
     return xxhash.xxh3_64_intdigest(struct.pack("5Q", *words)) | 1
 
 
-#: This process's known places (inherited by a forked child, and shared with it from
-#: then on: the same file's same snapshot is the same there).
+#: The known places of this process and those forked from it (the same file's same
+#: snapshot is the same there).
 KNOWN = KnownPlaces()
 
 
@@ -457,4 +427,4 @@ def end_all_before_fork() -> None:
         leases.end_all()
 
 
-os.register_at_fork(before=end_all_before_fork, after_in_child=KNOWN.forked)
+os.register_at_fork(before=end_all_before_fork)
