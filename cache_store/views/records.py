@@ -52,7 +52,6 @@ __all__ = [
     "VERIFIED",
     "VERIFY_CHOICES",
     "VerifiedOnce",
-    "over_bytes",
     "repacked",
     "view_record",
 ]
@@ -199,6 +198,7 @@ def view_record(
     expect_checksum: str | None = None,
     checked: tuple[Place, str] | None = None,
     same_bytes: Any = None,
+    over_same_bytes: bool = False,
 ) -> Record | None:
     """The record of ``length`` bytes at ``at`` in ``mapped``, as views; None when a field
     is not aligned for its dtype (the caller reads a copy).
@@ -210,13 +210,17 @@ def view_record(
     ``length`` bytes of the same file, pinned by the same lease, where this process has
     them mapped and already read (LMDB's map after a lookup: py-lmdb touched every
     page), hashed instead of ``mapped`` (whose pages would be faulted in only for the
-    hash: 0.7 ms a 2.4 MB record, more than the hash).
+    hash: 0.7 ms a 2.4 MB record, more than the hash); with ``over_same_bytes`` the
+    tensors view them too, for a caller that copies the tensors before those pages may
+    go (LMDB's map, inside the lookup transaction), so ``mapped``'s pages are never
+    faulted in.
 
     Raises:
         CorruptRecord: naming ``key`` (a bad header or field, another key's record, not
             the expected version).
         UnknownName: a requested field the record does not hold.
     """
+    import numpy as np
     import torch
 
     array = mapped.array()
@@ -245,21 +249,9 @@ def view_record(
                 verified_field(hashed, header, name, key)
         VERIFIED.add(version, names)
     metadata = bind_metadata(header.metadata, key, lookup)
+    if over_same_bytes and same_bytes is not None:  # copied before those pages may go
+        array, at = np.asarray(_Borrowed(same_bytes)), 0
     return Record(tensors_of(array, at, header, names, torch), metadata, place)
-
-
-def over_bytes(record: Record, value: Any, key: str, fields: list[str] | None) -> Record:
-    """``record`` (just made by :func:`view_record` with ``same_bytes=value``) with its
-    tensors over ``value`` instead: for a caller that copies them before ``value``'s
-    pages may go (LMDB's map, inside the lookup transaction)."""
-    import numpy as np
-    import torch
-
-    assert record.place is not None
-    header = HEADERS.parse(memoryview(value), key, record.place)  # parsed just now
-    names = selected_fields(header, fields, key)
-    array = np.asarray(_Borrowed(value))
-    return Record(tensors_of(array, 0, header, names, torch), record.metadata, record.place)
 
 
 class _Borrowed:

@@ -65,7 +65,7 @@ import xxhash
 from cache_store.format.decode import Record
 from cache_store.format.descriptor import DescriptorLookup
 from cache_store.views.mapping import MappedRange, Windows, map_range, retire_windows, windows_of
-from cache_store.views.records import Place, over_bytes, view_record
+from cache_store.views.records import Place, view_record
 
 if TYPE_CHECKING:
     pass
@@ -204,7 +204,7 @@ class Leases:
         caller never hands the views on (they are slices of read-only windows).
         ``direct``: the caller copies the tensors before the lookup transaction ends,
         so a record asked of LMDB now is viewed in LMDB's map, whose pages py-lmdb just
-        touched (:func:`~cache_store.views.records.over_bytes`), not in a window whose
+        touched (``view_record``'s ``over_same_bytes``), not in a window whose
         pages would be faulted in for the copy. See
         :func:`cache_store.views.records.view_record` for the rest."""
         import numpy as np
@@ -229,7 +229,7 @@ class Leases:
         found = windows.range(offset, length, lease.release) if transient and windows else None
         mapped, at = found or map_range(self.data_fd, offset, length, lease.release)
         lease.hold(mapped)
-        record = view_record(
+        return view_record(
             mapped,
             at,
             length,
@@ -240,10 +240,8 @@ class Leases:
             verify=verify,
             checked=checked,
             same_bytes=value,  # looked up now: the bytes hashed (py-lmdb touched them all)
+            over_same_bytes=direct,
         )
-        if direct and value is not None and record is not None:
-            return over_bytes(record, value, key, fields)
-        return record
 
     def file_offset(self, addr: int) -> int | None:
         """The offset in ``data.mdb`` of the byte at ``addr`` of LMDB's map; None when no
