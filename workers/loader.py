@@ -623,8 +623,10 @@ def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:
     broken pool and its thread ends. The stdlib has no public way to do either before
     Python 3.14, so this reaches into the executor's process table and result queue."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
-    # shutdown() drops the executor's reference to the result queue: take it first
+    # shutdown() drops the executor's references to its result queue and its thread:
+    # take them first
     result_queue = getattr(pool, "_result_queue", None)
+    manager = getattr(pool, "_executor_manager_thread", None)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
@@ -638,3 +640,9 @@ def stop_executor(pool: cf.ProcessPoolExecutor, timeout_s: float = 1.0) -> None:
     writer = getattr(result_queue, "_writer", None)
     if writer is not None:
         writer.close()
+    # The executor's thread of a broken pool joins its workers too, and may be the one
+    # that reaps a killed worker: until it has stored the exit status, that worker still
+    # reads as alive here (``is_alive`` finds the process gone and no status). Its end
+    # says every worker's status is stored. Bounded: a caller stopping a run is not kept.
+    if manager is not None and manager is not threading.current_thread():
+        manager.join(max(timeout_s, 5.0))
