@@ -55,6 +55,7 @@ from cache_store.readers.variants import VariantChoice, epoch_of, variant_proble
 from cache_store.stores.base import BlockLayout, Store
 from cache_store.stores.opener import open_store
 from cache_store.views.hop import LocatedSample, hands_over, read_path, read_records
+from cache_store.views.ring import ring_here
 from cache_store.readers.options import checked_options
 
 __all__ = ["CachedDataset"]
@@ -200,6 +201,8 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         if on_miss == "compute":  # the worker computing a miss is another process
             require_installed(fingerprint_or_recipe, "the worker that computes a miss")
         self.views, self.verify, self.pin_memory = bool(views), verify, bool(pin_memory)
+        if self.views and transform is None and not self.pin_memory:
+            ring_here()  # the batch slots its DataLoader's forked workers will pack into
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe

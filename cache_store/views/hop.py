@@ -47,6 +47,7 @@ __all__ = [
     "hands_over",
     "open_batch",
     "open_sample",
+    "pack_in_slot",
     "packed",
     "pinned_buffer",
     "read_path",
@@ -136,15 +137,16 @@ class LocatedBatch:
     indexing it (a ``collate_fn`` changing ``collate_spc``'s batch) raises a
     ``TypeError`` that names the fixes."""
 
-    __slots__ = ("collate", "located", "source")
+    __slots__ = ("collate", "located", "slot", "source")
 
     def __init__(self, samples: Sequence[LocatedSample], collate: Callable[..., Any]) -> None:
         self.source = samples[0].source
         self.located = [(s.key, s.checked) for s in samples]
         self.collate = collate  # collate_spc: pickled by name
+        self.slot = pack_in_slot(self.source, self.located)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return open_batch, (self.source, self.located, self.collate)
+        return open_batch, (self.source, self.located, self.collate, self.slot)
 
     def _refuse(self, *_: Any) -> Any:
         raise TypeError(
@@ -207,13 +209,19 @@ def open_sample(source: Source, key: str, checked: tuple[Place, str]) -> Any:
 
 
 def open_batch(
-    source: Source, items: Sequence[tuple[str, tuple[Place, str]]], collate: Callable[..., Any]
+    source: Source,
+    items: Sequence[tuple[str, tuple[Place, str]]],
+    collate: Callable[..., Any],
+    slot: Slot | None = None,
 ) -> Any:
     """In the training process: the batch a worker located, collated by ``collate``
-    (``collate_spc``: Kaolin's packed layout) after one copy of each record's fields
-    (:func:`packed`), of which it then takes views."""
+    (``collate_spc``: Kaolin's packed layout) over one copy of each record's fields,
+    of which it takes views: the copy the worker packed into a ring ``slot``
+    (:func:`pack_in_slot`) where it is still there, else one made here (:func:`packed`)."""
     sample, variable = source[4], source[3]
-    tensors = packed([r.tensors for r in _records(source, items, True)], source[5])
+    tensors = None if slot is None else _slot_tensors(slot, len(items))
+    if tensors is None:
+        tensors = packed([r.tensors for r in _records(source, items, True)], source[5])
     ids = [split_key(key)[1] for key, _ in items]
     return collate([sample(t, variable, i) for t, i in zip(tensors, ids, strict=True)])
 
@@ -236,9 +244,23 @@ def packed(
     a large copy over its intra-op threads."""
     from cache_store.format.buffers import allocate
 
-    names = list(records[0])
+    slots, size = _layout(records)
+    found = pinned_buffer(size) if pin else None
+    base, buf = found if found is not None else allocate(size, False)
+    for _, _, offset, t in slots:
+        if spread and t.nbytes >= SPREAD_BYTES:  # torch's copy runs on its intra-op threads
+            base[offset : offset + t.nbytes].copy_(_flat_bytes(t))
+        elif t.nbytes:
+            buf[offset : offset + t.nbytes] = _bytes_of(t)
+    return _views(base, [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots], len(records))
+
+
+def _layout(records: Sequence[dict[str, Any]]) -> tuple[list[tuple[int, str, int, Any]], int]:
+    """Where :func:`packed` puts each field of each record: ``(record, name, offset,
+    tensor)`` in packing order (each field's records end to end, a field from an 8-byte
+    boundary, each part aligned for its dtype), and the bytes in all (a multiple of 8)."""
     slots, size = [], 0
-    for name in names:
+    for name in records[0]:
         size = (size + 7) & ~7
         for j, fields in enumerate(records):
             t = fields[name]
@@ -246,21 +268,109 @@ def packed(
             size = -(-size // item) * item
             slots.append((j, name, size, t))
             size += t.nbytes
-    found = pinned_buffer((size + 7) & ~7) if pin else None
-    base, buf = found if found is not None else allocate((size + 7) & ~7, False)
-    out: list[dict[str, Any]] = [{} for _ in records]
+    return slots, (size + 7) & ~7
+
+
+#: a packed batch's fields: ``(record, name, offset, dtype, shape)`` each
+Layout = list[tuple[int, str, int, Any, Any]]
+
+
+def _views(base: Any, layout: Layout, count: int) -> list[dict[str, Any]]:
+    """The ``count`` records' fields as views of the packed uint8 tensor ``base``: one
+    view of it per dtype, sliced (four torch calls a field fewer than viewing each part
+    of ``base`` itself)."""
+    out: list[dict[str, Any]] = [{} for _ in range(count)]
     typed: dict[Any, Any] = {}  # dtype -> the buffer viewed as that dtype (8-byte multiple)
-    for j, name, offset, t in slots:
-        if spread and t.nbytes >= SPREAD_BYTES:  # torch's copy runs on its intra-op threads
-            base[offset : offset + t.nbytes].copy_(_flat_bytes(t))
-        elif t.nbytes:
-            buf[offset : offset + t.nbytes] = _bytes_of(t)
-        whole = typed.get(t.dtype)
+    for j, name, offset, dtype, shape in layout:
+        whole = typed.get(dtype)
         if whole is None:
-            whole = typed[t.dtype] = base.view(t.dtype)
-        at = offset // t.element_size()
-        out[j][name] = whole[at : at + t.numel()].view(t.shape)
+            whole = typed[dtype] = base.view(dtype)
+        at = offset // whole.element_size()
+        out[j][name] = whole[at : at + shape.numel()].view(shape)
     return out
+
+
+#: a batch packed in a ring slot, as a worker sends it: ``(slot, version, bytes, layout)``
+Slot = tuple[int, int, int, Layout]
+
+#: a field this large is read from the file into a slot (smaller ones are copied from the
+#: view: their pages are the header's, or few)
+READ_BYTES = 64 << 10
+
+
+def pack_in_slot(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> Slot | None:
+    """In a DataLoader worker: the located records of a batch packed (as :func:`packed`
+    lays them out) into a slot of the ring the training process made before forking it
+    (:mod:`cache_store.views.ring`), read again here as views pinned while the copy runs
+    (hashed as every read: a version this run hashed is not hashed again). Each large
+    field is read from the file into the slot (:func:`~cache_store.views.mapping.
+    read_mapped`). None where there is no ring to use, no slot free, ``pin_memory``
+    asked for (the training process packs into pinned memory), or the records cannot be
+    viewed here: the batch then crosses as places."""
+    from cache_store.views.ring import ring
+
+    found = ring()
+    if found is None or source[5] or not found.usable_here():
+        return None
+    claimed: list[Slot] = []
+
+    def into_slot(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        slots, size = _layout(records)
+        got = found.claim(size)
+        if got is None:
+            return records
+        layout = [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots]
+        claimed.append((*got, size, layout))
+        buf = found.writable(got[0], size)
+        _fill(buf, slots)
+        return records
+
+    keys = [key for key, _ in items]
+    names = None if source[1] is None else list(source[1])
+    viewed = None
+    try:
+        viewed = _store(source[0]).view_records(
+            keys, names, source[2], transient=True, pack=into_slot
+        )
+    except Exception:  # noqa: BLE001 - the training process reads them, and says why
+        viewed = None
+    finally:
+        if viewed is None:
+            for slot, version, _, _ in claimed:
+                found.unclaim(slot, version)
+    return claimed[0] if viewed is not None and claimed else None
+
+
+def _fill(buf: Any, slots: list[tuple[int, str, int, Any]]) -> None:
+    """Copy each field into ``buf`` at its offset: a large contiguous one by reading the
+    file its view maps, else from the view."""
+    from cache_store.views.mapping import read_mapped
+
+    whole = memoryview(buf)
+    for _, _, offset, t in slots:
+        n = t.nbytes
+        if not n:
+            continue
+        read = n >= READ_BYTES and t.is_contiguous()
+        if not (read and read_mapped(whole[offset : offset + n], t.data_ptr())):
+            buf[offset : offset + n] = _bytes_of(t)
+
+
+def _slot_tensors(slot: Slot, count: int) -> list[dict[str, Any]] | None:
+    """In the training process: the ``count`` records a worker packed into ``slot``, as
+    views of it (None: not there any more, or no ring here)."""
+    import torch
+
+    from cache_store.views.ring import ring
+
+    found = ring()
+    if found is None:
+        return None
+    index, version, size, layout = slot
+    memory = found.open(index, version, size)
+    if memory is None:
+        return None
+    return _views(torch.from_numpy(memory.array()), layout, count)
 
 
 #: a field this large is copied by torch's threads where the pack may ``spread``

@@ -339,6 +339,18 @@ def test_transient_views_are_window_slices_that_keep_their_bytes(tmp_path: Path)
     VERIFIED.clear()
 
 
+@pytest.fixture
+def places_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No batch ring: every batch crosses as places and is packed in the training
+    process, as one does when no slot is free (the training loop holds more batches than
+    the ring has), with ``pin_memory``, or with workers started by ``spawn``."""
+    from cache_store.views import ring
+
+    monkeypatch.setattr(ring, "_ring", [None])
+    monkeypatch.setattr(ring, "_unmade", ["not in this test"])
+
+
+@pytest.mark.usefixtures("places_only")
 def test_the_hop_packs_from_windows_kept_across_epochs(tmp_path: Path) -> None:
     """Each epoch forks its workers (the fork hook closes the environment): the training
     process's windows stay, so a later epoch maps, and faults in, nothing again."""
@@ -439,6 +451,7 @@ class _ForkProbe(torch.utils.data.Dataset):  # type: ignore[type-arg]
         }
 
 
+@pytest.mark.usefixtures("places_only")
 def test_batch_buffers_the_training_process_let_go_are_not_forked(tmp_path: Path) -> None:
     """The training process packs each batch into a pooled buffer; forking the next
     epoch's workers made every page of an idle one copy-on-write, so the parent's next

@@ -1,0 +1,243 @@
+"""Batch slots shared by the training process and its forked DataLoader workers.
+
+A worker of ``CachedDataset(views=True)`` packs each batch (Kaolin's layout, every
+field's records end to end: :func:`cache_store.views.hop.packed`) into a slot of a
+:class:`BatchRing` and sends the slot, not the bytes; the training process takes views
+of the slot. The pack, the hop's one copy, then runs in the workers, in parallel, where
+before it ran in the training process for every batch; and it reads each field from the
+file with ``preadv`` (a copy from the page cache), where a forked worker's new mapping
+would fault in every page first.
+
+The ring is made by the process that reads the batches (the training process) before it
+forks its workers: ``SLOTS`` slots of ``CAPACITY`` bytes in one shared anonymous mapping
+(``MAP_NORESERVE``: a page is memory only once written), and a table of each slot's
+state, version and writer, written under one process-shared lock:
+
+- *free* -> *claimed* (version + 1, writer = the worker): by a worker, for a slot that is
+  free, or claimed by a worker that is gone (its batch never reached the training
+  process: an iterator dropped mid-epoch), the lowest such slot first, so few slots'
+  pages are ever touched;
+- *claimed* -> *opened*: by the training process as it unpickles the batch, only if the
+  slot still holds that version (else it reads the records itself, as without a ring);
+- *opened* -> *free*: by the training process once the last tensor viewing the slot is
+  gone (a single aligned store, no lock: a worker reads either state).
+
+So a slot is written only by the one worker that claimed it, and read by the training
+process only while it is opened; a batch whose slot was reclaimed, a worker of a worker,
+a worker started by ``spawn``/``forkserver`` (no ring there), ``pin_memory``, a batch
+larger than a slot, no free slot, or a lock not had within :data:`WAIT_S` (a worker killed
+while holding it): the batch crosses as places, packed in the training process. Linux
+only (as the views are).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import multiprocessing
+import os
+import threading
+from typing import Any
+
+from cache_store.processes import pid_alive
+from cache_store.views.mapping import PAGE, _MAP_FAILED, _madvise, _mmap, _os_error
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CAPACITY", "SLOTS", "BatchRing", "SlotMemory", "ring", "ring_here"]
+
+#: slots in a ring: a DataLoader's batches in flight (workers x ``prefetch_factor``) and
+#: those the training loop still holds
+SLOTS = 32
+#: bytes a slot holds (virtual: pages are memory once written)
+CAPACITY = 64 << 20
+#: how long a process waits for the ring's lock before it packs the batch without it
+WAIT_S = 0.5
+
+_FREE, _CLAIMED, _OPENED = 0, 1, 2
+_WORDS = 4  # state, version, writer pid, bytes written
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+class BatchRing:
+    """``slots`` slots of ``capacity`` bytes shared with the processes forked from the
+    one that made it (see the module doc for the rules). Raises ``OSError``."""
+
+    def __init__(self, slots: int | None = None, capacity: int | None = None) -> None:
+        self.slots = SLOTS if slots is None else slots
+        self.capacity = CAPACITY if capacity is None else capacity
+        slots, capacity = self.slots, self.capacity
+        self.owner = os.getpid()
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+        addr = _mmap(None, slots * capacity, prot, flags, -1, 0)
+        if addr in (None, _MAP_FAILED):
+            raise _os_error(f"mapping {slots} batch slots of {capacity} bytes")
+        self.addr = addr
+        self._table = mmap.mmap(-1, slots * _WORDS * 8)  # shared, anonymous
+        self.words = memoryview(self._table).cast("q")
+        # fork's: a semaphore unlinked at once (no resource tracker process); inherited
+        self.lock = multiprocessing.get_context("fork").Lock()
+        self.disabled = ""
+        #: slots whose pages this process has mapped: slot -> bytes (a process after a
+        #: fork maps a shared mapping's pages anew: populated in one call on first use)
+        self.mapped: tuple[int, dict[int, int]] = (self.owner, {})
+
+    # -- in a worker -----------------------------------------------------------------
+    def usable_here(self) -> bool:
+        """Whether this process may pack into the ring: a child the ring's owner forked
+        (the one that unpickles what it sends)."""
+        return not self.disabled and os.getppid() == self.owner
+
+    def claim(self, size: int) -> tuple[int, int] | None:
+        """A slot for ``size`` bytes, claimed by this process: ``(slot, version)``, or
+        None (none free, too large, or the lock not had in time)."""
+        if size > self.capacity or not self.usable_here():
+            return None
+        if not self.lock.acquire(timeout=WAIT_S):
+            self._give_up("its lock was not had in time (a process died holding it?)")
+            return None
+        words, me = self.words, os.getpid()
+        try:
+            for slot in range(self.slots):
+                at = slot * _WORDS
+                state, writer = words[at], words[at + 2]
+                if state == _FREE or (state == _CLAIMED and writer != me and not pid_alive(writer)):
+                    words[at + 1] += 1
+                    words[at + 2] = me
+                    words[at + 3] = size
+                    words[at] = _CLAIMED
+                    return slot, words[at + 1]
+            return None
+        finally:
+            self.lock.release()
+
+    def unclaim(self, slot: int, version: int) -> None:
+        """Give back a slot this process claimed and will not send (a pack that failed)."""
+        at = slot * _WORDS
+        if self.lock.acquire(timeout=WAIT_S):
+            try:
+                if self.words[at] == _CLAIMED and self.words[at + 1] == version:
+                    self.words[at] = _FREE
+            finally:
+                self.lock.release()
+
+    def writable(self, slot: int, size: int) -> Any:
+        """A NumPy uint8 view of ``size`` bytes of ``slot`` to pack into (its pages
+        mapped in one call the first time this process writes that far into it)."""
+        self._populate(slot, size, _MADV_POPULATE_WRITE)
+        return SlotMemory(self, slot, size, held=False).array()
+
+    # -- in the training process -----------------------------------------------------
+    def open(self, slot: int, version: int, size: int) -> SlotMemory | None:
+        """The batch a worker packed into ``slot`` at ``version``: its memory, held (the
+        slot is free again when the memory is gone). None where the slot does not hold
+        that version any more, or this is not the ring's owner."""
+        if os.getpid() != self.owner or not 0 <= slot < self.slots or size > self.capacity:
+            return None
+        if not self.lock.acquire(timeout=WAIT_S):
+            self._give_up("its lock was not had in time (a process died holding it?)")
+            return None
+        at = slot * _WORDS
+        try:
+            if self.words[at] != _CLAIMED or self.words[at + 1] != version:
+                return None
+            self.words[at] = _OPENED
+        finally:
+            self.lock.release()
+        self._populate(slot, size, _MADV_POPULATE_READ)
+        return SlotMemory(self, slot, size, held=True)
+
+    def release(self, slot: int) -> None:
+        """The training process no longer reads ``slot``: free for the next batch."""
+        if os.getpid() == self.owner:
+            self.words[slot * _WORDS] = _FREE
+
+    def states(self) -> list[tuple[int, int, int]]:
+        """Each slot's ``(state, version, writer)`` (0 free, 1 claimed, 2 opened)."""
+        w = self.words
+        return [(w[i * _WORDS], w[i * _WORDS + 1], w[i * _WORDS + 2]) for i in range(self.slots)]
+
+    def _populate(self, slot: int, size: int, advice: int) -> None:
+        pid = os.getpid()
+        if self.mapped[0] != pid:
+            self.mapped = (pid, {})
+        done = self.mapped[1]
+        if done.get(slot, 0) >= size:
+            return
+        done[slot] = size
+        # a kernel without MADV_POPULATE_* (older than 5.14) faults the pages in on use
+        _madvise(self.addr + slot * self.capacity, -(-size // PAGE) * PAGE, advice)
+
+    def _give_up(self, why: str) -> None:
+        if not self.disabled:
+            self.disabled = why
+            log.warning("batches cross the DataLoader hop as places from now on: %s", why)
+
+
+class SlotMemory:
+    """``size`` bytes of a slot: :meth:`array` views them. ``held`` (the training process
+    reads the slot): the slot is released when the last array (and tensor) viewing them
+    is gone."""
+
+    __slots__ = ("__weakref__", "pid", "ring", "size", "slot")
+
+    def __init__(self, ring: BatchRing, slot: int, size: int, held: bool) -> None:
+        self.ring, self.slot, self.size = ring, slot, size
+        self.pid = os.getpid() if held else -1
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        addr = self.ring.addr + self.slot * self.ring.capacity
+        return {"shape": (self.size,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+    def array(self) -> Any:
+        import numpy as np
+
+        return np.asarray(self)
+
+    def __del__(self) -> None:
+        # a child forked while the training process held the batch inherits this object:
+        # only the ring's owner frees the slot
+        if self.pid == os.getpid():
+            self.ring.release(self.slot)
+
+
+_ring: list[BatchRing | None] = [None]
+_ring_lock = threading.Lock()
+_unmade: list[str] = []
+
+
+def ring_here() -> BatchRing | None:
+    """Make this process's ring if it has none (a training process, before it forks its
+    DataLoader's workers: ``CachedDataset(views=True)`` calls this as it is made). A
+    worker keeps the ring its parent made (what it packs into). None where it cannot be
+    made (said once)."""
+    with _ring_lock:
+        found = _ring[0]
+        if found is not None and found.owner in (os.getpid(), os.getppid()):
+            return found
+        if _unmade:
+            return None
+        try:
+            made = _ring[0] = BatchRing()
+        except (OSError, ValueError) as exc:
+            _unmade.append(str(exc))
+            log.warning("no batch ring (batches are packed in the training process): %s", exc)
+            return None
+        return made
+
+
+def _forked() -> None:
+    global _ring_lock
+    _ring_lock = threading.Lock()  # it may have been held by a thread of the parent
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def ring() -> BatchRing | None:
+    """The ring this process may pack into or read from: its own, or the one its parent
+    made before forking it (a DataLoader worker)."""
+    return _ring[0]
