@@ -201,8 +201,6 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         if on_miss == "compute":  # the worker computing a miss is another process
             require_installed(fingerprint_or_recipe, "the worker that computes a miss")
         self.views, self.verify, self.pin_memory = bool(views), verify, bool(pin_memory)
-        if self.views and transform is None and not self.pin_memory:
-            ring_here()  # the batch slots its DataLoader's forked workers will pack into
         self.local_cache = local_cache_option(cache, kind, local_cache, cache_limit)
         self.cache = cache if isinstance(cache, Store) else os.fspath(cache)
         self.selector = fingerprint_or_recipe
@@ -218,8 +216,9 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
         self.miss_timeout = float(miss_timeout)
         self.on_error = on_error
         self.id_template = id_template
-        # made here, in the process that builds the dataset, so its workers share it
+        # made here, in the process that builds the dataset, so its workers share them
         self._skipped = SkippedSamples() if on_error == "skip" else None
+        ring_here(self.views and transform is None and not self.pin_memory)  # batch slots
         self.on_stale = on_stale
         self._variants = VariantChoice(variant, variants, variant_seed)
         self.epoch = 0  # set_epoch; an EpochIndex carries its own
@@ -274,7 +273,6 @@ class CachedDataset(torch.utils.data.Dataset[dict[str, Any]]):
 
     def _index_from_sources(self) -> None:
         """Ids and paths from the sources; fingerprint from the recipe (no store opened)."""
-        # Late import: discovery is only needed with sources.
         from cache_store.sources.discover import describe_left_out, discover, id_clashes
 
         spec = get_recipe_spec(self.selector)

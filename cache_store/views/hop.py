@@ -247,12 +247,18 @@ def packed(
     slots, size = _layout(records)
     found = pinned_buffer(size) if pin else None
     base, buf = found if found is not None else allocate(size, False)
+    _copy(base, buf, slots, spread)
+    return _views(base, [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots], len(records))
+
+
+def _copy(base: Any, buf: Any, slots: list[tuple[int, str, int, Any]], spread: bool) -> None:
+    """Copy each field of :func:`_layout`'s ``slots`` to its offset in the uint8 tensor
+    ``base`` (``buf``: a NumPy view of it); ``spread`` as :func:`packed`."""
     for _, _, offset, t in slots:
         if spread and t.nbytes >= SPREAD_BYTES:  # torch's copy runs on its intra-op threads
             base[offset : offset + t.nbytes].copy_(_flat_bytes(t))
         elif t.nbytes:
             buf[offset : offset + t.nbytes] = _bytes_of(t)
-    return _views(base, [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots], len(records))
 
 
 def _layout(records: Sequence[dict[str, Any]]) -> tuple[list[tuple[int, str, int, Any]], int]:
@@ -293,20 +299,17 @@ def _views(base: Any, layout: Layout, count: int) -> list[dict[str, Any]]:
 #: a batch packed in a ring slot, as a worker sends it: ``(slot, version, bytes, layout)``
 Slot = tuple[int, int, int, Layout]
 
-#: a field this large is read from the file into a slot (smaller ones are copied from the
-#: view: their pages are the header's, or few)
-READ_BYTES = 64 << 10
-
 
 def pack_in_slot(source: Source, items: Sequence[tuple[str, tuple[Place, str]]]) -> Slot | None:
     """In a DataLoader worker: the located records of a batch packed (as :func:`packed`
     lays them out) into a slot of the ring the training process made before forking it
     (:mod:`cache_store.views.ring`), read again here as views pinned while the copy runs
-    (hashed as every read: a version this run hashed is not hashed again). Each large
-    field is read from the file into the slot (:func:`~cache_store.views.mapping.
-    read_mapped`). None where there is no ring to use, no slot free, ``pin_memory``
+    (hashed as every read: a version this run hashed is not hashed again). None where
+    there is no ring to use, no slot free, ``pin_memory``
     asked for (the training process packs into pinned memory), or the records cannot be
     viewed here: the batch then crosses as places."""
+    import torch
+
     from cache_store.views.ring import ring
 
     found = ring()
@@ -322,7 +325,7 @@ def pack_in_slot(source: Source, items: Sequence[tuple[str, tuple[Place, str]]])
         layout = [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots]
         claimed.append((*got, size, layout))
         buf = found.writable(got[0], size)
-        _fill(buf, slots)
+        _copy(torch.from_numpy(buf), buf, slots, False)
         return records
 
     keys = [key for key, _ in items]
@@ -339,21 +342,6 @@ def pack_in_slot(source: Source, items: Sequence[tuple[str, tuple[Place, str]]])
             for slot, version, _, _ in claimed:
                 found.unclaim(slot, version)
     return claimed[0] if viewed is not None and claimed else None
-
-
-def _fill(buf: Any, slots: list[tuple[int, str, int, Any]]) -> None:
-    """Copy each field into ``buf`` at its offset: a large contiguous one by reading the
-    file its view maps, else from the view."""
-    from cache_store.views.mapping import read_mapped
-
-    whole = memoryview(buf)
-    for _, _, offset, t in slots:
-        n = t.nbytes
-        if not n:
-            continue
-        read = n >= READ_BYTES and t.is_contiguous()
-        if not (read and read_mapped(whole[offset : offset + n], t.data_ptr())):
-            buf[offset : offset + n] = _bytes_of(t)
 
 
 def _slot_tensors(slot: Slot, count: int) -> list[dict[str, Any]] | None:

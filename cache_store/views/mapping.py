@@ -60,7 +60,8 @@ __all__ = [
     "Window",
     "Windows",
     "map_range",
-    "read_mapped",
+    "map_shared",
+    "populate",
     "retire_windows",
     "windows_at",
     "windows_of",
@@ -88,6 +89,7 @@ _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _mprotect = _libc.mprotect
 _mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MADV_POPULATE_READ = 22  # Linux 5.14: fill the page tables in one call
+_MADV_POPULATE_WRITE = 23
 _MADV_DONTFORK = getattr(mmap, "MADV_DONTFORK", 10)
 _MADV_DOFORK = getattr(mmap, "MADV_DOFORK", 11)
 _mremap = _libc.mremap
@@ -428,23 +430,20 @@ def windows_at(path: str) -> Windows | None:
     return found if found is not None and found.pid == _pid[0] else None
 
 
-def read_mapped(into: memoryview, addr: int) -> bool:
-    """Copy the ``len(into)`` bytes this process's windows map at ``addr`` into ``into``
-    by reading the file (``preadv``: a copy from the page cache, where reading the mapping
-    in a process that has not touched those pages yet maps each first, 1.3 us a page).
-    False, copying nothing, where no current window here maps them whole (the caller
-    copies from the mapping) or the read comes up short."""
-    n = into.nbytes
-    for windows in list(_windows.values()):
-        if windows.pid != _pid[0]:
-            continue
-        with windows.lock:  # held: retire() closes the descriptor only after it
-            if windows.retired:
-                continue
-            for window in list(windows.open.values()):
-                if window.addr <= addr and addr + n <= window.addr + window.size:
-                    try:
-                        return os.preadv(windows.fd, [into], window.base + addr - window.addr) == n
-                    except OSError:
-                        return False
-    return False
+def map_shared(size: int) -> int:
+    """The address of ``size`` bytes of anonymous memory shared with every child this
+    process forks from now on (``MAP_SHARED``; ``MAP_NORESERVE``: a page is memory only
+    once written), mapped for the process's life. Raises ``OSError``."""
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    addr = _mmap(None, size, prot, flags, -1, 0)
+    if addr in (None, _MAP_FAILED):
+        raise _os_error(f"mapping {size} bytes of shared memory")
+    return int(addr)
+
+
+def populate(addr: int, size: int, write: bool) -> None:
+    """Map the pages of ``size`` bytes at ``addr`` in one call, to be written or read
+    (a shared mapping's pages are mapped anew in each process: one fault each costs
+    more). A kernel without ``MADV_POPULATE_*`` (before 5.14) faults them in on use."""
+    _madvise(addr, -(-size // PAGE) * PAGE, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)

@@ -4,9 +4,7 @@ A worker of ``CachedDataset(views=True)`` packs each batch (Kaolin's layout, eve
 field's records end to end: :func:`cache_store.views.hop.packed`) into a slot of a
 :class:`BatchRing` and sends the slot, not the bytes; the training process takes views
 of the slot. The pack, the hop's one copy, then runs in the workers, in parallel, where
-before it ran in the training process for every batch; and it reads each field from the
-file with ``preadv`` (a copy from the page cache), where a forked worker's new mapping
-would fault in every page first.
+before the training process made it for every batch on its one core.
 
 The ring is made by the process that reads the batches (the training process) before it
 forks its workers: ``SLOTS`` slots of ``CAPACITY`` bytes in one shared anonymous mapping
@@ -15,8 +13,8 @@ state, version and writer, written under one process-shared lock:
 
 - *free* -> *claimed* (version + 1, writer = the worker): by a worker, for a slot that is
   free, or claimed by a worker that is gone (its batch never reached the training
-  process: an iterator dropped mid-epoch), the lowest such slot first, so few slots'
-  pages are ever touched;
+  process: an iterator dropped mid-epoch); first those it wrote before, then the lowest,
+  so few slots' pages are ever touched, and a worker forked for an epoch maps few;
 - *claimed* -> *opened*: by the training process as it unpickles the batch, only if the
   slot still holds that version (else it reads the records itself, as without a ring);
 - *opened* -> *free*: by the training process once the last tensor viewing the slot is
@@ -40,7 +38,7 @@ import threading
 from typing import Any
 
 from cache_store.processes import pid_alive
-from cache_store.views.mapping import PAGE, _MAP_FAILED, _madvise, _mmap, _os_error
+from cache_store.views.mapping import map_shared, populate
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +54,6 @@ WAIT_S = 0.5
 
 _FREE, _CLAIMED, _OPENED = 0, 1, 2
 _WORDS = 4  # state, version, writer pid, bytes written
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
 
 
 class BatchRing:
@@ -69,12 +65,7 @@ class BatchRing:
         self.capacity = CAPACITY if capacity is None else capacity
         slots, capacity = self.slots, self.capacity
         self.owner = os.getpid()
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-        addr = _mmap(None, slots * capacity, prot, flags, -1, 0)
-        if addr in (None, _MAP_FAILED):
-            raise _os_error(f"mapping {slots} batch slots of {capacity} bytes")
-        self.addr = addr
+        self.addr = map_shared(slots * capacity)
         self._table = mmap.mmap(-1, slots * _WORDS * 8)  # shared, anonymous
         self.words = memoryview(self._table).cast("q")
         # fork's: a semaphore unlinked at once (no resource tracker process); inherited
@@ -99,8 +90,14 @@ class BatchRing:
             self._give_up("its lock was not had in time (a process died holding it?)")
             return None
         words, me = self.words, os.getpid()
+        if self.mapped[0] != me:
+            self.mapped = (me, {})
+        # the slots this process has written first (their pages are mapped here), then
+        # the lowest: a worker forked for an epoch maps few slots (2 ms per 10 MB)
+        mapped = self.mapped[1]
+        order = [*mapped, *(slot for slot in range(self.slots) if slot not in mapped)]
         try:
-            for slot in range(self.slots):
+            for slot in order:
                 at = slot * _WORDS
                 state, writer = words[at], words[at + 2]
                 if state == _FREE or (state == _CLAIMED and writer != me and not pid_alive(writer)):
@@ -126,7 +123,7 @@ class BatchRing:
     def writable(self, slot: int, size: int) -> Any:
         """A NumPy uint8 view of ``size`` bytes of ``slot`` to pack into (its pages
         mapped in one call the first time this process writes that far into it)."""
-        self._populate(slot, size, _MADV_POPULATE_WRITE)
+        self._populate(slot, size, True)
         return SlotMemory(self, slot, size, held=False).array()
 
     # -- in the training process -----------------------------------------------------
@@ -146,7 +143,7 @@ class BatchRing:
             self.words[at] = _OPENED
         finally:
             self.lock.release()
-        self._populate(slot, size, _MADV_POPULATE_READ)
+        self._populate(slot, size, False)
         return SlotMemory(self, slot, size, held=True)
 
     def release(self, slot: int) -> None:
@@ -159,7 +156,7 @@ class BatchRing:
         w = self.words
         return [(w[i * _WORDS], w[i * _WORDS + 1], w[i * _WORDS + 2]) for i in range(self.slots)]
 
-    def _populate(self, slot: int, size: int, advice: int) -> None:
+    def _populate(self, slot: int, size: int, write: bool) -> None:
         pid = os.getpid()
         if self.mapped[0] != pid:
             self.mapped = (pid, {})
@@ -167,8 +164,7 @@ class BatchRing:
         if done.get(slot, 0) >= size:
             return
         done[slot] = size
-        # a kernel without MADV_POPULATE_* (older than 5.14) faults the pages in on use
-        _madvise(self.addr + slot * self.capacity, -(-size // PAGE) * PAGE, advice)
+        populate(self.addr + slot * self.capacity, size, write)
 
     def _give_up(self, why: str) -> None:
         if not self.disabled:
@@ -209,11 +205,13 @@ _ring_lock = threading.Lock()
 _unmade: list[str] = []
 
 
-def ring_here() -> BatchRing | None:
-    """Make this process's ring if it has none (a training process, before it forks its
-    DataLoader's workers: ``CachedDataset(views=True)`` calls this as it is made). A
-    worker keeps the ring its parent made (what it packs into). None where it cannot be
-    made (said once)."""
+def ring_here(wanted: bool = True) -> BatchRing | None:
+    """Make this process's ring if it has none and is ``wanted`` (a training process,
+    before it forks its DataLoader's workers: ``CachedDataset(views=True)`` calls this as
+    it is made). A worker keeps the ring its parent made (what it packs into). None where
+    it cannot be made (said once)."""
+    if not wanted:
+        return None
     with _ring_lock:
         found = _ring[0]
         if found is not None and found.owner in (os.getpid(), os.getppid()):

@@ -22,7 +22,6 @@ import pytest
 
 from cache_store.stores.lmdb import LMDBStore
 from cache_store.testing.records import contract_record, fingerprint_of, index_of
-from cache_store.views.mapping import read_mapped, windows_of
 from cache_store.views.ring import BatchRing, ring_here
 from tests.helpers.procs import run
 
@@ -223,22 +222,3 @@ def test_only_a_child_of_the_rings_maker_packs_into_it() -> None:
         _child(lambda: None if not made.usable_here() else os._exit(3))
 
     _child(grandchild)
-
-
-def test_a_mapped_range_is_read_from_its_file_by_preadv(tmp_path: Path) -> None:
-    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
-    path = tmp_path / "data.bin"
-    path.write_bytes(data.tobytes())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        windows = windows_of(str(path), fd)
-        mapped, at = windows.range(1_000_003, 200_000)  # type: ignore[misc]
-        addr = mapped.addr + at
-        into = np.zeros(200_000, dtype=np.uint8)
-        assert read_mapped(into.data, addr)
-        assert (into == data[1_000_003:1_200_003]).all()
-        assert not read_mapped(into.data, 12345)  # not mapped by a window here
-        windows.retire()
-        assert not read_mapped(into.data, addr)  # its descriptor may be gone
-    finally:
-        os.close(fd)

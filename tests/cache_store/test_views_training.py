@@ -47,12 +47,17 @@ TRAIN = textwrap.dedent(
     assert torch.equal(plain[0]["octree"], seen[0]["octree"])  # the cache is untouched
     assert torch.equal(views[0]["octree"], seen[0]["octree"])
 
+    from cache_store.views.ring import ring
+    slots, slotted, batches = ring(), 0, 0
     epoch = 0
     while epoch < 3 or not os.path.exists(stop):
         order = np.random.default_rng(epoch).permutation(len(views)).tolist()
         loader = DataLoader(views, batch_size=4, sampler=order, num_workers=2,
                             collate_fn=spcache.collate_spc, multiprocessing_context="fork")
         for b, batch in enumerate(loader):
+            at = batch["octree"].untyped_storage().data_ptr()  # packed in a worker?
+            slotted += slots.addr <= at < slots.addr + slots.slots * slots.capacity
+            batches += 1
             want = spcache.collate_spc([plain[i] for i in order[4 * b : 4 * b + 4]])
             assert batch.keys() == want.keys(), (batch.keys(), want.keys())
             for name in want:
@@ -66,6 +71,7 @@ TRAIN = textwrap.dedent(
         print(f"epoch {epoch} ok", flush=True)
         epoch += 1
     print("done", epoch, "epochs", flush=True)
+    print("batches packed in workers:", slotted, "of", batches, flush=True)
     """
 )
 
@@ -120,6 +126,10 @@ def test_training_with_views_beside_a_writer_and_a_compaction(tmp_path: Path) ->
     assert train.wait(timeout=600) == 0, train.describe()
     assert writer.wait(timeout=120) == 0, writer.describe()
     assert any(line.startswith("done") for line in train.lines), train.describe()
+    # most batches were packed by the workers into the ring's slots (one whose records
+    # changed under the worker's second look crosses as places): checked as the rest
+    [packed] = [line.split() for line in train.lines if line.startswith("batches packed")]
+    assert int(packed[4]) >= int(packed[6]) // 2, packed
     # the cache is whole afterwards, as a user checks it
     verified = run_spcache("verify", "--cache", cache, cwd=work, timeout=300)
     assert verified.returncode == 0, verified.stdout + verified.stderr
