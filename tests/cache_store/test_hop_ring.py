@@ -20,14 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cache_store.stores.lmdb import LMDBStore
-from cache_store.testing.records import contract_record, fingerprint_of, index_of
 from cache_store.views.ring import BatchRing, ring_here
+from tests.cache_store.test_views_training import FP, small_cache
 from tests.helpers.procs import run
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="views are Linux's")
-
-FP = fingerprint_of("spc", level=8)
 
 COMMON = textwrap.dedent(
     """
@@ -107,21 +104,10 @@ HELD = COMMON + textwrap.dedent(
 )
 
 
-def _cache(path: Path, count: int) -> None:
-    store = LMDBStore(path, readonly=False)
-    ids = [f"shape{i:02d}" for i in range(count)]
-    store.put_many(
-        (f"{FP}/{sid}", contract_record(FP, sid, i, level=8, num_points=20000 + 2000 * i))
-        for i, sid in enumerate(ids)
-    )
-    store.put_index(index_of("spc", ids, level=8))
-    store.close()
-
-
 def _script(tmp_path: Path, text: str, *args: str) -> list[str]:
     cache = tmp_path / "cache"
     if not cache.exists():
-        _cache(cache, 10)
+        small_cache(cache, 10)
     work = tmp_path / "fresh"
     work.mkdir(exist_ok=True)
     (work / "train.py").write_text(text)

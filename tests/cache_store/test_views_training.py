@@ -135,7 +135,7 @@ def test_training_with_views_beside_a_writer_and_a_compaction(tmp_path: Path) ->
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
-def _small_cache(path: Path, count: int) -> None:
+def small_cache(path: Path, count: int) -> None:
     store = LMDBStore(path, readonly=False)
     ids = [f"shape{i:02d}" for i in range(count)]
     store.put_many(
@@ -223,7 +223,7 @@ def test_a_custom_collate_fn_gets_the_samples_tensors(tmp_path: Path) -> None:
     workers: a hand-written one, ``default_collate`` and one returning the samples as they
     are all batch the records' tensors, equal to a plain read."""
     cache = tmp_path / "cache"
-    _small_cache(cache, 6)
+    small_cache(cache, 6)
     work = tmp_path / "fresh"
     work.mkdir()
     (work / "custom.py").write_text(CUSTOM)
@@ -289,7 +289,7 @@ def test_a_long_run_holds_no_growing_memory_or_reader_slot(tmp_path: Path) -> No
     epoch maps and faults in ~25 MB: a map, window or buffer kept per epoch would pass
     the bound within the run)."""
     cache = tmp_path / "cache"
-    _small_cache(cache, 24)
+    small_cache(cache, 24)
     work = tmp_path / "fresh"
     work.mkdir()
     (work / "long.py").write_text(LONG)
@@ -332,7 +332,7 @@ def test_pin_memory_packs_a_batch_into_pinned_memory_or_says_why_not(tmp_path: P
     """``pin_memory=True``: batches as without it; pinned where an accelerator can pin
     memory, else (this machine) packed into ordinary memory and said once."""
     cache = tmp_path / "cache"
-    _small_cache(cache, 6)
+    small_cache(cache, 6)
     work = tmp_path / "fresh"
     work.mkdir()
     (work / "pinned.py").write_text(PINNED)
