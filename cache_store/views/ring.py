@@ -146,11 +146,6 @@ class BatchRing:
         self._populate(slot, size, False)
         return SlotMemory(self, slot, size, held=True)
 
-    def release(self, slot: int) -> None:
-        """The training process no longer reads ``slot``: free for the next batch."""
-        if os.getpid() == self.owner:
-            self.words[slot * _WORDS] = _FREE
-
     def states(self) -> list[tuple[int, int, int]]:
         """Each slot's ``(state, version, writer)`` (0 free, 1 claimed, 2 opened)."""
         w = self.words
@@ -193,11 +188,11 @@ class SlotMemory:
 
         return np.asarray(self)
 
-    def __del__(self) -> None:
+    def __del__(self, _getpid: Any = os.getpid) -> None:  # bound now: at exit, os may go
         # a child forked while the training process held the batch inherits this object:
         # only the ring's owner frees the slot
-        if self.pid == os.getpid():
-            self.ring.release(self.slot)
+        if self.pid == _getpid():
+            self.ring.words[self.slot * _WORDS] = _FREE
 
 
 _ring: list[BatchRing | None] = [None]
