@@ -28,7 +28,6 @@ copies already.
 from __future__ import annotations
 
 import mmap
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -68,26 +67,23 @@ VERIFY_CHOICES = ("once", "always")
 
 
 class VerifiedOnce:
-    """The record versions at places this process has hashed, and which fields.
+    """The record versions at places hashed by this process or one forked from the one
+    that made this object, and which fields.
 
-    Kept twice: in this process (``seen``, bounded to ``limit`` places: past it the
-    oldest half is forgotten), and in a table shared with every process forked from the
-    one that made this object (an anonymous shared mapping of ``slots`` 64-bit digests
-    of a version and its field names, made empty when this module is imported, so
-    before any DataLoader forks its workers). A worker finds there what its sibling or
-    the training process hashed since the fork: a persistent worker hashed again, once
-    itself, every record its sibling had read. A digest is written only after the
-    hash passed; one that finds its few slots taken is dropped (hashed again when read
-    again), and one process's write racing another's loses an entry, never trusts a
-    version nobody hashed (but for a 64-bit digest collision).
+    One table shared by all of them (an anonymous shared mapping of ``slots`` 64-bit
+    digests of a version and its field names, made empty when this module is imported,
+    so before any DataLoader forks its workers; a page is memory once written): a worker
+    finds there what its sibling or the training process hashed, and no process keeps a
+    copy of its own (at a million records a dict of them was hundreds of MB in each).
+    A digest is written only after the hash passed; one that finds its few slots taken
+    is dropped (hashed again when read again), and one process's write racing another's
+    loses an entry, never trusts a version nobody hashed (but for a 64-bit digest
+    collision). A read of other fields than those hashed hashes its own.
     """
 
     PROBES = 8
 
-    def __init__(self, limit: int = 1 << 20, slots: int = 1 << 20) -> None:
-        self.limit = limit
-        self.seen: dict[tuple[Any, ...], frozenset[str]] = {}
-        self.lock = threading.Lock()
+    def __init__(self, slots: int = 1 << 22) -> None:
         self.slots = slots  # a power of two
         self._map = mmap.mmap(-1, slots * 8)  # MAP_SHARED | MAP_ANONYMOUS: pages on use
         self.shared = memoryview(self._map).cast("Q")
@@ -96,7 +92,8 @@ class VerifiedOnce:
         text = repr((place, sorted(names))).encode()
         return xxhash.xxh3_64_intdigest(text) | 1  # 0 marks a free slot
 
-    def _in_shared(self, digest: int) -> bool:
+    def covers(self, place: tuple[Any, ...], names: Iterable[str]) -> bool:
+        digest = self._digest(place, names)
         for i in range(self.PROBES):
             found = self.shared[(digest + i) & (self.slots - 1)]
             if found == digest:
@@ -105,19 +102,7 @@ class VerifiedOnce:
                 return False
         return False
 
-    def covers(self, place: tuple[Any, ...], names: Iterable[str]) -> bool:
-        done = self.seen.get(place)
-        if done is not None and done.issuperset(names):
-            return True
-        names = list(names)
-        if self._in_shared(self._digest(place, names)):
-            self._remember(place, names)
-            return True
-        return False
-
     def add(self, place: tuple[Any, ...], names: Iterable[str]) -> None:
-        names = list(names)
-        self._remember(place, names)
         digest = self._digest(place, names)
         for i in range(self.PROBES):
             slot = (digest + i) & (self.slots - 1)
@@ -125,23 +110,16 @@ class VerifiedOnce:
                 self.shared[slot] = digest
                 return
 
-    def _remember(self, place: tuple[Any, ...], names: list[str]) -> None:
-        with self.lock:
-            self.seen[place] = self.seen.get(place, frozenset()) | frozenset(names)
-            if len(self.seen) > self.limit:
-                for old in list(self.seen)[: self.limit // 2]:
-                    del self.seen[old]
-
     def clear(self) -> None:
-        """Forget every version, here and in the shared table."""
-        with self.lock:
-            self.seen.clear()
+        """Forget every version, in every process that shares the table."""
+        try:  # its pages given back (read as zeros)
+            self._map.madvise(mmap.MADV_REMOVE)
+        except (AttributeError, OSError):
             self._map[:] = bytes(len(self._map))
 
 
-#: This process's record versions hashed once (a forked child starts from its parent's:
-#: the parent hashed those bytes at those places, which the child maps as they are; and
-#: it shares the table of what is hashed after the fork, :class:`VerifiedOnce`).
+#: The record versions hashed once by this process and those forked from it (a child
+#: maps the bytes its parent hashed as they are at those places), :class:`VerifiedOnce`.
 VERIFIED = VerifiedOnce()
 
 

@@ -796,3 +796,57 @@ def test_places_are_known_per_incarnation_of_the_file_not_per_inode(
     assert data.stat().st_ino == inode
     assert asked.count(key) == 2  # another incarnation: asked of LMDB again
     VERIFIED.clear()
+
+
+def test_what_was_hashed_is_kept_once_for_the_run_not_in_each_process(tmp_path: Path) -> None:
+    """Which versions were hashed lives in the table the run's processes share, and
+    nowhere else: a dict of every version read, kept beside it in each process, grew
+    by hundreds of bytes a record (hundreds of MB at a million, in the training process
+    and again in each persistent worker). Reading 1,500 records allocates nothing in
+    ``VerifiedOnce``; each record is still hashed once."""
+    import inspect
+    import tracemalloc
+
+    from cache_store.views.records import VerifiedOnce
+
+    ids = [f"t{i:04d}" for i in range(1500)]
+    fp = fingerprint_of("spc", level=3)
+    store = LMDBStore(tmp_path / "cache", readonly=False)
+    store.put_many(
+        (f"{fp}/{sid}", contract_record(fp, sid, i, level=3, num_points=50))
+        for i, sid in enumerate(ids)
+    )
+    store.put_index(index_of("spc", ids, level=3))
+    store.close()
+    VERIFIED.clear()
+    views = CachedDataset(tmp_path / "cache", fp, views=True)
+    lines, first = inspect.getsourcelines(VerifiedOnce)
+    code = inspect.getsourcefile(VerifiedOnce)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for i in range(len(views)):
+            views[i]
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grown = sum(
+        stat.size_diff
+        for stat in after.compare_to(before, "lineno")
+        if stat.traceback[0].filename == code
+        and first <= stat.traceback[0].lineno < first + len(lines)
+    )
+    assert grown < 4096, f"VerifiedOnce grew by {grown} bytes over 1,500 records"
+    hashed = []
+    from cache_store.views import records
+
+    real = records.verified_field
+    try:
+        records.verified_field = lambda *a: hashed.append(a[3]) or real(*a)  # type: ignore[assignment]
+        for i in range(len(views)):
+            views[i]
+    finally:
+        records.verified_field = real  # type: ignore[assignment]
+    assert hashed == []  # every version found in the shared table: none hashed again
+    views.close()
+    VERIFIED.clear()
