@@ -203,13 +203,18 @@ _unmade: list[str] = []
 def ring_here(wanted: bool = True) -> BatchRing | None:
     """Make this process's ring if it has none and is ``wanted`` (a training process,
     before it forks its DataLoader's workers: ``CachedDataset(views=True)`` calls this as
-    it is made). A worker keeps the ring its parent made (what it packs into). None where
-    it cannot be made (said once)."""
+    it is made). A DataLoader worker keeps the ring its parent made (what it packs into);
+    any other process forked from a ring's maker (a training process its launcher forked)
+    makes its own. None where it cannot be made (said once)."""
+    from cache_store.format.buffers import in_dataloader_worker
+
     if not wanted:
         return None
     with _ring_lock:
         found = _ring[0]
-        if found is not None and found.owner in (os.getpid(), os.getppid()):
+        if found is not None and (
+            found.owner == os.getpid() or (found.owner == os.getppid() and in_dataloader_worker())
+        ):
             return found
         if _unmade:
             return None

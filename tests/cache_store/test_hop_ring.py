@@ -208,3 +208,9 @@ def test_only_a_child_of_the_rings_maker_packs_into_it() -> None:
         _child(lambda: None if not made.usable_here() else os._exit(3))
 
     _child(grandchild)
+
+    def launched() -> None:  # a training process its launcher forked makes its own
+        own = ring_here()
+        assert own is not None and own is not made and own.owner == os.getpid()
+
+    _child(launched)
