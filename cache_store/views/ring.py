@@ -23,9 +23,10 @@ state, version and writer, written under one process-shared lock:
 So a slot is written only by the one worker that claimed it, and read by the training
 process only while it is opened; a batch whose slot was reclaimed, a worker of a worker,
 a worker started by ``spawn``/``forkserver`` (no ring there), ``pin_memory``, a batch
-larger than a slot, no free slot, or a lock not had within :data:`WAIT_S` (a worker killed
-while holding it): the batch crosses as places, packed in the training process. Linux
-only (as the views are).
+larger than a slot, no free slot, or the lock not had within :data:`WAIT_S` (a process
+killed while holding it: the ring is then given up, by the training process for good):
+the batch crosses as places, packed in the training process. Linux only (as the views
+are).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ __all__ = ["CAPACITY", "SLOTS", "BatchRing", "SlotMemory", "ring", "ring_here"]
 SLOTS = 32
 #: bytes a slot holds (virtual: pages are memory once written)
 CAPACITY = 64 << 20
-#: how long a process waits for the ring's lock before it packs the batch without it
-WAIT_S = 0.5
+#: how long a process waits for the ring's lock before it gives the ring up (a process
+#: killed while holding it: the lock is held for microseconds otherwise)
+WAIT_S = 2.0
 
 _FREE, _CLAIMED, _OPENED = 0, 1, 2
 _WORDS = 4  # state, version, writer pid, bytes written
@@ -131,7 +133,9 @@ class BatchRing:
         """The batch a worker packed into ``slot`` at ``version``: its memory, held (the
         slot is free again when the memory is gone). None where the slot does not hold
         that version any more, or this is not the ring's owner."""
-        if os.getpid() != self.owner or not 0 <= slot < self.slots or size > self.capacity:
+        if self.disabled or os.getpid() != self.owner:
+            return None
+        if not 0 <= slot < self.slots or size > self.capacity:
             return None
         if not self.lock.acquire(timeout=WAIT_S):
             self._give_up("its lock was not had in time (a process died holding it?)")

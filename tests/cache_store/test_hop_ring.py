@@ -214,3 +214,32 @@ def test_only_a_child_of_the_rings_maker_packs_into_it() -> None:
         assert own is not None and own is not made and own.owner == os.getpid()
 
     _child(launched)
+
+
+def test_a_lock_left_held_by_a_dead_process_gives_the_ring_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process killed while it held the ring's lock never releases it: the training
+    process waits ``WAIT_S`` once, then gives the ring up (its batches cross as places
+    from then on, without waiting again), and workers it forks after do not use it."""
+    from cache_store.views import ring as rings
+
+    monkeypatch.setattr(rings, "WAIT_S", 0.2)
+    ring = BatchRing(slots=2, capacity=1 << 16)
+    r, w = os.pipe()
+
+    def pack() -> None:
+        got = ring.claim(4096)
+        assert got is not None
+        os.write(w, np.array(got, dtype=np.int64).tobytes())
+        ring.lock.acquire()  # and dies holding it
+
+    _child(pack)
+    slot, version = np.frombuffer(os.read(r, 16), dtype=np.int64).tolist()
+    assert ring.open(slot, version, 4096) is None  # waited, then gave up
+    assert ring.disabled
+    monkeypatch.setattr(rings, "WAIT_S", 3600.0)  # no second wait: it would hang here
+    assert ring.open(slot, version, 4096) is None
+    _child(lambda: None if ring.claim(16) is None else os._exit(3))
+    os.close(r)
+    os.close(w)
