@@ -248,7 +248,7 @@ def packed(
     found = pinned_buffer(size) if pin else None
     base, buf = found if found is not None else allocate(size, False)
     _copy(base, buf, slots, spread)
-    return _views(base, [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots], len(records))
+    return _views(base, _described(slots), len(records))
 
 
 def _copy(base: Any, buf: Any, slots: list[tuple[int, str, int, Any]], spread: bool) -> None:
@@ -281,6 +281,11 @@ def _layout(records: Sequence[dict[str, Any]]) -> tuple[list[tuple[int, str, int
 Layout = list[tuple[int, str, int, Any, Any]]
 
 
+def _described(slots: list[tuple[int, str, int, Any]]) -> Layout:
+    """:func:`_layout`'s slots without their tensors: what rebuilds the views."""
+    return [(j, name, offset, t.dtype, t.shape) for j, name, offset, t in slots]
+
+
 def _views(base: Any, layout: Layout, count: int) -> list[dict[str, Any]]:
     """The ``count`` records' fields as views of the packed uint8 tensor ``base``: one
     view of it per dtype, sliced (four torch calls a field fewer than viewing each part
@@ -305,9 +310,9 @@ def pack_in_slot(source: Source, items: Sequence[tuple[str, tuple[Place, str]]])
     lays them out) into a slot of the ring the training process made before forking it
     (:mod:`cache_store.views.ring`), read again here as views pinned while the copy runs
     (hashed as every read: a version this run hashed is not hashed again). None where
-    there is no ring to use, no slot free, ``pin_memory``
-    asked for (the training process packs into pinned memory), or the records cannot be
-    viewed here: the batch then crosses as places."""
+    there is no ring to use, no slot free, ``pin_memory`` asked for (the training
+    process packs into pinned memory), or the records cannot be viewed here: the batch
+    then crosses as places."""
     import torch
 
     from cache_store.views.ring import ring
@@ -322,25 +327,22 @@ def pack_in_slot(source: Source, items: Sequence[tuple[str, tuple[Place, str]]])
         got = found.claim(size)
         if got is None:
             return records
-        layout = [(j, n, at, t.dtype, t.shape) for j, n, at, t in slots]
-        claimed.append((*got, size, layout))
+        claimed.append((*got, size, _described(slots)))
         buf = found.writable(got[0], size)
         _copy(torch.from_numpy(buf), buf, slots, False)
         return records
 
     keys = [key for key, _ in items]
     names = None if source[1] is None else list(source[1])
-    viewed = None
     try:
         viewed = _store(source[0]).view_records(
             keys, names, source[2], transient=True, pack=into_slot
         )
     except Exception:  # noqa: BLE001 - the training process reads them, and says why
         viewed = None
-    finally:
-        if viewed is None:
-            for slot, version, _, _ in claimed:
-                found.unclaim(slot, version)
+    if viewed is None:  # (a worker that dies instead leaves its claim to be claimed again)
+        for slot, version, _, _ in claimed:
+            found.unclaim(slot, version)
     return claimed[0] if viewed is not None and claimed else None
 
 

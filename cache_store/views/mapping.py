@@ -169,7 +169,7 @@ class MappedRange:
                 return
             window.populated.add(self.base)
         if not self.detached:
-            _madvise(self.addr, self.size, _MADV_POPULATE_READ)
+            populate(self.addr, self.size, False)
 
     def detach(self) -> None:
         """Replace the mapped pages by a private copy of their bytes (atomic for
@@ -328,14 +328,12 @@ class PrivateMemory:
     __slots__ = ("__weakref__", "addr", "inherited", "pid", "size")
 
     def __init__(self, size: int) -> None:
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        addr = _mmap(None, max(size, 1), prot, flags, -1, 0)
-        if addr in (None, _MAP_FAILED):
-            error = _os_error(f"allocating {size} bytes")
+        try:
+            addr = _anonymous(max(size, 1), mmap.MAP_PRIVATE, f"allocating {size} bytes")
+        except OSError as error:
             if error.errno == errno.ENOMEM:  # as any allocation says it (np.empty's)
-                raise MemoryError(str(error))
-            raise error
+                raise MemoryError(str(error)) from None
+            raise
         self.addr, self.size = addr, max(size, 1)
         self.pid = _pid[0]
         self.inherited = True
@@ -434,11 +432,18 @@ def map_shared(size: int) -> int:
     """The address of ``size`` bytes of anonymous memory shared with every child this
     process forks from now on (``MAP_SHARED``; ``MAP_NORESERVE``: a page is memory only
     once written), mapped for the process's life. Raises ``OSError``."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    return _anonymous(size, flags, f"mapping {size} bytes of shared memory")
+
+
+def _anonymous(size: int, flags: int, what: str) -> int:
+    """The address of ``size`` bytes of new anonymous read-write memory mapped with
+    ``flags`` (``MAP_PRIVATE`` or ``MAP_SHARED``, and more). Raises ``OSError`` saying
+    ``what`` failed."""
     prot = mmap.PROT_READ | mmap.PROT_WRITE
-    flags = mmap.MAP_SHARED | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
-    addr = _mmap(None, size, prot, flags, -1, 0)
+    addr = _mmap(None, size, prot, flags | mmap.MAP_ANONYMOUS, -1, 0)
     if addr in (None, _MAP_FAILED):
-        raise _os_error(f"mapping {size} bytes of shared memory")
+        raise _os_error(what)
     return int(addr)
 
 

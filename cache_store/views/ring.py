@@ -55,7 +55,7 @@ CAPACITY = 64 << 20
 WAIT_S = 2.0
 
 _FREE, _CLAIMED, _OPENED = 0, 1, 2
-_WORDS = 4  # state, version, writer pid, bytes written
+_WORDS = 3  # state, version, writer pid
 
 
 class BatchRing:
@@ -92,11 +92,9 @@ class BatchRing:
             self._give_up("its lock was not had in time (a process died holding it?)")
             return None
         words, me = self.words, os.getpid()
-        if self.mapped[0] != me:
-            self.mapped = (me, {})
         # the slots this process has written first (their pages are mapped here), then
         # the lowest: a worker forked for an epoch maps few slots (2 ms per 10 MB)
-        mapped = self.mapped[1]
+        mapped = self._mapped_here()
         order = [*mapped, *(slot for slot in range(self.slots) if slot not in mapped)]
         try:
             for slot in order:
@@ -105,7 +103,6 @@ class BatchRing:
                 if state == _FREE or (state == _CLAIMED and writer != me and not pid_alive(writer)):
                     words[at + 1] += 1
                     words[at + 2] = me
-                    words[at + 3] = size
                     words[at] = _CLAIMED
                     return slot, words[at + 1]
             return None
@@ -155,11 +152,15 @@ class BatchRing:
         w = self.words
         return [(w[i * _WORDS], w[i * _WORDS + 1], w[i * _WORDS + 2]) for i in range(self.slots)]
 
-    def _populate(self, slot: int, size: int, write: bool) -> None:
+    def _mapped_here(self) -> dict[int, int]:
+        """The slots this process has mapped (after a fork: none yet)."""
         pid = os.getpid()
         if self.mapped[0] != pid:
             self.mapped = (pid, {})
-        done = self.mapped[1]
+        return self.mapped[1]
+
+    def _populate(self, slot: int, size: int, write: bool) -> None:
+        done = self._mapped_here()
         if done.get(slot, 0) >= size:
             return
         done[slot] = size
